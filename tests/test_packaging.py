@@ -1,0 +1,35 @@
+"""The wheel ships the package, the exported modules, and the example configs (2.0 shipped them only in the sdist)."""
+import subprocess, sys, zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+def test_wheel_contents(tmp_path):
+    res = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    wheel, = tmp_path.glob('speedtronic-*.whl')
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for cfg in ['smoke.yaml', 'v2_smoke.yaml', 'diloco.yaml']:
+        assert f'speedtronic/configs/{cfg}' in names
+    assert 'speedtronic/examples/diloco_master.yaml' in names
+    assert 'speedtronic/config.py' in names and 'speedtronic/cli.py' in names
+    entry = next(n for n in names if n.endswith('entry_points.txt'))
+    assert 'speedtronic = speedtronic.cli:main' in zipfile.ZipFile(wheel).read(entry).decode()
+
+def test_installed_configs_are_readable():
+    from importlib.resources import files
+    text = files('speedtronic.configs').joinpath('smoke.yaml').read_text()
+    assert 'smoke' in text
+
+def test_readme_is_generated_from_index():
+    res = subprocess.run([sys.executable, 'tools/make_readme.py', '--check'], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / 'README.md').read_text()
+    lines = readme.splitlines()
+    first_two = [l for l in lines if l.startswith('bash tools/setup.sh')][:2]
+    assert first_two[0].endswith('speedtronic train --config configs/demo.yaml')
+    assert first_two[1] == 'bash tools/setup.sh dev && bash tools/test_all.sh'
+    assert first_two[1] in (ROOT / '.ci' / 'run').read_text()
