@@ -20,6 +20,9 @@ if [ "$before" != "$after" ]; then
   exit 1
 fi
 
+python tools/check_notebooks.py
+python tools/make_readme.py --check
+
 echo "== nbdev_test"
 start=$(date +%s)
 nbdev_test --n_workers 2 --timing
