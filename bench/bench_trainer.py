@@ -1,0 +1,186 @@
+"""Trainer overhead against a plain PyTorch loop: same model, same batches, same AdamW, accumulation and clipping.
+
+    python bench/bench_trainer.py                 # CPU fp32: alternating rounds + peak RSS of each loop
+    python bench/bench_trainer.py --rounds 5 --steps 30
+
+Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.97) and the peak resident
+memory of each loop measured in its own subprocess (target: trainer adds < 10%). Where CUDA is available it
+also compares bf16 autocast with and without torch.compile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from speedtronic.config import SpeedtronicConfig  # noqa: E402
+from speedtronic.precision import resolve_precision  # noqa: E402
+from speedtronic.profiling import MetricLogger  # noqa: E402
+from speedtronic.registry import build_model  # noqa: E402
+from speedtronic.trainer import Trainer  # noqa: E402
+
+MODEL = {"vocab_size": 256, "max_seq_len": 64, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 128, "d_ff": 256}
+MICRO, ACCUM, BLOCK, CLIP, LR = 8, 2, 64, 1.0, 1e-3
+
+
+def make_config(precision: str, compile_: bool) -> SpeedtronicConfig:
+    return SpeedtronicConfig.from_dict({
+        "model": MODEL, "data": {"block_size": BLOCK, "micro_batch_size": MICRO, "target_batch_size": MICRO * ACCUM},
+        "optimizer": {"lr": LR, "grad_clip": CLIP}, "precision": precision, "compile": compile_,
+        "checkpoint": {"enabled": False}, "shape_validation": {"enabled": False}}).validate()
+
+
+def make_batches(n: int, device: torch.device) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, MODEL["vocab_size"], (MICRO, BLOCK + 1), generator=g)
+        out.append({"input_ids": t[:, :-1].to(device), "labels": t[:, 1:].to(device)})
+    return out
+
+
+def make_model(device: torch.device):
+    torch.manual_seed(0)
+    model = build_model(MODEL).to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+class PlainLoop:
+    "What a careful user writes by hand: accumulate, clip, step, one loss read per step."
+    def __init__(self, device: torch.device, batches: list[dict], precision: str, compile_: bool):
+        self.device, self.batches, self.i = device, batches, 0
+        self.model, self.opt = make_model(device)
+        self.run_model = torch.compile(self.model) if compile_ else self.model
+        self.plan = resolve_precision(precision, device)
+
+    def steps(self, n: int) -> float:
+        losses = []
+        for _ in range(n):
+            total = torch.zeros((), device=self.device)
+            for _ in range(ACCUM):
+                batch = self.batches[self.i % len(self.batches)]; self.i += 1
+                with torch.autocast(self.device.type, dtype=self.plan.dtype, enabled=self.plan.autocast_enabled):
+                    loss = self.run_model(**batch)["loss"]
+                total += loss.detach()
+                (loss / ACCUM).backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            losses.append((total / ACCUM).item())
+        return losses[-1]
+
+
+class TrainerLoop:
+    def __init__(self, device: torch.device, batches: list[dict], precision: str, compile_: bool):
+        model, opt = make_model(device)
+        cfg = make_config(precision, compile_)
+        self.trainer = Trainer(model, opt, batches, device=device, config=cfg, logger=MetricLogger(stream=False),
+                               max_steps=1, shape_report=False)
+
+    def steps(self, n: int) -> float:
+        return self.trainer.fit(self.trainer.step + n).final_loss
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda": torch.cuda.synchronize(device)
+
+
+def compare(device: torch.device, precision: str, compile_: bool, rounds: int, steps: int, warmup: int) -> dict:
+    batches = make_batches(64, device)
+    loops = {"plain": PlainLoop(device, batches, precision, compile_),
+             "trainer": TrainerLoop(device, batches, precision, compile_)}
+    for loop in loops.values(): loop.steps(warmup)
+    tokens = steps * ACCUM * MICRO * BLOCK
+    rates = {name: [] for name in loops}
+    for r in range(rounds):
+        order = list(loops) if r % 2 == 0 else list(reversed(loops))  # alternate who goes first
+        for name in order:
+            sync(device); t0 = time.perf_counter()
+            loops[name].steps(steps)
+            sync(device); rates[name].append(tokens / (time.perf_counter() - t0))
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    return {"device": str(device), "precision": precision, "compile": compile_, "rounds": rounds, "steps": steps,
+            "plain_tok_s": med["plain"], "trainer_tok_s": med["trainer"], "ratio": med["trainer"] / med["plain"],
+            "per_round_ratio": [t / p for t, p in zip(rates["trainer"], rates["plain"])]}
+
+
+class _Tiny(torch.nn.Module):
+    "A model so small that a step is mostly loop overhead."
+    def __init__(self):
+        super().__init__(); self.lin = torch.nn.Linear(8, 1)
+    def forward(self, input_ids, labels): return {"loss": (self.lin(input_ids).squeeze(-1) - labels).pow(2).mean()}
+
+
+def loop_overhead_us(steps: int = 2000, rounds: int = 3) -> float:
+    "Extra microseconds per step of the Trainer over the plain loop, on a model that costs almost nothing."
+    batches = [{"input_ids": torch.randn(4, 8), "labels": torch.randn(4)} for _ in range(16)]
+    m1, m2 = _Tiny(), _Tiny()
+    o1, o2 = torch.optim.AdamW(m1.parameters()), torch.optim.AdamW(m2.parameters())
+    trainer = Trainer(m1, o1, batches, device="cpu", logger=MetricLogger(stream=False), max_steps=1)
+    def plain(n, i=[0]):
+        for _ in range(n):
+            b = batches[i[0] % len(batches)]; i[0] += 1
+            loss = m2(**b)["loss"]; loss.backward()
+            torch.nn.utils.clip_grad_norm_(m2.parameters(), CLIP); o2.step(); o2.zero_grad(set_to_none=True)
+            loss.item()
+    trainer.fit(10); plain(10)
+    diffs = []
+    for _ in range(rounds):
+        t0 = time.perf_counter(); trainer.fit(trainer.step + steps); tt = time.perf_counter() - t0
+        t0 = time.perf_counter(); plain(steps); tp = time.perf_counter() - t0
+        diffs.append((tt - tp) / steps * 1e6)
+    return statistics.median(diffs)
+
+
+def rss_child(mode: str, steps: int) -> None:
+    device = torch.device("cpu")
+    loop = (PlainLoop if mode == "plain" else TrainerLoop)(device, make_batches(64, device), "fp32", False)
+    loop.steps(steps)
+    print(json.dumps({"mode": mode, "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+
+
+def peak_rss(steps: int) -> dict:
+    out = {}
+    for mode in ("plain", "trainer"):
+        proc = subprocess.run([sys.executable, __file__, "--rss-child", mode, "--steps", str(steps)],
+                              capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["max_rss_kb"] / 1024
+    return {"plain_mb": out["plain"], "trainer_mb": out["trainer"], "increase": out["trainer"] / out["plain"] - 1}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rss-child", choices=("plain", "trainer"))
+    args = ap.parse_args(argv)
+    if args.rss_child: return rss_child(args.rss_child, args.steps)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cases = [(torch.device("cpu"), "fp32", False)]
+    if torch.cuda.is_available():
+        cases += [(torch.device("cuda"), "bf16", False), (torch.device("cuda"), "bf16", True)]
+    for device, precision, compile_ in cases:
+        r = compare(device, precision, compile_, args.rounds, args.steps, args.warmup)
+        print(f"{r['device']:5} {r['precision']} compile={str(r['compile']):5}  plain {r['plain_tok_s']:9.0f} tok/s  "
+              f"trainer {r['trainer_tok_s']:9.0f} tok/s  ratio {r['ratio']:.3f}  "
+              f"(rounds: {', '.join(f'{x:.3f}' for x in r['per_round_ratio'])})")
+    print(f"loop overhead (tiny model, CPU): trainer adds {loop_overhead_us():.0f} us per step over the plain loop")
+    m = peak_rss(args.steps)
+    print(f"peak RSS (CPU, own process): plain {m['plain_mb']:.1f} MB  trainer {m['trainer_mb']:.1f} MB  "
+          f"(+{100 * m['increase']:.1f}%)")
+
+
+if __name__ == "__main__":
+    main()

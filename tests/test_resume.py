@@ -1,0 +1,162 @@
+"""Kill a real training process at a random point, resume it, and get bit-identical results (C1, C6, C7)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from speedtronic.checkpoint import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 60
+WORDS = ("the model reads a stream of text and learns which byte tends to follow which one while the "
+         "optimizer moves every weight a little after each batch so that the loss falls").split()
+
+
+def corpus(path: Path) -> Path:
+    rng = random.Random(0)
+    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(400)) + "\n")
+    return path
+
+
+def write_config(tmp: Path, name: str, *, workers: int, text: bool, every: int, max_steps: int = STEPS) -> Path:
+    data = {"micro_batch_size": 2, "target_batch_size": 4, "num_workers": workers, "block_size": 16}
+    if text: data.update(text_path=str(corpus(tmp / "corpus.txt")))
+    else: data.update(synthetic=True, num_tokens=40, shuffle=True)
+    raw = {"run": {"name": name, "seed": 7, "max_steps": max_steps, "output_dir": str(tmp / name)},
+           "model": {"vocab_size": 128, "max_seq_len": 16, "n_layer": 1, "n_head": 4, "n_kv_head": 2,
+                     "d_model": 32, "d_ff": 64, "dropout": 0.1},
+           "data": data,
+           "optimizer": {"lr": 3e-3, "weight_decay": 0.01, "grad_clip": 1.0},
+           "scheduler": {"warmup_steps": 3},
+           "precision": {"mode": "fp32"},
+           "checkpoint": {"every_steps": every, "keep_last": None},
+           "logging": {"json_file": str(tmp / f"{name}.jsonl"), "every_steps": 1, "progress": False,
+                       "loss_plot": False}}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def start(cfg: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu",
+                             *extra], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> None:
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+
+
+def records(jsonl: Path, event: str = "train_step") -> list[dict]:
+    if not jsonl.exists(): return []
+    out = []
+    for line in jsonl.read_text().splitlines():
+        try: rec = json.loads(line)
+        except json.JSONDecodeError: continue  # a line cut by kill -9
+        if rec.get("event") == event: out.append(rec)
+    return out
+
+
+def kill_at(proc: subprocess.Popen, jsonl: Path, step: int, sig: int = signal.SIGKILL, timeout: float = 120) -> int:
+    "Send `sig` once the JSONL shows `step`; returns the newest step seen at that moment."
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = [r["step"] for r in records(jsonl)]
+        if seen and max(seen) >= step:
+            proc.send_signal(sig)
+            return max(seen)
+        if proc.poll() is not None: pytest.fail(f"the run ended before step {step}: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.003)
+    proc.kill()
+    pytest.fail(f"step {step} never appeared in {jsonl}")
+
+
+def final_model(out: Path) -> dict:
+    return load_checkpoint(out / "checkpoints" / f"step_{STEPS:012d}.pt")["model"]
+
+
+def losses_by_step(jsonl: Path) -> dict[int, list[float]]:
+    by = {}
+    for r in records(jsonl): by.setdefault(r["step"], []).append(r["loss"])
+    return by
+
+
+VARIANTS = [pytest.param(w, t, e, id=f"{'text' if t else 'synthetic'}-workers{w}-every{e}")
+            for (w, t, e) in [(0, True, 1), (2, True, 2), (0, False, 2), (2, False, 1)]]
+_REFERENCE: dict = {}
+
+
+def reference(tmp_path_factory, workers: int, text: bool) -> tuple[dict[int, float], dict]:
+    key = (workers, text)
+    if key not in _REFERENCE:
+        tmp = tmp_path_factory.mktemp(f"ref-{workers}-{text}")
+        cfg = write_config(tmp, "ref", workers=workers, text=text, every=STEPS)
+        finish(start(cfg))
+        losses = {s: v[-1] for s, v in losses_by_step(tmp / "ref.jsonl").items()}
+        assert sorted(losses) == list(range(1, STEPS + 1))
+        _REFERENCE[key] = (losses, final_model(tmp / "ref"))
+    return _REFERENCE[key]
+
+
+def assert_same_run(jsonl: Path, out: Path, ref_losses: dict[int, float], ref_model: dict) -> None:
+    got = losses_by_step(jsonl)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, values in got.items():  # every record, from the killed process and the resumed one
+        assert all(v == ref_losses[step] for v in values), (step, values, ref_losses[step])
+    model = final_model(out)
+    assert model.keys() == ref_model.keys()
+    for name, tensor in ref_model.items():
+        assert torch.equal(model[name], tensor), name
+
+
+@pytest.mark.parametrize("workers,text,every", VARIANTS)
+def test_kill9_and_resume_is_bit_identical(tmp_path, tmp_path_factory, workers, text, every):
+    ref_losses, ref_model = reference(tmp_path_factory, workers, text)
+    cfg = write_config(tmp_path, "run", workers=workers, text=text, every=every)
+    jsonl = tmp_path / "run.jsonl"
+    proc = start(cfg)
+    kill_at(proc, jsonl, random.Random(f"{workers}{text}{every}").randint(2, 20))
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert not records(jsonl, "train_end")
+    finish(start(cfg, "--resume"))
+    assert_same_run(jsonl, tmp_path / "run", ref_losses, ref_model)
+
+
+def test_truncated_newest_checkpoint_falls_back_and_still_matches(tmp_path, tmp_path_factory):
+    ref_losses, ref_model = reference(tmp_path_factory, 0, False)
+    cfg = write_config(tmp_path, "run", workers=0, text=False, every=1)
+    jsonl = tmp_path / "run.jsonl"
+    proc = start(cfg)
+    kill_at(proc, jsonl, 8)
+    proc.wait(timeout=60)
+    ck = tmp_path / "run" / "checkpoints"
+    newest = max(ck.glob("step_*.pt"))
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    finish(start(cfg, "--resume"))
+    assert_same_run(jsonl, tmp_path / "run", ref_losses, ref_model)
+
+
+def test_sigterm_saves_the_last_completed_step(tmp_path):
+    cfg = write_config(tmp_path, "run", workers=0, text=False, every=100_000, max_steps=100_000)
+    jsonl = tmp_path / "run.jsonl"
+    proc = start(cfg)
+    kill_at(proc, jsonl, 5, sig=signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in err, err[-2000:]
+    last = max(r["step"] for r in records(jsonl))
+    pointer = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    assert pointer["step"] == last >= 5
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / pointer["file"])
+    assert state["step"] == last and state["data"] is not None and state["rng"]

@@ -1,0 +1,190 @@
+"""Trainer behaviour on the real reference model and default optimizer (spec §7)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.optimizers import build_optimizer
+from speedtronic.profiling import MetricLogger
+from speedtronic.registry import build_model
+from speedtronic.trainer import Trainer, TrainResult, resolve_loss
+
+TINY = {"model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 2, "n_head": 4, "n_kv_head": 2,
+                  "d_model": 32, "d_ff": 64},
+        "data": {"block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+        "precision": "fp32", "checkpoint": {"enabled": False}}
+
+
+def config(**over) -> SpeedtronicConfig:
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in TINY.items()}
+    for section, values in over.items():
+        raw.setdefault(section, {}).update(values) if isinstance(values, dict) else raw.__setitem__(section, values)
+    return SpeedtronicConfig.from_dict(raw).validate()
+
+
+def token_batches(n: int, bs: int, seed: int = 0, T: int = 16, V: int = 64) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.randint(0, V, (bs, T + 1), generator=g)
+        out.append({"input_ids": t[:, :-1], "labels": t[:, 1:]})
+    return out
+
+
+def quiet(**kw) -> MetricLogger:
+    return MetricLogger(stream=False, **kw)
+
+
+def make(cfg: SpeedtronicConfig, data, **kw) -> Trainer:
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    opt = build_optimizer(model, cfg, torch.device("cpu"))
+    return Trainer(model, opt, data, device="cpu", config=cfg, logger=quiet(), **kw)
+
+
+def test_every_trainable_parameter_changes_after_one_step():
+    cfg = config()
+    t = make(cfg, token_batches(2, 2), max_steps=1)
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+    assert before, "the reference model has trainable parameters"
+    t.fit()
+    unchanged = [n for n, p in t.model.named_parameters() if p.requires_grad and torch.equal(p, before[n])]
+    assert unchanged == []
+
+
+def test_accumulation_equals_one_big_batch():
+    small = token_batches(4, 2)
+    big = [{k: torch.cat([small[i][k], small[i + 1][k]]) for k in small[0]} for i in (0, 2)]
+    ta = make(config(data={"micro_batch_size": 2, "target_batch_size": 4}), small, max_steps=2)
+    tb = make(config(data={"micro_batch_size": 4, "target_batch_size": 4}), big, max_steps=2)
+    assert ta.accumulation_steps == 2 and tb.accumulation_steps == 1
+    ra, rb = ta.fit(), tb.fit()
+    for (n, pa), (_, pb) in zip(ta.model.named_parameters(), tb.model.named_parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-5, msg=n)
+    assert ra.samples == rb.samples == 8 and ra.tokens == rb.tokens == 128
+    assert [m["micro_batches"] for m in ra.metrics] == [2, 2]
+    assert ra.metrics[0]["loss"] == pytest.approx(rb.metrics[0]["loss"], rel=1e-5)
+
+
+def test_gradient_clipping_bounds_the_update():
+    cfg = config(optimizer={"grad_clip": 1e-6, "lr": 1.0, "weight_decay": 0.0})
+    t = make(cfg, token_batches(1, 2), max_steps=1)
+    t.optimizer = torch.optim.SGD(t.model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    t.fit()
+    moved = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(t.model.parameters(), before)))
+    assert 0 < moved.item() <= 1e-6 * 1.01
+
+
+LOGITS = torch.randn(2, 5, 7)
+LABELS = torch.randint(0, 7, (2, 5))
+CE_FULL = F.cross_entropy(LOGITS.reshape(-1, 7), LABELS.reshape(-1)).item()
+CE_SHORT = F.cross_entropy(LOGITS[:, :-1].reshape(-1, 7), LABELS[:, 1:].reshape(-1)).item()
+DICT = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": LABELS}
+
+
+@pytest.mark.parametrize("output,batch,expected", [
+    ({"loss": torch.tensor(1.5), "logits": LOGITS}, DICT, 1.5),                        # mapping with loss
+    ({"logits": LOGITS}, DICT, CE_FULL),                                               # same-length labels
+    ({"logits": LOGITS}, {**DICT, "labels": LABELS[:, 1:]}, CE_SHORT),                 # T-1 labels
+    (torch.tensor([1.0, 2.0, 3.0]), DICT, 2.0),                                        # tensor, mean-reduced
+    (torch.full((2, 5, 7), 0.5), DICT, 0.5),                                           # 3-D tensor is a loss
+    ((LOGITS, "aux"), (DICT["input_ids"], LABELS), CE_FULL),                           # tuple of causal logits
+    ((torch.tensor(4.0), LOGITS), DICT, 4.0),                                          # tuple with scalar first
+    ((torch.full((2, 5, 7), 2.0),), (DICT["input_ids"], LABELS[:, :2]), 2.0),          # incompatible labels
+])
+def test_loss_resolution_table(output, batch, expected):
+    assert resolve_loss(output, batch).item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("output,error,text", [
+    ({"logits": torch.ones(2, 5)}, ValueError, "needs a 'loss'"),
+    ({"hidden": torch.ones(2)}, ValueError, "needs a 'loss'"),
+    (("not a tensor",), ValueError, "must be a tensor"),
+    ((), TypeError, "cannot take a loss"),
+    (None, TypeError, "cannot take a loss"),
+])
+def test_loss_resolution_errors(output, error, text):
+    with pytest.raises(error, match=text):
+        resolve_loss(output, DICT)
+
+
+def test_all_ignored_labels_give_a_differentiable_zero():
+    logits = torch.randn(1, 3, 4, requires_grad=True)
+    loss = resolve_loss({"logits": logits}, {"labels": torch.full((1, 3), -100)})
+    loss.backward()
+    assert loss.item() == 0.0 and logits.grad is not None
+
+
+class Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 1), 0
+
+    def forward(self, x, y):
+        self.calls += 1
+        raise ValueError("a bug inside the model")
+
+
+def test_model_error_under_compile_propagates_and_runs_once():
+    model = Raises()
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.ones(2, 4), torch.ones(2))],
+                device="cpu", logger=quiet(), max_steps=1)
+    t.compiled_model = torch.compile(model, backend="eager")
+    with pytest.raises(ValueError, match="a bug inside the model"):
+        t.fit()
+    assert model.calls == 1
+    assert t.compiled_model is not None  # not disabled: nothing was wrong with compilation
+
+
+def test_compile_failure_falls_back_to_eager_once():
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("backend cannot compile this")
+    model = nn.Sequential(nn.Linear(4, 1))
+    data = [(torch.ones(2, 4), torch.ones(2))]
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__(); self.inner = model
+        def forward(self, x, y): return F.mse_loss(self.inner(x).squeeze(-1), y)
+    w = Wrap()
+    events = []
+    logger = quiet(hooks=[lambda e, p: events.append((e, p))])
+    t = Trainer(w, torch.optim.SGD(w.parameters(), lr=0.1), data, device="cpu", logger=logger, max_steps=3)
+    t.compiled_model = torch.compile(w, backend=failing_backend)
+    result = t.fit()
+    logger.close()
+    assert result.steps == 3 and t.compiled_model is None
+    compile_events = [p for e, p in events if e == "compile"]
+    assert len(compile_events) == 1 and compile_events[0]["enabled"] is False
+    assert "backend cannot compile this" in compile_events[0]["reason"]
+
+
+def test_metrics_history_is_bounded_and_keeps_the_newest():
+    cfg = config(logging={"metrics_history": 4})
+    t = make(cfg, token_batches(3, 2), max_steps=12)
+    result = t.fit()
+    assert isinstance(result, TrainResult)
+    assert [m["step"] for m in result.metrics] == [9, 10, 11, 12]
+    assert result.final_loss == result.metrics[-1]["loss"]
+
+
+def test_unbounded_history_when_null():
+    t = make(config(logging={"metrics_history": None}), token_batches(3, 2), max_steps=5)
+    assert len(t.fit().metrics) == 5
+
+
+def test_logged_lr_is_the_rate_of_the_update():
+    from speedtronic.schedules import build_scheduler
+    cfg = config(scheduler={"name": "cosine", "warmup_steps": 1, "max_steps": 4, "min_lr_ratio": 0.1},
+                 optimizer={"lr": 3e-4})
+    t = make(cfg, token_batches(2, 2), max_steps=4)
+    t.scheduler = build_scheduler(t.optimizer, cfg, max_steps=4)
+    lrs = [m["lr"] for m in t.fit().metrics]
+    # the first update runs at the warmed-up base rate; the last at the cosine floor region
+    assert lrs[0] == pytest.approx(3e-4)
+    assert lrs == sorted(lrs, reverse=True)
