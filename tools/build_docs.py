@@ -25,11 +25,29 @@ def process_notebooks(n_workers: int = 2) -> Path:
     nbdev_sidebar.__wrapped__(path=ROOT / 'nbs')
     return proc_nbs(ROOT / 'nbs', n_workers=n_workers, force=True)
 
+def notebook_title(nb_path: Path) -> str:
+    "The notebook's `# Title` (its first markdown heading), else its file name."
+    import nbformat
+    for cell in nbformat.read(nb_path, as_version=4).cells:
+        if cell.cell_type == 'markdown' and cell.source.startswith('# '):
+            return cell.source.splitlines()[0][2:].strip().strip('`')
+    return nb_path.stem
+
+def site_config() -> Path:
+    "`mkdocs.yml` plus a navigation in reading order with each notebook's title; written to `_mkdocs.yml`."
+    import yaml
+    cfg = yaml.safe_load((ROOT / 'mkdocs.yml').read_text())
+    nbs = sorted((ROOT / 'nbs').glob('*.ipynb'), key=lambda p: (p.stem != 'index', p.stem))
+    cfg['nav'] = [{('Home' if p.stem == 'index' else notebook_title(p)): p.name} for p in nbs]
+    out = ROOT / '_mkdocs.yml'
+    out.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return out
+
 def render_site() -> Path:
     "Render `_proc/` to `docs/` with MkDocs."
     site = ROOT / 'docs'
     if site.exists(): shutil.rmtree(site)
-    subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--quiet', '--config-file', str(ROOT / 'mkdocs.yml')],
+    subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--quiet', '--config-file', str(site_config())],
                    cwd=ROOT, check=True)
     return site
 

@@ -3,6 +3,8 @@
 - A non-exported code cell that imports something must do nothing else: nbdev's docs processing
   executes every cell containing an import, so a test cell with an import in it would run (and fail)
   during the docs build.
+- The first cell holds only the `# Title` and an optional `> description`: nbdev turns that cell into
+  the page's front matter and drops anything else in it from the docs.
 """
 import ast, sys
 from pathlib import Path
@@ -27,11 +29,22 @@ def mixed_import_cells(nb_path: Path) -> list[int]:
             bad.append(i)
     return bad
 
+def title_cell_problem(nb_path: Path) -> str | None:
+    "Why the first cell is not a bare title cell, or None."
+    cells = nbformat.read(nb_path, as_version=4).cells
+    if not cells or cells[0].cell_type != 'markdown' or not cells[0].source.startswith('# '):
+        return 'the first cell must be a markdown `# Title` cell'
+    extra = [l for l in cells[0].source.splitlines()[1:] if l.strip() and not l.startswith('>')]
+    if extra: return 'the title cell holds more than `# Title` and `> description` (nbdev drops it from the docs)'
+    return None
+
 def main() -> int:
-    problems = {p.name: mixed_import_cells(p) for p in sorted((ROOT / 'nbs').glob('*.ipynb'))}
-    problems = {k: v for k, v in problems.items() if v}
-    for name, cells in problems.items():
-        print(f'{name}: cells {cells} mix imports with other code (put imports in a cell of their own)')
-    return 1 if problems else 0
+    failed = False
+    for p in sorted((ROOT / 'nbs').glob('*.ipynb')):
+        if cells := mixed_import_cells(p):
+            print(f'{p.name}: cells {cells} mix imports with other code (put imports in a cell of their own)'); failed = True
+        if why := title_cell_problem(p):
+            print(f'{p.name}: {why}'); failed = True
+    return 1 if failed else 0
 
 if __name__ == '__main__': sys.exit(main())
