@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -17,7 +17,8 @@ from .precision import supports_fused_adamw
 # %% auto #0
 __all__ = ['WEIGHT_DECAY_MODES', 'FUSED_ERRORS', 'build_v2_optimizer', 'HEAD_NAMES', 'trainable_parameters',
            'weight_decay_groups', 'resolve_fused', 'construct_adamw', 'OptimizerNotAvailable',
-           'check_optimizer_available', 'adamw_settings', 'build_optimizer', 'ParameterRouting', 'route_parameters']
+           'check_optimizer_available', 'adamw_settings', 'build_optimizer', 'ParameterRouting', 'route_parameters',
+           'v2_adamw_parameters', 'load_optimizer_state']
 
 # %% ../nbs/05_optimizers.ipynb #82018b22
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -178,3 +179,37 @@ def route_parameters(model: nn.Module) -> ParameterRouting:
             elif _wants_muon(module, pname, full, p): routing.muon.append((full, p))
             else: routing.adamw.append((full, p))
     return routing
+
+# %% ../nbs/05_optimizers.ipynb #0f00d514
+def v2_adamw_parameters(model: nn.Module) -> list[nn.Parameter]:
+    "The parameters, in order, that 2.0's default AdamW was built over for `model` (spec §6.1 step 4)."
+    routed = [p for _, p in route_parameters(model).adamw]
+    return routed or [p for _, p in trainable_parameters(model)]
+
+def _moments_fit(saved: Mapping, p: nn.Parameter) -> bool:
+    return all(v.shape == p.shape for k, v in saved.items() if isinstance(v, torch.Tensor) and k != "step")
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping, model: nn.Module) -> str | None:
+    "Load `state` into `optimizer`; a 2.0 AdamW state is mapped onto our groups. Returns a note when converted."
+    try:
+        optimizer.load_state_dict(state); return None
+    except (ValueError, KeyError) as exc: reason = str(exc)
+    saved_ids = [i for g in state.get("param_groups", []) for i in g.get("params", [])]
+    old = v2_adamw_parameters(model)
+    if len(saved_ids) != len(old):
+        raise ValueError(f"the checkpoint's optimizer state does not fit this optimizer ({reason}; it holds "
+                         f"{len(saved_ids)} parameters, this model has {len(old)} in 2.0's AdamW list): "
+                         "resume with the optimizer and model the checkpoint was written with")
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    moments = {}
+    for sid, p in zip(saved_ids, old):
+        saved = state.get("state", {}).get(sid)
+        if saved is None: continue
+        if not _moments_fit(saved, p):
+            raise ValueError(f"the checkpoint's optimizer state for a parameter of shape {tuple(p.shape)} has other shapes: "
+                             "resume with the model the checkpoint was written with")
+        moments[index[id(p)]] = saved
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({**current, "state": moments})
+    return (f"optimizer state written by 2.0 ({len(saved_ids)} parameters in one group) mapped onto "
+            f"{len(index)} parameters: {len(moments)} keep their moments, the rest start fresh")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointManager
-from .config import ConfigError, SpeedtronicConfig, explicit_fields
+from .config import ConfigError, SpeedtronicConfig
 from .data import build_dataloader
 from .optimizers import build_optimizer
 from .precision import resolve_device, resolve_precision
@@ -30,9 +30,9 @@ from .trainer import Trainer, TrainResult, TrainingInterrupted
 
 # %% auto #0
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'config_hooks', 'build_logger', 'close_logger',
-           'demo_corpus_text', 'ensure_demo_corpus', 'effective_target', 'schedule_horizon', 'load_runtime_config',
-           'checkpoint_directory', 'build_runtime', 'model_vocab_size', 'sigterm_stops', 'train_from_config',
-           'write_loss_plot', 'check_runnable']
+           'demo_corpus_text', 'ensure_demo_corpus', 'effective_target', 'load_runtime_config', 'checkpoint_directory',
+           'build_runtime', 'model_vocab_size', 'sigterm_stops', 'train_from_config', 'write_loss_plot',
+           'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -116,10 +116,6 @@ def effective_target(config: SpeedtronicConfig, max_steps: int | None = None) ->
     "The trainer's absolute target: `max_steps` > `data.max_steps` > `run.max_steps`."
     return int(max_steps) if max_steps is not None else int(config.data.max_steps or config.run.max_steps)
 
-def schedule_horizon(config: SpeedtronicConfig, target: int) -> int | None:
-    "The horizon to give `build_scheduler`: `target`, or `None` to keep an explicit `scheduler.max_steps`."
-    return None if "max_steps" in explicit_fields(config.scheduler) else target
-
 # %% ../nbs/13_runtime.ipynb #5decef8d
 def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> SpeedtronicConfig:
     "A validated `SpeedtronicConfig` from a config object or a plain mapping."
@@ -163,7 +159,7 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
         report = validate_startup_shapes(config, model, dev, plan, logger=logger)
         optimizer = build_optimizer(model, config, dev, logger=logger)
         target = effective_target(config, max_steps)
-        scheduler = build_scheduler(optimizer, config, max_steps=schedule_horizon(config, target))
+        scheduler = build_scheduler(optimizer, config, max_steps=target)
         coordinator = _coordinator(config, model, logger)
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
                           logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,

@@ -103,7 +103,12 @@ class ScheduledLR(LambdaLR):
 
     def load_state_dict(self, state_dict: dict) -> None:
         "Restore the position and set each group's rate for it; the schedule stays the one this run resolved."
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "speedtronic_schedule"})
+        state = {k: v for k, v in state_dict.items() if k != "speedtronic_schedule"}
+        if len(state.get("base_lrs", self.base_lrs)) != len(self.base_lrs):
+            # written for other parameter groups (2.0's single AdamW group): keep the position only
+            state = {k: v for k, v in state.items() if k not in ("base_lrs", "_last_lr")}
+            state["lr_lambdas"] = [None] * len(self.base_lrs)
+        super().load_state_dict(state)
         factor = self.speedtronic_schedule.multiplier(self.last_epoch)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs): group["lr"] = base * factor
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]

@@ -23,6 +23,7 @@ from torch import nn
 from .checkpoint import capture_rng_state, check_compatible, restore_rng_state
 from .config import SpeedtronicConfig
 from .data import infinite_batches
+from .optimizers import load_optimizer_state
 from .precision import autocast_context, make_grad_scaler, resolve_precision
 from .profiling import MetricLogger
 
@@ -317,7 +318,9 @@ def _resume(self: Trainer, state: Mapping[str, Any]) -> None:
     "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state`."
     check_compatible(state, model=self.model, config=self.config)
     self.model.load_state_dict(state["model"])
-    if state.get("optimizer") is not None: self.optimizer.load_state_dict(state["optimizer"])
+    if state.get("optimizer") is not None:
+        note = load_optimizer_state(self.optimizer, state["optimizer"], self.model)
+        if note: self.logger.warning("resume: %s", note)
     if self.scheduler is not None and state.get("scheduler") is not None: self.scheduler.load_state_dict(state["scheduler"])
     self.step, self.samples = int(state.get("step", 0)), int(state.get("samples", 0))
     self._tokens, self._pending = int(state.get("tokens", 0)), []
