@@ -652,16 +652,20 @@ def _unknown(section: str, keys: Iterable[Any], valid: Iterable[str]) -> list[st
     return out
 
 # %% ../nbs/00_config.ipynb #71cfc816
+def _as_mapping(value: Any, cls: type) -> dict | None:
+    "A section given as `None`, a `cls` instance or a mapping, as a plain dict; `None` for anything else."
+    if value is None: return {}
+    if isinstance(value, cls): return _section_dict(value)
+    if isinstance(value, Mapping): return dict(value)
+    return None
+
 def _apply_run_aliases(root: dict, problems: list[str]):
     "Move root `name`, `seed`, ... into `run` (a root alias wins over the same key inside `run`)."
     aliases = {k: root.pop(k) for k in _RUN_ALIASES if k in root}
     if not aliases: return
-    run = root.get("run")
-    if run is None: run = {}
-    elif isinstance(run, RunConfig): run = _section_dict(run)
-    elif isinstance(run, Mapping): run = dict(run)
-    else:
-        problems.append(f"run: must be a mapping, got {_show(run)}")
+    run = _as_mapping(root.get("run"), RunConfig)
+    if run is None:
+        problems.append(f"run: must be a mapping, got {_show(root.get('run'))}")
         run = {}
     root["run"] = {**run, **aliases}
 
@@ -672,12 +676,9 @@ def _apply_optimizer_aliases(root: dict, problems: list[str]):
     if isinstance(root.get("optimizer"), str): root["optimizer"] = {"name": root["optimizer"]}
     flags = {k: root.pop(k) for k in _OPTIMIZER_FLAGS if k in root}
     if not flags: return
-    opt = root.get("optimizer")
-    if opt is None: opt = {}
-    elif isinstance(opt, OptimizerConfig): opt = _section_dict(opt)
-    elif isinstance(opt, Mapping): opt = dict(opt)
-    else:
-        problems.append(f"optimizer: must be a mapping or an optimizer name string, got {_show(opt)}")
+    opt = _as_mapping(root.get("optimizer"), OptimizerConfig)
+    if opt is None:
+        problems.append(f"optimizer: must be a mapping or an optimizer name string, got {_show(root.get('optimizer'))}")
         return
     for k, v in flags.items():
         if k in opt and not (type(opt[k]) is type(v) and opt[k] == v):

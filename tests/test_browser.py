@@ -52,6 +52,14 @@ NOTEBOOK = {
          'source': 'from speedtronic.precision import precision_explorer\nview = precision_explorer()\nview'},
         {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
          'source': 'from speedtronic.schedules import schedule_explorer\nschedule_explorer()'},
+        {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
+         'source': 'from speedtronic.runtime import train_from_config\n'
+                   'cfg = {"run": {"max_steps": 6, "output_dir": "tiny-run"}, "checkpoint": {"enabled": False},\n'
+                   '       "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
+                   '       "data": {"num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2},\n'
+                   '       "logging": {"level": "WARNING", "progress": "auto", "loss_plot": False}}\n'
+                   'result = train_from_config(cfg, device="cpu")\n'
+                   'print("finished at", result.steps)'},
     ],
     'metadata': {'kernelspec': {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}},
     'nbformat': 4, 'nbformat_minor': 5,
@@ -103,5 +111,10 @@ def test_widgets_work_in_jupyterlab(browser, jupyterlab, tmp_path):
     kind = page.locator('.widget-dropdown select').nth(3)
     kind.select_option('constant')
     page.wait_for_function(f"document.querySelector('.widget-image').getAttribute('src') !== {json.dumps(before)}", timeout=30_000)
-    page.screenshot(path=str(tmp_path / 'lab.png'))
+    # a training run in the notebook shows one progress line, updated in place, ending at the target
+    page.wait_for_function("[...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('finished at 6'))",
+                           timeout=120_000)
+    bars = [t for t in page.locator('.jp-OutputArea-output').all_inner_texts() if 'step ' in t and 'tok/s' in t]
+    assert len(bars) == 1 and 'step 6/6' in bars[0] and '100%' in bars[0], bars
+    page.screenshot(path=str(tmp_path / 'lab.png'), full_page=True)
     page.close()
