@@ -224,7 +224,7 @@ def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLik
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError:
-        msg = "matplotlib is not installed; skipping loss_curve.png (pip install matplotlib)"
+        msg = "matplotlib is not installed; skipping loss_curve.png (pip install 'speedtronic[plot]')"
         if logger is not None: logger.info(msg)
         return None
     points = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install Speedtronic into ./.venv (created when missing).
-#   bash tools/setup.sh        runtime only
+#   bash tools/setup.sh        runtime + matplotlib (the demo writes a loss curve)
 #   bash tools/setup.sh dev    + notebook, test, docs and logging tools
 # When the environment has no torch yet, torch==2.13.0 is installed first: on this project's
 # machines that is a local CPU wheel, and it keeps pip from pulling a multi-GB CUDA build for
@@ -16,6 +16,6 @@ fi
 if [ "${1:-}" = "dev" ]; then
   $py -m pip install -q -e ".[dev,logging]"
 else
-  $py -m pip install -q -e .
+  $py -m pip install -q -e ".[plot]"
 fi
 echo "speedtronic installed in .venv ($($py -c 'import speedtronic; print(speedtronic.__version__)'))"
