@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_checkable
@@ -262,6 +263,7 @@ class TextSinks:
         self.level, self.stream = level, stream
         self.file = LineFile(file, "logging.file") if file else None
         self._lock = threading.Lock()
+        self.guard: Callable[[], Any] | None = None  # a context manager around console writes (a progress bar's `cleared`)
     def console(self) -> Any:
         "The console: None = `sys.stdout` now (so redirection works), False = off, else the object."
         if self.stream is False: return None
@@ -272,7 +274,9 @@ class TextSinks:
         line, console = text_line(level, message), self.console()
         with self._lock:
             if console is not None:
-                try: console.write(line + "\n"); console.flush()
+                try:
+                    with (self.guard() if self.guard is not None else nullcontext()):
+                        console.write(line + "\n"); console.flush()
                 except (ValueError, OSError): pass  # a closed console must not stop training
             if self.file is not None and self.file.fd is not None: self.file.write_line(line)
     def close(self) -> None:
@@ -366,6 +370,10 @@ class MetricLogger:
     def flush(self, timeout: float | None = None) -> bool:
         "Wait until hooks have seen every event emitted so far; False if `timeout` passed first."
         return self._hooks.flush(timeout)
+
+    def guard_console(self, guard: Callable[[], Any] | None) -> None:
+        "Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above the bar)."
+        self._text.guard = guard
 
     def close(self, timeout: float | None = 30.0) -> None:
         "Wait for hooks, stop the hook thread, close hooks with `close()`, then the files (idempotent)."

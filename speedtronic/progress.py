@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 # %% auto #0
 __all__ = ['format_duration', 'format_rate', 'format_progress', 'in_notebook', 'is_tty', 'resolve_progress', 'ProgressBar']
@@ -90,7 +92,8 @@ class ProgressBar:
         self.enabled = resolve_progress(enabled, self._stream(), self.notebook)
         self.start_step, self.target, self.step = 0, total, 0
         self.loss = self.tokens_per_sec = self._t0 = self._handle = None
-        self._last, self._width, self._open, self.renders = -math.inf, 0, False, 0
+        self._last, self._width, self._open, self.renders, self._text = -math.inf, 0, False, 0, ""
+        self._lock = threading.RLock()  # the hook thread draws; the training thread may print around the bar
 
     def _stream(self) -> Any: return sys.stderr if self.stream is None else self.stream
 
@@ -130,15 +133,30 @@ class ProgressBar:
             if self._handle is None: self._handle = display({"text/plain": text}, raw=True, display_id=True)
             else: self._handle.update({"text/plain": text}, raw=True)
             return
-        stream = self._stream()
-        stream.write("\r" + text + " " * max(0, self._width - len(text)))
-        stream.flush()
-        self._width, self._open = len(text), True
+        with self._lock:
+            stream = self._stream()
+            stream.write("\r" + text + " " * max(0, self._width - len(text)))
+            stream.flush()
+            self._width, self._open, self._text = len(text), True, text
+
+    @contextmanager
+    def cleared(self) -> Iterator[None]:
+        "Take the terminal line down while something else prints to the terminal, then draw it again."
+        with self._lock:
+            if not self._open:
+                yield
+                return
+            stream = self._stream()
+            stream.write("\r" + " " * self._width + "\r"); stream.flush()
+            try: yield
+            finally:
+                stream.write("\r" + self._text); stream.flush()
 
     def close(self) -> None:
         "End the terminal line (idempotent)."
-        if self._open:
-            stream = self._stream()
-            stream.write("\n"); stream.flush()
-            self._open = False
+        with self._lock:
+            if self._open:
+                stream = self._stream()
+                stream.write("\n"); stream.flush()
+                self._open = False
         self._handle = None

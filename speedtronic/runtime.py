@@ -64,7 +64,9 @@ def build_logger(config: SpeedtronicConfig) -> MetricLogger:
     try:
         logger.hooks.extend(config_hooks(lg))
         bar = ProgressBar(enabled=getattr(lg, "progress", "auto"))
-        if bar.enabled: logger.hooks.append(bar)
+        if bar.enabled:
+            logger.hooks.append(bar)
+            if not bar.notebook: logger.guard_console(bar.cleared)  # log lines print above the bar
     except BaseException:
         close_logger(logger)
         raise
