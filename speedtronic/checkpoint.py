@@ -11,6 +11,7 @@ import pickle
 import random
 import re
 import shutil
+import tempfile
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping
@@ -209,23 +210,24 @@ def _plain(value):
     return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 # %% ../nbs/07_checkpoint.ipynb #7fc6ff8e
-def compatibility_problems(state: Mapping, *, model: torch.nn.Module, config=None) -> list[str]:
-    "Every way checkpoint `state` does not fit `model` (and `config`'s `model.*` values)."
+def compatibility_problems(state: Mapping, *, model: torch.nn.Module, config=None,
+                           limit: int = 8,  # most tensor-shape differences listed one by one
+                          ) -> list[str]:
+    "Every way checkpoint `state` does not fit `model`: `model.*` config differences first, then keys and shapes."
     saved = state.get("model") if isinstance(state, Mapping) else None
     if not isinstance(saved, Mapping): return ["the checkpoint has no 'model' state dictionary"]
     current = model.state_dict()
-    problems = []
+    old, new = _model_section(state.get("config")), _model_section(config)
+    problems = [f"model.{key}: saved {old[key]!r} vs current {new[key]!r}" for key in new  # the cause first
+                if key not in _RUNTIME_ONLY and key in old and _plain(old[key]) != _plain(new[key])]
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
     if missing: problems.append(_listing("missing keys (in the model, not in the checkpoint)", missing))
     if unexpected: problems.append(_listing("unexpected keys (in the checkpoint, not in the model)", unexpected))
-    for name, tensor in current.items():
-        if name in saved and _shape(saved[name]) != _shape(tensor):
-            problems.append(f"{name}: saved {_shape(saved[name])} vs current {_shape(tensor)}")
-    old, new = _model_section(state.get("config")), _model_section(config)
-    for key in new:
-        if key not in _RUNTIME_ONLY and key in old and _plain(old[key]) != _plain(new[key]):
-            problems.append(f"model.{key}: saved {old[key]!r} vs current {new[key]!r}")
+    shapes = [f"{name}: saved {_shape(saved[name])} vs current {_shape(tensor)}"
+              for name, tensor in current.items() if name in saved and _shape(saved[name]) != _shape(tensor)]
+    problems += shapes[:limit]
+    if len(shapes) > limit: problems.append(f"... and {len(shapes) - limit} more tensors with a different shape")
     return problems
 
 def check_compatible(state: Mapping, *, model: torch.nn.Module, config=None, path=None) -> None:
@@ -338,13 +340,30 @@ class CheckpointManager:
         "The checkpoint file for `step`: `<directory>/step_<step:012d>.pt`."
         return self.directory / f"step_{int(step):012d}.pt"
 
+    def _unwritable(self, what: str, error: OSError) -> CheckpointError:
+        "A `CheckpointError` for an `OSError` writing `what`, naming what blocks it and the fix."
+        blocker = next((q for q in (self.directory, *self.directory.parents) if q.exists() and not q.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else (error.strerror or str(error))
+        return CheckpointError(f"cannot write {what} ({why}); the checkpoints already in {self.directory} are kept. "
+                               "Set checkpoint.directory (or run.output_dir / --output-dir) to a writable folder, "
+                               "or checkpoint.enabled: false")
+
+    def check_writable(self) -> None:
+        "Create `directory` and write a probe file in it; a `CheckpointError` says why it cannot be used."
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-check-"): pass
+        except OSError as e: raise self._unwritable(f"checkpoints to {self.directory}", e) from None
+
     def save(self, step: int, state: Mapping) -> Path:
         "Write `state` for `step` atomically, point `latest.json` at it, prune; returns the file."
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
-        path = atomic_torch_save(redacted_state(state), self.path_for(step))
-        written = [n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name]
-        self._retain(written + [path.name], step=step, file=path.name)
+        try:
+            path = atomic_torch_save(redacted_state(state), self.path_for(step))
+            written = [n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name]
+            self._retain(written + [path.name], step=step, file=path.name)
+        except OSError as e: raise self._unwritable(f"checkpoint {self.path_for(step)}", e) from None
         return path
 
     def _retain(self, written: list[str], **pointer) -> list[Path]:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import sys
 import time
 import warnings
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ __all__ = ['TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning'
            'prepare_token_file', 'token_sidecar', 'read_token_sidecar', 'epoch_seed', 'TokenArrayDataset',
            'TokenFileDataset', 'check_vocab', 'TensorRowsDataset', 'dataset_from_object', 'load_serialized_dataset',
            'collate_causal', 'collate_batch', 'infinite_batches', 'EpochSampler', 'ResumableDataLoader',
-           'resolve_vocab_size', 'select_dataset', 'build_dataloader']
+           'resolve_vocab_size', 'select_dataset', 'known_samples', 'check_loader_settings', 'build_dataloader']
 
 # %% ../nbs/03_data.ipynb #ad75e073
 class DataError(ValueError):
@@ -42,7 +44,11 @@ def check_data_file(path: str | os.PathLike, key: str = "data file") -> Path:
     "Return `path` as a `Path` if it is an existing, readable, non-empty file; else raise `DataError`."
     p = Path(path).expanduser()
     if not p.exists(): raise DataError(f"{key} {str(path)!r} does not exist; check the path (relative paths start at the working directory {os.getcwd()})")
-    if not p.is_file(): raise DataError(f"{key} {str(path)!r} is not a file")
+    if p.is_dir():
+        hint = (f"; to train on a directory of text files, run `speedtronic prepare {path} tokens.bin` and set data.token_file: tokens.bin"
+                if key == "data.text_path" else "; give the path of a file")
+        raise DataError(f"{key} {str(path)!r} is a directory, not a file{hint}")
+    if not p.is_file(): raise DataError(f"{key} {str(path)!r} is not a regular file")
     if not os.access(p, os.R_OK): raise DataError(f"{key} {str(path)!r} is not readable; check its permissions")
     if p.stat().st_size == 0: raise DataError(f"{key} {str(path)!r} is empty; point it at a file with data")
     return p
@@ -270,8 +276,10 @@ class TextFileTokenDataset(BlockStream):
     def _check_length(self):
         size = self.path.stat().st_size
         head = read_text(self.path, 0, min(size, max(1 << 16, 16 * (self.block_size + 1))))
-        n = len(encode_text(self.tokenizer, head))
-        if size <= max(1 << 16, 16 * (self.block_size + 1)) and n < self.block_size + 1:
+        n, g = len(encode_text(self.tokenizer, head)), self.block_size + 1
+        whole = size <= max(1 << 16, 16 * g)
+        self.known_blocks = n // g + (n % g >= 2) if whole and size <= self.segment_bytes else None
+        if whole and n < g:
             raise DataError(f"data.text_path {str(self.path)!r} holds {n} tokens, fewer than one block of block_size + 1 = "
                             f"{self.block_size + 1}; use a smaller data.block_size or a longer file")
 
@@ -403,8 +411,14 @@ def read_token_sidecar(path: str | os.PathLike) -> dict:
     if not side.is_file(): raise DataError(f"token file {str(p)!r} has no sidecar {side.name}; (re)create it with `speedtronic prepare SOURCE {p}`")
     try: meta = json.loads(side.read_text())
     except (OSError, ValueError) as e: raise DataError(f"sidecar {str(side)!r} is not valid JSON ({e}); re-run `speedtronic prepare`") from None
+    if not isinstance(meta, dict): meta = {}
     missing = [k for k in ("format", "version", "dtype", "num_tokens", "vocab_size") if k not in meta]
     if missing or meta.get("format") != TOKEN_FILE_FORMAT: raise DataError(f"sidecar {str(side)!r} is not a Speedtronic token sidecar (missing {missing or 'format'})")
+    for k, least in (("version", 1), ("num_tokens", 0), ("vocab_size", 1)):
+        v = meta[k]
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise DataError(f"sidecar {str(side)!r}: {k} must be an integer >= {least}, got {v!r}; the sidecar was edited or damaged, "
+                            f"re-run `speedtronic prepare SOURCE {p}`")
     if meta["version"] > TOKEN_FILE_VERSION: raise DataError(f"token file {str(p)!r} has format version {meta['version']}; this Speedtronic reads up to {TOKEN_FILE_VERSION}, upgrade it")
     if meta["dtype"] not in ("uint16", "uint32"): raise DataError(f"sidecar {str(side)!r}: unsupported dtype {meta['dtype']!r}")
     expected = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
@@ -420,6 +434,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 class TokenArrayDataset(BlockStream):
     "A 1-D array of token ids as a stream of non-overlapping blocks, in order or shuffled per epoch (fixes D3)."
+    vocab_limit: int | None = None      # set by `check_vocab`: a block with an id >= this is an error, not an embedding crash
     def __init__(self, tokens: Any, block_size: int, *, shuffle: bool = False, seed: int = 0, unit_blocks: int = 64,
                  name: str = "token array"):
         if int(block_size) <= 0: raise ValueError(f"block_size must be positive, got {block_size}")
@@ -463,7 +478,11 @@ class TokenArrayDataset(BlockStream):
         order, g, t = self.block_order(epoch), self.block_size + 1, self.tokens
         for k in range(unit * self.unit_blocks + skip, min((unit + 1) * self.unit_blocks, self.num_blocks)):
             b = int(order[k])
-            yield block_sample(t[b * g:(b + 1) * g])
+            block = t[b * g:(b + 1) * g]
+            if self.vocab_limit is not None and int(block.max()) >= self.vocab_limit:
+                raise DataError(f"{self.name} holds token id {int(block.max())} (in block {b}) but the model vocabulary is {self.vocab_limit}; "
+                                f"the data does not match its declared vocabulary {self.vocab_size}: re-run `speedtronic prepare`, or raise model.vocab_size")
+            yield block_sample(block)
 
     def __getstate__(self):
         state = dict(self.__dict__); state["_orders"] = {}
@@ -497,6 +516,7 @@ class TokenFileDataset(TokenArrayDataset):
 # %% ../nbs/03_data.ipynb #d63dffea
 def check_vocab(dataset: Any, vocab_size: int) -> None:
     "Raise `DataError` when `dataset` (or a tokenizer) holds token ids the model's `vocab_size` cannot embed (fixes K3)."
+    if isinstance(dataset, TokenArrayDataset): dataset.vocab_limit = int(vocab_size)
     declared = getattr(dataset, "vocab_size", None)
     if declared is None or int(declared) <= vocab_size: return
     where = getattr(dataset, "name", None) or f"tokenizer {tokenizer_spec(dataset)}"
@@ -515,6 +535,9 @@ class TensorRowsDataset(Dataset):
         self.columns, self.name = dict(columns), name
         sizes = {k: len(v) for k, v in self.columns.items()}
         if len(set(sizes.values())) != 1: raise DataError(f"{name}: tensors have different first dimensions {sizes}; give one row per sample in every tensor")
+        labels, ids = self.columns.get("labels"), self.columns["input_ids"]
+        if labels is not None and labels.shape != ids.shape:
+            raise DataError(f"{name}: labels {tuple(labels.shape)} and input_ids {tuple(ids.shape)} differ; give one label per input position")
 
     def __len__(self) -> int: return len(next(iter(self.columns.values())))
 
@@ -534,6 +557,8 @@ def dataset_from_object(obj: Any, block_size: int, name: str = "data.dataset") -
         raise DataError(f"{name} holds a {type(obj).__name__}, not a Dataset, a tensor of token ids or a dict with an 'input_ids' tensor")
     ids = obj["input_ids"]
     if ids.is_floating_point() or ids.is_complex(): raise DataError(f"{name}: input_ids has dtype {ids.dtype}; token ids must be integers")
+    if ids.numel() == 0: raise DataError(f"{name}: input_ids is empty; save at least one block of token ids")
+    if int(ids.min()) < 0: raise DataError(f"{name}: input_ids holds the negative id {int(ids.min())}; token ids must be >= 0")
     if ids.ndim == 1 and "labels" not in obj: return TokenArrayDataset(ids.numpy(), block_size, name=name)
     if ids.ndim != 2: raise DataError(f"{name}: input_ids has shape {tuple(ids.shape)}; give a 1-D token stream or 2-D [samples, tokens]")
     return TensorRowsDataset({k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}, name=name)
@@ -542,13 +567,21 @@ def load_serialized_dataset(path: str | os.PathLike, block_size: int, *, trust_p
     "Load a `.pt` dataset file without unpickling code unless `trust_pickle` (fixes D5, C9)."
     p = Path(path).expanduser()
     if not p.exists(): raise DataError(f"data.dataset must be a Dataset object or an existing local path: {str(path)!r} does not exist")
+    p, name = check_data_file(p, "data.dataset"), f"data.dataset {str(p)!r}"
+    if not trust_pickle and not zipfile.is_zipfile(p):
+        raise DataError(f"{name} is not a file written by torch.save; save the dataset (or its token-id tensor) with torch.save")
     try: obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
+        if not trust_pickle and not isinstance(e, pickle.UnpicklingError):
+            raise DataError(f"{name} is damaged or not a torch.save file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); save it again with torch.save") from None
         if not trust_pickle:
-            raise DataError(f"data.dataset {str(p)!r} is not a plain tensor file ({type(e).__name__}): it needs unpickling, which runs code "
+            raise DataError(f"{name} is not a plain tensor file: it needs unpickling, which runs code "
                             f"stored in the file. Only if you trust this file, set data.trust_pickle: true.") from None
-        warnings.warn(f"unpickling data.dataset {str(p)!r} because data.trust_pickle is true", DataWarning, stacklevel=2)
-        obj = torch.load(p, map_location="cpu", weights_only=False)
+        warnings.warn(f"unpickling {name} because data.trust_pickle is true", DataWarning, stacklevel=2)
+        try: obj = torch.load(p, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise DataError(f"{name} cannot be loaded even with data.trust_pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                            f"it must be written by torch.save, and the module defining its classes must be importable here") from None
     return dataset_from_object(obj, block_size, name=f"data.dataset {str(p)!r}")
 
 # %% ../nbs/03_data.ipynb #1ccc7773
@@ -594,7 +627,8 @@ def infinite_batches(loader: Iterable) -> Iterator:
         for batch in loader:
             produced = True
             yield batch
-        if not produced: raise RuntimeError("data loader produced no batches")
+        if not produced: raise RuntimeError("data loader produced no batches: the data is empty, or holds fewer samples than one batch "
+                                            "(data.micro_batch_size) with data.drop_last: true")
 
 # %% ../nbs/03_data.ipynb #e093172f
 class EpochSampler(Sampler):
@@ -620,6 +654,12 @@ def _seed_worker(worker_id: int) -> None:
     "Seed Python's and NumPy's RNGs in a worker from its torch seed (which the loader's generator sets)."
     seed = torch.initial_seed() % 2**32
     random.seed(seed); np.random.seed(seed)
+
+def _worker_error_message(text: str) -> str:
+    "The message of a `DataError` raised in a loader worker, without the traceback the loader wraps around it."
+    if "Original Traceback" not in text: return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split("DataError: ", 1)[-1]
 
 class _TaggedCollate:
     "Collate `(position, sample)` pairs into `(positions, batch)`."
@@ -673,7 +713,10 @@ class ResumableDataLoader(DataLoader):
             if self._kind == "iterable":
                 for _ in range(self._batches):
                     if next(it, None) is None: break
-            for item in it:
+            while True:
+                try: item = next(it)
+                except StopIteration: break
+                except DataError as e: raise DataError(_worker_error_message(str(e))) from None
                 handed += 1
                 yield self._record(item)
             self._epoch, self._batches, self._next_role, self._positions = self._epoch + 1, 0, 0, None
@@ -738,19 +781,40 @@ def select_dataset(config: Any, *, dataset: Any = None, tokenizer: Any = None, v
         if not isinstance(source, (str, os.PathLike)):
             raise DataError(f"data.dataset must be a Dataset object or an existing local path, got {type(source).__name__}")
         ds = load_serialized_dataset(source, block, trust_pickle=bool(_setting(config, "trust_pickle", False)))
+        if isinstance(ds, TokenArrayDataset): ds.shuffle, ds.seed = bool(_setting(config, "shuffle", False)), seed
         if isinstance(ds, (TokenArrayDataset, TensorRowsDataset)): check_vocab(ds, vocab)
         return ds
     if not _setting(config, "synthetic", True):
         raise DataError("data.synthetic=false requires data.text_path, data.token_file or data.dataset")
     return SyntheticTokenDataset(num_samples=int(_setting(config, "num_tokens", 100_000)), block_size=block, vocab_size=vocab, seed=seed)
 
+def known_samples(dataset: Any) -> int | None:
+    "Samples in one pass of `dataset` when known without reading it: `len()` of a map dataset, blocks of a token array or short text."
+    if isinstance(dataset, TokenArrayDataset): return dataset.num_blocks
+    if isinstance(dataset, IterableDataset): return getattr(dataset, "known_blocks", None)
+    try: return len(dataset)
+    except (TypeError, NotImplementedError): return None
+
+def check_loader_settings(dataset: Any, *, batch_size: int, drop_last: bool, shuffle: bool) -> None:
+    "`DataError` when no batch could ever be produced; a `DataWarning` when `shuffle` cannot apply to a stream."
+    n = known_samples(dataset)
+    if drop_last and n is not None and n < batch_size:
+        raise DataError(f"the data holds {n} sample{'s' if n != 1 else ''} but data.micro_batch_size is {batch_size}, and with "
+                        f"data.drop_last: true no batch is ever produced; lower data.micro_batch_size, set data.drop_last: false, or use more data")
+    if shuffle and isinstance(dataset, IterableDataset) and not getattr(dataset, "shuffle", False):
+        what = f"data.text_path {str(dataset.path)!r}" if isinstance(dataset, TextFileTokenDataset) else type(dataset).__name__
+        warnings.warn(f"data.shuffle is true but {what} is a stream read in order; it is not shuffled. To shuffle blocks, "
+                      f"run `speedtronic prepare` and set data.token_file; or set data.shuffle: false", DataWarning, stacklevel=3)
+
 def build_dataloader(config: Any, *, dataset: Any = None, tokenizer: Any = None, pin_memory_device: bool = False,
                      vocab_size: int | None = None) -> ResumableDataLoader:
     "A resumable loader over the configured data source (spec §3.7)."
     ds = select_dataset(config, dataset=dataset, tokenizer=tokenizer, vocab_size=vocab_size)
+    batch_size, shuffle = int(_setting(config, "micro_batch_size", 1)), bool(_setting(config, "shuffle", False))
+    check_loader_settings(ds, batch_size=batch_size, drop_last=bool(_setting(config, "drop_last", True)), shuffle=shuffle)
     pin = _setting(config, "pin_memory")
-    return ResumableDataLoader(ds, batch_size=int(_setting(config, "micro_batch_size", 1)),
-                               shuffle=bool(_setting(config, "shuffle", False)),
+    return ResumableDataLoader(ds, batch_size=batch_size,
+                               shuffle=shuffle,
                                num_workers=int(_setting(config, "num_workers", 0)),
                                pin_memory=bool(pin_memory_device if pin is None else pin),
                                drop_last=bool(_setting(config, "drop_last", True)),

@@ -104,7 +104,8 @@ class RotaryEmbedding(nn.Module):
         "cos and sin, each `(seq_len, head_dim)`, on `device` in `dtype`."
         device = torch.device(device) if device is not None else self.inv_freq.device
         dtype = dtype or torch.float32
-        c = self._cache
+        compiling = torch.compiler.is_compiling()  # a compiled graph computes the table itself: no Python-side cache
+        c = None if compiling else self._cache
         if c is not None and c[0] >= seq_len and c[1] == device and c[2] == dtype:
             return c[3][:seq_len], c[4][:seq_len]
         with torch.no_grad():
@@ -112,7 +113,7 @@ class RotaryEmbedding(nn.Module):
             angles = torch.outer(t, self.frequencies().to(device))
             emb = torch.cat((angles, angles), dim=-1)
             cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        if not torch.is_inference_mode_enabled(): self._cache = (seq_len, device, dtype, cos, sin)
+        if not compiling and not torch.is_inference_mode_enabled(): self._cache = (seq_len, device, dtype, cos, sin)
         return cos, sin
 
 # %% ../nbs/02_model.ipynb #2692182e
@@ -129,7 +130,7 @@ def prepare_attention_mask(attention_mask: torch.Tensor | AttentionMask | None, 
         raise ValueError(f"attention_mask must have shape (batch, seq) = {(batch, length)}, "
                          f"got {tuple(attention_mask.shape)}")
     keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-    if keep.device.type == "cpu" and bool(keep.all()): return None
+    if keep.device.type == "cpu" and not torch.compiler.is_compiling() and bool(keep.all()): return None
     causal = torch.ones(length, length, dtype=torch.bool, device=keep.device).tril()
     allowed = causal & keep[:, None, None, :]
     has_key = allowed.any(dim=-1, keepdim=True)

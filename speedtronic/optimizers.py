@@ -41,7 +41,10 @@ def weight_decay_groups(model: nn.Module,
     if mode not in WEIGHT_DECAY_MODES:
         raise ConfigError(f"optimizer.weight_decay_on must be one of {', '.join(WEIGHT_DECAY_MODES)}, got {mode!r}")
     params = trainable_parameters(model)
-    if not params: raise ValueError("model has no trainable parameters")
+    if not params:
+        raise ValueError(f"model has no trainable parameters ({type(model).__name__} has "
+                         f"{sum(1 for _ in model.parameters())} parameter tensor(s), none with requires_grad=True); "
+                         "unfreeze the parameters to train (p.requires_grad_(True)) before building the optimizer")
     if mode == "all": return [{"params": [p for _, p in params], "weight_decay": weight_decay}]
     decay = [p for _, p in params if p.ndim >= 2]
     rest = [p for _, p in params if p.ndim < 2]

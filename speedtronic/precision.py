@@ -79,6 +79,8 @@ def resolve_device(requested: str | torch.device | None = "auto") -> torch.devic
             f"MPS was requested ({str(requested)!r}) but is not available on this machine. "
             "Use --device cpu or --device auto."
         )
+    if device.type == "cpu":
+        return torch.device("cpu")  # tensors never carry a CPU index: `cpu:0` would compare unequal to their device
     return device
 
 # %% ../nbs/04_precision.ipynb #4b0ac8ab

@@ -9,6 +9,7 @@ import atexit
 import functools
 import itertools
 import json
+import math
 import os
 import queue
 import sys
@@ -124,9 +125,18 @@ def text_line(level: int, message: str, t: float | None = None) -> str:
     "One text log line: `<asctime> | <LEVEL> | <message>`."
     return f"{format_asctime(t)} | {level_name(level)} | {message}"
 
+def _json_safe(value: Any) -> Any:
+    "`value` with NaN/inf floats as `null` and non-JSON dict keys as text, nested containers included."
+    if isinstance(value, float): return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {(k if isinstance(k, (str, int, float, bool)) or k is None else str(k)): _json_safe(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return [_json_safe(v) for v in value]
+    return value
+
 def json_line(event: str, payload: Mapping[str, Any]) -> str:
-    "One JSONL record (without the newline), as 2.0 writes it."
-    return json.dumps({"event": event, **payload}, default=str)
+    "One JSONL record (without the newline): strict JSON, so a NaN loss is written as `null`."
+    return json.dumps(_json_safe({"event": event, **payload}), default=str, allow_nan=False)
 
 # %% ../nbs/08_metrics.ipynb #e74ef3cb
 _SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "apikey"}

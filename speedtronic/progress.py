@@ -17,7 +17,8 @@ __all__ = ['format_duration', 'format_rate', 'format_progress', 'in_notebook', '
 
 # %% ../nbs/08b_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:
-    "`mm:ss`, or `h:mm:ss` from one hour on."
+    "`mm:ss`, or `h:mm:ss` from one hour on; `?` for a time that is not finite."
+    if not math.isfinite(seconds): return "?"
     seconds = max(0, int(round(seconds)))
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
@@ -25,6 +26,7 @@ def format_duration(seconds: float) -> str:
 
 def format_rate(value: float) -> str:
     "A rate with a k/M/G suffix and three significant digits."
+    if not math.isfinite(value): return str(value)
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(value) >= scale: return f"{value / scale:.3g}{unit}"
     return f"{value:.3g}"

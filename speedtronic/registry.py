@@ -206,4 +206,8 @@ def build_model(config: Any = None, **overrides) -> Any:
     name = _field(section, "name", None) or "reference_transformer"
     factory = registry.get(name)
     standard = {kw: _field(section, key, default) for kw, key, default in _STANDARD_FIELDS}
-    return factory(**{**_accepted(factory, standard), **overrides})
+    model = factory(**{**_accepted(factory, standard), **overrides})
+    if model is None:
+        raise TypeError(f"model factory for '{name}' ({factory_path(factory) or repr(factory)}) returned None; "
+                        "it must return the model (a missing `return`?)")
+    return model

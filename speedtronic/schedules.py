@@ -169,13 +169,21 @@ class ScheduleExplorer:
             "max_steps": w.IntSlider(value=max_steps, min=1, max=max(10000, max_steps), description="horizon", style=style),
             "min_lr_ratio": w.FloatSlider(value=min_lr_ratio, min=0.0, max=1.0, step=0.01, description="floor ratio", style=style),
             "name": w.Dropdown(options=list(SCHEDULE_NAMES), value=name, description="kind", style=style),
-            "base_lr": w.FloatLogSlider(value=base_lr, base=10, min=-6, max=0, step=0.1, description="base lr", style=style),
+            "base_lr": w.BoundedFloatText(value=base_lr, min=1e-9, max=10.0, step=1e-5, description="base lr", style=style),
         }
+        # the box holds the exact rate (a log slider only reaches 10^(k/10): 3e-4 would show as 3.16e-4);
+        # the slider beside it is for dragging, and moves closer than half a notch to the box's value are its rounding
+        self.lr_slider = w.FloatLogSlider(value=base_lr, base=10, min=-6, max=0, step=0.1, readout=False)
+        def from_slider(change: Any) -> None:
+            box = self.controls["base_lr"]
+            if abs(math.log10(change["new"]) - math.log10(max(box.value, 1e-12))) >= 0.05: box.value = change["new"]
+        self.lr_slider.observe(from_slider, names="value")
+        self.controls["base_lr"].observe(lambda change: setattr(self.lr_slider, "value", change["new"]), names="value")
         self.figure, self.ax = plot_schedule(**self.values())
         self.line = self.ax.lines[0]
         self.image = w.Image(format="png")
         for control in self.controls.values(): control.observe(self.update, names="value")
-        self.widget = w.VBox([w.HBox(list(self.controls.values())[:3]), w.HBox(list(self.controls.values())[3:]), self.image])
+        self.widget = w.VBox([w.HBox(list(self.controls.values())[:3]), w.HBox([*list(self.controls.values())[3:], self.lr_slider]), self.image])
         self.update()
 
     def values(self) -> dict:

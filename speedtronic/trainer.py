@@ -317,6 +317,9 @@ def _save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
 def _resume(self: Trainer, state: Mapping[str, Any]) -> None:
     "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state`."
     check_compatible(state, model=self.model, config=self.config)
+    data = state.get("data")  # a loader that refuses the position (other micro_batch_size) fails before anything changed
+    if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
+        self.dataloader.load_state_dict(data)
     self.model.load_state_dict(state["model"])
     if state.get("optimizer") is not None:
         note = load_optimizer_state(self.optimizer, state["optimizer"], self.model)
@@ -325,9 +328,6 @@ def _resume(self: Trainer, state: Mapping[str, Any]) -> None:
     self.step, self.samples = int(state.get("step", 0)), int(state.get("samples", 0))
     self._tokens, self._pending = int(state.get("tokens", 0)), []
     if state.get("rng"): restore_rng_state(state["rng"], logger=self.logger)
-    data = state.get("data")
-    if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
-        self.dataloader.load_state_dict(data)
     self._batches = None  # the next fit starts the loader at the restored position
     self._deferred_scaler = state.get("scaler")
     self._deferred_coordinator = state.get("coordinator")
@@ -466,6 +466,17 @@ def _start_coordinator(self: Trainer) -> None:
     if state is not None: self.coordinator.load_state_dict(state)
 
 @_method(Trainer)
+def _stop_coordinator(self: Trainer, failed: BaseException | None) -> None:
+    "Stop a started coordinator; if the loop already failed, a failing `stop()` is a warning, not a new error."
+    if self.coordinator is None or not self._coordinator_started: return
+    self._coordinator_started = False
+    try: self.coordinator.stop()
+    except Exception as e:
+        if failed is None: raise
+        self.logger.warning(f"coordinator stop() failed while the run was ending on {type(failed).__name__}: "
+                            f"{type(e).__name__}: {e}")
+
+@_method(Trainer)
 def _train_start_payload(self: Trainer, target: int) -> dict[str, Any]:
     report = self.shape_report
     ooo = self._ooo
@@ -511,6 +522,12 @@ def _fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
     manager = self.checkpoint_manager
     keep_boundary = manager is not None and getattr(manager, "enabled", True)
     every = max(1, int(getattr(self.logger, "every_steps", 1) or 1))
+    if limit < self.step:
+        self.logger.warning(f"max_steps={limit} is an absolute target step and the trainer is already at step "
+                            f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})")
+    if keep_boundary and self.step < target and callable(getattr(manager, "check_writable", None)):
+        manager.check_writable()  # an unusable checkpoint directory fails now, not after the first interval
+    failed = None
     try:
         if self.step < target: self._start_coordinator()
         self.logger.emit("train_start", self._train_start_payload(target))
@@ -527,15 +544,15 @@ def _fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
         if keep_boundary and self.step > start_step and self.step != self._last_saved_step:
             self.save_checkpoint(self._boundary)
     except BaseException as exc:
+        failed = exc
         self._save_on_interrupt(exc)
         raise
     finally:
         self.stop_requested = None
-        if self.coordinator is not None and self._coordinator_started:
-            self._coordinator_started = False
-            self.coordinator.stop()
-        if self._ooo is not None:
-            self._ooo.dispose(); self._ooo = None
+        try: self._stop_coordinator(failed)
+        finally:
+            if self._ooo is not None:
+                self._ooo.dispose(); self._ooo = None
     elapsed = time.perf_counter() - self._t0
     result = TrainResult(self.step, self.samples, self.tokens,
                          self._last_loss if self.step > start_step else None, elapsed, list(self._records))

@@ -115,3 +115,28 @@ def test_memory_bytes_reports_the_trainer_device():
         for s in range(1, 5): log.emit("train_step", {"step": s})
     assert [r["step"] for r in records] == [2, 4]
     assert all(r["memory_bytes"] >= keep.numel() * 4 for r in records)
+
+
+def test_jsonl_is_strict_json_with_nan_loss_unicode_and_long_values(tmp_path):
+    "A diverging run's NaN/inf values, unicode and a 100 kB value: every JSONL line parses as strict JSON."
+    from speedtronic.profiling import MetricLogger
+    path = tmp_path / "new" / "dir" / "m.jsonl"
+    with MetricLogger(stream=False, json_file=path) as log:
+        log.emit("train_step", {"step": 1, "loss": float("nan"), "lr": float("inf"), "note": "héllo ☃ 日本",
+                                "long": "x" * 100_000, "grads": [1.0, float("-inf")], "by": {(0, 1): 2}})
+    def reject(token): raise AssertionError(f"non-JSON token {token} in the JSONL")
+    (record,) = [json.loads(line, parse_constant=reject) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert record["loss"] is None and record["lr"] is None and record["grads"] == [1.0, None]
+    assert record["note"] == "héllo ☃ 日本" and len(record["long"]) == 100_000 and record["by"] == {"(0, 1)": 2}
+
+
+def test_unwritable_log_paths_name_the_key(tmp_path):
+    "A log path whose folder is a file: a ConfigError naming logging.file / logging.json_file."
+    from speedtronic.config import ConfigError
+    from speedtronic.profiling import MetricLogger
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    for key in ("file", "json_file"):
+        with pytest.raises(ConfigError, match=f"logging.{key}: cannot open"):
+            MetricLogger(stream=False, **{key: blocker / "sub" / "log"})
+    assert blocker.read_text() == "keep me"

@@ -157,3 +157,15 @@ def test_cuda_padding_path_and_bf16():
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     c["loss"].backward()
     assert torch.isfinite(c["logits"]).all()
+
+
+def test_padded_batch_compiles_without_a_graph_break():
+    "torch.compile(fullgraph=True) on CPU with a padding mask: no `Tensor.item()` graph break, same loss."
+    torch.manual_seed(0)
+    m = ReferenceTransformer(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
+    x = torch.randint(0, 32, (2, 8))
+    for mask in (torch.ones(2, 8, dtype=torch.long), torch.tensor([[1] * 8, [0, 0] + [1] * 6])):
+        compiled = torch.compile(m, fullgraph=True, backend="eager")
+        torch._dynamo.reset()
+        got = compiled(x, labels=x, attention_mask=mask)["loss"]
+        torch.testing.assert_close(got, m(x, labels=x, attention_mask=mask)["loss"])

@@ -137,3 +137,15 @@ def test_muon_is_refused_with_one_line(tmp_path):
     cfg = smoke_config(tmp_path, optimizer={"name": "muon"})
     one_error_line(speedtronic("train", "--config", str(cfg), "--device", "cpu", "--output-dir", str(tmp_path / "o")),
                    "muon")
+
+
+def test_resume_with_another_width_names_the_config_value_first(tmp_path):
+    out = tmp_path / "out"
+    completed(speedtronic("train", "--config", str(SMOKE), "--device", "cpu", "--output-dir", str(out),
+                          "--max-steps", "2"))
+    narrow = smoke_config(tmp_path, model={"d_model": 32})
+    line = one_error_line(speedtronic("train", "--config", str(narrow), "--device", "cpu", "--output-dir", str(out),
+                                      "--resume"), "step_000000000002.pt")
+    assert "- model.d_model: saved 64 vs current 32 -" in line, line
+    assert "more tensors with a different shape" in line and len(line) < 1500, line
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*.pt")) == ["step_000000000002.pt"]
