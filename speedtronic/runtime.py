@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import os
 import random
@@ -20,7 +21,7 @@ import torch
 from .checkpoint import CheckpointManager
 from .config import ConfigError, SpeedtronicConfig
 from .data import build_dataloader
-from .optimizers import build_optimizer
+from .optimizers import build_optimizer, check_optimizer_available
 from .precision import resolve_device, resolve_precision
 from .profiling import MetricLogger
 from .registry import build_model
@@ -31,8 +32,8 @@ from .trainer import Trainer, TrainResult, TrainingInterrupted
 # %% auto #0
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'config_hooks', 'build_logger', 'close_logger',
            'demo_corpus_text', 'ensure_demo_corpus', 'effective_target', 'load_runtime_config', 'checkpoint_directory',
-           'build_runtime', 'model_vocab_size', 'sigterm_stops', 'train_from_config', 'write_loss_plot',
-           'check_runnable']
+           'distributed_problem', 'build_runtime', 'model_vocab_size', 'sigterm_stops', 'train_from_config',
+           'write_loss_plot', 'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -129,8 +130,15 @@ def checkpoint_directory(config: SpeedtronicConfig) -> Path:
     d = Path(config.checkpoint.directory)
     return d if d.is_absolute() else Path(config.run.output_dir) / d
 
+def distributed_problem(config: SpeedtronicConfig) -> str | None:
+    "Why `distributed.enabled` cannot run with this installation, or None."
+    if not config.distributed.enabled or importlib.util.find_spec("speedtronic.distributed") is not None: return None
+    return ("distributed.enabled: true needs the DumbDiLoCo coordinator (speedtronic.distributed), which this "
+            "release does not include yet; set distributed.enabled: false to train on this machine alone")
+
 def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any) -> Any:
     if not config.distributed.enabled: return None
+    if problem := distributed_problem(config): raise ConfigError(problem)
     from speedtronic.distributed import DumbDiLoCoCoordinator
     node = config.distributed.node_id or os.environ.get("HF_USERNAME") or os.environ.get("USER") or "local"
     state = Path(config.distributed.state_dir)
@@ -256,6 +264,9 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
                 if p]
     try: resolve_device(device or config.run.device)
     except Exception as e: problems.append(f"device {device or config.run.device!r} is not usable here: {e}")
+    try: check_optimizer_available(config.optimizer)
+    except ConfigError as e: problems.append(str(e))
+    if problem := distributed_problem(config): problems.append(problem)
     m, d = config.model, config.data
     if d.block_size and d.block_size > m.max_seq_len:
         problems.append(f"data.block_size ({d.block_size}) is larger than model.max_seq_len ({m.max_seq_len}): "
