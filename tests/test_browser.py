@@ -27,7 +27,7 @@ def served_docs(docs_site):
 
 def test_config_page_renders_the_api(browser, served_docs, tmp_path):
     page = browser.new_page()
-    page.goto(f'{served_docs}/00_config.html')
+    page.goto(f'{served_docs}/config.html')
     text = page.inner_text('article')
     assert 'SpeedtronicConfig' in text and 'RunConfig' in text
     assert page.locator('article table').count() > 0          # show_doc parameter tables
@@ -40,7 +40,7 @@ def test_config_page_renders_the_api(browser, served_docs, tmp_path):
 
 def test_schedule_page_shows_the_static_plot(browser, served_docs):
     page = browser.new_page()
-    page.goto(f'{served_docs}/06_schedules.html')
+    page.goto(f'{served_docs}/schedules.html')
     imgs = page.locator('article img')
     assert imgs.count() >= 1
     assert imgs.first.evaluate('img => img.naturalWidth') > 100   # a real, decoded plot

@@ -27,16 +27,30 @@ def site(docs_site):
     return docs_site
 
 def test_a_page_per_notebook(site):
-    for nb in (ROOT / 'nbs').glob('*.ipynb'):
-        assert (site / f'{nb.stem}.html').exists(), f'no page for {nb.name}'
+    pages = {p.name for p in site.glob('*.html')} - {'404.html'}
+    assert len(pages) == len(list((ROOT / 'nbs').glob('*.ipynb'))), pages
+    for name in ['index.html', 'config.html', 'trainer.html', 'runtime.html', 'cli.html', 'data.html']:
+        assert name in pages
+
+def test_cross_links_resolve(site):
+    "nbdev links every API name to its page; on this site those links are relative and all resolve."
+    hrefs = [(page.name, href) for page in site.glob('*.html') if page.name != '404.html'
+             for href in re.findall(r'href="([^"#:]+\.html)(?:#[^"]*)?"', page.read_text(encoding='utf-8'))]
+    assert len(hrefs) > 100
+    assert [h for h in hrefs if not (site / h[1]).exists()] == []
+
+def test_directives_and_quarto_attributes_do_not_leak(site):
+    text = page_text(site / 'precision.html')
+    assert '#| echo' not in text and 'target="_blank"' not in text and '{target=' not in text
+    assert 'Device and precision' in text          # the title nbdev moved to front matter is back as a heading
 
 def test_config_page_documents_the_config_api(site):
-    text = page_text(site / '00_config.html')
+    text = page_text(site / 'config.html')
     for name in ['SpeedtronicConfig', 'RunConfig', 'ModelConfig', 'DataConfig', 'OptimizerConfig', 'SchedulerConfig',
                  'PrecisionConfig', 'CheckpointConfig', 'LoggingConfig', 'DistributedConfig', 'ConfigError']:
         assert name in text, f'{name} is not documented on the config page'
     # show_doc tables were rendered into the page (parameter tables, not only the source code)
-    html = (site / '00_config.html').read_text(encoding='utf-8')
+    html = (site / 'config.html').read_text(encoding='utf-8')
     assert '<table' in html
 
 def test_index_is_the_readme(site):

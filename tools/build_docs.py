@@ -4,16 +4,22 @@ Quarto is not installable everywhere, so this does nbdev's part of `nbdev_docs` 
 rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
 
 1. nbdev's own preprocessing (`proc_nbs`) writes the notebooks to `_proc/` with `show_doc` cells
-   executed into markdown API tables and directives applied; (we call it directly because
+   executed into markdown API tables and directives applied (we call it directly because
    `nbdev_proc_nbs` first tries to download Quarto and `pip install` the project);
-2. `mkdocs build` renders `_proc/` to `docs/` without re-executing anything (`mkdocs.yml`).
+2. what Quarto would do with nbdev's output is done here: each page is named as nbdev names it
+   (`output-file`, e.g. `config.html`, so nbdev's cross-links work), gets its title back as a heading,
+   `#|` directives are applied (`echo: false` hides the input) and removed, and Quarto-only link
+   attributes are dropped;
+3. `mkdocs build` renders the result to `docs/` without re-executing anything (`mkdocs.yml`).
 
 Where Quarto exists, `nbdev_docs` still works with the nbdev config in `nbs/_quarto.yml`.
 """
-import shutil, subprocess, sys
+import os, re, shutil, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SITE_SRC = ROOT / '_site_src'
+_QUARTO_ATTRS = re.compile(r'\{target="_blank"[^}]*\}')
 
 def process_notebooks(n_workers: int = 2) -> Path:
     "Run nbdev's docs preprocessing of `nbs/` into `_proc/`."
@@ -25,42 +31,88 @@ def process_notebooks(n_workers: int = 2) -> Path:
     nbdev_sidebar.__wrapped__(path=ROOT / 'nbs')
     return proc_nbs(ROOT / 'nbs', n_workers=n_workers, force=True)
 
-def notebook_title(nb_path: Path) -> str:
-    "The notebook's `# Title` (its first markdown heading), else its file name."
-    import nbformat
-    for cell in nbformat.read(nb_path, as_version=4).cells:
-        if cell.cell_type == 'markdown' and cell.source.startswith('# '):
-            return cell.source.splitlines()[0][2:].strip().strip('`')
-    return nb_path.stem
+def _front_matter(nb) -> dict:
+    import yaml
+    if nb.cells and nb.cells[0].cell_type == 'raw' and nb.cells[0].source.startswith('---'):
+        return yaml.safe_load(nb.cells[0].source.strip().strip('-')) or {}
+    return {}
 
-def site_config() -> Path:
+def _directives(source: str) -> tuple[dict, str]:
+    "`#| key: value` lines at the top of a cell, and the source without them."
+    lines, found = source.splitlines(), {}
+    while lines and lines[0].startswith('#|'):
+        key, _, value = lines.pop(0)[2:].partition(':')
+        found[key.strip()] = value.strip()
+    return found, '\n'.join(lines)
+
+def _clean_text(text: str, site_url: str) -> str:
+    return _QUARTO_ATTRS.sub('', text).replace(site_url, '')
+
+def quarto_pass(nb, site_url: str):
+    "Apply what Quarto would to one nbdev-processed notebook: title heading, directives, link attributes."
+    fm = _front_matter(nb)
+    cells = nb.cells[1:] if fm else nb.cells
+    import nbformat
+    head = [nbformat.v4.new_markdown_cell(f"# {fm['title']}" + (f"\n\n> {fm['description']}" if fm.get('description') else ''))] \
+        if fm.get('title') else []
+    out = []
+    for cell in cells:
+        if cell.cell_type == 'markdown':
+            if cell.source.startswith('<!-- WARNING'): continue
+            cell.source = _clean_text(cell.source, site_url)
+        elif cell.cell_type == 'code':
+            d, cell.source = _directives(cell.source)
+            if not cell.source.strip() and not cell.get('outputs'): continue
+            if d.get('echo') == 'false' or d.get('include') == 'false':
+                cell.metadata.setdefault('tags', []).append('remove_input')
+            for o in cell.get('outputs', []):
+                for mime in ('text/markdown', 'text/html'):
+                    if mime in o.get('data', {}): o['data'][mime] = _clean_text(''.join(o['data'][mime]), site_url)
+        out.append(cell)
+    nb.cells = head + out
+    return nb, fm
+
+def site_sources(proc: Path) -> list[tuple[str, str]]:
+    "Write `_site_src/` from `_proc/`; returns (title, page file) in reading order."
+    import nbformat, yaml
+    site_url = 'https://' + yaml.safe_load((ROOT / 'nbs' / 'nbdev.yml').read_text())['website']['site-url'].split('://', 1)[1].rstrip('/') + '/'
+    if SITE_SRC.exists(): shutil.rmtree(SITE_SRC)
+    SITE_SRC.mkdir()
+    pages = []
+    for src in sorted(proc.glob('*.ipynb'), key=lambda p: (p.stem != 'index', p.stem)):
+        nb, fm = quarto_pass(nbformat.read(src, as_version=4), site_url)
+        name = Path(fm.get('output-file', src.stem + '.html')).stem + '.ipynb'
+        nbformat.write(nb, SITE_SRC / name)
+        pages.append(('Home' if src.stem == 'index' else fm.get('title', src.stem), name))
+    return pages
+
+def site_config(pages: list[tuple[str, str]]) -> Path:
     "`mkdocs.yml` plus a navigation in reading order with each notebook's title; written to `_mkdocs.yml`."
     import yaml
     cfg = yaml.safe_load((ROOT / 'mkdocs.yml').read_text())
-    nbs = sorted((ROOT / 'nbs').glob('*.ipynb'), key=lambda p: (p.stem != 'index', p.stem))
-    cfg['nav'] = [{('Home' if p.stem == 'index' else notebook_title(p)): p.name} for p in nbs]
+    cfg['docs_dir'] = SITE_SRC.name
+    cfg['nav'] = [{title: name} for title, name in pages]
     out = ROOT / '_mkdocs.yml'
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
 
-def render_site() -> Path:
-    "Render `_proc/` to `docs/` with MkDocs."
+def render_site(config: Path) -> Path:
+    "Render the pages to `docs/` with MkDocs."
     site = ROOT / 'docs'
     if site.exists(): shutil.rmtree(site)
-    subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--quiet', '--config-file', str(site_config())],
-                   cwd=ROOT, check=True)
+    subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--quiet', '--config-file', str(config)],
+                   cwd=ROOT, check=True, env={**os.environ, 'NO_MKDOCS_2_WARNING': '1'})
     return site
 
 def main() -> int:
-    import os
     os.chdir(ROOT)
     proc = process_notebooks()
     missing = sorted(p.name for p in (ROOT / 'nbs').glob('*.ipynb') if not (proc / p.name).exists())
     if missing:
         print(f"nbdev could not process: {', '.join(missing)}", file=sys.stderr)
         return 1
-    site = render_site()
-    print(f"docs site written to {site.relative_to(ROOT)}/ ({len(list(site.rglob('*.html')))} pages)")
+    site = render_site(site_config(site_sources(proc)))
+    print(f"docs site written to {site.relative_to(ROOT)}/ ({len(list(site.glob('*.html')))} pages)")
     return 0
 
 if __name__ == '__main__': sys.exit(main())
