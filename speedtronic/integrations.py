@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from .config import ConfigError
 from .profiling import Metric, close_hook
 
 # %% auto #0
@@ -94,11 +95,6 @@ def _setting(config: Any, key: str, default: Any = None) -> Any:
     if isinstance(config, Mapping): return config.get(key, default)
     return getattr(config, key, default)
 
-def _config_error(message: str) -> Exception:
-    try: from speedtronic.config import ConfigError
-    except ImportError: return ValueError(message)
-    return ConfigError(message)
-
 def hooks_from_config(logging_config: Any, # `LoggingConfig`, mapping or namespace with the `logging` keys
                       *, progress: bool = False, # also add the bar `logging.progress` asks for
                       progress_stream: Any = None, # stream for the progress bar (default sys.stderr)
@@ -110,13 +106,13 @@ def hooks_from_config(logging_config: Any, # `LoggingConfig`, mapping or namespa
         tb_dir = _setting(logging_config, "tensorboard_dir")
         if tb_dir not in (None, False, ""):
             if not isinstance(tb_dir, (str, os.PathLike)):
-                raise _config_error(f"logging.tensorboard_dir must be a directory path, got {tb_dir!r}")
+                raise ConfigError(f"logging.tensorboard_dir must be a directory path, got {tb_dir!r}")
             hooks.append(TensorboardHook(tb_dir))
         wandb_setting = _setting(logging_config, "wandb")
         if wandb_setting is True: hooks.append(WandbHook())
         elif isinstance(wandb_setting, Mapping): hooks.append(WandbHook(**dict(wandb_setting)))
         elif wandb_setting not in (None, False):
-            raise _config_error("logging.wandb must be true, false/null or a mapping of wandb.init arguments "
+            raise ConfigError("logging.wandb must be true, false/null or a mapping of wandb.init arguments "
                                 f"(e.g. {{project: my-run, mode: offline}}), got {wandb_setting!r}")
         if progress:
             bar = ProgressBar(enabled=_setting(logging_config, "progress", "auto"), stream=progress_stream)

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_checkable
 
+from .config import REDACTED, ConfigError, is_secret_key
+
 # %% auto #0
-__all__ = ['Metric', 'Hook', 'LEVELS', 'REDACTED', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
+__all__ = ['Metric', 'Hook', 'LEVELS', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
            'memory_usage_bytes', 'resolve_level', 'level_name', 'format_value', 'format_event', 'format_asctime',
            'text_line', 'json_line', 'scrub', 'LineFile', 'HookDispatcher', 'TextSinks', 'MetricLogger']
 
@@ -91,17 +93,12 @@ def memory_usage_bytes(device: Any = None) -> int | None:
 LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50, "FATAL": 50}
 _LEVEL_NAMES = {10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
 
-def _config_error(message: str) -> Exception:
-    "A `ConfigError` when the config module is available, else a `ValueError` (its base class)."
-    try: from speedtronic.config import ConfigError
-    except ImportError: return ValueError(message)
-    return ConfigError(message)
 
 def resolve_level(level: str | int) -> int:
     "Numeric level for a level name or number; unknown names are INFO (spec §1.4)."
     if isinstance(level, int) and not isinstance(level, bool): return level
     if isinstance(level, str): return LEVELS.get(level.strip().upper(), 20)
-    raise _config_error(f"logging.level must be a level name such as 'INFO' or 'DEBUG', got {level!r}")
+    raise ConfigError(f"logging.level must be a level name such as 'INFO' or 'DEBUG', got {level!r}")
 
 def level_name(level: int) -> str:
     "Printed name of a numeric level."
@@ -139,21 +136,10 @@ def json_line(event: str, payload: Mapping[str, Any]) -> str:
     return json.dumps(_json_safe({"event": event, **payload}), default=str, allow_nan=False)
 
 # %% ../nbs/08_metrics.ipynb #e74ef3cb
-_SECRET_WORDS = {"token", "secret", "password", "passwd", "credential", "credentials", "apikey"}
-
-def _fallback_is_secret(key: str) -> bool:
-    "Used only if `speedtronic.config` cannot be imported: a word of the key names a credential."
-    words = key.lower().replace("-", "_").split("_")
-    return bool(_SECRET_WORDS.intersection(words)) or "api_key" in key.lower() or "private_key" in key.lower()
-
 @functools.lru_cache(maxsize=4096)
 def _is_secret(key: str) -> bool:
-    "`speedtronic.config.is_secret_key`, cached per key (payload keys repeat every step)."
-    try: from speedtronic.config import is_secret_key
-    except ImportError: return _fallback_is_secret(key)
+    "`speedtronic.config.is_secret_key` (the one rule), cached per key: payload keys repeat every step."
     return bool(is_secret_key(key))
-
-REDACTED = "<redacted>"
 
 def scrub(value: Any) -> Any:
     "Copy of `value` with nested dicts/lists copied and every credential-like key's value redacted."
@@ -174,7 +160,7 @@ class LineFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd: int | None = os.open(self.path, flags, 0o644)
         except OSError as e:
-            raise _config_error(f"{key}: cannot open {str(self.path)!r} for appending ({e.strerror}); "
+            raise ConfigError(f"{key}: cannot open {str(self.path)!r} for appending ({e.strerror}); "
                                 "choose a writable path") from None
         self._finalizer = weakref.finalize(self, os.close, self.fd)  # an unclosed file is closed when dropped
     def write_line(self, text: str) -> None:
@@ -301,7 +287,7 @@ _open_loggers: "weakref.WeakSet[MetricLogger]" = weakref.WeakSet()
 def _check_every_steps(value: Any) -> int:
     "Validate the `train_step` cadence (spec §1.4: an int > 0)."
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _config_error(f"logging.every_steps must be a positive integer, got {value!r}")
+        raise ConfigError(f"logging.every_steps must be a positive integer, got {value!r}")
     return value
 
 def _on_cadence(payload: Mapping[str, Any], every_steps: int) -> bool:

@@ -12,6 +12,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
+from .config import ConfigError
+
 # %% auto #0
 __all__ = ['format_duration', 'format_rate', 'format_progress', 'in_notebook', 'is_tty', 'resolve_progress', 'ProgressBar']
 
@@ -76,9 +78,7 @@ def resolve_progress(setting: Any, stream: Any, notebook: bool) -> bool:
     if isinstance(setting, str) and setting.strip().lower() in ("auto", "true", "false", "on", "off", "yes", "no"):
         s = setting.strip().lower()
         return (notebook or is_tty(stream)) if s == "auto" else s in ("true", "on", "yes")
-    try: from speedtronic.config import ConfigError as error
-    except ImportError: error = ValueError
-    raise error(f"logging.progress must be 'auto', true or false, got {setting!r}")
+    raise ConfigError(f"logging.progress must be 'auto', true or false, got {setting!r}")
 
 # %% ../nbs/08b_progress.ipynb #be5a72cb
 class ProgressBar:
