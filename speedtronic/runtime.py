@@ -179,9 +179,7 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
             if state is None:
                 logger.warning(f"resume requested but no local checkpoint was found in {manager.directory}; starting fresh")
             else:
-                from speedtronic.checkpoint import check_compatible
-                check_compatible(state, model=model, config=config, path=manager.loaded_path)
-                trainer.resume(state)
+                trainer.resume(state, path=manager.loaded_path)
                 logger.info(f"resumed from {manager.loaded_path} at step {trainer.step}")
     except BaseException:
         close_logger(logger)

@@ -314,9 +314,11 @@ def _save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
     return path
 
 @_method(Trainer, "resume")
-def _resume(self: Trainer, state: Mapping[str, Any]) -> None:
+def _resume(self: Trainer, state: Mapping[str, Any],
+            path: Any = None,  # the checkpoint file `state` came from, named in error messages
+           ) -> None:
     "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state`."
-    check_compatible(state, model=self.model, config=self.config)
+    check_compatible(state, model=self.model, config=self.config, path=path)
     data = state.get("data")  # a loader that refuses the position (other micro_batch_size) fails before anything changed
     if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
         self.dataloader.load_state_dict(data)
