@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import pickle
@@ -12,13 +11,14 @@ import random
 import re
 import shutil
 import tempfile
-import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
+
+from .files import TEMP_NAME, atomic_write, atomic_write_text
 
 # %% auto #0
 __all__ = ['CheckpointError', 'atomic_write_bytes', 'atomic_torch_save', 'atomic_json_dump', 'load_checkpoint',
@@ -29,53 +29,18 @@ __all__ = ['CheckpointError', 'atomic_write_bytes', 'atomic_torch_save', 'atomic
 class CheckpointError(RuntimeError):
     "A checkpoint file is missing, unreadable, unsafe or does not fit the current run."
 
-# %% ../nbs/07_checkpoint.ipynb #8a68a454
-_TEMP_NAME = re.compile(r"\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
-
-def _fsync_directory(directory: Path) -> None:
-    "Make a rename inside `directory` durable (no-op where directories cannot be opened)."
-    if os.name == "nt": return
-    fd = os.open(directory, os.O_RDONLY)
-    try: os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF): raise
-    finally: os.close(fd)
-
-@contextlib.contextmanager
-def _atomic_file(path: Path) -> Iterator[BinaryIO]:
-    "Yield a binary file that replaces `path` atomically and durably when the block succeeds."
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError): temp.unlink()
-        raise
-    _fsync_directory(path.parent)
-
 # %% ../nbs/07_checkpoint.ipynb #3964e7ad
 def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
     "Write `data` to `path` atomically: temp file, fsync, rename, fsync of the directory."
-    path = Path(path)
-    with _atomic_file(path) as f: f.write(data)
-    return path
+    return atomic_write(path, lambda f: f.write(data))
 
 def atomic_torch_save(state: Any, path: str | os.PathLike) -> Path:
     "`torch.save` `state` to `path` atomically, streaming straight to disk (no copy in memory)."
-    path = Path(path)
-    with _atomic_file(path) as f: torch.save(state, f)
-    return path
+    return atomic_write(path, lambda f: torch.save(state, f))
 
 def atomic_json_dump(value: Any, path: str | os.PathLike) -> Path:
     "Write `value` as pretty JSON (2-space indent, trailing newline) to `path` atomically."
-    text = json.dumps(value, indent=2, default=str) + "\n"
-    return atomic_write_bytes(text.encode("utf-8"), path)
+    return atomic_write_text(json.dumps(value, indent=2, default=str) + "\n", path)
 
 # %% ../nbs/07_checkpoint.ipynb #fd0dfd9f
 def _numpy_safe_globals() -> list:
@@ -288,7 +253,7 @@ def stale_temp_files(directory: str | os.PathLike) -> list[Path]:
     if not directory.is_dir(): return []
     stale = []
     for p in directory.iterdir():
-        m = _TEMP_NAME.fullmatch(p.name)
+        m = TEMP_NAME.fullmatch(p.name)
         if m and (checkpoint_step(m["target"]) is not None or m["target"] == "latest.json") \
              and not _pid_alive(int(m["pid"])): stale.append(p)
     return sorted(stale)
@@ -423,6 +388,6 @@ class CheckpointManager:
         del found
         destination = Path(destination)
         if destination.is_dir(): destination = destination / source.name
-        with _atomic_file(destination) as out, open(source, "rb") as src: shutil.copyfileobj(src, out)
+        with open(source, "rb") as src: atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
         shutil.copystat(source, destination)
         return destination

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union
 
+from .files import atomic_write_text
+
 # %% ../nbs/00_config.ipynb #0803e96c
 class ConfigError(ValueError):
     "A configuration problem, or several: `.problems` lists them, `str()` shows one per line."
@@ -876,20 +878,12 @@ def _to_yaml(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> str:
 def _save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
     "Write the redacted configuration atomically: YAML for `.yaml`/`.yml`, else JSON. Returns the path."
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = self.to_dict(redact_secrets=True)
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
         text = yaml.safe_dump(data, sort_keys=False)
     else: text = json.dumps(data, indent=2) + "\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text); f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists(): tmp.unlink()
-    return path
+    return atomic_write_text(text, path)
 
 for _f, _n in [(_to_dict, "to_dict"), (_to_yaml, "to_yaml"), (_save, "save")]:
     setattr(SpeedtronicConfig, _n, _f); _f.__name__, _f.__qualname__ = _n, f"SpeedtronicConfig.{_n}"

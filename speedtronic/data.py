@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
+from .files import atomic_write, atomic_write_text
+
 # %% auto #0
 __all__ = ['TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning', 'check_data_file', 'CharTokenizer',
            'HFTokenizer', 'load_tokenizer', 'encode_text', 'tokenizer_spec', 'SyntheticTokenDataset', 'cut_blocks',
@@ -315,26 +317,9 @@ def source_files(source: str | os.PathLike) -> list[Path]:
     if not files: raise DataError(f"source directory {str(source)!r} has no non-empty files")
     return files
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try: os.fsync(fd)
-        finally: os.close(fd)
-    except OSError: pass
-
 def write_atomic(path: Path, write: Callable[[Any], None]) -> None:
-    "Write `path` through `write(file)` into a temporary sibling, fsync it, then rename it into place."
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush(); os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    "Write `path` through `write(file)` atomically and durably (`speedtronic.files.atomic_write`)."
+    atomic_write(path, write)
 
 # %% ../nbs/03_data.ipynb #028d5b1b
 @dataclass
@@ -388,7 +373,7 @@ def prepare_token_file(source: str | os.PathLike, output: str | os.PathLike, *, 
                 count, done = count + len(ids), done + end - start
                 bar.update(done, count)
     try:
-        write_atomic(out, write)
+        atomic_write(out, write)
     finally:
         bar.update(done, count, force=True); bar.close()
     if count == 0:
@@ -397,7 +382,7 @@ def prepare_token_file(source: str | os.PathLike, output: str | os.PathLike, *, 
     meta = {"format": TOKEN_FILE_FORMAT, "version": TOKEN_FILE_VERSION, "dtype": dtype.name, "num_tokens": count,
             "vocab_size": vocab, "tokenizer": tokenizer_spec(tok), "sources": [str(f) for f in files]}
     sidecar = token_sidecar(out)
-    write_atomic(sidecar, lambda f: f.write((json.dumps(meta, indent=2) + "\n").encode()))
+    atomic_write_text(json.dumps(meta, indent=2) + "\n", sidecar)
     return PreparedTokens(out, sidecar, meta["sources"], count, dtype.name, vocab, meta["tokenizer"])
 
 def token_sidecar(path: str | os.PathLike) -> Path:

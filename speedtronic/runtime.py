@@ -20,6 +20,7 @@ import torch
 
 from .checkpoint import CheckpointManager
 from .config import ConfigError, SpeedtronicConfig
+from .files import atomic_write_text
 from .data import build_dataloader
 from .optimizers import build_optimizer, check_optimizer_available
 from .precision import resolve_device, resolve_precision
@@ -106,8 +107,7 @@ def ensure_demo_corpus(path: str | os.PathLike) -> Path:
     "Write the standard-library docstring corpus to `path` unless the file already exists."
     path = Path(path)
     if not path.exists():
-        from speedtronic.checkpoint import atomic_write_bytes
-        atomic_write_bytes(demo_corpus_text().encode("utf-8"), path)
+        atomic_write_text(demo_corpus_text(), path)
     return path
 
 def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
