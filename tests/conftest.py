@@ -22,7 +22,7 @@ CHROMIUM_ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic'
 @pytest.fixture(scope='session')
 def browser():
     "Headless Debian Chromium driven by Playwright; skipped when either is missing unless CI requires it."
-    exe = shutil.which('chromium') or shutil.which('chromium-browser')
+    exe = next((shutil.which(n) for n in ('chromium', 'chromium-browser', 'google-chrome', 'google-chrome-stable') if shutil.which(n)), None)
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
