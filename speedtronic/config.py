@@ -4,7 +4,7 @@
 __all__ = ['REDACTED', 'Config', 'ConfigError', 'ConfigWarning', 'is_secret_key', 'redact', 'explicit_fields', 'RunConfig',
            'ModelConfig', 'DataConfig', 'OptimizerConfig', 'SchedulerConfig', 'PrecisionConfig', 'CheckpointConfig',
            'LoggingConfig', 'ShapeValidationConfig', 'DistributedConfig', 'SpeedtronicConfig', 'load_config',
-           'load_yaml_config']
+           'load_yaml_config', 'config_value', 'config_section']
 
 # %% ../nbs/00_config.ipynb #d9134a01
 import dataclasses
@@ -887,3 +887,20 @@ def _save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
 
 for _f, _n in [(_to_dict, "to_dict"), (_to_yaml, "to_yaml"), (_save, "save")]:
     setattr(SpeedtronicConfig, _n, _f); _f.__name__, _f.__qualname__ = _n, f"SpeedtronicConfig.{_n}"
+
+# %% ../nbs/00_config.ipynb #08fb54e4
+_MISSING = object()
+
+def config_value(config: Any, path: str, default: Any = None) -> Any:
+    "`config.a.b` (attributes or mapping keys) for `path='a.b'`; `default` when a part is missing."
+    obj = config
+    for part in path.split("."):
+        if obj is None: return default
+        obj = obj.get(part, _MISSING) if isinstance(obj, Mapping) else getattr(obj, part, _MISSING)
+        if obj is _MISSING: return default
+    return obj
+
+def config_section(config: Any, name: str) -> Any:
+    "The `name` section of a full config, or `config` itself when it is that section already."
+    section = config_value(config, name)
+    return config if section is None else section

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
+from .config import config_value
 from .files import atomic_write, atomic_write_text
 
 # %% auto #0
@@ -737,7 +738,8 @@ class ResumableDataLoader(DataLoader):
 
 # %% ../nbs/03_data.ipynb #619003a6
 def _setting(config: Any, name: str, default: Any = None) -> Any:
-    value = config.get(name, default) if isinstance(config, Mapping) else getattr(config, name, default)
+    "A data setting; unset (`None`) means the default, as in 2.0's `build_dataloader` (spec §3.7)."
+    value = config_value(config, name)
     return default if value is None else value
 
 def resolve_vocab_size(data_vocab: int | None, model_vocab: int | None) -> int:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import ConfigError
+from .config import ConfigError, config_value
 from .profiling import Metric, close_hook
 
 # %% auto #0
@@ -90,11 +90,6 @@ class WandbHook:
     close = finish
 
 # %% ../nbs/08c_integrations.ipynb #cb4da584
-def _setting(config: Any, key: str, default: Any = None) -> Any:
-    "`config.key` or `config[key]`."
-    if isinstance(config, Mapping): return config.get(key, default)
-    return getattr(config, key, default)
-
 def hooks_from_config(logging_config: Any, # `LoggingConfig`, mapping or namespace with the `logging` keys
                       *, progress: bool = False, # also add the bar `logging.progress` asks for
                       progress_stream: Any = None, # stream for the progress bar (default sys.stderr)
@@ -103,19 +98,19 @@ def hooks_from_config(logging_config: Any, # `LoggingConfig`, mapping or namespa
     from speedtronic.progress import ProgressBar
     hooks: list = []
     try:
-        tb_dir = _setting(logging_config, "tensorboard_dir")
+        tb_dir = config_value(logging_config, "tensorboard_dir")
         if tb_dir not in (None, False, ""):
             if not isinstance(tb_dir, (str, os.PathLike)):
                 raise ConfigError(f"logging.tensorboard_dir must be a directory path, got {tb_dir!r}")
             hooks.append(TensorboardHook(tb_dir))
-        wandb_setting = _setting(logging_config, "wandb")
+        wandb_setting = config_value(logging_config, "wandb")
         if wandb_setting is True: hooks.append(WandbHook())
         elif isinstance(wandb_setting, Mapping): hooks.append(WandbHook(**dict(wandb_setting)))
         elif wandb_setting not in (None, False):
             raise ConfigError("logging.wandb must be true, false/null or a mapping of wandb.init arguments "
                                 f"(e.g. {{project: my-run, mode: offline}}), got {wandb_setting!r}")
         if progress:
-            bar = ProgressBar(enabled=_setting(logging_config, "progress", "auto"), stream=progress_stream)
+            bar = ProgressBar(enabled=config_value(logging_config, "progress", "auto"), stream=progress_stream)
             if bar.enabled: hooks.append(bar)
     except BaseException:
         for hook in hooks: close_hook(hook)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .config import ConfigError, config_section
 from .precision import supports_fused_adamw
 
 # %% auto #0
@@ -98,11 +98,6 @@ def check_optimizer_available(opt_cfg: Any) -> str:
     return name
 
 # %% ../nbs/05_optimizers.ipynb #d19da20d
-def _optimizer_section(config: Any) -> Any:
-    "The `optimizer` section of a full config (or the section itself)."
-    section = getattr(config, "optimizer", None)
-    return section if section is not None else config
-
 def adamw_settings(opt_cfg: Any) -> dict:
     "`lr`, `betas`, `eps`, `weight_decay` of an `optimizer` section, checked (2.0 defaults when absent)."
     lr, eps = getattr(opt_cfg, "lr", 3e-4), getattr(opt_cfg, "eps", 1e-8)
@@ -124,7 +119,7 @@ def build_optimizer(model: nn.Module,
                     *, logger: Any = None, # a `MetricLogger` (anything with `emit(event, payload)`)
                    ) -> torch.optim.Optimizer:
     "AdamW over every trainable parameter of `model`, configured by `config.optimizer` (spec §6.1)."
-    opt_cfg = _optimizer_section(config)
+    opt_cfg = config_section(config, "optimizer")
     name = check_optimizer_available(opt_cfg)
     hyper = adamw_settings(opt_cfg)
     mode, wd = getattr(opt_cfg, "weight_decay_on", "matrices") or "matrices", hyper["weight_decay"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from .config import ConfigError, explicit_fields
+from .config import ConfigError, config_section, explicit_fields
 
 # %% auto #0
 __all__ = ['SCHEDULE_NAMES', 'DEFAULT_WARMUP_STEPS', 'lr_multiplier', 'Schedule', 'default_warmup', 'resolve_schedule',
@@ -50,11 +50,6 @@ class Schedule:
         return lr_multiplier(step, **asdict(self))
 
 # %% ../nbs/06_schedules.ipynb #14947225
-def _scheduler_section(config: Any) -> Any:
-    "The `scheduler` section of a full config (or the section itself)."
-    section = getattr(config, "scheduler", None)
-    return section if section is not None else config
-
 DEFAULT_WARMUP_STEPS = 100   # 2.0's `scheduler.warmup_steps` default (spec §1.4)
 
 def default_warmup(horizon: int) -> int:
@@ -69,7 +64,7 @@ def resolve_schedule(config: Any, # a `SpeedtronicConfig`, or its `scheduler` se
                      *, max_steps: int | None = None, # the run's effective target, if the runtime knows it
                     ) -> Schedule:
     "The schedule a run uses: name, horizon and warmup resolved from config and run target (fixes K1)."
-    sched = _scheduler_section(config)
+    sched = config_section(config, "scheduler")
     name = str(getattr(sched, "name", "cosine") or "cosine").strip().lower()
     if name not in SCHEDULE_NAMES:
         raise ConfigError(f"scheduler.name must be one of {', '.join(SCHEDULE_NAMES)}, got {name!r}")

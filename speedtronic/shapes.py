@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError
+from .config import ConfigError, config_value
 
 # %% auto #0
 __all__ = ['ShapeProfile', 'resolve_shape_profile', 'ShapeWarning', 'ShapeReport', 'round_up', 'model_dimensions',
@@ -125,18 +125,13 @@ def model_dimensions(model: nn.Module) -> list[tuple[str, int, str]]:
     return out
 
 
-def _section_value(config: Any, section: str, key: str, default: Any = None) -> Any:
-    "config.<section>.<key> via getattr, `default` where missing."
-    return getattr(getattr(config, section, None), key, default)
-
-
 def shape_findings(config: Any, model: nn.Module, alignment: int) -> list[ShapeWarning]:
     "All alignment findings for `config` and `model`, de-duplicated, in check order."
     sv = getattr(config, "shape_validation", None)
     on = lambda key, default=True: bool(getattr(sv, key, default))
-    micro = _section_value(config, "data", "micro_batch_size", None)
-    block = _section_value(config, "data", "block_size", None) or _section_value(config, "model", "max_seq_len", None)
-    target = _section_value(config, "data", "target_batch_size", micro)
+    micro = config_value(config, "data.micro_batch_size", None)
+    block = config_value(config, "data.block_size", None) or config_value(config, "model.max_seq_len", None)
+    target = config_value(config, "data.target_batch_size", micro)
     candidates: list[tuple[str, str, Any, Any, str]] = []  # code, field, value, suggested-or-"round", where
     if on("check_batch") and micro:
         candidates.append(("batch_alignment", "data.micro_batch_size", micro,
@@ -147,7 +142,7 @@ def shape_findings(config: Any, model: nn.Module, alignment: int) -> list[ShapeW
         candidates.append(("token_alignment", "data.micro_batch_size*data.block_size", micro * block, "round", "tokens per micro batch"))
     if on("check_model") and model is not None:
         candidates += [("model_alignment", f, v, "round", f"module '{where}'") for f, v, where in model_dimensions(model)]
-    vocab = _section_value(config, "model", "vocab_size", None) or getattr(model, "vocab_size", None)
+    vocab = config_value(config, "model.vocab_size", None) or getattr(model, "vocab_size", None)
     if on("check_vocab", False) and vocab:
         candidates.append(("vocab_alignment", "model.vocab_size", vocab, "round", "the vocabulary"))
     seen, found = set(), []

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import capture_rng_state, check_compatible, restore_rng_state
-from .config import SpeedtronicConfig
+from .config import SpeedtronicConfig, config_value
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
 from .precision import autocast_context, make_grad_scaler, resolve_precision
@@ -176,13 +176,6 @@ def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     return not scaler.get_scale() < before
 
 # %% ../nbs/11_trainer.ipynb #6d30d448
-def _config_value(config: Any, path: str, default: Any) -> Any:
-    obj = config
-    for part in path.split("."):
-        if obj is None: return default
-        obj = getattr(obj, part, None)
-    return default if obj is None else obj
-
 def _compile_enabled(config: Any) -> bool:
     value = getattr(config, "compile", False) if config is not None else False
     if isinstance(value, Mapping): value = value.get("enabled", False)
@@ -214,13 +207,13 @@ class Trainer:
             config.precision if config is not None else None, self.device)
         if getattr(self.logger, "device", "absent") is None: self.logger.device = self.device
         self.checkpoint_manager, self.coordinator = checkpoint_manager, coordinator
-        self.max_steps = int(max_steps) if max_steps is not None else int(_config_value(config, "run.max_steps", 1000))
+        self.max_steps = int(max_steps) if max_steps is not None else int(config_value(config, "run.max_steps", 1000))
         self.step, self.samples, self._tokens = int(start_step), 0, 0
         self.shape_report = shape_report
         self.scaler = make_grad_scaler(self.precision)
-        self.grad_clip = _config_value(config, "optimizer.grad_clip", None)
-        self.max_skipped_steps = int(_config_value(config, "precision.max_skipped_steps", 100))
-        history = _config_value(config, "logging.metrics_history", 10000) if config is not None else 10000
+        self.grad_clip = config_value(config, "optimizer.grad_clip", None)
+        self.max_skipped_steps = int(config_value(config, "precision.max_skipped_steps", 100))
+        history = config_value(config, "logging.metrics_history", 10000)  # null keeps every record
         self.metrics_history: int | None = None if history is None else int(history)
         self.stop_requested: str | None = None
         self._batches: Iterator | None = None
@@ -238,7 +231,7 @@ class Trainer:
     @property
     def accumulation_steps(self) -> int:
         "Microbatches per optimizer update (`data.accumulation_steps`, at least 1)."
-        return max(1, int(_config_value(self.config, "data.accumulation_steps", 1)))
+        return max(1, int(config_value(self.config, "data.accumulation_steps", 1)))
 
     @property
     def tokens(self) -> int:
@@ -249,7 +242,7 @@ class Trainer:
     def tokens(self, value: int): self._tokens = int(value)
 
     def _setup_gradient_checkpointing(self) -> None:
-        if not _config_value(self.config, "gradient_checkpointing", False): return
+        if not config_value(self.config, "gradient_checkpointing", False): return
         try: self.model.set_gradient_checkpointing(True)
         except Exception as e:
             self.logger.warning(f"gradient checkpointing is enabled but the model could not turn it on: {e}")
@@ -407,7 +400,7 @@ def _train_one_step(self: Trainer, batches: Iterator) -> None:
     self._updating = False
     if self.coordinator is not None:
         if self.coordinator.after_optimizer_step(self.model, self.step) and \
-                _config_value(self.config, "distributed.reset_inner_optimizer", True):
+                config_value(self.config, "distributed.reset_inner_optimizer", True):
             self.optimizer.state.clear()
     self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
 
@@ -437,7 +430,7 @@ def _setup_fit(self: Trainer) -> None:
     if self.config is not None and self.shape_report is None:
         from speedtronic.shapes import validate_startup_shapes
         self.shape_report = validate_startup_shapes(self.config, self.model, self.device, self.precision, logger=self.logger)
-    if self._ooo is None and _config_value(self.config, "ooo_backprop", False):
+    if self._ooo is None and config_value(self.config, "ooo_backprop", False):
         if self.compiled_model is not None:
             self.logger.warning("ooo_backprop is disabled because compile is enabled")
             self.logger.emit("ooo_backprop", {"enabled": False, "reason": "compile is enabled"})
@@ -446,7 +439,7 @@ def _setup_fit(self: Trainer) -> None:
             except ImportError as e:
                 self.logger.emit("ooo_backprop", {"enabled": False, "reason": f"stream scheduler unavailable: {e}"})
                 return self._finish_setup()
-            streams = min(8, max(1, int(_config_value(self.config, "ooo_streams", 4))))
+            streams = min(8, max(1, int(config_value(self.config, "ooo_streams", 4))))
             self._ooo = StageStreamScheduler(self.model, self.device, num_streams=streams, logger=self.logger)
             self.logger.emit("ooo_backprop", self._ooo.as_dict())
     self._finish_setup()

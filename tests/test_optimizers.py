@@ -89,12 +89,17 @@ def test_resume_through_a_file_continues_identically(tmp_path, scheduler_first):
         assert torch.equal(a, b), name
 
 
+def twin_models() -> tuple[TinyLM, TinyLM]:
+    "Two models with the same weights: one for our optimizer, one for a hand-built torch one."
+    torch.manual_seed(0)
+    ours, theirs = TinyLM(), TinyLM()
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
 def test_matches_plain_pytorch_adamw():
     xs = batches(4, seed=1)
-    torch.manual_seed(0)
-    ours = TinyLM()
-    theirs = TinyLM()
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = twin_models()
     train(ours, build_optimizer(ours, config(weight_decay_on="all", betas=(0.8, 0.9)), "cpu"), None, xs)
     train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1), None, xs)
     for a, b in zip(ours.parameters(), theirs.parameters()):
@@ -103,10 +108,7 @@ def test_matches_plain_pytorch_adamw():
 
 def test_matrices_mode_matches_hand_built_groups():
     xs = batches(4, seed=2)
-    torch.manual_seed(0)
-    ours = TinyLM()
-    theirs = TinyLM()
-    theirs.load_state_dict(ours.state_dict())
+    ours, theirs = twin_models()
     train(ours, build_optimizer(ours, config(), "cpu"), None, xs)
     decay = [p for p in theirs.parameters() if p.ndim >= 2]
     rest = [p for p in theirs.parameters() if p.ndim < 2]

@@ -175,6 +175,7 @@ def test_metrics_history_is_bounded_and_keeps_the_newest():
 
 def test_unbounded_history_when_null():
     t = make(config(logging={"metrics_history": None}), token_batches(3, 2), max_steps=5)
+    assert t.metrics_history is None                 # null means unbounded, not the 10000 default
     assert len(t.fit().metrics) == 5
 
 
