@@ -14,7 +14,7 @@ from importlib import metadata
 from types import ModuleType
 from typing import Any
 
-from .config import ConfigError
+from .config import ConfigError, config_value
 
 # %% auto #0
 __all__ = ['ModelFactory', 'ENTRY_POINT_GROUP', 'BUILTIN_MODELS', 'registry', 'UnknownModelError', 'factory_path', 'same_factory',
@@ -179,11 +179,6 @@ _STANDARD_FIELDS = (  # (factory keyword, config field, default)
     ("d_ff", "d_ff", None), ("dropout", "dropout", 0.0), ("tie_weights", "tie_weights", True),
     ("rope_base", "rope_base", 10000.0))
 
-def _field(config: Any, key: str, default: Any) -> Any:
-    "Read `key` from a config object or mapping."
-    if isinstance(config, Mapping): return config.get(key, default)
-    return getattr(config, key, default)
-
 def model_section(config: Any) -> Any:
     "The `model` section of `config` (a root config, a model config, a mapping or `None`)."
     if config is None: return {}
@@ -202,10 +197,10 @@ def _accepted(factory: ModelFactory, kwargs: dict[str, Any]) -> dict[str, Any]:
 def build_model(config: Any = None, **overrides) -> Any:
     "Build the model named by `config.name` with the section's fields; `overrides` win."
     section = model_section(config)
-    import_model_modules(_field(section, "imports", ()) or ())
-    name = _field(section, "name", None) or "reference_transformer"
+    import_model_modules(config_value(section, "imports", ()) or ())
+    name = config_value(section, "name", None) or "reference_transformer"
     factory = registry.get(name)
-    standard = {kw: _field(section, key, default) for kw, key, default in _STANDARD_FIELDS}
+    standard = {kw: config_value(section, key, default) for kw, key, default in _STANDARD_FIELDS}
     model = factory(**{**_accepted(factory, standard), **overrides})
     if model is None:
         raise TypeError(f"model factory for '{name}' ({factory_path(factory) or repr(factory)}) returned None; "
