@@ -26,6 +26,8 @@ lic = licenses.get(cfg['license'].lower(), (cfg['license'], None))
 dev_requirements = shlex.split(cfg.get('dev_requirements', ''))
 logging_requirements = shlex.split(cfg.get('logging_requirements', ''))
 plot_requirements = shlex.split(cfg.get('plot_requirements', ''))
+widgets_requirements = shlex.split(cfg.get('widgets_requirements', ''))
+tokenizers_requirements = shlex.split(cfg.get('tokenizers_requirements', ''))
 
 # The shipped configs live at the top level (configs/, examples/) and are installed
 # inside the package as speedtronic.configs / speedtronic.examples (2.0 shipped them only in the sdist).
@@ -47,7 +49,8 @@ setuptools.setup(
     include_package_data = True,
     package_data = {cfg['lib_name'] + '.configs': ['*.yaml'], cfg['lib_name'] + '.examples': ['*.yaml']},
     install_requires = requirements,
-    extras_require = {'dev': dev_requirements, 'logging': logging_requirements, 'plot': plot_requirements},
+    extras_require = {'dev': dev_requirements, 'logging': logging_requirements, 'plot': plot_requirements,
+                      'widgets': widgets_requirements, 'tokenizers': tokenizers_requirements},
     dependency_links = cfg.get('dep_links','').split(),
     python_requires  = '>=' + cfg['min_python'],
     long_description = open('README.md', encoding='utf-8').read(),

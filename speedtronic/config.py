@@ -4,7 +4,7 @@
 __all__ = ['REDACTED', 'Config', 'ConfigError', 'ConfigWarning', 'is_secret_key', 'redact', 'explicit_fields', 'RunConfig',
            'ModelConfig', 'DataConfig', 'OptimizerConfig', 'SchedulerConfig', 'PrecisionConfig', 'CheckpointConfig',
            'LoggingConfig', 'ShapeValidationConfig', 'DistributedConfig', 'SpeedtronicConfig', 'load_config',
-           'load_yaml_config', 'config_value', 'config_section']
+           'load_yaml_config', 'as_section', 'run_target', 'config_value', 'config_section']
 
 # %% ../nbs/00_config.ipynb #d9134a01
 import dataclasses
@@ -887,6 +887,39 @@ def _save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
 
 for _f, _n in [(_to_dict, "to_dict"), (_to_yaml, "to_yaml"), (_save, "save")]:
     setattr(SpeedtronicConfig, _n, _f); _f.__name__, _f.__qualname__ = _n, f"SpeedtronicConfig.{_n}"
+
+# %% ../nbs/00_config.ipynb #295d7fc9
+def _section_from_mapping(cls: type, values: Mapping[str, Any]) -> Any:
+    "Build section `cls` from a mapping of its keys; one `ConfigError` lists unknown keys and bad values."
+    valid = [f.name for f in fields(cls)]
+    problems = _unknown(cls._section, [k for k in values if k not in valid], valid)
+    section, more = _construct(cls, {k: v for k, v in values.items() if k in valid})
+    if problems or more: raise ConfigError(problems + more)
+    return section
+
+def _is_root_mapping(values: Mapping[str, Any], cls: type) -> bool:
+    "Does `values` look like a whole configuration rather than the keys of section `cls`?"
+    keys, own = set(map(str, values)), {f.name for f in fields(cls)}
+    return bool(keys) and not keys & own and bool(keys & set(_ROOT_KEYS + _RUN_ALIASES + ("hub", "diloco")))
+
+def as_section(value: Any, # a `SpeedtronicConfig`, a section, a mapping (root or section keys), a namespace, or None
+               cls: type, # the section class wanted, e.g. `OptimizerConfig`
+              ) -> Any:
+    "The `cls` section of `value`, built and checked once (how a public 2.0 signature converts its argument)."
+    if isinstance(value, cls): return value
+    if value is None: return cls()
+    if isinstance(value, SpeedtronicConfig): return getattr(value, cls._section)
+    if isinstance(value, Mapping):
+        if _is_root_mapping(value, cls): return getattr(SpeedtronicConfig.from_dict(value), cls._section)
+        return _section_from_mapping(cls, value)
+    inner = getattr(value, cls._section, None)
+    if inner is not None and not isinstance(inner, (str, int, float, bool)): return as_section(inner, cls)
+    return _section_from_mapping(cls, {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)})
+
+# %% ../nbs/00_config.ipynb #567d17ae
+def run_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
+    "The absolute step a run trains to: `max_steps` if given, else `data.max_steps`, else `run.max_steps`."
+    return int(max_steps) if max_steps is not None else int(config.data.max_steps or config.run.max_steps)
 
 # %% ../nbs/00_config.ipynb #08fb54e4
 _MISSING = object()
