@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 # %% auto #0
-__all__ = ['TEMP_NAME', 'atomic_write', 'atomic_write_bytes', 'atomic_write_text']
+__all__ = ['TEMP_NAME', 'atomic_write', 'atomic_write_bytes', 'atomic_write_text', 'file_in_the_way']
 
 # %% ../nbs/00a_files.ipynb #be748c8a
 TEMP_NAME = re.compile(r"\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
@@ -61,3 +61,11 @@ def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
 def atomic_write_text(text: str, path: str | os.PathLike, encoding: str = "utf-8") -> Path:
     "Write `text` to `path` atomically, encoded with `encoding`, line ends as given; returns `path`."
     return atomic_write(path, lambda f: f.write(text.encode(encoding)))
+
+# %% ../nbs/00a_files.ipynb #4f70de85
+def file_in_the_way(directory: str | os.PathLike) -> Path | None:
+    "The existing non-directory at `directory` or at one of its parents (which blocks creating it), if any."
+    directory = Path(directory)
+    for p in (directory, *directory.parents):
+        if p.exists(): return None if p.is_dir() else p
+    return None
