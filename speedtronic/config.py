@@ -3,8 +3,8 @@
 # %% auto #0
 __all__ = ['REDACTED', 'Config', 'ConfigError', 'ConfigWarning', 'is_secret_key', 'redact', 'explicit_fields', 'RunConfig',
            'ModelConfig', 'DataConfig', 'OptimizerConfig', 'SchedulerConfig', 'PrecisionConfig', 'CheckpointConfig',
-           'LoggingConfig', 'ShapeValidationConfig', 'DistributedConfig', 'SpeedtronicConfig', 'load_config',
-           'load_yaml_config', 'as_section', 'run_target', 'config_value', 'config_section']
+           'LoggingConfig', 'ShapeValidationConfig', 'DistributedConfig', 'SpeedtronicConfig', 'run_target',
+           'load_config', 'load_yaml_config', 'as_section', 'config_value', 'config_section']
 
 # %% ../nbs/00_config.ipynb #d9134a01
 import dataclasses
@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union
+
+from fastcore.basics import patch
 
 from .files import atomic_write_text
 
@@ -235,7 +237,9 @@ class _Section:
         elif problems: raise ConfigError(problems)
     def _problems(self) -> list[str]:
         problems = _check_fields(self)
+        self._normalise()
         return problems + self._rules()
+    def _normalise(self) -> None: "Fill the values a section derives from its own fields (2.0's normalisation); checks nothing."
     def _rules(self) -> list[str]: return []
 
 def _config_section(name: str):
@@ -302,11 +306,12 @@ class ModelConfig(_Section):
     rope_base: float = 10000.0
     gradient_checkpointing: bool = False  # OR-synchronised with the root flag
     imports: list[str] = field(default_factory=list)  # modules imported before the registry lookup
+    def _normalise(self):
+        if self.n_kv_head is None: self.n_kv_head = self.n_head
+        if self.d_ff is None: self.d_ff = 4 * self.d_model
     def _rules(self):
         r = _Rules(self)
         r.positive("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "rope_base")
-        if self.n_kv_head is None: self.n_kv_head = self.n_head
-        if self.d_ff is None: self.d_ff = 4 * self.d_model
         if not 0 <= self.dropout < 1: r.fail("dropout", f"must be in [0, 1), got {_show(self.dropout)}")
         heads_ok = self.n_head > 0 and self.n_kv_head > 0
         if heads_ok and self.n_head % self.n_kv_head:
@@ -406,6 +411,8 @@ class SchedulerConfig(_Section):
         r.non_negative("warmup_steps")
         r.positive("max_steps")
         r.fraction("min_lr_ratio", closed=True)
+        if {"warmup_steps", "max_steps"} <= explicit_fields(self) and 0 < self.max_steps <= self.warmup_steps:
+            r.problems.append(_warmup_problem(self.warmup_steps, self.max_steps, "raise scheduler.max_steps"))
         return r.problems
 
 # %% ../nbs/00_config.ipynb #ee7bfb6d
@@ -476,9 +483,10 @@ class ShapeValidationConfig(_Section):
     check_model: bool = True
     check_vocab: bool = False
     warn_on_cpu: bool = False
+    def _normalise(self):
+        if self.alignment is None: self.alignment = "auto"
     def _rules(self):
         r = _Rules(self)
-        if self.alignment is None: self.alignment = "auto"
         if isinstance(self.alignment, str):
             r.choice("alignment", ("auto", "none"))
         elif self.alignment <= 0: r.fail("alignment", f"must be 'auto', 'none' or a positive integer, got {_show(self.alignment)}")
@@ -534,11 +542,6 @@ _SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": Da
                               "scheduler": SchedulerConfig, "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
                               "logging": LoggingConfig, "distributed": DistributedConfig,
                               "shape_validation": ShapeValidationConfig}
-_DEFAULT_WARMUP = 100
-
-def _default_warmup(horizon: int) -> int:
-    "Warmup used when the user did not set one: 100 steps, at most a tenth of the horizon."
-    return min(_DEFAULT_WARMUP, horizon // 10)
 
 def _warmup_problem(warmup: int, horizon: int, how: str) -> str:
     "The error for an explicit warmup that does not end before the schedule does."
@@ -549,7 +552,7 @@ def _warmup_problem(warmup: int, horizon: int, how: str) -> str:
 # %% ../nbs/00_config.ipynb #f3df623c
 @_config_section("")
 class SpeedtronicConfig(_Section):
-    "A whole run's configuration: ten sections plus root flags (spec §1)."
+    "A whole run's configuration: ten sections plus root flags."
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -565,63 +568,75 @@ class SpeedtronicConfig(_Section):
     ooo_backprop: bool = False
     ooo_streams: int = 4
 
-    def _problems(self) -> list[str]:
-        for name, cls in _SECTIONS.items():
-            if getattr(self, name) is None: setattr(self, name, cls())
-        return super()._problems()
-
-    def _rules(self) -> list[str]:
-        problems = []
-        if not 1 <= self.ooo_streams <= 8: problems.append(f"ooo_streams: must be between 1 and 8, got {_show(self.ooo_streams)}")
-        d = self.distributed
-        if d.enabled and d.role == "single": d.role = "master" if d.repo_id else "worker"
-        if self.data.block_size is None: self.data.block_size = self.model.max_seq_len
-        if self.data.vocab_size is None: self.data.vocab_size = self.model.vocab_size
-        if self.data.seed is None: self.data.seed = self.run.seed
-        if self.run.log_every is not None and self.logging.every_steps == 1: self.logging.every_steps = self.run.log_every
-        problems += self._sync_schedule()
-        if self.gradient_checkpointing or self.model.gradient_checkpointing:
-            self.gradient_checkpointing = self.model.gradient_checkpointing = True
-        return problems
-
-    def _sync_schedule(self) -> list[str]:
-        "Unset horizon follows the trainer target; unset warmup fits in it; explicit warmup must."
-        s = self.scheduler
-        if "max_steps" not in explicit_fields(s): s.max_steps = self.data.max_steps or self.run.max_steps
-        if "warmup_steps" not in explicit_fields(s): s.warmup_steps = _default_warmup(s.max_steps)
-        elif s.warmup_steps >= s.max_steps:
-            how = "raise scheduler.max_steps" if "max_steps" in explicit_fields(s) else "raise run.max_steps (the horizon follows it)"
-            return [_warmup_problem(s.warmup_steps, s.max_steps, how)]
-        return []
-
     @property
     def accumulation_steps(self) -> int:
         "Micro-batches per optimizer step (`data.accumulation_steps`)."
         return self.data.accumulation_steps
+
+# %% ../nbs/00_config.ipynb #567d17ae
+def run_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
+    "The absolute step a run trains to: `max_steps` if given, else `data.max_steps`, else `run.max_steps`."
+    return int(max_steps) if max_steps is not None else int(config.data.max_steps or config.run.max_steps)
+
+# %% ../nbs/00_config.ipynb #9be3c3ca
+@patch
+def _problems(self: SpeedtronicConfig) -> list[str]:
+    for name, cls in _SECTIONS.items():
+        if getattr(self, name) is None: setattr(self, name, cls())
+    return _Section._problems(self)
+
+@patch
+def _normalise(self: SpeedtronicConfig) -> None:
+    "2.0's aggregate normalisation: fill the values one section takes from another."
+    d = self.distributed
+    if d.enabled and d.role == "single": d.role = "master" if d.repo_id else "worker"
+    if self.data.block_size is None: self.data.block_size = self.model.max_seq_len
+    if self.data.vocab_size is None: self.data.vocab_size = self.model.vocab_size
+    if self.data.seed is None: self.data.seed = self.run.seed
+    if self.run.log_every is not None and self.logging.every_steps == 1: self.logging.every_steps = self.run.log_every
+    if self.gradient_checkpointing or self.model.gradient_checkpointing:
+        self.gradient_checkpointing = self.model.gradient_checkpointing = True
+    self._follow_schedule()
+
+@patch
+def _follow_schedule(self: SpeedtronicConfig) -> None:
+    "Show in `scheduler` the horizon and warmup `speedtronic.schedules` resolves for this run's target."
+    from speedtronic.schedules import horizon_and_warmup   # the owner of the rule; it imports no torch
+    s = self.scheduler
+    if s.max_steps <= 0 or s.warmup_steps < 0 or run_target(self) <= 0: return   # reported by the checks
+    s.max_steps, s.warmup_steps = horizon_and_warmup(s, run_target(self))
+
+@patch
+def _rules(self: SpeedtronicConfig) -> list[str]:
+    problems = []
+    if not 1 <= self.ooo_streams <= 8: problems.append(f"ooo_streams: must be between 1 and 8, got {_show(self.ooo_streams)}")
+    s = self.scheduler
+    if "warmup_steps" in explicit_fields(s) and s.warmup_steps >= s.max_steps > 0:
+        how = "raise scheduler.max_steps" if "max_steps" in explicit_fields(s) else "raise run.max_steps (the horizon follows it)"
+        problems.append(_warmup_problem(s.warmup_steps, s.max_steps, how))
+    return problems
 
 # %% ../nbs/00_config.ipynb #3b19c323
 def _validation_problems(self: SpeedtronicConfig) -> list[str]:
     "Every problem of an already built configuration (sections re-checked, cross-section rules)."
     problems = []
     for name in _SECTIONS: problems += getattr(self, name)._problems()
-    problems += _check_fields(self)
-    if not 1 <= self.ooo_streams <= 8: problems.append(f"ooo_streams: must be between 1 and 8, got {_show(self.ooo_streams)}")
+    problems += _check_fields(self) + self._rules()
     if self.data.block_size is None: problems.append("data.block_size: must be positive (it is null; set it or rebuild the config)")
     d = self.distributed
     if d.enabled and not d.repo_id:
         problems.append("distributed.repo_id: is required for DumbDiLoCo when distributed.enabled is true (e.g. repo_id: org/run)")
-    s = self.scheduler
-    if s.warmup_steps >= s.max_steps and "warmup_steps" in explicit_fields(s):
-        problems.append(_warmup_problem(s.warmup_steps, s.max_steps, "raise scheduler.max_steps"))
     return problems
 
-def _validate(self: SpeedtronicConfig) -> SpeedtronicConfig:
+@patch
+def validate(self: SpeedtronicConfig) -> SpeedtronicConfig:
     "Check the whole configuration again; raise one `ConfigError` listing every problem. Returns `self`."
     problems = _validation_problems(self)
     if problems: raise ConfigError(problems)
     return self
 
-def _set_max_steps(self: SpeedtronicConfig, max_steps: int) -> SpeedtronicConfig:
+@patch
+def set_max_steps(self: SpeedtronicConfig, max_steps: int) -> SpeedtronicConfig:
     "Set the run target and the schedule horizon to `max_steps` (CLI `--max-steps`); re-derive an unset warmup."
     try: n = _as_int(max_steps)
     except _Mismatch: n = 0
@@ -630,12 +645,8 @@ def _set_max_steps(self: SpeedtronicConfig, max_steps: int) -> SpeedtronicConfig
     if "warmup_steps" in explicit_fields(s) and s.warmup_steps >= n:
         raise ConfigError(_warmup_problem(s.warmup_steps, n, f"ask for more than {_show(s.warmup_steps)} steps"))
     self.run.max_steps = s.max_steps = n
-    if "warmup_steps" not in explicit_fields(s): s.warmup_steps = _default_warmup(n)
+    self._follow_schedule()
     return self
-
-SpeedtronicConfig.validate, SpeedtronicConfig.set_max_steps = _validate, _set_max_steps
-_validate.__name__, _validate.__qualname__ = "validate", "SpeedtronicConfig.validate"
-_set_max_steps.__name__, _set_max_steps.__qualname__ = "set_max_steps", "SpeedtronicConfig.set_max_steps"
 
 # %% ../nbs/00_config.ipynb #985461a5
 _RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")
@@ -720,8 +731,9 @@ def _build_sections(root: Mapping, problems: list[str]) -> dict:
     return built
 
 # %% ../nbs/00_config.ipynb #290ef4a6
-def _from_dict(cls, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
-    "Build and validate a configuration from a mapping (spec §1.2–§1.3); one `ConfigError` lists every problem."
+@patch(cls_method=True)
+def from_dict(cls: SpeedtronicConfig, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
+    "Build and validate a configuration from a mapping; one `ConfigError` lists every problem."
     if values is None: values = {}
     if not isinstance(values, Mapping): raise ConfigError(f"configuration root must be a mapping, got {_show(values)}")
     root, problems = dict(values), []
@@ -734,9 +746,6 @@ def _from_dict(cls, values: Mapping[str, Any] | None = None) -> SpeedtronicConfi
     if not problems: problems += _validation_problems(config)
     if problems: raise ConfigError(problems)
     return config
-
-SpeedtronicConfig.from_dict = classmethod(_from_dict)
-_from_dict.__name__, _from_dict.__qualname__ = "from_dict", "SpeedtronicConfig.from_dict"
 
 # %% ../nbs/00_config.ipynb #0c8a40fd
 def _yaml_loader() -> type:
@@ -824,11 +833,13 @@ def _is_inline(text: str) -> bool:
     if "\n" in text or text.lstrip().startswith(("{", "[")): return True
     return bool(re.search(r":(\s|$)", text)) and not _is_file(text)
 
-def _from_yaml(cls, path: str | os.PathLike) -> SpeedtronicConfig:
+@patch(cls_method=True)
+def from_yaml(cls: SpeedtronicConfig, path: str | os.PathLike) -> SpeedtronicConfig:
     "Load a YAML (or JSON) file; an empty file is the default configuration."
     return cls.from_dict(_read_config_file(Path(path), "yaml"))
 
-def _load(cls, source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
+@patch(cls_method=True)
+def load(cls: SpeedtronicConfig, source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
     "Load from a mapping, a path (`.json` → JSON, else YAML) or inline YAML/JSON text."
     if isinstance(source, SpeedtronicConfig): return source.validate()
     if isinstance(source, Mapping): return cls.from_dict(source)
@@ -838,8 +849,6 @@ def _load(cls, source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
     if _is_inline(source): return cls.from_dict(_parse_yaml(source, "inline config"))
     return cls.from_dict(_read_config_file(Path(source)))
 
-SpeedtronicConfig.from_yaml, SpeedtronicConfig.load = classmethod(_from_yaml), classmethod(_load)
-for _f, _n in [(_from_yaml, "from_yaml"), (_load, "load")]: _f.__name__, _f.__qualname__ = _n, f"SpeedtronicConfig.{_n}"
 
 def load_config(source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
     "Load a configuration from a mapping, a path or inline YAML/JSON text (`SpeedtronicConfig.load`)."
@@ -865,17 +874,20 @@ def _plain(value: Any, seen: frozenset = frozenset()) -> Any:
     if isinstance(value, os.PathLike): return os.fspath(value)
     return f"<{type(value).__name__} object>"
 
-def _to_dict(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> dict:
+@patch
+def to_dict(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> dict:
     "Plain JSON-friendly dict in field order; `redact_secrets` replaces every credential value."
     out = _plain(self)
     return redact(out) if redact_secrets else out
 
-def _to_yaml(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> str:
+@patch
+def to_yaml(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> str:
     "YAML text of `to_dict`, keys in field order."
     import yaml
     return yaml.safe_dump(self.to_dict(redact_secrets=redact_secrets), sort_keys=False)
 
-def _save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
+@patch
+def save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
     "Write the redacted configuration atomically: YAML for `.yaml`/`.yml`, else JSON. Returns the path."
     path = Path(path)
     data = self.to_dict(redact_secrets=True)
@@ -884,9 +896,6 @@ def _save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
         text = yaml.safe_dump(data, sort_keys=False)
     else: text = json.dumps(data, indent=2) + "\n"
     return atomic_write_text(text, path)
-
-for _f, _n in [(_to_dict, "to_dict"), (_to_yaml, "to_yaml"), (_save, "save")]:
-    setattr(SpeedtronicConfig, _n, _f); _f.__name__, _f.__qualname__ = _n, f"SpeedtronicConfig.{_n}"
 
 # %% ../nbs/00_config.ipynb #295d7fc9
 def _section_from_mapping(cls: type, values: Mapping[str, Any]) -> Any:
@@ -915,11 +924,6 @@ def as_section(value: Any, # a `SpeedtronicConfig`, a section, a mapping (root o
     inner = getattr(value, cls._section, None)
     if inner is not None and not isinstance(inner, (str, int, float, bool)): return as_section(inner, cls)
     return _section_from_mapping(cls, {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)})
-
-# %% ../nbs/00_config.ipynb #567d17ae
-def run_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
-    "The absolute step a run trains to: `max_steps` if given, else `data.max_steps`, else `run.max_steps`."
-    return int(max_steps) if max_steps is not None else int(config.data.max_steps or config.run.max_steps)
 
 # %% ../nbs/00_config.ipynb #08fb54e4
 _MISSING = object()

@@ -26,6 +26,7 @@ from .data import infinite_batches
 from .optimizers import load_optimizer_state
 from .precision import autocast_context, make_grad_scaler, resolve_precision
 from .profiling import MetricLogger
+from .schedules import load_scheduler_state
 
 # %% auto #0
 __all__ = ['TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator', 'TrainResult',
@@ -319,7 +320,7 @@ def _resume(self: Trainer, state: Mapping[str, Any],
     if state.get("optimizer") is not None:
         note = load_optimizer_state(self.optimizer, state["optimizer"], self.model)
         if note: self.logger.warning("resume: %s", note)
-    if self.scheduler is not None and state.get("scheduler") is not None: self.scheduler.load_state_dict(state["scheduler"])
+    if self.scheduler is not None and state.get("scheduler") is not None: load_scheduler_state(self.scheduler, state["scheduler"])
     self.step, self.samples = int(state.get("step", 0)), int(state.get("samples", 0))
     self._tokens, self._pending = int(state.get("tokens", 0)), []
     if state.get("rng"): restore_rng_state(state["rng"], logger=self.logger)
