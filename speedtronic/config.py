@@ -243,11 +243,20 @@ class _Section:
         return problems + self._rules()
     def _normalise(self) -> None: "Fill the values a section derives from its own fields (2.0's normalisation); checks nothing."
     def _rules(self) -> list[str]: return []
+    def __repr__(self) -> str:
+        "Like a dataclass repr, with every credential shown as `<redacted>` (a notebook cell may print it)."
+        return f"{type(self).__name__}({', '.join(f'{f.name}={_shown(f.name, getattr(self, f.name))}' for f in fields(self))})"
+
+def _shown(name: str, value: Any) -> str:
+    "repr of a field value for `_Section.__repr__`: secrets redacted, nested sections as their own repr."
+    if is_secret_key(name) and not _unset(value): return repr(REDACTED)
+    if isinstance(value, _Section): return repr(value)
+    return repr(redact(value) if isinstance(value, (Mapping, list, tuple)) else value)
 
 def _config_section(name: str):
     "Class decorator: a `_Section` dataclass named `name` whose `__init__` records the fields it was given."
     def decorate(cls):
-        cls = dataclass(cls)
+        cls = dataclass(cls, repr=False)
         cls._section = name
         init, names = cls.__init__, [f.name for f in fields(cls)]
         def __init__(self, *args, **kwargs):
@@ -448,6 +457,20 @@ class CheckpointConfig(_Section):
         return r.problems
 
 # %% ../nbs/00_config.ipynb #67270c0e
+_MAX_FREE_VALUES = 10_000   # a free-form mapping (logging.wandb) bigger than this is a mistake or an alias bomb
+
+def _expanded_size(value: Any) -> int:
+    "How many values `value` holds once shared references (YAML aliases) are expanded; linear time."
+    memo: dict[int, int] = {}
+    def size(v: Any, depth: int) -> int:
+        if not isinstance(v, (Mapping, list, tuple)): return 1
+        if id(v) in memo: return memo[id(v)]
+        if depth > 100: return _MAX_FREE_VALUES + 1
+        memo[id(v)] = _MAX_FREE_VALUES + 1              # a cycle counts as too big
+        memo[id(v)] = 1 + sum(size(x, depth + 1) for x in (v.values() if isinstance(v, Mapping) else v))
+        return memo[id(v)]
+    return size(value, 0)
+
 _LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 @_config_section("logging")
@@ -472,6 +495,10 @@ class LoggingConfig(_Section):
             if self.progress != "auto": r.fail("progress", f"must be auto, true or false, got {_show(self.progress)}")
         if isinstance(self.wandb, dict) and not all(isinstance(k, str) for k in self.wandb):
             r.fail("wandb", "the mapping's keys must be strings (wandb.init argument names)")
+        if isinstance(self.wandb, dict) and (n := _expanded_size(self.wandb)) > _MAX_FREE_VALUES:
+            r.fail("wandb", f"holds {n:,} values once YAML aliases (*name) are expanded, more than {_MAX_FREE_VALUES:,}; "
+                            "write the wandb.init arguments out plainly")
+            self.wandb = None
         return r.problems
 
 # %% ../nbs/00_config.ipynb #cc36efd4
