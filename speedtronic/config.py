@@ -358,6 +358,9 @@ class DataConfig(_Section):
     token_file: str | None = None  # a prepared token file (speedtronic prepare)
     tokenizer: str | None = None  # null/"byte" -> CharTokenizer, else a tokenizer.json path
     trust_pickle: bool = False  # opt in to unpickling a serialized data.dataset
+    def _normalise(self):
+        if "target_batch_size" not in explicit_fields(self) and self.micro_batch_size > self.target_batch_size:
+            self.target_batch_size = self.micro_batch_size   # unwritten: one micro batch per update
     def _rules(self):
         r = _Rules(self)
         if isinstance(self.dataset, os.PathLike): self.dataset = os.fspath(self.dataset)
@@ -938,7 +941,7 @@ def _section_from_mapping(cls: type, values: Mapping[str, Any]) -> Any:
 def _is_root_mapping(values: Mapping[str, Any], cls: type) -> bool:
     "Does `values` look like a whole configuration rather than the keys of section `cls`?"
     keys, own = set(map(str, values)), {f.name for f in fields(cls)}
-    return bool(keys) and not keys & own and bool(keys & set(_ROOT_KEYS + _RUN_ALIASES + ("hub", "diloco")))
+    return bool((keys - own) & (set(_SECTIONS) | {"hub", "diloco"}))   # a section name that is not one of cls's keys
 
 def as_section(value: Any, # a `SpeedtronicConfig`, a section, a mapping (root or section keys), a namespace, or None
                cls: type, # the section class wanted, e.g. `OptimizerConfig`
