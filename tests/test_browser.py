@@ -49,9 +49,9 @@ def test_schedule_page_shows_the_static_plot(browser, served_docs):
 NOTEBOOK = {
     'cells': [
         {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
-         'source': 'from speedtronic.precision import precision_explorer\nview = precision_explorer()\nview'},
+         'source': 'from speedtronic.widgets import precision_explorer\nview = precision_explorer()\nview'},
         {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
-         'source': 'from speedtronic.schedules import schedule_explorer\nschedule_explorer()'},
+         'source': 'from speedtronic.widgets import schedule_explorer\nschedule_explorer()'},
         {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
          'source': 'from speedtronic.runtime import train_from_config\n'
                    'cfg = {"run": {"max_steps": 6, "output_dir": "tiny-run"}, "checkpoint": {"enabled": False},\n'
