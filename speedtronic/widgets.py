@@ -213,8 +213,8 @@ class PrecisionExplorer(View):
         W = _ipywidgets()
         controls = {
             "kind": W.Dropdown(options=list(SUPPORTED_DEVICE_TYPES), value=kind, description="device"),
-            "bf16": W.Checkbox(value=bf16, description="bf16 supported"),
-            "fp16": W.Checkbox(value=fp16, description="fp16 supported"),
+            "bf16": W.Checkbox(value=bf16, description="bf16 supported", indent=False),
+            "fp16": W.Checkbox(value=fp16, description="fp16 supported", indent=False),
             "mode": W.Dropdown(options=list(PRECISION_MODES), value=mode, description="mode"),
             "dtype": W.Dropdown(options=list(DTYPE_CHOICES), value=dtype or "", description="dtype"),
         }
@@ -246,6 +246,11 @@ def summary(self: PrecisionExplorer) -> str:
     request = f"{v['kind']}, mode {v['mode']}" + (f", dtype {v['dtype']}" if v["dtype"] else "")
     return request + (f": {self.error}" if self.error else f" -> {self.plan.mode}")
 
-def precision_explorer(**settings) -> PrecisionExplorer:
+def precision_explorer(*, kind: str = "cuda", # the device kind: cuda, cpu or mps
+                       bf16: bool = True, # the device supports bf16 autocast
+                       fp16: bool = True, # the device supports fp16 autocast (CUDA)
+                       mode: str = "auto", # `precision.mode`
+                       dtype: str | None = None, # `precision.dtype` (None: not set)
+                      ) -> PrecisionExplorer:
     "A view of the precision plan for a device you describe; see `PrecisionExplorer`."
-    return PrecisionExplorer(**settings)
+    return PrecisionExplorer(kind=kind, bf16=bf16, fp16=fp16, mode=mode, dtype=dtype)
