@@ -196,6 +196,7 @@ def summary(self: ScheduleExplorer) -> str:
     text = f"{v['name']}, warmup {v['warmup_steps']}, horizon {v['max_steps']}, floor {v['min_lr_ratio']:g}, base lr {v['base_lr']:g}"
     return text + (f"; {self.error}" if self.error else "")
 
+# %% ../nbs/14_widgets.ipynb #9900f805
 def schedule_explorer(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
                       min_lr_ratio: float = 0.1, name: str = "cosine") -> ScheduleExplorer:
     "Sliders re-plotting the learning-rate schedule as they move; see `ScheduleExplorer`."
@@ -236,8 +237,12 @@ def draw(self: PrecisionExplorer, values: dict[str, Any]) -> None:
 
 @patch
 def snapshot(self: PrecisionExplorer) -> tuple[dict, dict]:
-    "The plan's line as HTML (or the error message)."
-    return View.snapshot(self) if self.error else ({"text/html": self.result.value}, {})
+    "The described device, the request and the plan's line, as HTML (or the error message)."
+    if self.error: return View.snapshot(self)
+    v, yes = self.values(), lambda b: "yes" if b else "no"
+    asked = (f"device {v['kind']} (bf16 {yes(v['bf16'])}, fp16 {yes(v['fp16'])}), mode {v['mode']}, "
+             f"dtype {v['dtype'] or 'not set'}")
+    return {"text/html": f"<div>{html.escape(asked)}</div>{self.result.value}"}, {}
 
 @patch
 def summary(self: PrecisionExplorer) -> str:
@@ -246,6 +251,7 @@ def summary(self: PrecisionExplorer) -> str:
     request = f"{v['kind']}, mode {v['mode']}" + (f", dtype {v['dtype']}" if v["dtype"] else "")
     return request + (f": {self.error}" if self.error else f" -> {self.plan.mode}")
 
+# %% ../nbs/14_widgets.ipynb #0b526106
 def precision_explorer(*, kind: str = "cuda", # the device kind: cuda, cpu or mps
                        bf16: bool = True, # the device supports bf16 autocast
                        fp16: bool = True, # the device supports fp16 autocast (CUDA)

@@ -82,7 +82,12 @@ def jupyterlab(tmp_path_factory):
     cmd = [sys.executable, '-m', 'jupyterlab', '--no-browser', '--allow-root', '--ip=127.0.0.1', f'--port={port}',
            f'--ServerApp.root_dir={root}', "--IdentityProvider.token=", '--ServerApp.password=',
            '--LabApp.expose_app_in_browser=True', '--ServerApp.disable_check_xsrf=True']
-    env = {**__import__('os').environ, 'JUPYTER_CONFIG_DIR': str(root / '.jupyter'), 'PYTHONPATH': str(ROOT)}
+    # every cell rendered, not only those in view (JupyterLab's windowing), so a check sees the whole notebook
+    settings = root / '.settings' / '@jupyterlab' / 'notebook-extension'
+    settings.mkdir(parents=True)
+    (settings / 'tracker.jupyterlab-settings').write_text('{"windowingMode": "none"}')
+    env = {**__import__('os').environ, 'JUPYTER_CONFIG_DIR': str(root / '.jupyter'), 'PYTHONPATH': str(ROOT),
+           'JUPYTERLAB_SETTINGS_DIR': str(root / '.settings')}
     log = open(root / 'lab.log', 'w')
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     try:
@@ -95,7 +100,8 @@ def jupyterlab(tmp_path_factory):
         log.close()
 
 def _open_notebook(page, url: str) -> None:
-    page.goto(url)
+    "Open a notebook as the only tab (`?reset`: no notebook restored from an earlier page of this server)."
+    page.goto(url + '?reset')
     page.wait_for_function('window.jupyterapp && document.querySelector(".jp-Notebook")', timeout=120_000)
 
 @pytest.fixture(scope='module')
@@ -196,7 +202,8 @@ def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name
     "Opened before it runs, a shipped notebook shows its widgets' still pictures, never their plain text or an error."
     page = browser.new_page(viewport={'width': 1400, 'height': 1000})
     _open_notebook(page, f'{jupyterlab}/lab/tree/shipped/{name}')
-    page.wait_for_function("document.querySelectorAll('.jp-OutputArea-output').length > 3", timeout=60_000)
+    cells = len(json.loads((ROOT / 'nbs' / name).read_text())['cells'])
+    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell').length === {cells}", timeout=60_000)
     page.wait_for_function("![...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('Loading widget'))",
                            timeout=60_000)
     texts = page.locator('.jp-OutputArea-output').all_inner_texts()
