@@ -74,6 +74,7 @@ def update(self: View, change: Any = None) -> None:
         self.error, self.message.value, self.message.layout.display = None, "", "none"
         self.result.layout.display = None
 
+# %% ../nbs/14_widgets.ipynb #1ef3d8c0
 @patch
 def fail(self: View, exc: Exception) -> None:
     "Show `exc` in the widget and hide the result it left stale."
@@ -81,6 +82,7 @@ def fail(self: View, exc: Exception) -> None:
     self.message.value, self.message.layout.display = error_html(exc), None
     self.clear()
 
+# %% ../nbs/14_widgets.ipynb #b4c2ddc1
 @patch
 def guarded(self: View, callback: Callable) -> Callable:
     "`callback` for `observe`: whatever it raises is shown in the widget (not only in JupyterLab's log console)."
