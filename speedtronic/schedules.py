@@ -15,7 +15,7 @@ from .optional import optional_import
 # %% auto #0
 __all__ = ['SCHEDULE_NAMES', 'DEFAULT_WARMUP_STEPS', 'lr_multiplier', 'Schedule', 'default_warmup', 'horizon_and_warmup',
            'resolve_schedule', 'build_scheduler', 'schedule_of', 'lr_of_update', 'load_scheduler_state',
-           'schedule_points', 'plot_schedule', 'ScheduleExplorer', 'schedule_explorer']
+           'schedule_points', 'plot_schedule']
 
 # %% ../nbs/06_schedules.ipynb #f6a3c7b4
 SCHEDULE_NAMES = ("cosine", "constant")
@@ -133,63 +133,3 @@ def plot_schedule(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: 
     ax.set_title(f"{name}: warmup {warmup_steps}, horizon {max_steps}, floor {min_lr_ratio:g}×{base_lr:g}", fontsize=9)
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     return ax.figure, ax
-
-# %% ../nbs/06_schedules.ipynb #b1b8a39f
-class ScheduleExplorer:
-    "Sliders for a schedule's settings and a plot of the learning rate that follows them."
-    def __init__(self, *, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
-                 min_lr_ratio: float = 0.1, name: str = "cosine"):
-        w = optional_import("ipywidgets", extra="widgets", purpose="the schedule explorer")
-        style = {"description_width": "initial"}
-        self.controls = {
-            "warmup_steps": w.IntSlider(value=warmup_steps, min=0, max=max(2000, warmup_steps), description="warmup", style=style),
-            "max_steps": w.IntSlider(value=max_steps, min=1, max=max(10000, max_steps), description="horizon", style=style),
-            "min_lr_ratio": w.FloatSlider(value=min_lr_ratio, min=0.0, max=1.0, step=0.01, description="floor ratio", style=style),
-            "name": w.Dropdown(options=list(SCHEDULE_NAMES), value=name, description="kind", style=style),
-            "base_lr": w.BoundedFloatText(value=base_lr, min=1e-9, max=10.0, step=1e-5, description="base lr", style=style),
-        }
-        # the box holds the exact rate (a log slider only reaches 10^(k/10): 3e-4 would show as 3.16e-4);
-        # the slider beside it is for dragging, and moves closer than half a notch to the box's value are its rounding
-        self.lr_slider = w.FloatLogSlider(value=base_lr, base=10, min=-6, max=0, step=0.1, readout=False)
-        def from_slider(change: Any) -> None:
-            box = self.controls["base_lr"]
-            if abs(math.log10(change["new"]) - math.log10(max(box.value, 1e-12))) >= 0.05: box.value = change["new"]
-        self.lr_slider.observe(from_slider, names="value")
-        self.controls["base_lr"].observe(lambda change: setattr(self.lr_slider, "value", change["new"]), names="value")
-        self.figure, self.ax = plot_schedule(**self.values())
-        self.line = self.ax.lines[0]
-        self.image = w.Image(format="png")
-        for control in self.controls.values(): control.observe(self.update, names="value")
-        self.widget = w.VBox([w.HBox(list(self.controls.values())[:3]), w.HBox([*list(self.controls.values())[3:], self.lr_slider]), self.image])
-        self.update()
-
-    def values(self) -> dict:
-        "The current slider settings, as keyword arguments of `plot_schedule`."
-        return {k: c.value for k, c in self.controls.items()}
-
-    def update(self, change: Any = None) -> None:
-        "Re-plot the curve for the current settings."
-        import io
-        v = self.values()
-        xs, ys = schedule_points(**v)
-        self.line.set_data(xs, ys)
-        self.ax.relim(); self.ax.autoscale_view()
-        self.ax.set_title(f"{v['name']}: warmup {v['warmup_steps']}, horizon {v['max_steps']}, "
-                          f"floor {v['min_lr_ratio']:g}×{v['base_lr']:.3g}", fontsize=9)
-        buf = io.BytesIO(); self.figure.savefig(buf, format="png", dpi=72)
-        self.image.value = buf.getvalue()
-
-    def _repr_mimebundle_(self, **kwargs) -> dict:
-        "The sliders and plot in Jupyter; a one-line summary as plain text."
-        return {**self.widget._repr_mimebundle_(**kwargs), "text/plain": repr(self)}
-
-    def __repr__(self) -> str:
-        v = self.values()
-        return (f"ScheduleExplorer({v['name']}, warmup {v['warmup_steps']}, horizon {v['max_steps']}, "
-                f"floor {v['min_lr_ratio']:g}, base lr {v['base_lr']:.3g}) - sliders show in Jupyter")
-
-def schedule_explorer(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
-                      min_lr_ratio: float = 0.1, name: str = "cosine") -> ScheduleExplorer:
-    "Interactive sliders (ipywidgets) re-plotting the learning-rate schedule; see `ScheduleExplorer`."
-    return ScheduleExplorer(base_lr=base_lr, warmup_steps=warmup_steps, max_steps=max_steps,
-                            min_lr_ratio=min_lr_ratio, name=name)
