@@ -107,6 +107,7 @@ def _prepare_problems(source: str, output: str) -> list[str]:
         return [f"output {output!r} is inside the source directory {source!r} and would be read as text next time; write it elsewhere"]
     return []
 
+# %% ../nbs/15_cli.ipynb #28d013e7
 def _validate(args: argparse.Namespace) -> int:
     "`speedtronic validate`: print the normalised, redacted configuration; `--deep` checks it can run."
     config = SpeedtronicConfig.load(args.config)
@@ -121,6 +122,7 @@ def _validate(args: argparse.Namespace) -> int:
     for line in error_lines(ConfigError(problems)) if problems else []: print(line, file=sys.stderr)
     return 2 if problems else 0
 
+# %% ../nbs/15_cli.ipynb #7c5d4e70
 def completed_line(result) -> str:
     "The line `train` prints: cumulative counters and the last loss (or `None`)."
     loss = None if result.final_loss is None else float(result.final_loss)
@@ -143,6 +145,7 @@ def _train(args: argparse.Namespace) -> int:
     print(completed_line(result))
     return 0
 
+# %% ../nbs/15_cli.ipynb #2f92463f
 def _prepare(args: argparse.Namespace) -> int:
     "`speedtronic prepare`: tokenize SOURCE into the token file OUTPUT and print a summary."
     from speedtronic.data import DataError, load_tokenizer, prepare_token_file
@@ -182,6 +185,7 @@ def _warning_printer(fallback: Callable) -> Callable:
         print(f"speedtronic: warning: {text}", file=file or sys.stderr)
     return show
 
+# %% ../nbs/15_cli.ipynb #35d01b9e
 def main(argv: Sequence[str] | None = None) -> int:
     "Run the `speedtronic` command line with `argv` (default `sys.argv[1:]`); returns the exit code."
     parser = build_parser()

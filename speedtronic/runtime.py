@@ -35,8 +35,8 @@ from .trainer import Trainer, TrainResult, TrainingInterrupted
 
 # %% auto #0
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
-           'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'distributed_problem', 'build_runtime',
-           'model_vocab_size', 'sigterm_stops', 'train_from_config', 'write_loss_plot', 'check_runnable']
+           'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
+           'build_runtime', 'sigterm_stops', 'train_from_config', 'write_loss_plot', 'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -101,15 +101,25 @@ def ensure_demo_corpus(path: str | os.PathLike) -> Path:
         atomic_write_text(demo_corpus_text(), path)
     return path
 
+def _is_demo_corpus(path: str | None) -> bool:
+    "Is `path` a demo corpus, written on first use?"
+    return bool(path) and Path(path).name == DEMO_CORPUS_NAME
+
 def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
-    tp = config.data.text_path
-    if tp and Path(tp).name == DEMO_CORPUS_NAME: ensure_demo_corpus(tp)
+    if _is_demo_corpus(config.data.text_path): ensure_demo_corpus(config.data.text_path)
 
 # %% ../nbs/13_runtime.ipynb #5decef8d
 def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> SpeedtronicConfig:
     "A validated `SpeedtronicConfig` from a config object or a plain mapping."
     if isinstance(config, Mapping): config = SpeedtronicConfig.from_dict(dict(config))
     return config.validate()
+
+def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
+    "The model's vocabulary (its `vocab_size` attribute or config), passed to the loader."
+    for holder in (model, getattr(model, "config", None)):
+        v = getattr(holder, "vocab_size", None)
+        if isinstance(v, int) and v > 0: return v
+    return int(config.model.vocab_size)
 
 def distributed_problem(config: SpeedtronicConfig) -> str | None:
     "Why `distributed.enabled` cannot run with this installation, or None."
@@ -124,6 +134,7 @@ def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any)
     from speedtronic.distributed import DumbDiLoCoCoordinator
     return DumbDiLoCoCoordinator(config.distributed, model, state_dir=run_paths(config).state_dir, logger=logger)
 
+# %% ../nbs/13_runtime.ipynb #721fb952
 def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
                   *, resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
                   device: str | torch.device | None = None,  # overrides `run.device`
@@ -164,13 +175,6 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
         close_logger(logger)
         raise
     return trainer, manager
-
-def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
-    "The model's vocabulary (its `vocab_size` attribute or config), passed to the loader."
-    for holder in (model, getattr(model, "config", None)):
-        v = getattr(holder, "vocab_size", None)
-        if isinstance(v, int) and v > 0: return v
-    return int(config.model.vocab_size)
 
 # %% ../nbs/13_runtime.ipynb #3c9024b4
 @contextlib.contextmanager
@@ -223,15 +227,16 @@ def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLik
 
 # %% ../nbs/13_runtime.ipynb #ac143b86
 def _missing_file(key: str, value: Any) -> str | None:
+    "The problem of a setting `key` naming a file that does not exist, or `None`."
     if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
-        if key == "data.text_path" and Path(value).name == DEMO_CORPUS_NAME: return None
         return f"{key}: file not found: {value} (create it, or fix the path relative to {os.getcwd()})"
     return None
 
 def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None) -> list[str]:
     "Problems that would stop `config` from training here (empty when it can run)."
     config = load_runtime_config(config)
-    problems = [p for p in (_missing_file("data.text_path", config.data.text_path),
+    text = None if _is_demo_corpus(config.data.text_path) else config.data.text_path  # written on first use
+    problems = [p for p in (_missing_file("data.text_path", text),
                             _missing_file("data.token_file", config.data.token_file),
                             _missing_file("data.dataset", config.data.dataset if isinstance(config.data.dataset, str) else None))
                 if p]
