@@ -9,18 +9,23 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import ConfigError, config_value
+from .config import LoggingConfig, as_section
+from .optional import MissingExtra, optional_import
 from .profiling import Metric, close_hook
 
 # %% auto #0
-__all__ = ['event_step', 'scalar_items', 'TensorboardHook', 'WandbHook', 'hooks_from_config']
+__all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook', 'WandbHook', 'hooks_from_config']
 
 # %% ../nbs/08c_integrations.ipynb #b6d65fd6
-_EXTRA = "pip install 'speedtronic[logging]'"
+class IntegrationMissing(MissingExtra, RuntimeError):
+    "An integration's library is not installed (a `MissingExtra` naming the `logging` extra, and 2.0's `RuntimeError`)."
 
-def _missing(hook: str, library: str) -> RuntimeError:
-    "The error for an integration whose library is not installed."
-    return RuntimeError(f"{hook} needs the {library} package, which is not installed: run {_EXTRA}")
+def _import_for(hook: str, # the hook that needs the module, named in the message
+                name: str, # the module to import
+               ) -> Any:
+    "Import `name` for `hook`, or raise `IntegrationMissing` saying to install the `logging` extra."
+    try: return optional_import(name, extra="logging", purpose=hook)
+    except MissingExtra as e: raise IntegrationMissing(str(e)) from e.__cause__
 
 # %% ../nbs/08c_integrations.ipynb #ea34d5a8
 def event_step(payload: Mapping[str, Any], default: int) -> int:
@@ -41,10 +46,10 @@ class TensorboardHook:
     def __init__(self, log_dir: str | os.PathLike = "runs", # directory of the event files
                  flush_secs: int = 10, # how often pending scalars are flushed to disk
                 ):
-        try: from torch.utils.tensorboard import SummaryWriter
-        except ImportError: raise _missing("TensorboardHook", "tensorboard") from None
+        _import_for("TensorboardHook", "tensorboard")  # names the missing package when torch cannot load its writer
+        writer = _import_for("TensorboardHook", "torch.utils.tensorboard").SummaryWriter
         self.log_dir = Path(log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+        self.writer = writer(log_dir=str(self.log_dir), flush_secs=flush_secs)
         self.last_step = 0
 
     def on_event(self, event: str, payload: Metric) -> None:
@@ -70,9 +75,7 @@ def _wandb_value(value: Any) -> Any:
 class WandbHook:
     "Logs every event to a W&B run started at construction; `finish()`/`close()` ends the run."
     def __init__(self, project: str | None = None, **settings: Any):
-        try: import wandb
-        except ImportError: raise _missing("WandbHook", "wandb") from None
-        self._run = wandb.init(project=project, **settings)
+        self._run = _import_for("WandbHook", "wandb").init(project=project, **settings)
 
     @property
     def run(self) -> Any: "The W&B run (None once finished)."; return self._run
@@ -90,27 +93,20 @@ class WandbHook:
     close = finish
 
 # %% ../nbs/08c_integrations.ipynb #cb4da584
-def hooks_from_config(logging_config: Any, # `LoggingConfig`, mapping or namespace with the `logging` keys
+def hooks_from_config(logging_config: LoggingConfig | Any, # the `logging` section (or a config, mapping or namespace holding it)
                       *, progress: bool = False, # also add the bar `logging.progress` asks for
                       progress_stream: Any = None, # stream for the progress bar (default sys.stderr)
                      ) -> list:
     "The hooks that the `logging` section asks for: TensorBoard, W&B (and, on request, the progress bar)."
     from speedtronic.progress import ProgressBar
+    lg = as_section(logging_config, LoggingConfig)
     hooks: list = []
     try:
-        tb_dir = config_value(logging_config, "tensorboard_dir")
-        if tb_dir not in (None, False, ""):
-            if not isinstance(tb_dir, (str, os.PathLike)):
-                raise ConfigError(f"logging.tensorboard_dir must be a directory path, got {tb_dir!r}")
-            hooks.append(TensorboardHook(tb_dir))
-        wandb_setting = config_value(logging_config, "wandb")
-        if wandb_setting is True: hooks.append(WandbHook())
-        elif isinstance(wandb_setting, Mapping): hooks.append(WandbHook(**dict(wandb_setting)))
-        elif wandb_setting not in (None, False):
-            raise ConfigError("logging.wandb must be true, false/null or a mapping of wandb.init arguments "
-                                f"(e.g. {{project: my-run, mode: offline}}), got {wandb_setting!r}")
+        if lg.tensorboard_dir: hooks.append(TensorboardHook(lg.tensorboard_dir))
+        if lg.wandb is True: hooks.append(WandbHook())
+        elif isinstance(lg.wandb, dict): hooks.append(WandbHook(**lg.wandb))
         if progress:
-            bar = ProgressBar(enabled=config_value(logging_config, "progress", "auto"), stream=progress_stream)
+            bar = ProgressBar(enabled=lg.progress, stream=progress_stream)
             if bar.enabled: hooks.append(bar)
     except BaseException:
         for hook in hooks: close_hook(hook)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import inspect
 import os
 import random
 import signal
@@ -19,22 +18,25 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointManager
-from .config import ConfigError, SpeedtronicConfig
-from .files import atomic_write_text
+from .config import ConfigError, SpeedtronicConfig, run_target
 from .data import build_dataloader
+from .files import atomic_write, atomic_write_text
+from .integrations import hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
+from .optional import MissingExtra, optional_import
+from .paths import run_paths
 from .precision import resolve_device, resolve_precision
 from .profiling import MetricLogger
+from .progress import ProgressBar
 from .registry import build_model
 from .schedules import build_scheduler
 from .shapes import validate_startup_shapes
 from .trainer import Trainer, TrainResult, TrainingInterrupted
 
 # %% auto #0
-__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'config_hooks', 'build_logger', 'close_logger',
-           'demo_corpus_text', 'ensure_demo_corpus', 'effective_target', 'load_runtime_config', 'checkpoint_directory',
-           'distributed_problem', 'build_runtime', 'model_vocab_size', 'sigterm_stops', 'train_from_config',
-           'write_loss_plot', 'check_runnable']
+__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
+           'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
+           'build_runtime', 'sigterm_stops', 'train_from_config', 'write_loss_plot', 'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -50,32 +52,21 @@ def seed_everything(seed: int) -> None:
     if torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
 
 # %% ../nbs/13_runtime.ipynb #2a44fbda
-def config_hooks(logging_config: Any) -> list:
-    "The hooks `logging.tensorboard_dir` / `logging.wandb` ask for (from the metrics module's `hooks_from_config`)."
-    import importlib
-    for name in ("speedtronic.hooks", "speedtronic.integrations"):
-        fn = getattr(importlib.import_module(name), "hooks_from_config", None)
-        if fn is not None: return list(fn(logging_config))
-    return []
-
 def build_logger(config: SpeedtronicConfig) -> MetricLogger:
     "A `MetricLogger` from `config.logging`, with its configured hooks and progress bar attached."
-    from speedtronic.progress import ProgressBar
-    lg = config.logging
-    logger = MetricLogger(level=lg.level, file=lg.file, json_file=lg.json_file, every_steps=lg.every_steps)
+    lg, paths = config.logging, run_paths(config)
+    logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps)
     try:
-        logger.hooks.extend(config_hooks(lg))
-        bar = ProgressBar(enabled=getattr(lg, "progress", "auto"))
-        if bar.enabled:
-            logger.hooks.append(bar)
-            if not bar.notebook: logger.guard_console(bar.cleared)  # log lines print above the bar
+        logger.hooks.extend(hooks_from_config(lg, progress=True))
+        for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
+            logger.guard_console(bar.cleared)  # log lines print above the bar
     except BaseException:
         close_logger(logger)
         raise
     return logger
 
 def close_logger(logger: Any) -> None:
-    "Close the logger, which waits for and closes its hooks (fixes O3)."
+    "Close the logger, which waits for and closes its hooks."
     close = getattr(logger, "close", None)
     if callable(close): close()
 
@@ -110,14 +101,12 @@ def ensure_demo_corpus(path: str | os.PathLike) -> Path:
         atomic_write_text(demo_corpus_text(), path)
     return path
 
-def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
-    tp = config.data.text_path
-    if tp and Path(tp).name == DEMO_CORPUS_NAME: ensure_demo_corpus(tp)
+def _is_demo_corpus(path: str | None) -> bool:
+    "Is `path` a demo corpus, written on first use?"
+    return bool(path) and Path(path).name == DEMO_CORPUS_NAME
 
-# %% ../nbs/13_runtime.ipynb #febebf91
-def effective_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
-    "The trainer's absolute target: `max_steps` > `data.max_steps` > `run.max_steps`."
-    return int(max_steps) if max_steps is not None else int(config.data.max_steps or config.run.max_steps)
+def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
+    if _is_demo_corpus(config.data.text_path): ensure_demo_corpus(config.data.text_path)
 
 # %% ../nbs/13_runtime.ipynb #5decef8d
 def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> SpeedtronicConfig:
@@ -125,10 +114,12 @@ def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> Speedt
     if isinstance(config, Mapping): config = SpeedtronicConfig.from_dict(dict(config))
     return config.validate()
 
-def checkpoint_directory(config: SpeedtronicConfig) -> Path:
-    "`checkpoint.directory`, relative paths resolved under `run.output_dir` (spec §1.8)."
-    d = Path(config.checkpoint.directory)
-    return d if d.is_absolute() else Path(config.run.output_dir) / d
+def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
+    "The model's vocabulary (its `vocab_size` attribute or config), passed to the loader."
+    for holder in (model, getattr(model, "config", None)):
+        v = getattr(holder, "vocab_size", None)
+        if isinstance(v, int) and v > 0: return v
+    return int(config.model.vocab_size)
 
 def distributed_problem(config: SpeedtronicConfig) -> str | None:
     "Why `distributed.enabled` cannot run with this installation, or None."
@@ -137,14 +128,13 @@ def distributed_problem(config: SpeedtronicConfig) -> str | None:
             "release does not include yet; set distributed.enabled: false to train on this machine alone")
 
 def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any) -> Any:
+    "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`."
     if not config.distributed.enabled: return None
     if problem := distributed_problem(config): raise ConfigError(problem)
     from speedtronic.distributed import DumbDiLoCoCoordinator
-    node = config.distributed.node_id or os.environ.get("HF_USERNAME") or os.environ.get("USER") or "local"
-    state = Path(config.distributed.state_dir)
-    state = (state if state.is_absolute() else Path(config.run.output_dir) / state) / str(node).strip()
-    return DumbDiLoCoCoordinator(config.distributed, model, state_dir=state, logger=logger)
+    return DumbDiLoCoCoordinator(config.distributed, model, state_dir=run_paths(config).state_dir, logger=logger)
 
+# %% ../nbs/13_runtime.ipynb #721fb952
 def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
                   *, resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
                   device: str | torch.device | None = None,  # overrides `run.device`
@@ -159,7 +149,7 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     model = build_model(config.model).to(dev)
     loader = build_dataloader(config.data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config))
     ck = config.checkpoint
-    manager = CheckpointManager(checkpoint_directory(config), every_steps=ck.every_steps, keep_last=ck.keep_last,
+    manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
                                 enabled=ck.enabled)
     logger = build_logger(config)
     try:
@@ -168,7 +158,7 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
         if getattr(plan, "reason", None): logger.warning(f"precision: {plan.reason}")
         report = validate_startup_shapes(config, model, dev, plan, logger=logger)
         optimizer = build_optimizer(model, config, dev, logger=logger)
-        target = effective_target(config, max_steps)
+        target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
         coordinator = _coordinator(config, model, logger)
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
@@ -185,13 +175,6 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
         close_logger(logger)
         raise
     return trainer, manager
-
-def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
-    "The model's vocabulary (its `vocab_size` attribute or config), passed to the loader (spec §1.9)."
-    for holder in (model, getattr(model, "config", None)):
-        v = getattr(holder, "vocab_size", None)
-        if isinstance(v, int) and v > 0: return v
-    return int(config.model.vocab_size)
 
 # %% ../nbs/13_runtime.ipynb #3c9024b4
 @contextlib.contextmanager
@@ -215,8 +198,8 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
     try:
         with sigterm_stops(trainer):
             result = trainer.fit()
-        if getattr(trainer.config.logging, "loss_plot", True) and result.metrics:
-            write_loss_plot(result.metrics, manager.directory / "loss_curve.png", logger=trainer.logger)
+        if trainer.config.logging.loss_plot and result.metrics:
+            write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
         return result
     finally:
         close_logger(trainer.logger)
@@ -228,36 +211,33 @@ train = train_from_config
 def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None) -> Path | None:
     "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
     try:
-        import matplotlib
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-    except ImportError:
-        msg = "matplotlib is not installed; skipping loss_curve.png (pip install 'speedtronic[plot]')"
-        if logger is not None: logger.info(msg)
+        figure = optional_import("matplotlib.figure", extra="plot", purpose="the loss plot")
+        agg = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the loss plot")
+    except MissingExtra as e:
+        if logger is not None: logger.info(f"skipped {Path(path).name}: {e}")
         return None
     points = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None]
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    try:
-        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
-        ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("training loss"); ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally: plt.close(fig)
-    return path
+    fig = figure.Figure(figsize=(6, 3.5))
+    agg.FigureCanvasAgg(fig)  # its own canvas: pyplot and the global backend are never touched
+    ax = fig.add_subplot()
+    ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
+    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("training loss"); ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
 
 # %% ../nbs/13_runtime.ipynb #ac143b86
 def _missing_file(key: str, value: Any) -> str | None:
+    "The problem of a setting `key` naming a file that does not exist, or `None`."
     if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
-        if key == "data.text_path" and Path(value).name == DEMO_CORPUS_NAME: return None
         return f"{key}: file not found: {value} (create it, or fix the path relative to {os.getcwd()})"
     return None
 
 def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None) -> list[str]:
     "Problems that would stop `config` from training here (empty when it can run)."
     config = load_runtime_config(config)
-    problems = [p for p in (_missing_file("data.text_path", config.data.text_path),
-                            _missing_file("data.token_file", getattr(config.data, "token_file", None)),
+    text = None if _is_demo_corpus(config.data.text_path) else config.data.text_path  # written on first use
+    problems = [p for p in (_missing_file("data.text_path", text),
+                            _missing_file("data.token_file", config.data.token_file),
                             _missing_file("data.dataset", config.data.dataset if isinstance(config.data.dataset, str) else None))
                 if p]
     try: resolve_device(device or config.run.device)
