@@ -128,16 +128,11 @@ def completed_line(result) -> str:
     loss = None if result.final_loss is None else float(result.final_loss)
     return f"completed steps={int(result.steps)} samples={int(result.samples)} tokens={int(result.tokens)} loss={loss!r}"
 
-def _apply_max_steps(config: SpeedtronicConfig, max_steps: int) -> None:
-    "`--max-steps`: the run target and the schedule horizon become `max_steps` (a `data.max_steps`, which outranks `run.max_steps`, too)."
-    if config.data.max_steps is not None: config.data.max_steps = max_steps
-    config.set_max_steps(max_steps)
-
 def _train(args: argparse.Namespace) -> int:
     "`speedtronic train`: load, apply `--output-dir`/`--max-steps`, train, print the completed line."
     config = SpeedtronicConfig.load(args.config)
     if args.output_dir: config.run.output_dir = args.output_dir
-    if args.max_steps is not None: _apply_max_steps(config, args.max_steps)
+    if args.max_steps is not None: config.set_max_steps(args.max_steps)
     problems = _output_dir_problems(config, "--output-dir" if args.output_dir else "run.output_dir")
     if problems: raise ConfigError(problems)
     from speedtronic.runtime import train_from_config
@@ -148,7 +143,7 @@ def _train(args: argparse.Namespace) -> int:
 # %% ../nbs/15_cli.ipynb #2f92463f
 def _prepare(args: argparse.Namespace) -> int:
     "`speedtronic prepare`: tokenize SOURCE into the token file OUTPUT and print a summary."
-    from speedtronic.data import DataError, load_tokenizer, prepare_token_file
+    from speedtronic.tokens import DataError, load_tokenizer, prepare_token_file
     problems = _prepare_problems(args.source, args.output)
     if problems: raise DataError(problems[0])
     tokenizer = load_tokenizer(args.tokenizer, args.vocab_size)

@@ -487,7 +487,7 @@ class LoggingConfig(_Section):
     wandb: bool | dict | None = None  # true or a mapping of wandb.init arguments
     progress: bool | str = "auto"  # auto (terminal or Jupyter only), true, false
     metrics_history: int | None = 10000  # newest train_step records kept in TrainResult.metrics; null keeps all
-    loss_plot: bool = True  # write loss_curve.png next to the checkpoints
+    loss_plot: bool = True  # write loss_curve.png beside the JSONL file (or in run.output_dir)
     def _rules(self):
         r = _Rules(self)
         self.level = self.level.strip().upper()
@@ -677,6 +677,7 @@ def set_max_steps(self: SpeedtronicConfig, max_steps: int) -> SpeedtronicConfig:
     if "warmup_steps" in explicit_fields(s) and s.warmup_steps >= n:
         raise ConfigError(_warmup_problem(s.warmup_steps, n, f"ask for more than {_show(s.warmup_steps)} steps"))
     self.run.max_steps = s.max_steps = n
+    if self.data.max_steps is not None: self.data.max_steps = n   # it outranks run.max_steps as the target
     self._follow_schedule()
     return self
 

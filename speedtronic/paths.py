@@ -40,7 +40,7 @@ class RunPaths:
     "Every path a run writes to (see the table above)."
     output_dir: Path
     checkpoints: Path
-    state_dir: Path
+    state_dir: Path | None  # None unless distributed.enabled
     metrics: Path | None
     log_file: Path | None
     hub_cache: Path
@@ -54,7 +54,8 @@ def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = Non
     "The paths `config`'s run writes to; relative ones resolved as 2.0 did (see the table above)."
     out = Path(config.run.output_dir)
     metrics = Path(config.logging.json_file) if config.logging.json_file else None
-    state = _under(out, config.distributed.state_dir) / node_id(config.distributed, environ)
+    d = config.distributed
+    state = _under(out, d.state_dir) / node_id(d, environ) if d.enabled else None
     return RunPaths(output_dir=out, checkpoints=_under(out, config.checkpoint.directory), state_dir=state,
                     metrics=metrics, log_file=Path(config.logging.file) if config.logging.file else None,
                     hub_cache=Path(config.distributed.cache_dir),
