@@ -5,6 +5,7 @@
 # %% ../nbs/03_data.ipynb #3ebb56b9
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import random
@@ -27,14 +28,14 @@ from .tokens import (
     token_dtype, token_sidecar, tokenizer_spec)
 
 # %% auto #0
-__all__ = ['SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'StreamStart', 'BlockStream', 'TextFileTokenDataset',
-           'epoch_seed', 'TokenArrayDataset', 'TokenFileDataset', 'check_vocab', 'TensorRowsDataset',
-           'dataset_from_object', 'load_serialized_dataset', 'collate_causal', 'collate_batch', 'infinite_batches',
-           'EpochSampler', 'ResumableDataLoader', 'resolve_vocab_size', 'select_dataset', 'known_samples',
-           'check_loader_settings', 'build_dataloader', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'CharTokenizer',
-           'DataError', 'DataWarning', 'HFTokenizer', 'PreparedTokens', 'check_data_file', 'encode_text',
-           'load_tokenizer', 'prepare_token_file', 'read_text', 'read_token_sidecar', 'source_files', 'text_pieces',
-           'text_segments', 'token_dtype', 'token_sidecar', 'tokenizer_spec']
+__all__ = ['SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'group_share', 'StreamStart', 'BlockStream',
+           'TextFileTokenDataset', 'epoch_seed', 'TokenArrayDataset', 'TokenFileDataset', 'check_vocab',
+           'TensorRowsDataset', 'dataset_from_object', 'load_serialized_dataset', 'collate_causal', 'collate_batch',
+           'infinite_batches', 'EpochSampler', 'ResumableDataLoader', 'resolve_vocab_size', 'select_dataset',
+           'known_samples', 'check_loader_settings', 'build_dataloader', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION',
+           'CharTokenizer', 'DataError', 'DataWarning', 'HFTokenizer', 'PreparedTokens', 'check_data_file',
+           'encode_text', 'load_tokenizer', 'prepare_token_file', 'read_text', 'read_token_sidecar', 'source_files',
+           'text_pieces', 'text_segments', 'token_dtype', 'token_sidecar', 'tokenizer_spec']
 
 # %% ../nbs/03_data.ipynb #b9778730
 _all_ = ["TOKEN_FILE_FORMAT", "TOKEN_FILE_VERSION", "CharTokenizer", "DataError", "DataWarning", "HFTokenizer",
@@ -76,6 +77,15 @@ def block_sample(group: np.ndarray) -> dict[str, torch.Tensor]:
     t = torch.tensor(np.asarray(group, dtype=np.int64))
     return {"input_ids": t[:-1], "labels": t[1:]}
 
+# %% ../nbs/03_data.ipynb #3fd6e9e0
+def group_share(left: int, # samples left in the pass, from the start of the next group
+                *, rank: int = 0, world: int = 1, micro: int = 1, drop_last: bool = False) -> tuple[int, int, int]:
+    "`(offset, count, size)`: where rank `rank`'s part of the next group starts, how many samples it takes, and the group's size."
+    size = micro * world
+    if left >= size: return rank * micro, micro, size
+    share = 0 if drop_last else left // world
+    return rank * share, share, share * world
+
 # %% ../nbs/03_data.ipynb #dc9990ff
 @dataclass
 class StreamStart:
@@ -83,7 +93,11 @@ class StreamStart:
     epoch: int = 0                      # pass number (seeds the shuffle of shuffled streams)
     rotation: int = 0                   # worker `w` plays role `(w + rotation) % W`
     positions: list | None = None       # per role the next `[unit, index]`; `None`: every role at its first unit
-    tagged: bool = False                # yield `((role, unit, index), sample)` for the loader's bookkeeping
+    tagged: bool = False                # yield `((role, unit, index), sample)`, the position after the sample, for the loader
+    rank: int = 0                       # this process's rank in a torchrun job ...
+    world: int = 1                      # ... of `world` processes, each with its own loader and workers
+    micro: int = 1                      # samples per microbatch of one rank (shares of a random-access stream)
+    drop_last: bool = True              # drop an incomplete last group instead of sharing it out
 
 # %% ../nbs/03_data.ipynb #d5953952
 class BlockStream(IterableDataset):
@@ -100,6 +114,11 @@ class BlockStream(IterableDataset):
         "Samples of `unit` in pass `epoch`, starting after the first `skip`."
         raise NotImplementedError
 
+    random_access: bool = False  # a subclass that knows `unit_size` and starts anywhere in a unit cheaply sets this
+    def unit_size(self, epoch: int, unit: int) -> int:
+        "Number of samples in `unit` of pass `epoch` (random-access streams only)."
+        raise NotImplementedError
+
     def __iter__(self):
         start, info = self._loader_start, get_worker_info()
         direct = start is None and info is None
@@ -109,17 +128,54 @@ class BlockStream(IterableDataset):
             raise DataError(f"the saved data position has {len(start.positions)} worker streams but the loader has {nw}; "
                             f"resume with the same data.num_workers as the run that saved it")
         role = (wid + start.rotation) % nw
-        unit, skip = start.positions[role] if start.positions else (role, 0)
-        return self._role_samples(start, role, nw, int(unit), int(skip), direct)
+        shared = start.world > 1 and self.random_access      # every rank walks the same role streams
+        first = role if shared or start.world == 1 else start.rank * nw + role
+        unit, skip = start.positions[role] if start.positions else (first, 0)
+        if shared: return self._rank_shares(start, role, nw, int(unit), int(skip))
+        return self._role_samples(start, role, nw * start.world, int(unit), int(skip), direct)
 
-    def _role_samples(self, start, role, nw, unit, skip, direct):
+    def _role_samples(self, start, role, stride, unit, skip, direct):
         total = self.num_units(start.epoch)
         while unit < total:
             for i, sample in enumerate(self.unit_samples(start.epoch, unit, skip), start=skip):
                 if direct: self._cursor = [unit, i + 1]
-                yield ((role, unit, i), sample) if start.tagged else sample
-            unit, skip = unit + nw, 0
+                yield ((role, unit, i + 1), sample) if start.tagged else sample
+            unit, skip = unit + stride, 0
         if direct: self._epoch, self._cursor = start.epoch + 1, None
+
+# %% ../nbs/03_data.ipynb #88a2a558
+@patch
+def _walk(self: BlockStream, epoch: int, unit: int, skip: int, n: int, stride: int) -> tuple[int, int, int]:
+    "The position `n` samples after `(unit, skip)` along units `unit, unit + stride, …`, and how many of the `n` were not there."
+    total = self.num_units(epoch)
+    while unit < total:
+        room = self.unit_size(epoch, unit) - skip
+        if n < room: return unit, skip + n, 0
+        n, unit, skip = n - room, unit + stride, 0
+    return unit, 0, n
+
+@patch
+def _take(self: BlockStream, epoch: int, unit: int, skip: int, count: int, stride: int) -> Iterator[dict]:
+    "`count` samples from `(unit, skip)` on, across units `unit, unit + stride, …`."
+    total = self.num_units(epoch)
+    while count > 0 and unit < total:
+        for sample in itertools.islice(self.unit_samples(epoch, unit, skip), count):
+            count -= 1
+            yield sample
+        unit, skip = unit + stride, 0
+
+@patch
+def _rank_shares(self: BlockStream, start: StreamStart, role: int, nw: int, unit: int, skip: int) -> Iterator:
+    "This rank's share of each group of role `role`'s stream; the other ranks' samples are skipped unread."
+    e, group = start.epoch, start.micro * start.world
+    while True:
+        left = group - self._walk(e, unit, skip, group, nw)[2]
+        offset, count, size = group_share(left, rank=start.rank, world=start.world, micro=start.micro, drop_last=start.drop_last)
+        if count == 0: return
+        after = self._walk(e, unit, skip, size, nw)[:2]
+        for sample in self._take(e, *self._walk(e, unit, skip, offset, nw)[:2], count, nw):
+            yield ((role, *after), sample) if start.tagged else sample
+        unit, skip = after
 
 # %% ../nbs/03_data.ipynb #ba744c8d
 @patch
@@ -175,6 +231,14 @@ def unit_samples(self: TextFileTokenDataset, epoch: int, unit: int, skip: int) -
     for i, group in enumerate(cut_blocks(pieces, self.block_size, tail=unit == len(self.segments) - 1)):
         if i >= skip: yield block_sample(group)
 
+# %% ../nbs/03_data.ipynb #63a3a5fb
+@patch
+def split_for(self: TextFileTokenDataset, readers: int) -> None:
+    "Cut the file into at least `readers` segments when it has fewer (a small file read by several processes)."
+    if len(self.segments) >= readers: return
+    self.segment_bytes = max(1, -(-self.path.stat().st_size // readers))
+    self._segments, self.known_blocks = None, None
+
 # %% ../nbs/03_data.ipynb #80a29163
 def epoch_seed(seed: int, epoch: int) -> int:
     "A 63-bit seed for pass `epoch` of a run seeded `seed`."
@@ -184,6 +248,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
 class TokenArrayDataset(BlockStream):
     "A 1-D array of token ids as a stream of non-overlapping blocks, in order or shuffled per epoch."
     vocab_limit: int | None = None      # set by `check_vocab`: a block with an id >= this is an error, not an embedding crash
+    random_access = True                # any block can be read directly: ranks take exact shares of each group
     def __init__(self, tokens: Any, block_size: int, *, shuffle: bool = False, seed: int = 0, unit_blocks: int = 64,
                  name: str = "token array"):
         if int(block_size) <= 0: raise ValueError(f"block_size must be positive, got {block_size}")
@@ -229,6 +294,10 @@ def block_order(self: TokenArrayDataset, epoch: int) -> np.ndarray:
 
 @patch
 def num_units(self: TokenArrayDataset, epoch: int) -> int: return -(-self.num_blocks // self.unit_blocks)
+
+@patch
+def unit_size(self: TokenArrayDataset, epoch: int, unit: int) -> int:
+    return max(0, min(self.unit_blocks, self.num_blocks - unit * self.unit_blocks))
 
 @patch
 def unit_samples(self: TokenArrayDataset, epoch: int, unit: int, skip: int) -> Iterator[dict]:
@@ -388,9 +457,11 @@ def infinite_batches(loader: Iterable) -> Iterator:
 
 # %% ../nbs/03_data.ipynb #e093172f
 class EpochSampler(Sampler):
-    "Indices of one pass, shuffled per epoch with its own seeded generator, starting `start` samples in."
-    def __init__(self, num_samples: int, *, shuffle: bool = False, seed: int = 0):
+    "Indices of one pass, shuffled per epoch with its own seeded generator, starting `start` samples in; a rank's share of each group."
+    def __init__(self, num_samples: int, *, shuffle: bool = False, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, micro: int = 1, drop_last: bool = False):
         self.num_samples, self.shuffle, self.seed = int(num_samples), bool(shuffle), int(seed)
+        self.share = dict(rank=int(rank), world=int(world_size), micro=int(micro), drop_last=bool(drop_last))
         self.epoch, self.start = 0, 0
 
     def set_position(self, epoch: int, start: int) -> None:
@@ -403,8 +474,19 @@ class EpochSampler(Sampler):
         g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         return torch.randperm(self.num_samples, generator=g).tolist()
 
-    def __iter__(self) -> Iterator[int]: return iter(self.order(self.epoch)[self.start:])
-    def __len__(self) -> int: return max(0, self.num_samples - self.start)
+    def _runs(self) -> Iterator[tuple[int, int]]:
+        "`(begin, count)` of each run of this rank's indices in the pass, from `start` on."
+        pos = self.start
+        while True:
+            offset, count, size = group_share(self.num_samples - pos, **self.share)
+            if count == 0: return
+            yield pos + offset, count
+            pos += size
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.order(self.epoch)
+        for begin, count in self._runs(): yield from order[begin:begin + count]
+    def __len__(self) -> int: return sum(count for _, count in self._runs())
 
 # %% ../nbs/03_data.ipynb #a2ff7b0d
 def _seed_worker(worker_id: int) -> None:
@@ -424,15 +506,22 @@ class _TaggedCollate:
     def __call__(self, items):
         return [p for p, _ in items], self.collate_fn([s for _, s in items])
 
+def _deal(batches: Iterator, rank: int, world: int) -> Iterator:
+    "Rank `rank`'s batch of each complete round of `world` batches (every rank gets as many)."
+    while len(batch_round := list(itertools.islice(batches, world))) == world: yield batch_round[rank]
+
 # %% ../nbs/03_data.ipynb #86509c1f
 class ResumableDataLoader(DataLoader):
     "A `DataLoader` whose `state_dict()` is the position of the next batch it hands out."
     def __init__(self, dataset: Any, *, batch_size: int = 1, shuffle: bool = False, num_workers: int = 0,
                  pin_memory: bool = False, drop_last: bool = True, collate_fn: Callable = collate_batch,
-                 prefetch_factor: int | None = None, seed: int = 0):
+                 prefetch_factor: int | None = None, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):  # this loader's rank in a torchrun job of `world_size` processes
         iterable = isinstance(dataset, IterableDataset)
         self._kind = "stream" if isinstance(dataset, BlockStream) else "iterable" if iterable else "map"
-        sampler = None if iterable else EpochSampler(len(dataset), shuffle=shuffle, seed=seed)
+        self.rank, self.world_size = int(rank), int(world_size)
+        sampler = None if iterable else EpochSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+                                                     micro=batch_size, drop_last=drop_last)
         extra = {"prefetch_factor": prefetch_factor or 2, "persistent_workers": not iterable} if num_workers > 0 else {}
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
                          drop_last=drop_last, collate_fn=_TaggedCollate(collate_fn) if self._kind == "stream" else collate_fn,
@@ -444,20 +533,38 @@ class ResumableDataLoader(DataLoader):
     @property
     def _roles(self) -> int: return max(1, self.num_workers)
 
+    @property
+    def _first_role(self) -> int:
+        "The first stream role of this rank: its workers play roles `first, first + 1, …`."
+        return 0 if self._kind != "stream" or self.world_size == 1 or self.dataset.random_access else self.rank * self._roles
+
 # %% ../nbs/03_data.ipynb #b10b068e
 @patch
 def _begin_pass(self: ResumableDataLoader) -> None:
     self.generator.manual_seed(epoch_seed(self.seed, self._epoch))
-    if self._kind == "map": self.sampler.set_position(self._epoch, self._batches * self.batch_size)
+    if self._kind == "map": self.sampler.set_position(self._epoch, self._batches * self.batch_size * self.world_size)
     if self._kind == "stream":
-        if self._positions is None: self._positions = [[r, 0] for r in range(self._roles)]
-        self.dataset._loader_start = StreamStart(self._epoch, self._next_role, [list(p) for p in self._positions], tagged=True)
+        if self._positions is None:
+            self._check_units()
+            self._positions = [[self._first_role + r, 0] for r in range(self._roles)]
+        self.dataset._loader_start = StreamStart(self._epoch, self._next_role, [list(p) for p in self._positions], tagged=True,
+                                                 rank=self.rank, world=self.world_size, micro=self.batch_size, drop_last=self.drop_last)
+
+@patch
+def _check_units(self: ResumableDataLoader) -> None:
+    "A `DataError` when a stream has too few units for every rank to read some."
+    if self.world_size == 1 or self.dataset.random_access: return
+    units = self.dataset.num_units(self._epoch)
+    if units > (self.world_size - 1) * self._roles: return
+    what = f"data.text_path {str(self.dataset.path)!r}" if isinstance(self.dataset, TextFileTokenDataset) else type(self.dataset).__name__
+    raise DataError(f"{what} has {units} unit(s) but {self.world_size} processes × {self._roles} reader(s) share it, so rank "
+                    f"{self.world_size - 1} would read nothing; use fewer processes or data.num_workers, or more data")
 
 @patch
 def _record(self: ResumableDataLoader, item: Any) -> Any:
     if self._kind == "stream":
         positions, item = item
-        for role, unit, index in positions: self._positions[int(role)] = [int(unit), int(index) + 1]
+        for role, unit, index in positions: self._positions[int(role)] = [int(unit), int(index)]
         self._next_role = (int(role) + 1) % self._roles
     self._batches += 1
     return item
@@ -472,6 +579,7 @@ def __iter__(self: ResumableDataLoader):
             if self._kind == "stream": self.dataset._loader_start = None
         handed = 0
         if self._kind == "iterable":
+            if self.world_size > 1: it = _deal(it, self.rank, self.world_size)
             for _ in range(self._batches):
                 if next(it, None) is None: break
         while True:
@@ -489,9 +597,10 @@ def state_dict(self: ResumableDataLoader) -> dict:
     "The position of the next batch: epoch, batches handed out in it, seed and (streams) each worker role's position."
     state = {"version": 1, "kind": self._kind, "epoch": self._epoch, "batches": self._batches, "seed": self.seed,
              "shuffle": self.shuffle, "batch_size": self.batch_size, "num_workers": self.num_workers}
+    if self.world_size > 1: state.update(rank=self.rank, world_size=self.world_size)
     if self._kind == "stream":
         state["next_role"] = self._next_role
-        state["positions"] = [list(p) for p in (self._positions or [[r, 0] for r in range(self._roles)])]
+        state["positions"] = [list(p) for p in (self._positions or [[self._first_role + r, 0] for r in range(self._roles)])]
         if hasattr(self.dataset, "seed"): state["stream_seed"] = int(self.dataset.seed)
     return state
 
@@ -505,6 +614,10 @@ def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
     if state.get("batch_size", self.batch_size) != self.batch_size:
         raise DataError(f"data loader state was saved with micro_batch_size {state['batch_size']}, this loader uses {self.batch_size}; "
                         f"resume with the same data.micro_batch_size")
+    saved = (state.get("rank", 0), state.get("world_size", 1))
+    if saved != (self.rank, self.world_size):
+        raise DataError(f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this loader is rank {self.rank} "
+                        f"of {self.world_size}; resume with the same number of processes (torchrun --nproc_per_node/--nnodes)")
     if self._kind == "stream" and len(state.get("positions", [])) != self._roles:
         raise DataError(f"data loader state was saved with data.num_workers={state.get('num_workers')}, this loader has {self.num_workers}; "
                         f"a stream position can only be restored with the same data.num_workers")
@@ -556,11 +669,13 @@ def known_samples(dataset: Any) -> int | None:
     try: return len(dataset)
     except (TypeError, NotImplementedError): return None
 
-def check_loader_settings(dataset: Any, *, batch_size: int, drop_last: bool, shuffle: bool) -> None:
+def check_loader_settings(dataset: Any, *, batch_size: int, drop_last: bool, shuffle: bool,
+                          world_size: int = 1) -> None:  # processes of a torchrun job, each taking `batch_size`
     "`DataError` when no batch could ever be produced; a `DataWarning` when `shuffle` cannot apply to a stream."
     n = known_samples(dataset)
-    if drop_last and n is not None and n < batch_size:
-        raise DataError(f"the data holds {n} sample{'s' if n != 1 else ''} but data.micro_batch_size is {batch_size}, and with "
+    if drop_last and n is not None and n < batch_size * world_size:
+        what = f"data.micro_batch_size is {batch_size}" + (f" for each of {world_size} processes" if world_size > 1 else "")
+        raise DataError(f"the data holds {n} sample{'s' if n != 1 else ''} but {what}, and with "
                         f"data.drop_last: true no batch is ever produced; lower data.micro_batch_size, set data.drop_last: false, or use more data")
     if shuffle and isinstance(dataset, IterableDataset) and not getattr(dataset, "shuffle", False):
         what = f"data.text_path {str(dataset.path)!r}" if isinstance(dataset, TextFileTokenDataset) else type(dataset).__name__
@@ -569,11 +684,15 @@ def check_loader_settings(dataset: Any, *, batch_size: int, drop_last: bool, shu
 
 # %% ../nbs/03_data.ipynb #42252598
 def build_dataloader(config: Any, *, dataset: Any = None, tokenizer: Any = None, pin_memory_device: bool = False,
-                     vocab_size: int | None = None) -> ResumableDataLoader:
+                     vocab_size: int | None = None,
+                     rank: int = 0, world_size: int = 1,  # this process's rank in a torchrun job of `world_size` processes
+                    ) -> ResumableDataLoader:
     "A resumable loader over the configured data source; `config` is a `DataConfig` (or a whole config, mapping or namespace)."
     data = as_section(config, DataConfig)
     ds = select_dataset(data, dataset=dataset, tokenizer=tokenizer, vocab_size=vocab_size)
-    check_loader_settings(ds, batch_size=data.micro_batch_size, drop_last=data.drop_last, shuffle=data.shuffle)
+    if world_size > 1 and isinstance(ds, TextFileTokenDataset): ds.split_for(world_size * max(1, data.num_workers))
+    check_loader_settings(ds, batch_size=data.micro_batch_size, drop_last=data.drop_last, shuffle=data.shuffle, world_size=world_size)
     return ResumableDataLoader(ds, batch_size=data.micro_batch_size, shuffle=data.shuffle, num_workers=data.num_workers,
                                pin_memory=bool(pin_memory_device if data.pin_memory is None else data.pin_memory),
-                               drop_last=data.drop_last, prefetch_factor=data.prefetch_factor, seed=_seed(data))
+                               drop_last=data.drop_last, prefetch_factor=data.prefetch_factor, seed=_seed(data),
+                               rank=rank, world_size=world_size)
