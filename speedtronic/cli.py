@@ -107,11 +107,30 @@ def _prepare_problems(source: str, output: str) -> list[str]:
         return [f"output {output!r} is inside the source directory {source!r} and would be read as text next time; write it elsewhere"]
     return []
 
+# %% ../nbs/15_cli.ipynb #c9de4dc2
+def _job_rank() -> str | None:
+    "`rank R of N` when this process is one of several started by torchrun, else None."
+    size, rank = os.environ.get("WORLD_SIZE", "1").strip(), os.environ.get("RANK", "0").strip()
+    return None if size in ("", "1") else f"rank {rank} of {size}"
+
+def _prints() -> bool:
+    "Does this process print results? One process does; in a torchrun job only rank 0 (others print errors only)."
+    return _job_rank() is None or os.environ.get("RANK", "0").strip() in ("", "0")
+
+def _record_for_torchrun(exc: BaseException) -> None:
+    "Write `exc` to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`), so its failure summary shows this error."
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"): return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(exc)
+    except Exception: pass  # the summary is a courtesy; the error line is already printed
+
 # %% ../nbs/15_cli.ipynb #28d013e7
 def _validate(args: argparse.Namespace) -> int:
     "`speedtronic validate`: print the normalised, redacted configuration; `--deep` checks it can run."
     config = SpeedtronicConfig.load(args.config)
-    if args.format == "json":
+    if not _prints(): pass  # torchrun: rank 0 prints for the job
+    elif args.format == "json":
         import json
         print(json.dumps(config.to_dict(redact_secrets=True), indent=2))
     else: print(config.to_yaml(redact_secrets=True), end="")
@@ -119,7 +138,7 @@ def _validate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     from speedtronic.runtime import check_runnable
     problems = check_runnable(config, device=args.device) + _output_dir_problems(config)
-    for line in error_lines(ConfigError(problems)) if problems else []: print(line, file=sys.stderr)
+    for line in error_lines(ConfigError(problems)) if problems and _prints() else []: print(line, file=sys.stderr)
     return 2 if problems else 0
 
 # %% ../nbs/15_cli.ipynb #7c5d4e70
@@ -137,7 +156,7 @@ def _train(args: argparse.Namespace) -> int:
     if problems: raise ConfigError(problems)
     from speedtronic.runtime import train_from_config
     result = train_from_config(config, resume=args.resume, device=args.device)
-    print(completed_line(result))
+    if _prints(): print(completed_line(result))
     return 0
 
 # %% ../nbs/15_cli.ipynb #2f92463f
@@ -198,7 +217,13 @@ def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         print("speedtronic: error: interrupted", file=sys.stderr)
         return 130
     except EXPECTED_ERRORS as exc:
+        _record_for_torchrun(exc)
         if os.environ.get("SPEEDTRONIC_DEBUG"): raise
         sys.stdout.flush()
-        for line in error_lines(exc, _config_secrets(argv)): print(line, file=sys.stderr)
+        where = _job_rank()  # torchrun: say which rank failed
+        for line in error_lines(exc, _config_secrets(argv)):
+            print(line.replace("error: ", f"error: [{where}] ", 1) if where else line, file=sys.stderr)
         return 2
+    except Exception as exc:
+        _record_for_torchrun(exc)
+        raise

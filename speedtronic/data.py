@@ -9,6 +9,7 @@ import itertools
 import os
 import pickle
 import random
+import signal
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -490,9 +491,10 @@ class EpochSampler(Sampler):
 
 # %% ../nbs/03_data.ipynb #a2ff7b0d
 def _seed_worker(worker_id: int) -> None:
-    "Seed Python's and NumPy's RNGs in a worker from its torch seed (which the loader's generator sets)."
+    "Seed Python's and NumPy's RNGs in a worker from its torch seed (which the loader's generator sets); ignore SIGTERM."
     seed = torch.initial_seed() % 2**32
     random.seed(seed); np.random.seed(seed)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainer's process decides how the run ends
 
 def _worker_error_message(text: str) -> str:
     "The message of a `DataError` raised in a loader worker, without the traceback the loader wraps around it."

@@ -24,6 +24,7 @@ from .files import atomic_write, atomic_write_text
 from .integrations import hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
 from .optional import MissingExtra, optional_import
+from .parallel import start_world, world_device, world_from_env, world_problems
 from .paths import run_paths
 from .precision import resolve_device, resolve_precision
 from .profiling import MetricLogger
@@ -52,9 +53,12 @@ def seed_everything(seed: int) -> None:
     if torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
 
 # %% ../nbs/13_runtime.ipynb #2a44fbda
-def build_logger(config: SpeedtronicConfig) -> MetricLogger:
+def build_logger(config: SpeedtronicConfig,
+                 writes: bool = True,  # False for the ranks of a torchrun job other than rank 0
+                ) -> MetricLogger:
     "A `MetricLogger` from `config.logging`, with its configured hooks and progress bar attached."
     lg, paths = config.logging, run_paths(config)
+    if not writes: return MetricLogger(level="ERROR", every_steps=lg.every_steps)
     logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps)
     try:
         logger.hooks.extend(hooks_from_config(lg, progress=True))
@@ -142,17 +146,22 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
                  ) -> tuple[Trainer, CheckpointManager]:
     "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
     config = load_runtime_config(config)
-    seed_everything(config.run.seed)
-    dev = resolve_device(device or config.run.device)
-    plan = resolve_precision(config.precision, dev)
-    _maybe_demo_corpus(config)
-    model = build_model(config.model).to(dev)
-    loader = build_dataloader(config.data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config))
-    ck = config.checkpoint
-    manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
-                                enabled=ck.enabled)
-    logger = build_logger(config)
+    world = world_from_env()  # a torchrun job, or one process
+    if problems := world_problems(config, world): raise ConfigError(problems)
+    dev = start_world(world, world_device(world, device or config.run.device)).device
+    logger = None
     try:
+        seed_everything(config.run.seed)
+        plan = resolve_precision(config.precision, dev)
+        world.writer_first(lambda: _maybe_demo_corpus(config))
+        model = build_model(config.model).to(dev)
+        if world.rank: seed_everything(config.run.seed + world.rank)
+        loader = build_dataloader(config.data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
+                                  rank=world.rank, world_size=world.size)
+        ck = config.checkpoint
+        manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
+                                    enabled=ck.enabled)
+        logger = build_logger(config, writes=world.writes)
         manager.logger = logger
         if getattr(logger, "device", "absent") is None: logger.device = dev
         if getattr(plan, "reason", None): logger.warning(f"precision: {plan.reason}")
@@ -163,16 +172,18 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
         coordinator = _coordinator(config, model, logger)
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
                           logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,
-                          shape_report=report)
+                          shape_report=report, world=world)
         if resume or ck.resume:
             state = manager.load_latest()
+            world.agree_on_checkpoint(None if state is None else state.get("step"), manager.directory)
             if state is None:
                 logger.warning(f"resume requested but no local checkpoint was found in {manager.directory}; starting fresh")
             else:
                 trainer.resume(state, path=manager.loaded_path)
                 logger.info(f"resumed from {manager.loaded_path} at step {trainer.step}")
     except BaseException:
-        close_logger(logger)
+        if logger is not None: close_logger(logger)
+        world.close(failed=True)
         raise
     return trainer, manager
 
@@ -195,14 +206,17 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
                       max_steps: int | None = None) -> TrainResult:
     "Build the runtime from `config`, train to the target and return the `TrainResult`."
     trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps)
+    failed = True
     try:
         with sigterm_stops(trainer):
             result = trainer.fit()
-        if trainer.config.logging.loss_plot and result.metrics:
+        if trainer.world.writes and trainer.config.logging.loss_plot and result.metrics:
             write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
+        failed = False
         return result
     finally:
         close_logger(trainer.logger)
+        trainer.world.close(failed=failed)
 
 run = train_from_config
 train = train_from_config
@@ -240,7 +254,9 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
                             _missing_file("data.token_file", config.data.token_file),
                             _missing_file("data.dataset", config.data.dataset if isinstance(config.data.dataset, str) else None))
                 if p]
-    try: resolve_device(device or config.run.device)
+    world = world_from_env()
+    problems += world_problems(config, world)
+    try: world_device(world, device or config.run.device)
     except Exception as e: problems.append(f"device {device or config.run.device!r} is not usable here: {e}")
     try: check_optimizer_available(config.optimizer)
     except ConfigError as e: problems.append(str(e))

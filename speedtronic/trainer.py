@@ -20,6 +20,7 @@ from .checkpoint import capture_rng_state, check_compatible, restore_rng_state
 from .config import SpeedtronicConfig
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
+from .parallel import World, accumulation_per_rank
 from .precision import autocast_context, make_grad_scaler, resolve_precision
 from .profiling import MetricLogger
 from .schedules import load_scheduler_state
@@ -158,13 +159,17 @@ class _PendingStep:
     lr: float
     time: float  # perf_counter when the step completed
 
-def read_pending(pending: list[_PendingStep]) -> list[tuple[float, int]]:
-    "(loss, tokens) of every pending step, read from the device in one transfer."
+def read_pending(pending: list[_PendingStep],
+                 world: World | None = None,  # a torchrun job: the whole job's numbers (every rank calls together)
+                ) -> list[tuple[float, int]]:
+    "(loss, tokens) of every pending step, read from the device in one transfer; in a job, mean loss and total tokens of the ranks."
     if not pending: return []
-    vals = torch.stack([torch.stack([p.loss.detach().double(),
-                                     torch.as_tensor(p.tokens, dtype=torch.float64, device=p.loss.device)])
-                        for p in pending]).cpu().tolist()
-    return [(float(l), int(round(t))) for l, t in vals]
+    table = torch.stack([torch.stack([p.loss.detach().double(),
+                                      torch.as_tensor(p.tokens, dtype=torch.float64, device=p.loss.device)])
+                         for p in pending])
+    size = 1 if world is None else world.size
+    if size > 1: table = world.all_sum(table)
+    return [(float(l) / size, int(round(t))) for l, t in table.cpu().tolist()]
 
 # %% ../nbs/11_trainer.ipynb #6223834e
 def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
@@ -184,7 +189,7 @@ def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
 class TrainerSettings:
     "What the trainer takes from a configuration, read once when it is built."
     max_steps: int  # `run.max_steps`: the target when `Trainer(max_steps=...)` is not given
-    accumulation_steps: int  # `data.accumulation_steps`: microbatches per optimizer update
+    accumulation_steps: int  # microbatches per optimizer update of this process: `data.accumulation_steps` / processes
     grad_clip: float | None  # `optimizer.grad_clip`: global L2-norm clip, `None` for none
     max_skipped_steps: int  # `precision.max_skipped_steps`: GradScaler skips in a row before the run stops
     metrics_history: int | None  # `logging.metrics_history`: records kept in `TrainResult.metrics`; `None` keeps all
@@ -194,9 +199,11 @@ class TrainerSettings:
     ooo_streams: int  # `ooo_streams`: how many streams it uses
 
     @classmethod
-    def from_config(cls, config: SpeedtronicConfig) -> TrainerSettings:
+    def from_config(cls, config: SpeedtronicConfig,
+                    world_size: int = 1,  # processes of a torchrun job sharing `data.target_batch_size`
+                   ) -> TrainerSettings:
         "The trainer's settings in `config` (`SpeedtronicConfig()` gives a trainer built without one)."
-        return cls(max_steps=config.run.max_steps, accumulation_steps=config.data.accumulation_steps,
+        return cls(max_steps=config.run.max_steps, accumulation_steps=accumulation_per_rank(config.data, world_size),
                    grad_clip=config.optimizer.grad_clip, max_skipped_steps=config.precision.max_skipped_steps,
                    metrics_history=config.logging.metrics_history, compile=config.compile,
                    gradient_checkpointing=config.gradient_checkpointing, ooo_backprop=config.ooo_backprop,
@@ -225,10 +232,12 @@ class Trainer:
                  coordinator: SyncCoordinator | None = None,
                  max_steps: int | None = None,  # absolute target step (default `run.max_steps`)
                  start_step: int = 0,
-                 shape_report: Any = None):  # a startup shape report; `None` checks shapes at the first `fit`
+                 shape_report: Any = None,  # a startup shape report; `None` checks shapes at the first `fit`
+                 world: World | None = None):  # the torchrun job this process is in; `None`: one process
         self.config = _as_config(config)
         read = self.config if self.config is not None else SpeedtronicConfig()
-        self.settings = TrainerSettings.from_config(read)
+        self.world = world if world is not None else World()
+        self.settings = TrainerSettings.from_config(read, self.world.size)
         self.model, self.optimizer, self.dataloader, self.scheduler = model, optimizer, dataloader, scheduler
         self.device = torch.device(device)
         self.logger = logger if logger is not None else MetricLogger()
@@ -244,6 +253,7 @@ class Trainer:
         self._deferred_scaler = self._deferred_coordinator = None  # resumed state, applied by the next `fit`
         self._coordinator_started, self._last_saved_step = False, -1
         self._setup_gradient_checkpointing()
+        self.synced_model = self.world.wrap(self.model)  # DDP in a torchrun job, else the model
         self.compiled_model = self._setup_compile()
 
     @property
@@ -278,7 +288,7 @@ def _setup_gradient_checkpointing(self: Trainer) -> None:
 def _setup_compile(self: Trainer) -> nn.Module | None:
     "The `torch.compile`d model when the config asks for it (a `compile` event says whether it worked)."
     if not self.settings.compile: return None
-    try: compiled = torch.compile(self.model)
+    try: compiled = torch.compile(self.synced_model)
     except Exception as e:
         self.logger.emit("compile", {"enabled": False, "reason": f"torch.compile failed: {e}"})
         return None
@@ -321,9 +331,11 @@ def checkpoint_state(self: Trainer, boundary: dict | None = None) -> dict[str, A
 
 @patch
 def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
-    "Save the last completed step through the checkpoint manager and emit `checkpoint`."
-    path = self.checkpoint_manager.save(self.step, self.checkpoint_state(boundary))
+    "Save the last completed step through the checkpoint manager and emit `checkpoint` (in a job: every rank calls, rank 0 writes)."
+    boundary = self.world.gather_boundary(boundary or self._boundary_state())
     self._last_saved_step = self.step
+    if not self.world.writes: return None
+    path = self.checkpoint_manager.save(self.step, self.checkpoint_state(boundary))
     self.logger.emit("checkpoint", {"step": self.step, "path": str(path)})
     return path
 
@@ -333,6 +345,7 @@ def resume(self: Trainer, state: Mapping[str, Any],
            path: Any = None,  # the checkpoint file `state` came from, named in error messages
           ) -> None:
     "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state`."
+    state = self.world.local_state(state, path)  # in a job: this rank's RNG and data position
     check_compatible(state, model=self.model, config=self.config, path=path)
     data = state.get("data")  # a loader that refuses the position (other micro_batch_size) fails before anything changed
     if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
@@ -354,7 +367,7 @@ def resume(self: Trainer, state: Mapping[str, Any],
 @dataclass
 class _FitState:
     "What one `fit` call keeps while it runs."
-    model: nn.Module  # the module forward runs on: the compiled one, or the model itself
+    model: nn.Module  # the module forward runs on: the compiled one, or the synced (DDP) model
     target: int  # the absolute step this call trains to
     start: tuple[int, int, int]  # step, samples and tokens when the call began (for the rates)
     records: deque  # the newest `train_step` records, at most `metrics_history`
@@ -362,6 +375,7 @@ class _FitState:
     keep_boundary: bool = False  # a checkpoint manager is on: remember each step's RNG and data position
     boundary: dict | None = None  # RNG and data position after the last completed step
     updating: bool = False  # inside an optimizer update, which an interruption must not save half-done
+    stopping: bool = False  # every rank agreed to stop after this step, so all of them can join its save
     last_loss: float | None = None  # loss of the newest recorded step
     t0: float = field(default_factory=time.perf_counter)  # when the loop started
 
@@ -397,12 +411,13 @@ def _begin_fit(self: Trainer, limit: int) -> _FitState:
         self.shape_report = validate_startup_shapes(self.config, self.model, self.device, self.precision, logger=self.logger)
     manager = self.checkpoint_manager
     keep = manager is not None and getattr(manager, "enabled", True)
-    if keep and self.step < target and callable(getattr(manager, "check_writable", None)): manager.check_writable()
+    if keep and self.step < target and self.world.writes and callable(getattr(manager, "check_writable", None)):
+        manager.check_writable()
     ooo = self._start_ooo()
     if self._deferred_scaler and self.scaler is not None: self.scaler.load_state_dict(self._deferred_scaler)
     self._deferred_scaler = None
     self.optimizer.zero_grad(set_to_none=True)
-    return _FitState(model=self.compiled_model if self.compiled_model is not None else self.model, target=target,
+    return _FitState(model=self.compiled_model if self.compiled_model is not None else self.synced_model, target=target,
                      start=(self.step, self.samples, self.tokens), records=deque(maxlen=self.settings.metrics_history),
                      ooo=ooo, keep_boundary=keep)
 
@@ -415,9 +430,9 @@ def _forward(self: Trainer, run: _FitState, batch: Any) -> torch.Tensor:
             try: output = call_model(run.model, batch)
             except Exception as e:
                 if not is_compile_failure(e): raise
-                self.compiled_model, run.model = None, self.model
+                self.compiled_model, run.model = None, self.synced_model
                 self.logger.emit("compile", {"enabled": False, "reason": f"compilation failed; running eagerly: {type(e).__name__}: {e}"})
-                output = call_model(self.model, batch)
+                output = call_model(run.model, batch)
         else: output = call_model(run.model, batch)
     return resolve_loss(output, batch)
 
@@ -426,17 +441,18 @@ def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torc
     "Forward/backward `K` microbatches; returns (mean loss tensor, tokens, samples, microbatches)."
     K = self.settings.accumulation_steps
     loss_sum, tokens, samples = None, 0, 0
-    for _ in range(K):
+    for i in range(K):
         batch = move_batch(next(self._batches), self.device)
         n, t = batch_size_and_tokens(batch)
         samples, tokens = samples + n, tokens + t
-        if run.ooo is not None: run.ooo.begin()
-        loss = self._forward(run, batch)
-        if run.ooo is not None: run.ooo.finish()
-        detached = loss.detach().float()
-        loss_sum = detached if loss_sum is None else loss_sum + detached
-        scaled = loss * (1.0 / K)
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        with self.world.gradient_sync(self.synced_model, sync=i == K - 1):  # in a job: one all-reduce, on the last one
+            if run.ooo is not None: run.ooo.begin()
+            loss = self._forward(run, batch)
+            if run.ooo is not None: run.ooo.finish()
+            detached = loss.detach().float()
+            loss_sum = detached if loss_sum is None else loss_sum + detached
+            scaled = loss * (1.0 / K)
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
     return loss_sum / K, tokens, samples, K
 
 # %% ../nbs/11_trainer.ipynb #a206ee54
@@ -475,7 +491,7 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
                                 "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use precision bf16/fp32, "
                                 "or raise precision.max_skipped_steps")
     run.boundary = None  # the RNG/data position of this step is taken once it completes
-    self.samples += samples
+    self.samples += samples * self.world.size  # every rank takes an equal share of each microbatch
     self.step += 1
     if self.scheduler is not None: self.scheduler.step()
     run.updating = False
@@ -489,7 +505,7 @@ def _flush(self: Trainer, run: _FitState) -> None:
     "Read pending losses/tokens in one transfer, emit their `train_step` records and keep them."
     if not self._pending: return
     pending, self._pending = self._pending, []
-    for p, (loss, tokens) in zip(pending, read_pending(pending)):
+    for p, (loss, tokens) in zip(pending, read_pending(pending, self.world)):
         self._tokens += tokens
         elapsed = max(p.time - run.t0, 1e-9)
         record = {"step": p.step, "loss": loss, "lr": p.lr,
@@ -535,7 +551,7 @@ def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
             "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
-            "ooo_backprop": bool(getattr(run.ooo, "enabled", False))}
+            "ooo_backprop": bool(getattr(run.ooo, "enabled", False)), "world_size": self.world.size}
 
 # %% ../nbs/11_trainer.ipynb #4bfaeebb
 @patch
@@ -547,6 +563,9 @@ def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> Non
     if run.updating:
         self.logger.warning(f"run interrupted during the optimizer update of step {self.step + 1}; "
                             f"keeping the last saved checkpoint (step {self._last_saved_step})")
+        return
+    if self.world.size > 1 and not run.stopping:  # the other ranks are not at this step: they cannot join a save
+        self.logger.warning(f"rank {self.world.rank} stopped by {type(exc).__name__}; the last saved checkpoint is step {self._last_saved_step}")
         return
     try:
         self._flush(run)
@@ -563,11 +582,14 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
     if run.keep_boundary: run.boundary = self._boundary_state()
     while self.step < run.target:
         self._train_one_step(run)
+        stop = self.world.agree_stop(self.stop_requested)  # in a job, one rank's request stops all after this step
         due = run.keep_boundary and manager.should_save(self.step)
-        if due or self.step % every == 0 or self.step == run.target or self.stop_requested: self._flush(run)
+        if due or self.step % every == 0 or self.step == run.target or stop: self._flush(run)
         if run.keep_boundary: run.boundary = self._boundary_state()
         if due: self.save_checkpoint(run.boundary)
-        if self.stop_requested: raise TrainingInterrupted(f"{self.stop_requested}: stopped after step {self.step}")
+        if stop:
+            run.stopping = True
+            raise TrainingInterrupted(f"{stop}: stopped after step {self.step}")
     self._flush(run)
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)

@@ -1,0 +1,278 @@
+"""`speedtronic train` under torchrun: real processes on CPU (gloo), started with `python -m torch.distributed.run`.
+
+- 2 ranks x micro batch 4 reproduce 1 process x micro batch 8 (same per-step losses, same final weights);
+- kill -9 of one rank stops the job; resuming from the last checkpoint reproduces the uninterrupted run;
+- SIGTERM to the job saves the last completed step once; resuming reproduces the uninterrupted run;
+- a data error on one rank stops the job with that rank's error on the console;
+- the job's configuration is checked before any process group is joined (global batch, DiLoCo).
+
+The runs are tiny (a one-layer model, a few dozen steps) so the whole file stays around two minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT, free_port
+from speedtronic.checkpoint import load_checkpoint
+from speedtronic.cli import main
+from speedtronic.tokens import TOKEN_FILE_FORMAT
+
+STEPS = 12
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+
+
+def write_config(tmp: Path, name: str, *, micro: int, data: dict, steps: int = STEPS, every: int = 2, **sections) -> Path:
+    raw = {"run": {"name": name, "seed": 7, "max_steps": steps, "output_dir": str(tmp / name)},
+           "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "dropout": 0.0},
+           "data": {"block_size": 8, "micro_batch_size": micro, "target_batch_size": 16, **data},
+           # eps=1 keeps AdamW's update a smooth function of the gradient (about lr * m for these small gradients):
+           # a last-bit difference in a gradient stays a last-bit difference in the weights instead of being
+           # blown up to a full step by m / sqrt(v) of a near-zero gradient.
+           "optimizer": {"lr": 1e-2, "weight_decay": 0.0, "eps": 1.0, "grad_clip": 1.0},
+           "scheduler": {"warmup_steps": 2},
+           "precision": {"mode": "fp32"},
+           "checkpoint": {"every_steps": every, "keep_last": None},
+           "logging": {"json_file": str(tmp / f"{name}.jsonl"), "progress": False, "loss_plot": False}}
+    for key, value in sections.items(): raw[key] = {**raw.get(key, {}), **value}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def token_file(tmp: Path, blocks: int = 200, bad_block: int | None = None) -> Path:
+    "A token file of `blocks` blocks of 9 ids below 64 (its sidecar says vocabulary 64); `bad_block` holds id 100."
+    ids = np.random.default_rng(0).integers(0, 64, size=blocks * 9).astype(np.uint16)
+    if bad_block is not None: ids[bad_block * 9 + 3] = 100
+    path = tmp / ("bad.bin" if bad_block is not None else "tokens.bin")
+    path.write_bytes(ids.tobytes())
+    Path(str(path) + ".json").write_text(json.dumps({"format": TOKEN_FILE_FORMAT, "version": 1, "dtype": "uint16",
+                                                     "num_tokens": int(ids.size), "vocab_size": 64}))
+    return path
+
+
+def one_process(cfg: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu", *extra],
+                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def torchrun(cfg: Path, *extra: str, nproc: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(free_port()),
+           "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    return out, err
+
+
+def records(jsonl: Path, event: str = "train_step") -> list[dict]:
+    if not jsonl.exists(): return []
+    out = []
+    for line in jsonl.read_text().splitlines():
+        try: rec = json.loads(line)
+        except json.JSONDecodeError: continue  # a line cut by kill -9
+        if rec.get("event") == event: out.append(rec)
+    return out
+
+
+def losses_by_step(jsonl: Path) -> dict[int, list[float]]:
+    by: dict[int, list[float]] = {}
+    for r in records(jsonl): by.setdefault(r["step"], []).append(r["loss"])
+    return by
+
+
+def final_state(out: Path, step: int = STEPS) -> dict:
+    return load_checkpoint(out / "checkpoints" / f"step_{step:012d}.pt")
+
+
+def wait_for_step(proc: subprocess.Popen, jsonl: Path, step: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in records(jsonl)): return
+        if proc.poll() is not None: pytest.fail(f"the job ended before step {step}: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.005)
+    proc.kill()
+    pytest.fail(f"step {step} never appeared in {jsonl}")
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    "The pid of the worker process torchrun started for `rank` (a direct child of the launcher)."
+    for _ in range(200):
+        for task in Path(f"/proc/{launcher.pid}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                try: environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError: continue
+                if f"RANK={rank}".encode() in environ: return int(pid)
+        time.sleep(0.05)
+    pytest.fail(f"no worker process for rank {rank}")
+
+
+# ---------------------------------------------------------------- 2 ranks x 4 == 1 process x 8
+
+def test_two_ranks_reproduce_one_process(tmp_path):
+    """Same samples per step: the per-step losses and final weights agree to fp32 reduction-order tolerance.
+
+    Why a tolerance at all: one process sums the per-sample gradient contributions of 8 samples inside each
+    matmul; two ranks sum 4 each and gloo adds (then DDP halves) the two partial gradients. Both are the same
+    real number rounded in a different order, so gradients differ in their last bits (fp32: u = 2**-24 ~ 6e-8
+    relative, a few u per add over a few hundred terms, i.e. about 1e-6 of the gradient at worst). With
+    lr = 1e-2, 12 steps and a clipped gradient norm <= 1, and AdamW's eps=1 making the update a 1-Lipschitz
+    (times lr) function of the gradient, the weights can drift by at most ~12 * 1e-2 * 1e-6 ~ 1e-7 plus an
+    ulp of the weight (~1e-8 here). We allow atol = 1e-6 on the weights and rtol = 1e-6 on the losses
+    (about 8 fp32 ulps of a loss near 4). A wrong split — a sample missing, read twice or given to the wrong
+    step — moves a loss by ~1e-3 and the weights by ~1e-4, far outside.
+    """
+    data = {"synthetic": True, "num_tokens": 40, "shuffle": True}      # 40 samples: 2 steps and a dropped tail per pass
+    one_cfg = write_config(tmp_path, "one", micro=8, data=data)
+    two_cfg = write_config(tmp_path, "two", micro=4, data=data)
+    one_out, _ = finish(one_process(one_cfg))
+    two_out, _ = finish(torchrun(two_cfg))
+    one_losses, two_losses = losses_by_step(tmp_path / "one.jsonl"), losses_by_step(tmp_path / "two.jsonl")
+    assert sorted(two_losses) == list(range(1, STEPS + 1))
+    assert all(len(v) == 1 for v in two_losses.values()), "only rank 0 writes the JSONL"
+    for step, (loss,) in two_losses.items():
+        assert loss == pytest.approx(one_losses[step][0], rel=1e-6, abs=0), step
+    a, b = final_state(tmp_path / "one"), final_state(tmp_path / "two")
+    for name, tensor in a["model"].items():
+        torch.testing.assert_close(b["model"][name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert (b["samples"], b["tokens"]) == (a["samples"], a["tokens"]) == (STEPS * 16, STEPS * 16 * 8)
+    assert b["rng"]["world_size"] == 2 and len(b["data"]["ranks"]) == 2
+    assert two_out.count("completed steps=") == 1                         # rank 0 prints the line
+    assert two_out.splitlines()[-1].split(" loss=")[0] == one_out.splitlines()[-1].split(" loss=")[0]
+    start = records(tmp_path / "two.jsonl", "train_start")[0]
+    assert (start["world_size"], start["accumulation_steps"]) == (2, 2)
+
+
+# ---------------------------------------------------------------- kill -9 and SIGTERM, then resume
+
+TOKEN_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def token_runs(tmp_path_factory):
+    "The uninterrupted 2-rank run on a shuffled token file read by 2 workers per rank: per-step losses and final model."
+    tmp = tmp_path_factory.mktemp("tokens")
+    data = {"token_file": str(token_file(tmp)), "shuffle": True, "num_workers": 2, "synthetic": False}
+    ref = write_config(tmp, "ref", micro=4, data=data, steps=TOKEN_STEPS, every=TOKEN_STEPS)
+    finish(torchrun(ref))
+    losses = {s: v[-1] for s, v in losses_by_step(tmp / "ref.jsonl").items()}
+    assert sorted(losses) == list(range(1, TOKEN_STEPS + 1))
+    return tmp, data, losses, final_state(tmp / "ref", TOKEN_STEPS)["model"]
+
+
+def assert_same_as_reference(tmp: Path, name: str, ref_losses: dict, ref_model: dict) -> None:
+    got = losses_by_step(tmp / f"{name}.jsonl")
+    assert sorted(got) == list(range(1, TOKEN_STEPS + 1))
+    for step, values in got.items():   # the records of the stopped job and of the resumed one
+        assert all(v == ref_losses[step] for v in values), (step, values, ref_losses[step])
+    model = final_state(tmp / name, TOKEN_STEPS)["model"]
+    for key, tensor in ref_model.items(): assert torch.equal(model[key], tensor), key
+
+
+def test_kill_one_rank_then_resume(token_runs):
+    tmp, data, ref_losses, ref_model = token_runs
+    cfg = write_config(tmp, "killed", micro=4, data=data, steps=TOKEN_STEPS, every=3)
+    job = torchrun(cfg)
+    wait_for_step(job, tmp / "killed.jsonl", 7)
+    os.kill(rank_pid(job, 1), signal.SIGKILL)
+    try: _, err = job.communicate(timeout=120)    # the job stops: no hung collective
+    except subprocess.TimeoutExpired:
+        job.kill(); pytest.fail("the job did not stop after one rank was killed")
+    assert job.returncode != 0
+    assert "SIGKILL" in err or "Signal 9" in err, err[-3000:]
+    saved = sorted(p.name for p in (tmp / "killed" / "checkpoints").glob("step_*.pt"))
+    assert saved and saved[-1] < f"step_{TOKEN_STEPS:012d}.pt"
+    finish(torchrun(cfg, "--resume"))
+    assert_same_as_reference(tmp, "killed", ref_losses, ref_model)
+
+
+def test_sigterm_saves_once_then_resume(token_runs):
+    tmp, data, ref_losses, ref_model = token_runs
+    cfg = write_config(tmp, "stopped", micro=4, data=data, steps=TOKEN_STEPS, every=100)
+    job = torchrun(cfg)
+    wait_for_step(job, tmp / "stopped.jsonl", 5)
+    job.send_signal(signal.SIGTERM)
+    try: job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        job.kill(); pytest.fail("the job did not stop after SIGTERM")
+    saves = records(tmp / "stopped.jsonl", "checkpoint")
+    assert len(saves) == 1, saves                                         # once, by rank 0
+    last = max(r["step"] for r in records(tmp / "stopped.jsonl"))
+    assert saves[0]["step"] == last and last < TOKEN_STEPS               # the last completed step
+    finish(torchrun(cfg, "--resume"))
+    assert_same_as_reference(tmp, "stopped", ref_losses, ref_model)
+
+
+# ---------------------------------------------------------------- a failure on one rank
+
+def test_a_data_error_on_one_rank_stops_the_job(tmp_path):
+    # groups of 8 blocks in order: rank 1 reads blocks 4-7 of each group; block 8 * 5 + 5 is read in step 3
+    bad = token_file(tmp_path, blocks=80, bad_block=45)
+    cfg = write_config(tmp_path, "bad", micro=4, data={"token_file": str(bad), "synthetic": False})
+    job = torchrun(cfg)
+    try: _, err = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        job.kill(); pytest.fail("the job did not stop after a rank failed")
+    assert job.returncode != 0
+    assert "speedtronic: error: [rank 1 of 2] data.token_file" in err and "holds token id 100" in err, err[-4000:]
+    saved = sorted(p.name for p in (tmp_path / "bad" / "checkpoints").glob("step_*.pt"))
+    assert saved == ["step_000000000002.pt"]                              # saved work intact, nothing half-written
+
+
+# ---------------------------------------------------------------- the job is checked before it starts
+
+def as_rank(monkeypatch, rank: int = 0, size: int = 2) -> None:
+    for key, value in {"WORLD_SIZE": size, "RANK": rank, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": size}.items():
+        monkeypatch.setenv(key, str(value))
+
+
+def test_global_batch_that_does_not_divide(tmp_path, monkeypatch, capsys):
+    cfg = write_config(tmp_path, "odd", micro=3, data={"synthetic": True, "num_tokens": 40, "target_batch_size": 9})
+    as_rank(monkeypatch)
+    assert main(["train", "--config", str(cfg), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "[rank 0 of 2] data.target_batch_size (9) is the global batch" in err and "(3 × 2 = 6)" in err, err
+    assert not (tmp_path / "odd").exists()
+    assert main(["validate", "--deep", "--config", str(cfg), "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert "data.target_batch_size (9)" in err and "micro_batch_size: 3" in out
+    as_rank(monkeypatch, rank=1)
+    assert main(["validate", "--deep", "--config", str(cfg), "--device", "cpu"]) == 2
+    assert capsys.readouterr() == ("", "")                                 # rank 0 speaks for the job
+
+
+def test_diloco_inside_torchrun_is_refused(tmp_path, monkeypatch, capsys):
+    cfg = write_config(tmp_path, "diloco", micro=4, data={"synthetic": True, "num_tokens": 40},
+                       distributed={"enabled": True, "repo_id": "me/run"})
+    as_rank(monkeypatch)
+    assert main(["train", "--config", str(cfg), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "distributed.enabled (DiLoCo) inside a torchrun job of 2 processes is not supported yet" in err
+    assert "Traceback" not in err
+
+
+def test_one_process_checkpoint_is_not_resumed_by_a_job(tmp_path):
+    data = {"synthetic": True, "num_tokens": 40}
+    single = write_config(tmp_path, "single", micro=8, data=data, steps=3)
+    finish(one_process(single))
+    job_cfg = write_config(tmp_path, "single", micro=4, data=data, steps=6)   # the same output directory, micro 4 per rank
+    job = torchrun(job_cfg, "--resume")
+    _, err = job.communicate(timeout=120)
+    assert job.returncode != 0
+    assert "was saved by one process and this run is a torchrun job of 2 processes" in err, err[-3000:]
