@@ -146,7 +146,7 @@ def wrap(self: World, model: nn.Module) -> nn.Module:
 @patch
 def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     "The context of one microbatch's forward and backward: gradients are averaged over the ranks only when `sync`."
-    if sync or not callable(getattr(module, "no_sync", None)): return contextlib.nullcontext()
+    if sync or self.backend is None: return contextlib.nullcontext()
     return module.no_sync()
 
 # %% ../nbs/10p_parallel.ipynb #71478092
