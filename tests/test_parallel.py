@@ -276,3 +276,34 @@ def test_one_process_checkpoint_is_not_resumed_by_a_job(tmp_path):
     _, err = job.communicate(timeout=120)
     assert job.returncode != 0
     assert "was saved by one process and this run is a torchrun job of 2 processes" in err, err[-3000:]
+
+
+# ---------------------------------------------------------------- loaders of ranks x workers (no torchrun needed)
+
+def test_token_file_ranks_with_workers_split_the_single_loader_batches(tmp_path):
+    "2 ranks x 2 workers x micro 4 hold, batch for batch, the halves of 1 process x 2 workers x micro 8 (shuffled, past an epoch)."
+    from speedtronic.data import ResumableDataLoader, TokenFileDataset, infinite_batches
+    path = token_file(tmp_path, blocks=200)
+    def loader(micro, rank, world):
+        return ResumableDataLoader(TokenFileDataset(path, 8, shuffle=True, seed=3), batch_size=micro, num_workers=2,
+                                   rank=rank, world_size=world)
+    def head(lo, n):
+        it = infinite_batches(lo)
+        return [next(it)["input_ids"] for _ in range(n)]
+    n = 30                                                       # 25 batches of 8 per pass (2 workers): crosses into the next
+    single = head(loader(8, 0, 1), n)
+    ranks = [head(loader(4, r, 2), n) for r in (0, 1)]
+    for i in range(n): assert torch.equal(torch.cat([ranks[0][i], ranks[1][i]]), single[i]), i
+
+
+def test_text_ranks_with_workers_read_disjoint_segments(tmp_path):
+    "A text stream read by 2 ranks x 2 workers: every block once over the ranks, the same blocks as one process."
+    from speedtronic.data import ResumableDataLoader, TextFileTokenDataset
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400)))
+    def rows(rank, world):
+        ds = TextFileTokenDataset(text, 16, segment_bytes=2000)
+        lo = ResumableDataLoader(ds, batch_size=1, drop_last=False, num_workers=2, rank=rank, world_size=world)
+        return [tuple(b["input_ids"][0].tolist()) for b in lo]
+    r0, r1 = rows(0, 2), rows(1, 2)
+    assert r0 and r1 and sorted(r0 + r1) == sorted(rows(0, 1))
