@@ -9,7 +9,6 @@ import itertools
 import os
 import pickle
 import random
-import signal
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -491,10 +490,10 @@ class EpochSampler(Sampler):
 
 # %% ../nbs/03_data.ipynb #a2ff7b0d
 def _seed_worker(worker_id: int) -> None:
-    "Seed Python's and NumPy's RNGs in a worker from its torch seed (which the loader's generator sets); ignore SIGTERM."
+    "Seed Python's and NumPy's RNGs in a worker from its torch seed (which the loader's generator sets); own process group."
     seed = torch.initial_seed() % 2**32
     random.seed(seed); np.random.seed(seed)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainer's process decides how the run ends
+    if hasattr(os, "setpgrp"): os.setpgrp()  # a signal to the trainer's group (torchrun's SIGTERM) is the trainer's to handle
 
 def _worker_error_message(text: str) -> str:
     "The message of a `DataError` raised in a loader worker, without the traceback the loader wraps around it."
