@@ -17,7 +17,7 @@ from .optional import MissingExtra, optional_import
 from .profiling import Metric, close_hook
 
 # %% auto #0
-__all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook', 'IntegrationError', 'WandbHook',
+__all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook', 'IntegrationError', 'check_wandb', 'WandbHook',
            'hooks_from_config']
 
 # %% ../nbs/08c_integrations.ipynb #b6d65fd6
@@ -92,10 +92,16 @@ def _check_reachable(url: str, timeout: float = 5.0) -> None:
         raise IntegrationError(f"logging.wandb: W&B cannot reach {url} ({e.strerror or e}); check the network, or log "
                                "offline with logging.wandb: {mode: offline} and upload later with `wandb sync`") from None
 
-def _start_wandb(wandb: Any, project: str | None, settings: Mapping) -> Any:
-    "`wandb.init(project=project, **settings)`, failing fast and in one line when it cannot start."
+def check_wandb(settings: Mapping[str, Any]) -> Any:
+    "The `wandb` module, once it is installed and — for an online run with `settings` — its server answers."
+    wandb = _import_for("WandbHook", "wandb")
     mode = str(settings.get("mode") or os.environ.get("WANDB_MODE") or "online").lower()
     if mode not in _OFFLINE and not settings.get("offline"): _check_reachable(str(wandb.Settings().base_url))
+    return wandb
+
+def _start_wandb(project: str | None, settings: Mapping) -> Any:
+    "`wandb.init(project=project, **settings)`, failing fast and in one line when it cannot start."
+    wandb = check_wandb(settings)
     try: return wandb.init(project=project, **settings)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -104,7 +110,7 @@ def _start_wandb(wandb: Any, project: str | None, settings: Mapping) -> Any:
 class WandbHook:
     "Logs every event to a W&B run started at construction; `finish()`/`close()` ends the run."
     def __init__(self, project: str | None = None, **settings: Any):
-        self._run = _start_wandb(_import_for("WandbHook", "wandb"), project, settings)
+        self._run = _start_wandb(project, settings)
 
     @property
     def run(self) -> Any: "The W&B run (None once finished)."; return self._run
