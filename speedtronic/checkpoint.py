@@ -224,7 +224,7 @@ def check_compatible(state: Mapping, *, model: torch.nn.Module, config=None, pat
                           + "\nResume with the model config the checkpoint was written with, or "
                           "start a fresh run in another checkpoint.directory")
 
-# %% ../nbs/07_checkpoint.ipynb #a3499620
+# %% ../nbs/07_checkpoint.ipynb #bb65eec1
 _REFUSED_CHANGES = {
     "optimizer.name": "the saved optimizer state belongs to another optimizer",
     "optimizer.weight_decay_on": "the saved optimizer state has other parameter groups",
@@ -347,7 +347,7 @@ class CheckpointManager:
         "The checkpoint file for `step`: `<directory>/step_<step:012d>.pt`."
         return self.directory / f"step_{int(step):012d}.pt"
 
-# %% ../nbs/07_checkpoint.ipynb #5fdeb561
+# %% ../nbs/07_checkpoint.ipynb #7b25c2df
 def nonfinite_tensors(tensors: Mapping) -> list[str]:
     "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device)."
     floats = [(k, v) for k, v in tensors.items() if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())]
@@ -386,7 +386,7 @@ def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
     except OSError as e: raise self._unwritable(f"checkpoint {self.path_for(step)}", e) from None
     return path
 
-# %% ../nbs/07_checkpoint.ipynb #9f5b6843
+# %% ../nbs/07_checkpoint.ipynb #4c7d9ebf
 @patch
 def _own_unlisted(self: CheckpointManager, listed: list[str]) -> list[str]:
     "Checkpoint files that carry this manager's run id but are not in `listed` (a kill before the pointer, a lost pointer)."
@@ -404,8 +404,9 @@ def _own_unlisted(self: CheckpointManager, listed: list[str]) -> list[str]:
 def _retain(self: CheckpointManager, written: list[str], **pointer) -> list[Path]:
     "Record `written`, then delete the own files beyond `keep_last` (never the newest)."
     written = [n for n in written if (self.directory / n).exists()]
-    own = sorted(written + self._own_unlisted(written), key=checkpoint_step)
-    drop = [n for n in (own[:-self.keep_last] if self.keep_last is not None else []) if n != pointer.get("file")]
+    current = [n for n in written if n == pointer.get("file")]          # the file just written counts as the newest
+    own = sorted([n for n in written if n not in current] + self._own_unlisted(written), key=checkpoint_step) + current
+    drop = own[:-self.keep_last] if self.keep_last is not None else []
     keep = [n for n in own if n not in drop]
     if self.run_id is not None: pointer["run_id"] = self.run_id
     atomic_json_dump({**pointer, "written": keep}, self.pointer_path)
@@ -489,7 +490,7 @@ def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
     shutil.copystat(source, destination)
     return destination
 
-# %% ../nbs/07_checkpoint.ipynb #dae84c5b
+# %% ../nbs/07_checkpoint.ipynb #df5504fa
 @patch
 def clear(self: CheckpointManager) -> list[Path]:
     "Delete all checkpoint files, `latest.json` and dead temp files in `directory`; returns what was deleted."

@@ -138,7 +138,7 @@ def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any)
     from speedtronic.distributed import DumbDiLoCoCoordinator
     return DumbDiLoCoCoordinator(config.distributed, model, state_dir=run_paths(config).state_dir, logger=logger)
 
-# %% ../nbs/13_runtime.ipynb #9c301063
+# %% ../nbs/13_runtime.ipynb #5dd65696
 @dataclass
 class RunClaim:
     "A run's hold on its directories: its id and the locks it owns (`release()` gives them up)."
@@ -169,8 +169,10 @@ def claim_run(config: SpeedtronicConfig, *, resume: bool = False, overwrite: boo
     claim = RunClaim(recorded if resume and isinstance(recorded, str) else new_run_id())
     try:
         for i, lockfile in enumerate(paths.locks):
+            if i and not config.checkpoint.enabled: continue       # a checkpoint folder elsewhere that is not used
+            if i: CheckpointManager(lockfile.parent).check_writable()   # the manager's message when it cannot be created
             claim.locks.append(lock_run(lockfile.parent, claim.run_id, key="checkpoint.directory" if i else "run.output_dir"))
-        if not resume: _others_checkpoints(paths.checkpoints, overwrite)
+        if not resume and (overwrite or config.checkpoint.enabled): _others_checkpoints(paths.checkpoints, overwrite)
     except BaseException:
         claim.release()
         raise
@@ -186,8 +188,9 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
     config = load_runtime_config(config)
     resume = bool(resume or config.checkpoint.resume)
+    dev = resolve_device(device or config.run.device)        # a bad device is refused before any directory is made
     claim = claim_run(config, resume=resume, overwrite=overwrite)
-    try: trainer, manager = _build_components(config, claim, resume=resume, device=device, max_steps=max_steps)
+    try: trainer, manager = _build_components(config, claim, resume=resume, device=dev, max_steps=max_steps)
     except BaseException:
         claim.release()
         raise
@@ -232,7 +235,7 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, *, resume: boo
             else:
                 trainer.resume(state, path=manager.loaded_path)
                 if isinstance(state.get("run_id"), str): claim.run_id = manager.run_id = logger.run_id = state["run_id"]
-                logger.info(f"resumed run {claim.run_id} from {manager.loaded_path} at step {trainer.step}")
+                logger.info(f"resumed from {manager.loaded_path} at step {trainer.step} (run {claim.run_id})")
     except BaseException:
         close_logger(logger)
         raise
@@ -325,7 +328,7 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
         problems += _first_step_problems(config, model, vocab)
     return problems + _logging_problems(config)
 
-# %% ../nbs/13_runtime.ipynb #cf8612fe
+# %% ../nbs/13_runtime.ipynb #fbc52282
 def _on_meta(batch: Any) -> Any:
     "`batch` with every tensor moved to the meta device."
     if torch.is_tensor(batch): return batch.to("meta")
@@ -344,7 +347,14 @@ def _first_step_problems(config: SpeedtronicConfig, model: torch.nn.Module, voca
     except (DataError, ValueError, OSError) as e: return [str(e)]
     except Exception: return []        # a custom dataset the check cannot open like this: training will tell
     try: output = call_model(model.train(), batch)
-    except Exception: return []        # the meta device cannot run this model: not a verdict on it
+    except Exception:                  # the meta device cannot run this model: run a small one for real
+        if sum(p.numel() for p in model.parameters()) > 50_000_000: return []
+        try:
+            batch = collate_batch([sample])
+            output = call_model(build_model(config.model).train(), batch)
+        except Exception as e:         # the first step would fail the same way
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return [f"model {config.model.name!r} fails on the first batch: {type(e).__name__}: {first}"]
     try: loss = resolve_loss(output, batch)
     except (TypeError, ValueError) as e: return [f"model {config.model.name!r}: {e}"]
     if not loss.requires_grad:

@@ -185,7 +185,7 @@ def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     if found is not None: return found == 0
     return not scaler.get_scale() < before
 
-# %% ../nbs/11_trainer.ipynb #80569a40
+# %% ../nbs/11_trainer.ipynb #504d5754
 def gradient_norm(parameters: Any) -> torch.Tensor:
     "The global L2 norm of the gradients of `parameters` (a 0-d tensor; 0 when there are none), without a host sync."
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -353,7 +353,7 @@ def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
     self.logger.emit("checkpoint", {"step": self.step, "path": str(path)})
     return path
 
-# %% ../nbs/11_trainer.ipynb #be74ce76
+# %% ../nbs/11_trainer.ipynb #4e730724
 @patch
 def _apply_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
     "Put changed optimizer settings back into the parameter groups (the loaded state held the saved ones)."
@@ -552,7 +552,7 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
         self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
     self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
 
-# %% ../nbs/11_trainer.ipynb #35235394
+# %% ../nbs/11_trainer.ipynb #ac0aaca8
 @patch
 def _nonfinite_error(self: Trainer, reason: str, loss: float, norm: float, skipped: int, lr: float) -> TrainingError:
     "The `TrainingError` that stops a run at a NaN/inf loss or gradient: the step, the value, what to try."
