@@ -231,7 +231,12 @@ _REFUSED_CHANGES = {
     "optimizer.cautious": "the saved optimizer state was written for another update rule",
     "optimizer.muon_plus": "the saved optimizer state was written for another update rule",
     "run.seed": "a resumed run continues the saved random streams, so a new seed would not apply"}
-_NOT_COMPARED = ("model.", "data.", "checkpoint.resume")   # the model and data are checked where they are loaded
+_LOADER_KEYS = {f"data.{k}" for k in ("text_path", "token_file", "dataset", "synthetic", "num_tokens", "vocab_size", "block_size",
+                                       "tokenizer", "micro_batch_size", "shuffle", "seed", "trust_pickle")}
+
+def _checked_elsewhere(key: str) -> bool:
+    "Keys the model check and the data loader judge where they are loaded (they see the weights and the file)."
+    return key.startswith("model.") or key in _LOADER_KEYS or key == "checkpoint.resume"
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     "`{'a.b': value}` for every leaf of nested mappings (lists and tuples compare as lists)."
@@ -247,7 +252,7 @@ def setting_changes(state: Mapping, config: SpeedtronicConfig | None) -> tuple[l
     old, new = _flat(redact(saved)), _flat(config.to_dict(redact_secrets=True))
     refused, applied = [], []
     for key, value in new.items():
-        if key not in old or old[key] == value or key.startswith(_NOT_COMPARED): continue
+        if key not in old or old[key] == value or _checked_elsewhere(key): continue
         if key in _REFUSED_CHANGES: refused.append(f"{key}: saved {old[key]!r}, now {value!r} ({_REFUSED_CHANGES[key]})")
         else: applied.append((key, old[key], value))
     return refused, applied
@@ -442,6 +447,14 @@ def check_writable(self: CheckpointManager) -> None:
     except OSError as e: raise self._unwritable(f"checkpoints to {self.directory}", e) from None
 
 # %% ../nbs/07_checkpoint.ipynb #660e2b94
+def _finite_checkpoint(path: Path) -> dict:
+    "`load_checkpoint(path)`, refusing a state whose model weights hold NaN or infinity (written by a diverged 2.0 run)."
+    state = load_checkpoint(path)
+    bad = nonfinite_tensors(state["model"]) if isinstance(state.get("model"), Mapping) else []
+    if bad: raise CheckpointError(f"checkpoint {path} holds NaN or infinite model weights ({_listing('in', bad, 4)}); "
+                                  "an older checkpoint is used instead")
+    return state
+
 @patch
 def latest_path(self: CheckpointManager) -> Path | None:
     "The highest-step `step_*.pt` file (whatever `latest.json` says), or `None`."
@@ -458,7 +471,7 @@ def _newest_loadable(self: CheckpointManager) -> tuple[Path, dict] | None:
                    "using the newest checkpoint file instead")
     files = checkpoint_files(self.directory)
     for path in files:
-        try: return path, load_checkpoint(path)
+        try: return path, _finite_checkpoint(path)
         except CheckpointError as e:
             self.skipped.append((path, str(e)))
             self._warn(f"skipping unusable checkpoint: {e}")

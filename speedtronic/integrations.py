@@ -96,7 +96,8 @@ def check_wandb(settings: Mapping[str, Any]) -> Any:
     "The `wandb` module, once it is installed and — for an online run with `settings` — its server answers."
     wandb = _import_for("WandbHook", "wandb")
     mode = str(settings.get("mode") or os.environ.get("WANDB_MODE") or "online").lower()
-    if mode not in _OFFLINE and not settings.get("offline"): _check_reachable(str(wandb.Settings().base_url))
+    if mode not in _OFFLINE and not settings.get("offline"):
+        _check_reachable(os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url))   # W&B reads the variable at init
     return wandb
 
 def _start_wandb(project: str | None, settings: Mapping) -> Any:

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 from .config import ConfigError, SpeedtronicConfig
 
 # %% auto #0
-__all__ = ['LOCK_NAME', 'node_id', 'RunPaths', 'run_paths', 'RunLocked', 'new_run_id', 'RunLock', 'lock_run']
+__all__ = ['LOCK_NAME', 'node_id', 'RunPaths', 'run_paths', 'RunLocked', 'new_run_id', 'RunLock', 'lock_run', 'lock_holder']
 
 # %% ../nbs/00c_paths.ipynb #f77e89c5
 def _unsafe_name(name: str) -> bool:
@@ -155,3 +155,18 @@ def lock_run(directory: str | os.PathLike, run_id: str, *, key: str = "run.outpu
         data = json.dumps(info).encode()
         os.ftruncate(entry[0], 0); os.lseek(entry[0], 0, os.SEEK_SET); os.write(entry[0], data)
     return RunLock(path, previous)
+
+def lock_holder(directory: str | os.PathLike) -> dict | None:
+    "What another running process wrote into `directory`'s lock while it holds it, or `None` (reads only, creates nothing)."
+    path = Path(directory) / LOCK_NAME
+    try: import fcntl
+    except ImportError: return None
+    if os.path.abspath(path) in _held: return None          # this process's own claim
+    try: fd = os.open(path, os.O_RDONLY)
+    except OSError: return None
+    try:
+        try: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError: return _holder_of(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally: os.close(fd)

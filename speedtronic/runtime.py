@@ -26,7 +26,7 @@ from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
 from .optional import MissingExtra, optional_import
-from .paths import RunLock, lock_run, new_run_id, run_paths
+from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
 from .precision import resolve_device, resolve_precision
 from .profiling import MetricLogger
 from .progress import ProgressBar
@@ -326,7 +326,7 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
                         "token ids would be out of range; make them equal")
     elif not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
         problems += _first_step_problems(config, model, vocab)
-    return problems + _logging_problems(config)
+    return problems + _directory_problems(config) + _logging_problems(config)
 
 # %% ../nbs/13_runtime.ipynb #fbc52282
 def _on_meta(batch: Any) -> Any:
@@ -361,6 +361,19 @@ def _first_step_problems(config: SpeedtronicConfig, model: torch.nn.Module, voca
         return [f"model {config.model.name!r}: its loss does not depend on any trainable parameter (no gradient); "
                 "compute it from the model's outputs without .detach(), .item() or torch.no_grad()"]
     return []
+
+def _directory_problems(config: SpeedtronicConfig) -> list[str]:
+    "Run directories another trainer holds now, or that cannot be created or written here."
+    paths, problems = run_paths(config), []
+    for key, directory in (("run.output_dir", paths.output_dir), ("checkpoint.directory", paths.checkpoints)):
+        if key == "checkpoint.directory" and not config.checkpoint.enabled: continue
+        if (holder := lock_holder(directory)) is not None:
+            problems.append(f"{key}: {directory} is in use by another training process: run {holder.get('run_id', '?')} "
+                            f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')})")
+        existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+        if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"{key}: {directory} cannot be written here ({existing} is not writable); choose a writable directory")
+    return problems
 
 def _logging_problems(config: SpeedtronicConfig) -> list[str]:
     "Log, JSONL and TensorBoard paths that cannot be created; a W&B run that cannot start."

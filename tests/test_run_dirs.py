@@ -120,6 +120,8 @@ def test_a_second_trainer_on_the_same_directory_exits_2_naming_the_first(tmp_pat
         for extra in ([], ["--resume"], ["--overwrite"]):
             line = error_line(cli("train", "--config", str(long), "--device", "cpu", *extra, cwd=tmp_path))
             assert "is in use by another training process" in line and f"run {run_id} (pid {first.pid}" in line, line
+        deep = cli("validate", "--config", str(long), "--deep", "--device", "cpu", cwd=tmp_path)
+        assert deep.returncode == 2 and f"is in use by another training process: run {run_id} (pid {first.pid}" in deep.stderr
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
