@@ -234,9 +234,11 @@ _REFUSED_CHANGES = {
 _LOADER_KEYS = {f"data.{k}" for k in ("text_path", "token_file", "dataset", "synthetic", "num_tokens", "vocab_size", "block_size",
                                        "tokenizer", "micro_batch_size", "shuffle", "seed", "trust_pickle")}
 
+_WHERE_IT_LIVES = {"run.output_dir", "checkpoint.directory", "checkpoint.resume"}   # the checkpoint was found there: not a change
+
 def _checked_elsewhere(key: str) -> bool:
-    "Keys the model check and the data loader judge where they are loaded (they see the weights and the file)."
-    return key.startswith("model.") or key in _LOADER_KEYS or key == "checkpoint.resume"
+    "Keys the model check and the data loader judge where they are loaded, and where the run's files now live."
+    return key.startswith("model.") or key in _LOADER_KEYS or key in _WHERE_IT_LIVES
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     "`{'a.b': value}` for every leaf of nested mappings (lists and tuples compare as lists)."
