@@ -97,10 +97,21 @@ def _describe(info: Mapping) -> str:
 _held: dict[str, list] = {}   # lock file (absolute) -> [fd, holders] for the locks this process holds
 _held_guard = threading.Lock()
 
+def _drop_inherited_locks() -> None:
+    "In a forked child: close the inherited lock descriptors (the parent keeps its locks; the child holds none)."
+    global _held_guard
+    for fd, _ in list(_held.values()):
+        try: os.close(fd)
+        except OSError: pass
+    _held.clear()
+    _held_guard = threading.Lock()
+
+if hasattr(os, "register_at_fork"): os.register_at_fork(after_in_child=_drop_inherited_locks)
+
 def _open_locked(path: Path, key: str) -> int:
     "A descriptor of `path` holding its exclusive `flock`; `RunLocked` naming the holder if another process has it."
     try: import fcntl
-    except ImportError: return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)   # no flock here: record only
+    except ImportError: return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)   # no fcntl here: record only
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
