@@ -22,7 +22,8 @@ from .precision import resolve_device
 
 # %% auto #0
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'World', 'world_from_env', 'accumulation_per_rank', 'world_problems', 'world_device',
-           'backend_for', 'start_world', 'merge_boundaries', 'saved_world_size']
+           'backend_for', 'start_world', 'JobError', 'job_wide', 'raised_together', 'merge_boundaries',
+           'saved_world_size']
 
 # %% ../nbs/10p_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -167,6 +168,65 @@ def agree_stop(self: World, reason: str | None) -> str | None:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
     return (reason or "another rank was asked to stop") if flag.item() else None
 
+# %% ../nbs/10p_parallel.ipynb #8463093f
+class JobError(RuntimeError):
+    "Another rank's error, raised on this rank too so that the whole job stops at the same point; that rank reports it."
+    def __init__(self, message: str, reporting_rank: int = 0):
+        super().__init__(message)
+        self.reporting_rank = reporting_rank
+
+def job_wide(error: BaseException, reporting_rank: int = 0) -> BaseException:
+    "Mark `error` as raised by every rank at the same point, reported by `reporting_rank`; returns `error`."
+    error.reporting_rank = reporting_rank
+    return error
+
+def raised_together(error: BaseException) -> bool:
+    "Was `error` raised by every rank at the same point (so the ranks can still meet in a collective)?"
+    return isinstance(getattr(error, "reporting_rank", None), int)
+
+@patch
+def raise_together(self: World, error: BaseException | None) -> None:
+    "Raise on every rank if any rank has an `error`: the lowest such rank its own (it reports it), the others a `JobError`."
+    if self.backend is None:
+        if error is not None: raise error
+        return
+    import torch.distributed as dist
+    messages = [None] * self.size
+    dist.all_gather_object(messages, None if error is None else str(error), group=self.control)
+    failing = [r for r, m in enumerate(messages) if m is not None]
+    if not failing: return
+    if error is not None: raise job_wide(error, failing[0])
+    raise JobError(f"rank {failing[0]} stopped the job: {messages[failing[0]]}", failing[0])
+
+# %% ../nbs/10p_parallel.ipynb #346cd77b
+@patch
+def on_writer(self: World, fn: Callable[[], Any]) -> Any:
+    "`fn()` on rank 0 (its result there, `None` on the other ranks); if it raises, every rank raises (rank 0 reports it)."
+    result = error = None
+    if self.writes:
+        try: result = fn()
+        except Exception as e: error = e
+    self.raise_together(error)
+    return result
+
+@patch
+def on_every_rank(self: World, fn: Callable[[], Any]) -> Any:
+    "`fn()` on every rank; if it raises on any, every rank raises (the lowest failing rank reports it)."
+    result = error = None
+    try: result = fn()
+    except Exception as e: error = e
+    self.raise_together(error)
+    return result
+
+@patch
+def share(self: World, value: Any) -> Any:
+    "Rank 0's `value` (small and picklable: a run id) on every rank; `value` itself for one process."
+    if self.backend is None: return value
+    import torch.distributed as dist
+    box = [value if self.writes else None]
+    dist.broadcast_object_list(box, src=0, group=self.control)
+    return box[0]
+
 # %% ../nbs/10p_parallel.ipynb #ab136e13
 def merge_boundaries(parts: list[Mapping]) -> dict:
     "One boundary for the whole job from each rank's `{'rng': ..., 'data': ...}`, in rank order."
@@ -207,13 +267,10 @@ def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None
     dist.all_gather_object(found, step, group=self.control)
     if len(set(found)) > 1:
         seen = ", ".join(f"rank {r}: {'none' if s is None else f'step {s}'}" for r, s in enumerate(found))
-        raise CheckpointError(f"the ranks found different checkpoints to resume ({seen}); every process must see the same "
-                              f"checkpoint directory {path or ''} — on several machines, a shared filesystem")
+        raise job_wide(CheckpointError(f"the ranks found different checkpoints to resume ({seen}); every process must see "
+                                       f"the same checkpoint directory {path or ''} — on several machines, a shared filesystem"))
 
 @patch
 def writer_first(self: World, write: Callable[[], Any]) -> None:
-    "Run `write` on rank 0 while the other ranks wait for it (a file they all read next)."
-    if self.writes: write()
-    if self.backend is not None:
-        import torch.distributed as dist
-        dist.barrier(group=self.control)
+    "Run `write` on rank 0 while the other ranks wait for it (a file they all read next); if it fails, every rank raises."
+    self.on_writer(write)  # its verdict is the meeting point: no rank reads before rank 0 is done

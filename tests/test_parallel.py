@@ -4,7 +4,11 @@
 - kill -9 of one rank stops the job; resuming from the last checkpoint reproduces the uninterrupted run;
 - SIGTERM to the job saves the last completed step once; resuming reproduces the uninterrupted run;
 - a data error on one rank stops the job with that rank's error on the console;
-- the job's configuration is checked before any process group is joined (global batch, DiLoCo).
+- the job's configuration is checked before any process group is joined (global batch, DiLoCo);
+- the decisions the job takes together give one verdict and one message: a directory another job holds or
+  another run's checkpoints are refused by rank 0 for every rank, a resume with a changed seed is refused by
+  every rank, the run id is rank 0's, a NaN loss on one rank stops (or, within the budget, skips) on every
+  rank at the same step.
 
 The runs are tiny (a one-layer model, a few dozen steps) so the whole file stays around two minutes on 2 cores.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -233,6 +238,144 @@ def test_a_data_error_on_one_rank_stops_the_job(tmp_path):
     assert "speedtronic: error: [rank 1 of 2] data.token_file" in err and "holds token id 100" in err, err[-4000:]
     saved = sorted(p.name for p in (tmp_path / "bad" / "checkpoints").glob("step_*.pt"))
     assert saved == ["step_000000000002.pt"]                              # saved work intact, nothing half-written
+
+
+# ---------------------------------------------------------------- one verdict for the job
+
+def job_errors(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("speedtronic: error:")]
+
+
+def exit_codes(err: str) -> dict[int, str]:
+    "Each failed rank's exit code, from torchrun's failure summary."
+    return {int(rank): code for rank, code in re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", err)}
+
+
+def refused(proc: subprocess.Popen) -> str:
+    "The one error line of a job every rank of which stopped with exit code 2."
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and exit_codes(err) == {0: "2", 1: "2"}, err[-4000:]    # 2: handled, not a traceback
+    (line,) = job_errors(err)
+    return line
+
+
+JOB_SCRIPT = """
+import json, torch
+from speedtronic.parallel import start_world, world_from_env
+w = start_world(world_from_env(), torch.device("cpu"))
+def outcome(fn):
+    try: return ["ok", fn()]
+    except Exception as e: return [type(e).__name__, str(e), getattr(e, "reporting_rank", None)]
+out = {"rank": w.rank, "share": w.share(f"id-of-rank-{w.rank}"),
+       "writer_fails": outcome(lambda: w.on_writer(lambda: int("x"))),
+       "rank1_fails": outcome(lambda: w.on_every_rank(lambda: 1 / (w.rank - 1))),
+       "all_fail": outcome(lambda: w.on_every_rank(lambda: [][w.rank])),
+       "none_fail": outcome(lambda: w.on_every_rank(lambda: w.rank))}
+print(json.dumps(out), flush=True)
+w.close()
+"""
+
+
+def test_raise_together_gives_every_rank_one_verdict(tmp_path):
+    "Between two real processes: the lowest failing rank raises (and reports) its own error, the others a JobError."
+    script = tmp_path / "job.py"
+    script.write_text(JOB_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()), str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = sorted((json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")), key=lambda r: r["rank"])
+    assert [r["share"] for r in ranks] == ["id-of-rank-0", "id-of-rank-0"]
+    assert ranks[0]["writer_fails"][0::2] == ["ValueError", 0] and ranks[1]["writer_fails"][0::2] == ["JobError", 0]
+    assert ranks[1]["writer_fails"][1].startswith("rank 0 stopped the job: invalid literal")
+    assert ranks[0]["rank1_fails"] == ["JobError", "rank 1 stopped the job: division by zero", 1]
+    assert ranks[1]["rank1_fails"] == ["ZeroDivisionError", "division by zero", 1]
+    assert [r["all_fail"][0::2] for r in ranks] == [["IndexError", 0], ["IndexError", 0]]
+    assert [r["none_fail"] for r in ranks] == [["ok", 0], ["ok", 1]]
+
+
+def test_a_used_directory_is_refused_once_for_the_job(tmp_path):
+    data = {"synthetic": True, "num_tokens": 40}
+    busy = write_config(tmp_path, "busy", micro=4, data=data, steps=100_000, every=100_000)
+    first = torchrun(busy)
+    try:
+        wait_for_step(first, tmp_path / "busy.jsonl", 2)
+        run_id = records(tmp_path / "busy.jsonl")[0]["run_id"]
+        line = refused(torchrun(busy))                                   # a second job on the same directory
+        assert line.startswith("speedtronic: error: [rank 0 of 2] run.output_dir") and "is in use by another training process" in line
+        assert f"run {run_id} (pid " in line, line
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    jsonl, ck = tmp_path / "busy.jsonl", tmp_path / "busy" / "checkpoints"
+    lines = [json.loads(l) for l in jsonl.read_text().splitlines()]
+    assert {r["run_id"] for r in lines} == {run_id}                       # one run id, nothing of the refused job
+    assert len([r for r in lines if r["event"] == "checkpoint"]) == 1     # SIGTERM: the last completed step, once
+    assert json.loads((ck / "latest.json").read_text())["run_id"] == run_id
+    assert not (tmp_path / "busy" / ".speedtronic.lock").exists()          # released on exit
+
+    short = write_config(tmp_path, "busy", micro=4, data=data, steps=4, every=2).rename(tmp_path / "short.yaml")
+    line = refused(torchrun(short))                                      # a fresh job into the used directory
+    assert f"already holds checkpoints of run {run_id}" in line and "--resume" in line and "--overwrite" in line, line
+    reseeded = write_config(tmp_path, "busy", micro=4, data=data, run={"seed": 8})
+    line = refused(torchrun(reseeded, "--resume"))                       # a resume every rank refuses
+    assert "run.seed: saved 7, now 8" in line, line
+    assert {r["run_id"] for r in records(jsonl)} == {run_id}              # the refused jobs wrote nothing
+
+
+NAN_MODEL = """
+import os, torch
+from torch import nn
+from speedtronic.registry import register_model
+
+class NanOnOneRank(nn.Module):
+    "A tiny language model whose loss is NaN on rank 1 at the forward calls in $NAN_CALLS, with finite gradients."
+    def __init__(self, vocab_size=64, **_):
+        super().__init__()
+        self.emb, self.head, self.calls = nn.Embedding(vocab_size, 16), nn.Linear(16, vocab_size), 0
+        self.bad = {int(c) for c in os.environ.get("NAN_CALLS", "").split(",") if c} if os.environ.get("RANK") == "1" else set()
+    def forward(self, input_ids, labels=None, **_):
+        self.calls += 1
+        logits = self.head(self.emb(input_ids))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), (labels if labels is not None else input_ids).flatten())
+        return {"loss": loss + float("nan") if self.calls in self.bad else loss}
+
+register_model("nan_on_one_rank", lambda **kw: NanOnOneRank(**kw))
+"""
+
+
+def nan_job(tmp_path: Path, name: str, nan_calls: str, **optimizer) -> tuple[Path, subprocess.Popen]:
+    (tmp_path / "nan_models.py").write_text(NAN_MODEL)
+    cfg = write_config(tmp_path, name, micro=4, data={"synthetic": True, "num_tokens": 40}, steps=6, every=100,
+                       model={"name": "nan_on_one_rank", "imports": ["nan_models"]}, optimizer=optimizer)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()),
+           "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"]
+    job_env = {**env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "NAN_CALLS": nan_calls}
+    return cfg, subprocess.Popen(cmd, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_with_one_message(tmp_path):
+    # 2 microbatches per rank and update: forward call 5 of rank 1 is in step 3; its gradients stay finite
+    _, job = nan_job(tmp_path, "nan", "5")
+    try: line = refused(job)
+    except subprocess.TimeoutExpired:
+        job.kill(); pytest.fail("the job hung after a NaN loss on one rank")
+    assert line.startswith("speedtronic: error: [rank 0 of 2] step 3: the loss is nan"), line   # the job's loss, on rank 0
+    assert "optimizer.max_nonfinite_skips" in line
+    assert sorted(losses_by_step(tmp_path / "nan.jsonl")) == [1, 2]
+    saves = records(tmp_path / "nan.jsonl", "checkpoint")
+    assert [s["step"] for s in saves] == [2]                              # the last good step, saved once by the job
+    state = final_state(tmp_path / "nan", 2)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_a_nan_loss_on_one_rank_is_skipped_by_every_rank_within_the_budget(tmp_path):
+    _, job = nan_job(tmp_path, "skip", "5", max_nonfinite_skips=1)
+    try: out, _ = finish(job, timeout=120)
+    except subprocess.TimeoutExpired:
+        job.kill(); pytest.fail("the ranks disagreed about a NaN update and the job hung")
+    skipped = records(tmp_path / "skip.jsonl", "optimizer_step_skipped")
+    assert [(r["step"], r["reason"]) for r in skipped] == [(3, "nonfinite_loss")]
+    assert sorted(losses_by_step(tmp_path / "skip.jsonl")) == list(range(1, 7)) and out.count("completed steps=6") == 1
 
 
 # ---------------------------------------------------------------- the job is checked before it starts
