@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import random
 import signal
 import threading
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointManager
-from .config import ConfigError, SpeedtronicConfig, run_target
+from .config import ConfigError, SpeedtronicConfig, explicit_fields, run_target
 from .data import build_dataloader
 from .files import atomic_write, atomic_write_text
 from .integrations import hooks_from_config
@@ -27,16 +29,17 @@ from .optional import MissingExtra, optional_import
 from .paths import run_paths
 from .precision import resolve_device, resolve_precision
 from .profiling import MetricLogger
-from .progress import ProgressBar
+from .progress import ProgressBar, in_notebook, loss_figure, loss_points
 from .registry import build_model
 from .schedules import build_scheduler
 from .shapes import validate_startup_shapes
-from .trainer import Trainer, TrainResult, TrainingInterrupted
+from .trainer import STEP_RECORD_KEYS, Trainer, TrainResult, TrainingInterrupted
 
 # %% auto #0
-__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
+__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
            'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
-           'build_runtime', 'sigterm_stops', 'train_from_config', 'write_loss_plot', 'check_runnable']
+           'build_runtime', 'sigterm_stops', 'earlier_records', 'train_from_config', 'write_loss_plot',
+           'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -55,7 +58,9 @@ def seed_everything(seed: int) -> None:
 def build_logger(config: SpeedtronicConfig) -> MetricLogger:
     "A `MetricLogger` from `config.logging`, with its configured hooks and progress bar attached."
     lg, paths = config.logging, run_paths(config)
-    logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps)
+    console = "WARNING" if in_notebook() and "level" not in explicit_fields(lg) else None  # the view shows progress
+    logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps,
+                          console_level=console)
     try:
         logger.hooks.extend(hooks_from_config(lg, progress=True))
         for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
@@ -189,15 +194,59 @@ def sigterm_stops(trainer: Trainer) -> Iterator[None]:
     try: yield
     finally: signal.signal(signal.SIGTERM, previous)
 
+# %% ../nbs/13_runtime.ipynb #4f9920fc
+def _step_record(line: str) -> tuple[str, dict] | None:
+    "(event, record) of a `train_step` or `train_start` line of a metrics file; `None` for others and torn lines."
+    if '"train_step"' not in line and '"train_start"' not in line: return None
+    try: record = json.loads(line)
+    except ValueError: return None
+    if not isinstance(record, dict) or record.get("event") not in ("train_step", "train_start"): return None
+    return record["event"], record
+
+def earlier_records(path: str | os.PathLike | None, # the run's metrics file (`logging.json_file`)
+                    up_to: int, # the step the run resumed from
+                    keep: int | None = None, # most records returned (the newest); `None` returns all
+                   ) -> list[dict[str, Any]]:
+    "The `train_step` records of the steps up to `up_to` that led to it, from a metrics file (empty if it is missing)."
+    if path is None or not Path(path).is_file() or up_to <= 0: return []
+    records: deque = deque(maxlen=keep)
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for found in map(_step_record, lines):
+            if found is None: continue
+            event, record = found
+            last = record.get("start_step", 0) if event == "train_start" else record.get("step")
+            if not isinstance(last, int): continue
+            while records and records[-1]["step"] >= last + (event == "train_start"): records.pop()
+            if event == "train_step" and last <= up_to:
+                records.append({k: (float("nan") if k == "loss" and record[k] is None else record[k])
+                                for k in STEP_RECORD_KEYS if k in record})
+    return list(records)
+
 # %% ../nbs/13_runtime.ipynb #5bf102eb
+RESUME_HINT = "train_from_config(config, resume=True)  (command line: speedtronic train --resume)"
+
+def _whole_run(result: TrainResult, trainer: Trainer, start: int) -> TrainResult:
+    "`result` with the records of the steps before `start` (a resumed run's history) in front, bounded."
+    earlier = earlier_records(run_paths(trainer.config).metrics, start, trainer.metrics_history)
+    if earlier:
+        keep = trainer.metrics_history
+        result.metrics = (earlier + result.metrics)[-keep:] if keep else earlier + result.metrics
+    return result
+
 def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
                       *, resume: bool = False, device: str | torch.device | None = None,
                       max_steps: int | None = None) -> TrainResult:
     "Build the runtime from `config`, train to the target and return the `TrainResult`."
     trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps)
+    start = trainer.step
     try:
         with sigterm_stops(trainer):
-            result = trainer.fit()
+            try: result = trainer.fit()
+            except TrainingInterrupted as stop:
+                stop.resume_hint = RESUME_HINT
+                if stop.result is not None: _whole_run(stop.result, trainer, start)
+                raise
+        _whole_run(result, trainer, start)
         if trainer.config.logging.loss_plot and result.metrics:
             write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
         return result
@@ -210,19 +259,10 @@ train = train_from_config
 # %% ../nbs/13_runtime.ipynb #1a61bb11
 def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None) -> Path | None:
     "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
-    try:
-        figure = optional_import("matplotlib.figure", extra="plot", purpose="the loss plot")
-        agg = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the loss plot")
+    try: fig = loss_figure(loss_points(metrics))
     except MissingExtra as e:
         if logger is not None: logger.info(f"skipped {Path(path).name}: {e}")
         return None
-    points = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None]
-    fig = figure.Figure(figsize=(6, 3.5))
-    agg.FigureCanvasAgg(fig)  # its own canvas: pyplot and the global backend are never touched
-    ax = fig.add_subplot()
-    ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
-    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("training loss"); ax.grid(alpha=0.3)
-    fig.tight_layout()
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
 
 # %% ../nbs/13_runtime.ipynb #ac143b86

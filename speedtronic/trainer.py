@@ -5,10 +5,19 @@
 # %% ../nbs/11_trainer.ipynb #9c83b00c
 from __future__ import annotations
 
+import base64
+import contextlib
+import html
+import io
+import re
+import signal
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -21,20 +30,40 @@ from .config import SpeedtronicConfig
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
 from .precision import autocast_context, make_grad_scaler, resolve_precision
+from .optional import MissingExtra
 from .profiling import MetricLogger
+from .progress import loss_figure, loss_points
 from .schedules import load_scheduler_state
 
 # %% auto #0
-__all__ = ['TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator', 'TrainResult',
-           'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model', 'is_compile_failure',
-           'read_pending', 'scaler_step', 'TrainerSettings', 'Trainer']
+__all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
+           'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
+           'is_compile_failure', 'read_pending', 'scaler_step', 'TrainerSettings', 'Trainer', 'signals_held']
 
 # %% ../nbs/11_trainer.ipynb #beb9dcd2
 class TrainingError(RuntimeError):
     "A run that cannot make progress (e.g. every update skipped by the GradScaler)."
 
 class TrainingInterrupted(KeyboardInterrupt):
-    "The run was stopped by Ctrl-C or SIGTERM after its last completed step was saved."
+    """Training stopped early by Ctrl-C (JupyterLab's ■), SIGTERM or `request_stop`, after saving its last completed step.
+
+    `result` is the `TrainResult` of the steps done so far, `checkpoint` the newest checkpoint file after the stop
+    (or `None`) and `saved` whether it holds the last completed step; `resume_hint` says how to go on."""
+    def __init__(self, reason: str = "interrupted", *, message: str | None = None, result: Any = None,
+                 checkpoint: Path | None = None, saved: bool = False, resume_hint: str | None = None):
+        super().__init__(reason)
+        self.reason, self.message, self.result = reason, message, result
+        self.checkpoint, self.saved, self.resume_hint = checkpoint, saved, resume_hint
+
+    def __str__(self) -> str:
+        text = self.message or self.reason
+        return text + (f"\nTo continue: {self.resume_hint}" if self.resume_hint and self.checkpoint else "")
+
+    def _render_traceback_(self) -> list[str]:
+        "What IPython shows in place of a traceback: the message, and where the steps done so far are."
+        first, *rest = str(self).splitlines() or [""]
+        if self.result is not None: rest.append("The steps done so far: sys.last_value.result")
+        return [f"\x1b[1;31m{type(self).__name__}\x1b[0m: {first}", *rest]
 
 @runtime_checkable
 class SyncCoordinator(Protocol):
@@ -62,6 +91,7 @@ class TrainResult:
     final_loss: float | None  # mean loss of the last update of this call, `None` if no update ran
     elapsed_s: float  # duration of this call
     metrics: list[dict[str, Any]] = field(default_factory=list)  # newest `train_step` records
+    checkpoint_dir: Path | None = None  # the folder of this run's checkpoints, `None` without a checkpoint manager
 
 # %% ../nbs/11_trainer.ipynb #8d283c61
 def causal_lm_loss(logits: Any, labels: Any) -> torch.Tensor | None:
@@ -484,6 +514,9 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
     self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
 
 # %% ../nbs/11_trainer.ipynb #cf2ea3d8
+STEP_RECORD_KEYS = ("step", "loss", "lr", "steps_per_sec", "samples_per_sec", "tokens_per_sec", "samples", "tokens",
+                    "micro_batches")
+
 @patch
 def _flush(self: Trainer, run: _FitState) -> None:
     "Read pending losses/tokens in one transfer, emit their `train_step` records and keep them."
@@ -539,23 +572,6 @@ def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
 
 # %% ../nbs/11_trainer.ipynb #4bfaeebb
 @patch
-def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> None:
-    "Save the last completed step after an error/interrupt if it is not saved yet and not torn."
-    manager = self.checkpoint_manager
-    if manager is None or not getattr(manager, "enabled", True) or self.step <= 0: return
-    if self.step == self._last_saved_step: return
-    if run.updating:
-        self.logger.warning(f"run interrupted during the optimizer update of step {self.step + 1}; "
-                            f"keeping the last saved checkpoint (step {self._last_saved_step})")
-        return
-    try:
-        self._flush(run)
-        self.save_checkpoint(run.boundary or self._boundary_state())
-        self.logger.warning(f"run stopped by {type(exc).__name__}; saved the last completed step {self.step}")
-    except Exception as e:
-        self.logger.warning(f"could not save step {self.step} after {type(exc).__name__}: {e}")
-
-@patch
 def _train_to_target(self: Trainer, run: _FitState) -> None:
     "Steps until the target: records flushed on the logging cadence, interval checkpoints, a final one."
     manager, every = self.checkpoint_manager, max(1, int(getattr(self.logger, "every_steps", 1) or 1))
@@ -567,10 +583,77 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
         if due or self.step % every == 0 or self.step == run.target or self.stop_requested: self._flush(run)
         if run.keep_boundary: run.boundary = self._boundary_state()
         if due: self.save_checkpoint(run.boundary)
-        if self.stop_requested: raise TrainingInterrupted(f"{self.stop_requested}: stopped after step {self.step}")
+        if self.stop_requested: raise TrainingInterrupted(self.stop_requested)
     self._flush(run)
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)
+
+# %% ../nbs/11_trainer.ipynb #7256b0b3
+@contextlib.contextmanager
+def signals_held(note: str) -> Iterator[list[str]]:
+    "Within the block the first Ctrl-C or SIGTERM is held (printing `note`) and a second raises `KeyboardInterrupt`."
+    held: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held; return
+    def handler(signum, frame):
+        held.append(signal.Signals(signum).name)
+        if len(held) > 1: raise KeyboardInterrupt(f"{held[-1]} pressed again while saving")
+        with contextlib.suppress(Exception): print(f"\n{note}", file=sys.stderr, flush=True)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try: yield held
+    finally:
+        for s, h in previous.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+# %% ../nbs/11_trainer.ipynb #d4fbe14a
+@patch
+def _newest_checkpoint(self: Trainer) -> Path | None:
+    "The newest checkpoint file on disk, or `None`."
+    latest = getattr(self.checkpoint_manager, "latest_path", None)
+    try: return latest() if callable(latest) else None
+    except Exception: return None
+
+@patch
+def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> tuple[Path | None, bool, str]:
+    "Save the last completed step unless saved or torn; (newest checkpoint, whether it holds that step, what happened)."
+    manager, step, problem = self.checkpoint_manager, self.step, None
+    if manager is None or not getattr(manager, "enabled", True): return None, False, "checkpoints are off, so nothing was saved"
+    if step <= 0: return self._newest_checkpoint(), False, "no step was completed, so nothing was saved"
+    if step != self._last_saved_step and run.updating:
+        problem = f"step {step} was not saved: the stop came inside the optimizer update of step {step + 1}"
+    elif step != self._last_saved_step:
+        try: self.save_checkpoint(run.boundary or self._boundary_state())
+        except BaseException as e: problem = f"step {step} was NOT saved ({type(e).__name__}: {e})"
+    newest = self._newest_checkpoint()
+    saved = step == self._last_saved_step or (newest is not None and newest == manager.path_for(step))
+    if saved: return newest, True, f"step {step} is saved in {newest}"
+    return newest, False, problem + (f"; the newest checkpoint is {newest}" if newest else "; there is no checkpoint yet")
+
+# %% ../nbs/11_trainer.ipynb #c2c05076
+@patch
+def _result(self: Trainer, run: _FitState) -> TrainResult:
+    "The `TrainResult` of this call so far."
+    directory = getattr(self.checkpoint_manager, "directory", None)
+    keeps = directory is not None and getattr(self.checkpoint_manager, "enabled", True)
+    return TrainResult(self.step, self.samples, self.tokens, run.last_loss if self.step > run.start[0] else None,
+                       time.perf_counter() - run.t0, list(run.records), checkpoint_dir=Path(directory) if keeps else None)
+
+@patch
+def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInterrupted | None:
+    "After the loop ended on `exc`: keep the records, save the last step; for an interrupt, the `TrainingInterrupted` to raise."
+    try:
+        with signals_held(f"speedtronic: still saving step {self.step}; press Ctrl-C again to abandon the save"):
+            with contextlib.suppress(Exception): self._flush(run)  # the records of the steps done are kept
+            newest, saved, what = self._save_on_interrupt(run, exc)
+    except KeyboardInterrupt:
+        newest, saved, what = self._newest_checkpoint(), False, f"the save of step {self.step} was abandoned"
+    interrupt = isinstance(exc, KeyboardInterrupt)
+    (self.logger.info if interrupt else self.logger.warning)(f"run stopped by {type(exc).__name__} after step {self.step}; {what}")
+    if not interrupt: return None
+    reason = exc.reason if isinstance(exc, TrainingInterrupted) else "interrupted"
+    of = f" of {run.target}" if run.target else ""
+    return TrainingInterrupted(reason, message=f"Training stopped after step {self.step}{of} ({reason}); {what}.",
+                               result=self._result(run), checkpoint=newest, saved=saved,
+                               resume_hint="fit() again on this trainer, or resume a new one from the checkpoint")
 
 # %% ../nbs/11_trainer.ipynb #0a26718e
 @patch
@@ -584,19 +667,50 @@ def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
         self._train_to_target(run)
     except BaseException as exc:
         failed = exc
-        self._save_on_interrupt(run, exc)
+        stop = self._stopped(run, exc)
+        if stop is not None: raise stop from None
         raise
     finally:
         self.stop_requested = None
         try: self._stop_coordinator(failed)
         finally:
             if run.ooo is not None: run.ooo.dispose()
-    elapsed = time.perf_counter() - run.t0
-    result = TrainResult(self.step, self.samples, self.tokens,
-                         run.last_loss if self.step > run.start[0] else None, elapsed, list(run.records))
-    self.logger.emit("train_end", {"steps": self.step, "elapsed_s": elapsed, "loss": result.final_loss})
+    result = self._result(run)
+    self.logger.emit("train_end", {"steps": self.step, "elapsed_s": result.elapsed_s, "loss": result.final_loss})
     return result
 
 Trainer.train = Trainer.fit
 TrainingEngine = Trainer
 SpeedtronicTrainer = Trainer
+
+# %% ../nbs/11_trainer.ipynb #29da626c
+@patch
+def __repr__(self: TrainResult) -> str:
+    "One line: counters, last loss, time, how many records, where the checkpoints are."
+    loss = "None" if self.final_loss is None else f"{self.final_loss:.4g}"
+    where = f", checkpoint_dir='{self.checkpoint_dir}'" if self.checkpoint_dir is not None else ""
+    return (f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, final_loss={loss}, "
+            f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})")
+
+@patch
+def loss_png(self: TrainResult, size: tuple[float, float] = (5.0, 2.6), # inches, 100 screen pixels each
+             dpi: int = 200) -> bytes | None:
+    "The loss curve of `metrics` as a PNG; `None` without records or without matplotlib."
+    points = loss_points(self.metrics)
+    if not points: return None
+    try: figure = loss_figure(points, size=size, title=None)
+    except MissingExtra: return None
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=dpi)
+    return png.getvalue()
+
+@patch
+def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str, str]:
+    "In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line repr elsewhere."
+    loss = "none" if self.final_loss is None else f"{self.final_loss:.4g}"
+    line = (f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss} · {self.elapsed_s:.1f} s"
+            + (f" · checkpoints in <code>{html.escape(str(self.checkpoint_dir))}</code>" if self.checkpoint_dir else ""))
+    png = self.loss_png()
+    picture = (f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" height="260" '
+               'alt="loss curve">') if png else ""
+    return {"text/plain": repr(self), "text/html": f'<div class="speedtronic-result">{line}{picture}</div>'}
