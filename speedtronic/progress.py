@@ -62,7 +62,7 @@ def format_progress(step: int, # steps done (absolute)
         parts.append(f"{format_duration(elapsed_s)}<{eta if left else '00:00'}" if target else format_duration(elapsed_s))
     return " | ".join(parts)
 
-# %% ../nbs/08b_progress.ipynb #c140965a
+# %% ../nbs/08b_progress.ipynb #5d02c9bf
 def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
     "(step, loss) of each record that has an integer `step` and a numeric `loss`."
     return [(r["step"], float(r["loss"])) for r in records
@@ -73,10 +73,12 @@ def plot_loss(ax: Any, # matplotlib axes to draw on (cleared first)
               evals: Sequence[tuple[int, float]] = (), # (step, evaluation loss), drawn as dots
              ) -> None:
     "Draw the training loss as a line and the evaluation loss as dots against the step."
+    from matplotlib.ticker import MaxNLocator
     ax.clear()
     if train: ax.plot([s for s, _ in train], [v for _, v in train], lw=1.2, color="C0", label="train")
     if evals: ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=3, lw=1, color="C1", label="eval")
     ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     if evals: ax.legend(loc="upper right", fontsize="small")
 
 def loss_figure(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, float]] = (),
@@ -246,7 +248,10 @@ def close(self: ProgressBar) -> None:
             stream.write("\n"); stream.flush()
             self._open = False
     if self.view is not None and self._handle is not None:
-        if not self.finished: self.view.stop(self.step, self.target)
+        if not self.finished:
+            elapsed = None if self._t0 is None else format_duration(time.monotonic() - self._t0)
+            self.view.stop(self.step, self.target, " | ".join(x for x in (
+                None if self.loss is None else f"loss {self.loss:.4g}", elapsed) if x))
         if self._fresh_points: self.view.refresh(); self._fresh_points = False
         self._handle.update(self.view)  # the output saved with the notebook shows the final picture
     self._handle = None

@@ -265,7 +265,7 @@ def precision_explorer(*, kind: str = "cuda", # the device kind: cuda, cpu or mp
     "A view of the precision plan for a device you describe; see `PrecisionExplorer`."
     return PrecisionExplorer(kind=kind, bf16=bf16, fp16=fp16, mode=mode, dtype=dtype)
 
-# %% ../nbs/14_widgets.ipynb #5c5b77d8
+# %% ../nbs/14_widgets.ipynb #8aa29421
 class TrainingView(FigureView):
     "A progress bar, a line of numbers and a loss chart that follow a training run in JupyterLab."
     STYLES = {"running": "", "done": "success", "stopped": "warning"}  # bar colour for each state
@@ -285,7 +285,7 @@ class TrainingView(FigureView):
         "Draw the losses received so far."
         plot_loss(self.ax, self.train, self.evals)
 
-# %% ../nbs/14_widgets.ipynb #c06b3e31
+# %% ../nbs/14_widgets.ipynb #5ca39512
 @patch
 def add(self: TrainingView, kind: str, # "train" or "eval"
         step: int, loss: float) -> None:
@@ -303,16 +303,19 @@ def progress(self: TrainingView, step: int, target: int | None, text: str, state
     self.status.value = f'<span class="speedtronic-progress">{html.escape(text)}</span>'
 
 @patch
-def stop(self: TrainingView, step: int, target: int | None) -> None:
+def stop(self: TrainingView, step: int, target: int | None,
+         detail: str = "", # what else to say, e.g. the last loss and the time taken
+        ) -> None:
     "Show that the run stopped at `step` before reaching `target`."
-    self.progress(step, target, f"stopped at step {step}" + (f" of {target}" if target else ""), "stopped")
+    text = f"stopped at step {step}" + (f" of {target}" if target else "") + (f" | {detail}" if detail else "")
+    self.progress(step, target, text, "stopped")
 
 @patch
 def refresh(self: TrainingView) -> None:
     "Redraw the chart from the points received so far."
     if self.train or self.evals: self.update()
 
-# %% ../nbs/14_widgets.ipynb #66ac5654
+# %% ../nbs/14_widgets.ipynb #ec04c4cf
 @patch
 def summary(self: TrainingView) -> str:
     "The line of numbers beside the bar."
