@@ -5,6 +5,7 @@
 # %% ../nbs/08b_progress.ipynb #160032ff
 from __future__ import annotations
 
+import io
 import math
 import sys
 import threading
@@ -18,8 +19,8 @@ from .config import ConfigError
 from .optional import MissingExtra, optional_import
 
 # %% auto #0
-__all__ = ['format_duration', 'format_rate', 'format_progress', 'loss_points', 'plot_loss', 'loss_figure', 'in_notebook',
-           'is_tty', 'resolve_progress', 'ProgressBar']
+__all__ = ['format_duration', 'format_rate', 'format_progress', 'loss_points', 'plot_loss', 'loss_figure', 'figure_png',
+           'in_notebook', 'is_tty', 'resolve_progress', 'ProgressBar']
 
 # %% ../nbs/08b_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:
@@ -62,7 +63,7 @@ def format_progress(step: int, # steps done (absolute)
         parts.append(f"{format_duration(elapsed_s)}<{eta if left else '00:00'}" if target else format_duration(elapsed_s))
     return " | ".join(parts)
 
-# %% ../nbs/08b_progress.ipynb #5d02c9bf
+# %% ../nbs/08b_progress.ipynb #8271ecae
 def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
     "(step, loss) of each record that has an integer `step` and a numeric `loss`."
     return [(r["step"], float(r["loss"])) for r in records
@@ -93,6 +94,17 @@ def loss_figure(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, f
     plot_loss(ax, train, evals)
     if title: ax.set_title(title)
     return fig
+
+def figure_png(figure: Any, # a matplotlib `Figure`
+               dpi: float, # image pixels per inch
+               colors: int = 64, # palette size: a plot has few colours, and a palette PNG is a quarter of the bytes
+              ) -> bytes:
+    "`figure` as a PNG with a palette of `colors`."
+    Image = optional_import("PIL.Image", extra="plot", purpose="the loss plot")
+    rgba, png = io.BytesIO(), io.BytesIO()
+    figure.savefig(rgba, format="png", dpi=dpi)
+    Image.open(rgba).convert("RGB").quantize(colors).save(png, format="png", optimize=True)
+    return png.getvalue()
 
 # %% ../nbs/08b_progress.ipynb #c081910b
 def in_notebook() -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
-import io
 import re
 import signal
 import sys
@@ -32,7 +31,7 @@ from .optimizers import load_optimizer_state
 from .precision import autocast_context, make_grad_scaler, resolve_precision
 from .optional import MissingExtra
 from .profiling import MetricLogger
-from .progress import loss_figure, loss_points
+from .progress import figure_png, loss_figure, loss_points
 from .schedules import load_scheduler_state
 
 # %% auto #0
@@ -487,6 +486,25 @@ def _apply_update(self: Trainer) -> bool:
     self.optimizer.zero_grad(set_to_none=True)
     return applied
 
+# %% ../nbs/11_trainer.ipynb #0537d671
+@contextlib.contextmanager
+def signals_held(note: str | None = None, # printed when a signal is held
+                 signals: tuple = (signal.SIGINT, signal.SIGTERM),
+                ) -> Iterator[list[str]]:
+    "Within the block the first of `signals` is held (printing `note`) and a second raises `KeyboardInterrupt`."
+    held: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held; return
+    def handler(signum, frame):
+        held.append(signal.Signals(signum).name)
+        if len(held) > 1: raise KeyboardInterrupt(f"{held[-1]} received twice")
+        if note:
+            with contextlib.suppress(Exception): print(f"\n{note}", file=sys.stderr, flush=True)
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try: yield held
+    finally:
+        for s, h in previous.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+
 # %% ../nbs/11_trainer.ipynb #673ae880
 @patch
 def _train_one_step(self: Trainer, run: _FitState) -> None:
@@ -495,23 +513,27 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
     while True:
         loss, tokens, samples, micro = self._accumulate(run)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        run.updating = True
-        if self._apply_update(): break
-        run.updating = False
+        with signals_held(signals=(signal.SIGINT,)) as held:  # a Ctrl-C waits until the step is complete
+            run.updating = True
+            applied = self._apply_update()
+            if applied:
+                run.boundary = None  # the RNG/data position of this step is taken once it completes
+                self.samples += samples
+                self.step += 1
+                if self.scheduler is not None: self.scheduler.step()
+            run.updating = False
+        if held and not applied: raise KeyboardInterrupt
+        if applied: break
         skipped += 1
         self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": "grad_scaler_overflow"})
         if skipped >= self.settings.max_skipped_steps:
             raise TrainingError(f"the GradScaler skipped {skipped} updates in a row at step {self.step + 1} "
                                 "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use precision bf16/fp32, "
                                 "or raise precision.max_skipped_steps")
-    run.boundary = None  # the RNG/data position of this step is taken once it completes
-    self.samples += samples
-    self.step += 1
-    if self.scheduler is not None: self.scheduler.step()
-    run.updating = False
     if self.coordinator is not None and self.coordinator.after_optimizer_step(self.model, self.step):
         self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
     self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
+    if held: raise KeyboardInterrupt  # the Ctrl-C that waited for this step
 
 # %% ../nbs/11_trainer.ipynb #cf2ea3d8
 STEP_RECORD_KEYS = ("step", "loss", "lr", "steps_per_sec", "samples_per_sec", "tokens_per_sec", "samples", "tokens",
@@ -588,23 +610,7 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)
 
-# %% ../nbs/11_trainer.ipynb #7256b0b3
-@contextlib.contextmanager
-def signals_held(note: str) -> Iterator[list[str]]:
-    "Within the block the first Ctrl-C or SIGTERM is held (printing `note`) and a second raises `KeyboardInterrupt`."
-    held: list[str] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield held; return
-    def handler(signum, frame):
-        held.append(signal.Signals(signum).name)
-        if len(held) > 1: raise KeyboardInterrupt(f"{held[-1]} pressed again while saving")
-        with contextlib.suppress(Exception): print(f"\n{note}", file=sys.stderr, flush=True)
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try: yield held
-    finally:
-        for s, h in previous.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-# %% ../nbs/11_trainer.ipynb #d4fbe14a
+# %% ../nbs/11_trainer.ipynb #891af4f7
 @patch
 def _newest_checkpoint(self: Trainer) -> Path | None:
     "The newest checkpoint file on disk, or `None`."
@@ -628,7 +634,7 @@ def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> tup
     if saved: return newest, True, f"step {step} is saved in {newest}"
     return newest, False, problem + (f"; the newest checkpoint is {newest}" if newest else "; there is no checkpoint yet")
 
-# %% ../nbs/11_trainer.ipynb #c2c05076
+# %% ../nbs/11_trainer.ipynb #ed07dfa2
 @patch
 def _result(self: Trainer, run: _FitState) -> TrainResult:
     "The `TrainResult` of this call so far."
@@ -683,7 +689,7 @@ Trainer.train = Trainer.fit
 TrainingEngine = Trainer
 SpeedtronicTrainer = Trainer
 
-# %% ../nbs/11_trainer.ipynb #29da626c
+# %% ../nbs/11_trainer.ipynb #fd21f91d
 @patch
 def __repr__(self: TrainResult) -> str:
     "One line: counters, last loss, time, how many records, where the checkpoints are."
@@ -698,11 +704,8 @@ def loss_png(self: TrainResult, size: tuple[float, float] = (5.0, 2.6), # inches
     "The loss curve of `metrics` as a PNG; `None` without records or without matplotlib."
     points = loss_points(self.metrics)
     if not points: return None
-    try: figure = loss_figure(points, size=size, title=None)
+    try: return figure_png(loss_figure(points, size=size, title=None), dpi=dpi)
     except MissingExtra: return None
-    png = io.BytesIO()
-    figure.savefig(png, format="png", dpi=dpi)
-    return png.getvalue()
 
 @patch
 def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str, str]:

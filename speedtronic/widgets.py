@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import functools
 import html
-import io
 import re
 from dataclasses import asdict
 from typing import Any, Callable
@@ -17,12 +16,12 @@ from fastcore.basics import patch
 
 from .config import ConfigError, PrecisionConfig, SchedulerConfig
 from .optional import optional_import
-from .progress import plot_loss
+from .progress import figure_png, plot_loss
 from .schedules import SCHEDULE_NAMES, plot_schedule, resolve_schedule, schedule_points
 
 # %% auto #0
-__all__ = ['PIXEL_RATIO', 'DTYPE_CHOICES', 'error_html', 'View', 'figure_png', 'FigureView', 'ScheduleExplorer',
-           'schedule_explorer', 'PrecisionExplorer', 'precision_explorer', 'TrainingView']
+__all__ = ['PIXEL_RATIO', 'DTYPE_CHOICES', 'error_html', 'View', 'FigureView', 'ScheduleExplorer', 'schedule_explorer',
+           'PrecisionExplorer', 'precision_explorer', 'TrainingView']
 
 # %% ../nbs/14_widgets.ipynb #6ec08084
 def _ipywidgets():
@@ -108,17 +107,6 @@ def _repr_mimebundle_(self: View, **kwargs) -> tuple[dict, dict]:
 
 # %% ../nbs/14_widgets.ipynb #49f09d9f
 PIXEL_RATIO = 2  # image pixels per displayed pixel
-
-def figure_png(figure: Any, # a matplotlib `Figure`
-               dpi: float, # image pixels per inch
-               colors: int = 64, # palette size: a plot has few colours, and a palette PNG is a quarter of the bytes
-              ) -> bytes:
-    "`figure` as a PNG with a palette of `colors`."
-    Image = optional_import("PIL.Image", extra="widgets", purpose="Speedtronic's interactive views")
-    rgba, png = io.BytesIO(), io.BytesIO()
-    figure.savefig(rgba, format="png", dpi=dpi)
-    Image.open(rgba).convert("RGB").quantize(colors).save(png, format="png", optimize=True)
-    return png.getvalue()
 
 class FigureView(View):
     "A `View` whose result is a matplotlib `Figure`, shown as a PNG of `width` × `height` screen pixels."
@@ -265,7 +253,7 @@ def precision_explorer(*, kind: str = "cuda", # the device kind: cuda, cpu or mp
     "A view of the precision plan for a device you describe; see `PrecisionExplorer`."
     return PrecisionExplorer(kind=kind, bf16=bf16, fp16=fp16, mode=mode, dtype=dtype)
 
-# %% ../nbs/14_widgets.ipynb #8aa29421
+# %% ../nbs/14_widgets.ipynb #2381c1f7
 class TrainingView(FigureView):
     "A progress bar, a line of numbers and a loss chart that follow a training run in JupyterLab."
     STYLES = {"running": "", "done": "success", "stopped": "warning"}  # bar colour for each state
@@ -285,7 +273,7 @@ class TrainingView(FigureView):
         "Draw the losses received so far."
         plot_loss(self.ax, self.train, self.evals)
 
-# %% ../nbs/14_widgets.ipynb #5ca39512
+# %% ../nbs/14_widgets.ipynb #0d8de163
 @patch
 def add(self: TrainingView, kind: str, # "train" or "eval"
         step: int, loss: float) -> None:
@@ -315,7 +303,7 @@ def refresh(self: TrainingView) -> None:
     "Redraw the chart from the points received so far."
     if self.train or self.evals: self.update()
 
-# %% ../nbs/14_widgets.ipynb #ec04c4cf
+# %% ../nbs/14_widgets.ipynb #44a8e347
 @patch
 def summary(self: TrainingView) -> str:
     "The line of numbers beside the bar."

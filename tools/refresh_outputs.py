@@ -6,6 +6,8 @@
     python tools/refresh_outputs.py --cells ID,ID NB      re-run NB in a Jupyter kernel (as JupyterLab runs it) and
                                                            keep the new outputs of the cells with those ids only
     python tools/refresh_outputs.py --empty NB            the same for every code cell that has no outputs yet
+    python tools/refresh_outputs.py --all NB              the same for every code cell (a notebook run once, as
+                                                           DEVELOPING.md asks, without widget state in the file)
 
 NB defaults to every notebook in nbs/. Run tools/clean_notebooks.py afterwards.
 """
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
     group.add_argument('--show-doc', action='store_true')
     group.add_argument('--cells')
     group.add_argument('--empty', action='store_true')
+    group.add_argument('--all', action='store_true')
     args = ap.parse_args(argv)
     paths = [Path(p).resolve() for p in args.notebooks] or sorted(NBS.glob('*.ipynb'))
     os.chdir(NBS)
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
         else:
             nb = json.loads(path.read_text(encoding='utf-8'))
             wanted = set(args.cells.split(',')) if args.cells else \
-                {c['id'] for c in nb['cells'] if c['cell_type'] == 'code' and not c.get('outputs')}
+                {c['id'] for c in nb['cells'] if c['cell_type'] == 'code' and (args.all or not c.get('outputs'))}
             if not wanted: continue
             new = {k: v for k, v in kernel_outputs(path).items() if k in wanted}
         print(f'{path.name}: {replace_outputs(path, new)} cell(s) refreshed')
