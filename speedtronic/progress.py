@@ -63,7 +63,7 @@ def format_progress(step: int, # steps done (absolute)
         parts.append(f"{format_duration(elapsed_s)}<{eta if left else '00:00'}" if target else format_duration(elapsed_s))
     return " | ".join(parts)
 
-# %% ../nbs/08b_progress.ipynb #8271ecae
+# %% ../nbs/08b_progress.ipynb #051d6f45
 def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
     "(step, loss) of each record that has an integer `step` and a numeric `loss`."
     return [(r["step"], float(r["loss"])) for r in records
@@ -145,6 +145,7 @@ class ProgressBar:
         self.start_step, self.target, self.step = 0, total, 0
         self.loss = self.tokens_per_sec = self._t0 = self._handle = None
         self.view: Any = None  # the notebook's widget (a `speedtronic.widgets.TrainingView`), from the first redraw
+        self.earlier: list[tuple[int, float]] = []  # (step, loss) before this run's start (a resumed run), drawn first
         self._last, self._width, self._open, self.renders, self._text = -math.inf, 0, False, 0, ""
         self._charted, self._fresh_points, self.finished = -math.inf, False, False
         self._lock = threading.RLock()  # the hook thread draws; the training thread may print around the bar
@@ -220,6 +221,8 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         self.loss = self.tokens_per_sec = None
         self._t0, self.finished = time.monotonic(), False
         self.render()
+        for step, loss in self.earlier if self.view is not None else ():
+            if step <= self.start_step: self.view.add("train", step, loss); self._fresh_points = True
     elif event == "train_step":
         if self._t0 is None: self._t0 = time.monotonic()
         self.step = payload.get("step", self.step + 1)

@@ -194,7 +194,7 @@ def sigterm_stops(trainer: Trainer) -> Iterator[None]:
     try: yield
     finally: signal.signal(signal.SIGTERM, previous)
 
-# %% ../nbs/13_runtime.ipynb #4f9920fc
+# %% ../nbs/13_runtime.ipynb #1c0c4b40
 def _step_record(line: str) -> tuple[str, dict] | None:
     "(event, record) of a `train_step` or `train_start` line of a metrics file; `None` for others and torn lines."
     if '"train_step"' not in line and '"train_start"' not in line: return None
@@ -225,12 +225,9 @@ def earlier_records(path: str | os.PathLike | None, # the run's metrics file (`l
 # %% ../nbs/13_runtime.ipynb #5bf102eb
 RESUME_HINT = "train_from_config(config, resume=True)  (command line: speedtronic train --resume)"
 
-def _whole_run(result: TrainResult, trainer: Trainer, start: int) -> TrainResult:
-    "`result` with the records of the steps before `start` (a resumed run's history) in front, bounded."
-    earlier = earlier_records(run_paths(trainer.config).metrics, start, trainer.metrics_history)
-    if earlier:
-        keep = trainer.metrics_history
-        result.metrics = (earlier + result.metrics)[-keep:] if keep else earlier + result.metrics
+def _whole_run(result: TrainResult, earlier: list[dict[str, Any]], keep: int | None) -> TrainResult:
+    "`result` with `earlier` records (a resumed run's history) in front, at most `keep` in all."
+    if earlier: result.metrics = (earlier + result.metrics)[-keep:] if keep else earlier + result.metrics
     return result
 
 def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
@@ -238,15 +235,17 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
                       max_steps: int | None = None) -> TrainResult:
     "Build the runtime from `config`, train to the target and return the `TrainResult`."
     trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps)
-    start = trainer.step
     try:
+        keep = trainer.metrics_history
+        earlier = earlier_records(run_paths(trainer.config).metrics, trainer.step, keep)
+        for bar in (h for h in trainer.logger.hooks if isinstance(h, ProgressBar)): bar.earlier = loss_points(earlier)
         with sigterm_stops(trainer):
             try: result = trainer.fit()
             except TrainingInterrupted as stop:
                 stop.resume_hint = RESUME_HINT
-                if stop.result is not None: _whole_run(stop.result, trainer, start)
+                if stop.result is not None: _whole_run(stop.result, earlier, keep)
                 raise
-        _whole_run(result, trainer, start)
+        _whole_run(result, earlier, keep)
         if trainer.config.logging.loss_plot and result.metrics:
             write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
         return result

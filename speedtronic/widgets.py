@@ -253,7 +253,7 @@ def precision_explorer(*, kind: str = "cuda", # the device kind: cuda, cpu or mp
     "A view of the precision plan for a device you describe; see `PrecisionExplorer`."
     return PrecisionExplorer(kind=kind, bf16=bf16, fp16=fp16, mode=mode, dtype=dtype)
 
-# %% ../nbs/14_widgets.ipynb #2381c1f7
+# %% ../nbs/14_widgets.ipynb #3818d21e
 class TrainingView(FigureView):
     "A progress bar, a line of numbers and a loss chart that follow a training run in JupyterLab."
     STYLES = {"running": "", "done": "success", "stopped": "warning"}  # bar colour for each state
@@ -273,7 +273,7 @@ class TrainingView(FigureView):
         "Draw the losses received so far."
         plot_loss(self.ax, self.train, self.evals)
 
-# %% ../nbs/14_widgets.ipynb #0d8de163
+# %% ../nbs/14_widgets.ipynb #c63ef2a9
 @patch
 def add(self: TrainingView, kind: str, # "train" or "eval"
         step: int, loss: float) -> None:
@@ -303,7 +303,7 @@ def refresh(self: TrainingView) -> None:
     "Redraw the chart from the points received so far."
     if self.train or self.evals: self.update()
 
-# %% ../nbs/14_widgets.ipynb #44a8e347
+# %% ../nbs/14_widgets.ipynb #6145af8b
 @patch
 def summary(self: TrainingView) -> str:
     "The line of numbers beside the bar."
@@ -315,4 +315,5 @@ def snapshot(self: TrainingView) -> tuple[dict, dict]:
     width, height = self.size
     picture = (f'<img src="data:image/png;base64,{base64.b64encode(self.image.value).decode()}" '
                f'width="{width}" height="{height}" alt="loss chart">') if self.image.value and not self.error else ""
-    return {"text/html": f"<div><code>{html.escape(self.summary())}</code></div>{picture}"}, {}
+    bar = f'<progress value="{self.bar.value}" max="{self.bar.max}" style="width:220px"></progress>'
+    return {"text/html": f"<div>{bar} <code>{html.escape(self.summary())}</code></div>{picture}"}, {}
