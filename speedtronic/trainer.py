@@ -628,7 +628,9 @@ def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> tup
         problem = f"step {step} was not saved: the stop came inside the optimizer update of step {step + 1}"
     elif step != self._last_saved_step:
         try: self.save_checkpoint(run.boundary or self._boundary_state())
-        except BaseException as e: problem = f"step {step} was NOT saved ({type(e).__name__}: {e})"
+        except BaseException as e:
+            why = "interrupted again while saving" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            problem = f"step {step} was NOT saved ({why})"
     newest = self._newest_checkpoint()
     saved = step == self._last_saved_step or (newest is not None and newest == manager.path_for(step))
     if saved: return newest, True, f"step {step} is saved in {newest}"
