@@ -78,9 +78,10 @@ TRAINING_CELLS = [
     'import sys\nimport matplotlib\nfrom speedtronic.runtime import train_from_config',
     f'tiny = {TINY}\nbefore = matplotlib.get_backend()\n'
     'cfg = {**tiny, "run": {"max_steps": 40, "output_dir": "short"}, "checkpoint": {"every_steps": 20},\n'
-    '       "logging": {"json_file": "short/metrics.jsonl"}}\n'
-    'result = train_from_config(cfg, device="cpu")\nresult',
-    'print("backend", before == matplotlib.get_backend(), matplotlib.get_backend())\nprint("repr", len(repr(result)), repr(result))',
+    '       "logging": {"json_file": "short/metrics.jsonl", "file": "short/run.log"}}\n'
+    'result = train_from_config(cfg, device="cpu", resume=True)   # nothing to resume yet: a warning\nresult',
+    'print("backend", before == matplotlib.get_backend(), matplotlib.get_backend())\nprint("repr", len(repr(result)), repr(result))\n'
+    'print("log", open("short/run.log").read().count("| INFO |"))',
     'import matplotlib.pyplot as plt',
     'plt.plot([1, 3, 2]); plt.title("pyplot after training"); plt.show()',
     'long = {**tiny, "run": {"max_steps": 100000, "output_dir": "long"}, "checkpoint": {"every_steps": 1000},\n'
@@ -284,15 +285,17 @@ def test_a_finished_run_in_a_notebook(training, tmp_path):
     expect(cell.locator('.speedtronic-progress')).to_contain_text('step 40/40 100%', timeout=60_000)
     texts = _cell_texts(page, RESULT)
     assert not [t for t in texts if '| INFO |' in t], texts            # console INFO lines stay out of the cell
+    assert [t for t in texts if '| WARNING | resume requested but no local checkpoint was found' in t], texts  # warnings show
     shown = cell.locator('.speedtronic-result')
     assert shown.count() == 1 and len(shown.inner_text()) < 200, shown.inner_text()
     assert 'step 40' in shown.inner_text() and 'checkpoints in short/checkpoints' in shown.inner_text()
     assert shown.locator('img[alt="loss curve"]').evaluate('img => img.naturalWidth') >= 500
     _scroll_to(page, RESULT); _screenshot(page, 'finished-run.png', tmp_path)
     for i in (BACKEND, BACKEND + 1, PYPLOT): _run(page, i)
-    backend, short = _cell_texts(page, BACKEND)[0].splitlines()[:2]
+    backend, short, log = _cell_texts(page, BACKEND)[0].splitlines()[:3]
     assert backend.startswith('backend True module://matplotlib_inline'), backend    # training left pyplot's backend alone
     assert int(short.split()[1]) < 300, short                                  # not the ~47,000-character record list
+    assert int(log.split()[1]) > 40, log                                       # the log file still has every INFO line
     assert _cell_of(page, PYPLOT).locator('.jp-OutputArea-output img').count() == 1  # plt.show() still draws inline
 
 def test_live_chart_then_interrupt(training, tmp_path):
