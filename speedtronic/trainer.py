@@ -391,6 +391,8 @@ class _FitState:
     keep_boundary: bool = False  # a checkpoint manager is on: remember each step's RNG and data position
     boundary: dict | None = None  # RNG and data position after the last completed step
     updating: bool = False  # inside an optimizer update, which an interruption must not save half-done
+    deferring: bool = False  # from an update until its step is counted and recorded: a Ctrl-C waits
+    held: bool = False  # a Ctrl-C came while deferring; it is raised once the step is complete
     last_loss: float | None = None  # loss of the newest recorded step
     t0: float = field(default_factory=time.perf_counter)  # when the loop started
 
@@ -486,24 +488,21 @@ def _apply_update(self: Trainer) -> bool:
     self.optimizer.zero_grad(set_to_none=True)
     return applied
 
-# %% ../nbs/11_trainer.ipynb #0537d671
+# %% ../nbs/11_trainer.ipynb #de50e506
+@patch
 @contextlib.contextmanager
-def signals_held(note: str | None = None, # printed when a signal is held
-                 signals: tuple = (signal.SIGINT, signal.SIGTERM),
-                ) -> Iterator[list[str]]:
-    "Within the block the first of `signals` is held (printing `note`) and a second raises `KeyboardInterrupt`."
-    held: list[str] = []
+def _ctrl_c_after_update(self: Trainer, run: _FitState) -> Iterator[None]:
+    "Within the block, a Ctrl-C during an optimizer update is raised once the step is complete; elsewhere at once."
     if threading.current_thread() is not threading.main_thread():
-        yield held; return
+        yield; return
+    previous = signal.getsignal(signal.SIGINT)
     def handler(signum, frame):
-        held.append(signal.Signals(signum).name)
-        if len(held) > 1: raise KeyboardInterrupt(f"{held[-1]} received twice")
-        if note:
-            with contextlib.suppress(Exception): print(f"\n{note}", file=sys.stderr, flush=True)
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try: yield held
-    finally:
-        for s, h in previous.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+        if run.deferring and not run.held: run.held = True; return
+        if callable(previous): return previous(signum, frame)
+        if previous != signal.SIG_IGN: raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, handler)
+    try: yield
+    finally: signal.signal(signal.SIGINT, previous)
 
 # %% ../nbs/11_trainer.ipynb #673ae880
 @patch
@@ -513,16 +512,17 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
     while True:
         loss, tokens, samples, micro = self._accumulate(run)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        with signals_held(signals=(signal.SIGINT,)) as held:  # a Ctrl-C waits until the step is complete
-            run.updating = True
-            applied = self._apply_update()
-            if applied:
-                run.boundary = None  # the RNG/data position of this step is taken once it completes
-                self.samples += samples
-                self.step += 1
-                if self.scheduler is not None: self.scheduler.step()
+        run.deferring = run.updating = True  # until the step is counted and recorded, a Ctrl-C waits
+        applied = self._apply_update()
+        if applied:
+            run.boundary = None  # the RNG/data position of this step is taken once it completes
+            self.samples += samples
+            self.step += 1
+            if self.scheduler is not None: self.scheduler.step()
             run.updating = False
-        if held and not applied: raise KeyboardInterrupt
+            self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
+        run.deferring = run.updating = False
+        if run.held and not applied: run.held = False; raise KeyboardInterrupt
         if applied: break
         skipped += 1
         self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": "grad_scaler_overflow"})
@@ -532,8 +532,7 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
                                 "or raise precision.max_skipped_steps")
     if self.coordinator is not None and self.coordinator.after_optimizer_step(self.model, self.step):
         self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
-    self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
-    if held: raise KeyboardInterrupt  # the Ctrl-C that waited for this step
+    if run.held: run.held = False; raise KeyboardInterrupt  # the Ctrl-C that waited for this step
 
 # %% ../nbs/11_trainer.ipynb #cf2ea3d8
 STEP_RECORD_KEYS = ("step", "loss", "lr", "steps_per_sec", "samples_per_sec", "tokens_per_sec", "samples", "tokens",
@@ -610,6 +609,24 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)
 
+# %% ../nbs/11_trainer.ipynb #0537d671
+@contextlib.contextmanager
+def signals_held(note: str | None = None, # printed when a signal is held
+                ) -> Iterator[list[str]]:
+    "Within the block the first Ctrl-C or SIGTERM is held (printing `note`) and a second raises `KeyboardInterrupt`."
+    held: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held; return
+    def handler(signum, frame):
+        held.append(signal.Signals(signum).name)
+        if len(held) > 1: raise KeyboardInterrupt(f"{held[-1]} received twice")
+        if note:
+            with contextlib.suppress(Exception): print(f"\n{note}", file=sys.stderr, flush=True)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try: yield held
+    finally:
+        for s, h in previous.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+
 # %% ../nbs/11_trainer.ipynb #891af4f7
 @patch
 def _newest_checkpoint(self: Trainer) -> Path | None:
@@ -672,7 +689,7 @@ def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
     try:
         if self.step < run.target: self._start_coordinator()
         self.logger.emit("train_start", self._train_start_payload(run))
-        self._train_to_target(run)
+        with self._ctrl_c_after_update(run): self._train_to_target(run)
     except BaseException as exc:
         failed = exc
         stop = self._stopped(run, exc)
