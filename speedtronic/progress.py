@@ -207,8 +207,9 @@ def render(self: ProgressBar, chart: bool | None = None, # redraw the notebook's
 @patch
 def _add_point(self: ProgressBar, kind: str, payload: Mapping[str, Any]) -> None:
     "Give the notebook chart a (step, loss) point of `kind` (`train` or `eval`)."
-    if self.notebook and self.view is not None and loss_points([payload]):
-        self.view.add(kind, *loss_points([payload])[0])
+    if not self.notebook or self.view is None: return
+    for step, loss in loss_points([payload]):
+        self.view.add(kind, step, loss)
         self._fresh_points = True
 
 @patch
