@@ -25,7 +25,7 @@ from .data import build_dataloader
 from .files import atomic_write, atomic_write_text
 from .integrations import hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
-from .optional import MissingExtra, optional_import
+from .optional import MissingExtra
 from .paths import run_paths
 from .precision import resolve_device, resolve_precision
 from .profiling import MetricLogger

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
-import re
 import signal
 import sys
 import threading
@@ -673,7 +672,7 @@ def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInter
         newest, saved, what = self._newest_checkpoint(), False, f"the save of step {self.step} was abandoned"
     interrupt = isinstance(exc, KeyboardInterrupt)
     (self.logger.info if interrupt else self.logger.warning)(f"run stopped by {type(exc).__name__} after step {self.step}; {what}")
-    if not interrupt: return None
+    if type(exc) not in (KeyboardInterrupt, TrainingInterrupted): return None  # other errors (and their subclasses) as they are
     reason = exc.reason if isinstance(exc, TrainingInterrupted) else "interrupted"
     of = f" of {run.target}" if run.target else ""
     return TrainingInterrupted(reason, message=f"Training stopped after step {self.step}{of} ({reason}); {what}.",
