@@ -24,12 +24,13 @@ import torch
 from fastcore.basics import patch
 
 from .config import ModelConfig, SpeedtronicConfig, as_section, explicit_fields, redact
-from .files import TEMP_NAME, atomic_write, atomic_write_text, file_in_the_way
+from .files import TEMP_NAME, atomic_write, atomic_write_text, file_in_the_way, writer_gone
 
 # %% auto #0
 __all__ = ['CheckpointError', 'atomic_torch_save', 'atomic_json_dump', 'load_checkpoint', 'capture_rng_state',
-           'restore_rng_state', 'compatibility_problems', 'check_compatible', 'checkpoint_step', 'checkpoint_files',
-           'read_pointer', 'stale_temp_files', 'redacted_state', 'CheckpointManager']
+           'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes', 'checkpoint_step',
+           'checkpoint_files', 'read_pointer', 'stale_temp_files', 'redacted_state', 'CheckpointManager',
+           'nonfinite_tensors', 'checkpoint_run_id']
 
 # %% ../nbs/07_checkpoint.ipynb #8fc616ec
 class CheckpointError(RuntimeError):
@@ -53,16 +54,26 @@ def _numpy_safe_globals() -> list:
     dtypes = {type(np.dtype(code)) for code in "?bBhHiIlLqQefd"}
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, *sorted(dtypes, key=str)]
 
-def _torch_load_restricted(path: Path) -> Any:
-    "`torch.load` with `weights_only=True`, also accepting plain numeric NumPy arrays."
+def _torch_load_restricted(path: Path, mmap: bool = False) -> Any:
+    "`torch.load` with `weights_only=True`, also accepting plain numeric NumPy arrays (`mmap`: tensors not read)."
     safe_globals = getattr(torch.serialization, "safe_globals", None)
     context = safe_globals(_numpy_safe_globals()) if safe_globals else contextlib.nullcontext()
     with context, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected pickle protocol")  # junk bytes: we report it
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, **({"mmap": True} if mmap else {}))
 
 # %% ../nbs/07_checkpoint.ipynb #ff3181a4
-_UNSAFE = re.compile(r"Unsupported global: GLOBAL (\S+)|but got <class '([^']+)'>")
+_UNSAFE = re.compile(r"GLOBAL (\S+?)(?:\s|$)|but got <class '([^']+)'>|Unsupported operand (\d+)|(Unsupported class)")
+
+def _unsafe_what(message: str, path: Path) -> str | None:
+    "What the safe loader refused (a global's name, a pickle instruction), or `None` if it did not refuse anything."
+    if "Weights only load failed" not in message and "Unsupported global" not in message: return None
+    with open(path, "rb") as f: head = f.read(2)
+    if "Unsupported operand" in message and not (len(head) == 2 and head[0] == 0x80 and head[1] <= 5):
+        return None   # random bytes read as pickle instructions: corrupt, not a pickle
+    found = _UNSAFE.search(message)
+    if found and found.group(3): return f"pickle instruction {found.group(3)}, which only a full unpickler runs"
+    return next((g for g in found.groups() if g), None) if found else "a pickle instruction it does not allow"
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
     "Load the checkpoint at `path` as tensors and plain data only; any problem is a `CheckpointError`."
@@ -73,12 +84,12 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
                               "written; delete it or resume from an older checkpoint")
     try: state = _torch_load_restricted(path)
     except pickle.UnpicklingError as e:
-        unsafe = _UNSAFE.search(str(e))
+        unsafe = _unsafe_what(str(e), path)
         if unsafe:
             raise CheckpointError(
-                f"checkpoint {path} contains Python objects other than tensors and plain data "
-                f"({unsafe.group(1) or unsafe.group(2)}); it was not loaded because unpickling them "
-                "could run code. Re-save it with only tensors, numbers, strings, lists and dicts") from None
+                f"checkpoint {path} is unsafe to load: it holds Python objects other than tensors and plain data "
+                f"({unsafe}), and unpickling them could run code, so it was not loaded. If you trust the file, "
+                "re-save it with only tensors, numbers, strings, lists and dicts") from None
         raise CheckpointError(f"checkpoint {path} is corrupt (not a readable torch.save file); "
                               "delete it or resume from an older checkpoint") from None
     except Exception as e:
@@ -213,6 +224,41 @@ def check_compatible(state: Mapping, *, model: torch.nn.Module, config=None, pat
                           + "\nResume with the model config the checkpoint was written with, or "
                           "start a fresh run in another checkpoint.directory")
 
+# %% ../nbs/07_checkpoint.ipynb #bb65eec1
+_REFUSED_CHANGES = {
+    "optimizer.name": "the saved optimizer state belongs to another optimizer",
+    "optimizer.weight_decay_on": "the saved optimizer state has other parameter groups",
+    "optimizer.cautious": "the saved optimizer state was written for another update rule",
+    "optimizer.muon_plus": "the saved optimizer state was written for another update rule",
+    "run.seed": "a resumed run continues the saved random streams, so a new seed would not apply"}
+_LOADER_KEYS = {f"data.{k}" for k in ("text_path", "token_file", "dataset", "synthetic", "num_tokens", "vocab_size", "block_size",
+                                       "tokenizer", "micro_batch_size", "shuffle", "seed", "trust_pickle")}
+
+_WHERE_IT_LIVES = {"run.output_dir", "checkpoint.directory", "checkpoint.resume"}   # the checkpoint was found there: not a change
+
+def _checked_elsewhere(key: str) -> bool:
+    "Keys the model check and the data loader judge where they are loaded, and where the run's files now live."
+    return key.startswith("model.") or key in _LOADER_KEYS or key in _WHERE_IT_LIVES
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    "`{'a.b': value}` for every leaf of nested mappings (lists and tuples compare as lists)."
+    if not isinstance(value, Mapping): return {prefix: _plain(value)}
+    out = {}
+    for k, v in value.items(): out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+def setting_changes(state: Mapping, config: SpeedtronicConfig | None) -> tuple[list[str], list[tuple[str, Any, Any]]]:
+    "(refused, applied): how `config` differs from the configuration checkpoint `state` recorded."
+    saved = state.get("config") if isinstance(state, Mapping) else None
+    if config is None or not isinstance(saved, Mapping): return [], []
+    old, new = _flat(redact(saved)), _flat(config.to_dict(redact_secrets=True))
+    refused, applied = [], []
+    for key, value in new.items():
+        if key not in old or old[key] == value or _checked_elsewhere(key): continue
+        if key in _REFUSED_CHANGES: refused.append(f"{key}: saved {old[key]!r}, now {value!r} ({_REFUSED_CHANGES[key]})")
+        else: applied.append((key, old[key], value))
+    return refused, applied
+
 # %% ../nbs/07_checkpoint.ipynb #7f7d0cbc
 _STEP_NAME = re.compile(r"step_(\d+)\.pt")
 
@@ -250,14 +296,6 @@ def read_pointer(path: str | os.PathLike, warn=warnings.warn) -> dict:
     return pointer
 
 # %% ../nbs/07_checkpoint.ipynb #ea8962c3
-def _pid_alive(pid: int) -> bool:
-    "Whether process `pid` runs on this machine (assumed alive where that cannot be checked)."
-    if pid == os.getpid() or os.name == "nt": return True
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return False
-    except OSError: return True
-    return True
-
 def stale_temp_files(directory: str | os.PathLike) -> list[Path]:
     "Temp files of checkpoint/pointer writes in `directory` whose writing process is gone."
     directory = Path(directory)
@@ -266,7 +304,7 @@ def stale_temp_files(directory: str | os.PathLike) -> list[Path]:
     for p in directory.iterdir():
         m = TEMP_NAME.fullmatch(p.name)
         if m and (checkpoint_step(m["target"]) is not None or m["target"] == "latest.json") \
-             and not _pid_alive(int(m["pid"])): stale.append(p)
+             and writer_gone(int(m["pid"])): stale.append(p)
     return sorted(stale)
 
 # %% ../nbs/07_checkpoint.ipynb #28c91c56
@@ -285,13 +323,15 @@ class CheckpointManager:
                  *, every_steps: int = 500,  # save when `step % every_steps == 0`
                  keep_last: int | None = 3,  # own checkpoints kept; `None` keeps all
                  enabled: bool = True,       # `should_save` is always false when disabled
-                 logger=None):               # anything with `.warning(msg)`; `None` → Python warnings
+                 logger=None,                # anything with `.warning(msg)`; `None` → Python warnings
+                 run_id: str | None = None): # recorded in each checkpoint and the pointer
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps <= 0:
             raise ValueError(f"checkpoint.every_steps must be a positive integer, got {every_steps!r}")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last <= 0):
             raise ValueError(f"checkpoint.keep_last must be a positive integer or null, got {keep_last!r}")
         self.directory, self.every_steps, self.keep_last = Path(directory), every_steps, keep_last
-        self.enabled, self.logger = bool(enabled), logger
+        self.enabled, self.logger, self.run_id = bool(enabled), logger, run_id
+        self._foreign: dict[str, int] = {}  # checkpoint names (with mtime) known not to be this run's
         self.skipped: list[tuple[Path, str]] = []
         self.loaded_path: Path | None = None
 
@@ -314,12 +354,38 @@ class CheckpointManager:
         "The checkpoint file for `step`: `<directory>/step_<step:012d>.pt`."
         return self.directory / f"step_{int(step):012d}.pt"
 
+# %% ../nbs/07_checkpoint.ipynb #7b25c2df
+def nonfinite_tensors(tensors: Mapping) -> list[str]:
+    "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device)."
+    floats = [(k, v) for k, v in tensors.items() if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())]
+    by_device: dict[torch.device, list] = {}
+    for k, v in floats: by_device.setdefault(v.device, []).append((k, torch.isfinite(v.detach()).all()))
+    bad = []
+    for items in by_device.values():
+        flags = torch.stack([f for _, f in items]).cpu().tolist()
+        bad += [k for (k, _), ok in zip(items, flags) if not ok]
+    return bad
+
+def checkpoint_run_id(path: str | os.PathLike) -> str | None:
+    "The run id a checkpoint file records, read without loading its tensors; `None` if it has none or does not load."
+    try: state = _torch_load_restricted(Path(path), mmap=True)
+    except Exception: return None
+    run_id = state.get("run_id") if isinstance(state, dict) else None
+    return run_id if isinstance(run_id, str) else None
+
 # %% ../nbs/07_checkpoint.ipynb #1a7647a0
 @patch
 def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
     "Write `state` for `step` atomically, point `latest.json` at it, prune; returns the file."
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
+    bad = nonfinite_tensors(state.get("model") or {}) if isinstance(state.get("model"), Mapping) else []
+    if bad:
+        raise CheckpointError(f"checkpoint {self.path_for(step)} was not written: the model weights hold NaN or infinity "
+                              f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already in "
+                              f"{self.directory} are kept. Resume from the last good one with a lower optimizer.lr "
+                              "or an optimizer.grad_clip")
+    if self.run_id is not None: state = {**state, "run_id": self.run_id}
     try:
         path = atomic_torch_save(redacted_state(state), self.path_for(step))
         written = [n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name]
@@ -327,12 +393,29 @@ def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
     except OSError as e: raise self._unwritable(f"checkpoint {self.path_for(step)}", e) from None
     return path
 
+# %% ../nbs/07_checkpoint.ipynb #4c7d9ebf
+@patch
+def _own_unlisted(self: CheckpointManager, listed: list[str]) -> list[str]:
+    "Checkpoint files that carry this manager's run id but are not in `listed` (a kill before the pointer, a lost pointer)."
+    if self.run_id is None: return []
+    found = []
+    for path in checkpoint_files(self.directory):
+        if path.name in listed: continue
+        stamp = path.stat().st_mtime_ns
+        if self._foreign.get(path.name) == stamp: continue
+        if checkpoint_run_id(path) == self.run_id: found.append(path.name)
+        else: self._foreign[path.name] = stamp
+    return found
+
 @patch
 def _retain(self: CheckpointManager, written: list[str], **pointer) -> list[Path]:
     "Record `written`, then delete the own files beyond `keep_last` (never the newest)."
     written = [n for n in written if (self.directory / n).exists()]
-    drop = written[:-self.keep_last] if self.keep_last is not None else []
-    keep = [n for n in written if n not in drop]
+    current = [n for n in written if n == pointer.get("file")]          # the file just written counts as the newest
+    own = sorted([n for n in written if n not in current] + self._own_unlisted(written), key=checkpoint_step) + current
+    drop = own[:-self.keep_last] if self.keep_last is not None else []
+    keep = [n for n in own if n not in drop]
+    if self.run_id is not None: pointer["run_id"] = self.run_id
     atomic_json_dump({**pointer, "written": keep}, self.pointer_path)
     removed = []
     for name in drop + [p.name for p in stale_temp_files(self.directory)]:
@@ -344,7 +427,7 @@ def _retain(self: CheckpointManager, written: list[str], **pointer) -> list[Path
 def prune(self: CheckpointManager) -> list[Path]:
     "Delete this manager's checkpoints beyond the newest `keep_last` and dead temp files."
     pointer = read_pointer(self.pointer_path, self._warn)
-    if not self.pointer_path.exists(): return []
+    if not self.pointer_path.exists() and self.run_id is None: return []
     return self._retain(pointer.pop("written"), **pointer)
 
 # %% ../nbs/07_checkpoint.ipynb #fd268004
@@ -366,6 +449,14 @@ def check_writable(self: CheckpointManager) -> None:
     except OSError as e: raise self._unwritable(f"checkpoints to {self.directory}", e) from None
 
 # %% ../nbs/07_checkpoint.ipynb #660e2b94
+def _finite_checkpoint(path: Path) -> dict:
+    "`load_checkpoint(path)`, refusing a state whose model weights hold NaN or infinity (written by a diverged 2.0 run)."
+    state = load_checkpoint(path)
+    bad = nonfinite_tensors(state["model"]) if isinstance(state.get("model"), Mapping) else []
+    if bad: raise CheckpointError(f"checkpoint {path} holds NaN or infinite model weights ({_listing('in', bad, 4)}); "
+                                  "an older checkpoint is used instead")
+    return state
+
 @patch
 def latest_path(self: CheckpointManager) -> Path | None:
     "The highest-step `step_*.pt` file (whatever `latest.json` says), or `None`."
@@ -382,7 +473,7 @@ def _newest_loadable(self: CheckpointManager) -> tuple[Path, dict] | None:
                    "using the newest checkpoint file instead")
     files = checkpoint_files(self.directory)
     for path in files:
-        try: return path, load_checkpoint(path)
+        try: return path, _finite_checkpoint(path)
         except CheckpointError as e:
             self.skipped.append((path, str(e)))
             self._warn(f"skipping unusable checkpoint: {e}")
@@ -413,3 +504,13 @@ def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
     with open(source, "rb") as src: atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
     shutil.copystat(source, destination)
     return destination
+
+# %% ../nbs/07_checkpoint.ipynb #df5504fa
+@patch
+def clear(self: CheckpointManager) -> list[Path]:
+    "Delete all checkpoint files, `latest.json` and dead temp files in `directory`; returns what was deleted."
+    removed = []
+    for path in checkpoint_files(self.directory) + [self.pointer_path] + stale_temp_files(self.directory):
+        with contextlib.suppress(FileNotFoundError): path.unlink(); removed.append(path)
+    self._foreign = {}
+    return removed

@@ -295,6 +295,7 @@ class RunConfig(_Section):
         r.positive("max_steps", "log_every")
         if not 0 <= self.seed < 2**64: r.fail("seed", f"must be in [0, 2**64), got {_show(self.seed)}")
         if not self.device.strip(): r.fail("device", "must not be empty (use auto, cpu, cuda, cuda:N or mps)")
+        if not self.output_dir.strip(): r.fail("output_dir", "must not be empty (write . for the working directory)")
         return r.problems
 
 # %% ../nbs/00_config.ipynb #a7cdb284
@@ -369,6 +370,7 @@ class DataConfig(_Section):
             self.dataset = None
         r.positive("num_tokens", "vocab_size", "block_size", "micro_batch_size", "target_batch_size", "prefetch_factor", "max_steps")
         r.non_negative("num_workers")
+        if self.num_tokens >= 2**63: r.fail("num_tokens", f"must be below 2**63 (a sample count a sequence can index), got {_show(self.num_tokens)}")
         if self.micro_batch_size > 0 and self.target_batch_size > 0:
             if self.target_batch_size < self.micro_batch_size:
                 r.fail("target_batch_size", f"must be >= data.micro_batch_size (got {_show(self.target_batch_size)} < {_show(self.micro_batch_size)})")
@@ -399,12 +401,13 @@ class OptimizerConfig(_Section):
     muon_ns_steps: int = 5
     muon_norm_eps: float = 1e-8
     weight_decay_on: str = "matrices"  # matrices (2-D+ weights) or all
+    max_nonfinite_skips: int = 0  # updates with a NaN/inf loss or gradient skipped in a row before the run stops
     def _rules(self):
         r = _Rules(self)
         r.choice("name", ("adamw", "muon"), {"adam": "adamw", "sgd": "adamw"})
         r.choice("weight_decay_on", ("matrices", "all"))
         r.positive("lr", "eps", "grad_clip", "muon_ns_steps", "muon_norm_eps")
-        r.non_negative("weight_decay")
+        r.non_negative("weight_decay", "max_nonfinite_skips")
         for i, b in enumerate(self.betas):
             if not 0 <= b < 1: r.fail("betas", f"each value must be in [0, 1), got value {i} = {_show(b)}")
         r.fraction("muon_momentum")

@@ -5,12 +5,13 @@
 # %% ../nbs/03_data.ipynb #3ebb56b9
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import random
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator as IteratorType, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -30,11 +31,12 @@ from .tokens import (
 __all__ = ['SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'StreamStart', 'BlockStream', 'TextFileTokenDataset',
            'epoch_seed', 'TokenArrayDataset', 'TokenFileDataset', 'check_vocab', 'TensorRowsDataset',
            'dataset_from_object', 'load_serialized_dataset', 'collate_causal', 'collate_batch', 'infinite_batches',
-           'EpochSampler', 'ResumableDataLoader', 'resolve_vocab_size', 'select_dataset', 'known_samples',
-           'check_loader_settings', 'build_dataloader', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'CharTokenizer',
-           'DataError', 'DataWarning', 'HFTokenizer', 'PreparedTokens', 'check_data_file', 'encode_text',
-           'load_tokenizer', 'prepare_token_file', 'read_text', 'read_token_sidecar', 'source_files', 'text_pieces',
-           'text_segments', 'token_dtype', 'token_sidecar', 'tokenizer_spec']
+           'lazy_permutation', 'EpochSampler', 'ResumableDataLoader', 'content_fingerprint', 'file_fingerprint',
+           'array_fingerprint', 'source_identity', 'identity_differences', 'resolve_vocab_size', 'select_dataset',
+           'known_samples', 'check_loader_settings', 'build_dataloader', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION',
+           'CharTokenizer', 'DataError', 'DataWarning', 'HFTokenizer', 'PreparedTokens', 'check_data_file',
+           'encode_text', 'load_tokenizer', 'prepare_token_file', 'read_text', 'read_token_sidecar', 'source_files',
+           'text_pieces', 'text_segments', 'token_dtype', 'token_sidecar', 'tokenizer_spec']
 
 # %% ../nbs/03_data.ipynb #b9778730
 _all_ = ["TOKEN_FILE_FORMAT", "TOKEN_FILE_VERSION", "CharTokenizer", "DataError", "DataWarning", "HFTokenizer",
@@ -55,7 +57,7 @@ class SyntheticTokenDataset(Dataset):
         i = int(index)
         if i < 0: i += self.num_samples
         if not 0 <= i < self.num_samples: raise IndexError(f"index {index} out of range for {self.num_samples} samples")
-        g = torch.Generator().manual_seed(self.seed + i)
+        g = torch.Generator().manual_seed((self.seed + i) % 2**64)
         t = torch.randint(0, self.vocab_size, (self.block_size + 1,), generator=g, dtype=torch.long)
         return {"input_ids": t[:-1], "labels": t[1:]}
 
@@ -279,6 +281,9 @@ def check_vocab(dataset: Any, vocab_size: int) -> None:
         if top < vocab_size: return
         raise DataError(f"{where} holds token id {top} (vocabulary {declared}) but the model vocabulary is {vocab_size}; "
                         f"raise model.vocab_size to at least {top + 1} or prepare the data with a smaller tokenizer")
+    if isinstance(dataset, Dataset):   # rows of token ids (`TensorRowsDataset`)
+        raise DataError(f"{where} holds token id {declared - 1} (in input_ids or labels) but the model vocabulary is {vocab_size}; "
+                        f"raise model.vocab_size to at least {declared} or fix the data")
     raise DataError(f"{where} has a vocabulary of {declared} but the model vocabulary is {vocab_size}; "
                     f"raise model.vocab_size to at least {declared} or use a smaller tokenizer")
 
@@ -292,6 +297,11 @@ class TensorRowsDataset(Dataset):
         labels, ids = self.columns.get("labels"), self.columns["input_ids"]
         if labels is not None and labels.shape != ids.shape:
             raise DataError(f"{name}: labels {tuple(labels.shape)} and input_ids {tuple(ids.shape)} differ; give one label per input position")
+        if labels is not None and (labels.is_floating_point() or labels.is_complex()):
+            raise DataError(f"{name}: labels has dtype {labels.dtype}; labels must be integer token ids")
+        if labels is not None and labels.numel() and bool(((labels < 0) & (labels != -100)).any()):
+            bad = int(labels[(labels < 0) & (labels != -100)][0])
+            raise DataError(f"{name}: labels holds {bad}; a label is a token id >= 0, or -100 for a position without a target")
 
     def __len__(self) -> int: return len(next(iter(self.columns.values())))
 
@@ -301,7 +311,12 @@ class TensorRowsDataset(Dataset):
         return row
 
     @property
-    def vocab_size(self) -> int: return int(self.columns["input_ids"].max()) + 1
+    def vocab_size(self) -> int:
+        "One more than the largest token id in `input_ids` and `labels` (ignored labels, -100, not counted)."
+        top = int(self.columns["input_ids"].max())
+        labels = self.columns.get("labels")
+        if labels is not None and bool((labels >= 0).any()): top = max(top, int(labels[labels >= 0].max()))
+        return top + 1
 
 # %% ../nbs/03_data.ipynb #a8d46fa7
 def dataset_from_object(obj: Any, block_size: int, name: str = "data.dataset") -> Any:
@@ -378,17 +393,48 @@ def collate_batch(batch: Sequence[Any]) -> Any:
 # %% ../nbs/03_data.ipynb #036b0824
 def infinite_batches(loader: Iterable) -> Iterator:
     "Batches of `loader`, pass after pass, forever; `RuntimeError` if a whole pass yields nothing."
+    first = 0   # batches of the first pass
     while True:
-        produced = False
+        produced = 0
         for batch in loader:
-            produced = True
+            produced += 1
             yield batch
-        if not produced: raise RuntimeError("data loader produced no batches: the data is empty, or holds fewer samples than one batch "
-                                            "(data.micro_batch_size) with data.drop_last: true")
+        if produced: first = first or produced; continue
+        one_shot = isinstance(loader, IteratorType)
+        if first and one_shot:
+            raise RuntimeError(f"data loader produced no batches in its second pass: it is a one-shot {type(loader).__name__} that gave "
+                               f"{first} batch{'es' if first != 1 else ''} and is used up. Pass something that can be iterated "
+                               "again (a list, a DataLoader), or train for fewer steps")
+        if one_shot:
+            raise RuntimeError(f"data loader produced no batches: it is a {type(loader).__name__} (a one-shot iterator) that was already "
+                               "used up, or is empty. Pass something that can be iterated again (a list, a DataLoader)")
+        raise RuntimeError("data loader produced no batches: the data is empty, or holds fewer samples than one batch "
+                           "(data.micro_batch_size) with data.drop_last: true")
 
 # %% ../nbs/03_data.ipynb #e093172f
+def _mix64(x: int) -> int:
+    "splitmix64's finaliser: a well-mixed 64-bit function of `x`."
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+def lazy_permutation(n: int, seed: int, start: int = 0) -> Iterator[int]:
+    "The indices `0..n-1` in an order fixed by `seed`, from position `start`, one at a time (no memory held)."
+    half = max(1, ((n - 1).bit_length() + 1) // 2)          # a Feistel network on 2*half bits covers [0, n)
+    mask, keys = (1 << half) - 1, [_mix64(seed * 4 + r) for r in range(4)]
+    def shuffle(x: int) -> int:
+        left, right = x >> half, x & mask
+        for k in keys: left, right = right, left ^ (_mix64(right ^ k) & mask)
+        return (left << half) | right
+    for i in range(start, n):
+        x = shuffle(i)
+        while x >= n: x = shuffle(x)                          # cycle-walk back into [0, n): still a bijection
+        yield x
+
 class EpochSampler(Sampler):
     "Indices of one pass, shuffled per epoch with its own seeded generator, starting `start` samples in."
+    eager_limit = 1 << 24  # up to this many samples a shuffle is a `torch.randperm`; beyond, `lazy_permutation`
     def __init__(self, num_samples: int, *, shuffle: bool = False, seed: int = 0):
         self.num_samples, self.shuffle, self.seed = int(num_samples), bool(shuffle), int(seed)
         self.epoch, self.start = 0, 0
@@ -397,13 +443,19 @@ class EpochSampler(Sampler):
         "Start the next pass at sample `start` of epoch `epoch`."
         self.epoch, self.start = int(epoch), int(start)
 
-    def order(self, epoch: int) -> list[int]:
-        "All indices of pass `epoch`, in visiting order."
-        if not self.shuffle: return list(range(self.num_samples))
-        g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        return torch.randperm(self.num_samples, generator=g).tolist()
+    def indices(self, epoch: int, start: int = 0, chunk: int = 1 << 16) -> Iterator[int]:
+        "The indices of pass `epoch` in visiting order, from position `start`, produced lazily."
+        n = self.num_samples
+        if not self.shuffle: yield from range(start, n); return
+        if n > self.eager_limit: yield from lazy_permutation(n, epoch_seed(self.seed, epoch), start); return
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch)))
+        for i in range(start, n, chunk): yield from perm[i:i + chunk].tolist()
 
-    def __iter__(self) -> Iterator[int]: return iter(self.order(self.epoch)[self.start:])
+    def order(self, epoch: int) -> list[int]:
+        "All indices of pass `epoch`, in visiting order (as a list: for small datasets)."
+        return list(self.indices(epoch))
+
+    def __iter__(self) -> Iterator[int]: return self.indices(self.epoch, self.start)
     def __len__(self) -> int: return max(0, self.num_samples - self.start)
 
 # %% ../nbs/03_data.ipynb #a2ff7b0d
@@ -483,12 +535,66 @@ def __iter__(self: ResumableDataLoader):
         self._epoch, self._batches, self._next_role, self._positions = self._epoch + 1, 0, 0, None
         if handed or not resumed: return
 
+# %% ../nbs/03_data.ipynb #91ef6fb6
+def content_fingerprint(size: int, read: Callable[[int, int], bytes], *, whole_below: int = 64 << 20,
+                        windows: int = 62, window: int = 1 << 16) -> str:
+    "`<size> bytes, sha256 <hex>` of data read by `read(offset, length)`: all of it, or head, tail and evenly spaced windows."
+    h = hashlib.sha256(str(size).encode())
+    if size <= whole_below:
+        for at in range(0, size, 1 << 20): h.update(read(at, min(1 << 20, size - at)))
+        return f"{size} bytes, sha256 {h.hexdigest()[:16]}"
+    for at in [0, size - (1 << 20)] + [size * (k + 1) // (windows + 1) for k in range(windows)]:
+        h.update(read(at, 1 << 20 if at in (0, size - (1 << 20)) else window))
+    return f"{size} bytes, sampled sha256 {h.hexdigest()[:16]}"
+
+def file_fingerprint(path: str | os.PathLike) -> str:
+    "`content_fingerprint` of a file."
+    with open(path, "rb") as f:
+        def read(at, n): f.seek(at); return f.read(n)
+        return content_fingerprint(os.fstat(f.fileno()).st_size, read)
+
+def array_fingerprint(array: Any) -> str:
+    "`content_fingerprint` of a NumPy array or tensor's bytes."
+    data = memoryview(np.ascontiguousarray(array.numpy() if isinstance(array, torch.Tensor) else array)).cast("B")
+    return content_fingerprint(len(data), lambda at, n: bytes(data[at:at + n]))
+
+# %% ../nbs/03_data.ipynb #a197abd9
+_PATH_KEYS = ("data.text_path", "data.token_file", "data.dataset")   # may change when the content does not (a moved file)
+
+def source_identity(dataset: Any, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
+    "What a saved data position depends on: the source, its content and how it is cut and ordered (plain data)."
+    order = {"data.shuffle": shuffle, "data.seed": seed} if shuffle else {"data.shuffle": False}
+    if isinstance(dataset, TextFileTokenDataset):
+        return {"data.text_path": str(dataset.path), "content": file_fingerprint(dataset.path), "data.block_size": dataset.block_size,
+                "data.tokenizer": tokenizer_spec(dataset.tokenizer), "vocabulary": dataset.vocab_size}
+    if isinstance(dataset, TokenFileDataset):
+        return {"data.token_file": str(dataset.path), "content": file_fingerprint(dataset.path), "data.block_size": dataset.block_size,
+                "data.shuffle": dataset.shuffle, **({"data.seed": dataset.seed} if dataset.shuffle else {})}
+    if isinstance(dataset, TokenArrayDataset):
+        return {"data.dataset": dataset.name, "content": array_fingerprint(dataset.tokens), "data.block_size": dataset.block_size,
+                "data.shuffle": dataset.shuffle, **({"data.seed": dataset.seed} if dataset.shuffle else {})}
+    if isinstance(dataset, TensorRowsDataset):
+        content = "; ".join(f"{k} {array_fingerprint(v)}" for k, v in sorted(dataset.columns.items()))
+        return {"data.dataset": dataset.name, "content": content, **order}
+    if isinstance(dataset, SyntheticTokenDataset):
+        return {"source": "synthetic", "data.num_tokens": dataset.num_samples, "data.block_size": dataset.block_size,
+                "vocabulary": dataset.vocab_size, "data.seed": dataset.seed, **order}
+    try: n = len(dataset)
+    except Exception: n = None
+    return {"source": f"{type(dataset).__module__}.{type(dataset).__qualname__}", "samples": n, **order}
+
+def identity_differences(saved: Mapping, now: Mapping) -> list[str]:
+    "`key: saved .., now ..` for every difference between two `source_identity` records (a moved file is none)."
+    keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)]
+    if "content" in saved and "content" not in keys: keys = [k for k in keys if k not in _PATH_KEYS]
+    return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys]
+
 # %% ../nbs/03_data.ipynb #53d97773
 @patch
 def state_dict(self: ResumableDataLoader) -> dict:
     "The position of the next batch: epoch, batches handed out in it, seed and (streams) each worker role's position."
     state = {"version": 1, "kind": self._kind, "epoch": self._epoch, "batches": self._batches, "seed": self.seed,
-             "shuffle": self.shuffle, "batch_size": self.batch_size, "num_workers": self.num_workers}
+             "shuffle": self.shuffle, "batch_size": self.batch_size, "num_workers": self.num_workers, "source": self.source()}
     if self._kind == "stream":
         state["next_role"] = self._next_role
         state["positions"] = [list(p) for p in (self._positions or [[r, 0] for r in range(self._roles)])]
@@ -496,10 +602,20 @@ def state_dict(self: ResumableDataLoader) -> dict:
     return state
 
 @patch
+def source(self: ResumableDataLoader) -> dict[str, Any]:
+    "`source_identity` of the data this loader reads (computed once)."
+    if getattr(self, "_source", None) is None: self._source = source_identity(self.dataset, shuffle=self.shuffle, seed=self.seed)
+    return self._source
+
+@patch
 def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
     "Continue the next `iter()` exactly at the batch `state` describes."
     if not isinstance(state, Mapping) or "epoch" not in state or "batches" not in state:
         raise DataError(f"data loader state must be a mapping from state_dict(), got {type(state).__name__}")
+    if isinstance(state.get("source"), Mapping) and (changed := identity_differences(state["source"], self.source())):
+        raise DataError("the data differs from the data the saved position belongs to, so the position would point into other "
+                        "data:\n  - " + "\n  - ".join(changed) + "\nResume with the data the run was trained on, or start a fresh "
+                        "run (--overwrite, or another --output-dir)")
     if state.get("kind", self._kind) != self._kind:
         raise DataError(f"data loader state was saved for a {state['kind']} dataset but this loader reads a {self._kind} dataset; resume with the same data source")
     if state.get("batch_size", self.batch_size) != self.batch_size:

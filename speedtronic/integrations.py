@@ -6,15 +6,19 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
-from .config import LoggingConfig, as_section
+from .config import ConfigError, LoggingConfig, as_section
+from .files import file_in_the_way
 from .optional import MissingExtra, optional_import
 from .profiling import Metric, close_hook
 
 # %% auto #0
-__all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook', 'WandbHook', 'hooks_from_config']
+__all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook', 'IntegrationError', 'check_wandb', 'WandbHook',
+           'hooks_from_config']
 
 # %% ../nbs/08c_integrations.ipynb #b6d65fd6
 class IntegrationMissing(MissingExtra, RuntimeError):
@@ -72,10 +76,42 @@ def _wandb_value(value: Any) -> Any:
     "A payload value as W&B accepts it: numbers, strings, bools and None as they are, others as text."
     return value if value is None or isinstance(value, (int, float, str, bool)) else str(value)
 
+class IntegrationError(RuntimeError):
+    "A TensorBoard or W&B hook cannot start (no login, no network, a folder in the way)."
+
+_OFFLINE = ("offline", "disabled", "dryrun")
+_WAYS_OUT = ("log in with `wandb login` (or set WANDB_API_KEY), or log offline with logging.wandb: {mode: offline} "
+             "and upload later with `wandb sync`")
+
+def _check_reachable(url: str, timeout: float = 5.0) -> None:
+    "Raise `IntegrationError` when nothing answers a TCP connection to `url`'s host within `timeout` seconds."
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")): return  # the proxy decides
+    parts = urlsplit(url)
+    try: socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=timeout).close()
+    except OSError as e:
+        raise IntegrationError(f"logging.wandb: W&B cannot reach {url} ({e.strerror or e}); check the network, or log "
+                               "offline with logging.wandb: {mode: offline} and upload later with `wandb sync`") from None
+
+def check_wandb(settings: Mapping[str, Any]) -> Any:
+    "The `wandb` module, once it is installed and — for an online run with `settings` — its server answers."
+    wandb = _import_for("WandbHook", "wandb")
+    mode = str(settings.get("mode") or os.environ.get("WANDB_MODE") or "online").lower()
+    if mode not in _OFFLINE and not settings.get("offline"):
+        _check_reachable(os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url))   # W&B reads the variable at init
+    return wandb
+
+def _start_wandb(project: str | None, settings: Mapping) -> Any:
+    "`wandb.init(project=project, **settings)`, failing fast and in one line when it cannot start."
+    wandb = check_wandb(settings)
+    try: return wandb.init(project=project, **settings)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise IntegrationError(f"logging.wandb: wandb.init failed ({type(e).__name__}: {first}); {_WAYS_OUT}") from None
+
 class WandbHook:
     "Logs every event to a W&B run started at construction; `finish()`/`close()` ends the run."
     def __init__(self, project: str | None = None, **settings: Any):
-        self._run = _import_for("WandbHook", "wandb").init(project=project, **settings)
+        self._run = _start_wandb(project, settings)
 
     @property
     def run(self) -> Any: "The W&B run (None once finished)."; return self._run
@@ -93,6 +129,17 @@ class WandbHook:
     close = finish
 
 # %% ../nbs/08c_integrations.ipynb #cb4da584
+def _tensorboard_hook(directory: str | os.PathLike) -> TensorboardHook:
+    "A `TensorboardHook` for `logging.tensorboard_dir`; a folder that cannot be used is a `ConfigError` naming the key."
+    blocker = file_in_the_way(directory)
+    if blocker is not None:
+        where = "is a file" if Path(blocker) == Path(directory) else f"cannot be created because {blocker} is a file"
+        raise ConfigError(f"logging.tensorboard_dir: {directory} {where}, not a directory; choose a directory for the event files")
+    try: return TensorboardHook(directory)
+    except OSError as e:
+        raise ConfigError(f"logging.tensorboard_dir: cannot write event files to {directory} ({e.strerror or e}); "
+                          "choose a writable directory") from None
+
 def hooks_from_config(logging_config: LoggingConfig | Any, # the `logging` section (or a config, mapping or namespace holding it)
                       *, progress: bool = False, # also add the bar `logging.progress` asks for
                       progress_stream: Any = None, # stream for the progress bar (default sys.stderr)
@@ -102,7 +149,7 @@ def hooks_from_config(logging_config: LoggingConfig | Any, # the `logging` secti
     lg = as_section(logging_config, LoggingConfig)
     hooks: list = []
     try:
-        if lg.tensorboard_dir: hooks.append(TensorboardHook(lg.tensorboard_dir))
+        if lg.tensorboard_dir: hooks.append(_tensorboard_hook(lg.tensorboard_dir))
         if lg.wandb is True: hooks.append(WandbHook())
         elif isinstance(lg.wandb, dict): hooks.append(WandbHook(**lg.wandb))
         if progress:

@@ -5,15 +5,21 @@
 # %% ../nbs/00c_paths.ipynb #6287fb9c
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
+import threading
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from .config import ConfigError, SpeedtronicConfig
 
 # %% auto #0
-__all__ = ['node_id', 'RunPaths', 'run_paths']
+__all__ = ['LOCK_NAME', 'node_id', 'RunPaths', 'run_paths', 'RunLocked', 'new_run_id', 'RunLock', 'lock_run', 'lock_holder']
 
 # %% ../nbs/00c_paths.ipynb #f77e89c5
 def _unsafe_name(name: str) -> bool:
@@ -45,6 +51,9 @@ class RunPaths:
     log_file: Path | None
     hub_cache: Path
     loss_plot: Path
+    locks: tuple[Path, ...] = ()  # lock files of the directories the run owns
+
+LOCK_NAME = ".speedtronic.lock"
 
 def _under(base: Path, path: str | os.PathLike) -> Path:
     path = Path(path)
@@ -56,7 +65,119 @@ def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = Non
     metrics = Path(config.logging.json_file) if config.logging.json_file else None
     d = config.distributed
     state = _under(out, d.state_dir) / node_id(d, environ) if d.enabled else None
-    return RunPaths(output_dir=out, checkpoints=_under(out, config.checkpoint.directory), state_dir=state,
+    checkpoints = _under(out, config.checkpoint.directory)
+    inside = Path(os.path.abspath(checkpoints)).is_relative_to(os.path.abspath(out))
+    return RunPaths(output_dir=out, checkpoints=checkpoints, state_dir=state,
                     metrics=metrics, log_file=Path(config.logging.file) if config.logging.file else None,
                     hub_cache=Path(config.distributed.cache_dir),
-                    loss_plot=(metrics.parent if metrics else out) / "loss_curve.png")
+                    loss_plot=(metrics.parent if metrics else out) / "loss_curve.png",
+                    locks=(out / LOCK_NAME,) + (() if inside else (checkpoints / LOCK_NAME,)))
+
+# %% ../nbs/00c_paths.ipynb #4ba00e96
+class RunLocked(RuntimeError):
+    "Another process is training into this directory."
+
+def new_run_id() -> str:
+    "A fresh run id: the start time and a random suffix, e.g. `20260101-120000-3fa2c1`."
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+def _holder_of(fd: int) -> dict:
+    "The JSON the current holder wrote into the lock file (empty when there is none)."
+    os.lseek(fd, 0, os.SEEK_SET)
+    try: info = json.loads(os.read(fd, 1 << 16).decode("utf-8") or "{}")
+    except (ValueError, UnicodeDecodeError, OSError): return {}
+    return info if isinstance(info, dict) else {}
+
+def _describe(info: Mapping) -> str:
+    "`run <id> (pid <pid> on <host>, started <time>)` from a lock file's content."
+    return (f"run {info.get('run_id', '?')} (pid {info.get('pid', '?')} on {info.get('host', '?')}, "
+            f"started {info.get('started', '?')})")
+
+# %% ../nbs/00c_paths.ipynb #a28d3460
+_held: dict[str, list] = {}   # lock file (absolute) -> [fd, holders] for the locks this process holds
+_held_guard = threading.Lock()
+
+def _drop_inherited_locks() -> None:
+    "In a forked child: close the inherited lock descriptors (the parent keeps its locks; the child holds none)."
+    global _held_guard
+    for fd, _ in list(_held.values()):
+        try: os.close(fd)
+        except OSError: pass
+    _held.clear()
+    _held_guard = threading.Lock()
+
+if hasattr(os, "register_at_fork"): os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+def _open_locked(path: Path, key: str) -> int:
+    "A descriptor of `path` holding its exclusive `flock`; `RunLocked` naming the holder if another process has it."
+    try: import fcntl
+    except ImportError: return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)   # no fcntl here: record only
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _holder_of(fd)
+            os.close(fd)
+            raise RunLocked(f"{key} {path.parent} is in use by another training process: {_describe(holder)}. "
+                            f"Wait for it to finish or stop it, or train into another directory "
+                            f"(--output-dir / run.output_dir)") from None
+        try: same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError: same = False
+        if same: return fd
+        os.close(fd)   # the previous holder deleted the file between our open and our lock: try again
+
+# %% ../nbs/00c_paths.ipynb #1a7d6b0f
+@dataclass
+class RunLock:
+    "An exclusive claim on a run directory; `release()` (idempotent) gives it up and deletes the lock file."
+    path: Path
+    previous: dict | None = None  # what a holder that never released it (a killed run) had written
+    released: bool = False
+
+    def release(self) -> None:
+        "Give the directory up (the lock file is deleted when the last holder in this process releases it)."
+        if self.released: return
+        self.released = True
+        with _held_guard:
+            entry = _held.get(os.path.abspath(self.path))
+            if entry is None: return
+            entry[1] -= 1
+            if entry[1] > 0: return
+            del _held[os.path.abspath(self.path)]
+            with contextlib.suppress(OSError): os.unlink(self.path)
+            os.close(entry[0])
+
+def lock_run(directory: str | os.PathLike, run_id: str, *, key: str = "run.output_dir") -> RunLock:
+    "Claim `directory` for run `run_id`: create it and lock its `.speedtronic.lock`, or raise `RunLocked`."
+    path = Path(directory) / LOCK_NAME
+    try: path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot create {path.parent} ({e.strerror or e}); choose a writable directory") from None
+    info = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with _held_guard:
+        entry, previous = _held.get(os.path.abspath(path)), None
+        if entry is None:
+            try: fd = _open_locked(path, key)
+            except OSError as e:
+                raise ConfigError(f"{key}: cannot create {path} ({e.strerror or e}); choose a writable directory") from None
+            previous = _holder_of(fd) or None
+            entry = _held[os.path.abspath(path)] = [fd, 0]
+        entry[1] += 1
+        data = json.dumps(info).encode()
+        os.ftruncate(entry[0], 0); os.lseek(entry[0], 0, os.SEEK_SET); os.write(entry[0], data)
+    return RunLock(path, previous)
+
+def lock_holder(directory: str | os.PathLike) -> dict | None:
+    "What another running process wrote into `directory`'s lock while it holds it, or `None` (reads only, creates nothing)."
+    path = Path(directory) / LOCK_NAME
+    try: import fcntl
+    except ImportError: return None
+    if os.path.abspath(path) in _held: return None          # this process's own claim
+    try: fd = os.open(path, os.O_RDONLY)
+    except OSError: return None
+    try:
+        try: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError: return _holder_of(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally: os.close(fd)

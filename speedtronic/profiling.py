@@ -28,7 +28,8 @@ from .config import REDACTED, ConfigError, is_secret_key
 # %% auto #0
 __all__ = ['Metric', 'Hook', 'LEVELS', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
            'memory_usage_bytes', 'resolve_level', 'level_name', 'format_value', 'format_event', 'format_asctime',
-           'text_line', 'json_line', 'scrub', 'LineFile', 'HookDispatcher', 'TextSinks', 'MetricLogger']
+           'text_line', 'json_line', 'scrub', 'LogWriteError', 'LineFile', 'HookDispatcher', 'TextSinks',
+           'MetricLogger']
 
 # %% ../nbs/08_metrics.ipynb #84f57f92
 Metric = dict[str, Any]
@@ -153,10 +154,13 @@ def scrub(value: Any) -> Any:
     return value
 
 # %% ../nbs/08_metrics.ipynb #a96c8442
+class LogWriteError(OSError):
+    "A log line could not be appended (disk full, size limit); the file still ends with a whole line."
+
 class LineFile:
     "An append-only text file; each line is one `os.write` on an `O_APPEND` descriptor kept open."
     def __init__(self, path: str | os.PathLike, key: str = "logging.file"):
-        self.path = Path(path)
+        self.path, self.key, self._lock = Path(path), key, threading.Lock()
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -166,10 +170,21 @@ class LineFile:
                                 "choose a writable path") from None
         self._finalizer = weakref.finalize(self, os.close, self.fd)  # an unclosed file is closed when dropped
     def write_line(self, text: str) -> None:
-        "Append `text` and a newline in one write."
+        "Append `text` and a newline in one write; a line that cannot be completed is removed again."
         data = (text + "\n").encode("utf-8")
-        if self.fd is None: raise ValueError(f"log file {self.path} is closed")
-        while data: data = data[os.write(self.fd, data):]
+        with self._lock:
+            if self.fd is None: raise ValueError(f"log file {self.path} is closed")
+            written = 0
+            try:
+                while written < len(data): written += os.write(self.fd, data[written:])
+            except OSError as e:
+                if written:
+                    try: os.ftruncate(self.fd, os.fstat(self.fd).st_size - written)
+                    except OSError: pass
+                error = LogWriteError(f"{self.key}: cannot append to {self.path} ({e.strerror or e}); "
+                                      "the lines written before are intact. Free space there, or point it elsewhere")
+                error.path = self.path
+                raise error from e
     def close(self) -> None:
         "Close the descriptor (idempotent)."
         if self.fd is not None: self._finalizer(); self.fd = None
@@ -323,6 +338,7 @@ class MetricLogger:
     queue_size: int = 1000  # events that may wait for slow hooks
     queue_timeout_s: float = 0.5  # how long `emit` waits for room before dropping an event for hooks
     console_level: str | int | None = None  # console lines below this level are not printed (the file still gets them)
+    run_id: str | None = None  # written into every JSONL record when set
 
     def __post_init__(self):
         self.levelno = resolve_level(self.level)
@@ -350,20 +366,22 @@ class MetricLogger:
 
 # %% ../nbs/08_metrics.ipynb #816b018b
 @patch
-def emit(self: MetricLogger, event: str, payload: Mapping[str, Any] | None = None) -> bool:
+def emit(self: MetricLogger, event: str, payload: Mapping[str, Any] | None = None, *,
+         force: bool = False) -> bool:  # write a `train_step` off the cadence too
     "Record one event (text line, JSONL line, hooks); False when the `train_step` cadence skips it."
     if self.closed: raise RuntimeError(f"{self.name}: emit({event!r}) after close(); create a new MetricLogger")
     payload = {} if payload is None else payload
     if not isinstance(payload, Mapping):
         raise TypeError(f"emit({event!r}, ...): the payload must be a dict of metrics, got {type(payload).__name__}")
-    if event == "train_step" and not _on_cadence(payload, self.every_steps): return False
+    if event == "train_step" and not force and not _on_cadence(payload, self.every_steps): return False
     record = scrub(payload)
     record.setdefault("elapsed_s", time.perf_counter() - self._t0)
     if "memory_bytes" not in record and "torch" in sys.modules:
         memory = memory_usage_bytes(self.device)
         if memory is not None: record["memory_bytes"] = memory
     self._text.write(20, format_event(event, record))
-    if self._json is not None: self._json.write_line(json_line(event, record))
+    if self._json is not None:
+        self._json.write_line(json_line(event, {"run_id": self.run_id, **record} if self.run_id else record))
     if self.hooks: self._hooks.submit(tuple(self.hooks), event, record)
     return True
 

@@ -12,34 +12,36 @@ import os
 import random
 import signal
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
 from .config import ConfigError, SpeedtronicConfig, explicit_fields, run_target
-from .data import build_dataloader
-from .files import atomic_write, atomic_write_text
-from .integrations import hooks_from_config
+from .data import DataError, build_dataloader, check_loader_settings, collate_batch, select_dataset
+from .files import atomic_write, atomic_write_text, file_in_the_way
+from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
 from .optional import MissingExtra
-from .paths import run_paths
+from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
 from .precision import resolve_device, resolve_precision
 from .profiling import MetricLogger
 from .progress import ProgressBar, in_notebook, loss_figure, loss_points
 from .registry import build_model
 from .schedules import build_scheduler
 from .shapes import validate_startup_shapes
-from .trainer import STEP_RECORD_KEYS, Trainer, TrainResult, TrainingInterrupted
+from .trainer import STEP_RECORD_KEYS, Trainer, TrainResult, TrainingInterrupted, call_model, resolve_loss
 
 # %% auto #0
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
            'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
-           'build_runtime', 'sigterm_stops', 'earlier_records', 'train_from_config', 'write_loss_plot',
-           'check_runnable']
+           'RunClaim', 'claim_run', 'build_runtime', 'sigterm_stops', 'earlier_records', 'train_from_config',
+           'write_loss_plot', 'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -55,12 +57,12 @@ def seed_everything(seed: int) -> None:
     if torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
 
 # %% ../nbs/13_runtime.ipynb #2a44fbda
-def build_logger(config: SpeedtronicConfig) -> MetricLogger:
+def build_logger(config: SpeedtronicConfig, *, run_id: str | None = None) -> MetricLogger:
     "A `MetricLogger` from `config.logging`, with its configured hooks and progress bar attached."
     lg, paths = config.logging, run_paths(config)
     console = "WARNING" if in_notebook() and "level" not in explicit_fields(lg) else None  # the view shows progress
     logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps,
-                          console_level=console)
+                          console_level=console, run_id=run_id)
     try:
         logger.hooks.extend(hooks_from_config(lg, progress=True))
         for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
@@ -139,14 +141,69 @@ def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any)
     from speedtronic.distributed import DumbDiLoCoCoordinator
     return DumbDiLoCoCoordinator(config.distributed, model, state_dir=run_paths(config).state_dir, logger=logger)
 
+# %% ../nbs/13_runtime.ipynb #5dd65696
+@dataclass
+class RunClaim:
+    "A run's hold on its directories: its id and the locks it owns (`release()` gives them up)."
+    run_id: str
+    locks: list[RunLock] = field(default_factory=list)
+
+    def release(self) -> None:
+        "Release every lock (idempotent)."
+        for lock in self.locks: lock.release()
+
+def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
+    "Refuse (or, with `overwrite`, delete) the checkpoints a fresh run finds in its checkpoint directory."
+    files = checkpoint_files(checkpoints)
+    if not files: return
+    if overwrite: CheckpointManager(checkpoints).clear(); return
+    owner = read_pointer(checkpoints / CheckpointManager.pointer_name, warn=lambda message: None).get("run_id")
+    raise CheckpointError(f"{checkpoints} already holds checkpoints of {'run ' + owner if owner else 'an earlier run'} "
+                          f"(newest: {files[0].name}); a new run there would mix its checkpoints with them. Continue that run "
+                          "with --resume (resume=True), start over with --overwrite (overwrite=True), which deletes them, or "
+                          "train into another --output-dir (run.output_dir)")
+
+def claim_run(config: SpeedtronicConfig, *, resume: bool = False, overwrite: bool = False) -> RunClaim:
+    "Lock the run's directories and choose its run id; a fresh run refuses (or `overwrite`s) another run's checkpoints."
+    if resume and overwrite: raise ConfigError("--resume and --overwrite (resume=True, overwrite=True) cannot be combined: "
+                                               "resume continues the checkpoints there, overwrite deletes them; choose one")
+    paths = run_paths(config)
+    recorded = read_pointer(paths.checkpoints / CheckpointManager.pointer_name, warn=lambda message: None).get("run_id")
+    claim = RunClaim(recorded if resume and isinstance(recorded, str) else new_run_id())
+    try:
+        for i, lockfile in enumerate(paths.locks):
+            if i and not config.checkpoint.enabled: continue       # a checkpoint folder elsewhere that is not used
+            if i: CheckpointManager(lockfile.parent).check_writable()   # the manager's message when it cannot be created
+            claim.locks.append(lock_run(lockfile.parent, claim.run_id, key="checkpoint.directory" if i else "run.output_dir"))
+        if not resume and (overwrite or config.checkpoint.enabled): _others_checkpoints(paths.checkpoints, overwrite)
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
 # %% ../nbs/13_runtime.ipynb #721fb952
 def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
                   *, resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
                   device: str | torch.device | None = None,  # overrides `run.device`
                   max_steps: int | None = None,  # overrides `data.max_steps` / `run.max_steps`
+                  overwrite: bool = False,  # a fresh run deletes the checkpoints it finds (CLI `--overwrite`)
                  ) -> tuple[Trainer, CheckpointManager]:
     "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
     config = load_runtime_config(config)
+    resume = bool(resume or config.checkpoint.resume)
+    dev = resolve_device(device or config.run.device)        # a bad device is refused before any directory is made
+    claim = claim_run(config, resume=resume, overwrite=overwrite)
+    try: trainer, manager = _build_components(config, claim, resume=resume, device=dev, max_steps=max_steps)
+    except BaseException:
+        claim.release()
+        raise
+    trainer.run_claim = claim
+    weakref.finalize(trainer, claim.release)
+    return trainer, manager
+
+def _build_components(config: SpeedtronicConfig, claim: RunClaim, *, resume: bool, device: Any, max_steps: int | None,
+                     ) -> tuple[Trainer, CheckpointManager]:
+    "`build_runtime` after the directory is claimed."
     seed_everything(config.run.seed)
     dev = resolve_device(device or config.run.device)
     plan = resolve_precision(config.precision, dev)
@@ -155,10 +212,15 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     loader = build_dataloader(config.data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config))
     ck = config.checkpoint
     manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
-                                enabled=ck.enabled)
-    logger = build_logger(config)
+                                enabled=ck.enabled, run_id=claim.run_id)
+    logger = build_logger(config, run_id=claim.run_id)
     try:
         manager.logger = logger
+        for lock in claim.locks:
+            if lock.previous:
+                logger.warning(f"{lock.path.parent} was last claimed by run {lock.previous.get('run_id', '?')} (pid "
+                               f"{lock.previous.get('pid', '?')} on {lock.previous.get('host', '?')}), which ended without "
+                               "releasing it (killed?); this run takes it over")
         if getattr(logger, "device", "absent") is None: logger.device = dev
         if getattr(plan, "reason", None): logger.warning(f"precision: {plan.reason}")
         report = validate_startup_shapes(config, model, dev, plan, logger=logger)
@@ -169,13 +231,14 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
                           logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,
                           shape_report=report)
-        if resume or ck.resume:
+        if resume:
             state = manager.load_latest()
             if state is None:
                 logger.warning(f"resume requested but no local checkpoint was found in {manager.directory}; starting fresh")
             else:
                 trainer.resume(state, path=manager.loaded_path)
-                logger.info(f"resumed from {manager.loaded_path} at step {trainer.step}")
+                if isinstance(state.get("run_id"), str): claim.run_id = manager.run_id = logger.run_id = state["run_id"]
+                logger.info(f"resumed from {manager.loaded_path} at step {trainer.step} (run {claim.run_id})")
     except BaseException:
         close_logger(logger)
         raise
@@ -232,9 +295,9 @@ def _whole_run(result: TrainResult, earlier: list[dict[str, Any]], keep: int | N
 
 def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
                       *, resume: bool = False, device: str | torch.device | None = None,
-                      max_steps: int | None = None) -> TrainResult:
+                      max_steps: int | None = None, overwrite: bool = False) -> TrainResult:
     "Build the runtime from `config`, train to the target and return the `TrainResult`."
-    trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps)
+    trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps, overwrite=overwrite)
     try:
         keep = trainer.metrics_history
         earlier = earlier_records(run_paths(trainer.config).metrics, trainer.step, keep)
@@ -250,7 +313,8 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
             write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
         return result
     finally:
-        close_logger(trainer.logger)
+        try: close_logger(trainer.logger)
+        finally: trainer.run_claim.release()
 
 run = train_from_config
 train = train_from_config
@@ -297,4 +361,69 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
     if d.vocab_size and d.vocab_size > vocab:
         problems.append(f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
                         "token ids would be out of range; make them equal")
+    elif not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
+        problems += _first_step_problems(config, model, vocab)
+    return problems + _directory_problems(config) + _logging_problems(config)
+
+# %% ../nbs/13_runtime.ipynb #fbc52282
+def _on_meta(batch: Any) -> Any:
+    "`batch` with every tensor moved to the meta device."
+    if torch.is_tensor(batch): return batch.to("meta")
+    if isinstance(batch, Mapping): return {k: _on_meta(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)): return type(batch)(_on_meta(v) for v in batch)
+    return batch
+
+def _first_step_problems(config: SpeedtronicConfig, model: torch.nn.Module, vocab: int) -> list[str]:
+    "What the first step would meet: the data opened as training opens it, and the model's loss on the first sample (meta)."
+    d = config.data
+    try:
+        dataset = select_dataset(d, vocab_size=vocab)
+        check_loader_settings(dataset, batch_size=d.micro_batch_size, drop_last=d.drop_last, shuffle=False)
+        sample = next(iter(dataset)) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
+        batch = _on_meta(collate_batch([sample]))
+    except (DataError, ValueError, OSError) as e: return [str(e)]
+    except Exception: return []        # a custom dataset the check cannot open like this: training will tell
+    try: output = call_model(model.train(), batch)
+    except Exception:                  # the meta device cannot run this model: run a small one for real
+        if sum(p.numel() for p in model.parameters()) > 50_000_000: return []
+        try:
+            batch = collate_batch([sample])
+            output = call_model(build_model(config.model).train(), batch)
+        except Exception as e:         # the first step would fail the same way
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return [f"model {config.model.name!r} fails on the first batch: {type(e).__name__}: {first}"]
+    try: loss = resolve_loss(output, batch)
+    except (TypeError, ValueError) as e: return [f"model {config.model.name!r}: {e}"]
+    if not loss.requires_grad:
+        return [f"model {config.model.name!r}: its loss does not depend on any trainable parameter (no gradient); "
+                "compute it from the model's outputs without .detach(), .item() or torch.no_grad()"]
+    return []
+
+def _directory_problems(config: SpeedtronicConfig) -> list[str]:
+    "Run directories another trainer holds now, or that cannot be created or written here."
+    paths, problems = run_paths(config), []
+    for key, directory in (("run.output_dir", paths.output_dir), ("checkpoint.directory", paths.checkpoints)):
+        if key == "checkpoint.directory" and not config.checkpoint.enabled: continue
+        if (holder := lock_holder(directory)) is not None:
+            problems.append(f"{key}: {directory} is in use by another training process: run {holder.get('run_id', '?')} "
+                            f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')})")
+        existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+        if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"{key}: {directory} cannot be written here ({existing} is not writable); choose a writable directory")
+    return problems
+
+def _logging_problems(config: SpeedtronicConfig) -> list[str]:
+    "Log, JSONL and TensorBoard paths that cannot be created; a W&B run that cannot start."
+    lg, problems = config.logging, []
+    for key, value in (("logging.file", lg.file), ("logging.json_file", lg.json_file)):
+        if not value: continue
+        blocker = file_in_the_way(Path(value).parent)
+        if Path(value).is_dir(): problems.append(f"{key}: {value} is a directory; give the path of a file")
+        elif blocker: problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
+    if lg.tensorboard_dir and (blocker := file_in_the_way(lg.tensorboard_dir)):
+        problems.append(f"logging.tensorboard_dir: {lg.tensorboard_dir} cannot be a directory because {blocker} is a file")
+    if lg.wandb:
+        from speedtronic.integrations import check_wandb
+        try: check_wandb(lg.wandb if isinstance(lg.wandb, dict) else {})
+        except (IntegrationError, ImportError) as e: problems.append(str(e))
     return problems

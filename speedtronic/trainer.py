@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
+import inspect
+import os
 import signal
 import sys
 import threading
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import nn
 
-from .checkpoint import capture_rng_state, check_compatible, restore_rng_state
+from .checkpoint import CheckpointError, capture_rng_state, check_compatible, load_checkpoint, restore_rng_state, setting_changes
 from .config import SpeedtronicConfig
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
@@ -36,7 +38,8 @@ from .schedules import load_scheduler_state
 # %% auto #0
 __all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
            'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
-           'is_compile_failure', 'read_pending', 'scaler_step', 'TrainerSettings', 'Trainer', 'signals_held']
+           'is_compile_failure', 'read_pending', 'scaler_step', 'gradient_norm', 'nonfinite_update', 'TrainerSettings',
+           'Trainer', 'signals_held']
 
 # %% ../nbs/11_trainer.ipynb #beb9dcd2
 class TrainingError(RuntimeError):
@@ -113,13 +116,17 @@ def _labels_of(batch: Any) -> Any:
     if isinstance(batch, (tuple, list)) and len(batch) > 1: return batch[1]
     return None
 
-def _scalar(loss: torch.Tensor) -> torch.Tensor:
+def _scalar(loss: Any, what: str = "loss") -> torch.Tensor:
+    "`loss` as a 0-d tensor (mean-reduced); a `TypeError` saying what to return when it is not a tensor."
+    if not torch.is_tensor(loss):
+        raise TypeError(f"the model's {what} is a {type(loss).__name__}, not a tensor: return the loss tensor computed from "
+                        "the model's outputs (e.g. F.cross_entropy(...)), not loss.item() or a Python number")
     return loss if loss.ndim == 0 else loss.mean()
 
 def resolve_loss(output: Any, batch: Any) -> torch.Tensor:
     "The scalar training loss from a model `output` for `batch`."
     if isinstance(output, Mapping):
-        if output.get("loss") is not None: return _scalar(output["loss"])
+        if output.get("loss") is not None: return _scalar(output["loss"], "output 'loss'")
         loss = causal_lm_loss(output.get("logits"), _labels_of(batch))
         if loss is None:
             raise ValueError("model output mapping needs a 'loss' or causal 'logits' of shape (B, T, V) "
@@ -207,6 +214,24 @@ def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     if found is not None: return found == 0
     return not scaler.get_scale() < before
 
+# %% ../nbs/11_trainer.ipynb #504d5754
+def gradient_norm(parameters: Any) -> torch.Tensor:
+    "The global L2 norm of the gradients of `parameters` (a 0-d tensor; 0 when there are none), without a host sync."
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads: return torch.zeros(())
+    total = getattr(torch.nn.utils, "get_total_norm", None)
+    if total is not None: return total(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32).to(grads[0].device)
+                                                 for g in grads]))
+
+def nonfinite_update(loss: torch.Tensor, norm: torch.Tensor) -> tuple[str | None, float, float]:
+    "(why the update must not be applied — `nonfinite_loss`, `nonfinite_gradient` — or `None`, loss, norm) in one read."
+    loss_value, norm_value = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]).tolist()
+    finite = lambda v: v == v and abs(v) != float("inf")
+    if not finite(loss_value): return "nonfinite_loss", loss_value, norm_value
+    if not finite(norm_value): return "nonfinite_gradient", loss_value, norm_value
+    return None, loss_value, norm_value
+
 # %% ../nbs/11_trainer.ipynb #83784179
 @dataclass(frozen=True)
 class TrainerSettings:
@@ -215,6 +240,7 @@ class TrainerSettings:
     accumulation_steps: int  # `data.accumulation_steps`: microbatches per optimizer update
     grad_clip: float | None  # `optimizer.grad_clip`: global L2-norm clip, `None` for none
     max_skipped_steps: int  # `precision.max_skipped_steps`: GradScaler skips in a row before the run stops
+    max_nonfinite_skips: int  # `optimizer.max_nonfinite_skips`: NaN/inf updates skipped in a row before the run stops
     metrics_history: int | None  # `logging.metrics_history`: records kept in `TrainResult.metrics`; `None` keeps all
     compile: bool  # `compile`: run a `torch.compile`d model
     gradient_checkpointing: bool  # `gradient_checkpointing`: ask the model to recompute activations
@@ -226,6 +252,7 @@ class TrainerSettings:
         "The trainer's settings in `config` (`SpeedtronicConfig()` gives a trainer built without one)."
         return cls(max_steps=config.run.max_steps, accumulation_steps=config.data.accumulation_steps,
                    grad_clip=config.optimizer.grad_clip, max_skipped_steps=config.precision.max_skipped_steps,
+                   max_nonfinite_skips=config.optimizer.max_nonfinite_skips,
                    metrics_history=config.logging.metrics_history, compile=config.compile,
                    gradient_checkpointing=config.gradient_checkpointing, ooo_backprop=config.ooo_backprop,
                    ooo_streams=config.ooo_streams)
@@ -355,14 +382,47 @@ def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
     self.logger.emit("checkpoint", {"step": self.step, "path": str(path)})
     return path
 
+# %% ../nbs/11_trainer.ipynb #4e730724
+@patch
+def _apply_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
+    "Put changed optimizer settings back into the parameter groups (the loaded state held the saved ones)."
+    keys, opt = {k for k, *_ in applied}, self.config.optimizer
+    for group in self.optimizer.param_groups:
+        if "optimizer.betas" in keys and "betas" in group: group["betas"] = tuple(opt.betas)
+        if "optimizer.eps" in keys and "eps" in group: group["eps"] = opt.eps
+        decayed = opt.weight_decay_on == "all" or all(p.ndim >= 2 for p in group["params"])
+        if "optimizer.weight_decay" in keys and "weight_decay" in group and decayed: group["weight_decay"] = opt.weight_decay
+        if "optimizer.lr" in keys: group["lr"] = group["initial_lr"] = opt.lr
+    sched = self.scheduler
+    if "optimizer.lr" in keys and sched is not None and hasattr(sched, "lr_lambdas"):
+        sched.base_lrs = [opt.lr] * len(self.optimizer.param_groups)
+        for group, fn in zip(self.optimizer.param_groups, sched.lr_lambdas): group["lr"] = opt.lr * fn(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+@patch
+def _report_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
+    "One warning and one `settings_changed` event listing what changed since the checkpoint."
+    if not applied: return
+    listed = "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in applied)
+    self.logger.warning(f"resume: settings changed since the checkpoint, applied from step {self.step + 1}: {listed}")
+    self.logger.emit("settings_changed", {"step": self.step, "changed": {k: [old, new] for k, old, new in applied}})
+
 # %% ../nbs/11_trainer.ipynb #84093330
 @patch
-def resume(self: Trainer, state: Mapping[str, Any],
+def resume(self: Trainer, state: Mapping[str, Any] | str | os.PathLike,  # a checkpoint state, or the path of a checkpoint file
            path: Any = None,  # the checkpoint file `state` came from, named in error messages
           ) -> None:
-    "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state`."
+    "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state` (or file)."
+    if isinstance(state, (str, os.PathLike)): state, path = load_checkpoint(state), state
+    if not isinstance(state, Mapping):
+        raise TypeError(f"resume takes a checkpoint state (a dict) or the path of a checkpoint file, got {type(state).__name__}")
     check_compatible(state, model=self.model, config=self.config, path=path)
-    data = state.get("data")  # a loader that refuses the position (other micro_batch_size) fails before anything changed
+    refused, applied = setting_changes(state, self.config)
+    if refused:
+        where = f"checkpoint {path}" if path is not None else "the checkpoint"
+        raise CheckpointError(f"{where} cannot continue with the current settings:\n  - " + "\n  - ".join(refused)
+                              + "\nResume with the saved values, or start a fresh run (--overwrite, or another --output-dir)")
+    data = state.get("data")  # a loader that refuses the position (other data, micro_batch_size) fails before anything changed
     if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
         self.dataloader.load_state_dict(data)
     self.model.load_state_dict(state["model"])
@@ -370,6 +430,7 @@ def resume(self: Trainer, state: Mapping[str, Any],
         note = load_optimizer_state(self.optimizer, state["optimizer"], self.model)
         if note: self.logger.warning("resume: %s", note)
     if self.scheduler is not None and state.get("scheduler") is not None: load_scheduler_state(self.scheduler, state["scheduler"])
+    if applied: self._apply_changed_settings(applied)
     self.step, self.samples = int(state.get("step", 0)), int(state.get("samples", 0))
     self._tokens, self._pending = int(state.get("tokens", 0)), []
     if state.get("rng"): restore_rng_state(state["rng"], logger=self.logger)
@@ -377,6 +438,7 @@ def resume(self: Trainer, state: Mapping[str, Any],
     self._deferred_scaler = state.get("scaler")
     self._deferred_coordinator = state.get("coordinator")
     self._last_saved_step = self.step
+    self._report_changed_settings(applied)
 
 # %% ../nbs/11_trainer.ipynb #8d435c8f
 @dataclass
@@ -393,6 +455,7 @@ class _FitState:
     deferring: bool = False  # from an update until its step is counted and recorded: a Ctrl-C waits
     held: bool = False  # a Ctrl-C came while deferring; it is raised once the step is complete
     last_loss: float | None = None  # loss of the newest recorded step
+    unwritten: dict | None = None  # the newest record, when the logging cadence skipped it
     t0: float = field(default_factory=time.perf_counter)  # when the loop started
 
 # %% ../nbs/11_trainer.ipynb #719b47ec
@@ -463,6 +526,10 @@ def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torc
         if run.ooo is not None: run.ooo.begin()
         loss = self._forward(run, batch)
         if run.ooo is not None: run.ooo.finish()
+        if not loss.requires_grad:
+            raise TrainingError("the model's loss does not depend on any trainable parameter (it has no gradient): compute it "
+                                "from the model's outputs without .detach(), .item() or torch.no_grad(), and check the "
+                                "parameters have requires_grad=True")
         detached = loss.detach().float()
         loss_sum = detached if loss_sum is None else loss_sum + detached
         scaled = loss * (1.0 / K)
@@ -471,21 +538,21 @@ def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torc
 
 # %% ../nbs/11_trainer.ipynb #a206ee54
 @patch
-def _apply_update(self: Trainer) -> bool:
-    "Clip and step the optimizer; True when the update was applied."
+def _apply_update(self: Trainer, loss: torch.Tensor) -> tuple[str | None, float, float]:
+    "Clip, check and step the optimizer: (why it was skipped or `None` when applied, loss, gradient norm)."
     clip = self.settings.grad_clip
-    params = list(self.model.parameters()) if clip else None
+    params = list(self.model.parameters())
     if self.scaler is not None:
         if clip:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(params, clip)
-        applied = scaler_step(self.scaler, self.optimizer)
+        outcome = (None if scaler_step(self.scaler, self.optimizer) else "grad_scaler_overflow"), float("nan"), float("nan")
     else:
-        if clip: torch.nn.utils.clip_grad_norm_(params, clip)
-        self.optimizer.step()
-        applied = True
+        norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params)
+        outcome = nonfinite_update(loss, norm)
+        if outcome[0] is None: self.optimizer.step()
     self.optimizer.zero_grad(set_to_none=True)
-    return applied
+    return outcome
 
 # %% ../nbs/11_trainer.ipynb #de50e506
 @patch
@@ -512,8 +579,8 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
         loss, tokens, samples, micro = self._accumulate(run)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         run.deferring = run.updating = True  # until the step is counted and recorded, a Ctrl-C waits
-        applied = self._apply_update()
-        if applied:
+        reason, loss_value, norm = self._apply_update(loss)
+        if reason is None:
             run.boundary = None  # the RNG/data position of this step is taken once it completes
             self.samples += samples
             self.step += 1
@@ -521,17 +588,31 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
             run.updating = False
             self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
         run.deferring = run.updating = False
-        if run.held and not applied: run.held = False; raise KeyboardInterrupt
-        if applied: break
+        if run.held and reason is not None: run.held = False; raise KeyboardInterrupt
+        if reason is None: break
         skipped += 1
-        self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": "grad_scaler_overflow"})
-        if skipped >= self.settings.max_skipped_steps:
+        self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": reason})
+        if reason == "grad_scaler_overflow" and skipped >= self.settings.max_skipped_steps:
             raise TrainingError(f"the GradScaler skipped {skipped} updates in a row at step {self.step + 1} "
                                 "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use precision bf16/fp32, "
                                 "or raise precision.max_skipped_steps")
+        if reason != "grad_scaler_overflow" and skipped > self.settings.max_nonfinite_skips:
+            raise self._nonfinite_error(reason, loss_value, norm, skipped, lr)
     if self.coordinator is not None and self.coordinator.after_optimizer_step(self.model, self.step):
         self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
     if run.held: run.held = False; raise KeyboardInterrupt  # the Ctrl-C that waited for this step
+
+# %% ../nbs/11_trainer.ipynb #ac0aaca8
+@patch
+def _nonfinite_error(self: Trainer, reason: str, loss: float, norm: float, skipped: int, lr: float) -> TrainingError:
+    "The `TrainingError` that stops a run at a NaN/inf loss or gradient: the step, the value, what to try."
+    what = f"the loss is {loss}" if reason == "nonfinite_loss" else f"the gradient norm is {norm} (the loss is {loss})"
+    budget = self.settings.max_nonfinite_skips
+    row = f" after {skipped - 1} skipped update{'s' if skipped != 2 else ''} in a row" if budget else ""
+    return TrainingError(f"step {self.step + 1}: {what}{row}, so the update was not applied and training stopped; the "
+                         f"weights are those of step {self.step}. Lower optimizer.lr (this update used {lr:g}), set "
+                         "optimizer.grad_clip (e.g. 1.0), use precision fp32, or look for inf/NaN in the data and the model; "
+                         f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of stopping")
 
 # %% ../nbs/11_trainer.ipynb #cf2ea3d8
 STEP_RECORD_KEYS = ("step", "loss", "lr", "steps_per_sec", "samples_per_sec", "tokens_per_sec", "samples", "tokens",
@@ -541,18 +622,32 @@ STEP_RECORD_KEYS = ("step", "loss", "lr", "steps_per_sec", "samples_per_sec", "t
 def _flush(self: Trainer, run: _FitState) -> None:
     "Read pending losses/tokens in one transfer, emit their `train_step` records and keep them."
     if not self._pending: return
-    pending, self._pending = self._pending, []
-    for p, (loss, tokens) in zip(pending, read_pending(pending)):
-        self._tokens += tokens
+    for loss, tokens in read_pending(list(self._pending)):
+        p = self._pending[0]
+        total = self._tokens + tokens
         elapsed = max(p.time - run.t0, 1e-9)
         record = {"step": p.step, "loss": loss, "lr": p.lr,
                   "steps_per_sec": (p.step - run.start[0]) / elapsed,
                   "samples_per_sec": (p.samples - run.start[1]) / elapsed,
-                  "tokens_per_sec": (self._tokens - run.start[2]) / elapsed,
-                  "samples": p.samples, "tokens": self._tokens, "micro_batches": p.micro_batches}
-        run.last_loss = loss
+                  "tokens_per_sec": (total - run.start[2]) / elapsed,
+                  "samples": p.samples, "tokens": total, "micro_batches": p.micro_batches}
+        shown = self.logger.emit("train_step", dict(record))
+        self._tokens = total; del self._pending[0]
+        run.last_loss, run.unwritten = loss, (record if shown is False else None)
         run.records.append(record)
-        self.logger.emit("train_step", dict(record))
+
+def _takes_force(emit: Any) -> bool:
+    "Whether a logger's `emit` accepts `force=`."
+    try: params = inspect.signature(emit).parameters
+    except (TypeError, ValueError): return False
+    return "force" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+@patch
+def _flush_last(self: Trainer, run: _FitState) -> None:
+    "Flush, then write the newest record even if the logging cadence skipped it (where the logger can)."
+    self._flush(run)
+    record, run.unwritten = run.unwritten, None
+    if record is not None and _takes_force(self.logger.emit): self.logger.emit("train_step", dict(record), force=True)
 
 # %% ../nbs/11_trainer.ipynb #49b4ceb7
 @patch
@@ -604,7 +699,7 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
         if run.keep_boundary: run.boundary = self._boundary_state()
         if due: self.save_checkpoint(run.boundary)
         if self.stop_requested: raise TrainingInterrupted(self.stop_requested)
-    self._flush(run)
+    self._flush_last(run)
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)
 
@@ -666,7 +761,8 @@ def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInter
     "After the loop ended on `exc`: keep the records, save the last step; for an interrupt, the `TrainingInterrupted` to raise."
     try:
         with signals_held(f"speedtronic: still saving step {self.step}; press Ctrl-C again to abandon the save"):
-            with contextlib.suppress(Exception): self._flush(run)  # the records of the steps done are kept
+            try: self._flush_last(run)  # the records of completed steps reach the logger however the loop ended
+            except Exception as e: self.logger.warning(f"could not write the last step records: {type(e).__name__}: {e}")
             newest, saved, what = self._save_on_interrupt(run, exc)
     except KeyboardInterrupt:
         newest, saved, what = self._newest_checkpoint(), False, f"the save of step {self.step} was abandoned"
