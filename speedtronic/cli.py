@@ -215,13 +215,17 @@ def _sigterm_interrupts():
     try: yield
     finally: signal.signal(signal.SIGTERM, previous)
 
+def _by_sigterm(stop: KeyboardInterrupt) -> bool:
+    "Whether SIGTERM ended the command: outside training (`Terminated`) or a run it stopped (`TrainingInterrupted`'s reason)."
+    return isinstance(stop, Terminated) or str(getattr(stop, "reason", "")).startswith("SIGTERM")
+
 def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     "Run the parsed sub-command; expected errors become `speedtronic: error:` lines and exit 2."
     try: return _COMMANDS[args.command](args)
-    except Terminated:
-        print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        if _by_sigterm(stop):
+            print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
+            return 143
         print("speedtronic: error: interrupted", file=sys.stderr)
         return 130
     except EXPECTED_ERRORS as exc:

@@ -29,7 +29,7 @@ class SlowToSave(ReferenceTransformer):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             type(self).calls += 1
-            if self.calls == 5: os.kill(os.getpid(), signal.SIGINT)
+            if self.calls == 5: os.kill(os.getpid(), getattr(signal, os.environ.get('STOP_SIGNAL', 'SIGINT')))
         return super().forward(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
@@ -64,9 +64,9 @@ except TrainingInterrupted as stop:
 
 class Child:
     "A training process whose output is collected as it comes."
-    def __init__(self, args: list[str], cwd: Path):
+    def __init__(self, args: list[str], cwd: Path, stop_signal: str = 'SIGINT'):
         env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(cwd), str(ROOT)]), 'SLOW_SAVE_DIR': str(cwd),
-               'OMP_NUM_THREADS': '1'}
+               'OMP_NUM_THREADS': '1', 'STOP_SIGNAL': stop_signal}
         self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out, self.err = [], []
         for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
@@ -150,3 +150,45 @@ def test_cli_ctrl_c_saves_and_exits_130(work):
     assert 'Traceback' not in ''.join(child.err)
     from speedtronic.checkpoint import CheckpointManager
     assert CheckpointManager(work / 'out' / 'checkpoints').load_latest()['step'] == 4
+
+RESUME_CHILD = '''
+import json, os
+from speedtronic.checkpoint import CheckpointError
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.paths import lock_holder
+from speedtronic.runtime import train_from_config
+from speedtronic.trainer import TrainingInterrupted
+config = SpeedtronicConfig.load("run.yaml")
+try: train_from_config(config, device="cpu")
+except TrainingInterrupted as stop: first = stop.result.steps
+holder = lock_holder("out") or os.path.exists("out/.speedtronic.lock") or None   # the interrupted run let go of its directory
+try: train_from_config(config, device="cpu", max_steps=first + 2); fresh = "trained"
+except CheckpointError as e: fresh = str(e)
+result = train_from_config(config, device="cpu", resume=True, max_steps=first + 2)
+print("RESULT " + json.dumps({"first": first, "holder": holder, "fresh": fresh, "steps": result.steps,
+                              "history": [m["step"] for m in result.metrics], "after": os.path.exists("out/.speedtronic.lock") or None}), flush=True)
+'''
+
+def test_an_interrupted_run_releases_its_directory_and_resumes_in_the_same_process(work):
+    "After the interrupt the lock is gone: a fresh run there is refused (another run's checkpoints), resume=True goes on."
+    (work / 'release').write_text('1')
+    (work / 'resume_child.py').write_text(RESUME_CHILD)
+    child = Child([sys.executable, 'resume_child.py'], work)
+    assert child.finish() == 0, ''.join(child.err)[-3000:]
+    got = child.result()
+    assert got['first'] == 4 and got['holder'] is None and got['after'] is None, got
+    assert 'already holds checkpoints of run' in got['fresh'] and '--resume (resume=True)' in got['fresh'], got['fresh']
+    assert got['steps'] == 6 and got['history'] == [1, 2, 3, 4, 5, 6], got
+    from speedtronic.checkpoint import CheckpointManager
+    assert CheckpointManager(work / 'out' / 'checkpoints').load_latest()['step'] == 6
+
+def test_cli_sigterm_saves_and_exits_143(work):
+    "SIGTERM during `speedtronic train` (a scheduler stopping the job): the step is saved, one line, exit 143."
+    (work / 'release').write_text('1')
+    child = Child([sys.executable, '-m', 'speedtronic', 'train', '--config', 'run.yaml', '--device', 'cpu'], work,
+                  stop_signal='SIGTERM')
+    assert child.finish() == 143, ''.join(child.err)[-3000:]
+    assert ''.join(child.err).strip().splitlines()[-1] == 'speedtronic: error: terminated (SIGTERM)', ''.join(child.err)[-2000:]
+    assert 'Traceback' not in ''.join(child.err)
+    from speedtronic.checkpoint import CheckpointManager
+    assert CheckpointManager(work / 'out' / 'checkpoints').load_latest()['step'] == 5   # the step in flight completes
