@@ -88,8 +88,10 @@ TRAINING_CELLS = [
     '        "logging": {"json_file": "long/metrics.jsonl"}}\n'
     'train_from_config(long, device="cpu")',
     'partial = sys.last_value.result\nprint("partial", partial.steps, len(partial.metrics), partial.checkpoint_dir)\npartial',
+    'resumed = train_from_config(long, device="cpu", resume=True, max_steps=partial.steps + 3)\n'
+    'print("resumed", resumed.steps, resumed.metrics[0]["step"], len(resumed.metrics))',
 ]
-RESULT, BACKEND, PYPLOT, LONG, PARTIAL = 1, 2, 4, 5, 6   # cell indices in TRAINING_CELLS
+RESULT, BACKEND, PYPLOT, LONG, PARTIAL, RESUMED = 1, 2, 4, 5, 6, 7   # cell indices in TRAINING_CELLS
 
 @pytest.fixture(scope='module')
 def jupyterlab(tmp_path_factory):
@@ -108,6 +110,7 @@ def jupyterlab(tmp_path_factory):
     (settings / 'tracker.jupyterlab-settings').write_text('{"windowingMode": "none"}')
     env = {**__import__('os').environ, 'JUPYTER_CONFIG_DIR': str(root / '.jupyter'), 'PYTHONPATH': str(ROOT),
            'JUPYTERLAB_SETTINGS_DIR': str(root / '.settings')}
+    env.pop('MPLBACKEND', None)   # a user's JupyterLab: the kernel picks matplotlib's inline backend (CI sets Agg for nbdev_test)
     log = open(root / 'lab.log', 'w')
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     try:
@@ -325,3 +328,13 @@ def test_live_chart_then_interrupt(training, tmp_path):
     assert printed[0] == 'partial' and steps > 0 and int(printed[2]) == steps and printed[3] == 'long/checkpoints', printed
     assert f'step {steps}' in message
     assert _cell_of(page, PARTIAL).locator('.speedtronic-result img').count() == 1
+
+def test_resume_after_the_interrupt_in_the_same_notebook(training):
+    "The interrupted run let go of its directory: resume=True in the same kernel goes on, its history from step 1."
+    page = training
+    partial = int(_cell_texts(page, PARTIAL)[0].split()[1])
+    _run(page, RESUMED)
+    texts = _cell_texts(page, RESUMED)
+    assert not [t for t in texts if 'Error' in t or 'in use by another' in t], texts
+    printed = next(t for t in texts if t.startswith('resumed')).split()
+    assert printed == ['resumed', str(partial + 3), '1', str(partial + 3)], printed
