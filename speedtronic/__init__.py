@@ -14,7 +14,7 @@ __all__ = ['CheckpointConfig', 'Config', 'ConfigError', 'DataConfig', 'Distribut
 from importlib import import_module
 
 # %% ../nbs/16_package.ipynb #2e63f145
-__version__ = "2.0.0"
+__version__ = "2.1.0"
 
 _LAZY_NAMES = {
     'speedtronic.config': ['CheckpointConfig', 'Config', 'ConfigError', 'DataConfig', 'DistributedConfig',

@@ -249,6 +249,10 @@ def _sigterm_interrupts():
     finally:
         if not _sigterm_held(): signal.signal(signal.SIGTERM, previous)
 
+def _by_sigterm(stop: KeyboardInterrupt) -> bool:
+    "Whether SIGTERM ended the command: outside training (`Terminated`) or a run it stopped (`TrainingInterrupted`'s reason)."
+    return isinstance(stop, Terminated) or str(getattr(stop, "reason", "")).startswith("SIGTERM")
+
 def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     "Run the parsed sub-command; expected errors become `speedtronic: error:` lines and exit 2."
     try: return _COMMANDS[args.command](args)
@@ -256,8 +260,11 @@ def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         _hold_sigterm()
         if _prints(): print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
         return 143
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         _hold_sigterm()
+        if _by_sigterm(stop):
+            if _prints(): print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
+            return 143
         if _prints(): print("speedtronic: error: interrupted", file=sys.stderr)
         return 130
     except EXPECTED_ERRORS as exc:

@@ -282,8 +282,10 @@ def close(self: HookDispatcher, timeout: float | None = None) -> bool:
 # %% ../nbs/08_metrics.ipynb #82cd1b6b
 class TextSinks:
     "The console stream and the text file, written line by line under one lock."
-    def __init__(self, level: int = 20, stream: Any = None, file: str | os.PathLike | None = None):
+    def __init__(self, level: int = 20, stream: Any = None, file: str | os.PathLike | None = None,
+                 console_level: int | None = None): # console lines below this are not printed (None: `level`)
         self.level, self.stream = level, stream
+        self.console_level = level if console_level is None else max(level, console_level)
         self.file = LineFile(file, "logging.file") if file else None
         self._lock = threading.Lock()
         self.guard: Callable[[], Any] | None = None  # a context manager around console writes (a progress bar's `cleared`)
@@ -294,7 +296,7 @@ class TextSinks:
     def write(self, level: int, message: str) -> None:
         "Write `message` as one line at `level` to the console and the file, unless below the level."
         if level < self.level: return
-        line, console = text_line(level, message), self.console()
+        line, console = text_line(level, message), self.console() if level >= self.console_level else None
         with self._lock:
             if console is not None:
                 try:
@@ -335,6 +337,7 @@ class MetricLogger:
     device: Any = None  # device whose memory `memory_bytes` reports (set by the trainer)
     queue_size: int = 1000  # events that may wait for slow hooks
     queue_timeout_s: float = 0.5  # how long `emit` waits for room before dropping an event for hooks
+    console_level: str | int | None = None  # console lines below this level are not printed (the file still gets them)
     run_id: str | None = None  # written into every JSONL record when set
 
     def __post_init__(self):
@@ -344,7 +347,8 @@ class MetricLogger:
         for hook in self.hooks: check_hook(hook)
         self.name, self.closed = f"speedtronic.metrics.{next(_logger_ids)}", False
         self._t0 = time.perf_counter()
-        self._text = TextSinks(self.levelno, self.stream, self.file)
+        console = None if self.console_level is None else resolve_level(self.console_level)
+        self._text = TextSinks(self.levelno, self.stream, self.file, console_level=console)
         try: self._json = LineFile(self.json_file, "logging.json_file") if self.json_file else None
         except Exception: self._text.close(); raise
         self._hooks = HookDispatcher(maxsize=self.queue_size, put_timeout=self.queue_timeout_s,

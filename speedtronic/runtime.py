@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import random
 import signal
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,27 +22,27 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
-from .config import ConfigError, SpeedtronicConfig, run_target
+from .config import ConfigError, SpeedtronicConfig, explicit_fields, run_target
 from .data import DataError, build_dataloader, check_loader_settings, collate_batch, select_dataset
 from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
-from .optional import MissingExtra, optional_import
+from .optional import MissingExtra
 from .parallel import World, start_world, world_device, world_from_env, world_problems
 from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
-from .precision import resolve_device, resolve_precision
+from .precision import resolve_precision
 from .profiling import MetricLogger
-from .progress import ProgressBar
+from .progress import ProgressBar, in_notebook, loss_figure, loss_points
 from .registry import build_model
 from .schedules import build_scheduler
 from .shapes import validate_startup_shapes
-from .trainer import Trainer, TrainResult, TrainingInterrupted, call_model, resolve_loss
+from .trainer import STEP_RECORD_KEYS, Trainer, TrainResult, TrainingInterrupted, call_model, resolve_loss
 
 # %% auto #0
-__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
+__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
            'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
-           'RunClaim', 'claim_run', 'claim_job', 'build_runtime', 'sigterm_stops', 'train_from_config',
-           'write_loss_plot', 'check_runnable']
+           'RunClaim', 'claim_run', 'claim_job', 'build_runtime', 'sigterm_stops', 'earlier_records',
+           'train_from_config', 'write_loss_plot', 'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -63,8 +65,9 @@ def build_logger(config: SpeedtronicConfig,
     "A `MetricLogger` from `config.logging`, with its configured hooks and progress bar attached."
     lg, paths = config.logging, run_paths(config)
     if not writes: return MetricLogger(level="ERROR", every_steps=lg.every_steps, run_id=run_id)
+    console = "WARNING" if in_notebook() and "level" not in explicit_fields(lg) else None  # the view shows progress
     logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps,
-                          run_id=run_id)
+                          console_level=console, run_id=run_id)
     try:
         logger.hooks.extend(hooks_from_config(lg, progress=True))
         for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
@@ -276,7 +279,42 @@ def sigterm_stops(trainer: Trainer) -> Iterator[None]:
     try: yield
     finally: signal.signal(signal.SIGTERM, previous)
 
+# %% ../nbs/13_runtime.ipynb #1c0c4b40
+def _step_record(line: str) -> tuple[str, dict] | None:
+    "(event, record) of a `train_step` or `train_start` line of a metrics file; `None` for others and torn lines."
+    if '"train_step"' not in line and '"train_start"' not in line: return None
+    try: record = json.loads(line)
+    except ValueError: return None
+    if not isinstance(record, dict) or record.get("event") not in ("train_step", "train_start"): return None
+    return record["event"], record
+
+def earlier_records(path: str | os.PathLike | None, # the run's metrics file (`logging.json_file`)
+                    up_to: int, # the step the run resumed from
+                    keep: int | None = None, # most records returned (the newest); `None` returns all
+                   ) -> list[dict[str, Any]]:
+    "The `train_step` records of the steps up to `up_to` that led to it, from a metrics file (empty if it is missing)."
+    if path is None or not Path(path).is_file() or up_to <= 0: return []
+    records: deque = deque(maxlen=keep)
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for found in map(_step_record, lines):
+            if found is None: continue
+            event, record = found
+            last = record.get("start_step", 0) if event == "train_start" else record.get("step")
+            if not isinstance(last, int): continue
+            while records and records[-1]["step"] >= last + (event == "train_start"): records.pop()
+            if event == "train_step" and last <= up_to:
+                records.append({k: (float("nan") if k == "loss" and record[k] is None else record[k])
+                                for k in STEP_RECORD_KEYS if k in record})
+    return list(records)
+
 # %% ../nbs/13_runtime.ipynb #5bf102eb
+RESUME_HINT = "train_from_config(config, resume=True)  (command line: speedtronic train --resume)"
+
+def _whole_run(result: TrainResult, earlier: list[dict[str, Any]], keep: int | None) -> TrainResult:
+    "`result` with `earlier` records (a resumed run's history) in front, at most `keep` in all."
+    if earlier: result.metrics = (earlier + result.metrics)[-keep:] if keep else earlier + result.metrics
+    return result
+
 def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
                       *, resume: bool = False, device: str | torch.device | None = None,
                       max_steps: int | None = None, overwrite: bool = False) -> TrainResult:
@@ -284,8 +322,16 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
     trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps, overwrite=overwrite)
     failed = True
     try:
+        keep = trainer.metrics_history
+        earlier = earlier_records(run_paths(trainer.config).metrics, trainer.step, keep)
+        for bar in (h for h in trainer.logger.hooks if isinstance(h, ProgressBar)): bar.earlier = loss_points(earlier)
         with sigterm_stops(trainer):
-            result = trainer.fit()
+            try: result = trainer.fit()
+            except TrainingInterrupted as stop:
+                stop.resume_hint = RESUME_HINT
+                if stop.result is not None: _whole_run(stop.result, earlier, keep)
+                raise
+        _whole_run(result, earlier, keep)
         if trainer.world.writes and trainer.config.logging.loss_plot and result.metrics:
             write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
         failed = False
@@ -303,19 +349,10 @@ train = train_from_config
 # %% ../nbs/13_runtime.ipynb #1a61bb11
 def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None) -> Path | None:
     "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
-    try:
-        figure = optional_import("matplotlib.figure", extra="plot", purpose="the loss plot")
-        agg = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the loss plot")
+    try: fig = loss_figure(loss_points(metrics))
     except MissingExtra as e:
         if logger is not None: logger.info(f"skipped {Path(path).name}: {e}")
         return None
-    points = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None]
-    fig = figure.Figure(figsize=(6, 3.5))
-    agg.FigureCanvasAgg(fig)  # its own canvas: pyplot and the global backend are never touched
-    ax = fig.add_subplot()
-    ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
-    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("training loss"); ax.grid(alpha=0.3)
-    fig.tight_layout()
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
 
 # %% ../nbs/13_runtime.ipynb #ac143b86

@@ -5,12 +5,19 @@
 # %% ../nbs/11_trainer.ipynb #9c83b00c
 from __future__ import annotations
 
+import base64
+import contextlib
+import html
 import inspect
 import os
+import signal
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -24,20 +31,41 @@ from .data import infinite_batches
 from .optimizers import load_optimizer_state
 from .parallel import World, accumulation_per_rank, job_wide, raised_together
 from .precision import autocast_context, make_grad_scaler, resolve_precision
+from .optional import MissingExtra
 from .profiling import MetricLogger
+from .progress import figure_png, loss_figure, loss_points
 from .schedules import load_scheduler_state
 
 # %% auto #0
-__all__ = ['TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator', 'TrainResult',
-           'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model', 'is_compile_failure',
-           'read_pending', 'scaler_step', 'gradient_norm', 'nonfinite_update', 'TrainerSettings', 'Trainer']
+__all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
+           'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
+           'is_compile_failure', 'read_pending', 'scaler_step', 'gradient_norm', 'nonfinite_update', 'TrainerSettings',
+           'Trainer', 'signals_held']
 
 # %% ../nbs/11_trainer.ipynb #beb9dcd2
 class TrainingError(RuntimeError):
     "A run that cannot make progress (e.g. every update skipped by the GradScaler)."
 
 class TrainingInterrupted(KeyboardInterrupt):
-    "The run was stopped by Ctrl-C or SIGTERM after its last completed step was saved."
+    """Training stopped early by Ctrl-C (JupyterLab's ■), SIGTERM or `request_stop`, after saving its last completed step.
+
+    `result` is the `TrainResult` of the steps done so far, `checkpoint` the newest checkpoint file after the stop
+    (or `None`) and `saved` whether it holds the last completed step; `resume_hint` says how to go on."""
+    def __init__(self, reason: str = "interrupted", *, message: str | None = None, result: Any = None,
+                 checkpoint: Path | None = None, saved: bool = False, resume_hint: str | None = None):
+        super().__init__(reason)
+        self.reason, self.message, self.result = reason, message, result
+        self.checkpoint, self.saved, self.resume_hint = checkpoint, saved, resume_hint
+
+    def __str__(self) -> str:
+        text = self.message or self.reason
+        return text + (f"\nTo continue: {self.resume_hint}" if self.resume_hint and self.checkpoint else "")
+
+    def _render_traceback_(self) -> list[str]:
+        "What IPython shows in place of a traceback: the message, and where the steps done so far are."
+        first, *rest = str(self).splitlines() or [""]
+        if self.result is not None: rest.append("The steps done so far: sys.last_value.result")
+        return [f"\x1b[1;31m{type(self).__name__}\x1b[0m: {first}", *rest]
 
 @runtime_checkable
 class SyncCoordinator(Protocol):
@@ -65,6 +93,7 @@ class TrainResult:
     final_loss: float | None  # mean loss of the last update of this call, `None` if no update ran
     elapsed_s: float  # duration of this call
     metrics: list[dict[str, Any]] = field(default_factory=list)  # newest `train_step` records
+    checkpoint_dir: Path | None = None  # the folder of this run's checkpoints, `None` without a checkpoint manager
 
 # %% ../nbs/11_trainer.ipynb #8d283c61
 def causal_lm_loss(logits: Any, labels: Any) -> torch.Tensor | None:
@@ -436,6 +465,8 @@ class _FitState:
     boundary: dict | None = None  # RNG and data position after the last completed step
     updating: bool = False  # inside an optimizer update, which an interruption must not save half-done
     together: bool = False  # every rank leaves the loop at this same point (an agreed stop, an error raised by all), so all can join its save
+    deferring: bool = False  # from an update until its step is counted and recorded: a Ctrl-C waits
+    held: bool = False  # a Ctrl-C came while deferring; it is raised once the step is complete
     last_loss: float | None = None  # loss of the newest recorded step
     unwritten: dict | None = None  # the newest record, when the logging cadence skipped it
     t0: float = field(default_factory=time.perf_counter)  # when the loop started
@@ -546,6 +577,22 @@ def _job_values(self: Trainer, loss: torch.Tensor, norm: torch.Tensor) -> tuple[
     both = self.world.all_sum(both) / self.world.size  # a NaN or inf on any rank makes the sum one
     return both[0], both[1]
 
+# %% ../nbs/11_trainer.ipynb #de50e506
+@patch
+@contextlib.contextmanager
+def _ctrl_c_after_update(self: Trainer, run: _FitState) -> Iterator[None]:
+    "Within the block, a Ctrl-C during an optimizer update is raised once the step is complete; elsewhere at once."
+    if threading.current_thread() is not threading.main_thread():
+        yield; return
+    previous = signal.getsignal(signal.SIGINT)
+    def handler(signum, frame):
+        if run.deferring and not run.held: run.held = True; return
+        if callable(previous): return previous(signum, frame)
+        if previous != signal.SIG_IGN: raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, handler)
+    try: yield
+    finally: signal.signal(signal.SIGINT, previous)
+
 # %% ../nbs/11_trainer.ipynb #673ae880
 @patch
 def _train_one_step(self: Trainer, run: _FitState) -> None:
@@ -554,10 +601,18 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
     while True:
         loss, tokens, samples, micro = self._accumulate(run)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        run.updating = True
+        run.deferring = run.updating = True  # until the step is counted and recorded, a Ctrl-C waits
         reason, loss_value, norm = self._apply_update(loss)
+        if reason is None:
+            run.boundary = None  # the RNG/data position of this step is taken once it completes
+            self.samples += samples * self.world.size  # every rank takes an equal share of each microbatch
+            self.step += 1
+            if self.scheduler is not None: self.scheduler.step()
+            run.updating = False
+            self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
+        run.deferring = run.updating = False
+        if run.held and reason is not None: run.held = False; raise KeyboardInterrupt
         if reason is None: break
-        run.updating = False
         skipped += 1
         self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": reason})
         if reason == "grad_scaler_overflow" and skipped >= self.settings.max_skipped_steps:
@@ -566,14 +621,9 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
                                          "bf16/fp32, or raise precision.max_skipped_steps"))
         if reason != "grad_scaler_overflow" and skipped > self.settings.max_nonfinite_skips:
             raise job_wide(self._nonfinite_error(reason, loss_value, norm, skipped, lr))
-    run.boundary = None  # the RNG/data position of this step is taken once it completes
-    self.samples += samples * self.world.size  # every rank takes an equal share of each microbatch
-    self.step += 1
-    if self.scheduler is not None: self.scheduler.step()
-    run.updating = False
     if self.coordinator is not None and self.coordinator.after_optimizer_step(self.model, self.step):
         self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
-    self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
+    if run.held: run.held = False; raise KeyboardInterrupt  # the Ctrl-C that waited for this step
 
 # %% ../nbs/11_trainer.ipynb #ac0aaca8
 @patch
@@ -588,6 +638,9 @@ def _nonfinite_error(self: Trainer, reason: str, loss: float, norm: float, skipp
                          f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of stopping")
 
 # %% ../nbs/11_trainer.ipynb #cf2ea3d8
+STEP_RECORD_KEYS = ("step", "loss", "lr", "steps_per_sec", "samples_per_sec", "tokens_per_sec", "samples", "tokens",
+                    "micro_batches")
+
 @patch
 def _flush(self: Trainer, run: _FitState) -> None:
     "Read pending losses/tokens in one transfer, emit their `train_step` records and keep them."
@@ -657,26 +710,6 @@ def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
 
 # %% ../nbs/11_trainer.ipynb #4bfaeebb
 @patch
-def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> None:
-    "Save the last completed step after an error/interrupt if it is not saved yet and not torn."
-    manager = self.checkpoint_manager
-    if manager is None or not getattr(manager, "enabled", True) or self.step <= 0: return
-    if self.step == self._last_saved_step: return
-    if run.updating:
-        self.logger.warning(f"run interrupted during the optimizer update of step {self.step + 1}; "
-                            f"keeping the last saved checkpoint (step {self._last_saved_step})")
-        return
-    if self.world.size > 1 and not run.together:  # the other ranks are not at this step: they cannot join a save
-        self.logger.warning(f"rank {self.world.rank} stopped by {type(exc).__name__}; the last saved checkpoint is step {self._last_saved_step}")
-        return
-    try:
-        if self.world.size == 1: self._flush(run)  # a job flushed once, together, in `fit`
-        self.save_checkpoint(run.boundary or self._boundary_state())
-        self.logger.warning(f"run stopped by {type(exc).__name__}; saved the last completed step {self.step}")
-    except Exception as e:
-        self.logger.warning(f"could not save step {self.step} after {type(exc).__name__}: {e}")
-
-@patch
 def _train_to_target(self: Trainer, run: _FitState) -> None:
     "Steps until the target: records flushed on the logging cadence, interval checkpoints, a final one."
     manager, every = self.checkpoint_manager, max(1, int(getattr(self.logger, "every_steps", 1) or 1))
@@ -691,10 +724,85 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
         if due: self.save_checkpoint(run.boundary)
         if stop:
             run.together = True
-            raise TrainingInterrupted(f"{stop}: stopped after step {self.step}")
+            raise TrainingInterrupted(stop)
     self._flush_last(run)
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)
+
+# %% ../nbs/11_trainer.ipynb #0537d671
+@contextlib.contextmanager
+def signals_held(note: str | None = None, # printed when a signal is held
+                ) -> Iterator[list[str]]:
+    "Within the block the first Ctrl-C or SIGTERM is held (printing `note`) and a second raises `KeyboardInterrupt`."
+    held: list[str] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held; return
+    def handler(signum, frame):
+        held.append(signal.Signals(signum).name)
+        if len(held) > 1: raise KeyboardInterrupt(f"{held[-1]} received twice")
+        if note:
+            with contextlib.suppress(Exception): print(f"\n{note}", file=sys.stderr, flush=True)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try: yield held
+    finally:
+        for s, h in previous.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+# %% ../nbs/11_trainer.ipynb #891af4f7
+@patch
+def _newest_checkpoint(self: Trainer) -> Path | None:
+    "The newest checkpoint file on disk, or `None`."
+    latest = getattr(self.checkpoint_manager, "latest_path", None)
+    try: return latest() if callable(latest) else None
+    except Exception: return None
+
+@patch
+def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> tuple[Path | None, bool, str]:
+    "Save the last completed step unless saved or torn; (newest checkpoint, whether it holds that step, what happened)."
+    manager, step, problem = self.checkpoint_manager, self.step, None
+    if manager is None or not getattr(manager, "enabled", True): return None, False, "checkpoints are off, so nothing was saved"
+    if step <= 0: return self._newest_checkpoint(), False, "no step was completed, so nothing was saved"
+    if step != self._last_saved_step and self.world.size > 1 and not run.together:  # the other ranks cannot join a save
+        problem = f"step {step} was not saved: rank {self.world.rank} stopped alone (the other ranks are not at this step)"
+    elif step != self._last_saved_step and run.updating:
+        problem = f"step {step} was not saved: the stop came inside the optimizer update of step {step + 1}"
+    elif step != self._last_saved_step:
+        try: self.save_checkpoint(run.boundary or self._boundary_state())
+        except BaseException as e:
+            why = "interrupted again while saving" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            problem = f"step {step} was NOT saved ({why})"
+    newest = self._newest_checkpoint()
+    saved = step == self._last_saved_step or (newest is not None and newest == manager.path_for(step))
+    if saved: return newest, True, f"step {step} is saved in {newest}"
+    return newest, False, problem + (f"; the newest checkpoint is {newest}" if newest else "; there is no checkpoint yet")
+
+# %% ../nbs/11_trainer.ipynb #ed07dfa2
+@patch
+def _result(self: Trainer, run: _FitState) -> TrainResult:
+    "The `TrainResult` of this call so far."
+    directory = getattr(self.checkpoint_manager, "directory", None)
+    keeps = directory is not None and getattr(self.checkpoint_manager, "enabled", True)
+    return TrainResult(self.step, self.samples, self.tokens, run.last_loss if self.step > run.start[0] else None,
+                       time.perf_counter() - run.t0, list(run.records), checkpoint_dir=Path(directory) if keeps else None)
+
+@patch
+def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInterrupted | None:
+    "After the loop ended on `exc`: keep the records, save the last step; for an interrupt, the `TrainingInterrupted` to raise."
+    try:
+        with signals_held(f"speedtronic: still saving step {self.step}; press Ctrl-C again to abandon the save"):
+            if self.world.size == 1 or run.together:  # in a job the records are sums over the ranks: all must flush
+                try: self._flush_last(run)  # the records of completed steps reach the logger however the loop ended
+                except Exception as e: self.logger.warning(f"could not write the last step records: {type(e).__name__}: {e}")
+            newest, saved, what = self._save_on_interrupt(run, exc)
+    except KeyboardInterrupt:
+        newest, saved, what = self._newest_checkpoint(), False, f"the save of step {self.step} was abandoned"
+    interrupt = isinstance(exc, KeyboardInterrupt)
+    (self.logger.info if interrupt else self.logger.warning)(f"run stopped by {type(exc).__name__} after step {self.step}; {what}")
+    if type(exc) not in (KeyboardInterrupt, TrainingInterrupted): return None  # other errors (and their subclasses) as they are
+    reason = exc.reason if isinstance(exc, TrainingInterrupted) else "interrupted"
+    of = f" of {run.target}" if run.target else ""
+    return TrainingInterrupted(reason, message=f"Training stopped after step {self.step}{of} ({reason}); {what}.",
+                               result=self._result(run), checkpoint=newest, saved=saved,
+                               resume_hint="fit() again on this trainer, or resume a new one from the checkpoint")
 
 # %% ../nbs/11_trainer.ipynb #0a26718e
 @patch
@@ -705,26 +813,51 @@ def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
     try:
         if self.step < run.target: self._start_coordinator()
         self.logger.emit("train_start", self._train_start_payload(run))
-        self._train_to_target(run)
+        with self._ctrl_c_after_update(run): self._train_to_target(run)
     except BaseException as exc:
         failed = exc
         run.together = run.together or raised_together(exc)
-        if self.world.size == 1 or run.together:  # in a job the records are sums over the ranks: all must flush
-            try: self._flush_last(run)   # the records of completed steps reach the logger however the loop ended
-            except Exception as e: self.logger.warning(f"could not write the last step records: {type(e).__name__}: {e}")
-        self._save_on_interrupt(run, exc)
+        stop = self._stopped(run, exc)
+        if stop is not None: raise stop from None
         raise
     finally:
         self.stop_requested = None
         try: self._stop_coordinator(failed)
         finally:
             if run.ooo is not None: run.ooo.dispose()
-    elapsed = time.perf_counter() - run.t0
-    result = TrainResult(self.step, self.samples, self.tokens,
-                         run.last_loss if self.step > run.start[0] else None, elapsed, list(run.records))
-    self.logger.emit("train_end", {"steps": self.step, "elapsed_s": elapsed, "loss": result.final_loss})
+    result = self._result(run)
+    self.logger.emit("train_end", {"steps": self.step, "elapsed_s": result.elapsed_s, "loss": result.final_loss})
     return result
 
 Trainer.train = Trainer.fit
 TrainingEngine = Trainer
 SpeedtronicTrainer = Trainer
+
+# %% ../nbs/11_trainer.ipynb #fd21f91d
+@patch
+def __repr__(self: TrainResult) -> str:
+    "One line: counters, last loss, time, how many records, where the checkpoints are."
+    loss = "None" if self.final_loss is None else f"{self.final_loss:.4g}"
+    where = f", checkpoint_dir='{self.checkpoint_dir}'" if self.checkpoint_dir is not None else ""
+    return (f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, final_loss={loss}, "
+            f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})")
+
+@patch
+def loss_png(self: TrainResult, size: tuple[float, float] = (5.0, 2.6), # inches, 100 screen pixels each
+             dpi: int = 200) -> bytes | None:
+    "The loss curve of `metrics` as a PNG; `None` without records or without matplotlib."
+    points = loss_points(self.metrics)
+    if not points: return None
+    try: return figure_png(loss_figure(points, size=size, title=None), dpi=dpi)
+    except MissingExtra: return None
+
+@patch
+def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str, str]:
+    "In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line repr elsewhere."
+    loss = "none" if self.final_loss is None else f"{self.final_loss:.4g}"
+    line = (f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss} · {self.elapsed_s:.1f} s"
+            + (f" · checkpoints in <code>{html.escape(str(self.checkpoint_dir))}</code>" if self.checkpoint_dir else ""))
+    png = self.loss_png()
+    picture = (f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" height="260" '
+               'alt="loss curve">') if png else ""
+    return {"text/plain": repr(self), "text/html": f'<div class="speedtronic-result">{line}{picture}</div>'}

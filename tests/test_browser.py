@@ -2,7 +2,7 @@
 
 No timing assertions: waits only bound how long a condition may take to become true.
 """
-import json, shutil, subprocess, sys, time, urllib.request
+import json, os, shutil, subprocess, sys, time, urllib.request
 from pathlib import Path
 
 import pytest
@@ -70,12 +70,34 @@ NOTEBOOK = {
     'nbformat': 4, 'nbformat_minor': 5,
 }
 PRECISION, SCHEDULE, BROKEN, TRAINING = 1, 2, 3, 5   # cell indices in NOTEBOOK
-SHIPPED = ['14_widgets.ipynb', '06_schedules.ipynb', '04_precision.ipynb']   # opened as a user opens them, without running
+SHIPPED = ['00_tutorial.ipynb', '14_widgets.ipynb', '06_schedules.ipynb', '04_precision.ipynb', '11_trainer.ipynb']   # opened as a user opens them
+
+TINY = ('{"model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
+        ' "data": {"num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2}}')
+TRAINING_CELLS = [
+    'import sys\nimport matplotlib\nfrom speedtronic.runtime import train_from_config',
+    f'tiny = {TINY}\nbefore = matplotlib.get_backend()\n'
+    'cfg = {**tiny, "run": {"max_steps": 40, "output_dir": "short"}, "checkpoint": {"every_steps": 20},\n'
+    '       "logging": {"json_file": "short/metrics.jsonl", "file": "short/run.log"}}\n'
+    'result = train_from_config(cfg, device="cpu", resume=True)   # nothing to resume yet: a warning\nresult',
+    'print("backend", before == matplotlib.get_backend(), matplotlib.get_backend())\nprint("repr", len(repr(result)), repr(result))\n'
+    'print("log", open("short/run.log").read().count("| INFO |"))',
+    'import matplotlib.pyplot as plt',
+    'plt.plot([1, 3, 2]); plt.title("pyplot after training"); plt.show()',
+    'long = {**tiny, "run": {"max_steps": 100000, "output_dir": "long"}, "checkpoint": {"every_steps": 1000},\n'
+    '        "logging": {"json_file": "long/metrics.jsonl"}}\n'
+    'train_from_config(long, device="cpu")',
+    'partial = sys.last_value.result\nprint("partial", partial.steps, len(partial.metrics), partial.checkpoint_dir)\npartial',
+    'resumed = train_from_config(long, device="cpu", resume=True, max_steps=partial.steps + 3)\n'
+    'print("resumed", resumed.steps, resumed.metrics[0]["step"], len(resumed.metrics))',
+]
+RESULT, BACKEND, PYPLOT, LONG, PARTIAL, RESUMED = 1, 2, 4, 5, 6, 7   # cell indices in TRAINING_CELLS
 
 @pytest.fixture(scope='module')
 def jupyterlab(tmp_path_factory):
     root = tmp_path_factory.mktemp('lab')
     (root / 'widgets.ipynb').write_text(json.dumps(NOTEBOOK))
+    (root / 'training.ipynb').write_text(json.dumps({**NOTEBOOK, 'cells': [_cell(c) for c in TRAINING_CELLS]}))
     (root / 'shipped').mkdir()
     for name in SHIPPED: shutil.copy(ROOT / 'nbs' / name, root / 'shipped' / name)
     port = free_port()
@@ -88,6 +110,7 @@ def jupyterlab(tmp_path_factory):
     (settings / 'tracker.jupyterlab-settings').write_text('{"windowingMode": "none"}')
     env = {**__import__('os').environ, 'JUPYTER_CONFIG_DIR': str(root / '.jupyter'), 'PYTHONPATH': str(ROOT),
            'JUPYTERLAB_SETTINGS_DIR': str(root / '.settings')}
+    env.pop('MPLBACKEND', None)   # a user's JupyterLab: the kernel picks matplotlib's inline backend (CI sets Agg for nbdev_test)
     log = open(root / 'lab.log', 'w')
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     try:
@@ -197,18 +220,121 @@ def test_training_shows_one_progress_line(lab):
     bars = [t for t in _cell_of(lab, TRAINING).locator('.jp-OutputArea-output').all_inner_texts() if 'step ' in t and 'tok/s' in t]
     assert len(bars) == 1 and 'step 6/6' in bars[0] and '100%' in bars[0], bars
 
+def _screenshot(page, name: str, tmp_path) -> None:
+    "A screenshot in the test's folder, and in $SPEEDTRONIC_SCREENSHOTS when set (to look at them)."
+    page.screenshot(path=str(tmp_path / name))
+    if os.environ.get('SPEEDTRONIC_SCREENSHOTS'):
+        Path(os.environ['SPEEDTRONIC_SCREENSHOTS']).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(os.environ['SPEEDTRONIC_SCREENSHOTS']) / name))
+
+def _panel(page, expression: str):
+    return page.evaluate(f'() => {{ const w = window.jupyterapp.shell.currentWidget; return {expression}; }}')
+
 @pytest.mark.parametrize('name', SHIPPED)
 def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name, tmp_path):
-    "Opened before it runs, a shipped notebook shows its widgets' still pictures, never their plain text or an error."
+    "Opened before it runs, a shipped notebook starts its kernel without asking, stays unmodified, and shows pictures, not text."
     page = browser.new_page(viewport={'width': 1400, 'height': 1000})
     _open_notebook(page, f'{jupyterlab}/lab/tree/shipped/{name}')
     cells = len(json.loads((ROOT / 'nbs' / name).read_text())['cells'])
     page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell').length === {cells}", timeout=60_000)
     page.wait_for_function("![...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('Loading widget'))",
                            timeout=60_000)
+    # the kernel named in the notebook starts by itself (no "Select Kernel" dialog) and, once it is idle, the
+    # notebook is still unmodified (its metadata already holds what JupyterLab writes for that kernel)
+    page.wait_for_function("window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle' "
+                           "|| document.querySelector('.jp-Dialog')", timeout=120_000)
+    assert page.locator('.jp-Dialog').count() == 0, page.locator('.jp-Dialog').first.inner_text()
+    assert _panel(page, 'w.sessionContext.session.kernel.name') == 'python3'
+    assert _panel(page, 'w.context.model.dirty') is False
+    assert page.locator('.jp-mod-dirty').count() == 0
     texts = page.locator('.jp-OutputArea-output').all_inner_texts()
     assert not [t for t in texts if 'sliders show in Jupyter' in t or 'Explorer(' in t or 'Error displaying widget' in t], texts
+    assert not [t for t in texts if '{target=' in t or 'target="_blank"' in t or '#LNone' in t], texts   # show_doc, plain
     if name != '04_precision.ipynb':
         assert page.locator('.jp-OutputArea-output img').count() >= 1
-    page.screenshot(path=str(tmp_path / 'shipped.png'), full_page=True)
+    _screenshot(page, f'shipped-{name}.png', tmp_path)
     page.close()
+
+@pytest.fixture(scope='module')
+def training(browser, jupyterlab):
+    "The training notebook, opened in JupyterLab; tests run its cells in order, as a user does."
+    page = browser.new_page(viewport={'width': 1400, 'height': 1000})
+    _open_notebook(page, f'{jupyterlab}/lab/tree/training.ipynb')
+    page.wait_for_function("window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'",
+                           timeout=120_000)
+    yield page
+    page.close()
+
+def _run(page, i: int, wait: bool = True) -> None:
+    "Run cell `i` (without waiting for it to finish when `wait` is false)."
+    page.evaluate(f'() => {{ const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = {i}; '
+                  "window.jupyterapp.commands.execute('notebook:run-cell'); }")
+    if wait:
+        page.wait_for_function(f'() => {{ const c = window.jupyterapp.shell.currentWidget.content.widgets[{i}]; '
+                               'return c.model.executionCount !== null && !c.node.querySelector(".jp-InputPrompt").innerText.includes("*"); }',
+                               timeout=300_000)
+
+def _scroll_to(page, i: int) -> None:
+    page.evaluate(f'() => window.jupyterapp.shell.currentWidget.content.widgets[{i}].node.scrollIntoView()')
+
+def _cell_texts(page, i: int) -> list[str]:
+    return _cell_of(page, i).locator('.jp-OutputArea-output').all_inner_texts()
+
+def test_a_finished_run_in_a_notebook(training, tmp_path):
+    "The live view ends full, no INFO lines reach the cell, the result is a short line and a loss curve, matplotlib is untouched."
+    page = training
+    for i in range(RESULT + 1): _run(page, i)
+    cell = _cell_of(page, RESULT)
+    expect(cell.locator('.speedtronic-progress')).to_contain_text('step 40/40 100%', timeout=60_000)
+    texts = _cell_texts(page, RESULT)
+    assert not [t for t in texts if '| INFO |' in t], texts            # console INFO lines stay out of the cell
+    assert [t for t in texts if '| WARNING | resume requested but no local checkpoint was found' in t], texts  # warnings show
+    shown = cell.locator('.speedtronic-result')
+    assert shown.count() == 1 and len(shown.inner_text()) < 200, shown.inner_text()
+    assert 'step 40' in shown.inner_text() and 'checkpoints in short/checkpoints' in shown.inner_text()
+    assert shown.locator('img[alt="loss curve"]').evaluate('img => img.naturalWidth') >= 500
+    _scroll_to(page, RESULT); _screenshot(page, 'finished-run.png', tmp_path)
+    for i in (BACKEND, BACKEND + 1, PYPLOT): _run(page, i)
+    backend, short, log = _cell_texts(page, BACKEND)[0].splitlines()[:3]
+    assert backend.startswith('backend True module://matplotlib_inline'), backend    # training left pyplot's backend alone
+    assert int(short.split()[1]) < 300, short                                  # not the ~47,000-character record list
+    assert int(log.split()[1]) > 40, log                                       # the log file still has every INFO line
+    assert _cell_of(page, PYPLOT).locator('.jp-OutputArea-output img').count() == 1  # plt.show() still draws inline
+
+def test_live_chart_then_interrupt(training, tmp_path):
+    "While a run trains the chart redraws; ■ stops it with one short message, and the partial result is there."
+    page = training
+    _run(page, LONG, wait=False)
+    cell = _cell_of(page, LONG)
+    chart = cell.locator('.widget-image')
+    chart.first.wait_for(state='visible', timeout=120_000)
+    first = chart.first.get_attribute('src')
+    page.wait_for_function('([el, src]) => el.getAttribute("src") !== src', arg=[chart.first.element_handle(), first],
+                           timeout=120_000)                                 # the chart redrew with more points
+    _scroll_to(page, LONG); _screenshot(page, 'live-chart.png', tmp_path)
+    page.evaluate("window.jupyterapp.commands.execute('kernelmenu:interrupt')")
+    error = cell.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
+    expect(error).to_contain_text('TrainingInterrupted', timeout=120_000)
+    message = error.first.inner_text()
+    lines = [l for l in message.splitlines() if l.strip()]
+    assert len(lines) <= 4 and 'Traceback' not in message and 'File "' not in message, message
+    assert 'is saved in long/checkpoints/step_' in lines[0] and 'resume=True' in message, message
+    assert 'sys.last_value.result' in message, message
+    expect(cell.locator('.speedtronic-progress')).to_contain_text('stopped at step', timeout=60_000)
+    _scroll_to(page, LONG); _screenshot(page, 'interrupted.png', tmp_path)
+    _run(page, PARTIAL)
+    printed = _cell_texts(page, PARTIAL)[0].split()
+    steps = int(printed[1])
+    assert printed[0] == 'partial' and steps > 0 and int(printed[2]) == steps and printed[3] == 'long/checkpoints', printed
+    assert f'step {steps}' in message
+    assert _cell_of(page, PARTIAL).locator('.speedtronic-result img').count() == 1
+
+def test_resume_after_the_interrupt_in_the_same_notebook(training):
+    "The interrupted run let go of its directory: resume=True in the same kernel goes on, its history from step 1."
+    page = training
+    partial = int(_cell_texts(page, PARTIAL)[0].split()[1])
+    _run(page, RESUMED)
+    texts = _cell_texts(page, RESUMED)
+    assert not [t for t in texts if 'Error' in t or 'in use by another' in t], texts
+    printed = next(t for t in texts if t.startswith('resumed')).split()
+    assert printed == ['resumed', str(partial + 3), '1', str(partial + 3)], printed

@@ -120,4 +120,4 @@ def test_no_command_help_and_version(tmp_path):
     assert proc.returncode == 0 and all(c in proc.stdout for c in ("validate", "train", "prepare"))
     for console in (False, True):
         proc = cli("--version", cwd=tmp_path, console=console)
-        assert (proc.returncode, proc.stdout.strip()) == (0, "speedtronic 2.0.0")
+        assert (proc.returncode, proc.stdout.strip()) == (0, "speedtronic 2.1.0")

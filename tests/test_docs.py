@@ -100,9 +100,9 @@ def test_directives_applied_to_cells():
     assert nb.cells[1].metadata.tags == ['remove_input'] and nb.cells[2].outputs == []
 
 def test_guides_follow_home_in_the_navigation(site):
-    "The navigation: Home, the guides (notebooks that export no module), then the chapters."
+    "The navigation: Home, the guides (notebooks that export no module: the tutorial first), then the chapters."
     nav = [next(iter(item)) for item in __import__('yaml').safe_load((ROOT / '_mkdocs.yml').read_text())['nav']]
-    assert nav[:2] == ['Home', 'Coming from Speedtronic 2.0'], nav
+    assert nav[:3] == ['Home', 'Tutorial: train in JupyterLab', 'Coming from Speedtronic 2.0'], nav
     assert nav.index('Configuration') < nav.index('Interactive views'), nav
 
 def test_coming_from_2_page(site):
@@ -113,3 +113,19 @@ def test_coming_from_2_page(site):
         assert topic in text, topic
     for chapter in ['optimizers.html', 'schedules.html', 'checkpoint.html', 'config.html', 'cli.html', 'widgets.html']:
         assert f'href="{chapter}' in html, chapter
+
+def test_tutorial_page(site):
+    "The tutorial renders with its pictures: the live view's last state, the results' loss curves, the schedule."
+    html = (site / 'tutorial.html').read_text(encoding='utf-8')
+    text = page_text(site / 'tutorial.html')
+    for words in ['Train, watch, and press', 'resume=True', 'Training stopped after step', 'step 150/150 100%',
+                  'Carry on where it stopped']:
+        assert words in text, words
+    assert html.count('data:image/png;base64') + html.count('<img') >= 4
+    assert 'from fastcore.test import' not in text and 'test_eq' not in text     # its checks are hidden cells
+
+def test_show_doc_tables_are_plain_markdown(site):
+    "API entries link to their source with a real line number and no Quarto attribute."
+    html = (site / 'trainer.html').read_text(encoding='utf-8')
+    links = re.findall(r'href="(https://github.com/speedtronic/speedtronic/blob/main/speedtronic/trainer.py[^"]*)"', html)
+    assert links and all(re.search(r'#L\d+$', l) for l in links), links[:5]

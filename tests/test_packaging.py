@@ -16,6 +16,11 @@ def test_wheel_contents(tmp_path):
     assert 'speedtronic/config.py' in names and 'speedtronic/cli.py' in names
     entry = next(n for n in names if n.endswith('entry_points.txt'))
     assert 'speedtronic = speedtronic.cli:main' in zipfile.ZipFile(wheel).read(entry).decode()
+    # one version everywhere: the wheel's metadata, settings.ini and speedtronic.__version__ (2.1.0: improves on 2.0, compatible)
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith('.dist-info/METADATA'))).decode()
+    import speedtronic
+    assert f'Version: {speedtronic.__version__}' in metadata.splitlines(), metadata[:300]
+    assert wheel.name.startswith(f'speedtronic-{speedtronic.__version__}-') and speedtronic.__version__ == '2.1.0'
 
 def test_installed_configs_are_readable():
     from importlib.resources import files

@@ -271,7 +271,8 @@ out = {"rank": w.rank, "share": w.share(f"id-of-rank-{w.rank}"),
        "rank1_fails": outcome(lambda: w.on_every_rank(lambda: 1 / (w.rank - 1))),
        "all_fail": outcome(lambda: w.on_every_rank(lambda: [][w.rank])),
        "none_fail": outcome(lambda: w.on_every_rank(lambda: w.rank))}
-print(json.dumps(out), flush=True)
+import os, pathlib
+pathlib.Path(os.environ["RANK_OUT"], f"rank{w.rank}.json").write_text(json.dumps(out))  # one file per rank: lines on a shared stdout can interleave
 w.close()
 """
 
@@ -281,9 +282,9 @@ def test_raise_together_gives_every_rank_one_verdict(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()), str(script)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), "RANK_OUT": str(tmp_path)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = sorted((json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")), key=lambda r: r["rank"])
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["share"] for r in ranks] == ["id-of-rank-0", "id-of-rank-0"]
     assert ranks[0]["writer_fails"][0::2] == ["ValueError", 0] and ranks[1]["writer_fails"][0::2] == ["JobError", 0]
     assert ranks[1]["writer_fails"][1].startswith("rank 0 stopped the job: invalid literal")

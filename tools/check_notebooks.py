@@ -5,10 +5,14 @@
   during the docs build.
 - The first cell holds only the `# Title` and an optional `> description`: nbdev turns that cell into
   the page's front matter and drops anything else in it from the docs.
+- The notebook's metadata holds the kernel JupyterLab would write (tools/clean_notebooks.py), so it opens
+  without a "Select Kernel" dialog and without being marked modified.
 """
 import ast, sys
 from pathlib import Path
 import nbformat
+
+from clean_notebooks import metadata_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +49,8 @@ def main() -> int:
             print(f'{p.name}: cells {cells} mix imports with other code (put imports in a cell of their own)'); failed = True
         if why := title_cell_problem(p):
             print(f'{p.name}: {why}'); failed = True
+        if why := metadata_problem(p):
+            print(f'{p.name}: {why}: run python tools/clean_notebooks.py (nbdev_clean alone rewrites the kernel name JupyterLab shows)'); failed = True
     return 1 if failed else 0
 
 if __name__ == '__main__': sys.exit(main())
