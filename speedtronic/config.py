@@ -380,11 +380,15 @@ class OptimizerConfig(_Section):
     muon_ns_steps: int = 5
     muon_norm_eps: float = 1e-8
     weight_decay_on: str = "matrices"  # matrices (2-D+ weights) or all
+    muon_lr: float | None = None  # null -> optimizer.lr (one rate for both groups)
+    muon_scale: str = "match_rms_adamw"  # match_rms_adamw (Muon steps sized like AdamW's) or original (2.0)
     def _rules(self):
         r = _Rules(self)
         r.choice("name", ("adamw", "muon"), {"adam": "adamw", "sgd": "adamw"})
         r.choice("weight_decay_on", ("matrices", "all"))
-        r.positive("lr", "eps", "grad_clip", "muon_ns_steps", "muon_norm_eps")
+        r.choice("muon_scale", ("match_rms_adamw", "original"),
+                 {"adamw": "match_rms_adamw", "moonlight": "match_rms_adamw", "matched": "match_rms_adamw", "keller": "original"})
+        r.positive("lr", "eps", "grad_clip", "muon_ns_steps", "muon_norm_eps", "muon_lr")
         r.non_negative("weight_decay")
         for i, b in enumerate(self.betas):
             if not 0 <= b < 1: r.fail("betas", f"each value must be in [0, 1), got value {i} = {_show(b)}")
