@@ -19,11 +19,11 @@ from .precision import supports_fused_adamw
 
 # %% auto #0
 __all__ = ['WEIGHT_DECAY_MODES', 'FUSED_ERRORS', 'NS_COEFFICIENTS', 'POLAR_MODES', 'MUON_SCALES', 'HEAD_NAMES',
-           'build_v2_optimizer', 'trainable_parameters', 'decay_groups', 'weight_decay_groups', 'resolve_fused',
-           'construct_adamw', 'ns_work_dtype', 'orthogonalize', 'newton_schulz', 'post_polar_normalize',
-           'muon_update_scale', 'Muon', 'muon_ns_dtype', 'ParameterRouting', 'route_parameters', 'routing_summary',
-           'HybridOptimizer', 'CautiousOptimizer', 'build_adamw', 'build_hybrid', 'fused_decision', 'optimizer_info',
-           'build_optimizer', 'check_optimizer_available', 'group_algorithm', 'check_same_algorithm',
+           'build_v2_optimizer', 'trainable_parameters', 'decay_groups', 'require_trainable', 'weight_decay_groups',
+           'resolve_fused', 'construct_adamw', 'ns_work_dtype', 'orthogonalize', 'newton_schulz',
+           'post_polar_normalize', 'muon_update_scale', 'Muon', 'muon_ns_dtype', 'ParameterRouting', 'route_parameters',
+           'routing_summary', 'HybridOptimizer', 'CautiousOptimizer', 'build_adamw', 'build_hybrid', 'fused_decision',
+           'optimizer_info', 'build_optimizer', 'check_optimizer_available', 'group_algorithm', 'check_same_algorithm',
            'v2_adamw_parameters', 'v2_parameters', 'load_optimizer_state']
 
 # %% ../nbs/05_optimizers.ipynb #82018b22
@@ -51,14 +51,18 @@ def decay_groups(params: Iterable[nn.Parameter],
                     {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
-def weight_decay_groups(model: nn.Module, mode: str = "matrices", weight_decay: float = 0.1) -> list[dict]:
-    "Optimizer parameter groups of `model`'s trainable parameters: decayed matrices, undecayed rest."
+def require_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    "`trainable_parameters(model)`, or a `ValueError` saying how to fix a model with none."
     params = trainable_parameters(model)
     if not params:
         raise ValueError(f"model has no trainable parameters ({type(model).__name__} has "
                          f"{sum(1 for _ in model.parameters())} parameter tensor(s), none with requires_grad=True); "
                          "unfreeze the parameters to train (p.requires_grad_(True)) before building the optimizer")
-    return decay_groups([p for _, p in params], mode, weight_decay)
+    return params
+
+def weight_decay_groups(model: nn.Module, mode: str = "matrices", weight_decay: float = 0.1) -> list[dict]:
+    "Optimizer parameter groups of `model`'s trainable parameters: decayed matrices, undecayed rest."
+    return decay_groups([p for _, p in require_trainable(model)], mode, weight_decay)
 
 # %% ../nbs/05_optimizers.ipynb #d90fc9ba
 def resolve_fused(requested: bool | None, # the `optimizer.fused` value
@@ -333,7 +337,7 @@ class HybridOptimizer(torch.optim.Optimizer):
                           norm_eps=muon_norm_eps, muon_plus=muon_plus, scale=muon_scale, ns_dtype=ns_dtype) if muon else None
         self._adamw, self.fused, self.fused_reason = (construct_adamw(
             [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw], lr=adamw_lr, betas=betas, eps=eps,
-            fused=fused, fused_reason=f"fused: {fused}") if adamw else (None, False, "no AdamW parameters"))
+            fused=fused) if adamw else (None, False, "no AdamW parameters"))
         for g in self.param_groups:
             if g["algorithm"] == "adamw": g["fused"] = self.fused
         self._built = True
@@ -435,7 +439,7 @@ def build_hybrid(routing: ParameterRouting, cfg: OptimizerConfig, fused: bool, r
                           weight_decay=cfg.weight_decay, fused=fused, muon_momentum=cfg.muon_momentum,
                           muon_ns_steps=cfg.muon_ns_steps, muon_norm_eps=cfg.muon_norm_eps, muon_plus=cfg.muon_plus,
                           muon_scale=cfg.muon_scale)
-    return opt, opt.fused, reason if opt.fused or not fused else opt.fused_reason
+    return opt, opt.fused, opt.fused_reason if fused and not opt.fused else reason
 
 def fused_decision(cfg: OptimizerConfig, device: torch.device | str, adamw_tensors: int) -> tuple[bool, str]:
     "Whether to attempt fused AdamW, and why (cautious updates and runs without AdamW parameters never do)."
@@ -467,13 +471,11 @@ def build_optimizer(model: nn.Module,
                    ) -> torch.optim.Optimizer:
     "The optimizer the `optimizer` section of `config` asks for, over every trainable parameter of `model`."
     cfg = as_section(config, OptimizerConfig)
-    params = trainable_parameters(model)
-    if not params: weight_decay_groups(model)   # raises the no-trainable-parameters error
-    routing = route_parameters(model)
+    params, routing = require_trainable(model), route_parameters(model)
     adamw_tensors = len(params) if cfg.name == "adamw" else len(routing.adamw)
     fused, reason = fused_decision(cfg, device if device is not None else params[0][1].device, adamw_tensors)
-    build = build_adamw if cfg.name == "adamw" else (lambda m, *a: build_hybrid(routing, *a))
-    optimizer, fused, reason = build(model, cfg, fused, reason)
+    if cfg.name == "adamw": optimizer, fused, reason = build_adamw(model, cfg, fused, reason)
+    else: optimizer, fused, reason = build_hybrid(routing, cfg, fused, reason)
     if cfg.cautious: optimizer = CautiousOptimizer(optimizer)
     optimizer.speedtronic_info = optimizer_info(optimizer, cfg, routing, fused, reason)
     if logger is not None and hasattr(logger, "emit"): logger.emit("optimizer", dict(optimizer.speedtronic_info))
