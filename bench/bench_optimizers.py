@@ -112,11 +112,11 @@ def step_times(train_file: Path, lr: float, rounds: int, steps: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run (tokens = steps x 1024)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
+    parser.add_argument("--lrs", type=float, nargs="+", default=[6.25e-4, 1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
                         help="learning-rate sweep")
     parser.add_argument("--shared-lr", type=float, default=5e-3, help="the one config lr every optimizer is also run at")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--timing-rounds", type=int, default=5)
+    parser.add_argument("--timing-rounds", type=int, default=5, help="0 skips the step-time measurement")
     parser.add_argument("--timing-steps", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -138,8 +138,8 @@ def main() -> None:
             results[name][lr] = r
             print(f"  {name:<18} lr {lr:<8g} held-out {r['held_out']:.4f}  train {r['train']:.4f}  ({r['seconds']:.0f} s)",
                   flush=True)
-    times = step_times(train_file, args.shared_lr, args.timing_rounds, args.timing_steps)
-    base = times["adamw"]
+    times = step_times(train_file, args.shared_lr, args.timing_rounds, args.timing_steps) if args.timing_rounds else {}
+    timing = lambda name: f"{times[name] * 1e3:.1f} | {times[name] / times['adamw']:.2f}x" if times else "- | -"
     print()
     header = (f"| optimizer | best lr | held-out loss at best lr | held-out loss at lr {args.shared_lr:g} | "
               f"step time (ms) | vs AdamW |")
@@ -151,7 +151,7 @@ def main() -> None:
         else:
             best_lr = min(results[name], key=lambda lr: results[name][lr]["held_out"])
             best_lr, best = f"{best_lr:g}", f"{results[name][best_lr]['held_out']:.4f}"
-        print(f"| {name} | {best_lr} | {best} | {shared:.4f} | {times[name] * 1e3:.1f} | {times[name] / base:.2f}x |")
+        print(f"| {name} | {best_lr} | {best} | {shared:.4f} | {timing(name)} |")
     print()
     print("held-out loss by lr:")
     print("| optimizer | " + " | ".join(f"{lr:g}" for lr in lrs) + " |")
