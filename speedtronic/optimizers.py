@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -23,8 +23,8 @@ __all__ = ['WEIGHT_DECAY_MODES', 'FUSED_ERRORS', 'NS_COEFFICIENTS', 'POLAR_MODES
            'resolve_fused', 'construct_adamw', 'ns_work_dtype', 'orthogonalize', 'newton_schulz',
            'post_polar_normalize', 'muon_update_scale', 'Muon', 'muon_ns_dtype', 'ParameterRouting', 'route_parameters',
            'routing_summary', 'HybridOptimizer', 'CautiousOptimizer', 'build_adamw', 'build_hybrid', 'fused_decision',
-           'optimizer_info', 'build_optimizer', 'check_optimizer_available', 'group_algorithm', 'check_same_algorithm',
-           'v2_adamw_parameters', 'v2_parameters', 'load_optimizer_state']
+           'check_coverage', 'optimizer_info', 'build_optimizer', 'check_optimizer_available', 'group_algorithm',
+           'check_same_algorithm', 'v2_adamw_parameters', 'v2_parameters', 'load_optimizer_state']
 
 # %% ../nbs/05_optimizers.ipynb #82018b22
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -447,6 +447,18 @@ def fused_decision(cfg: OptimizerConfig, device: torch.device | str, adamw_tenso
     if not adamw_tensors: return False, "no parameters go to AdamW"
     return resolve_fused(cfg.fused, device)
 
+# %% ../nbs/05_optimizers.ipynb #af88baee
+def check_coverage(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]) -> None:
+    "Raise `RuntimeError` unless `optimizer`'s groups hold each of `params` (`(name, parameter)`) exactly once and nothing else."
+    held, names = Counter(id(p) for g in optimizer.param_groups for p in g["params"]), {id(p): n for n, p in params}
+    missing = [n for i, n in names.items() if i not in held]
+    twice = sorted(names.get(i, "?") for i, k in held.items() if k > 1)
+    extra = sum(1 for i in held if i not in names)
+    if missing or twice or extra:
+        raise RuntimeError(f"the optimizer does not cover the model's trainable parameters exactly once (never trained: "
+                           f"{missing or 'none'}; in two groups: {twice or 'none'}; frozen or foreign tensors: {extra}); "
+                           "this is a bug in the routing, please report it with the model's parameter names")
+
 # %% ../nbs/05_optimizers.ipynb #19dbd9c7
 def optimizer_info(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, routing: ParameterRouting,
                    fused: bool, reason: str) -> dict[str, Any]:
@@ -477,6 +489,7 @@ def build_optimizer(model: nn.Module,
     if cfg.name == "adamw": optimizer, fused, reason = build_adamw(model, cfg, fused, reason)
     else: optimizer, fused, reason = build_hybrid(routing, cfg, fused, reason)
     if cfg.cautious: optimizer = CautiousOptimizer(optimizer)
+    check_coverage(optimizer, params)
     optimizer.speedtronic_info = optimizer_info(optimizer, cfg, routing, fused, reason)
     if logger is not None and hasattr(logger, "emit"): logger.emit("optimizer", dict(optimizer.speedtronic_info))
     return optimizer

@@ -495,3 +495,46 @@ def test_v2_smoke_and_shorthand_configs_train_from_the_cli(tmp_path):
         assert "optimizer name=muon cautious=True muon_plus=True" in res.stdout + res.stderr
         assert "muon_tensors=7" in res.stdout + res.stderr and "adamw_tensors=4" in res.stdout + res.stderr
         assert "ooo_backprop enabled=False reason=device cpu" in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"muon_lrr": 0.02}, "optimizer.muon_lrr: unknown key (did you mean optimizer.muon_lr?)"),
+    ({"name": "lion"}, "optimizer.name: 'lion'"),
+    ({"name": "muon", "muon_lr": "fast"}, "optimizer.muon_lr: expected a number or null"),
+    ({"name": "muon", "muon_lr": 0}, "optimizer.muon_lr: must be positive"),
+    ({"name": "muon", "muon_scale": "huge"}, "optimizer.muon_scale: 'huge'"),
+    ({"name": "muon", "muon_momentum": 1.0}, "optimizer.muon_momentum: must be in [0, 1)"),
+    ({"name": "muon", "muon_ns_steps": 0}, "optimizer.muon_ns_steps: must be positive"),
+    ({"name": "muon", "muon_norm_eps": -1e-8}, "optimizer.muon_norm_eps: must be positive"),
+    ({"name": "muon", "cautious": "yes"}, "optimizer.cautious: expected true or false"),
+    ({"muon_plus": True}, "optimizer.muon_plus: is only valid with optimizer.name: muon"),
+])
+def test_bad_optimizer_keys_are_named(section, message):
+    from speedtronic.config import ConfigError
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(TinyLM(), section, "cpu")
+    assert message in str(err.value)
+
+
+def test_default_optimizer_covers_and_reports_every_weight():
+    model = reference(2)
+    model.transformer.h[1].ln2.weight.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    events = []
+    opt = build_optimizer(model, {"name": "adamw"}, "cpu",
+                          logger=SimpleNamespace(emit=lambda event, payload: events.append((event, payload))))
+    assert sorted(id(p) for g in opt.param_groups for p in g["params"]) == sorted(id(p) for p in trainable)
+    (event, info), = events
+    assert event == "optimizer"
+    assert (info["adamw_tensors"], info["muon_tensors"], info["skipped_tensors"]) == (len(trainable), 0, 1)
+    assert info["adamw_params"] == info["param_count"] == sum(p.numel() for p in trainable)
+
+
+def test_an_optimizer_missing_a_weight_is_refused():
+    from speedtronic.optimizers import check_coverage
+    lin = nn.Linear(3, 3)
+    check_coverage(torch.optim.SGD(lin.parameters(), lr=0.1), list(lin.named_parameters()))
+    with pytest.raises(RuntimeError, match=r"never trained: \['bias'\]"):
+        check_coverage(torch.optim.SGD([lin.weight], lr=0.1), list(lin.named_parameters()))
+    with pytest.raises(RuntimeError, match="frozen or foreign tensors: 1"):
+        check_coverage(torch.optim.SGD(lin.parameters(), lr=0.1), [("weight", lin.weight)])
