@@ -447,7 +447,7 @@ def fused_decision(cfg: OptimizerConfig, device: torch.device | str, adamw_tenso
     if not adamw_tensors: return False, "no parameters go to AdamW"
     return resolve_fused(cfg.fused, device)
 
-# %% ../nbs/05_optimizers.ipynb #af88baee
+# %% ../nbs/05_optimizers.ipynb #572e817c
 def check_coverage(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]) -> None:
     "Raise `RuntimeError` unless `optimizer`'s groups hold each of `params` (`(name, parameter)`) exactly once and nothing else."
     held, names = Counter(id(p) for g in optimizer.param_groups for p in g["params"]), {id(p): n for n, p in params}
@@ -570,12 +570,14 @@ def _setting_changes(configured: list[Mapping], loaded: list[Mapping]) -> list[s
                 out.append(f"{k}: {after[k]!r} (config {v!r})")
     return out
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping, model: nn.Module) -> str | None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping, model: nn.Module, *,
+                         report_settings: bool = True, # note the saved settings that differ from the configured ones
+                        ) -> str | None:
     "Load checkpoint `state` into `optimizer` (2.0's states mapped onto ours); returns a note when converted or changed."
     check_same_algorithm(state.get("param_groups", []), optimizer)
     configured = [dict(g) for g in optimizer.param_groups]
     try: optimizer.load_state_dict(state)
     except (ValueError, KeyError) as exc: return _load_v2_state(optimizer, state, model, str(exc))
-    if changes := _setting_changes(configured, optimizer.param_groups):
+    if report_settings and (changes := _setting_changes(configured, optimizer.param_groups)):
         return "the checkpoint's optimizer settings are kept where they differ from the config: " + "; ".join(changes)
     return None
