@@ -447,7 +447,7 @@ def fused_decision(cfg: OptimizerConfig, device: torch.device | str, adamw_tenso
     if not adamw_tensors: return False, "no parameters go to AdamW"
     return resolve_fused(cfg.fused, device)
 
-# %% ../nbs/05_optimizers.ipynb #572e817c
+# %% ../nbs/05_optimizers.ipynb #d013f33e
 def check_coverage(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]) -> None:
     "Raise `RuntimeError` unless `optimizer`'s groups hold each of `params` (`(name, parameter)`) exactly once and nothing else."
     held, names = Counter(id(p) for g in optimizer.param_groups for p in g["params"]), {id(p): n for n, p in params}
