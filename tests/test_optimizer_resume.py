@@ -145,6 +145,10 @@ def test_muon_accumulation_matches_one_big_batch(tmp_path):
 def test_adamw_checkpoint_is_refused_by_a_muon_run_and_kept(tmp_path):
     train_from_config(raw_config(tmp_path, {"name": "adamw"}, steps=4), device="cpu", max_steps=2)
     before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()}
-    with pytest.raises(ValueError, match=r"written by AdamW \(optimizer.name: adamw\) but this run uses Muon \+ AdamW"):
+    from speedtronic.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError) as err:
         train_from_config(raw_config(tmp_path, {"name": "muon"}, steps=4), device="cpu", resume=True)
+    message = str(err.value)
+    assert "optimizer.name: saved 'adamw', now 'muon'" in message and "Muon keeps one momentum matrix" in message, message
+    assert message.count("optimizer.") == 1, message                                         # one reason, not two
     assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()} == before   # saved work intact
