@@ -226,7 +226,8 @@ def check_compatible(state: Mapping, *, model: torch.nn.Module, config=None, pat
 
 # %% ../nbs/07_checkpoint.ipynb #bb65eec1
 _REFUSED_CHANGES = {
-    "optimizer.name": "the saved optimizer state belongs to another optimizer",
+    "optimizer.name": ("the saved optimizer state belongs to another optimizer: Muon keeps one momentum matrix per hidden "
+                       "weight where AdamW keeps two moments per parameter"),
     "optimizer.weight_decay_on": "the saved optimizer state has other parameter groups",
     "optimizer.cautious": "the saved optimizer state was written for another update rule",
     "optimizer.muon_plus": "the saved optimizer state was written for another update rule",

@@ -6,7 +6,7 @@
 __all__ = ['REDACTED', 'Config', 'ConfigError', 'ConfigWarning', 'is_secret_key', 'redact', 'explicit_fields', 'RunConfig',
            'ModelConfig', 'DataConfig', 'OptimizerConfig', 'SchedulerConfig', 'PrecisionConfig', 'CheckpointConfig',
            'LoggingConfig', 'ShapeValidationConfig', 'DistributedConfig', 'SpeedtronicConfig', 'run_target',
-           'load_config', 'load_yaml_config', 'as_section', 'config_value', 'config_section']
+           'load_config', 'load_yaml_config', 'as_section']
 
 # %% ../nbs/00_config.ipynb #d9134a01
 import dataclasses
@@ -401,12 +401,16 @@ class OptimizerConfig(_Section):
     muon_ns_steps: int = 5
     muon_norm_eps: float = 1e-8
     weight_decay_on: str = "matrices"  # matrices (2-D+ weights) or all
+    muon_lr: float | None = None  # null -> optimizer.lr (one rate for both groups)
+    muon_scale: str = "match_rms_adamw"  # match_rms_adamw (Muon steps sized like AdamW's) or original (2.0)
     max_nonfinite_skips: int = 0  # updates with a NaN/inf loss or gradient skipped in a row before the run stops
     def _rules(self):
         r = _Rules(self)
         r.choice("name", ("adamw", "muon"), {"adam": "adamw", "sgd": "adamw"})
         r.choice("weight_decay_on", ("matrices", "all"))
-        r.positive("lr", "eps", "grad_clip", "muon_ns_steps", "muon_norm_eps")
+        r.choice("muon_scale", ("match_rms_adamw", "original"),
+                 {"adamw": "match_rms_adamw", "moonlight": "match_rms_adamw", "matched": "match_rms_adamw", "keller": "original"})
+        r.positive("lr", "eps", "grad_clip", "muon_ns_steps", "muon_norm_eps", "muon_lr")
         r.non_negative("weight_decay", "max_nonfinite_skips")
         for i, b in enumerate(self.betas):
             if not 0 <= b < 1: r.fail("betas", f"each value must be in [0, 1), got value {i} = {_show(b)}")
@@ -960,20 +964,3 @@ def as_section(value: Any, # a `SpeedtronicConfig`, a section, a mapping (root o
     inner = getattr(value, cls._section, None)
     if inner is not None and not isinstance(inner, (str, int, float, bool)): return as_section(inner, cls)
     return _section_from_mapping(cls, {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)})
-
-# %% ../nbs/00_config.ipynb #08fb54e4
-_MISSING = object()
-
-def config_value(config: Any, path: str, default: Any = None) -> Any:
-    "`config.a.b` (attributes or mapping keys) for `path='a.b'`; `default` when a part is missing."
-    obj = config
-    for part in path.split("."):
-        if obj is None: return default
-        obj = obj.get(part, _MISSING) if isinstance(obj, Mapping) else getattr(obj, part, _MISSING)
-        if obj is _MISSING: return default
-    return obj
-
-def config_section(config: Any, name: str) -> Any:
-    "The `name` section of a full config, or `config` itself when it is that section already."
-    section = config_value(config, name)
-    return config if section is None else section

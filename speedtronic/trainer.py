@@ -394,20 +394,26 @@ def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
     return path
 
 # %% ../nbs/11_trainer.ipynb #4e730724
+_MUON_SETTINGS = {"muon_momentum": "momentum", "muon_ns_steps": "ns_steps", "muon_norm_eps": "norm_eps", "muon_scale": "scale"}
+
 @patch
 def _apply_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
     "Put changed optimizer settings back into the parameter groups (the loaded state held the saved ones)."
     keys, opt = {k for k, *_ in applied}, self.config.optimizer
+    new_rate = bool(keys & {"optimizer.lr", "optimizer.muon_lr"})
     for group in self.optimizer.param_groups:
+        muon = group.get("algorithm") == "muon"
         if "optimizer.betas" in keys and "betas" in group: group["betas"] = tuple(opt.betas)
         if "optimizer.eps" in keys and "eps" in group: group["eps"] = opt.eps
+        for key, setting in _MUON_SETTINGS.items():
+            if muon and f"optimizer.{key}" in keys: group[setting] = getattr(opt, key)
         decayed = opt.weight_decay_on == "all" or all(p.ndim >= 2 for p in group["params"])
         if "optimizer.weight_decay" in keys and "weight_decay" in group and decayed: group["weight_decay"] = opt.weight_decay
-        if "optimizer.lr" in keys: group["lr"] = group["initial_lr"] = opt.lr
+        if new_rate: group["lr"] = group["initial_lr"] = (opt.muon_lr or opt.lr) if muon else opt.lr
     sched = self.scheduler
-    if "optimizer.lr" in keys and sched is not None and hasattr(sched, "lr_lambdas"):
-        sched.base_lrs = [opt.lr] * len(self.optimizer.param_groups)
-        for group, fn in zip(self.optimizer.param_groups, sched.lr_lambdas): group["lr"] = opt.lr * fn(sched.last_epoch)
+    if new_rate and sched is not None and hasattr(sched, "lr_lambdas"):
+        sched.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        for group, fn in zip(self.optimizer.param_groups, sched.lr_lambdas): group["lr"] = group["initial_lr"] * fn(sched.last_epoch)
         sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 @patch
@@ -439,7 +445,8 @@ def resume(self: Trainer, state: Mapping[str, Any] | str | os.PathLike,  # a che
         self.dataloader.load_state_dict(data)
     self.model.load_state_dict(state["model"])
     if state.get("optimizer") is not None:
-        note = load_optimizer_state(self.optimizer, state["optimizer"], self.model)
+        note = load_optimizer_state(self.optimizer, state["optimizer"], self.model,  # settings: the config comparison above says
+                                    report_settings=not isinstance(state.get("config"), Mapping))
         if note: self.logger.warning("resume: %s", note)
     if self.scheduler is not None and state.get("scheduler") is not None: load_scheduler_state(self.scheduler, state["scheduler"])
     if applied: self._apply_changed_settings(applied)

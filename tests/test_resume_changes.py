@@ -118,3 +118,23 @@ def test_settings_the_saved_state_cannot_follow_are_refused(first_run, section, 
     over.setdefault(section, {})[key] = value
     line = error_line(cli("train", "--config", str(write(tmp, "x.yaml", **over)), "--device", "cpu", "--resume", cwd=tmp))
     assert f"{section}.{key}: saved" in line and f"now {value!r}" in line, line
+
+
+def test_another_optimizer_family_is_refused_in_one_message(first_run):
+    tmp = first_run
+    line = error_line(cli("train", "--config", str(write(tmp, "muon.yaml", optimizer={"name": "muon"}, run={"max_steps": 4})),
+                          "--device", "cpu", "--resume", cwd=tmp))
+    assert "optimizer.name: saved 'adamw', now 'muon'" in line and "Muon keeps one momentum matrix per hidden weight" in line, line
+    assert sorted(p.name for p in (tmp / "out" / "checkpoints").glob("step_*.pt")) == ["step_000000000002.pt"]
+
+
+def test_new_muon_settings_are_applied_and_reported(tmp_path):
+    corpus(tmp_path / "a.txt")
+    ok(cli("train", "--config", str(write(tmp_path, optimizer={"name": "muon"})), "--device", "cpu", cwd=tmp_path))
+    changed = write(tmp_path, "muon.yaml", optimizer={"name": "muon", "muon_lr": 0.02, "muon_momentum": 0.9,
+                                                     "muon_scale": "original"}, run={"max_steps": 4})
+    proc = ok(cli("train", "--config", str(changed), "--device", "cpu", "--resume", cwd=tmp_path))
+    assert "optimizer.muon_lr None -> 0.02" in proc.stdout and "optimizer.muon_momentum 0.95 -> 0.9" in proc.stdout
+    assert "optimizer.muon_scale 'match_rms_adamw' -> 'original'" in proc.stdout
+    assert "optimizer settings are kept" not in proc.stdout + proc.stderr
+    assert [r["lr"] for r in steps(tmp_path / "metrics.jsonl")] == [1e-3, 1e-3, 0.02, 0.02]   # the Muon group's rate is logged
