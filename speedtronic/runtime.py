@@ -133,17 +133,24 @@ def checkpoint_directory(config: SpeedtronicConfig) -> Path:
 def distributed_problem(config: SpeedtronicConfig) -> str | None:
     "Why `distributed.enabled` cannot run with this installation, or None."
     if not config.distributed.enabled or importlib.util.find_spec("speedtronic.distributed") is not None: return None
-    return ("distributed.enabled: true needs the DumbDiLoCo coordinator (speedtronic.distributed), which this "
-            "release does not include yet; set distributed.enabled: false to train on this machine alone")
+    return "distributed.enabled: true needs speedtronic.distributed, which is missing from this installation; reinstall speedtronic"
 
 def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any) -> Any:
     if not config.distributed.enabled: return None
     if problem := distributed_problem(config): raise ConfigError(problem)
     from speedtronic.distributed import DumbDiLoCoCoordinator
-    node = config.distributed.node_id or os.environ.get("HF_USERNAME") or os.environ.get("USER") or "local"
     state = Path(config.distributed.state_dir)
-    state = (state if state.is_absolute() else Path(config.run.output_dir) / state) / str(node).strip()
+    state = state if state.is_absolute() else Path(config.run.output_dir) / state  # the coordinator adds /<node_id>
     return DumbDiLoCoCoordinator(config.distributed, model, state_dir=state, logger=logger)
+
+def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device) -> Any:
+    "The data loader; a DiLoCo node reads its own shard (or draws its own data seed)."
+    data, distributed = config.data, config.distributed.enabled
+    if distributed:
+        from speedtronic.distributed import node_data_config, shard_loader
+        data = node_data_config(config)
+    loader = build_dataloader(data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config))
+    return shard_loader(loader, config.distributed) if distributed else loader
 
 def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
                   *, resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
@@ -157,7 +164,7 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     plan = resolve_precision(config.precision, dev)
     _maybe_demo_corpus(config)
     model = build_model(config.model).to(dev)
-    loader = build_dataloader(config.data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config))
+    loader = _loader(config, model, dev)
     ck = config.checkpoint
     manager = CheckpointManager(checkpoint_directory(config), every_steps=ck.every_steps, keep_last=ck.keep_last,
                                 enabled=ck.enabled)
@@ -278,4 +285,5 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
     if d.vocab_size and d.vocab_size > vocab:
         problems.append(f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
                         "token ids would be out of range; make them equal")
+    if config.distributed.enabled and not problems: importlib.import_module("speedtronic.distributed").warn_commit_rate(config, device=device)
     return problems

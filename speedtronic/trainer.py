@@ -536,6 +536,9 @@ def _fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
             if due: self.save_checkpoint(self._boundary)
             if self.stop_requested: raise TrainingInterrupted(f"{self.stop_requested}: stopped after step {self.step}")
         self._flush()
+        if callable(finish := getattr(self.coordinator, "finish", None)) and self._coordinator_started and self.step > start_step:
+            finish(self.model, self.step)  # optional coordinator method: a sync scheme's last round, before the final checkpoint
+            self._last_saved_step = -1  # so what finish() changed is saved
         if keep_boundary and self.step > start_step and self.step != self._last_saved_step:
             self.save_checkpoint(self._boundary)
     except BaseException as exc:
