@@ -11,7 +11,7 @@ __all__ = ['DumbDiLoCoCoordinator', 'DumbDiLoCo', 'DeltaUploadJob', 'SyncResult'
            'shard_loader', 'warn_commit_rate', 'cpu_tensor', 'cpu_state_dict', 'read_metadata', 'floating_state',
            'parse_delta_path', 'metadata_json']
 
-# %% ../../nbs/12_distributed.ipynb #4109059e
+# %% ../../nbs/12_distributed.ipynb #9b981c32
 from .tensors import (GlobalMetadata, average_deltas, compute_pseudo_gradient, cpu_state_dict, cpu_tensor,
                                              floating_state, load_delta, load_safetensors, metadata_json, parse_delta_path,
                                              read_metadata, save_safetensors)
@@ -22,7 +22,7 @@ from .diloco import (DeltaUploadJob, DistributedWarning, DumbDiLoCo, DumbDiLoCoC
                                             SyncResult, build_transport, commit_rate_warning, hub_commits_per_hour,
                                             measure_step_time, node_data_config, shard_loader, warn_commit_rate)
 
-# %% ../../nbs/12_distributed.ipynb #edc02590
+# %% ../../nbs/12_distributed.ipynb #800458d7
 _all_ = ["DumbDiLoCoCoordinator", "DumbDiLoCo", "DeltaUploadJob", "SyncResult", "HubClient", "HubTransport", "HubError",
          "HubUnavailable", "GlobalMetadata", "MasterOuterLoop", "NesterovOuterOptimizer", "average_deltas",
          "compute_pseudo_gradient", "load_delta", "load_safetensors", "save_safetensors",
