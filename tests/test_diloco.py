@@ -325,3 +325,16 @@ def test_a_wrong_token_stops_the_cli_with_one_line(tmp_path, hub):
     assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
     assert "HTTP 401" in lines[0] and "org/denied" in lines[0] and "HF_TOKEN" in lines[0]
     assert "hf_not_a_valid_token_42" not in res.stderr + res.stdout and "Traceback" not in res.stderr
+
+
+def test_validate_deep_warns_about_the_hub_commit_rate(tmp_path):
+    cfg = node_config(tmp_path, "master", "master", repo="org/run", transport="hub", index=0, count=4, steps=100)
+    res = subprocess.run([sys.executable, "-m", "speedtronic", "validate", "--config", str(cfg), "--deep"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    warnings_ = [l for l in res.stderr.splitlines() if l.startswith("speedtronic: warning: distributed: about")]
+    assert res.returncode == 0 and len(warnings_) == 1, res.stderr[-2000:]
+    assert "Hub commits per hour" in warnings_[0] and "distributed.inner_steps" in warnings_[0]
+    quiet = node_config(tmp_path, "far", "master", repo=str(tmp_path / "dir"), transport="directory", index=0, count=4, steps=100)
+    res = subprocess.run([sys.executable, "-m", "speedtronic", "validate", "--config", str(quiet), "--deep"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr[-2000:]

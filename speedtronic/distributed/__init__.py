@@ -8,10 +8,11 @@ __all__ = ['DumbDiLoCoCoordinator', 'DumbDiLoCo', 'DeltaUploadJob', 'SyncResult'
            'compute_pseudo_gradient', 'load_delta', 'load_safetensors', 'save_safetensors', 'PublishConflict',
            'RetryPolicy', 'SharedDirectory', 'Ledger', 'OuterUpdate', 'OuterState', 'NodeShard', 'DistributedWarning',
            'build_transport', 'commit_rate_warning', 'hub_commits_per_hour', 'measure_step_time', 'node_data_config',
-           'shard_loader', 'warn_commit_rate', 'cpu_tensor', 'cpu_state_dict', 'read_metadata', 'floating_state',
-           'parse_delta_path', 'metadata_json']
+           'shard_loader', 'warn_commit_rate', 'NormRecord', 'norm_records_from_events', 'norm_records_from_jsonl',
+           'norm_records_from_repo', 'norm_choices', 'norm_series', 'layer_profile', 'plot_delta_norms', 'cpu_tensor',
+           'cpu_state_dict', 'read_metadata', 'floating_state', 'parse_delta_path', 'metadata_json']
 
-# %% ../../nbs/12_distributed.ipynb #9b981c32
+# %% ../../nbs/12_distributed.ipynb #040c8282
 from .tensors import (GlobalMetadata, average_deltas, compute_pseudo_gradient, cpu_state_dict, cpu_tensor,
                                              floating_state, load_delta, load_safetensors, metadata_json, parse_delta_path,
                                              read_metadata, save_safetensors)
@@ -21,12 +22,16 @@ from .outer import Ledger, MasterOuterLoop, NesterovOuterOptimizer, OuterState, 
 from .diloco import (DeltaUploadJob, DistributedWarning, DumbDiLoCo, DumbDiLoCoCoordinator, NodeShard,
                                             SyncResult, build_transport, commit_rate_warning, hub_commits_per_hour,
                                             measure_step_time, node_data_config, shard_loader, warn_commit_rate)
+from .norms import (NormRecord, layer_profile, norm_choices, norm_records_from_events,
+                                           norm_records_from_jsonl, norm_records_from_repo, norm_series, plot_delta_norms)
 
-# %% ../../nbs/12_distributed.ipynb #800458d7
+# %% ../../nbs/12_distributed.ipynb #78661680
 _all_ = ["DumbDiLoCoCoordinator", "DumbDiLoCo", "DeltaUploadJob", "SyncResult", "HubClient", "HubTransport", "HubError",
          "HubUnavailable", "GlobalMetadata", "MasterOuterLoop", "NesterovOuterOptimizer", "average_deltas",
          "compute_pseudo_gradient", "load_delta", "load_safetensors", "save_safetensors",
          "PublishConflict", "RetryPolicy", "SharedDirectory", "Ledger", "OuterUpdate", "OuterState", "NodeShard",
          "DistributedWarning", "build_transport", "commit_rate_warning", "hub_commits_per_hour", "measure_step_time",
          "node_data_config", "shard_loader", "warn_commit_rate",
+         "NormRecord", "norm_records_from_events", "norm_records_from_jsonl", "norm_records_from_repo", "norm_choices",
+         "norm_series", "layer_profile", "plot_delta_norms",
          "cpu_tensor", "cpu_state_dict", "read_metadata", "floating_state", "parse_delta_path", "metadata_json"]
