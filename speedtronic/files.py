@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 # %% auto #0
-__all__ = ['TEMP_NAME', 'atomic_write', 'atomic_write_bytes', 'atomic_write_text']
+__all__ = ['TEMP_NAME', 'writer_gone', 'stale_temps', 'atomic_write', 'atomic_write_bytes', 'atomic_write_text',
+           'file_in_the_way']
 
 # %% ../nbs/00a_files.ipynb #be748c8a
 TEMP_NAME = re.compile(r"\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
@@ -22,6 +23,22 @@ TEMP_NAME = re.compile(r"\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
 def _temp_path(path: Path) -> Path:
     "A fresh temp sibling of `path`, named `.<name>.tmp-<pid>-<random>` (matched by `TEMP_NAME`)."
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+def writer_gone(pid: int) -> bool:
+    "True when no process `pid` runs on this machine (never for this process; unknown counts as alive)."
+    if pid == os.getpid() or os.name == "nt": return False
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return True
+    except OSError: return False
+    return False
+
+def stale_temps(path: str | os.PathLike) -> list[Path]:
+    "Temp files left next to `path` by earlier writes of it whose writer is gone."
+    path = Path(path)
+    try: names = os.listdir(path.parent)
+    except OSError: return []
+    found = [(TEMP_NAME.fullmatch(n), n) for n in names]
+    return sorted(path.parent / n for m, n in found if m and m["target"] == path.name and writer_gone(int(m["pid"])))
 
 # %% ../nbs/00a_files.ipynb #f213d0d2
 def _fsync_directory(directory: Path) -> None:
@@ -33,23 +50,35 @@ def _fsync_directory(directory: Path) -> None:
         if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF): raise
     finally: os.close(fd)
 
+def _about_target(error: OSError, temp: Path, path: Path) -> OSError:
+    "`error` naming `path` when it named the temp file or no file at all."
+    if error.errno is None or error.filename not in (None, str(temp)): return error
+    return OSError(error.errno, error.strerror, str(path))   # the subclass for the errno (PermissionError...)
+
 def atomic_write(path: str | os.PathLike,
                  write: Callable[[BinaryIO], None],  # fills the binary file it is given
                  ) -> Path:
     "Replace `path` with what `write(file)` writes, atomically and durably; returns `path`."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for old in stale_temps(path):
+        with contextlib.suppress(OSError): old.unlink()
     temp = _temp_path(path)
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError): temp.unlink()
-        raise
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError): temp.unlink()
+            raise
+    except OSError as e:
+        named = _about_target(e, temp, path)
+        if named is e: raise
+        raise named from None
     _fsync_directory(path.parent)
     return path
 
@@ -61,3 +90,11 @@ def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
 def atomic_write_text(text: str, path: str | os.PathLike, encoding: str = "utf-8") -> Path:
     "Write `text` to `path` atomically, encoded with `encoding`, line ends as given; returns `path`."
     return atomic_write(path, lambda f: f.write(text.encode(encoding)))
+
+# %% ../nbs/00a_files.ipynb #4f70de85
+def file_in_the_way(directory: str | os.PathLike) -> Path | None:
+    "The existing non-directory at `directory` or at one of its parents (which blocks creating it), if any."
+    directory = Path(directory)
+    for p in (directory, *directory.parents):
+        if p.exists(): return None if p.is_dir() else p
+    return None

@@ -6,21 +6,30 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
-from .config import ConfigError, config_value
+from .config import ConfigError, LoggingConfig, as_section
+from .files import file_in_the_way
+from .optional import MissingExtra, optional_import
 from .profiling import Metric, close_hook
 
 # %% auto #0
-__all__ = ['event_step', 'scalar_items', 'TensorboardHook', 'WandbHook', 'hooks_from_config']
+__all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook', 'IntegrationError', 'check_wandb', 'WandbHook',
+           'hooks_from_config']
 
 # %% ../nbs/08c_integrations.ipynb #b6d65fd6
-_EXTRA = "pip install 'speedtronic[logging]'"
+class IntegrationMissing(MissingExtra, RuntimeError):
+    "An integration's library is not installed (a `MissingExtra` naming the `logging` extra, and 2.0's `RuntimeError`)."
 
-def _missing(hook: str, library: str) -> RuntimeError:
-    "The error for an integration whose library is not installed."
-    return RuntimeError(f"{hook} needs the {library} package, which is not installed: run {_EXTRA}")
+def _import_for(hook: str, # the hook that needs the module, named in the message
+                name: str, # the module to import
+               ) -> Any:
+    "Import `name` for `hook`, or raise `IntegrationMissing` saying to install the `logging` extra."
+    try: return optional_import(name, extra="logging", purpose=hook)
+    except MissingExtra as e: raise IntegrationMissing(str(e)) from e.__cause__
 
 # %% ../nbs/08c_integrations.ipynb #ea34d5a8
 def event_step(payload: Mapping[str, Any], default: int) -> int:
@@ -41,10 +50,10 @@ class TensorboardHook:
     def __init__(self, log_dir: str | os.PathLike = "runs", # directory of the event files
                  flush_secs: int = 10, # how often pending scalars are flushed to disk
                 ):
-        try: from torch.utils.tensorboard import SummaryWriter
-        except ImportError: raise _missing("TensorboardHook", "tensorboard") from None
+        _import_for("TensorboardHook", "tensorboard")  # names the missing package when torch cannot load its writer
+        writer = _import_for("TensorboardHook", "torch.utils.tensorboard").SummaryWriter
         self.log_dir = Path(log_dir)
-        self.writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+        self.writer = writer(log_dir=str(self.log_dir), flush_secs=flush_secs)
         self.last_step = 0
 
     def on_event(self, event: str, payload: Metric) -> None:
@@ -67,12 +76,42 @@ def _wandb_value(value: Any) -> Any:
     "A payload value as W&B accepts it: numbers, strings, bools and None as they are, others as text."
     return value if value is None or isinstance(value, (int, float, str, bool)) else str(value)
 
+class IntegrationError(RuntimeError):
+    "A TensorBoard or W&B hook cannot start (no login, no network, a folder in the way)."
+
+_OFFLINE = ("offline", "disabled", "dryrun")
+_WAYS_OUT = ("log in with `wandb login` (or set WANDB_API_KEY), or log offline with logging.wandb: {mode: offline} "
+             "and upload later with `wandb sync`")
+
+def _check_reachable(url: str, timeout: float = 5.0) -> None:
+    "Raise `IntegrationError` when nothing answers a TCP connection to `url`'s host within `timeout` seconds."
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")): return  # the proxy decides
+    parts = urlsplit(url)
+    try: socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=timeout).close()
+    except OSError as e:
+        raise IntegrationError(f"logging.wandb: W&B cannot reach {url} ({e.strerror or e}); check the network, or log "
+                               "offline with logging.wandb: {mode: offline} and upload later with `wandb sync`") from None
+
+def check_wandb(settings: Mapping[str, Any]) -> Any:
+    "The `wandb` module, once it is installed and — for an online run with `settings` — its server answers."
+    wandb = _import_for("WandbHook", "wandb")
+    mode = str(settings.get("mode") or os.environ.get("WANDB_MODE") or "online").lower()
+    if mode not in _OFFLINE and not settings.get("offline"):
+        _check_reachable(os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url))   # W&B reads the variable at init
+    return wandb
+
+def _start_wandb(project: str | None, settings: Mapping) -> Any:
+    "`wandb.init(project=project, **settings)`, failing fast and in one line when it cannot start."
+    wandb = check_wandb(settings)
+    try: return wandb.init(project=project, **settings)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise IntegrationError(f"logging.wandb: wandb.init failed ({type(e).__name__}: {first}); {_WAYS_OUT}") from None
+
 class WandbHook:
     "Logs every event to a W&B run started at construction; `finish()`/`close()` ends the run."
     def __init__(self, project: str | None = None, **settings: Any):
-        try: import wandb
-        except ImportError: raise _missing("WandbHook", "wandb") from None
-        self._run = wandb.init(project=project, **settings)
+        self._run = _start_wandb(project, settings)
 
     @property
     def run(self) -> Any: "The W&B run (None once finished)."; return self._run
@@ -90,27 +129,31 @@ class WandbHook:
     close = finish
 
 # %% ../nbs/08c_integrations.ipynb #cb4da584
-def hooks_from_config(logging_config: Any, # `LoggingConfig`, mapping or namespace with the `logging` keys
+def _tensorboard_hook(directory: str | os.PathLike) -> TensorboardHook:
+    "A `TensorboardHook` for `logging.tensorboard_dir`; a folder that cannot be used is a `ConfigError` naming the key."
+    blocker = file_in_the_way(directory)
+    if blocker is not None:
+        where = "is a file" if Path(blocker) == Path(directory) else f"cannot be created because {blocker} is a file"
+        raise ConfigError(f"logging.tensorboard_dir: {directory} {where}, not a directory; choose a directory for the event files")
+    try: return TensorboardHook(directory)
+    except OSError as e:
+        raise ConfigError(f"logging.tensorboard_dir: cannot write event files to {directory} ({e.strerror or e}); "
+                          "choose a writable directory") from None
+
+def hooks_from_config(logging_config: LoggingConfig | Any, # the `logging` section (or a config, mapping or namespace holding it)
                       *, progress: bool = False, # also add the bar `logging.progress` asks for
                       progress_stream: Any = None, # stream for the progress bar (default sys.stderr)
                      ) -> list:
     "The hooks that the `logging` section asks for: TensorBoard, W&B (and, on request, the progress bar)."
     from speedtronic.progress import ProgressBar
+    lg = as_section(logging_config, LoggingConfig)
     hooks: list = []
     try:
-        tb_dir = config_value(logging_config, "tensorboard_dir")
-        if tb_dir not in (None, False, ""):
-            if not isinstance(tb_dir, (str, os.PathLike)):
-                raise ConfigError(f"logging.tensorboard_dir must be a directory path, got {tb_dir!r}")
-            hooks.append(TensorboardHook(tb_dir))
-        wandb_setting = config_value(logging_config, "wandb")
-        if wandb_setting is True: hooks.append(WandbHook())
-        elif isinstance(wandb_setting, Mapping): hooks.append(WandbHook(**dict(wandb_setting)))
-        elif wandb_setting not in (None, False):
-            raise ConfigError("logging.wandb must be true, false/null or a mapping of wandb.init arguments "
-                                f"(e.g. {{project: my-run, mode: offline}}), got {wandb_setting!r}")
+        if lg.tensorboard_dir: hooks.append(_tensorboard_hook(lg.tensorboard_dir))
+        if lg.wandb is True: hooks.append(WandbHook())
+        elif isinstance(lg.wandb, dict): hooks.append(WandbHook(**lg.wandb))
         if progress:
-            bar = ProgressBar(enabled=config_value(logging_config, "progress", "auto"), stream=progress_stream)
+            bar = ProgressBar(enabled=lg.progress, stream=progress_stream)
             if bar.enabled: hooks.append(bar)
     except BaseException:
         for hook in hooks: close_hook(hook)

@@ -12,9 +12,11 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from fastcore.basics import patch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .config import ModelConfig
 from .registry import registry
 
 # %% auto #0
@@ -24,21 +26,22 @@ __all__ = ['TransformerConfig', 'GPT', 'Transformer', 'ReferenceModel', 'GPTMode
            'ReferenceTransformer', 'causal_lm_loss', 'reference_state_dict_shapes', 'parameter_breakdown']
 
 # %% ../nbs/02_model.ipynb #8aaa9960
+_DEFAULT = {f.name: f.default for f in fields(ModelConfig)}  # the defaults, stated once: ModelConfig's
 _POSITIVE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 
 @dataclass
 class GPTConfig:
-    "Shape of the reference transformer (spec §4.1)."
-    vocab_size: int = 512
-    block_size: int = 128          # longest sequence the model accepts (`model.max_seq_len`)
-    n_layer: int = 4
-    n_head: int = 8
-    n_kv_head: int | None = None   # key/value heads for grouped-query attention; `None` -> `n_head`
-    d_model: int = 256
-    d_ff: int | None = None        # feed-forward width before the SwiGLU 2/3 scaling; `None` -> 4*d_model
-    dropout: float = 0.0
-    tie_weights: bool = True
-    rope_base: float = 10000.0
+    "Shape of the reference transformer; every default is `ModelConfig`'s."
+    vocab_size: int = _DEFAULT["vocab_size"]
+    block_size: int = _DEFAULT["max_seq_len"]        # longest sequence the model accepts (`model.max_seq_len`)
+    n_layer: int = _DEFAULT["n_layer"]
+    n_head: int = _DEFAULT["n_head"]
+    n_kv_head: int | None = _DEFAULT["n_kv_head"]    # key/value heads for grouped-query attention; `None` -> `n_head`
+    d_model: int = _DEFAULT["d_model"]
+    d_ff: int | None = _DEFAULT["d_ff"]              # feed-forward width before the SwiGLU 2/3 scaling; `None` -> 4*d_model
+    dropout: float = _DEFAULT["dropout"]
+    tie_weights: bool = _DEFAULT["tie_weights"]
+    rope_base: float = _DEFAULT["rope_base"]
 
     def __post_init__(self):
         if self.n_kv_head is None: self.n_kv_head = self.n_head
@@ -83,6 +86,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     "Rotate `x` shaped `(B, H, T, D)` by the angles whose cos/sin are `(T, D)`."
     return x * cos + rotate_half(x) * sin
 
+# %% ../nbs/02_model.ipynb #635b157c
 class RotaryEmbedding(nn.Module):
     "cos/sin tables for rotary position embedding, cached per device and dtype."
     def __init__(self, head_dim: int, base: float = 10000.0):
@@ -185,7 +189,7 @@ def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 # %% ../nbs/02_model.ipynb #23248da9
 def swiglu_hidden(d_ff: int, n_head: int) -> int:
-    "SwiGLU hidden width: `int(d_ff * 2/3)` rounded up to a multiple of `n_head` (2.0's rule, M1)."
+    "SwiGLU hidden width: `int(d_ff * 2/3)` rounded up to a multiple of `n_head` (2.0's rule)."
     hidden = int(d_ff * 2 / 3)
     return -(-hidden // n_head) * n_head
 
@@ -211,7 +215,7 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = RMSNorm(config.d_model)
         self.mlp = SwiGLU(config)
-        self.dropout = nn.Dropout(config.dropout)  # kept for 2.0's module tree; the attention branch drops once (M2)
+        self.dropout = nn.Dropout(config.dropout)  # kept for 2.0's module tree; the attention branch drops once
         self.gradient_checkpointing = False
 
     def _body(self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None) -> torch.Tensor:
@@ -247,7 +251,7 @@ def _model_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 # %% ../nbs/02_model.ipynb #b937a355
 class ReferenceTransformer(nn.Module):
-    "Decoder-only transformer with RoPE, grouped-query attention, SwiGLU and RMSNorm (spec §4)."
+    "Decoder-only transformer with RoPE, grouped-query attention, SwiGLU and RMSNorm."
     def __init__(self, **kwargs):
         super().__init__()
         self.config = config = GPTConfig(**_model_kwargs(kwargs))
@@ -262,33 +266,30 @@ class ReferenceTransformer(nn.Module):
         self.gradient_checkpointing = False
         self.apply(init_weights)
 
-    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
-        "Recompute each block in the backward pass (less memory, more compute) when `enabled`."
-        self.gradient_checkpointing = bool(enabled)
-        for block in self.transformer.h: block.gradient_checkpointing = bool(enabled)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, **_) -> dict[str, torch.Tensor]:
-        "Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given."
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}")
-        B, T = input_ids.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds model block size {self.config.block_size}; "
-                             f"raise model.max_seq_len or lower data.block_size")
-        mask = prepare_attention_mask(attention_mask, B, T)
-        x = self.transformer.drop(self.transformer.wte(input_ids))
-        for block in self.transformer.h: x = block(x, self.rope, mask)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if labels is None: return {"logits": logits}
-        return {"logits": logits, "loss": causal_lm_loss(logits, labels)}
-
     @classmethod
     def from_config(cls, config: GPTConfig) -> ReferenceTransformer:
         "Build from a `GPTConfig`."
         return cls(**{f.name: getattr(config, f.name) for f in fields(GPTConfig)})
 
 GPT = Transformer = ReferenceModel = GPTModel = ReferenceTransformer
+
+# %% ../nbs/02_model.ipynb #7c5c4dce
+@patch
+def forward(self: ReferenceTransformer, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None, **_) -> dict[str, torch.Tensor]:
+    "Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given."
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}")
+    B, T = input_ids.shape
+    if T > self.config.block_size:
+        raise ValueError(f"sequence length {T} exceeds model block size {self.config.block_size}; "
+                         f"raise model.max_seq_len or lower data.block_size")
+    mask = prepare_attention_mask(attention_mask, B, T)
+    x = self.transformer.drop(self.transformer.wte(input_ids))
+    for block in self.transformer.h: x = block(x, self.rope, mask)
+    logits = self.lm_head(self.transformer.ln_f(x))
+    if labels is None: return {"logits": logits}
+    return {"logits": logits, "loss": causal_lm_loss(logits, labels)}
 
 # %% ../nbs/02_model.ipynb #13656589
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -306,7 +307,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 
 # %% ../nbs/02_model.ipynb #c9b32773
 def reference_state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
-    "The state-dict keys and shapes 2.0 writes for `config` (spec §4.3)."
+    "The state-dict keys and shapes 2.0 writes for `config`."
     d, hd, V = config.d_model, config.head_dim, config.vocab_size
     H = swiglu_hidden(config.d_ff, config.n_head)
     shapes = {"transformer.wte.weight": (V, d)}
@@ -320,6 +321,13 @@ def reference_state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]
                        p + "mlp.down_proj.weight": (d, H)})
     shapes.update({"transformer.ln_f.weight": (d,), "lm_head.weight": (V, d)})
     return shapes
+
+# %% ../nbs/02_model.ipynb #6f98a37b
+@patch
+def set_gradient_checkpointing(self: ReferenceTransformer, enabled: bool = True) -> None:
+    "Recompute each block in the backward pass (less memory, more compute) when `enabled`."
+    self.gradient_checkpointing = bool(enabled)
+    for block in self.transformer.h: block.gradient_checkpointing = bool(enabled)
 
 # %% ../nbs/02_model.ipynb #e893fd68
 _NORM_TYPES = (RMSNorm, nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d)

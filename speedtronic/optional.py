@@ -22,6 +22,6 @@ def optional_import(name: str, # the module to import, e.g. "matplotlib.figure"
     "Import `name`, or raise `MissingExtra` saying what needs it and which extra installs it."
     try: return importlib.import_module(name)
     except ImportError as exc:
-        package = name.split(".")[0]
+        package = (getattr(exc, "name", None) or name).split(".")[0]   # the module that is really missing
         raise MissingExtra(f"{purpose} needs {package}, which is not installed; "
                            f"install it with: pip install 'speedtronic[{extra}]'") from exc

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_checkable
 
+from fastcore.basics import patch
+
 from .config import REDACTED, ConfigError, is_secret_key
 
 # %% auto #0
 __all__ = ['Metric', 'Hook', 'LEVELS', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
            'memory_usage_bytes', 'resolve_level', 'level_name', 'format_value', 'format_event', 'format_asctime',
-           'text_line', 'json_line', 'scrub', 'LineFile', 'HookDispatcher', 'TextSinks', 'MetricLogger']
+           'text_line', 'json_line', 'scrub', 'LogWriteError', 'LineFile', 'HookDispatcher', 'TextSinks',
+           'MetricLogger']
 
 # %% ../nbs/08_metrics.ipynb #84f57f92
 Metric = dict[str, Any]
@@ -95,7 +98,7 @@ _LEVEL_NAMES = {10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITIC
 
 
 def resolve_level(level: str | int) -> int:
-    "Numeric level for a level name or number; unknown names are INFO (spec §1.4)."
+    "Numeric level for a level name or number; unknown names are INFO."
     if isinstance(level, int) and not isinstance(level, bool): return level
     if isinstance(level, str): return LEVELS.get(level.strip().upper(), 20)
     raise ConfigError(f"logging.level must be a level name such as 'INFO' or 'DEBUG', got {level!r}")
@@ -151,10 +154,13 @@ def scrub(value: Any) -> Any:
     return value
 
 # %% ../nbs/08_metrics.ipynb #a96c8442
+class LogWriteError(OSError):
+    "A log line could not be appended (disk full, size limit); the file still ends with a whole line."
+
 class LineFile:
     "An append-only text file; each line is one `os.write` on an `O_APPEND` descriptor kept open."
     def __init__(self, path: str | os.PathLike, key: str = "logging.file"):
-        self.path = Path(path)
+        self.path, self.key, self._lock = Path(path), key, threading.Lock()
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,10 +170,21 @@ class LineFile:
                                 "choose a writable path") from None
         self._finalizer = weakref.finalize(self, os.close, self.fd)  # an unclosed file is closed when dropped
     def write_line(self, text: str) -> None:
-        "Append `text` and a newline in one write."
+        "Append `text` and a newline in one write; a line that cannot be completed is removed again."
         data = (text + "\n").encode("utf-8")
-        if self.fd is None: raise ValueError(f"log file {self.path} is closed")
-        while data: data = data[os.write(self.fd, data):]
+        with self._lock:
+            if self.fd is None: raise ValueError(f"log file {self.path} is closed")
+            written = 0
+            try:
+                while written < len(data): written += os.write(self.fd, data[written:])
+            except OSError as e:
+                if written:
+                    try: os.ftruncate(self.fd, os.fstat(self.fd).st_size - written)
+                    except OSError: pass
+                error = LogWriteError(f"{self.key}: cannot append to {self.path} ({e.strerror or e}); "
+                                      "the lines written before are intact. Free space there, or point it elsewhere")
+                error.path = self.path
+                raise error from e
     def close(self) -> None:
         "Close the descriptor (idempotent)."
         if self.fd is not None: self._finalizer(); self.fd = None
@@ -198,59 +215,69 @@ class HookDispatcher:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
 
-    def submit(self, hooks: tuple, event: str, payload: Metric) -> bool:
-        "Queue one event for `hooks`; False when it was dropped because the queue stayed full."
-        with self._cond: self._pending += 1
-        try:
-            self._queue.put((hooks, event, payload), timeout=self.put_timeout)
-            self._start()  # after the put: an idle thread only ends while the queue is empty
-            return True
-        except queue.Full:
+# %% ../nbs/08_metrics.ipynb #0358aa3f
+@patch
+def submit(self: HookDispatcher, hooks: tuple, event: str, payload: Metric) -> bool:
+    "Queue one event for `hooks`; False when it was dropped because the queue stayed full."
+    with self._cond: self._pending += 1
+    try:
+        self._queue.put((hooks, event, payload), timeout=self.put_timeout)
+        self._start()  # after the put: an idle thread only ends while the queue is empty
+        return True
+    except queue.Full:
+        with self._cond:
+            self._pending -= 1; self.dropped += 1; dropped = self.dropped
+            self._cond.notify_all()
+        if self.on_drop is not None: self.on_drop(event, dropped)
+        return False
+
+# %% ../nbs/08_metrics.ipynb #b99a4bcc
+@patch
+def _deliver(self: HookDispatcher, hook: Any, event: str, payload: Metric) -> None:
+    "Call one hook with its own copy of the payload; a failure is counted and reported, never raised."
+    try: call_hook(hook, event, scrub(payload))
+    except Exception as exc:
+        self.errors += 1
+        count = self.errors_by_hook[id(hook)] = self.errors_by_hook.get(id(hook), 0) + 1
+        if self.on_error is not None:
+            try: self.on_error(hook, exc, count)
+            except Exception: pass
+
+@patch
+def _run(self: HookDispatcher) -> None:
+    "The hook thread: deliver queued events until `None` arrives or the queue stays empty for `idle_s`."
+    while True:
+        try: item = self._queue.get(timeout=self.idle_s)
+        except queue.Empty:
             with self._cond:
-                self._pending -= 1; self.dropped += 1; dropped = self.dropped
-                self._cond.notify_all()
-            if self.on_drop is not None: self.on_drop(event, dropped)
-            return False
+                if self._queue.empty(): self._thread = None; return
+            continue
+        if item is None: break
+        hooks, event, payload = item
+        for hook in hooks: self._deliver(hook, event, payload)
+        with self._cond:
+            self._pending -= 1
+            self._cond.notify_all()
 
-    def _deliver(self, hook: Any, event: str, payload: Metric) -> None:
-        try: call_hook(hook, event, scrub(payload))
-        except Exception as exc:
-            self.errors += 1
-            count = self.errors_by_hook[id(hook)] = self.errors_by_hook.get(id(hook), 0) + 1
-            if self.on_error is not None:
-                try: self.on_error(hook, exc, count)
-                except Exception: pass
+# %% ../nbs/08_metrics.ipynb #f8b8991a
+@patch
+def flush(self: HookDispatcher, timeout: float | None = None) -> bool:
+    "Wait until hooks have seen every submitted event; False if `timeout` passed first."
+    if threading.current_thread() is self._thread: return False  # called from a hook
+    with self._cond: return self._cond.wait_for(lambda: self._pending == 0, timeout)
 
-    def _run(self) -> None:
-        while True:
-            try: item = self._queue.get(timeout=self.idle_s)
-            except queue.Empty:
-                with self._cond:
-                    if self._queue.empty(): self._thread = None; return
-                continue
-            if item is None: break
-            hooks, event, payload = item
-            for hook in hooks: self._deliver(hook, event, payload)
-            with self._cond:
-                self._pending -= 1
-                self._cond.notify_all()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        "Wait until hooks have seen every submitted event; False if `timeout` passed first."
-        if threading.current_thread() is self._thread: return False  # called from a hook
-        with self._cond: return self._cond.wait_for(lambda: self._pending == 0, timeout)
-
-    def close(self, timeout: float | None = None) -> bool:
-        "Flush, then stop the thread; False if hooks were still busy after `timeout`."
-        done = self.flush(timeout)
-        with self._cond: thread = self._thread
-        if thread is not None and threading.current_thread() is not thread:
-            try: self._queue.put(None, timeout=0 if not done else None)
-            except queue.Full: return False
-            thread.join(timeout)
-            done = done and not thread.is_alive()
-            with self._cond: self._thread = None
-        return done
+@patch
+def close(self: HookDispatcher, timeout: float | None = None) -> bool:
+    "Flush, then stop the thread; False if hooks were still busy after `timeout`."
+    done = self.flush(timeout)
+    with self._cond: thread = self._thread
+    if thread is not None and threading.current_thread() is not thread:
+        try: self._queue.put(None, timeout=0 if not done else None)
+        except queue.Full: return False
+        thread.join(timeout)
+        done = done and not thread.is_alive()
+        with self._cond: self._thread = None
+    return done
 
 # %% ../nbs/08_metrics.ipynb #82cd1b6b
 class TextSinks:
@@ -285,7 +312,7 @@ _logger_ids = itertools.count(1)
 _open_loggers: "weakref.WeakSet[MetricLogger]" = weakref.WeakSet()
 
 def _check_every_steps(value: Any) -> int:
-    "Validate the `train_step` cadence (spec §1.4: an int > 0)."
+    "Validate the `train_step` cadence (an int > 0)."
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"logging.every_steps must be a positive integer, got {value!r}")
     return value
@@ -308,6 +335,7 @@ class MetricLogger:
     device: Any = None  # device whose memory `memory_bytes` reports (set by the trainer)
     queue_size: int = 1000  # events that may wait for slow hooks
     queue_timeout_s: float = 0.5  # how long `emit` waits for room before dropping an event for hooks
+    run_id: str | None = None  # written into every JSONL record when set
 
     def __post_init__(self):
         self.levelno = resolve_level(self.level)
@@ -332,62 +360,77 @@ class MetricLogger:
     def warning(self, msg: str, *args: Any) -> None: "Log at WARNING."; self.log(30, msg, *args)
     def error(self, msg: str, *args: Any) -> None: "Log at ERROR."; self.log(40, msg, *args)
 
-    def emit(self, event: str, payload: Mapping[str, Any] | None = None) -> bool:
-        "Record one event (text line, JSONL line, hooks); False when the `train_step` cadence skips it."
-        if self.closed: raise RuntimeError(f"{self.name}: emit({event!r}) after close(); create a new MetricLogger")
-        payload = {} if payload is None else payload
-        if not isinstance(payload, Mapping):
-            raise TypeError(f"emit({event!r}, ...): the payload must be a dict of metrics, got {type(payload).__name__}")
-        if event == "train_step" and not _on_cadence(payload, self.every_steps): return False
-        record = scrub(payload)
-        record.setdefault("elapsed_s", time.perf_counter() - self._t0)
-        if "memory_bytes" not in record and "torch" in sys.modules:
-            memory = memory_usage_bytes(self.device)
-            if memory is not None: record["memory_bytes"] = memory
-        self._text.write(20, format_event(event, record))
-        if self._json is not None: self._json.write_line(json_line(event, record))
-        if self.hooks: self._hooks.submit(tuple(self.hooks), event, record)
-        return True
+# %% ../nbs/08_metrics.ipynb #816b018b
+@patch
+def emit(self: MetricLogger, event: str, payload: Mapping[str, Any] | None = None, *,
+         force: bool = False) -> bool:  # write a `train_step` off the cadence too
+    "Record one event (text line, JSONL line, hooks); False when the `train_step` cadence skips it."
+    if self.closed: raise RuntimeError(f"{self.name}: emit({event!r}) after close(); create a new MetricLogger")
+    payload = {} if payload is None else payload
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"emit({event!r}, ...): the payload must be a dict of metrics, got {type(payload).__name__}")
+    if event == "train_step" and not force and not _on_cadence(payload, self.every_steps): return False
+    record = scrub(payload)
+    record.setdefault("elapsed_s", time.perf_counter() - self._t0)
+    if "memory_bytes" not in record and "torch" in sys.modules:
+        memory = memory_usage_bytes(self.device)
+        if memory is not None: record["memory_bytes"] = memory
+    self._text.write(20, format_event(event, record))
+    if self._json is not None:
+        self._json.write_line(json_line(event, {"run_id": self.run_id, **record} if self.run_id else record))
+    if self.hooks: self._hooks.submit(tuple(self.hooks), event, record)
+    return True
 
-    @property
-    def hook_errors(self) -> int: "Hook calls that raised so far."; return self._hooks.errors
-    @property
-    def dropped_events(self) -> int: "Events hooks never saw because their queue stayed full."; return self._hooks.dropped
+# %% ../nbs/08_metrics.ipynb #207fcaf1
+@patch(as_prop=True)
+def hook_errors(self: MetricLogger) -> int: "Hook calls that raised so far."; return self._hooks.errors
 
-    def _hook_failed(self, hook: Any, exc: BaseException, count: int) -> None:
-        if count == 1 or count % 100 == 0:
-            self.warning("metric hook failed: %s: %r (%d failure%s of this hook so far)",
-                         getattr(hook, "__name__", type(hook).__name__), exc, count, "" if count == 1 else "s")
-    def _event_dropped(self, event: str, dropped: int) -> None:
-        if dropped == 1 or dropped % 100 == 0:
-            self.warning("metric hooks are slower than training: dropped %r for hooks (%d dropped so far)",
-                         event, dropped)
+@patch(as_prop=True)
+def dropped_events(self: MetricLogger) -> int: "Events hooks never saw because their queue stayed full."; return self._hooks.dropped
 
-    def flush(self, timeout: float | None = None) -> bool:
-        "Wait until hooks have seen every event emitted so far; False if `timeout` passed first."
-        return self._hooks.flush(timeout)
+@patch
+def _hook_failed(self: MetricLogger, hook: Any, exc: BaseException, count: int) -> None:
+    if count == 1 or count % 100 == 0:
+        self.warning("metric hook failed: %s: %r (%d failure%s of this hook so far)",
+                     getattr(hook, "__name__", type(hook).__name__), exc, count, "" if count == 1 else "s")
 
-    def guard_console(self, guard: Callable[[], Any] | None) -> None:
-        "Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above the bar)."
-        self._text.guard = guard
+@patch
+def _event_dropped(self: MetricLogger, event: str, dropped: int) -> None:
+    if dropped == 1 or dropped % 100 == 0:
+        self.warning("metric hooks are slower than training: dropped %r for hooks (%d dropped so far)", event, dropped)
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        "Wait for hooks, stop the hook thread, close hooks with `close()`, then the files (idempotent)."
-        if self.closed: return
-        if not self._hooks.close(timeout):
-            self.warning("metric hooks still busy after %ss; closing without waiting", timeout)
-        for hook in list(self.hooks):
-            try: close_hook(hook)
-            except Exception as exc: self.warning("closing metric hook %r failed: %r", hook, exc)
-        if self.hook_errors or self.dropped_events:
-            self.warning("metric hooks: %d failed call(s), %d event(s) dropped", self.hook_errors, self.dropped_events)
-        self.closed = True
-        self._text.close()
-        if self._json is not None: self._json.close()
-        _open_loggers.discard(self)
+@patch
+def flush(self: MetricLogger, timeout: float | None = None) -> bool:
+    "Wait until hooks have seen every event emitted so far; False if `timeout` passed first."
+    return self._hooks.flush(timeout)
 
-    def __enter__(self) -> "MetricLogger": return self
-    def __exit__(self, *exc_info) -> None: self.close()
+@patch
+def guard_console(self: MetricLogger, guard: Callable[[], Any] | None) -> None:
+    "Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above the bar)."
+    self._text.guard = guard
+
+# %% ../nbs/08_metrics.ipynb #e5d7d6ca
+@patch
+def close(self: MetricLogger, timeout: float | None = 30.0) -> None:
+    "Wait for hooks, stop the hook thread, close hooks with `close()`, then the files (idempotent)."
+    if self.closed: return
+    if not self._hooks.close(timeout):
+        self.warning("metric hooks still busy after %ss; closing without waiting", timeout)
+    for hook in list(self.hooks):
+        try: close_hook(hook)
+        except Exception as exc: self.warning("closing metric hook %r failed: %r", hook, exc)
+    if self.hook_errors or self.dropped_events:
+        self.warning("metric hooks: %d failed call(s), %d event(s) dropped", self.hook_errors, self.dropped_events)
+    self.closed = True
+    self._text.close()
+    if self._json is not None: self._json.close()
+    _open_loggers.discard(self)
+
+@patch
+def __enter__(self: MetricLogger) -> MetricLogger: return self
+
+@patch
+def __exit__(self: MetricLogger, *exc_info) -> None: self.close()
 
 @atexit.register
 def _close_open_loggers() -> None:

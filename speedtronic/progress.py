@@ -12,6 +12,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
 
+from fastcore.basics import patch
+
 from .config import ConfigError
 
 # %% auto #0
@@ -99,66 +101,74 @@ class ProgressBar:
 
     def _stream(self) -> Any: return sys.stderr if self.stream is None else self.stream
 
-    def on_event(self, event: str, payload: Mapping[str, Any]) -> None:
-        "Follow `train_start` / `train_step` / `train_end`; ignore other events."
-        if not self.enabled: return
-        if event == "train_start":
-            self.start_step = self.step = int(payload.get("start_step", 0) or 0)
-            self.target = self.total or payload.get("target_step")
-            self.loss = self.tokens_per_sec = None
-            self._t0 = time.monotonic()
-            self.render()
-        elif event == "train_step":
-            if self._t0 is None: self._t0 = time.monotonic()
-            self.step = payload.get("step", self.step + 1)
-            self.loss = payload.get("loss", self.loss)
-            self.tokens_per_sec = payload.get("tokens_per_sec", self.tokens_per_sec)
-            if self.step == self.target or time.monotonic() - self._last >= self.min_interval: self.render()
-        elif event == "train_end":
-            self.step = payload.get("steps", self.step)
-            if payload.get("loss") is not None: self.loss = payload["loss"]
-            self.render()
-            self.close()
+# %% ../nbs/08b_progress.ipynb #d264b178
+@patch
+def line(self: ProgressBar) -> str:
+    "The current progress line."
+    elapsed = None if self._t0 is None else time.monotonic() - self._t0
+    return format_progress(self.step, self.target, self.loss, self.tokens_per_sec, elapsed,
+                           start_step=self.start_step)
 
-    def line(self) -> str:
-        "The current progress line."
-        elapsed = None if self._t0 is None else time.monotonic() - self._t0
-        return format_progress(self.step, self.target, self.loss, self.tokens_per_sec, elapsed,
-                               start_step=self.start_step)
+@patch
+def render(self: ProgressBar) -> None:
+    "Draw the current line now."
+    text, self._last = self.line(), time.monotonic()
+    self.renders += 1
+    if self.notebook:
+        from IPython.display import display
+        if self._handle is None: self._handle = display({"text/plain": text}, raw=True, display_id=True)
+        else: self._handle.update({"text/plain": text}, raw=True)
+        return
+    with self._lock:
+        stream = self._stream()
+        stream.write("\r" + text + " " * max(0, self._width - len(text)))
+        stream.flush()
+        self._width, self._open, self._text = len(text), True, text
 
-    def render(self) -> None:
-        "Draw the current line now."
-        text, self._last = self.line(), time.monotonic()
-        self.renders += 1
-        if self.notebook:
-            from IPython.display import display
-            if self._handle is None: self._handle = display({"text/plain": text}, raw=True, display_id=True)
-            else: self._handle.update({"text/plain": text}, raw=True)
+# %% ../nbs/08b_progress.ipynb #ecf6ac2c
+@patch
+def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
+    "Follow `train_start` / `train_step` / `train_end`; ignore other events."
+    if not self.enabled: return
+    if event == "train_start":
+        self.start_step = self.step = int(payload.get("start_step", 0) or 0)
+        self.target = self.total or payload.get("target_step")
+        self.loss = self.tokens_per_sec = None
+        self._t0 = time.monotonic()
+        self.render()
+    elif event == "train_step":
+        if self._t0 is None: self._t0 = time.monotonic()
+        self.step = payload.get("step", self.step + 1)
+        self.loss = payload.get("loss", self.loss)
+        self.tokens_per_sec = payload.get("tokens_per_sec", self.tokens_per_sec)
+        if self.step == self.target or time.monotonic() - self._last >= self.min_interval: self.render()
+    elif event == "train_end":
+        self.step = payload.get("steps", self.step)
+        if payload.get("loss") is not None: self.loss = payload["loss"]
+        self.render()
+        self.close()
+
+# %% ../nbs/08b_progress.ipynb #5fcfc531
+@patch
+@contextmanager
+def cleared(self: ProgressBar) -> Iterator[None]:
+    "Take the terminal line down while something else prints to the terminal, then draw it again."
+    with self._lock:
+        if not self._open:
+            yield
             return
-        with self._lock:
-            stream = self._stream()
-            stream.write("\r" + text + " " * max(0, self._width - len(text)))
-            stream.flush()
-            self._width, self._open, self._text = len(text), True, text
+        stream = self._stream()
+        stream.write("\r" + " " * self._width + "\r"); stream.flush()
+        try: yield
+        finally:
+            stream.write("\r" + self._text); stream.flush()
 
-    @contextmanager
-    def cleared(self) -> Iterator[None]:
-        "Take the terminal line down while something else prints to the terminal, then draw it again."
-        with self._lock:
-            if not self._open:
-                yield
-                return
+@patch
+def close(self: ProgressBar) -> None:
+    "End the terminal line (idempotent)."
+    with self._lock:
+        if self._open:
             stream = self._stream()
-            stream.write("\r" + " " * self._width + "\r"); stream.flush()
-            try: yield
-            finally:
-                stream.write("\r" + self._text); stream.flush()
-
-    def close(self) -> None:
-        "End the terminal line (idempotent)."
-        with self._lock:
-            if self._open:
-                stream = self._stream()
-                stream.write("\n"); stream.flush()
-                self._open = False
-        self._handle = None
+            stream.write("\n"); stream.flush()
+            self._open = False
+    self._handle = None

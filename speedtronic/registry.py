@@ -9,16 +9,19 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
+from dataclasses import fields
 from importlib import metadata
 from types import ModuleType
 from typing import Any
 
-from .config import ConfigError, config_value
+from fastcore.basics import patch
+
+from .config import ConfigError, ModelConfig, as_section
 
 # %% auto #0
 __all__ = ['ModelFactory', 'ENTRY_POINT_GROUP', 'BUILTIN_MODELS', 'registry', 'UnknownModelError', 'factory_path', 'same_factory',
-           'ModelRegistry', 'register_model', 'import_model_modules', 'model_section', 'build_model']
+           'ModelRegistry', 'register_model', 'import_model_modules', 'factory_fields', 'build_model']
 
 # %% ../nbs/01_registry.ipynb #a15b825a
 ModelFactory = Callable[..., Any]  # anything that returns a model when called with keyword arguments
@@ -66,85 +69,98 @@ class ModelRegistry:
         self._builtins: dict[str, str] = dict(BUILTIN_MODELS) if builtins else {}  # name -> "module:attr"
         self._use_entry_points = entry_points
 
-    def register(self, name: str, factory: ModelFactory | None = None, *, replace: bool = False):
-        "Register `factory` under `name` (direct call or decorator); a taken name needs `replace=True`."
-        if factory is None: return lambda f: self.register(name, f, replace=replace)
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"model name must be a non-empty string, got {name!r}")
-        if not callable(factory):
-            raise ValueError(f"model factory for '{name}' must be callable, got {type(factory).__name__}")
-        if not replace: self._check_free(name, factory)
-        self._factories[name] = factory
-        if self._builtins.get(name) not in (None, factory_path(factory)): del self._builtins[name]
-        return factory
-
-    def _check_free(self, name: str, factory: ModelFactory) -> None:
-        "Raise when `name` is taken by a different factory."
-        old, builtin = self._factories.get(name), self._builtins.get(name)
-        if old is not None and same_factory(old, factory): return
-        if old is None and builtin in (None, factory_path(factory)): return
-        taken = f"a built-in ({builtin})" if builtin else f"already registered to {factory_path(old) or repr(old)}"
-        raise ValueError(f"model name '{name}' is {taken}; pass replace=True to replace it, or choose another name")
-
-    def register_builtin(self, name: str, factory: ModelFactory) -> None:
-        "Fill a built-in name with its factory (idempotent; a user's `replace=True` choice is kept)."
-        if name in self._factories and name not in self._builtins: return
-        self._builtins[name] = self._builtins.get(name) or factory_path(factory) or name
-        self._factories[name] = factory
-
-    def get(self, name: str) -> ModelFactory:
-        "The factory registered as `name`; built-ins and entry points load on demand."
-        if name in self._factories: return self._factories[name]
-        if name in self._builtins: return self._load_builtin(name)
-        if self._use_entry_points and self._load_entry_point(name): return self._factories[name]
-        raise UnknownModelError(name, self.names())
-
-    def _load_builtin(self, name: str) -> ModelFactory:
-        "Import a built-in's module and register its factory here."
-        target = self._builtins[name]
-        try: factory = _load_target(target)
-        except ImportError as e:
-            raise ImportError(f"model '{name}' lives in {target}, which failed to import: {e}. "
-                              f"Is torch installed?") from e
-        self._factories[name] = factory
-        return factory
-
-    def _load_entry_point(self, name: str) -> bool:
-        "Load the `speedtronic.models` entry point called `name`; False when there is none."
-        found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-        if not found: return False
-        ep = found[0]
-        dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
-        try: obj = ep.load()
-        except Exception as e:
-            raise ImportError(f"model '{name}': entry point '{ep.value}' (group {ENTRY_POINT_GROUP}, "
-                              f"from {dist}) failed to load: {e!r}") from e
-        if isinstance(obj, ModuleType):  # a module that registers its models when imported
-            if name not in self._factories and self is not registry and name in registry._factories:
-                self._factories[name] = registry._factories[name]
-            if name not in self._factories:
-                raise ValueError(f"model '{name}': entry point module {obj.__name__} (from {dist}) was "
-                                 f"imported but did not call register_model('{name}', ...)")
-        elif callable(obj): self._factories.setdefault(name, obj)
-        else: raise ValueError(f"model '{name}': entry point '{ep.value}' from {dist} is neither a "
-                               f"factory nor a module (got {type(obj).__name__})")
-        return True
-
-    def entry_point_names(self) -> tuple[str, ...]:
-        "Names offered by installed packages through the `speedtronic.models` group."
-        if not self._use_entry_points: return ()
-        return tuple(sorted({ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}))
-
-    def names(self) -> tuple[str, ...]:
-        "Sorted names this registry can build: registered, built-in and installed entry points."
-        return tuple(sorted(set(self._factories) | set(self._builtins) | set(self.entry_point_names())))
-
-    def build(self, name: str, **kwargs) -> Any:
-        "Look up `name` and call its factory with `kwargs`."
-        return self.get(name)(**kwargs)
-
     def __contains__(self, name: str) -> bool: return name in self.names()
     def __repr__(self) -> str: return f"ModelRegistry({', '.join(self.names())})"
+
+# %% ../nbs/01_registry.ipynb #9163cc4f
+@patch
+def register(self: ModelRegistry, name: str, factory: ModelFactory | None = None, *, replace: bool = False):
+    "Register `factory` under `name` (direct call or decorator); a taken name needs `replace=True`."
+    if factory is None: return lambda f: self.register(name, f, replace=replace)
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model name must be a non-empty string, got {name!r}")
+    if not callable(factory):
+        raise ValueError(f"model factory for '{name}' must be callable, got {type(factory).__name__}")
+    if not replace: self._check_free(name, factory)
+    self._factories[name] = factory
+    if self._builtins.get(name) not in (None, factory_path(factory)): del self._builtins[name]
+    return factory
+
+@patch
+def _check_free(self: ModelRegistry, name: str, factory: ModelFactory) -> None:
+    "Raise when `name` is taken by a different factory."
+    old, builtin = self._factories.get(name), self._builtins.get(name)
+    if old is not None and same_factory(old, factory): return
+    if old is None and builtin in (None, factory_path(factory)): return
+    taken = f"a built-in ({builtin})" if builtin else f"already registered to {factory_path(old) or repr(old)}"
+    raise ValueError(f"model name '{name}' is {taken}; pass replace=True to replace it, or choose another name")
+
+@patch
+def register_builtin(self: ModelRegistry, name: str, factory: ModelFactory) -> None:
+    "Fill a built-in name with its factory (idempotent; a user's `replace=True` choice is kept)."
+    if name in self._factories and name not in self._builtins: return
+    self._builtins[name] = self._builtins.get(name) or factory_path(factory) or name
+    self._factories[name] = factory
+
+# %% ../nbs/01_registry.ipynb #e2deb5b0
+@patch
+def get(self: ModelRegistry, name: str) -> ModelFactory:
+    "The factory registered as `name`; built-ins and entry points load on demand."
+    if name in self._factories: return self._factories[name]
+    if name in self._builtins: return self._load_builtin(name)
+    if self._use_entry_points and self._load_entry_point(name): return self._factories[name]
+    raise UnknownModelError(name, self.names())
+
+@patch
+def build(self: ModelRegistry, name: str, **kwargs) -> Any:
+    "Look up `name` and call its factory with `kwargs`."
+    return self.get(name)(**kwargs)
+
+@patch
+def _load_builtin(self: ModelRegistry, name: str) -> ModelFactory:
+    "Import a built-in's module and register its factory here."
+    target = self._builtins[name]
+    try: factory = _load_target(target)
+    except ImportError as e:
+        raise ImportError(f"model '{name}' lives in {target}, which failed to import: {e}. "
+                          f"Is torch installed?") from e
+    self._factories[name] = factory
+    return factory
+
+# %% ../nbs/01_registry.ipynb #39f385ac
+@patch
+def _load_entry_point(self: ModelRegistry, name: str) -> bool:
+    "Load the `speedtronic.models` entry point called `name`; False when there is none."
+    found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not found: return False
+    ep = found[0]
+    dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
+    try: obj = ep.load()
+    except Exception as e:
+        raise ImportError(f"model '{name}': entry point '{ep.value}' (group {ENTRY_POINT_GROUP}, "
+                          f"from {dist}) failed to load: {e!r}") from e
+    if isinstance(obj, ModuleType):  # a module that registers its models when imported
+        if name not in self._factories and self is not registry and name in registry._factories:
+            self._factories[name] = registry._factories[name]
+        if name not in self._factories:
+            raise ValueError(f"model '{name}': entry point module {obj.__name__} (from {dist}) was "
+                             f"imported but did not call register_model('{name}', ...)")
+    elif callable(obj): self._factories.setdefault(name, obj)
+    else: raise ValueError(f"model '{name}': entry point '{ep.value}' from {dist} is neither a "
+                           f"factory nor a module (got {type(obj).__name__})")
+    return True
+
+# %% ../nbs/01_registry.ipynb #2bc48e3e
+@patch
+def entry_point_names(self: ModelRegistry) -> tuple[str, ...]:
+    "Names offered by installed packages through the `speedtronic.models` group."
+    if not self._use_entry_points: return ()
+    return tuple(sorted({ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}))
+
+@patch
+def names(self: ModelRegistry) -> tuple[str, ...]:
+    "Sorted names this registry can build: registered, built-in and installed entry points."
+    return tuple(sorted(set(self._factories) | set(self._builtins) | set(self.entry_point_names())))
 
 # %% ../nbs/01_registry.ipynb #1c68345f
 registry = ModelRegistry()
@@ -173,19 +189,14 @@ def import_model_modules(names: Iterable[str] | str | None) -> list[ModuleType]:
     return modules
 
 # %% ../nbs/01_registry.ipynb #02443162
-_STANDARD_FIELDS = (  # (factory keyword, config field, default)
-    ("vocab_size", "vocab_size", 512), ("block_size", "max_seq_len", 128), ("n_layer", "n_layer", 4),
-    ("n_head", "n_head", 8), ("n_kv_head", "n_kv_head", None), ("d_model", "d_model", 256),
-    ("d_ff", "d_ff", None), ("dropout", "dropout", 0.0), ("tie_weights", "tie_weights", True),
-    ("rope_base", "rope_base", 10000.0))
+_NOT_FACTORY_ARGUMENTS = ("name", "imports", "gradient_checkpointing")  # read by the registry and the trainer
+_FACTORY_KEYWORD = {"max_seq_len": "block_size"}  # config field -> factory keyword, where they differ
 
-def model_section(config: Any) -> Any:
-    "The `model` section of `config` (a root config, a model config, a mapping or `None`)."
-    if config is None: return {}
-    if isinstance(config, Mapping): return (config.get("model") or {}) if "model" in config else config
-    if not hasattr(config, "vocab_size") and hasattr(config, "model"): return config.model
-    return config
+def factory_fields() -> dict[str, str]:
+    "`{factory keyword: ModelConfig field}` for every field `build_model` passes to a factory."
+    return {_FACTORY_KEYWORD.get(f.name, f.name): f.name for f in fields(ModelConfig) if f.name not in _NOT_FACTORY_ARGUMENTS}
 
+# %% ../nbs/01_registry.ipynb #e6de86ef
 def _accepted(factory: ModelFactory, kwargs: dict[str, Any]) -> dict[str, Any]:
     "Drop keywords a factory without `**kwargs` cannot take."
     try: params = inspect.signature(factory).parameters.values()
@@ -195,14 +206,13 @@ def _accepted(factory: ModelFactory, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 def build_model(config: Any = None, **overrides) -> Any:
-    "Build the model named by `config.name` with the section's fields; `overrides` win."
-    section = model_section(config)
-    import_model_modules(config_value(section, "imports", ()) or ())
-    name = config_value(section, "name", None) or "reference_transformer"
-    factory = registry.get(name)
-    standard = {kw: config_value(section, key, default) for kw, key, default in _STANDARD_FIELDS}
+    "Build the model named by `model.name` with the section's standard fields; `overrides` win."
+    section = as_section(config, ModelConfig)
+    import_model_modules(section.imports)
+    factory = registry.get(section.name)
+    standard = {keyword: getattr(section, name) for keyword, name in factory_fields().items()}
     model = factory(**{**_accepted(factory, standard), **overrides})
     if model is None:
-        raise TypeError(f"model factory for '{name}' ({factory_path(factory) or repr(factory)}) returned None; "
+        raise TypeError(f"model factory for '{section.name}' ({factory_path(factory) or repr(factory)}) returned None; "
                         "it must return the model (a missing `return`?)")
     return model

@@ -7,34 +7,39 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import inspect
 import os
 import random
 import signal
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointManager
-from .config import ConfigError, SpeedtronicConfig
-from .files import atomic_write_text
-from .data import build_dataloader
+from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
+from .config import ConfigError, SpeedtronicConfig, run_target
+from .data import DataError, build_dataloader, check_loader_settings, collate_batch, select_dataset
+from .files import atomic_write, atomic_write_text, file_in_the_way
+from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
+from .optional import MissingExtra, optional_import
+from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
 from .precision import resolve_device, resolve_precision
 from .profiling import MetricLogger
+from .progress import ProgressBar
 from .registry import build_model
 from .schedules import build_scheduler
 from .shapes import validate_startup_shapes
-from .trainer import Trainer, TrainResult, TrainingInterrupted
+from .trainer import Trainer, TrainResult, TrainingInterrupted, call_model, resolve_loss
 
 # %% auto #0
-__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'config_hooks', 'build_logger', 'close_logger',
-           'demo_corpus_text', 'ensure_demo_corpus', 'effective_target', 'load_runtime_config', 'checkpoint_directory',
-           'distributed_problem', 'build_runtime', 'model_vocab_size', 'sigterm_stops', 'train_from_config',
-           'write_loss_plot', 'check_runnable']
+__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
+           'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
+           'RunClaim', 'claim_run', 'build_runtime', 'sigterm_stops', 'train_from_config', 'write_loss_plot',
+           'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -50,32 +55,22 @@ def seed_everything(seed: int) -> None:
     if torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
 
 # %% ../nbs/13_runtime.ipynb #2a44fbda
-def config_hooks(logging_config: Any) -> list:
-    "The hooks `logging.tensorboard_dir` / `logging.wandb` ask for (from the metrics module's `hooks_from_config`)."
-    import importlib
-    for name in ("speedtronic.hooks", "speedtronic.integrations"):
-        fn = getattr(importlib.import_module(name), "hooks_from_config", None)
-        if fn is not None: return list(fn(logging_config))
-    return []
-
-def build_logger(config: SpeedtronicConfig) -> MetricLogger:
+def build_logger(config: SpeedtronicConfig, *, run_id: str | None = None) -> MetricLogger:
     "A `MetricLogger` from `config.logging`, with its configured hooks and progress bar attached."
-    from speedtronic.progress import ProgressBar
-    lg = config.logging
-    logger = MetricLogger(level=lg.level, file=lg.file, json_file=lg.json_file, every_steps=lg.every_steps)
+    lg, paths = config.logging, run_paths(config)
+    logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps,
+                          run_id=run_id)
     try:
-        logger.hooks.extend(config_hooks(lg))
-        bar = ProgressBar(enabled=getattr(lg, "progress", "auto"))
-        if bar.enabled:
-            logger.hooks.append(bar)
-            if not bar.notebook: logger.guard_console(bar.cleared)  # log lines print above the bar
+        logger.hooks.extend(hooks_from_config(lg, progress=True))
+        for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
+            logger.guard_console(bar.cleared)  # log lines print above the bar
     except BaseException:
         close_logger(logger)
         raise
     return logger
 
 def close_logger(logger: Any) -> None:
-    "Close the logger, which waits for and closes its hooks (fixes O3)."
+    "Close the logger, which waits for and closes its hooks."
     close = getattr(logger, "close", None)
     if callable(close): close()
 
@@ -110,14 +105,12 @@ def ensure_demo_corpus(path: str | os.PathLike) -> Path:
         atomic_write_text(demo_corpus_text(), path)
     return path
 
-def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
-    tp = config.data.text_path
-    if tp and Path(tp).name == DEMO_CORPUS_NAME: ensure_demo_corpus(tp)
+def _is_demo_corpus(path: str | None) -> bool:
+    "Is `path` a demo corpus, written on first use?"
+    return bool(path) and Path(path).name == DEMO_CORPUS_NAME
 
-# %% ../nbs/13_runtime.ipynb #febebf91
-def effective_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
-    "The trainer's absolute target: `max_steps` > `data.max_steps` > `run.max_steps`."
-    return int(max_steps) if max_steps is not None else int(config.data.max_steps or config.run.max_steps)
+def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
+    if _is_demo_corpus(config.data.text_path): ensure_demo_corpus(config.data.text_path)
 
 # %% ../nbs/13_runtime.ipynb #5decef8d
 def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> SpeedtronicConfig:
@@ -125,10 +118,12 @@ def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> Speedt
     if isinstance(config, Mapping): config = SpeedtronicConfig.from_dict(dict(config))
     return config.validate()
 
-def checkpoint_directory(config: SpeedtronicConfig) -> Path:
-    "`checkpoint.directory`, relative paths resolved under `run.output_dir` (spec §1.8)."
-    d = Path(config.checkpoint.directory)
-    return d if d.is_absolute() else Path(config.run.output_dir) / d
+def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
+    "The model's vocabulary (its `vocab_size` attribute or config), passed to the loader."
+    for holder in (model, getattr(model, "config", None)):
+        v = getattr(holder, "vocab_size", None)
+        if isinstance(v, int) and v > 0: return v
+    return int(config.model.vocab_size)
 
 def distributed_problem(config: SpeedtronicConfig) -> str | None:
     "Why `distributed.enabled` cannot run with this installation, or None."
@@ -136,12 +131,71 @@ def distributed_problem(config: SpeedtronicConfig) -> str | None:
     return "distributed.enabled: true needs speedtronic.distributed, which is missing from this installation; reinstall speedtronic"
 
 def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any) -> Any:
+    "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`."
     if not config.distributed.enabled: return None
     if problem := distributed_problem(config): raise ConfigError(problem)
     from speedtronic.distributed import DumbDiLoCoCoordinator
-    state = Path(config.distributed.state_dir)
-    state = state if state.is_absolute() else Path(config.run.output_dir) / state  # the coordinator adds /<node_id>
-    return DumbDiLoCoCoordinator(config.distributed, model, state_dir=state, logger=logger)
+    return DumbDiLoCoCoordinator(config.distributed, model, state_dir=run_paths(config).state_dir, logger=logger)
+
+# %% ../nbs/13_runtime.ipynb #5dd65696
+@dataclass
+class RunClaim:
+    "A run's hold on its directories: its id and the locks it owns (`release()` gives them up)."
+    run_id: str
+    locks: list[RunLock] = field(default_factory=list)
+
+    def release(self) -> None:
+        "Release every lock (idempotent)."
+        for lock in self.locks: lock.release()
+
+def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
+    "Refuse (or, with `overwrite`, delete) the checkpoints a fresh run finds in its checkpoint directory."
+    files = checkpoint_files(checkpoints)
+    if not files: return
+    if overwrite: CheckpointManager(checkpoints).clear(); return
+    owner = read_pointer(checkpoints / CheckpointManager.pointer_name, warn=lambda message: None).get("run_id")
+    raise CheckpointError(f"{checkpoints} already holds checkpoints of {'run ' + owner if owner else 'an earlier run'} "
+                          f"(newest: {files[0].name}); a new run there would mix its checkpoints with them. Continue that run "
+                          "with --resume (resume=True), start over with --overwrite (overwrite=True), which deletes them, or "
+                          "train into another --output-dir (run.output_dir)")
+
+def claim_run(config: SpeedtronicConfig, *, resume: bool = False, overwrite: bool = False) -> RunClaim:
+    "Lock the run's directories and choose its run id; a fresh run refuses (or `overwrite`s) another run's checkpoints."
+    if resume and overwrite: raise ConfigError("--resume and --overwrite (resume=True, overwrite=True) cannot be combined: "
+                                               "resume continues the checkpoints there, overwrite deletes them; choose one")
+    paths = run_paths(config)
+    recorded = read_pointer(paths.checkpoints / CheckpointManager.pointer_name, warn=lambda message: None).get("run_id")
+    claim = RunClaim(recorded if resume and isinstance(recorded, str) else new_run_id())
+    try:
+        for i, lockfile in enumerate(paths.locks):
+            if i and not config.checkpoint.enabled: continue       # a checkpoint folder elsewhere that is not used
+            if i: CheckpointManager(lockfile.parent).check_writable()   # the manager's message when it cannot be created
+            claim.locks.append(lock_run(lockfile.parent, claim.run_id, key="checkpoint.directory" if i else "run.output_dir"))
+        if not resume and (overwrite or config.checkpoint.enabled): _others_checkpoints(paths.checkpoints, overwrite)
+    except BaseException:
+        claim.release()
+        raise
+    return claim
+
+# %% ../nbs/13_runtime.ipynb #721fb952
+def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
+                  *, resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
+                  device: str | torch.device | None = None,  # overrides `run.device`
+                  max_steps: int | None = None,  # overrides `data.max_steps` / `run.max_steps`
+                  overwrite: bool = False,  # a fresh run deletes the checkpoints it finds (CLI `--overwrite`)
+                 ) -> tuple[Trainer, CheckpointManager]:
+    "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
+    config = load_runtime_config(config)
+    resume = bool(resume or config.checkpoint.resume)
+    dev = resolve_device(device or config.run.device)        # a bad device is refused before any directory is made
+    claim = claim_run(config, resume=resume, overwrite=overwrite)
+    try: trainer, manager = _build_components(config, claim, resume=resume, device=dev, max_steps=max_steps)
+    except BaseException:
+        claim.release()
+        raise
+    trainer.run_claim = claim
+    weakref.finalize(trainer, claim.release)
+    return trainer, manager
 
 def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device) -> Any:
     "The data loader; a DiLoCo node reads its own shard (or draws its own data seed)."
@@ -152,13 +206,9 @@ def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device
     loader = build_dataloader(data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config))
     return shard_loader(loader, config.distributed) if distributed else loader
 
-def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
-                  *, resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
-                  device: str | torch.device | None = None,  # overrides `run.device`
-                  max_steps: int | None = None,  # overrides `data.max_steps` / `run.max_steps`
-                 ) -> tuple[Trainer, CheckpointManager]:
-    "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
-    config = load_runtime_config(config)
+def _build_components(config: SpeedtronicConfig, claim: RunClaim, *, resume: bool, device: Any, max_steps: int | None,
+                     ) -> tuple[Trainer, CheckpointManager]:
+    "`build_runtime` after the directory is claimed."
     seed_everything(config.run.seed)
     dev = resolve_device(device or config.run.device)
     plan = resolve_precision(config.precision, dev)
@@ -166,39 +216,38 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     model = build_model(config.model).to(dev)
     loader = _loader(config, model, dev)
     ck = config.checkpoint
-    manager = CheckpointManager(checkpoint_directory(config), every_steps=ck.every_steps, keep_last=ck.keep_last,
-                                enabled=ck.enabled)
-    logger = build_logger(config)
+    manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
+                                enabled=ck.enabled, run_id=claim.run_id)
+    logger = build_logger(config, run_id=claim.run_id)
     try:
         manager.logger = logger
+        for lock in claim.locks:
+            if lock.previous:
+                logger.warning(f"{lock.path.parent} was last claimed by run {lock.previous.get('run_id', '?')} (pid "
+                               f"{lock.previous.get('pid', '?')} on {lock.previous.get('host', '?')}), which ended without "
+                               "releasing it (killed?); this run takes it over")
         if getattr(logger, "device", "absent") is None: logger.device = dev
         if getattr(plan, "reason", None): logger.warning(f"precision: {plan.reason}")
         report = validate_startup_shapes(config, model, dev, plan, logger=logger)
         optimizer = build_optimizer(model, config, dev, logger=logger)
-        target = effective_target(config, max_steps)
+        target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
         coordinator = _coordinator(config, model, logger)
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
                           logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,
                           shape_report=report)
-        if resume or ck.resume:
+        if resume:
             state = manager.load_latest()
             if state is None:
                 logger.warning(f"resume requested but no local checkpoint was found in {manager.directory}; starting fresh")
             else:
                 trainer.resume(state, path=manager.loaded_path)
-                logger.info(f"resumed from {manager.loaded_path} at step {trainer.step}")
+                if isinstance(state.get("run_id"), str): claim.run_id = manager.run_id = logger.run_id = state["run_id"]
+                logger.info(f"resumed from {manager.loaded_path} at step {trainer.step} (run {claim.run_id})")
     except BaseException:
         close_logger(logger)
         raise
     return trainer, manager
-
-def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
-    "The model's vocabulary (its `vocab_size` attribute or config), passed to the loader (spec §1.9)."
-    for holder in (model, getattr(model, "config", None)):
-        v = getattr(holder, "vocab_size", None)
-        if isinstance(v, int) and v > 0: return v
-    return int(config.model.vocab_size)
 
 # %% ../nbs/13_runtime.ipynb #3c9024b4
 @contextlib.contextmanager
@@ -216,17 +265,18 @@ def sigterm_stops(trainer: Trainer) -> Iterator[None]:
 # %% ../nbs/13_runtime.ipynb #5bf102eb
 def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
                       *, resume: bool = False, device: str | torch.device | None = None,
-                      max_steps: int | None = None) -> TrainResult:
+                      max_steps: int | None = None, overwrite: bool = False) -> TrainResult:
     "Build the runtime from `config`, train to the target and return the `TrainResult`."
-    trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps)
+    trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps, overwrite=overwrite)
     try:
         with sigterm_stops(trainer):
             result = trainer.fit()
-        if getattr(trainer.config.logging, "loss_plot", True) and result.metrics:
-            write_loss_plot(result.metrics, manager.directory / "loss_curve.png", logger=trainer.logger)
+        if trainer.config.logging.loss_plot and result.metrics:
+            write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
         return result
     finally:
-        close_logger(trainer.logger)
+        try: close_logger(trainer.logger)
+        finally: trainer.run_claim.release()
 
 run = train_from_config
 train = train_from_config
@@ -235,36 +285,33 @@ train = train_from_config
 def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None) -> Path | None:
     "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
     try:
-        import matplotlib
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-    except ImportError:
-        msg = "matplotlib is not installed; skipping loss_curve.png (pip install 'speedtronic[plot]')"
-        if logger is not None: logger.info(msg)
+        figure = optional_import("matplotlib.figure", extra="plot", purpose="the loss plot")
+        agg = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the loss plot")
+    except MissingExtra as e:
+        if logger is not None: logger.info(f"skipped {Path(path).name}: {e}")
         return None
     points = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None]
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    try:
-        ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
-        ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("training loss"); ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-    finally: plt.close(fig)
-    return path
+    fig = figure.Figure(figsize=(6, 3.5))
+    agg.FigureCanvasAgg(fig)  # its own canvas: pyplot and the global backend are never touched
+    ax = fig.add_subplot()
+    ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.2)
+    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.set_title("training loss"); ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
 
 # %% ../nbs/13_runtime.ipynb #ac143b86
 def _missing_file(key: str, value: Any) -> str | None:
+    "The problem of a setting `key` naming a file that does not exist, or `None`."
     if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
-        if key == "data.text_path" and Path(value).name == DEMO_CORPUS_NAME: return None
         return f"{key}: file not found: {value} (create it, or fix the path relative to {os.getcwd()})"
     return None
 
 def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None) -> list[str]:
     "Problems that would stop `config` from training here (empty when it can run)."
     config = load_runtime_config(config)
-    problems = [p for p in (_missing_file("data.text_path", config.data.text_path),
-                            _missing_file("data.token_file", getattr(config.data, "token_file", None)),
+    text = None if _is_demo_corpus(config.data.text_path) else config.data.text_path  # written on first use
+    problems = [p for p in (_missing_file("data.text_path", text),
+                            _missing_file("data.token_file", config.data.token_file),
                             _missing_file("data.dataset", config.data.dataset if isinstance(config.data.dataset, str) else None))
                 if p]
     try: resolve_device(device or config.run.device)
@@ -285,5 +332,71 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
     if d.vocab_size and d.vocab_size > vocab:
         problems.append(f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
                         "token ids would be out of range; make them equal")
+    elif not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
+        problems += _first_step_problems(config, model, vocab)
+    problems += _directory_problems(config) + _logging_problems(config)
     if config.distributed.enabled and not problems: importlib.import_module("speedtronic.distributed").warn_commit_rate(config, device=device)
+    return problems
+
+# %% ../nbs/13_runtime.ipynb #fbc52282
+def _on_meta(batch: Any) -> Any:
+    "`batch` with every tensor moved to the meta device."
+    if torch.is_tensor(batch): return batch.to("meta")
+    if isinstance(batch, Mapping): return {k: _on_meta(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)): return type(batch)(_on_meta(v) for v in batch)
+    return batch
+
+def _first_step_problems(config: SpeedtronicConfig, model: torch.nn.Module, vocab: int) -> list[str]:
+    "What the first step would meet: the data opened as training opens it, and the model's loss on the first sample (meta)."
+    d = config.data
+    try:
+        dataset = select_dataset(d, vocab_size=vocab)
+        check_loader_settings(dataset, batch_size=d.micro_batch_size, drop_last=d.drop_last, shuffle=False)
+        sample = next(iter(dataset)) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
+        batch = _on_meta(collate_batch([sample]))
+    except (DataError, ValueError, OSError) as e: return [str(e)]
+    except Exception: return []        # a custom dataset the check cannot open like this: training will tell
+    try: output = call_model(model.train(), batch)
+    except Exception:                  # the meta device cannot run this model: run a small one for real
+        if sum(p.numel() for p in model.parameters()) > 50_000_000: return []
+        try:
+            batch = collate_batch([sample])
+            output = call_model(build_model(config.model).train(), batch)
+        except Exception as e:         # the first step would fail the same way
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return [f"model {config.model.name!r} fails on the first batch: {type(e).__name__}: {first}"]
+    try: loss = resolve_loss(output, batch)
+    except (TypeError, ValueError) as e: return [f"model {config.model.name!r}: {e}"]
+    if not loss.requires_grad:
+        return [f"model {config.model.name!r}: its loss does not depend on any trainable parameter (no gradient); "
+                "compute it from the model's outputs without .detach(), .item() or torch.no_grad()"]
+    return []
+
+def _directory_problems(config: SpeedtronicConfig) -> list[str]:
+    "Run directories another trainer holds now, or that cannot be created or written here."
+    paths, problems = run_paths(config), []
+    for key, directory in (("run.output_dir", paths.output_dir), ("checkpoint.directory", paths.checkpoints)):
+        if key == "checkpoint.directory" and not config.checkpoint.enabled: continue
+        if (holder := lock_holder(directory)) is not None:
+            problems.append(f"{key}: {directory} is in use by another training process: run {holder.get('run_id', '?')} "
+                            f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')})")
+        existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+        if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+            problems.append(f"{key}: {directory} cannot be written here ({existing} is not writable); choose a writable directory")
+    return problems
+
+def _logging_problems(config: SpeedtronicConfig) -> list[str]:
+    "Log, JSONL and TensorBoard paths that cannot be created; a W&B run that cannot start."
+    lg, problems = config.logging, []
+    for key, value in (("logging.file", lg.file), ("logging.json_file", lg.json_file)):
+        if not value: continue
+        blocker = file_in_the_way(Path(value).parent)
+        if Path(value).is_dir(): problems.append(f"{key}: {value} is a directory; give the path of a file")
+        elif blocker: problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
+    if lg.tensorboard_dir and (blocker := file_in_the_way(lg.tensorboard_dir)):
+        problems.append(f"logging.tensorboard_dir: {lg.tensorboard_dir} cannot be a directory because {blocker} is a file")
+    if lg.wandb:
+        from speedtronic.integrations import check_wandb
+        try: check_wandb(lg.wandb if isinstance(lg.wandb, dict) else {})
+        except (IntegrationError, ImportError) as e: problems.append(str(e))
     return problems

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, asdict
-from typing import Any
+from typing import Any, Callable
 
-import torch
-from torch.optim.lr_scheduler import LambdaLR
-
-from .config import ConfigError, config_section, explicit_fields
+from .config import ConfigError, SchedulerConfig, as_section, explicit_fields
+from .optional import optional_import
 
 # %% auto #0
-__all__ = ['SCHEDULE_NAMES', 'DEFAULT_WARMUP_STEPS', 'lr_multiplier', 'Schedule', 'default_warmup', 'resolve_schedule',
-           'ScheduledLR', 'build_scheduler', 'lr_of_update', 'schedule_points', 'plot_schedule', 'ScheduleExplorer',
-           'schedule_explorer']
+__all__ = ['SCHEDULE_NAMES', 'DEFAULT_WARMUP_STEPS', 'lr_multiplier', 'Schedule', 'default_warmup', 'horizon_and_warmup',
+           'resolve_schedule', 'build_scheduler', 'schedule_of', 'lr_of_update', 'load_scheduler_state',
+           'schedule_points', 'plot_schedule']
 
 # %% ../nbs/06_schedules.ipynb #f6a3c7b4
 SCHEDULE_NAMES = ("cosine", "constant")
@@ -27,9 +25,9 @@ def lr_multiplier(step: int, # updates applied so far (the scheduler's position)
                   min_lr_ratio: float = 0.1, # cosine floor as a fraction of the base rate
                   name: str = "cosine", # `cosine` or `constant`
                  ) -> float:
-    "Factor applied to the base learning rate after `step` updates (spec §6.3)."
+    "Factor applied to the base learning rate after `step` updates."
     if name not in SCHEDULE_NAMES:
-        raise ConfigError(f"scheduler.name must be one of {', '.join(SCHEDULE_NAMES)}, got {name!r}")
+        raise ConfigError(f"scheduler.name: {name!r} is not one of {', '.join(SCHEDULE_NAMES)}")
     w, n = max(0, int(warmup_steps)), max(1, int(max_steps))
     if w > 0 and step < w: return max(1e-8, (step + 1) / w)
     if name == "constant": return 1.0
@@ -50,85 +48,69 @@ class Schedule:
         return lr_multiplier(step, **asdict(self))
 
 # %% ../nbs/06_schedules.ipynb #14947225
-DEFAULT_WARMUP_STEPS = 100   # 2.0's `scheduler.warmup_steps` default (spec §1.4)
+DEFAULT_WARMUP_STEPS = SchedulerConfig.warmup_steps   # 2.0's default warmup, for a 1000-step horizon
 
 def default_warmup(horizon: int) -> int:
     "Warmup for a run that did not set one: 2.0's 100 updates, at most a tenth of the horizon."
     return min(DEFAULT_WARMUP_STEPS, max(0, int(horizon)) // 10)
 
-def _set_by_user(section: Any, key: str) -> bool:
-    "Whether the user wrote `scheduler.<key>` (`explicit_fields`, or a `<key>_explicit` attribute)."
-    return key in explicit_fields(section) or bool(getattr(section, f"{key}_explicit", False))
+def horizon_and_warmup(section: Any, # a `SchedulerConfig` (what the user wrote is in `explicit_fields`)
+                       target: int | None = None, # the run's target step, if known
+                      ) -> tuple[int, int]:
+    "The horizon and warmup a run uses: values the user wrote are kept, the others follow `target`."
+    written = explicit_fields(section)
+    horizon = section.max_steps if "max_steps" in written or target is None else target
+    warmup = section.warmup_steps if "warmup_steps" in written else default_warmup(horizon)
+    return horizon, warmup
 
-def resolve_schedule(config: Any, # a `SpeedtronicConfig`, or its `scheduler` section
-                     *, max_steps: int | None = None, # the run's effective target, if the runtime knows it
+def resolve_schedule(config: Any, # a `SpeedtronicConfig`, its `scheduler` section, or a mapping of either
+                     *, max_steps: int | None = None, # the run's target, if the caller knows one
                     ) -> Schedule:
-    "The schedule a run uses: name, horizon and warmup resolved from config and run target (fixes K1)."
-    sched = config_section(config, "scheduler")
-    name = str(getattr(sched, "name", "cosine") or "cosine").strip().lower()
-    if name not in SCHEDULE_NAMES:
-        raise ConfigError(f"scheduler.name must be one of {', '.join(SCHEDULE_NAMES)}, got {name!r}")
-    ratio = float(getattr(sched, "min_lr_ratio", 0.1))
-    if not 0.0 <= ratio <= 1.0:
-        raise ConfigError(f"scheduler.min_lr_ratio must be between 0 and 1, got {ratio!r}")
-    horizon = int(getattr(sched, "max_steps", 1000))
-    if max_steps is not None:
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0:
-            raise ConfigError(f"max_steps must be a positive integer, got {max_steps!r}")
-        if not _set_by_user(sched, "max_steps"): horizon = max_steps
-    if horizon <= 0: raise ConfigError(f"scheduler.max_steps must be positive, got {horizon!r}")
-    warmup = int(getattr(sched, "warmup_steps", 100))
-    if warmup < 0: raise ConfigError(f"scheduler.warmup_steps must be >= 0, got {warmup!r}")
-    if not _set_by_user(sched, "warmup_steps"): warmup = default_warmup(horizon)
-    return Schedule(name=name, warmup_steps=warmup, max_steps=horizon, min_lr_ratio=ratio)
+    "The schedule a run uses: its kind, and the horizon and warmup resolved against the run's target."
+    sched = as_section(config, SchedulerConfig)
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0):
+        raise ConfigError(f"max_steps: must be a positive integer, got {max_steps!r}")
+    horizon, warmup = horizon_and_warmup(sched, max_steps)
+    return Schedule(name=sched.name, warmup_steps=warmup, max_steps=horizon, min_lr_ratio=sched.min_lr_ratio)
 
 # %% ../nbs/06_schedules.ipynb #7ceb09c0
-class ScheduledLR(LambdaLR):
-    "A `LambdaLR` following a `Schedule`; its state dict holds the position only, never the schedule."
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule):
-        def multiplier(step: int) -> float: return schedule.multiplier(step)
-        self.speedtronic_schedule = schedule
-        super().__init__(optimizer, lr_lambda=multiplier)
+def _multiplier_of(schedule: Schedule) -> Callable[[int], float]:
+    "The schedule as a plain function (so `LambdaLR` never saves it), carrying the `Schedule` it follows."
+    def multiplier(step: int) -> float: return schedule.multiplier(step)
+    multiplier.schedule = schedule
+    return multiplier
 
-    def state_dict(self) -> dict:
-        "`LambdaLR`'s state (tensors and plain data, loadable with `weights_only=True`)."
-        state = super().state_dict()
-        state.pop("speedtronic_schedule", None)
-        return state
+def build_scheduler(optimizer: Any, # a `torch.optim.Optimizer`
+                    config: Any, # a `SpeedtronicConfig`, its `scheduler` section, or a mapping of either
+                    *, max_steps: int | None = None, # the run's target (see `resolve_schedule`)
+                   ) -> Any:
+    "A `torch.optim.lr_scheduler.LambdaLR` applying `resolve_schedule(config, max_steps=...)` to every parameter group."
+    from torch.optim.lr_scheduler import LambdaLR
+    return LambdaLR(optimizer, lr_lambda=_multiplier_of(resolve_schedule(config, max_steps=max_steps)))
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        "Restore the position and set each group's rate for it; the schedule stays the one this run resolved."
-        state = {k: v for k, v in state_dict.items() if k != "speedtronic_schedule"}
-        if len(state.get("base_lrs", self.base_lrs)) != len(self.base_lrs):
-            # written for other parameter groups (2.0's single AdamW group): keep the position only
-            state = {k: v for k, v in state.items() if k not in ("base_lrs", "_last_lr")}
-            state["lr_lambdas"] = [None] * len(self.base_lrs)
-        super().load_state_dict(state)
-        factor = self.speedtronic_schedule.multiplier(self.last_epoch)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs): group["lr"] = base * factor
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
-
-def build_scheduler(optimizer: torch.optim.Optimizer,
-                    config: Any, # a `SpeedtronicConfig`, or its `scheduler` section
-                    *, max_steps: int | None = None, # the run's effective target (see `resolve_schedule`)
-                   ) -> LambdaLR:
-    "A `LambdaLR` applying `resolve_schedule(config, max_steps=...)` to every parameter group."
-    return ScheduledLR(optimizer, resolve_schedule(config, max_steps=max_steps))
+def schedule_of(scheduler: Any) -> Schedule | None:
+    "The `Schedule` a scheduler from `build_scheduler` follows (`None` for any other scheduler)."
+    lambdas = getattr(scheduler, "lr_lambdas", None) or [None]
+    return getattr(lambdas[0], "schedule", None)
 
 def lr_of_update(scheduler_or_optimizer: Any) -> float:
-    "The rate the last `optimizer.step()` used; read it before `scheduler.step()` (fixes T7)."
+    "The rate the last `optimizer.step()` used; read it before `scheduler.step()`."
     optimizer = getattr(scheduler_or_optimizer, "optimizer", scheduler_or_optimizer)
     return float(optimizer.param_groups[0]["lr"])
 
-# %% ../nbs/06_schedules.ipynb #c3c29a6d
-def _require(module: str):
-    "Import an optional dependency of the plotting helpers, or say how to install it."
-    import importlib
-    try: return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"{module} is needed for schedule plots and widgets; "
-                          f"install it with: pip install 'speedtronic[dev]'") from exc
+# %% ../nbs/06_schedules.ipynb #4a33a29b
+def load_scheduler_state(scheduler: Any, state: dict) -> None:
+    "Restore a scheduler's position from `state`; a state written for other parameter groups keeps the position only."
+    state = dict(state)
+    if len(state.get("base_lrs", scheduler.base_lrs)) != len(scheduler.base_lrs):
+        state = {k: v for k, v in state.items() if k not in ("base_lrs", "_last_lr")}
+        state["lr_lambdas"] = [None] * len(scheduler.base_lrs)
+    scheduler.load_state_dict(state)
+    factors = [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, factors): group["lr"] = base * factor
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
+# %% ../nbs/06_schedules.ipynb #c3c29a6d
 def schedule_points(*, base_lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1,
                     name: str = "cosine") -> tuple[list[int], list[float]]:
     "Update numbers `1..max_steps` and the learning rate each of them uses."
@@ -142,7 +124,7 @@ def plot_schedule(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: 
                  ) -> tuple[Any, Any]:
     "Plot learning rate against update number; returns `(figure, axes)`."
     if ax is None:
-        Figure = _require("matplotlib.figure").Figure
+        Figure = optional_import("matplotlib.figure", extra="plot", purpose="plot_schedule").Figure
         ax = Figure(figsize=(6, 2.6), layout="constrained").subplots()
     xs, ys = schedule_points(base_lr=base_lr, warmup_steps=warmup_steps, max_steps=max_steps,
                              min_lr_ratio=min_lr_ratio, name=name)
@@ -151,63 +133,3 @@ def plot_schedule(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: 
     ax.set_title(f"{name}: warmup {warmup_steps}, horizon {max_steps}, floor {min_lr_ratio:g}×{base_lr:g}", fontsize=9)
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     return ax.figure, ax
-
-# %% ../nbs/06_schedules.ipynb #b1b8a39f
-class ScheduleExplorer:
-    "Sliders for a schedule's settings and a plot of the learning rate that follows them."
-    def __init__(self, *, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
-                 min_lr_ratio: float = 0.1, name: str = "cosine"):
-        w = _require("ipywidgets")
-        style = {"description_width": "initial"}
-        self.controls = {
-            "warmup_steps": w.IntSlider(value=warmup_steps, min=0, max=max(2000, warmup_steps), description="warmup", style=style),
-            "max_steps": w.IntSlider(value=max_steps, min=1, max=max(10000, max_steps), description="horizon", style=style),
-            "min_lr_ratio": w.FloatSlider(value=min_lr_ratio, min=0.0, max=1.0, step=0.01, description="floor ratio", style=style),
-            "name": w.Dropdown(options=list(SCHEDULE_NAMES), value=name, description="kind", style=style),
-            "base_lr": w.BoundedFloatText(value=base_lr, min=1e-9, max=10.0, step=1e-5, description="base lr", style=style),
-        }
-        # the box holds the exact rate (a log slider only reaches 10^(k/10): 3e-4 would show as 3.16e-4);
-        # the slider beside it is for dragging, and moves closer than half a notch to the box's value are its rounding
-        self.lr_slider = w.FloatLogSlider(value=base_lr, base=10, min=-6, max=0, step=0.1, readout=False)
-        def from_slider(change: Any) -> None:
-            box = self.controls["base_lr"]
-            if abs(math.log10(change["new"]) - math.log10(max(box.value, 1e-12))) >= 0.05: box.value = change["new"]
-        self.lr_slider.observe(from_slider, names="value")
-        self.controls["base_lr"].observe(lambda change: setattr(self.lr_slider, "value", change["new"]), names="value")
-        self.figure, self.ax = plot_schedule(**self.values())
-        self.line = self.ax.lines[0]
-        self.image = w.Image(format="png")
-        for control in self.controls.values(): control.observe(self.update, names="value")
-        self.widget = w.VBox([w.HBox(list(self.controls.values())[:3]), w.HBox([*list(self.controls.values())[3:], self.lr_slider]), self.image])
-        self.update()
-
-    def values(self) -> dict:
-        "The current slider settings, as keyword arguments of `plot_schedule`."
-        return {k: c.value for k, c in self.controls.items()}
-
-    def update(self, change: Any = None) -> None:
-        "Re-plot the curve for the current settings."
-        import io
-        v = self.values()
-        xs, ys = schedule_points(**v)
-        self.line.set_data(xs, ys)
-        self.ax.relim(); self.ax.autoscale_view()
-        self.ax.set_title(f"{v['name']}: warmup {v['warmup_steps']}, horizon {v['max_steps']}, "
-                          f"floor {v['min_lr_ratio']:g}×{v['base_lr']:.3g}", fontsize=9)
-        buf = io.BytesIO(); self.figure.savefig(buf, format="png", dpi=72)
-        self.image.value = buf.getvalue()
-
-    def _repr_mimebundle_(self, **kwargs) -> dict:
-        "The sliders and plot in Jupyter; a one-line summary as plain text."
-        return {**self.widget._repr_mimebundle_(**kwargs), "text/plain": repr(self)}
-
-    def __repr__(self) -> str:
-        v = self.values()
-        return (f"ScheduleExplorer({v['name']}, warmup {v['warmup_steps']}, horizon {v['max_steps']}, "
-                f"floor {v['min_lr_ratio']:g}, base lr {v['base_lr']:.3g}) - sliders show in Jupyter")
-
-def schedule_explorer(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
-                      min_lr_ratio: float = 0.1, name: str = "cosine") -> ScheduleExplorer:
-    "Interactive sliders (ipywidgets) re-plotting the learning-rate schedule; see `ScheduleExplorer`."
-    return ScheduleExplorer(base_lr=base_lr, warmup_steps=warmup_steps, max_steps=max_steps,
-                            min_lr_ratio=min_lr_ratio, name=name)

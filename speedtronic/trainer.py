@@ -5,32 +5,31 @@
 # %% ../nbs/11_trainer.ipynb #9c83b00c
 from __future__ import annotations
 
-import math
-import signal
-import threading
+import inspect
+import os
 import time
-import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
+from fastcore.basics import patch
 from torch import nn
 
-from .checkpoint import capture_rng_state, check_compatible, restore_rng_state
-from .config import SpeedtronicConfig, config_value
+from .checkpoint import CheckpointError, capture_rng_state, check_compatible, load_checkpoint, restore_rng_state, setting_changes
+from .config import SpeedtronicConfig
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
 from .precision import autocast_context, make_grad_scaler, resolve_precision
 from .profiling import MetricLogger
+from .schedules import load_scheduler_state
 
 # %% auto #0
 __all__ = ['TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator', 'TrainResult',
            'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model', 'is_compile_failure',
-           'read_pending', 'scaler_step', 'Trainer']
+           'read_pending', 'scaler_step', 'gradient_norm', 'nonfinite_update', 'TrainerSettings', 'Trainer']
 
 # %% ../nbs/11_trainer.ipynb #beb9dcd2
 class TrainingError(RuntimeError):
@@ -41,7 +40,15 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 @runtime_checkable
 class SyncCoordinator(Protocol):
-    "What the trainer calls around training: DiLoCo and other sync schemes implement this."
+    """What the trainer calls around training; DiLoCo and other sync schemes implement it.
+
+    `start()` runs when a `fit` has work to do and `stop()` always when it ends. `after_optimizer_step(model, step)`
+    runs after each applied update and its scheduler step; a truthy return tells the trainer to clear the inner
+    optimizer's state (`optimizer.state`). The coordinator decides when that is wanted: the DiLoCo coordinator
+    returns True after it pushed or installed weights, and only when its `reset_inner_optimizer` setting is on.
+    `state_dict()` is saved in every checkpoint and given back through `load_state_dict` (or, when the
+    coordinator has one, `prepare_state` before `start()`) on resume. An optional `finish(model, step)` runs once
+    after the last step of a `fit` that made updates, before the final checkpoint (DiLoCo's final round)."""
     def start(self) -> None: ...
     def after_optimizer_step(self, model: Any, step: int) -> bool | None: ...
     def stop(self) -> None: ...
@@ -81,13 +88,17 @@ def _labels_of(batch: Any) -> Any:
     if isinstance(batch, (tuple, list)) and len(batch) > 1: return batch[1]
     return None
 
-def _scalar(loss: torch.Tensor) -> torch.Tensor:
+def _scalar(loss: Any, what: str = "loss") -> torch.Tensor:
+    "`loss` as a 0-d tensor (mean-reduced); a `TypeError` saying what to return when it is not a tensor."
+    if not torch.is_tensor(loss):
+        raise TypeError(f"the model's {what} is a {type(loss).__name__}, not a tensor: return the loss tensor computed from "
+                        "the model's outputs (e.g. F.cross_entropy(...)), not loss.item() or a Python number")
     return loss if loss.ndim == 0 else loss.mean()
 
 def resolve_loss(output: Any, batch: Any) -> torch.Tensor:
-    "The scalar training loss from a model `output` for `batch` (spec §7.3)."
+    "The scalar training loss from a model `output` for `batch`."
     if isinstance(output, Mapping):
-        if output.get("loss") is not None: return _scalar(output["loss"])
+        if output.get("loss") is not None: return _scalar(output["loss"], "output 'loss'")
         loss = causal_lm_loss(output.get("logits"), _labels_of(batch))
         if loss is None:
             raise ValueError("model output mapping needs a 'loss' or causal 'logits' of shape (B, T, V) "
@@ -175,14 +186,58 @@ def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     if found is not None: return found == 0
     return not scaler.get_scale() < before
 
-# %% ../nbs/11_trainer.ipynb #6d30d448
-def _compile_enabled(config: Any) -> bool:
-    value = getattr(config, "compile", False) if config is not None else False
-    if isinstance(value, Mapping): value = value.get("enabled", False)
-    return bool(getattr(value, "enabled", value))
+# %% ../nbs/11_trainer.ipynb #504d5754
+def gradient_norm(parameters: Any) -> torch.Tensor:
+    "The global L2 norm of the gradients of `parameters` (a 0-d tensor; 0 when there are none), without a host sync."
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads: return torch.zeros(())
+    total = getattr(torch.nn.utils, "get_total_norm", None)
+    if total is not None: return total(grads, 2.0)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32).to(grads[0].device)
+                                                 for g in grads]))
 
+def nonfinite_update(loss: torch.Tensor, norm: torch.Tensor) -> tuple[str | None, float, float]:
+    "(why the update must not be applied — `nonfinite_loss`, `nonfinite_gradient` — or `None`, loss, norm) in one read."
+    loss_value, norm_value = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]).tolist()
+    finite = lambda v: v == v and abs(v) != float("inf")
+    if not finite(loss_value): return "nonfinite_loss", loss_value, norm_value
+    if not finite(norm_value): return "nonfinite_gradient", loss_value, norm_value
+    return None, loss_value, norm_value
+
+# %% ../nbs/11_trainer.ipynb #83784179
+@dataclass(frozen=True)
+class TrainerSettings:
+    "What the trainer takes from a configuration, read once when it is built."
+    max_steps: int  # `run.max_steps`: the target when `Trainer(max_steps=...)` is not given
+    accumulation_steps: int  # `data.accumulation_steps`: microbatches per optimizer update
+    grad_clip: float | None  # `optimizer.grad_clip`: global L2-norm clip, `None` for none
+    max_skipped_steps: int  # `precision.max_skipped_steps`: GradScaler skips in a row before the run stops
+    max_nonfinite_skips: int  # `optimizer.max_nonfinite_skips`: NaN/inf updates skipped in a row before the run stops
+    metrics_history: int | None  # `logging.metrics_history`: records kept in `TrainResult.metrics`; `None` keeps all
+    compile: bool  # `compile`: run a `torch.compile`d model
+    gradient_checkpointing: bool  # `gradient_checkpointing`: ask the model to recompute activations
+    ooo_backprop: bool  # `ooo_backprop`: out-of-order backprop on CUDA streams
+    ooo_streams: int  # `ooo_streams`: how many streams it uses
+
+    @classmethod
+    def from_config(cls, config: SpeedtronicConfig) -> TrainerSettings:
+        "The trainer's settings in `config` (`SpeedtronicConfig()` gives a trainer built without one)."
+        return cls(max_steps=config.run.max_steps, accumulation_steps=config.data.accumulation_steps,
+                   grad_clip=config.optimizer.grad_clip, max_skipped_steps=config.precision.max_skipped_steps,
+                   max_nonfinite_skips=config.optimizer.max_nonfinite_skips,
+                   metrics_history=config.logging.metrics_history, compile=config.compile,
+                   gradient_checkpointing=config.gradient_checkpointing, ooo_backprop=config.ooo_backprop,
+                   ooo_streams=config.ooo_streams)
+
+def _as_config(config: SpeedtronicConfig | Mapping | None) -> SpeedtronicConfig | None:
+    "A `SpeedtronicConfig` built (and checked) from a mapping; a config or `None` as given."
+    if config is None or isinstance(config, SpeedtronicConfig): return config
+    if isinstance(config, Mapping): return SpeedtronicConfig.from_dict(config)
+    raise TypeError(f"Trainer(config=...) takes a SpeedtronicConfig, a mapping or None, got {type(config).__name__}")
+
+# %% ../nbs/11_trainer.ipynb #6d30d448
 class Trainer:
-    "Runs global optimizer steps with accumulation, precision, clipping, checkpoints and events (spec §7)."
+    "Runs global optimizer steps with accumulation, precision, clipping, checkpoints and events."
     def __init__(self,
                  model: nn.Module,
                  optimizer: torch.optim.Optimizer,
@@ -195,43 +250,28 @@ class Trainer:
                  logger: Any = None,  # a `MetricLogger`; a default one writes to stdout
                  checkpoint_manager: Any = None,
                  coordinator: SyncCoordinator | None = None,
-                 max_steps: int | None = None,  # absolute target step
+                 max_steps: int | None = None,  # absolute target step (default `run.max_steps`)
                  start_step: int = 0,
-                 shape_report: Any = None):
-        if isinstance(config, Mapping): config = SpeedtronicConfig.from_dict(dict(config))
-        self.model, self.optimizer, self.dataloader = model, optimizer, dataloader
+                 shape_report: Any = None):  # a startup shape report; `None` checks shapes at the first `fit`
+        self.config = _as_config(config)
+        read = self.config if self.config is not None else SpeedtronicConfig()
+        self.settings = TrainerSettings.from_config(read)
+        self.model, self.optimizer, self.dataloader, self.scheduler = model, optimizer, dataloader, scheduler
         self.device = torch.device(device)
-        self.config, self.scheduler = config, scheduler
         self.logger = logger if logger is not None else MetricLogger()
-        self.precision = precision if precision is not None else resolve_precision(
-            config.precision if config is not None else None, self.device)
         if getattr(self.logger, "device", "absent") is None: self.logger.device = self.device
-        self.checkpoint_manager, self.coordinator = checkpoint_manager, coordinator
-        self.max_steps = int(max_steps) if max_steps is not None else int(config_value(config, "run.max_steps", 1000))
-        self.step, self.samples, self._tokens = int(start_step), 0, 0
-        self.shape_report = shape_report
+        self.precision = precision if precision is not None else resolve_precision(read.precision, self.device)
         self.scaler = make_grad_scaler(self.precision)
-        self.grad_clip = config_value(config, "optimizer.grad_clip", None)
-        self.max_skipped_steps = int(config_value(config, "precision.max_skipped_steps", 100))
-        history = config_value(config, "logging.metrics_history", 10000)  # null keeps every record
-        self.metrics_history: int | None = None if history is None else int(history)
-        self.stop_requested: str | None = None
-        self._batches: Iterator | None = None
-        self._pending: list[_PendingStep] = []
-        self._deferred_scaler: dict | None = None
-        self._deferred_coordinator: dict | None = None
-        self._coordinator_started = False
-        self._last_saved_step = -1
-        self._boundary: dict | None = None
-        self._ooo = None
-        self._updating = False
+        self.checkpoint_manager, self.coordinator, self.shape_report = checkpoint_manager, coordinator, shape_report
+        self.max_steps = int(max_steps) if max_steps is not None else self.settings.max_steps
+        self.step, self.samples, self._tokens = int(start_step), 0, 0
+        self.stop_requested: str | None = None  # set by `request_stop`; `fit` stops after the current step
+        self._pending: list[_PendingStep] = []  # completed steps whose loss and tokens are still on the device
+        self._batches: Iterator | None = None  # the loader's batches; the next `fit` continues them
+        self._deferred_scaler = self._deferred_coordinator = None  # resumed state, applied by the next `fit`
+        self._coordinator_started, self._last_saved_step = False, -1
         self._setup_gradient_checkpointing()
         self.compiled_model = self._setup_compile()
-
-    @property
-    def accumulation_steps(self) -> int:
-        "Microbatches per optimizer update (`data.accumulation_steps`, at least 1)."
-        return max(1, int(config_value(self.config, "data.accumulation_steps", 1)))
 
     @property
     def tokens(self) -> int:
@@ -241,50 +281,58 @@ class Trainer:
     @tokens.setter
     def tokens(self, value: int): self._tokens = int(value)
 
-    def _setup_gradient_checkpointing(self) -> None:
-        if not config_value(self.config, "gradient_checkpointing", False): return
-        try: self.model.set_gradient_checkpointing(True)
-        except Exception as e:
-            self.logger.warning(f"gradient checkpointing is enabled but the model could not turn it on: {e}")
+# %% ../nbs/11_trainer.ipynb #66337ff4
+@patch(as_prop=True)
+def accumulation_steps(self: Trainer) -> int:
+    "Microbatches per optimizer update (`data.accumulation_steps`; 1 without a config)."
+    return self.settings.accumulation_steps
 
-    def _setup_compile(self) -> nn.Module | None:
-        if not _compile_enabled(self.config): return None
-        try: compiled = torch.compile(self.model)
-        except Exception as e:
-            self.logger.emit("compile", {"enabled": False, "reason": f"torch.compile failed: {e}"})
-            return None
-        self.logger.emit("compile", {"enabled": True})
-        return compiled
+@patch(as_prop=True)
+def metrics_history(self: Trainer) -> int | None:
+    "Most `train_step` records a `TrainResult` keeps (`logging.metrics_history`; `None` keeps all)."
+    return self.settings.metrics_history
 
-def _method(cls: type, name: str | None = None):
-    "Attach the decorated function to `cls` as method `name` (default: its own name)."
-    def attach(f):
-        f.__name__ = name or f.__name__
-        f.__qualname__ = f"{cls.__name__}.{f.__name__}"
-        setattr(cls, f.__name__, f)
-        return f
-    return attach
+# %% ../nbs/11_trainer.ipynb #7acf274f
+@patch
+def _setup_gradient_checkpointing(self: Trainer) -> None:
+    "Turn on the model's gradient checkpointing when the config asks; a model without the hook only warns."
+    if not self.settings.gradient_checkpointing: return
+    try: self.model.set_gradient_checkpointing(True)
+    except Exception as e:
+        self.logger.warning(f"gradient checkpointing is enabled but the model could not turn it on: {e}")
+
+@patch
+def _setup_compile(self: Trainer) -> nn.Module | None:
+    "The `torch.compile`d model when the config asks for it (a `compile` event says whether it worked)."
+    if not self.settings.compile: return None
+    try: compiled = torch.compile(self.model)
+    except Exception as e:
+        self.logger.emit("compile", {"enabled": False, "reason": f"torch.compile failed: {e}"})
+        return None
+    self.logger.emit("compile", {"enabled": True})
+    return compiled
 
 # %% ../nbs/11_trainer.ipynb #7f41a026
-@_method(Trainer, "request_stop")
-def _request_stop(self: Trainer, reason: str = "stop requested") -> None:
+@patch
+def request_stop(self: Trainer, reason: str = "stop requested") -> None:
     "Ask `fit` to stop after the current step, save it, and raise `TrainingInterrupted`."
     self.stop_requested = reason
 
 # %% ../nbs/11_trainer.ipynb #47617218
-@_method(Trainer)
+@patch
 def _loader_state(self: Trainer) -> dict | None:
+    "The loader's position, when it can tell it."
     fn = getattr(self.dataloader, "state_dict", None)
     return fn() if callable(fn) else None
 
-@_method(Trainer)
+@patch
 def _boundary_state(self: Trainer) -> dict:
     "RNG and data position at the end of the last completed step."
     return {"rng": capture_rng_state(), "data": self._loader_state()}
 
-@_method(Trainer, "checkpoint_state")
-def _checkpoint_state(self: Trainer, boundary: dict | None = None) -> dict[str, Any]:
-    "The checkpoint payload of the last completed step (spec §8.3 plus `data`)."
+@patch
+def checkpoint_state(self: Trainer, boundary: dict | None = None) -> dict[str, Any]:
+    "The checkpoint payload of the last completed step (model, optimizer, counters, RNG, data position...)."
     boundary = boundary or self._boundary_state()
     plan = self.precision
     return {"model": self.model.state_dict(),
@@ -298,28 +346,63 @@ def _checkpoint_state(self: Trainer, boundary: dict | None = None) -> dict[str, 
             "precision": {"mode": getattr(plan, "mode", None), "autocast_enabled": getattr(plan, "autocast_enabled", False),
                           "use_scaler": getattr(plan, "use_scaler", False)}}
 
-@_method(Trainer, "save_checkpoint")
-def _save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
+@patch
+def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
     "Save the last completed step through the checkpoint manager and emit `checkpoint`."
     path = self.checkpoint_manager.save(self.step, self.checkpoint_state(boundary))
     self._last_saved_step = self.step
     self.logger.emit("checkpoint", {"step": self.step, "path": str(path)})
     return path
 
-@_method(Trainer, "resume")
-def _resume(self: Trainer, state: Mapping[str, Any],
-            path: Any = None,  # the checkpoint file `state` came from, named in error messages
-           ) -> None:
-    "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state`."
+# %% ../nbs/11_trainer.ipynb #4e730724
+@patch
+def _apply_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
+    "Put changed optimizer settings back into the parameter groups (the loaded state held the saved ones)."
+    keys, opt = {k for k, *_ in applied}, self.config.optimizer
+    for group in self.optimizer.param_groups:
+        if "optimizer.betas" in keys and "betas" in group: group["betas"] = tuple(opt.betas)
+        if "optimizer.eps" in keys and "eps" in group: group["eps"] = opt.eps
+        decayed = opt.weight_decay_on == "all" or all(p.ndim >= 2 for p in group["params"])
+        if "optimizer.weight_decay" in keys and "weight_decay" in group and decayed: group["weight_decay"] = opt.weight_decay
+        if "optimizer.lr" in keys: group["lr"] = group["initial_lr"] = opt.lr
+    sched = self.scheduler
+    if "optimizer.lr" in keys and sched is not None and hasattr(sched, "lr_lambdas"):
+        sched.base_lrs = [opt.lr] * len(self.optimizer.param_groups)
+        for group, fn in zip(self.optimizer.param_groups, sched.lr_lambdas): group["lr"] = opt.lr * fn(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+@patch
+def _report_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
+    "One warning and one `settings_changed` event listing what changed since the checkpoint."
+    if not applied: return
+    listed = "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in applied)
+    self.logger.warning(f"resume: settings changed since the checkpoint, applied from step {self.step + 1}: {listed}")
+    self.logger.emit("settings_changed", {"step": self.step, "changed": {k: [old, new] for k, old, new in applied}})
+
+# %% ../nbs/11_trainer.ipynb #84093330
+@patch
+def resume(self: Trainer, state: Mapping[str, Any] | str | os.PathLike,  # a checkpoint state, or the path of a checkpoint file
+           path: Any = None,  # the checkpoint file `state` came from, named in error messages
+          ) -> None:
+    "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state` (or file)."
+    if isinstance(state, (str, os.PathLike)): state, path = load_checkpoint(state), state
+    if not isinstance(state, Mapping):
+        raise TypeError(f"resume takes a checkpoint state (a dict) or the path of a checkpoint file, got {type(state).__name__}")
     check_compatible(state, model=self.model, config=self.config, path=path)
-    data = state.get("data")  # a loader that refuses the position (other micro_batch_size) fails before anything changed
+    refused, applied = setting_changes(state, self.config)
+    if refused:
+        where = f"checkpoint {path}" if path is not None else "the checkpoint"
+        raise CheckpointError(f"{where} cannot continue with the current settings:\n  - " + "\n  - ".join(refused)
+                              + "\nResume with the saved values, or start a fresh run (--overwrite, or another --output-dir)")
+    data = state.get("data")  # a loader that refuses the position (other data, micro_batch_size) fails before anything changed
     if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
         self.dataloader.load_state_dict(data)
     self.model.load_state_dict(state["model"])
     if state.get("optimizer") is not None:
         note = load_optimizer_state(self.optimizer, state["optimizer"], self.model)
         if note: self.logger.warning("resume: %s", note)
-    if self.scheduler is not None and state.get("scheduler") is not None: self.scheduler.load_state_dict(state["scheduler"])
+    if self.scheduler is not None and state.get("scheduler") is not None: load_scheduler_state(self.scheduler, state["scheduler"])
+    if applied: self._apply_changed_settings(applied)
     self.step, self.samples = int(state.get("step", 0)), int(state.get("samples", 0))
     self._tokens, self._pending = int(state.get("tokens", 0)), []
     if state.get("rng"): restore_rng_state(state["rng"], logger=self.logger)
@@ -327,131 +410,197 @@ def _resume(self: Trainer, state: Mapping[str, Any],
     self._deferred_scaler = state.get("scaler")
     self._deferred_coordinator = state.get("coordinator")
     self._last_saved_step = self.step
+    self._report_changed_settings(applied)
+
+# %% ../nbs/11_trainer.ipynb #8d435c8f
+@dataclass
+class _FitState:
+    "What one `fit` call keeps while it runs."
+    model: nn.Module  # the module forward runs on: the compiled one, or the model itself
+    target: int  # the absolute step this call trains to
+    start: tuple[int, int, int]  # step, samples and tokens when the call began (for the rates)
+    records: deque  # the newest `train_step` records, at most `metrics_history`
+    ooo: Any = None  # this call's out-of-order backprop scheduler, disposed of at the end
+    keep_boundary: bool = False  # a checkpoint manager is on: remember each step's RNG and data position
+    boundary: dict | None = None  # RNG and data position after the last completed step
+    updating: bool = False  # inside an optimizer update, which an interruption must not save half-done
+    last_loss: float | None = None  # loss of the newest recorded step
+    unwritten: dict | None = None  # the newest record, when the logging cadence skipped it
+    t0: float = field(default_factory=time.perf_counter)  # when the loop started
+
+# %% ../nbs/11_trainer.ipynb #719b47ec
+@patch
+def _start_ooo(self: Trainer) -> Any:
+    "The out-of-order backprop scheduler `ooo_backprop` asks for, or `None`; an `ooo_backprop` event says which."
+    if not self.settings.ooo_backprop: return None
+    if self.compiled_model is not None:
+        self.logger.warning("ooo_backprop is disabled because compile is enabled")
+        self.logger.emit("ooo_backprop", {"enabled": False, "reason": "compile is enabled"})
+        return None
+    try: from speedtronic.scheduling import StageStreamScheduler
+    except ImportError as e:
+        self.logger.emit("ooo_backprop", {"enabled": False, "reason": f"stream scheduler unavailable: {e}"})
+        return None
+    ooo = StageStreamScheduler(self.model, self.device, num_streams=self.settings.ooo_streams, logger=self.logger)
+    self.logger.emit("ooo_backprop", ooo.as_dict())
+    return ooo
+
+@patch
+def _begin_fit(self: Trainer, limit: int) -> _FitState:
+    "Check the target, prepare model, shapes, checkpoint directory, scaler and optimizer; the call's state."
+    if limit <= 0: raise ValueError(f"max_steps must be positive, got {limit}")
+    target = max(self.step, limit)
+    if limit < self.step:
+        self.logger.warning(f"max_steps={limit} is an absolute target step and the trainer is already at step "
+                            f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})")
+    self.model.to(self.device)
+    self.model.train()
+    if self.config is not None and self.shape_report is None:
+        from speedtronic.shapes import validate_startup_shapes
+        self.shape_report = validate_startup_shapes(self.config, self.model, self.device, self.precision, logger=self.logger)
+    manager = self.checkpoint_manager
+    keep = manager is not None and getattr(manager, "enabled", True)
+    if keep and self.step < target and callable(getattr(manager, "check_writable", None)): manager.check_writable()
+    ooo = self._start_ooo()
+    if self._deferred_scaler and self.scaler is not None: self.scaler.load_state_dict(self._deferred_scaler)
+    self._deferred_scaler = None
+    self.optimizer.zero_grad(set_to_none=True)
+    return _FitState(model=self.compiled_model if self.compiled_model is not None else self.model, target=target,
+                     start=(self.step, self.samples, self.tokens), records=deque(maxlen=self.settings.metrics_history),
+                     ooo=ooo, keep_boundary=keep)
 
 # %% ../nbs/11_trainer.ipynb #6726dd3c
-@_method(Trainer)
-def _forward(self: Trainer, model: nn.Module, batch: Any) -> torch.Tensor:
+@patch
+def _forward(self: Trainer, run: _FitState, batch: Any) -> torch.Tensor:
+    "The loss of one microbatch; a compile failure switches this and later calls to the eager model."
     with autocast_context(self.precision, self.device):
-        if model is self.compiled_model:
-            try: output = call_model(model, batch)
+        if run.model is self.compiled_model:
+            try: output = call_model(run.model, batch)
             except Exception as e:
                 if not is_compile_failure(e): raise
-                self.compiled_model = None
+                self.compiled_model, run.model = None, self.model
                 self.logger.emit("compile", {"enabled": False, "reason": f"compilation failed; running eagerly: {type(e).__name__}: {e}"})
-                self._active = self.model
                 output = call_model(self.model, batch)
-        else: output = call_model(model, batch)
+        else: output = call_model(run.model, batch)
     return resolve_loss(output, batch)
 
-@_method(Trainer)
-def _accumulate(self: Trainer, batches: Iterator) -> tuple[torch.Tensor, int | torch.Tensor, int, int]:
+@patch
+def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torch.Tensor, int, int]:
     "Forward/backward `K` microbatches; returns (mean loss tensor, tokens, samples, microbatches)."
-    K = self.accumulation_steps
+    K = self.settings.accumulation_steps
     loss_sum, tokens, samples = None, 0, 0
     for _ in range(K):
-        batch = move_batch(next(batches), self.device)
+        batch = move_batch(next(self._batches), self.device)
         n, t = batch_size_and_tokens(batch)
         samples, tokens = samples + n, tokens + t
-        if self._ooo is not None: self._ooo.begin()
-        loss = self._forward(self._active, batch)
-        if self._ooo is not None: self._ooo.finish()
+        if run.ooo is not None: run.ooo.begin()
+        loss = self._forward(run, batch)
+        if run.ooo is not None: run.ooo.finish()
+        if not loss.requires_grad:
+            raise TrainingError("the model's loss does not depend on any trainable parameter (it has no gradient): compute it "
+                                "from the model's outputs without .detach(), .item() or torch.no_grad(), and check the "
+                                "parameters have requires_grad=True")
         detached = loss.detach().float()
         loss_sum = detached if loss_sum is None else loss_sum + detached
         scaled = loss * (1.0 / K)
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
     return loss_sum / K, tokens, samples, K
 
-@_method(Trainer)
-def _apply_update(self: Trainer) -> bool:
-    "Clip and step the optimizer; True when the update was applied."
-    params = list(self.model.parameters()) if self.grad_clip else None
+# %% ../nbs/11_trainer.ipynb #a206ee54
+@patch
+def _apply_update(self: Trainer, loss: torch.Tensor) -> tuple[str | None, float, float]:
+    "Clip, check and step the optimizer: (why it was skipped or `None` when applied, loss, gradient norm)."
+    clip = self.settings.grad_clip
+    params = list(self.model.parameters())
     if self.scaler is not None:
-        if self.grad_clip:
+        if clip:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        applied = scaler_step(self.scaler, self.optimizer)
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        outcome = (None if scaler_step(self.scaler, self.optimizer) else "grad_scaler_overflow"), float("nan"), float("nan")
     else:
-        if self.grad_clip: torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        self.optimizer.step()
-        applied = True
+        norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params)
+        outcome = nonfinite_update(loss, norm)
+        if outcome[0] is None: self.optimizer.step()
     self.optimizer.zero_grad(set_to_none=True)
-    return applied
+    return outcome
 
-@_method(Trainer)
-def _train_one_step(self: Trainer, batches: Iterator) -> None:
+# %% ../nbs/11_trainer.ipynb #673ae880
+@patch
+def _train_one_step(self: Trainer, run: _FitState) -> None:
     "Run microbatches until one update is applied, then advance step, schedule, coordinator and records."
     skipped = 0
     while True:
-        loss, tokens, samples, micro = self._accumulate(batches)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses (T7)
-        self._updating = True
-        if self._apply_update(): break
-        self._updating = False
+        loss, tokens, samples, micro = self._accumulate(run)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
+        run.updating = True
+        reason, loss_value, norm = self._apply_update(loss)
+        if reason is None: break
+        run.updating = False
         skipped += 1
-        self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": "grad_scaler_overflow"})
-        if skipped >= self.max_skipped_steps:
+        self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": reason})
+        if reason == "grad_scaler_overflow" and skipped >= self.settings.max_skipped_steps:
             raise TrainingError(f"the GradScaler skipped {skipped} updates in a row at step {self.step + 1} "
                                 "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use precision bf16/fp32, "
                                 "or raise precision.max_skipped_steps")
-    self._boundary = None  # the RNG/data position of this step is taken once it completes
+        if reason != "grad_scaler_overflow" and skipped > self.settings.max_nonfinite_skips:
+            raise self._nonfinite_error(reason, loss_value, norm, skipped, lr)
+    run.boundary = None  # the RNG/data position of this step is taken once it completes
     self.samples += samples
     self.step += 1
     if self.scheduler is not None: self.scheduler.step()
-    self._updating = False
-    if self.coordinator is not None:
-        if self.coordinator.after_optimizer_step(self.model, self.step) and \
-                config_value(self.config, "distributed.reset_inner_optimizer", True):
-            self.optimizer.state.clear()
+    run.updating = False
+    if self.coordinator is not None and self.coordinator.after_optimizer_step(self.model, self.step):
+        self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
     self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
 
+# %% ../nbs/11_trainer.ipynb #ac0aaca8
+@patch
+def _nonfinite_error(self: Trainer, reason: str, loss: float, norm: float, skipped: int, lr: float) -> TrainingError:
+    "The `TrainingError` that stops a run at a NaN/inf loss or gradient: the step, the value, what to try."
+    what = f"the loss is {loss}" if reason == "nonfinite_loss" else f"the gradient norm is {norm} (the loss is {loss})"
+    budget = self.settings.max_nonfinite_skips
+    row = f" after {skipped - 1} skipped update{'s' if skipped != 2 else ''} in a row" if budget else ""
+    return TrainingError(f"step {self.step + 1}: {what}{row}, so the update was not applied and training stopped; the "
+                         f"weights are those of step {self.step}. Lower optimizer.lr (this update used {lr:g}), set "
+                         "optimizer.grad_clip (e.g. 1.0), use precision fp32, or look for inf/NaN in the data and the model; "
+                         f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of stopping")
+
 # %% ../nbs/11_trainer.ipynb #cf2ea3d8
-@_method(Trainer)
-def _flush(self: Trainer) -> None:
+@patch
+def _flush(self: Trainer, run: _FitState) -> None:
     "Read pending losses/tokens in one transfer, emit their `train_step` records and keep them."
     if not self._pending: return
-    pending, self._pending = self._pending, []
-    for p, (loss, tokens) in zip(pending, read_pending(pending)):
-        self._tokens += tokens
-        elapsed = max(p.time - self._t0, 1e-9)
+    for loss, tokens in read_pending(list(self._pending)):
+        p = self._pending[0]
+        total = self._tokens + tokens
+        elapsed = max(p.time - run.t0, 1e-9)
         record = {"step": p.step, "loss": loss, "lr": p.lr,
-                  "steps_per_sec": (p.step - self._start[0]) / elapsed,
-                  "samples_per_sec": (p.samples - self._start[1]) / elapsed,
-                  "tokens_per_sec": (self._tokens - self._start[2]) / elapsed,
-                  "samples": p.samples, "tokens": self._tokens, "micro_batches": p.micro_batches}
-        self._last_loss = loss
-        self._records.append(record)
-        self.logger.emit("train_step", dict(record))
+                  "steps_per_sec": (p.step - run.start[0]) / elapsed,
+                  "samples_per_sec": (p.samples - run.start[1]) / elapsed,
+                  "tokens_per_sec": (total - run.start[2]) / elapsed,
+                  "samples": p.samples, "tokens": total, "micro_batches": p.micro_batches}
+        shown = self.logger.emit("train_step", dict(record))
+        self._tokens = total; del self._pending[0]
+        run.last_loss, run.unwritten = loss, (record if shown is False else None)
+        run.records.append(record)
+
+def _takes_force(emit: Any) -> bool:
+    "Whether a logger's `emit` accepts `force=`."
+    try: params = inspect.signature(emit).parameters
+    except (TypeError, ValueError): return False
+    return "force" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+@patch
+def _flush_last(self: Trainer, run: _FitState) -> None:
+    "Flush, then write the newest record even if the logging cadence skipped it (where the logger can)."
+    self._flush(run)
+    record, run.unwritten = run.unwritten, None
+    if record is not None and _takes_force(self.logger.emit): self.logger.emit("train_step", dict(record), force=True)
 
 # %% ../nbs/11_trainer.ipynb #49b4ceb7
-@_method(Trainer)
-def _setup_fit(self: Trainer) -> None:
-    self.model.to(self.device)
-    self.model.train()
-    if self.config is not None and self.shape_report is None:
-        from speedtronic.shapes import validate_startup_shapes
-        self.shape_report = validate_startup_shapes(self.config, self.model, self.device, self.precision, logger=self.logger)
-    if self._ooo is None and config_value(self.config, "ooo_backprop", False):
-        if self.compiled_model is not None:
-            self.logger.warning("ooo_backprop is disabled because compile is enabled")
-            self.logger.emit("ooo_backprop", {"enabled": False, "reason": "compile is enabled"})
-        else:
-            try: from speedtronic.scheduling import StageStreamScheduler
-            except ImportError as e:
-                self.logger.emit("ooo_backprop", {"enabled": False, "reason": f"stream scheduler unavailable: {e}"})
-                return self._finish_setup()
-            streams = min(8, max(1, int(config_value(self.config, "ooo_streams", 4))))
-            self._ooo = StageStreamScheduler(self.model, self.device, num_streams=streams, logger=self.logger)
-            self.logger.emit("ooo_backprop", self._ooo.as_dict())
-    self._finish_setup()
-
-@_method(Trainer)
-def _finish_setup(self: Trainer) -> None:
-    if self._deferred_scaler and self.scaler is not None: self.scaler.load_state_dict(self._deferred_scaler)
-    self._deferred_scaler = None
-    self.optimizer.zero_grad(set_to_none=True)
-
-@_method(Trainer)
+@patch
 def _start_coordinator(self: Trainer) -> None:
+    "Start the coordinator once, giving it resumed state (staged before `start()` when it can take it so)."
     if self.coordinator is None or self._coordinator_started: return
     state, self._deferred_coordinator = self._deferred_coordinator, None
     prepare = getattr(self.coordinator, "prepare_state", None)
@@ -460,7 +609,7 @@ def _start_coordinator(self: Trainer) -> None:
     self._coordinator_started = True
     if state is not None: self.coordinator.load_state_dict(state)
 
-@_method(Trainer)
+@patch
 def _stop_coordinator(self: Trainer, failed: BaseException | None) -> None:
     "Stop a started coordinator; if the loop already failed, a failing `stop()` is a warning, not a new error."
     if self.coordinator is None or not self._coordinator_started: return
@@ -471,89 +620,82 @@ def _stop_coordinator(self: Trainer, failed: BaseException | None) -> None:
         self.logger.warning(f"coordinator stop() failed while the run was ending on {type(failed).__name__}: "
                             f"{type(e).__name__}: {e}")
 
-@_method(Trainer)
-def _train_start_payload(self: Trainer, target: int) -> dict[str, Any]:
+@patch
+def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
+    "The `train_start` event: where the call starts and ends, on what, with what features."
     report = self.shape_report
-    ooo = self._ooo
-    return {"start_step": self.step, "target_step": target, "device": str(self.device),
+    return {"start_step": self.step, "target_step": run.target, "device": str(self.device),
             "precision": getattr(self.precision, "mode", str(self.precision)),
             "precision_reason": getattr(self.precision, "reason", None),
-            "accumulation_steps": self.accumulation_steps,
+            "accumulation_steps": self.settings.accumulation_steps,
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
             "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
-            "ooo_backprop": bool(getattr(ooo, "enabled", False))}
+            "ooo_backprop": bool(getattr(run.ooo, "enabled", False))}
 
-@_method(Trainer)
-def _save_on_interrupt(self: Trainer, exc: BaseException) -> None:
+# %% ../nbs/11_trainer.ipynb #4bfaeebb
+@patch
+def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> None:
     "Save the last completed step after an error/interrupt if it is not saved yet and not torn."
     manager = self.checkpoint_manager
     if manager is None or not getattr(manager, "enabled", True) or self.step <= 0: return
     if self.step == self._last_saved_step: return
-    if self._updating:
+    if run.updating:
         self.logger.warning(f"run interrupted during the optimizer update of step {self.step + 1}; "
                             f"keeping the last saved checkpoint (step {self._last_saved_step})")
         return
     try:
-        self._flush()
-        self.save_checkpoint(self._boundary or self._boundary_state())
+        self._flush(run)
+        self.save_checkpoint(run.boundary or self._boundary_state())
         self.logger.warning(f"run stopped by {type(exc).__name__}; saved the last completed step {self.step}")
     except Exception as e:
         self.logger.warning(f"could not save step {self.step} after {type(exc).__name__}: {e}")
 
+@patch
+def _train_to_target(self: Trainer, run: _FitState) -> None:
+    "Steps until the target: records flushed on the logging cadence, interval checkpoints, a final one."
+    manager, every = self.checkpoint_manager, max(1, int(getattr(self.logger, "every_steps", 1) or 1))
+    if self._batches is None: self._batches = infinite_batches(self.dataloader)
+    if run.keep_boundary: run.boundary = self._boundary_state()
+    while self.step < run.target:
+        self._train_one_step(run)
+        due = run.keep_boundary and manager.should_save(self.step)
+        if due or self.step % every == 0 or self.step == run.target or self.stop_requested: self._flush(run)
+        if run.keep_boundary: run.boundary = self._boundary_state()
+        if due: self.save_checkpoint(run.boundary)
+        if self.stop_requested: raise TrainingInterrupted(f"{self.stop_requested}: stopped after step {self.step}")
+    self._flush_last(run)
+    finish = getattr(self.coordinator, "finish", None)  # optional: a sync scheme's last round, before the final checkpoint
+    if callable(finish) and self._coordinator_started and self.step > run.start[0]:
+        finish(self.model, self.step)
+        self._last_saved_step = -1  # what finish() changed is saved below
+    if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
+        self.save_checkpoint(run.boundary)
+
 # %% ../nbs/11_trainer.ipynb #0a26718e
-@_method(Trainer, "fit")
-def _fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
+@patch
+def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
     "Train until the absolute step `max(self.step, max_steps or self.max_steps)`; returns a `TrainResult`."
-    limit = self.max_steps if max_steps is None else int(max_steps)
-    if limit <= 0: raise ValueError(f"max_steps must be positive, got {limit}")
-    self._setup_fit()
-    self._active = self.compiled_model if self.compiled_model is not None else self.model
-    self._t0 = time.perf_counter()
-    self._start = (self.step, self.samples, self.tokens)
-    self._records = deque(maxlen=self.metrics_history)
-    self._last_loss, self._updating = None, False
-    start_step, target = self.step, max(self.step, limit)
-    manager = self.checkpoint_manager
-    keep_boundary = manager is not None and getattr(manager, "enabled", True)
-    every = max(1, int(getattr(self.logger, "every_steps", 1) or 1))
-    if limit < self.step:
-        self.logger.warning(f"max_steps={limit} is an absolute target step and the trainer is already at step "
-                            f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})")
-    if keep_boundary and self.step < target and callable(getattr(manager, "check_writable", None)):
-        manager.check_writable()  # an unusable checkpoint directory fails now, not after the first interval
+    run = self._begin_fit(self.max_steps if max_steps is None else int(max_steps))
     failed = None
     try:
-        if self.step < target: self._start_coordinator()
-        self.logger.emit("train_start", self._train_start_payload(target))
-        if self._batches is None: self._batches = infinite_batches(self.dataloader)
-        if keep_boundary: self._boundary = self._boundary_state()
-        while self.step < target:
-            self._train_one_step(self._batches)
-            due = keep_boundary and manager.should_save(self.step)
-            if due or self.step % every == 0 or self.step == target or self.stop_requested: self._flush()
-            if keep_boundary: self._boundary = self._boundary_state()
-            if due: self.save_checkpoint(self._boundary)
-            if self.stop_requested: raise TrainingInterrupted(f"{self.stop_requested}: stopped after step {self.step}")
-        self._flush()
-        if callable(finish := getattr(self.coordinator, "finish", None)) and self._coordinator_started and self.step > start_step:
-            finish(self.model, self.step)  # optional coordinator method: a sync scheme's last round, before the final checkpoint
-            self._last_saved_step = -1  # so what finish() changed is saved
-        if keep_boundary and self.step > start_step and self.step != self._last_saved_step:
-            self.save_checkpoint(self._boundary)
+        if self.step < run.target: self._start_coordinator()
+        self.logger.emit("train_start", self._train_start_payload(run))
+        self._train_to_target(run)
     except BaseException as exc:
         failed = exc
-        self._save_on_interrupt(exc)
+        try: self._flush_last(run)   # the records of completed steps reach the logger however the loop ended
+        except Exception as e: self.logger.warning(f"could not write the last step records: {type(e).__name__}: {e}")
+        self._save_on_interrupt(run, exc)
         raise
     finally:
         self.stop_requested = None
         try: self._stop_coordinator(failed)
         finally:
-            if self._ooo is not None:
-                self._ooo.dispose(); self._ooo = None
-    elapsed = time.perf_counter() - self._t0
+            if run.ooo is not None: run.ooo.dispose()
+    elapsed = time.perf_counter() - run.t0
     result = TrainResult(self.step, self.samples, self.tokens,
-                         self._last_loss if self.step > start_step else None, elapsed, list(self._records))
+                         run.last_loss if self.step > run.start[0] else None, elapsed, list(run.records))
     self.logger.emit("train_end", {"steps": self.step, "elapsed_s": elapsed, "loss": result.final_loss})
     return result
 

@@ -1,5 +1,8 @@
-"""What a person sees: the docs site and the notebook widgets in headless Chromium (JupyterLab for the widgets)."""
-import json, subprocess, sys, time, urllib.request
+"""What a person sees: the docs site and the notebook widgets in headless Chromium (JupyterLab for the widgets).
+
+No timing assertions: waits only bound how long a condition may take to become true.
+"""
+import json, shutil, subprocess, sys, time, urllib.request
 from pathlib import Path
 
 import pytest
@@ -46,34 +49,79 @@ def test_schedule_page_shows_the_static_plot(browser, served_docs):
     assert imgs.first.evaluate('img => img.naturalWidth') > 100   # a real, decoded plot
     page.close()
 
+def _cell(source: str) -> dict:
+    return {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [], 'source': source}
+
 NOTEBOOK = {
     'cells': [
-        {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
-         'source': 'from speedtronic.precision import precision_explorer\nview = precision_explorer()\nview'},
-        {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
-         'source': 'from speedtronic.schedules import schedule_explorer\nschedule_explorer()'},
-        {'cell_type': 'code', 'metadata': {}, 'execution_count': None, 'outputs': [],
-         'source': 'from speedtronic.runtime import train_from_config\n'
-                   'cfg = {"run": {"max_steps": 6, "output_dir": "tiny-run"}, "checkpoint": {"enabled": False},\n'
-                   '       "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
-                   '       "data": {"num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2},\n'
-                   '       "logging": {"level": "WARNING", "progress": "auto", "loss_plot": False}}\n'
-                   'result = train_from_config(cfg, device="cpu")\n'
-                   'print("finished at", result.steps)'},
+        _cell('from speedtronic.widgets import precision_explorer, schedule_explorer'),
+        _cell('view = precision_explorer()\nview'),
+        _cell('schedule_explorer()'),
+        _cell('broken = precision_explorer(kind="cpu")\nbroken.controls["mode"].options = ["auto", "fp8"]\nbroken'),
+        _cell('from speedtronic.runtime import train_from_config'),
+        _cell('cfg = {"run": {"max_steps": 6, "output_dir": "tiny-run"}, "checkpoint": {"enabled": False},\n'
+              '       "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
+              '       "data": {"num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2},\n'
+              '       "logging": {"level": "WARNING", "progress": "auto", "loss_plot": False}}\n'
+              'result = train_from_config(cfg, device="cpu")\n'
+              'print("finished at", result.steps)'),
+        _cell('from speedtronic.widgets import delta_norm_view\nnorms = delta_norm_view("diloco/master.jsonl")\nnorms'),
+        _cell('delta_norm_view("diloco/empty.jsonl")'),
     ],
     'metadata': {'kernelspec': {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}},
     'nbformat': 4, 'nbformat_minor': 5,
 }
+PRECISION, SCHEDULE, BROKEN, TRAINING, NORMS, NO_NORMS = 1, 2, 3, 5, 6, 7   # cell indices in NOTEBOOK
+SHIPPED = ['14_widgets.ipynb', '06_schedules.ipynb', '04_precision.ipynb']   # opened as a user opens them, without running
+
+def _diloco_record(folder: Path) -> None:
+    "A real delta-norm record: a master and a worker train 24 steps through a shared directory (folder/master.jsonl)."
+    import threading, torch
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.data import build_dataloader
+    from speedtronic.distributed import DumbDiLoCoCoordinator, shard_loader
+    from speedtronic.profiling import MetricLogger
+    from speedtronic.registry import build_model
+    from speedtronic.trainer import Trainer
+    def node(name, role, index):
+        cfg = SpeedtronicConfig.from_dict({
+            "run": {"max_steps": 24, "seed": 0},
+            "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 2, "n_head": 2, "n_kv_head": 1, "d_model": 16, "d_ff": 32},
+            "data": {"num_tokens": 2048, "block_size": 16, "micro_batch_size": 4, "target_batch_size": 4},
+            "distributed": {"enabled": True, "role": role, "node_id": name, "transport": "directory", "repo_id": str(folder / "repo"),
+                            "inner_steps": 6, "poll_interval": 0.05, "expected_nodes": 2, "shard_count": 2, "shard_index": index}})
+        torch.manual_seed(0)
+        model, logger = build_model(cfg.model), MetricLogger(stream=False, json_file=folder / f"{name}.jsonl")
+        coordinator = DumbDiLoCoCoordinator(cfg.distributed, model, state_dir=folder / "state" / name, logger=logger)
+        loader = shard_loader(build_dataloader(cfg.data, vocab_size=64), cfg.distributed)
+        return Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), loader, device="cpu", config=cfg,
+                       coordinator=coordinator, logger=logger), logger
+    nodes = [node("master", "master", 0), node("worker", "worker", 1)]
+    threads = [threading.Thread(target=trainer.fit) for trainer, _ in nodes]
+    threads[0].start(); time.sleep(0.5); threads[1].start()
+    for t in threads: t.join()
+    for _, logger in nodes: logger.close()
+    assert '"delta_norms"' in (folder / "master.jsonl").read_text()
+    (folder / "empty.jsonl").write_text('{"event": "train_step", "step": 1}\n')
 
 @pytest.fixture(scope='module')
 def jupyterlab(tmp_path_factory):
     root = tmp_path_factory.mktemp('lab')
     (root / 'widgets.ipynb').write_text(json.dumps(NOTEBOOK))
+    (root / 'diloco').mkdir()
+    _diloco_record(root / 'diloco')
+    (root / 'shipped').mkdir()
+    for name in SHIPPED: shutil.copy(ROOT / 'nbs' / name, root / 'shipped' / name)
     port = free_port()
     cmd = [sys.executable, '-m', 'jupyterlab', '--no-browser', '--allow-root', '--ip=127.0.0.1', f'--port={port}',
            f'--ServerApp.root_dir={root}', "--IdentityProvider.token=", '--ServerApp.password=',
            '--LabApp.expose_app_in_browser=True', '--ServerApp.disable_check_xsrf=True']
-    env = {**__import__('os').environ, 'JUPYTER_CONFIG_DIR': str(root / '.jupyter'), 'PYTHONPATH': str(ROOT)}
+    # every cell rendered, not only those in view (JupyterLab's windowing), so a check sees the whole notebook
+    settings = root / '.settings' / '@jupyterlab' / 'notebook-extension'
+    settings.mkdir(parents=True)
+    (settings / 'tracker.jupyterlab-settings').write_text('{"windowingMode": "none"}')
+    env = {**__import__('os').environ, 'JUPYTER_CONFIG_DIR': str(root / '.jupyter'), 'PYTHONPATH': str(ROOT),
+           'JUPYTERLAB_SETTINGS_DIR': str(root / '.settings')}
     log = open(root / 'lab.log', 'w')
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     try:
@@ -85,36 +133,137 @@ def jupyterlab(tmp_path_factory):
         except subprocess.TimeoutExpired: proc.kill()
         log.close()
 
-def test_widgets_work_in_jupyterlab(browser, jupyterlab, tmp_path):
-    page = browser.new_page(viewport={'width': 1400, 'height': 1000})
-    page.goto(f'{jupyterlab}/lab/tree/widgets.ipynb')
+def _open_notebook(page, url: str) -> None:
+    "Open a notebook as the only tab (`?reset`: no notebook restored from an earlier page of this server)."
+    page.goto(url + '?reset')
     page.wait_for_function('window.jupyterapp && document.querySelector(".jp-Notebook")', timeout=120_000)
+
+@pytest.fixture(scope='module')
+def lab(browser, jupyterlab):
+    "The test notebook run once in JupyterLab, on a 2x (HiDPI) screen, as a user runs it; each test reads it."
+    page = browser.new_page(viewport={'width': 1400, 'height': 1000}, device_scale_factor=2)
+    _open_notebook(page, f'{jupyterlab}/lab/tree/widgets.ipynb')
     page.wait_for_function('window.jupyterapp.shell.currentWidget && window.jupyterapp.shell.currentWidget.sessionContext '
                            '&& window.jupyterapp.shell.currentWidget.sessionContext.session '
                            '&& window.jupyterapp.shell.currentWidget.sessionContext.session.kernel', timeout=120_000)
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    # the precision explorer: device dropdown + the resolved plan (CUDA with bf16 → bf16)
-    plan = page.locator('.widget-html-content code').first
-    plan.wait_for(timeout=120_000)
-    assert 'bf16' in plan.inner_text()
-    # pick a CPU and ask for fp16: the plan falls back to fp32 and says why
-    selects = page.locator('.widget-dropdown select')
-    selects.nth(0).select_option('cpu')
-    selects.nth(1).select_option('fp16')
-    page.wait_for_function("document.querySelector('.widget-html-content code').innerText.includes('fp32')", timeout=30_000)
-    assert 'fp32' in plan.inner_text()
-    # the schedule explorer: sliders and a rendered plot image that changes with the sliders
-    img = page.locator('.widget-image').first
-    img.wait_for(timeout=60_000)
-    before = img.get_attribute('src')
-    assert page.locator('.widget-slider, .widget-hslider').count() >= 4
-    kind = page.locator('.widget-dropdown select').nth(3)
-    kind.select_option('constant')
-    page.wait_for_function(f"document.querySelector('.widget-image').getAttribute('src') !== {json.dumps(before)}", timeout=30_000)
-    # a training run in the notebook shows one progress line, updated in place, ending at the target
-    page.wait_for_function("[...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('finished at 6'))",
-                           timeout=120_000)
-    bars = [t for t in page.locator('.jp-OutputArea-output').all_inner_texts() if 'step ' in t and 'tok/s' in t]
-    assert len(bars) == 1 and 'step 6/6' in bars[0] and '100%' in bars[0], bars
-    page.screenshot(path=str(tmp_path / 'lab.png'), full_page=True)
+    page.wait_for_function("[...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('finished at'))",
+                           timeout=180_000)
+    for i in (PRECISION, SCHEDULE, BROKEN, NORMS, NO_NORMS): _cell_of(page, i).locator('.widget-vbox').first.wait_for(timeout=120_000)
+    yield page
     page.close()
+
+def _cell_of(page, i: int):
+    return page.locator('.jp-Notebook .jp-CodeCell').nth(i)
+
+def expect(locator):
+    "Playwright's retrying assertions (imported here: the module must load where playwright is missing)."
+    from playwright.sync_api import expect as _expect
+    return _expect(locator.first)
+
+def test_precision_dropdown_has_no_blank_and_no_tuple(lab):
+    cell = _cell_of(lab, PRECISION)
+    plan = cell.locator('.widget-html-content code')
+    assert 'mode=bf16' in plan.inner_text()                       # CUDA with bf16: bf16
+    dtype = cell.locator('.widget-dropdown select').nth(2)
+    labels = [t.replace('\xa0', ' ') for t in dtype.locator('option').all_inner_texts()]   # ipywidgets shows spaces as nbsp
+    assert labels == ['not set', 'bf16', 'fp16', 'fp32'], labels
+    assert dtype.evaluate('s => s.selectedIndex') == 0                       # a choice is shown from the start, not a blank
+    dtype.select_option(label='fp16')                             # auto + dtype fp16 on that GPU: fp16 with a scaler
+    expect(plan).to_contain_text('mode=fp16', timeout=30_000)
+    assert 'scaler=yes' in plan.inner_text()
+    dtype.select_option(index=0)
+    expect(plan).to_contain_text('mode=bf16', timeout=30_000)
+    cell.locator('.widget-dropdown select').nth(0).select_option('cpu')     # CPU asked for fp16 falls back, saying why
+    cell.locator('.widget-dropdown select').nth(1).select_option('fp16')
+    expect(plan).to_contain_text('fp16 autocast is not used on CPU', timeout=30_000)
+
+def test_an_error_in_a_callback_shows_inside_the_widget(lab):
+    cell = _cell_of(lab, BROKEN)
+    assert 'mode=fp32' in cell.locator('.widget-html-content code').inner_text()
+    cell.locator('.widget-dropdown select').nth(1).select_option('fp8')
+    error = cell.locator('.speedtronic-error')
+    expect(error).to_contain_text("precision.mode: 'fp8'", timeout=30_000)
+    assert 'is not one of auto, bf16, fp16, fp32' in error.inner_text()
+    expect(cell.locator('.widget-html-content code')).to_be_hidden(timeout=30_000)   # the stale plan is gone
+    cell.locator('.widget-dropdown select').nth(1).select_option('auto')
+    expect(cell.locator('.widget-html-content code')).to_contain_text('mode=fp32', timeout=30_000)
+    expect(error).to_be_hidden(timeout=30_000)
+
+def test_schedule_explorer_refuses_what_a_config_refuses(lab):
+    cell = _cell_of(lab, SCHEDULE)
+    image = cell.locator('.widget-image')
+    expect(image).to_be_visible()
+    warmup = cell.locator('.widget-hslider', has=lab.locator('label', has_text='warmup')).locator('.noUi-handle')
+    warmup.focus(); warmup.press('End')                            # warmup 2000 over the 1000-update horizon
+    error = cell.locator('.speedtronic-error')
+    expect(error).to_contain_text('scheduler.warmup_steps: 2000 is not below the schedule horizon of 1000 steps', timeout=30_000)
+    assert 'raise scheduler.max_steps' in error.inner_text()
+    expect(image).to_be_hidden(timeout=30_000)                    # no stale plot beside the refusal
+    warmup.press('Home')
+    expect(image).to_be_visible(timeout=30_000)
+    expect(error).to_be_hidden(timeout=30_000)
+
+def test_lr_slider_is_labelled_and_writes_short_rates(lab):
+    cell = _cell_of(lab, SCHEDULE)
+    slider = cell.locator('.widget-hslider', has=lab.locator('label', has_text='base lr, log scale'))
+    assert slider.count() == 1
+    box = cell.locator('.widget-text', has=lab.locator('label', has_text='base lr')).locator('input').first
+    assert float(box.input_value()) == 3e-4
+    handle = slider.locator('.noUi-handle')
+    handle.focus()
+    for _ in range(5): handle.press('ArrowRight')                  # five notches up: 10^-3 (the slider's own value: 0.00099999...)
+    lab.wait_for_function('el => el.value !== "0.0003"', arg=box.element_handle(), timeout=30_000)
+    value = box.input_value()
+    assert len(value) <= 8 and float(value) == float(f'{float(value):.2g}'), value
+
+def test_plot_is_crisp_at_its_displayed_size(lab):
+    image = _cell_of(lab, SCHEDULE).locator('.widget-image')
+    natural, shown, ratio = image.evaluate('img => [img.naturalWidth, img.clientWidth, window.devicePixelRatio]')
+    assert ratio == 2 and shown == 640 and natural >= shown * ratio, (natural, shown, ratio)
+
+def test_jupyterlab_shows_widgets_not_their_text(lab):
+    texts = lab.locator('.jp-OutputArea-output').all_inner_texts()
+    assert not [t for t in texts if 'Explorer(' in t or 'sliders show in Jupyter' in t or 'Error displaying widget' in t], texts
+
+def test_training_shows_one_progress_line(lab):
+    "A training run in the notebook shows one progress line, updated in place, ending at the target."
+    bars = [t for t in _cell_of(lab, TRAINING).locator('.jp-OutputArea-output').all_inner_texts() if 'step ' in t and 'tok/s' in t]
+    assert len(bars) == 1 and 'step 6/6' in bars[0] and '100%' in bars[0], bars
+
+@pytest.mark.parametrize('name', SHIPPED)
+def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name, tmp_path):
+    "Opened before it runs, a shipped notebook shows its widgets' still pictures, never their plain text or an error."
+    page = browser.new_page(viewport={'width': 1400, 'height': 1000})
+    _open_notebook(page, f'{jupyterlab}/lab/tree/shipped/{name}')
+    cells = len(json.loads((ROOT / 'nbs' / name).read_text())['cells'])
+    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell').length === {cells}", timeout=60_000)
+    page.wait_for_function("![...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('Loading widget'))",
+                           timeout=60_000)
+    texts = page.locator('.jp-OutputArea-output').all_inner_texts()
+    assert not [t for t in texts if 'sliders show in Jupyter' in t or 'Explorer(' in t or 'Error displaying widget' in t], texts
+    if name != '04_precision.ipynb':
+        assert page.locator('.jp-OutputArea-output img').count() >= 1
+    page.screenshot(path=str(tmp_path / 'shipped.png'), full_page=True)
+    page.close()
+
+def test_delta_norm_view_redraws_when_a_control_changes(lab, tmp_path):
+    cell = _cell_of(lab, NORMS)
+    image = cell.locator('.widget-image')
+    expect(image).to_be_visible(timeout=60_000)
+    labels = [t.replace('\xa0', ' ') for t in cell.locator('.widget-dropdown select').nth(0).locator('option').all_inner_texts()]
+    assert labels == ['all nodes', 'master', 'worker'], labels
+    before = image.first.get_attribute('src')
+    cell.locator('.widget-dropdown select').nth(0).select_option(label='worker')       # one node: a new figure
+    lab.wait_for_function('([el, src]) => el.src && el.src !== src', arg=[image.first.element_handle(), before], timeout=30_000)
+    layers = cell.locator('.widget-dropdown select').nth(1)
+    assert 'transformer.h.1' in layers.locator('option').all_inner_texts()
+    before = image.first.get_attribute('src')
+    layers.select_option('transformer.h.1')
+    lab.wait_for_function('([el, src]) => el.src && el.src !== src', arg=[image.first.element_handle(), before], timeout=30_000)
+    assert image.first.evaluate('img => img.naturalWidth') >= 760
+    assert cell.locator('.speedtronic-error').count() == 0 or not cell.locator('.speedtronic-error').first.is_visible()
+    cell.screenshot(path=str(tmp_path / 'delta_norms.png'))
+    empty = _cell_of(lab, NO_NORMS)
+    expect(empty.locator('.speedtronic-error')).to_contain_text('no delta-norm records yet', timeout=30_000)
+    assert not empty.locator('.widget-image').first.is_visible()

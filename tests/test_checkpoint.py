@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from speedtronic.checkpoint import (CheckpointError, CheckpointManager, atomic_json_dump, atomic_torch_save,
-                                    atomic_write_bytes, capture_rng_state, check_compatible, checkpoint_files,
-                                    load_checkpoint, restore_rng_state)
+                                    capture_rng_state, check_compatible, checkpoint_files, load_checkpoint,
+                                    restore_rng_state)
+from speedtronic.files import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -117,15 +117,15 @@ def token_file(tmp_path_factory, small_text):
 
 SOURCES = {
     "synthetic-shuffled": lambda paths, w: build_dataloader(
-        SimpleNamespace(block_size=16, micro_batch_size=8, num_tokens=300, shuffle=True, seed=3, num_workers=w), vocab_size=100),
+        SimpleNamespace(block_size=16, micro_batch_size=8, target_batch_size=8, num_tokens=300, shuffle=True, seed=3, num_workers=w), vocab_size=100),
     "text": lambda paths, w: build_dataloader(
-        SimpleNamespace(micro_batch_size=16, num_workers=w, seed=0),
+        SimpleNamespace(micro_batch_size=16, target_batch_size=16, num_workers=w, seed=0),
         dataset=TextFileTokenDataset(paths["text"], 64, segment_bytes=40_000)),
     "token-file-shuffled": lambda paths, w: build_dataloader(
-        SimpleNamespace(token_file=str(paths["tokens"]), block_size=64, micro_batch_size=16, shuffle=True, seed=11,
+        SimpleNamespace(token_file=str(paths["tokens"]), block_size=64, micro_batch_size=16, target_batch_size=16, shuffle=True, seed=11,
                         num_workers=w), vocab_size=256),
     "token-file": lambda paths, w: build_dataloader(
-        SimpleNamespace(token_file=str(paths["tokens"]), block_size=128, micro_batch_size=8, num_workers=w), vocab_size=256),
+        SimpleNamespace(token_file=str(paths["tokens"]), block_size=128, micro_batch_size=8, target_batch_size=8, num_workers=w), vocab_size=256),
 }
 
 
@@ -154,7 +154,7 @@ def test_resume_continues_with_exactly_the_next_batches(source, num_workers, sma
 
 
 def test_stream_state_needs_the_same_worker_count(small_text):
-    make = lambda w: build_dataloader(SimpleNamespace(micro_batch_size=4, num_workers=w, text_path=str(small_text), block_size=32))
+    make = lambda w: build_dataloader(SimpleNamespace(micro_batch_size=4, target_batch_size=4, num_workers=w, text_path=str(small_text), block_size=32))
     loader = make(2)
     _consume(loader, 5)
     with pytest.raises(DataError, match="same data.num_workers"):
@@ -162,7 +162,7 @@ def test_stream_state_needs_the_same_worker_count(small_text):
 
 
 def test_equal_length_batches_have_no_attention_mask(small_text):
-    loader = build_dataloader(SimpleNamespace(text_path=str(small_text), block_size=32, micro_batch_size=4, drop_last=False))
+    loader = build_dataloader(SimpleNamespace(text_path=str(small_text), block_size=32, micro_batch_size=4, target_batch_size=4, drop_last=False))
     batches = list(loader)
     assert all("attention_mask" not in b for b in batches[:-1])
     last = batches[-1]

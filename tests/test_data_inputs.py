@@ -153,18 +153,18 @@ print("blocks", n, "grew_mib", (resource.getrusage(resource.RUSAGE_SELF).ru_maxr
 def test_short_last_batch_with_drop_last_false(tmp_path):
     ids = torch.arange(10 * 9) % 50                       # exactly 10 blocks of 8 + 1
     torch.save(ids, tmp_path / "ids.pt")
-    cfg = SimpleNamespace(dataset=str(tmp_path / "ids.pt"), block_size=8, micro_batch_size=4, drop_last=False)
+    cfg = SimpleNamespace(dataset=str(tmp_path / "ids.pt"), block_size=8, micro_batch_size=4, target_batch_size=4, drop_last=False)
     assert [len(b["input_ids"]) for b in build_dataloader(cfg, vocab_size=50)] == [4, 4, 2]
     cfg.drop_last = True
     assert [len(b["input_ids"]) for b in build_dataloader(cfg, vocab_size=50)] == [4, 4]
-    cfg.micro_batch_size = 16
+    cfg.micro_batch_size = cfg.target_batch_size = 16
     with pytest.raises(DataError, match="holds 10 samples"):
         build_dataloader(cfg, vocab_size=50)
 
 
 def test_tensor_file_follows_data_shuffle(tmp_path):
     torch.save(torch.arange(64 * 9) % 50, tmp_path / "ids.pt")
-    make = lambda shuffle: build_dataloader(SimpleNamespace(dataset=str(tmp_path / "ids.pt"), block_size=8, micro_batch_size=64,
+    make = lambda shuffle: build_dataloader(SimpleNamespace(dataset=str(tmp_path / "ids.pt"), block_size=8, micro_batch_size=64, target_batch_size=64,
                                                             shuffle=shuffle, seed=1), vocab_size=50)
     plain, shuffled = next(iter(make(False)))["input_ids"], next(iter(make(True)))["input_ids"]
     assert not torch.equal(plain, shuffled)

@@ -285,6 +285,33 @@ def test_the_hub_repository_head_stays_bounded(tmp_path, hub):
     assert {s[0] for s in sizes} == {2} and max(s[1] for s in sizes) <= 1.05 * min(s[1] for s in sizes), sizes
 
 
+def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_path, hub):
+    """A worker commits between the master's listing and its publication: the publication is rebased onto the new head,
+    and the delta it did not list is still folded in the next round (not hidden behind the master's own revision)."""
+    client = lambda: HubClient("org/race", token=TOKEN, endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3)
+    t = client(); t.open(create=True)
+    model = torch.nn.Linear(4, 4)
+    shapes = floating_state(model.state_dict())
+    def send(step: int) -> None:
+        out = tmp_path / f"d{step}.safetensors"
+        save_safetensors(encode_delta({k: torch.full(v.shape, 1e-3) for k, v in shapes.items()}), out,
+                         delta_header(node_id="w", local_step=step, base_outer_step=0, inner_steps=10, encoding="bfloat16"))
+        client().upload({delta_path("w", step): out})
+    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=10, expected_nodes=1)
+    m.start_master()
+    publish = t.publish
+    def racing_publish(*args, **kw):       # the worker's next commit lands just before the master's publication
+        t.publish = publish
+        send(20)
+        return publish(*args, **kw)
+    send(10)
+    t.publish = racing_publish
+    assert m.sync_once() == 1
+    assert t.list_deltas() == [delta_path("w", 20)]
+    assert m.sync_once() == 2 and t.list_deltas() == []
+    assert sorted(m.ledger.nodes["w"]["sessions"].values()) == [20]
+
+
 # -- failures retrying cannot fix ----------------------------------------------------------------------------
 def test_hub_errors_are_classified(tmp_path, hub, monkeypatch):
     fast = dict(endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3, request_timeout=2)

@@ -62,7 +62,7 @@ def test_hf_tokenizer_large_file_round_trip(tmp_path):
     assert read_back(result.path, 127) == direct
     assert result.tokenizer == str(tok_path)
     # the loader checks the file's vocabulary against the model's
-    cfg = SimpleNamespace(token_file=str(result.path), block_size=32, micro_batch_size=2)
+    cfg = SimpleNamespace(token_file=str(result.path), block_size=32, micro_batch_size=2, target_batch_size=2)
     assert next(iter(build_dataloader(cfg, vocab_size=result.vocab_size)))["input_ids"].shape == (2, 32)
     with pytest.raises(DataError, match="model vocabulary is 40"):
         build_dataloader(cfg, vocab_size=40)

@@ -97,7 +97,7 @@ def test_entry_point_factory_is_found_lazily(plugin_dir):
 def test_entry_point_module_registers_its_models(plugin_dir):
     code = textwrap.dedent('''
         from speedtronic.registry import build_model, ModelRegistry
-        print(type(build_model({"name": "plugin_by_module", "d_model": 4})).__name__)
+        print(type(build_model({"name": "plugin_by_module", "d_model": 4, "n_head": 2})).__name__)
         print(type(ModelRegistry().build("plugin_by_module")).__name__)   # a fresh registry finds it too
     ''')
     out = run_python(code, plugin_dir)

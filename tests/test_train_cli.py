@@ -105,11 +105,15 @@ def test_tensorboard_dir_from_yaml_gets_event_files(tmp_path):
     assert files and all(f.stat().st_size > 0 for f in files)
 
 
-def test_loss_plot_is_written_next_to_the_checkpoints(tmp_path):
+def test_loss_plot_is_written_beside_the_metrics(tmp_path):
     out = tmp_path / "out"
     completed(speedtronic("train", "--config", str(SMOKE), "--device", "cpu", "--output-dir", str(out)))
-    png = out / "checkpoints" / "loss_curve.png"
+    png = out / "loss_curve.png"                       # no metrics file: in run.output_dir
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "checkpoints" / "loss_curve.png").exists()
+    cfg = smoke_config(tmp_path, logging={"json_file": str(tmp_path / "logs" / "metrics.jsonl")})
+    completed(speedtronic("train", "--config", str(cfg), "--device", "cpu", "--output-dir", str(tmp_path / "o")))
+    assert (tmp_path / "logs" / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_config_is_one_line(tmp_path):

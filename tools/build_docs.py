@@ -8,9 +8,13 @@ rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
    `nbdev_proc_nbs` first tries to download Quarto and `pip install` the project);
 2. what Quarto would do with nbdev's output is done here: each page is named as nbdev names it
    (`output-file`, e.g. `config.html`, so nbdev's cross-links work), gets its title back as a heading,
-   `#|` directives are applied (`echo: false` hides the input) and removed, and Quarto-only link
-   attributes are dropped;
-3. `mkdocs build` renders the result to `docs/` without re-executing anything (`mkdocs.yml`).
+   `#|` directives are applied and removed (`hide` and `include: false` drop the cell, `echo: false`
+   hides the input, `output: false` the outputs), and Quarto-only markdown is turned into plain
+   markdown (link attributes such as `{target="_blank" ...}` and `[text]{.class}` spans dropped,
+   `::: {.callout-note}` blocks made quotes, shortcodes removed), so no page shows Quarto syntax as text;
+3. `mkdocs build` renders the result to `docs/` without re-executing anything (`mkdocs.yml`). The
+   navigation is Home, then the guides (notebooks that export no module, such as "Coming from
+   Speedtronic 2.0"), then the chapters in reading order.
 
 Where Quarto exists, `nbdev_docs` still works with the nbdev config in `nbs/_quarto.yml`.
 """
@@ -19,7 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE_SRC = ROOT / '_site_src'
-_QUARTO_ATTRS = re.compile(r'\{target="_blank"[^}]*\}')
+_LINK_ATTRS = re.compile(r'(\]\([^)\s]*(?:\s+"[^"]*")?\))\{[^}\n]*\}')     # [text](url){target="_blank" ...}
+_SPAN = re.compile(r'\[([^\]\n]*)\]\{[.#][^}\n]*\}')                         # [text]{.class}
+_SHORTCODE = re.compile(r'\{\{<[^>]*>\}\}')                                  # {{< include x.qmd >}}
+_DIV_OPEN = re.compile(r'^\s*:{3,}\s*\{?\s*(?:\.callout-(\w+))?[^}]*\}?\s*$')
+_DIV_CLOSE = re.compile(r'^\s*:{3,}\s*$')
 
 def process_notebooks(n_workers: int = 2) -> Path:
     "Run nbdev's docs preprocessing of `nbs/` into `_proc/`."
@@ -45,8 +53,25 @@ def _directives(source: str) -> tuple[dict, str]:
         found[key.strip()] = value.strip()
     return found, '\n'.join(lines)
 
+def _fenced_divs(text: str) -> str:
+    "Quarto's `::: {.callout-note}` ... `:::` as a quote headed by the callout's kind; other `:::` fences dropped."
+    out, divs = [], []  # one entry per open div: True for a callout, whose lines become a quote
+    for line in text.split('\n'):
+        if _DIV_CLOSE.match(line):
+            if divs and divs.pop(): out.append('')  # a blank line ends the quote
+        elif m := _DIV_OPEN.match(line):
+            divs.append(bool(m.group(1)))
+            if m.group(1): out.append(f'> **{m.group(1).capitalize()}**\n>')
+        else:
+            out.append('> ' + line if any(divs) else line)
+    return '\n'.join(out)
+
+def plain_markdown(text: str) -> str:
+    "Markdown with the Quarto-only syntax nbdev writes (link attributes, spans, callouts, shortcodes) made plain."
+    return _fenced_divs(_SHORTCODE.sub('', _SPAN.sub(r'\1', _LINK_ATTRS.sub(r'\1', text))))
+
 def _clean_text(text: str, site_url: str) -> str:
-    return _QUARTO_ATTRS.sub('', text).replace(site_url, '')
+    return plain_markdown(text).replace(site_url, '')
 
 def quarto_pass(nb, site_url: str):
     "Apply what Quarto would to one nbdev-processed notebook: title heading, directives, link attributes."
@@ -62,8 +87,10 @@ def quarto_pass(nb, site_url: str):
             cell.source = _clean_text(cell.source, site_url)
         elif cell.cell_type == 'code':
             d, cell.source = _directives(cell.source)
+            if 'hide' in d or d.get('include') == 'false': continue
+            if d.get('output') == 'false': cell.outputs = []
             if not cell.source.strip() and not cell.get('outputs'): continue
-            if d.get('echo') == 'false' or d.get('include') == 'false':
+            if d.get('echo') == 'false':
                 cell.metadata.setdefault('tags', []).append('remove_input')
             for o in cell.get('outputs', []):
                 for mime in ('text/markdown', 'text/html'):
@@ -72,6 +99,13 @@ def quarto_pass(nb, site_url: str):
     nb.cells = head + out
     return nb, fm
 
+def is_guide(nb_path: Path) -> bool:
+    "A notebook that exports no module (a guide such as \"Coming from Speedtronic 2.0\"), rather than a chapter."
+    import nbformat
+    if not nb_path.exists() or nb_path.stem == 'index': return False
+    cells = nbformat.read(nb_path, as_version=4).cells
+    return not any(c.cell_type == 'code' and '#| default_exp' in c.source for c in cells)
+
 def site_sources(proc: Path) -> list[tuple[str, str]]:
     "Write `_site_src/` from `_proc/`; returns (title, page file) in reading order."
     import nbformat, yaml
@@ -79,7 +113,7 @@ def site_sources(proc: Path) -> list[tuple[str, str]]:
     if SITE_SRC.exists(): shutil.rmtree(SITE_SRC)
     SITE_SRC.mkdir()
     pages = []
-    for src in sorted(proc.glob('*.ipynb'), key=lambda p: (p.stem != 'index', p.stem)):
+    for src in sorted(proc.glob('*.ipynb'), key=lambda p: (p.stem != 'index', not is_guide(ROOT / 'nbs' / p.name), p.stem)):
         nb, fm = quarto_pass(nbformat.read(src, as_version=4), site_url)
         name = Path(fm.get('output-file', src.stem + '.html')).stem + '.ipynb'
         nbformat.write(nb, SITE_SRC / name)

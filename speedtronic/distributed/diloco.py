@@ -24,6 +24,7 @@ from fastcore.basics import patch
 
 from ..config import ConfigError, DataConfig, DistributedConfig, SpeedtronicConfig, as_section
 from .hub import HubClient
+from ..paths import node_id
 from .outer import MasterOuterLoop
 from .tensors import (GLOBAL_MODEL_PATH, compute_pseudo_gradient, cpu_state_dict, decode_delta, delta_header,
                                              delta_path, encode_delta, floating_state, load_safetensors, read_metadata,
@@ -31,26 +32,11 @@ from .tensors import (GLOBAL_MODEL_PATH, compute_pseudo_gradient, cpu_state_dict
 from .transport import HubError, HubUnavailable, RetryPolicy, SharedDirectory
 
 # %% auto #0
-__all__ = ['DumbDiLoCo', 'HUB_COMMITS_PER_HOUR', 'resolve_node_id', 'resolve_role', 'build_transport', 'DeltaUploadJob',
-           'SyncResult', 'DumbDiLoCoCoordinator', 'NodeShard', 'shard_loader', 'node_data_config', 'DistributedWarning',
+__all__ = ['DumbDiLoCo', 'HUB_COMMITS_PER_HOUR', 'resolve_role', 'build_transport', 'DeltaUploadJob', 'SyncResult',
+           'DumbDiLoCoCoordinator', 'NodeShard', 'shard_loader', 'node_data_config', 'DistributedWarning',
            'hub_commits_per_hour', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #7e747d4b
-def _usable_id(value: str) -> bool:
-    return bool(value) and value not in (".", "..") and "/" not in value and "\\" not in value and value == value.strip()
-
-def resolve_node_id(config: DistributedConfig) -> str:
-    "This node's id: `node_id`, else `$HF_USERNAME`, else `$USER`, else `local` (checked either way)."
-    if config.node_id: return config.node_id
-    for name in ("HF_USERNAME", "USER"):
-        value = os.environ.get(name)
-        if value:
-            if not _usable_id(value):
-                raise ConfigError(f"distributed.node_id: not set, and ${name}={value!r} is not usable as a node id "
-                                  f"(no '/', '\\', '.', '..' or surrounding spaces); set distributed.node_id")
-            return value
-    return "local"
-
 def resolve_role(config: DistributedConfig) -> str:
     "`master` or `worker` (an enabled `single` is the master when `repo_id` is set, as in 2.0)."
     if config.role == "single": return "master" if config.repo_id else "worker"
@@ -99,9 +85,9 @@ class DumbDiLoCoCoordinator:
                  logger: Any = None):
         self.config = cfg = as_section(config, DistributedConfig)
         self.model, self.logger = model, logger
-        self.node_id, self.role = resolve_node_id(cfg), resolve_role(cfg)
+        self.node_id, self.role = node_id(cfg), resolve_role(cfg)
         self.inner_steps, self.poll_interval = int(cfg.inner_steps), float(cfg.poll_interval)
-        self.state_root = Path(state_dir if state_dir is not None else cfg.state_dir) / self.node_id
+        self.state_root = Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
         self.state_root.mkdir(parents=True, exist_ok=True)
         self._stop = threading.Event()
         self.transport = hub if hub is not None else build_transport(cfg, stop=self._stop, scratch=self.state_root / "cache")
@@ -534,7 +520,7 @@ def node_data_config(config: SpeedtronicConfig) -> DataConfig:
         warnings.warn(f"distributed: every node reads data.text_path {config.data.text_path!r} in the same order; set "
                       "distributed.shard_count and distributed.shard_index per node so nodes train on different data",
                       DistributedWarning, stacklevel=2)
-    offset = int(hashlib.sha256(resolve_node_id(d).encode()).hexdigest()[:8], 16)
+    offset = int(hashlib.sha256(node_id(d).encode()).hexdigest()[:8], 16)
     return replace(config.data, seed=(int(config.data.seed or 0) + offset) % 2**31)
 
 class DistributedWarning(UserWarning):

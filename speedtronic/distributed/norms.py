@@ -17,7 +17,7 @@ from ..optional import optional_import
 
 # %% auto #0
 __all__ = ['TOTAL', 'NormRecord', 'records_from_event', 'norm_records_from_events', 'norm_records_from_jsonl',
-           'norm_records_from_repo', 'norm_choices', 'norm_series', 'layer_profile', 'plot_delta_norms']
+           'norm_records_from_repo', 'norm_choices', 'norm_series', 'layer_profile', 'norm_records', 'plot_delta_norms']
 
 # %% ../../nbs/12e_distributed_norms.ipynb #22138028
 TOTAL = "total"
@@ -50,14 +50,18 @@ def norm_records_from_events(events: Iterable[tuple[str, Mapping[str, Any]] | Ma
     return out
 
 def norm_records_from_jsonl(*paths: str | os.PathLike) -> list[NormRecord]:
-    "Records from the `delta_norms` / `outer_update_norms` lines of JSONL metrics files."
-    def lines():
-        for p in paths:
-            for line in Path(p).read_text(encoding="utf-8", errors="replace").splitlines():
-                try: item = json.loads(line)
-                except ValueError: continue
-                if isinstance(item, dict): yield item
-    return norm_records_from_events(lines())
+    "Records from the `delta_norms` / `outer_update_norms` lines of JSONL metrics files (a malformed one is named)."
+    out = []
+    for p in paths:
+        for n, line in enumerate(Path(p).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            try: item = json.loads(line)
+            except ValueError: continue
+            if not isinstance(item, dict): continue
+            try: out += records_from_event(str(item.get("event")), item)
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"{p}, line {n}: a {item.get('event')} record that cannot be read ({type(e).__name__}: {e}); "
+                                 "it is not what a DiLoCo master writes — fix or remove that line") from None
+    return out
 
 # %% ../../nbs/12e_distributed_norms.ipynb #8478e87a
 def norm_records_from_repo(transport: Any, scratch: str | os.PathLike | None = None) -> list[NormRecord]:
@@ -107,20 +111,36 @@ def layer_profile(records: Iterable[NormRecord], outer_step: int, node: str | No
         layers[r.layer] = (layers.get(r.layer, 0.0) ** 2 + r.norm ** 2) ** 0.5
     return out
 
+# %% ../../nbs/12e_distributed_norms.ipynb #35cb1900
+def norm_records(source: Any) -> list[NormRecord]:
+    "Records from a JSONL file, a folder of them, a transport (pending deltas) or an iterable of `NormRecord`s."
+    if callable(getattr(source, "list_deltas", None)): return norm_records_from_repo(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.is_dir(): return norm_records_from_jsonl(*sorted(path.rglob("*.jsonl")))
+        if not path.exists(): raise FileNotFoundError(f"{path}: no such file (a DiLoCo master's logging.json_file, or its folder)")
+        return norm_records_from_jsonl(path)
+    records = list(source)
+    if not all(isinstance(r, NormRecord) for r in records): raise TypeError("records: expected NormRecord items")
+    return records
+
 # %% ../../nbs/12e_distributed_norms.ipynb #06bec39a
 def plot_delta_norms(records: Iterable[NormRecord], *, node: str | None = None, layer: str = TOTAL,
-                     outer_step: int | None = None, figsize: tuple[float, float] = (10.0, 3.6)) -> Any:
+                     outer_step: int | None = None, figsize: tuple[float, float] = (10.0, 3.6), figure: Any = None) -> Any:
     "A two-panel figure: `layer`'s norm over outer steps per node and update, and the per-layer norms at `outer_step`."
-    figure = optional_import("matplotlib.figure", extra="plot", purpose="the delta-norm plot")
-    backend = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the delta-norm plot")
-    records = list(records)
-    fig = figure.Figure(figsize=figsize)
-    backend.FigureCanvasAgg(fig)
+    records, fig = list(records), figure
+    if fig is None:
+        Figure = optional_import("matplotlib.figure", extra="plot", purpose="the delta-norm plot").Figure
+        backend = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the delta-norm plot")
+        fig = Figure(figsize=figsize, layout="tight")
+        backend.FigureCanvasAgg(fig)
+    else: fig.clear()
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     for name, (xs, ys) in norm_series(records, layer, None if node is None else [node]).items():
         style = {"color": "black", "lw": 2.0, "marker": "s"} if name == "update" else {"lw": 1.2, "marker": "o", "ms": 3}
         left.plot(xs, ys, label="outer update" if name == "update" else name, **style)
     left.set(xlabel="outer step", ylabel="L2 norm", title=f"{layer}: deltas and outer update")
+    left.xaxis.get_major_locator().set_params(integer=True)          # outer steps are whole numbers
     left.grid(alpha=0.3)
     if left.lines: left.legend(fontsize=8)
     steps = norm_choices(records)["outer_steps"]
@@ -134,5 +154,4 @@ def plot_delta_norms(records: Iterable[NormRecord], *, node: str | None = None, 
     right.set_xticks([j + width * (len(profile) - 1) / 2 for j in range(len(layers))], layers, rotation=45, ha="right", fontsize=7)
     right.set(title=f"per layer at outer step {at}", ylabel="L2 norm")
     if profile: right.legend(fontsize=8)
-    fig.tight_layout()
     return fig

@@ -316,7 +316,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
     if weights: files = {GLOBAL_MODEL_PATH: save_safetensors(state, out / "latest.safetensors", {"outer_step": version}), **files}
     self._save_local(state, version, ledger, update or self.update.state_dict(), publication, ".next")
     message = message or f"global version {version}" + (f", folding {len(deletes)} file(s)" if deletes else "")
-    parent_version = repo.outer_step
+    parent_version, rebased = repo.outer_step, False
     for attempt in range(8):
         try:
             revision = self.transport.publish(files, deletes, parent=repo, owner=self.node_id, version=version, message=message,
@@ -324,7 +324,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
             new = RepoState(revision, meta, extras)
             break
         except PublishConflict as conflict:
-            repo = self.transport.state()
+            repo, rebased = self.transport.state(), True             # commits this master has not listed came in between
             if repo.extras.get("publication") == publication:                # it went through; only the answer was lost
                 new = repo
                 break
@@ -337,7 +337,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
     with self.lock:
         self.outer_step, self.ledger, self.publication, self.last_publish = version, ledger, publication, time.monotonic()
         for p in deletes: self.drop.pop(p, None)
-    self.revision = new.revision
+    self.revision = None if rebased else new.revision   # after a rebase the next round lists again: a delta may have come in
     return new
 
 def _description(deletes: list[str]) -> str:

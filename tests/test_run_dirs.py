@@ -1,0 +1,142 @@
+"""One run per output directory: a fresh run does not take over another run's checkpoints, two trainers do not
+share a directory, every run has an id that survives resumes and is in every JSONL record."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from speedtronic.checkpoint import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_yaml(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
+    raw = {"run": {"name": "tiny", "seed": 3, "max_steps": 4, "output_dir": str(tmp / "out")},
+           "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64},
+           "data": {"num_tokens": 64, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
+           "precision": "fp32", "checkpoint": {"every_steps": 2, "keep_last": 2},
+           "logging": {"progress": False, "loss_plot": False, "json_file": str(tmp / "metrics.jsonl")}}
+    for k, v in sections.items(): raw[k] = {**raw.get(k, {}), **v}
+    path = tmp / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=cwd, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def records(jsonl: Path) -> list[dict]:
+    return [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+
+
+def test_a_fresh_run_refuses_another_runs_checkpoints(tmp_path):
+    a = tiny_yaml(tmp_path, "a.yaml")
+    ok(cli("train", "--config", str(a), "--device", "cpu", cwd=tmp_path))
+    ck = tmp_path / "out" / "checkpoints"
+    before = snapshot(ck)
+    b = tiny_yaml(tmp_path, "b.yaml", run={"seed": 99})
+    line = error_line(cli("train", "--config", str(b), "--device", "cpu", cwd=tmp_path))
+    assert "already holds checkpoints of run " in line and "--resume" in line and "--overwrite" in line, line
+    assert snapshot(ck) == before                                # run A's files untouched
+
+
+def test_overwrite_starts_over_and_resume_continues_the_new_run(tmp_path):
+    a = tiny_yaml(tmp_path, "a.yaml")
+    ok(cli("train", "--config", str(a), "--device", "cpu", cwd=tmp_path))
+    ck = tmp_path / "out" / "checkpoints"
+    run_a = json.loads((ck / "latest.json").read_text())["run_id"]
+    b = tiny_yaml(tmp_path, "b.yaml", run={"seed": 99, "max_steps": 2})
+    ok(cli("train", "--config", str(b), "--device", "cpu", "--overwrite", cwd=tmp_path))
+    pointer = json.loads((ck / "latest.json").read_text())
+    run_b = pointer["run_id"]
+    assert run_b != run_a and pointer["written"] == ["step_000000000002.pt"]
+    assert sorted(p.name for p in ck.glob("step_*.pt")) == ["step_000000000002.pt"]
+    ok(cli("train", "--config", str(b), "--device", "cpu", "--resume", "--max-steps", "4", cwd=tmp_path))
+    assert json.loads((ck / "latest.json").read_text())["run_id"] == run_b       # kept across the resume
+    assert load_checkpoint(ck / "step_000000000004.pt")["run_id"] == run_b
+    by_run = {}
+    for r in records(tmp_path / "metrics.jsonl"): by_run.setdefault(r["run_id"], []).append(r)   # every record has one
+    assert set(by_run) == {run_a, run_b}
+    assert [r["step"] for r in by_run[run_b] if r["event"] == "train_step"] == [1, 2, 3, 4]
+    line = error_line(cli("train", "--config", str(b), "--device", "cpu", "--resume", "--overwrite", cwd=tmp_path))
+    assert "cannot be combined" in line
+
+
+def test_empty_output_dir_is_an_error(tmp_path):
+    proc = cli("train", "--config", str(tiny_yaml(tmp_path)), "--output-dir", "", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "argument --output-dir: must not be empty" in proc.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
+    bad = tiny_yaml(tmp_path, "blank.yaml", run={"output_dir": ""})
+    assert "run.output_dir: must not be empty" in error_line(cli("validate", "--config", str(bad), cwd=tmp_path))
+
+
+def wait_for_step(proc: subprocess.Popen, jsonl: Path, step: int = 1, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.get("event") == "train_step" and r["step"] >= step for r in records(jsonl)): return
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never appeared in {jsonl}")
+
+
+def test_a_second_trainer_on_the_same_directory_exits_2_naming_the_first(tmp_path):
+    long = tiny_yaml(tmp_path, "long.yaml", run={"max_steps": 100_000}, checkpoint={"every_steps": 100_000})
+    first = subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(long), "--device", "cpu"],
+                             cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(first, tmp_path / "metrics.jsonl")
+        run_id = next(r["run_id"] for r in records(tmp_path / "metrics.jsonl"))
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            line = error_line(cli("train", "--config", str(long), "--device", "cpu", *extra, cwd=tmp_path))
+            assert "is in use by another training process" in line and f"run {run_id} (pid {first.pid}" in line, line
+        deep = cli("validate", "--config", str(long), "--deep", "--device", "cpu", cwd=tmp_path)
+        assert deep.returncode == 2 and f"is in use by another training process: run {run_id} (pid {first.pid}" in deep.stderr
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    ck = tmp_path / "out" / "checkpoints"
+    assert {r["run_id"] for r in records(tmp_path / "metrics.jsonl")} == {run_id}   # nothing of the refused ones
+    assert load_checkpoint(ck / json.loads((ck / "latest.json").read_text())["file"])["run_id"] == run_id
+    assert not (tmp_path / "out" / ".speedtronic.lock").exists()                   # released on exit
+
+
+def test_a_lock_left_by_kill_9_does_not_block_the_next_run(tmp_path):
+    long = tiny_yaml(tmp_path, "long.yaml", run={"max_steps": 100_000}, checkpoint={"every_steps": 1})
+    first = subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(long), "--device", "cpu"],
+                             cwd=tmp_path, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(first, tmp_path / "metrics.jsonl", step=2)
+    first.kill(); first.communicate(timeout=60)
+    assert (tmp_path / "out" / ".speedtronic.lock").exists()
+    again = ok(cli("train", "--config", str(long), "--device", "cpu", "--resume", "--max-steps", "4", cwd=tmp_path))
+    assert f"pid {first.pid}" in again.stdout and "ended without releasing it" in again.stdout, again.stdout[-3000:]
