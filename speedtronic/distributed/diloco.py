@@ -141,6 +141,10 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
         except ValueError as e:
             self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}")
             return False
+        if not all(bool(torch.isfinite(v).all()) for v in raw.values()):   # NaN/inf weights: never sent, baseline kept
+            self.last_skipped_step = step
+            self._emit("delta_upload_skipped", {"step": step, "reason": "not_finite"})
+            return False
         total = raw if self.carry is None else {k: v + self.carry[k] for k, v in raw.items()}
         wire = encode_delta(total, self.config.delta_dtype)
         sent = decode_delta(wire)
