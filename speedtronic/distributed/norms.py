@@ -101,7 +101,7 @@ def norm_series(records: Iterable[NormRecord], layer: str = TOTAL, nodes: Iterab
     return {k: series[k] for k in sorted(series, key=lambda k: (k == "update", k))}
 
 def layer_profile(records: Iterable[NormRecord], outer_step: int, node: str | None = None) -> dict[str, dict[str, float]]:
-    "Per-layer norms at `outer_step`: `{'update': {...}, '<node>': {...}}` (deltas of one version are summed in quadrature)."
+    "Per-layer norms at `outer_step`: `{'update': {layer: norm}, '<node>': {layer: norm}}` (deltas of one version are summed in quadrature)."
     out: dict[str, dict[str, float]] = {}
     for r in records:
         if r.outer_step != outer_step or r.layer == TOTAL: continue
