@@ -231,7 +231,12 @@ _REFUSED_CHANGES = {
     "optimizer.weight_decay_on": "the saved optimizer state has other parameter groups",
     "optimizer.cautious": "the saved optimizer state was written for another update rule",
     "optimizer.muon_plus": "the saved optimizer state was written for another update rule",
-    "run.seed": "a resumed run continues the saved random streams, so a new seed would not apply"}
+    "run.seed": "a resumed run continues the saved random streams, so a new seed would not apply",
+    "distributed.node_id": "the saved DiLoCo state (baseline, carry, unsent delta) is the saved node's",
+    "distributed.repo_id": "the saved DiLoCo state counts the saved repository's global versions",
+    "distributed.transport": "distributed.repo_id would name another repository",
+    "distributed.shard_index": "the saved data position is within the saved shard",
+    "distributed.shard_count": "the saved data position is within the saved shard"}
 _LOADER_KEYS = {f"data.{k}" for k in ("text_path", "token_file", "dataset", "synthetic", "num_tokens", "vocab_size", "block_size",
                                        "tokenizer", "micro_batch_size", "shuffle", "seed", "trust_pickle")}
 

@@ -557,8 +557,31 @@ class DistributedConfig(_Section):
     delta_upload_overflow: str = "skip"  # must be skip
     delta_upload_shutdown_timeout: float = 5.0  # seconds
     async_global_poll: bool = True
+    transport: str = "hub"  # hub: repo_id is a Hub model repo; directory: repo_id is a shared directory path
+    delta_dtype: str = "bfloat16"  # wire dtype of deltas: float32 (as 2.0), bfloat16, or int8 (rounding kept and resent)
+    staleness: str = "delayed_nesterov"  # how the master applies late deltas: delayed_nesterov, weighted, or none (as 2.0)
+    expected_nodes: int | None = None  # nodes one outer step averages; null -> the nodes that sent deltas recently
+    max_delta_norm_ratio: float = 10.0  # reject a delta whose norm per inner step exceeds this multiple of the median (0 = off)
+    lease_timeout: float = 600.0  # seconds without a publication after which another node may take over as master
+    final_round_timeout: float = 300.0  # seconds the master waits at the end of its run for the other nodes' last deltas
+    request_timeout: float = 60.0  # seconds one Hub request may wait on the server before it is retried
+    shard_count: int | None = None  # data shards, usually the node count; null -> each node draws its own data seed
+    shard_index: int | None = None  # this node's shard, 0 <= shard_index < shard_count
     def _rules(self):
         r = _Rules(self)
+        for name, aliases in (("transport", {"dir": "directory", "shared": "directory", "folder": "directory"}),
+                              ("delta_dtype", {"fp32": "float32", "bf16": "bfloat16", "float": "float32"})):
+            value = getattr(self, name)
+            if isinstance(value, str): setattr(self, name, aliases.get(value.strip().lower(), value))
+        r.choice("transport", ("hub", "directory"))
+        r.choice("delta_dtype", ("float32", "bfloat16", "int8"))
+        r.choice("staleness", ("delayed_nesterov", "weighted", "none"), {"dn": "delayed_nesterov", "nesterov": "delayed_nesterov"})
+        r.positive("expected_nodes", "lease_timeout", "request_timeout", "shard_count")
+        r.non_negative("max_delta_norm_ratio", "final_round_timeout")
+        if (self.shard_count is None) != (self.shard_index is None):
+            r.fail("shard_index" if self.shard_index is None else "shard_count", "set shard_count and shard_index together (or neither)")
+        elif self.shard_count is not None and self.shard_count > 0 and not 0 <= self.shard_index < self.shard_count:
+            r.fail("shard_index", f"must be in [0, {self.shard_count}) for shard_count {self.shard_count}, got {_show(self.shard_index)}")
         r.choice("mode", ("dumb_diloco", "single"), {"diloco": "dumb_diloco"})
         r.choice("role", ("single", "master", "worker"))
         if self.enabled and self.mode != "dumb_diloco": r.fail("mode", "must be dumb_diloco when distributed.enabled is true")

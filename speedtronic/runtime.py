@@ -136,8 +136,7 @@ def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
 def distributed_problem(config: SpeedtronicConfig) -> str | None:
     "Why `distributed.enabled` cannot run with this installation, or None."
     if not config.distributed.enabled or importlib.util.find_spec("speedtronic.distributed") is not None: return None
-    return ("distributed.enabled: true needs the DumbDiLoCo coordinator (speedtronic.distributed), which this "
-            "release does not include yet; set distributed.enabled: false to train on this machine alone")
+    return "distributed.enabled: true needs speedtronic.distributed, which is missing from this installation; reinstall speedtronic"
 
 def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any) -> Any:
     "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`."
@@ -219,6 +218,16 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     weakref.finalize(trainer, claim.release)
     return trainer, manager
 
+def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device, world: World) -> Any:
+    "The data loader: a torchrun rank reads its share of each global batch; a DiLoCo node its own shard (or data seed)."
+    data, distributed = config.data, config.distributed.enabled
+    if distributed:
+        from speedtronic.distributed import node_data_config, shard_loader
+        data = node_data_config(config)
+    loader = build_dataloader(data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
+                              rank=world.rank, world_size=world.size)
+    return shard_loader(loader, config.distributed) if distributed else loader
+
 def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, *, resume: bool, device: Any,
                       max_steps: int | None) -> tuple[Trainer, CheckpointManager]:
     "`build_runtime` after the directory is claimed."
@@ -229,8 +238,7 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         world.writer_first(lambda: _maybe_demo_corpus(config))
         model = build_model(config.model).to(dev)
         if world.rank: seed_everything(config.run.seed + world.rank)
-        loader = build_dataloader(config.data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
-                                  rank=world.rank, world_size=world.size)
+        loader = _loader(config, model, dev, world)
         ck = config.checkpoint
         manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
                                     enabled=ck.enabled, run_id=claim.run_id)
@@ -392,7 +400,9 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
                         "token ids would be out of range; make them equal")
     elif not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
         problems += _first_step_problems(config, model, vocab)
-    return problems + _directory_problems(config) + _logging_problems(config)
+    problems += _directory_problems(config) + _logging_problems(config)
+    if config.distributed.enabled and not problems: importlib.import_module("speedtronic.distributed").warn_commit_rate(config, device=device)
+    return problems
 
 # %% ../nbs/13_runtime.ipynb #fbc52282
 def _on_meta(batch: Any) -> Any:

@@ -76,7 +76,8 @@ class SyncCoordinator(Protocol):
     optimizer's state (`optimizer.state`). The coordinator decides when that is wanted: the DiLoCo coordinator
     returns True after it pushed or installed weights, and only when its `reset_inner_optimizer` setting is on.
     `state_dict()` is saved in every checkpoint and given back through `load_state_dict` (or, when the
-    coordinator has one, `prepare_state` before `start()`) on resume."""
+    coordinator has one, `prepare_state` before `start()`) on resume. An optional `finish(model, step)` runs once
+    after the last step of a `fit` that made updates, before the final checkpoint (DiLoCo's final round)."""
     def start(self) -> None: ...
     def after_optimizer_step(self, model: Any, step: int) -> bool | None: ...
     def stop(self) -> None: ...
@@ -733,6 +734,10 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
             run.together = True
             raise TrainingInterrupted(stop)
     self._flush_last(run)
+    finish = getattr(self.coordinator, "finish", None)  # optional: a sync scheme's last round, before the final checkpoint
+    if callable(finish) and self._coordinator_started and self.step > run.start[0]:
+        finish(self.model, self.step)
+        self._last_saved_step = -1  # what finish() changed is saved below
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)
 

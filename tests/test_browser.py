@@ -65,11 +65,13 @@ NOTEBOOK = {
               '       "logging": {"level": "WARNING", "progress": "auto", "loss_plot": False}}\n'
               'result = train_from_config(cfg, device="cpu")\n'
               'print("finished at", result.steps)'),
+        _cell('from speedtronic.widgets import delta_norm_view\nnorms = delta_norm_view("diloco/master.jsonl")\nnorms'),
+        _cell('delta_norm_view("diloco/empty.jsonl")'),
     ],
     'metadata': {'kernelspec': {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}},
     'nbformat': 4, 'nbformat_minor': 5,
 }
-PRECISION, SCHEDULE, BROKEN, TRAINING = 1, 2, 3, 5   # cell indices in NOTEBOOK
+PRECISION, SCHEDULE, BROKEN, TRAINING, NORMS, NO_NORMS = 1, 2, 3, 5, 6, 7   # cell indices in NOTEBOOK
 SHIPPED = ['00_tutorial.ipynb', '14_widgets.ipynb', '06_schedules.ipynb', '04_precision.ipynb', '11_trainer.ipynb']   # opened as a user opens them
 
 TINY = ('{"model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
@@ -93,11 +95,43 @@ TRAINING_CELLS = [
 ]
 RESULT, BACKEND, PYPLOT, LONG, PARTIAL, RESUMED = 1, 2, 4, 5, 6, 7   # cell indices in TRAINING_CELLS
 
+def _diloco_record(folder: Path) -> None:
+    "A real delta-norm record: a master and a worker train 24 steps through a shared directory (folder/master.jsonl)."
+    import threading, torch
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.data import build_dataloader
+    from speedtronic.distributed import DumbDiLoCoCoordinator, shard_loader
+    from speedtronic.profiling import MetricLogger
+    from speedtronic.registry import build_model
+    from speedtronic.trainer import Trainer
+    def node(name, role, index):
+        cfg = SpeedtronicConfig.from_dict({
+            "run": {"max_steps": 24, "seed": 0},
+            "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 2, "n_head": 2, "n_kv_head": 1, "d_model": 16, "d_ff": 32},
+            "data": {"num_tokens": 2048, "block_size": 16, "micro_batch_size": 4, "target_batch_size": 4},
+            "distributed": {"enabled": True, "role": role, "node_id": name, "transport": "directory", "repo_id": str(folder / "repo"),
+                            "inner_steps": 6, "poll_interval": 0.05, "expected_nodes": 2, "shard_count": 2, "shard_index": index}})
+        torch.manual_seed(0)
+        model, logger = build_model(cfg.model), MetricLogger(stream=False, json_file=folder / f"{name}.jsonl")
+        coordinator = DumbDiLoCoCoordinator(cfg.distributed, model, state_dir=folder / "state" / name, logger=logger)
+        loader = shard_loader(build_dataloader(cfg.data, vocab_size=64), cfg.distributed)
+        return Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), loader, device="cpu", config=cfg,
+                       coordinator=coordinator, logger=logger), logger
+    nodes = [node("master", "master", 0), node("worker", "worker", 1)]
+    threads = [threading.Thread(target=trainer.fit) for trainer, _ in nodes]
+    threads[0].start(); time.sleep(0.5); threads[1].start()
+    for t in threads: t.join()
+    for _, logger in nodes: logger.close()
+    assert '"delta_norms"' in (folder / "master.jsonl").read_text()
+    (folder / "empty.jsonl").write_text('{"event": "train_step", "step": 1}\n')
+
 @pytest.fixture(scope='module')
 def jupyterlab(tmp_path_factory):
     root = tmp_path_factory.mktemp('lab')
     (root / 'widgets.ipynb').write_text(json.dumps(NOTEBOOK))
     (root / 'training.ipynb').write_text(json.dumps({**NOTEBOOK, 'cells': [_cell(c) for c in TRAINING_CELLS]}))
+    (root / 'diloco').mkdir()
+    _diloco_record(root / 'diloco')
     (root / 'shipped').mkdir()
     for name in SHIPPED: shutil.copy(ROOT / 'nbs' / name, root / 'shipped' / name)
     port = free_port()
@@ -138,7 +172,7 @@ def lab(browser, jupyterlab):
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     page.wait_for_function("[...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('finished at'))",
                            timeout=180_000)
-    for i in (PRECISION, SCHEDULE, BROKEN): _cell_of(page, i).locator('.widget-vbox').first.wait_for(timeout=60_000)
+    for i in (PRECISION, SCHEDULE, BROKEN, NORMS, NO_NORMS): _cell_of(page, i).locator('.widget-vbox').first.wait_for(timeout=120_000)
     yield page
     page.close()
 
@@ -338,3 +372,23 @@ def test_resume_after_the_interrupt_in_the_same_notebook(training):
     assert not [t for t in texts if 'Error' in t or 'in use by another' in t], texts
     printed = next(t for t in texts if t.startswith('resumed')).split()
     assert printed == ['resumed', str(partial + 3), '1', str(partial + 3)], printed
+def test_delta_norm_view_redraws_when_a_control_changes(lab, tmp_path):
+    cell = _cell_of(lab, NORMS)
+    image = cell.locator('.widget-image')
+    expect(image).to_be_visible(timeout=60_000)
+    labels = [t.replace('\xa0', ' ') for t in cell.locator('.widget-dropdown select').nth(0).locator('option').all_inner_texts()]
+    assert labels == ['all nodes', 'master', 'worker'], labels
+    before = image.first.get_attribute('src')
+    cell.locator('.widget-dropdown select').nth(0).select_option(label='worker')       # one node: a new figure
+    lab.wait_for_function('([el, src]) => el.src && el.src !== src', arg=[image.first.element_handle(), before], timeout=30_000)
+    layers = cell.locator('.widget-dropdown select').nth(1)
+    assert 'transformer.h.1' in layers.locator('option').all_inner_texts()
+    before = image.first.get_attribute('src')
+    layers.select_option('transformer.h.1')
+    lab.wait_for_function('([el, src]) => el.src && el.src !== src', arg=[image.first.element_handle(), before], timeout=30_000)
+    assert image.first.evaluate('img => img.naturalWidth') >= 760
+    assert cell.locator('.speedtronic-error').count() == 0 or not cell.locator('.speedtronic-error').first.is_visible()
+    cell.screenshot(path=str(tmp_path / 'delta_norms.png'))
+    empty = _cell_of(lab, NO_NORMS)
+    expect(empty.locator('.speedtronic-error')).to_contain_text('no delta-norm records yet', timeout=30_000)
+    assert not empty.locator('.widget-image').first.is_visible()
