@@ -23,7 +23,7 @@ from .precision import resolve_device
 # %% auto #0
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'World', 'world_from_env', 'accumulation_per_rank', 'world_problems', 'world_device',
            'backend_for', 'start_world', 'JobError', 'job_wide', 'raised_together', 'merge_boundaries',
-           'saved_world_size']
+           'saved_world_size', 'GroupCoordinator']
 
 # %% ../nbs/10p_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -83,12 +83,7 @@ def accumulation_per_rank(data: DataConfig, world_size: int = 1) -> int:
 def world_problems(config: SpeedtronicConfig, world: World) -> list[str]:
     "Why `config` cannot run as this torchrun job (empty for one process)."
     if world.size == 1: return []
-    problems = [p for p in [_batch_problem(config.data, world.size)] if p]
-    if config.distributed.enabled:
-        problems.append(f"distributed.enabled (DiLoCo) inside a torchrun job of {world.size} processes is not supported yet: "
-                        "run one `speedtronic train` per DiLoCo node without torchrun, or set distributed.enabled: false "
-                        f"to train as one data-parallel job of {world.size} processes")
-    return problems
+    return [p for p in [_batch_problem(config.data, world.size)] if p]
 
 # %% ../nbs/10p_parallel.ipynb #a255c042
 def world_device(world: World, requested: str | torch.device | None = "auto") -> torch.device:
@@ -274,3 +269,60 @@ def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None
 def writer_first(self: World, write: Callable[[], Any]) -> None:
     "Run `write` on rank 0 while the other ranks wait for it (a file they all read next); if it fails, every rank raises."
     self.on_writer(write)  # its verdict is the meeting point: no rank reads before rank 0 is done
+
+# %% ../nbs/10p_parallel.ipynb #ae68bf90
+@patch
+def from_writer(self: World, fn: Callable[[], Any]) -> Any:
+    "`fn()` run on rank 0 and its (small, picklable) result on every rank in one broadcast; if it raises, every rank raises."
+    if self.backend is None: return fn()
+    import torch.distributed as dist
+    box, error = [None], None
+    if self.writes:
+        try: box = [(fn(), None)]
+        except Exception as e: box, error = [(None, f"{type(e).__name__}: {e}")], e
+    dist.broadcast_object_list(box, src=0, group=self.control)
+    result, message = box[0]
+    if message is None: return result
+    if error is not None: raise job_wide(error, 0)
+    raise JobError(f"rank 0 stopped the job: {message}", 0)
+
+@patch
+def share_weights(self: World, module: nn.Module) -> None:
+    "Rank 0's parameters and buffers of `module` copied, in place, into every rank's (one broadcast per tensor)."
+    if self.backend is None: return
+    import torch.distributed as dist
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]: dist.broadcast(tensor.data, src=0)
+
+# %% ../nbs/10p_parallel.ipynb #c0732a16
+class GroupCoordinator:
+    "A DiLoCo node that is a torchrun job: `inner` (built on rank 0 only, `None` elsewhere) runs there; its weights reach every rank."
+    def __init__(self, inner: Any, world: World, model: nn.Module):
+        self.inner, self.world, self.model = inner, world, model  # `model`: the unwrapped module, not DDP
+
+    def _then_share(self, fn: Callable[[], Any], always: bool = False) -> Any:
+        "Rank 0's `fn()` → (answer, changed) on every rank; the weights broadcast when they changed."
+        def run():
+            before = getattr(self.inner, "installs", None)
+            answer = fn()
+            return answer, always or before is None or getattr(self.inner, "installs", None) != before
+        answer, changed = self.world.from_writer(run)
+        if changed: self.world.share_weights(self.model)
+        return answer
+
+    def start(self) -> None: self._then_share(lambda: self.inner.start(), always=True)
+    def after_optimizer_step(self, model: nn.Module, step: int) -> bool:
+        return bool(self._then_share(lambda: self.inner.after_optimizer_step(model, step)))
+    def finish(self, model: nn.Module, step: int) -> None:
+        finish = getattr(self.inner, "finish", None)
+        self._then_share(lambda: finish(model, step) if callable(finish) else None, always=True)
+    def stop(self) -> None:  # no collective: a rank may stop while the others are failing
+        if self.inner is not None: self.inner.stop()
+    def state_dict(self) -> dict | None: return self.inner.state_dict() if self.inner is not None else None
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.inner is not None and state: self.inner.load_state_dict(state)
+    def prepare_state(self, state: dict | None) -> None:
+        "Give a checkpoint's coordinator state to rank 0's coordinator before `start` (when it can take it so)."
+        prepare = getattr(self.inner, "prepare_state", None)
+        if callable(prepare): prepare(state)
+        else: self.load_state_dict(state)

@@ -28,7 +28,7 @@ from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
 from .optional import MissingExtra
-from .parallel import World, start_world, world_device, world_from_env, world_problems
+from .parallel import GroupCoordinator, World, start_world, world_device, world_from_env, world_problems
 from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
 from .precision import resolve_precision
 from .profiling import MetricLogger
@@ -138,12 +138,14 @@ def distributed_problem(config: SpeedtronicConfig) -> str | None:
     if not config.distributed.enabled or importlib.util.find_spec("speedtronic.distributed") is not None: return None
     return "distributed.enabled: true needs speedtronic.distributed, which is missing from this installation; reinstall speedtronic"
 
-def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any) -> Any:
-    "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`."
+def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any, world: World | None = None) -> Any:
+    "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`; in a torchrun job rank 0's."
     if not config.distributed.enabled: return None
     if problem := distributed_problem(config): raise ConfigError(problem)
     from speedtronic.distributed import DumbDiLoCoCoordinator
-    return DumbDiLoCoCoordinator(config.distributed, model, state_dir=run_paths(config).state_dir, logger=logger)
+    build = lambda: DumbDiLoCoCoordinator(config.distributed, model, state_dir=run_paths(config).state_dir, logger=logger)
+    if world is None or world.size == 1: return build()
+    return GroupCoordinator(world.on_writer(build), world, model)  # the node is the job: rank 0 runs it, every rank follows
 
 # %% ../nbs/13_runtime.ipynb #5dd65696
 @dataclass
@@ -255,7 +257,7 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         optimizer = build_optimizer(model, config, dev, logger=logger)
         target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
-        coordinator = _coordinator(config, model, logger)
+        coordinator = _coordinator(config, model, logger, world)
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
                           logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,
                           shape_report=report, world=world)

@@ -4,7 +4,8 @@
 - kill -9 of one rank stops the job; resuming from the last checkpoint reproduces the uninterrupted run;
 - SIGTERM to the job saves the last completed step once; resuming reproduces the uninterrupted run;
 - a data error on one rank stops the job with that rank's error on the console;
-- the job's configuration is checked before any process group is joined (global batch, DiLoCo);
+- the job's configuration is checked before any process group is joined (the global batch);
+- a DiLoCo node may be a torchrun job: rank 0 runs its coordinator, every rank ends on the same weights;
 - the decisions the job takes together give one verdict and one message: a directory another job holds or
   another run's checkpoints are refused by rank 0 for every rank, a resume with a changed seed is refused by
   every rank, the run id is rank 0's, a NaN loss on one rank stops (or, within the budget, skips) on every
@@ -401,14 +402,50 @@ def test_global_batch_that_does_not_divide(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr() == ("", "")                                 # rank 0 speaks for the job
 
 
-def test_diloco_inside_torchrun_is_refused(tmp_path, monkeypatch, capsys):
-    cfg = write_config(tmp_path, "diloco", micro=4, data={"synthetic": True, "num_tokens": 40},
-                       distributed={"enabled": True, "repo_id": "me/run"})
-    as_rank(monkeypatch)
-    assert main(["train", "--config", str(cfg), "--device", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert "distributed.enabled (DiLoCo) inside a torchrun job of 2 processes is not supported yet" in err
-    assert "Traceback" not in err
+DRIVER = """
+import os, sys, torch, yaml
+from speedtronic.runtime import build_runtime, close_logger
+trainer, _ = build_runtime(yaml.safe_load(open(sys.argv[1])), device="cpu")
+try: trainer.fit()
+finally: close_logger(trainer.logger); trainer.run_claim.release()
+torch.save(trainer.model.state_dict(), os.path.join(sys.argv[2], f"rank{trainer.world.rank}.pt"))
+trainer.world.close()
+"""
+
+
+def diloco_node(tmp: Path, name: str, role: str, index: int, micro: int) -> Path:
+    return write_config(tmp, name, micro=micro, steps=20, every=10, data={"synthetic": True, "num_tokens": 400, "target_batch_size": 4},
+                        logging={"every_steps": 5},
+                        distributed={"enabled": True, "role": role, "node_id": name, "transport": "directory",
+                                     "repo_id": str(tmp / "repo"), "inner_steps": 5, "poll_interval": 0.2, "shard_count": 2,
+                                     "shard_index": index, "expected_nodes": 2, "final_round_timeout": 120})
+
+
+def test_a_diloco_node_can_be_a_torchrun_job(tmp_path):
+    "A 2-rank DiLoCo master next to a one-process worker: every delta folded once, both ranks end on the same weights."
+    from speedtronic.distributed import SharedDirectory
+    from speedtronic.distributed.tensors import GLOBAL_MODEL_PATH, load_safetensors
+    master, worker = diloco_node(tmp_path, "master", "master", 0, micro=2), diloco_node(tmp_path, "worker", "worker", 1, micro=4)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",
+                            str(free_port()), str(tmp_path / "driver.py"), str(master), str(tmp_path)],
+                           cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not records(tmp_path / "master.jsonl", "train_start") and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)                                                    # the master creates the repository
+    finish(one_process(worker), timeout=90); finish(job, timeout=60)     # bounded: a hung collective fails the test
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    final = load_safetensors(tmp_path / "repo" / GLOBAL_MODEL_PATH)
+    for key, tensor in final.items():                                      # the final global, on both ranks
+        assert torch.equal(rank0[key], tensor) and torch.equal(rank1[key], tensor), key
+    assert all(torch.equal(rank0[k], v) for k, v in final_state(tmp_path / "master", 20)["model"].items())
+    folded = [tuple(x) for e in records(tmp_path / "master.jsonl", "outer_step") for x in e.get("folded", [])]
+    assert folded and len(folded) == len(set(folded)), folded             # no delta folded twice
+    ledger = SharedDirectory(tmp_path / "repo").state().extras["ledger"]
+    for name in ("master", "worker"):
+        uploaded = {e["step"] for e in records(tmp_path / f"{name}.jsonl", "delta_uploaded")}
+        assert max(uploaded) == max(ledger[name]["sessions"].values()) == 20, (name, uploaded, ledger[name])
+    assert records(tmp_path / "master.jsonl", "train_start")[0]["world_size"] == 2
 
 
 def test_one_process_checkpoint_is_not_resumed_by_a_job(tmp_path):

@@ -109,6 +109,7 @@ class DumbDiLoCoCoordinator:
         self._prepared: dict | None = None
         self._fatal: BaseException | None = None
         self._reset_due = False  # the first global installed after a boundary may clear the inner optimizer
+        self.installs = 0  # globals installed into the model so far (a torchrun node broadcasts after each)
         self.outer: MasterOuterLoop | None = None
         self.started = False
 
@@ -225,7 +226,7 @@ def _install(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torc
                if keep_progress and live[k].is_floating_point() and k in self.baseline else g for k, g in used.items()}
         for k, v in new.items(): live[k].copy_(v.to(live[k].device, live[k].dtype))   # computed first: tied weights share storage
         for k, g in used.items(): self.baseline[k] = g.detach().to("cpu", self.baseline[k].dtype, copy=True)
-        self.baseline_generation += 1
+        self.baseline_generation, self.installs = self.baseline_generation + 1, self.installs + 1
         self.last_global_step = int(version)
     self._emit("global_installed", {"outer_step": int(version), "step": self.local_step, "keys": len(used)})
     return bool(used)
