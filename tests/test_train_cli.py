@@ -142,7 +142,7 @@ def test_adamw_checkpoint_resumed_with_muon_is_refused_with_one_line(tmp_path):
     completed(speedtronic("train", "--config", str(SMOKE), "--device", "cpu", "--output-dir", str(out), "--max-steps", "2"))
     cfg = smoke_config(tmp_path, optimizer={"name": "muon"})
     one_error_line(speedtronic("train", "--config", str(cfg), "--device", "cpu", "--output-dir", str(out), "--resume"),
-                   "written by AdamW (optimizer.name: adamw)", "Resume with optimizer.name: adamw")
+                   "optimizer.name: saved 'adamw', now 'muon'", "another optimizer", "Resume with the saved values")
 
 
 def test_resume_with_another_width_names_the_config_value_first(tmp_path):
