@@ -561,7 +561,7 @@ class DistributedConfig(_Section):
     delta_dtype: str = "bfloat16"  # wire dtype of deltas: float32 (as 2.0), bfloat16, or int8 (rounding kept and resent)
     staleness: str = "delayed_nesterov"  # how the master applies late deltas: delayed_nesterov, weighted, or none (as 2.0)
     expected_nodes: int | None = None  # nodes one outer step averages; null -> the nodes that sent deltas recently
-    max_delta_norm_ratio: float = 10.0  # reject a delta whose norm per inner step exceeds this multiple of the median (0 = off)
+    max_delta_norm_ratio: float = 10.0  # reject a delta whose norm per inner step exceeds this multiple of its node's recent median (0 = off)
     lease_timeout: float = 600.0  # seconds without a publication after which another node may take over as master
     final_round_timeout: float = 300.0  # seconds the master waits at the end of its run for the other nodes' last deltas
     request_timeout: float = 60.0  # seconds one Hub request may wait on the server before it is retried

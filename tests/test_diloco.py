@@ -147,7 +147,12 @@ def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):
     assert added and all(n == 1 for n in removed.values()) and set(removed) == set(added)
     assert all(len(c.added) == 1 for c in repo.commits if any(p.startswith("nodes/") for p in c.added))
     assert not [r for r in hub.faults], "every injected fault was hit"
-    assert meta.outer_step >= 3
+    # every uploaded delta was folded (none refused), and each version is one publication that folded some of them
+    rounds = [e for e in events(tmp_path / "master" / "metrics.jsonl", "outer_step") if e["deltas_included"]]
+    uploaded = {(n, e["step"]) for n in names for e in events(tmp_path / n / "metrics.jsonl", "delta_uploaded")}
+    assert not [e for n in names for e in events(tmp_path / n / "metrics.jsonl", "delta_rejected")]
+    assert {tuple(x) for e in rounds for x in e["folded"]} == uploaded and sum(e["deltas_included"] for e in rounds) == len(uploaded)
+    assert meta.outer_step == len(rounds) == rounds[-1]["outer_step"]
 
 
 # -- kill -9 and resume -------------------------------------------------------------------------------------
@@ -183,9 +188,10 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
     starts = [e["start_step"] for e in events(tmp_path / victim / "metrics.jsonl", "train_start")]
     assert len(starts) == 2 and starts[1] >= 30, starts               # killed mid-run, resumed from its checkpoint
     assert len(ledger[victim]["sessions"]) == 1                       # the resumed node kept its session
-    norms = [e["norm"] / e["inner_steps"] for e in events(tmp_path / "master" / "metrics.jsonl", "delta_norms")]
-    typical = sorted(norms)[len(norms) // 2]
-    assert max(norms) < 5 * typical, "no bogus delta after the resume"
+    norms = [(e["step"], e["norm"] / e["inner_steps"]) for e in events(tmp_path / "master" / "metrics.jsonl", "delta_norms")
+             if e["node_id"] == victim]
+    before, after = [n for s, n in norms if s <= starts[1]], [n for s, n in norms if s > starts[1]]
+    assert before and after and max(after) < 5 * sorted(before)[len(before) // 2], "no bogus delta after the resume"
     assert not events(tmp_path / "master" / "metrics.jsonl", "delta_rejected")
 
 
@@ -243,6 +249,31 @@ def test_bad_deltas_are_rejected_and_quarantined(tmp_path):
     quarantined = sorted(p.name for p in (tmp_path / "state" / "quarantine").glob("*.json"))
     assert len(quarantined) == 6
     assert json.loads((tmp_path / "state" / "quarantine" / quarantined[0]).read_text())["reason"] in reasons.values()
+    logger.close()
+
+
+def test_a_node_is_judged_by_its_own_deltas(tmp_path):
+    """A late node's first deltas are larger than the others' late ones (its early training): folded. A delta 100x larger
+    than the node's own history: refused and quarantined; so is a new node's delta 100x larger than any folded so far."""
+    m, seen, logger = _master(tmp_path)
+    shapes = floating_state(m.global_state)
+    sized = lambda scale: {k: torch.full(v.shape, scale) for k, v in shapes.items()}
+    for step, scale in [(10, 1e-2), (20, 1e-3), (30, 1e-4), (40, 1e-4), (50, 1e-4)]:
+        _send(tmp_path, "early", step, sized(scale)); m.sync_once()
+    _send(tmp_path, "late", 10, sized(5e-3)); m.sync_once()                      # 50x the latest deltas of "early"
+    for step in (20, 30): _send(tmp_path, "late", step, sized(1e-3)); m.sync_once()
+    _send(tmp_path, "late", 40, sized(1e-1)); m.sync_once()                      # 100x its own
+    _send(tmp_path, "bogus", 10, sized(1.0)); m.sync_once()                      # 100x the largest folded delta
+    _send(tmp_path, "late", 50, sized(1e-3)); m.sync_once()
+    logger.flush()
+    rejected = {(p["node_id"], p["step"]): p for e, p in seen if e == "delta_rejected"}
+    assert sorted(rejected) == [("bogus", 10), ("late", 40)] and {p["reason"] for p in rejected.values()} == {"too_large"}
+    assert "recent deltas of 'late'" in rejected[("late", 40)]["message"] and "new node" in rejected[("bogus", 10)]["message"]
+    assert sorted((tmp_path / "state" / "quarantine").glob("*.json")) and m.transport.list_deltas() == []
+    assert {p.name for p in (tmp_path / "state" / "quarantine").iterdir()} >= {"nodes__late__delta_40.safetensors",
+                                                                               "nodes__bogus__delta_10.safetensors"}
+    folded = [tuple(x) for e, p in seen if e == "outer_step" for x in p.get("folded", [])]
+    assert ("late", 10) in folded and ("late", 50) in folded and ("late", 40) not in folded
     logger.close()
 
 

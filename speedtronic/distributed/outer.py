@@ -183,7 +183,8 @@ class MasterOuterLoop:
         self.shapes = {k: tuple(v.shape) for k, v in floating_state(self.global_state).items()}
         self.update = OuterUpdate(self.global_state, outer_lr, outer_momentum, staleness)
         self.outer_step, self.ledger, self.revision = -1, Ledger(), None
-        self.norm_history: deque[float] = deque(maxlen=64)
+        self.norm_history: dict[tuple[str, str], deque[float]] = {}  # (node, session) -> its recent accepted norms per inner step
+        self.largest_norm, self.norms_folded = 0.0, 0  # over every delta folded so far
         self.drop: dict[str, str] = {}  # repository paths to delete with the next commit -> why
         self.seen_nodes: set[str] = set()  # nodes whose deltas this master has seen
         self.last_publish, self.error = 0.0, None
@@ -373,13 +374,13 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
 def _check(self: MasterOuterLoop, path: str, tensors: dict, header: dict) -> CheckedDelta:
     d = check_delta(path, tensors, header, self.shapes)
     per_step = delta_norm(d.delta) / max(1, d.inner_steps or self.inner_steps)
-    recent = list(self.norm_history)[-max(4, 2 * self.active_nodes()):]   # recent: a warming-up learning rate moves it
-    if self.max_delta_norm_ratio > 0 and len(recent) >= 3:
-        typical = statistics.median(recent)
-        if per_step > self.max_delta_norm_ratio * typical:
-            raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / typical:.1f}x the "
-                                             f"median {typical:.3g} of recent deltas (limit distributed.max_delta_norm_ratio="
-                                             f"{self.max_delta_norm_ratio:g})")
+    own = list(self.norm_history.get((d.node_id, d.session), ()))[-4:]
+    if len(own) >= 3: reference, what = statistics.median(own), f"the median {statistics.median(own):.3g} of the recent deltas of {d.node_id!r}"
+    elif self.norms_folded >= 3: reference, what = self.largest_norm, f"the largest folded delta {self.largest_norm:.3g} (a new node)"
+    else: return d                                                  # nothing to judge by yet
+    if self.max_delta_norm_ratio > 0 and per_step > self.max_delta_norm_ratio * reference:
+        raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / reference:.1f}x {what} "
+                                         f"(limit distributed.max_delta_norm_ratio={self.max_delta_norm_ratio:g})")
     return d
 
 @patch
@@ -450,7 +451,9 @@ def sync_once(self: MasterOuterLoop) -> int:
 @patch
 def _after_round(self: MasterOuterLoop, accepted: list[CheckedDelta], applied: dict, found: int, nodes: int, received: int) -> None:
     for d in accepted:
-        self.norm_history.append(delta_norm(d.delta) / max(1, d.inner_steps or self.inner_steps))
+        per_step = delta_norm(d.delta) / max(1, d.inner_steps or self.inner_steps)
+        self.norm_history.setdefault((d.node_id, d.session), deque(maxlen=8)).append(per_step)
+        self.largest_norm, self.norms_folded = max(self.largest_norm, per_step), self.norms_folded + 1
         self._emit("delta_norms", {"outer_step": self.outer_step, "node_id": d.node_id, "step": d.step,
                                    "inner_steps": d.inner_steps or self.inner_steps, "base_outer_step": d.base_outer_step,
                                    "norm": delta_norm(d.delta), "layers": layer_norms(d.delta)})
