@@ -127,8 +127,12 @@ def close(self: World, failed: bool = False) -> None:
     "Leave the process group (after a failure only when it is gloo: an NCCL group with a dead peer may not end cleanly)."
     if self.backend is None: return
     import torch.distributed as dist
-    backend, self.backend, self.control = self.backend, None, None
-    if self.owns_group and dist.is_initialized() and (not failed or backend == "gloo"): dist.destroy_process_group()
+    backend, control, self.backend, self.control = self.backend, self.control, None, None
+    if not (self.owns_group and dist.is_initialized()): return
+    if not failed:  # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a collective
+        try: dist.barrier(group=control)
+        except Exception: failed = True
+    if not failed or backend == "gloo": dist.destroy_process_group()
 
 # %% ../nbs/10p_parallel.ipynb #7d6fc54a
 @patch
