@@ -123,16 +123,19 @@ def start_world(world: World, device: torch.device) -> World:
     return world
 
 @patch
-def close(self: World, failed: bool = False) -> None:
-    "Leave the process group (after a failure only when it is gloo: an NCCL group with a dead peer may not end cleanly)."
+def close(self: World, failed: bool = False,
+          together: bool = False, # the failure was raised by every rank at once (`raised_together`): all are here
+         ) -> None:
+    "Leave the process group (after a lone failure only when it is gloo: an NCCL group with a dead peer may not end cleanly)."
     if self.backend is None: return
     import torch.distributed as dist
     backend, control, self.backend, self.control = self.backend, self.control, None, None
     if not (self.owns_group and dist.is_initialized()): return
-    if not failed:  # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a collective
+    meet = not failed or together
+    if meet:  # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a collective
         try: dist.barrier(group=control)
-        except Exception: failed = True
-    if not failed or backend == "gloo": dist.destroy_process_group()
+        except Exception: meet = False
+    if meet or backend == "gloo": dist.destroy_process_group()
 
 # %% ../nbs/10p_parallel.ipynb #7d6fc54a
 @patch

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import sys
 import threading
 import weakref
 from collections import deque
@@ -28,7 +29,7 @@ from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
 from .optional import MissingExtra
-from .parallel import GroupCoordinator, World, start_world, world_device, world_from_env, world_problems
+from .parallel import GroupCoordinator, World, raised_together, start_world, world_device, world_from_env, world_problems
 from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
 from .precision import resolve_precision
 from .profiling import MetricLogger
@@ -213,8 +214,8 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
         except BaseException:
             claim.release()
             raise
-    except BaseException:
-        world.close(failed=True)
+    except BaseException as exc:
+        world.close(failed=True, together=raised_together(exc))
         raise
     trainer.run_claim = claim
     weakref.finalize(trainer, claim.release)
@@ -351,7 +352,7 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
             try: close_logger(trainer.logger)
             finally:
                 trainer.run_claim.release()
-                trainer.world.close(failed=failed)
+                trainer.world.close(failed=failed, together=raised_together(sys.exc_info()[1]))
 
 run = train_from_config
 train = train_from_config
