@@ -234,7 +234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
     with warnings.catch_warnings(), _sigterm_interrupts():
         warnings.showwarning = _warning_printer(warnings.showwarning)
-        return _run_command(args, argv)
+        code = _run_command(args, argv)
+    return _end_process(code)
+
+def _end_process(code: int) -> int:
+    "`code`; a torchrun worker that joined the job's process group exits here instead (`parallel.end_process`)."
+    parallel = sys.modules.get("speedtronic.parallel")  # not imported: no process group was started
+    return code if parallel is None else parallel.end_process(code)
 
 class Terminated(KeyboardInterrupt):
     "SIGTERM arrived: unwinds like Ctrl-C, so every writer removes its temp files."

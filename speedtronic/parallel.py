@@ -5,8 +5,11 @@
 # %% ../nbs/10p_parallel.ipynb #b6f7c39c
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,7 +25,7 @@ from .precision import resolve_device
 
 # %% auto #0
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'World', 'world_from_env', 'accumulation_per_rank', 'world_problems', 'world_device',
-           'backend_for', 'start_world', 'JobError', 'job_wide', 'raised_together', 'merge_boundaries',
+           'backend_for', 'start_world', 'end_process', 'JobError', 'job_wide', 'raised_together', 'merge_boundaries',
            'saved_world_size', 'GroupCoordinator']
 
 # %% ../nbs/10p_parallel.ipynb #a7cc76e1
@@ -108,6 +111,8 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 # %% ../nbs/10p_parallel.ipynb #0a656e0b
+_STARTED_GROUPS: list[str] = []  # the backends of the process groups this process started (read by `end_process`)
+
 def start_world(world: World, device: torch.device) -> World:
     "Join the torchrun job on `device`: the process group (NCCL on CUDA, gloo on CPU) and a gloo group for agreements."
     world.device = torch.device(device)
@@ -117,7 +122,9 @@ def start_world(world: World, device: torch.device) -> World:
     timeout = timedelta(seconds=world.timeout_s)
     if world.device.type == "cuda": torch.cuda.set_device(world.device)
     world.owns_group = not dist.is_initialized()
-    if world.owns_group: dist.init_process_group(backend_for(world.device), timeout=timeout)
+    if world.owns_group:
+        dist.init_process_group(backend_for(world.device), timeout=timeout)
+        _STARTED_GROUPS.append(backend_for(world.device))
     world.backend = dist.get_backend()
     world.control = dist.new_group(backend="gloo", timeout=timeout) if world.backend != "gloo" else dist.group.WORLD
     return world
@@ -136,6 +143,18 @@ def close(self: World, failed: bool = False,
         try: dist.barrier(group=control)
         except Exception: meet = False
     if meet or backend == "gloo": dist.destroy_process_group()
+
+# %% ../nbs/10p_parallel.ipynb #63cd6c0f
+def end_process(code: int) -> int:
+    "`code` in a process that never started a process group; one that did ends here with exit status `code`."
+    if not _STARTED_GROUPS: return code
+    for thread in threading.enumerate():  # what the interpreter does at exit: wait for the non-daemon threads
+        if thread is not threading.current_thread() and not thread.daemon: thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try: stream.flush()
+        except Exception: pass  # a closed stream has nothing left to write
+    os._exit(code)
 
 # %% ../nbs/10p_parallel.ipynb #7d6fc54a
 @patch

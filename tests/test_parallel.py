@@ -262,7 +262,7 @@ def refused(proc: subprocess.Popen) -> str:
 
 JOB_SCRIPT = """
 import json, torch
-from speedtronic.parallel import start_world, world_from_env
+from speedtronic.parallel import end_process, start_world, world_from_env
 w = start_world(world_from_env(), torch.device("cpu"))
 def outcome(fn):
     try: return ["ok", fn()]
@@ -275,6 +275,7 @@ out = {"rank": w.rank, "share": w.share(f"id-of-rank-{w.rank}"),
 import os, pathlib
 pathlib.Path(os.environ["RANK_OUT"], f"rank{w.rank}.json").write_text(json.dumps(out))  # one file per rank: lines on a shared stdout can interleave
 w.close()
+end_process(0)  # a process that started a gloo group ends without C++ teardown (see the Parallel chapter)
 """
 
 
@@ -405,11 +406,13 @@ def test_global_batch_that_does_not_divide(tmp_path, monkeypatch, capsys):
 DRIVER = """
 import os, sys, torch, yaml
 from speedtronic.runtime import build_runtime, close_logger
+from speedtronic.parallel import end_process
 trainer, _ = build_runtime(yaml.safe_load(open(sys.argv[1])), device="cpu")
 try: trainer.fit()
 finally: close_logger(trainer.logger); trainer.run_claim.release()
 torch.save(trainer.model.state_dict(), os.path.join(sys.argv[2], f"rank{trainer.world.rank}.pt"))
 trainer.world.close()
+end_process(0)
 """
 
 
