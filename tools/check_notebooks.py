@@ -50,7 +50,7 @@ def main() -> int:
         if why := title_cell_problem(p):
             print(f'{p.name}: {why}'); failed = True
         if why := metadata_problem(p):
-            print(f'{p.name}: {why}: run python tools/clean_notebooks.py (nbdev_clean alone rewrites the kernel name JupyterLab shows)'); failed = True
+            print(f'{p.name}: {why}: run python tools/clean_notebooks.py'); failed = True
     return 1 if failed else 0
 
 if __name__ == '__main__': sys.exit(main())

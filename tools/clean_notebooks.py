@@ -1,22 +1,23 @@
-"""Clean the notebooks in nbs/: `nbdev_clean`, then the kernel metadata JupyterLab itself writes.
+"""Clean the notebooks in nbs/ with `nbdev_clean`, and check they hold the kernel metadata JupyterLab writes.
 
 JupyterLab needs a kernelspec in a notebook's metadata to start a kernel without asking ("Select
 Kernel"), and when the kernel starts it writes the kernel's `kernelspec` and `language_info` into
 the metadata: if they differ from what the file holds, the notebook opens already marked modified.
-`nbdev_clean` keeps both keys (`language_info` is in settings.ini's `allowed_metadata_keys`) but
-always sets `kernelspec.display_name` to the kernel's name, which is not what JupyterLab writes. So
-after nbdev_clean this puts back exactly what JupyterLab writes for the standard `python3` kernel
-of the project's Python (`KERNELSPEC`, `LANGUAGE_INFO`). On another Python version JupyterLab
-still updates `language_info.version` on open; nothing stored in a file can avoid that.
+`nbdev_clean` keeps both keys (`language_info` is in settings.ini's `allowed_metadata_keys`) and
+sets `kernelspec.display_name` to the kernel's name, `python3`; `tools/setup.sh` gives the
+environment's python3 kernel that display name, so what nbdev_clean keeps and what JupyterLab
+writes agree. This adds `KERNELSPEC`/`LANGUAGE_INFO` to a notebook that lacks them (a new one), so
+a plain `nbdev_clean` afterwards changes nothing. On another Python version JupyterLab still updates
+`language_info.version` on open; nothing stored in a file can avoid that.
 
-    python tools/clean_notebooks.py          # clean every notebook (what tools/test_all.sh runs)
+    python tools/clean_notebooks.py          # clean every notebook (nbdev_clean, then the metadata)
     python tools/clean_notebooks.py --check  # exit 1 naming the notebooks whose metadata differs
 """
 import json, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+KERNELSPEC = {"display_name": "python3", "language": "python", "name": "python3"}  # what nbdev_clean keeps
 LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
                  "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
                  "pygments_lexer": "ipython3", "version": "3.11.7"}

@@ -18,4 +18,10 @@ if [ "${1:-}" = "dev" ]; then
 else
   $py -m pip install -q -e ".[plot]"
 fi
+# The notebooks name the kernel `python3` with display name `python3`, which is what `nbdev_clean` writes.
+# JupyterLab writes its kernel's display name into a notebook it opens, so this environment's python3
+# kernel shows that same name: the shipped notebooks then open unmodified here.
+if $py -c "import ipykernel" >/dev/null 2>&1; then
+  $py -m ipykernel install --sys-prefix --name python3 --display-name python3 >/dev/null
+fi
 echo "speedtronic installed in .venv ($($py -c 'import speedtronic; print(speedtronic.__version__)'))"
