@@ -2,6 +2,7 @@ import os, shutil, socket, subprocess, sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -11,6 +12,42 @@ def docs_site():
     res = subprocess.run([sys.executable, 'tools/build_docs.py'], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return ROOT / 'docs'
+
+def tiny_config(tmp: Path, name: str = "cfg.yaml", *, max_steps: int = 4, every_steps: int = 2, keep_last: int | None = 2,
+                metrics: bool = True, **sections) -> Path:
+    "A one-layer CPU run on 64 synthetic tokens, written to `tmp/name`; each of `sections` is merged over its default section."
+    raw = {"run": {"name": "tiny", "seed": 3, "max_steps": max_steps, "output_dir": str(tmp / "out")},
+           "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64},
+           "data": {"num_tokens": 64, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
+           "precision": "fp32", "checkpoint": {"every_steps": every_steps, "keep_last": keep_last},
+           "logging": {"progress": False, "loss_plot": False, **({"json_file": str(tmp / "metrics.jsonl")} if metrics else {})}}
+    for key, value in sections.items(): raw[key] = {**raw.get(key, {}), **value}
+    path = tmp / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+def cli_env(**extra: str) -> dict:
+    "The environment of a `speedtronic` subprocess: this checkout importable, one thread, and `extra`."
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
+    "`python -m speedtronic *args` in `cwd`, to the end; `env` entries are added to `cli_env()`, `popen` goes to `subprocess.run`."
+    return subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=cwd, env=cli_env(**(env or {})),
+                          capture_output=True, text=True, timeout=timeout, **popen)
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    "`proc`, which must have exited 0."
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+def one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    "The one `speedtronic: error:` line of a command that exited 2 without a traceback; it holds every one of `needles`."
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error:")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles: assert needle in errors[0], (needle, errors[0])
+    return errors[0]
 
 def free_port() -> int:
     with socket.socket() as s:

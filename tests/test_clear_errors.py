@@ -2,15 +2,14 @@
 passes does not fail at step 1 for a reason it could see."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from speedtronic.checkpoint import CheckpointError
 from speedtronic.config import SpeedtronicConfig
@@ -19,34 +18,11 @@ from speedtronic.files import atomic_write_text
 from speedtronic.profiling import MetricLogger
 from speedtronic.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, one_error_line, run_cli, tiny_config
 
 
-def tiny_yaml(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
-    raw = {"run": {"name": "tiny", "seed": 3, "max_steps": 2, "output_dir": str(tmp / "out")},
-           "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64},
-           "data": {"num_tokens": 64, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
-           "precision": "fp32", "checkpoint": {"every_steps": 2, "keep_last": 2},
-           "logging": {"progress": False, "loss_plot": False}}
-    for k, v in sections.items(): raw[k] = {**raw.get(k, {}), **v}
-    path = tmp / name
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
-def cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=cwd, env=full, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def one_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error:")]
-    assert len(errors) == 1, proc.stderr
-    for needle in needles: assert needle in errors[0], (needle, errors[0])
-    return errors[0]
+tiny_yaml = functools.partial(tiny_config, max_steps=2, metrics=False)
+cli, one_error = run_cli, one_error_line
 
 
 def train_and_deep_validate(tmp: Path, cfg: Path, *needles: str, env: dict | None = None) -> None:

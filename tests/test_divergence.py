@@ -1,15 +1,12 @@
 """A diverging run (NaN/inf loss or gradient) stops with one clear error and never costs the last good checkpoint."""
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
 from speedtronic.checkpoint import CheckpointError, CheckpointManager, checkpoint_files, load_checkpoint
@@ -17,33 +14,11 @@ from speedtronic.config import SpeedtronicConfig
 from speedtronic.profiling import MetricLogger
 from speedtronic.trainer import Trainer, TrainingError
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import one_error_line, run_cli, tiny_config
 
 
-def tiny_yaml(tmp: Path, **sections) -> Path:
-    raw = {"run": {"name": "tiny", "seed": 3, "max_steps": 10, "output_dir": str(tmp / "out")},
-           "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64},
-           "data": {"num_tokens": 64, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
-           "precision": "fp32", "checkpoint": {"every_steps": 2, "keep_last": 1},
-           "logging": {"progress": False, "loss_plot": False, "json_file": str(tmp / "metrics.jsonl")}}
-    for k, v in sections.items(): raw[k] = {**raw.get(k, {}), **v}
-    path = tmp / "cfg.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
-def cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error:")]
-    assert len(errors) == 1, proc.stderr
-    return errors[0]
+tiny_yaml = functools.partial(tiny_config, max_steps=10, keep_last=1)
+cli, error_line = run_cli, one_error_line
 
 
 def test_huge_learning_rate_stops_with_one_error_and_keeps_a_finite_checkpoint(tmp_path):

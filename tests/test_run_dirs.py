@@ -3,7 +3,6 @@ share a directory, every run has an id that survives resumes and is in every JSO
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,41 +13,19 @@ import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import cli_env, one_error_line, ok, run_cli, tiny_config
 
 
-def tiny_yaml(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
-    raw = {"run": {"name": "tiny", "seed": 3, "max_steps": 4, "output_dir": str(tmp / "out")},
-           "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64},
-           "data": {"num_tokens": 64, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
-           "precision": "fp32", "checkpoint": {"every_steps": 2, "keep_last": 2},
-           "logging": {"progress": False, "loss_plot": False, "json_file": str(tmp / "metrics.jsonl")}}
-    for k, v in sections.items(): raw[k] = {**raw.get(k, {}), **v}
-    path = tmp / name
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
+tiny_yaml = tiny_config
+error_line = one_error_line
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return cli_env(PYTHONUNBUFFERED="1")
 
 
 def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=cwd, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error:")]
-    assert len(errors) == 1, proc.stderr
-    return errors[0]
+    return run_cli(*args, cwd=cwd, env={"PYTHONUNBUFFERED": "1"}, timeout=timeout)
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:

@@ -3,6 +3,7 @@ line and the error names the file, an interrupted `prepare` leaves no temp file,
 `latest.json` left unlisted are still pruned."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -14,37 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import cli_env, ok, run_cli, tiny_config
 
 
-def tiny_yaml(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
-    raw = {"run": {"name": "tiny", "seed": 3, "max_steps": 4, "output_dir": str(tmp / "out")},
-           "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64},
-           "data": {"num_tokens": 64, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
-           "precision": "fp32", "checkpoint": {"every_steps": 1, "keep_last": 2},
-           "logging": {"progress": False, "loss_plot": False, "json_file": str(tmp / "metrics.jsonl")}}
-    for k, v in sections.items(): raw[k] = {**raw.get(k, {}), **v}
-    path = tmp / name
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
+tiny_yaml = functools.partial(tiny_config, every_steps=1)   # a checkpoint at every step
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    return cli_env(PYTHONDONTWRITEBYTECODE="1")
 
 
-def cli(*args: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=cwd, env=env(), capture_output=True,
-                          text=True, timeout=300, **kw)
-
-
-def ok(proc):
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def cli(*args: str, cwd: Path, **popen) -> subprocess.CompletedProcess:
+    return run_cli(*args, cwd=cwd, env={"PYTHONDONTWRITEBYTECODE": "1"}, **popen)
 
 
 def records(jsonl: Path, event: str = "train_step") -> list[dict]:
