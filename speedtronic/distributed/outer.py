@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from fastcore.basics import patch
@@ -31,7 +31,7 @@ from .transport import HubError, HubUnavailable, PublishConflict, RepoState
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'NesterovOuterOptimizer', 'Contribution', 'OuterUpdate', 'Ledger', 'lease_holder',
+__all__ = ['STALENESS_POLICIES', 'NesterovOuterOptimizer', 'Contribution', 'OuterUpdate', 'Ledger', 'lease_holder', 'DeltaSizes',
            'MasterOuterLoop', 'OuterState']
 
 # %% ../../nbs/12c_distributed_outer.ipynb #8a94b268
@@ -166,6 +166,40 @@ def lease_holder(extras: Mapping[str, Any], node_id: str, lease_timeout: float, 
     age = (time.time() if now is None else now) - beat
     return f"{master['node_id']!r} (heartbeat {age:.0f} s ago)" if age < lease_timeout else None
 
+# %% ../../nbs/12c_distributed_outer.ipynb #b442d55b
+class DeltaSizes:
+    "The norms per inner step of the folded deltas: each node's (per session) recent ones, the largest, and the count."
+    def __init__(self, recent: Mapping[tuple[str, str], Sequence[float]] | None = None, largest: float = 0.0, folded: int = 0):
+        self.recent = {key: deque(norms, maxlen=8) for key, norms in (recent or {}).items()}
+        self.largest, self.folded = float(largest), int(folded)
+
+    def record(self, node_id: str, session: str, per_step: float) -> None:
+        "Note a folded delta's norm per inner step."
+        self.recent.setdefault((node_id, session), deque(maxlen=8)).append(float(per_step))
+        self.largest, self.folded = max(self.largest, float(per_step)), self.folded + 1
+
+    def reference(self, node_id: str, session: str) -> tuple[float, str] | None:
+        "The norm a delta of `node_id` is judged against, and what it is; None while there is nothing to judge by."
+        own = list(self.recent.get((node_id, session), ()))[-4:]
+        if len(own) >= 3: return statistics.median(own), f"the median {statistics.median(own):.3g} of the recent deltas of {node_id!r}"
+        if self.folded >= 3: return self.largest, f"the largest folded delta {self.largest:.3g} (a new node)"
+        return None
+
+    def copy(self) -> "DeltaSizes": return DeltaSizes(self.recent, self.largest, self.folded)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"recent": [[node, session, list(norms)] for (node, session), norms in self.recent.items()],
+                "largest": self.largest, "folded": self.folded}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "DeltaSizes":
+        "The record `to_json` wrote; an empty one for a state written before it existed (or unreadable)."
+        try: return cls({(str(n), str(s)): [float(x) for x in norms] for n, s, norms in data["recent"]}, data["largest"], data["folded"])
+        except (TypeError, KeyError, ValueError): return cls()
+
+    def __eq__(self, other) -> bool: return isinstance(other, DeltaSizes) and self.to_json() == other.to_json()
+    def __repr__(self) -> str: return f"DeltaSizes({len(self.recent)} node sessions, {self.folded} folded, largest {self.largest:.3g})"
+
 # %% ../../nbs/12c_distributed_outer.ipynb #eb91224c
 class MasterOuterLoop:
     "The master's outer loop: find, check and fold deltas, publish the global model (one commit), repeat."
@@ -183,8 +217,7 @@ class MasterOuterLoop:
         self.shapes = {k: tuple(v.shape) for k, v in floating_state(self.global_state).items()}
         self.update = OuterUpdate(self.global_state, outer_lr, outer_momentum, staleness)
         self.outer_step, self.ledger, self.revision = -1, Ledger(), None
-        self.norm_history: dict[tuple[str, str], deque[float]] = {}  # (node, session) -> its recent accepted norms per inner step
-        self.largest_norm, self.norms_folded = 0.0, 0  # over every delta folded so far
+        self.sizes = DeltaSizes()  # the norms of the deltas folded so far, for the size check
         self.drop: dict[str, str] = {}  # repository paths to delete with the next commit -> why
         self.seen_nodes: set[str] = set()  # nodes whose deltas this master has seen
         self.last_publish, self.error = 0.0, None
@@ -212,13 +245,14 @@ def _local_files(self: MasterOuterLoop, suffix: str = "") -> tuple[Path, Path]:
 
 @patch
 def _save_local(self: MasterOuterLoop, state: Mapping[str, torch.Tensor], version: int, ledger: Ledger,
-                update: Mapping[str, Any], publication: str, suffix: str = "") -> None:
+                update: Mapping[str, Any], publication: str, suffix: str = "", sizes: DeltaSizes | None = None) -> None:
     js, st = self._local_files(suffix)
     tensors = {**{f"global/{k}": v for k, v in state.items()}, **{f"momentum/{k}": v for k, v in update["momentum"].items()},
                **{f"pending/{k}": v for k, v in update["pending"].items()}}
     save_safetensors(tensors, st)
     atomic_write_text(json.dumps({"outer_step": version, "ledger": ledger.to_json(), "progress": update["progress"],
                                   "momentum_steps": update["momentum_steps"], "publication": publication,
+                                  "delta_sizes": (sizes or self.sizes).to_json(),
                                   "session": self.session, "updated_at": utc_now()}, indent=2) + "\n", js)
 
 @patch
@@ -240,7 +274,7 @@ def _adopt_local(self: MasterOuterLoop, info: dict, tensors: dict) -> None:
                                  "pending": {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("pending/")},
                                  "progress": info.get("progress", 0.0), "momentum_steps": info.get("momentum_steps", 0)})
     self.outer_step, self.ledger = int(info["outer_step"]), Ledger.from_json(info.get("ledger"))
-    self.publication = str(info.get("publication", ""))
+    self.publication, self.sizes = str(info.get("publication", "")), DeltaSizes.from_json(info.get("delta_sizes"))
 
 @patch
 def _load_local(self: MasterOuterLoop) -> None:
@@ -305,7 +339,7 @@ def _version_extras(self: MasterOuterLoop, ledger: Ledger, publication: str, **m
 @patch
 def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.Tensor], version: int, deletes: list[str],
              ledger: Ledger | None = None, update: Mapping[str, Any] | None = None, bootstrap: bool = False,
-             weights: bool = True, message: str = "") -> RepoState:
+             weights: bool = True, message: str = "", sizes: DeltaSizes | None = None) -> RepoState:
     "Publish `state` as `version` (deleting `deletes`) in one guarded commit; returns the new repository state."
     ledger = self.ledger if ledger is None else ledger
     publication = uuid.uuid4().hex
@@ -315,7 +349,8 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
     atomic_write_text(step_count_text(meta, extras), out / "step_count.json")
     files = {GLOBAL_METADATA_PATH: out / "step_count.json"}
     if weights: files = {GLOBAL_MODEL_PATH: save_safetensors(state, out / "latest.safetensors", {"outer_step": version}), **files}
-    self._save_local(state, version, ledger, update or self.update.state_dict(), publication, ".next")
+    sizes = self.sizes if sizes is None else sizes
+    self._save_local(state, version, ledger, update or self.update.state_dict(), publication, ".next", sizes)
     message = message or f"global version {version}" + (f", folding {len(deletes)} file(s)" if deletes else "")
     parent_version, rebased = repo.outer_step, False
     for attempt in range(8):
@@ -337,6 +372,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
     self._promote()
     with self.lock:
         self.outer_step, self.ledger, self.publication, self.last_publish = version, ledger, publication, time.monotonic()
+        self.sizes = sizes
         for p in deletes: self.drop.pop(p, None)
     self.revision = None if rebased else new.revision   # after a rebase the next round lists again: a delta may have come in
     return new
@@ -374,10 +410,9 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
 def _check(self: MasterOuterLoop, path: str, tensors: dict, header: dict) -> CheckedDelta:
     d = check_delta(path, tensors, header, self.shapes)
     per_step = delta_norm(d.delta) / max(1, d.inner_steps or self.inner_steps)
-    own = list(self.norm_history.get((d.node_id, d.session), ()))[-4:]
-    if len(own) >= 3: reference, what = statistics.median(own), f"the median {statistics.median(own):.3g} of the recent deltas of {d.node_id!r}"
-    elif self.norms_folded >= 3: reference, what = self.largest_norm, f"the largest folded delta {self.largest_norm:.3g} (a new node)"
-    else: return d                                                  # nothing to judge by yet
+    judged_by = self.sizes.reference(d.node_id, d.session)
+    if judged_by is None: return d                                  # nothing to judge by yet
+    reference, what = judged_by
     if self.max_delta_norm_ratio > 0 and per_step > self.max_delta_norm_ratio * reference:
         raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / reference:.1f}x {what} "
                                          f"(limit distributed.max_delta_norm_ratio={self.max_delta_norm_ratio:g})")
@@ -440,9 +475,12 @@ def sync_once(self: MasterOuterLoop) -> int:
     update.load_state_dict(self.update.state_dict())
     applied = update.step(state, contributions, nodes)
     ledger = Ledger.from_json(self.ledger.to_json())
-    for d in accepted: ledger.record(d.node_id, d.session, d.step, version, d.final)
+    sizes = self.sizes.copy()
+    for d in accepted:
+        ledger.record(d.node_id, d.session, d.step, version, d.final)
+        sizes.record(d.node_id, d.session, delta_norm(d.delta) / max(1, d.inner_steps or self.inner_steps))
     deletes = [d.path for d in accepted] + list(self.drop)
-    self._publish(repo, state, version, deletes, ledger, update.state_dict())
+    self._publish(repo, state, version, deletes, ledger, update.state_dict(), sizes=sizes)
     with self.lock: self.global_state, self.update = state, update
     self._after_round(accepted, applied, found, nodes, self.transport.counts.bytes_received - received)
     return self.outer_step
@@ -451,9 +489,6 @@ def sync_once(self: MasterOuterLoop) -> int:
 @patch
 def _after_round(self: MasterOuterLoop, accepted: list[CheckedDelta], applied: dict, found: int, nodes: int, received: int) -> None:
     for d in accepted:
-        per_step = delta_norm(d.delta) / max(1, d.inner_steps or self.inner_steps)
-        self.norm_history.setdefault((d.node_id, d.session), deque(maxlen=8)).append(per_step)
-        self.largest_norm, self.norms_folded = max(self.largest_norm, per_step), self.norms_folded + 1
         self._emit("delta_norms", {"outer_step": self.outer_step, "node_id": d.node_id, "step": d.step,
                                    "inner_steps": d.inner_steps or self.inner_steps, "base_outer_step": d.base_outer_step,
                                    "norm": delta_norm(d.delta), "layers": layer_norms(d.delta)})
@@ -535,14 +570,16 @@ def state_dict(self: MasterOuterLoop) -> dict[str, Any]:
     with self.lock:
         return {"outer_step": self.outer_step, "processed_deltas": self.ledger.to_json(), "publication": self.publication,
                 "momentum": {k: v.clone() for k, v in self.update.momentum_buffer.items()},
-                "global_state": {k: v.clone() for k, v in self.global_state.items()}, "update": self.update.state_dict()}
+                "global_state": {k: v.clone() for k, v in self.global_state.items()}, "update": self.update.state_dict(),
+                "delta_sizes": self.sizes.to_json()}
 
 @patch
 def load_state_dict(self: MasterOuterLoop, state: Mapping[str, Any]) -> None:
     "Use a checkpoint's outer state when the state directory has none (it is reconciled with the repository at start)."
     if self.outer_step >= 0 or not state or not isinstance(state.get("processed_deltas"), Mapping): return
     info = {"outer_step": int(state.get("outer_step", -1)), "ledger": state["processed_deltas"],
-            "publication": state.get("publication", ""), **{k: v for k, v in (state.get("update") or {}).items() if k in ("progress", "momentum_steps")}}
+            "publication": state.get("publication", ""), "delta_sizes": state.get("delta_sizes"),
+            **{k: v for k, v in (state.get("update") or {}).items() if k in ("progress", "momentum_steps")}}
     tensors = {**{f"global/{k}": v for k, v in (state.get("global_state") or {}).items()},
                **{f"momentum/{k}": v for k, v in (state.get("momentum") or {}).items()},
                **{f"pending/{k}": v for k, v in ((state.get("update") or {}).get("pending") or {}).items()}}
