@@ -22,6 +22,7 @@ fi
 # JupyterLab writes its kernel's display name into a notebook it opens, so this environment's python3
 # kernel shows that same name: the shipped notebooks then open unmodified here.
 if $py -c "import ipykernel" >/dev/null 2>&1; then
-  $py -m ipykernel install --sys-prefix --name python3 --display-name python3 >/dev/null
+  $py -m ipykernel install --sys-prefix --name python3 --display-name python3 >/dev/null \
+    || echo "note: could not set the python3 kernel's display name in .venv; the notebooks open marked modified" >&2
 fi
 echo "speedtronic installed in .venv ($($py -c 'import speedtronic; print(speedtronic.__version__)'))"
