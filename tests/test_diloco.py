@@ -343,6 +343,35 @@ def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_p
     assert sorted(m.ledger.nodes["w"]["sessions"].values()) == [20]
 
 
+
+def test_a_publication_outlasts_many_racing_commits_and_uploads_once(tmp_path, hub):
+    """A node commits before each of the master's first 12 tries (more than the 8 tries that used to postpone the
+    round): the publication still lands in this round, and only its first try asks the Hub how to upload the weights."""
+    client = lambda: HubClient("org/busy", token=TOKEN, endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3)
+    t = client(); t.open(create=True)
+    model = torch.nn.Linear(4, 4)
+    shapes = floating_state(model.state_dict())
+    def send(step: int) -> None:
+        out = tmp_path / f"d{step}.safetensors"
+        save_safetensors(encode_delta({k: torch.full(v.shape, 1e-3) for k, v in shapes.items()}), out,
+                         delta_header(node_id="w", local_step=step, base_outer_step=0, inner_steps=10, encoding="bfloat16"))
+        client().upload({delta_path("w", step): out})
+    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=10, expected_nodes=1)
+    m.start_master()
+    publish, tries = t.publish, []
+    def racing_publish(*args, **kw):       # another delta lands just before each of the first 12 tries
+        tries.append(len(tries) + 1)
+        if len(tries) <= 12: send(100 + len(tries))
+        return publish(*args, **kw)
+    send(10)
+    t.publish = racing_publish
+    preuploads = lambda: sum("/preupload/" in path for _, path, _ in hub.requests)
+    before = preuploads()
+    assert m.sync_once() == 1 and len(tries) == 13
+    assert preuploads() - before == 12 + 1          # one per racing delta, one for the master's publication
+    t.publish = publish
+    assert m.sync_once() == 2 and t.list_deltas() == []     # the 12 deltas that raced it are folded in the next round
+
 # -- failures retrying cannot fix ----------------------------------------------------------------------------
 def test_hub_errors_are_classified(tmp_path, hub, monkeypatch):
     fast = dict(endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3, request_timeout=2)

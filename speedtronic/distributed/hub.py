@@ -69,6 +69,7 @@ class HubClient:
         self.retry = RetryPolicy(retry_initial, retry_max, retry_attempts, stop=stop)
         self.counts = TransferCounts()
         self._api = api
+        self._staged: dict = {}  # (path, sha256) -> an addition a publication's conflicting try uploaded, for its next try
 
     @property
     def api(self) -> Any:
@@ -197,10 +198,18 @@ def fetch(self: HubClient, path: str, local: str | os.PathLike, revision: str | 
     return self._call(f"download {path} from {self.describe()}", run)
 
 # %% ../../nbs/12b_distributed_hub.ipynb #f0119696
-def _operations(files: Mapping[str, str | os.PathLike], deletes: Iterable[str] = ()) -> list:
+def _operations(files: Mapping[str, str | os.PathLike], deletes: Iterable[str] = (), staged: dict | None = None) -> list:
+    "Commit operations for `files` and `deletes`; an addition with the same path and content is taken from `staged`, uploaded already."
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-    return ([CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(local)) for p, local in files.items()]
-            + [CommitOperationDelete(path_in_repo=p) for p in deletes])
+    adds = []
+    for path, local in files.items():
+        op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local))
+        if staged is not None:
+            key = (path, op.upload_info.sha256.hex())
+            if key in staged and not staged[key]._is_committed: op = staged[key]
+            staged[key] = op
+        adds.append(op)
+    return adds + [CommitOperationDelete(path_in_repo=p) for p in deletes]
 
 @patch
 def upload(self: HubClient, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
@@ -217,10 +226,11 @@ def publish(self: HubClient, files: Mapping[str, str | os.PathLike], deletes: It
     "Commit `files` and delete `deletes` only if the head is still `parent`; returns the new revision."
     deletes = list(deletes)
     def run():
-        info = self.api.create_commit(self.repo_id, _operations(files, deletes), commit_message=message or "publish global",
+        info = self.api.create_commit(self.repo_id, _operations(files, deletes, self._staged), commit_message=message or "publish global",
                                       commit_description=description, parent_commit=parent.revision)
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
         self.counts.commits += 1
+        self._staged.clear()
         return info.oid
     return self._call(f"publish to {self.describe()}", run)
 

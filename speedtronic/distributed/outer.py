@@ -31,8 +31,8 @@ from .transport import HubError, HubUnavailable, PublishConflict, RepoState
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'NesterovOuterOptimizer', 'Contribution', 'OuterUpdate', 'Ledger', 'lease_holder', 'DeltaSizes',
-           'MasterOuterLoop', 'OuterState']
+__all__ = ['STALENESS_POLICIES', 'PUBLISH_PATIENCE_S', 'NesterovOuterOptimizer', 'Contribution', 'OuterUpdate', 'Ledger',
+           'lease_holder', 'DeltaSizes', 'MasterOuterLoop', 'OuterState']
 
 # %% ../../nbs/12c_distributed_outer.ipynb #8a94b268
 class NesterovOuterOptimizer:
@@ -330,6 +330,8 @@ def _adopt_remote(self: MasterOuterLoop, repo: RepoState) -> None:
     self._save_local(self.global_state, self.outer_step, self.ledger, self.update.state_dict(), self.publication)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #e74223af
+PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
+
 @patch
 def _version_extras(self: MasterOuterLoop, ledger: Ledger, publication: str, **more) -> dict[str, Any]:
     return {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.update.policy, "ledger": ledger.to_json(),
@@ -352,8 +354,8 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
     sizes = self.sizes if sizes is None else sizes
     self._save_local(state, version, ledger, update or self.update.state_dict(), publication, ".next", sizes)
     message = message or f"global version {version}" + (f", folding {len(deletes)} file(s)" if deletes else "")
-    parent_version, rebased = repo.outer_step, False
-    for attempt in range(8):
+    parent_version, rebased, deadline = repo.outer_step, False, time.monotonic() + PUBLISH_PATIENCE_S
+    while True:
         try:
             revision = self.transport.publish(files, deletes, parent=repo, owner=self.node_id, version=version, message=message,
                                               description=_description(deletes))
@@ -368,7 +370,9 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
             if repo.outer_step != parent_version or not mine:
                 raise HubError(f"another master published version {repo.outer_step} to {self.transport.describe()} "
                                f"while {self.node_id!r} was master; stopping this master") from conflict
-    else: raise HubUnavailable(f"publishing version {version}: the repository kept changing underneath (8 attempts)")
+            if time.monotonic() > deadline:
+                raise HubUnavailable(f"publishing version {version}: the repository kept changing underneath "
+                                     f"for {PUBLISH_PATIENCE_S:g} s") from conflict
     self._promote()
     with self.lock:
         self.outer_step, self.ledger, self.publication, self.last_publish = version, ledger, publication, time.monotonic()
