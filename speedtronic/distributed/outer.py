@@ -411,9 +411,15 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     return accepted, len(paths)
 
 @patch
+def _per_step(self: MasterOuterLoop, d: CheckedDelta) -> float:
+    "`d`'s norm per inner step (2.0 nodes do not say how many steps: the configured `inner_steps`)."
+    return d.norm / max(1, d.inner_steps or self.inner_steps)
+
+@patch
 def _check(self: MasterOuterLoop, path: str, tensors: dict, header: dict) -> CheckedDelta:
     d = check_delta(path, tensors, header, self.shapes)
-    per_step = delta_norm(d.delta) / max(1, d.inner_steps or self.inner_steps)
+    d.norm = delta_norm(d.delta)                                    # once: the size record and the events reuse it
+    per_step = self._per_step(d)
     judged_by = self.sizes.reference(d.node_id, d.session)
     if judged_by is None: return d                                  # nothing to judge by yet
     reference, what = judged_by
@@ -482,7 +488,7 @@ def sync_once(self: MasterOuterLoop) -> int:
     sizes = self.sizes.copy()
     for d in accepted:
         ledger.record(d.node_id, d.session, d.step, version, d.final)
-        sizes.record(d.node_id, d.session, delta_norm(d.delta) / max(1, d.inner_steps or self.inner_steps))
+        sizes.record(d.node_id, d.session, self._per_step(d))
     deletes = [d.path for d in accepted] + list(self.drop)
     self._publish(repo, state, version, deletes, ledger, update.state_dict(), sizes=sizes)
     with self.lock: self.global_state, self.update = state, update
@@ -495,7 +501,7 @@ def _after_round(self: MasterOuterLoop, accepted: list[CheckedDelta], applied: d
     for d in accepted:
         self._emit("delta_norms", {"outer_step": self.outer_step, "node_id": d.node_id, "step": d.step,
                                    "inner_steps": d.inner_steps or self.inner_steps, "base_outer_step": d.base_outer_step,
-                                   "norm": delta_norm(d.delta), "layers": layer_norms(d.delta)})
+                                   "norm": d.norm, "layers": layer_norms(d.delta)})
     self._emit("outer_update_norms", {"outer_step": self.outer_step, "norm": delta_norm(applied), "layers": layer_norms(applied)})
     self._emit("outer_step", {"outer_step": self.outer_step, "deltas_found": found, "deltas_included": len(accepted),
                               "nodes": nodes, "folded": [[d.node_id, d.step] for d in accepted], "bytes_received": received,

@@ -210,6 +210,7 @@ class CheckedDelta:
     final: bool
     delta: dict[str, torch.Tensor] = field(repr=False)
     wire_bytes: int = 0
+    norm: float | None = None  # the L2 norm of `delta`, computed once by the master's size check
 
 def _header_int(header: Mapping[str, str], key: str, path: str, default: int | None) -> int | None:
     if key not in header: return default
