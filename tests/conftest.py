@@ -1,4 +1,4 @@
-import os, shutil, socket, subprocess, sys
+import json, os, shutil, socket, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,16 @@ def one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
     assert len(errors) == 1, proc.stderr
     for needle in needles: assert needle in errors[0], (needle, errors[0])
     return errors[0]
+
+def jsonl_records(path: Path, event: str = "train_step") -> list[dict]:
+    "Every `event` record of a JSONL metrics file, in order; a line cut by a kill is skipped, a missing file is empty."
+    out = []
+    if not Path(path).exists(): return out
+    for line in Path(path).read_text().splitlines():
+        try: record = json.loads(line)
+        except ValueError: continue
+        if record.get("event") == event: out.append(record)
+    return out
 
 def free_port() -> int:
     with socket.socket() as s:

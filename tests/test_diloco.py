@@ -17,6 +17,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import ROOT, jsonl_records  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
@@ -26,7 +27,6 @@ from speedtronic.distributed.tensors import (GLOBAL_METADATA_PATH, GLOBAL_MODEL_
 from speedtronic.distributed.transport import RetryPolicy
 from speedtronic.profiling import MetricLogger
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_test_write_token_0123456789"
 
 
@@ -63,15 +63,7 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     return out
 
 
-def events(path: Path, name: str) -> list[dict]:
-    "Every `name` record of a JSONL metrics file (a line cut by a kill is skipped)."
-    out = []
-    if not path.exists(): return out
-    for line in path.read_text().splitlines():
-        try: item = json.loads(line)
-        except ValueError: continue
-        if item.get("event") == name: out.append(item)
-    return out
+events = jsonl_records
 
 
 def wait_for(predicate, timeout: float = 300, what: str = "condition") -> None:
@@ -316,20 +308,26 @@ def test_the_hub_repository_head_stays_bounded(tmp_path, hub):
     assert {s[0] for s in sizes} == {2} and max(s[1] for s in sizes) <= 1.05 * min(s[1] for s in sizes), sizes
 
 
-def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_path, hub):
-    """A worker commits between the master's listing and its publication: the publication is rebased onto the new head,
-    and the delta it did not list is still folded in the next round (not hidden behind the master's own revision)."""
-    client = lambda: HubClient("org/race", token=TOKEN, endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3)
+def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str):
+    "A master of a small model on a new Hub repo (version 0 published), its transport, and `send(step)`: node w commits a delta."
+    client = lambda: HubClient(repo, token=TOKEN, endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3)
     t = client(); t.open(create=True)
     model = torch.nn.Linear(4, 4)
     shapes = floating_state(model.state_dict())
     def send(step: int) -> None:
-        out = tmp_path / f"d{step}.safetensors"
+        out = tmp / f"d{step}.safetensors"
         save_safetensors(encode_delta({k: torch.full(v.shape, 1e-3) for k, v in shapes.items()}), out,
                          delta_header(node_id="w", local_step=step, base_outer_step=0, inner_steps=10, encoding="bfloat16"))
         client().upload({delta_path("w", step): out})
-    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=10, expected_nodes=1)
+    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp / "state", node_id="m", inner_steps=10, expected_nodes=1)
     m.start_master()
+    return t, m, send
+
+
+def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_path, hub):
+    """A worker commits between the master's listing and its publication: the publication is rebased onto the new head,
+    and the delta it did not list is still folded in the next round (not hidden behind the master's own revision)."""
+    t, m, send = hub_master_and_node(tmp_path, hub, "org/race")
     publish = t.publish
     def racing_publish(*args, **kw):       # the worker's next commit lands just before the master's publication
         t.publish = publish
@@ -343,21 +341,10 @@ def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_p
     assert sorted(m.ledger.nodes["w"]["sessions"].values()) == [20]
 
 
-
 def test_a_publication_outlasts_many_racing_commits_and_uploads_once(tmp_path, hub):
     """A node commits before each of the master's first 12 tries (more than the 8 tries that used to postpone the
     round): the publication still lands in this round, and only its first try asks the Hub how to upload the weights."""
-    client = lambda: HubClient("org/busy", token=TOKEN, endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3)
-    t = client(); t.open(create=True)
-    model = torch.nn.Linear(4, 4)
-    shapes = floating_state(model.state_dict())
-    def send(step: int) -> None:
-        out = tmp_path / f"d{step}.safetensors"
-        save_safetensors(encode_delta({k: torch.full(v.shape, 1e-3) for k, v in shapes.items()}), out,
-                         delta_header(node_id="w", local_step=step, base_outer_step=0, inner_steps=10, encoding="bfloat16"))
-        client().upload({delta_path("w", step): out})
-    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=10, expected_nodes=1)
-    m.start_master()
+    t, m, send = hub_master_and_node(tmp_path, hub, "org/busy")
     publish, tries = t.publish, []
     def racing_publish(*args, **kw):       # another delta lands just before each of the first 12 tries
         tries.append(len(tries) + 1)
@@ -371,6 +358,7 @@ def test_a_publication_outlasts_many_racing_commits_and_uploads_once(tmp_path, h
     assert preuploads() - before == 12 + 1          # one per racing delta, one for the master's publication
     t.publish = publish
     assert m.sync_once() == 2 and t.list_deltas() == []     # the 12 deltas that raced it are folded in the next round
+
 
 # -- failures retrying cannot fix ----------------------------------------------------------------------------
 def test_hub_errors_are_classified(tmp_path, hub, monkeypatch):

@@ -29,7 +29,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, jsonl_records
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.cli import main
 from speedtronic.tokens import TOKEN_FILE_FORMAT
@@ -87,14 +87,7 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
     return out, err
 
 
-def records(jsonl: Path, event: str = "train_step") -> list[dict]:
-    if not jsonl.exists(): return []
-    out = []
-    for line in jsonl.read_text().splitlines():
-        try: rec = json.loads(line)
-        except json.JSONDecodeError: continue  # a line cut by kill -9
-        if rec.get("event") == event: out.append(rec)
-    return out
+records = jsonl_records
 
 
 def losses_by_step(jsonl: Path) -> dict[int, list[float]]:

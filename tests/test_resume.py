@@ -16,7 +16,7 @@ import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, jsonl_records
 STEPS = 60
 WORDS = ("the model reads a stream of text and learns which byte tends to follow which one while the "
          "optimizer moves every weight a little after each batch so that the loss falls").split()
@@ -58,14 +58,7 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> None:
     assert proc.returncode == 0, err[-3000:]
 
 
-def records(jsonl: Path, event: str = "train_step") -> list[dict]:
-    if not jsonl.exists(): return []
-    out = []
-    for line in jsonl.read_text().splitlines():
-        try: rec = json.loads(line)
-        except json.JSONDecodeError: continue  # a line cut by kill -9
-        if rec.get("event") == event: out.append(rec)
-    return out
+records = jsonl_records
 
 
 def kill_at(proc: subprocess.Popen, jsonl: Path, step: int, sig: int = signal.SIGKILL, timeout: float = 120) -> int:
