@@ -4,8 +4,10 @@ A master and 3 workers run as separate `speedtronic train` processes and meet in
 directory, and the loopback Hub stand-in of tests/hub_server.py driven by the real `huggingface_hub` client.
 Each node reads its own quarter of real English text (the standard library's docstrings) in batches of B; the
 synchronous baseline is one process reading the same batches together (batch 4·B, the same tokens in the same
-order) for the same number of steps. Printed side by side: the held-out loss of the final global model and of the
-baseline, bytes and commits per round, wall time.
+order) for the same number of steps. A lockstep row runs DiLoCo synchronously in this process (the same nodes, shards
+and inner steps; every round folds all nodes' deltas, none stale): the gap between it and the baseline is the
+algorithm's, the gap between it and the DiLoCo runs is asynchrony's. Printed side by side: the held-out loss of the
+final global model and of the baseline, bytes and commits per round, wall time.
 
     python bench/bench_diloco.py                  # baseline, directory and Hub runs (a few minutes on 2 cores)
     python bench/bench_diloco.py --compare        # also staleness policies and delta dtypes (directory)
@@ -71,17 +73,32 @@ def write(cfg: dict, path: Path) -> Path:
 
 def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
     full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})}
+    log = open(cfg.with_suffix(".log"), "w")
     # training runs below the bench process, which serves the Hub stand-in: like the real Hub, the repository does not
     # compete with the nodes for this machine's cores (every training process, the baseline too, gets the same priority)
-    return subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)], cwd=ROOT, env=full,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)], cwd=ROOT, env=full,
+                            stdout=log, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=(lambda: os.nice(5)) if hasattr(os, "nice") else None)
+    proc.log = Path(log.name)
+    log.close()
+    return proc
 
 
 def wait(procs: list[subprocess.Popen], what: str) -> None:
     for p in procs:
-        _, err = p.communicate()
-        if p.returncode != 0: raise SystemExit(f"{what} failed:\n{err[-3000:]}")
+        if p.wait() != 0: raise SystemExit(f"{what} failed:\n{p.log.read_text()[-3000:]}")
+
+
+def wait_for_line(procs: list[subprocess.Popen], text: str, what: str) -> None:
+    "Wait (up to 5 minutes) until every process has written `text` to its log."
+    deadline = time.monotonic() + 300
+    while not all(text in p.log.read_text() for p in procs):
+        for p in procs:
+            if p.poll() is not None: wait([p], what)
+        if time.monotonic() > deadline:
+            for p in procs: p.kill()
+            raise SystemExit(f"{what} did not write {text!r} within 5 minutes; see {', '.join(str(p.log) for p in procs)}")
+        time.sleep(0.05)
 
 
 def events(path: Path, name: str) -> list[dict]:
@@ -121,6 +138,33 @@ def run_baseline(args, work: Path, train: Path, held: bytes) -> dict:
             "wall": time.perf_counter() - start}
 
 
+def run_lockstep(args, work: Path, train: Path, held: bytes) -> dict:
+    "Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta folded at once, none stale."
+    from speedtronic.distributed.diloco import NodeShard
+    from speedtronic.distributed.outer import Contribution, OuterUpdate
+    from speedtronic.distributed.tensors import compute_pseudo_gradient, cpu_state_dict
+    from speedtronic.runtime import build_runtime
+    start, nodes = time.perf_counter(), []
+    for i in range(args.nodes):
+        cfg = base_config(args, work / "lockstep", f"node{i}", train, batch=args.batch, target=args.batch)
+        cfg["logging"] = {"every_steps": args.steps, "loss_plot": False, "progress": False}
+        cfg["checkpoint"] = {"enabled": False}
+        trainer, _ = build_runtime(cfg)
+        trainer.dataloader = NodeShard(trainer.dataloader, i, args.nodes)   # the shard a DiLoCo node reads
+        nodes.append(trainer)
+    state = cpu_state_dict(nodes[0].model.state_dict())
+    update = OuterUpdate(state, args.outer_lr, args.outer_momentum)
+    for end in range(args.inner_steps, args.steps + args.inner_steps, args.inner_steps):
+        for trainer in nodes: trainer.fit(max_steps=min(end, args.steps))
+        update.step(state, [Contribution(compute_pseudo_gradient(state, cpu_state_dict(t.model.state_dict()))) for t in nodes],
+                    args.nodes)
+        for trainer in nodes:
+            trainer.model.load_state_dict(state)
+            if args.reset_inner: trainer.optimizer.state.clear()
+    return {"name": f"lockstep DiLoCo outer {args.outer_lr:g}/{args.outer_momentum:g}{' reset' if args.reset_inner else ''} (in-process)",
+            "loss": held_out_loss(cfg, state, held), "wall": time.perf_counter() - start}
+
+
 def run_diloco(args, work: Path, train: Path, held: bytes, *, transport: str, staleness: str = "delayed_nesterov",
                dtype: str = "bfloat16", outer: tuple[float, float] | None = None, reset: bool | None = None) -> dict:
     outer = (args.outer_lr, args.outer_momentum) if outer is None else outer
@@ -141,12 +185,13 @@ def run_diloco(args, work: Path, train: Path, held: bytes, *, transport: str, st
                               "reset_inner_optimizer": reset, "outer_lr": outer[0], "outer_momentum": outer[1]}
         configs.append((cfg, write(cfg, run / f"{name}.yaml")))
     try:
+        if hub: hub.create(repo, private=True)                          # made on the website before the run
         start = time.perf_counter()
-        procs = [launch(configs[0][1], env)]
-        while not events(run / "master" / "metrics.jsonl", "train_start"):
-            if procs[0].poll() is not None: wait(procs, f"the {tag} master")
-            time.sleep(0.1)
-        procs += [launch(path, env) for _, path in configs[1:]]
+        # the workers start first and wait for the master's first global: on a 10-second run, the seconds a process takes
+        # to start would otherwise let one node train alone for most of it
+        procs = [launch(path, env) for _, path in configs[1:]]
+        wait_for_line(procs, "waiting for the master", f"the {tag} workers")
+        procs.insert(0, launch(configs[0][1], env))
         wait(procs, f"the {tag} run")
         wall = time.perf_counter() - start
         if hub:
@@ -201,6 +246,8 @@ def main(argv=None) -> None:
           f"{train.stat().st_size / 1e3:.0f} kB training text, {len(held) / 1e3:.0f} kB held out", flush=True)
     results = [run_baseline(args, work, train, held)]
     print(f"  baseline done: held-out loss {results[0]['loss']:.4f} ({results[0]['wall']:.0f} s)", flush=True)
+    results.append(run_lockstep(args, work, train, held))
+    print(f"  lockstep done: held-out loss {results[1]['loss']:.4f} ({results[1]['wall']:.0f} s)", flush=True)
     plan = [dict(transport=t) for t in args.transports.split(",") if t]
     defaults = dict(outer=(0.7, 0.9), reset=True)                 # DiLoCo's outer Nesterov and 2.0's inner reset
     if "directory" in args.transports: plan.append(dict(transport="directory", **defaults))

@@ -189,6 +189,7 @@ _ROUTES = [
 class _Handler(BaseHTTPRequestHandler):
     hub: HubStandIn
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # a response's header and body are separate writes: with Nagle, the body waits ~40 ms for an ACK
 
     def log_message(self, *args): pass
 

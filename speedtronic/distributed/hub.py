@@ -131,10 +131,10 @@ def _missing(exc: BaseException) -> bool:
     return type(exc).__name__ in ("RemoteEntryNotFoundError", "EntryNotFoundError")
 
 @patch
-def state(self: HubClient) -> RepoState:
-    "The head revision and what `global/step_count.json` says there."
+def state(self: HubClient, revision: str | None = None) -> RepoState:
+    "What `global/step_count.json` says at commit `revision` (default: the head)."
     def run():
-        sha = self.api.repo_info(self.repo_id, repo_type="model").sha
+        sha = revision or self.api.repo_info(self.repo_id, repo_type="model").sha
         with _scratch(Path(self.cache_dir or tempfile.gettempdir())) as tmp:
             try: path = self.api.hf_hub_download(self.repo_id, GLOBAL_METADATA_PATH, revision=sha, local_dir=tmp)
             except Exception as e:

@@ -465,7 +465,7 @@ def sync_once(self: MasterOuterLoop) -> int:
     head = self.transport.head_revision() if hasattr(self.transport, "head_revision") else None
     idle = time.monotonic() - self.last_publish < self.lease_timeout / 3
     if head is not None and head == self.revision and not self.drop and idle: return self.outer_step   # nothing committed since
-    repo = self.transport.state()
+    repo = self.transport.state() if head is None else self.transport.state(head)   # the head just read: one request fewer
     if repo.metadata is None or self.outer_step < 0: return self.start_master().outer_step
     self._owned(repo)
     received = self.transport.counts.bytes_received
@@ -556,6 +556,7 @@ def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: flo
     self.stop(timeout=max(timeout, 30.0))
     deadline, interval = time.monotonic() + timeout, min(self.poll_interval, 2.0) if interval is None else interval
     while True:
+        before = self.outer_step
         try: self.sync_once()
         except HubUnavailable as e: self._log("warning", f"final round postponed: {e}")
         waiting_for = (self.ledger.active(self.outer_step, window=2 * max(1, len(self.ledger.nodes)) + 1) | self.seen_nodes) - {self.node_id}
@@ -563,7 +564,7 @@ def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: flo
                 or max(self.ledger.nodes[n].get("sessions", {}).values(), default=-1) >= final_step)}
         enough = self.expected_nodes is None or len(done) + 1 >= self.expected_nodes
         if (done >= waiting_for and enough) or time.monotonic() >= deadline: break
-        time.sleep(interval)
+        if self.outer_step == before: time.sleep(interval)             # after a new version, look again at once
     if waiting_for - done or not enough:
         self._log("warning", f"final round: no last delta from {sorted(waiting_for - done) or 'some of the expected nodes'} within "
                              f"distributed.final_round_timeout={timeout:g} s; their last steps are not in the final global model")
