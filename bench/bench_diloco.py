@@ -147,7 +147,7 @@ def run_lockstep(args, work: Path, train: Path, held: bytes) -> dict:
     start, nodes = time.perf_counter(), []
     for i in range(args.nodes):
         cfg = base_config(args, work / "lockstep", f"node{i}", train, batch=args.batch, target=args.batch)
-        cfg["logging"] = {"every_steps": args.steps, "loss_plot": False, "progress": False}
+        cfg["logging"] = {"level": "WARNING", "every_steps": args.steps, "loss_plot": False, "progress": False}
         cfg["checkpoint"] = {"enabled": False}
         trainer, _ = build_runtime(cfg)
         trainer.dataloader = NodeShard(trainer.dataloader, i, args.nodes)   # the shard a DiLoCo node reads
@@ -166,10 +166,11 @@ def run_lockstep(args, work: Path, train: Path, held: bytes) -> dict:
 
 
 def run_diloco(args, work: Path, train: Path, held: bytes, *, transport: str, staleness: str = "delayed_nesterov",
-               dtype: str = "bfloat16", outer: tuple[float, float] | None = None, reset: bool | None = None) -> dict:
+               dtype: str = "bfloat16", outer: tuple[float, float] | None = None, reset: bool | None = None,
+               boundary_wait: float = 0.0) -> dict:
     outer = (args.outer_lr, args.outer_momentum) if outer is None else outer
     reset = args.reset_inner if reset is None else reset
-    tag = f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}"
+    tag = f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}-{boundary_wait:g}"
     run = work / tag
     hub = HubStandIn(tokens={TOKEN: "write"}).start() if transport == "hub" else None
     repo = "bench/diloco" if hub else str(run / "repo")
@@ -182,7 +183,8 @@ def run_diloco(args, work: Path, train: Path, held: bytes, *, transport: str, st
                               "repo_id": repo, "inner_steps": args.inner_steps, "poll_interval": args.poll, "expected_nodes": args.nodes,
                               "shard_count": args.nodes, "shard_index": i, "delta_dtype": dtype, "staleness": staleness,
                               "final_round_timeout": 1800, "retry_initial": 0.2, "retry_max": 5.0,
-                              "reset_inner_optimizer": reset, "outer_lr": outer[0], "outer_momentum": outer[1]}
+                              "reset_inner_optimizer": reset, "outer_lr": outer[0], "outer_momentum": outer[1],
+                              "boundary_wait": boundary_wait}
         configs.append((cfg, write(cfg, run / f"{name}.yaml")))
     try:
         if hub: hub.create(repo, private=True)                          # made on the website before the run
@@ -210,7 +212,8 @@ def run_diloco(args, work: Path, train: Path, held: bytes, *, transport: str, st
     versions = max((e["outer_step"] for e in rounds), default=0)
     node_commits, master_commits = len(uploads), (commits - len(uploads) if commits is not None else versions + 1)
     global_bytes = len(weights)
-    return {"name": f"{transport} {staleness} {dtype} outer {outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}", "loss": held_out_loss(configs[0][0], final, held), "wall": wall,
+    return {"name": f"{transport} {staleness} {dtype} outer {outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}"
+                    f"{f' wait {boundary_wait:g}s' if boundary_wait else ''}", "loss": held_out_loss(configs[0][0], final, held), "wall": wall,
             "versions": versions, "node_commits": node_commits, "master_commits": master_commits,
             "delta_kb": sum(e["bytes"] for e in uploads) / max(1, len(uploads)) / 1024, "skipped": skipped,
             "folded": sum(e["deltas_included"] for e in rounds), "global_kb": global_bytes / 1024}
@@ -232,6 +235,8 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--poll", type=float, default=0.5, help="distributed.poll_interval")
     parser.add_argument("--transports", default="directory,hub")
+    parser.add_argument("--boundary-wait", type=float, default=30.0,
+                        help="distributed.boundary_wait of the extra waiting runs of each transport (0: no such runs)")
     parser.add_argument("--compare", action="store_true", help="also staleness none/weighted and float32/int8 deltas (directory)")
     parser.add_argument("--outer-lr", type=float, default=1.0, help="distributed.outer_lr of the main runs")
     parser.add_argument("--outer-momentum", type=float, default=0.0, help="distributed.outer_momentum of the main runs")
@@ -249,6 +254,7 @@ def main(argv=None) -> None:
     results.append(run_lockstep(args, work, train, held))
     print(f"  lockstep done: held-out loss {results[1]['loss']:.4f} ({results[1]['wall']:.0f} s)", flush=True)
     plan = [dict(transport=t) for t in args.transports.split(",") if t]
+    if args.boundary_wait: plan += [dict(transport=t, boundary_wait=args.boundary_wait) for t in args.transports.split(",") if t]
     defaults = dict(outer=(0.7, 0.9), reset=True)                 # DiLoCo's outer Nesterov and 2.0's inner reset
     if "directory" in args.transports: plan.append(dict(transport="directory", **defaults))
     if args.compare:

@@ -564,6 +564,7 @@ class DistributedConfig(_Section):
     max_delta_norm_ratio: float = 10.0  # reject a delta whose norm per inner step exceeds this multiple of its node's recent median (0 = off)
     lease_timeout: float = 600.0  # seconds without a publication after which another node may take over as master
     final_round_timeout: float = 300.0  # seconds the master waits at the end of its run for the other nodes' last deltas
+    boundary_wait: float = 0.0  # seconds a node waits at each boundary for the global holding the delta it just sent (0: never)
     request_timeout: float = 60.0  # seconds one Hub request may wait on the server before it is retried
     shard_count: int | None = None  # data shards, usually the node count; null -> each node draws its own data seed
     shard_index: int | None = None  # this node's shard, 0 <= shard_index < shard_count
@@ -577,7 +578,7 @@ class DistributedConfig(_Section):
         r.choice("delta_dtype", ("float32", "bfloat16", "int8"))
         r.choice("staleness", ("delayed_nesterov", "weighted", "none"), {"dn": "delayed_nesterov", "nesterov": "delayed_nesterov"})
         r.positive("expected_nodes", "lease_timeout", "request_timeout", "shard_count")
-        r.non_negative("max_delta_norm_ratio", "final_round_timeout")
+        r.non_negative("max_delta_norm_ratio", "final_round_timeout", "boundary_wait")
         if (self.shard_count is None) != (self.shard_index is None):
             r.fail("shard_index" if self.shard_index is None else "shard_count", "set shard_count and shard_index together (or neither)")
         elif self.shard_count is not None and self.shard_count > 0 and not 0 <= self.shard_index < self.shard_count:

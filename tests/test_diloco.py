@@ -73,14 +73,15 @@ def wait_for(predicate, timeout: float = 300, what: str = "condition") -> None:
         time.sleep(0.1)
 
 
-def run_nodes(tmp: Path, *, repo: str, transport: str, names=("master", "w1", "w2"), steps: int = 40, env=None, **distributed):
+def run_nodes(tmp: Path, *, repo: str, transport: str, names=("master", "w1", "w2"), steps: int = 40, env=None,
+              **distributed) -> dict[str, str]:
+    "Run a master and workers to the end; returns each node's output."
     configs = [node_config(tmp, n, "master" if i == 0 else "worker", repo=repo, transport=transport, index=i, count=len(names),
                            steps=steps, **distributed) for i, n in enumerate(names)]
     procs = [launch(configs[0], env=env)]                      # the master first: it creates the repository
     wait_for(lambda: events(tmp / names[0] / "metrics.jsonl", "train_start") or procs[0].poll() is not None, what="the master")
     procs += [launch(c, env=env) for c in configs[1:]]
-    for p in procs: finish(p)
-    return configs
+    return {name: finish(p) for name, p in zip(names, procs)}
 
 
 def check_exactly_once(tmp: Path, names, ledger: dict) -> None:
@@ -97,7 +98,9 @@ def check_exactly_once(tmp: Path, names, ledger: dict) -> None:
 def test_master_and_workers_over_a_shared_directory(tmp_path):
     repo = tmp_path / "repo"
     names = ("master", "w1", "w2")
-    run_nodes(tmp_path, repo=str(repo), transport="directory", names=names)
+    outputs = run_nodes(tmp_path, repo=str(repo), transport="directory", names=names)
+    # 5 inner steps with the default outer Nesterov: the master says it in its log, the workers (no outer step) do not
+    assert "outer_momentum 0.9 with inner_steps 5" in outputs["master"] and "outer_momentum" not in outputs["w1"]
     t = SharedDirectory(repo)
     assert t.list_deltas() == []
     state = t.state()
@@ -118,6 +121,18 @@ def hub():
 
 def hub_env(hub: HubStandIn, token: str = TOKEN) -> dict:
     return {"HF_ENDPOINT": hub.url, "HF_TOKEN": token, "HF_HUB_DOWNLOAD_TIMEOUT": "5", "HF_HUB_ETAG_TIMEOUT": "5"}
+
+
+def test_boundary_wait_starts_every_round_from_a_global_holding_the_nodes_last_delta(tmp_path, hub):
+    names = ("master", "w1")
+    run_nodes(tmp_path, repo="org/diloco-wait", transport="hub", names=names, steps=30, env=hub_env(hub), boundary_wait=60)
+    master = tmp_path / "master" / "metrics.jsonl"
+    folded_in = {tuple(x): e["outer_step"] for e in events(master, "outer_step") for x in e.get("folded", [])}
+    for name in names:
+        waits = events(tmp_path / name / "metrics.jsonl", "boundary_wait")
+        assert [w["step"] for w in waits] == [5, 10, 15, 20, 25, 30] and all(w["folded"] for w in waits), (name, waits)
+    later = [e for e in events(master, "delta_norms") if e["step"] > 5]
+    assert len(later) == 10 and all(e["base_outer_step"] >= folded_in[(e["node_id"], e["step"] - 5)] for e in later), later
 
 
 def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):

@@ -25,16 +25,17 @@ from fastcore.basics import patch
 from ..config import ConfigError, DataConfig, DistributedConfig, SpeedtronicConfig, as_section
 from .hub import HubClient
 from ..paths import node_id
-from .outer import MasterOuterLoop
+from .outer import Ledger, MasterOuterLoop
 from .tensors import (GLOBAL_MODEL_PATH, compute_pseudo_gradient, cpu_state_dict, decode_delta, delta_header,
                                              delta_path, encode_delta, floating_state, load_safetensors, read_metadata,
                                              save_safetensors, wire_bytes)
 from .transport import HubError, HubUnavailable, RetryPolicy, SharedDirectory
 
 # %% auto #0
-__all__ = ['DumbDiLoCo', 'HUB_COMMITS_PER_HOUR', 'resolve_role', 'build_transport', 'DeltaUploadJob', 'SyncResult',
-           'DumbDiLoCoCoordinator', 'NodeShard', 'shard_loader', 'node_data_config', 'DistributedWarning',
-           'hub_commits_per_hour', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
+__all__ = ['DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR', 'resolve_role', 'build_transport', 'DeltaUploadJob',
+           'SyncResult', 'DumbDiLoCoCoordinator', 'DistributedWarning', 'outer_momentum_warning', 'NodeShard',
+           'shard_loader', 'node_data_config', 'hub_commits_per_hour', 'commit_rate_warning', 'measure_step_time',
+           'warn_commit_rate']
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -102,7 +103,8 @@ class DumbDiLoCoCoordinator:
         self.lock = threading.RLock()
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._busy, self._pending, self._accepting = False, None, False
-        self._candidate: tuple[int, dict] | None = None
+        self._candidate: tuple[int, dict, int] | None = None   # (version, state, the step of this session's newest delta it holds)
+        self.folded_step = -1  # this session's newest delta in the installed global (-1: none known)
         self._poll_requests: queue.Queue = queue.Queue(maxsize=1)
         self._polling, self._last_poll, self._seen_tag = False, 0.0, None
         self._threads: list[threading.Thread] = []
@@ -236,12 +238,14 @@ def _install_candidate(self: DumbDiLoCoCoordinator) -> bool:
     "Install the newest waiting global, if it is newer than the installed one."
     with self.lock: candidate, self._candidate = self._candidate, None
     if candidate is None or candidate[0] <= self.last_global_step: return False
-    return self._install(*candidate)
+    version, state, folded = candidate
+    self.folded_step = max(self.folded_step, folded)
+    return self._install(version, state)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #182989d0
 @patch
-def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict] | None:
-    "`(version, state)` of the repository's global when newer than what this node has, else None."
+def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
+    "`(version, state, folded step)` of the repository's global when newer than what this node has, else None."
     self._ensure_open()
     tag = self.transport.version_tag() if hasattr(self.transport, "version_tag") else None
     if tag is not None and tag == self._seen_tag: return None     # the version file has not changed: nothing new
@@ -253,13 +257,18 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict] | None:
     carried = read_metadata(path).get("outer_step")
     if carried is not None and int(carried) != repo.outer_step: return None   # mid-publication; the next poll gets it
     self._seen_tag = tag
-    return repo.outer_step, load_safetensors(path)
+    return repo.outer_step, load_safetensors(path), self._folded_in(Ledger.from_json(repo.extras.get("ledger")))
 
 @patch
-def _offer(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor]) -> None:
+def _folded_in(self: DumbDiLoCoCoordinator, ledger: Ledger) -> int:
+    "The step of this session's newest delta that `ledger`'s global holds (-1: none)."
+    return ledger.nodes.get(self.node_id, {}).get("sessions", {}).get(self.session, -1)
+
+@patch
+def _offer(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor], folded: int = -1) -> None:
     "Put a global in the candidate slot (a newer one replaces an older one not yet installed)."
     with self.lock:
-        if self._candidate is None or version > self._candidate[0]: self._candidate = (int(version), dict(state))
+        if self._candidate is None or version > self._candidate[0]: self._candidate = (int(version), dict(state), int(folded))
 
 @patch
 def _poll_loop(self: DumbDiLoCoCoordinator) -> None:
@@ -308,8 +317,11 @@ def after_optimizer_step(self: DumbDiLoCoCoordinator, model: torch.nn.Module, st
     self._raise_fatal()
     self.local_step = int(step)
     boundary = step % self.inner_steps == 0
-    if boundary: self._send(step); self._reset_due = True
-    loaded = self._install_candidate()
+    waited = False
+    if boundary:
+        self._send(step); self._reset_due = True
+        if self.config.boundary_wait > 0: waited = self._await_fold()
+    loaded = self._install_candidate() or waited
     if not loaded: loaded = self._maybe_poll(force=boundary)
     reset = loaded and self._reset_due and self.config.reset_inner_optimizer
     if loaded: self._reset_due = False
@@ -321,6 +333,24 @@ def _raise_fatal(self: DumbDiLoCoCoordinator) -> None:
     error = self._fatal or (self.outer.error if self.outer is not None else None)
     if error is not None:
         raise error if isinstance(error, HubError) else HubError(f"DiLoCo background work failed: {type(error).__name__}: {error}")
+
+# %% ../../nbs/12d_distributed_diloco.ipynb #53471164
+@patch
+def _await_fold(self: DumbDiLoCoCoordinator) -> bool:
+    "Wait up to `boundary_wait` s until a global holding the last dispatched delta is installed; True when one was installed."
+    target, installed = self.last_dispatched_step, False
+    if target is None: return False
+    start = time.monotonic()
+    deadline, interval = start + float(self.config.boundary_wait), min(self.poll_interval, 0.25)
+    while True:
+        installed = self._install_candidate() or installed
+        with self.lock: lost = not self._busy and (self.last_uploaded_step is None or self.last_uploaded_step < target)
+        if self.folded_step >= target or lost or time.monotonic() >= deadline or self._stop.is_set(): break
+        self._raise_fatal()
+        if self._maybe_poll(force=True): installed = True            # a synchronous poll installed it
+        else: self._stop.wait(interval)
+    self._emit("boundary_wait", {"step": target, "waited_s": round(time.monotonic() - start, 4), "folded": self.folded_step >= target})
+    return installed
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #bfacdca9
 @patch
@@ -374,13 +404,28 @@ def _await_global(self: DumbDiLoCoCoordinator) -> None:
         told = True
         if self._stop.wait(min(self.poll_interval, 2.0)): return
 
+# %% ../../nbs/12d_distributed_diloco.ipynb #ca10c6c8
+class DistributedWarning(UserWarning):
+    "A DiLoCo setting that will work, but not as well as it could."
+
+SHORT_ROUND_STEPS = 100  # below this many inner steps per round, outer momentum was measured to hurt
+
+def outer_momentum_warning(config: DistributedConfig) -> str | None:
+    "A warning when outer momentum meets short rounds (None when the settings are fine)."
+    if not config.outer_momentum or config.inner_steps >= SHORT_ROUND_STEPS: return None
+    return (f"distributed.outer_momentum {config.outer_momentum:g} with inner_steps {config.inner_steps}: outer Nesterov is "
+            f"tuned for hundreds of inner steps per round and was measured far behind plain averaging with rounds under "
+            f"{SHORT_ROUND_STEPS} steps (diverging on long runs); set outer_lr: 1.0 and outer_momentum: 0.0 for short rounds")
+
 # %% ../../nbs/12d_distributed_diloco.ipynb #b3c80134
 @patch
 def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | None) -> None:
     cfg = self.config
+    if message := outer_momentum_warning(cfg): self._log("warning", message)
     self.outer = MasterOuterLoop(self.transport, cpu_state_dict(self.model.state_dict()), node_state_dir=self.state_root,
                                  outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, poll_interval=cfg.poll_interval,
-                                 on_global_update=lambda state, version: self._offer(version, {k: v.clone() for k, v in state.items()}),
+                                 on_global_update=lambda state, version: self._offer(version, {k: v.clone() for k, v in state.items()},
+                                                                                     self._folded_in(self.outer.ledger)),
                                  logger=self.logger, node_id=self.node_id, session=self.session, inner_steps=cfg.inner_steps,
                                  staleness=cfg.staleness, expected_nodes=cfg.expected_nodes,
                                  max_delta_norm_ratio=cfg.max_delta_norm_ratio, lease_timeout=cfg.lease_timeout)
@@ -527,9 +572,6 @@ def node_data_config(config: SpeedtronicConfig) -> DataConfig:
                       DistributedWarning, stacklevel=2)
     offset = int(hashlib.sha256(node_id(d).encode()).hexdigest()[:8], 16)
     return replace(config.data, seed=(int(config.data.seed or 0) + offset) % 2**31)
-
-class DistributedWarning(UserWarning):
-    "A DiLoCo setting that will work, but not as well as it could."
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #d25bc310
 HUB_COMMITS_PER_HOUR = 100  # plan for this many; the Hub's limit is not published (its 429 message has said 128)
