@@ -105,6 +105,7 @@ class DumbDiLoCoCoordinator:
         self._busy, self._pending, self._accepting = False, None, False
         self._candidate: tuple[int, dict, int] | None = None   # (version, state, the step of this session's newest delta it holds)
         self.folded_step = -1  # this session's newest delta in the installed global (-1: none known)
+        self._wait_for_fold = True  # False after a boundary_wait ran out, until one of this node's deltas is folded
         self._poll_requests: queue.Queue = queue.Queue(maxsize=1)
         self._polling, self._last_poll, self._seen_tag = False, 0.0, None
         self._threads: list[threading.Thread] = []
@@ -239,7 +240,7 @@ def _install_candidate(self: DumbDiLoCoCoordinator) -> bool:
     with self.lock: candidate, self._candidate = self._candidate, None
     if candidate is None or candidate[0] <= self.last_global_step: return False
     version, state, folded = candidate
-    self.folded_step = max(self.folded_step, folded)
+    if folded > self.folded_step: self.folded_step, self._wait_for_fold = folded, True
     return self._install(version, state)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #182989d0
@@ -339,7 +340,7 @@ def _raise_fatal(self: DumbDiLoCoCoordinator) -> None:
 def _await_fold(self: DumbDiLoCoCoordinator) -> bool:
     "Wait up to `boundary_wait` s until a global holding the last dispatched delta is installed; True when one was installed."
     target, installed = self.last_dispatched_step, False
-    if target is None: return False
+    if target is None or not self._wait_for_fold: return False
     start = time.monotonic()
     deadline, interval = start + float(self.config.boundary_wait), min(self.poll_interval, 0.25)
     while True:
@@ -349,7 +350,12 @@ def _await_fold(self: DumbDiLoCoCoordinator) -> bool:
         self._raise_fatal()
         if self._maybe_poll(force=True): installed = True            # a synchronous poll installed it
         else: self._stop.wait(interval)
-    self._emit("boundary_wait", {"step": target, "waited_s": round(time.monotonic() - start, 4), "folded": self.folded_step >= target})
+    arrived = self.folded_step >= target
+    if not (arrived or lost or self._stop.is_set()):                 # out of time: the master is slow or gone
+        self._wait_for_fold = False
+        self._log("warning", f"boundary_wait: the delta of step {target} was not folded within {self.config.boundary_wait:g} s; "
+                             "not waiting again until one of this node's deltas is folded")
+    self._emit("boundary_wait", {"step": target, "waited_s": round(time.monotonic() - start, 4), "folded": arrived})
     return installed
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #bfacdca9
