@@ -404,7 +404,10 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
     elif not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
         problems += _first_step_problems(config, model, vocab)
     problems += _directory_problems(config) + _logging_problems(config)
-    if config.distributed.enabled and not problems: importlib.import_module("speedtronic.distributed").warn_commit_rate(config, device=device)
+    if config.distributed.enabled and not problems:
+        distributed = importlib.import_module("speedtronic.distributed")
+        distributed.warn_commit_rate(config, device=device)
+        distributed.warn_outer_momentum(config.distributed)
     return problems
 
 # %% ../nbs/13_runtime.ipynb #fbc52282

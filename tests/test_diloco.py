@@ -424,7 +424,11 @@ def test_validate_deep_warns_about_the_hub_commit_rate(tmp_path):
     warnings_ = [l for l in res.stderr.splitlines() if l.startswith("speedtronic: warning: distributed: about")]
     assert res.returncode == 0 and len(warnings_) == 1, res.stderr[-2000:]
     assert "Hub commits per hour" in warnings_[0] and "distributed.inner_steps" in warnings_[0]
-    quiet = node_config(tmp_path, "far", "master", repo=str(tmp_path / "dir"), transport="directory", index=0, count=4, steps=100)
-    res = subprocess.run([sys.executable, "-m", "speedtronic", "validate", "--config", str(quiet), "--deep"], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr[-2000:]
+    # a directory master: no commit limit; with 5 inner steps, the default outer momentum is worth a warning, averaging is not
+    for name, outer, expected in (("nesterov", {}, 1), ("averaging", {"outer_lr": 1.0, "outer_momentum": 0.0}, 0)):
+        cfg = node_config(tmp_path, name, "master", repo=str(tmp_path / "dir"), transport="directory", index=0, count=4, steps=100, **outer)
+        res = subprocess.run([sys.executable, "-m", "speedtronic", "validate", "--config", str(cfg), "--deep"], cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+        warnings_ = [l for l in res.stderr.splitlines() if "warning" in l]
+        assert res.returncode == 0 and len(warnings_) == expected, res.stderr[-2000:]
+        assert all(l.startswith("speedtronic: warning: distributed.outer_momentum 0.9 with inner_steps 5") for l in warnings_)

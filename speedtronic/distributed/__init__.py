@@ -8,10 +8,10 @@ __all__ = ['DumbDiLoCoCoordinator', 'DumbDiLoCo', 'DeltaUploadJob', 'SyncResult'
            'compute_pseudo_gradient', 'load_delta', 'load_safetensors', 'save_safetensors', 'PublishConflict',
            'RetryPolicy', 'SharedDirectory', 'Ledger', 'OuterUpdate', 'OuterState', 'NodeShard', 'DistributedWarning',
            'build_transport', 'commit_rate_warning', 'hub_commits_per_hour', 'measure_step_time', 'node_data_config',
-           'outer_momentum_warning', 'shard_loader', 'warn_commit_rate', 'NormRecord', 'norm_records_from_events',
-           'norm_records_from_jsonl', 'norm_records_from_repo', 'norm_choices', 'norm_series', 'layer_profile',
-           'plot_delta_norms', 'cpu_tensor', 'cpu_state_dict', 'read_metadata', 'floating_state', 'parse_delta_path',
-           'metadata_json']
+           'outer_momentum_warning', 'shard_loader', 'warn_commit_rate', 'warn_outer_momentum', 'NormRecord',
+           'norm_records_from_events', 'norm_records_from_jsonl', 'norm_records_from_repo', 'norm_choices',
+           'norm_series', 'layer_profile', 'plot_delta_norms', 'cpu_tensor', 'cpu_state_dict', 'read_metadata',
+           'floating_state', 'parse_delta_path', 'metadata_json']
 
 # %% ../../nbs/12_distributed.ipynb #040c8282
 from .tensors import (GlobalMetadata, average_deltas, compute_pseudo_gradient, cpu_state_dict, cpu_tensor,
@@ -23,7 +23,7 @@ from .outer import Ledger, MasterOuterLoop, NesterovOuterOptimizer, OuterState, 
 from .diloco import (DeltaUploadJob, DistributedWarning, DumbDiLoCo, DumbDiLoCoCoordinator, NodeShard,
                                             SyncResult, build_transport, commit_rate_warning, hub_commits_per_hour,
                                             measure_step_time, node_data_config, outer_momentum_warning, shard_loader,
-                                            warn_commit_rate)
+                                            warn_commit_rate, warn_outer_momentum)
 from .norms import (NormRecord, layer_profile, norm_choices, norm_records_from_events,
                                            norm_records_from_jsonl, norm_records_from_repo, norm_series, plot_delta_norms)
 
@@ -33,7 +33,7 @@ _all_ = ["DumbDiLoCoCoordinator", "DumbDiLoCo", "DeltaUploadJob", "SyncResult", 
          "compute_pseudo_gradient", "load_delta", "load_safetensors", "save_safetensors",
          "PublishConflict", "RetryPolicy", "SharedDirectory", "Ledger", "OuterUpdate", "OuterState", "NodeShard",
          "DistributedWarning", "build_transport", "commit_rate_warning", "hub_commits_per_hour", "measure_step_time",
-         "node_data_config", "outer_momentum_warning", "shard_loader", "warn_commit_rate",
+         "node_data_config", "outer_momentum_warning", "shard_loader", "warn_commit_rate", "warn_outer_momentum",
          "NormRecord", "norm_records_from_events", "norm_records_from_jsonl", "norm_records_from_repo", "norm_choices",
          "norm_series", "layer_profile", "plot_delta_norms",
          "cpu_tensor", "cpu_state_dict", "read_metadata", "floating_state", "parse_delta_path", "metadata_json"]

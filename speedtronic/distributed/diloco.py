@@ -33,9 +33,9 @@ from .transport import HubError, HubUnavailable, RetryPolicy, SharedDirectory
 
 # %% auto #0
 __all__ = ['DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR', 'resolve_role', 'build_transport', 'DeltaUploadJob',
-           'SyncResult', 'DumbDiLoCoCoordinator', 'DistributedWarning', 'outer_momentum_warning', 'NodeShard',
-           'shard_loader', 'node_data_config', 'hub_commits_per_hour', 'commit_rate_warning', 'measure_step_time',
-           'warn_commit_rate']
+           'SyncResult', 'DumbDiLoCoCoordinator', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum',
+           'NodeShard', 'shard_loader', 'node_data_config', 'hub_commits_per_hour', 'commit_rate_warning',
+           'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -422,6 +422,12 @@ def outer_momentum_warning(config: DistributedConfig) -> str | None:
     return (f"distributed.outer_momentum {config.outer_momentum:g} with inner_steps {config.inner_steps}: outer Nesterov is "
             f"tuned for hundreds of inner steps per round and was measured far behind plain averaging with rounds under "
             f"{SHORT_ROUND_STEPS} steps (diverging on long runs); set outer_lr: 1.0 and outer_momentum: 0.0 for short rounds")
+
+def warn_outer_momentum(config: DistributedConfig) -> str | None:
+    "For the master (`speedtronic validate --deep`): warn (`DistributedWarning`) with `outer_momentum_warning`'s message."
+    message = outer_momentum_warning(config) if resolve_role(config) == "master" else None
+    if message: warnings.warn(message, DistributedWarning, stacklevel=2)
+    return message
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #b3c80134
 @patch
