@@ -252,7 +252,7 @@ def _save_local(self: MasterOuterLoop, state: Mapping[str, torch.Tensor], versio
     save_safetensors(tensors, st)
     atomic_write_text(json.dumps({"outer_step": version, "ledger": ledger.to_json(), "progress": update["progress"],
                                   "momentum_steps": update["momentum_steps"], "publication": publication,
-                                  "delta_sizes": (sizes or self.sizes).to_json(),
+                                  "delta_sizes": (self.sizes if sizes is None else sizes).to_json(),
                                   "session": self.session, "updated_at": utc_now()}, indent=2) + "\n", js)
 
 @patch
