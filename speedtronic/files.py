@@ -63,16 +63,16 @@ def atomic_write(path: str | os.PathLike,
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in stale_temps(path):
         with contextlib.suppress(OSError): old.unlink()
-    temp = _temp_path(path)
+    temp = _temp_path(path)   # a fresh name: a file by that name can only be this call's
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
             with os.fdopen(fd, "wb") as f:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temp, path)
-        except BaseException:
+        except BaseException:   # also an interrupt (SIGTERM, Ctrl-C) that lands the moment os.open has created the file
             with contextlib.suppress(OSError): temp.unlink()
             raise
     except OSError as e:
