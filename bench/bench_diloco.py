@@ -12,6 +12,7 @@ final global model and of the baseline, bytes and commits per round, wall time.
     python bench/bench_diloco.py                  # baseline, directory and Hub runs (a few minutes on 2 cores)
     python bench/bench_diloco.py --compare        # also staleness policies and delta dtypes (directory)
     python bench/bench_diloco.py --steps 400 --inner-steps 25
+    python bench/bench_diloco.py --seeds 1,2,3,4,5    # every row once per seed: single runs of a tiny model vary by several %
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def prepare_text(work: Path) -> tuple[Path, bytes]:
 
 
 def base_config(args, work: Path, name: str, train: Path, *, batch: int, target: int) -> dict:
-    return {"run": {"name": name, "seed": 1234, "device": "cpu", "max_steps": args.steps, "output_dir": str(work / name)},
+    return {"run": {"name": name, "seed": args.seed, "device": "cpu", "max_steps": args.steps, "output_dir": str(work / name)},
             "model": {"name": "reference_transformer", "vocab_size": 256, "max_seq_len": args.block, "n_layer": 2,
                       "n_head": 4, "n_kv_head": 2, "d_model": args.width, "d_ff": 3 * args.width},
             "data": {"text_path": str(train), "block_size": args.block, "micro_batch_size": batch, "target_batch_size": target},
@@ -241,18 +242,17 @@ def main(argv=None) -> None:
     parser.add_argument("--outer-lr", type=float, default=1.0, help="distributed.outer_lr of the main runs")
     parser.add_argument("--outer-momentum", type=float, default=0.0, help="distributed.outer_momentum of the main runs")
     parser.add_argument("--reset-inner", action="store_true", help="reset_inner_optimizer: true in the main runs")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per DiLoCo variant (timing makes single runs vary)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per DiLoCo variant and seed (timing makes async runs vary)")
+    parser.add_argument("--seeds", default="1234,1,2", help="comma-separated run.seed values: every row runs once per seed (init and "
+                        "data order), each DiLoCo run compared with the baseline of its own seed")
     parser.add_argument("--keep", default=None, help="keep the runs in this folder")
     args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-diloco-"))
     work.mkdir(parents=True, exist_ok=True)
     train, held = prepare_text(work)
     print(f"{args.nodes} nodes x {args.steps} steps, inner_steps {args.inner_steps}, node batch {args.batch} x {args.block} bytes; "
-          f"{train.stat().st_size / 1e3:.0f} kB training text, {len(held) / 1e3:.0f} kB held out", flush=True)
-    results = [run_baseline(args, work, train, held)]
-    print(f"  baseline done: held-out loss {results[0]['loss']:.4f} ({results[0]['wall']:.0f} s)", flush=True)
-    results.append(run_lockstep(args, work, train, held))
-    print(f"  lockstep done: held-out loss {results[1]['loss']:.4f} ({results[1]['wall']:.0f} s)", flush=True)
+          f"{train.stat().st_size / 1e3:.0f} kB training text, {len(held) / 1e3:.0f} kB held out; seeds {seeds}", flush=True)
     plan = [dict(transport=t) for t in args.transports.split(",") if t]
     if args.boundary_wait: plan += [dict(transport=t, boundary_wait=args.boundary_wait) for t in args.transports.split(",") if t]
     defaults = dict(outer=(0.7, 0.9), reset=True)                 # DiLoCo's outer Nesterov and 2.0's inner reset
@@ -261,31 +261,42 @@ def main(argv=None) -> None:
         plan += [dict(transport="directory", staleness=s) for s in ("weighted", "none")]
         plan += [dict(transport="directory", staleness="none", **defaults)]
         plan += [dict(transport="directory", dtype=d) for d in ("float32", "int8")]
-    for spec in plan:
-        runs = []
-        for i in range(args.repeats):
-            r = run_diloco(args, work / f"repeat{i}", train, held, **spec)
-            runs.append(r)
-            print(f"  {r['name']} done: held-out loss {r['loss']:.4f} ({r['wall']:.0f} s)", flush=True)
-        mean = {k: (sum(r[k] for r in runs) / len(runs) if isinstance(runs[0][k], (int, float)) else runs[0][k]) for k in runs[0]}
-        mean["spread"] = (min(r["loss"] for r in runs), max(r["loss"] for r in runs))
-        results.append(mean)
-    base = results[0]["loss"]
-    print()
-    print(f"{'run':52s} {'held-out':>8s} {'vs base':>8s} {'rounds':>6s} {'commits/rd':>10s} {'delta kB':>8s} {'global kB':>9s} {'wall s':>6s}")
-    for r in results:
-        if "versions" in r:
-            per_round = (r["node_commits"] + r["master_commits"]) / max(1, r["versions"])
-            extra = f"{r['versions']:6.0f} {per_round:10.2f} {r['delta_kb']:8.1f} {r['global_kb']:9.1f}"
-        else: extra = f"{'':6s} {'':10s} {'':8s} {'':9s}"
-        spread = ""
-        if "spread" in r and args.repeats > 1:
-            spread = f"   ({100 * (r['spread'][0] / base - 1):+.2f}% .. {100 * (r['spread'][1] / base - 1):+.2f}% over {args.repeats} runs)"
-        print(f"{r['name']:52s} {r['loss']:8.4f} {100 * (r['loss'] / base - 1):+7.2f}% {extra} {r['wall']:6.0f}{spread}")
-    print("\nrounds = published global versions; commits/rd = (node deltas + master publications) per round; delta kB = one delta "
-          "on the wire (a round folds about nodes x inner-steps worth of them); global kB = the weights published each round "
-          "(each node downloads it); outer a/b = outer_lr/outer_momentum; reset = reset_inner_optimizer")
+    rows: dict[str, list[dict]] = {}                                  # row name -> its runs, each with `ratio` to its seed's baseline
+    for seed in seeds:
+        args.seed, here = seed, work / f"seed{seed}"
+        base = run_baseline(args, here, train, held)
+        lockstep = run_lockstep(args, here, train, held)
+        print(f"  seed {seed}: baseline {base['loss']:.4f} ({base['wall']:.0f} s), lockstep {lockstep['loss']:.4f}", flush=True)
+        for r in (base, lockstep): rows.setdefault(r["name"], []).append({**r, "ratio": r["loss"] / base["loss"]})
+        for spec in plan:
+            for i in range(args.repeats):
+                r = run_diloco(args, here / f"repeat{i}", train, held, **spec)
+                r["ratio"] = r["loss"] / base["loss"]
+                rows.setdefault(r["name"], []).append(r)
+                print(f"  seed {seed}: {r['name']} held-out loss {r['loss']:.4f} ({100 * (r['ratio'] - 1):+.2f}%, {r['wall']:.0f} s)",
+                      flush=True)
+    print_table(rows, runs_each=len(seeds) * args.repeats)
     if not args.keep: shutil.rmtree(work, ignore_errors=True)
+
+
+def print_table(rows: dict[str, list[dict]], runs_each: int) -> None:
+    "One line per row: means over its runs (seeds x repeats); the held-out loss relative to each run's own baseline, and its range."
+    print()
+    print(f"{'run':52s} {'held-out':>8s} {'vs base':>8s} {'range':>17s} {'rounds':>6s} {'commits/rd':>10s} {'delta kB':>8s} "
+          f"{'global kB':>9s} {'wall s':>6s}")
+    for name, runs in rows.items():
+        mean = lambda key: sum(r[key] for r in runs) / len(runs)
+        ratios = [100 * (r["ratio"] - 1) for r in runs]
+        spread = f"{min(ratios):+.1f} .. {max(ratios):+.1f}%" if len(runs) > 1 else ""
+        extra = f"{'':6s} {'':10s} {'':8s} {'':9s}"
+        if "versions" in runs[0]:
+            per_round = (mean("node_commits") + mean("master_commits")) / max(1, mean("versions"))
+            extra = f"{mean('versions'):6.0f} {per_round:10.2f} {mean('delta_kb'):8.1f} {mean('global_kb'):9.1f}"
+        print(f"{name:52s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):+7.2f}% {spread:>17s} {extra} {mean('wall'):6.0f}")
+    print(f"\nvs base = mean over {runs_each} run(s) of (held-out loss / the same seed's baseline - 1); range = the lowest and highest "
+          "of them. rounds = published global versions; commits/rd = (node deltas + master publications) per round; delta kB = "
+          "one delta on the wire (a round folds about nodes x inner-steps worth of them); global kB = the weights published each "
+          "round (each node downloads it); outer a/b = outer_lr/outer_momentum; reset = reset_inner_optimizer")
 
 
 if __name__ == "__main__":

@@ -564,7 +564,7 @@ class DistributedConfig(_Section):
     max_delta_norm_ratio: float = 10.0  # reject a delta whose norm per inner step exceeds this multiple of its node's recent median (0 = off)
     lease_timeout: float = 600.0  # seconds without a publication after which another node may take over as master
     final_round_timeout: float = 300.0  # seconds the master waits at the end of its run for the other nodes' last deltas
-    boundary_wait: float = 0.0  # seconds a node waits at each boundary for the global holding the delta it just sent (0: never)
+    boundary_wait: float = 0.0  # seconds a node waits at each boundary for the global holding the delta it just sent (0: never); a master holds rounds for missing deltas half as long
     request_timeout: float = 60.0  # seconds one Hub request may wait on the server before it is retried
     shard_count: int | None = None  # data shards, usually the node count; null -> each node draws its own data seed
     shard_index: int | None = None  # this node's shard, 0 <= shard_index < shard_count

@@ -123,9 +123,10 @@ def hub_env(hub: HubStandIn, token: str = TOKEN) -> dict:
     return {"HF_ENDPOINT": hub.url, "HF_TOKEN": token, "HF_HUB_DOWNLOAD_TIMEOUT": "5", "HF_HUB_ETAG_TIMEOUT": "5"}
 
 
-def test_boundary_wait_starts_every_round_from_a_global_holding_the_nodes_last_delta(tmp_path, hub):
+def test_boundary_wait_folds_whole_rounds_each_starting_from_a_global_holding_the_nodes_last_delta(tmp_path, hub):
     names = ("master", "w1")
-    run_nodes(tmp_path, repo="org/diloco-wait", transport="hub", names=names, steps=30, env=hub_env(hub), boundary_wait=60)
+    run_nodes(tmp_path, repo="org/diloco-wait", transport="hub", names=names, steps=30, env=hub_env(hub), boundary_wait=60,
+              expected_nodes=2)
     master = tmp_path / "master" / "metrics.jsonl"
     folded_in = {tuple(x): e["outer_step"] for e in events(master, "outer_step") for x in e.get("folded", [])}
     for name in names:
@@ -133,6 +134,9 @@ def test_boundary_wait_starts_every_round_from_a_global_holding_the_nodes_last_d
         assert [w["step"] for w in waits] == [5, 10, 15, 20, 25, 30] and all(w["folded"] for w in waits), (name, waits)
     later = [e for e in events(master, "delta_norms") if e["step"] > 5]
     assert len(later) == 10 and all(e["base_outer_step"] >= folded_in[(e["node_id"], e["step"] - 5)] for e in later), later
+    # the master folds whole rounds: both nodes' deltas of a step in one version (the final round does not wait)
+    rounds = [sorted(map(tuple, e["folded"])) for e in events(master, "outer_step") if e.get("folded")]
+    assert [r for r in rounds if r[0][1] < 30] == [[("master", s), ("w1", s)] for s in range(5, 30, 5)], rounds
 
 
 def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):

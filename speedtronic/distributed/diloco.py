@@ -440,7 +440,8 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
                                                                                      self._folded_in(self.outer.ledger)),
                                  logger=self.logger, node_id=self.node_id, session=self.session, inner_steps=cfg.inner_steps,
                                  staleness=cfg.staleness, expected_nodes=cfg.expected_nodes,
-                                 max_delta_norm_ratio=cfg.max_delta_norm_ratio, lease_timeout=cfg.lease_timeout)
+                                 max_delta_norm_ratio=cfg.max_delta_norm_ratio, lease_timeout=cfg.lease_timeout,
+                                 round_wait=cfg.boundary_wait / 2)
     if prepared is not None and prepared.get("outer"): self.outer.load_state_dict(prepared["outer"])
     try: self.outer.start_master()
     except HubUnavailable as e: self._log("warning", f"master cannot reach the repository now, retrying in the background: {e}")

@@ -207,7 +207,8 @@ class MasterOuterLoop:
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, poll_interval: float = 60.0,
                  on_global_update: Callable[[dict, int], None] | None = None, logger: Any = None,
                  node_id: str = "master", session: str = "", inner_steps: int = 500, staleness: str = "delayed_nesterov",
-                 expected_nodes: int | None = None, max_delta_norm_ratio: float = 10.0, lease_timeout: float = 600.0):
+                 expected_nodes: int | None = None, max_delta_norm_ratio: float = 10.0, lease_timeout: float = 600.0,
+                 round_wait: float = 0.0):
         self.transport, self.logger, self.on_global_update = hub, logger, on_global_update
         self.dir = Path(node_state_dir)
         self.node_id, self.session, self.inner_steps = node_id, session or uuid.uuid4().hex[:12], int(inner_steps)
@@ -220,6 +221,9 @@ class MasterOuterLoop:
         self.sizes = DeltaSizes()  # the norms of the deltas folded so far, for the size check
         self.drop: dict[str, str] = {}  # repository paths to delete with the next commit -> why
         self.seen_nodes: set[str] = set()  # nodes whose deltas this master has seen
+        self.round_wait = float(round_wait)  # seconds to wait for a full round before folding part of one (0: never wait)
+        self.held: dict[str, CheckedDelta] = {}  # accepted deltas waiting for the rest of their round
+        self.round_since, self.late = None, 0  # when the held round began; nodes missing from the last round that ran out
         self.last_publish, self.error = 0.0, None
         self.lock = threading.RLock()
         self._stop, self._thread = threading.Event(), None
@@ -389,8 +393,10 @@ def _description(deletes: list[str]) -> str:
 @patch
 def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta], int]:
     "The acceptable deltas at `repo`'s revision and how many delta files were there."
-    paths = [p for p in self.transport.list_deltas(repo.revision) if p not in self.drop]
-    accepted, cache = [], self.dir / "cache"
+    listed = [p for p in self.transport.list_deltas(repo.revision) if p not in self.drop]
+    self.held = {p: d for p, d in self.held.items() if p in listed and not self.ledger.folded(d.node_id, d.session, d.step)}
+    accepted = [self.held[p] for p in listed if p in self.held]      # checked in an earlier pass, waiting for their round
+    paths, cache = [p for p in listed if p not in self.held], self.dir / "cache"
     local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
     with ThreadPoolExecutor(max_workers=4) as pool:                 # downloads overlap; checks stay in order
         list(pool.map(lambda p: self.transport.fetch(p, local_of[p], revision=repo.revision), paths))
@@ -408,7 +414,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
             self.drop[path] = "duplicate"
             self._emit("delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step}); continue
         accepted.append(d)
-    return accepted, len(paths)
+    return accepted, len(listed)
 
 @patch
 def _per_step(self: MasterOuterLoop, d: CheckedDelta) -> float:
@@ -460,11 +466,12 @@ def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
 
 # %% ../../nbs/12c_distributed_outer.ipynb #00a9b339
 @patch
-def sync_once(self: MasterOuterLoop) -> int:
-    "One round: collect, fold and publish. Returns the outer step afterwards."
+def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
+    "One round: collect, fold and publish (with `round_wait`, only a full round unless `full_rounds` is False). Returns the outer step."
     head = self.transport.head_revision() if hasattr(self.transport, "head_revision") else None
     idle = time.monotonic() - self.last_publish < self.lease_timeout / 3
-    if head is not None and head == self.revision and not self.drop and idle: return self.outer_step   # nothing committed since
+    due = bool(self.held) and not self._round_complete(list(self.held.values()))   # a held round whose wait just ran out
+    if head is not None and head == self.revision and not self.drop and idle and not due: return self.outer_step
     repo = self.transport.state() if head is None else self.transport.state(head)   # the head just read: one request fewer
     if repo.metadata is None or self.outer_step < 0: return self.start_master().outer_step
     self._owned(repo)
@@ -475,6 +482,9 @@ def sync_once(self: MasterOuterLoop) -> int:
         if self.drop: self._publish_cleanup(repo)
         elif time.monotonic() - self.last_publish > self.lease_timeout / 3: self._heartbeat(repo)
         if found: self._emit("outer_step", {"outer_step": self.outer_step, "deltas_found": found, "deltas_included": 0})
+        return self.outer_step
+    if full_rounds and not self._round_complete(accepted):
+        self.held = {d.path: d for d in accepted}                   # checked once; folded with the rest of their round
         return self.outer_step
     nodes = self.active_nodes({d.node_id for d in accepted})
     version = self.outer_step + 1
@@ -492,8 +502,29 @@ def sync_once(self: MasterOuterLoop) -> int:
     deletes = [d.path for d in accepted] + list(self.drop)
     self._publish(repo, state, version, deletes, ledger, update.state_dict(), sizes=sizes)
     with self.lock: self.global_state, self.update = state, update
+    self._end_round(accepted, nodes)
     self._after_round(accepted, applied, found, nodes, self.transport.counts.bytes_received - received)
     return self.outer_step
+
+@patch
+def _round_complete(self: MasterOuterLoop, accepted: list[CheckedDelta]) -> bool:
+    "True when `accepted` may be folded now: no `round_wait`, a delta of every active node (less those late last round), or the wait is over."
+    if self.round_wait <= 0: return True
+    present = {d.node_id for d in accepted}
+    if len(present) >= self.active_nodes(present) - self.late: return True
+    if self.round_since is None: self.round_since = time.monotonic()
+    return time.monotonic() - self.round_since >= self.round_wait
+
+@patch
+def _end_round(self: MasterOuterLoop, accepted: list[CheckedDelta], nodes: int) -> None:
+    "After a publication: forget the held round; remember how many nodes it lacked (they are not waited for until they are back)."
+    present = len({d.node_id for d in accepted})
+    ran_out = self.round_since is not None and time.monotonic() - self.round_since >= self.round_wait
+    if self.round_wait > 0 and ran_out and present < nodes - self.late:
+        self._log("info", f"outer step {self.outer_step}: folded {present} of {nodes} nodes' deltas after waiting "
+                          f"{self.round_wait:g} s for the rest; the next rounds do not wait for the missing ones until they are back")
+    self.late = max(0, nodes - present) if self.round_wait > 0 else 0
+    self.held, self.round_since = {}, None
 
 # %% ../../nbs/12c_distributed_outer.ipynb #7a149e09
 @patch
@@ -540,7 +571,7 @@ def _run(self: MasterOuterLoop) -> None:
             self.error = e
             self._log("error", f"master outer loop stopped: {type(e).__name__}: {e}")
             return
-        if self.outer_step == before: self._stop.wait(self.poll_interval)   # after a new version, look again at once
+        if self.outer_step == before: self._stop.wait(min(self.poll_interval, 0.25) if self.held else self.poll_interval)
 
 @patch
 def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
@@ -557,7 +588,7 @@ def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: flo
     deadline, interval = time.monotonic() + timeout, min(self.poll_interval, 2.0) if interval is None else interval
     while True:
         before = self.outer_step
-        try: self.sync_once()
+        try: self.sync_once(full_rounds=False)                      # the last deltas: folded as they come
         except HubUnavailable as e: self._log("warning", f"final round postponed: {e}")
         waiting_for = (self.ledger.active(self.outer_step, window=2 * max(1, len(self.ledger.nodes)) + 1) | self.seen_nodes) - {self.node_id}
         done = {n for n in self.ledger.nodes if n != self.node_id and (self.ledger.nodes[n].get("final")
