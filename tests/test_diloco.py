@@ -177,12 +177,12 @@ def _kill_when(proc: subprocess.Popen, jsonl: Path, min_step: int) -> None:
     proc.wait()
 
 
-@pytest.mark.parametrize("victim", ["w1", "master"])
-def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, victim):
+@pytest.mark.parametrize("victim,boundary_wait", [("w1", 0), ("master", 0), ("w1", 10), ("master", 10)])
+def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, victim, boundary_wait):
     repo = tmp_path / "repo"
     names = ("master", "w1")
     configs = [node_config(tmp_path, n, "master" if i == 0 else "worker", repo=str(repo), transport="directory", index=i,
-                           count=2, steps=200, bigger=True) for i, n in enumerate(names)]
+                           count=2, steps=200, bigger=True, boundary_wait=boundary_wait) for i, n in enumerate(names)]
     procs = {"master": launch(configs[0])}
     wait_for(lambda: events(tmp_path / "master" / "metrics.jsonl", "train_start"), what="the master")
     procs["w1"] = launch(configs[1])
@@ -204,6 +204,9 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
     before, after = [n for s, n in norms if s <= starts[1]], [n for s, n in norms if s > starts[1]]
     assert before and after and max(after) < 5 * sorted(before)[len(before) // 2], "no bogus delta after the resume"
     assert not events(tmp_path / "master" / "metrics.jsonl", "delta_rejected")
+    if boundary_wait:   # whole rounds again once the victim is back: both nodes' deltas of one step in one version
+        rounds = [sorted(map(tuple, e["folded"])) for e in events(tmp_path / "master" / "metrics.jsonl", "outer_step") if e.get("folded")]
+        assert any(r == [("master", r[0][1]), ("w1", r[0][1])] for r in rounds if r[0][1] > starts[1] + 20), rounds
 
 
 def test_a_second_master_is_refused_in_one_line(tmp_path):
