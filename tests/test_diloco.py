@@ -204,9 +204,11 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
     before, after = [n for s, n in norms if s <= starts[1]], [n for s, n in norms if s > starts[1]]
     assert before and after and max(after) < 5 * sorted(before)[len(before) // 2], "no bogus delta after the resume"
     assert not events(tmp_path / "master" / "metrics.jsonl", "delta_rejected")
-    if boundary_wait:   # whole rounds again once the victim is back: both nodes' deltas of one step in one version
+    if boundary_wait:   # whole rounds again once the victim is back: a delta of each node in one version (the steps
+        # may differ: a worker whose master is down trains on without waiting, a resumed node restarts at its checkpoint)
         rounds = [sorted(map(tuple, e["folded"])) for e in events(tmp_path / "master" / "metrics.jsonl", "outer_step") if e.get("folded")]
-        assert any(r == [("master", r[0][1]), ("w1", r[0][1])] for r in rounds if r[0][1] > starts[1] + 20), rounds
+        back = [r for r in rounds if any(n == victim and s > starts[1] + 20 for n, s in r)]
+        assert any([n for n, _ in r] == ["master", "w1"] for r in back), rounds
 
 
 def test_a_second_master_is_refused_in_one_line(tmp_path):

@@ -194,6 +194,7 @@ def _upload(self: DumbDiLoCoCoordinator, job: DeltaUploadJob) -> None:
     finally: local.unlink(missing_ok=True)
     with self.lock: self.last_uploaded_step, self._pending, self._busy = job.step, None, False
     self._emit("delta_uploaded", {"step": job.step, "bytes": wire_bytes(job.delta)})
+    if self.outer is not None: self.outer.wake()                 # the master's own delta: its loop looks now, not at the next poll
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #01af5046
 @patch

@@ -223,10 +223,11 @@ class MasterOuterLoop:
         self.seen_nodes: set[str] = set()  # nodes whose deltas this master has seen
         self.round_wait = float(round_wait)  # seconds to wait for a full round before folding part of one (0: never wait)
         self.held: dict[str, CheckedDelta] = {}  # accepted deltas waiting for the rest of their round
-        self.round_since, self.late = None, 0  # when the held round began; nodes missing from the last round that ran out
+        self.round_since = None  # when the held round began
+        self.punctual: set[str] | None = None  # after a wait ran out: the nodes rounds wait for (None: every active node)
         self.last_publish, self.error = 0.0, None
         self.lock = threading.RLock()
-        self._stop, self._thread = threading.Event(), None
+        self._stop, self._wake, self._thread = threading.Event(), threading.Event(), None
         self.rounds = []  # (outer_step, bytes received, commits) per publication, newest 1000
         self._load_local()
 
@@ -508,22 +509,26 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
 
 @patch
 def _round_complete(self: MasterOuterLoop, accepted: list[CheckedDelta]) -> bool:
-    "True when `accepted` may be folded now: no `round_wait`, a delta of every active node (less those late last round), or the wait is over."
+    "True when `accepted` may be folded now: no `round_wait`, a delta of every node the round waits for, or the wait is over."
     if self.round_wait <= 0: return True
     present = {d.node_id for d in accepted}
-    if len(present) >= self.active_nodes(present) - self.late: return True
+    if self.punctual is None and len(present) >= self.active_nodes(present): return True
+    if self.punctual is not None and present >= self.punctual: return True
     if self.round_since is None: self.round_since = time.monotonic()
     return time.monotonic() - self.round_since >= self.round_wait
 
 @patch
 def _end_round(self: MasterOuterLoop, accepted: list[CheckedDelta], nodes: int) -> None:
-    "After a publication: forget the held round; remember how many nodes it lacked (they are not waited for until they are back)."
-    present = len({d.node_id for d in accepted})
+    "After a publication: forget the held round. A round whose wait ran out names the nodes later rounds wait for; the others rejoin with their next delta."
+    present = {d.node_id for d in accepted}
     ran_out = self.round_since is not None and time.monotonic() - self.round_since >= self.round_wait
-    if self.round_wait > 0 and ran_out and present < nodes - self.late:
-        self._log("info", f"outer step {self.outer_step}: folded {present} of {nodes} nodes' deltas after waiting "
-                          f"{self.round_wait:g} s for the rest; the next rounds do not wait for the missing ones until they are back")
-    self.late = max(0, nodes - present) if self.round_wait > 0 else 0
+    if self.round_wait > 0 and ran_out and len(present) < nodes:
+        self.punctual = present
+        self._log("info", f"outer step {self.outer_step}: folded {len(present)} of {nodes} nodes' deltas after waiting "
+                          f"{self.round_wait:g} s for the rest; until the others send again, rounds wait only for {sorted(present)}")
+    elif self.punctual is not None:
+        self.punctual |= present                                    # a node that was missing is back: waited for again
+        if len(self.punctual) >= nodes: self.punctual = None
     self.held, self.round_since = {}, None
 
 # %% ../../nbs/12c_distributed_outer.ipynb #7a149e09
@@ -562,21 +567,27 @@ def start(self: MasterOuterLoop) -> None:
     self._thread.start()
 
 @patch
+def wake(self: MasterOuterLoop) -> None:
+    "Look at the repository now rather than at the next poll (the master's own node has just sent a delta)."
+    self._wake.set()
+
+@patch
 def _run(self: MasterOuterLoop) -> None:
     while not self._stop.is_set():
         before = self.outer_step
+        self._wake.clear()                                          # a wake from now on makes the next wait return at once
         try: self.sync_once()
         except HubUnavailable as e: self._log("warning", f"outer round postponed: {e}")
         except Exception as e:
             self.error = e
             self._log("error", f"master outer loop stopped: {type(e).__name__}: {e}")
             return
-        if self.outer_step == before: self._stop.wait(min(self.poll_interval, 0.25) if self.held else self.poll_interval)
+        if self.outer_step == before: self._wake.wait(min(self.poll_interval, 0.25) if self.held else self.poll_interval)
 
 @patch
 def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
     "Stop the loop thread (waits for a running round up to `timeout`, default `max(1, min(poll_interval, 10))` s)."
-    self._stop.set()
+    self._stop.set(); self._wake.set()
     if self._thread is not None:
         self._thread.join(max(1.0, min(self.poll_interval, 10.0)) if timeout is None else timeout)
         if self._thread.is_alive(): self._log("warning", "the master outer loop is still finishing a repository call")
