@@ -332,7 +332,7 @@ def test_the_hub_repository_head_stays_bounded(tmp_path, hub):
     assert {s[0] for s in sizes} == {2} and max(s[1] for s in sizes) <= 1.05 * min(s[1] for s in sizes), sizes
 
 
-def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str):
+def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str, **master):
     "A master of a small model on a new Hub repo (version 0 published), its transport, and `send(step)`: node w commits a delta."
     client = lambda: HubClient(repo, token=TOKEN, endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3)
     t = client(); t.open(create=True)
@@ -343,9 +343,21 @@ def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str):
         save_safetensors(encode_delta({k: torch.full(v.shape, 1e-3) for k, v in shapes.items()}), out,
                          delta_header(node_id="w", local_step=step, base_outer_step=0, inner_steps=10, encoding="bfloat16"))
         client().upload({delta_path("w", step): out})
-    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp / "state", node_id="m", inner_steps=10, expected_nodes=1)
+    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp / "state", node_id="m", inner_steps=10,
+                        **{"expected_nodes": 1, **master})
     m.start_master()
     return t, m, send
+
+
+def test_a_held_round_on_the_hub_is_folded_once_its_wait_runs_out(tmp_path, hub):
+    """Whole rounds where the transport tells its head: a round that lacks a node is folded when the wait runs out,
+    although nothing was committed since (the unchanged-head shortcut must not hide the held round)."""
+    t, m, send = hub_master_and_node(tmp_path, hub, "org/held", expected_nodes=2, round_wait=0.3)
+    send(10)
+    assert m.sync_once() == 0 and list(m.held) == [delta_path("w", 10)]   # held for the second node
+    assert m.sync_once() == 0                                            # still within the wait
+    time.sleep(0.35)
+    assert m.sync_once() == 1 and m.punctual == {"w"} and not m.held
 
 
 def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_path, hub):

@@ -471,7 +471,7 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     "One round: collect, fold and publish (with `round_wait`, only a full round unless `full_rounds` is False). Returns the outer step."
     head = self.transport.head_revision() if hasattr(self.transport, "head_revision") else None
     idle = time.monotonic() - self.last_publish < self.lease_timeout / 3
-    due = bool(self.held) and not self._round_complete(list(self.held.values()))   # a held round whose wait just ran out
+    due = bool(self.held) and self._round_complete(list(self.held.values()))   # a held round whose wait has run out
     if head is not None and head == self.revision and not self.drop and idle and not due: return self.outer_step
     repo = self.transport.state() if head is None else self.transport.state(head)   # the head just read: one request fewer
     if repo.metadata is None or self.outer_step < 0: return self.start_master().outer_step
