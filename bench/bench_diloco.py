@@ -275,11 +275,11 @@ def main(argv=None) -> None:
                 rows.setdefault(r["name"], []).append(r)
                 print(f"  seed {seed}: {r['name']} held-out loss {r['loss']:.4f} ({100 * (r['ratio'] - 1):+.2f}%, {r['wall']:.0f} s)",
                       flush=True)
-    print_table(rows, runs_each=len(seeds) * args.repeats)
+    print_table(rows)
     if not args.keep: shutil.rmtree(work, ignore_errors=True)
 
 
-def print_table(rows: dict[str, list[dict]], runs_each: int) -> None:
+def print_table(rows: dict[str, list[dict]]) -> None:
     "One line per row: means over its runs (seeds x repeats); the held-out loss relative to each run's own baseline, and its range."
     print()
     print(f"{'run':52s} {'held-out':>8s} {'vs base':>8s} {'range':>17s} {'rounds':>6s} {'commits/rd':>10s} {'delta kB':>8s} "
@@ -293,8 +293,8 @@ def print_table(rows: dict[str, list[dict]], runs_each: int) -> None:
             per_round = (mean("node_commits") + mean("master_commits")) / max(1, mean("versions"))
             extra = f"{mean('versions'):6.0f} {per_round:10.2f} {mean('delta_kb'):8.1f} {mean('global_kb'):9.1f}"
         print(f"{name:52s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):+7.2f}% {spread:>17s} {extra} {mean('wall'):6.0f}")
-    print(f"\nvs base = mean over {runs_each} run(s) of (held-out loss / the same seed's baseline - 1); range = the lowest and highest "
-          "of them. rounds = published global versions; commits/rd = (node deltas + master publications) per round; delta kB = "
+    print("\nvs base = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) of (held-out loss / the same "
+          "seed's baseline - 1); range = the lowest and highest of them. rounds = published global versions; commits/rd = (node deltas + master publications) per round; delta kB = "
           "one delta on the wire (a round folds about nodes x inner-steps worth of them); global kB = the weights published each "
           "round (each node downloads it); outer a/b = outer_lr/outer_momentum; reset = reset_inner_optimizer")
 
