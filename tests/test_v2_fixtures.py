@@ -1,0 +1,273 @@
+"""What a 2.0 user already has on disk keeps working: real files written by Speedtronic 2.0.0.
+
+The fixtures (`shared/fixtures/v2.0`, README there) were written by the published 2.0.0, not by this
+project's code: two checkpoint runs (AdamW and 2.0's hybrid Muon, stopped at step 8 of a 12-step schedule)
+and the final state of a 2.0 DiLoCo repository. Each test copies what it needs to a temporary folder
+and leaves the fixtures as they are. The expected values come from the fixture files themselves, read
+with plain `torch.load` / `safetensors` and checked against plain PyTorch, never from our own writers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import ROOT, cli_env, jsonl_records  # noqa: E402
+
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.distributed import MasterOuterLoop, SharedDirectory
+from speedtronic.profiling import MetricLogger
+from speedtronic.registry import build_model
+from speedtronic.runtime import build_runtime, close_logger, train_from_config
+
+
+def fixtures_dir() -> Path | None:
+    "`$SPEEDTRONIC_FIXTURES`, else `shared/fixtures/v2.0` beside the clone (CI), else `/work/shared/fixtures/v2.0`."
+    candidates = [os.environ.get("SPEEDTRONIC_FIXTURES"), ROOT.parent / "shared" / "fixtures" / "v2.0",
+                  Path("/work/shared/fixtures/v2.0")]
+    return next((Path(c) for c in candidates if c and Path(c).is_dir()), None)
+
+
+FIXTURES = fixtures_dir()
+pytestmark = pytest.mark.skipif(FIXTURES is None, reason="the 2.0 fixtures are missing: set SPEEDTRONIC_FIXTURES to "
+                                                         "shared/fixtures/v2.0 or put shared/ beside the clone")
+
+RUNS = {"adamw": ("checkpoint-adamw", "run"), "muon": ("checkpoint-muon", "run-muon")}
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    "sha256 of every file under `root`, by relative path."
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fixtures_stay_untouched():
+    "No test writes into the fixtures (they are the 2.0 user's files)."
+    before = tree_digest(FIXTURES)
+    yield
+    assert tree_digest(FIXTURES) == before
+
+
+def copy_fixture(name: str, tmp: Path) -> Path:
+    "A writable copy of fixture folder `name` in `tmp` (the fixtures are read-only files)."
+    dest = tmp / name
+    shutil.copytree(FIXTURES / name, dest)
+    for p in [dest, *dest.rglob("*")]: p.chmod(p.stat().st_mode | stat.S_IWUSR)
+    return dest
+
+
+def read_v2_checkpoint(path: Path) -> dict:
+    "A 2.0 `.pt` file read by plain torch with the allow-list of the NumPy globals its RNG state needs."
+    allowed = [np.dtype, np.ndarray, np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, weights_only=True)
+
+
+def with_max_steps(config: Path, steps: int) -> None:
+    "Set the run's top-level `max_steps` in a 2.0 config file (the schedule's own `max_steps: 12` is kept)."
+    raw = yaml.safe_load(config.read_text())
+    raw["max_steps"] = steps
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def cosine_lr(step: int, *, lr: float = 0.003, warmup: int = 2, horizon: int = 12, floor: float = 0.1) -> float:
+    "2.0's cosine schedule as its docs state it, the LR of the update after `step` completed updates."
+    if step < warmup: return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / (horizon - warmup))
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def v2_parameter_order(model: torch.nn.Module, optimizer: str) -> list[str]:
+    """The parameter names, in 2.0's optimizer-state order: 2.0's Muon held the hidden matrices (group 0) then
+    the embeddings and norms (group 1); its default AdamW held only the embeddings and norms."""
+    names = [n for n, _ in model.named_parameters()]
+    hidden = [n for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
+    rest = [n for n in names if n not in hidden]
+    return hidden + rest if optimizer == "muon" else rest
+
+
+def test_the_fixture_describes_what_2_0_trained():
+    "The premises the tests below rest on, read from the files: 2.0's AdamW moved only the 4 embedding/norm tensors."
+    s4, s8 = (read_v2_checkpoint(FIXTURES / "checkpoint-adamw/run/checkpoints" / f"step_00000000000{k}.pt") for k in (4, 8))
+    moved = [k for k in s8["model"] if not torch.equal(s4["model"][k], s8["model"][k])]
+    assert moved == ["transformer.wte.weight", "transformer.h.0.ln1.weight", "transformer.h.0.ln2.weight",
+                     "transformer.ln_f.weight", "lm_head.weight"]            # lm_head is tied to wte
+    model = build_model(SpeedtronicConfig.load(FIXTURES / "checkpoint-adamw/config.yaml").model)
+    assert v2_parameter_order(model, "adamw") == moved[:4]
+    saved = s8["optimizer"]["state"]
+    assert [tuple(saved[i]["exp_avg"].shape) for i in range(4)] == [tuple(s8["model"][n].shape) for n in moved[:4]]
+    muon = read_v2_checkpoint(FIXTURES / "checkpoint-muon/run-muon/checkpoints/step_000000000008.pt")
+    order = v2_parameter_order(model, "muon")
+    groups = muon["optimizer"]["param_groups"]
+    assert [g["algorithm"] for g in groups] == ["muon", "adamw"] and groups[0]["params"] == list(range(7))
+    for i, name in enumerate(order):
+        buffer = muon["optimizer"]["state"][i].get("momentum_buffer", muon["optimizer"]["state"][i].get("exp_avg"))
+        assert tuple(buffer.shape) == tuple(muon["model"][name].shape), name
+
+
+@pytest.mark.parametrize("optimizer", RUNS)
+def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
+    """`speedtronic train --resume` with `max_steps: 12` goes on from 2.0's step 8: step 9 has the LR 2.0 would have
+    used next, the counters continue 2.0's, the 2.0 moments keep counting (step 12 in the final checkpoint), and
+    2.0's files and log lines are kept as they were."""
+    folder, out = RUNS[optimizer]
+    work = copy_fixture(folder, tmp_path)
+    with_max_steps(work / "config.yaml", 12)
+    saved = read_v2_checkpoint(work / out / "checkpoints" / "step_000000000008.pt")
+    v2_log = (work / out / "metrics.jsonl").read_bytes()
+    res = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config", "config.yaml", "--device", "cpu", "--resume"],
+                         cwd=work, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1].startswith("completed steps=12 samples=96 tokens=1536 loss=")
+    log = (work / out / "metrics.jsonl").read_bytes()
+    assert log.startswith(v2_log)                                           # 2.0's lines untouched, ours appended
+    ours = jsonl_records(work / out / "metrics.jsonl")[8:]
+    assert [r["step"] for r in ours] == [9, 10, 11, 12]
+    assert ours[0]["lr"] == pytest.approx(saved["optimizer"]["param_groups"][0]["lr"], rel=1e-12)   # where 2.0 stopped
+    assert [r["lr"] for r in ours] == pytest.approx([cosine_lr(s) for s in range(8, 12)], rel=1e-9)
+    assert [(r["samples"], r["tokens"]) for r in ours] == [(saved["samples"] + 8 * k, saved["tokens"] + 128 * k) for k in (1, 2, 3, 4)]
+    assert all(math.isfinite(r["loss"]) for r in ours)
+    for k in (4, 8):                                                         # nothing already saved is lost
+        name = f"step_00000000000{k}.pt"
+        assert (work / out / "checkpoints" / name).read_bytes() == (FIXTURES / folder / out / "checkpoints" / name).read_bytes()
+    final = read_v2_checkpoint(work / out / "checkpoints" / "step_000000000012.pt")
+    assert (final["step"], final["samples"], final["tokens"]) == (12, 96, 1536)
+    counts = sorted((tuple(s[k].shape), int(s["step"])) for s in final["optimizer"]["state"].values()
+                    for k in ("exp_avg", "momentum_buffer") if k in s)
+    carried = sorted((tuple(s[k].shape), 12) for s in saved["optimizer"]["state"].values() for k in ("exp_avg", "momentum_buffer") if k in s)
+    if optimizer == "adamw":     # 2.0's 4 tensors went on from its 8 updates; the 7 it never trained started at 9
+        hidden = sorted((tuple(p.shape), 4) for n, p in final["model"].items() if ".h." in n and p.ndim == 2)
+        assert counts == sorted(carried + hidden)
+    else:
+        assert counts == carried
+
+
+@pytest.mark.parametrize("optimizer", RUNS)
+def test_resuming_installs_2_0_weights_moments_and_schedule(tmp_path, monkeypatch, optimizer):
+    "Right after `resume`, before any step: the model holds 2.0's weights, the optimizer 2.0's moments, the schedule 2.0's position."
+    folder, out = RUNS[optimizer]
+    work = copy_fixture(folder, tmp_path)
+    with_max_steps(work / "config.yaml", 12)
+    saved = read_v2_checkpoint(work / out / "checkpoints" / "step_000000000008.pt")
+    monkeypatch.chdir(work)
+    trainer, _ = build_runtime(SpeedtronicConfig.load("config.yaml"), resume=True, device="cpu")
+    try:
+        assert trainer.step == 8
+        ours = trainer.model.state_dict()
+        assert set(ours) == set(saved["model"])
+        for name, tensor in saved["model"].items(): assert torch.equal(ours[name], tensor), name
+        params = dict(trainer.model.named_parameters())
+        order = v2_parameter_order(trainer.model, optimizer)
+        for i, name in enumerate(order):
+            theirs, mine = saved["optimizer"]["state"][i], trainer.optimizer.state[params[name]]
+            for key, value in theirs.items():
+                if torch.is_tensor(value) and value.ndim: assert torch.equal(mine[key], value), (name, key)
+                else: assert float(mine[key]) == float(value), (name, key)
+        fresh = [n for n in params if n not in order]
+        assert all(not trainer.optimizer.state.get(params[n]) for n in fresh), fresh   # never trained by 2.0: no moments yet
+        assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx(
+            [saved["optimizer"]["param_groups"][0]["lr"]] * len(trainer.optimizer.param_groups), rel=1e-12)
+    finally:
+        close_logger(trainer.logger)
+        trainer.run_claim.release()
+
+
+def test_the_2_0_metrics_file_is_read_into_the_resumed_result(tmp_path, monkeypatch):
+    "`train_from_config(resume=True)` puts 2.0's eight logged steps in front of its own four."
+    folder, out = RUNS["adamw"]
+    work = copy_fixture(folder, tmp_path)
+    with_max_steps(work / "config.yaml", 12)
+    v2_steps = [json.loads(line) for line in (work / out / "metrics.jsonl").read_text().splitlines()]
+    v2_steps = [r for r in v2_steps if r["event"] == "train_step"]
+    monkeypatch.chdir(work)
+    result = train_from_config(SpeedtronicConfig.load("config.yaml"), resume=True, device="cpu")
+    assert [r["step"] for r in result.metrics] == list(range(1, 13))
+    assert [r["loss"] for r in result.metrics[:8]] == [r["loss"] for r in v2_steps]
+    assert [r["lr"] for r in result.metrics[:8]] == [r["lr"] for r in v2_steps]
+
+
+# -- a 2.0 DiLoCo repository ---------------------------------------------------------------------------------
+def diloco_node_config(work: Path, repo: Path, name: str, steps: int) -> Path:
+    "2.0's worker1 config as it is, pointed at the copied repository as a shared directory; synthetic data (2.0's text is not included)."
+    raw = json.loads((FIXTURES / "diloco-repo" / "worker1-config.json").read_text())
+    raw["run"].update(max_steps=steps, output_dir=str(work / name))
+    raw["data"] = {"synthetic": True, "num_tokens": 4096, "block_size": 64, "micro_batch_size": 4, "target_batch_size": 8}
+    raw["checkpoint"]["every_steps"] = steps
+    raw["logging"].update(json_file=str(work / name / "metrics.jsonl"), progress=False, loss_plot=False)
+    raw["distributed"].update(node_id=name, transport="directory", repo_id=str(repo), poll_interval=0.2)
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def test_a_node_starts_from_the_2_0_global_model(tmp_path):
+    "A worker of ours installs 2.0's `global/latest.safetensors` (outer step 4) and sends a delta measured from it."
+    repo = copy_fixture("diloco-repo", tmp_path)
+    v2_global = load_file(FIXTURES / "diloco-repo" / "global" / "latest.safetensors")
+    cfg = diloco_node_config(tmp_path, repo, "ours", steps=10)
+    res = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)], cwd=tmp_path, env=cli_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    installed = jsonl_records(tmp_path / "ours" / "metrics.jsonl", "global_installed")
+    assert [(e["outer_step"], e["step"]) for e in installed] == [(4, 0)]
+    with safe_open(repo / "nodes" / "ours" / "delta_10.safetensors", "pt") as f:
+        assert f.metadata()["base_outer_step"] == "4"
+        delta = {k: f.get_tensor(k).float() for k in f.keys()}
+    local = read_v2_checkpoint(tmp_path / "ours" / "checkpoints" / "step_000000000010.pt")["model"]
+    assert set(delta) == set(v2_global)
+    for k, start in v2_global.items():                 # delta = 2.0's global - this node's weights after 10 steps
+        torch.testing.assert_close(delta[k], start - local[k], rtol=1e-2, atol=1e-5, msg=k)
+    assert max((start - local[k]).abs().max().item() for k, start in v2_global.items()) > 1e-3   # it did train
+    assert (repo / "nodes" / "worker1" / "delta_200.safetensors").read_bytes() == \
+           (FIXTURES / "diloco-repo" / "nodes" / "worker1" / "delta_200.safetensors").read_bytes()
+
+
+def test_a_master_folds_the_2_0_deltas(tmp_path):
+    """A master of ours over 2.0's repository adopts its global (outer step 4) and folds the three 2.0 deltas into
+    outer step 5; with 2.0's staleness rule (`none`) the result is plain PyTorch's Nesterov SGD step on their mean."""
+    repo = copy_fixture("diloco-repo", tmp_path)
+    raw = json.loads((FIXTURES / "diloco-repo" / "master-config.json").read_text())
+    v2_global = load_file(FIXTURES / "diloco-repo" / "global" / "latest.safetensors")
+    deltas = [load_file(FIXTURES / "diloco-repo" / "nodes" / n / "delta_200.safetensors") for n in ("master", "worker1", "worker2")]
+    model = build_model(SpeedtronicConfig.from_dict({"model": raw["model"]}).model)   # fresh weights: the repository's win
+    seen = []
+    logger = MetricLogger(stream=False, hooks=[lambda event, payload: seen.append((event, payload))])
+    d = raw["distributed"]
+    master = MasterOuterLoop(SharedDirectory(repo), model.state_dict(), node_state_dir=tmp_path / "state", node_id="master",
+                             inner_steps=d["inner_steps"], outer_lr=d["outer_lr"], outer_momentum=d["outer_momentum"],
+                             staleness="none", logger=logger)
+    try:
+        master.start_master()
+        assert master.outer_step == 4
+        master.sync_once()
+        logger.flush()
+    finally:
+        logger.close()
+    assert not [p for e, p in seen if e == "delta_rejected"], seen
+    (step,) = [p for e, p in seen if e == "outer_step"]
+    assert step["outer_step"] == 5 and sorted(map(tuple, step["folded"])) == [("master", 200), ("worker1", 200), ("worker2", 200)]
+    meta = json.loads((repo / "global" / "step_count.json").read_text())
+    assert meta["outer_step"] == 5 and meta["model_file"] == "global/latest.safetensors"     # what a 2.0 reader needs
+    assert SharedDirectory(repo).list_deltas() == []
+    # plain PyTorch: SGD(momentum, nesterov) on the weights with the mean delta as the gradient
+    weights = {k: torch.nn.Parameter(v.clone()) for k, v in v2_global.items()}
+    sgd = torch.optim.SGD(weights.values(), lr=d["outer_lr"], momentum=d["outer_momentum"], nesterov=True)
+    for k, w in weights.items(): w.grad = sum(x[k] for x in deltas) / len(deltas)
+    sgd.step()
+    published = load_file(repo / "global" / "latest.safetensors")
+    for k, w in weights.items():
+        torch.testing.assert_close(published[k], w.detach(), rtol=1e-5, atol=1e-6, msg=k)
