@@ -38,3 +38,29 @@ def test_ci_runs_the_readme_test_command():
     assert first_two[0].endswith('speedtronic train --config configs/demo.yaml')
     assert first_two[1] == 'bash tools/setup.sh dev && bash tools/test_all.sh'
     assert first_two[1] in (ROOT / '.ci' / 'run').read_text()
+
+SKIPPING = '''
+import pytest
+@pytest.fixture
+def browser(): pytest.skip("needs Debian chromium and the playwright package")
+def test_page(browser): pass
+def test_widget(browser): pass
+@pytest.mark.skipif(True, reason="needs CUDA")
+def test_gpu(): pass
+def test_runs(): pass
+'''
+
+def test_the_suite_ends_with_what_it_skipped_and_how_to_run_it(tmp_path):
+    "`tools/test_all.sh` reads pytest's own skip reasons (its junit file) and names each with its count and the fix."
+    (tmp_path / 'test_skipping.py').write_text(SKIPPING)
+    junit = tmp_path / 'junit.xml'
+    res = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', f'--junitxml={junit}', 'test_skipping.py'],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and '1 passed, 3 skipped' in res.stdout, res.stdout
+    res = subprocess.run(['bash', str(ROOT / 'tools' / 'test_all.sh'), '--skipped', str(junit)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [
+        "pytest: 2 tests skipped: needs Debian chromium and the playwright package -> to run: install Debian's chromium "
+        "(bash tools/setup.sh dev does, as root or with sudo; .ci/run requires it)",
+        "pytest: 1 test skipped: needs CUDA -> to run: run on a machine with a CUDA GPU"]

@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
 # Install Speedtronic into ./.venv (created when missing).
 #   bash tools/setup.sh        runtime + matplotlib (the demo writes a loss curve)
-#   bash tools/setup.sh dev    + notebook, test, docs and logging tools
+#   bash tools/setup.sh dev    + notebook, test, docs and logging tools, and Debian's Chromium for the
+#                              browser tests (installed with apt-get where this user may: root, or
+#                              password-less sudo; elsewhere a note says how, and the test summary
+#                              lists the browser tests as skipped)
 # When the environment has no torch yet, torch==2.13.0 is installed first: on this project's
 # machines that is a local CPU wheel, and it keeps pip from pulling a multi-GB CUDA build for
 # the package's own `torch>=2.1` range. Bring your own torch build by installing it first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+have_browser() { command -v chromium || command -v chromium-browser || command -v google-chrome; } >/dev/null 2>&1
+
+# The browser tests drive Debian's chromium with the playwright package (which brings no browser of its own).
+install_browser() {
+  have_browser && return 0
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  if command -v apt-get >/dev/null 2>&1 && { [ -z "$sudo" ] || sudo -n true 2>/dev/null; }; then
+    echo "+ apt-get install chromium (for the browser tests)"
+    if $sudo apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium >/dev/null \
+       && have_browser; then return 0; fi
+  fi
+  echo "note: no chromium here and it could not be installed (needs root or sudo, and apt-get):" \
+       "the browser tests will be skipped; install Debian's chromium package to run them" >&2
+}
 [ -x .venv/bin/python ] || python3 -m venv .venv
 py=.venv/bin/python
 $py -m pip install -q --upgrade pip
@@ -15,6 +34,7 @@ if ! $py -c "import torch" >/dev/null 2>&1; then
 fi
 if [ "${1:-}" = "dev" ]; then
   $py -m pip install -q -e ".[dev,logging]"
+  install_browser
 else
   $py -m pip install -q -e ".[plot]"
 fi
