@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.integrations import hooks_from_config
+from speedtronic.profiling import MetricLogger
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,11 +24,8 @@ def run_python(code, *args, env=None, timeout=180):
 
 
 def test_tensorboard_event_files_have_tags_steps_and_values(tmp_path):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("torch")
+    pytest.importorskip("tensorboard")                      # the optional `logging` extra
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from speedtronic.integrations import hooks_from_config
-    from speedtronic.profiling import MetricLogger
     tb_dir = tmp_path / "tb"
     with MetricLogger(stream=False, every_steps=2,
                       hooks=hooks_from_config({"tensorboard_dir": str(tb_dir), "progress": False})) as log:
@@ -47,7 +48,7 @@ def test_tensorboard_event_files_have_tags_steps_and_values(tmp_path):
 
 
 def test_wandb_offline_run_is_written_and_finished(tmp_path):
-    pytest.importorskip("wandb")
+    pytest.importorskip("wandb")                            # the optional `logging` extra
     result = run_python("""
         from speedtronic.integrations import hooks_from_config
         from speedtronic.profiling import MetricLogger
@@ -82,16 +83,12 @@ def test_missing_library_names_the_extra(blocked, hook):
 
 
 def test_hooks_from_a_real_logging_config(tmp_path):
-    pytest.importorskip("tensorboard")
-    config = pytest.importorskip("speedtronic.config")
-    if "tensorboard_dir" not in getattr(config.LoggingConfig, "__dataclass_fields__", {}):
-        pytest.skip("LoggingConfig has no tensorboard_dir yet")
-    from speedtronic.integrations import hooks_from_config
-    cfg = config.SpeedtronicConfig.from_dict({"logging": {"tensorboard_dir": str(tmp_path / "tb"), "progress": True}})
+    pytest.importorskip("tensorboard")                      # the optional `logging` extra
+    cfg = SpeedtronicConfig.from_dict({"logging": {"tensorboard_dir": str(tmp_path / "tb"), "progress": True}})
     hooks = hooks_from_config(cfg.logging)                   # the bar is left to the caller by default
     assert [type(h).__name__ for h in hooks] == ["TensorboardHook"]
     for h in hooks: h.close()
     hooks = hooks_from_config(cfg.logging, progress=True, progress_stream=open(os.devnull, "w"))
     assert [type(h).__name__ for h in hooks] == ["TensorboardHook", "ProgressBar"]
     for h in hooks: h.close()
-    assert hooks_from_config(config.SpeedtronicConfig.from_dict({}).logging) == []
+    assert hooks_from_config(SpeedtronicConfig.from_dict({}).logging) == []

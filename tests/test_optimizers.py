@@ -6,15 +6,20 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from speedtronic.optimizers import build_optimizer, route_parameters
-from speedtronic.schedules import build_scheduler, load_scheduler_state, lr_multiplier, lr_of_update, schedule_of
+from speedtronic.config import ConfigError, SpeedtronicConfig, load_config
+from speedtronic.model import ReferenceTransformer
+from speedtronic.optimizers import (CautiousOptimizer, HybridOptimizer, Muon, build_optimizer, check_coverage,
+                                    load_optimizer_state, newton_schulz, orthogonalize, post_polar_normalize, route_parameters)
+from speedtronic.profiling import MetricLogger
+from speedtronic.schedules import (build_scheduler, default_warmup, load_scheduler_state, lr_multiplier, lr_of_update,
+                                   resolve_schedule, schedule_of)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,11 +37,11 @@ class TinyLM(nn.Module):
         return self.lm_head(self.norm(torch.relu(self.proj(self.wte(idx)))))
 
 
-def config(**optimizer):
-    opt = {"name": "adamw", "lr": 1e-2, "fused": False, "weight_decay": 0.1, **optimizer}
-    sched = {"name": "cosine", "warmup_steps": 2, "max_steps": 6, "min_lr_ratio": 0.1,
-             "warmup_steps_explicit": True, "max_steps_explicit": True}
-    return SimpleNamespace(optimizer=SimpleNamespace(**opt), scheduler=SimpleNamespace(**sched))
+def config(**optimizer) -> SpeedtronicConfig:
+    "A real config: AdamW at 1e-2 (plus `optimizer`), a cosine schedule of 6 steps with 2 of warmup."
+    return SpeedtronicConfig.from_dict({
+        "optimizer": {"name": "adamw", "lr": 1e-2, "fused": False, "weight_decay": 0.1, **optimizer},
+        "scheduler": {"name": "cosine", "warmup_steps": 2, "max_steps": 6, "min_lr_ratio": 0.1}})
 
 
 def batches(n, seed=0):
@@ -155,26 +160,22 @@ def test_missing_matplotlib_names_the_extra():
 
 
 def test_shipped_configs():
-    cfgmod = pytest.importorskip("speedtronic.config")
     smoke, v2 = ROOT / "configs" / "smoke.yaml", ROOT / "configs" / "v2_smoke.yaml"
-    if not smoke.exists() or not v2.exists():
-        pytest.skip("shipped configs not written yet")
-    cfg = cfgmod.load_config(str(smoke))
+    cfg = load_config(str(smoke))
     opt = build_optimizer(TinyLM(), cfg, "cpu")
     assert opt.speedtronic_info["name"] == "adamw"
     assert opt.defaults["lr"] == pytest.approx(3e-4)
     assert {g["weight_decay"] for g in opt.param_groups} == {0.01, 0.0}
     sched = build_scheduler(opt, cfg)
     assert (schedule_of(sched).warmup_steps, schedule_of(sched).max_steps) == (1, 4)
-    v2_opt = build_optimizer(TinyLM(), cfgmod.load_config(str(v2)), "cpu")     # muon + muon_plus + cautious
+    v2_opt = build_optimizer(TinyLM(), load_config(str(v2)), "cpu")     # muon + muon_plus + cautious
     assert type(v2_opt).__name__ == "CautiousOptimizer" and type(v2_opt.base).__name__ == "HybridOptimizer"
     assert v2_opt.param_groups[0]["muon_plus"] is True and v2_opt.speedtronic_info["muon_tensors"] == 1
 
 
 def test_reference_model_every_parameter_steps():
-    model_mod = pytest.importorskip("speedtronic.model")
     torch.manual_seed(0)
-    ref = model_mod.ReferenceTransformer(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_kv_head=1, d_model=16, d_ff=32)
+    ref = ReferenceTransformer(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_kv_head=1, d_model=16, d_ff=32)
     opt = build_optimizer(ref, config(), "cpu")
     before = {n: p.detach().clone() for n, p in ref.named_parameters()}
     ids = torch.randint(0, 32, (2, 8))
@@ -195,10 +196,8 @@ def test_fused_engages_on_cuda():
 
 
 def test_default_warmup_agrees_with_the_config():
-    cfgmod = pytest.importorskip("speedtronic.config")
-    from speedtronic.schedules import default_warmup, resolve_schedule
     for n in (1, 4, 10, 99, 1000, 5000):
-        cfg = cfgmod.SpeedtronicConfig.from_dict({"run": {"max_steps": n}})
+        cfg = SpeedtronicConfig.from_dict({"run": {"max_steps": n}})
         assert cfg.scheduler.warmup_steps == default_warmup(n)
         assert (resolve_schedule(cfg).warmup_steps, resolve_schedule(cfg).max_steps) == (default_warmup(n), n)
         # a target only the runtime knows (build_runtime(max_steps=...)) re-derives the unset warmup
@@ -208,14 +207,7 @@ def test_default_warmup_agrees_with_the_config():
 # ---------------------------------------------------------------------------------------------
 # The Muon family
 # ---------------------------------------------------------------------------------------------
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
-from speedtronic.optimizers import (CautiousOptimizer, HybridOptimizer, Muon, load_optimizer_state,  # noqa: E402
-                                    newton_schulz, orthogonalize, post_polar_normalize)
-
-
 def reference(n_layer=1):
-    from speedtronic.model import ReferenceTransformer
     torch.manual_seed(0)
     return ReferenceTransformer(vocab_size=64, block_size=16, n_layer=n_layer, n_head=4, n_kv_head=2, d_model=32, d_ff=64)
 
@@ -510,7 +502,6 @@ def test_v2_smoke_and_shorthand_configs_train_from_the_cli(tmp_path):
     ({"muon_plus": True}, "optimizer.muon_plus: is only valid with optimizer.name: muon"),
 ])
 def test_bad_optimizer_keys_are_named(section, message):
-    from speedtronic.config import ConfigError
     with pytest.raises(ConfigError) as err:
         build_optimizer(TinyLM(), section, "cpu")
     assert message in str(err.value)
@@ -521,17 +512,15 @@ def test_default_optimizer_covers_and_reports_every_weight():
     model.transformer.h[1].ln2.weight.requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     events = []
-    opt = build_optimizer(model, {"name": "adamw"}, "cpu",
-                          logger=SimpleNamespace(emit=lambda event, payload: events.append((event, payload))))
+    with MetricLogger(stream=False, hooks=[lambda event, payload: events.append((event, payload))]) as logger:
+        opt = build_optimizer(model, {"name": "adamw"}, "cpu", logger=logger)
     assert sorted(id(p) for g in opt.param_groups for p in g["params"]) == sorted(id(p) for p in trainable)
-    (event, info), = events
-    assert event == "optimizer"
+    (event, info), = [(e, p) for e, p in events if e == "optimizer"]
     assert (info["adamw_tensors"], info["muon_tensors"], info["skipped_tensors"]) == (len(trainable), 0, 1)
     assert info["adamw_params"] == info["param_count"] == sum(p.numel() for p in trainable)
 
 
 def test_an_optimizer_missing_a_weight_is_refused():
-    from speedtronic.optimizers import check_coverage
     lin = nn.Linear(3, 3)
     check_coverage(torch.optim.SGD(lin.parameters(), lr=0.1), list(lin.named_parameters()))
     with pytest.raises(RuntimeError, match=r"never trained: \['bias'\]"):
