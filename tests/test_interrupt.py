@@ -3,25 +3,26 @@ that save waits for it, a third abandons it and the message says so, and the CLI
 
 The model of the child process is the reference transformer that sends its own process SIGINT in the
 forward pass of step 5 (the first Ctrl-C, at a known step: steps 1-4 are complete, step 3 has an interval
-checkpoint), and whose `state_dict()` waits, while the run is saving because of a Ctrl-C, until the test
-lets it go: a save that takes long enough to press Ctrl-C into, as a big model or a slow disk gives. No
-timing assertions: the waits below only bound how long a condition may take to become true.
+checkpoint), and whose `state_dict()`, while the run is saving because of a Ctrl-C, says so on stderr and
+blocks reading a line from its stdin, which the test writes to let it go: a save that takes long enough to
+press Ctrl-C into, as a big model or a slow disk gives. No sleeps and no timing assertions: the test waits on
+the child's output lines (a condition its reader threads signal) and on the process; the timeouts only bound
+how long a condition may take to become true.
 """
-import json, os, signal, subprocess, sys, threading, time
+import json, os, signal, subprocess, sys, threading
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+SAVING = "slow_to_save: saving after a Ctrl-C"
+
 SLOW_MODEL = '''
-import os, signal, sys, time
-from pathlib import Path
+import os, signal, sys
 import torch
 from speedtronic.model import ReferenceTransformer
 from speedtronic.registry import register_model
-
-WORK = Path(os.environ["SLOW_SAVE_DIR"])
 
 class SlowToSave(ReferenceTransformer):
     "The reference model: Ctrl-C in the forward pass of step 5; while a Ctrl-C is handled, state_dict() waits for the test."
@@ -34,13 +35,12 @@ class SlowToSave(ReferenceTransformer):
 
     def state_dict(self, *args, **kwargs):
         if isinstance(sys.exc_info()[1], KeyboardInterrupt):   # the save that a Ctrl-C started
-            (WORK / "saving").write_text("1")
-            deadline = time.monotonic() + 300
-            while not (WORK / "release").exists() and time.monotonic() < deadline: time.sleep(0.02)
+            print("%s", file=sys.stderr, flush=True)
+            sys.stdin.readline()                                 # the test's go (or its end: EOF)
         return super().state_dict(*args, **kwargs)
 
 register_model("slow_to_save", SlowToSave)
-'''
+''' % SAVING
 
 CONFIG = '''
 run: {max_steps: 100000, output_dir: out, seed: 0}
@@ -62,30 +62,57 @@ except TrainingInterrupted as stop:
     sys.exit(3)
 '''
 
+STARTED: list[subprocess.Popen] = []   # every child of the current test, ended by the `work` fixture
+
 class Child:
-    "A training process whose output is collected as it comes."
+    "A training process whose output lines are collected as they come; each new line (and each stream's end) is signalled."
     def __init__(self, args: list[str], cwd: Path, stop_signal: str = 'SIGINT'):
-        env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(cwd), str(ROOT)]), 'SLOW_SAVE_DIR': str(cwd),
-               'OMP_NUM_THREADS': '1', 'STOP_SIGNAL': stop_signal}
-        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.out, self.err = [], []
-        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=lambda s=stream, k=sink: k.extend(iter(s.readline, '')), daemon=True).start()
+        env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(cwd), str(ROOT)]), 'OMP_NUM_THREADS': '1',
+               'STOP_SIGNAL': stop_signal}
+        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        STARTED.append(self.proc)
+        self.out, self.err, self.ended = [], [], 0
+        self.changed = threading.Condition()
+        self.readers = [threading.Thread(target=self._read, args=pair, daemon=True)
+                        for pair in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self.readers: reader.start()
+
+    def _read(self, stream, sink: list[str]) -> None:
+        for line in iter(stream.readline, ''):
+            with self.changed:
+                sink.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.ended += 1
+            self.changed.notify_all()
 
     def wait_for(self, condition, what: str, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.proc.poll() is not None and not condition():
-                raise AssertionError(f'the child ended (rc={self.proc.returncode}) before {what}:\n{"".join(self.err)[-3000:]}')
-            if time.monotonic() > deadline: raise AssertionError(f'no {what} within {timeout}s:\n{"".join(self.err)[-3000:]}')
-            time.sleep(0.05)
+        "Wait until `condition()` holds; fail at once if the child's output ends first."
+        with self.changed:
+            self.changed.wait_for(lambda: condition() or self.ended == 2, timeout)
+            if condition(): return
+            state = f'the child ended (rc={self.proc.wait(60)}) before' if self.ended == 2 else f'within {timeout}s no'
+        raise AssertionError(f'{state} {what}:\n{"".join(self.err)[-3000:]}')
+
+    def saving(self) -> None:
+        "Wait until the child's save after the first Ctrl-C has begun (and is held)."
+        self.wait_for(lambda: f'{SAVING}\n' in self.err, 'save after the first Ctrl-C')
+
+    def release(self) -> None:
+        "Let the held save go on (a line written now waits in the pipe for a save still to come)."
+        self.proc.stdin.write('go\n')
+        self.proc.stdin.flush()
 
     def ctrl_c(self) -> None:
         self.proc.send_signal(signal.SIGINT)
 
     def finish(self) -> int:
-        rc = self.proc.wait(240)
-        time.sleep(0.2)   # let the reader threads take the last lines
+        "The exit code, once the child has exited and both reader threads have taken its last lines."
+        try: rc = self.proc.wait(240)          # stdin stays open: its end would let a held save go on
+        finally: self.proc.stdin.close()
+        for reader in self.readers: reader.join(60)
+        assert not any(r.is_alive() for r in self.readers), 'the output pipes stayed open after the child exited'
         return rc
 
     def result(self) -> dict:
@@ -97,12 +124,16 @@ def work(tmp_path):
     (tmp_path / 'slow_save_model.py').write_text(SLOW_MODEL)
     (tmp_path / 'run.yaml').write_text(CONFIG)
     (tmp_path / 'child.py').write_text(CHILD)
-    return tmp_path
+    yield tmp_path
+    while STARTED:                          # a test that failed half way leaves no process behind
+        proc = STARTED.pop()
+        if proc.poll() is None: proc.kill()
+        proc.wait(60)
 
 def _start_and_interrupt(work: Path) -> Child:
     "Start training (Ctrl-C comes in step 5) and wait until the save of step 4 starts."
     child = Child([sys.executable, 'child.py'], work)
-    child.wait_for(lambda: (work / 'saving').exists(), 'save after the first Ctrl-C')
+    child.saving()
     return child
 
 def _checkpoints(work: Path) -> list[str]:
@@ -112,7 +143,7 @@ def test_a_second_ctrl_c_waits_for_the_save(work):
     child = _start_and_interrupt(work)
     child.ctrl_c()                                            # pressed again while the step is being saved
     child.wait_for(lambda: 'still saving step' in ''.join(child.err), 'note that the save goes on')
-    (work / 'release').write_text('1')
+    child.release()
     assert child.finish() == 3, ''.join(child.err)[-3000:]
     got = child.result()
     step = got['steps']
@@ -143,8 +174,8 @@ def test_a_third_ctrl_c_abandons_the_save_and_says_so(work):
 
 def test_cli_ctrl_c_saves_and_exits_130(work):
     "`speedtronic train` keeps its behaviour: the step is saved, one error line, exit code 130."
-    (work / 'release').write_text('1')                        # this save does not wait
     child = Child([sys.executable, '-m', 'speedtronic', 'train', '--config', 'run.yaml', '--device', 'cpu'], work)
+    child.release()                                           # this save does not wait
     assert child.finish() == 130
     assert ''.join(child.err).strip().splitlines()[-1] == 'speedtronic: error: interrupted', ''.join(child.err)[-2000:]
     assert 'Traceback' not in ''.join(child.err)
@@ -171,9 +202,9 @@ print("RESULT " + json.dumps({"first": first, "holder": holder, "fresh": fresh, 
 
 def test_an_interrupted_run_releases_its_directory_and_resumes_in_the_same_process(work):
     "After the interrupt the lock is gone: a fresh run there is refused (another run's checkpoints), resume=True goes on."
-    (work / 'release').write_text('1')
     (work / 'resume_child.py').write_text(RESUME_CHILD)
     child = Child([sys.executable, 'resume_child.py'], work)
+    child.release()
     assert child.finish() == 0, ''.join(child.err)[-3000:]
     got = child.result()
     assert got['first'] == 4 and got['holder'] is None and got['after'] is None, got
@@ -184,9 +215,9 @@ def test_an_interrupted_run_releases_its_directory_and_resumes_in_the_same_proce
 
 def test_cli_sigterm_saves_and_exits_143(work):
     "SIGTERM during `speedtronic train` (a scheduler stopping the job): the step is saved, one line, exit 143."
-    (work / 'release').write_text('1')
     child = Child([sys.executable, '-m', 'speedtronic', 'train', '--config', 'run.yaml', '--device', 'cpu'], work,
                   stop_signal='SIGTERM')
+    child.release()
     assert child.finish() == 143, ''.join(child.err)[-3000:]
     assert ''.join(child.err).strip().splitlines()[-1] == 'speedtronic: error: terminated (SIGTERM)', ''.join(child.err)[-2000:]
     assert 'Traceback' not in ''.join(child.err)
