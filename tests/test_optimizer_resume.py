@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -82,10 +81,32 @@ def test_save_and_resume_is_bit_exact(tmp_path, variant):
     assert ("muon" in algorithms) == (VARIANTS[variant]["name"] == "muon")
 
 
-def cli(cfg: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+HELD_MODEL = '''
+import os, sys
+import torch
+from speedtronic.model import ReferenceTransformer
+from speedtronic.registry import register_model
+
+class HeldReference(ReferenceTransformer):
+    "The reference model; with HOLD_AT_FORWARD=N its N-th training forward pass says so on stderr and waits on stdin."
+    forwards = 0
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            type(self).forwards += 1
+            if type(self).forwards == int(os.environ.get("HOLD_AT_FORWARD", "0")):
+                print("held", file=sys.stderr, flush=True)
+                sys.stdin.readline()
+        return super().forward(*args, **kwargs)
+
+register_model("held_reference", HeldReference)
+'''
+
+
+def cli(cfg: Path, *extra: str, **env: str) -> subprocess.Popen:
+    "`speedtronic train` of `cfg` on CPU, with the config's folder (its model module) and this checkout importable."
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg.parent), str(ROOT)]), "OMP_NUM_THREADS": "1", **env}
     return subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu", *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def train_steps(jsonl: Path) -> dict[int, float]:
@@ -99,26 +120,35 @@ def train_steps(jsonl: Path) -> dict[int, float]:
 
 
 def test_kill_and_resume_from_the_cli_is_bit_exact(tmp_path):
-    "The full v2 stack (Muon+, cautious) killed with SIGKILL mid-run resumes to the same losses and weights."
+    """The full v2 stack (Muon+, cautious) killed with SIGKILL mid-run resumes to the same losses and weights. The kill
+    lands at a known point, not a raced one: in the forward pass of step 13 (two micro-batches a step), which holds."""
     steps = 40
     optimizer = {"name": "muon", "muon_plus": True, "cautious": True}
+    (tmp_path / "held_model.py").write_text(HELD_MODEL)
     configs = {}
     for name in ("straight", "killed"):
         raw = raw_config(tmp_path / name, optimizer, steps=steps)
+        raw["model"].update(name="held_reference", imports=["held_model"])
         configs[name] = tmp_path / f"{name}.yaml"
         configs[name].write_text(yaml.safe_dump(raw, sort_keys=False))
     proc = cli(configs["straight"])
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    proc, jsonl = cli(configs["killed"]), tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and max(train_steps(jsonl), default=0) < 12:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    killed_at = max(train_steps(jsonl))
-    assert 12 <= killed_at < steps
+    proc, jsonl = cli(configs["killed"], HOLD_AT_FORWARD=str(2 * 12 + 1)), tmp_path / "killed" / "metrics.jsonl"
+    try:
+        lines = []
+        for line in iter(proc.stderr.readline, ""):          # ends at "held", or at the end of a child that never held
+            lines.append(line)
+            if line == "held\n": break
+        assert lines and lines[-1] == "held\n", "".join(lines)[-3000:]
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        if proc.poll() is None: proc.kill()
+        proc.wait(timeout=60)
+        proc.stdin.close(); proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert max(train_steps(jsonl)) <= 12
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step_*.pt"))[-1] == "step_000000000012.pt"
     proc = cli(configs["killed"], "--resume")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]

@@ -166,7 +166,8 @@ def write_config(path: Path, model_name: str, imports: list[str], output_dir: Pa
 
 def test_model_imports_from_yaml_in_a_script(tmp_path):
     # A script elsewhere on disk: the current directory is not on sys.path, as with the `speedtronic`
-    # console script; `import_model_modules` still finds `user_models.py` next to the config.
+    # console script; `import_model_modules` still finds `user_models.py` in the current directory
+    # (the rule is the working directory, not the config's folder: here they are the same).
     (tmp_path / "user_models.py").write_text(USER_MODELS)
     cfg = write_config(tmp_path / "run.yaml", "user_tiny", ["user_models"], tmp_path / "out")
     script = tmp_path / "elsewhere" / "build.py"
