@@ -1,14 +1,22 @@
 """The wheel ships the package, the exported modules, and the example configs (2.0 shipped them only in the sdist)."""
-import subprocess, sys, zipfile
+import json, subprocess, sys, zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-def test_wheel_contents(tmp_path):
-    res = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(tmp_path), str(ROOT)],
+@pytest.fixture(scope='module')
+def wheel(tmp_path_factory) -> Path:
+    "The wheel of this checkout, built once."
+    out = tmp_path_factory.mktemp('wheel')
+    res = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(out), str(ROOT)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    wheel, = tmp_path.glob('speedtronic-*.whl')
+    built, = out.glob('speedtronic-*.whl')
+    return built
+
+def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for cfg in ['smoke.yaml', 'v2_smoke.yaml', 'diloco.yaml']:
         assert f'speedtronic/configs/{cfg}' in names
@@ -22,10 +30,22 @@ def test_wheel_contents(tmp_path):
     assert f'Version: {speedtronic.__version__}' in metadata.splitlines(), metadata[:300]
     assert wheel.name.startswith(f'speedtronic-{speedtronic.__version__}-') and speedtronic.__version__ == '2.1.0'
 
-def test_installed_configs_are_readable():
-    from importlib.resources import files
-    text = files('speedtronic.configs').joinpath('smoke.yaml').read_text()
-    assert 'smoke' in text
+def test_installed_configs_are_readable(wheel, tmp_path):
+    "Installed from the wheel (not this checkout or an editable install), the package reads the configs it ships."
+    target = tmp_path / 'site'
+    res = subprocess.run([sys.executable, '-m', 'pip', 'install', '--no-deps', '--no-index', '-q', '--target', str(target), str(wheel)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shipped = ['configs/smoke.yaml', 'configs/demo.yaml', 'examples/diloco_master.yaml']
+    code = ("import json, sys, speedtronic\nfrom importlib.resources import files\n"
+            "print(json.dumps([[speedtronic.__file__, str(files('speedtronic.configs')), str(files('speedtronic.examples'))], {p: files('speedtronic.' + p.split('/')[0]).joinpath(p.split('/')[1]).read_text()"
+            " for p in sys.argv[1:]}]))")
+    res = subprocess.run([sys.executable, '-I', '-c', f'import sys; sys.path.insert(0, {str(target)!r})\n' + code, *shipped],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    where, texts = json.loads(res.stdout)
+    assert all(Path(w).is_relative_to(target) for w in where), where
+    assert texts == {p: (ROOT / p).read_text() for p in shipped}
 
 def test_readme_is_generated_from_index():
     res = subprocess.run([sys.executable, 'tools/make_readme.py', '--check'], cwd=ROOT, capture_output=True, text=True)
