@@ -30,21 +30,25 @@ from conftest import ROOT, cli_env, jsonl_records  # noqa: E402
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.distributed import MasterOuterLoop, SharedDirectory
+from speedtronic.model import reference_state_dict_shapes
 from speedtronic.profiling import MetricLogger
 from speedtronic.registry import build_model
 from speedtronic.runtime import build_runtime, close_logger, train_from_config
 
 
-def fixtures_dir() -> Path | None:
-    "`$SPEEDTRONIC_FIXTURES`, else `shared/fixtures/v2.0` beside the clone (CI), else `/work/shared/fixtures/v2.0`."
-    candidates = [os.environ.get("SPEEDTRONIC_FIXTURES"), ROOT.parent / "shared" / "fixtures" / "v2.0",
-                  Path("/work/shared/fixtures/v2.0")]
-    return next((Path(c) for c in candidates if c and Path(c).is_dir()), None)
+def fixtures_dir() -> tuple[Path | None, str]:
+    "`$SPEEDTRONIC_FIXTURES` when set, else `shared/fixtures/v2.0` beside the clone (CI), else `/work/shared/fixtures/v2.0`."
+    if os.environ.get("SPEEDTRONIC_FIXTURES"):
+        named = Path(os.environ["SPEEDTRONIC_FIXTURES"])
+        return (named, "") if named.is_dir() else (None, f"SPEEDTRONIC_FIXTURES={named} is not a folder")
+    candidates = [ROOT.parent / "shared" / "fixtures" / "v2.0", Path("/work/shared/fixtures/v2.0")]
+    found = next((c for c in candidates if c.is_dir()), None)
+    return found, ("" if found else f"the 2.0 fixtures are missing (looked in {', '.join(map(str, candidates))}): "
+                                    "put shared/ beside the clone or set SPEEDTRONIC_FIXTURES to shared/fixtures/v2.0")
 
 
-FIXTURES = fixtures_dir()
-pytestmark = pytest.mark.skipif(FIXTURES is None, reason="the 2.0 fixtures are missing: set SPEEDTRONIC_FIXTURES to "
-                                                         "shared/fixtures/v2.0 or put shared/ beside the clone")
+FIXTURES, MISSING = fixtures_dir()
+pytestmark = pytest.mark.skipif(FIXTURES is None, reason=MISSING)
 
 RUNS = {"adamw": ("checkpoint-adamw", "run"), "muon": ("checkpoint-muon", "run-muon")}
 
@@ -117,6 +121,19 @@ def test_the_fixture_describes_what_2_0_trained():
     for i, name in enumerate(order):
         buffer = muon["optimizer"]["state"][i].get("momentum_buffer", muon["optimizer"]["state"][i].get("exp_avg"))
         assert tuple(buffer.shape) == tuple(muon["model"][name].shape), name
+
+
+def test_the_reference_model_has_2_0_names_and_shapes():
+    "Our reference model and the table of what 2.0 writes (`reference_state_dict_shapes`) agree with 2.0's real files."
+    cases = [(SpeedtronicConfig.load(FIXTURES / "checkpoint-adamw/config.yaml").model,
+              read_v2_checkpoint(FIXTURES / "checkpoint-adamw/run/checkpoints/step_000000000008.pt")["model"]),
+             (SpeedtronicConfig.from_dict({"model": json.loads((FIXTURES / "diloco-repo/master-config.json").read_text())["model"]}).model,
+              load_file(FIXTURES / "diloco-repo/global/latest.safetensors"))]
+    for section, theirs in cases:
+        model = build_model(section)
+        shapes = {k: tuple(v.shape) for k, v in theirs.items()}
+        assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
+        assert reference_state_dict_shapes(model.config) == shapes
 
 
 @pytest.mark.parametrize("optimizer", RUNS)
@@ -236,9 +253,11 @@ def test_a_node_starts_from_the_2_0_global_model(tmp_path):
            (FIXTURES / "diloco-repo" / "nodes" / "worker1" / "delta_200.safetensors").read_bytes()
 
 
-def test_a_master_folds_the_2_0_deltas(tmp_path):
+@pytest.mark.parametrize("staleness", ["none", "delayed_nesterov"])
+def test_a_master_folds_the_2_0_deltas(tmp_path, staleness):
     """A master of ours over 2.0's repository adopts its global (outer step 4) and folds the three 2.0 deltas into
-    outer step 5; with 2.0's staleness rule (`none`) the result is plain PyTorch's Nesterov SGD step on their mean."""
+    outer step 5 (2.0's deltas say nothing of their inner steps or session); with 2.0's staleness rule (`none`) the
+    result is plain PyTorch's Nesterov SGD step on their mean."""
     repo = copy_fixture("diloco-repo", tmp_path)
     raw = json.loads((FIXTURES / "diloco-repo" / "master-config.json").read_text())
     v2_global = load_file(FIXTURES / "diloco-repo" / "global" / "latest.safetensors")
@@ -249,7 +268,7 @@ def test_a_master_folds_the_2_0_deltas(tmp_path):
     d = raw["distributed"]
     master = MasterOuterLoop(SharedDirectory(repo), model.state_dict(), node_state_dir=tmp_path / "state", node_id="master",
                              inner_steps=d["inner_steps"], outer_lr=d["outer_lr"], outer_momentum=d["outer_momentum"],
-                             staleness="none", logger=logger)
+                             staleness=staleness, logger=logger)
     try:
         master.start_master()
         assert master.outer_step == 4
@@ -263,11 +282,13 @@ def test_a_master_folds_the_2_0_deltas(tmp_path):
     meta = json.loads((repo / "global" / "step_count.json").read_text())
     assert meta["outer_step"] == 5 and meta["model_file"] == "global/latest.safetensors"     # what a 2.0 reader needs
     assert SharedDirectory(repo).list_deltas() == []
+    published = load_file(repo / "global" / "latest.safetensors")
+    assert set(published) == set(v2_global) and any(not torch.equal(published[k], v) for k, v in v2_global.items())
+    if staleness != "none": return
     # plain PyTorch: SGD(momentum, nesterov) on the weights with the mean delta as the gradient
     weights = {k: torch.nn.Parameter(v.clone()) for k, v in v2_global.items()}
     sgd = torch.optim.SGD(weights.values(), lr=d["outer_lr"], momentum=d["outer_momentum"], nesterov=True)
     for k, w in weights.items(): w.grad = sum(x[k] for x in deltas) / len(deltas)
     sgd.step()
-    published = load_file(repo / "global" / "latest.safetensors")
     for k, w in weights.items():
         torch.testing.assert_close(published[k], w.detach(), rtol=1e-5, atol=1e-6, msg=k)
