@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import ROOT, cli_env, jsonl_records  # noqa: E402
+from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.distributed import MasterOuterLoop, SharedDirectory
@@ -259,29 +260,63 @@ def test_the_2_0_metrics_file_is_read_into_the_resumed_result(tmp_path, monkeypa
 
 
 # -- a 2.0 DiLoCo repository ---------------------------------------------------------------------------------
-def diloco_node_config(work: Path, repo: Path, name: str, steps: int) -> Path:
-    "2.0's worker1 config as it is, pointed at the copied repository as a shared directory; synthetic data (2.0's text is not included)."
+TOKEN = "hf_fixture_write_token_0123456789"
+REPO_FILES = ["global/latest.safetensors", "global/step_count.json", "nodes/master/delta_200.safetensors",
+              "nodes/worker1/delta_200.safetensors", "nodes/worker2/delta_200.safetensors"]
+
+
+def diloco_node_config(work: Path, transport: str, repo_id: str, name: str, steps: int) -> Path:
+    "2.0's worker1 config as it is, on `transport` at `repo_id`, with synthetic data (2.0's text is not included)."
     raw = json.loads((FIXTURES / "diloco-repo" / "worker1-config.json").read_text())
     raw["run"].update(max_steps=steps, output_dir=str(work / name))
     raw["data"] = {"synthetic": True, "num_tokens": 4096, "block_size": 64, "micro_batch_size": 4, "target_batch_size": 8}
     raw["checkpoint"]["every_steps"] = steps
     raw["logging"].update(json_file=str(work / name / "metrics.jsonl"), progress=False, loss_plot=False)
-    raw["distributed"].update(node_id=name, transport="directory", repo_id=str(repo), poll_interval=0.2)
+    raw["distributed"].update(node_id=name, transport=transport, repo_id=repo_id, poll_interval=0.2, retry_initial=0.05,
+                              retry_max=0.5, request_timeout=5)
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
 
-def test_a_node_starts_from_the_2_0_global_model(tmp_path):
-    "A worker of ours installs 2.0's `global/latest.safetensors` (outer step 4) and sends a delta measured from it."
-    repo = copy_fixture("diloco-repo", tmp_path)
+@pytest.fixture
+def hub():
+    server = HubStandIn(tokens={TOKEN: "write"}).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("transport", ["directory", "hub"])
+def test_a_node_starts_from_the_2_0_global_model(tmp_path, transport, request):
+    """A worker of ours installs 2.0's `global/latest.safetensors` (outer step 4) and sends a delta measured from it: from
+    the repository copied as a shared directory, and from a Hub repository holding 2.0's files (uploaded with the real
+    `huggingface_hub` client to the loopback stand-in)."""
     v2_global = load_file(FIXTURES / "diloco-repo" / "global" / "latest.safetensors")
-    cfg = diloco_node_config(tmp_path, repo, "ours", steps=10)
-    res = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)], cwd=tmp_path, env=cli_env(),
+    env = cli_env()
+    if transport == "directory":
+        repo = copy_fixture("diloco-repo", tmp_path)
+        cfg = diloco_node_config(tmp_path, transport, str(repo), "ours", steps=10)
+    else:
+        from huggingface_hub import CommitOperationAdd, HfApi
+        hub = request.getfixturevalue("hub")
+        api = HfApi(endpoint=hub.url, token=TOKEN)
+        api.create_repo("org/v2-run", private=True)
+        api.create_commit("org/v2-run", operations=[CommitOperationAdd(p, str(FIXTURES / "diloco-repo" / p)) for p in REPO_FILES],
+                          commit_message="the 2.0 repository")
+        env.update(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DOWNLOAD_TIMEOUT="5", HF_HUB_ETAG_TIMEOUT="5",
+                   HF_HUB_DISABLE_PROGRESS_BARS="1")
+        cfg = diloco_node_config(tmp_path, transport, "org/v2-run", "ours", steps=10)
+    res = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     installed = jsonl_records(tmp_path / "ours" / "metrics.jsonl", "global_installed")
     assert [(e["outer_step"], e["step"]) for e in installed] == [(4, 0)]
+    if transport == "hub":
+        files = hub.files("org/v2-run")
+        repo = tmp_path / "from-hub"
+        for path in ("nodes/ours/delta_10.safetensors", "nodes/worker1/delta_200.safetensors"):
+            (repo / path).parent.mkdir(parents=True, exist_ok=True)
+            (repo / path).write_bytes(files[path])
     with safe_open(repo / "nodes" / "ours" / "delta_10.safetensors", "pt") as f:
         assert f.metadata()["base_outer_step"] == "4"
         delta = {k: f.get_tensor(k).float() for k in f.keys()}
