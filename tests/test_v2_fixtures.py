@@ -23,14 +23,14 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load as safetensors_load, load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import ROOT, cli_env, jsonl_records  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.distributed import MasterOuterLoop, SharedDirectory
+from speedtronic.distributed import HubClient, MasterOuterLoop, SharedDirectory
 from speedtronic.model import reference_state_dict_shapes
 from speedtronic.profiling import MetricLogger
 from speedtronic.registry import build_model
@@ -297,12 +297,8 @@ def test_a_node_starts_from_the_2_0_global_model(tmp_path, transport, request):
         repo = copy_fixture("diloco-repo", tmp_path)
         cfg = diloco_node_config(tmp_path, transport, str(repo), "ours", steps=10)
     else:
-        from huggingface_hub import CommitOperationAdd, HfApi
         hub = request.getfixturevalue("hub")
-        api = HfApi(endpoint=hub.url, token=TOKEN)
-        api.create_repo("org/v2-run", private=True)
-        api.create_commit("org/v2-run", operations=[CommitOperationAdd(p, str(FIXTURES / "diloco-repo" / p)) for p in REPO_FILES],
-                          commit_message="the 2.0 repository")
+        hub_with_v2_repo(hub, "org/v2-run")
         env.update(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, HF_HUB_DOWNLOAD_TIMEOUT="5", HF_HUB_ETAG_TIMEOUT="5",
                    HF_HUB_DISABLE_PROGRESS_BARS="1")
         cfg = diloco_node_config(tmp_path, transport, "org/v2-run", "ours", steps=10)
@@ -329,12 +325,29 @@ def test_a_node_starts_from_the_2_0_global_model(tmp_path, transport, request):
            (FIXTURES / "diloco-repo" / "nodes" / "worker1" / "delta_200.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("staleness", ["none", "delayed_nesterov"])
-def test_a_master_folds_the_2_0_deltas(tmp_path, staleness):
-    """A master of ours over 2.0's repository adopts its global (outer step 4) and folds the three 2.0 deltas into
-    outer step 5 (2.0's deltas say nothing of their inner steps or session); with 2.0's staleness rule (`none`) the
-    result is plain PyTorch's Nesterov SGD step on their mean."""
-    repo = copy_fixture("diloco-repo", tmp_path)
+def hub_with_v2_repo(hub: HubStandIn, repo_id: str) -> None:
+    "Commit 2.0's repository files to `repo_id` on the stand-in, with the real huggingface_hub client."
+    from huggingface_hub import CommitOperationAdd, HfApi
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    api.create_repo(repo_id, private=True)
+    api.create_commit(repo_id, operations=[CommitOperationAdd(p, str(FIXTURES / "diloco-repo" / p)) for p in REPO_FILES],
+                      commit_message="the 2.0 repository")
+
+
+@pytest.mark.parametrize("transport, staleness", [("directory", "none"), ("directory", "delayed_nesterov"), ("hub", "none")])
+def test_a_master_folds_the_2_0_deltas(tmp_path, transport, staleness, request):
+    """A master of ours over 2.0's repository (a copied directory, or 2.0's files on the Hub stand-in) adopts its global
+    (outer step 4) and folds the three 2.0 deltas into outer step 5 (2.0's deltas say nothing of their inner steps or
+    session); with 2.0's staleness rule (`none`) the result is plain PyTorch's Nesterov SGD step on their mean."""
+    if transport == "directory":
+        repo = copy_fixture("diloco-repo", tmp_path)
+        client, files = SharedDirectory(repo), lambda: {p: (repo / p).read_bytes() for p in REPO_FILES[:2]}
+    else:
+        hub = request.getfixturevalue("hub")
+        hub_with_v2_repo(hub, "org/v2-run")
+        client = HubClient("org/v2-run", token=TOKEN, endpoint=hub.url, cache_dir=tmp_path / "cache", retry_initial=0.01,
+                           retry_max=0.05, retry_attempts=3)
+        files = lambda: hub.files("org/v2-run")
     raw = json.loads((FIXTURES / "diloco-repo" / "master-config.json").read_text())
     v2_global = load_file(FIXTURES / "diloco-repo" / "global" / "latest.safetensors")
     deltas = [load_file(FIXTURES / "diloco-repo" / "nodes" / n / "delta_200.safetensors") for n in ("master", "worker1", "worker2")]
@@ -342,7 +355,7 @@ def test_a_master_folds_the_2_0_deltas(tmp_path, staleness):
     seen = []
     logger = MetricLogger(stream=False, hooks=[lambda event, payload: seen.append((event, payload))])
     d = raw["distributed"]
-    master = MasterOuterLoop(SharedDirectory(repo), model.state_dict(), node_state_dir=tmp_path / "state", node_id="master",
+    master = MasterOuterLoop(client, model.state_dict(), node_state_dir=tmp_path / "state", node_id="master",
                              inner_steps=d["inner_steps"], outer_lr=d["outer_lr"], outer_momentum=d["outer_momentum"],
                              staleness=staleness, logger=logger)
     try:
@@ -355,10 +368,11 @@ def test_a_master_folds_the_2_0_deltas(tmp_path, staleness):
     assert not [p for e, p in seen if e == "delta_rejected"], seen
     (step,) = [p for e, p in seen if e == "outer_step"]
     assert step["outer_step"] == 5 and sorted(map(tuple, step["folded"])) == [("master", 200), ("worker1", 200), ("worker2", 200)]
-    meta = json.loads((repo / "global" / "step_count.json").read_text())
+    repo_files = files()
+    meta = json.loads(repo_files["global/step_count.json"])
     assert meta["outer_step"] == 5 and meta["model_file"] == "global/latest.safetensors"     # what a 2.0 reader needs
-    assert SharedDirectory(repo).list_deltas() == []
-    published = load_file(repo / "global" / "latest.safetensors")
+    assert client.list_deltas() == []
+    published = safetensors_load(repo_files["global/latest.safetensors"])
     assert set(published) == set(v2_global) and any(not torch.equal(published[k], v) for k, v in v2_global.items())
     if staleness != "none": return
     # plain PyTorch: SGD(momentum, nesterov) on the weights with the mean delta as the gradient
