@@ -19,7 +19,7 @@ from conftest import ROOT  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.distributed import HubClient, HubError, MasterOuterLoop, SharedDirectory
+from speedtronic.distributed import HubClient, HubError, HubUnavailable, MasterOuterLoop, SharedDirectory
 from speedtronic.distributed.tensors import (GLOBAL_MODEL_PATH, TENSOR_ALIASES, compute_pseudo_gradient, cpu_state_dict,
                                              delta_header, delta_path, encode_delta, floating_state, load_delta,
                                              load_safetensors, read_metadata, save_safetensors, wire_bytes)
@@ -145,6 +145,21 @@ def test_a_delta_that_lands_while_the_master_commits_is_folded_by_the_next_round
     assert t.list_deltas() == [delta_path("w", 20)]
     assert m.sync_once() == 2 and t.list_deltas() == []        # folded at once, not after the next commit
     assert m.ledger.nodes["w"]["sessions"] == {"s": 20}
+
+
+def test_a_publication_whose_answer_is_lost_in_an_outage_is_the_masters_own(tmp_path, hub):
+    """The master's publication goes through, its answer is lost, and the retries meet an outage: the round fails
+    (HubUnavailable). The next round finds a version it did not hear about, with its own publication id: it continues
+    from it instead of stopping as if another master were publishing."""
+    t, m, send = hub_master(tmp_path, hub, "org/outage", expected_nodes=1)
+    send(10)
+    hub.fault("lost_response", method="POST", path=r"/commit/")
+    hub.fault("503", method="POST", path=r"/commit/", count=2)
+    with pytest.raises(HubUnavailable): m.sync_once()
+    assert m.outer_step == 0 and t.state().outer_step == 1 and t.list_deltas() == []   # it did go through
+    send(20)
+    assert m.sync_once() == 2 and m.ledger.nodes["w"]["sessions"] == {"s": 20} and m.error is None
+    assert t.state().extras["master"]["node_id"] == "m"
 
 
 # -- 2. a wild delta never becomes the global -----------------------------------------------------------------

@@ -453,7 +453,9 @@ def _description(deletes: list[str]) -> str:
 @patch
 def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta], int]:
     "The acceptable deltas at `repo`'s revision and how many delta files were there."
-    listed = [p for p in self.transport.list_deltas(repo.revision) if p not in self.drop]
+    present = self.transport.list_deltas(repo.revision)
+    self.drop = {p: why for p, why in self.drop.items() if p in present}   # deleted meanwhile: nothing left to delete
+    listed = [p for p in present if p not in self.drop]
     self.held = {p: d for p, d in self.held.items() if p in listed and not self.ledger.folded(d.node_id, d.session, d.step)}
     accepted = [self.held[p] for p in listed if p in self.held]      # checked in an earlier pass, waiting for their round
     reached = {}                                                    # (node, session) -> the highest step accepted in this pass
@@ -588,11 +590,25 @@ def active_nodes(self: MasterOuterLoop, extra: set[str] = frozenset()) -> int:
 
 @patch
 def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
-    "Raise `HubError` unless the repository is still at this master's version."
+    "Raise `HubError` unless the repository is at this master's version (or one it published without hearing back)."
     if repo.outer_step != self.outer_step or (repo.extras.get("publication") or "") != self.publication:
+        if self._went_through(repo): return
         who = (repo.extras.get("master") or {}).get("node_id")
         raise HubError(f"{self.transport.describe()} is at version {repo.outer_step} by {who!r}, not this master's "
                        f"version {self.outer_step}; another master is publishing, so {self.node_id!r} stops")
+
+@patch
+def _went_through(self: MasterOuterLoop, repo: RepoState) -> bool:
+    "Continue from the prepared `.next` state when `repo` is the publication whose answer was lost (True), else False."
+    prepared = self._read_local(".next")
+    if prepared is None or prepared[0].get("publication") != repo.extras.get("publication") or \
+            int(prepared[0].get("outer_step", -2)) != repo.outer_step: return False
+    with self.lock: self._adopt_local(*prepared)
+    self._promote()
+    self.last_publish = self.clock()
+    self._log("warning", f"version {repo.outer_step} was published although no answer came back; continuing from it")
+    if self.on_global_update is not None: self.on_global_update(self.global_state, self.outer_step)
+    return True
 
 # %% ../../nbs/12c_distributed_outer.ipynb #00a9b339
 @patch
