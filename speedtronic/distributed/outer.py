@@ -260,6 +260,7 @@ class MasterOuterLoop:
         self.outer_step, self.ledger = -1, Ledger()
         self.revision = None  # the revision this master last listed: an unchanged head means nothing new (never its own commit)
         self.sizes = DeltaSizes()  # the norms of the deltas folded so far, for the size check
+        self._norm_of = (None, 0.0)  # (version, publication) and the global model's norm there
         self.drop: dict[str, str] = {}  # repository paths to delete with the next commit -> why
         self.seen_nodes: set[str] = set()  # nodes with an accepted delta
         self.round_wait = float(round_wait)  # seconds to wait for a full round before folding part of one (0: never wait)
@@ -384,7 +385,7 @@ def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
     self._log("info", f"{self.transport.describe()} was last published by master {other!r}; watching it for "
                       f"distributed.lease_timeout={self.lease_timeout:g} s before taking over")
     while self.clock() - start < self.lease_timeout:
-        if self._stop.wait(max(0.01, min(self.poll_interval, self.lease_timeout / 20))): raise HubError("master start stopped")
+        time.sleep(max(0.01, min(self.poll_interval, self.lease_timeout / 20)))   # a start: Ctrl-C ends it
         repo = self.transport.state()
         if liveness(repo.extras) != seen:
             raise HubError(f"{self.transport.describe()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
@@ -509,7 +510,7 @@ def _check(self: MasterOuterLoop, path: str, tensors: dict, header: dict) -> Che
 @patch
 def _global_norm(self: MasterOuterLoop) -> float:
     "The L2 norm of the global model's floating tensors (computed once per version)."
-    if getattr(self, "_norm_of", (None,))[0] != (self.outer_step, self.publication):
+    if self._norm_of[0] != (self.outer_step, self.publication):
         self._norm_of = ((self.outer_step, self.publication), delta_norm(floating_state(self.global_state)))
     return self._norm_of[1]
 
