@@ -338,10 +338,12 @@ def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str, **master):
     t = client(); t.open(create=True)
     model = torch.nn.Linear(4, 4)
     shapes = floating_state(model.state_dict())
-    def send(step: int) -> None:
+    last = [0]
+    def send(step: int) -> None:      # like a node: each delta covers the steps since the one before
         out = tmp / f"d{step}.safetensors"
         save_safetensors(encode_delta({k: torch.full(v.shape, 1e-3) for k, v in shapes.items()}), out,
-                         delta_header(node_id="w", local_step=step, base_outer_step=0, inner_steps=10, encoding="bfloat16"))
+                         delta_header(node_id="w", local_step=step, base_outer_step=0, inner_steps=step - last[0], encoding="bfloat16"))
+        last[0] = step
         client().upload({delta_path("w", step): out})
     m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp / "state", node_id="m", inner_steps=10,
                         **{"expected_nodes": 1, **master})
@@ -352,11 +354,13 @@ def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str, **master):
 def test_a_held_round_on_the_hub_is_folded_once_its_wait_runs_out(tmp_path, hub):
     """Whole rounds where the transport tells its head: a round that lacks a node is folded when the wait runs out,
     although nothing was committed since (the unchanged-head shortcut must not hide the held round)."""
-    t, m, send = hub_master_and_node(tmp_path, hub, "org/held", expected_nodes=2, round_wait=0.3)
+    now = [0.0]                                                          # the master's clock: moved by the test, not slept
+    t, m, send = hub_master_and_node(tmp_path, hub, "org/held", expected_nodes=2, round_wait=0.3, clock=lambda: now[0])
     send(10)
     assert m.sync_once() == 0 and list(m.held) == [delta_path("w", 10)]   # held for the second node
+    now[0] += 0.29
     assert m.sync_once() == 0                                            # still within the wait
-    time.sleep(0.35)
+    now[0] += 0.02
     assert m.sync_once() == 1 and m.punctual == {"w"} and not m.held
 
 

@@ -31,8 +31,8 @@ from .transport import HubError, HubUnavailable, PublishConflict, RepoState
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'PUBLISH_PATIENCE_S', 'NesterovOuterOptimizer', 'Contribution', 'OuterUpdate', 'Ledger',
-           'lease_holder', 'DeltaSizes', 'MasterOuterLoop', 'OuterState']
+__all__ = ['STALENESS_POLICIES', 'PUBLISH_PATIENCE_S', 'NesterovOuterOptimizer', 'Contribution', 'OuterUpdate', 'momentum_steps',
+           'Ledger', 'other_master', 'lease_holder', 'liveness', 'DeltaSizes', 'MasterOuterLoop', 'OuterState']
 
 # %% ../../nbs/12c_distributed_outer.ipynb #8a94b268
 class NesterovOuterOptimizer:
@@ -90,6 +90,22 @@ class OuterUpdate:
         self.progress, self.momentum_steps = float(state.get("progress", 0.0)), int(state.get("momentum_steps", 0))
 
 # %% ../../nbs/12c_distributed_outer.ipynb #cc499838
+def momentum_steps(m: torch.Tensor, g: torch.Tensor, mu: float, n: int) -> torch.Tensor:
+    "Apply `m ← μ·m + g` `n` times to `m` in place; returns the sum of the `n` new values (closed form beyond a few steps)."
+    if n <= 4:
+        total = torch.zeros_like(m)
+        for _ in range(n): total.add_(m.mul_(mu).add_(g))
+        return total
+    if mu == 1.0:
+        total = m * n + g * (n * (n + 1) / 2)
+        m.add_(g * n)
+        return total
+    power = mu ** n
+    geometric = mu * (1 - power) / (1 - mu)                        # μ + μ² + … + μⁿ
+    total = m * geometric + g * ((n - geometric) / (1 - mu))
+    m.mul_(power).add_(g * ((1 - power) / (1 - mu)))
+    return total
+
 @patch
 def step(self: OuterUpdate, state: dict[str, torch.Tensor], contributions: list[Contribution], nodes: int) -> dict[str, torch.Tensor]:
     "Fold `contributions` into `state` in place; returns the update applied (`old − new`, float32)."
@@ -102,11 +118,10 @@ def step(self: OuterUpdate, state: dict[str, torch.Tensor], contributions: list[
         self.progress += sum(c.share for c in contributions) / nodes
         if self.progress >= 1.0 - 1e-6:
             whole = max(1, int(self.progress + 1e-6))
-            for _ in range(whole):
-                for k, p in self.pending.items():
-                    m = self.momentum_buffer[k].mul_(self.momentum).add_(p / self.progress)
-                    update[k] = update[k] + self.lr * self.momentum * m
-                self.momentum_steps += 1
+            for k, p in self.pending.items():
+                moved = momentum_steps(self.momentum_buffer[k], p / self.progress, self.momentum, whole)
+                update[k] = update[k] + self.lr * self.momentum * moved
+            self.momentum_steps += whole
             keep = (self.progress - whole) / self.progress if self.progress > whole else 0.0
             for p in self.pending.values(): p.mul_(keep)
             self.progress -= whole if keep else self.progress
@@ -142,7 +157,20 @@ class Ledger:
         sessions = entry["sessions"]
         sessions[session] = max(step, sessions.pop(session, -1))   # re-inserted: newest session last
         while len(sessions) > _SESSIONS_KEPT: sessions.pop(next(iter(sessions)))
+        if entry.get("refused"): entry["refused"] = {s: v for s, v in entry["refused"].items() if s in sessions}
         entry["version"], entry["final"] = version, bool(final)
+
+    def refuse(self, node: str, session: str, step: int) -> None:
+        "Note that a delta of a known session reached `step` although it was refused (its content, not its step)."
+        if self.reach(node, session) is None: return
+        refused = self.nodes[node].setdefault("refused", {})
+        refused[session] = max(step, refused.get(session, -1))
+
+    def reach(self, node: str, session: str) -> int | None:
+        "The highest step a known session's deltas reached (folded or refused); None for a session not in the ledger."
+        entry = self.nodes.get(node, {})
+        if session not in entry.get("sessions", {}): return None
+        return max(entry["sessions"][session], (entry.get("refused") or {}).get(session, -1))
 
     def active(self, version: int, window: int) -> set[str]:
         "Nodes folded into one of the last `window` versions and not finished."
@@ -153,18 +181,28 @@ class Ledger:
     def from_json(cls, data: Any) -> "Ledger":
         if not isinstance(data, Mapping): return cls()
         return cls({str(n): {"sessions": {str(s): int(v) for s, v in (e.get("sessions") or {}).items()},
-                             "version": int(e.get("version", -1)), "final": bool(e.get("final", False))}
+                             "version": int(e.get("version", -1)), "final": bool(e.get("final", False)),
+                             **({"refused": {str(s): int(v) for s, v in e["refused"].items()}} if e.get("refused") else {})}
                     for n, e in data.items() if isinstance(e, Mapping)})
 
 # %% ../../nbs/12c_distributed_outer.ipynb #6bbaefa4
-def lease_holder(extras: Mapping[str, Any], node_id: str, lease_timeout: float, now: float | None = None) -> str | None:
-    "The other master that holds the repository (its node id and heartbeat age), or None when `node_id` may publish."
+def other_master(extras: Mapping[str, Any], node_id: str) -> str | None:
+    "The node id of the master that wrote a version file, when it is not `node_id`."
     master = extras.get("master") if isinstance(extras.get("master"), Mapping) else None
-    if not master or master.get("node_id") in (None, node_id): return None
-    try: beat = datetime.fromisoformat(str(master.get("heartbeat"))).timestamp()
+    return None if not master or master.get("node_id") in (None, node_id) else str(master["node_id"])
+
+def lease_holder(extras: Mapping[str, Any], node_id: str, lease_timeout: float, now: float | None = None) -> str | None:
+    "The other master whose heartbeat is fresh by this host's clock (`now`), or None when the clocks cannot tell it is alive."
+    if other_master(extras, node_id) is None: return None
+    try: beat = datetime.fromisoformat(str(extras["master"].get("heartbeat"))).timestamp()
     except ValueError: return None
     age = (time.time() if now is None else now) - beat
-    return f"{master['node_id']!r} (heartbeat {age:.0f} s ago)" if age < lease_timeout else None
+    return f"{extras['master']['node_id']!r} (heartbeat {age:.0f} s ago)" if 0 <= age < lease_timeout else None
+
+def liveness(extras: Mapping[str, Any]) -> tuple:
+    "What changes in the version file while its master is alive: its id, session, heartbeat and publication."
+    master = extras.get("master") if isinstance(extras.get("master"), Mapping) else {}
+    return (master.get("node_id"), master.get("session"), master.get("heartbeat"), extras.get("publication"))
 
 # %% ../../nbs/12c_distributed_outer.ipynb #b442d55b
 class DeltaSizes:
@@ -208,8 +246,10 @@ class MasterOuterLoop:
                  on_global_update: Callable[[dict, int], None] | None = None, logger: Any = None,
                  node_id: str = "master", session: str = "", inner_steps: int = 500, staleness: str = "delayed_nesterov",
                  expected_nodes: int | None = None, max_delta_norm_ratio: float = 10.0, lease_timeout: float = 600.0,
-                 round_wait: float = 0.0):
+                 round_wait: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time):
         self.transport, self.logger, self.on_global_update = hub, logger, on_global_update
+        self.clock, self.wall_clock = clock, wall_clock  # this host's monotonic clock (round waits, the lease) and wall clock
         self.dir = Path(node_state_dir)
         self.node_id, self.session, self.inner_steps = node_id, session or uuid.uuid4().hex[:12], int(inner_steps)
         self.poll_interval, self.expected_nodes = float(poll_interval), expected_nodes
@@ -217,10 +257,12 @@ class MasterOuterLoop:
         self.global_state = cpu_state_dict(state)
         self.shapes = {k: tuple(v.shape) for k, v in floating_state(self.global_state).items()}
         self.update = OuterUpdate(self.global_state, outer_lr, outer_momentum, staleness)
-        self.outer_step, self.ledger, self.revision = -1, Ledger(), None
+        self.outer_step, self.ledger = -1, Ledger()
+        self.revision = None  # the revision this master last listed: an unchanged head means nothing new (never its own commit)
         self.sizes = DeltaSizes()  # the norms of the deltas folded so far, for the size check
+        self._norm_of = (None, 0.0)  # (version, publication) and the global model's norm there
         self.drop: dict[str, str] = {}  # repository paths to delete with the next commit -> why
-        self.seen_nodes: set[str] = set()  # nodes whose deltas this master has seen
+        self.seen_nodes: set[str] = set()  # nodes with an accepted delta
         self.round_wait = float(round_wait)  # seconds to wait for a full round before folding part of one (0: never wait)
         self.held: dict[str, CheckedDelta] = {}  # accepted deltas waiting for the rest of their round
         self.round_since = None  # when the held round began
@@ -298,9 +340,10 @@ def start_master(self: MasterOuterLoop) -> RepoState:
     self.transport.open(create=True, private=True)
     repo = self.transport.state()
     if repo.metadata is not None:
-        holder = lease_holder(repo.extras, self.node_id, self.lease_timeout)
+        holder = lease_holder(repo.extras, self.node_id, self.lease_timeout, now=self.wall_clock())
         if holder: raise HubError(f"{self.transport.describe()} belongs to master {holder}; only one master may publish. "
                                   f"Stop it, or wait distributed.lease_timeout={self.lease_timeout:g} s after it stopped")
+        if other_master(repo.extras, self.node_id): repo = self._outwait_lease(repo)
         pub = str(repo.extras.get("publication", ""))
         nxt = self.next_local
         if nxt is not None and int(nxt[0]["outer_step"]) == repo.outer_step and nxt[0].get("publication") == pub:
@@ -313,7 +356,7 @@ def start_master(self: MasterOuterLoop) -> RepoState:
                 self._log("warning", f"local outer state is at version {self.outer_step}, {self.transport.describe()} at "
                                      f"{repo.outer_step}; adopting the repository's global model and ledger (outer momentum restarts)")
             self._adopt_remote(repo)
-        self.revision = repo.revision
+        self.revision = None                                        # deltas already there are listed by the first round
         return repo
     self.next_local = None
     if self.outer_step < 0: self.outer_step = -1
@@ -334,13 +377,30 @@ def _adopt_remote(self: MasterOuterLoop, repo: RepoState) -> None:
         self.publication = str(repo.extras.get("publication", ""))
     self._save_local(self.global_state, self.outer_step, self.ledger, self.update.state_dict(), self.publication)
 
+# %% ../../nbs/12c_distributed_outer.ipynb #026fc075
+@patch
+def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
+    "Take over another master's repository only after its version file stayed unchanged for `lease_timeout` s here."
+    other, seen, start = other_master(repo.extras, self.node_id), liveness(repo.extras), self.clock()
+    self._log("info", f"{self.transport.describe()} was last published by master {other!r}; watching it for "
+                      f"distributed.lease_timeout={self.lease_timeout:g} s before taking over")
+    while self.clock() - start < self.lease_timeout:
+        time.sleep(max(0.01, min(self.poll_interval, self.lease_timeout / 20)))   # a start: Ctrl-C ends it
+        repo = self.transport.state()
+        if liveness(repo.extras) != seen:
+            raise HubError(f"{self.transport.describe()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
+                           f"it published while {self.node_id!r} watched; only one master may publish. Stop it, or wait "
+                           f"distributed.lease_timeout={self.lease_timeout:g} s after it stopped")
+    return repo
+
 # %% ../../nbs/12c_distributed_outer.ipynb #e74223af
 PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
 
 @patch
 def _version_extras(self: MasterOuterLoop, ledger: Ledger, publication: str, **more) -> dict[str, Any]:
     return {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.update.policy, "ledger": ledger.to_json(),
-            "master": {"node_id": self.node_id, "session": self.session, "heartbeat": utc_now()},
+            "master": {"node_id": self.node_id, "session": self.session,
+                       "heartbeat": datetime.fromtimestamp(self.wall_clock(), timezone.utc).replace(microsecond=0).isoformat()},
             "publication": publication, **more}
 
 @patch
@@ -359,7 +419,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
     sizes = self.sizes if sizes is None else sizes
     self._save_local(state, version, ledger, update or self.update.state_dict(), publication, ".next", sizes)
     message = message or f"global version {version}" + (f", folding {len(deletes)} file(s)" if deletes else "")
-    parent_version, rebased, deadline = repo.outer_step, False, time.monotonic() + PUBLISH_PATIENCE_S
+    parent_version, deadline = repo.outer_step, time.monotonic() + PUBLISH_PATIENCE_S
     while True:
         try:
             revision = self.transport.publish(files, deletes, parent=repo, owner=self.node_id, version=version, message=message,
@@ -367,7 +427,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
             new = RepoState(revision, meta, extras)
             break
         except PublishConflict as conflict:
-            repo, rebased = self.transport.state(), True             # commits this master has not listed came in between
+            repo = self.transport.state()                             # commits this master has not listed came in between
             if repo.extras.get("publication") == publication:                # it went through; only the answer was lost
                 new = repo
                 break
@@ -380,10 +440,10 @@ def _publish(self: MasterOuterLoop, repo: RepoState, state: Mapping[str, torch.T
                                      f"for {PUBLISH_PATIENCE_S:g} s") from conflict
     self._promote()
     with self.lock:
-        self.outer_step, self.ledger, self.publication, self.last_publish = version, ledger, publication, time.monotonic()
+        self.outer_step, self.ledger, self.publication, self.last_publish = version, ledger, publication, self.clock()
         self.sizes = sizes
         for p in deletes: self.drop.pop(p, None)
-    self.revision = None if rebased else new.revision   # after a rebase the next round lists again: a delta may have come in
+    self.revision = None   # the next round lists again: the new head is this master's commit, which it never listed
     return new
 
 def _description(deletes: list[str]) -> str:
@@ -394,27 +454,34 @@ def _description(deletes: list[str]) -> str:
 @patch
 def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta], int]:
     "The acceptable deltas at `repo`'s revision and how many delta files were there."
-    listed = [p for p in self.transport.list_deltas(repo.revision) if p not in self.drop]
+    present = self.transport.list_deltas(repo.revision)
+    self.drop = {p: why for p, why in self.drop.items() if p in present}   # deleted meanwhile: nothing left to delete
+    listed = [p for p in present if p not in self.drop]
     self.held = {p: d for p, d in self.held.items() if p in listed and not self.ledger.folded(d.node_id, d.session, d.step)}
     accepted = [self.held[p] for p in listed if p in self.held]      # checked in an earlier pass, waiting for their round
-    paths, cache = [p for p in listed if p not in self.held], self.dir / "cache"
+    reached = {}                                                    # (node, session) -> the highest step accepted in this pass
+    for d in accepted: reached[d.node_id, d.session] = max(d.step, reached.get((d.node_id, d.session), -1))
+    paths, cache = sorted((p for p in listed if p not in self.held), key=parse_delta_path), self.dir / "cache"   # in step order
     local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
     with ThreadPoolExecutor(max_workers=4) as pool:                 # downloads overlap; checks stay in order
         list(pool.map(lambda p: self.transport.fetch(p, local_of[p], revision=repo.revision), paths))
     for path in paths:
-        node, step = parse_delta_path(path)
-        self.seen_nodes.add(node)
         local = local_of[path]
         try: tensors, header = load_delta(local)
         except ValueError as e:
             self._reject(path, local, DeltaRejected("unreadable", str(e))); continue
-        try: d = self._check(path, tensors, header)
-        except DeltaRejected as e: self._reject(path, local, e); continue
+        try:
+            self._reachable(path, header, reached)
+            d = self._check(path, tensors, header)
+        except DeltaRejected as e: self._reject(path, local, e, header); continue
         finally: local.unlink(missing_ok=True)
         if self.ledger.folded(d.node_id, d.session, d.step):
             self.drop[path] = "duplicate"
             self._emit("delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step}); continue
         accepted.append(d)
+        reached[d.node_id, d.session] = max(d.step, reached.get((d.node_id, d.session), -1))
+    accepted = self._judge_newcomers(accepted)
+    self.seen_nodes |= {d.node_id for d in accepted}
     return accepted, len(listed)
 
 @patch
@@ -426,17 +493,31 @@ def _per_step(self: MasterOuterLoop, d: CheckedDelta) -> float:
 def _check(self: MasterOuterLoop, path: str, tensors: dict, header: dict) -> CheckedDelta:
     d = check_delta(path, tensors, header, self.shapes)
     d.norm = delta_norm(d.delta)                                    # once: the size record and the events reuse it
-    per_step = self._per_step(d)
+    if self.max_delta_norm_ratio <= 0: return d
+    per_step, scale = self._per_step(d), self._global_norm()
+    if scale > 0 and per_step > self.max_delta_norm_ratio * scale:
+        raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / scale:.3g}x the global "
+                                         f"model's own norm {scale:.3g} (limit distributed.max_delta_norm_ratio="
+                                         f"{self.max_delta_norm_ratio:g}): no training step moves a model that far")
     judged_by = self.sizes.reference(d.node_id, d.session)
-    if judged_by is None: return d                                  # nothing to judge by yet
+    if judged_by is None: return d                                  # no history: judged against the round's others later
     reference, what = judged_by
-    if self.max_delta_norm_ratio > 0 and per_step > self.max_delta_norm_ratio * reference:
+    if per_step > self.max_delta_norm_ratio * reference:
         raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / reference:.1f}x {what} "
                                          f"(limit distributed.max_delta_norm_ratio={self.max_delta_norm_ratio:g})")
     return d
 
 @patch
-def _reject(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejected) -> None:
+def _global_norm(self: MasterOuterLoop) -> float:
+    "The L2 norm of the global model's floating tensors (computed once per version)."
+    if self._norm_of[0] != (self.outer_step, self.publication):
+        self._norm_of = ((self.outer_step, self.publication), delta_norm(floating_state(self.global_state)))
+    return self._norm_of[1]
+
+_CONTENT_REASONS = ("too_large", "not_finite", "keys", "shape", "dtype")
+
+@patch
+def _reject(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejected, header: Mapping[str, str] | None = None) -> None:
     quarantine = self.dir / "quarantine"
     quarantine.mkdir(parents=True, exist_ok=True)
     name = path.replace("/", "__")
@@ -446,8 +527,59 @@ def _reject(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejected)
     for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-40]: old.unlink(missing_ok=True)   # keep the newest 20
     self.drop[path] = error.reason
     node_step = parse_delta_path(path) or (None, None)
+    if header is not None and error.reason in _CONTENT_REASONS:    # its step was plausible: the node carries on from it
+        self.ledger.refuse(node_step[0], str(header.get("session", "")), node_step[1])
     self._log("warning", f"rejected delta {path}: {error}")
     self._emit("delta_rejected", {"path": path, "node_id": node_step[0], "step": node_step[1], "reason": error.reason, "message": str(error)})
+
+# %% ../../nbs/12c_distributed_outer.ipynb #a2f44d65
+@patch
+def _reachable(self: MasterOuterLoop, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]) -> None:
+    "Refuse (`unreachable`) a delta of a known session that begins after the highest step that session has reached."
+    node, step = parse_delta_path(path)
+    session = str(header.get("session", ""))
+    try: inner = int(header["inner_steps"])
+    except (KeyError, TypeError, ValueError): return                # not said (2.0) or not a number: `check_delta` decides
+    reach = self.ledger.reach(node, session)
+    if reach is None or self.ledger.folded(node, session, step): return   # a new session; a duplicate is dropped later
+    reach = max(reach, reached.get((node, session), -1))
+    if step - inner > reach:
+        raise DeltaRejected("unreachable", f"{path}: covers steps {step - inner + 1}..{step} of session {session!r}, whose deltas "
+                                           f"reached step {reach}; a node's deltas continue where its previous one ended, so "
+                                           f"{node!r} did not write this file in that session (a forged or stray file)")
+
+# %% ../../nbs/12c_distributed_outer.ipynb #cf8b4937
+@patch
+def _judge_newcomers(self: MasterOuterLoop, accepted: list[CheckedDelta]) -> list[CheckedDelta]:
+    "`accepted` without the deltas of nodes lacking a history that are far larger than the others' (refused `too_large`)."
+    if self.max_delta_norm_ratio <= 0: return accepted
+    per, keep = {d.path: self._per_step(d) for d in accepted}, []
+    for d in accepted:
+        new = d.path not in self.held and len(self.sizes.recent.get((d.node_id, d.session), ())) < 3
+        others = [per[o.path] for o in accepted if o.node_id != d.node_id] + ([self.sizes.largest] if self.sizes.folded else [])
+        if new and others and per[d.path] > self.max_delta_norm_ratio * max(others):
+            self._refuse(d, "too_large", f"norm per inner step {per[d.path]:.3g} is {per[d.path] / max(others):.1f}x the largest "
+                                         f"of the other nodes' deltas {max(others):.3g} (a new node; limit "
+                                         f"distributed.max_delta_norm_ratio={self.max_delta_norm_ratio:g})")
+        else: keep.append(d)
+    return keep
+
+@patch
+def _refuse(self: MasterOuterLoop, d: CheckedDelta, reason: str, why: str) -> None:
+    "Reject an accepted (downloaded and checked) delta `d`."
+    self._reject(d.path, self.dir / "cache" / d.node_id / Path(d.path).name, DeltaRejected(reason, f"{d.path}: {why}"), {"session": d.session})
+
+@patch
+def _unpublishable(self: MasterOuterLoop, state: Mapping[str, torch.Tensor], applied: Mapping[str, torch.Tensor],
+                   inner: int) -> tuple[str, str] | None:
+    "`(reason, why)` when the global `state` must not be published: non-finite, or moved too far by `applied`."
+    bad = next((k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None: return "not_finite", f"folding it would make the global model's {bad} NaN or infinite"
+    moved, scale = delta_norm(applied) / max(1, inner), self._global_norm()
+    if self.max_delta_norm_ratio > 0 and scale > 0 and moved > self.max_delta_norm_ratio * scale:
+        return "too_large", (f"folding it would move the global model by {moved:.3g} per inner step, {moved / scale:.3g}x its own "
+                             f"norm {scale:.3g} (limit distributed.max_delta_norm_ratio={self.max_delta_norm_ratio:g})")
+    return None
 
 # %% ../../nbs/12c_distributed_outer.ipynb #c897f624
 @patch
@@ -459,19 +591,33 @@ def active_nodes(self: MasterOuterLoop, extra: set[str] = frozenset()) -> int:
 
 @patch
 def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
-    "Raise `HubError` unless the repository is still at this master's version."
+    "Raise `HubError` unless the repository is at this master's version (or one it published without hearing back)."
     if repo.outer_step != self.outer_step or (repo.extras.get("publication") or "") != self.publication:
+        if self._went_through(repo): return
         who = (repo.extras.get("master") or {}).get("node_id")
         raise HubError(f"{self.transport.describe()} is at version {repo.outer_step} by {who!r}, not this master's "
                        f"version {self.outer_step}; another master is publishing, so {self.node_id!r} stops")
+
+@patch
+def _went_through(self: MasterOuterLoop, repo: RepoState) -> bool:
+    "Continue from the prepared `.next` state when `repo` is the publication whose answer was lost (True), else False."
+    prepared = self._read_local(".next")
+    if prepared is None or prepared[0].get("publication") != repo.extras.get("publication") or \
+            int(prepared[0].get("outer_step", -2)) != repo.outer_step: return False
+    with self.lock: self._adopt_local(*prepared)
+    self._promote()
+    self.last_publish = self.clock()
+    self._log("warning", f"version {repo.outer_step} was published although no answer came back; continuing from it")
+    if self.on_global_update is not None: self.on_global_update(self.global_state, self.outer_step)
+    return True
 
 # %% ../../nbs/12c_distributed_outer.ipynb #00a9b339
 @patch
 def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     "One round: collect, fold and publish (with `round_wait`, only a full round unless `full_rounds` is False). Returns the outer step."
     head = self.transport.head_revision() if hasattr(self.transport, "head_revision") else None
-    idle = time.monotonic() - self.last_publish < self.lease_timeout / 3
-    due = bool(self.held) and self._round_complete(list(self.held.values()))   # a held round whose wait has run out
+    idle = self.clock() - self.last_publish < self.lease_timeout / 3
+    due = bool(self.held) and (not full_rounds or self._round_complete(list(self.held.values())))   # a held round to fold now
     if head is not None and head == self.revision and not self.drop and idle and not due: return self.outer_step
     repo = self.transport.state() if head is None else self.transport.state(head)   # the head just read: one request fewer
     if repo.metadata is None or self.outer_step < 0: return self.start_master().outer_step
@@ -481,7 +627,7 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     self.revision = repo.revision
     if not accepted:
         if self.drop: self._publish_cleanup(repo)
-        elif time.monotonic() - self.last_publish > self.lease_timeout / 3: self._heartbeat(repo)
+        elif self.clock() - self.last_publish > self.lease_timeout / 3: self._heartbeat(repo)
         if found: self._emit("outer_step", {"outer_step": self.outer_step, "deltas_found": found, "deltas_included": 0})
         return self.outer_step
     if full_rounds and not self._round_complete(accepted):
@@ -495,6 +641,11 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     update = OuterUpdate(state, self.update.lr, self.update.momentum, self.update.policy)
     update.load_state_dict(self.update.state_dict())
     applied = update.step(state, contributions, nodes)
+    problem = self._unpublishable(state, applied, max(d.inner_steps or self.inner_steps for d in accepted))
+    if problem is not None:                                         # nothing published; the round's deltas are refused
+        for d in accepted: self._refuse(d, *problem)
+        self.held, self.round_since = {}, None
+        return self.outer_step
     ledger = Ledger.from_json(self.ledger.to_json())
     sizes = self.sizes.copy()
     for d in accepted:
@@ -514,14 +665,14 @@ def _round_complete(self: MasterOuterLoop, accepted: list[CheckedDelta]) -> bool
     present = {d.node_id for d in accepted}
     if self.punctual is None and len(present) >= self.active_nodes(present): return True
     if self.punctual is not None and present >= self.punctual: return True
-    if self.round_since is None: self.round_since = time.monotonic()
-    return time.monotonic() - self.round_since >= self.round_wait
+    if self.round_since is None: self.round_since = self.clock()
+    return self.clock() - self.round_since >= self.round_wait
 
 @patch
 def _end_round(self: MasterOuterLoop, accepted: list[CheckedDelta], nodes: int) -> None:
     "After a publication: forget the held round. A round whose wait ran out names the nodes later rounds wait for; the others rejoin with their next delta."
     present = {d.node_id for d in accepted}
-    ran_out = self.round_since is not None and time.monotonic() - self.round_since >= self.round_wait
+    ran_out = self.round_since is not None and self.clock() - self.round_since >= self.round_wait
     if self.round_wait > 0 and ran_out and len(present) < nodes:
         self.punctual = present
         self._log("info", f"outer step {self.outer_step}: folded {len(present)} of {nodes} nodes' deltas after waiting "
@@ -601,7 +752,7 @@ def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: flo
         before = self.outer_step
         try: self.sync_once(full_rounds=False)                      # the last deltas: folded as they come
         except HubUnavailable as e: self._log("warning", f"final round postponed: {e}")
-        waiting_for = (self.ledger.active(self.outer_step, window=2 * max(1, len(self.ledger.nodes)) + 1) | self.seen_nodes) - {self.node_id}
+        waiting_for = self.ledger.active(self.outer_step, window=2 * max(1, len(self.ledger.nodes)) + 1) - {self.node_id}
         done = {n for n in self.ledger.nodes if n != self.node_id and (self.ledger.nodes[n].get("final")
                 or max(self.ledger.nodes[n].get("sessions", {}).values(), default=-1) >= final_step)}
         enough = self.expected_nodes is None or len(done) + 1 >= self.expected_nodes

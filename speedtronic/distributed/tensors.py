@@ -20,11 +20,12 @@ from safetensors.torch import load as _st_load, save as _st_save
 from ..files import atomic_write_bytes
 
 # %% auto #0
-__all__ = ['GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH', 'DELTA_DTYPES', 'INT8_SCALE', 'cpu_tensor', 'cpu_state_dict',
-           'floating_state', 'save_safetensors', 'safetensors_bytes', 'load_safetensors', 'read_metadata', 'load_delta',
-           'metadata_json', 'delta_path', 'parse_delta_path', 'GlobalMetadata', 'utc_now', 'step_count_text',
-           'parse_step_count', 'compute_pseudo_gradient', 'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header',
-           'DeltaRejected', 'CheckedDelta', 'check_delta', 'average_deltas', 'delta_norm', 'layer_of', 'layer_norms']
+__all__ = ['TENSOR_ALIASES', 'GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH', 'DELTA_DTYPES', 'INT8_SCALE', 'cpu_tensor',
+           'cpu_state_dict', 'floating_state', 'tensor_aliases', 'save_safetensors', 'safetensors_bytes',
+           'load_safetensors', 'read_metadata', 'load_delta', 'metadata_json', 'delta_path', 'parse_delta_path',
+           'GlobalMetadata', 'utc_now', 'step_count_text', 'parse_step_count', 'compute_pseudo_gradient',
+           'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta',
+           'average_deltas', 'delta_norm', 'layer_of', 'layer_norms']
 
 # %% ../../nbs/12_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -43,20 +44,60 @@ def floating_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
                          "keep complex state out of the model's state_dict or train this model without distributed mode")
     return {k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
 
+# %% ../../nbs/12_distributed_tensors.ipynb #674f452c
+TENSOR_ALIASES = "tensor_aliases"  # header key: JSON {"<key not stored>": "<stored key with the same bits>"}
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+def tensor_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    "The keys whose tensor is bit for bit an earlier key's (tied weights): `{alias: the earlier key}`."
+    candidates: dict[tuple, list[str]] = {}
+    aliases = {}
+    for k, v in tensors.items():
+        if not v.numel(): continue
+        flat = v.detach().reshape(-1)
+        probe = flat[torch.linspace(0, flat.numel() - 1, min(flat.numel(), 16)).long()]
+        key = (v.dtype, tuple(v.shape), bytes(_bits(probe).numpy()))
+        same = next((o for o in candidates.get(key, []) if torch.equal(_bits(tensors[o]), _bits(v))), None)
+        if same is None: candidates.setdefault(key, []).append(k)
+        else: aliases[k] = same
+    return aliases
+
+def _stored(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None) -> tuple[dict, dict[str, str]]:
+    "The CPU tensors a file stores (each distinct tensor once) and its string metadata, naming the aliases."
+    cpu = cpu_state_dict(tensors)
+    aliases = tensor_aliases(cpu)
+    meta = {str(k): str(v) for k, v in (metadata or {}).items() if str(k) != TENSOR_ALIASES}
+    if aliases: meta[TENSOR_ALIASES] = json.dumps(aliases, sort_keys=True)
+    return {k: v for k, v in cpu.items() if k not in aliases}, meta
+
+def _expanded(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], where: Any) -> dict[str, torch.Tensor]:
+    "`tensors` with every alias the metadata names restored as its own copy; `ValueError` naming `where` if the list is wrong."
+    raw = metadata.get(TENSOR_ALIASES)
+    if not raw: return tensors
+    try: aliases = json.loads(raw)
+    except ValueError: aliases = None
+    if not isinstance(aliases, dict) or not all(isinstance(a, str) and isinstance(k, str) and k in tensors and a not in tensors
+                                                for a, k in aliases.items()):
+        raise ValueError(f"{where}: header {TENSOR_ALIASES} must map keys not in the file to keys in it, got {raw[:200]!r}")
+    return {**tensors, **{a: tensors[k].clone() for a, k in aliases.items()}}
+
 # %% ../../nbs/12_distributed_tensors.ipynb #4268e791
 def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | Path,
                      metadata: Mapping[str, Any] | None = None) -> Path:
-    "Write `tensors` (CPU copies) with string `metadata` to `path` atomically; returns the path."
-    data = _st_save(cpu_state_dict(tensors), metadata={str(k): str(v) for k, v in (metadata or {}).items()})
-    return atomic_write_bytes(data, path)
+    "Write `tensors` (CPU copies, a tied tensor once) with string `metadata` to `path` atomically; returns the path."
+    return atomic_write_bytes(safetensors_bytes(tensors, metadata), path)
 
 def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None) -> bytes:
-    "The safetensors encoding of `tensors` with string `metadata`, in memory."
-    return _st_save(cpu_state_dict(tensors), metadata={str(k): str(v) for k, v in (metadata or {}).items()})
+    "The safetensors encoding of `tensors` (a tied tensor once) with string `metadata`, in memory."
+    stored, meta = _stored(tensors, metadata)
+    return _st_save(stored, metadata=meta)
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    "All tensors of a safetensors file, on the CPU."
-    return _st_load(Path(path).read_bytes())
+    "All tensors of a safetensors file, on the CPU (aliases restored)."
+    data = Path(path).read_bytes()
+    return _expanded(_st_load(data), _header(data), path)
 
 def read_metadata(path: str | Path) -> dict[str, str]:
     "The header metadata of a safetensors file (empty when it has none)."
@@ -66,7 +107,8 @@ def load_delta(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str
     "`(tensors, header)` of a delta file; `ValueError` naming the file when it is not readable safetensors."
     try:
         data = Path(path).read_bytes()
-        return _st_load(data), _header(data)
+        header = _header(data)
+        return _expanded(_st_load(data), header, path), header
     except Exception as e:
         raise ValueError(f"unable to load safetensors file {path}: {type(e).__name__}: {e}") from None
 
@@ -177,8 +219,9 @@ def decode_delta(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 def wire_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    "Bytes of tensor data in `tensors` (the file adds a small header)."
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    "Bytes of tensor data a file of `tensors` holds: each distinct tensor once (the file adds a small header)."
+    aliases = tensor_aliases(tensors)
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in aliases)
 
 # %% ../../nbs/12_distributed_tensors.ipynb #a4ccb2ef
 def delta_header(*, node_id: str, local_step: int, base_outer_step: int, inner_steps: int, encoding: str,
@@ -229,7 +272,13 @@ def check_delta(path: str, tensors: Mapping[str, torch.Tensor], header: Mapping[
         raise DeltaRejected("header", f"{path}: header says node {header.get('node_id')!r} step {header.get('local_step')!r}, "
                                       f"the path says node {node!r} step {step}")
     base, inner = _header_int(header, "base_outer_step", path, -1), _header_int(header, "inner_steps", path, None)
-    if inner is not None and inner < 1: raise DeltaRejected("header", f"{path}: inner_steps={inner} must be at least 1")
+    if inner is not None and not 1 <= inner <= step:
+        raise DeltaRejected("header", f"{path}: inner_steps={inner} must be between 1 and the delta's step {step} "
+                                      "(a delta covers only steps its node took)")
+    session = str(header.get("session", ""))
+    if session and inner is None:
+        raise DeltaRejected("header", f"{path}: header names session {session!r} without inner_steps; a node of this "
+                                      "version writes both, a 2.0 node neither")
     keys = {k for k in tensors if not k.endswith(INT8_SCALE)}
     if keys != set(shapes):
         raise DeltaRejected("keys", f"{path}: keys differ from the global model's floating tensors (missing "
@@ -244,7 +293,7 @@ def check_delta(path: str, tensors: Mapping[str, torch.Tensor], header: Mapping[
     except ValueError as e: raise DeltaRejected("dtype", f"{path}: {e}") from None
     bad = [k for k, v in delta.items() if not bool(torch.isfinite(v).all())]
     if bad: raise DeltaRejected("not_finite", f"{path}: {bad[0]} holds NaN or infinite values")
-    return CheckedDelta(path, node, step, base, inner, str(header.get("session", "")), header.get("final") == "true",
+    return CheckedDelta(path, node, step, base, inner, session, header.get("final") == "true",
                         delta, wire_bytes(tensors))
 
 # %% ../../nbs/12_distributed_tensors.ipynb #a619a1de
