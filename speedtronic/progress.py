@@ -5,22 +5,21 @@
 # %% ../nbs/08b_progress.ipynb #160032ff
 from __future__ import annotations
 
-import io
 import math
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping
 
 from fastcore.basics import patch
 
 from .config import ConfigError
-from .optional import MissingExtra, optional_import
+from .optional import MissingExtra
+from .plotting import figure_png, loss_figure, loss_points, plot_loss  # noqa: F401 (also importable from here)
 
 # %% auto #0
-__all__ = ['format_duration', 'format_rate', 'format_progress', 'loss_points', 'plot_loss', 'loss_figure', 'figure_png',
-           'in_notebook', 'is_tty', 'resolve_progress', 'ProgressBar']
+__all__ = ['format_duration', 'format_rate', 'format_progress', 'in_notebook', 'is_tty', 'resolve_progress', 'ProgressBar']
 
 # %% ../nbs/08b_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:
@@ -63,49 +62,6 @@ def format_progress(step: int, # steps done (absolute)
         parts.append(f"{format_duration(elapsed_s)}<{eta if left else '00:00'}" if target else format_duration(elapsed_s))
     return " | ".join(parts)
 
-# %% ../nbs/08b_progress.ipynb #051d6f45
-def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
-    "(step, loss) of each record that has an integer `step` and a numeric `loss`."
-    return [(r["step"], float(r["loss"])) for r in records
-            if isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float)) and not isinstance(r.get("loss"), bool)]
-
-def plot_loss(ax: Any, # matplotlib axes to draw on (cleared first)
-              train: Sequence[tuple[int, float]], # (step, training loss)
-              evals: Sequence[tuple[int, float]] = (), # (step, evaluation loss), drawn as dots
-             ) -> None:
-    "Draw the training loss as a line and the evaluation loss as dots against the step."
-    from matplotlib.ticker import MaxNLocator
-    ax.clear()
-    if train: ax.plot([s for s, _ in train], [v for _, v in train], lw=1.2, color="C0", label="train")
-    if evals: ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=3, lw=1, color="C1", label="eval")
-    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    if evals: ax.legend(loc="upper right", fontsize="small")
-
-def loss_figure(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, float]] = (),
-                *, size: tuple[float, float] = (6.0, 3.5), # inches; 100 pixels each at dpi 100
-                title: str | None = "training loss") -> Any:
-    "A matplotlib `Figure` of the loss curve with its own Agg canvas (pyplot is never used)."
-    figure = optional_import("matplotlib.figure", extra="plot", purpose="the loss plot")
-    agg = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the loss plot")
-    fig = figure.Figure(figsize=size, layout="constrained")
-    agg.FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    plot_loss(ax, train, evals)
-    if title: ax.set_title(title)
-    return fig
-
-def figure_png(figure: Any, # a matplotlib `Figure`
-               dpi: float, # image pixels per inch
-               colors: int = 64, # palette size: a plot has few colours, and a palette PNG is a quarter of the bytes
-              ) -> bytes:
-    "`figure` as a PNG with a palette of `colors`."
-    Image = optional_import("PIL.Image", extra="plot", purpose="the loss plot")
-    rgba, png = io.BytesIO(), io.BytesIO()
-    figure.savefig(rgba, format="png", dpi=dpi)
-    Image.open(rgba).convert("RGB").quantize(colors).save(png, format="png", optimize=True)
-    return png.getvalue()
-
 # %% ../nbs/08b_progress.ipynb #c081910b
 def in_notebook() -> bool:
     "Whether this process is a Jupyter kernel (JupyterLab, Notebook, Colab, VS Code)."
@@ -138,8 +94,10 @@ class ProgressBar:
                  min_interval: float = 0.1, # seconds between redraws
                  notebook: bool | None = None, # update a Jupyter output (default: in Jupyter, when no stream is given)
                  chart_interval: float = 1.0, # seconds between redraws of the notebook's loss chart
+                 make_view: Callable[[], Any] | None = None, # makes the notebook's view, e.g. `speedtronic.widgets.TrainingView`
                 ):
         self.total, self.stream, self.min_interval, self.chart_interval = total, stream, min_interval, chart_interval
+        self.make_view = make_view
         self.notebook = (stream is None and in_notebook()) if notebook is None else bool(notebook)
         self.enabled = resolve_progress(enabled, self._stream(), self.notebook)
         self.start_step, self.target, self.step = 0, total, 0
@@ -162,10 +120,9 @@ def line(self: ProgressBar) -> str:
 
 @patch
 def _notebook_view(self: ProgressBar) -> Any:
-    "A new `TrainingView`, or `None` when ipywidgets or matplotlib is missing."
-    try:
-        from speedtronic.widgets import TrainingView
-        return TrainingView()
+    "A new view from `make_view`, or `None` without one or when ipywidgets or matplotlib is missing."
+    if self.make_view is None: return None
+    try: return self.make_view()
     except MissingExtra: return None
 
 @patch

@@ -33,7 +33,7 @@ from .parallel import World, accumulation_per_rank, job_wide, raised_together
 from .precision import autocast_context, make_grad_scaler, resolve_precision
 from .optional import MissingExtra
 from .profiling import MetricLogger
-from .progress import figure_png, loss_figure, loss_points
+from .plotting import figure_png, loss_figure, loss_points
 from .schedules import load_scheduler_state
 
 # %% auto #0
