@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from fastcore.basics import patch
@@ -19,7 +21,9 @@ from .optional import MissingExtra
 from .plotting import figure_png, loss_figure, loss_points, plot_loss  # noqa: F401 (also importable from here)
 
 # %% auto #0
-__all__ = ['format_duration', 'format_rate', 'format_progress', 'in_notebook', 'is_tty', 'resolve_progress', 'ProgressBar']
+__all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'format_duration', 'format_rate', 'format_progress', 'clip_line', 'format_step_line',
+           'format_setup_line', 'TerminalLines', 'format_closing', 'in_notebook', 'is_tty', 'resolve_progress',
+           'ProgressBar']
 
 # %% ../nbs/08b_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:
@@ -61,6 +65,82 @@ def format_progress(step: int, # steps done (absolute)
         eta = "?" if not left or done <= 0 else format_duration(elapsed_s / done * left)
         parts.append(f"{format_duration(elapsed_s)}<{eta if left else '00:00'}" if target else format_duration(elapsed_s))
     return " | ".join(parts)
+
+# %% ../nbs/08b_progress.ipynb #6a11a67c
+TERMINAL_WIDTH = 100  # columns a terminal line may take
+QUIET_EVENTS = frozenset({"optimizer", "train_end", "compile", "shape_profile", "ooo_backprop"})  # files only
+
+def clip_line(text: str, width: int = TERMINAL_WIDTH) -> str:
+    "`text` cut to `width` columns, ending in `…` when cut."
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+def format_step_line(payload: Mapping[str, Any], # a `train_step` record
+                     target: int | None = None, # the run's target step (for the ETA and the alignment)
+                    ) -> str:
+    "`step  10/200  loss   4.1315  lr 2.43e-04   1.72k tok/s  ETA 00:07`: aligned from one line to the next."
+    step, digits = payload.get("step"), len(str(target or payload.get("step") or 0))
+    parts = [f"step {step:>{digits}}/{target}" if target else f"step {step:>{digits}}"]
+    loss, lr, rate, speed = (payload.get(k) for k in ("loss", "lr", "tokens_per_sec", "steps_per_sec"))
+    parts.append(f"loss {loss:8.4f}" if isinstance(loss, (int, float)) else f"loss {'-':>8}")
+    if isinstance(lr, (int, float)): parts.append(f"lr {lr:.2e}")
+    if isinstance(rate, (int, float)): parts.append(f"{format_rate(rate):>6} tok/s")
+    if target and isinstance(step, int) and isinstance(speed, (int, float)) and speed > 0:
+        parts.append(f"ETA {format_duration(max(target - step, 0) / speed)}")
+    return clip_line("  ".join(parts))
+
+# %% ../nbs/08b_progress.ipynb #ae22c397
+def format_setup_line(start: Mapping[str, Any], # the `train_start` payload
+                      optimizer: Mapping[str, Any] | None = None, # the `optimizer` event's payload, when there was one
+                     ) -> str:
+    "`model 4.11k params | cpu fp32 | adamw lr 3.00e-04 | batch 2 x 16 tokens | steps 0 -> 25`."
+    optimizer = optimizer or {}
+    parts = []
+    if isinstance(start.get("parameters"), int): parts.append(f"model {format_rate(start['parameters'])} params")
+    parts.append(" ".join(str(start[k]) for k in ("device", "precision") if start.get(k)))
+    name, lr = optimizer.get("name") or start.get("optimizer"), optimizer.get("lr", start.get("lr"))
+    if name: parts.append(f"{name} lr {lr:.2e}" if isinstance(lr, (int, float)) else str(name))
+    batch, length, accumulation = (start.get(k) for k in ("batch_size", "sequence_length", "accumulation_steps"))
+    if batch: parts.append(f"batch {batch}" + (f" x {length} tokens" if length else "")
+                           + (f" ({accumulation} micro-batches)" if isinstance(accumulation, int) and accumulation > 1 else ""))
+    if start.get("world_size", 1) not in (None, 1): parts.append(f"{start['world_size']} processes")
+    parts.append(f"steps {start.get('start_step', 0)} -> {start.get('target_step')}")
+    return clip_line(" | ".join(p for p in parts if p))
+
+class TerminalLines:
+    "Turns events into the short lines a terminal shows (`None`: the event stays in the files)."
+    def __init__(self): self.optimizer, self.target = {}, None
+    def line(self, event: str, payload: Mapping[str, Any]) -> str | None:
+        "The terminal line for one event, or `None`."
+        if event == "optimizer": self.optimizer = dict(payload)
+        if event in QUIET_EVENTS: return None
+        if event == "train_start":
+            self.target = payload.get("target_step")
+            return format_setup_line(payload, self.optimizer)
+        if event == "train_step": return format_step_line(payload, self.target)
+        if event == "checkpoint": return clip_line(f"checkpoint  step {payload.get('step')}: {Path(str(payload.get('path'))).name}")
+        shown = {k: v for k, v in payload.items() if k not in ("elapsed_s", "memory_bytes")}
+        return clip_line(" ".join([event, *(f"{k}={f'{v:.4g}' if isinstance(v, float) else v}" for k, v in shown.items())]))
+
+# %% ../nbs/08b_progress.ipynb #08573fb8
+def _shown_path(path: str | os.PathLike) -> str:
+    "`path` relative to the working directory when it is inside it."
+    path = Path(path)
+    try: return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError): return str(path)
+
+def format_closing(steps: int, # the step the run ended at
+                   loss: float | None, # the final training loss, `None` when this call made no update
+                   elapsed_s: float | None = None, # seconds the call took
+                   *, eval_loss: float | None = None, # the held-out loss, when the run has one
+                   files: Mapping[str, str | os.PathLike | None] = {}, # what was written: label -> path (missing ones are left out)
+                  ) -> str:
+    "The lines a run ends with: `done: step 25 in 00:03 | loss 4.1745`, then one `  label  path` line per file written."
+    head = [f"done: step {steps}" + (f" in {format_duration(elapsed_s)}" if elapsed_s is not None else ""),
+            "no update made" if loss is None else f"loss {loss:.4f}"]
+    if eval_loss is not None: head.append(f"held-out loss {eval_loss:.4f}")
+    written = [(label, path) for label, path in files.items() if path is not None and Path(path).exists()]
+    width = max((len(label) for label, _ in written), default=0)
+    return "\n".join([" | ".join(head), *(f"  {label:<{width}}  {_shown_path(path)}" for label, path in written)])
 
 # %% ../nbs/08b_progress.ipynb #c081910b
 def in_notebook() -> bool:
