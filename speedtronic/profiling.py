@@ -13,6 +13,7 @@ import math
 import os
 import queue
 import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_ch
 from fastcore.basics import patch
 
 from .config import REDACTED, ConfigError, is_secret_key
-from .progress import TerminalLines, is_tty
+from .progress import TERMINAL_WIDTH, TerminalLines, is_tty
 
 # %% auto #0
 __all__ = ['Metric', 'Hook', 'LEVELS', 'CONSOLE_STYLES', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
@@ -334,7 +335,9 @@ def write(self: TextSinks, level: int, message: str) -> None:
     console, file = self._sinks(level)
     if console is None and file is None: return  # nobody reads it: not even formatted
     line = text_line(level, message)
-    if console is not None and self.short(console): shown = message if level < 30 else f"{level_name(level).lower()}: {message}"
+    if console is not None and self.short(console):  # wrapped to the terminal's width: a message is never cut
+        shown = message if level < 30 else f"{level_name(level).lower()}: {message}"
+        shown = "\n".join(textwrap.fill(part, TERMINAL_WIDTH, subsequent_indent="  ") for part in shown.splitlines() or [""])
     else: shown = line
     self._put(console, shown, file, line)
 

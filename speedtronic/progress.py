@@ -68,7 +68,8 @@ def format_progress(step: int, # steps done (absolute)
 
 # %% ../nbs/08b_progress.ipynb #6a11a67c
 TERMINAL_WIDTH = 100  # columns a terminal line may take
-QUIET_EVENTS = frozenset({"optimizer", "train_end", "compile", "shape_profile", "ooo_backprop"})  # files only
+QUIET_EVENTS = frozenset({"optimizer", "train_end", "compile", "shape_profile", "ooo_backprop",  # files only:
+                          "shape_warning", "settings_changed"})  # these two are also said in a warning line
 
 def clip_line(text: str, width: int = TERMINAL_WIDTH) -> str:
     "`text` cut to `width` columns, ending in `…` when cut."

@@ -522,8 +522,11 @@ def _begin_fit(self: Trainer, limit: int) -> _FitState:
     if limit < self.step:
         self.logger.warning(f"max_steps={limit} is an absolute target step and the trainer is already at step "
                             f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})")
-    self.model.to(self.device)
-    self.model.train()
+    params = tuple(self.model.parameters())
+    if any(t.device != self.device for t in (*params, *self.model.buffers())):
+        self.model.to(self.device)
+        params = tuple(self.model.parameters())  # the same objects, unless torch is set to replace them on a move
+    if not all(m.training for m in self.model.modules()): self.model.train()  # both asked first: a fit call starts cheaply
     if self.config is not None and self.shape_report is None:
         from speedtronic.shapes import validate_startup_shapes
         self.shape_report = validate_startup_shapes(self.config, self.model, self.device, self.precision, logger=self.logger)
@@ -537,7 +540,7 @@ def _begin_fit(self: Trainer, limit: int) -> _FitState:
     self.optimizer.zero_grad(set_to_none=True)
     return _FitState(model=self.compiled_model if self.compiled_model is not None else self.synced_model, target=target,
                      start=(self.step, self.samples, self.tokens), records=deque(maxlen=self.settings.metrics_history),
-                     params=tuple(self.model.parameters()),
+                     params=params,
                      ooo=ooo, keep_boundary=keep)
 
 # %% ../nbs/11_trainer.ipynb #6726dd3c
@@ -734,7 +737,7 @@ def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
             "accumulation_steps": self.settings.accumulation_steps,
             "optimizer": type(self.optimizer).__name__, "lr": float(self.optimizer.param_groups[0]["lr"]),
             "batch_size": self.settings.batch_size, "sequence_length": self.settings.sequence_length,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameters": sum(p.numel() for p in run.params),
             "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
             "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
             "ooo_backprop": bool(getattr(run.ooo, "enabled", False)), "world_size": self.world.size}
