@@ -293,3 +293,15 @@ def test_the_logging_cadence_changes_nothing_but_what_is_written():
     assert counted(r1) == counted(r5) and len(r1.metrics) == 10
     assert [p["step"] for e, p in log5.seen if e == "train_step"] == [5, 10]
     assert (r1.steps, r1.samples, r1.tokens) == (r5.steps, r5.samples, r5.tokens) == (10, 20, 80)
+
+
+def test_a_model_left_in_eval_mode_between_fits_trains_in_train_mode():
+    t = make(config(), token_batches(6, 2), max_steps=3)
+    t.fit(1)
+    t.model.eval()                                   # e.g. an evaluation between two fit calls
+    seen = []
+    t.model.register_forward_pre_hook(lambda module, args: seen.append(all(m.training for m in module.modules())))
+    t.fit(2)
+    next(iter(t.model.children())).eval()            # one submodule only
+    t.fit(3)
+    assert seen == [True, True] and t.step == 3
