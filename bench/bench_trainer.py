@@ -3,7 +3,8 @@
     python bench/bench_trainer.py                 # CPU fp32: alternating rounds + peak RSS of each loop
     python bench/bench_trainer.py --rounds 5 --steps 30
 
-Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.99, the median of the rounds),
+CPU loops are timed by the process's CPU time, so other processes on a shared machine do not count; CUDA loops by
+wall time. Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.99, the median of the rounds),
 the microseconds the trainer adds per step on a model that costs almost nothing (target <= 25) with a breakdown of
 where they go (each piece timed on its own; the rest is Python calls and the loop's structure), and the peak resident
 memory of each loop measured in its own subprocess (target: trainer adds < 10%). Where CUDA is available it
@@ -96,6 +97,12 @@ class TrainerLoop:
         return self.trainer.fit(self.trainer.step + n).final_loss
 
 
+def clock(device: torch.device):
+    """The clock a loop is timed with: on CPU the process's CPU time (other processes on a shared machine do not
+    count), on CUDA wall time (the GPU works while the process waits)."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda": torch.cuda.synchronize(device)
 
@@ -107,13 +114,13 @@ def compare(device: torch.device, precision: str, compile_: bool, rounds: int, s
              "trainer": TrainerLoop(device, batches, precision, compile_)}
     for loop in loops.values(): loop.steps(warmup)
     tokens = steps * ACCUM * MICRO * BLOCK
-    rates = {name: [] for name in loops}
+    rates, now = {name: [] for name in loops}, clock(device)
     for r in range(rounds):
         order = list(loops) if r % 2 == 0 else list(reversed(loops))  # alternate who goes first
         for name in order:
-            sync(device); t0 = time.perf_counter()
+            sync(device); t0 = now()
             loops[name].steps(steps)
-            sync(device); rates[name].append(tokens / (time.perf_counter() - t0))
+            sync(device); rates[name].append(tokens / (now() - t0))
     ratios = [t / p for t, p in zip(rates["trainer"], rates["plain"])]  # each round's pair ran under the same load
     return {"device": str(device), "precision": precision, "compile": compile_, "rounds": rounds, "steps": steps,
             "plain_tok_s": statistics.median(rates["plain"]), "trainer_tok_s": statistics.median(rates["trainer"]),
@@ -144,9 +151,9 @@ def loop_overhead_us(steps: int = 500, rounds: int = 9) -> float:
     for r in range(rounds):
         timed = {}
         for name in (("trainer", "plain") if r % 2 == 0 else ("plain", "trainer")):  # alternate who goes first
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             trainer.fit(trainer.step + steps) if name == "trainer" else plain(steps)
-            timed[name] = time.perf_counter() - t0
+            timed[name] = time.process_time() - t0
         diffs.append((timed["trainer"] - timed["plain"]) / steps * 1e6)
     return statistics.median(diffs)
 
@@ -155,9 +162,9 @@ def per_call_us(fn, n: int = 5000, rounds: int = 3) -> float:
     "Median microseconds of one call of `fn`."
     times = []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(n): fn()
-        times.append((time.perf_counter() - t0) / n * 1e6)
+        times.append((time.process_time() - t0) / n * 1e6)
     return statistics.median(times)
 
 

@@ -240,7 +240,8 @@ def gradient_norm(parameters: Any) -> torch.Tensor:
 
 def update_is_finite(loss: torch.Tensor, norm: torch.Tensor) -> bool:
     "Whether both `loss` and the gradient `norm` are finite, from one scalar read (`norm + 0·loss`)."
-    return math.isfinite((norm.detach() + (loss.detach() * 0.0).to(norm.device)).item())
+    zeroed = loss * 0.0  # 0 for a finite loss, NaN for an infinite or NaN one
+    return math.isfinite((norm + (zeroed if zeroed.device == norm.device else zeroed.to(norm.device))).item())
 
 def nonfinite_update(loss: torch.Tensor, norm: torch.Tensor) -> tuple[str | None, float, float]:
     "(why the update must not be applied — `nonfinite_loss`, `nonfinite_gradient` — or `None`, loss, norm) in one read."
