@@ -1,7 +1,7 @@
 """Trainer overhead against a plain PyTorch loop: same model, same batches, same AdamW, accumulation and clipping.
 
     python bench/bench_trainer.py                 # CPU fp32: alternating rounds + peak RSS of each loop
-    python bench/bench_trainer.py --rounds 5 --steps 30
+    python bench/bench_trainer.py --rounds 15 --steps 20
 
 CPU loops are timed by the process's CPU time, so other processes on a shared machine do not count; CUDA loops by
 wall time. Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.99, the median of the rounds),
@@ -216,8 +216,8 @@ def peak_rss(steps: int) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rss-child", choices=("plain", "trainer"))
     args = ap.parse_args(argv)
