@@ -1,9 +1,12 @@
 """Trainer overhead against a plain PyTorch loop: same model, same batches, same AdamW, accumulation and clipping.
 
     python bench/bench_trainer.py                 # CPU fp32: alternating rounds + peak RSS of each loop
-    python bench/bench_trainer.py --rounds 5 --steps 30
+    python bench/bench_trainer.py --rounds 15 --steps 20
 
-Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.97) and the peak resident
+CPU loops are timed by the process's CPU time, so other processes on a shared machine do not count; CUDA loops by
+wall time. Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.99, the median of the rounds),
+the microseconds the trainer adds per step on a model that costs almost nothing (target <= 25) with a breakdown of
+where they go (each piece timed on its own; the rest is Python calls and the loop's structure), and the peak resident
 memory of each loop measured in its own subprocess (target: trainer adds < 10%). Where CUDA is available it
 also compares bf16 autocast with and without torch.compile.
 """
@@ -28,7 +31,9 @@ from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.precision import resolve_precision  # noqa: E402
 from speedtronic.profiling import MetricLogger  # noqa: E402
 from speedtronic.registry import build_model  # noqa: E402
-from speedtronic.trainer import Trainer  # noqa: E402
+from speedtronic.precision import autocast_context  # noqa: E402
+from speedtronic.trainer import (Trainer, _PendingStep, batch_size_and_tokens, move_batch, read_pending,  # noqa: E402
+                                 resolve_loss, update_is_finite)
 
 MODEL = {"vocab_size": 256, "max_seq_len": 64, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 128, "d_ff": 256}
 MICRO, ACCUM, BLOCK, CLIP, LR = 8, 2, 64, 1.0, 1e-3
@@ -92,27 +97,34 @@ class TrainerLoop:
         return self.trainer.fit(self.trainer.step + n).final_loss
 
 
+def clock(device: torch.device):
+    """The clock a loop is timed with: on CPU the process's CPU time (other processes on a shared machine do not
+    count), on CUDA wall time (the GPU works while the process waits)."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda": torch.cuda.synchronize(device)
 
 
 def compare(device: torch.device, precision: str, compile_: bool, rounds: int, steps: int, warmup: int) -> dict:
+    "Rounds of `steps` steps of each loop, back to back (who goes first alternates); the median of the per-round ratios."
     batches = make_batches(64, device)
     loops = {"plain": PlainLoop(device, batches, precision, compile_),
              "trainer": TrainerLoop(device, batches, precision, compile_)}
     for loop in loops.values(): loop.steps(warmup)
     tokens = steps * ACCUM * MICRO * BLOCK
-    rates = {name: [] for name in loops}
+    rates, now = {name: [] for name in loops}, clock(device)
     for r in range(rounds):
         order = list(loops) if r % 2 == 0 else list(reversed(loops))  # alternate who goes first
         for name in order:
-            sync(device); t0 = time.perf_counter()
+            sync(device); t0 = now()
             loops[name].steps(steps)
-            sync(device); rates[name].append(tokens / (time.perf_counter() - t0))
-    med = {name: statistics.median(v) for name, v in rates.items()}
+            sync(device); rates[name].append(tokens / (now() - t0))
+    ratios = [t / p for t, p in zip(rates["trainer"], rates["plain"])]  # each round's pair ran under the same load
     return {"device": str(device), "precision": precision, "compile": compile_, "rounds": rounds, "steps": steps,
-            "plain_tok_s": med["plain"], "trainer_tok_s": med["trainer"], "ratio": med["trainer"] / med["plain"],
-            "per_round_ratio": [t / p for t, p in zip(rates["trainer"], rates["plain"])]}
+            "plain_tok_s": statistics.median(rates["plain"]), "trainer_tok_s": statistics.median(rates["trainer"]),
+            "ratio": statistics.median(ratios), "per_round_ratio": ratios}
 
 
 class _Tiny(torch.nn.Module):
@@ -122,7 +134,7 @@ class _Tiny(torch.nn.Module):
     def forward(self, input_ids, labels): return {"loss": (self.lin(input_ids).squeeze(-1) - labels).pow(2).mean()}
 
 
-def loop_overhead_us(steps: int = 2000, rounds: int = 3) -> float:
+def loop_overhead_us(steps: int = 500, rounds: int = 9) -> float:
     "Extra microseconds per step of the Trainer over the plain loop, on a model that costs almost nothing."
     batches = [{"input_ids": torch.randn(4, 8), "labels": torch.randn(4)} for _ in range(16)]
     m1, m2 = _Tiny(), _Tiny()
@@ -136,11 +148,54 @@ def loop_overhead_us(steps: int = 2000, rounds: int = 3) -> float:
             loss.item()
     trainer.fit(10); plain(10)
     diffs = []
-    for _ in range(rounds):
-        t0 = time.perf_counter(); trainer.fit(trainer.step + steps); tt = time.perf_counter() - t0
-        t0 = time.perf_counter(); plain(steps); tp = time.perf_counter() - t0
-        diffs.append((tt - tp) / steps * 1e6)
+    for r in range(rounds):
+        timed = {}
+        for name in (("trainer", "plain") if r % 2 == 0 else ("plain", "trainer")):  # alternate who goes first
+            t0 = time.process_time()
+            trainer.fit(trainer.step + steps) if name == "trainer" else plain(steps)
+            timed[name] = time.process_time() - t0
+        diffs.append((timed["trainer"] - timed["plain"]) / steps * 1e6)
     return statistics.median(diffs)
+
+
+def per_call_us(fn, n: int = 5000, rounds: int = 3) -> float:
+    "Median microseconds of one call of `fn`."
+    times = []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        for _ in range(n): fn()
+        times.append((time.process_time() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
+def overhead_parts() -> dict[str, float]:
+    "Microseconds per step of each piece the Trainer adds to the plain loop (tiny model, CPU, one microbatch)."
+    batch = {"input_ids": torch.randn(4, 8), "labels": torch.randn(4)}
+    model = _Tiny()
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters()), [batch], device="cpu",
+                      logger=MetricLogger(stream=False), max_steps=1)
+    out = model(**batch); loss = out["loss"]
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    held = loss.detach().float()
+    dev, plan, world = trainer.device, trainer.precision, trainer.world
+    def contexts():
+        with world.gradient_sync(trainer.synced_model, sync=True), autocast_context(plan, dev): pass
+    record = {"step": 1, "loss": 1.0, "lr": 1e-3, "steps_per_sec": 1.0, "samples_per_sec": 4.0, "tokens_per_sec": 32.0,
+              "samples": 4, "tokens": 32, "micro_batches": 1}
+    pending = [_PendingStep(1, held, 32, 4, 1, 1e-3, 0.0)]
+    item = per_call_us(held.item)
+    return {
+        "move + count the batch": per_call_us(lambda: (move_batch(batch, dev), batch_size_and_tokens(batch))),
+        "autocast + gradient-sync contexts": per_call_us(contexts),
+        "resolve the loss, keep it detached": per_call_us(lambda: (resolve_loss(out, batch), loss.detach().float(), loss.requires_grad)),
+        "finite check (one scalar read)": per_call_us(lambda: update_is_finite(held, norm)),
+        "read the loss (beyond the plain .item())": max(0.0, per_call_us(lambda: read_pending(pending)) - item),
+        "the train_step record and emit": per_call_us(lambda: trainer.logger.emit("train_step", dict(record))),
+        "pending step, counters, lr, stop flag": per_call_us(lambda: (_PendingStep(1, held, 32, 4, 1, 1e-3, time.perf_counter()),
+                                                                     float(trainer.optimizer.param_groups[0]["lr"]),
+                                                                     world.agree_stop(None))),
+    }
 
 
 def rss_child(mode: str, steps: int) -> None:
@@ -161,7 +216,7 @@ def peak_rss(steps: int) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rss-child", choices=("plain", "trainer"))
@@ -174,9 +229,12 @@ def main(argv=None) -> None:
     for device, precision, compile_ in cases:
         r = compare(device, precision, compile_, args.rounds, args.steps, args.warmup)
         print(f"{r['device']:5} {r['precision']} compile={str(r['compile']):5}  plain {r['plain_tok_s']:9.0f} tok/s  "
-              f"trainer {r['trainer_tok_s']:9.0f} tok/s  ratio {r['ratio']:.3f}  "
-              f"(rounds: {', '.join(f'{x:.3f}' for x in r['per_round_ratio'])})")
-    print(f"loop overhead (tiny model, CPU): trainer adds {loop_overhead_us():.0f} us per step over the plain loop")
+              f"trainer {r['trainer_tok_s']:9.0f} tok/s  ratio {r['ratio']:.3f} (median of {r['rounds']} rounds: "
+              f"{', '.join(f'{x:.3f}' for x in r['per_round_ratio'])})")
+    added, parts = loop_overhead_us(), overhead_parts()
+    print(f"loop overhead (tiny model, CPU): trainer adds {added:.0f} us per step over the plain loop; where it goes:")
+    for name, us in parts.items(): print(f"  {name:<42} {us:5.1f} us")
+    print(f"  {'the rest (calls, the step and fit structure)':<42} {added - sum(parts.values()):5.1f} us")
     m = peak_rss(args.steps)
     print(f"peak RSS (CPU, own process): plain {m['plain_mb']:.1f} MB  trainer {m['trainer_mb']:.1f} MB  "
           f"(+{100 * m['increase']:.1f}%)")

@@ -182,7 +182,8 @@ def _train(args: argparse.Namespace) -> int:
     if problems: raise ConfigError(problems)
     from speedtronic.runtime import train_from_config
     result = train_from_config(config, resume=args.resume, device=args.device, overwrite=args.overwrite)
-    if _prints(): print(completed_line(result))
+    from speedtronic.progress import is_tty  # a person at a terminal gets the closing lines, a script the completed line
+    if _prints(): print(result.closing(run_paths(config)) if is_tty(sys.stdout) else completed_line(result))
     return 0
 
 # %% ../nbs/15_cli.ipynb #2f92463f

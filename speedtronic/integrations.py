@@ -143,6 +143,7 @@ def _tensorboard_hook(directory: str | os.PathLike) -> TensorboardHook:
 def hooks_from_config(logging_config: LoggingConfig | Any, # the `logging` section (or a config, mapping or namespace holding it)
                       *, progress: bool = False, # also add the bar `logging.progress` asks for
                       progress_stream: Any = None, # stream for the progress bar (default sys.stderr)
+                      make_view: Any = None, # makes the bar's notebook view (the runtime passes `speedtronic.widgets.TrainingView`)
                      ) -> list:
     "The hooks that the `logging` section asks for: TensorBoard, W&B (and, on request, the progress bar)."
     from speedtronic.progress import ProgressBar
@@ -153,7 +154,7 @@ def hooks_from_config(logging_config: LoggingConfig | Any, # the `logging` secti
         if lg.wandb is True: hooks.append(WandbHook())
         elif isinstance(lg.wandb, dict): hooks.append(WandbHook(**lg.wandb))
         if progress:
-            bar = ProgressBar(enabled=lg.progress, stream=progress_stream)
+            bar = ProgressBar(enabled=lg.progress, stream=progress_stream, make_view=make_view)
             if bar.enabled: hooks.append(bar)
     except BaseException:
         for hook in hooks: close_hook(hook)

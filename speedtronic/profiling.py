@@ -13,6 +13,7 @@ import math
 import os
 import queue
 import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -24,9 +25,10 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_ch
 from fastcore.basics import patch
 
 from .config import REDACTED, ConfigError, is_secret_key
+from .progress import TERMINAL_WIDTH, TerminalLines, is_tty
 
 # %% auto #0
-__all__ = ['Metric', 'Hook', 'LEVELS', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
+__all__ = ['Metric', 'Hook', 'LEVELS', 'CONSOLE_STYLES', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
            'memory_usage_bytes', 'resolve_level', 'level_name', 'format_value', 'format_event', 'format_asctime',
            'text_line', 'json_line', 'scrub', 'LogWriteError', 'LineFile', 'HookDispatcher', 'TextSinks',
            'MetricLogger']
@@ -78,6 +80,7 @@ class CallbackList:
 # %% ../nbs/08_metrics.ipynb #0e8166b6
 def memory_usage_bytes(device: Any = None) -> int | None:
     "Bytes allocated by PyTorch on `device` (CUDA/MPS; `None` = the current accelerator); `None` on CPU."
+    if getattr(device, "type", None) == "cpu": return None  # a `torch.device("cpu")`: asked at every event
     try:
         import torch
         if device is None:
@@ -144,10 +147,14 @@ def _is_secret(key: str) -> bool:
     "`speedtronic.config.is_secret_key` (the one rule), cached per key: payload keys repeat every step."
     return bool(is_secret_key(key))
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})  # payload values that are copied as they are
+
 def scrub(value: Any) -> Any:
     "Copy of `value` with nested dicts/lists copied and every credential-like key's value redacted."
-    if isinstance(value, Mapping):
-        return {k: (REDACTED if isinstance(k, str) and v is not None and _is_secret(k) else scrub(v))
+    if type(value) in _SCALARS: return value
+    if type(value) is dict or isinstance(value, Mapping):
+        return {k: (REDACTED if isinstance(k, str) and v is not None and _is_secret(k)
+                    else v if type(v) in _SCALARS else scrub(v))
                 for k, v in value.items()}
     if isinstance(value, list): return [scrub(v) for v in value]
     if isinstance(value, tuple): return tuple(scrub(v) for v in value)
@@ -280,34 +287,74 @@ def close(self: HookDispatcher, timeout: float | None = None) -> bool:
     return done
 
 # %% ../nbs/08_metrics.ipynb #82cd1b6b
+CONSOLE_STYLES = ("auto", "full", "short")
+
 class TextSinks:
     "The console stream and the text file, written line by line under one lock."
     def __init__(self, level: int = 20, stream: Any = None, file: str | os.PathLike | None = None,
-                 console_level: int | None = None): # console lines below this are not printed (None: `level`)
-        self.level, self.stream = level, stream
+                 console_level: int | None = None, # console lines below this are not printed (None: `level`)
+                 style: str = "auto"): # console lines: "full" (the file's), "short" (a terminal's), "auto" (short on a terminal)
+        if style not in CONSOLE_STYLES:
+            raise ConfigError(f"console style must be one of {', '.join(CONSOLE_STYLES)}, got {style!r}")
+        self.level, self.stream, self.style = level, stream, style
         self.console_level = level if console_level is None else max(level, console_level)
         self.file = LineFile(file, "logging.file") if file else None
         self._lock = threading.Lock()
         self.guard: Callable[[], Any] | None = None  # a context manager around console writes (a progress bar's `cleared`)
+        self.terminal, self._tty = TerminalLines(), (None, False)
     def console(self) -> Any:
         "The console: None = `sys.stdout` now (so redirection works), False = off, else the object."
         if self.stream is False: return None
         return sys.stdout if self.stream is None else self.stream
-    def write(self, level: int, message: str) -> None:
-        "Write `message` as one line at `level` to the console and the file, unless below the level."
-        if level < self.level: return
-        line, console = text_line(level, message), self.console() if level >= self.console_level else None
-        with self._lock:
-            if console is not None:
-                try:
-                    with (self.guard() if self.guard is not None else nullcontext()):
-                        console.write(line + "\n"); console.flush()
-                except (ValueError, OSError): pass  # a closed console must not stop training
-            if self.file is not None and self.file.fd is not None: self.file.write_line(line)
-    def close(self) -> None:
-        "Close the file (the console belongs to the caller)."
-        with self._lock:
-            if self.file is not None: self.file.close()
+    def short(self, console: Any) -> bool:
+        "Whether `console` gets the short terminal lines."
+        if self.style != "auto": return self.style == "short"
+        if self._tty[0] is not console: self._tty = (console, is_tty(console))
+        return self._tty[1]
+    def _sinks(self, level: int) -> tuple[Any, LineFile | None]:
+        "(console, file) that take a line at `level`; `None` for each that does not."
+        if level < self.level: return None, None
+        console = self.console() if level >= self.console_level else None
+        return console, (self.file if self.file is not None and self.file.fd is not None else None)
+
+# %% ../nbs/08_metrics.ipynb #b93e7ca7
+@patch
+def _put(self: TextSinks, console: Any, shown: str | None, file: LineFile | None, line: str) -> None:
+    "`shown` to the console (when not `None`) and `line` to the file, under the lock."
+    with self._lock:
+        if console is not None and shown is not None:
+            try:
+                with (self.guard() if self.guard is not None else nullcontext()):
+                    console.write(shown + "\n"); console.flush()
+            except (ValueError, OSError): pass  # a closed console must not stop training
+        if file is not None: file.write_line(line)
+
+@patch
+def write(self: TextSinks, level: int, message: str) -> None:
+    "Write `message` as one line at `level` to the console and the file, unless below the level."
+    console, file = self._sinks(level)
+    if console is None and file is None: return  # nobody reads it: not even formatted
+    line = text_line(level, message)
+    if console is not None and self.short(console):  # wrapped to the terminal's width: a message is never cut
+        shown = message if level < 30 else f"{level_name(level).lower()}: {message}"
+        shown = "\n".join(textwrap.fill(part, TERMINAL_WIDTH, subsequent_indent="  ") for part in shown.splitlines() or [""])
+    else: shown = line
+    self._put(console, shown, file, line)
+
+@patch
+def write_event(self: TextSinks, event: str, record: Mapping[str, Any], level: int = 20) -> None:
+    "Write one event: its full line to the file, and to the console the full line or, on a terminal, the short one."
+    console, file = self._sinks(level)
+    if console is None and file is None: return
+    line = text_line(level, format_event(event, record)) if file is not None or not self.short(console) else None
+    shown = None if console is None else (self.terminal.line(event, record) if self.short(console) else line)
+    self._put(console, shown, file, line)
+
+@patch
+def close(self: TextSinks) -> None:
+    "Close the file (the console belongs to the caller)."
+    with self._lock:
+        if self.file is not None: self.file.close()
 
 # %% ../nbs/08_metrics.ipynb #30f0f4dd
 _logger_ids = itertools.count(1)
@@ -339,6 +386,7 @@ class MetricLogger:
     queue_timeout_s: float = 0.5  # how long `emit` waits for room before dropping an event for hooks
     console_level: str | int | None = None  # console lines below this level are not printed (the file still gets them)
     run_id: str | None = None  # written into every JSONL record when set
+    console_style: str = "auto"  # console lines: "auto" (short on a terminal), "full" (every field, as the file), "short"
 
     def __post_init__(self):
         self.levelno = resolve_level(self.level)
@@ -348,7 +396,7 @@ class MetricLogger:
         self.name, self.closed = f"speedtronic.metrics.{next(_logger_ids)}", False
         self._t0 = time.perf_counter()
         console = None if self.console_level is None else resolve_level(self.console_level)
-        self._text = TextSinks(self.levelno, self.stream, self.file, console_level=console)
+        self._text = TextSinks(self.levelno, self.stream, self.file, console_level=console, style=self.console_style)
         try: self._json = LineFile(self.json_file, "logging.json_file") if self.json_file else None
         except Exception: self._text.close(); raise
         self._hooks = HookDispatcher(maxsize=self.queue_size, put_timeout=self.queue_timeout_s,
@@ -379,7 +427,7 @@ def emit(self: MetricLogger, event: str, payload: Mapping[str, Any] | None = Non
     if "memory_bytes" not in record and "torch" in sys.modules:
         memory = memory_usage_bytes(self.device)
         if memory is not None: record["memory_bytes"] = memory
-    self._text.write(20, format_event(event, record))
+    self._text.write_event(event, record)
     if self._json is not None:
         self._json.write_line(json_line(event, {"run_id": self.run_id, **record} if self.run_id else record))
     if self.hooks: self._hooks.submit(tuple(self.hooks), event, record)

@@ -5,22 +5,25 @@
 # %% ../nbs/08b_progress.ipynb #160032ff
 from __future__ import annotations
 
-import io
 import math
+import os
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
 
 from fastcore.basics import patch
 
 from .config import ConfigError
-from .optional import MissingExtra, optional_import
+from .optional import MissingExtra
+from .plotting import figure_png, loss_figure, loss_points, plot_loss  # noqa: F401 (also importable from here)
 
 # %% auto #0
-__all__ = ['format_duration', 'format_rate', 'format_progress', 'loss_points', 'plot_loss', 'loss_figure', 'figure_png',
-           'in_notebook', 'is_tty', 'resolve_progress', 'ProgressBar']
+__all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'format_duration', 'format_rate', 'format_progress', 'clip_line', 'format_step_line',
+           'format_setup_line', 'TerminalLines', 'format_closing', 'in_notebook', 'is_tty', 'resolve_progress',
+           'ProgressBar']
 
 # %% ../nbs/08b_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:
@@ -63,48 +66,82 @@ def format_progress(step: int, # steps done (absolute)
         parts.append(f"{format_duration(elapsed_s)}<{eta if left else '00:00'}" if target else format_duration(elapsed_s))
     return " | ".join(parts)
 
-# %% ../nbs/08b_progress.ipynb #051d6f45
-def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
-    "(step, loss) of each record that has an integer `step` and a numeric `loss`."
-    return [(r["step"], float(r["loss"])) for r in records
-            if isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float)) and not isinstance(r.get("loss"), bool)]
+# %% ../nbs/08b_progress.ipynb #6a11a67c
+TERMINAL_WIDTH = 100  # columns a terminal line may take
+QUIET_EVENTS = frozenset({"optimizer", "train_end", "compile", "shape_profile", "ooo_backprop",  # files only:
+                          "shape_warning", "settings_changed"})  # these two are also said in a warning line
 
-def plot_loss(ax: Any, # matplotlib axes to draw on (cleared first)
-              train: Sequence[tuple[int, float]], # (step, training loss)
-              evals: Sequence[tuple[int, float]] = (), # (step, evaluation loss), drawn as dots
-             ) -> None:
-    "Draw the training loss as a line and the evaluation loss as dots against the step."
-    from matplotlib.ticker import MaxNLocator
-    ax.clear()
-    if train: ax.plot([s for s, _ in train], [v for _, v in train], lw=1.2, color="C0", label="train")
-    if evals: ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=3, lw=1, color="C1", label="eval")
-    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    if evals: ax.legend(loc="upper right", fontsize="small")
+def clip_line(text: str, width: int = TERMINAL_WIDTH) -> str:
+    "`text` cut to `width` columns, ending in `…` when cut."
+    return text if len(text) <= width else text[:width - 1] + "…"
 
-def loss_figure(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, float]] = (),
-                *, size: tuple[float, float] = (6.0, 3.5), # inches; 100 pixels each at dpi 100
-                title: str | None = "training loss") -> Any:
-    "A matplotlib `Figure` of the loss curve with its own Agg canvas (pyplot is never used)."
-    figure = optional_import("matplotlib.figure", extra="plot", purpose="the loss plot")
-    agg = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the loss plot")
-    fig = figure.Figure(figsize=size, layout="constrained")
-    agg.FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    plot_loss(ax, train, evals)
-    if title: ax.set_title(title)
-    return fig
+def format_step_line(payload: Mapping[str, Any], # a `train_step` record
+                     target: int | None = None, # the run's target step (for the ETA and the alignment)
+                    ) -> str:
+    "`step  10/200  loss   4.1315  lr 2.43e-04   1.72k tok/s  ETA 00:07`: aligned from one line to the next."
+    step, digits = payload.get("step"), len(str(target or payload.get("step") or 0))
+    parts = [f"step {step:>{digits}}/{target}" if target else f"step {step:>{digits}}"]
+    loss, lr, rate, speed = (payload.get(k) for k in ("loss", "lr", "tokens_per_sec", "steps_per_sec"))
+    parts.append(f"loss {loss:8.4f}" if isinstance(loss, (int, float)) else f"loss {'-':>8}")
+    if isinstance(lr, (int, float)): parts.append(f"lr {lr:.2e}")
+    if isinstance(rate, (int, float)): parts.append(f"{format_rate(rate):>6} tok/s")
+    if target and isinstance(step, int) and isinstance(speed, (int, float)) and speed > 0:
+        parts.append(f"ETA {format_duration(max(target - step, 0) / speed)}")
+    return clip_line("  ".join(parts))
 
-def figure_png(figure: Any, # a matplotlib `Figure`
-               dpi: float, # image pixels per inch
-               colors: int = 64, # palette size: a plot has few colours, and a palette PNG is a quarter of the bytes
-              ) -> bytes:
-    "`figure` as a PNG with a palette of `colors`."
-    Image = optional_import("PIL.Image", extra="plot", purpose="the loss plot")
-    rgba, png = io.BytesIO(), io.BytesIO()
-    figure.savefig(rgba, format="png", dpi=dpi)
-    Image.open(rgba).convert("RGB").quantize(colors).save(png, format="png", optimize=True)
-    return png.getvalue()
+# %% ../nbs/08b_progress.ipynb #ae22c397
+def format_setup_line(start: Mapping[str, Any], # the `train_start` payload
+                      optimizer: Mapping[str, Any] | None = None, # the `optimizer` event's payload, when there was one
+                     ) -> str:
+    "`model 4.11k params | cpu fp32 | adamw lr 3.00e-04 | batch 2 x 16 tokens | steps 0 -> 25`."
+    optimizer = optimizer or {}
+    parts = []
+    if isinstance(start.get("parameters"), int): parts.append(f"model {format_rate(start['parameters'])} params")
+    parts.append(" ".join(str(start[k]) for k in ("device", "precision") if start.get(k)))
+    name, lr = optimizer.get("name") or start.get("optimizer"), optimizer.get("lr", start.get("lr"))
+    if name: parts.append(f"{name} lr {lr:.2e}" if isinstance(lr, (int, float)) else str(name))
+    batch, length, accumulation = (start.get(k) for k in ("batch_size", "sequence_length", "accumulation_steps"))
+    if batch: parts.append(f"batch {batch}" + (f" x {length} tokens" if length else "")
+                           + (f" ({accumulation} micro-batches)" if isinstance(accumulation, int) and accumulation > 1 else ""))
+    if start.get("world_size", 1) not in (None, 1): parts.append(f"{start['world_size']} processes")
+    parts.append(f"steps {start.get('start_step', 0)} -> {start.get('target_step')}")
+    return clip_line(" | ".join(p for p in parts if p))
+
+class TerminalLines:
+    "Turns events into the short lines a terminal shows (`None`: the event stays in the files)."
+    def __init__(self): self.optimizer, self.target = {}, None
+    def line(self, event: str, payload: Mapping[str, Any]) -> str | None:
+        "The terminal line for one event, or `None`."
+        if event == "optimizer": self.optimizer = dict(payload)
+        if event in QUIET_EVENTS: return None
+        if event == "train_start":
+            self.target = payload.get("target_step")
+            return format_setup_line(payload, self.optimizer)
+        if event == "train_step": return format_step_line(payload, self.target)
+        if event == "checkpoint": return clip_line(f"checkpoint  step {payload.get('step')}: {Path(str(payload.get('path'))).name}")
+        shown = {k: v for k, v in payload.items() if k not in ("elapsed_s", "memory_bytes")}
+        return clip_line(" ".join([event, *(f"{k}={f'{v:.4g}' if isinstance(v, float) else v}" for k, v in shown.items())]))
+
+# %% ../nbs/08b_progress.ipynb #08573fb8
+def _shown_path(path: str | os.PathLike) -> str:
+    "`path` relative to the working directory when it is inside it."
+    path = Path(path)
+    try: return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError): return str(path)
+
+def format_closing(steps: int, # the step the run ended at
+                   loss: float | None, # the final training loss, `None` when this call made no update
+                   elapsed_s: float | None = None, # seconds the call took
+                   *, eval_loss: float | None = None, # the held-out loss, when the run has one
+                   files: Mapping[str, str | os.PathLike | None] = {}, # what was written: label -> path (missing ones are left out)
+                  ) -> str:
+    "The lines a run ends with: `done: step 25 in 00:03 | loss 4.1745`, then one `  label  path` line per file written."
+    head = [f"done: step {steps}" + (f" in {format_duration(elapsed_s)}" if elapsed_s is not None else ""),
+            "no update made" if loss is None else f"loss {loss:.4f}"]
+    if eval_loss is not None: head.append(f"held-out loss {eval_loss:.4f}")
+    written = [(label, path) for label, path in files.items() if path is not None and Path(path).exists()]
+    width = max((len(label) for label, _ in written), default=0)
+    return "\n".join([" | ".join(head), *(f"  {label:<{width}}  {_shown_path(path)}" for label, path in written)])
 
 # %% ../nbs/08b_progress.ipynb #c081910b
 def in_notebook() -> bool:
@@ -138,8 +175,10 @@ class ProgressBar:
                  min_interval: float = 0.1, # seconds between redraws
                  notebook: bool | None = None, # update a Jupyter output (default: in Jupyter, when no stream is given)
                  chart_interval: float = 1.0, # seconds between redraws of the notebook's loss chart
+                 make_view: Callable[[], Any] | None = None, # makes the notebook's view, e.g. `speedtronic.widgets.TrainingView`
                 ):
         self.total, self.stream, self.min_interval, self.chart_interval = total, stream, min_interval, chart_interval
+        self.make_view = make_view
         self.notebook = (stream is None and in_notebook()) if notebook is None else bool(notebook)
         self.enabled = resolve_progress(enabled, self._stream(), self.notebook)
         self.start_step, self.target, self.step = 0, total, 0
@@ -162,10 +201,9 @@ def line(self: ProgressBar) -> str:
 
 @patch
 def _notebook_view(self: ProgressBar) -> Any:
-    "A new `TrainingView`, or `None` when ipywidgets or matplotlib is missing."
-    try:
-        from speedtronic.widgets import TrainingView
-        return TrainingView()
+    "A new view from `make_view`, or `None` without one or when ipywidgets or matplotlib is missing."
+    if self.make_view is None: return None
+    try: return self.make_view()
     except MissingExtra: return None
 
 @patch

@@ -38,6 +38,7 @@ from .registry import build_model
 from .schedules import build_scheduler
 from .shapes import validate_startup_shapes
 from .trainer import STEP_RECORD_KEYS, Trainer, TrainResult, TrainingInterrupted, call_model, resolve_loss
+from .widgets import TrainingView
 
 # %% auto #0
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
@@ -70,7 +71,7 @@ def build_logger(config: SpeedtronicConfig,
     logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps,
                           console_level=console, run_id=run_id)
     try:
-        logger.hooks.extend(hooks_from_config(lg, progress=True))
+        logger.hooks.extend(hooks_from_config(lg, progress=True, make_view=TrainingView))
         for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
             logger.guard_console(bar.cleared)  # log lines print above the bar
     except BaseException:

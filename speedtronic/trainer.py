@@ -9,6 +9,7 @@ import base64
 import contextlib
 import html
 import inspect
+import math
 import os
 import signal
 import sys
@@ -33,14 +34,15 @@ from .parallel import World, accumulation_per_rank, job_wide, raised_together
 from .precision import autocast_context, make_grad_scaler, resolve_precision
 from .optional import MissingExtra
 from .profiling import MetricLogger
-from .progress import figure_png, loss_figure, loss_points
+from .plotting import figure_png, loss_figure, loss_points
+from .progress import format_closing
 from .schedules import load_scheduler_state
 
 # %% auto #0
 __all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
            'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
-           'is_compile_failure', 'read_pending', 'scaler_step', 'gradient_norm', 'nonfinite_update', 'TrainerSettings',
-           'Trainer', 'signals_held']
+           'is_compile_failure', 'read_pending', 'scaler_step', 'gradient_norm', 'update_is_finite', 'nonfinite_update',
+           'TrainerSettings', 'Trainer', 'signals_held']
 
 # %% ../nbs/11_trainer.ipynb #beb9dcd2
 class TrainingError(RuntimeError):
@@ -151,6 +153,8 @@ def resolve_loss(output: Any, batch: Any) -> torch.Tensor:
 def move_batch(batch: Any, device: torch.device) -> Any:
     "Move every tensor in nested dicts/tuples/lists of `batch` to `device` (non-blocking)."
     if torch.is_tensor(batch): return batch.to(device, non_blocking=True)
+    if type(batch) is dict:  # the usual batch: one level of tensors, moved without a call per value
+        return {k: v.to(device, non_blocking=True) if type(v) is torch.Tensor else move_batch(v, device) for k, v in batch.items()}
     if isinstance(batch, Mapping): return {k: move_batch(v, device) for k, v in batch.items()}
     if isinstance(batch, tuple): return tuple(move_batch(v, device) for v in batch)
     if isinstance(batch, list): return [move_batch(v, device) for v in batch]
@@ -158,11 +162,12 @@ def move_batch(batch: Any, device: torch.device) -> Any:
 
 def batch_size_and_tokens(batch: Any) -> tuple[int, int | torch.Tensor]:
     "Samples and tokens in `batch`; tokens may be a 0-d device tensor (attention-mask sum) to avoid a sync."
-    if isinstance(batch, Mapping): cand = batch.get("input_ids", batch.get("inputs"))
+    mapping = type(batch) is dict or isinstance(batch, Mapping)
+    if mapping: cand = batch.get("input_ids", batch.get("inputs"))
     elif isinstance(batch, (tuple, list)) and batch: cand = batch[0]
     else: cand = None
     if not torch.is_tensor(cand) or cand.ndim < 1: return 1, 1
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    mask = batch.get("attention_mask") if mapping else None
     if cand.ndim >= 2 and torch.is_tensor(mask): return int(cand.shape[0]), mask.sum()
     return int(cand.shape[0]), int(cand.numel())
 
@@ -200,10 +205,13 @@ def read_pending(pending: list[_PendingStep],
                 ) -> list[tuple[float, int]]:
     "(loss, tokens) of every pending step, read from the device in one transfer; in a job, mean loss and total tokens of the ranks."
     if not pending: return []
+    size = 1 if world is None else world.size
+    if size == 1 and not any(torch.is_tensor(p.tokens) for p in pending):  # only the losses live on the device
+        losses = [pending[0].loss.item()] if len(pending) == 1 else torch.stack([p.loss.detach() for p in pending]).tolist()
+        return [(float(l), int(p.tokens)) for l, p in zip(losses, pending)]
     table = torch.stack([torch.stack([p.loss.detach().double(),
                                       torch.as_tensor(p.tokens, dtype=torch.float64, device=p.loss.device)])
                          for p in pending])
-    size = 1 if world is None else world.size
     if size > 1: table = world.all_sum(table)
     return [(float(l) / size, int(round(t))) for l, t in table.cpu().tolist()]
 
@@ -230,6 +238,11 @@ def gradient_norm(parameters: Any) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32).to(grads[0].device)
                                                  for g in grads]))
 
+def update_is_finite(loss: torch.Tensor, norm: torch.Tensor) -> bool:
+    "Whether both `loss` and the gradient `norm` are finite, from one scalar read (`norm + 0·loss`)."
+    zeroed = loss * 0.0  # 0 for a finite loss, NaN for an infinite or NaN one
+    return math.isfinite((norm + (zeroed if zeroed.device == norm.device else zeroed.to(norm.device))).item())
+
 def nonfinite_update(loss: torch.Tensor, norm: torch.Tensor) -> tuple[str | None, float, float]:
     "(why the update must not be applied — `nonfinite_loss`, `nonfinite_gradient` — or `None`, loss, norm) in one read."
     loss_value, norm_value = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]).tolist()
@@ -252,10 +265,13 @@ class TrainerSettings:
     gradient_checkpointing: bool  # `gradient_checkpointing`: ask the model to recompute activations
     ooo_backprop: bool  # `ooo_backprop`: out-of-order backprop on CUDA streams
     ooo_streams: int  # `ooo_streams`: how many streams it uses
+    batch_size: int | None = None  # `data.target_batch_size`: samples per update, reported at the start (`None`: not known)
+    sequence_length: int | None = None  # `data.block_size` (or `model.max_seq_len`): tokens per sample, reported likewise
 
     @classmethod
     def from_config(cls, config: SpeedtronicConfig,
                     world_size: int = 1,  # processes of a torchrun job sharing `data.target_batch_size`
+                    *, geometry: bool = True,  # the batch geometry is the loader's (False: a trainer built without a config)
                    ) -> TrainerSettings:
         "The trainer's settings in `config` (`SpeedtronicConfig()` gives a trainer built without one)."
         return cls(max_steps=config.run.max_steps, accumulation_steps=accumulation_per_rank(config.data, world_size),
@@ -263,7 +279,9 @@ class TrainerSettings:
                    max_nonfinite_skips=config.optimizer.max_nonfinite_skips,
                    metrics_history=config.logging.metrics_history, compile=config.compile,
                    gradient_checkpointing=config.gradient_checkpointing, ooo_backprop=config.ooo_backprop,
-                   ooo_streams=config.ooo_streams)
+                   ooo_streams=config.ooo_streams,
+                   batch_size=config.data.target_batch_size if geometry else None,
+                   sequence_length=(config.data.block_size or config.model.max_seq_len) if geometry else None)
 
 def _as_config(config: SpeedtronicConfig | Mapping | None) -> SpeedtronicConfig | None:
     "A `SpeedtronicConfig` built (and checked) from a mapping; a config or `None` as given."
@@ -293,7 +311,7 @@ class Trainer:
         self.config = _as_config(config)
         read = self.config if self.config is not None else SpeedtronicConfig()
         self.world = world if world is not None else World()
-        self.settings = TrainerSettings.from_config(read, self.world.size)
+        self.settings = TrainerSettings.from_config(read, self.world.size, geometry=self.config is not None)
         self.model, self.optimizer, self.dataloader, self.scheduler = model, optimizer, dataloader, scheduler
         self.device = torch.device(device)
         self.logger = logger if logger is not None else MetricLogger()
@@ -468,6 +486,7 @@ class _FitState:
     target: int  # the absolute step this call trains to
     start: tuple[int, int, int]  # step, samples and tokens when the call began (for the rates)
     records: deque  # the newest `train_step` records, at most `metrics_history`
+    params: tuple = ()  # the model's parameters (clipped and checked every update), listed once per call
     ooo: Any = None  # this call's out-of-order backprop scheduler, disposed of at the end
     keep_boundary: bool = False  # a checkpoint manager is on: remember each step's RNG and data position
     boundary: dict | None = None  # RNG and data position after the last completed step
@@ -504,8 +523,11 @@ def _begin_fit(self: Trainer, limit: int) -> _FitState:
     if limit < self.step:
         self.logger.warning(f"max_steps={limit} is an absolute target step and the trainer is already at step "
                             f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})")
-    self.model.to(self.device)
-    self.model.train()
+    params = tuple(self.model.parameters())
+    if any(t.device != self.device for t in (*params, *self.model.buffers())):
+        self.model.to(self.device)
+        params = tuple(self.model.parameters())  # the same objects, unless torch is set to replace them on a move
+    if not all(m.training for m in self.model.modules()): self.model.train()  # both asked first: a fit call starts cheaply
     if self.config is not None and self.shape_report is None:
         from speedtronic.shapes import validate_startup_shapes
         self.shape_report = validate_startup_shapes(self.config, self.model, self.device, self.precision, logger=self.logger)
@@ -519,6 +541,7 @@ def _begin_fit(self: Trainer, limit: int) -> _FitState:
     self.optimizer.zero_grad(set_to_none=True)
     return _FitState(model=self.compiled_model if self.compiled_model is not None else self.synced_model, target=target,
                      start=(self.step, self.samples, self.tokens), records=deque(maxlen=self.settings.metrics_history),
+                     params=params,
                      ooo=ooo, keep_boundary=keep)
 
 # %% ../nbs/11_trainer.ipynb #6726dd3c
@@ -555,16 +578,17 @@ def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torc
                                     "parameters have requires_grad=True")
             detached = loss.detach().float()
             loss_sum = detached if loss_sum is None else loss_sum + detached
-            scaled = loss * (1.0 / K)
+            scaled = loss if K == 1 else loss * (1.0 / K)  # one microbatch: no extra multiply
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-    return loss_sum / K, tokens, samples, K
+    return (loss_sum if K == 1 else loss_sum / K), tokens, samples, K
 
 # %% ../nbs/11_trainer.ipynb #a206ee54
 @patch
-def _apply_update(self: Trainer, loss: torch.Tensor) -> tuple[str | None, float, float]:
+def _apply_update(self: Trainer, loss: torch.Tensor, params: Any = None, # the parameters (default: the model's)
+                 ) -> tuple[str | None, float, float]:
     "Clip, check and step the optimizer: (why it was skipped or `None` when applied, loss, gradient norm)."
     clip = self.settings.grad_clip
-    params = list(self.model.parameters())
+    params = list(self.model.parameters()) if params is None else params
     if self.scaler is not None:
         if clip:
             self.scaler.unscale_(self.optimizer)
@@ -572,7 +596,8 @@ def _apply_update(self: Trainer, loss: torch.Tensor) -> tuple[str | None, float,
         outcome = (None if scaler_step(self.scaler, self.optimizer) else "grad_scaler_overflow"), float("nan"), float("nan")
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params)
-        outcome = nonfinite_update(*self._job_values(loss, norm))
+        loss, norm = self._job_values(loss, norm)
+        outcome = (None, math.nan, math.nan) if update_is_finite(loss, norm) else nonfinite_update(loss, norm)
         if outcome[0] is None: self.optimizer.step()
     self.optimizer.zero_grad(set_to_none=True)
     return outcome
@@ -610,7 +635,7 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
         loss, tokens, samples, micro = self._accumulate(run)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
         run.deferring = run.updating = True  # until the step is counted and recorded, a Ctrl-C waits
-        reason, loss_value, norm = self._apply_update(loss)
+        reason, loss_value, norm = self._apply_update(loss, run.params)
         if reason is None:
             run.boundary = None  # the RNG/data position of this step is taken once it completes
             self.samples += samples * self.world.size  # every rank takes an equal share of each microbatch
@@ -711,7 +736,9 @@ def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
             "precision": getattr(self.precision, "mode", str(self.precision)),
             "precision_reason": getattr(self.precision, "reason", None),
             "accumulation_steps": self.settings.accumulation_steps,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "optimizer": type(self.optimizer).__name__, "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "batch_size": self.settings.batch_size, "sequence_length": self.settings.sequence_length,
+            "parameters": sum(p.numel() for p in run.params),
             "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
             "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
             "ooo_backprop": bool(getattr(run.ooo, "enabled", False)), "world_size": self.world.size}
@@ -853,6 +880,15 @@ def __repr__(self: TrainResult) -> str:
     where = f", checkpoint_dir='{self.checkpoint_dir}'" if self.checkpoint_dir is not None else ""
     return (f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, final_loss={loss}, "
             f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})")
+
+@patch
+def closing(self: TrainResult, paths: Any = None, # the run's `RunPaths` (its `metrics` and `loss_plot` are listed when written)
+            *, eval_loss: float | None = None, # the held-out loss, when the run has one
+           ) -> str:
+    "What a terminal shows at the end: the step, time and loss, then the checkpoint folder, metrics file and loss curve."
+    files = {"checkpoints": self.checkpoint_dir, "metrics": None if paths is None else paths.metrics,
+             "loss curve": None if paths is None else paths.loss_plot}
+    return format_closing(self.steps, self.final_loss, self.elapsed_s, eval_loss=eval_loss, files=files)
 
 @patch
 def loss_png(self: TrainResult, size: tuple[float, float] = (5.0, 2.6), # inches, 100 screen pixels each

@@ -16,7 +16,7 @@ from fastcore.basics import patch
 
 from .config import ConfigError, PrecisionConfig, SchedulerConfig
 from .optional import optional_import
-from .progress import figure_png, plot_loss
+from .plotting import figure_png, plot_loss
 from .schedules import SCHEDULE_NAMES, plot_schedule, resolve_schedule, schedule_points
 
 # %% auto #0

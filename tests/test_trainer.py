@@ -214,3 +214,94 @@ def test_logged_lr_is_the_rate_of_the_update():
     # the first update runs at the warmed-up base rate; the last at the cosine floor region
     assert lrs[0] == pytest.approx(3e-4)
     assert lrs == sorted(lrs, reverse=True)
+
+
+class Poisonable(nn.Module):
+    """Linear regression; a batch can ask for a NaN loss (`bad=1`), a NaN gradient under a finite loss (`bad=2`), or an
+    infinite loss with finite gradients (`bad=3`)."""
+    def __init__(self):
+        super().__init__(); self.lin = nn.Linear(4, 1)
+    def forward(self, input_ids, labels, bad):
+        loss = F.mse_loss(self.lin(input_ids).squeeze(-1), labels)
+        if int(bad) == 1: loss = loss * float("nan")
+        if int(bad) == 2: loss = loss + (self.lin.weight - self.lin.weight.detach()).abs().sqrt().sum()  # 0, gradient 0 * inf
+        if int(bad) == 3: loss = loss + torch.tensor(float("inf"))  # a constant: the gradients stay finite
+        return {"loss": loss}
+
+
+def regression_batches(n: int, bad: dict[int, int] = {}) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randn(2, 4, generator=g), "labels": torch.randn(2, generator=g), "bad": torch.tensor(bad.get(i, 0))}
+            for i in range(n)]
+
+
+class Events(MetricLogger):
+    "A quiet logger that also keeps what was emitted."
+    def __init__(self, **kw):
+        super().__init__(stream=False, **kw); self.seen = []
+    def emit(self, event, payload=None, *, force=False):
+        shown = super().emit(event, payload, force=force)
+        if shown: self.seen.append((event, dict(payload or {})))
+        return shown
+
+
+def regression_run(data, steps, *, skips=0, clip=None, every=1):
+    torch.manual_seed(0)
+    model = Poisonable()
+    cfg = SpeedtronicConfig.from_dict({"optimizer": {"max_nonfinite_skips": skips, "grad_clip": clip},
+                                       "checkpoint": {"enabled": False}, "shape_validation": {"enabled": False}}).validate()
+    logger = Events(every_steps=every)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.05), data, device="cpu", config=cfg, logger=logger,
+                      max_steps=steps)
+    return trainer, logger
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["norm", "clip"])
+def test_a_skipped_nonfinite_update_leaves_everything_as_if_the_batch_was_never_there(clip):
+    poisoned = regression_batches(11, bad={3: 1, 7: 2, 9: 3})            # each kind of bad update once, each alone
+    clean = [b for b in poisoned if int(b["bad"]) == 0]
+    t, log = regression_run(poisoned, 8, skips=1, clip=clip)
+    ref, _ = regression_run(clean, 8, clip=clip)
+    result, expected = t.fit(), ref.fit()
+    assert all(torch.equal(p, r) for p, r in zip(t.model.parameters(), ref.model.parameters()))  # no bit of a skipped update
+    assert t.optimizer.state_dict()["state"][0]["step"] == ref.optimizer.state_dict()["state"][0]["step"] == 8
+    assert (result.steps, result.samples, result.tokens) == (expected.steps, expected.samples, expected.tokens) == (8, 16, 64)
+    assert [(r["step"], r["loss"]) for r in result.metrics] == [(r["step"], r["loss"]) for r in expected.metrics]
+    skipped = [p for e, p in log.seen if e == "optimizer_step_skipped"]
+    assert [(p["step"], p["reason"]) for p in skipped] == [(4, "nonfinite_loss"), (7, "nonfinite_gradient"), (8, "nonfinite_loss")]
+
+
+def test_nonfinite_updates_past_the_budget_stop_at_the_same_step_with_the_same_weights():
+    data = regression_batches(10, bad={5: 1, 6: 1})                      # two in a row, one allowed
+    t, log = regression_run(data, 9, skips=1)
+    with pytest.raises(Exception) as stop:
+        t.fit()
+    assert "step 6: the loss is nan after 1 skipped update in a row" in str(stop.value)
+    ref, _ = regression_run(data[:5], 5)
+    ref.fit()
+    assert t.step == 5 and t.samples == 10 and all(torch.equal(p, r) for p, r in zip(t.model.parameters(), ref.model.parameters()))
+    assert [p["step"] for e, p in log.seen if e == "optimizer_step_skipped"] == [6, 6]
+
+
+def test_the_logging_cadence_changes_nothing_but_what_is_written():
+    data = regression_batches(12, bad={4: 1})
+    every1, log1 = regression_run(data, 10, skips=1, every=1)
+    every5, log5 = regression_run(data, 10, skips=1, every=5)
+    r1, r5 = every1.fit(), every5.fit()
+    assert all(torch.equal(p, q) for p, q in zip(every1.model.parameters(), every5.model.parameters()))
+    counted = lambda result: [(r["step"], r["loss"], r["lr"], r["samples"], r["tokens"]) for r in result.metrics]
+    assert counted(r1) == counted(r5) and len(r1.metrics) == 10
+    assert [p["step"] for e, p in log5.seen if e == "train_step"] == [5, 10]
+    assert (r1.steps, r1.samples, r1.tokens) == (r5.steps, r5.samples, r5.tokens) == (10, 20, 80)
+
+
+def test_a_model_left_in_eval_mode_between_fits_trains_in_train_mode():
+    t = make(config(), token_batches(6, 2), max_steps=3)
+    t.fit(1)
+    t.model.eval()                                   # e.g. an evaluation between two fit calls
+    seen = []
+    t.model.register_forward_pre_hook(lambda module, args: seen.append(all(m.training for m in module.modules())))
+    t.fit(2)
+    next(iter(t.model.children())).eval()            # one submodule only
+    t.fit(3)
+    assert seen == [True, True] and t.step == 3
