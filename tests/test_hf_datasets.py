@@ -157,3 +157,42 @@ def test_import_speedtronic_data_does_not_import_datasets():
     code = "import sys, speedtronic, speedtronic.data, speedtronic.cli, speedtronic.runtime; print('datasets' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_two_torchrun_ranks_read_what_one_process_reads(tmp_path, data_dir):
+    "Two ranks with micro batches of 4 against one process with 8: the same per-step losses (see test_parallel for the tolerance)."
+    from conftest import free_port
+    spec = str(data_dir / "rows.parquet")
+    one = write_config(tmp_path, "one", spec, every=STEPS, shuffle=True, micro_batch_size=8, target_batch_size=8)
+    two = write_config(tmp_path, "two", spec, every=STEPS, shuffle=True, micro_batch_size=4, target_batch_size=8)
+    for cfg in (one, two):
+        raw = yaml.safe_load(cfg.read_text()); raw["model"]["dropout"] = 0.0; raw["run"]["max_steps"] = 8
+        raw["optimizer"].update(eps=1.0, weight_decay=0.0)
+        cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    finish(start(one, tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()),
+           "-m", "speedtronic", "train", "--config", str(two), "--device", "cpu"]
+    finish(subprocess.Popen(cmd, cwd=ROOT, env=cli_env(**env(tmp_path)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    a, b = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
+    assert sorted(b) == sorted(a) == list(range(1, 9))
+    for step, (loss,) in b.items(): assert loss == pytest.approx(a[step][0], rel=1e-6, abs=0), step
+
+
+def test_diloco_node_shards_split_the_batches_and_resume(tmp_path, data_dir, monkeypatch):
+    "Two DiLoCo nodes' shards of one dataset take alternate batches; a shard restored from its state goes on exactly."
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    from speedtronic.config import DataConfig, DistributedConfig
+    from speedtronic.data import build_dataloader
+    from speedtronic.distributed import shard_loader
+    conf = DataConfig(hf_dataset=str(data_dir / "rows.parquet"), block_size=16, micro_batch_size=2, shuffle=True, seed=3)
+    node = lambda i: shard_loader(build_dataloader(conf, vocab_size=256),
+                                  DistributedConfig(enabled=True, repo_id=str(tmp_path / "repo"), transport="directory", shard_count=2, shard_index=i))
+    def take(loader, n):
+        it = iter(loader)
+        return [next(it)["input_ids"] for _ in range(n)]
+    every = take(build_dataloader(conf, vocab_size=256), 20)
+    shards = [take(node(i), 10) for i in (0, 1)]
+    assert all(x.equal(y) for x, y in zip(shards[0] + shards[1], every[0::2] + every[1::2]))
+    first = node(1); take(first, 4)
+    resumed = node(1); resumed.load_state_dict(first.state_dict())
+    assert all(x.equal(y) for x, y in zip(take(resumed, 6), every[9::2]))
