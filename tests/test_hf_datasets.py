@@ -144,11 +144,12 @@ def test_validate_deep_reports_the_column(tmp_path, data_dir):
     one_error_line(run_cli("validate", "--deep", "--config", str(cfg), cwd=tmp_path, env=env(tmp_path)), "data.hf_dataset.text_field 'body'")
 
 
-def test_without_datasets_installed_the_error_names_the_extra(tmp_path, data_dir):
+@pytest.mark.parametrize("command", ["train", "validate --deep"])
+def test_without_datasets_installed_the_error_names_the_extra(tmp_path, data_dir, command):
     "`datasets` made unimportable the way a missing package is (`sys.modules[name] = None`), then the real CLI."
     cfg = write_config(tmp_path, "run", str(data_dir / "rows.parquet"))
     code = ("import sys; sys.modules['datasets'] = None; from speedtronic.cli import main; "
-            f"sys.exit(main(['train', '--config', {str(cfg)!r}, '--device', 'cpu']))")
+            f"sys.exit(main([*{command.split()!r}, '--config', {str(cfg)!r}, '--device', 'cpu']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env(**env(tmp_path)), capture_output=True, text=True, timeout=300)
     one_error_line(proc, "data.hf_dataset needs datasets", "pip install 'speedtronic[datasets]'")
 
@@ -196,3 +197,14 @@ def test_diloco_node_shards_split_the_batches_and_resume(tmp_path, data_dir, mon
     first = node(1); take(first, 4)
     resumed = node(1); resumed.load_state_dict(first.state_dict())
     assert all(x.equal(y) for x, y in zip(take(resumed, 6), every[9::2]))
+
+
+def test_validate_deep_reports_a_missing_tokenizers_package_too(tmp_path):
+    "The same class: `data.tokenizer` needs `tokenizers`; `validate --deep` names the extra instead of passing."
+    (tmp_path / "corpus.txt").write_text("some text to read\n" * 50)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = write_config(tmp_path, "run", None, text_path=str(tmp_path / "corpus.txt"), tokenizer=str(tmp_path / "tokenizer.json"))
+    code = ("import sys; sys.modules['tokenizers'] = None; from speedtronic.cli import main; "
+            f"sys.exit(main(['validate', '--deep', '--config', {str(cfg)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    one_error_line(proc, "needs tokenizers", "pip install 'speedtronic[tokenizers]'")
