@@ -675,10 +675,11 @@ def array_fingerprint(array: Any) -> str:
     return content_fingerprint(len(data), lambda at, n: bytes(data[at:at + n]))
 
 # %% ../nbs/03_data.ipynb #a197abd9
-_PATH_KEYS = ("data.text_path", "data.token_file", "data.dataset")   # may change when the content does not (a moved file)
+_PATH_KEYS = ("data.text_path", "data.token_file", "data.dataset", "data.hf_dataset.path", "data.hf_dataset.data_files")   # may change when the content does not (a moved file)
 
 def source_identity(dataset: Any, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
     "What a saved data position depends on: the source, its content and how it is cut and ordered (plain data)."
+    if callable(own := getattr(dataset, "source_identity", None)): return own(shuffle=shuffle, seed=seed)   # a source that says it itself
     order = {"data.shuffle": shuffle, "data.seed": seed} if shuffle else {"data.shuffle": False}
     if isinstance(dataset, TextFileTokenDataset):
         return {"data.text_path": str(dataset.path), "content": file_fingerprint(dataset.path), "data.block_size": dataset.block_size,
@@ -765,7 +766,7 @@ def _block_size(data: DataConfig) -> int: return data.block_size or ModelConfig(
 def _seed(data: DataConfig) -> int: return data.seed or 0
 
 def select_dataset(data: DataConfig, *, dataset: Any = None, tokenizer: Any = None, vocab_size: int | None = None) -> Any:
-    "The dataset `build_dataloader` reads: `dataset`, else `data.text_path`, `data.token_file`, `data.dataset`, else synthetic tokens."
+    "The dataset `build_dataloader` reads: `dataset`, else `data.text_path`, `data.token_file`, `data.hf_dataset`, `data.dataset`, else synthetic tokens."
     block, vocab, seed = _block_size(data), resolve_vocab_size(data, vocab_size), _seed(data)
     if dataset is not None: return dataset
     if data.text_path:
@@ -773,6 +774,9 @@ def select_dataset(data: DataConfig, *, dataset: Any = None, tokenizer: Any = No
         check_vocab(tok, vocab)
         return TextFileTokenDataset(data.text_path, block, tok, vocab)
     if data.token_file: return TokenFileDataset(data.token_file, block, shuffle=data.shuffle, seed=seed, vocab_size=vocab)
+    if data.hf_dataset:                                  # the Hugging Face datasets chapter; `datasets` is imported only here
+        from speedtronic.hf_datasets import hf_dataset_source
+        return hf_dataset_source(data, block, tokenizer=tokenizer, vocab_size=vocab, seed=seed)
     source = data.dataset
     if isinstance(source, (Dataset, IterableDataset)): return source
     if source is not None:
@@ -782,7 +786,7 @@ def select_dataset(data: DataConfig, *, dataset: Any = None, tokenizer: Any = No
         if isinstance(ds, TokenArrayDataset): ds.shuffle, ds.seed = data.shuffle, seed
         if isinstance(ds, (TokenArrayDataset, TensorRowsDataset)): check_vocab(ds, vocab)
         return ds
-    if not data.synthetic: raise DataError("data.synthetic=false requires data.text_path, data.token_file or data.dataset")
+    if not data.synthetic: raise DataError("data.synthetic=false requires data.text_path, data.token_file or data.dataset (or data.hf_dataset)")
     return SyntheticTokenDataset(num_samples=data.num_tokens, block_size=block, vocab_size=vocab, seed=seed)
 
 # %% ../nbs/03_data.ipynb #09f03f0c
