@@ -427,7 +427,7 @@ def _first_step_problems(config: SpeedtronicConfig, model: torch.nn.Module, voca
         check_loader_settings(dataset, batch_size=d.micro_batch_size, drop_last=d.drop_last, shuffle=False)
         sample = next(iter(dataset)) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
         batch = _on_meta(collate_batch([sample]))
-    except (DataError, ValueError, OSError) as e: return [str(e)]
+    except (DataError, ValueError, OSError, MissingExtra) as e: return [str(e)]   # MissingExtra: the data needs an extra
     except Exception: return []        # a custom dataset the check cannot open like this: training will tell
     try: output = call_model(model.train(), batch)
     except Exception:                  # the meta device cannot run this model: run a small one for real
