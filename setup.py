@@ -28,6 +28,7 @@ logging_requirements = shlex.split(cfg.get('logging_requirements', ''))
 plot_requirements = shlex.split(cfg.get('plot_requirements', ''))
 widgets_requirements = shlex.split(cfg.get('widgets_requirements', ''))
 tokenizers_requirements = shlex.split(cfg.get('tokenizers_requirements', ''))
+datasets_requirements = shlex.split(cfg.get('datasets_requirements', ''))
 
 # The shipped configs live at the top level (configs/, examples/) and are installed
 # inside the package as speedtronic.configs / speedtronic.examples (2.0 shipped them only in the sdist).
@@ -50,7 +51,8 @@ setuptools.setup(
     package_data = {cfg['lib_name'] + '.configs': ['*.yaml'], cfg['lib_name'] + '.examples': ['*.yaml']},
     install_requires = requirements,
     extras_require = {'dev': dev_requirements, 'logging': logging_requirements, 'plot': plot_requirements,
-                      'widgets': widgets_requirements, 'tokenizers': tokenizers_requirements},
+                      'widgets': widgets_requirements, 'tokenizers': tokenizers_requirements,
+                      'datasets': datasets_requirements},
     dependency_links = cfg.get('dep_links','').split(),
     python_requires  = '>=' + cfg['min_python'],
     long_description = open('README.md', encoding='utf-8').read(),
