@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # %% ../nbs/15_cli.ipynb #4d2cb8d0
 def _add_model_commands(sub) -> None:
-    "The `generate` sub-command's arguments (the work is in `speedtronic.generation` and `speedtronic.hf`)."
+    "The `generate` and `export` sub-commands' arguments (the work is in `speedtronic.generation` and `speedtronic.hf`)."
     g = sub.add_parser("generate", help="continue a prompt with a trained model, streaming the text",
                        description="Continue a prompt with the model of a trained run; the text streams to stdout.")
     where = g.add_mutually_exclusive_group(required=True)
@@ -112,6 +112,13 @@ def _add_model_commands(sub) -> None:
     g.add_argument("--top-p", type=float, default=None, metavar="P", help="sample among the most likely tokens up to probability P")
     g.add_argument("--seed", type=int, default=None, help="the same seed writes the same text")
     g.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    e = sub.add_parser("export", help="write a trained model as a transformers (Llama) folder",
+                       description="Write the model of a trained run and its tokenizer as a folder that "
+                                   "transformers.AutoModelForCausalLM.from_pretrained loads.")
+    where = e.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint")
+    where.add_argument("--checkpoint", metavar="FILE", help="one checkpoint file")
+    e.add_argument("--to", required=True, type=output_dir, metavar="DIR", help="the folder to write")
 
 # %% ../nbs/15_cli.ipynb #b4c4fdb5
 def _output_dir_problems(config: SpeedtronicConfig, key: str = "run.output_dir") -> list[str]:
@@ -230,7 +237,13 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     return 0
 
-_COMMANDS.update(generate=_generate)
+def _export(args: argparse.Namespace) -> int:
+    "`speedtronic export`: write the transformers folder and say where."
+    from speedtronic.hf import export_run
+    print(f"exported to {export_run(args.run, args.checkpoint, to=args.to)}")
+    return 0
+
+_COMMANDS.update(generate=_generate, export=_export)
 
 # %% ../nbs/15_cli.ipynb #1066b2c1
 def _config_secrets(argv: Sequence[str] | None) -> list[str]:

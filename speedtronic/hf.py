@@ -21,7 +21,8 @@ from .registry import build_model
 from .tokens import load_tokenizer
 
 # %% auto #0
-__all__ = ['Trained', 'load_trained']
+__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'Trained', 'load_trained', 'weight_names', 'llama_config',
+           'ExportWarning', 'byte_tokenizer_json', 'export_hf', 'export_run']
 
 # %% ../nbs/19_hf.ipynb #55aec66d
 @dataclass
@@ -64,3 +65,120 @@ def load_trained(run: str | os.PathLike | None = None, checkpoint: str | os.Path
     tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
     step = state.get("step") if isinstance(state.get("step"), int) else None
     return Trained(model.to(resolve_device(device)).eval(), tokenizer, config, path, step)
+
+# %% ../nbs/19_hf.ipynb #85792a59
+LLAMA_WEIGHTS: tuple[tuple[str, str], ...] = (  # (reference transformer, LlamaForCausalLM); {i} is the layer
+    ("transformer.wte.weight", "model.embed_tokens.weight"),
+    ("transformer.h.{i}.ln1.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("transformer.h.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("transformer.h.{i}.attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("transformer.h.{i}.attn.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("transformer.h.{i}.attn.out_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("transformer.h.{i}.ln2.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("transformer.h.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("transformer.h.{i}.mlp.up_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("transformer.h.{i}.mlp.down_proj.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("transformer.ln_f.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),  # untied models only
+)
+LLAMA_CONFIG: tuple[tuple[str, str], ...] = (  # (model section key, Llama config.json key)
+    ("vocab_size", "vocab_size"), ("d_model", "hidden_size"), ("n_layer", "num_hidden_layers"),
+    ("n_head", "num_attention_heads"), ("n_kv_head", "num_key_value_heads"), ("max_seq_len", "max_position_embeddings"),
+    ("tie_weights", "tie_word_embeddings"), ("rope_base", "rope_theta"), ("d_ff", "intermediate_size"),
+)
+RMS_NORM_EPS = 1e-5  # the reference transformer's RMSNorm
+
+def weight_names(n_layer: int, tied: bool) -> list[tuple[str, str]]:
+    "`(ours, theirs)` for every parameter of an `n_layer` model (no separate head when `tied`)."
+    names = []
+    for ours, theirs in LLAMA_WEIGHTS:
+        if ours == "lm_head.weight" and tied: continue
+        layers = range(n_layer) if "{i}" in ours else [None]
+        names += [(ours.format(i=i), theirs.format(i=i)) for i in layers]
+    return names
+
+# %% ../nbs/19_hf.ipynb #15aca6ca
+def _swiglu_width(d_ff: int, n_head: int) -> int:
+    from speedtronic.model import swiglu_hidden
+    return swiglu_hidden(d_ff, n_head)
+
+def llama_config(section: Any) -> dict[str, Any]:
+    "The transformers `config.json` of a reference transformer with these settings (a `GPTConfig` or model section)."
+    value = lambda key: getattr(section, "block_size" if key == "max_seq_len" and not hasattr(section, key) else key)
+    config = {theirs: value(ours) for ours, theirs in LLAMA_CONFIG}
+    config["intermediate_size"] = _swiglu_width(value("d_ff"), value("n_head"))
+    config["rope_theta"] = float(config["rope_theta"])
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
+            "head_dim": value("d_model") // value("n_head"), "hidden_act": "silu", "rms_norm_eps": RMS_NORM_EPS,
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
+            "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+            "initializer_range": 0.02, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+            "pad_token_id": None, "torch_dtype": "float32"}
+
+# %% ../nbs/19_hf.ipynb #94ca278c
+class ExportWarning(UserWarning):
+    "An export that is complete for the model but leaves something out (e.g. a tokenizer with no transformers form)."
+
+def _byte_alphabet() -> list[str]:
+    "The printable character byte-level tokenizers use for each byte 0..255 (GPT-2's table)."
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
+
+def byte_tokenizer_json() -> dict[str, Any]:
+    "A `tokenizers` tokenizer.json where token id `b` is the byte `b` (the byte tokenizer's ids)."
+    level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+             "vocab": {ch: b for b, ch in enumerate(_byte_alphabet())}, "merges": []}
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": level, "post_processor": None, "decoder": level, "model": model}
+
+# %% ../nbs/19_hf.ipynb #931c2f0a
+def _tokenizer_files(tokenizer: Any, max_len: int) -> dict[str, bytes]:
+    "File name -> contents of `tokenizer` in transformers' form; empty (with a warning) when it has none."
+    from speedtronic.tokens import CharTokenizer, HFTokenizer
+    if isinstance(tokenizer, HFTokenizer): data = Path(tokenizer.path).read_bytes()
+    elif isinstance(tokenizer, CharTokenizer) and tokenizer.vocab_size >= 256: data = json.dumps(byte_tokenizer_json()).encode()
+    else:
+        import warnings
+        why = (f"the byte tokenizer with vocab_size {tokenizer.vocab_size} < 256 folds bytes together"
+               if isinstance(tokenizer, CharTokenizer) else f"{type(tokenizer).__name__} is not a tokenizers tokenizer")
+        warnings.warn(f"no tokenizer exported: {why} and has no transformers equivalent; the model is exported alone",
+                      ExportWarning, stacklevel=3)
+        return {}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": data, "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+
+# %% ../nbs/19_hf.ipynb #15a59dcc
+def _reference(model: nn.Module) -> Any:
+    "`model` if it is the reference transformer, else one clear refusal."
+    from speedtronic.model import ReferenceTransformer
+    if type(model) is not ReferenceTransformer:
+        raise ConfigError(f"only the reference transformer (model.name reference_transformer or gpt) can be exported as "
+                          f"a transformers Llama model; this model is {type(model).__module__}.{type(model).__qualname__}")
+    return model
+
+def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = None) -> Path:
+    "Write `model` (and `tokenizer`) to `folder` as a transformers `LlamaForCausalLM` folder; returns the folder."
+    from safetensors.torch import save
+    from speedtronic.files import atomic_write_bytes
+    cfg = _reference(model).config
+    sd = model.state_dict()
+    tensors = {theirs: sd[ours].detach().to("cpu", copy=True).contiguous()
+               for ours, theirs in weight_names(cfg.n_layer, cfg.tie_weights)}
+    files = {"model.safetensors": save(tensors, metadata={"format": "pt"}),
+             **({} if tokenizer is None else _tokenizer_files(tokenizer, cfg.block_size)),
+             "generation_config.json": json.dumps({"_from_model_config": True, "max_length": cfg.block_size}, indent=2).encode(),
+             "config.json": json.dumps(llama_config(cfg), indent=2).encode()}
+    folder = Path(folder)
+    for name, data in files.items(): atomic_write_bytes(data, folder / name)
+    return folder
+
+# %% ../nbs/19_hf.ipynb #b9bc71ed
+def export_run(run: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None, *,
+               to: str | os.PathLike) -> Path:
+    "Export the model of a trained run (or one checkpoint) and its tokenizer to the folder `to`."
+    trained = load_trained(run, checkpoint)
+    return export_hf(_reference(trained.model), to, tokenizer=trained.tokenizer)
