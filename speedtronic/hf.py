@@ -22,7 +22,8 @@ from .tokens import load_tokenizer
 
 # %% auto #0
 __all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'Trained', 'load_trained', 'weight_names', 'llama_config',
-           'ExportWarning', 'byte_tokenizer_json', 'export_hf', 'export_run']
+           'ExportWarning', 'byte_tokenizer_json', 'export_hf', 'export_run', 'read_llama_config', 'llama_problems',
+           'model_settings', 'read_llama_weights', 'load_llama']
 
 # %% ../nbs/19_hf.ipynb #55aec66d
 @dataclass
@@ -182,3 +183,127 @@ def export_run(run: str | os.PathLike | None = None, checkpoint: str | os.PathLi
     "Export the model of a trained run (or one checkpoint) and its tokenizer to the folder `to`."
     trained = load_trained(run, checkpoint)
     return export_hf(_reference(trained.model), to, tokenizer=trained.tokenizer)
+
+# %% ../nbs/19_hf.ipynb #0070bce8
+def read_llama_config(folder: str | os.PathLike) -> dict[str, Any]:
+    "The `config.json` of the transformers folder `folder`, as a dict."
+    path = Path(folder) / "config.json"
+    if not Path(folder).is_dir(): raise ConfigError(f"model.init_from: folder {folder} does not exist; give a transformers model folder")
+    if not path.is_file(): raise ConfigError(f"model.init_from: {path} does not exist; {folder} is not a transformers model folder")
+    try: config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e: raise ConfigError(f"model.init_from: {path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict): raise ConfigError(f"model.init_from: {path} does not hold a JSON object")
+    return config
+
+def _rope_problem(config: dict[str, Any]) -> str | None:
+    "Why the folder's RoPE is not the default one, or `None`."
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        kind = (value.get("rope_type") or value.get("type") or "default") if isinstance(value, dict) else value
+        if kind not in (None, "default"): return f"{key} {kind!r} (only default RoPE is implemented)"
+    return None
+
+# %% ../nbs/19_hf.ipynb #414de21f
+def llama_problems(config: dict[str, Any]) -> list[str]:
+    "Every setting of a Llama `config.json` the reference transformer cannot represent, by key."
+    problems = []
+    if config.get("model_type") != "llama": problems.append(f"model_type {config.get('model_type')!r} (only 'llama' is read)")
+    if config.get("hidden_act", "silu") != "silu": problems.append(f"hidden_act {config['hidden_act']!r} (the SwiGLU uses silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key): problems.append(f"{key} true (the reference transformer has no biases)")
+    if rope := _rope_problem(config): problems.append(rope)
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, heads, config.get("intermediate_size"))):
+        return problems + ["hidden_size, num_attention_heads and intermediate_size must be positive integers"]
+    if config.get("head_dim") not in (None, hidden // heads) or hidden % heads:
+        problems.append(f"head_dim {config.get('head_dim', hidden / heads)} (must be hidden_size / num_attention_heads = "
+                        f"{hidden / heads:g})")
+    if config["intermediate_size"] % heads:
+        problems.append(f"intermediate_size {config['intermediate_size']} (must be a multiple of num_attention_heads {heads})")
+    eps = config.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or abs(eps - RMS_NORM_EPS) > 1e-12:
+        problems.append(f"rms_norm_eps {eps!r} (the reference transformer's RMSNorm uses {RMS_NORM_EPS})")
+    return problems
+
+# %% ../nbs/19_hf.ipynb #d9d12d19
+def _d_ff_for(width: int, n_head: int) -> int:
+    "The `d_ff` nearest `1.5 * width` whose SwiGLU width is `width` (a multiple of `n_head`)."
+    near = sorted(range(max(1, 3 * width // 2 - 3), 3 * width // 2 + 5), key=lambda d: abs(d - 1.5 * width))
+    return next(d for d in near if _swiglu_width(d, n_head) == width)
+
+def model_settings(config: dict[str, Any]) -> dict[str, Any]:
+    "The model section (`vocab_size`, `d_model`, ...) a representable Llama `config.json` describes."
+    theirs = {"num_key_value_heads": config["num_attention_heads"], "max_position_embeddings": 2048,
+              "tie_word_embeddings": False, "rope_theta": 10000.0, **config}
+    if isinstance(config.get("rope_parameters"), dict) and "rope_theta" in config["rope_parameters"]:
+        theirs["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    settings = {ours: theirs[key] for ours, key in LLAMA_CONFIG}
+    settings["d_ff"] = _d_ff_for(config["intermediate_size"], config["num_attention_heads"])
+    settings["rope_base"] = float(settings["rope_base"])
+    return settings
+
+# %% ../nbs/19_hf.ipynb #432d1fa1
+def read_llama_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    "Every tensor of a transformers folder's `model.safetensors` (or the shards its index lists)."
+    from safetensors.torch import load_file
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file(): files = [folder / "model.safetensors"]
+    elif index.is_file(): files = [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        found = ", ".join(sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))) or "none"
+        raise CheckpointError(f"model.init_from: {folder} has no model.safetensors (weight files found: {found}); "
+                              "pickled weights are not read: save the model with safetensors (save_pretrained does by default)")
+    tensors = {}
+    for f in files:
+        try: tensors.update(load_file(str(f)))
+        except Exception as e: raise CheckpointError(f"model.init_from: {f} is not a readable safetensors file ({e})") from None
+    return tensors
+
+# %% ../nbs/19_hf.ipynb #d9fdf253
+def _settings_mismatch(model: nn.Module, settings: dict[str, Any], folder: Path) -> list[str]:
+    "`model.<key> is X but config.json has Y` for every model setting that differs from the folder's."
+    config, out = model.config, []
+    for key, theirs in LLAMA_CONFIG:
+        mine, want = getattr(config, "block_size" if key == "max_seq_len" else key), settings[key]
+        if key == "d_ff":
+            width, wanted = _swiglu_width(mine, config.n_head), _swiglu_width(want, settings["n_head"])
+            if width != wanted: out.append(f"model.d_ff: {want} ({theirs} {wanted} in {folder / 'config.json'}; "
+                                           f"the model's d_ff {mine} gives a SwiGLU width of {width})")
+        elif mine != want: out.append(f"model.{key}: {want!r} ({theirs} {want!r} in {folder / 'config.json'}, "
+                                      f"the model has {mine!r})")
+    return out
+
+def _weight_problems(tensors: dict[str, torch.Tensor], names: list[tuple[str, str]], model: nn.Module) -> list[str]:
+    "Missing, unknown and misshapen tensors of the folder for `model`."
+    sd, wanted = model.state_dict(), {theirs for _, theirs in names}
+    left_out = lambda k: k.endswith("rotary_emb.inv_freq") or (k == "lm_head.weight" and model.config.tie_weights)
+    missing = [t for _, t in names if t not in tensors]
+    unknown = sorted(k for k in tensors if k not in wanted and not left_out(k))
+    shapes = [f"{t} {tuple(tensors[t].shape)} (the model's {o} is {tuple(sd[o].shape)})"
+              for o, t in names if t in tensors and tuple(tensors[t].shape) != tuple(sd[o].shape)]
+    return ([f"missing tensors: {', '.join(missing[:6])}"] if missing else []) + \
+           ([f"tensors the reference transformer does not have: {', '.join(unknown[:6])}"] if unknown else []) + shapes[:6]
+
+# %% ../nbs/19_hf.ipynb #5553c97b
+def load_llama(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
+    "Copy the weights of the transformers Llama folder `folder` into the reference transformer `model`."
+    from speedtronic.model import ReferenceTransformer
+    folder = Path(folder)
+    if type(model) is not ReferenceTransformer:
+        raise ConfigError(f"model.init_from needs the reference transformer (model.name reference_transformer or gpt); "
+                          f"this model is {type(model).__module__}.{type(model).__qualname__}")
+    config = read_llama_config(folder)
+    if problems := llama_problems(config):
+        raise ConfigError(f"model.init_from: {folder / 'config.json'} has what the reference transformer cannot compute: "
+                          + "; ".join(problems))
+    if mismatch := _settings_mismatch(model, model_settings(config), folder):
+        raise ConfigError("model.init_from: set " + "; ".join(mismatch))
+    names = weight_names(model.config.n_layer, model.config.tie_weights)
+    tensors = read_llama_weights(folder)
+    if problems := _weight_problems(tensors, names, model):
+        raise CheckpointError(f"model.init_from: the weights in {folder} do not fit: " + "; ".join(problems))
+    sd = model.state_dict()
+    with torch.no_grad():
+        for ours, theirs in names: sd[ours].copy_(tensors[theirs])
+    return model

@@ -147,3 +147,82 @@ def test_a_checkpoint_written_by_2_0_exports(tmp_path):
     ours, _ = our_answers(load_trained(checkpoint=newest).model, ids=ids)
     with torch.no_grad(): theirs = model(torch.tensor(ids)).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+# -- import: model.init_from --------------------------------------------------------------------------
+
+def llama_folder(folder: Path, *, tied: bool = True, n_kv: int = 2, **settings) -> Path:
+    "A random tiny LlamaForCausalLM saved by transformers to `folder` (norm gains random too, so they count)."
+    config = transformers.LlamaConfig(**{
+        "vocab_size": 256, "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": n_kv, "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 500.0,
+        "tie_word_embeddings": tied, **settings})
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name: p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+def init_config(tmp: Path, folder: Path, *, tied: bool = True, n_kv: int = 2, **model) -> dict:
+    "A run whose model section matches `llama_folder` and starts from `folder`."
+    (tmp / "text.txt").write_text(TEXT)
+    return {"run": {"seed": 3, "max_steps": 2, "output_dir": str(tmp / "out")},
+            "model": {"vocab_size": 256, "max_seq_len": 32, "n_layer": 2, "n_head": 4, "n_kv_head": n_kv, "d_model": 32,
+                      "d_ff": 132, "tie_weights": tied, "rope_base": 500.0, "init_from": str(folder), **model},
+            "data": {"text_path": str(tmp / "text.txt"), "synthetic": False, "block_size": 32, "micro_batch_size": 2,
+                     "target_batch_size": 2}, "precision": "fp32", "logging": {"progress": False, "loss_plot": False}}
+
+
+@pytest.mark.parametrize("tied, n_kv", [(True, 2), (False, 4), (True, 1), (False, 2)])
+def test_a_run_starts_from_a_llama_folder(tmp_path, tied, n_kv):
+    from speedtronic.runtime import build_runtime, close_logger
+    folder = llama_folder(tmp_path / "llama", tied=tied, n_kv=n_kv)
+    trainer, _ = build_runtime(init_config(tmp_path, folder, tied=tied, n_kv=n_kv), device="cpu")
+    try:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ids = torch.tensor(IDS)
+        with torch.no_grad():
+            diff = (trainer.model.eval()(ids)["logits"] - theirs(ids).logits).abs().max().item()
+        assert diff <= 1e-4, diff
+        assert (trainer.model.lm_head.weight is trainer.model.transformer.wte.weight) == tied
+    finally: close_logger(trainer.logger); trainer.run_claim.release()
+
+
+def test_the_cli_trains_from_a_llama_folder_and_exports_it_back(tmp_path):
+    import yaml
+    folder = llama_folder(tmp_path / "llama")
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(init_config(tmp_path, folder)))
+    ok(run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", cwd=tmp_path))
+    ok(run_cli("export", "--run", str(tmp_path / "out"), "--to", str(tmp_path / "back"), cwd=tmp_path))
+    theirs = hf_side(tmp_path / "back")
+    logits, greedy = our_answers(load_trained(tmp_path / "out").model)
+    assert (logits - torch.tensor(theirs["logits"])).abs().max().item() <= 1e-4 and theirs["greedy"] == greedy
+    before = json.loads((folder / "config.json").read_text())
+    assert {k: before[k] for k in ("hidden_size", "num_key_value_heads")} == {"hidden_size": 32, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("settings, model, needles", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 16}}, {}, ["'llama3'", "only default RoPE"]),
+    ({"attention_bias": True}, {}, ["attention_bias true"]),
+    ({"mlp_bias": True}, {}, ["mlp_bias true"]),
+    ({"hidden_act": "gelu"}, {}, ["hidden_act 'gelu'"]),
+    ({"head_dim": 16}, {}, ["head_dim 16"]),
+    ({"rms_norm_eps": 1e-6}, {}, ["rms_norm_eps 1e-06"]),
+    ({"tie_word_embeddings": False}, {}, ["model.tie_weights: False", "tie_word_embeddings"]),
+    ({}, {"tie_weights": False}, ["model.tie_weights: True"]),
+    ({}, {"d_model": 64}, ["model.d_model: 32", "hidden_size"]),
+    ({}, {"d_ff": 256}, ["model.d_ff: 132", "intermediate_size 88"]),
+])
+def test_what_the_reference_transformer_cannot_compute_is_refused_by_name(tmp_path, settings, model, needles):
+    import yaml
+    folder = llama_folder(tmp_path / "llama", **settings)
+    raw = init_config(tmp_path, folder, **model)
+    raw["model"]["init_from"] = str(folder)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    proc = run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", cwd=tmp_path)
+    one_error_line(proc, "model.init_from", *needles)
+    assert not list((tmp_path / "out").glob("**/step_*.pt"))
