@@ -119,6 +119,7 @@ def _add_model_commands(sub) -> None:
     where.add_argument("--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint")
     where.add_argument("--checkpoint", metavar="FILE", help="one checkpoint file")
     e.add_argument("--to", required=True, type=output_dir, metavar="DIR", help="the folder to write")
+    e.add_argument("--push-to-hub", metavar="ORG/NAME", help="then upload the folder to this Hub model repository (one commit)")
 
 # %% ../nbs/15_cli.ipynb #b4c4fdb5
 def _output_dir_problems(config: SpeedtronicConfig, key: str = "run.output_dir") -> list[str]:
@@ -238,9 +239,10 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 def _export(args: argparse.Namespace) -> int:
-    "`speedtronic export`: write the transformers folder and say where."
-    from speedtronic.hf import export_run
+    "`speedtronic export`: write the transformers folder (and push it to the Hub) and say where."
+    from speedtronic.hf import export_run, push_to_hub
     print(f"exported to {export_run(args.run, args.checkpoint, to=args.to)}")
+    if args.push_to_hub: print(f"pushed to {push_to_hub(args.to, args.push_to_hub)}")
     return 0
 
 _COMMANDS.update(generate=_generate, export=_export)

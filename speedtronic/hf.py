@@ -23,7 +23,7 @@ from .tokens import load_tokenizer
 # %% auto #0
 __all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'Trained', 'load_trained', 'weight_names', 'llama_config',
            'ExportWarning', 'byte_tokenizer_json', 'export_hf', 'export_run', 'read_llama_config', 'llama_problems',
-           'model_settings', 'read_llama_weights', 'load_llama']
+           'model_settings', 'read_llama_weights', 'load_llama', 'push_to_hub']
 
 # %% ../nbs/19_hf.ipynb #55aec66d
 @dataclass
@@ -307,3 +307,23 @@ def load_llama(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     with torch.no_grad():
         for ours, theirs in names: sd[ours].copy_(tensors[theirs])
     return model
+
+# %% ../nbs/19_hf.ipynb #920f4754
+def push_to_hub(folder: str | os.PathLike, repo_id: str, *, token: str | None = None,
+                commit_message: str = "Upload model exported by speedtronic") -> str:
+    "Upload the exported `folder` to the Hub model repository `repo_id` in one commit; returns the commit URL."
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError
+    folder = Path(folder)
+    if not (folder / "config.json").is_file(): raise ConfigError(f"{folder} holds no exported model (config.json); export it first")
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=True, exist_ok=True)
+        return str(api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message).commit_url)
+    except HFValidationError as e:
+        raise ConfigError(f"--push-to-hub {repo_id!r} is not a repository id like 'org/name' ({e})") from None
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        hint = ("set HF_TOKEN to a token with write access to it" if status in (401, 403)
+                else "check the repository id and the network")
+        raise ConfigError(f"could not push {folder} to the Hub repository {repo_id} (HTTP {status}): {hint}") from None

@@ -226,3 +226,51 @@ def test_what_the_reference_transformer_cannot_compute_is_refused_by_name(tmp_pa
     proc = run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", cwd=tmp_path)
     one_error_line(proc, "model.init_from", *needles)
     assert not list((tmp_path / "out").glob("**/step_*.pt"))
+
+
+# -- publishing: --push-to-hub ------------------------------------------------------------------------
+
+TOKEN = "hf_export_write_token_0123456789"
+READ_ONLY = "hf_export_read_token_0123456789"
+
+
+@pytest.fixture
+def hub():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hub_server import HubStandIn
+    server = HubStandIn(tokens={TOKEN: "write", READ_ONLY: "read"}).start()
+    yield server
+    server.stop()
+
+
+def test_push_to_hub_uploads_the_export_in_one_commit(run_dir, tmp_path, hub):
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    proc = ok(run_cli("export", "--run", str(run_dir), "--to", str(tmp_path / "llama"), "--push-to-hub", "org/tiny-llama",
+                      cwd=tmp_path, env=env))
+    assert TOKEN not in proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith(f"pushed to {hub.url}/org/tiny-llama/commit/")
+    repo = hub.repos["org/tiny-llama"]
+    assert [c.message for c in repo.commits] == ["initial commit", "Upload model exported by speedtronic"] and repo.private
+    local = {p.name: p.read_bytes() for p in (tmp_path / "llama").iterdir()}
+    assert sorted(repo.commits[-1].added) == sorted(local)           # every file in the one upload commit
+    assert hub.files("org/tiny-llama") == local
+    # what was pushed loads from the Hub with transformers
+    from huggingface_hub import snapshot_download
+    got = snapshot_download("org/tiny-llama", endpoint=hub.url, token=TOKEN, cache_dir=tmp_path / "cache")
+    assert hf_side(Path(got))["greedy"] == our_answers(load_trained(run_dir).model)[1]
+    # pushing the same export again finds the repository and leaves it as it is
+    ok(run_cli("export", "--run", str(run_dir), "--to", str(tmp_path / "llama"), "--push-to-hub", "org/tiny-llama",
+               cwd=tmp_path, env=env))
+    assert len(hub.repos["org/tiny-llama"].commits) == 2 and hub.files("org/tiny-llama") == local
+
+
+@pytest.mark.parametrize("token, needles", [(READ_ONLY, ["org/tiny-llama", "HTTP 403", "write access"]),
+                                            ("hf_not_a_known_token_000000", ["org/tiny-llama", "HTTP 401", "HF_TOKEN"])])
+def test_a_push_without_write_access_is_one_error_line_without_the_token(run_dir, tmp_path, hub, token, needles):
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": token, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    proc = run_cli("export", "--run", str(run_dir), "--to", str(tmp_path / "llama"), "--push-to-hub", "org/tiny-llama",
+                   cwd=tmp_path, env=env)
+    one_error_line(proc, *needles)
+    assert token not in proc.stdout + proc.stderr
+    assert (tmp_path / "llama" / "model.safetensors").is_file()      # the export itself is kept
+    assert "org/tiny-llama" not in hub.repos
