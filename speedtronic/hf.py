@@ -164,8 +164,10 @@ def _reference(model: nn.Module) -> Any:
 def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = None) -> Path:
     "Write `model` (and `tokenizer`) to `folder` as a transformers `LlamaForCausalLM` folder; returns the folder."
     from safetensors.torch import save
-    from speedtronic.files import atomic_write_bytes
-    cfg = _reference(model).config
+    from speedtronic.files import atomic_write_bytes, file_in_the_way
+    cfg, folder = _reference(model).config, Path(folder)
+    if (blocker := file_in_the_way(folder)) is not None:
+        raise ConfigError(f"cannot export to {folder}: {blocker} is a file, not a folder; give another folder")
     sd = model.state_dict()
     tensors = {theirs: sd[ours].detach().to("cpu", copy=True).contiguous()
                for ours, theirs in weight_names(cfg.n_layer, cfg.tie_weights)}
@@ -173,7 +175,6 @@ def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = N
              **({} if tokenizer is None else _tokenizer_files(tokenizer, cfg.block_size)),
              "generation_config.json": json.dumps({"_from_model_config": True, "max_length": cfg.block_size}, indent=2).encode(),
              "config.json": json.dumps(llama_config(cfg), indent=2).encode()}
-    folder = Path(folder)
     for name, data in files.items(): atomic_write_bytes(data, folder / name)
     return folder
 

@@ -137,6 +137,14 @@ def test_only_the_reference_transformer_is_exported(tmp_path):
                    "nowhere", "does not exist")
 
 
+def test_export_onto_a_file_is_one_error_line_and_the_file_is_kept(run_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    for to in ("notes.txt", "notes.txt/llama"):
+        one_error_line(run_cli("export", "--run", str(run_dir), "--to", str(tmp_path / to), cwd=tmp_path),
+                       "notes.txt is a file, not a folder")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures/v2.0 is not beside the checkout")
 def test_a_checkpoint_written_by_2_0_exports(tmp_path):
     newest = FIXTURES / "checkpoint-adamw" / "run" / "checkpoints" / "step_000000000008.pt"
