@@ -282,3 +282,19 @@ def test_a_push_without_write_access_is_one_error_line_without_the_token(run_dir
     assert token not in proc.stdout + proc.stderr
     assert (tmp_path / "llama" / "model.safetensors").is_file()      # the export itself is kept
     assert "org/tiny-llama" not in hub.repos
+
+
+def test_a_resumed_run_reads_its_checkpoint_not_the_llama_folder(tmp_path):
+    import shutil, yaml
+    from conftest import jsonl_records
+    folder = llama_folder(tmp_path / "llama")
+    raw = init_config(tmp_path, folder)
+    raw["logging"]["json_file"] = str(tmp_path / "metrics.jsonl")
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    ok(run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", cwd=tmp_path))
+    shutil.rmtree(folder)                                            # not needed any more
+    ok(run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", "--resume", "--max-steps", "4", cwd=tmp_path))
+    assert [r["step"] for r in jsonl_records(tmp_path / "metrics.jsonl")][-2:] == [3, 4]
+    fresh = run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", "--output-dir", str(tmp_path / "new"),
+                    cwd=tmp_path)
+    one_error_line(fresh, "model.init_from", "does not exist")     # a fresh run still needs it
