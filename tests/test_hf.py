@@ -160,7 +160,7 @@ def test_a_checkpoint_written_by_2_0_exports(tmp_path):
 # -- import: model.init_from --------------------------------------------------------------------------
 
 def llama_folder(folder: Path, *, tied: bool = True, n_kv: int = 2, **settings) -> Path:
-    "A random tiny LlamaForCausalLM saved by transformers to `folder` (norm gains random too, so they count)."
+    "A random tiny LlamaForCausalLM saved by transformers to `folder` (weights wide enough that greedy text varies; norm gains random too)."
     config = transformers.LlamaConfig(**{
         "vocab_size": 256, "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": n_kv, "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 500.0,
@@ -170,6 +170,7 @@ def llama_folder(folder: Path, *, tied: bool = True, n_kv: int = 2, **settings) 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name: p.uniform_(0.5, 1.5)
+            else: p.normal_(0, 0.3)
     model.save_pretrained(folder)
     return folder
 
@@ -208,6 +209,7 @@ def test_the_cli_trains_from_a_llama_folder_and_exports_it_back(tmp_path):
     theirs = hf_side(tmp_path / "back")
     logits, greedy = our_answers(load_trained(tmp_path / "out").model)
     assert (logits - torch.tensor(theirs["logits"])).abs().max().item() <= 1e-4 and theirs["greedy"] == greedy
+    assert all(len(set(row)) > 3 for row in greedy)                   # varied text, not one token repeated
     before = json.loads((folder / "config.json").read_text())
     assert {k: before[k] for k in ("hidden_size", "num_key_value_heads")} == {"hidden_size": 32, "num_key_value_heads": 2}
 
