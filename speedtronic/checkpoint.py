@@ -175,7 +175,7 @@ def _listing(label: str, names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
     return f"{label}: {shown}"
 
-_RUNTIME_ONLY = {"gradient_checkpointing", "imports"}  # model.* keys that never change the weights
+_RUNTIME_ONLY = {"gradient_checkpointing", "imports", "init_from"}  # model.* keys that never change the weights
 
 def _plain(value):
     "Tuples and lists compare equal after a round trip through a file."

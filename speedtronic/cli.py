@@ -94,7 +94,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="byte", metavar="byte|PATH", help="'byte' or a Hugging Face tokenizer.json")
     p.add_argument("--vocab-size", type=positive_int, default=None, metavar="N", help="vocabulary size the tokens must fit")
     p.add_argument("--no-progress", action="store_true", help="do not show a progress line on stderr")
+    _add_model_commands(sub)
     return parser
+
+# %% ../nbs/15_cli.ipynb #4d2cb8d0
+def _add_model_commands(sub) -> None:
+    "The `generate` and `export` sub-commands' arguments (the work is in `speedtronic.generation` and `speedtronic.hf`)."
+    g = sub.add_parser("generate", help="continue a prompt with a trained model, streaming the text",
+                       description="Continue a prompt with the model of a trained run; the text streams to stdout.")
+    where = g.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint")
+    where.add_argument("--checkpoint", metavar="FILE", help="one checkpoint file")
+    g.add_argument("--prompt", required=True, help="the text to continue (printed first)")
+    g.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default: 100)")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="sample among the most likely tokens up to probability P")
+    g.add_argument("--seed", type=int, default=None, help="the same seed writes the same text")
+    g.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    e = sub.add_parser("export", help="write a trained model as a transformers (Llama) folder",
+                       description="Write the model of a trained run and its tokenizer as a folder that "
+                                   "transformers.AutoModelForCausalLM.from_pretrained loads.")
+    where = e.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint")
+    where.add_argument("--checkpoint", metavar="FILE", help="one checkpoint file")
+    e.add_argument("--to", required=True, type=output_dir, metavar="DIR", help="the folder to write")
+    e.add_argument("--push-to-hub", metavar="ORG/NAME", help="then upload the folder to this Hub model repository (one commit)")
 
 # %% ../nbs/15_cli.ipynb #b4c4fdb5
 def _output_dir_problems(config: SpeedtronicConfig, key: str = "run.output_dir") -> list[str]:
@@ -198,6 +223,30 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"validate": _validate, "train": _train, "prepare": _prepare}
+
+# %% ../nbs/15_cli.ipynb #4c65f770
+def _generate(args: argparse.Namespace) -> int:
+    "`speedtronic generate`: print the prompt, then the model's continuation as it comes."
+    from speedtronic.generation import check_sampling, generate, prompt_ids
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    check_sampling(**sampling)
+    from speedtronic.hf import load_trained
+    trained = load_trained(args.run, args.checkpoint, device=args.device)
+    prompt_ids(trained.model, trained.tokenizer, args.prompt)  # refused before anything is printed
+    def show(piece: str) -> None: sys.stdout.write(piece); sys.stdout.flush()
+    show(args.prompt)
+    generate(trained.model, trained.tokenizer, args.prompt, seed=args.seed, on_text=show, **sampling)
+    print()
+    return 0
+
+def _export(args: argparse.Namespace) -> int:
+    "`speedtronic export`: write the transformers folder (and push it to the Hub) and say where."
+    from speedtronic.hf import export_run, push_to_hub
+    print(f"exported to {export_run(args.run, args.checkpoint, to=args.to)}")
+    if args.push_to_hub: print(f"pushed to {push_to_hub(args.to, args.push_to_hub)}")
+    return 0
+
+_COMMANDS.update(generate=_generate, export=_export)
 
 # %% ../nbs/15_cli.ipynb #1066b2c1
 def _config_secrets(argv: Sequence[str] | None) -> list[str]:

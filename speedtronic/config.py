@@ -318,6 +318,7 @@ class ModelConfig(_Section):
     rope_base: float = 10000.0
     gradient_checkpointing: bool = False  # OR-synchronised with the root flag
     imports: list[str] = field(default_factory=list)  # modules imported before the registry lookup
+    init_from: str | None = None  # a transformers Llama folder whose weights start a fresh run
     def _normalise(self):
         if self.n_kv_head is None: self.n_kv_head = self.n_head
         if self.d_ff is None: self.d_ff = 4 * self.d_model
@@ -335,6 +336,8 @@ class ModelConfig(_Section):
                               f"(pick d_model = {_show(self.n_head * (self.d_model // self.n_head + 1))} or another n_head)")
         for m in self.imports:
             if not _MODULE_NAME.fullmatch(m): r.fail("imports", f"{m!r} is not a module name like 'my_pkg.models'")
+        if self.init_from is not None and not self.init_from.strip():
+            r.fail("init_from", "must not be empty (give a transformers Llama folder, or leave it unset)")
         return r.problems
 
 # %% ../nbs/00_config.ipynb #a49a362d

@@ -21,9 +21,10 @@ from .registry import registry
 
 # %% auto #0
 __all__ = ['TransformerConfig', 'GPT', 'Transformer', 'ReferenceModel', 'GPTModel', 'GPTConfig', 'RMSNorm', 'rotate_half',
-           'apply_rope', 'RotaryEmbedding', 'AttentionMask', 'prepare_attention_mask', 'CausalSelfAttention',
-           'naive_causal_attention', 'swiglu_hidden', 'SwiGLU', 'TransformerBlock', 'init_weights',
-           'ReferenceTransformer', 'causal_lm_loss', 'reference_state_dict_shapes', 'parameter_breakdown']
+           'apply_rope', 'RotaryEmbedding', 'AttentionMask', 'prepare_attention_mask', 'LayerCache', 'KVCache',
+           'CausalSelfAttention', 'naive_causal_attention', 'swiglu_hidden', 'SwiGLU', 'TransformerBlock',
+           'init_weights', 'ReferenceTransformer', 'causal_lm_loss', 'reference_state_dict_shapes',
+           'parameter_breakdown']
 
 # %% ../nbs/02_model.ipynb #8aaa9960
 _DEFAULT = {f.name: f.default for f in fields(ModelConfig)}  # the defaults, stated once: ModelConfig's
@@ -140,6 +141,54 @@ def prepare_attention_mask(attention_mask: torch.Tensor | AttentionMask | None, 
     has_key = allowed.any(dim=-1, keepdim=True)
     return AttentionMask(allowed | ~has_key, has_key)
 
+# %% ../nbs/02_model.ipynb #44413c23
+class LayerCache:
+    "One layer's keys and values `(B, n_kv_head, max_len, head_dim)`; the first `length` positions are filled."
+    def __init__(self, max_len: int):
+        self.max_len, self.length = int(max_len), 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        "Append `k`, `v` `(B, H, T, D)` after the held positions; return all held keys and values."
+        B, H, T, D = k.shape
+        if self.k is None or self.k.shape[:2] != (B, H) or self.k.dtype != k.dtype or self.k.device != k.device:
+            if self.length: raise ValueError(f"the cache holds {self.length} positions of a batch of {tuple(self.k.shape[:2])} "
+                                             f"{self.k.dtype}; start a new cache for a batch of {(B, H)} {k.dtype}")
+            self.k = k.new_zeros(B, H, self.max_len, D)
+            self.v = v.new_zeros(B, H, self.max_len, D)
+        end = self.length + T
+        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+# %% ../nbs/02_model.ipynb #4ef88662
+class KVCache:
+    "Keys and values of the positions seen so far, one `LayerCache` per transformer block."
+    def __init__(self, n_layer: int, max_len: int):
+        if max_len <= 0: raise ValueError(f"a KV cache needs max_len > 0, got {max_len}")
+        self.max_len = int(max_len)
+        self.layers = [LayerCache(max_len) for _ in range(n_layer)]
+
+    @property
+    def length(self) -> int:
+        "Positions held."
+        return self.layers[0].length if self.layers else 0
+
+    def crop(self, length: int) -> None:
+        "Forget every position from `length` on."
+        for layer in self.layers: layer.length = max(0, min(layer.length, int(length)))
+
+    def check_room(self, new: int, attention_mask: Any = None) -> None:
+        "Refuse a padding mask, or `new` positions that do not fit after the held ones."
+        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
+            raise ValueError("a forward with a KV cache takes no padding mask; decode unpadded sequences")
+        if self.length + new > self.max_len:
+            raise ValueError(f"the KV cache holds {self.length} of {self.max_len} positions and cannot take {new} more; "
+                             f"crop it (cache.crop(n)) or start a new one")
+
+    def __repr__(self) -> str: return f"KVCache(layers={len(self.layers)}, length={self.length}, max_len={self.max_len})"
+
 # %% ../nbs/02_model.ipynb #d3ec1437
 _SDPA_GQA = torch.__version__ >= (2, 5)   # `enable_gqa=` shares KV heads inside SDPA without copying them
 
@@ -160,19 +209,22 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = proj.shape
         return proj.view(B, T, n, self.head_dim).transpose(1, 2)
 
+    def _shared_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        "Keys and values each query head reads, and the SDPA keywords that go with them."
+        if self.n_kv_head == self.n_head: return k, v, {}
+        if _SDPA_GQA and k.device.type == "cpu": return k, v, {"enable_gqa": True}
+        repeat = self.n_head // self.n_kv_head
+        return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), {}
+
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding,
-                attention_mask: torch.Tensor | AttentionMask | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | AttentionMask | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        if cache is not None: return self._forward_cached(x, rope, cache)
         B, T, _ = x.shape
         q, k = self._heads(self.q_proj(x), self.n_head), self._heads(self.k_proj(x), self.n_kv_head)
         v = self._heads(self.v_proj(x), self.n_kv_head)
         cos, sin = rope(T, x.device, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        extra = {}
-        if self.n_kv_head != self.n_head:
-            if _SDPA_GQA and x.device.type == "cpu": extra["enable_gqa"] = True
-            else:
-                repeat = self.n_head // self.n_kv_head
-                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        k, v, extra = self._shared_kv(k, v)
         mask = prepare_attention_mask(attention_mask, B, T)
         p = self.attn_dropout if self.training else 0.0
         if mask is None: y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **extra)
@@ -218,14 +270,14 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)  # kept for 2.0's module tree; the attention branch drops once
         self.gradient_checkpointing = False
 
-    def _body(self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), rope, attention_mask)
+    def _body(self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None, cache=None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), rope, attention_mask, cache)
         return x + self.mlp(self.ln2(x))
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None, cache=None) -> torch.Tensor:
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._body, x, rope, attention_mask, use_reentrant=False)
-        return self._body(x, rope, attention_mask)
+            return checkpoint(self._body, x, rope, attention_mask, cache, use_reentrant=False)
+        return self._body(x, rope, attention_mask, cache)
 
 # %% ../nbs/02_model.ipynb #f09a493d
 def init_weights(module: nn.Module) -> None:
@@ -276,17 +328,18 @@ GPT = Transformer = ReferenceModel = GPTModel = ReferenceTransformer
 # %% ../nbs/02_model.ipynb #7c5c4dce
 @patch
 def forward(self: ReferenceTransformer, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None, **_) -> dict[str, torch.Tensor]:
-    "Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given."
+            attention_mask: torch.Tensor | None = None, *, cache: KVCache | None = None, **_) -> dict[str, torch.Tensor]:
+    "Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given; `cache` continues a sequence."
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}")
     B, T = input_ids.shape
     if T > self.config.block_size:
         raise ValueError(f"sequence length {T} exceeds model block size {self.config.block_size}; "
                          f"raise model.max_seq_len or lower data.block_size")
-    mask = prepare_attention_mask(attention_mask, B, T)
+    if cache is not None: cache.check_room(T, attention_mask)
+    mask = prepare_attention_mask(attention_mask, B, T) if cache is None else None
     x = self.transformer.drop(self.transformer.wte(input_ids))
-    for block in self.transformer.h: x = block(x, self.rope, mask)
+    for i, block in enumerate(self.transformer.h): x = block(x, self.rope, mask, None if cache is None else cache.layers[i])
     logits = self.lm_head(self.transformer.ln_f(x))
     if labels is None: return {"logits": logits}
     return {"logits": logits, "loss": causal_lm_loss(logits, labels)}
@@ -304,6 +357,33 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     flat = labels.reshape(-1).long()
     total = F.cross_entropy(logits.reshape(-1, V), flat, ignore_index=ignore_index, reduction="sum")
     return total / (flat != ignore_index).sum().clamp(min=1)
+
+# %% ../nbs/02_model.ipynb #cd141144
+@patch
+def _forward_cached(self: CausalSelfAttention, x: torch.Tensor, rope: RotaryEmbedding, cache: LayerCache) -> torch.Tensor:
+    "Attention for the positions after those `cache` holds, appending their keys and values to it."
+    B, T, _ = x.shape
+    start = cache.length
+    q, k = self._heads(self.q_proj(x), self.n_head), self._heads(self.k_proj(x), self.n_kv_head)
+    v = self._heads(self.v_proj(x), self.n_kv_head)
+    cos, sin = rope(start + T, x.device, q.dtype)
+    q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
+    k, v, extra = self._shared_kv(*cache.extend(k, v))
+    if start == 0: y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
+    elif T == 1: y = F.scaled_dot_product_attention(q, k, v, **extra)
+    else:
+        allowed = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **extra)
+    return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, -1)))
+
+# %% ../nbs/02_model.ipynb #e1b0af18
+@patch
+def new_cache(self: ReferenceTransformer, max_len: int | None = None) -> KVCache:
+    "An empty `KVCache` for this model, `max_len` positions long (default and most: `max_seq_len`)."
+    limit = self.config.block_size
+    if max_len is not None and not 0 < max_len <= limit:
+        raise ValueError(f"max_len must be in 1..{limit} (the model's max_seq_len), got {max_len}")
+    return KVCache(self.config.n_layer, max_len or limit)
 
 # %% ../nbs/02_model.ipynb #c9b32773
 def reference_state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:

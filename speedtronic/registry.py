@@ -189,7 +189,7 @@ def import_model_modules(names: Iterable[str] | str | None) -> list[ModuleType]:
     return modules
 
 # %% ../nbs/01_registry.ipynb #02443162
-_NOT_FACTORY_ARGUMENTS = ("name", "imports", "gradient_checkpointing")  # read by the registry and the trainer
+_NOT_FACTORY_ARGUMENTS = ("name", "imports", "gradient_checkpointing", "init_from")  # read by the registry and the trainer
 _FACTORY_KEYWORD = {"max_seq_len": "block_size"}  # config field -> factory keyword, where they differ
 
 def factory_fields() -> dict[str, str]:

@@ -241,6 +241,8 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         plan = resolve_precision(config.precision, dev)
         world.writer_first(lambda: _maybe_demo_corpus(config))
         model = build_model(config.model).to(dev)
+        if config.model.init_from and not (resume and checkpoint_files(run_paths(config).checkpoints)):  # a resume reads its checkpoint
+            from speedtronic.hf import load_llama; load_llama(model, config.model.init_from)
         if world.rank: seed_everything(config.run.seed + world.rank)
         loader = _loader(config, model, dev, world)
         ck = config.checkpoint
