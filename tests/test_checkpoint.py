@@ -47,7 +47,7 @@ def test_damaged_newest_falls_back_to_older(tmp_path, damage):
     assert state["step"] == 2 and m.loaded_path == m.path_for(2)
     assert [p for p, _ in m.skipped] == [newest]
     assert len(m.logger) == 1 and newest.name in m.logger[0]
-    assert ("empty" if damage == "empty" else "corrupt") in m.skipped[0][1]
+    assert {"empty": "is empty", "truncate": "is truncated", "random": "is corrupt"}[damage] in m.skipped[0][1]
 
 
 def test_missing_pointer_target_uses_newest_file(tmp_path):
