@@ -23,6 +23,7 @@ import torch
 
 from fastcore.basics import patch
 
+from .errors import ExpectedError
 from .config import ModelConfig, SpeedtronicConfig, as_section, explicit_fields, redact
 from .files import TEMP_NAME, atomic_write, atomic_write_text, file_in_the_way, writer_gone
 
@@ -33,7 +34,7 @@ __all__ = ['CheckpointError', 'atomic_torch_save', 'atomic_json_dump', 'load_che
            'nonfinite_tensors', 'nonfinite_state', 'checkpoint_run_id']
 
 # %% ../nbs/07_checkpoint.ipynb #8fc616ec
-class CheckpointError(RuntimeError):
+class CheckpointError(ExpectedError, RuntimeError):
     "A checkpoint file is missing, unreadable, unsafe or does not fit the current run."
 
 # %% ../nbs/07_checkpoint.ipynb #3964e7ad

@@ -19,6 +19,7 @@ import torch
 from fastcore.basics import patch
 from torch import nn
 
+from .errors import ExpectedError
 from .checkpoint import CheckpointError
 from .config import ConfigError, DataConfig, SpeedtronicConfig
 from .precision import resolve_device
@@ -190,7 +191,7 @@ def agree_stop(self: World, reason: str | None) -> str | None:
     return (reason or "another rank was asked to stop") if flag.item() else None
 
 # %% ../nbs/10p_parallel.ipynb #8463093f
-class JobError(RuntimeError):
+class JobError(ExpectedError, RuntimeError):
     "Another rank's error, raised on this rank too so that the whole job stops at the same point; that rank reports it."
     def __init__(self, message: str, reporting_rank: int = 0):
         super().__init__(message)

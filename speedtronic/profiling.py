@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_ch
 
 from fastcore.basics import patch
 
+from .errors import ExpectedError
 from .config import REDACTED, ConfigError, is_secret_key
 
 # %% auto #0
@@ -154,7 +155,7 @@ def scrub(value: Any) -> Any:
     return value
 
 # %% ../nbs/08_metrics.ipynb #a96c8442
-class LogWriteError(OSError):
+class LogWriteError(ExpectedError, OSError):
     "A log line could not be appended (disk full, size limit); the file still ends with a whole line."
 
 class LineFile:
