@@ -98,36 +98,35 @@ def _first_sentence(error: BaseException) -> str:
     first = re.split(r"(?<=[.!?;])\s", text, maxsplit=1)[0].rstrip(".;")
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
+_OLDER = "delete it or resume from an older checkpoint"
+
+def _unusable(path: Path, why: str, advice: str | None = _OLDER) -> CheckpointError:
+    "`checkpoint <path> <why>; <advice>` as a `CheckpointError` whose `.why` a list of several files shows alone."
+    error = CheckpointError(f"checkpoint {path} {why}" + (f"; {advice}" if advice else ""))
+    error.why = why
+    return error
+
 def load_checkpoint(path: str | os.PathLike) -> dict:
     "Load the checkpoint at `path` as tensors and plain data only; any problem is a `CheckpointError`."
     path = Path(path)
-    if problem := _not_a_file(path): raise CheckpointError(f"checkpoint {path} {problem}")
-    try: head, size = _zip_cut_short(path)
+    if problem := _not_a_file(path): raise _unusable(path, problem, None)
+    try: cut, size = _zip_cut_short(path)
     except OSError as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or e}); "
-                              "give this user read access to it, or resume from another checkpoint") from None
-    if size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): it was never completely "
-                              "written; delete it or resume from an older checkpoint")
-    if head:
-        raise CheckpointError(f"checkpoint {path} is truncated ({size} bytes, cut short before the end record every "
-                              "complete torch.save file has); delete it or resume from an older checkpoint")
+        raise _unusable(path, f"cannot be read ({e.strerror or e})", "give this user read access to it, or resume "
+                        "from another checkpoint") from None
+    if size == 0: raise _unusable(path, "is empty (0 bytes): it was never completely written")
+    if cut: raise _unusable(path, f"is truncated ({size} bytes, cut short before the end record every complete "
+                            "torch.save file has)")
     try: state = _torch_load_restricted(path)
     except pickle.UnpicklingError as e:
-        unsafe = _unsafe_what(str(e), path)
-        if unsafe:
-            raise CheckpointError(
-                f"checkpoint {path} is unsafe to load: it holds Python objects other than tensors and plain data "
-                f"({unsafe}), and unpickling them could run code, so it was not loaded. If you trust the file, "
-                "re-save it with only tensors, numbers, strings, lists and dicts") from None
-        raise CheckpointError(f"checkpoint {path} is corrupt (not a readable torch.save file); "
-                              "delete it or resume from an older checkpoint") from None
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt ({_first_sentence(e)}); "
-                              "delete it or resume from an older checkpoint") from None
+        if unsafe := _unsafe_what(str(e), path):
+            raise _unusable(path, f"is unsafe to load: it holds Python objects other than tensors and plain data "
+                            f"({unsafe}), and unpickling them could run code, so it was not loaded",
+                            "if you trust the file, re-save it with only tensors, numbers, strings, lists and dicts") from None
+        raise _unusable(path, "is corrupt (not a readable torch.save file)") from None
+    except Exception as e: raise _unusable(path, f"is corrupt ({_first_sentence(e)})") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path} does not contain a state dictionary "
-                              f"(found {type(state).__name__})")
+        raise _unusable(path, f"does not contain a state dictionary (found {type(state).__name__})", None)
     return state
 
 # %% ../nbs/07_checkpoint.ipynb #7f695362
@@ -517,19 +516,19 @@ def _outside(path: Path, directory: Path) -> Path | None:
 def _usable(self: CheckpointManager, path: Path, owner: str | None) -> dict:
     "The state in `path` if it is a finite checkpoint of the step its name says, of run `owner`; else a `CheckpointError`."
     if target := _outside(path, self.directory):
-        raise CheckpointError(f"checkpoint {path} is a link to {target}, outside {self.directory}; a run resumes only "
-                              "its own checkpoints: replace the link with a copy of the file to continue from it")
+        raise _unusable(path, f"is a link to {target}, outside {self.directory}; a run resumes only its own checkpoints",
+                        "replace the link with a copy of the file to continue from it")
     state = load_checkpoint(path)
     if bad := nonfinite_state(state):
-        raise CheckpointError(f"checkpoint {path} is unusable: {_nonfinite_reason(bad)}, written by a run that had diverged")
+        raise _unusable(path, f"is unusable: {_nonfinite_reason(bad)}, written by a run that had diverged")
     step, named = state.get("step"), checkpoint_step(path.name)
     if isinstance(step, int) and not isinstance(step, bool) and step != named:
-        raise CheckpointError(f"checkpoint {path} holds step {step}, not step {named} as its name says (a file copied "
-                              "or renamed onto it); rename it step_<step>.pt for the step it holds, or delete it")
+        raise _unusable(path, f"holds step {step}, not step {named} as its name says (a file copied or renamed onto it)",
+                        "rename it step_<step>.pt for the step it holds, or delete it")
     run_id = state.get("run_id")
     if owner is not None and isinstance(run_id, str) and run_id != owner:
-        raise CheckpointError(f"checkpoint {path} belongs to run {run_id}, not to run {owner} whose checkpoints "
-                              f"{self.directory} holds; move it to its own run's folder")
+        raise _unusable(path, f"belongs to run {run_id}, not to run {owner} whose checkpoints {self.directory} holds",
+                        "move it to its own run's folder")
     return state
 
 @patch
@@ -547,15 +546,15 @@ def _newest_loadable(self: CheckpointManager) -> tuple[Path, dict] | None:
         self._warn(f"{self.pointer_path} names {pointer['file']}, which does not exist; "
                    "using the newest checkpoint file instead")
     owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
-    files = checkpoint_files(self.directory)
+    files, whys = checkpoint_files(self.directory), []
     for path in files:
         try: return path, self._usable(path, owner)
         except CheckpointError as e:
-            self.skipped.append((path, str(e)))
+            self.skipped.append((path, str(e))); whys.append(getattr(e, "why", str(e)))
             self._warn(f"skipping unusable checkpoint: {e}")
     if files:
         raise CheckpointError(f"no checkpoint in {self.directory} can be loaded:\n  - "
-                              + "\n  - ".join(f"{p.name}: {why}" for p, why in self.skipped)
+                              + "\n  - ".join(f"{p.name} {why}" for p, why in zip(files, whys))
                               + "\nRestore a good copy there, or start without resume")
     return None
 

@@ -392,7 +392,7 @@ def local_state(self: World, state: Mapping, path: Any = None) -> Mapping:
     saved = saved_world_size(state)
     if saved != self.size:
         who = lambda n: "one process" if n == 1 else f"a torchrun job of {n} processes"
-        raise CheckpointError(f"checkpoint {path or ''} was saved by {who(saved)} and this run is {who(self.size)}; resume it "
+        raise CheckpointError(f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} and this run is {who(self.size)}; resume it "
                               f"with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or start without --resume")
     if saved == 1: return state
     return {**state, **{key: state[key]["ranks"][self.rank] if state.get(key) else None for key in ("rng", "data")}}
@@ -419,7 +419,7 @@ def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None
     if len(set(found)) > 1:
         seen = ", ".join(f"rank {r}: {'none' if s is None else f'step {s}'}" for r, s in enumerate(found))
         raise job_wide(CheckpointError(f"the ranks found different checkpoints to resume ({seen}); every process must see "
-                                       f"the same checkpoint directory {path or ''} — on several machines, a shared filesystem"))
+                                       f"the same checkpoint directory{f' {path}' if path else ''} (on several machines, a shared filesystem)"))
 
 @patch
 def writer_first(self: World, write: Callable[[], Any]) -> None:
