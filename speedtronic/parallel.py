@@ -227,6 +227,9 @@ def _join_failure(world: World, error: BaseException) -> ConfigError:
     if joined := re.search(r"(\d+)/(\d+) clients joined", text):
         return ConfigError(f"rank 0 waited {world.connect_timeout_s:g} s at {_rendezvous_address()} and {int(joined.group(1)) - 1} of "
                            f"the other {world.size - 1} rank(s) joined; {fix}")
+    if "failed to listen" in text:
+        return ConfigError(f"rank 0 cannot listen at {_rendezvous_address()} ($MASTER_ADDR:$MASTER_PORT): the port is in use "
+                           f"or the address is not this machine's; {fix} (torchrun --master-port picks a free port)")
     if "timed out" in text.lower():
         return ConfigError(f"rank {world.rank} of {world.size} could not reach rank 0 at {_rendezvous_address()} "
                            f"($MASTER_ADDR:$MASTER_PORT) within {world.connect_timeout_s:g} s; {fix}")

@@ -552,3 +552,14 @@ def test_a_rank_that_dies_is_named_by_the_survivor(tmp_path):
     one_error_line(subprocess.CompletedProcess(ranks[0].args, ranks[0].returncode, out, err),
                    "[rank 0 of 2]", "rank 1 of this torchrun job died or lost its connection", "--resume continues")
     assert "pair.cc" not in err and "GLHF" not in err, err[-3000:]
+
+
+def test_stray_rank_0_on_a_busy_port(tmp_path):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0)); busy.listen()
+        port = busy.getsockname()[1]
+        proc = stray_train(tmp_path, stray_env(tmp_path, 0, port, SPEEDTRONIC_CONNECT_TIMEOUT="4"))
+        out, err = proc.communicate(timeout=120)
+    one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                   f"rank 0 cannot listen at 127.0.0.1:{port} ($MASTER_ADDR:$MASTER_PORT): the port is in use", "unset WORLD_SIZE")
