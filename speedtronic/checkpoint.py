@@ -390,14 +390,18 @@ class CheckpointManager:
 
 # %% ../nbs/07_checkpoint.ipynb #7b25c2df
 def nonfinite_tensors(tensors: Mapping) -> list[str]:
-    "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device)."
-    floats = [(k, v) for k, v in tensors.items() if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())]
+    "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device, as a rule)."
     by_device: dict[torch.device, list] = {}
-    for k, v in floats: by_device.setdefault(v.device, []).append((k, torch.isfinite(v.detach()).all()))
+    for k, v in tensors.items():
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
+            by_device.setdefault(v.device, []).append((k, v.detach()))
     bad = []
-    for items in by_device.values():
-        flags = torch.stack([f for _, f in items]).cpu().tolist()
-        bad += [k for (k, _), ok in zip(items, flags) if not ok]
+    for items in by_device.values():   # a finite sum means every element is finite; only an infinite sum is looked at closely
+        sums = torch.stack([torch.isfinite(v.sum()) for _, v in items]).cpu().tolist()
+        suspects = [(k, v) for (k, v), ok in zip(items, sums) if not ok]
+        if not suspects: continue
+        flags = torch.stack([torch.isfinite(v).all() for _, v in suspects]).cpu().tolist()   # or the sum overflowed
+        bad += [k for (k, _), ok in zip(suspects, flags) if not ok]
     return bad
 
 _CHECKED_PARTS = {"model": "the model weights", "optimizer": "the optimizer state", "coordinator": "the DiLoCo state"}
