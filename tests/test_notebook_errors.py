@@ -63,3 +63,27 @@ def test_refused_runs_show_their_message_and_tb_shows_the_traceback(tmp_path):
     message_alone(out[4], "ConfigError", "optimizer.lr")
     message_alone(out[6], "RunLocked", "is in use by another training process", "other-run")
     assert "Traceback" in out[8] and "IndexError" in out[8], out[8]
+
+
+def test_jupyterlab_receives_the_message_alone(tmp_path):
+    "What a real kernel sends JupyterLab for an expected error: the message and the hint; `%tb` then sends the traceback."
+    from jupyter_client.manager import KernelManager
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(tmp_path), env=cli_env())
+    kc = km.client()
+    try:
+        kc.start_channels()
+        kc.wait_for_ready(timeout=120)
+        errors: list[list[str]] = []
+        def run(code: str) -> None:
+            kc.execute_interactive(code, timeout=120, output_hook=lambda msg: errors.append(msg["content"]["traceback"])
+                                   if msg["msg_type"] == "error" else None)
+        run("from speedtronic.config import SpeedtronicConfig\nSpeedtronicConfig.from_dict({'optimizer': {'lr': -1}})")
+        run("%tb")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    shown, again = ([ANSI.sub("", line) for line in tb] for tb in errors)
+    assert len(shown) == 2 and shown[0].startswith("ConfigError: ") and "optimizer.lr" in shown[0], shown
+    assert shown[1] == "(the traceback: %tb)", shown
+    assert any("from_dict" in line for line in again) and "ConfigError" in "\n".join(again), again
