@@ -23,6 +23,7 @@ import torch
 
 from fastcore.basics import patch
 
+from .errors import ExpectedError
 from .config import ModelConfig, SpeedtronicConfig, as_section, explicit_fields, redact
 from .files import TEMP_NAME, atomic_write, atomic_write_text, file_in_the_way, writer_gone
 
@@ -30,10 +31,10 @@ from .files import TEMP_NAME, atomic_write, atomic_write_text, file_in_the_way, 
 __all__ = ['CheckpointError', 'atomic_torch_save', 'atomic_json_dump', 'load_checkpoint', 'capture_rng_state',
            'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes', 'checkpoint_step',
            'checkpoint_files', 'read_pointer', 'stale_temp_files', 'redacted_state', 'CheckpointManager',
-           'nonfinite_tensors', 'checkpoint_run_id']
+           'nonfinite_tensors', 'nonfinite_state', 'checkpoint_run_id']
 
 # %% ../nbs/07_checkpoint.ipynb #8fc616ec
-class CheckpointError(RuntimeError):
+class CheckpointError(ExpectedError, RuntimeError):
     "A checkpoint file is missing, unreadable, unsafe or does not fit the current run."
 
 # %% ../nbs/07_checkpoint.ipynb #3964e7ad
@@ -75,30 +76,57 @@ def _unsafe_what(message: str, path: Path) -> str | None:
     if found and found.group(3): return f"pickle instruction {found.group(3)}, which only a full unpickler runs"
     return next((g for g in found.groups() if g), None) if found else "a pickle instruction it does not allow"
 
+def _not_a_file(path: Path) -> str | None:
+    "What `path` is when it is not a checkpoint file to read (missing, a folder, a broken link, a pipe), else `None`."
+    if path.is_dir(): return "is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"
+    if path.is_symlink() and not path.exists(): return f"is a link to {os.readlink(path)}, which does not exist"
+    if not path.exists(): return "does not exist"
+    if not path.is_file(): return "is not a regular file (a pipe, socket or device); name a step_<step>.pt file"
+    return None
+
+def _zip_cut_short(path: Path) -> tuple[bool, int]:
+    "(is `path` a zip archive, as `torch.save` writes, whose end record is missing?, its size in bytes)."
+    with open(path, "rb") as f:
+        head, size = f.read(4), os.fstat(f.fileno()).st_size
+        if head != b"PK\x03\x04": return False, size
+        f.seek(max(0, size - 22))
+        return f.read(4) != b"PK\x05\x06", size   # torch.save writes no zip comment: the record is the last 22 bytes
+
+def _first_sentence(error: BaseException) -> str:
+    "`Type: first sentence` of `error`'s message, on one line and never cut within a sentence."
+    text = " ".join(str(error).split())
+    first = re.split(r"(?<=[.!?;])\s", text, maxsplit=1)[0].rstrip(".;")
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+_OLDER = "delete it or resume from an older checkpoint"
+
+def _unusable(path: Path, why: str, advice: str | None = _OLDER) -> CheckpointError:
+    "`checkpoint <path> <why>; <advice>` as a `CheckpointError` whose `.why` a list of several files shows alone."
+    error = CheckpointError(f"checkpoint {path} {why}" + (f"; {advice}" if advice else ""))
+    error.why = why
+    return error
+
 def load_checkpoint(path: str | os.PathLike) -> dict:
     "Load the checkpoint at `path` as tensors and plain data only; any problem is a `CheckpointError`."
     path = Path(path)
-    if not path.is_file(): raise CheckpointError(f"checkpoint {path} does not exist")
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): it was never completely "
-                              "written; delete it or resume from an older checkpoint")
+    if problem := _not_a_file(path): raise _unusable(path, problem, None)
+    try: cut, size = _zip_cut_short(path)
+    except OSError as e:
+        raise _unusable(path, f"cannot be read ({e.strerror or e})", "give this user read access to it, or resume "
+                        "from another checkpoint") from None
+    if size == 0: raise _unusable(path, "is empty (0 bytes): it was never completely written")
+    if cut: raise _unusable(path, f"is truncated ({size} bytes, cut short before the end record every complete "
+                            "torch.save file has)")
     try: state = _torch_load_restricted(path)
     except pickle.UnpicklingError as e:
-        unsafe = _unsafe_what(str(e), path)
-        if unsafe:
-            raise CheckpointError(
-                f"checkpoint {path} is unsafe to load: it holds Python objects other than tensors and plain data "
-                f"({unsafe}), and unpickling them could run code, so it was not loaded. If you trust the file, "
-                "re-save it with only tensors, numbers, strings, lists and dicts") from None
-        raise CheckpointError(f"checkpoint {path} is corrupt (not a readable torch.save file); "
-                              "delete it or resume from an older checkpoint") from None
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); "
-                              "delete it or resume from an older checkpoint") from None
+        if unsafe := _unsafe_what(str(e), path):
+            raise _unusable(path, f"is unsafe to load: it holds Python objects other than tensors and plain data "
+                            f"({unsafe}), and unpickling them could run code, so it was not loaded",
+                            "if you trust the file, re-save it with only tensors, numbers, strings, lists and dicts") from None
+        raise _unusable(path, "is corrupt (not a readable torch.save file)") from None
+    except Exception as e: raise _unusable(path, f"is corrupt ({_first_sentence(e)})") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path} does not contain a state dictionary "
-                              f"(found {type(state).__name__})")
+        raise _unusable(path, f"does not contain a state dictionary (found {type(state).__name__})", None)
     return state
 
 # %% ../nbs/07_checkpoint.ipynb #7f695362
@@ -362,15 +390,43 @@ class CheckpointManager:
 
 # %% ../nbs/07_checkpoint.ipynb #7b25c2df
 def nonfinite_tensors(tensors: Mapping) -> list[str]:
-    "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device)."
-    floats = [(k, v) for k, v in tensors.items() if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())]
+    "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device, as a rule)."
     by_device: dict[torch.device, list] = {}
-    for k, v in floats: by_device.setdefault(v.device, []).append((k, torch.isfinite(v.detach()).all()))
+    for k, v in tensors.items():
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
+            by_device.setdefault(v.device, []).append((k, v.detach()))
     bad = []
-    for items in by_device.values():
-        flags = torch.stack([f for _, f in items]).cpu().tolist()
-        bad += [k for (k, _), ok in zip(items, flags) if not ok]
+    for items in by_device.values():   # a finite sum means every element is finite; only an infinite sum is looked at closely
+        sums = torch.stack([torch.isfinite(v.sum()) for _, v in items]).cpu().tolist()
+        suspects = [(k, v) for (k, v), ok in zip(items, sums) if not ok]
+        if not suspects: continue
+        flags = torch.stack([torch.isfinite(v).all() for _, v in suspects]).cpu().tolist()   # or the sum overflowed
+        bad += [k for (k, _), ok in zip(suspects, flags) if not ok]
     return bad
+
+_CHECKED_PARTS = {"model": "the model weights", "optimizer": "the optimizer state", "coordinator": "the DiLoCo state"}
+
+def _tensor_leaves(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    "`{'a.0.b': tensor}` for every tensor inside nested mappings, lists and tuples."
+    if isinstance(value, torch.Tensor): return {prefix: value}
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    out = {}
+    for k, v in items: out.update(_tensor_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+def nonfinite_state(state: Mapping) -> dict[str, list[str]]:
+    "`{part: tensors with NaN/inf}` for the parts of checkpoint `state` a resume restores: model, optimizer, DiLoCo state."
+    found = {}
+    for part in _CHECKED_PARTS:
+        leaves = _tensor_leaves(state.get(part), "" if part == "model" else part)
+        if bad := nonfinite_tensors(leaves): found[part] = bad
+    return found
+
+def _nonfinite_reason(found: dict[str, list[str]]) -> str:
+    "`the model weights hold NaN or infinity (in: w)` for what `nonfinite_state` found."
+    what = " and ".join(_CHECKED_PARTS[p] for p in found)
+    verb = "hold" if len(found) > 1 or "model" in found else "holds"
+    return f"{what} {verb} NaN or infinity ({_listing('in', [n for names in found.values() for n in names], 4)})"
 
 def checkpoint_run_id(path: str | os.PathLike) -> str | None:
     "The run id a checkpoint file records, read without loading its tensors; `None` if it has none or does not load."
@@ -385,10 +441,9 @@ def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
     "Write `state` for `step` atomically, point `latest.json` at it, prune; returns the file."
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
-    bad = nonfinite_tensors(state.get("model") or {}) if isinstance(state.get("model"), Mapping) else []
-    if bad:
-        raise CheckpointError(f"checkpoint {self.path_for(step)} was not written: the model weights hold NaN or infinity "
-                              f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already in "
+    if bad := nonfinite_state(state):
+        raise CheckpointError(f"checkpoint {self.path_for(step)} was not written: {_nonfinite_reason(bad)}, "
+                              "so training diverged; the checkpoints already in "
                               f"{self.directory} are kept. Resume from the last good one with a lower optimizer.lr "
                               "or an optimizer.grad_clip")
     if self.run_id is not None: state = {**state, "run_id": self.run_id}
@@ -455,12 +510,29 @@ def check_writable(self: CheckpointManager) -> None:
     except OSError as e: raise self._unwritable(f"checkpoints to {self.directory}", e) from None
 
 # %% ../nbs/07_checkpoint.ipynb #660e2b94
-def _finite_checkpoint(path: Path) -> dict:
-    "`load_checkpoint(path)`, refusing a state whose model weights hold NaN or infinity (written by a diverged 2.0 run)."
+def _outside(path: Path, directory: Path) -> Path | None:
+    "Where `path` leads when it is a link out of `directory` (to another run's checkpoint), else `None`."
+    if not path.is_symlink(): return None
+    target = path.resolve()
+    return None if target.parent == directory.resolve() else target
+
+@patch
+def _usable(self: CheckpointManager, path: Path, owner: str | None) -> dict:
+    "The state in `path` if it is a finite checkpoint of the step its name says, of run `owner`; else a `CheckpointError`."
+    if target := _outside(path, self.directory):
+        raise _unusable(path, f"is a link to {target}, outside {self.directory}; a run resumes only its own checkpoints",
+                        "replace the link with a copy of the file to continue from it")
     state = load_checkpoint(path)
-    bad = nonfinite_tensors(state["model"]) if isinstance(state.get("model"), Mapping) else []
-    if bad: raise CheckpointError(f"checkpoint {path} holds NaN or infinite model weights ({_listing('in', bad, 4)}); "
-                                  "an older checkpoint is used instead")
+    if bad := nonfinite_state(state):
+        raise _unusable(path, f"is unusable: {_nonfinite_reason(bad)}, written by a run that had diverged")
+    step, named = state.get("step"), checkpoint_step(path.name)
+    if isinstance(step, int) and not isinstance(step, bool) and step != named:
+        raise _unusable(path, f"holds step {step}, not step {named} as its name says (a file copied or renamed onto it)",
+                        "rename it step_<step>.pt for the step it holds, or delete it")
+    run_id = state.get("run_id")
+    if owner is not None and isinstance(run_id, str) and run_id != owner:
+        raise _unusable(path, f"belongs to run {run_id}, not to run {owner} whose checkpoints {self.directory} holds",
+                        "move it to its own run's folder")
     return state
 
 @patch
@@ -477,15 +549,16 @@ def _newest_loadable(self: CheckpointManager) -> tuple[Path, dict] | None:
     if "file" in pointer and not (self.directory / pointer["file"]).is_file():
         self._warn(f"{self.pointer_path} names {pointer['file']}, which does not exist; "
                    "using the newest checkpoint file instead")
-    files = checkpoint_files(self.directory)
+    owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
+    files, whys = checkpoint_files(self.directory), []
     for path in files:
-        try: return path, _finite_checkpoint(path)
+        try: return path, self._usable(path, owner)
         except CheckpointError as e:
-            self.skipped.append((path, str(e)))
+            self.skipped.append((path, str(e))); whys.append(getattr(e, "why", str(e)))
             self._warn(f"skipping unusable checkpoint: {e}")
     if files:
         raise CheckpointError(f"no checkpoint in {self.directory} can be loaded:\n  - "
-                              + "\n  - ".join(f"{p.name}: {why}" for p, why in self.skipped)
+                              + "\n  - ".join(f"{p.name} {why}" for p, why in zip(files, whys))
                               + "\nRestore a good copy there, or start without resume")
     return None
 

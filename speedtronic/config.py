@@ -25,10 +25,11 @@ from typing import Any, Union
 
 from fastcore.basics import patch
 
+from .errors import ExpectedError
 from .files import atomic_write_text
 
 # %% ../nbs/00_config.ipynb #0803e96c
-class ConfigError(ValueError):
+class ConfigError(ExpectedError, ValueError):
     "A configuration problem, or several: `.problems` lists them, `str()` shows one per line."
     def __init__(self, problems: str | Iterable[str]):
         self.problems = [problems] if isinstance(problems, str) else list(dict.fromkeys(str(p) for p in problems))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
+from .errors import ExpectedError
 from .config import ConfigError, LoggingConfig, as_section
 from .files import file_in_the_way
 from .optional import MissingExtra, optional_import
@@ -76,7 +77,7 @@ def _wandb_value(value: Any) -> Any:
     "A payload value as W&B accepts it: numbers, strings, bools and None as they are, others as text."
     return value if value is None or isinstance(value, (int, float, str, bool)) else str(value)
 
-class IntegrationError(RuntimeError):
+class IntegrationError(ExpectedError, RuntimeError):
     "A TensorBoard or W&B hook cannot start (no login, no network, a folder in the way)."
 
 _OFFLINE = ("offline", "disabled", "dryrun")

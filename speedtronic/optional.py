@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from .errors import ExpectedError
 
 # %% auto #0
 __all__ = ['MissingExtra', 'optional_import']
 
 # %% ../nbs/00b_optional.ipynb #5865862e
-class MissingExtra(ImportError):
+class MissingExtra(ExpectedError, ImportError):
     "An optional dependency is not installed; the message names the extra that installs it."
 
 def optional_import(name: str, # the module to import, e.g. "matplotlib.figure"

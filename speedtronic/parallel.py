@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
+import re
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -19,17 +23,19 @@ import torch
 from fastcore.basics import patch
 from torch import nn
 
+from .errors import ExpectedError
 from .checkpoint import CheckpointError
 from .config import ConfigError, DataConfig, SpeedtronicConfig
 from .precision import resolve_device
 
 # %% auto #0
-__all__ = ['COLLECTIVE_TIMEOUT_S', 'World', 'world_from_env', 'accumulation_per_rank', 'world_problems', 'world_device',
-           'backend_for', 'start_world', 'end_process', 'JobError', 'job_wide', 'raised_together', 'merge_boundaries',
-           'saved_world_size', 'GroupCoordinator']
+__all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'World', 'world_from_env', 'accumulation_per_rank', 'world_problems',
+           'world_device', 'backend_for', 'start_world', 'end_process', 'PeerLost', 'peer_lost', 'watch_peers',
+           'JobError', 'job_wide', 'raised_together', 'merge_boundaries', 'saved_world_size', 'GroupCoordinator']
 
 # %% ../nbs/10p_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
+CONNECT_TIMEOUT_S = 120.0
 
 @dataclass
 class World:
@@ -41,6 +47,7 @@ class World:
     device: Any = None  # the `torch.device` this rank trains on, set by `start_world`
     backend: str | None = None  # `nccl` or `gloo` while this process is in the job's process group
     timeout_s: float = COLLECTIVE_TIMEOUT_S  # how long a collective waits for the other ranks
+    connect_timeout_s: float = CONNECT_TIMEOUT_S  # how long joining waits for the others (`$SPEEDTRONIC_CONNECT_TIMEOUT`)
     control: Any = field(default=None, repr=False)  # gloo group for the small CPU-side agreements between ranks
     owns_group: bool = field(default=False, repr=False)  # the process group was started here (and is ended here)
 
@@ -66,7 +73,17 @@ def world_from_env(environ: Mapping[str, str] | None = None) -> World:
     if size < 1 or not 0 <= rank < size or not 0 <= local_rank < local_size <= size:
         shown = ", ".join(f"{n}={values[n]}" for n in _TORCHRUN)
         raise ConfigError(f"the torchrun environment does not add up ({shown}); start the job with torchrun")
-    return World(size, rank, local_rank, local_size)
+    return World(size, rank, local_rank, local_size, connect_timeout_s=_connect_timeout(env))
+
+def _connect_timeout(env: Mapping[str, str]) -> float:
+    "`$SPEEDTRONIC_CONNECT_TIMEOUT` as seconds (a positive number), else `CONNECT_TIMEOUT_S`."
+    text = env.get("SPEEDTRONIC_CONNECT_TIMEOUT")
+    if text is None: return CONNECT_TIMEOUT_S
+    try: seconds = float(text)
+    except ValueError: seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"$SPEEDTRONIC_CONNECT_TIMEOUT={text!r} must be a positive number of seconds; set it to e.g. 120 or unset it")
+    return seconds
 
 # %% ../nbs/10p_parallel.ipynb #323712dd
 def _batch_problem(data: DataConfig, world_size: int) -> str | None:
@@ -111,6 +128,46 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 # %% ../nbs/10p_parallel.ipynb #0a656e0b
+_NOTICE_AFTER_S = 3.0  # a rendezvous that takes longer than this is said once
+_JOB_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+def _listener(world: World) -> tuple[str, int] | None:
+    "The address this rank connects to before it joins (rank 0's, or torchrun's agent's); `None` when it hosts or it is unset."
+    if world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True": return None
+    try: return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError): return None   # the rendezvous itself names what is missing
+
+def _answers(address: tuple[str, int], wait_s: float) -> bool:
+    "Does something accept a TCP connection at `address` within `wait_s` seconds?"
+    try:
+        with socket.create_connection(address, timeout=max(0.05, wait_s)): return True
+    except OSError: return False
+
+def _join_store(world: World) -> Any:
+    "The job's `env://` rendezvous store, reached within `connect_timeout_s`; Ctrl-C and SIGTERM stop the wait."
+    from torch.distributed.rendezvous import rendezvous
+    start = time.monotonic()
+    left = lambda: start + world.connect_timeout_s - time.monotonic()
+    said = []
+    def say_once():
+        if said or time.monotonic() - start < _NOTICE_AFTER_S: return
+        said.append(True)
+        print(f"speedtronic: {_waiting_for(world)}, for up to {world.connect_timeout_s:g} s (Ctrl-C stops)", file=sys.stderr, flush=True)
+    if (address := _listener(world)) is not None:   # wait here, in Python, until rank 0 listens: no C++ retry loop
+        while not _answers(address, min(1.0, left())):
+            if left() <= 0: raise _join_failure(world, TimeoutError("timed out")) from None
+            say_once()
+            time.sleep(min(0.2, max(left(), 0)))
+    box, done = {}, threading.Event()
+    def connect():
+        try: box["store"] = next(rendezvous("env://", timeout=timedelta(seconds=max(left(), 1.0))))[0]
+        except Exception as e: box["error"] = e
+        finally: done.set()
+    threading.Thread(target=connect, name="speedtronic-rendezvous", daemon=True).start()
+    while not done.wait(0.5): say_once()   # lock waits: the signal handlers run, and what they raise ends the wait
+    if "error" in box: raise _join_failure(world, box["error"]) from None
+    return box["store"]
+
 _STARTED_GROUPS: list[str] = []  # the backends of the process groups this process started (read by `end_process`)
 
 def start_world(world: World, device: torch.device) -> World:
@@ -123,7 +180,10 @@ def start_world(world: World, device: torch.device) -> World:
     if world.device.type == "cuda": torch.cuda.set_device(world.device)
     world.owns_group = not dist.is_initialized()
     if world.owns_group:
-        dist.init_process_group(backend_for(world.device), timeout=timeout)
+        store = _join_store(world)
+        store.set_timeout(timeout)   # the connect bound is for joining; the group's own waits keep the collective timeout
+        dist.init_process_group(backend_for(world.device), store=dist.PrefixStore("default_pg", store),
+                                rank=world.rank, world_size=world.size, timeout=timeout)
         _STARTED_GROUPS.append(backend_for(world.device))
     world.backend = dist.get_backend()
     world.control = dist.new_group(backend="gloo", timeout=timeout) if world.backend != "gloo" else dist.group.WORLD
@@ -144,6 +204,39 @@ def close(self: World, failed: bool = False,
         except Exception: meet = False
     if meet or backend == "gloo": dist.destroy_process_group()
 
+# %% ../nbs/10p_parallel.ipynb #0582c93e
+def _rendezvous_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+def _waiting_for(world: World) -> str:
+    "What a joining rank waits for, e.g. `rank 1 of 2 is waiting for rank 0 at 10.0.0.5:29500 ($MASTER_ADDR:$MASTER_PORT)`."
+    hosts = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    who = f"waiting at {_rendezvous_address()} for the other {world.size - 1} rank(s) to join" if hosts else \
+          f"waiting for rank 0 at {_rendezvous_address()}"
+    return f"rank {world.rank} of {world.size} is {who} ($MASTER_ADDR:$MASTER_PORT)"
+
+def _join_failure(world: World, error: BaseException) -> ConfigError:
+    "One message for a rendezvous that failed: what was missing or who did not come, and the variables to unset."
+    text = " ".join(str(error).split())
+    present = [n for n in _JOB_VARIABLES if n in os.environ]
+    fix = (f"if no torchrun job is meant here, unset {', '.join(present)} (left in this environment); otherwise start "
+           "every rank with torchrun, with the same --master-addr/--master-port")
+    if missing := re.search(r"environment variable (\w+) expected, but not set", text):
+        return ConfigError(f"${missing.group(1)} is not set, but $WORLD_SIZE={world.size} makes this process rank "
+                           f"{world.rank} of a torchrun job; {fix}")
+    if joined := re.search(r"(\d+)/(\d+) clients joined", text):
+        return ConfigError(f"rank 0 waited {world.connect_timeout_s:g} s at {_rendezvous_address()} and {int(joined.group(1)) - 1} of "
+                           f"the other {world.size - 1} rank(s) joined; {fix}")
+    if "failed to listen" in text:
+        return ConfigError(f"rank 0 cannot listen at {_rendezvous_address()} ($MASTER_ADDR:$MASTER_PORT): the port is in use "
+                           f"or the address is not this machine's; {fix} (torchrun --master-port picks a free port)")
+    if "timed out" in text.lower():
+        return ConfigError(f"rank {world.rank} of {world.size} could not reach rank 0 at {_rendezvous_address()} "
+                           f"($MASTER_ADDR:$MASTER_PORT) within {world.connect_timeout_s:g} s; {fix}")
+    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
+    return ConfigError(f"rank {world.rank} of {world.size} could not join the torchrun job at {_rendezvous_address()} "
+                       f"({type(error).__name__}: {first}); {fix}")
+
 # %% ../nbs/10p_parallel.ipynb #63cd6c0f
 def end_process(code: int) -> int:
     "`code` in a process that never started a process group; one that did ends here with exit status `code`."
@@ -156,8 +249,42 @@ def end_process(code: int) -> int:
         except Exception: pass  # a closed stream has nothing left to write
     os._exit(code)
 
+# %% ../nbs/10p_parallel.ipynb #0b6d0b71
+class PeerLost(ExpectedError, RuntimeError):
+    "Another rank of the job died, or its connection broke, during a collective; this rank stops too."
+
+_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|ncclRemoteError|remote process exited")
+
+def peer_lost(error: BaseException, world: World) -> PeerLost | None:
+    "The `PeerLost` for a collective's `error` that says a peer vanished (naming the rank when it is known), else `None`."
+    text = " ".join(str(error).split())
+    if hasattr(error, "reporting_rank") or not (gone := _PEER_GONE.search(text)): return None   # a job-wide verdict: as it is
+    at = re.search(r"\[([^\]/]+)\]:(\d+)", text)
+    where = f" at {at.group(1)}:{at.group(2)}" if at else ""
+    who = f"rank {1 - world.rank}" if world.size == 2 else f"another rank{where}"
+    return PeerLost(f"{who} of this torchrun job died or lost its connection ({gone.group(0)}{where}), so rank {world.rank} "
+                    "stops too; see that rank's output (torchrun's summary names the rank that failed) for why, then start "
+                    "the job again (--resume continues from the last checkpoint)")
+
+@contextlib.contextmanager
+def _peers_watched(world: World, inner: contextlib.AbstractContextManager | None = None):
+    "Within the block (and `inner`), an error about a vanished peer is raised as its `PeerLost`."
+    try:
+        with inner or contextlib.nullcontext(): yield
+    except RuntimeError as e:
+        if (lost := peer_lost(e, world)) is None: raise
+        raise lost from e
+
+def watch_peers(method: Callable) -> Callable:
+    "`method` of `World` with its collectives' vanished-peer errors raised as `PeerLost`."
+    @functools.wraps(method)
+    def watched(self: World, *args, **kwargs):
+        with _peers_watched(self): return method(self, *args, **kwargs)
+    return watched
+
 # %% ../nbs/10p_parallel.ipynb #7d6fc54a
 @patch
+@watch_peers
 def wrap(self: World, model: nn.Module) -> nn.Module:
     "The module training runs forward on: `DistributedDataParallel(model)` in a torchrun job, else `model`."
     if self.backend is None: return model
@@ -168,11 +295,12 @@ def wrap(self: World, model: nn.Module) -> nn.Module:
 @patch
 def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     "The context of one microbatch's forward and backward: gradients are averaged over the ranks only when `sync`."
-    if sync or self.backend is None: return contextlib.nullcontext()
-    return module.no_sync()
+    if self.backend is None: return contextlib.nullcontext()
+    return _peers_watched(self, None if sync else module.no_sync())   # DDP's all-reduce runs in the backward
 
 # %% ../nbs/10p_parallel.ipynb #71478092
 @patch
+@watch_peers
 def all_sum(self: World, tensor: torch.Tensor) -> torch.Tensor:
     "`tensor` summed over every rank (in place, one all-reduce); `tensor` itself for one process."
     if self.backend is None: return tensor
@@ -181,6 +309,7 @@ def all_sum(self: World, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 @patch
+@watch_peers
 def agree_stop(self: World, reason: str | None) -> str | None:
     "The reason every rank stops after this step, or None: one rank asked to stop stops them all at the same step."
     if self.backend is None: return reason
@@ -190,7 +319,7 @@ def agree_stop(self: World, reason: str | None) -> str | None:
     return (reason or "another rank was asked to stop") if flag.item() else None
 
 # %% ../nbs/10p_parallel.ipynb #8463093f
-class JobError(RuntimeError):
+class JobError(ExpectedError, RuntimeError):
     "Another rank's error, raised on this rank too so that the whole job stops at the same point; that rank reports it."
     def __init__(self, message: str, reporting_rank: int = 0):
         super().__init__(message)
@@ -206,6 +335,7 @@ def raised_together(error: BaseException) -> bool:
     return isinstance(getattr(error, "reporting_rank", None), int)
 
 @patch
+@watch_peers
 def raise_together(self: World, error: BaseException | None) -> None:
     "Raise on every rank if any rank has an `error`: the lowest such rank its own (it reports it), the others a `JobError`."
     if self.backend is None:
@@ -240,6 +370,7 @@ def on_every_rank(self: World, fn: Callable[[], Any]) -> Any:
     return result
 
 @patch
+@watch_peers
 def share(self: World, value: Any) -> Any:
     "Rank 0's `value` (small and picklable: a run id) on every rank; `value` itself for one process."
     if self.backend is None: return value
@@ -264,13 +395,14 @@ def local_state(self: World, state: Mapping, path: Any = None) -> Mapping:
     saved = saved_world_size(state)
     if saved != self.size:
         who = lambda n: "one process" if n == 1 else f"a torchrun job of {n} processes"
-        raise CheckpointError(f"checkpoint {path or ''} was saved by {who(saved)} and this run is {who(self.size)}; resume it "
+        raise CheckpointError(f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} and this run is {who(self.size)}; resume it "
                               f"with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or start without --resume")
     if saved == 1: return state
     return {**state, **{key: state[key]["ranks"][self.rank] if state.get(key) else None for key in ("rng", "data")}}
 
 # %% ../nbs/10p_parallel.ipynb #4af8793f
 @patch
+@watch_peers
 def gather_boundary(self: World, boundary: Mapping) -> Mapping:
     "The job's boundary (every rank's RNG and data position); all ranks call it together. One process: `boundary`."
     if self.backend is None: return boundary
@@ -280,6 +412,7 @@ def gather_boundary(self: World, boundary: Mapping) -> Mapping:
     return merge_boundaries(parts)
 
 @patch
+@watch_peers
 def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None:
     "Raise a `CheckpointError` on every rank unless all ranks are resuming the same step (`None`: none found)."
     if self.backend is None: return
@@ -289,7 +422,7 @@ def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None
     if len(set(found)) > 1:
         seen = ", ".join(f"rank {r}: {'none' if s is None else f'step {s}'}" for r, s in enumerate(found))
         raise job_wide(CheckpointError(f"the ranks found different checkpoints to resume ({seen}); every process must see "
-                                       f"the same checkpoint directory {path or ''} — on several machines, a shared filesystem"))
+                                       f"the same checkpoint directory{f' {path}' if path else ''} (on several machines, a shared filesystem)"))
 
 @patch
 def writer_first(self: World, write: Callable[[], Any]) -> None:
@@ -298,6 +431,7 @@ def writer_first(self: World, write: Callable[[], Any]) -> None:
 
 # %% ../nbs/10p_parallel.ipynb #ae68bf90
 @patch
+@watch_peers
 def from_writer(self: World, fn: Callable[[], Any]) -> Any:
     "`fn()` run on rank 0 and its (small, picklable) result on every rank in one broadcast; if it raises, every rank raises."
     if self.backend is None: return fn()
@@ -313,6 +447,7 @@ def from_writer(self: World, fn: Callable[[], Any]) -> Any:
     raise JobError(f"rank 0 stopped the job: {message}", 0)
 
 @patch
+@watch_peers
 def share_weights(self: World, module: nn.Module) -> None:
     "Rank 0's parameters and buffers of `module` copied, in place, into every rank's (one broadcast per tensor)."
     if self.backend is None: return

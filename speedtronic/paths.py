@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from .errors import ExpectedError
 from .config import ConfigError, SpeedtronicConfig
 
 # %% auto #0
@@ -74,7 +75,7 @@ def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = Non
                     locks=(out / LOCK_NAME,) + (() if inside else (checkpoints / LOCK_NAME,)))
 
 # %% ../nbs/00c_paths.ipynb #4ba00e96
-class RunLocked(RuntimeError):
+class RunLocked(ExpectedError, RuntimeError):
     "Another process is training into this directory."
 
 def new_run_id() -> str:

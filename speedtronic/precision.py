@@ -15,6 +15,7 @@ import torch
 from fastcore.basics import patch
 from torch import nn
 
+from .errors import ExpectedError
 from .config import PrecisionConfig, as_section
 
 # %% auto #0
@@ -24,7 +25,7 @@ __all__ = ['SUPPORTED_DEVICE_TYPES', 'DTYPES', 'PRECISION_MODES', 'TABLE_DEVICES
            'make_grad_scaler', 'parameter_count']
 
 # %% ../nbs/04_precision.ipynb #1af0182b
-class DeviceError(RuntimeError):
+class DeviceError(ExpectedError, RuntimeError):
     "A requested device is malformed, unsupported or not available on this machine."
 
 

@@ -26,6 +26,8 @@ from fastcore.basics import patch
 
 from .config import REDACTED, ConfigError, is_secret_key
 from .progress import TERMINAL_WIDTH, TerminalLines, is_tty
+from .errors import ExpectedError
+
 
 # %% auto #0
 __all__ = ['Metric', 'Hook', 'LEVELS', 'CONSOLE_STYLES', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
@@ -161,7 +163,7 @@ def scrub(value: Any) -> Any:
     return value
 
 # %% ../nbs/08_metrics.ipynb #a96c8442
-class LogWriteError(OSError):
+class LogWriteError(ExpectedError, OSError):
     "A log line could not be appended (disk full, size limit); the file still ends with a whole line."
 
 class LineFile:

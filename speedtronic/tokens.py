@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from .errors import ExpectedError
 from .files import atomic_write, atomic_write_text
 from .optional import optional_import
 
@@ -26,7 +27,7 @@ __all__ = ['TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning'
            'read_token_sidecar']
 
 # %% ../nbs/02c_tokens.ipynb #c0a38fd4
-class DataError(ValueError):
+class DataError(ExpectedError, ValueError):
     "A data file, path or value that cannot be used; the message names it and the fix."
 
 class DataWarning(UserWarning):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import nn
 
+from .errors import ExpectedError
 from .checkpoint import CheckpointError, capture_rng_state, check_compatible, load_checkpoint, restore_rng_state, setting_changes
 from .config import SpeedtronicConfig
 from .data import infinite_batches
@@ -45,7 +46,7 @@ __all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'Training
            'TrainerSettings', 'Trainer', 'signals_held']
 
 # %% ../nbs/11_trainer.ipynb #beb9dcd2
-class TrainingError(RuntimeError):
+class TrainingError(ExpectedError, RuntimeError):
     "A run that cannot make progress (e.g. every update skipped by the GradScaler)."
 
 class TrainingInterrupted(KeyboardInterrupt):

@@ -17,6 +17,8 @@ from speedtronic.checkpoint import (CheckpointError, CheckpointManager, atomic_j
                                     restore_rng_state)
 from speedtronic.files import atomic_write_bytes
 
+from conftest import one_error_line, run_cli, tiny_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,7 +49,7 @@ def test_damaged_newest_falls_back_to_older(tmp_path, damage):
     assert state["step"] == 2 and m.loaded_path == m.path_for(2)
     assert [p for p, _ in m.skipped] == [newest]
     assert len(m.logger) == 1 and newest.name in m.logger[0]
-    assert ("empty" if damage == "empty" else "corrupt") in m.skipped[0][1]
+    assert {"empty": "is empty", "truncate": "is truncated", "random": "is corrupt"}[damage] in m.skipped[0][1]
 
 
 def test_missing_pointer_target_uses_newest_file(tmp_path):
@@ -284,3 +286,20 @@ def test_sigkill_during_save_keeps_older_checkpoint(tmp_path):
     assert json.loads(m.pointer_path.read_text())["step"] == 1
     m.save(3, {"step": 3})  # ... so the next save removes the dead writer's temp file
     assert names(directory) == ["latest.json", "step_000000000001.pt", "step_000000000003.pt"]
+
+
+def test_nothing_loadable_names_each_file_once_without_pointless_advice(tmp_path):
+    "The CLI's one line for a run whose every checkpoint is cut short: each file once, its whole reason, no 'older checkpoint'."
+    cfg = tiny_config(tmp_path, max_steps=4, every_steps=2, keep_last=None)
+    assert run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path).returncode == 0
+    files = checkpoint_files(tmp_path / "out" / "checkpoints")
+    for f in files: f.write_bytes(f.read_bytes()[:3000])
+    line = one_error_line(run_cli("train", "--config", str(cfg), "--device", "cpu", "--resume", cwd=tmp_path),
+                          "can be loaded", "Restore a good copy there, or start without resume")
+    for f in files: assert line.count(f.name) == 1 and f"{f.name} is truncated (3000 bytes" in line, line
+    assert "older checkpoint" not in line, line
+
+
+def test_a_folder_given_as_the_checkpoint_says_so(tmp_path):
+    with pytest.raises(CheckpointError) as e: load_checkpoint(tmp_path)
+    assert str(e.value) == f"checkpoint {tmp_path} is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic.checkpoint import CheckpointError, CheckpointManager, checkpoint_files, load_checkpoint
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, checkpoint_files, load_checkpoint, nonfinite_state
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.profiling import MetricLogger
 from speedtronic.trainer import Trainer, TrainingError
@@ -93,3 +93,35 @@ def test_nan_weights_are_never_written_and_the_good_checkpoint_stays(tmp_path):
             m.save(step, {"model": {"w": torch.full((3,), float("nan"))}, "step": step})
     assert [p.name for p in checkpoint_files(tmp_path)] == ["step_000000000001.pt"]
     assert m.load_latest()["step"] == 1
+
+
+def test_nan_optimizer_moments_in_the_newest_checkpoint_fall_back_to_the_good_one(tmp_path):
+    "A newest checkpoint whose optimizer state holds NaN (weights finite) is skipped with its reason; the run resumes the older one."
+    cfg = tiny_config(tmp_path, max_steps=4, every_steps=2, keep_last=None)
+    ck = tmp_path / "out" / "checkpoints"
+    assert cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path).returncode == 0
+    newest = ck / "step_000000000004.pt"
+    state = load_checkpoint(newest)
+    moments = next(iter(state["optimizer"]["state"].values()))
+    moments["exp_avg_sq"].view(-1)[0] = float("nan")             # what a diverged 2.0 run (or a bad disk) leaves
+    torch.save(state, newest)
+    cfg = tiny_config(tmp_path, max_steps=6, every_steps=2, keep_last=None)
+    proc = cli("train", "--config", str(cfg), "--device", "cpu", "--resume", cwd=tmp_path)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "skipping unusable checkpoint" in log and newest.name in log, log[-3000:]
+    assert "the optimizer state holds NaN or infinity (in: optimizer.state." in log, log[-3000:]
+    assert "optimizer.lr" not in log, log[-3000:]          # nothing tells the user to lower a good lr
+    steps = [r["step"] for r in json.loads("[" + ",".join((tmp_path / "metrics.jsonl").read_text().splitlines()) + "]")
+             if r.get("event") == "train_step"]
+    assert steps[-4:] == [3, 4, 5, 6], steps                 # resumed from step 2, not the sick step 4
+    for f in checkpoint_files(ck): assert not nonfinite_state(load_checkpoint(f)), f   # step 4 was written again, finite
+
+
+def test_nan_optimizer_moments_are_never_written(tmp_path):
+    m = CheckpointManager(tmp_path, every_steps=1, keep_last=1)
+    m.save(1, {"model": {"w": torch.ones(3)}, "optimizer": {"state": {0: {"exp_avg": torch.ones(3)}}}, "step": 1})
+    sick = {"state": {0: {"exp_avg": torch.tensor([0.0, float("inf"), 1.0])}}, "param_groups": [{"lr": 0.1}]}
+    with pytest.raises(CheckpointError, match=r"not written: the optimizer state holds NaN or infinity \(in: optimizer.state.0.exp_avg\)"):
+        m.save(2, {"model": {"w": torch.ones(3)}, "optimizer": sick, "step": 2})
+    assert [p.name for p in checkpoint_files(tmp_path)] == ["step_000000000001.pt"]

@@ -29,7 +29,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, free_port, jsonl_records
+from conftest import ROOT, free_port, jsonl_records, one_error_line, tiny_config
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.cli import main
 from speedtronic.tokens import TOKEN_FILE_FORMAT
@@ -484,3 +484,82 @@ def test_text_ranks_with_workers_read_disjoint_segments(tmp_path):
         return [tuple(b["input_ids"][0].tolist()) for b in lo]
     r0, r1 = rows(0, 2), rows(1, 2)
     assert r0 and r1 and sorted(r0 + r1) == sorted(rows(0, 1))
+
+
+# ---------------------------------------------------------------- torchrun's variables without torchrun, a rank that dies
+
+def stray_env(tmp: Path, rank: int, port: int, **extra: str) -> dict:
+    "The environment of a process that has a torchrun job's variables but no torchrun."
+    base = {k: v for k, v in env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                                         "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")}
+    return {**base, "WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **extra}
+
+
+def stray_train(tmp: Path, environ: dict, steps: int = 4) -> subprocess.Popen:
+    cfg = tiny_config(tmp, max_steps=steps, every_steps=1000, data={"target_batch_size": 4})
+    return subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"], cwd=tmp,
+                            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("rank,waits_for", [(1, "is waiting for rank 0 at 127.0.0.1:"), (0, "is waiting at 127.0.0.1:")])
+def test_stray_torchrun_variables_give_up_with_one_error(tmp_path, rank, waits_for):
+    port = free_port()
+    proc = stray_train(tmp_path, stray_env(tmp_path, rank, port, SPEEDTRONIC_CONNECT_TIMEOUT="4"))
+    out, err = proc.communicate(timeout=120)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    line = one_error_line(result, f"127.0.0.1:{port}", "unset WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT", "4 s")
+    assert [l for l in err.splitlines() if "is waiting" in l] == [l for l in err.splitlines() if waits_for in l] != [], err
+    assert len([l for l in err.splitlines() if "is waiting" in l]) == 1 and "frame #" not in err, err[-3000:]
+    assert not (tmp_path / "out").exists(), line                      # refused before any directory was made
+
+
+def test_stray_world_size_without_master_addr(tmp_path):
+    environ = stray_env(tmp_path, 1, 1)
+    del environ["MASTER_ADDR"]
+    proc = stray_train(tmp_path, environ)
+    out, err = proc.communicate(timeout=120)
+    one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "$MASTER_ADDR is not set",
+                   "$WORLD_SIZE=2", "unset WORLD_SIZE, RANK, MASTER_PORT")
+
+
+@pytest.mark.parametrize("rank,sig,code,said", [(1, signal.SIGTERM, 143, None), (0, signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                                (0, signal.SIGINT, 130, "interrupted")])
+def test_a_signal_ends_the_wait_to_join(tmp_path, rank, sig, code, said):
+    "SIGTERM and Ctrl-C end the wait at once (rank 0 prints for the job; another rank only exits)."
+    proc = stray_train(tmp_path, stray_env(tmp_path, rank, free_port()))    # the default wait: minutes
+    for line in proc.stderr:                                                # blocks until the process says it waits
+        if "is waiting" in line: break
+    else: pytest.fail(f"no waiting line; exit {proc.wait()}")
+    proc.send_signal(sig)
+    try: proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill(); pytest.fail(f"{sig.name} did not end the wait")
+    err = proc.stderr.read()                                                # the rest, after the lines read above
+    assert proc.returncode == code and "Traceback" not in err, (proc.returncode, err[-3000:])
+    if said: assert err.splitlines() == [f"speedtronic: error: {said}"], err[-3000:]
+
+
+def test_a_rank_that_dies_is_named_by_the_survivor(tmp_path):
+    port = free_port()
+    ranks = [stray_train(tmp_path / str(r), stray_env(tmp_path, r, port), steps=100000)
+             for r in (0, 1) if (tmp_path / str(r)).mkdir() is None]
+    wait_for_step(ranks[0], tmp_path / "0" / "metrics.jsonl", 3)
+    ranks[1].kill()
+    ranks[1].communicate(timeout=60)
+    try: out, err = ranks[0].communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        ranks[0].kill(); pytest.fail("rank 0 did not stop after rank 1 died")
+    one_error_line(subprocess.CompletedProcess(ranks[0].args, ranks[0].returncode, out, err),
+                   "[rank 0 of 2]", "rank 1 of this torchrun job died or lost its connection", "--resume continues")
+    assert "pair.cc" not in err and "GLHF" not in err, err[-3000:]
+
+
+def test_stray_rank_0_on_a_busy_port(tmp_path):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0)); busy.listen()
+        port = busy.getsockname()[1]
+        proc = stray_train(tmp_path, stray_env(tmp_path, 0, port, SPEEDTRONIC_CONNECT_TIMEOUT="4"))
+        out, err = proc.communicate(timeout=120)
+    one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                   f"rank 0 cannot listen at 127.0.0.1:{port} ($MASTER_ADDR:$MASTER_PORT): the port is in use", "unset WORLD_SIZE")

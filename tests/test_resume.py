@@ -16,7 +16,7 @@ import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 
-from conftest import ROOT, jsonl_records
+from conftest import ROOT, jsonl_records, ok, run_cli, tiny_config
 STEPS = 60
 WORDS = ("the model reads a stream of text and learns which byte tends to follow which one while the "
          "optimizer moves every weight a little after each batch so that the loss falls").split()
@@ -153,3 +153,32 @@ def test_sigterm_saves_the_last_completed_step(tmp_path):
     assert pointer["step"] == last >= 5
     state = load_checkpoint(tmp_path / "run" / "checkpoints" / pointer["file"])
     assert state["step"] == last and state["data"] is not None and state["rng"]
+
+
+def _tiny_run(tmp: Path, name: str, max_steps: int) -> Path:
+    "Train the tiny run `name` in `tmp/name` to `max_steps` (a checkpoint every 2 steps, all kept); its config."
+    cfg = tiny_config(tmp, f"{name}.yaml", max_steps=max_steps, every_steps=2, keep_last=None,
+                      run={"output_dir": str(tmp / name)}, logging={"json_file": str(tmp / f"{name}.jsonl")})
+    ok(run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp))
+    return cfg
+
+
+def test_another_runs_checkpoint_linked_in_is_not_adopted(tmp_path):
+    "A step file that is a link to another run's checkpoint, or holds another step, is skipped; the run resumes its own."
+    _tiny_run(tmp_path, "a", 6)
+    cfg = _tiny_run(tmp_path, "b", 2)
+    own = tmp_path / "b" / "checkpoints"
+    run_b = json.loads((own / "latest.json").read_text())["run_id"]
+    (own / "step_000000000006.pt").symlink_to(tmp_path / "a" / "checkpoints" / "step_000000000006.pt")
+    (own / "step_000000000004.pt").write_bytes((own / "step_000000000002.pt").read_bytes())   # step 2 under step 4's name
+    cfg.write_text(cfg.read_text().replace("max_steps: 2", "max_steps: 4"))
+    proc = ok(run_cli("train", "--config", str(cfg), "--device", "cpu", "--resume", cwd=tmp_path))
+    log = proc.stdout + proc.stderr
+    assert "is a link to" in log and "outside" in log, log[-3000:]
+    assert "holds step 2, not step 4 as its name says" in log, log[-3000:]
+    assert f"run {run_b}" in log and "loss=None" not in log, log[-2000:]
+    steps = [r["step"] for r in jsonl_records(tmp_path / "b.jsonl")]
+    assert steps == [1, 2, 3, 4], steps
+    assert {r["run_id"] for r in jsonl_records(tmp_path / "b.jsonl")} == {run_b}
+    assert load_checkpoint(own / "step_000000000004.pt")["run_id"] == run_b
+    assert (own / "step_000000000006.pt").is_symlink()                # the user's link is left as it was

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from fastcore.basics import patch
 
+from ..errors import ExpectedError
 from .tensors import (GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, GlobalMetadata, parse_delta_path,
                                              parse_step_count)
 from ..files import TEMP_NAME, atomic_write
@@ -27,7 +28,7 @@ __all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'HubError', 'HubUnavailable', 'Publ
            'TransferCounts', 'SharedDirectory']
 
 # %% ../../nbs/12a_distributed_transport.ipynb #358d078b
-class HubError(RuntimeError):
+class HubError(ExpectedError, RuntimeError):
     "A repository problem retrying cannot fix (credentials, permissions, a missing repo): the run stops."
 
 class HubUnavailable(HubError):
