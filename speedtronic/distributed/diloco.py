@@ -129,6 +129,11 @@ class DumbDiLoCoCoordinator:
     def _log(self, level: str, message: str) -> None:
         if self.logger is not None: getattr(self.logger, level)(f"diloco {self.node_id}: {message}")
 
+    def _where(self) -> str:
+        "The repository in words (`describe()`, which a transport written for 2.0 may not have)."
+        describe = getattr(self.transport, "describe", None)
+        return describe() if callable(describe) else f"repository {getattr(self.transport, 'repo_id', type(self.transport).__name__)}"
+
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
             with contextlib.suppress(RuntimeError): self.logger.emit(event, payload)
@@ -230,7 +235,7 @@ def _install(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torc
     "Install global `state` (version `version`) into the model, keeping unsent progress; True when it changed the model."
     live = self.model.state_dict()
     if problem := _misfit(live, state):
-        raise HubError(f"the global model (version {version}) in {self.transport.describe()} does not fit this node's model: "
+        raise HubError(f"the global model (version {version}) in {self._where()} does not fit this node's model: "
                        f"{problem}; every node must train the same model (compare the model sections of the nodes' configs)")
     with self.lock, torch.no_grad():
         used = {k: v for k, v in state.items() if k in live and tuple(v.shape) == tuple(live[k].shape)}
@@ -421,7 +426,7 @@ def _await_global(self: DumbDiLoCoCoordinator) -> None:
             try:
                 found, missing = self._fetch_global(), None
                 if found is not None: return self._offer(*found)
-                if self.last_global_step >= 0 or self.transport.state().metadata is not None: return
+                if self.last_global_step >= 0: return               # resumed: newer globals come with the polls
             except RepoMissing as e: missing = e
             except HubUnavailable as e:
                 self._log("warning", f"cannot read the repository now: {e}")
@@ -430,14 +435,14 @@ def _await_global(self: DumbDiLoCoCoordinator) -> None:
                 if missing is not None:
                     raise RepoMissing(f"{missing}; it was not created within distributed.lease_timeout={self.config.lease_timeout:g} s: "
                                       "start its master, or check distributed.repo_id and the token")
-                return self._log("warning", f"no global model in {self.transport.describe()} after {self.config.lease_timeout:g} s; "
+                return self._log("warning", f"no global model in {self._where()} after {self.config.lease_timeout:g} s; "
                                             "training from local weights")
             if not told: self._log("info", f"waiting for the master to {'create' if missing else 'publish the first global model in'} "
-                                           f"{self.transport.describe()} (up to {self.config.lease_timeout:g} s)")
+                                           f"{self._where()} (up to {self.config.lease_timeout:g} s)")
             told = True
             self._stop.wait(min(self.poll_interval, 2.0))
     if self._terminated:
-        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for the first global model in {self.transport.describe()}")
+        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for the first global model in {self._where()}")
 
 @patch
 @contextlib.contextmanager
@@ -542,7 +547,7 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
 @patch
 def _unfolded(self: DumbDiLoCoCoordinator, why: str) -> HubError:
     "The error of a node whose training never reached the global model."
-    return HubError(f"none of node {self.node_id!r}'s training reached the global model in {self.transport.describe()}: {why} "
+    return HubError(f"none of the training of node {self.node_id!r} reached the global model in {self._where()}: {why} "
                     "(see the warnings above); its trained weights are only in its own checkpoint")
 
 @patch
@@ -639,14 +644,22 @@ def shard_loader(loader: Any, config: DistributedConfig) -> Any:
     return NodeShard(loader, config.shard_index, config.shard_count)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #50c524fb
+def _in_file_order(data: DataConfig) -> str | None:
+    "The data file the loader reads in file order whatever the seed (the source `build_dataloader` picks), else None."
+    if data.shuffle: return None                                   # shuffled with the node's own seed: its own order
+    for key in ("text_path", "token_file", "dataset"):
+        value = getattr(data, key)
+        if isinstance(value, (str, os.PathLike)) and str(value): return f"data.{key} {str(value)!r}"
+    return None
+
 def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     "`config.data` as this node reads it: its own data seed when distributed without shards."
     d = config.distributed
     if not d.enabled or d.shard_count: return config.data
-    if config.data.text_path and not config.data.token_file:
-        warnings.warn(f"distributed: every node reads data.text_path {config.data.text_path!r} in the same order; set "
-                      "distributed.shard_count and distributed.shard_index per node so nodes train on different data",
-                      DistributedWarning, stacklevel=2)
+    if source := _in_file_order(config.data):
+        warnings.warn(f"distributed: this node reads {source} in file order, whatever its seed: nodes reading the same file train "
+                      "on the same data in the same order; give each node its own file, or set distributed.shard_count and "
+                      "distributed.shard_index per node, or data.shuffle: true", DistributedWarning, stacklevel=2)
     offset = int(hashlib.sha256(node_id(d).encode()).hexdigest()[:8], 16)
     return replace(config.data, seed=(int(config.data.seed or 0) + offset) % 2**31)
 
