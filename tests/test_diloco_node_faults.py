@@ -180,12 +180,9 @@ def test_a_run_whose_hub_refuses_every_commit_after_the_first_ends_non_zero_on_e
 
 
 # -- SIGTERM while waiting --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["hub", "directory"])
-def test_sigterm_stops_a_worker_waiting_for_the_first_global(tmp_path, kind, request):
-    hub = request.getfixturevalue("hub") if kind == "hub" else None
-    repo, env = repo_of(kind, tmp_path, hub)
-    worker = launch(node_config(tmp_path, "w1", "worker", repo=repo, transport=kind, steps=10, lease_timeout=600), env)
-    waiting = Lines(worker, "waiting for the master to")
+def _stops_on_sigterm(worker: subprocess.Popen, needle: str) -> None:
+    "Once `worker` says `needle`, SIGTERM ends it promptly with exit 143 and the CLI's one line."
+    waiting = Lines(worker, needle)
     try:
         assert waiting.seen(), (waiting.text(), worker.stderr.read()[-3000:])
         worker.send_signal(signal.SIGTERM)
@@ -195,6 +192,24 @@ def test_sigterm_stops_a_worker_waiting_for_the_first_global(tmp_path, kind, req
     waiting.thread.join(30)
     err = worker.stderr.read()
     assert "speedtronic: error: terminated (SIGTERM)" in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["hub", "directory"])
+def test_sigterm_stops_a_worker_waiting_for_the_first_global(tmp_path, kind, request):
+    hub = request.getfixturevalue("hub") if kind == "hub" else None
+    repo, env = repo_of(kind, tmp_path, hub)
+    _stops_on_sigterm(launch(node_config(tmp_path, "w1", "worker", repo=repo, transport=kind, steps=10, lease_timeout=600), env),
+                      "waiting for the master to")
+
+
+def test_sigterm_stops_a_worker_waiting_at_the_end_for_its_first_fold(tmp_path):
+    "The master has come and gone; the worker's only delta is its last, and it waits for a fold that will not come."
+    repo = str(tmp_path / "repo")
+    rc, err, _ = ended(launch(node_config(tmp_path, "master", "master", repo=repo, transport="directory", steps=5, expected_nodes=1)))
+    assert rc == 0, err[-3000:]
+    worker = launch(node_config(tmp_path, "w1", "worker", repo=repo, transport="directory", steps=5, final_round_timeout=600))
+    _stops_on_sigterm(worker, "waiting up to 600 s for a global model")
+    assert sorted((tmp_path / "w1" / "checkpoints").glob("step_*.pt"))[-1].name.endswith("5.pt")   # its training is saved
 
 
 # -- a shared directory that disappears -------------------------------------------------------------------------

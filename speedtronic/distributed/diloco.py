@@ -96,7 +96,7 @@ class DumbDiLoCoCoordinator:
         self._stop = threading.Event()
         self.transport = hub if hub is not None else build_transport(cfg, stop=self._stop, scratch=self.state_root / "cache",
                                                                      warn=lambda message: self._log("warning", message))
-        self._terminated = False  # SIGTERM came while start() waited for the repository
+        self._terminated, self._woken = False, threading.Event()  # SIGTERM came during one of the coordinator's waits
         self._opened = False
         floating_state(model.state_dict())                       # complex parameters: refuse now, not at the first boundary
         self.baseline = cpu_state_dict(model.state_dict())
@@ -366,15 +366,17 @@ def _await_fold(self: DumbDiLoCoCoordinator) -> bool:
     if target is None or not self._wait_for_fold: return False
     start = time.monotonic()
     deadline, interval = start + float(self.config.boundary_wait), min(self.poll_interval, 0.25)
-    while True:
-        installed = self._install_candidate() or installed
-        with self.lock: lost = not self._busy and (self.last_uploaded_step is None or self.last_uploaded_step < target)
-        if self.folded_step >= target or lost or time.monotonic() >= deadline or self._stop.is_set(): break
-        self._raise_fatal()
-        if self._maybe_poll(force=True): installed = True            # a synchronous poll installed it
-        else: self._stop.wait(interval)
+    with self._sigterm_ends_wait():                                  # SIGTERM: the trainer stops after this step
+        while True:
+            installed = self._install_candidate() or installed
+            with self.lock: lost = not self._busy and (self.last_uploaded_step is None or self.last_uploaded_step < target)
+            stopped = self._stop.is_set() or self._terminated
+            if self.folded_step >= target or lost or time.monotonic() >= deadline or stopped: break
+            self._raise_fatal()
+            if self._maybe_poll(force=True): installed = True        # a synchronous poll installed it
+            else: self._woken.wait(interval)
     arrived = self.folded_step >= target
-    ended = "folded" if arrived else "lost" if lost else "stopped" if self._stop.is_set() else "timeout"
+    ended = "folded" if arrived else "lost" if lost else "stopped" if stopped else "timeout"
     if ended == "timeout":                                           # out of time: the master is slow or gone
         self._wait_for_fold = False
         self._log("warning", f"boundary_wait: the delta of step {target} was not folded within {self.config.boundary_wait:g} s; "
@@ -421,8 +423,8 @@ def _same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 def _await_global(self: DumbDiLoCoCoordinator) -> None:
     "A worker's first global: wait (up to `lease_timeout`) until the master has created the repository and published one; offer it."
     deadline, told, missing = time.monotonic() + self.config.lease_timeout, False, None
-    with self._sigterm_ends_wait():
-        while not self._stop.is_set():
+    with self._sigterm_ends_wait(stop_retries=True):
+        while not (self._stop.is_set() or self._terminated):
             try:
                 found, missing = self._fetch_global(), None
                 if found is not None: return self._offer(*found)
@@ -440,20 +442,24 @@ def _await_global(self: DumbDiLoCoCoordinator) -> None:
             if not told: self._log("info", f"waiting for the master to {'create' if missing else 'publish the first global model in'} "
                                            f"{self._where()} (up to {self.config.lease_timeout:g} s)")
             told = True
-            self._stop.wait(min(self.poll_interval, 2.0))
+            self._woken.wait(min(self.poll_interval, 2.0))
     if self._terminated:
         raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for the first global model in {self._where()}")
 
 @patch
 @contextlib.contextmanager
-def _sigterm_ends_wait(self: DumbDiLoCoCoordinator):
-    "Within the block (on the main thread), SIGTERM ends the wait: it is noted and the stop event set."
+def _sigterm_ends_wait(self: DumbDiLoCoCoordinator, stop_retries: bool = False):
+    "Within the block (on the main thread), SIGTERM ends the coordinator's wait (`stop_retries`: the retries of its calls too), then goes to the handler before."
     self._terminated = False
+    self._woken.clear()
     if threading.current_thread() is not threading.main_thread(): yield; return
+    previous = signal.getsignal(signal.SIGTERM)
     def handler(signum, frame):
         self._terminated = True
-        self._stop.set()
-    previous = signal.signal(signal.SIGTERM, handler)
+        self._woken.set()
+        if stop_retries: self._stop.set()                        # before the background threads run: nothing else uses it
+        if callable(previous): previous(signum, frame)           # e.g. the trainer's: stop after this step
+    signal.signal(signal.SIGTERM, handler)
     try: yield
     finally: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
@@ -553,16 +559,22 @@ def _unfolded(self: DumbDiLoCoCoordinator, why: str) -> HubError:
 @patch
 def _await_own_fold(self: DumbDiLoCoCoordinator, timeout: float) -> None:
     "A worker's end: wait up to `timeout` s for a published version whose ledger holds one of this session's deltas."
-    deadline, why = time.monotonic() + timeout, "no version was published"
-    while self.folded_step < 0:
-        try:
-            repo = self.transport.state()
-            if repo.metadata is not None and "ledger" not in repo.extras: return   # a 2.0 master: no ledger to check
-            if repo.metadata is not None and self._folded_in(Ledger.from_json(repo.extras["ledger"])) >= 0: return
-            if repo.metadata is not None: why = f"version {repo.outer_step} holds none of its deltas"
-        except HubUnavailable as e: why = f"the repository is unreachable ({e})"
-        if time.monotonic() >= deadline: raise self._unfolded(why)
-        self._stop.wait(min(self.poll_interval, 2.0))
+    deadline, why, told = time.monotonic() + timeout, "no version was published", False
+    with self._sigterm_ends_wait():
+        while self.folded_step < 0 and not self._terminated:
+            try:
+                repo = self.transport.state()
+                if repo.metadata is not None and "ledger" not in repo.extras: return   # a 2.0 master: no ledger to check
+                if repo.metadata is not None and self._folded_in(Ledger.from_json(repo.extras["ledger"])) >= 0: return
+                if repo.metadata is not None: why = f"version {repo.outer_step} holds none of its deltas"
+            except HubUnavailable as e: why = f"the repository is unreachable ({e})"
+            if time.monotonic() >= deadline: raise self._unfolded(why)
+            if not told: self._log("info", f"waiting up to {timeout:g} s for a global model in {self._where()} that holds one of "
+                                           "this node's deltas (none has so far)")
+            told = True
+            self._woken.wait(min(self.poll_interval, 2.0))
+    if self._terminated:
+        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for a global model holding this node's deltas in {self._where()}")
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #8aefbcbd
 @patch
