@@ -398,9 +398,9 @@ def start(self: DumbDiLoCoCoordinator) -> None:
         except HubUnavailable as e: self._log("warning", f"cannot reach the repository now; it is checked before the first exchange: {e}")
     prepared, self._prepared = self._prepared, None
     if prepared is not None: self._apply_state(prepared)
-    if self.last_global_step >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it existed: never create it again
     elif not _same_state(self.baseline, self.model.state_dict()):
         self.baseline = cpu_state_dict(self.model.state_dict())   # weights loaded after construction: nothing unsent yet
+    if self.last_global_step >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it existed: never create it again
     if self.role == "master": self._start_master(prepared)
     else: self._await_global()
     self._install_candidate()
