@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -230,3 +231,36 @@ def test_a_shared_directory_deleted_mid_run_stops_every_node_and_is_not_recreate
     for proc in (master, worker):
         error_line(*ended(proc), f"shared directory {repo} has disappeared")
     assert not repo.exists()
+
+
+# -- symbolic links in the repository ---------------------------------------------------------------------------
+def test_the_master_never_reads_a_delta_through_a_symbolic_link(tmp_path):
+    "A link named like a delta, and a node folder that is a link: neither is read, quarantined nor deleted; each is named once."
+    import torch
+    from speedtronic.distributed import MasterOuterLoop
+    from speedtronic.distributed.tensors import delta_header, delta_path, encode_delta, floating_state, save_safetensors
+    from speedtronic.distributed.transport import RetryPolicy
+    repo = SharedDirectory(tmp_path / "repo", retry=RetryPolicy(0.001, 0.01, 2))
+    repo.open(create=True)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    master = MasterOuterLoop(repo, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=10)
+    master.start_master()
+    secret = tmp_path / "outside" / "passwd"
+    secret.parent.mkdir()
+    secret.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
+    (tmp_path / "repo" / "nodes" / "evil").mkdir()
+    (tmp_path / "repo" / delta_path("evil", 10)).symlink_to(secret)
+    (tmp_path / "repo" / "nodes" / "linked").symlink_to(secret.parent)
+    good = {k: torch.full(v.shape, 1e-3) for k, v in floating_state(master.global_state).items()}
+    out = save_safetensors(encode_delta(good, "bfloat16"), tmp_path / "ok.safetensors", delta_header(
+        node_id="ok", local_step=10, base_outer_step=0, inner_steps=10, encoding="bfloat16", session="s"))
+    repo.upload({delta_path("ok", 10): out})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        master.sync_once(); master.sync_once()
+    said = [str(w.message) for w in caught if "refusing" in str(w.message)]
+    assert master.outer_step == 1 and master.ledger.folded("ok", "s", 10)
+    stored = [p for p in (tmp_path / "state").rglob("*") if p.is_file()]
+    assert not any(p.read_bytes().startswith(b"root:x") for p in stored), stored       # nothing of the target was copied
+    assert (tmp_path / "repo" / delta_path("evil", 10)).is_symlink() and secret.exists()
+    assert sorted(m.split(": refusing ")[1].split(":")[0] for m in said) == [delta_path("evil", 10), "nodes/linked"], said

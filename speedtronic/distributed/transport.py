@@ -294,7 +294,9 @@ def _sweep(self: SharedDirectory, version: int) -> None:
     for p in (self.root / "global").glob(".claim-*"):
         with contextlib.suppress(ValueError, OSError):
             if int(p.name.split("-")[1]) < version - 1: p.unlink()
-    for folder in [self.root / "global", *(d for d in (self.root / "nodes").iterdir() if d.is_dir() and not d.is_symlink())]:
+    nodes = self.root / "nodes"
+    folders = [] if nodes.is_symlink() else [d for d in nodes.iterdir() if d.is_dir() and not d.is_symlink()]
+    for folder in [self.root / "global", *folders]:
         for p in folder.iterdir():
             with contextlib.suppress(OSError):
                 if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S: p.unlink()
