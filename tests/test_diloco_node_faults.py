@@ -4,7 +4,6 @@ worker waits for the first global, and a shared directory that disappears mid-ru
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -214,23 +213,23 @@ def test_sigterm_stops_a_worker_waiting_at_the_end_for_its_first_fold(tmp_path):
 
 
 # -- a shared directory that disappears -------------------------------------------------------------------------
-def test_a_shared_directory_deleted_mid_run_stops_every_node_and_is_not_recreated(tmp_path):
+def test_a_shared_directory_unmounted_mid_run_stops_every_node_and_is_not_recreated(tmp_path):
+    "The share goes away under the running nodes and leaves its empty mount point: nothing is published into that."
     repo = tmp_path / "share" / "repo"
     master = launch(node_config(tmp_path, "master", "master", repo=str(repo), transport="directory", steps=400, expected_nodes=2,
                                 final_round_timeout=5))
     worker = launch(node_config(tmp_path, "w1", "worker", repo=str(repo), transport="directory", steps=400, final_round_timeout=5))
     metrics = tmp_path / "w1" / "metrics.jsonl"
     seen = threading.Event()
-    def watch():
-        while not seen.is_set() and worker.poll() is None:
-            if jsonl_records(metrics, "global_installed"): seen.set()
-            else: seen.wait(0.1)
-    watch()
+    while not seen.is_set() and worker.poll() is None:
+        if jsonl_records(metrics, "global_installed"): seen.set()
+        else: seen.wait(0.1)
     assert seen.is_set(), worker.communicate()[1][-3000:]
-    shutil.rmtree(repo)                                             # the share is unmounted under the running nodes
+    os.rename(repo, tmp_path / "share" / "elsewhere")               # unmounted: the path now shows an empty folder
+    repo.mkdir()
     for proc in (master, worker):
         error_line(*ended(proc), f"shared directory {repo} has disappeared")
-    assert not repo.exists()
+    assert list(repo.iterdir()) == []                               # nothing was recreated in the mount point
 
 
 # -- symbolic links in the repository ---------------------------------------------------------------------------

@@ -113,7 +113,12 @@ class SharedDirectory:
     def describe(self) -> str: return f"shared directory {self.root}"
 
     def _call(self, label: str, fn: Callable[[], Any]) -> Any:
-        return self.retry.call(label, fn, _classify_os_error, self._error_text)
+        def run():
+            try: return fn()
+            except OSError:
+                self._present()                                   # the directory itself is gone: that is the error to report
+                raise
+        return self.retry.call(label, run, _classify_os_error, self._error_text)
 
     def _error_text(self, exc: BaseException) -> str:
         "An I/O error in words, its file named inside the repository (the label already names the repository)."
@@ -125,9 +130,10 @@ class SharedDirectory:
     def open(self, *, create: bool = False, private: bool = True) -> None:
         "Check the directory is usable; `create` makes it (the master) unless this process used it before, else `RepoMissing` when it is not there."
         def run():
-            if create and not self.used and not self.root.exists(): self.root.mkdir(parents=True)
+            if create and not self.used:
+                for folder in (self.root, self.root / "global", self.root / "nodes"): folder.mkdir(parents=True, exist_ok=True)
             self._present(write=True)
-            if create: (self.root / "nodes").mkdir(exist_ok=True); (self.root / "global").mkdir(exist_ok=True)
+            if create: (self.root / "nodes").mkdir(exist_ok=True)
             if not os.access(self.root, os.W_OK | os.X_OK): raise PermissionError(errno.EACCES, "not writable", str(self.root))
         self._call(f"open {self.describe()}", run)
 
@@ -140,16 +146,15 @@ def _classify_os_error(exc: BaseException) -> str | None:
 # %% ../../nbs/12a_distributed_transport.ipynb #1f1317b7
 @patch
 def _present(self: SharedDirectory, write: bool = False) -> bool:
-    "Whether the directory is there; `RepoMissing` for a write before it was made, `HubError` once it disappeared after use."
-    try: st = os.stat(self.root)
-    except FileNotFoundError: st = None
-    if st is not None and not os.path.isdir(self.root): raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
-    if st is not None:
+    "Whether the repository is there (its `global/` folder); `RepoMissing` for a write before it was made, `HubError` once it disappeared after use."
+    if os.path.exists(self.root) and not os.path.isdir(self.root):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
+    if os.path.isdir(self.root / "global"):
         self.used = True
         return True
     if self.used:
-        raise HubError(f"{self.describe()} has disappeared since this run used it (an unmounted share?); it is not "
-                       "created again: mount or restore it, then resume the run")
+        raise HubError(f"{self.describe()} has disappeared since this run used it (no global/ folder: an unmounted share?); "
+                       "it is not created again: mount or restore it, then resume the run")
     if write: raise RepoMissing(f"{self.describe()} does not exist; its master creates it (distributed.role: master)")
     return False
 
