@@ -164,17 +164,25 @@ def test_a_worker_with_another_model_shape_stops_at_the_first_global_naming_the_
 
 
 # -- a run none of whose work reached the global ----------------------------------------------------------------
-def test_a_run_whose_hub_refuses_every_commit_after_the_first_ends_non_zero_on_every_node(tmp_path, hub):
-    "The stand-in takes the master's first publication (version 0), then answers every commit 507, as a full disk would."
+@pytest.mark.parametrize("then", ["full", "gone"])
+def test_a_run_whose_hub_takes_nothing_after_version_0_ends_non_zero_on_every_node(tmp_path, hub, then):
+    "The stand-in takes the master's first publication (version 0), then answers every commit 507 as a full disk would; "
+    "with `gone` it also goes away for good once both nodes train."
     hub.fault("507", method="POST", path=r"/commit/", count=10**9, after=1)
     repo, env = "org/full", hub_env(hub)
     master = launch(node_config(tmp_path, "master", "master", repo=repo, transport="hub", steps=10, expected_nodes=2,
                                 final_round_timeout=3, retry_attempts=2), env)
     worker = launch(node_config(tmp_path, "w1", "worker", repo=repo, transport="hub", steps=10, final_round_timeout=3,
                                 retry_attempts=2), env)
+    if then == "gone":
+        started = lambda: all(jsonl_records(tmp_path / n / "metrics.jsonl", "train_start") for n in ("master", "w1"))
+        done = threading.Event()
+        while not (started() or master.poll() is not None or worker.poll() is not None): done.wait(0.1)
+        assert started()
+        hub.stop()
     for name, proc in (("master", master), ("w1", worker)):
         error_line(*ended(proc), f"none of the training of node '{name}' reached the global model", "org/full")
-    assert HubClient(repo, token=TOKEN, endpoint=hub.url).state().outer_step == 0
+    if then == "full": assert HubClient(repo, token=TOKEN, endpoint=hub.url).state().outer_step == 0
     for name in ("master", "w1"):                                   # the trained weights are kept in the node's own checkpoint
         assert sorted((tmp_path / name / "checkpoints").glob("step_*.pt"))[-1].name.endswith("10.pt"), name
 
