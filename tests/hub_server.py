@@ -9,6 +9,7 @@ downloads and lost commit responses. Point a client at it with
 
     server = HubStandIn(tokens={"tok-write": "write"}).start()
     server.fault("503", method="POST", path=r"/commit/", count=2)
+    server.fault("507", method="POST", path=r"/commit/", count=10**9, after=1)   # every commit after the first: a full disk
     ...
     server.stop()
 
@@ -68,6 +69,7 @@ class Fault:
     path: re.Pattern | None
     count: int
     delay: float
+    after: int = 0  # matching requests let through before the fault starts
 
 
 class HubStandIn:
@@ -107,10 +109,11 @@ class HubStandIn:
     def url(self) -> str: return f"http://127.0.0.1:{self.port}"
 
     # -- test controls -----------------------------------------------------------------------------
-    def fault(self, kind: str, *, method: str | None = None, path: str | None = None, count: int = 1, delay: float = 30.0) -> None:
-        "Make the next `count` matching requests fail with `kind`."
+    def fault(self, kind: str, *, method: str | None = None, path: str | None = None, count: int = 1, delay: float = 30.0,
+              after: int = 0) -> None:
+        "Make the next `count` matching requests fail with `kind`, once `after` matching requests have gone through."
         with self.lock:
-            self.faults.append(Fault(str(kind), method, re.compile(path) if path else None, count, delay))
+            self.faults.append(Fault(str(kind), method, re.compile(path) if path else None, count, delay, after))
 
     def clear_faults(self) -> None:
         with self.lock: self.faults.clear()
@@ -134,6 +137,9 @@ class HubStandIn:
         with self.lock:
             for f in self.faults:
                 if (f.method is None or f.method == method) and (f.path is None or f.path.search(path)):
+                    if f.after > 0:
+                        f.after -= 1
+                        return None
                     f.count -= 1
                     if f.count <= 0: self.faults.remove(f)
                     return f

@@ -6,18 +6,18 @@
 __all__ = ['DumbDiLoCoCoordinator', 'DumbDiLoCo', 'DeltaUploadJob', 'SyncResult', 'HubClient', 'HubTransport', 'HubError',
            'HubUnavailable', 'GlobalMetadata', 'MasterOuterLoop', 'NesterovOuterOptimizer', 'average_deltas',
            'compute_pseudo_gradient', 'load_delta', 'load_safetensors', 'save_safetensors', 'PublishConflict',
-           'RetryPolicy', 'SharedDirectory', 'Ledger', 'OuterUpdate', 'OuterState', 'NodeShard', 'DistributedWarning',
-           'build_transport', 'commit_rate_warning', 'hub_commits_per_hour', 'measure_step_time', 'node_data_config',
-           'outer_momentum_warning', 'shard_loader', 'warn_commit_rate', 'warn_outer_momentum', 'NormRecord',
-           'norm_records_from_events', 'norm_records_from_jsonl', 'norm_records_from_repo', 'norm_choices',
-           'norm_series', 'layer_profile', 'plot_delta_norms', 'cpu_tensor', 'cpu_state_dict', 'read_metadata',
-           'floating_state', 'parse_delta_path', 'metadata_json']
+           'RepoMissing', 'RetryPolicy', 'SharedDirectory', 'Ledger', 'OuterUpdate', 'OuterState', 'NodeShard',
+           'DistributedWarning', 'build_transport', 'commit_rate_warning', 'hub_commits_per_hour', 'measure_step_time',
+           'node_data_config', 'outer_momentum_warning', 'shard_loader', 'warn_commit_rate', 'warn_outer_momentum',
+           'NormRecord', 'norm_records_from_events', 'norm_records_from_jsonl', 'norm_records_from_repo',
+           'norm_choices', 'norm_series', 'layer_profile', 'plot_delta_norms', 'cpu_tensor', 'cpu_state_dict',
+           'read_metadata', 'floating_state', 'parse_delta_path', 'metadata_json']
 
 # %% ../../nbs/12_distributed.ipynb #040c8282
 from .tensors import (GlobalMetadata, average_deltas, compute_pseudo_gradient, cpu_state_dict, cpu_tensor,
                                              floating_state, load_delta, load_safetensors, metadata_json, parse_delta_path,
                                              read_metadata, save_safetensors)
-from .transport import HubError, HubUnavailable, PublishConflict, RetryPolicy, SharedDirectory
+from .transport import HubError, HubUnavailable, PublishConflict, RepoMissing, RetryPolicy, SharedDirectory
 from .hub import HubClient, HubTransport
 from .outer import Ledger, MasterOuterLoop, NesterovOuterOptimizer, OuterState, OuterUpdate
 from .diloco import (DeltaUploadJob, DistributedWarning, DumbDiLoCo, DumbDiLoCoCoordinator, NodeShard,
@@ -31,7 +31,7 @@ from .norms import (NormRecord, layer_profile, norm_choices, norm_records_from_e
 _all_ = ["DumbDiLoCoCoordinator", "DumbDiLoCo", "DeltaUploadJob", "SyncResult", "HubClient", "HubTransport", "HubError",
          "HubUnavailable", "GlobalMetadata", "MasterOuterLoop", "NesterovOuterOptimizer", "average_deltas",
          "compute_pseudo_gradient", "load_delta", "load_safetensors", "save_safetensors",
-         "PublishConflict", "RetryPolicy", "SharedDirectory", "Ledger", "OuterUpdate", "OuterState", "NodeShard",
+         "PublishConflict", "RepoMissing", "RetryPolicy", "SharedDirectory", "Ledger", "OuterUpdate", "OuterState", "NodeShard",
          "DistributedWarning", "build_transport", "commit_rate_warning", "hub_commits_per_hour", "measure_step_time",
          "node_data_config", "outer_momentum_warning", "shard_loader", "warn_commit_rate", "warn_outer_momentum",
          "NormRecord", "norm_records_from_events", "norm_records_from_jsonl", "norm_records_from_repo", "norm_choices",

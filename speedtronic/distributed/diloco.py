@@ -11,6 +11,7 @@ import math
 import os
 import queue
 import shutil
+import signal
 import threading
 import time
 import uuid
@@ -29,7 +30,8 @@ from .outer import Ledger, MasterOuterLoop
 from .tensors import (GLOBAL_MODEL_PATH, compute_pseudo_gradient, cpu_state_dict, decode_delta, delta_header,
                                              delta_path, encode_delta, floating_state, load_safetensors, read_metadata,
                                              save_safetensors, wire_bytes)
-from .transport import HubError, HubUnavailable, RetryPolicy, SharedDirectory
+from .transport import HubError, HubUnavailable, RepoMissing, RetryPolicy, SharedDirectory
+from ..trainer import TrainingInterrupted
 
 # %% auto #0
 __all__ = ['DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR', 'resolve_role', 'build_transport', 'DeltaUploadJob',
@@ -45,12 +47,13 @@ def resolve_role(config: DistributedConfig) -> str:
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #f540caff
 def build_transport(config: DistributedConfig, *, stop: threading.Event | None = None,
-                    scratch: str | os.PathLike | None = None) -> Any:
+                    scratch: str | os.PathLike | None = None, warn: Any = None) -> Any:
     "The repository transport `config` describes (`HubClient` or `SharedDirectory`); `scratch` holds Hub downloads in flight."
     if not config.repo_id: raise ConfigError("distributed.repo_id: is required for DumbDiLoCo (a Hub repo such as org/run, "
                                              "or a directory with transport: directory)")
     if config.transport == "directory":
-        return SharedDirectory(config.repo_id, retry=RetryPolicy(config.retry_initial, config.retry_max, config.retry_attempts, stop=stop))
+        return SharedDirectory(config.repo_id, retry=RetryPolicy(config.retry_initial, config.retry_max, config.retry_attempts, stop=stop),
+                               warn=warn)
     return HubClient(config.repo_id, token=config.token, cache_dir=scratch or config.cache_dir, retry_initial=config.retry_initial,
                      retry_max=config.retry_max, retry_attempts=config.retry_attempts,
                      request_timeout=config.request_timeout, stop=stop)
@@ -91,7 +94,9 @@ class DumbDiLoCoCoordinator:
         self.state_root = Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
         self.state_root.mkdir(parents=True, exist_ok=True)
         self._stop = threading.Event()
-        self.transport = hub if hub is not None else build_transport(cfg, stop=self._stop, scratch=self.state_root / "cache")
+        self.transport = hub if hub is not None else build_transport(cfg, stop=self._stop, scratch=self.state_root / "cache",
+                                                                     warn=lambda message: self._log("warning", message))
+        self._terminated, self._woken = False, threading.Event()  # SIGTERM came during one of the coordinator's waits
         self._opened = False
         floating_state(model.state_dict())                       # complex parameters: refuse now, not at the first boundary
         self.baseline = cpu_state_dict(model.state_dict())
@@ -123,6 +128,11 @@ class DumbDiLoCoCoordinator:
 
     def _log(self, level: str, message: str) -> None:
         if self.logger is not None: getattr(self.logger, level)(f"diloco {self.node_id}: {message}")
+
+    def _where(self) -> str:
+        "The repository in words (`describe()`, which a transport written for 2.0 may not have)."
+        describe = getattr(self.transport, "describe", None)
+        return describe() if callable(describe) else f"repository {getattr(self.transport, 'repo_id', type(self.transport).__name__)}"
 
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
@@ -224,6 +234,9 @@ def _wait_uploads(self: DumbDiLoCoCoordinator, timeout: float) -> bool:
 def _install(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor], *, keep_progress: bool = True) -> bool:
     "Install global `state` (version `version`) into the model, keeping unsent progress; True when it changed the model."
     live = self.model.state_dict()
+    if problem := _misfit(live, state):
+        raise HubError(f"the global model (version {version}) in {self._where()} does not fit this node's model: "
+                       f"{problem}; every node must train the same model (compare the model sections of the nodes' configs)")
     with self.lock, torch.no_grad():
         used = {k: v for k, v in state.items() if k in live and tuple(v.shape) == tuple(live[k].shape)}
         new = {k: g.float() - (self.baseline[k].float() - live[k].detach().float().cpu())
@@ -234,6 +247,15 @@ def _install(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torc
         self.last_global_step = int(version)
     self._emit("global_installed", {"outer_step": int(version), "step": self.local_step, "keys": len(used)})
     return bool(used)
+
+def _misfit(live: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> str | None:
+    "The first tensor where global `state` does not fit the model's `live` state, in words (None when it fits)."
+    for k, v in live.items():
+        if k not in state: return f"tensor {k!r} {tuple(v.shape)} of this model is not in the global"
+        if tuple(state[k].shape) != tuple(v.shape):
+            return f"tensor {k!r} has shape {tuple(v.shape)} here and {tuple(state[k].shape)} in the global"
+    extra = next((k for k in state if k not in live), None)
+    return None if extra is None else f"the global has tensor {extra!r} {tuple(state[extra].shape)}, which this model lacks"
 
 @patch
 def _install_candidate(self: DumbDiLoCoCoordinator) -> bool:
@@ -344,19 +366,22 @@ def _await_fold(self: DumbDiLoCoCoordinator) -> bool:
     if target is None or not self._wait_for_fold: return False
     start = time.monotonic()
     deadline, interval = start + float(self.config.boundary_wait), min(self.poll_interval, 0.25)
-    while True:
-        installed = self._install_candidate() or installed
-        with self.lock: lost = not self._busy and (self.last_uploaded_step is None or self.last_uploaded_step < target)
-        if self.folded_step >= target or lost or time.monotonic() >= deadline or self._stop.is_set(): break
-        self._raise_fatal()
-        if self._maybe_poll(force=True): installed = True            # a synchronous poll installed it
-        else: self._stop.wait(interval)
+    with self._sigterm_ends_wait():                                  # SIGTERM: the trainer stops after this step
+        while True:
+            installed = self._install_candidate() or installed
+            with self.lock: lost = not self._busy and (self.last_uploaded_step is None or self.last_uploaded_step < target)
+            stopped = self._stop.is_set() or self._terminated
+            if self.folded_step >= target or lost or time.monotonic() >= deadline or stopped: break
+            self._raise_fatal()
+            if self._maybe_poll(force=True): installed = True        # a synchronous poll installed it
+            else: self._woken.wait(interval)
     arrived = self.folded_step >= target
-    if not (arrived or lost or self._stop.is_set()):                 # out of time: the master is slow or gone
+    ended = "folded" if arrived else "lost" if lost else "stopped" if stopped else "timeout"
+    if ended == "timeout":                                           # out of time: the master is slow or gone
         self._wait_for_fold = False
         self._log("warning", f"boundary_wait: the delta of step {target} was not folded within {self.config.boundary_wait:g} s; "
                              "not waiting again until one of this node's deltas is folded")
-    self._emit("boundary_wait", {"step": target, "waited_s": round(time.monotonic() - start, 4), "folded": arrived})
+    self._emit("boundary_wait", {"step": target, "waited_s": round(time.monotonic() - start, 4), "folded": arrived, "ended": ended})
     return installed
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #bfacdca9
@@ -369,11 +394,13 @@ def start(self: DumbDiLoCoCoordinator) -> None:
     for leftover in self.state_root.glob("**/.fetch-*"): shutil.rmtree(leftover, ignore_errors=True)   # a killed download
     if self.role != "master":
         try: self._ensure_open()
+        except RepoMissing: pass                                  # not created yet: the wait for the first global waits for it
         except HubUnavailable as e: self._log("warning", f"cannot reach the repository now; it is checked before the first exchange: {e}")
     prepared, self._prepared = self._prepared, None
     if prepared is not None: self._apply_state(prepared)
     elif not _same_state(self.baseline, self.model.state_dict()):
         self.baseline = cpu_state_dict(self.model.state_dict())   # weights loaded after construction: nothing unsent yet
+    if self.last_global_step >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it existed: never create it again
     if self.role == "master": self._start_master(prepared)
     else: self._await_global()
     self._install_candidate()
@@ -383,9 +410,9 @@ def start(self: DumbDiLoCoCoordinator) -> None:
 
 @patch
 def _ensure_open(self: DumbDiLoCoCoordinator) -> None:
-    "Check the repository (a public or missing one is fatal) once, before the first exchange."
+    "Check the repository (a public or missing one is fatal) once, before the first exchange; a transport without `open` is not checked."
     if not self._opened:
-        self.transport.open(create=False, private=True)
+        if callable(getattr(self.transport, "open", None)): self.transport.open(create=False, private=True)
         self._opened = True
 
 def _same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
@@ -394,22 +421,47 @@ def _same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 # %% ../../nbs/12d_distributed_diloco.ipynb #589ef27b
 @patch
 def _await_global(self: DumbDiLoCoCoordinator) -> None:
-    "A worker's first global: wait (up to `lease_timeout`) until the master has published one, and offer it."
-    deadline, told = time.monotonic() + self.config.lease_timeout, False
-    while True:
-        try:
-            found = self._fetch_global()
-            if found is not None: return self._offer(*found)
-            if self.last_global_step >= 0 or self.transport.state().metadata is not None: return
-        except HubUnavailable as e:
-            self._log("warning", f"cannot read the repository now: {e}")
-            if self.last_global_step >= 0: return
-        if time.monotonic() >= deadline:
-            return self._log("warning", f"no global model in {self.transport.describe()} after {self.config.lease_timeout:g} s; "
-                                        "training from local weights")
-        if not told: self._log("info", f"waiting for the master to publish the first global model in {self.transport.describe()}")
-        told = True
-        if self._stop.wait(min(self.poll_interval, 2.0)): return
+    "A worker's first global: wait (up to `lease_timeout`) until the master has created the repository and published one; offer it."
+    deadline, told, missing = time.monotonic() + self.config.lease_timeout, False, None
+    with self._sigterm_ends_wait(stop_retries=True):
+        while not (self._stop.is_set() or self._terminated):
+            try:
+                found, missing = self._fetch_global(), None
+                if found is not None: return self._offer(*found)
+                if self.last_global_step >= 0: return               # resumed: newer globals come with the polls
+            except RepoMissing as e: missing = e
+            except HubUnavailable as e:
+                self._log("warning", f"cannot read the repository now: {e}")
+                if self.last_global_step >= 0: return
+            if time.monotonic() >= deadline:
+                if missing is not None:
+                    raise RepoMissing(f"{missing}; it was not created within distributed.lease_timeout={self.config.lease_timeout:g} s: "
+                                      "start its master, or check distributed.repo_id and the token")
+                return self._log("warning", f"no global model in {self._where()} after {self.config.lease_timeout:g} s; "
+                                            "training from local weights")
+            if not told: self._log("info", f"waiting for the master to {'create' if missing else 'publish the first global model in'} "
+                                           f"{self._where()} (up to {self.config.lease_timeout:g} s)")
+            told = True
+            self._woken.wait(min(self.poll_interval, 2.0))
+    if self._terminated:
+        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for the first global model in {self._where()}")
+
+@patch
+@contextlib.contextmanager
+def _sigterm_ends_wait(self: DumbDiLoCoCoordinator, stop_retries: bool = False):
+    "Within the block (on the main thread), SIGTERM ends the coordinator's wait (`stop_retries`: the retries of its calls too), then goes to the handler before."
+    self._terminated = False
+    self._woken.clear()
+    if threading.current_thread() is not threading.main_thread(): yield; return
+    previous = signal.getsignal(signal.SIGTERM)
+    def handler(signum, frame):
+        self._terminated = True
+        self._woken.set()
+        if stop_retries: self._stop.set()                        # before the background threads run: nothing else uses it
+        if callable(previous): previous(signum, frame)           # e.g. the trainer's: stop after this step
+    signal.signal(signal.SIGTERM, handler)
+    try: yield
+    finally: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #ca10c6c8
 class DistributedWarning(UserWarning):
@@ -444,6 +496,7 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
                                  max_delta_norm_ratio=cfg.max_delta_norm_ratio, lease_timeout=cfg.lease_timeout,
                                  round_wait=cfg.boundary_wait / 2)
     if prepared is not None and prepared.get("outer"): self.outer.load_state_dict(prepared["outer"])
+    if self.outer.outer_step >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it published there: never create it again
     try: self.outer.start_master()
     except HubUnavailable as e: self._log("warning", f"master cannot reach the repository now, retrying in the background: {e}")
     if self.outer.outer_step >= 0: self._offer(*self.outer.snapshot())
@@ -489,12 +542,39 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
     if step > self.last_sent_step or self.carry_steps: self._send(step, final=True)
     if not self._wait_uploads(timeout): self._log("warning", f"the final delta of step {step} is still uploading after {timeout:g} s")
     self._raise_fatal()
-    if self.outer is not None:
-        version = self.outer.finish(step, timeout)
-        self._raise_fatal()
-        _, state = self.outer.snapshot()
-        self._install(version, state, keep_progress=False)
-        self.carry, self.carry_steps, self.last_sent_step = None, 0, step
+    if self.outer is None: return self._await_own_fold(timeout)
+    version = self.outer.finish(step, timeout)
+    self._raise_fatal()
+    if self._folded_in(self.outer.ledger) < 0: raise self._unfolded(f"version {version} holds none of its deltas")
+    _, state = self.outer.snapshot()
+    self._install(version, state, keep_progress=False)
+    self.carry, self.carry_steps, self.last_sent_step = None, 0, step
+
+@patch
+def _unfolded(self: DumbDiLoCoCoordinator, why: str) -> HubError:
+    "The error of a node whose training never reached the global model."
+    return HubError(f"none of the training of node {self.node_id!r} reached the global model in {self._where()}: {why} "
+                    "(see the warnings above); its trained weights are only in its own checkpoint")
+
+@patch
+def _await_own_fold(self: DumbDiLoCoCoordinator, timeout: float) -> None:
+    "A worker's end: wait up to `timeout` s for a published version whose ledger holds one of this session's deltas."
+    deadline, why, told = time.monotonic() + timeout, "no version was published", False
+    with self._sigterm_ends_wait():
+        while self.folded_step < 0 and not self._terminated:
+            try:
+                repo = self.transport.state()
+                if repo.metadata is not None and "ledger" not in repo.extras: return   # a 2.0 master: no ledger to check
+                if repo.metadata is not None and self._folded_in(Ledger.from_json(repo.extras["ledger"])) >= 0: return
+                if repo.metadata is not None: why = f"version {repo.outer_step} holds none of its deltas"
+            except HubUnavailable as e: why = f"the repository is unreachable ({e})"
+            if time.monotonic() >= deadline: raise self._unfolded(why)
+            if not told: self._log("info", f"waiting up to {timeout:g} s for a global model in {self._where()} that holds one of "
+                                           "this node's deltas (none has so far)")
+            told = True
+            self._woken.wait(min(self.poll_interval, 2.0))
+    if self._terminated:
+        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for a global model holding this node's deltas in {self._where()}")
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #8aefbcbd
 @patch
@@ -576,14 +656,22 @@ def shard_loader(loader: Any, config: DistributedConfig) -> Any:
     return NodeShard(loader, config.shard_index, config.shard_count)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #50c524fb
+def _in_file_order(data: DataConfig) -> str | None:
+    "The data file the loader reads in file order whatever the seed (the source `build_dataloader` picks), else None."
+    if data.shuffle: return None                                   # shuffled with the node's own seed: its own order
+    for key in ("text_path", "token_file", "dataset"):
+        value = getattr(data, key)
+        if isinstance(value, (str, os.PathLike)) and str(value): return f"data.{key} {str(value)!r}"
+    return None
+
 def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     "`config.data` as this node reads it: its own data seed when distributed without shards."
     d = config.distributed
     if not d.enabled or d.shard_count: return config.data
-    if config.data.text_path and not config.data.token_file:
-        warnings.warn(f"distributed: every node reads data.text_path {config.data.text_path!r} in the same order; set "
-                      "distributed.shard_count and distributed.shard_index per node so nodes train on different data",
-                      DistributedWarning, stacklevel=2)
+    if source := _in_file_order(config.data):
+        warnings.warn(f"distributed: this node reads {source} in file order, whatever its seed: nodes reading the same file train "
+                      "on the same data in the same order; give each node its own file, or set distributed.shard_count and "
+                      "distributed.shard_index per node, or data.shuffle: true", DistributedWarning, stacklevel=2)
     offset = int(hashlib.sha256(node_id(d).encode()).hexdigest()[:8], 16)
     return replace(config.data, seed=(int(config.data.seed or 0) + offset) % 2**31)
 

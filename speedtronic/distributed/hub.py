@@ -5,6 +5,7 @@
 # %% ../../nbs/12b_distributed_hub.ipynb #cd4e0b1f
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 from fastcore.basics import patch
 
 from .tensors import GLOBAL_METADATA_PATH, GlobalMetadata, parse_delta_path, parse_step_count
-from .transport import (CONFLICT, FATAL, TRANSIENT, HubError, HubUnavailable, PublishConflict,
+from .transport import (CONFLICT, FATAL, MISSING, TRANSIENT, HubError, HubUnavailable, PublishConflict,
                                                RepoState, RetryPolicy, TransferCounts)
 
 # %% auto #0
@@ -40,10 +41,12 @@ def _status(exc: BaseException) -> int | None:
     return getattr(getattr(exc, "response", None), "status_code", None)
 
 def classify_hub_error(exc: BaseException) -> str | None:
-    "`conflict`, `transient`, `fatal`, or None (not a Hub failure) for an exception of a Hub call."
+    "`conflict`, `transient`, `missing`, `fatal`, or None (not a Hub failure) for an exception of a Hub call."
     status = _status(exc)
     if status is not None:
         if status == 412: return CONFLICT
+        if status == 404 and (type(exc).__name__ == "RepositoryNotFoundError"
+                              or exc.response.headers.get("X-Error-Code") == "RepoNotFound"): return MISSING
         if status in (408, 429) or status >= 500: return TRANSIENT
         return FATAL if status >= 400 else TRANSIENT
     name, module = type(exc).__name__, type(exc).__module__ or ""
@@ -101,7 +104,7 @@ def _describe_error(self: HubClient, exc: BaseException) -> str:
     if status is None: return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     server = (exc.response.headers.get("X-Error-Message") or "").strip()
     what = _HINTS.get(status, "the Hub refused the request")
-    return (f"{self.describe()}: HTTP {status}, {what}" + (f" ({server})" if server else "")
+    return (f"HTTP {status}, {what}" + (f" ({server})" if server else "")
             + f"; token from {token_source(self.token)}")
 
 @patch
@@ -111,11 +114,18 @@ def _call(self: HubClient, label: str, fn: Callable[[], Any]) -> Any:
         return fn()
     return self.retry.call(label, run, classify_hub_error, self._describe_error)
 
+@patch
+def _offers(self: HubClient, name: str) -> bool:
+    "Whether the api object has call `name` (an `HfApi`-like object may offer only the calls 2.0 made)."
+    return callable(getattr(self.api, name, None))
+
 # %% ../../nbs/12b_distributed_hub.ipynb #4865153a
 @patch
 def open(self: HubClient, *, create: bool = False, private: bool = True) -> None:
     "Check the repository is usable; `create` makes it (private) when missing."
-    if create: self._call(f"create {self.describe()}", lambda: self.api.create_repo(self.repo_id, private=True, exist_ok=True))
+    if create: self._call(f"create {self.describe()}", lambda: self.api.create_repo(self.repo_id, repo_type="model", private=True, exist_ok=True))
+    if not self._offers("repo_info"):   # 2.0's calls only: the listing says the repository is there
+        self._call(f"read {self.describe()}", lambda: self.api.list_repo_files(self.repo_id, repo_type="model")); return
     info = self._call(f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model"))
     if private and getattr(info, "private", None) is False:
         raise HubError(f"{self.describe()} is public; DiLoCo deltas and weights belong in a private repo. "
@@ -131,23 +141,41 @@ def _missing(exc: BaseException) -> bool:
     return type(exc).__name__ in ("RemoteEntryNotFoundError", "EntryNotFoundError")
 
 @patch
+def _listing(self: HubClient) -> list[str]:
+    "Every file path at the head (inside a `_call`)."
+    return [getattr(f, "rfilename", None) or str(f) for f in self.api.list_repo_files(self.repo_id, repo_type="model")]
+
+@patch
+def _download(self: HubClient, path: str, revision: str | None, local_dir: Path) -> str:
+    "Download `path` into `local_dir` with the call the api object offers (pinned to `revision` where it has commits)."
+    pin = {"revision": revision} if revision and self._offers("repo_info") else {}
+    if self._offers("hf_hub_download"): return self.api.hf_hub_download(self.repo_id, path, local_dir=local_dir, **pin)
+    if self._offers("download_file"): return self.api.download_file(repo_id=self.repo_id, filename=path, local_dir=local_dir, **pin)
+    from huggingface_hub import hf_hub_download
+    return hf_hub_download(self.repo_id, path, local_dir=local_dir, token=self.token, endpoint=self.endpoint, **pin)
+
+@patch
 def state(self: HubClient, revision: str | None = None) -> RepoState:
     "What `global/step_count.json` says at commit `revision` (default: the head)."
     def run():
-        sha = revision or self.api.repo_info(self.repo_id, repo_type="model").sha
+        pinned = self._offers("repo_info")
+        sha = (revision or self.api.repo_info(self.repo_id, repo_type="model").sha) if pinned else None
+        if not pinned and GLOBAL_METADATA_PATH not in self._listing(): return RepoState("none")
         with _scratch(Path(self.cache_dir or tempfile.gettempdir())) as tmp:
-            try: path = self.api.hf_hub_download(self.repo_id, GLOBAL_METADATA_PATH, revision=sha, local_dir=tmp)
+            try: path = self._download(GLOBAL_METADATA_PATH, sha, tmp)
             except Exception as e:
                 if _missing(e): return RepoState(sha)
                 raise
-            meta, extras = parse_step_count(Path(path).read_bytes())
-        return RepoState(sha, meta, extras)
+            data = Path(path).read_bytes()
+            meta, extras = parse_step_count(data)
+        return RepoState(sha or f"content:{hashlib.sha256(data).hexdigest()[:16]}", meta, extras)
     return self._call(f"read {GLOBAL_METADATA_PATH} of {self.describe()}", run)
 
 @patch
 def list_deltas(self: HubClient, revision: str | None = None) -> list[str]:
     "Every delta path under `nodes/` at `revision` (default: the head), sorted."
     def run():
+        if not self._offers("list_repo_tree"): return sorted(p for p in self._listing() if parse_delta_path(p) is not None)
         try: entries = list(self.api.list_repo_tree(self.repo_id, "nodes", recursive=True, revision=revision))
         except Exception as e:
             if _missing(e): return []
@@ -160,6 +188,7 @@ def list_deltas(self: HubClient, revision: str | None = None) -> list[str]:
 def version_tag(self: HubClient) -> str | None:
     "A tag that changes exactly when `global/step_count.json` changes (None when there is none)."
     from huggingface_hub import hf_hub_url
+    if not self._offers("get_hf_file_metadata"): return None   # no cheap check: the caller reads the state
     def run():
         url = hf_hub_url(self.repo_id, GLOBAL_METADATA_PATH, endpoint=self.api.endpoint)
         try: return self.api.get_hf_file_metadata(url=url, timeout=self.request_timeout).etag
@@ -170,8 +199,9 @@ def version_tag(self: HubClient) -> str | None:
 
 # %% ../../nbs/12b_distributed_hub.ipynb #9210031c
 @patch
-def head_revision(self: HubClient) -> str:
-    "The head commit of the repository (changes with every commit)."
+def head_revision(self: HubClient) -> str | None:
+    "The head commit of the repository (changes with every commit); None when the api object cannot say."
+    if not self._offers("repo_info"): return None
     return self._call(f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model").sha)
 
 # %% ../../nbs/12b_distributed_hub.ipynb #0bc47cda
@@ -190,7 +220,7 @@ def fetch(self: HubClient, path: str, local: str | os.PathLike, revision: str | 
     local.parent.mkdir(parents=True, exist_ok=True)
     def run():
         with _scratch(local.parent) as tmp:
-            got = Path(self.api.hf_hub_download(self.repo_id, path, revision=revision, local_dir=tmp))
+            got = Path(self._download(path, revision, tmp))
             size = got.stat().st_size
             os.replace(got, local)
         self.counts.bytes_received += size
@@ -215,7 +245,9 @@ def _operations(files: Mapping[str, str | os.PathLike], deletes: Iterable[str] =
 def upload(self: HubClient, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
     "Add `files` (repository path -> local file) in one commit."
     def run():
-        self.api.create_commit(self.repo_id, _operations(files), commit_message=message or f"add {', '.join(files)}")
+        if self._offers("create_commit"):
+            self.api.create_commit(self.repo_id, _operations(files), commit_message=message or f"add {', '.join(files)}")
+        else: _upload_each(self, files)
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
         self.counts.commits += 1
     self._call(f"upload {', '.join(files)} to {self.describe()}", run)
@@ -225,6 +257,7 @@ def publish(self: HubClient, files: Mapping[str, str | os.PathLike], deletes: It
             owner: str, version: int | None = None, message: str = "", description: str = "") -> str:
     "Commit `files` and delete `deletes` only if the head is still `parent`; returns the new revision."
     deletes = list(deletes)
+    if not self._offers("create_commit"): return _publish_each(self, files, deletes, parent, message)
     def run():
         info = self.api.create_commit(self.repo_id, _operations(files, deletes, self._staged), commit_message=message or "publish global",
                                       commit_description=description, parent_commit=parent.revision)
@@ -233,6 +266,28 @@ def publish(self: HubClient, files: Mapping[str, str | os.PathLike], deletes: It
         self._staged.clear()
         return info.oid
     return self._call(f"publish to {self.describe()}", run)
+
+# %% ../../nbs/12b_distributed_hub.ipynb #42d32e28
+def _upload_each(self: HubClient, files: Mapping[str, str | os.PathLike]) -> None:
+    "Upload `files` one `upload_file` each, the version file last (2.0's call, its local path positional where asked)."
+    for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
+        kw = {"path_in_repo": path, "repo_id": self.repo_id, "repo_type": "model"}
+        try: self.api.upload_file(path_or_fileobj=str(files[path]), **kw)
+        except TypeError: self.api.upload_file(str(files[path]), **kw)
+
+def _publish_each(self: HubClient, files: Mapping[str, str | os.PathLike], deletes: list[str], parent: RepoState, message: str) -> str:
+    "`publish` through `upload_file`: refused (`PublishConflict`) when the version file changed since `parent`."
+    current = self.state()
+    if current.revision != parent.revision:
+        raise PublishConflict(f"{self.describe()} moved from revision {parent.revision} to {current.revision}")
+    def run():
+        _upload_each(self, files)
+        if self._offers("delete_file"):
+            for p in deletes: self.api.delete_file(p, repo_id=self.repo_id, repo_type="model")
+        self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
+        self.counts.commits += 1
+    self._call(f"publish to {self.describe()}", run)
+    return self.state().revision
 
 # %% ../../nbs/12b_distributed_hub.ipynb #299074b8
 @patch
