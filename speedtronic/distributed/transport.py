@@ -12,6 +12,7 @@ import random
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -24,8 +25,8 @@ from .tensors import (GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, GlobalMetadata, p
 from ..files import TEMP_NAME, atomic_write
 
 # %% auto #0
-__all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'HubError', 'HubUnavailable', 'PublishConflict', 'RetryPolicy', 'RepoState',
-           'TransferCounts', 'SharedDirectory']
+__all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavailable', 'PublishConflict', 'RepoMissing',
+           'RetryPolicy', 'RepoState', 'TransferCounts', 'SharedDirectory']
 
 # %% ../../nbs/12a_distributed_transport.ipynb #358d078b
 class HubError(ExpectedError, RuntimeError):
@@ -37,7 +38,10 @@ class HubUnavailable(HubError):
 class PublishConflict(HubError):
     "The repository changed since the publisher read it (another commit, or another master)."
 
-TRANSIENT, FATAL, CONFLICT = "transient", "fatal", "conflict"
+class RepoMissing(HubError):
+    "The repository does not exist (yet): a worker waits for its master to create it; for anyone else it is fatal."
+
+TRANSIENT, FATAL, CONFLICT, MISSING = "transient", "fatal", "conflict", "missing"
 
 # %% ../../nbs/12a_distributed_transport.ipynb #ac50e354
 @dataclass
@@ -64,6 +68,7 @@ class RetryPolicy:
                 if kind is None: raise
                 if kind == FATAL: raise HubError(f"{label}: {describe(exc)}") from None
                 if kind == CONFLICT: raise PublishConflict(f"{label}: {describe(exc)}") from exc
+                if kind == MISSING: raise RepoMissing(f"{label}: {describe(exc)}") from None
                 last = exc
             if attempt < len(delays):
                 if self.stop is not None:
@@ -97,30 +102,81 @@ _STALE_CLAIM_S = 600.0  # a claim this old, for a version never published, was l
 
 class SharedDirectory:
     "The repository as a directory (local disk or a network mount) with atomic renames."
-    def __init__(self, path: str | os.PathLike, *, retry: RetryPolicy | None = None):
+    def __init__(self, path: str | os.PathLike, *, retry: RetryPolicy | None = None,
+                 warn: Callable[[str], None] | None = None):  # says an entry was refused (default: `warnings.warn`)
         self.root = Path(path).expanduser().absolute()
         self.retry = retry or RetryPolicy()
         self.counts = TransferCounts()
+        self.used = False  # True once this process has seen the directory: from then on it is never created again
+        self.warn = warn or (lambda message: warnings.warn(message, stacklevel=3))
+        self.refused: set[str] = set()  # entries refused by name, each said once
 
     def describe(self) -> str: return f"shared directory {self.root}"
 
     def _call(self, label: str, fn: Callable[[], Any]) -> Any:
-        return self.retry.call(label, fn, _classify_os_error, lambda e: f"{type(e).__name__}: {e}")
+        def run():
+            try: return fn()
+            except OSError:
+                self._present()                                   # the directory itself is gone: that is the error to report
+                raise
+        return self.retry.call(label, run, _classify_os_error, self._error_text)
+
+    def _error_text(self, exc: BaseException) -> str:
+        "An I/O error in words, its file named inside the repository (the label already names the repository)."
+        name = getattr(exc, "filename", None)
+        if not isinstance(exc, OSError) or name is None: return f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(ValueError): name = Path(name).relative_to(self.root)
+        return f"{type(exc).__name__}: {exc.strerror or exc}: {name}"
 
     def open(self, *, create: bool = False, private: bool = True) -> None:
-        "Check the directory is usable; `create` makes it (the master). A worker may come before the master made it."
+        "Check the directory is usable; `create` makes it (the master) unless this process used it before, else `RepoMissing` when it is not there."
         def run():
-            if create: (self.root / "nodes").mkdir(parents=True, exist_ok=True); (self.root / "global").mkdir(exist_ok=True)
-            if self.root.exists() and not self.root.is_dir(): raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
-            if self.root.exists() and not os.access(self.root, os.W_OK | os.X_OK):
-                raise PermissionError(errno.EACCES, "not writable", str(self.root))
+            if create and not self.used:
+                for folder in (self.root, self.root / "global", self.root / "nodes"): folder.mkdir(parents=True, exist_ok=True)
+            self._present(write=True)
+            if create: (self.root / "nodes").mkdir(exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK): raise PermissionError(errno.EACCES, "not writable", str(self.root))
         self._call(f"open {self.describe()}", run)
 
 def _classify_os_error(exc: BaseException) -> str | None:
-    "Permissions and a missing repository are fatal; other I/O errors (a flaky mount) are transient."
+    "Permissions and a missing file are fatal; other I/O errors (a flaky mount) are transient."
     if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError)): return FATAL
     if isinstance(exc, (OSError, ValueError)): return TRANSIENT
     return None
+
+# %% ../../nbs/12a_distributed_transport.ipynb #1f1317b7
+@patch
+def _present(self: SharedDirectory, write: bool = False) -> bool:
+    "Whether the repository is there (its `global/` folder); `RepoMissing` for a write before it was made, `HubError` once it disappeared after use."
+    if os.path.exists(self.root) and not os.path.isdir(self.root):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
+    if os.path.isdir(self.root / "global"):
+        self.used = True
+        return True
+    if self.used:
+        raise HubError(f"{self.describe()} has disappeared since this run used it (no global/ folder: an unmounted share?); "
+                       "it is not created again: mount or restore it, then resume the run")
+    if write: raise RepoMissing(f"{self.describe()} does not exist; its master creates it (distributed.role: master)")
+    return False
+
+@patch
+def _inside(self: SharedDirectory, path: str) -> Path:
+    "`root/path`, refused (`HubError` naming it) when any part of it is a symbolic link."
+    here = self.root
+    for part in Path(path).parts:
+        if part in ("..", "") or os.path.isabs(part): raise HubError(f"{self.describe()}: refusing {path}: not a path inside the repository")
+        here = here / part
+        if here.is_symlink():
+            raise HubError(f"{self.describe()}: refusing {path}: {here.relative_to(self.root)} is a symbolic link "
+                           "(it may point outside the repository); delete it")
+    return here
+
+@patch
+def _refuse(self: SharedDirectory, path: str, why: str) -> None:
+    "Say once that entry `path` is left out of every listing."
+    if path in self.refused: return
+    self.refused.add(path)
+    self.warn(f"{self.describe()}: refusing {path}: {why} (it may point outside the repository); delete it")
 
 # %% ../../nbs/12a_distributed_transport.ipynb #fb617776
 def _weights_version(path: Path) -> int | None:
@@ -132,11 +188,12 @@ def _weights_version(path: Path) -> int | None:
 @patch
 def state(self: SharedDirectory) -> RepoState:
     "The repository's version; a version file that disagrees with the weights' header is read again."
-    version = self.root / GLOBAL_METADATA_PATH
     def run():
+        if not self._present(): return RepoState("none")
+        version = self._inside(GLOBAL_METADATA_PATH)
         if not version.exists(): return RepoState("none")
         meta, extras = parse_step_count(version.read_bytes())
-        carried = _weights_version(self.root / GLOBAL_MODEL_PATH)
+        carried = _weights_version(self._inside(GLOBAL_MODEL_PATH))
         if carried is not None and carried != meta.outer_step:
             raise ValueError(f"weights carry version {carried}, the version file says {meta.outer_step} (a publication in progress)")
         return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras)
@@ -145,32 +202,53 @@ def state(self: SharedDirectory) -> RepoState:
 @patch
 def version_tag(self: SharedDirectory) -> str | None:
     "A tag that changes when `global/step_count.json` is replaced (None when there is none): a cheap poll."
-    try: st = (self.root / GLOBAL_METADATA_PATH).stat()
+    if not self._present(): return None
+    try: st = os.lstat(self.root / GLOBAL_METADATA_PATH)
     except FileNotFoundError: return None
     return f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
 
 @patch
 def list_deltas(self: SharedDirectory, revision: str | None = None) -> list[str]:
-    "Every delta path under `nodes/`, sorted."
+    "Every delta path under `nodes/`, sorted; symbolic links are refused by name, never followed."
     def run():
-        nodes = self.root / "nodes"
-        if not nodes.is_dir(): return []
-        found = [f"nodes/{d.name}/{f.name}" for d in nodes.iterdir() if d.is_dir() for f in d.iterdir()]
-        return sorted(p for p in found if parse_delta_path(p) is not None)
+        nodes, found = self.root / "nodes", []
+        if not self._present() or not nodes.exists(): return []
+        if nodes.is_symlink(): self._refuse("nodes", "a symbolic link"); return []
+        with os.scandir(nodes) as folders:
+            for d in folders:
+                if d.is_symlink(): self._refuse(f"nodes/{d.name}", "a symbolic link"); continue
+                if not d.is_dir(follow_symlinks=False): continue
+                with os.scandir(d.path) as files:
+                    for f in files:
+                        path = f"nodes/{d.name}/{f.name}"
+                        if parse_delta_path(path) is None: continue
+                        if f.is_symlink(): self._refuse(path, "a symbolic link")
+                        elif f.is_file(follow_symlinks=False): found.append(path)
+        return sorted(found)
     return self._call(f"list deltas in {self.describe()}", run)
 
 # %% ../../nbs/12a_distributed_transport.ipynb #cccd5176
 def _copy(src: Path, dest: Path) -> int:
-    "Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename); returns the bytes copied."
-    with open(src, "rb") as f: atomic_write(dest, lambda out: shutil.copyfileobj(f, out, 1 << 20))
+    "Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename), never through a link at `src`; returns the bytes copied."
+    with os.fdopen(os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+        atomic_write(dest, lambda out: shutil.copyfileobj(f, out, 1 << 20))
     return dest.stat().st_size
+
+@patch
+def _target(self: SharedDirectory, path: str) -> Path:
+    "Where a write of repository `path` goes: inside the directory, which must be there, never through a link."
+    self._present(write=True)
+    dest = self._inside(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)   # the directory itself exists: only folders inside it are made
+    return dest
 
 @patch
 def fetch(self: SharedDirectory, path: str, local: str | os.PathLike, revision: str | None = None) -> Path:
     "Copy repository `path` to `local` atomically."
     local = Path(local)
     def run():
-        n = _copy(self.root / path, local)
+        self._present(write=True)
+        n = _copy(self._inside(path), local)
         self.counts.bytes_received += n
         return local
     return self._call(f"fetch {path} from {self.describe()}", run)
@@ -179,7 +257,7 @@ def fetch(self: SharedDirectory, path: str, local: str | os.PathLike, revision: 
 def upload(self: SharedDirectory, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
     "Put `files` (repository path -> local file) into place, each with one atomic rename."
     def run():
-        for path, local in files.items(): self.counts.bytes_sent += _copy(Path(local), self.root / path)
+        for path, local in files.items(): self.counts.bytes_sent += _copy(Path(local), self._target(path))
         self.counts.commits += 1
     self._call(f"upload {', '.join(files)} to {self.describe()}", run)
 
@@ -208,9 +286,9 @@ def publish(self: SharedDirectory, files: Mapping[str, str | os.PathLike], delet
     if version > parent.outer_step: _claim(self, version, owner)   # a new version; a heartbeat keeps its version
     def run():
         for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):   # weights first, the version file last
-            self.counts.bytes_sent += _copy(Path(files[path]), self.root / path)
+            self.counts.bytes_sent += _copy(Path(files[path]), self._target(path))
         for path in deletes:
-            with contextlib.suppress(FileNotFoundError): (self.root / path).unlink()
+            with contextlib.suppress(FileNotFoundError): self._inside(path).unlink()
         self.counts.commits += 1
         _sweep(self, version)
     self._call(f"publish version {version} to {self.describe()}", run)
@@ -222,7 +300,9 @@ def _sweep(self: SharedDirectory, version: int) -> None:
     for p in (self.root / "global").glob(".claim-*"):
         with contextlib.suppress(ValueError, OSError):
             if int(p.name.split("-")[1]) < version - 1: p.unlink()
-    for folder in [self.root / "global", *(d for d in (self.root / "nodes").iterdir() if d.is_dir())]:
+    nodes = self.root / "nodes"
+    folders = [] if nodes.is_symlink() else [d for d in nodes.iterdir() if d.is_dir() and not d.is_symlink()]
+    for folder in [self.root / "global", *folders]:
         for p in folder.iterdir():
             with contextlib.suppress(OSError):
                 if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S: p.unlink()
