@@ -271,7 +271,7 @@ def read_token_sidecar(path: str | os.PathLike) -> dict:
     p = check_data_file(path, "data.token_file")
     side = token_sidecar(p)
     if not side.is_file(): raise DataError(f"token file {str(p)!r} has no sidecar {side.name}; (re)create it with `speedtronic prepare SOURCE {p}`")
-    try: meta = json.loads(side.read_text())
+    try: meta = json.loads(side.read_text(encoding="utf-8-sig"))   # a byte-order mark (a sidecar edited on Windows) is not JSON
     except (OSError, ValueError) as e: raise DataError(f"sidecar {str(side)!r} is not valid JSON ({e}); re-run `speedtronic prepare`") from None
     if not isinstance(meta, dict): meta = {}
     missing = [k for k in ("format", "version", "dtype", "num_tokens", "vocab_size") if k not in meta]
