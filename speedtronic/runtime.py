@@ -436,7 +436,9 @@ def _logging_problems(config: SpeedtronicConfig) -> list[str]:
         problems.append(f"logging.tensorboard_dir: {paths.tensorboard} cannot be a directory because {blocker} is a file")
     return problems
 
-def _startup(config: SpeedtronicConfig, *, max_steps: int | None = None, device: Any = None) -> tuple[list[str], Any]:
+def _startup(config: SpeedtronicConfig, *, max_steps: int | None = None, device: Any = None,
+             meta_failures: tuple[type[BaseException], ...] = (Exception,), # build errors reported (others: the real build tells)
+            ) -> tuple[list[str], Any]:
     "(problems, the model on the meta device or None): the checks `startup_problems` makes."
     m, d = config.model, config.data
     text = None if _is_demo_corpus(d.text_path) else d.text_path  # written on first use
@@ -454,7 +456,7 @@ def _startup(config: SpeedtronicConfig, *, max_steps: int | None = None, device:
     try:
         with torch.device("meta"): model = build_model(config.model)
     except Exception as e:
-        return problems + [f"model {m.name!r} cannot be built: {e}"], None
+        return problems + ([f"model {m.name!r} cannot be built: {e}"] if isinstance(e, meta_failures) else []), None
     vocab = model_vocab_size(model, config)
     if d.vocab_size and d.vocab_size > vocab:
         problems.append(f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
@@ -466,7 +468,8 @@ def startup_problems(config: SpeedtronicConfig | Mapping[str, Any],
                      device: str | torch.device | None = None, # the device whose memory the model must fit
                     ) -> list[str]:
     "What would stop `config` from training that can be seen before any directory is created or data is read."
-    return _startup(load_runtime_config(config), max_steps=max_steps, device=device)[0]
+    # an unknown model or a failed model.imports is final; a model the meta device cannot build is left to the real build
+    return _startup(load_runtime_config(config), max_steps=max_steps, device=device, meta_failures=(ConfigError, ImportError))[0]
 
 # %% ../nbs/13_runtime.ipynb #ac143b86
 def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None) -> list[str]:
