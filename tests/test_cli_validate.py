@@ -253,3 +253,25 @@ def test_deep_validation_refuses_a_model_that_cannot_fit_in_memory(tmp_path):
     assert "model.vocab_size 50000000" in line
     assert_clean_error(cli("train", "--config", str(huge), "--device", "cpu"), "GiB available")
     assert not (tmp_path / "out").exists()                    # refused before the run's directory was made
+
+
+def test_train_finds_what_it_can_before_creating_the_run_directory(tmp_path):
+    out = tmp_path / "out"
+    late = write(tmp_path, "late.yaml", f"run: {{output_dir: {out}}}\nmodel: {{max_seq_len: 16}}\ndata: {{block_size: 32, synthetic: true}}\n")
+    assert_clean_error(cli("train", "--config", str(late), "--device", "cpu"),
+                       "data.block_size (32) is larger than model.max_seq_len (16)")
+    assert not out.exists()                                  # nothing created for a run that could not start
+
+
+def test_random_tokens_not_asked_for_come_with_one_warning(tmp_path):
+    base = (f"run: {{output_dir: {tmp_path / 'out'}, max_steps: 1}}\n"
+            "model: {vocab_size: 64, max_seq_len: 16, n_layer: 1, n_head: 2, n_kv_head: 2, d_model: 32, d_ff: 64}\n"
+            "checkpoint: {enabled: false}\nlogging: {progress: false, loss_plot: false}\n")
+    quiet = cli("train", "--config", str(write(tmp_path, "asked.yaml", base + "data: {synthetic: true, num_tokens: 8}\n")), "--device", "cpu")
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr
+    noisy = cli("train", "--config", str(write(tmp_path, "unasked.yaml", base + "data: {num_tokens: 8}\n")), "--device", "cpu")
+    warnings_ = [l for l in noisy.stderr.splitlines() if l.startswith("speedtronic: warning:")]
+    assert noisy.returncode == 0 and len(warnings_) == 1, noisy.stderr
+    assert "no data source is set" in warnings_[0] and "data.synthetic: true" in warnings_[0]
+    shown = yaml.safe_load(cli("validate", "--config", str(write(tmp_path, "text.yaml", "data: {text_path: a.txt}\n"))).stdout)
+    assert shown["data"]["synthetic"] is False               # the printed config says what is read
