@@ -298,6 +298,13 @@ class RunConfig(_Section):
         if not self.device.strip(): r.fail("device", "must not be empty (use auto, cpu, cuda, cuda:N or mps)")
         if not self.output_dir.strip(): r.fail("output_dir", "must not be empty (write . for the working directory)")
         return r.problems
+    def __post_init__(self):
+        super().__post_init__()
+        self._written_output_dir = self.output_dir
+    @property
+    def written_output_dir(self) -> str:
+        "The `output_dir` this section was built with (what relative logging paths were written against)."
+        return self.__dict__.get("_written_output_dir", self.output_dir)
 
 # %% ../nbs/00_config.ipynb #a7cdb284
 _REFERENCE_MODELS = ("reference_transformer", "gpt")
@@ -393,6 +400,16 @@ class DataConfig(_Section):
     def _normalise(self):
         if "target_batch_size" not in explicit_fields(self) and self.micro_batch_size > self.target_batch_size:
             self.target_batch_size = self.micro_batch_size   # unwritten: one micro batch per update
+        if "synthetic" not in explicit_fields(self) and self.source != "synthetic tokens":
+            self.synthetic = False                            # a real source is read: no random tokens
+    @property
+    def source(self) -> str:
+        "What training reads: the first of `text_path`, `token_file`, `hf_dataset`, `dataset` that is set, else synthetic tokens (or nothing)."
+        if self.text_path: return "data.text_path"
+        if self.token_file: return "data.token_file"
+        if self.hf_dataset is not None: return "data.hf_dataset"
+        if self.dataset is not None: return "data.dataset"
+        return "synthetic tokens" if self.synthetic else "nothing"
     def _rules(self):
         r = _Rules(self)
         if isinstance(self.dataset, os.PathLike): self.dataset = os.fspath(self.dataset)
@@ -455,8 +472,8 @@ class OptimizerConfig(_Section):
 class SchedulerConfig(_Section):
     "Learning-rate schedule: linear warmup, then cosine decay to `min_lr_ratio` or constant."
     name: str = "cosine"  # cosine or constant
-    warmup_steps: int = 100  # unset: min(100, horizon // 10) inside a full config
-    max_steps: int = 1000  # unset: follows the run target inside a full config
+    warmup_steps: int = 100  # unset: min(100, horizon // 10) for a whole run (speedtronic.schedules)
+    max_steps: int = 1000  # unset: the run target is the horizon (speedtronic.schedules)
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of optimizer.lr
     def _rules(self):
         r = _Rules(self)
@@ -464,7 +481,7 @@ class SchedulerConfig(_Section):
         r.non_negative("warmup_steps")
         r.positive("max_steps")
         r.fraction("min_lr_ratio", closed=True)
-        if {"warmup_steps", "max_steps"} <= explicit_fields(self) and 0 < self.max_steps <= self.warmup_steps:
+        if {"warmup_steps", "max_steps"} <= explicit_fields(self) and 0 < self.max_steps < self.warmup_steps:
             r.problems.append(_warmup_problem(self.warmup_steps, self.max_steps, "raise scheduler.max_steps"))
         return r.problems
 
@@ -639,10 +656,10 @@ _SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": Da
                               "shape_validation": ShapeValidationConfig}
 
 def _warmup_problem(warmup: int, horizon: int, how: str) -> str:
-    "The error for an explicit warmup that does not end before the schedule does."
+    "The error for an explicit warmup longer than the schedule it starts."
     warmup, horizon = _show(warmup), _show(horizon)
-    return (f"scheduler.warmup_steps: {warmup} is not below the schedule horizon of {horizon} steps; "
-            f"set scheduler.warmup_steps below {horizon} or {how}")
+    return (f"scheduler.warmup_steps: {warmup} is longer than the schedule horizon of {horizon} steps; "
+            f"set scheduler.warmup_steps to at most {horizon} or {how}")
 
 # %% ../nbs/00_config.ipynb #f3df623c
 @_config_section("")
@@ -691,24 +708,11 @@ def _normalise(self: SpeedtronicConfig) -> None:
     if self.run.log_every is not None and self.logging.every_steps == 1: self.logging.every_steps = self.run.log_every
     if self.gradient_checkpointing or self.model.gradient_checkpointing:
         self.gradient_checkpointing = self.model.gradient_checkpointing = True
-    self._follow_schedule()
-
-@patch
-def _follow_schedule(self: SpeedtronicConfig) -> None:
-    "Show in `scheduler` the horizon and warmup `speedtronic.schedules` resolves for this run's target."
-    from speedtronic.schedules import horizon_and_warmup   # the owner of the rule; it imports no torch
-    s = self.scheduler
-    if s.max_steps <= 0 or s.warmup_steps < 0 or run_target(self) <= 0: return   # reported by the checks
-    s.max_steps, s.warmup_steps = horizon_and_warmup(s, run_target(self))
 
 @patch
 def _rules(self: SpeedtronicConfig) -> list[str]:
     problems = []
     if not 1 <= self.ooo_streams <= 8: problems.append(f"ooo_streams: must be between 1 and 8, got {_show(self.ooo_streams)}")
-    s = self.scheduler
-    if "warmup_steps" in explicit_fields(s) and s.warmup_steps >= s.max_steps > 0:
-        how = "raise scheduler.max_steps" if "max_steps" in explicit_fields(s) else "raise run.max_steps (the horizon follows it)"
-        problems.append(_warmup_problem(s.warmup_steps, s.max_steps, how))
     return problems
 
 # %% ../nbs/00_config.ipynb #3b19c323
@@ -732,16 +736,13 @@ def validate(self: SpeedtronicConfig) -> SpeedtronicConfig:
 
 @patch
 def set_max_steps(self: SpeedtronicConfig, max_steps: int) -> SpeedtronicConfig:
-    "Set the run target and the schedule horizon to `max_steps` (CLI `--max-steps`); re-derive an unset warmup."
+    "Set the run target to `max_steps` (CLI `--max-steps`), and the schedule horizon where one was written."
     try: n = _as_int(max_steps)
     except _Mismatch: n = 0
     if n <= 0: raise ConfigError(f"max_steps: must be a positive integer, got {_show(max_steps)}")
-    s = self.scheduler
-    if "warmup_steps" in explicit_fields(s) and s.warmup_steps >= n:
-        raise ConfigError(_warmup_problem(s.warmup_steps, n, f"ask for more than {_show(s.warmup_steps)} steps"))
-    self.run.max_steps = s.max_steps = n
+    self.run.max_steps = n
     if self.data.max_steps is not None: self.data.max_steps = n   # it outranks run.max_steps as the target
-    self._follow_schedule()
+    if "max_steps" in explicit_fields(self.scheduler): self.scheduler.max_steps = n   # unwritten, it follows the target
     return self
 
 # %% ../nbs/00_config.ipynb #985461a5
@@ -907,7 +908,7 @@ def _parse_json(text: str, where: str) -> Any:
 
 def _read_config_file(path: Path, fmt: str | None = None) -> Any:
     "Parse a config file as YAML or JSON (by `fmt` or suffix); unreadable files become `ConfigError`."
-    try: text = path.read_text(encoding="utf-8")
+    try: text = path.read_text(encoding="utf-8-sig")   # a byte-order mark (Windows editors) is not part of the text
     except FileNotFoundError: raise FileNotFoundError(f"config file not found: {path}") from None
     except IsADirectoryError: raise ConfigError(f"{path}: is a directory, not a config file") from None
     except UnicodeDecodeError as e: raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
@@ -942,6 +943,7 @@ def load(cls: SpeedtronicConfig, source: Mapping | str | os.PathLike) -> Speedtr
     if isinstance(source, os.PathLike): return cls.from_dict(_read_config_file(Path(source)))
     if not isinstance(source, str):
         raise ConfigError(f"config source must be a mapping, a file path or YAML/JSON text, got {type(source).__name__}")
+    source = source.removeprefix("\ufeff")                # a byte-order mark, as a file read without utf-8-sig keeps it
     if _is_inline(source): return cls.from_dict(_parse_yaml(source, "inline config"))
     return cls.from_dict(_read_config_file(Path(source)))
 

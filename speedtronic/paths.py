@@ -53,6 +53,7 @@ class RunPaths:
     hub_cache: Path
     loss_plot: Path
     locks: tuple[Path, ...] = ()  # lock files of the directories the run owns
+    tensorboard: Path | None = None  # TensorBoard event directory (logging.tensorboard_dir)
 
 LOCK_NAME = ".speedtronic.lock"
 
@@ -60,16 +61,25 @@ def _under(base: Path, path: str | os.PathLike) -> Path:
     path = Path(path)
     return path if path.is_absolute() else base / path
 
+def _moved(path: str | None, written: str, out: Path) -> Path | None:
+    "A logging path written against output dir `written`, for a run whose output dir is now `out`."
+    if not path: return None
+    path, was = Path(path), os.path.abspath(written)
+    if path.is_absolute() or was == os.path.abspath(out): return path
+    here = os.path.abspath(path)
+    return out / (Path(here).relative_to(was) if Path(here).is_relative_to(was) else path)
+
 def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = None) -> RunPaths:
-    "The paths `config`'s run writes to; relative ones resolved as 2.0 did (see the table above)."
-    out = Path(config.run.output_dir)
-    metrics = Path(config.logging.json_file) if config.logging.json_file else None
+    "The paths `config`'s run writes to; relative ones resolved as 2.0 did, and moved with a moved run (see above)."
+    out, lg = Path(config.run.output_dir), config.logging
+    follow = lambda path: _moved(path, config.run.written_output_dir, out)
+    metrics = follow(lg.json_file)
     d = config.distributed
     state = _under(out, d.state_dir) / node_id(d, environ) if d.enabled else None
     checkpoints = _under(out, config.checkpoint.directory)
     inside = Path(os.path.abspath(checkpoints)).is_relative_to(os.path.abspath(out))
     return RunPaths(output_dir=out, checkpoints=checkpoints, state_dir=state,
-                    metrics=metrics, log_file=Path(config.logging.file) if config.logging.file else None,
+                    metrics=metrics, log_file=follow(lg.file), tensorboard=follow(lg.tensorboard_dir),
                     hub_cache=Path(config.distributed.cache_dir),
                     loss_plot=(metrics.parent if metrics else out) / "loss_curve.png",
                     locks=(out / LOCK_NAME,) + (() if inside else (checkpoints / LOCK_NAME,)))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import random
 import signal
 import sys
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,8 +25,8 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
-from .config import ConfigError, SpeedtronicConfig, explicit_fields, run_target
-from .data import DataError, build_dataloader, check_loader_settings, collate_batch, select_dataset
+from .config import ConfigError, ConfigWarning, SpeedtronicConfig, explicit_fields, run_target
+from .data import DataError, DataWarning, build_dataloader, check_loader_settings, collate_batch, select_dataset
 from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
@@ -35,7 +37,7 @@ from .precision import resolve_precision
 from .profiling import MetricLogger
 from .progress import ProgressBar, in_notebook, loss_figure, loss_points
 from .registry import build_model
-from .schedules import build_scheduler
+from .schedules import build_scheduler, resolve_schedule
 from .shapes import validate_startup_shapes
 from .trainer import STEP_RECORD_KEYS, Trainer, TrainResult, TrainingInterrupted, call_model, resolve_loss
 from .widgets import TrainingView
@@ -44,7 +46,8 @@ from .widgets import TrainingView
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
            'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
            'RunClaim', 'claim_run', 'claim_job', 'build_runtime', 'sigterm_stops', 'earlier_records',
-           'train_from_config', 'write_loss_plot', 'check_runnable']
+           'train_from_config', 'write_loss_plot', 'training_memory', 'available_memory', 'startup_problems',
+           'check_runnable']
 
 # %% ../nbs/13_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -71,7 +74,9 @@ def build_logger(config: SpeedtronicConfig,
     logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps,
                           console_level=console, run_id=run_id)
     try:
-        logger.hooks.extend(hooks_from_config(lg, progress=True, make_view=TrainingView))
+        placed = copy.copy(lg)   # the TensorBoard folder where run_paths puts it (it follows a moved run)
+        placed.tensorboard_dir = None if paths.tensorboard is None else str(paths.tensorboard)
+        logger.hooks.extend(hooks_from_config(placed, progress=True, make_view=TrainingView))
         for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
             logger.guard_console(bar.cleared)  # log lines print above the bar
     except BaseException:
@@ -208,6 +213,7 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     world = world_from_env()  # a torchrun job, or one process
     if problems := world_problems(config, world): raise ConfigError(problems)
     dev = world_device(world, device or config.run.device)  # a bad device is refused before any directory is made
+    if problems := startup_problems(config, max_steps=max_steps, device=dev): raise ConfigError(problems)
     start_world(world, dev)
     try:
         claim = claim_job(config, world, resume=resume, overwrite=overwrite)
@@ -232,6 +238,14 @@ def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device
                               rank=world.rank, world_size=world.size)
     return shard_loader(loader, config.distributed) if distributed else loader
 
+def _warn_random_tokens(config: SpeedtronicConfig) -> None:
+    "One `DataWarning` when the run reads random tokens that `data.synthetic: true` did not ask for."
+    d = config.data
+    if d.source == "synthetic tokens" and "synthetic" not in explicit_fields(d):
+        warnings.warn(f"no data source is set (data.text_path, data.token_file, data.hf_dataset or data.dataset): training on "
+                      f"{d.num_tokens:,} samples of random tokens; set a source, or write data.synthetic: true "
+                      "to train on random tokens on purpose", DataWarning, stacklevel=3)
+
 def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, *, resume: bool, device: Any,
                       max_steps: int | None) -> tuple[Trainer, CheckpointManager]:
     "`build_runtime` after the directory is claimed."
@@ -245,6 +259,7 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
             from speedtronic.hf import load_llama; load_llama(model, config.model.init_from)
         if world.rank: seed_everything(config.run.seed + world.rank)
         loader = _loader(config, model, dev, world)
+        if world.writes: _warn_random_tokens(config)
         ck = config.checkpoint
         manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
                                     enabled=ck.enabled, run_id=claim.run_id)
@@ -305,14 +320,16 @@ def _step_record(line: str) -> tuple[str, dict] | None:
 def earlier_records(path: str | os.PathLike | None, # the run's metrics file (`logging.json_file`)
                     up_to: int, # the step the run resumed from
                     keep: int | None = None, # most records returned (the newest); `None` returns all
+                    *, run_id: str | None = None, # the resumed run: records of other runs in the file are skipped
                    ) -> list[dict[str, Any]]:
-    "The `train_step` records of the steps up to `up_to` that led to it, from a metrics file (empty if it is missing)."
+    "The `train_step` records of run `run_id`'s steps up to `up_to` that led to it, from a metrics file (empty if it is missing)."
     if path is None or not Path(path).is_file() or up_to <= 0: return []
     records: deque = deque(maxlen=keep)
     with open(path, encoding="utf-8", errors="replace") as lines:
         for found in map(_step_record, lines):
             if found is None: continue
             event, record = found
+            if run_id is not None and record.get("run_id", run_id) != run_id: continue   # another run's line
             last = record.get("start_step", 0) if event == "train_start" else record.get("step")
             if not isinstance(last, int): continue
             while records and records[-1]["step"] >= last + (event == "train_start"): records.pop()
@@ -337,7 +354,7 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
     failed = True
     try:
         keep = trainer.metrics_history
-        earlier = earlier_records(run_paths(trainer.config).metrics, trainer.step, keep)
+        earlier = earlier_records(run_paths(trainer.config).metrics, trainer.step, keep, run_id=trainer.run_claim.run_id)
         for bar in (h for h in trainer.logger.hooks if isinstance(h, ProgressBar)): bar.earlier = loss_points(earlier)
         with sigterm_stops(trainer):
             try: result = trainer.fit()
@@ -369,49 +386,117 @@ def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLik
         return None
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
 
-# %% ../nbs/13_runtime.ipynb #ac143b86
+# %% ../nbs/13_runtime.ipynb #9239109e
+def training_memory(model: torch.nn.Module, optimizer: str = "adamw") -> tuple[int, int]:
+    "(parameters, bytes) to train `model`: float32 weights, gradients and optimizer state (activations not counted)."
+    params = list(model.parameters())     # a tied weight is one parameter
+    total = sum(p.numel() for p in params)
+    trained = [p for p in params if p.requires_grad]
+    states = sum(p.numel() * (1 if optimizer == "muon" and p.ndim == 2 else 2) for p in trained)
+    return total, 4 * (total + sum(p.numel() for p in trained) + states)
+
+def available_memory(device: torch.device | str) -> int | None:
+    "Bytes free for a run on `device`: a CUDA device's free memory, else the machine's available memory (None if unknown)."
+    device = torch.device(device)
+    if device.type == "cuda": return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024
+    except OSError: pass
+    try: return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError): return None
+
+def _memory_problems(model: torch.nn.Module, config: SpeedtronicConfig, device: Any) -> list[str]:
+    "A refusal when training `model` cannot fit in `device`'s memory (a warning above half of it)."
+    params, need = training_memory(model, config.optimizer.name)
+    free = None if device is None else available_memory(device)
+    if not free: return []
+    m = config.model
+    what = (f"the model has {params:,} parameters (model.vocab_size {m.vocab_size}, d_model {m.d_model}, n_layer {m.n_layer}): "
+            f"training needs about {need / 2**30:,.1f} GiB for weights, gradients and {config.optimizer.name} state")
+    where = f"{torch.device(device).type} has {free / 2**30:,.1f} GiB available"
+    if need > free: return [f"{what}, but {where}; make the model smaller or train on a device with more memory"]
+    if need > free / 2: warnings.warn(f"{what}, more than half of what {where} (activations come on top)", ConfigWarning, stacklevel=3)
+    return []
+
+# %% ../nbs/13_runtime.ipynb #5222c12b
 def _missing_file(key: str, value: Any) -> str | None:
     "The problem of a setting `key` naming a file that does not exist, or `None`."
     if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
         return f"{key}: file not found: {value} (create it, or fix the path relative to {os.getcwd()})"
     return None
 
-def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None) -> list[str]:
-    "Problems that would stop `config` from training here (empty when it can run)."
-    config = load_runtime_config(config)
-    text = None if _is_demo_corpus(config.data.text_path) else config.data.text_path  # written on first use
-    problems = [p for p in (_missing_file("data.text_path", text),
-                            _missing_file("data.token_file", config.data.token_file),
-                            _missing_file("data.dataset", config.data.dataset if isinstance(config.data.dataset, str) else None))
-                if p]
-    world = world_from_env()
-    problems += world_problems(config, world)
-    try: world_device(world, device or config.run.device)
-    except Exception as e: problems.append(f"device {device or config.run.device!r} is not usable here: {e}")
+def _logging_problems(config: SpeedtronicConfig) -> list[str]:
+    "Log, JSONL and TensorBoard paths (where `run_paths` puts them) that cannot be created."
+    paths, problems = run_paths(config), []
+    for key, value in (("logging.file", paths.log_file), ("logging.json_file", paths.metrics)):
+        if not value: continue
+        blocker = file_in_the_way(value.parent)
+        if value.is_dir(): problems.append(f"{key}: {value} is a directory; give the path of a file")
+        elif blocker: problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
+    if paths.tensorboard and (blocker := file_in_the_way(paths.tensorboard)):
+        problems.append(f"logging.tensorboard_dir: {paths.tensorboard} cannot be a directory because {blocker} is a file")
+    return problems
+
+def _startup(config: SpeedtronicConfig, *, max_steps: int | None = None, device: Any = None,
+             meta_failures: tuple[type[BaseException], ...] = (Exception,), # build errors reported (others: the real build tells)
+            ) -> tuple[list[str], Any]:
+    "(problems, the model on the meta device or None): the checks `startup_problems` makes."
+    m, d = config.model, config.data
+    text = None if _is_demo_corpus(d.text_path) else d.text_path  # written on first use
+    problems = [p for p in (_missing_file("data.text_path", text), _missing_file("data.token_file", d.token_file),
+                            _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None)) if p]
     try: check_optimizer_available(config.optimizer)
     except ConfigError as e: problems.append(str(e))
+    try: resolve_schedule(config, max_steps=run_target(config, max_steps))
+    except ConfigError as e: problems += e.problems
     if problem := distributed_problem(config): problems.append(problem)
-    m, d = config.model, config.data
     if d.block_size and d.block_size > m.max_seq_len:
         problems.append(f"data.block_size ({d.block_size}) is larger than model.max_seq_len ({m.max_seq_len}): "
                         "lower data.block_size or raise model.max_seq_len")
+    problems += _logging_problems(config)
     try:
         with torch.device("meta"): model = build_model(config.model)
     except Exception as e:
-        problems.append(f"model {m.name!r} cannot be built: {e}")
-        return problems
+        return problems + ([f"model {m.name!r} cannot be built: {e}"] if isinstance(e, meta_failures) else []), None
     vocab = model_vocab_size(model, config)
     if d.vocab_size and d.vocab_size > vocab:
         problems.append(f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
                         "token ids would be out of range; make them equal")
-    elif not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
-        problems += _first_step_problems(config, model, vocab)
-    problems += _directory_problems(config) + _logging_problems(config)
+    return problems + _memory_problems(model, config, device), model
+
+def startup_problems(config: SpeedtronicConfig | Mapping[str, Any],
+                     *, max_steps: int | None = None, # the run's target, as `build_runtime` gets it
+                     device: str | torch.device | None = None, # the device whose memory the model must fit
+                    ) -> list[str]:
+    "What would stop `config` from training that can be seen before any directory is created or data is read."
+    # an unknown model or a failed model.imports is final; a model the meta device cannot build is left to the real build
+    return _startup(load_runtime_config(config), max_steps=max_steps, device=device, meta_failures=(ConfigError, ImportError))[0]
+
+# %% ../nbs/13_runtime.ipynb #ac143b86
+def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None) -> list[str]:
+    "Problems that would stop `config` from training here (empty when it can run)."
+    config = load_runtime_config(config)
+    world, problems = world_from_env(), []
+    problems += world_problems(config, world)
+    try: dev = world_device(world, device or config.run.device)
+    except Exception as e:
+        problems.append(f"device {device or config.run.device!r} is not usable here: {e}")
+        dev = None
+    found, model = _startup(config, device=dev)
+    problems += found
+    if model is None: return problems
+    d = config.data
+    if not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
+        problems += _first_step_problems(config, model, model_vocab_size(model, config))
+    problems += _directory_problems(config) + _wandb_problems(config)
     if config.distributed.enabled and not problems:
         distributed = importlib.import_module("speedtronic.distributed")
         distributed.warn_commit_rate(config, device=device)
         distributed.warn_outer_momentum(config.distributed)
     return problems
+
 
 # %% ../nbs/13_runtime.ipynb #fbc52282
 def _on_meta(batch: Any) -> Any:
@@ -460,16 +545,9 @@ def _directory_problems(config: SpeedtronicConfig) -> list[str]:
             problems.append(f"{key}: {directory} cannot be written here ({existing} is not writable); choose a writable directory")
     return problems
 
-def _logging_problems(config: SpeedtronicConfig) -> list[str]:
-    "Log, JSONL and TensorBoard paths that cannot be created; a W&B run that cannot start."
+def _wandb_problems(config: SpeedtronicConfig) -> list[str]:
+    "A W&B run that cannot start."
     lg, problems = config.logging, []
-    for key, value in (("logging.file", lg.file), ("logging.json_file", lg.json_file)):
-        if not value: continue
-        blocker = file_in_the_way(Path(value).parent)
-        if Path(value).is_dir(): problems.append(f"{key}: {value} is a directory; give the path of a file")
-        elif blocker: problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
-    if lg.tensorboard_dir and (blocker := file_in_the_way(lg.tensorboard_dir)):
-        problems.append(f"logging.tensorboard_dir: {lg.tensorboard_dir} cannot be a directory because {blocker} is a file")
     if lg.wandb:
         from speedtronic.integrations import check_wandb
         try: check_wandb(lg.wandb if isinstance(lg.wandb, dict) else {})

@@ -9,7 +9,10 @@ import math
 from dataclasses import dataclass, asdict
 from typing import Any, Callable
 
-from .config import ConfigError, SchedulerConfig, as_section, explicit_fields
+from collections.abc import Mapping
+from dataclasses import fields
+
+from .config import ConfigError, SchedulerConfig, SpeedtronicConfig, as_section, explicit_fields, run_target
 from .optional import optional_import
 
 # %% auto #0
@@ -63,14 +66,28 @@ def horizon_and_warmup(section: Any, # a `SchedulerConfig` (what the user wrote 
     warmup = section.warmup_steps if "warmup_steps" in written else default_warmup(horizon)
     return horizon, warmup
 
+def _whole_config(config: Any) -> SpeedtronicConfig | None:
+    "`config` as a whole configuration when it is one (or a mapping of one); `None` for a scheduler section."
+    if isinstance(config, SpeedtronicConfig): return config
+    own = {f.name for f in fields(SchedulerConfig)}
+    if isinstance(config, Mapping) and not set(map(str, config)) <= own: return SpeedtronicConfig.from_dict(config)
+    return None
+
 def resolve_schedule(config: Any, # a `SpeedtronicConfig`, its `scheduler` section, or a mapping of either
-                     *, max_steps: int | None = None, # the run's target, if the caller knows one
+                     *, max_steps: int | None = None, # the run's target (default: a whole config's own `run_target`)
                     ) -> Schedule:
     "The schedule a run uses: its kind, and the horizon and warmup resolved against the run's target."
-    sched = as_section(config, SchedulerConfig)
+    whole = _whole_config(config)
+    sched = whole.scheduler if whole is not None else as_section(config, SchedulerConfig)
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0):
         raise ConfigError(f"max_steps: must be a positive integer, got {max_steps!r}")
-    horizon, warmup = horizon_and_warmup(sched, max_steps)
+    target = max_steps if max_steps is not None or whole is None else run_target(whole)
+    horizon, warmup = horizon_and_warmup(sched, target)
+    if warmup > horizon > 0:
+        how = ("raise scheduler.max_steps" if "max_steps" in explicit_fields(sched)
+               else "train for more steps (run.max_steps or --max-steps; the horizon follows them)")
+        raise ConfigError(f"scheduler.warmup_steps: {warmup} is longer than the schedule horizon of {horizon} steps; "
+                          f"set scheduler.warmup_steps to at most {horizon} or {how}")
     return Schedule(name=sched.name, warmup_steps=warmup, max_steps=horizon, min_lr_ratio=sched.min_lr_ratio)
 
 # %% ../nbs/06_schedules.ipynb #7ceb09c0

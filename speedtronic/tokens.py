@@ -214,9 +214,23 @@ class _Progress:
         if self.enabled: self.stream.write("\n"); self.stream.flush()
 
 # %% ../nbs/02c_tokens.ipynb #0308d1ab
+def _foreign_sidecar(out: Path) -> Path | None:
+    "`<out>.json` when it exists and is not a Speedtronic token sidecar (someone else's file), else `None`."
+    side = token_sidecar(out)
+    if not side.exists(): return None
+    try: meta = json.loads(side.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError): return side
+    return None if isinstance(meta, dict) and meta.get("format") == TOKEN_FILE_FORMAT else side
+
 def prepare_token_file(source: str | os.PathLike, output: str | os.PathLike, *, tokenizer: Any = None,
-                       progress: bool = True) -> PreparedTokens:
+                       progress: bool = True,
+                       overwrite: bool = False, # replace an existing `<output>.json` that is not a token sidecar
+                      ) -> PreparedTokens:
     "Tokenize a text file or directory once into a flat token file `output` plus its JSON sidecar `<output>.json`."
+    if not overwrite and (side := _foreign_sidecar(Path(output).expanduser())) is not None:
+        raise DataError(f"{str(side)!r} already exists and is not a Speedtronic token sidecar; preparing {str(output)!r} would "
+                        f"replace it with the token file's metadata. Move it away, choose another output, or pass --overwrite "
+                        "(overwrite=True) to replace it")
     tok = load_tokenizer(tokenizer)
     vocab = int(getattr(tok, "vocab_size", 0) or 0)
     if vocab <= 0: raise DataError(f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute")
@@ -258,7 +272,7 @@ def read_token_sidecar(path: str | os.PathLike) -> dict:
     p = check_data_file(path, "data.token_file")
     side = token_sidecar(p)
     if not side.is_file(): raise DataError(f"token file {str(p)!r} has no sidecar {side.name}; (re)create it with `speedtronic prepare SOURCE {p}`")
-    try: meta = json.loads(side.read_text())
+    try: meta = json.loads(side.read_text(encoding="utf-8-sig"))   # a byte-order mark (a sidecar edited on Windows) is not JSON
     except (OSError, ValueError) as e: raise DataError(f"sidecar {str(side)!r} is not valid JSON ({e}); re-run `speedtronic prepare`") from None
     if not isinstance(meta, dict): meta = {}
     missing = [k for k in ("format", "version", "dtype", "num_tokens", "vocab_size") if k not in meta]

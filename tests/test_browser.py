@@ -220,7 +220,7 @@ def test_schedule_explorer_refuses_what_a_config_refuses(lab):
     warmup = cell.locator('.widget-hslider', has=lab.locator('label', has_text='warmup')).locator('.noUi-handle')
     warmup.focus(); warmup.press('End')                            # warmup 2000 over the 1000-update horizon
     error = cell.locator('.speedtronic-error')
-    expect(error).to_contain_text('scheduler.warmup_steps: 2000 is not below the schedule horizon of 1000 steps', timeout=30_000)
+    expect(error).to_contain_text('scheduler.warmup_steps: 2000 is longer than the schedule horizon of 1000 steps', timeout=30_000)
     assert 'raise scheduler.max_steps' in error.inner_text()
     expect(image).to_be_hidden(timeout=30_000)                    # no stale plot beside the refusal
     warmup.press('Home')

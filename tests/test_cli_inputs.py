@@ -121,3 +121,27 @@ def test_no_command_help_and_version(tmp_path):
     for console in (False, True):
         proc = cli("--version", cwd=tmp_path, console=console)
         assert (proc.returncode, proc.stdout.strip()) == (0, "speedtronic 2.1.0")
+
+
+@pytest.mark.parametrize("name", ["bom.json", "bom.yaml"])
+def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path, name):
+    # Windows editors save UTF-8 with a byte-order mark; JSON and YAML are read alike.
+    (tmp_path / name).write_bytes("\ufeff".encode() + b'{"run": {"name": "from-windows", "max_steps": 5}}\n')
+    proc = cli("validate", "--config", name, cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert "name: from-windows" in proc.stdout
+
+
+def test_prepare_refuses_to_replace_a_json_file_it_was_not_given(tmp_path):
+    (tmp_path / "src.txt").write_text("some text to tokenize\n" * 20)
+    (tmp_path / "out").mkdir()
+    notes = tmp_path / "out" / "x.json"
+    notes.write_text('{"my": "notes"}\n')
+    line = one_error(cli("prepare", "src.txt", "out/x", "--no-progress", cwd=tmp_path), "x.json", "--overwrite")
+    assert "not a Speedtronic token sidecar" in line, line
+    assert notes.read_text() == '{"my": "notes"}\n' and not (tmp_path / "out" / "x").exists()   # nothing written
+    proc = cli("prepare", "src.txt", "out/x", "--no-progress", "--overwrite", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert '"format": "speedtronic-tokens"' in notes.read_text()
+    again = cli("prepare", "src.txt", "out/x", "--no-progress", cwd=tmp_path)   # its own sidecar: replaced with the file
+    assert again.returncode == 0, again.stderr

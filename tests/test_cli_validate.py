@@ -12,8 +12,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = [ROOT / "configs" / "smoke.yaml", ROOT / "configs" / "v2_smoke.yaml", ROOT / "configs" / "diloco.yaml",
+SPEC_13 = [ROOT / "configs" / "smoke.yaml", ROOT / "configs" / "v2_smoke.yaml", ROOT / "configs" / "diloco.yaml",
            ROOT / "examples" / "diloco_master.yaml"]
+SHIPPED = sorted([*(ROOT / "configs").glob("*.y*ml"), *(ROOT / "configs").glob("*.json"),
+                  *(ROOT / "examples").glob("*.y*ml"), *(ROOT / "examples").glob("*.json")])
 HF_SECRET = "hf_ENVIRONMENT_SECRET_value_123"
 FILE_SECRET = "hf_FILE_SECRET_value_456"
 WANDB_SECRET = "wb_FILE_SECRET_value_789"
@@ -84,16 +86,23 @@ def test_good_config_prints_normalised_yaml(entry, tmp_path):
     assert data["model"]["n_kv_head"] == 2 and data["data"]["block_size"] == 32
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_is_checked():
+    names = {p.relative_to(ROOT).as_posix() for p in SHIPPED}
+    assert {"configs/demo.yaml", "examples/diloco_local_worker.yaml", "examples/diloco_local_master.yaml"} <= names
+    assert len(names) >= 7, names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_shipped_config_validates(path):
     proc = cli("validate", "--config", str(path))
     assert (proc.returncode, proc.stderr) == (0, "")
     data = yaml.safe_load(proc.stdout)
-    assert data["scheduler"]["warmup_steps"] < data["scheduler"]["max_steps"]
+    assert data["scheduler"]["warmup_steps"] <= data["scheduler"]["max_steps"]    # the schedule the run will use
+    assert data["data"]["synthetic"] is False or not (data["data"]["text_path"] or data["data"]["token_file"])   # what is read
 
 
 def test_shipped_configs_match_spec_13():
-    smoke, v2, diloco, master = (yaml.safe_load(cli("validate", "--config", str(p)).stdout) for p in SHIPPED)
+    smoke, v2, diloco, master = (yaml.safe_load(cli("validate", "--config", str(p)).stdout) for p in SPEC_13)
     assert (smoke["run"]["max_steps"], smoke["optimizer"]["lr"], smoke["checkpoint"]["every_steps"]) == (4, 3e-4, 2)
     assert (v2["scheduler"]["max_steps"], v2["scheduler"]["warmup_steps"], v2["optimizer"]["name"]) == (2, 0, "muon")
     assert (v2["ooo_backprop"], v2["ooo_streams"], v2["optimizer"]["muon_plus"]) == (True, 2, True)
@@ -167,7 +176,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
     ("gradient_checkpointing: 'false'\n", "gradient_checkpointing: expected true or false"),
     ("data: [1, 2]\n", "data: must be a mapping, got a list"),
     ("- just\n- a list\n", "configuration root must be a mapping"),
-    ("scheduler: {warmup_steps: 100}\nmax_steps: 50\n", "set scheduler.warmup_steps below 50"),
+    ("scheduler: {warmup_steps: 100}\nmax_steps: 50\n", "set scheduler.warmup_steps to at most 50"),
     ("model: {d_model: 72, n_head: 8}\n", "must be even for RoPE"),
     ("distributed: {enabled: true}\n", "distributed.repo_id: is required"),
 ])
@@ -214,7 +223,16 @@ def test_train_config_errors_stop_before_the_runtime(tmp_path):
     bad = write(tmp_path, "bad.yaml", "optimizer: {name: adamx}\n")
     assert_clean_error(cli("train", "--config", str(bad), "--device", "cpu"), "optimizer.name", "did you mean adamw?")
     warm = write(tmp_path, "warm.yaml", "max_steps: 100\nscheduler: {warmup_steps: 10}\n")
-    assert_clean_error(cli("train", "--config", str(warm), "--max-steps", "5"), "scheduler.warmup_steps: 10 is not below")
+    assert_clean_error(cli("train", "--config", str(warm), "--max-steps", "5", "--output-dir", str(tmp_path / "out")),
+                       "scheduler.warmup_steps: 10 is longer than the schedule horizon of 5 steps")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_warmup_as_long_as_the_schedule_is_accepted(tmp_path):
+    for text in ("max_steps: 1\nscheduler: {warmup_steps: 1}\n", "scheduler: {warmup_steps: 1, max_steps: 1}\n"):
+        proc = cli("validate", "--config", str(write(tmp_path, "equal.yaml", text)))
+        assert proc.returncode == 0, proc.stderr
+        assert yaml.safe_load(proc.stdout)["scheduler"]["warmup_steps"] == 1
 
 
 def test_deep_validation_uses_the_runtime(tmp_path):
@@ -225,3 +243,35 @@ def test_deep_validation_uses_the_runtime(tmp_path):
     proc = cli("validate", "--config", str(missing), "--deep", "--device", "cpu")
     assert_clean_error(proc, "nowhere.txt", lines=None)
     assert proc.stdout.startswith("run:")
+
+
+def test_deep_validation_refuses_a_model_that_cannot_fit_in_memory(tmp_path):
+    huge = write(tmp_path, "huge.yaml", "model: {vocab_size: 50000000, d_model: 4096, n_head: 8, n_kv_head: 8}\n"
+                                        f"run: {{output_dir: {tmp_path / 'out'}}}\n")
+    line = assert_clean_error(cli("validate", "--config", str(huge), "--deep", "--device", "cpu"), "parameters")[0]
+    assert "GiB for weights, gradients and adamw state" in line and "GiB available" in line, line
+    assert "model.vocab_size 50000000" in line
+    assert_clean_error(cli("train", "--config", str(huge), "--device", "cpu"), "GiB available")
+    assert not (tmp_path / "out").exists()                    # refused before the run's directory was made
+
+
+def test_train_finds_what_it_can_before_creating_the_run_directory(tmp_path):
+    out = tmp_path / "out"
+    late = write(tmp_path, "late.yaml", f"run: {{output_dir: {out}}}\nmodel: {{max_seq_len: 16}}\ndata: {{block_size: 32, synthetic: true}}\n")
+    assert_clean_error(cli("train", "--config", str(late), "--device", "cpu"),
+                       "data.block_size (32) is larger than model.max_seq_len (16)")
+    assert not out.exists()                                  # nothing created for a run that could not start
+
+
+def test_random_tokens_not_asked_for_come_with_one_warning(tmp_path):
+    base = (f"run: {{output_dir: {tmp_path / 'out'}, max_steps: 1}}\n"
+            "model: {vocab_size: 64, max_seq_len: 16, n_layer: 1, n_head: 2, n_kv_head: 2, d_model: 32, d_ff: 64}\n"
+            "checkpoint: {enabled: false}\nlogging: {progress: false, loss_plot: false}\n")
+    quiet = cli("train", "--config", str(write(tmp_path, "asked.yaml", base + "data: {synthetic: true, num_tokens: 8}\n")), "--device", "cpu")
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr
+    noisy = cli("train", "--config", str(write(tmp_path, "unasked.yaml", base + "data: {num_tokens: 8}\n")), "--device", "cpu")
+    warnings_ = [l for l in noisy.stderr.splitlines() if l.startswith("speedtronic: warning:")]
+    assert noisy.returncode == 0 and len(warnings_) == 1, noisy.stderr
+    assert "no data source is set" in warnings_[0] and "data.synthetic: true" in warnings_[0]
+    shown = yaml.safe_load(cli("validate", "--config", str(write(tmp_path, "text.yaml", "data: {text_path: a.txt}\n"))).stdout)
+    assert shown["data"]["synthetic"] is False               # the printed config says what is read

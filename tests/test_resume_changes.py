@@ -138,3 +138,18 @@ def test_new_muon_settings_are_applied_and_reported(tmp_path):
     assert "optimizer.muon_scale 'match_rms_adamw' -> 'original'" in proc.stdout
     assert "optimizer settings are kept" not in proc.stdout + proc.stderr
     assert [r["lr"] for r in steps(tmp_path / "metrics.jsonl")] == [1e-3, 1e-3, 0.02, 0.02]   # the Muon group's rate is logged
+
+
+def test_a_resumed_runs_history_holds_only_its_own_records(first_run):
+    # Run A (2 steps, in out/) and then run B (3 steps, in other/) append to the same metrics file; A resumes to 4.
+    from speedtronic.runtime import train_from_config
+    from speedtronic.config import SpeedtronicConfig
+    jsonl = first_run / "metrics.jsonl"
+    a_steps = [(r["step"], r["loss"]) for r in steps(jsonl)]
+    ok(cli("train", "--config", str(write(first_run, "b.yaml", run={"seed": 9, "max_steps": 3, "output_dir": str(first_run / "other")},
+                                          optimizer={"lr": 5e-3})), "--device", "cpu", cwd=first_run))
+    assert len({r["run_id"] for r in steps(jsonl)}) == 2
+    config = SpeedtronicConfig.load(write(first_run, run={"max_steps": 4}))
+    result = train_from_config(config, resume=True, device="cpu")
+    assert [m["step"] for m in result.metrics] == [1, 2, 3, 4]
+    assert [(m["step"], m["loss"]) for m in result.metrics[:2]] == a_steps    # A's own steps 1-2, not B's

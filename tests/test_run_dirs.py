@@ -117,3 +117,37 @@ def test_a_lock_left_by_kill_9_does_not_block_the_next_run(tmp_path):
     assert (tmp_path / "out" / ".speedtronic.lock").exists()
     again = ok(cli("train", "--config", str(long), "--device", "cpu", "--resume", "--max-steps", "4", cwd=tmp_path))
     assert f"pid {first.pid}" in again.stdout and "ended without releasing it" in again.stdout, again.stdout[-3000:]
+
+
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def test_the_readme_demo_trains_and_a_moved_run_takes_every_output_along(tmp_path):
+    # The README's first command, shortened with --max-steps (its 20-update warmup then spans the whole run).
+    first = ok(cli("train", "--config", str(DEMO), "--max-steps", "20", cwd=tmp_path))
+    demo = tmp_path / "runs" / "demo"
+    assert first.stdout.splitlines()[-1].startswith("completed steps=20 samples=320 tokens=20480 loss=")
+    assert float(first.stdout.split("loss=")[-1]) < 5.0               # it learned something from the text
+    assert [r["step"] for r in records(demo / "metrics.jsonl") if r["event"] == "train_step"] == [10, 20]
+    assert (demo / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    before = snapshot(demo)
+    ok(cli("train", "--config", str(DEMO), "--max-steps", "20", "--output-dir", "runs/x", cwd=tmp_path))
+    moved = tmp_path / "runs" / "x"
+    assert snapshot(demo) == before                                    # the first run's files are untouched
+    lines = records(moved / "metrics.jsonl")
+    assert len({r["run_id"] for r in lines}) == 1 and [r["step"] for r in lines if r["event"] == "train_step"] == [10, 20]
+    assert (moved / "loss_curve.png").exists() and sorted(p.name for p in (moved / "checkpoints").glob("step_*.pt"))
+
+
+def test_relative_logging_paths_follow_the_output_dir_absolute_ones_stay(tmp_path):
+    cfg = tiny_yaml(tmp_path, "logs.yaml", metrics=False, run={"output_dir": "runs/a"},
+                    logging={"json_file": "runs/a/metrics.jsonl", "file": "logs/train.log", "tensorboard_dir": "runs/a/tb"})
+    ok(cli("train", "--config", str(cfg), "--device", "cpu", "--output-dir", "runs/b", cwd=tmp_path))
+    b = tmp_path / "runs" / "b"
+    assert records(b / "metrics.jsonl") and (b / "logs" / "train.log").read_text()
+    assert list((b / "tb").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "runs" / "a").exists() and not (tmp_path / "logs").exists()
+    mine = tiny_yaml(tmp_path, "mine.yaml", metrics=False, run={"output_dir": "runs/a"},
+                     logging={"json_file": str(tmp_path / "all.jsonl")})
+    ok(cli("train", "--config", str(mine), "--device", "cpu", "--output-dir", "runs/c", cwd=tmp_path))
+    assert records(tmp_path / "all.jsonl") and not (tmp_path / "runs" / "c" / "all.jsonl").exists()
