@@ -28,7 +28,7 @@ from .paths import run_paths
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     ConfigError, FileNotFoundError, OSError, ValueError, RuntimeError, TypeError, KeyError, ImportError,
     pickle.UnpicklingError, EOFError, zipfile.BadZipFile)
-_QUIET_TYPES = ("ConfigError", "DataError", "CheckpointError", "FileNotFoundError", "HubError", "TrainingError", "RunLocked",
+_QUIET_TYPES = ("ExpectedError", "ConfigError", "DataError", "CheckpointError", "FileNotFoundError", "HubError", "TrainingError", "RunLocked",
                 "LogWriteError", "IntegrationError")
 _SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 
@@ -90,6 +90,8 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=positive_int, default=None, metavar="N", help="vocabulary size the tokens must fit")
     p.add_argument("--no-progress", action="store_true", help="do not show a progress line on stderr")
     p.add_argument("--overwrite", action="store_true", help="replace an existing <output>.json that is not a token sidecar")
+    p.add_argument("--hf-dataset", action="store_true",
+                   help="SOURCE names a `datasets` dataset (a data.hf_dataset path or Hub name: its train split, text column)")
 
 # name -> (help, description, the function that adds its arguments); `build_parser` adds them in this order
 COMMAND_ARGUMENTS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
@@ -246,8 +248,11 @@ def _prepare(args: argparse.Namespace) -> int:
     problems = _prepare_problems(args.source, args.output)
     if problems: raise DataError(problems[0])
     tokenizer = load_tokenizer(args.tokenizer, args.vocab_size)
-    result = prepare_token_file(args.source, args.output, tokenizer=tokenizer, progress=not args.no_progress,
-                                overwrite=args.overwrite)
+    if args.hf_dataset:
+        from speedtronic.hf_datasets import prepare_hf_dataset
+        result = prepare_hf_dataset(args.source, args.output, tokenizer=tokenizer, overwrite=args.overwrite)
+    else: result = prepare_token_file(args.source, args.output, tokenizer=tokenizer, progress=not args.no_progress,
+                                      overwrite=args.overwrite)
     print(re.sub(r"\s*\n\s*", " ", str(result)).strip())
     return 0
 

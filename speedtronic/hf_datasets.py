@@ -20,7 +20,7 @@ from .data import BlockStream, TokenArrayDataset, array_fingerprint, block_sampl
 from .files import atomic_write, atomic_write_text
 from .optional import optional_import
 from .tokens import (TOKEN_FILE_FORMAT, TOKEN_FILE_VERSION, CharTokenizer, DataError, PreparedTokens, encode_text,
-                                load_tokenizer, token_dtype, token_sidecar, tokenizer_spec)
+                                load_tokenizer, token_dtype, token_sidecar, tokenizer_spec, check_sidecar_free)
 
 # %% auto #0
 __all__ = ['hf_spec', 'describe', 'dataset_kind', 'no_rows', 'open_hf_dataset', 'text_rows', 'row_tokens', 'HFTokenDataset',
@@ -212,8 +212,11 @@ def hf_dataset_source(data: DataConfig, block_size: int, *, tokenizer: Any = Non
     return ds
 
 # %% ../nbs/03b_hf_datasets.ipynb #65977551
-def prepare_hf_dataset(spec: str | Mapping, output: str | os.PathLike, *, tokenizer: Any = None) -> PreparedTokens:
+def prepare_hf_dataset(spec: str | Mapping, output: str | os.PathLike, *, tokenizer: Any = None,
+                       overwrite: bool = False, # replace an existing `<output>.json` that is not a token sidecar
+                      ) -> PreparedTokens:
     "Tokenize the text column of the dataset `spec` names into a token file `output` and its sidecar `<output>.json`."
+    check_sidecar_free(output, overwrite)
     spec, tok = hf_spec(spec), load_tokenizer(tokenizer)
     vocab = int(getattr(tok, "vocab_size", 0) or 0)
     if vocab <= 0: raise DataError(f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute")

@@ -23,8 +23,8 @@ from .optional import optional_import
 # %% auto #0
 __all__ = ['TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning', 'check_data_file', 'CharTokenizer',
            'HFTokenizer', 'load_tokenizer', 'encode_text', 'tokenizer_spec', 'text_segments', 'read_text',
-           'text_pieces', 'token_dtype', 'source_files', 'PreparedTokens', 'prepare_token_file', 'token_sidecar',
-           'read_token_sidecar']
+           'text_pieces', 'token_dtype', 'source_files', 'PreparedTokens', 'check_sidecar_free', 'prepare_token_file',
+           'token_sidecar', 'read_token_sidecar']
 
 # %% ../nbs/02c_tokens.ipynb #c0a38fd4
 class DataError(ExpectedError, ValueError):
@@ -222,15 +222,19 @@ def _foreign_sidecar(out: Path) -> Path | None:
     except (OSError, ValueError): return side
     return None if isinstance(meta, dict) and meta.get("format") == TOKEN_FILE_FORMAT else side
 
+def check_sidecar_free(output: str | os.PathLike, overwrite: bool = False) -> None:
+    "`DataError` when writing token file `output` would replace a `<output>.json` that is not a token sidecar (unless `overwrite`)."
+    if not overwrite and (side := _foreign_sidecar(Path(output).expanduser())) is not None:
+        raise DataError(f"{str(side)!r} already exists and is not a Speedtronic token sidecar; preparing {str(output)!r} would "
+                        f"replace it with the token file's metadata. Move it away, choose another output, or pass --overwrite "
+                        "(overwrite=True) to replace it")
+
 def prepare_token_file(source: str | os.PathLike, output: str | os.PathLike, *, tokenizer: Any = None,
                        progress: bool = True,
                        overwrite: bool = False, # replace an existing `<output>.json` that is not a token sidecar
                       ) -> PreparedTokens:
     "Tokenize a text file or directory once into a flat token file `output` plus its JSON sidecar `<output>.json`."
-    if not overwrite and (side := _foreign_sidecar(Path(output).expanduser())) is not None:
-        raise DataError(f"{str(side)!r} already exists and is not a Speedtronic token sidecar; preparing {str(output)!r} would "
-                        f"replace it with the token file's metadata. Move it away, choose another output, or pass --overwrite "
-                        "(overwrite=True) to replace it")
+    check_sidecar_free(output, overwrite)
     tok = load_tokenizer(tokenizer)
     vocab = int(getattr(tok, "vocab_size", 0) or 0)
     if vocab <= 0: raise DataError(f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute")

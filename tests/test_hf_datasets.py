@@ -208,3 +208,18 @@ def test_validate_deep_reports_a_missing_tokenizers_package_too(tmp_path):
             f"sys.exit(main(['validate', '--deep', '--config', {str(cfg)!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
     one_error_line(proc, "needs tokenizers", "pip install 'speedtronic[tokenizers]'")
+
+
+def test_prepare_reads_a_dataset_and_keeps_an_unrelated_json(tmp_path, data_dir):
+    "`speedtronic prepare --hf-dataset` writes the tokens the in-memory source reads, and refuses to replace a JSON it was not given."
+    from speedtronic.hf_datasets import prepare_hf_dataset
+    out = tmp_path / "tok.bin"
+    run = run_cli("prepare", "--hf-dataset", str(data_dir / "rows.parquet"), str(out), cwd=tmp_path, env=env(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    prepare_hf_dataset(str(data_dir / "rows.parquet"), tmp_path / "direct.bin")
+    assert out.read_bytes() == (tmp_path / "direct.bin").read_bytes() and out.stat().st_size > 0
+    mine = tmp_path / "notes.bin.json"
+    mine.write_text('{"mine": true}\n')
+    refused = run_cli("prepare", "--hf-dataset", str(data_dir / "rows.parquet"), str(tmp_path / "notes.bin"), cwd=tmp_path, env=env(tmp_path))
+    one_error_line(refused, "notes.bin.json", "--overwrite")
+    assert mine.read_text() == '{"mine": true}\n' and not (tmp_path / "notes.bin").exists()
