@@ -593,3 +593,6 @@ def clear(self: CheckpointManager) -> list[Path]:
         with contextlib.suppress(FileNotFoundError): path.unlink(); removed.append(path)
     self._foreign = {}
     return removed
+
+# %% ../nbs/07_checkpoint.ipynb #abc7e575
+def __dir__() -> list[str]: return list(__all__)

@@ -370,3 +370,6 @@ def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     except Exception as exc:
         _record_for_torchrun(exc)
         raise
+
+# %% ../nbs/15_cli.ipynb #ff0132e3
+def __dir__() -> list[str]: return list(__all__)

@@ -1022,3 +1022,6 @@ def as_section(value: Any, # a `SpeedtronicConfig`, a section, a mapping (root o
     inner = getattr(value, cls._section, None)
     if inner is not None and not isinstance(inner, (str, int, float, bool)): return as_section(inner, cls)
     return _section_from_mapping(cls, {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)})
+
+# %% ../nbs/00_config.ipynb #7078a70f
+def __dir__() -> list[str]: return list(__all__)

@@ -824,3 +824,6 @@ def build_dataloader(config: Any, *, dataset: Any = None, tokenizer: Any = None,
                                pin_memory=bool(pin_memory_device if data.pin_memory is None else data.pin_memory),
                                drop_last=data.drop_last, prefetch_factor=data.prefetch_factor, seed=_seed(data),
                                rank=rank, world_size=world_size)
+
+# %% ../nbs/03_data.ipynb #56e710d0
+def __dir__() -> list[str]: return list(__all__)

@@ -28,3 +28,6 @@ class ExpectedError(Exception):
         self._message_shown = True
         first, *rest = str(self).splitlines() or [""]
         return [f"\x1b[1;31m{type(self).__name__}\x1b[0m: {first}", *rest, _TB_HINT]
+
+# %% ../nbs/00d_errors.ipynb #fa288f8e
+def __dir__() -> list[str]: return list(__all__)

@@ -98,3 +98,6 @@ def file_in_the_way(directory: str | os.PathLike) -> Path | None:
     for p in (directory, *directory.parents):
         if p.exists(): return None if p.is_dir() else p
     return None
+
+# %% ../nbs/00a_files.ipynb #bd2de055
+def __dir__() -> list[str]: return list(__all__)

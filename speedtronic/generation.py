@@ -162,3 +162,6 @@ def generate(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_tokens: i
         pieces.append(piece)
         if on_text is not None: on_text(piece)
     return "".join(pieces)
+
+# %% ../nbs/18_generation.ipynb #384eead7
+def __dir__() -> list[str]: return list(__all__)

@@ -328,3 +328,6 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, *, token: str | None = 
         hint = ("set HF_TOKEN to a token with write access to it" if status in (401, 403)
                 else "check the repository id and the network")
         raise ConfigError(f"could not push {folder} to the Hub repository {repo_id} (HTTP {status}): {hint}") from None
+
+# %% ../nbs/19_hf.ipynb #94e95e78
+def __dir__() -> list[str]: return list(__all__)

@@ -236,3 +236,6 @@ def prepare_hf_dataset(spec: str | Mapping, output: str | os.PathLike, *, tokeni
             "tokenizer": tokenizer_spec(tok), "sources": [spec["path"]], "hf_dataset": spec}
     atomic_write_text(json.dumps(meta, indent=2) + "\n", token_sidecar(out))
     return PreparedTokens(out, token_sidecar(out), meta["sources"], count, dtype.name, vocab, meta["tokenizer"])
+
+# %% ../nbs/03b_hf_datasets.ipynb #a1f2106e
+def __dir__() -> list[str]: return list(__all__)

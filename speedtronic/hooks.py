@@ -25,3 +25,6 @@ def on_event(callback: Hook, # a function `(event, payload)` or an object with `
     hook.__wrapped__ = callback
     if callable(getattr(callback, "close", None)): hook.close = callback.close
     return hook
+
+# %% ../nbs/08a_hooks.ipynb #ccbec1b4
+def __dir__() -> list[str]: return list(__all__)

@@ -161,3 +161,6 @@ def hooks_from_config(logging_config: LoggingConfig | Any, # the `logging` secti
         for hook in hooks: close_hook(hook)
         raise
     return hooks
+
+# %% ../nbs/08c_integrations.ipynb #88fd10fe
+def __dir__() -> list[str]: return list(__all__)

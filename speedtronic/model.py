@@ -437,3 +437,6 @@ def parameter_breakdown(model: nn.Module) -> dict[str, int]:
 # %% ../nbs/02_model.ipynb #cf9ae487
 registry.register_builtin("reference_transformer", ReferenceTransformer)
 registry.register_builtin("gpt", ReferenceTransformer)
+
+# %% ../nbs/02_model.ipynb #d04064cb
+def __dir__() -> list[str]: return list(__all__)

@@ -19,3 +19,6 @@ def set_gradient_checkpointing(module: Any, enabled: bool = True) -> Any:
                              f"add one to the model (or leave gradient_checkpointing off)")
     hook(bool(enabled))
     return module
+
+# %% ../nbs/02b_module_utils.ipynb #37705c35
+def __dir__() -> list[str]: return list(__all__)

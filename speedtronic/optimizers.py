@@ -581,3 +581,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping, model
     if report_settings and (changes := _setting_changes(configured, optimizer.param_groups)):
         return "the checkpoint's optimizer settings are kept where they differ from the config: " + "; ".join(changes)
     return None
+
+# %% ../nbs/05_optimizers.ipynb #f04f0a68
+def __dir__() -> list[str]: return list(__all__)

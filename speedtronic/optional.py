@@ -26,3 +26,6 @@ def optional_import(name: str, # the module to import, e.g. "matplotlib.figure"
         package = (getattr(exc, "name", None) or name).split(".")[0]   # the module that is really missing
         raise MissingExtra(f"{purpose} needs {package}, which is not installed; "
                            f"install it with: pip install 'speedtronic[{extra}]'") from exc
+
+# %% ../nbs/00b_optional.ipynb #df9bf385
+def __dir__() -> list[str]: return list(__all__)

@@ -487,3 +487,6 @@ class GroupCoordinator:
         prepare = getattr(self.inner, "prepare_state", None)
         if callable(prepare): prepare(state)
         else: self.load_state_dict(state)
+
+# %% ../nbs/10p_parallel.ipynb #eb67230c
+def __dir__() -> list[str]: return list(__all__)

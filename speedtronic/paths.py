@@ -192,3 +192,6 @@ def lock_holder(directory: str | os.PathLike) -> dict | None:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally: os.close(fd)
+
+# %% ../nbs/00c_paths.ipynb #e840a2be
+def __dir__() -> list[str]: return list(__all__)

@@ -57,3 +57,6 @@ def figure_png(figure: Any, # a matplotlib `Figure`
     figure.savefig(rgba, format="png", dpi=dpi)
     Image.open(rgba).convert("RGB").quantize(colors).save(png, format="png", optimize=True)
     return png.getvalue()
+
+# %% ../nbs/08d_plotting.ipynb #96580394
+def __dir__() -> list[str]: return list(__all__)

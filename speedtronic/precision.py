@@ -328,3 +328,6 @@ def make_grad_scaler(plan: PrecisionPlan) -> Any | None:
 def parameter_count(model: nn.Module, *, trainable_only: bool = False) -> int:
     "Number of scalar parameters in `model` (shared tensors counted once)."
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+# %% ../nbs/04_precision.ipynb #d3d39f09
+def __dir__() -> list[str]: return list(__all__)

@@ -492,3 +492,6 @@ def _close_open_loggers() -> None:
     for logger in list(_open_loggers):
         try: logger.close(timeout=5.0)
         except Exception: pass
+
+# %% ../nbs/08_metrics.ipynb #550a2a20
+def __dir__() -> list[str]: return list(__all__)

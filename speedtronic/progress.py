@@ -309,3 +309,6 @@ def close(self: ProgressBar) -> None:
         if self._fresh_points: self.view.refresh(); self._fresh_points = False
         self._handle.update(self.view)  # the output saved with the notebook shows the final picture
     self._handle = None
+
+# %% ../nbs/08b_progress.ipynb #0c88f3c3
+def __dir__() -> list[str]: return list(__all__)

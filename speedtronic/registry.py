@@ -216,3 +216,6 @@ def build_model(config: Any = None, **overrides) -> Any:
         raise TypeError(f"model factory for '{section.name}' ({factory_path(factory) or repr(factory)}) returned None; "
                         "it must return the model (a missing `return`?)")
     return model
+
+# %% ../nbs/01_registry.ipynb #92d68489
+def __dir__() -> list[str]: return list(__all__)

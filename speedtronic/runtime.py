@@ -553,3 +553,6 @@ def _wandb_problems(config: SpeedtronicConfig) -> list[str]:
         try: check_wandb(lg.wandb if isinstance(lg.wandb, dict) else {})
         except (IntegrationError, ImportError) as e: problems.append(str(e))
     return problems
+
+# %% ../nbs/13_runtime.ipynb #31aabf1e
+def __dir__() -> list[str]: return list(__all__)

@@ -150,3 +150,6 @@ def plot_schedule(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: 
     ax.set_title(f"{name}: warmup {warmup_steps}, horizon {max_steps}, floor {min_lr_ratio:g}×{base_lr:g}", fontsize=9)
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     return ax.figure, ax
+
+# %% ../nbs/06_schedules.ipynb #adc14496
+def __dir__() -> list[str]: return list(__all__)

@@ -168,3 +168,6 @@ def dispose(self: StageStreamScheduler) -> None:
     self.finish()
     self.remove_hooks()
     self.enabled = False
+
+# %% ../nbs/10_ooo.ipynb #1730a2ce
+def __dir__() -> list[str]: return list(__all__)

@@ -185,3 +185,6 @@ def validate_startup_shapes(
             logger.emit("shape_profile", {"device_type": profile.device_type, "precision": profile.precision,
                                           "alignment": profile.alignment, "warning_count": report.warning_count})
     return report
+
+# %% ../nbs/09_shapes.ipynb #e99cbd5b
+def __dir__() -> list[str]: return list(__all__)

@@ -25,3 +25,6 @@ class ShowDocRenderer(_showdoc.BasicMarkdownRenderer):
             try: text = text.replace("#LNone)", f"#L{inspect.getsourcelines(inspect.unwrap(self.sym))[1]})")
             except (OSError, TypeError): text = text.replace("#LNone)", ")")
         return text
+
+# %% ../nbs/16b_showdoc.ipynb #dd080a20
+def __dir__() -> list[str]: return list(__all__)

@@ -293,3 +293,6 @@ def read_token_sidecar(path: str | os.PathLike) -> dict:
         raise DataError(f"token file {str(p)!r} has {p.stat().st_size} bytes but its sidecar says {meta['num_tokens']} {meta['dtype']} tokens "
                         f"({expected} bytes); the file is truncated or not the one prepared, re-run `speedtronic prepare`")
     return meta
+
+# %% ../nbs/02c_tokens.ipynb #36b53d91
+def __dir__() -> list[str]: return list(__all__)

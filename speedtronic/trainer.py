@@ -910,3 +910,6 @@ def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str
     picture = (f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" height="260" '
                'alt="loss curve">') if png else ""
     return {"text/plain": repr(self), "text/html": f'<div class="speedtronic-result">{line}{picture}</div>'}
+
+# %% ../nbs/11_trainer.ipynb #41af70fa
+def __dir__() -> list[str]: return list(__all__)

@@ -388,3 +388,6 @@ def delta_norm_view(source: Any, # a master's JSONL metrics file, a run folder, 
                    ) -> DeltaNormView:
     "A view of a DiLoCo run's delta norms by node, layer and outer step; see `DeltaNormView`."
     return DeltaNormView(source, node=node, layer=layer)
+
+# %% ../nbs/14_widgets.ipynb #59a4681e
+def __dir__() -> list[str]: return list(__all__)

@@ -726,3 +726,6 @@ def warn_commit_rate(config: SpeedtronicConfig, *, device: Any = None) -> str | 
     message = commit_rate_warning(config, measure_step_time(config, device))
     if message: warnings.warn(message, DistributedWarning, stacklevel=2)
     return message
+
+# %% ../../nbs/12d_distributed_diloco.ipynb #9b618c34
+def __dir__() -> list[str]: return list(__all__)

@@ -304,3 +304,6 @@ def delta_paths(self: HubClient) -> list[str]:
 def global_metadata(self: HubClient) -> GlobalMetadata | None:
     "What `global/step_count.json` says, or None before the first publication."
     return self.state().metadata
+
+# %% ../../nbs/12b_distributed_hub.ipynb #b451a4b6
+def __dir__() -> list[str]: return list(__all__)

@@ -155,3 +155,6 @@ def plot_delta_norms(records: Iterable[NormRecord], *, node: str | None = None, 
     right.set(title=f"per layer at outer step {at}", ylabel="L2 norm")
     if profile: right.legend(fontsize=8)
     return fig
+
+# %% ../../nbs/12e_distributed_norms.ipynb #18b1ab5c
+def __dir__() -> list[str]: return list(__all__)

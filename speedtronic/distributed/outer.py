@@ -798,3 +798,6 @@ class OuterState:
     processed_deltas: set = field(default_factory=set)
     momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     last_error: str | None = None
+
+# %% ../../nbs/12c_distributed_outer.ipynb #75d12f7a
+def __dir__() -> list[str]: return list(__all__)

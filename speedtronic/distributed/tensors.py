@@ -328,3 +328,6 @@ def layer_norms(delta: Mapping[str, torch.Tensor]) -> dict[str, float]:
     sq: dict[str, float] = {}
     for k, v in delta.items(): sq[layer_of(k)] = sq.get(layer_of(k), 0.0) + float(v.float().pow(2).sum())
     return {k: math.sqrt(v) for k, v in sq.items()}
+
+# %% ../../nbs/12_distributed_tensors.ipynb #3c903724
+def __dir__() -> list[str]: return list(__all__)

@@ -306,3 +306,6 @@ def _sweep(self: SharedDirectory, version: int) -> None:
         for p in folder.iterdir():
             with contextlib.suppress(OSError):
                 if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S: p.unlink()
+
+# %% ../../nbs/12a_distributed_transport.ipynb #c77062e9
+def __dir__() -> list[str]: return list(__all__)
