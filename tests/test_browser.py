@@ -41,6 +41,34 @@ def test_config_page_renders_the_api(browser, served_docs, tmp_path):
         assert chapter in links, links
     page.close()
 
+OFFLINE_PAGES = ['index.html', 'tutorial.html', 'trainer.html', 'widgets.html', 'distributed_norms.html', 'api.html', 'config.html']
+
+def test_pages_request_nothing_from_the_internet(browser, served_docs):
+    "Read offline, a page loads only what the site holds: every request (fonts, scripts, styles, images) goes to its server."
+    page = browser.new_page()
+    requests = []
+    page.on('request', lambda r: requests.append(r.url))
+    for name in OFFLINE_PAGES:
+        page.goto(f'{served_docs}/{name}', wait_until='networkidle')
+    assert len(requests) > len(OFFLINE_PAGES)
+    assert [u for u in requests if not u.startswith(served_docs + '/') and not u.startswith('data:')] == []
+    page.close()
+
+def test_docs_navigation_is_grouped(browser, served_docs):
+    "The sidebar: a user guide, a reference that starts with the API index, and the internals."
+    page = browser.new_page()
+    page.goto(f'{served_docs}/index.html')
+    sections = page.eval_on_selector_all('nav.md-nav--primary > ul > li.md-nav__item--section > label, '
+                                         'nav.md-nav--primary > ul > li.md-nav__item--nested > label',
+                                         'els => els.map(e => e.textContent.trim())')
+    assert sections[:3] == ['User guide', 'Reference', 'Internals'], sections
+    page.goto(f'{served_docs}/api.html')
+    link = page.locator('article a', has_text='Trainer.fit').first
+    link.click()
+    page.wait_for_url('**/trainer.html#trainerfit')
+    assert page.locator('#trainerfit').first.is_visible()
+    page.close()
+
 def test_schedule_page_shows_the_static_plot(browser, served_docs):
     page = browser.new_page()
     page.goto(f'{served_docs}/schedules.html')
@@ -118,8 +146,9 @@ def _diloco_record(folder: Path) -> None:
         return Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), loader, device="cpu", config=cfg,
                        coordinator=coordinator, logger=logger), logger
     nodes = [node("master", "master", 0), node("worker", "worker", 1)]
+    nodes[0][0].coordinator.start()   # the master publishes the first global model before the worker looks for it
     threads = [threading.Thread(target=trainer.fit) for trainer, _ in nodes]
-    threads[0].start(); time.sleep(0.5); threads[1].start()
+    for t in threads: t.start()
     for t in threads: t.join()
     for _, logger in nodes: logger.close()
     assert '"delta_norms"' in (folder / "master.jsonl").read_text()
@@ -235,10 +264,21 @@ def test_lr_slider_is_labelled_and_writes_short_rates(lab):
     assert float(box.input_value()) == 3e-4
     handle = slider.locator('.noUi-handle')
     handle.focus()
-    for _ in range(5): handle.press('ArrowRight')                  # five notches up: 10^-3 (the slider's own value: 0.00099999...)
-    lab.wait_for_function('el => el.value !== "0.0003"', arg=box.element_handle(), timeout=30_000)
-    value = box.input_value()
-    assert len(value) <= 8 and float(value) == float(f'{float(value):.2g}'), value
+    for _ in range(5): handle.press('ArrowRight')                  # five notches up: 5e-4, 1e-3, 2e-3, 3e-3, 5e-3
+    lab.wait_for_function('el => el.value === "0.005"', arg=box.element_handle(), timeout=30_000)
+
+def test_a_rate_the_config_refuses_is_refused_in_the_widget(lab):
+    "A negative base lr typed in the box stays as typed and is refused with the configuration's message (not turned into 1e-6)."
+    cell = _cell_of(lab, SCHEDULE)
+    box = cell.locator('.widget-text', has=lab.locator('label', has_text='base lr')).locator('input').first
+    box.fill('-0.001'); box.press('Enter')
+    error = cell.locator('.speedtronic-error')
+    expect(error).to_contain_text('optimizer.lr: must be positive, got -0.001', timeout=30_000)
+    expect(cell.locator('.widget-image')).to_be_hidden(timeout=30_000)
+    assert float(box.input_value()) == -0.001
+    box.fill('0.003'); box.press('Enter')
+    expect(error).to_be_hidden(timeout=30_000)
+    assert float(box.input_value()) == 0.003
 
 def test_plot_is_crisp_at_its_displayed_size(lab):
     image = _cell_of(lab, SCHEDULE).locator('.widget-image')
@@ -287,6 +327,16 @@ def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name
     if name != '04_precision.ipynb':
         assert page.locator('.jp-OutputArea-output img').count() >= 1
     _screenshot(page, f'shipped-{name}.png', tmp_path)
+    page.close()
+
+def test_tutorial_links_open_the_chapters_in_jupyterlab(browser, jupyterlab):
+    "The tutorial links to chapters as notebooks, so a click in JupyterLab opens the chapter (the docs site links the page)."
+    page = browser.new_page(viewport={'width': 1400, 'height': 1000})
+    _open_notebook(page, f'{jupyterlab}/lab/tree/shipped/00_tutorial.ipynb')
+    link = page.locator('.jp-RenderedMarkdown').get_by_role('link', name='Trainer', exact=True)
+    link.scroll_into_view_if_needed(); link.click()
+    page.wait_for_function("window.jupyterapp.shell.currentWidget?.context?.path?.endsWith('shipped/11_trainer.ipynb')",
+                           timeout=60_000)
     page.close()
 
 @pytest.fixture(scope='module')

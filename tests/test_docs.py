@@ -33,8 +33,10 @@ def pages(site: Path) -> list[Path]:
     return sorted(p for p in site.glob('*.html') if p.name != '404.html')
 
 def test_a_page_per_notebook(site):
-    pages = {p.name for p in site.glob('*.html')} - {'404.html'}
+    "A page per notebook, and the API index."
+    pages = {p.name for p in site.glob('*.html')} - {'404.html', 'api.html'}
     assert len(pages) == len(list((ROOT / 'nbs').glob('*.ipynb'))), pages
+    assert (site / 'api.html').exists()
     for name in ['index.html', 'config.html', 'trainer.html', 'runtime.html', 'cli.html', 'data.html']:
         assert name in pages
 
@@ -99,11 +101,88 @@ def test_directives_applied_to_cells():
     assert [c.source for c in nb.cells] == ['# T\n\n> D', 'show_doc(f)', 'print(1)', 'plain()', '[source](u)']
     assert nb.cells[1].metadata.tags == ['remove_input'] and nb.cells[2].outputs == []
 
-def test_guides_follow_home_in_the_navigation(site):
-    "The navigation: Home, the guides (notebooks that export no module: the tutorial first), then the chapters."
-    nav = [next(iter(item)) for item in __import__('yaml').safe_load((ROOT / '_mkdocs.yml').read_text())['nav']]
-    assert nav[:3] == ['Home', 'Tutorial: train in JupyterLab', 'Coming from Speedtronic 2.0'], nav
-    assert nav.index('Configuration') < nav.index('Interactive views'), nav
+def _nav() -> list:
+    return __import__('yaml').safe_load((ROOT / '_mkdocs.yml').read_text())['nav']
+
+def _titles(items) -> list[str]:
+    "Every page title under `items` (a nav list), depth first."
+    out = []
+    for item in items:
+        (title, value), = item.items()
+        out += _titles(value) if isinstance(value, list) else [title]
+    return out
+
+def test_navigation_is_a_guide_a_reference_and_the_internals(site):
+    "Home, a user guide starting with the tutorial, a reference starting with the API index, and the internals last."
+    nav = _nav()
+    sections = [next(iter(item)) for item in nav]
+    assert sections == ['Home', 'User guide', 'Reference', 'Internals'], sections
+    guide, reference, internals = (_titles(item[name]) for item, name in zip(nav[1:], sections[1:]))
+    assert guide[0] == 'Tutorial: train in JupyterLab' and reference[0] == 'API index', (guide, reference)
+    assert [next(iter(i)) for i in nav[1]['User guide']][:6] == ['Tutorial: train in JupyterLab', 'Training', 'Configuration',
+                                                                 'DiLoCo', 'torchrun', 'After training'], nav[1]
+    for page in ['Coming from Speedtronic 2.0', 'Command line', 'Training across machines', 'Parallel']: assert page in guide, page
+    for page in ['Trainer', 'Data', 'Optimizers', 'Interactive views']: assert page in reference, page
+    for page in ['Files', 'Run paths', 'Module utilities', 'DiLoCo wire format', 'API tables']: assert page in internals, page
+    every = _titles(nav)
+    assert len(every) == len(set(every)) == len(list((ROOT / 'nbs').glob('*.ipynb'))) + 1, every   # each page once
+
+def _public_names(module_file: Path) -> list[str]:
+    import ast
+    tree = ast.parse(module_file.read_text(encoding='utf-8'))
+    return next((ast.literal_eval(n.value) for n in tree.body
+                 if isinstance(n, ast.Assign) and any(getattr(t, 'id', '') == '__all__' for t in n.targets)), [])
+
+def test_api_index_links_every_public_name(site):
+    "The API index lists each module's `__all__`, each name linked to a page of the site, and to its heading where it has one."
+    html = (site / 'api.html').read_text(encoding='utf-8')
+    named = {name: href for href, name in re.findall(r'<a href="([^"]+)"><code>([^<]+)</code></a>', html)}
+    for module in ['config', 'trainer', 'runtime', 'data', 'checkpoint', 'widgets', 'distributed/norms']:
+        for name in _public_names(ROOT / 'speedtronic' / f'{module}.py'):
+            assert name in named, f'speedtronic.{module}.{name} is not in the API index'
+    assert 'Trainer.fit' in named and 'SpeedtronicConfig.load' in named
+    ids = {}
+    for href in named.values():
+        page, _, anchor = href.partition('#')
+        assert (site / page).exists(), href
+        if anchor:
+            if page not in ids: ids[page] = set(re.findall(r'id="([^"]+)"', (site / page).read_text(encoding='utf-8')))
+            assert anchor in ids[page], href
+    assert named['Trainer.fit'] == 'trainer.html#trainerfit', named['Trainer.fit']
+    assert named['SpeedtronicConfig'] == 'config.html#speedtronicconfig'
+
+def test_notebook_links_become_page_links(site):
+    "A chapter links to another as `11_trainer.ipynb` (JupyterLab follows that); on the site the link is the page."
+    html = (site / 'tutorial.html').read_text(encoding='utf-8')
+    assert 'href="trainer.html"' in html and 'href="runtime.html"' in html and 'href="coming_from_2.html"' in html
+    leftover = {p.name: re.findall(r'href="(\d\w*\.ipynb[^"]*)"', p.read_text(encoding='utf-8')) for p in pages(site)}
+    assert {k: v for k, v in leftover.items() if v} == {}
+    assert build_docs.page_links('[T](11_trainer.ipynb#fit) [x](https://a/b.ipynb) [C](../nbs/00_config.ipynb)',
+                                 {'11_trainer': 'trainer.html', '00_config': 'config.html'}) == \
+        '[T](trainer.html#fit) [x](https://a/b.ipynb) [C](config.html)'
+
+def test_pages_show_no_check_only_cells(site):
+    "Cells that only check (no output, `test_*` calls, asserts) stay in the notebooks and out of the pages."
+    import nbformat as nbf
+    left = {src.name: [c.source[:60] for c in nbf.read(src, as_version=4).cells if build_docs.only_checks(c)]
+            for src in (ROOT / '_site_src').glob('*.ipynb')}
+    assert {k: v for k, v in left.items() if v} == {}
+    assert page_text(site / 'trainer.html').count('test_eq(') <= 30     # about 120 before: test blocks between the design notes
+    cell = lambda src, outputs=(): nbformat.v4.new_code_cell(src, outputs=list(outputs))
+    assert build_docs.only_checks(cell('t = _trainer()\ntest_eq(t.fit().steps, 3)'))
+    assert build_docs.only_checks(cell('class _Spy:\n    pass\nassert _Spy()'))
+    assert not build_docs.only_checks(cell('test_eq(1, 1)', [nbformat.v4.new_output('stream', text='shown')]))
+    assert not build_docs.only_checks(cell('def helper(): pass\ntest_eq(helper(), None)'))
+    assert not build_docs.only_checks(cell('x = 1'))
+
+def test_pages_ask_nothing_of_the_internet(site):
+    "No web fonts, no widget or MathJax scripts from a CDN: every stylesheet, script, font and image a page loads is local."
+    for page in pages(site):
+        html = page.read_text(encoding='utf-8')
+        remote = re.findall(r'<(?:script|link|img)\b[^>]*\b(?:src|href)="((?:https?:)?//[^"]+)"', html)
+        remote += re.findall(r'widgetRendererSrc\s*=\s*[\'"](https?://[^\'"]+)', html)   # the widget manager a page with widget state loads
+        remote += re.findall(r'url\((?:[\'"])?(https?://[^)\'"]+)', html)
+        assert remote == [], (page.name, remote)
 
 def test_coming_from_2_page(site):
     "The page that gathers the differences from 2.0 links to the chapters it summarises."
@@ -129,3 +208,15 @@ def test_show_doc_tables_are_plain_markdown(site):
     html = (site / 'trainer.html').read_text(encoding='utf-8')
     links = re.findall(r'href="(https://github.com/speedtronic/speedtronic/blob/main/speedtronic/trainer.py[^"]*)"', html)
     assert links and all(re.search(r'#L\d+$', l) for l in links), links[:5]
+
+def test_readme_says_what_the_package_does(tmp_path):
+    "The README's claims that are easy to get stale: Muon trains (it is not 'the next chapter'), and the docs it describes exist."
+    from conftest import ok, run_cli
+    readme = (ROOT / 'README.md').read_text(encoding='utf-8')
+    assert 'next chapter' not in readme and 'optimizer.name: muon' in readme
+    config = (ROOT / 'configs' / 'smoke.yaml').read_text().replace('name: adamw', 'name: muon')
+    assert 'name: muon' in config
+    (tmp_path / 'muon.yaml').write_text(config)
+    proc = ok(run_cli('train', '--config', 'muon.yaml', '--device', 'cpu', cwd=tmp_path))
+    assert 'optimizer name=muon' in proc.stderr + proc.stdout and 'muon_tensors=0 ' not in proc.stderr + proc.stdout
+    assert 'API index' in readme and (ROOT / 'tools' / 'build_docs.py').exists()

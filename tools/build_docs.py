@@ -12,9 +12,16 @@ rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
    hides the input, `output: false` the outputs), and Quarto-only markdown is turned into plain
    markdown (link attributes such as `{target="_blank" ...}` and `[text]{.class}` spans dropped,
    `::: {.callout-note}` blocks made quotes, shortcodes removed), so no page shows Quarto syntax as text;
-3. `mkdocs build` renders the result to `docs/` without re-executing anything (`mkdocs.yml`). The
-   navigation is Home, then the guides (notebooks that export no module, such as "Coming from
-   Speedtronic 2.0"), then the chapters in reading order.
+   links between notebooks (`11_trainer.ipynb`, which JupyterLab follows) become links to their pages
+   (`trainer.html`), and cells that only check (no output, only `test_*` calls and asserts) are left
+   out: the notebook keeps its tests, the page keeps what a reader reads;
+3. an API index page (`api.html`) lists every public name of every module (its `__all__`, and the
+   public methods of its classes) with a link to where it is documented;
+4. `mkdocs build` renders the result to `docs/` without re-executing anything (`mkdocs.yml`; no web
+   fonts, no widget scripts from a CDN: a page read offline asks nothing of the internet). The
+   navigation (`NAV`) is a user guide, a reference (the API index and a page per public module) and
+   the internals; a notebook `NAV` does not name goes to the guide when it exports no module, else to
+   the reference.
 
 Where Quarto exists, `nbdev_docs` still works with the nbdev config in `nbs/_quarto.yml`.
 """
@@ -28,6 +35,22 @@ _SPAN = re.compile(r'\[([^\]\n]*)\]\{[.#][^}\n]*\}')                         # [
 _SHORTCODE = re.compile(r'\{\{<[^>]*>\}\}')                                  # {{< include x.qmd >}}
 _DIV_OPEN = re.compile(r'^\s*:{3,}\s*\{?\s*(?:\.callout-(\w+))?[^}]*\}?\s*$')
 _DIV_CLOSE = re.compile(r'^\s*:{3,}\s*$')
+_NB_LINK = re.compile(r'\]\((?![a-z]+:)([^)\s#]*?)([\w.-]+)\.ipynb(#[^)\s]*)?\)')      # [text](11_trainer.ipynb#x)
+_CHECK = re.compile(r'^\s*(test_\w*\(|test\(|assert\b)')                                  # a line that checks
+WIDGET_VIEW = 'application/vnd.jupyter.widget-view+json'
+
+# The site's navigation by notebook stem: (section, [entry, ...]); an entry is a stem or (subsection, [stems]).
+API_INDEX = 'api'
+NAV = [
+    ('User guide', ['00_tutorial', ('Training', ['13_runtime', '15_cli']), '00_config',
+                    ('DiLoCo', ['12_distributed', '12e_distributed_norms']), ('torchrun', ['10p_parallel']),
+                    ('After training', ['07_checkpoint', '08_metrics']), '17_coming_from_2']),
+    ('Reference', [API_INDEX, '11_trainer', '01_registry', '02_model', '02c_tokens', '03_data', '04_precision',
+                   '05_optimizers', '06_schedules', '08a_hooks', '08b_progress', '08c_integrations', '10_ooo',
+                   '12d_distributed_diloco', '12b_distributed_hub', '14_widgets', '16_package']),
+    ('Internals', ['00a_files', '00b_optional', '00c_paths', '02b_module_utils', '09_shapes', '12_distributed_tensors',
+                   '12a_distributed_transport', '12c_distributed_outer', '15b_main', '16b_showdoc']),
+]
 
 def process_notebooks(n_workers: int = 2) -> Path:
     "Run nbdev's docs preprocessing of `nbs/` into `_proc/`."
@@ -70,11 +93,24 @@ def plain_markdown(text: str) -> str:
     "Markdown with the Quarto-only syntax nbdev writes (link attributes, spans, callouts, shortcodes) made plain."
     return _fenced_divs(_SHORTCODE.sub('', _SPAN.sub(r'\1', _LINK_ATTRS.sub(r'\1', text))))
 
-def _clean_text(text: str, site_url: str) -> str:
-    return plain_markdown(text).replace(site_url, '')
+def page_links(text: str, pages: dict[str, str]) -> str:
+    "Links to notebooks (`11_trainer.ipynb#x`, as JupyterLab follows them) made links to their pages (`trainer.html#x`)."
+    def page(m):
+        name = pages.get(m.group(2))
+        return f'](' + (name if name else m.group(1) + m.group(2) + '.html') + (m.group(3) or '') + ')'
+    return _NB_LINK.sub(page, text)
 
-def quarto_pass(nb, site_url: str):
-    "Apply what Quarto would to one nbdev-processed notebook: title heading, directives, link attributes."
+def only_checks(cell) -> bool:
+    "A code cell that shows nothing and checks: no output, a line starting `test_*(`/`assert`, and no public `def`/`class`."
+    if cell.cell_type != 'code' or cell.get('outputs'): return False
+    lines = cell.source.splitlines()
+    return any(_CHECK.match(l) for l in lines) and not any(re.match(r'(async\s+)?(def|class)\s+[^_\s]|@patch', l) for l in lines)
+
+def _clean_text(text: str, site_url: str, pages: dict[str, str] | None = None) -> str:
+    return page_links(plain_markdown(text), pages or {}).replace(site_url, '')
+
+def quarto_pass(nb, site_url: str, pages: dict[str, str] | None = None):
+    "Apply what Quarto would to one nbdev-processed notebook: title heading, directives, link attributes, page links."
     fm = _front_matter(nb)
     cells = nb.cells[1:] if fm else nb.cells
     import nbformat
@@ -84,19 +120,22 @@ def quarto_pass(nb, site_url: str):
     for cell in cells:
         if cell.cell_type == 'markdown':
             if cell.source.startswith('<!-- WARNING'): continue
-            cell.source = _clean_text(cell.source, site_url)
+            cell.source = _clean_text(cell.source, site_url, pages)
         elif cell.cell_type == 'code':
             d, cell.source = _directives(cell.source)
-            if 'hide' in d or d.get('include') == 'false': continue
+            if 'hide' in d or d.get('include') == 'false' or only_checks(cell): continue
             if d.get('output') == 'false': cell.outputs = []
             if not cell.source.strip() and not cell.get('outputs'): continue
             if d.get('echo') == 'false':
                 cell.metadata.setdefault('tags', []).append('remove_input')
             for o in cell.get('outputs', []):
+                data = o.get('data', {})
+                if WIDGET_VIEW in data and len(data) > 1: del data[WIDGET_VIEW]   # a static page shows the view's picture
                 for mime in ('text/markdown', 'text/html'):
-                    if mime in o.get('data', {}): o['data'][mime] = _clean_text(''.join(o['data'][mime]), site_url)
+                    if mime in data: data[mime] = _clean_text(''.join(data[mime]), site_url, pages)
         out.append(cell)
     nb.cells = head + out
+    nb.metadata.pop('widgets', None)   # no widget state: the page loads no widget scripts
     return nb, fm
 
 def is_guide(nb_path: Path) -> bool:
@@ -106,29 +145,104 @@ def is_guide(nb_path: Path) -> bool:
     cells = nbformat.read(nb_path, as_version=4).cells
     return not any(c.cell_type == 'code' and '#| default_exp' in c.source for c in cells)
 
-def site_sources(proc: Path) -> list[tuple[str, str]]:
-    "Write `_site_src/` from `_proc/`; returns (title, page file) in reading order."
+def page_names(proc: Path) -> dict[str, str]:
+    "Each processed notebook's page by notebook stem (`11_trainer` -> `trainer.html`), as nbdev names it (`output-file`)."
+    import nbformat
+    return {src.stem: _front_matter(nbformat.read(src, as_version=4)).get('output-file', src.stem + '.html')
+            for src in proc.glob('*.ipynb')}
+
+def site_sources(proc: Path) -> dict[str, tuple[str, str]]:
+    "Write `_site_src/` from `_proc/`; returns (title, page file) by notebook stem."
     import nbformat, yaml
     site_url = 'https://' + yaml.safe_load((ROOT / 'nbs' / 'nbdev.yml').read_text())['website']['site-url'].split('://', 1)[1].rstrip('/') + '/'
     if SITE_SRC.exists(): shutil.rmtree(SITE_SRC)
     SITE_SRC.mkdir()
-    pages = []
-    for src in sorted(proc.glob('*.ipynb'), key=lambda p: (p.stem != 'index', not is_guide(ROOT / 'nbs' / p.name), p.stem)):
-        nb, fm = quarto_pass(nbformat.read(src, as_version=4), site_url)
-        name = Path(fm.get('output-file', src.stem + '.html')).stem + '.ipynb'
+    names, pages = page_names(proc), {}
+    for src in sorted(proc.glob('*.ipynb')):
+        nb, fm = quarto_pass(nbformat.read(src, as_version=4), site_url, names)
+        name = Path(names[src.stem]).stem + '.ipynb'
         nbformat.write(nb, SITE_SRC / name)
-        pages.append(('Home' if src.stem == 'index' else fm.get('title', src.stem), name))
+        pages[src.stem] = ('Home' if src.stem == 'index' else fm.get('title', src.stem), name)
     return pages
 
-def site_config(pages: list[tuple[str, str]]) -> Path:
-    "`mkdocs.yml` plus a navigation in reading order with each notebook's title; written to `_mkdocs.yml`."
+def navigation(pages: dict[str, tuple[str, str]]) -> list:
+    "MkDocs' `nav` from `NAV`: Home, then each section; a notebook `NAV` does not name joins the guide or the reference."
+    named = {s for _, entries in NAV for e in entries for s in ([e] if isinstance(e, str) else e[1])}
+    extra = sorted(stem for stem in pages if stem not in named and stem != 'index')
+    entry = lambda stem: {pages[stem][0]: pages[stem][1]}
+    nav = [entry('index')] if 'index' in pages else []
+    for section, entries in NAV:
+        items = [entry(e) if isinstance(e, str) else {e[0]: [entry(s) for s in e[1] if s in pages]}
+                 for e in entries if (e in pages if isinstance(e, str) else any(s in pages for s in e[1]))]
+        wanted = (lambda stem: is_guide(ROOT / 'nbs' / f'{stem}.ipynb')) if section == 'User guide' else \
+                 (lambda stem: section == 'Reference' and not is_guide(ROOT / 'nbs' / f'{stem}.ipynb'))
+        items += [entry(stem) for stem in extra if wanted(stem)]
+        nav.append({section: items})
+    return nav
+
+def site_config(pages: dict[str, tuple[str, str]]) -> Path:
+    "`mkdocs.yml` plus the navigation (`navigation`); written to `_mkdocs.yml`."
     import yaml
     cfg = yaml.safe_load((ROOT / 'mkdocs.yml').read_text())
     cfg['docs_dir'] = SITE_SRC.name
-    cfg['nav'] = [{title: name} for title, name in pages]
+    cfg['nav'] = navigation(pages)
     out = ROOT / '_mkdocs.yml'
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
+
+def slug(heading: str) -> str:
+    "The id a page gives a heading (`### Trainer.fit` -> `trainerfit`)."
+    return re.sub(r'[\s]+', '-', re.sub(r'[^\w\s-]', '', heading.strip().lower()))
+
+def _headings(nb_file: Path) -> set[str]:
+    "The ids of the headings of one site page (markdown cells and `show_doc` outputs)."
+    import nbformat
+    texts = []
+    for cell in nbformat.read(nb_file, as_version=4).cells:
+        texts.append(cell.source if cell.cell_type == 'markdown' else '')
+        texts += [''.join(o.get('data', {}).get('text/markdown', '')) for o in cell.get('outputs', [])]
+    return {slug(h) for t in texts for h in re.findall(r'^#{1,6}\s+(.+?)\s*$', t, flags=re.M)}
+
+def public_names() -> dict[str, list[str]]:
+    "Every public name by module: its `__all__` (read from the source, nothing imported) and the public methods of its classes."
+    import ast
+    from speedtronic._modidx import d
+    out = {}
+    for src in sorted((ROOT / 'speedtronic').rglob('*.py')):
+        if src.name.startswith('_') and src.name != '__init__.py': continue
+        module = '.'.join(('speedtronic',) + src.relative_to(ROOT / 'speedtronic').with_suffix('').parts).removesuffix('.__init__')
+        names = next((ast.literal_eval(n.value) for n in ast.parse(src.read_text(encoding='utf-8')).body
+                      if isinstance(n, ast.Assign) and any(getattr(t, 'id', '') == '__all__' for t in n.targets)), [])
+        methods = [q[len(module) + 1:] for q in d['syms'].get(module, {})
+                   if q.count('.') == module.count('.') + 2 and q[len(module) + 1:].split('.')[0] in names
+                   and not q.rsplit('.', 1)[1].startswith('_')]
+        if names: out[module] = sorted(names, key=str.lower) + sorted(methods, key=str.lower)
+    return out
+
+def write_api_index(pages: dict[str, tuple[str, str]]) -> str:
+    "Write `api.md`: every public name, by module, linked to the page (and heading) that documents it; returns its file name."
+    import nbformat
+    by_module = {}
+    for stem, (title, name) in pages.items():
+        nb = ROOT / 'nbs' / f'{stem}.ipynb'
+        exp = [l.split(None, 2)[-1] for c in nbformat.read(nb, as_version=4).cells if c.cell_type == 'code'
+               for l in c.source.splitlines() if l.startswith('#| default_exp')] if nb.exists() else []
+        if exp: by_module['.'.join(('speedtronic', exp[0])).removesuffix('.__init__')] = (title, name)
+    ids = {name: _headings(SITE_SRC / name) for _, name in pages.values()}
+    lines = ['# API index', '', '> Every public name of the package by module, each linked to where it is documented.', '']
+    for module, names in public_names().items():
+        title, home = by_module.get(module, (None, None))
+        if home is None: continue
+        html = lambda n: n.removesuffix('.ipynb') + '.html'
+        lines += [f'## `{module}`', '', f'[{title}]({html(home)})', '', '| name | documented in |', '|---|---|']
+        for n in names:
+            where = home if slug(n) in ids[home] else next((p for p, i in ids.items() if slug(n) in i), home)
+            anchor = f'#{slug(n)}' if slug(n) in ids[where] else ''
+            page_title = next(t for t, p in pages.values() if p == where)
+            lines.append(f'| [`{n}`]({html(where)}{anchor}) | {page_title} |')
+        lines.append('')
+    (SITE_SRC / 'api.md').write_text('\n'.join(lines), encoding='utf-8')
+    return 'api.md'
 
 def render_site(config: Path) -> Path:
     "Render the pages to `docs/` with MkDocs."
@@ -145,7 +259,9 @@ def main() -> int:
     if missing:
         print(f"nbdev could not process: {', '.join(missing)}", file=sys.stderr)
         return 1
-    site = render_site(site_config(site_sources(proc)))
+    pages = site_sources(proc)
+    pages[API_INDEX] = ('API index', write_api_index(pages))
+    site = render_site(site_config(pages))
     print(f"docs site written to {site.relative_to(ROOT)}/ ({len(list(site.glob('*.html')))} pages)")
     return 0
 
