@@ -20,8 +20,9 @@ from .plotting import figure_png, plot_loss
 from .schedules import SCHEDULE_NAMES, plot_schedule, resolve_schedule, schedule_points
 
 # %% auto #0
-__all__ = ['PIXEL_RATIO', 'DTYPE_CHOICES', 'error_html', 'View', 'FigureView', 'ScheduleExplorer', 'schedule_explorer',
-           'PrecisionExplorer', 'precision_explorer', 'TrainingView', 'DeltaNormView', 'delta_norm_view']
+__all__ = ['PIXEL_RATIO', 'DTYPE_CHOICES', 'error_html', 'View', 'FigureView', 'lr_notches', 'ScheduleExplorer',
+           'schedule_explorer', 'PrecisionExplorer', 'precision_explorer', 'TrainingView', 'DeltaNormView',
+           'delta_norm_view']
 
 # %% ../nbs/14_widgets.ipynb #6ec08084
 def _ipywidgets():
@@ -135,24 +136,31 @@ class FigureView(View):
                 {"image/png": {"width": width, "height": height}})
 
 # %% ../nbs/14_widgets.ipynb #005ac448
+def lr_notches(rate: float | None = None) -> list[float]:
+    "The log slider's rates: 1, 2, 3 and 5 in each decade from 1e-6 to 1, and `rate` (a positive number) if it is another."
+    notches = [float(f"{m}e{e}") for e in range(-6, 0) for m in (1, 2, 3, 5)] + [1.0]
+    return sorted(set(notches) | ({float(rate)} if rate is not None and rate > 0 else set()))
+
 class ScheduleExplorer(FigureView):
     "Sliders for a schedule's settings and a plot of the learning rate each update uses."
     def __init__(self, *, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
                  min_lr_ratio: float = 0.1, name: str = "cosine"):
         W, style = _ipywidgets(), {"description_width": "initial"}
         controls = {
-            "warmup_steps": W.IntSlider(value=warmup_steps, min=0, max=max(2000, warmup_steps), description="warmup", style=style),
-            "max_steps": W.IntSlider(value=max_steps, min=1, max=max(10000, max_steps), description="horizon", style=style),
+            "warmup_steps": W.IntSlider(value=warmup_steps, min=0, max=max(2 * max_steps, warmup_steps), description="warmup", style=style),
+            "max_steps": W.IntSlider(value=max_steps, min=1, max=max(10 * max_steps, 10), description="horizon", style=style),
             "min_lr_ratio": W.FloatSlider(value=min_lr_ratio, min=0.0, max=1.0, step=0.01, description="floor ratio", style=style),
             "name": W.Dropdown(options=list(SCHEDULE_NAMES), value=name, description="kind", style=style),
-            "base_lr": W.BoundedFloatText(value=base_lr, min=1e-9, max=10.0, step=1e-5, description="base lr", style=style),
+            "base_lr": W.FloatText(value=base_lr, step=1e-5, description="base lr", style=style),
         }
-        self.lr_slider = W.FloatLogSlider(value=base_lr, base=10, min=-6, max=0, step=0.1, readout=False,
-                                          description="base lr, log scale", style=style)
+        self.lr_slider = W.SelectionSlider(options=lr_notches(base_lr), value=float(base_lr) if base_lr > 0 else 3e-4,
+                                           readout=False, description="base lr, log scale", style=style)
+        self._following_box = False
         super().__init__(controls, [["warmup_steps", "max_steps", "min_lr_ratio"], ["name", "base_lr", self.lr_slider]])
         self.ax, self.schedule = self.figure.subplots(), None
         self.lr_slider.observe(self.guarded(self._lr_from_slider), names="value")
         controls["base_lr"].observe(self.guarded(self._lr_to_slider), names="value")
+        controls["max_steps"].observe(self.guarded(self._warmup_range), names="value")
         self.update()
 
     @property
@@ -163,8 +171,10 @@ class ScheduleExplorer(FigureView):
 # %% ../nbs/14_widgets.ipynb #0be67c53
 @patch
 def plot(self: ScheduleExplorer, values: dict[str, Any]) -> None:
-    "Check the settings as a configuration would, then draw the schedule they resolve to."
+    "Check the settings as a configuration would (the base rate as `optimizer.lr`), then draw the schedule they resolve to."
+    from speedtronic.config import OptimizerConfig
     self.schedule = None
+    OptimizerConfig(lr=values["base_lr"])
     section = SchedulerConfig(**{k: values[k] for k in ("name", "warmup_steps", "max_steps", "min_lr_ratio")})
     self.schedule = resolve_schedule(section)
     self.ax.clear()
@@ -172,14 +182,25 @@ def plot(self: ScheduleExplorer, values: dict[str, Any]) -> None:
 
 @patch
 def _lr_from_slider(self: ScheduleExplorer, change: dict) -> None:
-    "A drag writes the notch's rate, rounded to two digits; the slider snapping to the box's value writes nothing."
-    box, notch = self.controls["base_lr"], change["new"]
-    if not 10 ** -0.05 < notch / box.value < 10 ** 0.05: box.value = float(f"{notch:.2g}")
+    "A drag writes the notch's rate in the box; the slider following the box writes nothing."
+    if not self._following_box: self.controls["base_lr"].value = change["new"]
 
 @patch
 def _lr_to_slider(self: ScheduleExplorer, change: dict) -> None:
-    "A rate typed in the box moves the slider to it."
-    self.lr_slider.value = change["new"]
+    "A positive rate typed in the box moves the slider to it, made a notch if it is not one; another rate leaves the slider."
+    rate = change["new"]
+    if not rate > 0 or rate == self.lr_slider.value: return
+    self._following_box = True
+    try:
+        if rate not in self.lr_slider.options: self.lr_slider.options = lr_notches(rate)
+        self.lr_slider.value = rate
+    finally: self._following_box = False
+
+@patch
+def _warmup_range(self: ScheduleExplorer, change: dict) -> None:
+    "The warmup slider reaches twice the horizon shown (never below the warmup it holds)."
+    warmup = self.controls["warmup_steps"]
+    warmup.max = max(2 * change["new"], warmup.value)
 
 @patch
 def summary(self: ScheduleExplorer) -> str:

@@ -132,28 +132,33 @@ def plot_delta_norms(records: Iterable[NormRecord], *, node: str | None = None, 
     if fig is None:
         Figure = optional_import("matplotlib.figure", extra="plot", purpose="the delta-norm plot").Figure
         backend = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the delta-norm plot")
-        fig = Figure(figsize=figsize, layout="tight")
+        fig = Figure(figsize=figsize, layout="constrained")
         backend.FigureCanvasAgg(fig)
     else: fig.clear()
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
-    for name, (xs, ys) in norm_series(records, layer, None if node is None else [node]).items():
-        style = {"color": "black", "lw": 2.0, "marker": "s"} if name == "update" else {"lw": 1.2, "marker": "o", "ms": 3}
-        left.plot(xs, ys, label="outer update" if name == "update" else name, **style)
-    left.set(xlabel="outer step", ylabel="L2 norm", title=f"{layer}: deltas and outer update")
-    left.xaxis.get_major_locator().set_params(integer=True)          # outer steps are whole numbers
-    left.grid(alpha=0.3)
-    if left.lines: left.legend(fontsize=8)
+    series = norm_series(records, layer, None if node is None else [node])
     steps = norm_choices(records)["outer_steps"]
     at = outer_step if outer_step is not None else (steps[-1] if steps else None)
     profile = layer_profile(records, at, node) if at is not None else {}
+    names = sorted(set(series) | set(profile), key=lambda k: (k == "update", k))
+    color = {n: "black" if n == "update" else f"C{i}" for i, n in enumerate(names)}    # one colour per node in both panels
+    label = lambda n: "outer update" if n == "update" else n
+    handles = {}
+    for name, (xs, ys) in series.items():
+        style = {"lw": 2.0, "marker": "s"} if name == "update" else {"lw": 1.2, "marker": "o", "ms": 3}
+        handles[name], = left.plot(xs, ys, label=label(name), color=color[name], **style)
+    left.set(xlabel="outer step", ylabel="L2 norm", title=f"{layer}: deltas and outer update")
+    left.xaxis.get_major_locator().set_params(integer=True)          # outer steps are whole numbers
+    left.grid(alpha=0.3)
     layers = list(dict.fromkeys(k for v in profile.values() for k in v))
     width = 0.8 / max(1, len(profile))
-    for i, (name, values) in enumerate(sorted(profile.items(), key=lambda kv: kv[0] == "update")):
-        right.bar([j + i * width for j in range(len(layers))], [values.get(l, 0.0) for l in layers], width,
-                  label="outer update" if name == "update" else name, color="black" if name == "update" else None)
+    for i, name in enumerate(n for n in names if n in profile):
+        bars = right.bar([j + i * width for j in range(len(layers))], [profile[name].get(l, 0.0) for l in layers], width,
+                         label=label(name), color=color[name])
+        handles.setdefault(name, bars)
     right.set_xticks([j + width * (len(profile) - 1) / 2 for j in range(len(layers))], layers, rotation=45, ha="right", fontsize=7)
     right.set(title=f"per layer at outer step {at}", ylabel="L2 norm")
-    if profile: right.legend(fontsize=8)
+    if handles: fig.legend([handles[n] for n in names], [label(n) for n in names], loc="outside right upper", fontsize=8)
     return fig
 
 # %% ../../nbs/12e_distributed_norms.ipynb #18b1ab5c
