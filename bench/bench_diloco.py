@@ -13,6 +13,8 @@ final global model and of the baseline, bytes and commits per round, wall time.
     python bench/bench_diloco.py --compare        # also staleness policies and delta dtypes (directory)
     python bench/bench_diloco.py --steps 400 --inner-steps 25
     python bench/bench_diloco.py --seeds 1,2,3,4,5    # every row once per seed: single runs of a tiny model vary by several %
+    # 2.0's DiLoCo settings, asynchronous (a few minutes):
+    python bench/bench_diloco.py --nodes 3 --steps 200 --inner-steps 10 --transports hub --boundary-wait 0 --outer-lr 0.7 --outer-momentum 0.9 --reset-inner
 """
 from __future__ import annotations
 
