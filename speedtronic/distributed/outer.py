@@ -31,8 +31,9 @@ from .transport import HubError, HubUnavailable, PublishConflict, RepoState
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'PUBLISH_PATIENCE_S', 'NesterovOuterOptimizer', 'Contribution', 'OuterUpdate', 'momentum_steps',
-           'Ledger', 'other_master', 'lease_holder', 'liveness', 'DeltaSizes', 'MasterOuterLoop', 'OuterState']
+__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'PUBLISH_PATIENCE_S', 'NesterovOuterOptimizer', 'Contribution', 'OuterUpdate',
+           'momentum_steps', 'Ledger', 'other_master', 'lease_holder', 'liveness', 'DeltaSizes', 'MasterOuterLoop',
+           'OuterState']
 
 # %% ../../nbs/12c_distributed_outer.ipynb #8a94b268
 class NesterovOuterOptimizer:
@@ -65,6 +66,7 @@ class Contribution:
     staleness: int = 0  # versions published since the node's base version
 
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
+VERSIONS_KEPT = 64  # versions whose momentum step count `OuterUpdate` remembers (a delta's staleness in outer steps)
 
 class OuterUpdate:
     "The outer optimizer under a staleness policy: `delayed_nesterov` (default), `weighted` or `none` (2.0)."
@@ -76,11 +78,13 @@ class OuterUpdate:
         self.pending = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in keys.items()}  # delayed Nesterov's buffer
         self.progress = 0.0  # outer steps' worth of shares in `pending`
         self.momentum_steps = 0
+        self.steps_at = [0]  # momentum steps taken as of each of the last versions, the current one last
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": {k: v.clone() for k, v in self.momentum_buffer.items()},
                 "pending": {k: v.clone() for k, v in self.pending.items()},
-                "progress": self.progress, "momentum_steps": self.momentum_steps, "policy": self.policy}
+                "progress": self.progress, "momentum_steps": self.momentum_steps, "policy": self.policy,
+                "steps_at": list(self.steps_at)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name in ("momentum", "pending"):
@@ -88,6 +92,11 @@ class OuterUpdate:
             for k, v in (state.get(name) or {}).items():
                 if k in target and tuple(v.shape) == tuple(target[k].shape): target[k] = v.detach().float().cpu().clone()
         self.progress, self.momentum_steps = float(state.get("progress", 0.0)), int(state.get("momentum_steps", 0))
+        self.steps_at = [int(n) for n in state.get("steps_at") or []][-VERSIONS_KEPT:] or [self.momentum_steps]
+
+    def rounds_behind(self, staleness: int) -> int:
+        "Outer steps the momentum took since the version `staleness` versions back (as far back as the record reaches)."
+        return self.steps_at[-1] - self.steps_at[max(0, len(self.steps_at) - 1 - max(0, int(staleness)))]
 
 # %% ../../nbs/12c_distributed_outer.ipynb #cc499838
 def momentum_steps(m: torch.Tensor, g: torch.Tensor, mu: float, n: int) -> torch.Tensor:
@@ -114,7 +123,9 @@ def step(self: OuterUpdate, state: dict[str, torch.Tensor], contributions: list[
     if self.policy == "delayed_nesterov":
         grad = {k: sum(c.delta[k].float() for c in contributions) / nodes for k in self.pending}
         update = {k: self.lr * g for k, g in grad.items()}
-        for k, g in grad.items(): self.pending[k].add_(g)
+        fresh = [c for c in contributions if self.rounds_behind(c.staleness) == 0]   # what feeds the momentum
+        for k, g in grad.items():
+            self.pending[k].add_(g if len(fresh) == len(contributions) else sum(c.delta[k].float() for c in fresh) / nodes)
         self.progress += sum(c.share for c in contributions) / nodes
         if self.progress >= 1.0 - 1e-6:
             whole = max(1, int(self.progress + 1e-6))
@@ -137,6 +148,7 @@ def step(self: OuterUpdate, state: dict[str, torch.Tensor], contributions: list[
             update[k] = self.lr * (g + self.momentum * m)
         self.momentum_steps += 1
     for k, u in update.items(): state[k].copy_((state[k].float() - u).to(state[k].dtype))
+    self.steps_at = self.steps_at[-(VERSIONS_KEPT - 1):] + [self.momentum_steps]
     return update
 
 # %% ../../nbs/12c_distributed_outer.ipynb #ba19e878
@@ -298,7 +310,7 @@ def _save_local(self: MasterOuterLoop, state: Mapping[str, torch.Tensor], versio
                **{f"pending/{k}": v for k, v in update["pending"].items()}}
     save_safetensors(tensors, st)
     atomic_write_text(json.dumps({"outer_step": version, "ledger": ledger.to_json(), "progress": update["progress"],
-                                  "momentum_steps": update["momentum_steps"], "publication": publication,
+                                  "momentum_steps": update["momentum_steps"], "steps_at": update.get("steps_at", []), "publication": publication,
                                   "delta_sizes": (self.sizes if sizes is None else sizes).to_json(),
                                   "session": self.session, "updated_at": utc_now()}, indent=2) + "\n", js)
 
@@ -319,7 +331,8 @@ def _adopt_local(self: MasterOuterLoop, info: dict, tensors: dict) -> None:
         if group == "global" and key in self.global_state and v.shape == self.global_state[key].shape: self.global_state[key] = v
     self.update.load_state_dict({"momentum": {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("momentum/")},
                                  "pending": {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("pending/")},
-                                 "progress": info.get("progress", 0.0), "momentum_steps": info.get("momentum_steps", 0)})
+                                 "progress": info.get("progress", 0.0), "momentum_steps": info.get("momentum_steps", 0),
+                                 "steps_at": info.get("steps_at")})
     self.outer_step, self.ledger = int(info["outer_step"]), Ledger.from_json(info.get("ledger"))
     self.publication, self.sizes = str(info.get("publication", "")), DeltaSizes.from_json(info.get("delta_sizes"))
 
@@ -783,7 +796,7 @@ def load_state_dict(self: MasterOuterLoop, state: Mapping[str, Any]) -> None:
     if self.outer_step >= 0 or not state or not isinstance(state.get("processed_deltas"), Mapping): return
     info = {"outer_step": int(state.get("outer_step", -1)), "ledger": state["processed_deltas"],
             "publication": state.get("publication", ""), "delta_sizes": state.get("delta_sizes"),
-            **{k: v for k, v in (state.get("update") or {}).items() if k in ("progress", "momentum_steps")}}
+            **{k: v for k, v in (state.get("update") or {}).items() if k in ("progress", "momentum_steps", "steps_at")}}
     tensors = {**{f"global/{k}": v for k, v in (state.get("global_state") or {}).items()},
                **{f"momentum/{k}": v for k, v in (state.get("momentum") or {}).items()},
                **{f"pending/{k}": v for k, v in ((state.get("update") or {}).get("pending") or {}).items()}}
