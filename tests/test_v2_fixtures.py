@@ -30,7 +30,7 @@ from conftest import ROOT, cli_env, jsonl_records  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.distributed import HubClient, MasterOuterLoop, SharedDirectory
+from speedtronic.distributed import HubClient, MasterOuterLoop, SharedDirectory, load_safetensors
 from speedtronic.model import reference_state_dict_shapes
 from speedtronic.profiling import MetricLogger
 from speedtronic.registry import build_model
@@ -372,8 +372,12 @@ def test_a_master_folds_the_2_0_deltas(tmp_path, transport, staleness, request):
     meta = json.loads(repo_files["global/step_count.json"])
     assert meta["outer_step"] == 5 and meta["model_file"] == "global/latest.safetensors"     # what a 2.0 reader needs
     assert client.list_deltas() == []
-    published = safetensors_load(repo_files["global/latest.safetensors"])
+    (tmp_path / "published.safetensors").write_bytes(repo_files["global/latest.safetensors"])
+    published = load_safetensors(tmp_path / "published.safetensors")      # our reader: a tied tensor travels once
     assert set(published) == set(v2_global) and any(not torch.equal(published[k], v) for k, v in v2_global.items())
+    stored = safetensors_load(repo_files["global/latest.safetensors"])
+    assert set(stored) == set(v2_global) - {"lm_head.weight"}                 # lm_head is wte's alias, not a second copy
+    torch.testing.assert_close(published["lm_head.weight"], published["transformer.wte.weight"], rtol=0, atol=0)
     if staleness != "none": return
     # plain PyTorch: SGD(momentum, nesterov) on the weights with the mean delta as the gradient
     weights = {k: torch.nn.Parameter(v.clone()) for k, v in v2_global.items()}
