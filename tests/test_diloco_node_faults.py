@@ -220,6 +220,15 @@ def test_sigterm_stops_a_worker_waiting_at_the_end_for_its_first_fold(tmp_path):
     assert sorted((tmp_path / "w1" / "checkpoints").glob("step_*.pt"))[-1].name.endswith("5.pt")   # its training is saved
 
 
+def test_sigterm_stops_a_master_waiting_in_its_final_round(tmp_path):
+    "The master expects a second node that never comes: SIGTERM ends its final round at once, its last step saved."
+    repo = str(tmp_path / "repo")
+    master = launch(node_config(tmp_path, "master", "master", repo=repo, transport="directory", steps=5, expected_nodes=2,
+                                final_round_timeout=600))
+    _stops_on_sigterm(master, "final round: waiting up to 600 s")
+    assert sorted((tmp_path / "master" / "checkpoints").glob("step_*.pt"))[-1].name.endswith("5.pt")
+
+
 # -- a shared directory that disappears -------------------------------------------------------------------------
 def test_a_shared_directory_unmounted_mid_run_stops_every_node_and_is_not_recreated(tmp_path):
     "The share goes away under the running nodes and leaves its empty mount point: nothing is published into that."

@@ -543,7 +543,10 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
     if not self._wait_uploads(timeout): self._log("warning", f"the final delta of step {step} is still uploading after {timeout:g} s")
     self._raise_fatal()
     if self.outer is None: return self._await_own_fold(timeout)
-    version = self.outer.finish(step, timeout)
+    with self._sigterm_ends_wait():
+        version = self.outer.finish(step, timeout, stop=self._woken)
+    if self._terminated:
+        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM during the master's final round in {self._where()}")
     self._raise_fatal()
     if self._folded_in(self.outer.ledger) < 0: raise self._unfolded(f"version {version} holds none of its deltas")
     _, state = self.outer.snapshot()

@@ -757,10 +757,13 @@ def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
         if self._thread.is_alive(): self._log("warning", "the master outer loop is still finishing a repository call")
 
 @patch
-def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: float | None = None) -> int:
-    "The final round: fold deltas until every active node's last one is in (or `timeout`); returns the final version."
+def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: float | None = None,
+           stop: threading.Event | None = None, # set (e.g. by SIGTERM): end the wait at once
+          ) -> int:
+    "The final round: fold deltas until every active node's last one is in (or `timeout`, or `stop`); returns the final version."
     self.stop(timeout=max(timeout, 30.0))
     deadline, interval = time.monotonic() + timeout, min(self.poll_interval, 2.0) if interval is None else interval
+    told = False
     while True:
         before = self.outer_step
         try: self.sync_once(full_rounds=False)                      # the last deltas: folded as they come
@@ -769,8 +772,12 @@ def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: flo
         done = {n for n in self.ledger.nodes if n != self.node_id and (self.ledger.nodes[n].get("final")
                 or max(self.ledger.nodes[n].get("sessions", {}).values(), default=-1) >= final_step)}
         enough = self.expected_nodes is None or len(done) + 1 >= self.expected_nodes
-        if (done >= waiting_for and enough) or time.monotonic() >= deadline: break
-        if self.outer_step == before: time.sleep(interval)             # after a new version, look again at once
+        if (done >= waiting_for and enough) or time.monotonic() >= deadline or (stop is not None and stop.is_set()): break
+        if not told: self._log("info", f"final round: waiting up to {timeout:g} s for the last deltas of "
+                                       f"{sorted(waiting_for - done) or 'the expected nodes'}")
+        told = True
+        if self.outer_step == before: (stop.wait if stop is not None else time.sleep)(interval)  # after a new version, look again at once
+    if stop is not None and stop.is_set(): return self.outer_step
     if waiting_for - done or not enough:
         self._log("warning", f"final round: no last delta from {sorted(waiting_for - done) or 'some of the expected nodes'} within "
                              f"distributed.final_round_timeout={timeout:g} s; their last steps are not in the final global model")
