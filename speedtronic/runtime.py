@@ -25,6 +25,7 @@ import torch
 from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
 from .config import ConfigError, SpeedtronicConfig, explicit_fields, run_target
 from .data import DataError, build_dataloader, check_loader_settings, collate_batch, select_dataset
+from .evaluation import Holdout, build_evaluator, holdout_split
 from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
@@ -222,13 +223,14 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     weakref.finalize(trainer, claim.release)
     return trainer, manager
 
-def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device, world: World) -> Any:
+def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device, world: World,
+            dataset: Any = None) -> Any:  # the training side of an `eval.holdout_fraction` split
     "The data loader: a torchrun rank reads its share of each global batch; a DiLoCo node its own shard (or data seed)."
     data, distributed = config.data, config.distributed.enabled
     if distributed:
         from speedtronic.distributed import node_data_config, shard_loader
         data = node_data_config(config)
-    loader = build_dataloader(data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
+    loader = build_dataloader(data, dataset=dataset, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
                               rank=world.rank, world_size=world.size)
     return shard_loader(loader, config.distributed) if distributed else loader
 
@@ -242,7 +244,8 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         world.writer_first(lambda: _maybe_demo_corpus(config))
         model = build_model(config.model).to(dev)
         if world.rank: seed_everything(config.run.seed + world.rank)
-        loader = _loader(config, model, dev, world)
+        split = _holdout(config, model_vocab_size(model, config))
+        loader = _loader(config, model, dev, world, dataset=split.train if split else None)
         ck = config.checkpoint
         manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
                                     enabled=ck.enabled, run_id=claim.run_id)
@@ -262,7 +265,10 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         coordinator = _coordinator(config, model, logger, world)
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
                           logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,
-                          shape_report=report, world=world)
+                          shape_report=report, world=world,
+                          evaluator=build_evaluator(config, device=dev, vocab_size=model_vocab_size(model, config), precision=plan,
+                                                    world=world, held_out=split.held_out if split else None))
+        if split: logger.info(split.describe())
         if resume:
             state = world.on_every_rank(manager.load_latest)
             world.agree_on_checkpoint(None if state is None else state.get("step"), manager.directory)
@@ -277,6 +283,12 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         if logger is not None: close_logger(logger)
         raise
     return trainer, manager
+
+# %% ../nbs/13_runtime.ipynb #c6821550
+def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
+    "The training source split by `eval.holdout_fraction`, or `None` when the run holds nothing out."
+    if not config.eval.holdout_fraction: return None
+    return holdout_split(select_dataset(config.data, vocab_size=vocab), config.eval.holdout_fraction)
 
 # %% ../nbs/13_runtime.ipynb #3c9024b4
 @contextlib.contextmanager
@@ -380,7 +392,8 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
     text = None if _is_demo_corpus(config.data.text_path) else config.data.text_path  # written on first use
     problems = [p for p in (_missing_file("data.text_path", text),
                             _missing_file("data.token_file", config.data.token_file),
-                            _missing_file("data.dataset", config.data.dataset if isinstance(config.data.dataset, str) else None))
+                            _missing_file("data.dataset", config.data.dataset if isinstance(config.data.dataset, str) else None),
+                            _missing_file("eval.text_path", config.eval.text_path), _missing_file("eval.token_file", config.eval.token_file))
                 if p]
     world = world_from_env()
     problems += world_problems(config, world)
