@@ -357,7 +357,7 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
                 raise
         _whole_run(result, earlier, keep)
         if trainer.world.writes and trainer.config.logging.loss_plot and result.metrics:
-            write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
+            write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger, evals=result.evals)
         failed = False
         return result
     finally:
@@ -371,9 +371,10 @@ run = train_from_config
 train = train_from_config
 
 # %% ../nbs/13_runtime.ipynb #1a61bb11
-def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None) -> Path | None:
+def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None,
+                    evals: Sequence[Mapping[str, Any]] = ()) -> Path | None:  # `eval` records: the held-out loss as dots
     "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
-    try: fig = loss_figure(loss_points(metrics))
+    try: fig = loss_figure(loss_points(metrics), [(r["step"], r["val_loss"]) for r in evals])
     except MissingExtra as e:
         if logger is not None: logger.info(f"skipped {Path(path).name}: {e}")
         return None

@@ -913,10 +913,11 @@ def closing(self: TrainResult, paths: Any = None, # the run's `RunPaths` (its `m
 @patch
 def loss_png(self: TrainResult, size: tuple[float, float] = (5.0, 2.6), # inches, 100 screen pixels each
              dpi: int = 200) -> bytes | None:
-    "The loss curve of `metrics` as a PNG; `None` without records or without matplotlib."
+    "The loss curve of `metrics` (and the held-out loss of `evals`) as a PNG; `None` without records or without matplotlib."
     points = loss_points(self.metrics)
     if not points: return None
-    try: return figure_png(loss_figure(points, size=size, title=None), dpi=dpi)
+    held = [(r["step"], r["val_loss"]) for r in self.evals]
+    try: return figure_png(loss_figure(points, held, size=size, title=None), dpi=dpi)
     except MissingExtra: return None
 
 @patch

@@ -14,6 +14,7 @@ import yaml
 
 from conftest import ROOT, jsonl_records, one_error_line, run_cli, tiny_config
 from speedtronic.checkpoint import load_checkpoint
+from speedtronic.progress import ProgressBar, TerminalLines
 from speedtronic.runtime import build_runtime, train_from_config
 from test_parallel import final_state, token_file, torchrun, write_config as job_config
 from test_parallel import finish as finish_job
@@ -98,12 +99,29 @@ def test_text_holdout_end_to_end(tmp_path):
     "`holdout_fraction` of a text file: a run's result, JSONL and closing line carry the held-out loss."
     text = corpus(tmp_path / "corpus.txt")
     cfg = tiny_config(tmp_path, max_steps=4, data={"synthetic": False, "text_path": str(text)},
-                      model={"vocab_size": 256}, eval={"holdout_fraction": 0.2, "max_batches": 3})
+                      model={"vocab_size": 256}, eval={"holdout_fraction": 0.2, "max_batches": 3},
+                      logging={"loss_plot": True})
     result = train_from_config(yaml.safe_load(cfg.read_text()), device="cpu")
     assert [r["step"] for r in result.evals] == [4]                  # no cadence: once, at the end
     (record,) = jsonl_records(tmp_path / "metrics.jsonl", "eval")
     assert record["val_loss"] == result.val_loss and record["val_batches"] == 3
     assert f"held-out loss {result.val_loss:.4f}" in result.closing()
+    assert (tmp_path / "loss_curve.png").stat().st_size > 0 and result.loss_png()
+
+
+def test_eval_records_reach_the_live_chart_and_the_terminal():
+    "The notebook chart gets the held-out loss as an `eval` point; a terminal shows one short `eval` line."
+    widgets = pytest.importorskip("speedtronic.widgets")
+    record = {"step": 10, "val_loss": 2.5, "val_ppl": math.exp(2.5), "val_bpb": 2.5 / math.log(2), "val_tokens": 4096,
+              "val_batches": 8, "eval_s": 0.25}
+    try: view = widgets.TrainingView()
+    except ImportError as e: pytest.skip(f"the notebook view needs its extra: {e}")
+    bar = ProgressBar(enabled=True, notebook=True)
+    bar.view = view
+    bar.on_event("eval", record)
+    assert view.evals == [(10, 2.5)]
+    line = TerminalLines().line("eval", record)
+    assert line == "eval  step 10  val_loss   2.5000  ppl 12.18  bpb 3.6067" and len(line) <= 100
 
 
 def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_path):
