@@ -230,6 +230,7 @@ def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device
     if distributed:
         from speedtronic.distributed import node_data_config, shard_loader
         data = node_data_config(config)
+        if getattr(dataset, "shuffle", False): dataset.seed = int(data.seed or 0)  # a held-out split keeps the node's order
     loader = build_dataloader(data, dataset=dataset, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
                               rank=world.rank, world_size=world.size)
     return shard_loader(loader, config.distributed) if distributed else loader

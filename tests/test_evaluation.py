@@ -159,3 +159,21 @@ def test_missing_or_too_small_held_out_data_is_one_line(tmp_path):
     small = tiny_config(tmp_path, "small.yaml", data={"synthetic": False, "token_file": str(token_file(tmp_path, blocks=2))},
                         model={"vocab_size": 64}, eval={"holdout_fraction": 0.9})
     one_error_line(run_cli("train", "--config", str(small), cwd=tmp_path), "eval.holdout_fraction", "leaves no block to train on")
+
+
+def test_a_diloco_node_shuffles_its_training_side_with_its_own_seed(tmp_path):
+    "Without shards each DiLoCo node reads the data in its own order; a held-out split keeps that order per node."
+    from speedtronic.parallel import World
+    from speedtronic.runtime import _holdout, _loader
+    from speedtronic.config import SpeedtronicConfig
+    path = token_file(tmp_path, blocks=100)
+    def order(node: str, fraction: float):
+        cfg = SpeedtronicConfig.from_dict({"model": {"vocab_size": 64}, "data": {"token_file": str(path), "shuffle": True, "block_size": 8},
+                                           "eval": {"holdout_fraction": fraction},
+                                           "distributed": {"enabled": True, "transport": "directory", "repo_id": str(tmp_path / "repo"),
+                                                           "node_id": node}})
+        split = _holdout(cfg, 64)
+        loader = _loader(cfg, torch.nn.Linear(1, 1), torch.device("cpu"), World(), dataset=split.train)
+        return loader.dataset.block_order(0).tolist()
+    a, b = order("a", 0.1), order("b", 0.1)
+    assert sorted(a) == sorted(b) == list(range(90)) and a != b
