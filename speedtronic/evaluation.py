@@ -19,13 +19,14 @@ from torch import nn
 from .checkpoint import capture_rng_state, restore_rng_state
 from .config import DataConfig, SpeedtronicConfig
 from .data import (CharTokenizer, DataError, TextFileTokenDataset, TokenArrayDataset, build_dataloader, check_data_file,
-                   load_tokenizer, resolve_vocab_size, token_dtype)
+                   load_tokenizer, resolve_vocab_size, select_dataset, token_dtype)
 from .parallel import World
 from .precision import autocast_context, resolve_precision
 from .trainer import call_model, move_batch, resolve_loss
 
 # %% auto #0
-__all__ = ['EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'Evaluator', 'build_evaluator']
+__all__ = ['EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'Evaluator', 'build_evaluator',
+           'holdout_note']
 
 # %% ../nbs/11b_evaluation.ipynb #383bfe39
 @dataclass(frozen=True)
@@ -199,3 +200,10 @@ def _sidecar_tokenizer(dataset: Any, vocab: int) -> Any:
     spec = getattr(dataset, "meta", {}).get("tokenizer")
     try: return load_tokenizer(spec, vocab) if spec is not None else None
     except Exception: return None
+
+# %% ../nbs/11b_evaluation.ipynb #a32dc610
+def holdout_note(config: SpeedtronicConfig) -> str | None:
+    "How `eval.holdout_fraction` splits the training source (blocks and tokens each side), or `None` without a split."
+    if not config.eval.holdout_fraction: return None
+    dataset = select_dataset(config.data, vocab_size=resolve_vocab_size(config.data))
+    return holdout_split(dataset, config.eval.holdout_fraction).describe()

@@ -177,3 +177,12 @@ def test_a_diloco_node_shuffles_its_training_side_with_its_own_seed(tmp_path):
         return loader.dataset.block_order(0).tolist()
     a, b = order("a", 0.1), order("b", 0.1)
     assert sorted(a) == sorted(b) == list(range(90)) and a != b
+
+
+def test_validate_deep_says_how_many_tokens_each_side_gets(tmp_path):
+    path = token_file(tmp_path, blocks=40)                           # 360 ids: 21 blocks of 17 and a last one of 3
+    cfg = tiny_config(tmp_path, data={"synthetic": False, "token_file": str(path)}, model={"vocab_size": 64},
+                      eval={"holdout_fraction": 0.25})
+    proc = run_cli("validate", "--deep", "--config", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "16 training blocks (272 tokens) and 6 held-out blocks (88 tokens)" in proc.stderr, proc.stderr
