@@ -186,3 +186,24 @@ def test_validate_deep_says_how_many_tokens_each_side_gets(tmp_path):
     proc = run_cli("validate", "--deep", "--config", str(cfg), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "16 training blocks (272 tokens) and 6 held-out blocks (88 tokens)" in proc.stderr, proc.stderr
+
+
+def test_bits_per_byte_with_a_tokenizer_json(tmp_path):
+    "With a `tokenizer.json` each token stands for the bytes it decodes to: here a word and its space, 4 bytes."
+    tokenizers = pytest.importorskip("tokenizers")
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.evaluation import build_evaluator
+    from speedtronic.registry import build_model
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab={"[UNK]": 0, "the": 1, "cat": 2, "sat": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "words.json"))
+    (tmp_path / "held.txt").write_text("the cat sat\n" * 300)
+    cfg = SpeedtronicConfig.from_dict({"model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64},
+                                       "data": {"tokenizer": str(tmp_path / "words.json"), "micro_batch_size": 4},
+                                       "eval": {"text_path": str(tmp_path / "held.txt"), "max_batches": 2}})
+    evaluator = build_evaluator(cfg, device="cpu", vocab_size=64)
+    assert evaluator.bytes_per_token == pytest.approx(4.0, abs=0.01)
+    torch.manual_seed(0)
+    result = evaluator(build_model(cfg.model))
+    assert result.tokens == 2 * 4 * 16
+    assert result.bpb == pytest.approx(result.loss / math.log(2) / evaluator.bytes_per_token)
