@@ -207,3 +207,18 @@ def test_bits_per_byte_with_a_tokenizer_json(tmp_path):
     result = evaluator(build_model(cfg.model))
     assert result.tokens == 2 * 4 * 16
     assert result.bpb == pytest.approx(result.loss / math.log(2) / evaluator.bytes_per_token)
+
+
+def test_tensorboard_gets_the_held_out_scalars(tmp_path):
+    "A run's `eval` events reach TensorBoard as `eval/val_loss`, `eval/val_ppl`, `eval/val_bpb` at their steps."
+    pytest.importorskip("tensorboard")                      # the optional `logging` extra
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = tiny_config(tmp_path, max_steps=4, data={"synthetic": False, "text_path": str(corpus(tmp_path / "corpus.txt"))},
+                      model={"vocab_size": 256}, eval={"holdout_fraction": 0.1, "every_steps": 2, "max_batches": 2},
+                      logging={"tensorboard_dir": str(tmp_path / "tb")})
+    result = train_from_config(yaml.safe_load(cfg.read_text()), device="cpu")
+    acc = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert {"eval/val_loss", "eval/val_ppl", "eval/val_bpb", "eval/val_tokens"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("eval/val_loss")] == [
+        (r["step"], pytest.approx(r["val_loss"])) for r in result.evals]
+    assert [r["step"] for r in result.evals] == [2, 4]
