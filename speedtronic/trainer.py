@@ -924,7 +924,8 @@ def loss_png(self: TrainResult, size: tuple[float, float] = (5.0, 2.6), # inches
 def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str, str]:
     "In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line repr elsewhere."
     loss = "none" if self.final_loss is None else f"{self.final_loss:.4g}"
-    line = (f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss} · {self.elapsed_s:.1f} s"
+    held = f" · held-out loss {self.val_loss:.4g}" if self.val_loss is not None else ""
+    line = (f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss}{held} · {self.elapsed_s:.1f} s"
             + (f" · checkpoints in <code>{html.escape(str(self.checkpoint_dir))}</code>" if self.checkpoint_dir else ""))
     png = self.loss_png()
     picture = (f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" height="260" '
