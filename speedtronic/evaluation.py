@@ -19,7 +19,7 @@ from torch import nn
 from .checkpoint import capture_rng_state, restore_rng_state
 from .config import DataConfig, SpeedtronicConfig
 from .data import (CharTokenizer, DataError, TextFileTokenDataset, TokenArrayDataset, build_dataloader, check_data_file,
-                   load_tokenizer, resolve_vocab_size, select_dataset, token_dtype)
+                   load_tokenizer, read_token_sidecar, resolve_vocab_size, select_dataset, token_dtype)
 from .parallel import World
 from .precision import autocast_context, resolve_precision
 from .trainer import call_model, move_batch, resolve_loss
@@ -188,16 +188,17 @@ def build_evaluator(config: SpeedtronicConfig, *, device: str | torch.device, vo
                               pin_memory_device=torch.device(device).type == "cuda")
     uses_tokenizer = held_out is not None and config.data.text_path or e.text_path
     tok = (tokenizer if tokenizer is not None else load_tokenizer(config.data.tokenizer, vocab)) if uses_tokenizer else None
-    if tok is None and e.token_file: tok = _sidecar_tokenizer(loader.dataset, vocab)
+    token_path = e.token_file or (config.data.token_file if held_out is not None else None)
+    if tok is None and token_path: tok = _sidecar_tokenizer(token_path, vocab)
     sample = held_out.tokens if held_out is not None else getattr(loader.dataset, "tokens", None)
     if sample is None and tok is not None and not isinstance(tok, CharTokenizer):  # a text file: measure on its first blocks
         sample = np.concatenate([s["input_ids"].numpy() for _, s in zip(range(64), loader.dataset)])
     return Evaluator(loader, device=device, every_steps=e.every_steps, max_batches=e.max_batches, precision=precision,
                      world=world, bytes_per_token=bytes_per_token(tok, sample) if tok is not None else None)
 
-def _sidecar_tokenizer(dataset: Any, vocab: int) -> Any:
+def _sidecar_tokenizer(path: str, vocab: int) -> Any:
     "The tokenizer a prepared token file's sidecar names, or `None` when it cannot be loaded here."
-    spec = getattr(dataset, "meta", {}).get("tokenizer")
+    spec = read_token_sidecar(path).get("tokenizer")
     try: return load_tokenizer(spec, vocab) if spec is not None else None
     except Exception: return None
 
