@@ -184,8 +184,11 @@ def build_evaluator(config: SpeedtronicConfig, *, device: str | torch.device, vo
     data, key = _held_out_data(config)
     if held_out is None: check_data_file(e.text_path or e.token_file, key)
     vocab = resolve_vocab_size(config.data, vocab_size)
-    loader = build_dataloader(data, dataset=held_out, vocab_size=vocab, rank=world.rank, world_size=world.size,
-                              pin_memory_device=torch.device(device).type == "cuda")
+    try: loader = build_dataloader(data, dataset=held_out, vocab_size=vocab, rank=world.rank, world_size=world.size,
+                                   pin_memory_device=torch.device(device).type == "cuda")
+    except DataError as err:  # the data module names the training keys; this is the held-out file
+        if held_out is not None: raise
+        raise DataError(str(err).replace("data.text_path", key).replace("data.token_file", key)) from None
     uses_tokenizer = held_out is not None and config.data.text_path or e.text_path
     tok = (tokenizer if tokenizer is not None else load_tokenizer(config.data.tokenizer, vocab)) if uses_tokenizer else None
     token_path = e.token_file or (config.data.token_file if held_out is not None else None)

@@ -156,6 +156,10 @@ def test_missing_or_too_small_held_out_data_is_one_line(tmp_path):
     cfg = tiny_config(tmp_path, eval={"token_file": str(tmp_path / "missing.bin")})
     one_error_line(run_cli("validate", "--deep", "--config", str(cfg), cwd=tmp_path), "eval.token_file", "missing.bin")
     one_error_line(run_cli("train", "--config", str(cfg), cwd=tmp_path), "eval.token_file")
+    (tmp_path / "short.txt").write_text("too short")
+    short = tiny_config(tmp_path, "short.yaml", eval={"text_path": str(tmp_path / "short.txt")})
+    line = one_error_line(run_cli("train", "--config", str(short), cwd=tmp_path), "eval.text_path", "short.txt", "block")
+    assert "data.text_path" not in line, line
     small = tiny_config(tmp_path, "small.yaml", data={"synthetic": False, "token_file": str(token_file(tmp_path, blocks=2))},
                         model={"vocab_size": 64}, eval={"holdout_fraction": 0.9})
     one_error_line(run_cli("train", "--config", str(small), cwd=tmp_path), "eval.holdout_fraction", "leaves no block to train on")
