@@ -11,7 +11,7 @@ LAYERS = {  # a module imports only modules of its own layer or below
     1: {"registry", "model", "module_utils", "data", "tokens", "precision"},
     2: {"optimizers", "schedules", "checkpoint", "profiling", "hooks", "progress", "plotting", "integrations",
         "shapes", "scheduling"},
-    3: {"trainer", "parallel", "distributed"},
+    3: {"trainer", "evaluation", "parallel", "distributed"},
     4: {"runtime", "widgets"},
     5: {"cli", "__main__", "__init__", "showdoc"},
 }
