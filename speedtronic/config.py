@@ -553,6 +553,8 @@ class EvalConfig(_Section):
         r.fraction("holdout_fraction")
         given = [k for k in ("text_path", "token_file", "holdout_fraction") if getattr(self, k)]
         if len(given) > 1: r.fail(given[1], f"choose one held-out source: {' and '.join(f'eval.{k}' for k in given)} are both set")
+        for name in ("every_steps", "max_batches", "micro_batch_size") if not given else ():
+            if getattr(self, name): r.fail(name, "is set but no held-out source is: set eval.text_path, eval.token_file or eval.holdout_fraction")
         return r.problems
 
 # %% ../nbs/00_config.ipynb #fb12cff0

@@ -142,10 +142,11 @@ def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_pat
 
 
 @pytest.mark.parametrize("section,needles", [
-    ({"every_steps": "often"}, ["eval.every_steps", "expected"]),
+    ({"every_steps": "often", "holdout_fraction": 0.1}, ["eval.every_steps", "expected"]),
+    ({"every_steps": 100}, ["eval.every_steps", "no held-out source"]),
     ({"holdout_fraction": 0.2, "text_path": "x.txt"}, ["eval.holdout_fraction", "choose one held-out source"]),
     ({"holdout_fraction": 0.2}, ["eval.holdout_fraction", "data.text_path or data.token_file"]),
-    ({"every_step": 5}, ["eval.every_step: unknown key", "eval.every_steps"]),
+    ({"every_step": 5, "holdout_fraction": 0.1}, ["eval.every_step: unknown key", "eval.every_steps"]),
 ])
 def test_bad_eval_settings_are_one_line(tmp_path, section, needles):
     cfg = tiny_config(tmp_path, eval=section)
