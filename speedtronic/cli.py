@@ -220,6 +220,8 @@ def _validate(args: argparse.Namespace) -> int:
     from speedtronic.runtime import check_runnable
     problems = check_runnable(config, device=args.device) + _output_dir_problems(config)
     for line in error_lines(ConfigError(problems)) if problems and _prints() else []: print(line, file=sys.stderr)
+    from speedtronic.evaluation import holdout_note  # how many tokens each side of a held-out split gets
+    if not problems and _prints() and (note := holdout_note(config)): print(note, file=sys.stderr)
     return 2 if problems else 0
 
 # %% ../nbs/15_cli.ipynb #7c5d4e70

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['REDACTED', 'HF_DATASET_KEYS', 'Config', 'ConfigError', 'ConfigWarning', 'is_secret_key', 'redact', 'explicit_fields',
            'RunConfig', 'ModelConfig', 'hf_dataset_spec', 'DataConfig', 'OptimizerConfig', 'SchedulerConfig',
-           'PrecisionConfig', 'CheckpointConfig', 'LoggingConfig', 'ShapeValidationConfig', 'DistributedConfig',
-           'SpeedtronicConfig', 'run_target', 'load_config', 'load_yaml_config', 'as_section']
+           'PrecisionConfig', 'CheckpointConfig', 'LoggingConfig', 'ShapeValidationConfig', 'EvalConfig',
+           'DistributedConfig', 'SpeedtronicConfig', 'run_target', 'load_config', 'load_yaml_config', 'as_section']
 
 # %% ../nbs/00_config.ipynb #d9134a01
 import dataclasses
@@ -580,6 +580,32 @@ class ShapeValidationConfig(_Section):
         elif self.alignment <= 0: r.fail("alignment", f"must be 'auto', 'none' or a positive integer, got {_show(self.alignment)}")
         return r.problems
 
+# %% ../nbs/00_config.ipynb #29a6d5aa
+@_config_section("eval")
+class EvalConfig(_Section):
+    "Held-out evaluation: where the held-out text comes from, how often and how much of it is read."
+    every_steps: int | None = None  # evaluate every this many steps; 0/null: only at the end of the run
+    max_batches: int | None = None  # most held-out batches one evaluation reads; null: all of them
+    text_path: str | None = None  # a separate UTF-8 text file, read with the run's tokenizer
+    token_file: str | None = None  # a separate prepared token file
+    holdout_fraction: float = 0.0  # this share of the training source's blocks, taken from its end, is held out
+    micro_batch_size: int | None = None  # samples per held-out batch; null: data.micro_batch_size
+    def _normalise(self):
+        if self.every_steps == 0: self.every_steps = None
+    @property
+    def enabled(self) -> bool:
+        "Whether a held-out source is set."
+        return bool(self.text_path or self.token_file or self.holdout_fraction)
+    def _rules(self):
+        r = _Rules(self)
+        r.positive("every_steps", "max_batches", "micro_batch_size")
+        r.fraction("holdout_fraction")
+        given = [k for k in ("text_path", "token_file", "holdout_fraction") if getattr(self, k)]
+        if len(given) > 1: r.fail(given[1], f"choose one held-out source: {' and '.join(f'eval.{k}' for k in given)} are both set")
+        for name in ("every_steps", "max_batches", "micro_batch_size") if not given else ():
+            if getattr(self, name): r.fail(name, "is set but no held-out source is: set eval.text_path, eval.token_file or eval.holdout_fraction")
+        return r.problems
+
 # %% ../nbs/00_config.ipynb #fb12cff0
 @_config_section("distributed")
 class DistributedConfig(_Section):
@@ -653,7 +679,7 @@ class DistributedConfig(_Section):
 _SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
                               "scheduler": SchedulerConfig, "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
                               "logging": LoggingConfig, "distributed": DistributedConfig,
-                              "shape_validation": ShapeValidationConfig}
+                              "shape_validation": ShapeValidationConfig, "eval": EvalConfig}
 
 def _warmup_problem(warmup: int, horizon: int, how: str) -> str:
     "The error for an explicit warmup longer than the schedule it starts."
@@ -675,6 +701,7 @@ class SpeedtronicConfig(_Section):
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     gradient_checkpointing: bool = False
     compile: bool = False
     ooo_backprop: bool = False
@@ -722,6 +749,9 @@ def _validation_problems(self: SpeedtronicConfig) -> list[str]:
     for name in _SECTIONS: problems += getattr(self, name)._problems()
     problems += _check_fields(self) + self._rules()
     if self.data.block_size is None: problems.append("data.block_size: must be positive (it is null; set it or rebuild the config)")
+    if self.eval.holdout_fraction and not (self.data.text_path or self.data.token_file):
+        problems.append("eval.holdout_fraction: holds out part of data.text_path or data.token_file, and neither is set; "
+                        "set one of them, or give eval.text_path / eval.token_file")
     d = self.distributed
     if d.enabled and not d.repo_id:
         problems.append("distributed.repo_id: is required for DumbDiLoCo when distributed.enabled is true (e.g. repo_id: org/run)")

@@ -118,6 +118,9 @@ class TerminalLines:
             self.target = payload.get("target_step")
             return format_setup_line(payload, self.optimizer)
         if event == "train_step": return format_step_line(payload, self.target)
+        if event == "eval" and isinstance(payload.get("val_loss"), float):  # a held-out evaluation
+            bpb = f"  bpb {payload['val_bpb']:.4f}" if isinstance(payload.get("val_bpb"), float) else ""
+            return clip_line(f"eval  step {payload.get('step')}  val_loss {payload['val_loss']:8.4f}  ppl {payload.get('val_ppl', math.nan):.4g}{bpb}")
         if event == "checkpoint": return clip_line(f"checkpoint  step {payload.get('step')}: {Path(str(payload.get('path'))).name}")
         shown = {k: v for k, v in payload.items() if k not in ("elapsed_s", "memory_bytes")}
         return clip_line(" ".join([event, *(f"{k}={f'{v:.4g}' if isinstance(v, float) else v}" for k, v in shown.items())]))
@@ -270,7 +273,7 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         self._add_point("train", payload)
         if self.step == self.target or time.monotonic() - self._last >= self.min_interval: self.render()
     elif event == "eval":
-        self._add_point("eval", payload)
+        self._add_point("eval", {"step": payload.get("step"), "loss": payload.get("val_loss", payload.get("loss"))})
     elif event == "train_end":
         self.step = payload.get("steps", self.step)
         if payload.get("loss") is not None: self.loss = payload["loss"]

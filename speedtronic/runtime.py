@@ -27,6 +27,7 @@ import torch
 from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
 from .config import ConfigError, ConfigWarning, SpeedtronicConfig, explicit_fields, run_target
 from .data import DataError, DataWarning, build_dataloader, check_loader_settings, collate_batch, select_dataset
+from .evaluation import Holdout, build_evaluator, holdout_split
 from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
@@ -228,13 +229,15 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     weakref.finalize(trainer, claim.release)
     return trainer, manager
 
-def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device, world: World) -> Any:
+def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device, world: World,
+            dataset: Any = None) -> Any:  # the training side of an `eval.holdout_fraction` split
     "The data loader: a torchrun rank reads its share of each global batch; a DiLoCo node its own shard (or data seed)."
     data, distributed = config.data, config.distributed.enabled
     if distributed:
         from speedtronic.distributed import node_data_config, shard_loader
         data = node_data_config(config)
-    loader = build_dataloader(data, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
+        if getattr(dataset, "shuffle", False): dataset.seed = int(data.seed or 0)  # a held-out split keeps the node's order
+    loader = build_dataloader(data, dataset=dataset, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
                               rank=world.rank, world_size=world.size)
     return shard_loader(loader, config.distributed) if distributed else loader
 
@@ -258,7 +261,8 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         if config.model.init_from and not (resume and checkpoint_files(run_paths(config).checkpoints)):  # a resume reads its checkpoint
             from speedtronic.hf import load_llama; load_llama(model, config.model.init_from)
         if world.rank: seed_everything(config.run.seed + world.rank)
-        loader = _loader(config, model, dev, world)
+        split = _holdout(config, model_vocab_size(model, config))
+        loader = _loader(config, model, dev, world, dataset=split.train if split else None)
         if world.writes: _warn_random_tokens(config)
         ck = config.checkpoint
         manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
@@ -279,7 +283,10 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         coordinator = _coordinator(config, model, logger, world)
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
                           logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,
-                          shape_report=report, world=world)
+                          shape_report=report, world=world,
+                          evaluator=build_evaluator(config, device=dev, vocab_size=model_vocab_size(model, config), precision=plan,
+                                                    world=world, held_out=split.held_out if split else None))
+        if split: logger.info(split.describe())
         if resume:
             state = world.on_every_rank(manager.load_latest)
             world.agree_on_checkpoint(None if state is None else state.get("step"), manager.directory)
@@ -294,6 +301,12 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         if logger is not None: close_logger(logger)
         raise
     return trainer, manager
+
+# %% ../nbs/13_runtime.ipynb #c6821550
+def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
+    "The training source split by `eval.holdout_fraction`, or `None` when the run holds nothing out."
+    if not config.eval.holdout_fraction: return None
+    return holdout_split(select_dataset(config.data, vocab_size=vocab), config.eval.holdout_fraction)
 
 # %% ../nbs/13_runtime.ipynb #3c9024b4
 @contextlib.contextmanager
@@ -364,7 +377,7 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
                 raise
         _whole_run(result, earlier, keep)
         if trainer.world.writes and trainer.config.logging.loss_plot and result.metrics:
-            write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger)
+            write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger, evals=result.evals)
         failed = False
         return result
     finally:
@@ -378,9 +391,10 @@ run = train_from_config
 train = train_from_config
 
 # %% ../nbs/13_runtime.ipynb #1a61bb11
-def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None) -> Path | None:
+def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None,
+                    evals: Sequence[Mapping[str, Any]] = ()) -> Path | None:  # `eval` records: the held-out loss as dots
     "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
-    try: fig = loss_figure(loss_points(metrics))
+    try: fig = loss_figure(loss_points(metrics), [(r["step"], r["val_loss"]) for r in evals])
     except MissingExtra as e:
         if logger is not None: logger.info(f"skipped {Path(path).name}: {e}")
         return None
@@ -446,7 +460,9 @@ def _startup(config: SpeedtronicConfig, *, max_steps: int | None = None, device:
     m, d = config.model, config.data
     text = None if _is_demo_corpus(d.text_path) else d.text_path  # written on first use
     problems = [p for p in (_missing_file("data.text_path", text), _missing_file("data.token_file", d.token_file),
-                            _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None)) if p]
+                            _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None),
+                            _missing_file("eval.text_path", config.eval.text_path),
+                            _missing_file("eval.token_file", config.eval.token_file)) if p]
     try: check_optimizer_available(config.optimizer)
     except ConfigError as e: problems.append(str(e))
     try: resolve_schedule(config, max_steps=run_target(config, max_steps))

@@ -98,6 +98,8 @@ class TrainResult:
     elapsed_s: float  # duration of this call
     metrics: list[dict[str, Any]] = field(default_factory=list)  # newest `train_step` records
     checkpoint_dir: Path | None = None  # the folder of this run's checkpoints, `None` without a checkpoint manager
+    evals: list[dict[str, Any]] = field(default_factory=list)  # this call's `eval` records (held-out loss at a step)
+    val_loss: float | None = None  # the newest held-out loss of this call, `None` without an evaluation
 
 # %% ../nbs/11_trainer.ipynb #8d283c61
 def causal_lm_loss(logits: Any, labels: Any) -> torch.Tensor | None:
@@ -308,7 +310,8 @@ class Trainer:
                  max_steps: int | None = None,  # absolute target step (default `run.max_steps`)
                  start_step: int = 0,
                  shape_report: Any = None,  # a startup shape report; `None` checks shapes at the first `fit`
-                 world: World | None = None):  # the torchrun job this process is in; `None`: one process
+                 world: World | None = None,  # the torchrun job this process is in; `None`: one process
+                 evaluator: Any = None):  # held-out evaluation: `evaluator(model)` gives an `EvalResult`, `due(step)` its cadence
         self.config = _as_config(config)
         read = self.config if self.config is not None else SpeedtronicConfig()
         self.world = world if world is not None else World()
@@ -320,6 +323,7 @@ class Trainer:
         self.precision = precision if precision is not None else resolve_precision(read.precision, self.device)
         self.scaler = make_grad_scaler(self.precision)
         self.checkpoint_manager, self.coordinator, self.shape_report = checkpoint_manager, coordinator, shape_report
+        self.evaluator = evaluator
         self.max_steps = int(max_steps) if max_steps is not None else self.settings.max_steps
         self.step, self.samples, self._tokens = int(start_step), 0, 0
         self.stop_requested: str | None = None  # set by `request_stop`; `fit` stops after the current step
@@ -497,6 +501,7 @@ class _FitState:
     held: bool = False  # a Ctrl-C came while deferring; it is raised once the step is complete
     last_loss: float | None = None  # loss of the newest recorded step
     unwritten: dict | None = None  # the newest record, when the logging cadence skipped it
+    evals: list = field(default_factory=list)  # this call's `eval` records
     t0: float = field(default_factory=time.perf_counter)  # when the loop started
 
 # %% ../nbs/11_trainer.ipynb #719b47ec
@@ -706,6 +711,16 @@ def _flush_last(self: Trainer, run: _FitState) -> None:
     record, run.unwritten = run.unwritten, None
     if record is not None and _takes_force(self.logger.emit): self.logger.emit("train_step", dict(record), force=True)
 
+# %% ../nbs/11_trainer.ipynb #bbead597
+@patch
+def _evaluate(self: Trainer, run: _FitState) -> None:
+    "Measure the held-out loss now: one `eval` event and record, after the step's `train_step` record."
+    self._flush(run)
+    result = self.evaluator(self.model)
+    record = {"step": self.step, **result.record()}
+    self.logger.emit("eval", dict(record))
+    run.evals.append(record)
+
 # %% ../nbs/11_trainer.ipynb #49b4ceb7
 @patch
 def _start_coordinator(self: Trainer) -> None:
@@ -756,6 +771,7 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
         stop = self.world.agree_stop(self.stop_requested)  # in a job, one rank's request stops all after this step
         due = run.keep_boundary and manager.should_save(self.step)
         if due or self.step % every == 0 or self.step == run.target or stop: self._flush(run)
+        if self.evaluator is not None and self.evaluator.due(self.step) and self.step < run.target: self._evaluate(run)
         if run.keep_boundary: run.boundary = self._boundary_state()
         if due: self.save_checkpoint(run.boundary)
         if stop:
@@ -766,6 +782,7 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
     if callable(finish) and self._coordinator_started and self.step > run.start[0]:
         finish(self.model, self.step)
         self._last_saved_step = -1  # what finish() changed is saved below
+    if self.evaluator is not None and self.step > run.start[0]: self._evaluate(run)  # the weights the call ends with
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)
 
@@ -822,7 +839,8 @@ def _result(self: Trainer, run: _FitState) -> TrainResult:
     directory = getattr(self.checkpoint_manager, "directory", None)
     keeps = directory is not None and getattr(self.checkpoint_manager, "enabled", True)
     return TrainResult(self.step, self.samples, self.tokens, run.last_loss if self.step > run.start[0] else None,
-                       time.perf_counter() - run.t0, list(run.records), checkpoint_dir=Path(directory) if keeps else None)
+                       time.perf_counter() - run.t0, list(run.records), checkpoint_dir=Path(directory) if keeps else None,
+                       evals=list(run.evals), val_loss=run.evals[-1]["val_loss"] if run.evals else None)
 
 @patch
 def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInterrupted | None:
@@ -879,32 +897,36 @@ def __repr__(self: TrainResult) -> str:
     "One line: counters, last loss, time, how many records, where the checkpoints are."
     loss = "None" if self.final_loss is None else f"{self.final_loss:.4g}"
     where = f", checkpoint_dir='{self.checkpoint_dir}'" if self.checkpoint_dir is not None else ""
-    return (f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, final_loss={loss}, "
+    held = f", val_loss={self.val_loss:.4g}" if self.val_loss is not None else ""
+    return (f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, final_loss={loss}{held}, "
             f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})")
 
 @patch
 def closing(self: TrainResult, paths: Any = None, # the run's `RunPaths` (its `metrics` and `loss_plot` are listed when written)
-            *, eval_loss: float | None = None, # the held-out loss, when the run has one
+            *, eval_loss: float | None = None, # the held-out loss; default `val_loss`
            ) -> str:
     "What a terminal shows at the end: the step, time and loss, then the checkpoint folder, metrics file and loss curve."
     files = {"checkpoints": self.checkpoint_dir, "metrics": None if paths is None else paths.metrics,
              "loss curve": None if paths is None else paths.loss_plot}
-    return format_closing(self.steps, self.final_loss, self.elapsed_s, eval_loss=eval_loss, files=files)
+    held = self.val_loss if eval_loss is None else eval_loss
+    return format_closing(self.steps, self.final_loss, self.elapsed_s, eval_loss=held, files=files)
 
 @patch
 def loss_png(self: TrainResult, size: tuple[float, float] = (5.0, 2.6), # inches, 100 screen pixels each
              dpi: int = 200) -> bytes | None:
-    "The loss curve of `metrics` as a PNG; `None` without records or without matplotlib."
+    "The loss curve of `metrics` (and the held-out loss of `evals`) as a PNG; `None` without records or without matplotlib."
     points = loss_points(self.metrics)
     if not points: return None
-    try: return figure_png(loss_figure(points, size=size, title=None), dpi=dpi)
+    held = [(r["step"], r["val_loss"]) for r in self.evals]
+    try: return figure_png(loss_figure(points, held, size=size, title=None), dpi=dpi)
     except MissingExtra: return None
 
 @patch
 def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str, str]:
     "In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line repr elsewhere."
     loss = "none" if self.final_loss is None else f"{self.final_loss:.4g}"
-    line = (f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss} · {self.elapsed_s:.1f} s"
+    held = f" · held-out loss {self.val_loss:.4g}" if self.val_loss is not None else ""
+    line = (f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss}{held} · {self.elapsed_s:.1f} s"
             + (f" · checkpoints in <code>{html.escape(str(self.checkpoint_dir))}</code>" if self.checkpoint_dir else ""))
     png = self.loss_png()
     picture = (f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" height="260" '
