@@ -690,7 +690,7 @@ def _warmup_problem(warmup: int, horizon: int, how: str) -> str:
 # %% ../nbs/00_config.ipynb #f3df623c
 @_config_section("")
 class SpeedtronicConfig(_Section):
-    "A whole run's configuration: ten sections plus root flags."
+    "A whole run's configuration: eleven sections plus root flags."
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
