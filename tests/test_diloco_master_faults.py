@@ -311,3 +311,27 @@ def test_a_2_0_repository_is_read_and_its_deltas_are_folded(tmp_path):
         [("master", 200), ("worker1", 200), ("worker2", 200)]
     state = load_safetensors(repo / GLOBAL_MODEL_PATH)
     assert set(state) == set(model.state_dict()) and torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+
+
+# -- a delta that cannot be fetched -----------------------------------------------------------------------------------
+class VanishingDirectory(SharedDirectory):
+    "A shared directory where the listed deltas in `vanish` are removed the moment before the master fetches them."
+    vanish: set[str] = set()
+
+    def fetch(self, path, local, revision=None):
+        if path in self.vanish: (self.root / path).unlink(missing_ok=True)
+        return super().fetch(path, local, revision)
+
+
+def test_a_delta_gone_before_its_fetch_leaves_the_others_folded_and_the_master_running(tmp_path):
+    run = Run(tmp_path)
+    run.send("a", 10); run.send("b", 10)
+    gone = VanishingDirectory(tmp_path / "repo", retry=RetryPolicy(0.001, 0.01, 2))
+    gone.vanish = {delta_path("a", 10)}
+    run.master.transport = gone
+    run.master.sync_once()                                            # raised HubError before: the master loop stopped
+    assert run.folded() == [("b", 10)] and not run.seen("delta_rejected")
+    assert run.console.getvalue().count(f"delta {delta_path('a', 10)} could not be fetched") == 1
+    run.send("a", 20); run.send("b", 20)                              # the node goes on: its next delta is folded
+    run.master.sync_once()
+    assert sorted(run.folded()[1:]) == [("a", 20), ("b", 20)]

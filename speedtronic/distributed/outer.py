@@ -277,6 +277,7 @@ class MasterOuterLoop:
         self.seen_nodes: set[str] = set()  # nodes with an accepted delta
         self.round_wait = float(round_wait)  # seconds to wait for a full round before folding part of one (0: never wait)
         self.held: dict[str, CheckedDelta] = {}  # accepted deltas waiting for the rest of their round
+        self.unfetched: set[str] = set()  # listed deltas that could not be fetched: tried again each pass, said once
         self.round_since = None  # when the held round began
         self.punctual: set[str] | None = None  # after a wait ran out: the nodes rounds wait for (None: every active node)
         self.last_publish, self.error = 0.0, None
@@ -477,8 +478,13 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     paths, cache = sorted((p for p in listed if p not in self.held), key=parse_delta_path), self.dir / "cache"   # in step order
     local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
     with ThreadPoolExecutor(max_workers=4) as pool:                 # downloads overlap; checks stay in order
-        list(pool.map(lambda p: self.transport.fetch(p, local_of[p], revision=repo.revision), paths))
-    for path in paths:
+        fetched = list(pool.map(lambda p: self._fetch(p, local_of[p], repo.revision), paths))
+    self.unfetched &= set(listed)
+    for path, problem in zip(paths, fetched):
+        if problem is not None:                                     # e.g. deleted since the listing: the others still count
+            if path not in self.unfetched: self._log("warning", f"delta {path} could not be fetched; trying again next round: {problem}")
+            self.unfetched.add(path); continue
+        self.unfetched.discard(path)
         local = local_of[path]
         try: tensors, header = load_delta(local)
         except ValueError as e:
@@ -496,6 +502,14 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     accepted = self._judge_newcomers(accepted)
     self.seen_nodes |= {d.node_id for d in accepted}
     return accepted, len(listed)
+
+@patch
+def _fetch(self: MasterOuterLoop, path: str, local: Path, revision: str | None) -> HubError | None:
+    "Fetch one listed delta; the error when that one file cannot be had (the repository being unreachable still raises)."
+    try: self.transport.fetch(path, local, revision=revision)
+    except HubUnavailable: raise
+    except HubError as e: return e
+    return None
 
 @patch
 def _per_step(self: MasterOuterLoop, d: CheckedDelta) -> float:
