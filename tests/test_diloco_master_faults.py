@@ -335,3 +335,17 @@ def test_a_delta_gone_before_its_fetch_leaves_the_others_folded_and_the_master_r
     run.send("a", 20); run.send("b", 20)                              # the node goes on: its next delta is folded
     run.master.sync_once()
     assert sorted(run.folded()[1:]) == [("a", 20), ("b", 20)]
+
+
+def test_a_master_whose_model_does_not_fit_the_repositorys_global_stops_naming_the_tensor(tmp_path):
+    "Restarted elsewhere with another model, the master adopts nothing: it names the first tensor that differs."
+    run = Run(tmp_path)
+    run.send("a", 10)
+    run.master.sync_once()
+    other = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+    t = run.transport(); t.open()
+    master = MasterOuterLoop(t, other.state_dict(), node_state_dir=tmp_path / "elsewhere", node_id="m", inner_steps=10)
+    with pytest.raises(HubError, match=r"does not fit this master's model: tensor '0.weight' has shape \(8, 6\) here and "
+                                       r"\(6, 6\) in the global"):
+        master.start_master()
+    assert master.outer_step == -1 and torch.equal(master.global_state["0.weight"], other.state_dict()["0.weight"])

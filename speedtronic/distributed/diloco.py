@@ -27,7 +27,7 @@ from ..config import ConfigError, DataConfig, DistributedConfig, SpeedtronicConf
 from .hub import HubClient
 from ..paths import node_id
 from .outer import Ledger, MasterOuterLoop
-from .tensors import (GLOBAL_MODEL_PATH, compute_pseudo_gradient, cpu_state_dict, decode_delta, delta_header,
+from .tensors import (GLOBAL_MODEL_PATH, state_misfit, compute_pseudo_gradient, cpu_state_dict, decode_delta, delta_header,
                                              delta_path, encode_delta, floating_state, load_safetensors, read_metadata,
                                              save_safetensors, wire_bytes)
 from .transport import HubError, HubUnavailable, RepoMissing, RetryPolicy, SharedDirectory
@@ -234,7 +234,7 @@ def _wait_uploads(self: DumbDiLoCoCoordinator, timeout: float) -> bool:
 def _install(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor], *, keep_progress: bool = True) -> bool:
     "Install global `state` (version `version`) into the model, keeping unsent progress; True when it changed the model."
     live = self.model.state_dict()
-    if problem := _misfit(live, state):
+    if problem := state_misfit(live, state):
         raise HubError(f"the global model (version {version}) in {self._where()} does not fit this node's model: "
                        f"{problem}; every node must train the same model (compare the model sections of the nodes' configs)")
     with self.lock, torch.no_grad():
@@ -248,14 +248,6 @@ def _install(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torc
     self._emit("global_installed", {"outer_step": int(version), "step": self.local_step, "keys": len(used)})
     return bool(used)
 
-def _misfit(live: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> str | None:
-    "The first tensor where global `state` does not fit the model's `live` state, in words (None when it fits)."
-    for k, v in live.items():
-        if k not in state: return f"tensor {k!r} {tuple(v.shape)} of this model is not in the global"
-        if tuple(state[k].shape) != tuple(v.shape):
-            return f"tensor {k!r} has shape {tuple(v.shape)} here and {tuple(state[k].shape)} in the global"
-    extra = next((k for k in state if k not in live), None)
-    return None if extra is None else f"the global has tensor {extra!r} {tuple(state[extra].shape)}, which this model lacks"
 
 @patch
 def _install_candidate(self: DumbDiLoCoCoordinator) -> bool:

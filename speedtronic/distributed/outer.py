@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from fastcore.basics import patch
 
-from .tensors import (GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, CheckedDelta, DeltaRejected, GlobalMetadata,
+from .tensors import (state_misfit, GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, CheckedDelta, DeltaRejected, GlobalMetadata,
                                              check_delta, cpu_state_dict, delta_norm, floating_state, layer_norms, load_delta,
                                              load_safetensors, parse_delta_path, save_safetensors, step_count_text, utc_now)
 from .transport import HubError, HubUnavailable, PublishConflict, RepoState
@@ -383,9 +383,11 @@ def _adopt_remote(self: MasterOuterLoop, repo: RepoState) -> None:
     self.transport.fetch(GLOBAL_MODEL_PATH, path, revision=repo.revision)
     remote = load_safetensors(path)
     path.unlink()
+    if problem := state_misfit(self.global_state, remote):
+        raise HubError(f"the global model (version {repo.outer_step}) in {self.transport.describe()} does not fit this master's "
+                       f"model: {problem}; every node must train the same model (compare the model sections of the configs)")
     with self.lock:
-        for k, v in remote.items():
-            if k in self.global_state and v.shape == self.global_state[k].shape: self.global_state[k] = v.to(self.global_state[k].dtype)
+        for k, v in remote.items(): self.global_state[k] = v.to(self.global_state[k].dtype)
         self.update = OuterUpdate(self.global_state, self.update.lr, self.update.momentum, self.update.policy)
         self.outer_step, self.ledger = repo.outer_step, Ledger.from_json(repo.extras.get("ledger"))
         self.publication = str(repo.extras.get("publication", ""))

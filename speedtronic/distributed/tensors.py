@@ -25,7 +25,7 @@ __all__ = ['TENSOR_ALIASES', 'GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH', 'DELTA
            'load_safetensors', 'read_metadata', 'load_delta', 'metadata_json', 'delta_path', 'parse_delta_path',
            'GlobalMetadata', 'utc_now', 'step_count_text', 'parse_step_count', 'compute_pseudo_gradient',
            'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta',
-           'average_deltas', 'delta_norm', 'layer_of', 'layer_norms']
+           'average_deltas', 'delta_norm', 'layer_of', 'layer_norms', 'state_misfit']
 
 # %% ../../nbs/12_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -328,6 +328,16 @@ def layer_norms(delta: Mapping[str, torch.Tensor]) -> dict[str, float]:
     sq: dict[str, float] = {}
     for k, v in delta.items(): sq[layer_of(k)] = sq.get(layer_of(k), 0.0) + float(v.float().pow(2).sum())
     return {k: math.sqrt(v) for k, v in sq.items()}
+
+# %% ../../nbs/12_distributed_tensors.ipynb #1790c7e6
+def state_misfit(live: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> str | None:
+    "The first tensor where global `state` does not fit the model's `live` state, in words (None when it fits)."
+    for k, v in live.items():
+        if k not in state: return f"tensor {k!r} {tuple(v.shape)} of this model is not in the global"
+        if tuple(state[k].shape) != tuple(v.shape):
+            return f"tensor {k!r} has shape {tuple(v.shape)} here and {tuple(state[k].shape)} in the global"
+    extra = next((k for k in state if k not in live), None)
+    return None if extra is None else f"the global has tensor {extra!r} {tuple(state[extra].shape)}, which this model lacks"
 
 # %% ../../nbs/12_distributed_tensors.ipynb #3c903724
 def __dir__() -> list[str]: return list(__all__)
