@@ -1,5 +1,6 @@
 import json, os, shutil, socket, subprocess, sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -81,3 +82,27 @@ def browser():
         b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
         yield b
         b.close()
+
+
+def bpe_tokenizer_file(tmp: Path, text: str, vocab_size: int = 300) -> tuple[Any, Path]:
+    "A byte-level BPE `tokenizers.Tokenizer` trained on `text`, and the `tokenizer.json` it is saved to in `tmp`."
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator([text], tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["[UNK]"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp / "tokenizer.json"))
+    return tok, tmp / "tokenizer.json"
+
+
+def newton_schulz64(X, steps: int = 5, eps: float = 1e-7):
+    "Newton–Schulz orthogonalisation as torch.optim.Muon's documentation writes it, in float64 (a reference, not our code)."
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = X.shape[0] > X.shape[1]
+    X = X.T if tall else X
+    X = X / (X.norm() + eps)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X

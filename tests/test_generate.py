@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, ok, one_error_line, run_cli, tiny_config
+from conftest import ROOT, bpe_tokenizer_file, ok, one_error_line, run_cli, tiny_config
 from speedtronic.generation import generate
 from speedtronic.hf import load_trained
 
@@ -78,13 +78,7 @@ def test_an_empty_prompt_is_refused(run_dir):
 
 
 def test_a_tokenizer_json_run_and_its_missing_tokenizer_file(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tokenizer.json"))
+    bpe_tokenizer_file(tmp_path, TEXT)
     run = trained_run(tmp_path, model={"vocab_size": 320}, data={"tokenizer": str(tmp_path / "tokenizer.json")})
     args = ["generate", "--run", str(run), "--prompt", "the lazy", "--temperature", "0", "--max-new-tokens", "12",
             "--device", "cpu"]

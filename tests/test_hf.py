@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, ok, one_error_line, run_cli, tiny_config
+from conftest import ROOT, bpe_tokenizer_file, ok, one_error_line, run_cli, tiny_config
 from speedtronic.generation import generate_ids
 from speedtronic.hf import load_trained
 
@@ -100,13 +100,7 @@ def test_untied_heads_and_ordinary_attention_export_too(tmp_path):
 
 
 def test_a_tokenizer_json_run_exports_its_tokenizer(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["[UNK]"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tokenizer.json"))
+    tok, _ = bpe_tokenizer_file(tmp_path, TEXT)
     run = trained_run(tmp_path, model={"vocab_size": 320}, data={"tokenizer": str(tmp_path / "tokenizer.json")})
     ok(run_cli("export", "--run", str(run), "--to", str(tmp_path / "llama"), cwd=tmp_path))
     ids = [tok.encode("the quick brown fox").ids]

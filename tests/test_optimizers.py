@@ -13,6 +13,7 @@ import yaml
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
+from conftest import newton_schulz64
 from speedtronic.config import ConfigError, SpeedtronicConfig, load_config
 from speedtronic.model import ReferenceTransformer
 from speedtronic.optimizers import (CautiousOptimizer, HybridOptimizer, Muon, build_optimizer, check_coverage,
@@ -233,16 +234,6 @@ def test_muon_matches_torch_muon(scale, shape):
     assert torch.nn.functional.cosine_similarity((ours - start).flatten(), (theirs - start).flatten(), dim=0) > 0.999
 
 
-def ns64(X, steps=5, eps=1e-7):
-    "Newton–Schulz as torch.optim.Muon's documentation writes it, in float64 (a reference, not our code)."
-    a, b, c = 3.4445, -4.7750, 2.0315
-    tall = X.shape[0] > X.shape[1]
-    X = X.T if tall else X
-    X = X / (X.norm() + eps)
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.T if tall else X
 
 
 def test_muon_matches_torch_muon_on_a_model():
@@ -266,7 +257,7 @@ def test_muon_matches_torch_muon_on_a_model():
             q.grad = p.grad.clone()
             grad = p.grad.double()
             bufs[i] = 0.95 * bufs[i] + grad
-            exact[i] = exact[i] * (1 - 0.01 * 0.01) - 0.01 * 0.2 * max(p.shape) ** 0.5 * ns64(grad + 0.95 * bufs[i])
+            exact[i] = exact[i] * (1 - 0.01 * 0.01) - 0.01 * 0.2 * max(p.shape) ** 0.5 * newton_schulz64(grad + 0.95 * bufs[i])
         a.step()
         b.step()
     for p, q, e, s0 in zip(ours, theirs, exact, start):

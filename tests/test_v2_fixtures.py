@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load as safetensors_load, load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import ROOT, cli_env, jsonl_records  # noqa: E402
+from conftest import ROOT, cli_env, jsonl_records, newton_schulz64  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.config import SpeedtronicConfig
@@ -174,16 +174,6 @@ def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
         assert counts == carried
 
 
-def newton_schulz64(X: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    "Newton–Schulz orthogonalisation as torch.optim.Muon's documentation writes it, in float64 (a reference, not our code)."
-    a, b, c = 3.4445, -4.7750, 2.0315
-    tall = X.shape[0] > X.shape[1]
-    X = X.T if tall else X
-    X = X / (X.norm() + eps)
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.T if tall else X
 
 
 def reference_step(w8: torch.Tensor, theirs: dict, mine: dict, group: dict, lr: float) -> torch.Tensor:
