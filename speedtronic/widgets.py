@@ -21,8 +21,8 @@ from .schedules import SCHEDULE_NAMES, plot_schedule, resolve_schedule, schedule
 
 # %% auto #0
 __all__ = ['PIXEL_RATIO', 'DTYPE_CHOICES', 'error_html', 'View', 'FigureView', 'lr_notches', 'ScheduleExplorer',
-           'schedule_explorer', 'PrecisionExplorer', 'precision_explorer', 'TrainingView', 'DeltaNormView',
-           'delta_norm_view']
+           'schedule_explorer', 'PrecisionExplorer', 'precision_explorer', 'TrainingView', 'SampleBox', 'sample_box',
+           'DeltaNormView', 'delta_norm_view']
 
 # %% ../nbs/14_widgets.ipynb #6ec08084
 def _ipywidgets():
@@ -338,6 +338,71 @@ def snapshot(self: TrainingView) -> tuple[dict, dict]:
                f'width="{width}" height="{height}" alt="loss chart">') if self.image.value and not self.error else ""
     bar = f'<progress value="{self.bar.value}" max="{self.bar.max}" style="width:220px"></progress>'
     return {"text/html": f"<div>{bar} <code>{html.escape(self.summary())}</code></div>{picture}"}, {}
+
+# %% ../nbs/14_widgets.ipynb #2fa8128a
+class SampleBox(View):
+    "A prompt box, a temperature slider, max new tokens and a Generate button; the text `generate` writes, below."
+    def __init__(self, model: Any, tokenizer: Any, *, prompt: str = "", temperature: float = 0.8,
+                 max_new_tokens: int = 100, seed: int | None = None, # seed of the draws (None: torch's global state)
+                ):
+        W, style = _ipywidgets(), {"description_width": "initial"}
+        controls = {"prompt": W.Textarea(value=prompt, placeholder="a prompt", description="prompt", style=style,
+                                         layout=W.Layout(width="560px")),
+                    "temperature": W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05, description="temperature",
+                                                 style=style),
+                    "max_new_tokens": W.BoundedIntText(value=max_new_tokens, min=1, max=100_000, description="new tokens",
+                                                       style=style, layout=W.Layout(width="160px"))}
+        self.model, self.tokenizer, self.seed, self.text, self.made_with = model, tokenizer, seed, None, None
+        self.button = W.Button(description="Generate", button_style="primary", tooltip="write text after the prompt")
+        super().__init__(controls, [["prompt"], ["temperature", "max_new_tokens", self.button]], W.HTML())
+        self.button.on_click(lambda _: View.update(self))
+
+    def update(self, change: Any = None) -> None:
+        "A control that moves leaves the text alone; `Generate` (or a call without a change) writes new text."
+        if change is None: View.update(self)
+
+# %% ../nbs/14_widgets.ipynb #01785d13
+@patch
+def show_text(self: SampleBox, prompt: str, text: str, note: str = "") -> None:
+    "Show `prompt` and the `text` written after it, with `note` (the settings) under them."
+    self.result.value = (f'<pre class="speedtronic-sample" style="white-space:pre-wrap; margin:4px 0">'
+                         f'<b class="speedtronic-prompt">{html.escape(prompt)}</b>'
+                         f'<span class="speedtronic-generated">{html.escape(text)}</span></pre>'
+                         + (f'<div class="speedtronic-sample-note" style="color:#666">{html.escape(note)}</div>' if note else ""))
+
+@patch
+def draw(self: SampleBox, values: dict[str, Any]) -> None:
+    "Write text after the prompt with `generate`, showing each piece as it comes."
+    from speedtronic.generation import generate
+    prompt, pieces = values["prompt"], []
+    def shown(piece: str) -> None:
+        pieces.append(piece)
+        self.show_text(prompt, "".join(pieces), "writing…")
+    self.text = None
+    self.text = generate(self.model, self.tokenizer, prompt, max_new_tokens=values["max_new_tokens"],
+                         temperature=values["temperature"], seed=self.seed, on_text=shown)
+    self.made_with = {k: values[k] for k in ("temperature", "max_new_tokens")}
+    how = "greedy" if values["temperature"] == 0 else f"temperature {values['temperature']:g}"
+    self.show_text(prompt, self.text, f"{how}, up to {values['max_new_tokens']} new tokens")
+
+# %% ../nbs/14_widgets.ipynb #9253a4ed
+@patch
+def summary(self: SampleBox) -> str:
+    "How much text the last Generate wrote, or the refusal."
+    if self.error: return f"error: {self.error}"
+    return "press Generate" if self.text is None else f"{len(self.text)} characters after the prompt"
+
+@patch
+def snapshot(self: SampleBox) -> tuple[dict, dict]:
+    "The prompt and the text as HTML (or the error message)."
+    return View.snapshot(self) if self.error or self.text is None else ({"text/html": self.result.value}, {})
+
+def sample_box(model: Any, # a model `generate` takes (the reference transformer, or any causal LM returning logits)
+               tokenizer: Any, # the tokenizer it was trained with
+               **settings, # prompt, temperature, max_new_tokens, seed: the controls' starting values
+              ) -> SampleBox:
+    "A prompt box, a temperature slider and a Generate button writing text with `model`; see `SampleBox`."
+    return SampleBox(model, tokenizer, **settings)
 
 # %% ../nbs/14_widgets.ipynb #7dc960f6
 class DeltaNormView(FigureView):

@@ -442,3 +442,59 @@ def test_delta_norm_view_redraws_when_a_control_changes(lab, tmp_path):
     empty = _cell_of(lab, NO_NORMS)
     expect(empty.locator('.speedtronic-error')).to_contain_text('no delta-norm records yet', timeout=30_000)
     assert not empty.locator('.widget-image').first.is_visible()
+
+def _upload(lab_url: str, path: str, source: Path) -> None:
+    "Put the notebook `source` at `path` in the running JupyterLab (its contents API), as a user's own copy."
+    for folder, body in [(path.rsplit('/', 1)[0], {'type': 'directory'}),
+                         (path, {'type': 'notebook', 'format': 'json', 'content': json.loads(source.read_text())})]:
+        request = urllib.request.Request(f'{lab_url}/api/contents/{folder}', data=json.dumps(body).encode(), method='PUT',
+                                         headers={'Content-Type': 'application/json'})
+        with urllib.request.urlopen(request, timeout=60): pass
+
+def test_after_training_chapter_samples_what_generate_writes(browser, jupyterlab, tmp_path):
+    "The After training chapter runs in JupyterLab without an error; its sample box, moved to temperature 0, writes generate's greedy text."
+    page = browser.new_page(viewport={'width': 1400, 'height': 1000})
+    _upload(jupyterlab, 'after/00b_after_training.ipynb', ROOT / 'nbs' / '00b_after_training.ipynb')
+    _open_notebook(page, f'{jupyterlab}/lab/tree/after/00b_after_training.ipynb')
+    page.wait_for_function("window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'",
+                           timeout=120_000)
+    page.evaluate("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")   # only what this run shows counts
+    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    # the last code cell has run, or a cell failed (Run All stops there): whichever comes first
+    page.wait_for_function("() => { const cells = window.jupyterapp.shell.currentWidget.content.widgets.filter(c => c.model.type === 'code');"
+                           " const last = cells[cells.length - 1];"
+                           " return (last.model.executionCount !== null && !last.node.querySelector('.jp-InputPrompt').innerText.includes('*'))"
+                           " || document.querySelector('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]'); }",
+                           timeout=400_000)
+    errors = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]').all_inner_texts()
+    assert errors == [], errors
+    texts = page.locator('.jp-OutputArea-output').all_inner_texts()
+    assert not [t for t in texts if 'Traceback' in t or 'Error displaying widget' in t or 'Loading widget' in t], texts
+    assert not [e for e in page.locator('.speedtronic-error').all() if e.is_visible()]
+    exported = Path(next(t for t in texts if t.startswith('exported to ')).splitlines()[0].removeprefix('exported to '))
+
+    cell = page.locator('.jp-Notebook .jp-CodeCell', has=page.locator('button', has_text='Generate'))
+    assert cell.count() == 1
+    prompt = 'The value of '
+    cell.locator('.widget-textarea textarea').fill(prompt)
+    slider = cell.locator('.widget-hslider', has=page.locator('label', has_text='temperature'))
+    handle = slider.locator('.noUi-handle')
+    handle.focus(); handle.press('Home')                                          # temperature 0: greedy
+    expect(slider.locator('.widget-readout')).to_have_text('0.00', timeout=30_000)
+    new_tokens = int(cell.locator('.widget-text', has=page.locator('label', has_text='new tokens')).locator('input').first.input_value())
+    cell.locator('button', has_text='Generate').click()
+    page.wait_for_function('([cell, prompt, note]) => cell.querySelector(".speedtronic-prompt")?.textContent === prompt '
+                           '&& cell.querySelector(".speedtronic-sample-note")?.textContent === note',
+                           arg=[cell.element_handle(), prompt, f'greedy, up to {new_tokens} new tokens'], timeout=120_000)
+    shown = cell.locator('.speedtronic-generated').text_content()
+    _scroll_to(page, 0); cell.scroll_into_view_if_needed(); _screenshot(page, 'after-training-sample.png', tmp_path)
+
+    from speedtronic.generation import generate
+    from speedtronic.hf import load_trained
+    trained = load_trained(exported.parent / 'run')                                # the run the chapter trained and exported
+    expected = generate(trained.model, trained.tokenizer, prompt, max_new_tokens=new_tokens, temperature=0)
+    assert expected and shown == expected, (shown, expected)
+    assert not [e for e in page.locator('.speedtronic-error').all() if e.is_visible()]
+    assert page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]').count() == 0
+    page.evaluate('window.jupyterapp.shell.currentWidget.sessionContext.shutdown()')   # its temporary folder goes with the kernel
+    page.close()

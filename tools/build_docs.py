@@ -44,7 +44,7 @@ API_INDEX = 'api'
 NAV = [
     ('User guide', ['00_tutorial', ('Training', ['13_runtime', '15_cli']), '00_config',
                     ('DiLoCo', ['12_distributed', '12e_distributed_norms']), ('torchrun', ['10p_parallel']),
-                    ('After training', ['07_checkpoint', '08_metrics']), '17_coming_from_2']),
+                    ('After training', ['00b_after_training', '07_checkpoint', '08_metrics']), '17_coming_from_2']),
     ('Reference', [API_INDEX, '11_trainer', '01_registry', '02_model', '02c_tokens', '03_data', '04_precision',
                    '05_optimizers', '06_schedules', '08a_hooks', '08b_progress', '08c_integrations', '10_ooo',
                    '12d_distributed_diloco', '12b_distributed_hub', '14_widgets', '16_package']),
