@@ -14,6 +14,7 @@ import pickle
 import re
 import signal
 import sys
+import textwrap
 import threading
 import warnings
 import zipfile
@@ -308,7 +309,10 @@ def _warning_printer(fallback: Callable) -> Callable:
     def show(message, category, filename, lineno, file=None, line=None):
         if not category.__module__.startswith("speedtronic"): return fallback(message, category, filename, lineno, file, line)
         text = _mask(re.sub(r"\s*\n\s*", " ", str(message)).strip(), [os.environ.get(k, "") for k in _SECRET_ENV])
-        print(f"speedtronic: warning: {text}", file=file or sys.stderr)
+        from speedtronic.progress import TERMINAL_WIDTH, is_tty   # torch-free
+        line, stream = f"speedtronic: warning: {text}", file or sys.stderr
+        if is_tty(stream): line = textwrap.fill(line, TERMINAL_WIDTH, subsequent_indent="  ")   # a pipe keeps one line
+        print(line, file=stream)
     return show
 
 # %% ../nbs/15_cli.ipynb #35d01b9e
