@@ -5,8 +5,11 @@
 # %% ../nbs/11b_evaluation.ipynb #5a8a8df2
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import queue
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fastcore.basics import patch
 from torch import nn
 
 from .checkpoint import capture_rng_state, restore_rng_state
@@ -28,7 +32,7 @@ from .trainer import call_model, move_batch, resolve_loss
 
 # %% auto #0
 __all__ = ['EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'Sampler', 'Evaluator', 'build_evaluator',
-           'holdout_note']
+           'GlobalEvaluator', 'holdout_note']
 
 # %% ../nbs/11b_evaluation.ipynb #383bfe39
 @dataclass(frozen=True)
@@ -245,6 +249,56 @@ def _sidecar_tokenizer(path: str, vocab: int) -> Any:
     spec = read_token_sidecar(path).get("tokenizer")
     try: return load_tokenizer(spec, vocab) if spec is not None else None
     except Exception: return None
+
+# %% ../nbs/11b_evaluation.ipynb #778be876
+class GlobalEvaluator:
+    "Evaluates each published global model in a CPU copy of the model, on its own thread: one `global_eval` event per version."
+    def __init__(self, model: nn.Module, evaluator: Evaluator, *, logger: Any = None):
+        self.model = copy.deepcopy(getattr(model, "module", model)).to("cpu").requires_grad_(False)  # a second instance
+        self.evaluator, self.logger, self.results = evaluator, logger, {}  # results: version -> EvalResult
+        self._queue, self._pending, self._done = queue.Queue(), 0, threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="speedtronic-global-eval", daemon=True)
+        self._thread.start()
+
+    def __call__(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        "Queue global `version` (its weights are copied now); returns at once."
+        with self._done: self._pending += 1
+        self._queue.put((int(version), {k: v.detach().to("cpu", copy=True) for k, v in state.items()}))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        "Wait until every queued version is evaluated; whether that happened within `timeout` seconds."
+        with self._done: return self._done.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        "Evaluate what is queued (within `timeout` s), then end the thread."
+        self.wait(timeout); self._queue.put(None); self._thread.join(timeout)
+
+# %% ../nbs/11b_evaluation.ipynb #eb750ef0
+@patch
+def _evaluate_version(self: GlobalEvaluator, version: int, state: Mapping[str, torch.Tensor]) -> None:
+    "Load `state` into the copy, evaluate it, emit `global_eval` (a failure is a warning)."
+    e = self.evaluator
+    try:
+        self.model.load_state_dict(state)
+        if e._start is not None: e.loader.load_state_dict(e._start)
+        result = evaluate(self.model, e.loader, max_batches=e.max_batches, device="cpu", bytes_per_token=e.bytes_per_token)
+    except Exception as err:
+        if self.logger is not None: self.logger.warning(f"global model version {version}: held-out evaluation failed: {type(err).__name__}: {err}")
+        return
+    self.results[version] = result
+    if self.logger is not None and callable(getattr(self.logger, "emit", None)):
+        record = {"outer_step": version, "global_val_loss": result.loss, "global_val_ppl": result.ppl, "global_val_bpb": result.bpb,
+                  "val_tokens": result.tokens, "val_batches": result.batches, "eval_s": result.elapsed_s}
+        try: self.logger.emit("global_eval", record)
+        except RuntimeError: pass  # a closed logger must not end the thread
+
+@patch
+def _run(self: GlobalEvaluator) -> None:
+    "The thread: evaluate queued versions in order until `close`."
+    while (item := self._queue.get()) is not None:
+        try: self._evaluate_version(*item)
+        finally:
+            with self._done: self._pending -= 1; self._done.notify_all()
 
 # %% ../nbs/11b_evaluation.ipynb #a32dc610
 def holdout_note(config: SpeedtronicConfig) -> str | None:
