@@ -11,6 +11,7 @@ import yaml
 
 from conftest import ROOT, jsonl_records, ok, one_error_line, run_cli, tiny_config
 from speedtronic.profiling import MetricLogger
+from speedtronic.progress import ProgressBar
 from speedtronic.runtime import build_runtime
 from test_resume import corpus
 
@@ -71,6 +72,19 @@ def test_a_sample_with_newlines_stays_one_log_line(tmp_path):
     (line,) = (tmp_path / "run.log").read_text().splitlines()
     assert "| INFO | sample step=3 index=0 prompt='def f():\\n' text='    return 1\\n\\nx' elapsed_s=" in line, line
     assert jsonl_records(tmp_path / "run.jsonl", "sample")[0]["text"] == "    return 1\n\nx"
+
+
+def test_the_notebook_view_shows_the_newest_sample():
+    "A `sample` event reaches the live notebook view: the newest text under the chart, prompt in bold."
+    widgets = pytest.importorskip("speedtronic.widgets")
+    try: view = widgets.TrainingView()
+    except ImportError as e: pytest.skip(f"the notebook view needs its extra: {e}")
+    bar = ProgressBar(enabled=True, notebook=True)
+    bar.view = view
+    for step, text in ((10, "cat"), (20, "dog & co")):
+        bar.on_event("sample", {"step": step, "index": 0, "prompt": "The ", "text": text})
+    assert view.newest_sample.layout.display is None
+    assert "step 20: <b>The </b>dog &amp; co</pre>" in view.newest_sample.value and "cat" not in view.newest_sample.value
 
 
 @pytest.mark.parametrize("section, key", [
