@@ -5,7 +5,6 @@
 # %% ../nbs/11b_evaluation.ipynb #5a8a8df2
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import queue
@@ -252,9 +251,10 @@ def _sidecar_tokenizer(path: str, vocab: int) -> Any:
 
 # %% ../nbs/11b_evaluation.ipynb #778be876
 class GlobalEvaluator:
-    "Evaluates each published global model in a CPU copy of the model, on its own thread: one `global_eval` event per version."
-    def __init__(self, model: nn.Module, evaluator: Evaluator, *, logger: Any = None):
-        self.model = copy.deepcopy(getattr(model, "module", model)).to("cpu").requires_grad_(False)  # a second instance
+    "Evaluates each published global model in its own CPU model instance, on its own thread: one `global_eval` event per version."
+    def __init__(self, model: nn.Module, # a second instance of the trained model (not the one training): each version's weights go in it
+                 evaluator: Evaluator, *, logger: Any = None):
+        self.model = model.to("cpu").requires_grad_(False)
         self.evaluator, self.logger, self.results = evaluator, logger, {}  # results: version -> EvalResult
         self._queue, self._pending, self._done = queue.Queue(), 0, threading.Condition()
         self._thread = threading.Thread(target=self._run, name="speedtronic-global-eval", daemon=True)

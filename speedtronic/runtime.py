@@ -311,11 +311,13 @@ def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
 
 # %% ../nbs/13_runtime.ipynb #6b46ea79
 def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = None) -> None:
-    "On a DiLoCo master with an `eval` source: a `GlobalEvaluator` for every global it publishes."
+    "On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU) for every global it publishes."
     node = getattr(trainer.coordinator, "inner", trainer.coordinator)  # a torchrun node: rank 0's coordinator
     if trainer.evaluator is None or getattr(node, "role", None) != "master": return
     evaluator = build_evaluator(config, device="cpu", vocab_size=model_vocab_size(trainer.model, config), held_out=held_out)
-    node.global_watcher = GlobalEvaluator(trainer.model, evaluator, logger=trainer.logger)
+    with torch.random.fork_rng(devices=[]):  # the second instance's initial weights are not drawn from training's generator
+        model = build_model(config.model)
+    node.global_watcher = GlobalEvaluator(model, evaluator, logger=trainer.logger)
 
 # %% ../nbs/13_runtime.ipynb #3c9024b4
 @contextlib.contextmanager
