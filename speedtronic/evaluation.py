@@ -306,3 +306,6 @@ def holdout_note(config: SpeedtronicConfig) -> str | None:
     if not config.eval.holdout_fraction: return None
     dataset = select_dataset(config.data, vocab_size=resolve_vocab_size(config.data))
     return holdout_split(dataset, config.eval.holdout_fraction).describe()
+
+# %% ../nbs/11b_evaluation.ipynb #f78af4fe
+def __dir__() -> list[str]: return list(__all__)
