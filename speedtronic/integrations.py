@@ -47,7 +47,7 @@ def scalar_items(payload: Mapping[str, Any]) -> list[tuple[str, float]]:
 
 # %% ../nbs/08c_integrations.ipynb #d359180a
 class TensorboardHook:
-    "Writes numeric event values as TensorBoard scalars `<event>/<key>` at the training step."
+    "Writes numeric event values as TensorBoard scalars `<event>/<key>`, samples as texts `samples/<i>`, at the training step."
     def __init__(self, log_dir: str | os.PathLike = "runs", # directory of the event files
                  flush_secs: int = 10, # how often pending scalars are flushed to disk
                 ):
@@ -58,9 +58,12 @@ class TensorboardHook:
         self.last_step = 0
 
     def on_event(self, event: str, payload: Metric) -> None:
-        "Add one scalar per numeric value, at the event's step."
+        "Add one scalar per numeric value at the event's step (a `sample` event: its text)."
         if self.writer is None: return
         self.last_step = step = event_step(payload, self.last_step)
+        if event == "sample":  # a text the model wrote: one text per prompt, `samples/<index>`
+            self.writer.add_text(f"samples/{payload.get('index', 0)}", f"{payload.get('prompt', '')}{payload.get('text', '')}", global_step=step)
+            return
         for key, value in scalar_items(payload):
             self.writer.add_scalar(f"{event}/{key}", value, global_step=step)
 

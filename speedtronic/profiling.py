@@ -114,7 +114,8 @@ def level_name(level: int) -> str:
 
 # %% ../nbs/08_metrics.ipynb #2b4c2c15
 def format_value(value: Any) -> str:
-    "A payload value as printed in a text line: floats with 6 significant digits."
+    "A payload value as printed in a text line: floats with 6 significant digits, text with newlines escaped."
+    if isinstance(value, str) and not value.isprintable(): return repr(value)  # a newline would end the line: escaped
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 def format_event(event: str, payload: Mapping[str, Any]) -> str:

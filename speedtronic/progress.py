@@ -121,6 +121,8 @@ class TerminalLines:
         if event == "eval" and isinstance(payload.get("val_loss"), float):  # a held-out evaluation
             bpb = f"  bpb {payload['val_bpb']:.4f}" if isinstance(payload.get("val_bpb"), float) else ""
             return clip_line(f"eval  step {payload.get('step')}  val_loss {payload['val_loss']:8.4f}  ppl {payload.get('val_ppl', math.nan):.4g}{bpb}")
+        if event == "sample":  # a text the model wrote: the prompt, then its continuation, on one line
+            return clip_line(f"sample  step {payload.get('step')}  {payload.get('prompt', '')!r} -> {payload.get('text', '')!r}")
         if event == "checkpoint": return clip_line(f"checkpoint  step {payload.get('step')}: {Path(str(payload.get('path'))).name}")
         shown = {k: v for k, v in payload.items() if k not in ("elapsed_s", "memory_bytes")}
         return clip_line(" ".join([event, *(f"{k}={f'{v:.4g}' if isinstance(v, float) else v}" for k, v in shown.items())]))
@@ -255,7 +257,7 @@ def _add_point(self: ProgressBar, kind: str, payload: Mapping[str, Any]) -> None
 
 @patch
 def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
-    "Follow `train_start` / `train_step` / `eval` / `train_end`; ignore other events."
+    "Follow `train_start` / `train_step` / `eval` / `sample` / `train_end`; ignore other events."
     if not self.enabled: return
     if event == "train_start":
         self.start_step = self.step = int(payload.get("start_step", 0) or 0)
@@ -274,6 +276,8 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         if self.step == self.target or time.monotonic() - self._last >= self.min_interval: self.render()
     elif event == "eval":
         self._add_point("eval", {"step": payload.get("step"), "loss": payload.get("val_loss", payload.get("loss"))})
+    elif event == "sample" and self.notebook and self.view is not None and hasattr(self.view, "sample"):
+        self.view.sample(payload.get("step"), str(payload.get("prompt", "")), str(payload.get("text", "")))  # the newest, under the chart
     elif event == "train_end":
         self.step = payload.get("steps", self.step)
         if payload.get("loss") is not None: self.loss = payload["loss"]

@@ -27,7 +27,7 @@ import torch
 from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
 from .config import ConfigError, ConfigWarning, SpeedtronicConfig, explicit_fields, run_target
 from .data import DataError, DataWarning, build_dataloader, check_loader_settings, collate_batch, select_dataset
-from .evaluation import Holdout, build_evaluator, holdout_split
+from .evaluation import GlobalEvaluator, Holdout, build_evaluator, holdout_split
 from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
@@ -287,6 +287,7 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
                           evaluator=build_evaluator(config, device=dev, vocab_size=model_vocab_size(model, config), precision=plan,
                                                     world=world, held_out=split.held_out if split else None))
         if split: logger.info(split.describe())
+        _watch_globals(trainer, config, split.held_out if split else None)
         if resume:
             state = world.on_every_rank(manager.load_latest)
             world.agree_on_checkpoint(None if state is None else state.get("step"), manager.directory)
@@ -307,6 +308,16 @@ def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
     "The training source split by `eval.holdout_fraction`, or `None` when the run holds nothing out."
     if not config.eval.holdout_fraction: return None
     return holdout_split(select_dataset(config.data, vocab_size=vocab), config.eval.holdout_fraction)
+
+# %% ../nbs/13_runtime.ipynb #6b46ea79
+def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = None) -> None:
+    "On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU) for every global it publishes."
+    node = getattr(trainer.coordinator, "inner", trainer.coordinator)  # a torchrun node: rank 0's coordinator
+    if trainer.evaluator is None or getattr(node, "role", None) != "master": return
+    evaluator = build_evaluator(config, device="cpu", vocab_size=model_vocab_size(trainer.model, config), held_out=held_out)
+    with torch.random.fork_rng(devices=[]):  # the second instance's initial weights are not drawn from training's generator
+        model = build_model(config.model)
+    node.global_watcher = GlobalEvaluator(model, evaluator, logger=trainer.logger)
 
 # %% ../nbs/13_runtime.ipynb #3c9024b4
 @contextlib.contextmanager

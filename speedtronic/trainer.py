@@ -714,12 +714,14 @@ def _flush_last(self: Trainer, run: _FitState) -> None:
 # %% ../nbs/11_trainer.ipynb #bbead597
 @patch
 def _evaluate(self: Trainer, run: _FitState) -> None:
-    "Measure the held-out loss now: one `eval` event and record, after the step's `train_step` record."
+    "Measure the held-out loss now: one `eval` event and record, after the step's `train_step` record, then its `sample` events."
     self._flush(run)
     result = self.evaluator(self.model)
     record = {"step": self.step, **result.record()}
     self.logger.emit("eval", dict(record))
     run.evals.append(record)
+    for sample in getattr(self.evaluator, "samples", lambda model: [])(self.model):  # texts the model writes now
+        self.logger.emit("sample", {"step": self.step, **sample})
 
 # %% ../nbs/11_trainer.ipynb #49b4ceb7
 @patch
