@@ -590,6 +590,9 @@ class EvalConfig(_Section):
     token_file: str | None = None  # a separate prepared token file
     holdout_fraction: float = 0.0  # this share of the training source's blocks, taken from its end, is held out
     micro_batch_size: int | None = None  # samples per held-out batch; null: data.micro_batch_size
+    sample_prompts: list[str] = field(default_factory=list)  # texts the model continues at every evaluation
+    sample_tokens: int = 64  # tokens generated after each sample prompt
+    sample_temperature: float = 0.0  # 0: greedy (a run's samples are reproducible); else sampled from a seeded generator
     def _normalise(self):
         if self.every_steps == 0: self.every_steps = None
     @property
@@ -598,11 +601,15 @@ class EvalConfig(_Section):
         return bool(self.text_path or self.token_file or self.holdout_fraction)
     def _rules(self):
         r = _Rules(self)
-        r.positive("every_steps", "max_batches", "micro_batch_size")
+        r.positive("every_steps", "max_batches", "micro_batch_size", "sample_tokens")
+        r.non_negative("sample_temperature")
+        for i, p in enumerate(self.sample_prompts if isinstance(self.sample_prompts, list) else ()):
+            if not isinstance(p, str) or not p:
+                r.fail("sample_prompts", f"item {i} is {_show(p)}; each prompt must be a non-empty string"); break
         r.fraction("holdout_fraction")
         given = [k for k in ("text_path", "token_file", "holdout_fraction") if getattr(self, k)]
         if len(given) > 1: r.fail(given[1], f"choose one held-out source: {' and '.join(f'eval.{k}' for k in given)} are both set")
-        for name in ("every_steps", "max_batches", "micro_batch_size") if not given else ():
+        for name in ("every_steps", "max_batches", "micro_batch_size", "sample_prompts") if not given else ():
             if getattr(self, name): r.fail(name, "is set but no held-out source is: set eval.text_path, eval.token_file or eval.holdout_fraction")
         return r.problems
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,19 +16,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from fastcore.basics import patch
 from torch import nn
 
 from .checkpoint import capture_rng_state, restore_rng_state
 from .config import DataConfig, SpeedtronicConfig
 from .data import (CharTokenizer, DataError, TextFileTokenDataset, TokenArrayDataset, build_dataloader, check_data_file,
                    load_tokenizer, read_token_sidecar, resolve_vocab_size, select_dataset, token_dtype)
+from .generation import generate
 from .parallel import World
+from .tokens import encode_text
 from .precision import autocast_context, resolve_precision
 from .trainer import call_model, move_batch, resolve_loss
 
 # %% auto #0
-__all__ = ['EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'Evaluator', 'build_evaluator',
-           'holdout_note']
+__all__ = ['EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'Sampler', 'Evaluator', 'build_evaluator',
+           'GlobalEvaluator', 'holdout_note']
 
 # %% ../nbs/11b_evaluation.ipynb #383bfe39
 @dataclass(frozen=True)
@@ -141,13 +146,36 @@ def holdout_split(dataset: Any, fraction: float) -> Holdout:
     train.vocab_limit = rest.vocab_limit = getattr(dataset, "vocab_limit", None)
     return Holdout(train, rest, source)
 
+# %% ../nbs/11b_evaluation.ipynb #dc97c733
+@dataclass
+class Sampler:
+    "Continues each prompt with `generate`: one `{index, prompt, text}` per prompt."
+    tokenizer: Any  # the run's tokenizer
+    prompts: list[str]
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    seed: int = 0  # the sampling generator's seed (a temperature above 0)
+
+    def __call__(self, model: nn.Module) -> list[dict[str, Any]]:
+        "The text `model` writes after each prompt, leaving random generators and module modes as they were."
+        model = getattr(model, "module", model)
+        modes, rng = [(m, m.training) for m in model.modules()], capture_rng_state()
+        try:
+            return [{"index": i, "prompt": p, "text": generate(model, self.tokenizer, p, max_new_tokens=self.max_new_tokens,
+                                                               temperature=self.temperature, seed=self.seed)}
+                    for i, p in enumerate(self.prompts)]
+        finally:
+            for m, mode in modes: m.training = mode
+            restore_rng_state(rng)
+
 # %% ../nbs/11b_evaluation.ipynb #681176e0
 class Evaluator:
     "The held-out loader and how often and how much of it to read; called with the model, returns an `EvalResult`."
     def __init__(self, loader: Any, *, device: str | torch.device, every_steps: int | None = None, max_batches: int | None = None,
-                 precision: Any = None, world: World | None = None, bytes_per_token: float | None = None):
+                 precision: Any = None, world: World | None = None, bytes_per_token: float | None = None,
+                 sampler: Sampler | None = None):  # the texts written at every evaluation
         self.loader, self.device, self.every_steps, self.max_batches = loader, torch.device(device), every_steps, max_batches
-        self.precision, self.world, self.bytes_per_token = precision, world, bytes_per_token
+        self.precision, self.world, self.bytes_per_token, self.sampler = precision, world, bytes_per_token, sampler
         state = getattr(loader, "state_dict", None)
         self._start = state() if callable(state) else None  # the first held-out batch
 
@@ -162,6 +190,11 @@ class Evaluator:
         try: return evaluate(model, self.loader, max_batches=self.max_batches, device=self.device, precision=self.precision,
                              world=self.world, bytes_per_token=self.bytes_per_token)
         finally: restore_rng_state(rng)
+
+    def samples(self, model: nn.Module) -> list[dict[str, Any]]:
+        "The sampler's texts for `model` (none without prompts, and none on a rank that does not write)."
+        if self.sampler is None or (self.world is not None and not self.world.writes): return []
+        return self.sampler(model)
 
 # %% ../nbs/11b_evaluation.ipynb #7b611bf7
 def _held_out_data(config: SpeedtronicConfig) -> tuple[DataConfig, str]:
@@ -196,8 +229,19 @@ def build_evaluator(config: SpeedtronicConfig, *, device: str | torch.device, vo
     sample = held_out.tokens if held_out is not None else getattr(loader.dataset, "tokens", None)
     if sample is None and tok is not None and not isinstance(tok, CharTokenizer):  # a text file: measure on its first blocks
         sample = np.concatenate([s["input_ids"].numpy() for _, s in zip(range(64), loader.dataset)])
+    sampler = _sampler(config, tok if tok is not None else load_tokenizer(config.data.tokenizer, vocab), vocab) if e.sample_prompts else None
     return Evaluator(loader, device=device, every_steps=e.every_steps, max_batches=e.max_batches, precision=precision,
-                     world=world, bytes_per_token=bytes_per_token(tok, sample) if tok is not None else None)
+                     world=world, bytes_per_token=bytes_per_token(tok, sample) if tok is not None else None, sampler=sampler)
+
+def _sampler(config: SpeedtronicConfig, tokenizer: Any, vocab: int) -> Sampler:
+    "The `Sampler` of `eval.sample_*`, each prompt checked against the run's tokenizer and vocabulary first."
+    e = config.eval
+    for i, prompt in enumerate(e.sample_prompts):
+        ids = encode_text(tokenizer, prompt)
+        if not len(ids) or int(ids.max()) >= vocab:
+            raise DataError(f"eval.sample_prompts: item {i} {prompt!r} " + (f"holds token {int(ids.max())}, outside the model's vocabulary of {vocab}"
+                            if len(ids) else "gives no token") + " with the run's tokenizer; change the prompt")
+    return Sampler(tokenizer, list(e.sample_prompts), e.sample_tokens, e.sample_temperature, seed=config.run.seed or 0)
 
 def _sidecar_tokenizer(path: str, vocab: int) -> Any:
     "The tokenizer a prepared token file's sidecar names, or `None` when it cannot be loaded here."
@@ -205,12 +249,66 @@ def _sidecar_tokenizer(path: str, vocab: int) -> Any:
     try: return load_tokenizer(spec, vocab) if spec is not None else None
     except Exception: return None
 
+# %% ../nbs/11b_evaluation.ipynb #778be876
+class GlobalEvaluator:
+    "Evaluates each published global model in its own CPU model instance, on its own thread: one `global_eval` event per version."
+    def __init__(self, model: nn.Module, # a second instance of the trained model (not the one training): each version's weights go in it
+                 evaluator: Evaluator, *, logger: Any = None):
+        self.model = model.to("cpu").requires_grad_(False)
+        self.evaluator, self.logger, self.results = evaluator, logger, {}  # results: version -> EvalResult
+        self._queue, self._pending, self._done = queue.Queue(), 0, threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="speedtronic-global-eval", daemon=True)
+        self._thread.start()
+
+    def __call__(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        "Queue global `version` (its weights are copied now); returns at once."
+        with self._done: self._pending += 1
+        self._queue.put((int(version), {k: v.detach().to("cpu", copy=True) for k, v in state.items()}))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        "Wait until every queued version is evaluated; whether that happened within `timeout` seconds."
+        with self._done: return self._done.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        "Evaluate what is queued (within `timeout` s), then end the thread."
+        self.wait(timeout); self._queue.put(None); self._thread.join(timeout)
+
+# %% ../nbs/11b_evaluation.ipynb #eb750ef0
+@patch
+def _evaluate_version(self: GlobalEvaluator, version: int, state: Mapping[str, torch.Tensor]) -> None:
+    "Load `state` into the copy, evaluate it, emit `global_eval` (a failure is a warning)."
+    e = self.evaluator
+    try:
+        self.model.load_state_dict(state)
+        if e._start is not None: e.loader.load_state_dict(e._start)
+        result = evaluate(self.model, e.loader, max_batches=e.max_batches, device="cpu", bytes_per_token=e.bytes_per_token)
+    except Exception as err:
+        if self.logger is not None: self.logger.warning(f"global model version {version}: held-out evaluation failed: {type(err).__name__}: {err}")
+        return
+    self.results[version] = result
+    if self.logger is not None and callable(getattr(self.logger, "emit", None)):
+        record = {"outer_step": version, "global_val_loss": result.loss, "global_val_ppl": result.ppl, "global_val_bpb": result.bpb,
+                  "val_tokens": result.tokens, "val_batches": result.batches, "eval_s": result.elapsed_s}
+        try: self.logger.emit("global_eval", record)
+        except RuntimeError: pass  # a closed logger must not end the thread
+
+@patch
+def _run(self: GlobalEvaluator) -> None:
+    "The thread: evaluate queued versions in order until `close`."
+    while (item := self._queue.get()) is not None:
+        try: self._evaluate_version(*item)
+        finally:
+            with self._done: self._pending -= 1; self._done.notify_all()
+
 # %% ../nbs/11b_evaluation.ipynb #a32dc610
 def holdout_note(config: SpeedtronicConfig) -> str | None:
     "How `eval.holdout_fraction` splits the training source (blocks and tokens each side), or `None` without a split."
     if not config.eval.holdout_fraction: return None
     dataset = select_dataset(config.data, vocab_size=resolve_vocab_size(config.data))
     return holdout_split(dataset, config.eval.holdout_fraction).describe()
+
+# %% ../nbs/11b_evaluation.ipynb #f78af4fe
+def __dir__() -> list[str]: return list(__all__)
 
 # %% ../nbs/11b_evaluation.ipynb #0e321126
 def __dir__() -> list[str]: return list(__all__)

@@ -276,7 +276,7 @@ def precision_explorer(*, kind: str = "cuda", # the device kind: cuda, cpu or mp
 
 # %% ../nbs/14_widgets.ipynb #3818d21e
 class TrainingView(FigureView):
-    "A progress bar, a line of numbers and a loss chart that follow a training run in JupyterLab."
+    "A progress bar, a line of numbers, a loss chart and the newest sample that follow a training run in JupyterLab."
     STYLES = {"running": "", "done": "success", "stopped": "warning"}  # bar colour for each state
 
     def __init__(self, *, width: int = 560, height: int = 200,
@@ -289,6 +289,8 @@ class TrainingView(FigureView):
         self.train: list[tuple[int, float]] = []
         self.evals: list[tuple[int, float]] = []
         self.clear()  # no chart until there is a loss to draw
+        self.newest_sample = W.HTML(layout=W.Layout(display="none"))  # the newest text the model wrote, under the chart
+        self.widget.children = (*self.widget.children, self.newest_sample)
 
     def plot(self, values: dict[str, Any]) -> None:
         "Draw the losses received so far."
@@ -324,6 +326,13 @@ def refresh(self: TrainingView) -> None:
     "Redraw the chart from the points received so far."
     if self.train or self.evals: self.update()
 
+@patch
+def sample(self: TrainingView, step: int, prompt: str, text: str) -> None:
+    "Show the newest sample under the chart: the prompt in bold, then what the model wrote after it."
+    self.newest_sample.value = (f'<pre class="speedtronic-sample" style="white-space:pre-wrap;margin:4px 0">step {step}: '
+                                f'<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>')
+    self.newest_sample.layout.display = None
+
 # %% ../nbs/14_widgets.ipynb #6145af8b
 @patch
 def summary(self: TrainingView) -> str:
@@ -337,7 +346,7 @@ def snapshot(self: TrainingView) -> tuple[dict, dict]:
     picture = (f'<img src="data:image/png;base64,{base64.b64encode(self.image.value).decode()}" '
                f'width="{width}" height="{height}" alt="loss chart">') if self.image.value and not self.error else ""
     bar = f'<progress value="{self.bar.value}" max="{self.bar.max}" style="width:220px"></progress>'
-    return {"text/html": f"<div>{bar} <code>{html.escape(self.summary())}</code></div>{picture}"}, {}
+    return {"text/html": f"<div>{bar} <code>{html.escape(self.summary())}</code></div>{picture}{self.newest_sample.value}"}, {}
 
 # %% ../nbs/14_widgets.ipynb #2fa8128a
 class SampleBox(View):

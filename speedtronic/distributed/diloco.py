@@ -119,6 +119,7 @@ class DumbDiLoCoCoordinator:
         self._reset_due = False  # the first global installed after a boundary may clear the inner optimizer
         self.installs = 0  # globals installed into the model so far (a torchrun node broadcasts after each)
         self.outer: MasterOuterLoop | None = None
+        self.global_watcher: Any = None  # on a master: given `(version, state)` of each published global (see `_published`)
         self.started = False
 
     @property
@@ -481,8 +482,7 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
     if message := outer_momentum_warning(cfg): self._log("warning", message)
     self.outer = MasterOuterLoop(self.transport, cpu_state_dict(self.model.state_dict()), node_state_dir=self.state_root,
                                  outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, poll_interval=cfg.poll_interval,
-                                 on_global_update=lambda state, version: self._offer(version, {k: v.clone() for k, v in state.items()},
-                                                                                     self._folded_in(self.outer.ledger)),
+                                 on_global_update=lambda state, version: self._published(version, state),
                                  logger=self.logger, node_id=self.node_id, session=self.session, inner_steps=cfg.inner_steps,
                                  staleness=cfg.staleness, expected_nodes=cfg.expected_nodes,
                                  max_delta_norm_ratio=cfg.max_delta_norm_ratio, lease_timeout=cfg.lease_timeout,
@@ -491,7 +491,7 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
     if self.outer.outer_step >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it published there: never create it again
     try: self.outer.start_master()
     except HubUnavailable as e: self._log("warning", f"master cannot reach the repository now, retrying in the background: {e}")
-    if self.outer.outer_step >= 0: self._offer(*self.outer.snapshot())
+    if self.outer.outer_step >= 0: self._published(*self.outer.snapshot())
 
 @patch
 def _spawn(self: DumbDiLoCoCoordinator) -> None:
@@ -507,6 +507,22 @@ def _spawn(self: DumbDiLoCoCoordinator) -> None:
         if self.config.async_delta_upload: self._queue.put(job)
         else: self._upload(job)
 
+# %% ../../nbs/12d_distributed_diloco.ipynb #0a292e8a
+@patch
+def _published(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor]) -> None:
+    "A new global on the master: the candidate for this node's training, and `global_watcher(version, state)` when set."
+    self._offer(version, {k: v.clone() for k, v in state.items()}, self._folded_in(self.outer.ledger))
+    if self.global_watcher is not None:
+        try: self.global_watcher(version, state)
+        except Exception as e: self._log("warning", f"the watcher of global version {version} failed: {type(e).__name__}: {e}")
+
+@patch
+def _watcher_caught_up(self: DumbDiLoCoCoordinator, timeout: float) -> None:
+    "Wait for `global_watcher` to finish what it was given (a warning after `timeout` seconds)."
+    wait = getattr(self.global_watcher, "wait", None)
+    if callable(wait) and not wait(timeout):
+        self._log("warning", f"the held-out evaluation of the newest global is still running after {timeout:g} s; it is not waited for")
+
 # %% ../../nbs/12d_distributed_diloco.ipynb #f61fbdae
 @patch
 def stop(self: DumbDiLoCoCoordinator) -> None:
@@ -520,6 +536,7 @@ def stop(self: DumbDiLoCoCoordinator) -> None:
         t.join(timeout)
         if t.is_alive(): self._log("warning", f"{t.name} did not stop within {timeout:g} s")
     if self.outer is not None: self.outer.stop()
+    if self.global_watcher is not None: self._watcher_caught_up(timeout)
     with self.lock:
         if self._pending is not None and not any(t.is_alive() for t in self._threads): self._busy = False
         self.started = False
@@ -543,6 +560,7 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
     if self._folded_in(self.outer.ledger) < 0: raise self._unfolded(f"version {version} holds none of its deltas")
     _, state = self.outer.snapshot()
     self._install(version, state, keep_progress=False)
+    if self.global_watcher is not None: self._watcher_caught_up(timeout)
     self.carry, self.carry_steps, self.last_sent_step = None, 0, step
 
 @patch
