@@ -309,6 +309,3 @@ def holdout_note(config: SpeedtronicConfig) -> str | None:
 
 # %% ../nbs/11b_evaluation.ipynb #f78af4fe
 def __dir__() -> list[str]: return list(__all__)
-
-# %% ../nbs/11b_evaluation.ipynb #0e321126
-def __dir__() -> list[str]: return list(__all__)

@@ -89,7 +89,7 @@ NOTEBOOK = {
         _cell('from speedtronic.runtime import train_from_config'),
         _cell('cfg = {"run": {"max_steps": 6, "output_dir": "tiny-run"}, "checkpoint": {"enabled": False},\n'
               '       "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
-              '       "data": {"num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2},\n'
+              '       "data": {"synthetic": True, "num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2},\n'
               '       "logging": {"level": "WARNING", "progress": "auto", "loss_plot": False}}\n'
               'result = train_from_config(cfg, device="cpu")\n'
               'print("finished at", result.steps)'),
@@ -103,7 +103,7 @@ PRECISION, SCHEDULE, BROKEN, TRAINING, NORMS, NO_NORMS = 1, 2, 3, 5, 6, 7   # ce
 SHIPPED = ['00_tutorial.ipynb', '14_widgets.ipynb', '06_schedules.ipynb', '04_precision.ipynb', '11_trainer.ipynb']   # opened as a user opens them
 
 TINY = ('{"model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
-        ' "data": {"num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2}}')
+        ' "data": {"synthetic": True, "num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2}}')
 TRAINING_CELLS = [
     'import sys\nimport matplotlib\nfrom speedtronic.runtime import train_from_config',
     f'tiny = {TINY}\nbefore = matplotlib.get_backend()\n'
