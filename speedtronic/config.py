@@ -1013,6 +1013,8 @@ def _plain(value: Any, seen: frozenset = frozenset()) -> Any:
 def to_dict(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> dict:
     "Plain JSON-friendly dict in field order; `redact_secrets` replaces every credential value."
     out = _plain(self)
+    for key in {"warmup_steps", "max_steps"} - explicit_fields(self.scheduler):
+        out["scheduler"].pop(key, None)   # unwritten: they follow the run target, and must again when the dict is loaded
     return redact(out) if redact_secrets else out
 
 @patch
