@@ -1,4 +1,4 @@
-import json, os, shutil, socket, subprocess, sys
+import contextlib, json, os, shutil, signal, socket, subprocess, sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,33 @@ def tiny_config(tmp: Path, name: str = "cfg.yaml", *, max_steps: int = 4, every_
 
 def cli_env(**extra: str) -> dict:
     "The environment of a `speedtronic` subprocess: this checkout importable, one thread, and `extra`."
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
+
+def descendants(pid: int) -> list[int]:
+    "Every process below `pid` (children first, then theirs), from /proc; empty where /proc is missing."
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try: tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError: continue
+        for task in tasks:
+            try: kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError: kids = []
+            found += kids; todo += kids
+    return found
+
+def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """`proc.communicate(timeout)`; past the timeout every Python process below it prints its threads' stacks
+    (PYTHONFAULTHANDLER is set by `cli_env`: SIGABRT makes faulthandler write them) and the test fails showing them."""
+    try: return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in descendants(proc.pid) + [proc.pid]:
+            with contextlib.suppress(OSError): os.kill(pid, signal.SIGABRT)
+        try: out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill(); out, err = proc.communicate()
+        pytest.fail(f"{proc.args} still ran after {timeout:g} s; its processes' stacks:\n{(err or '')[-12000:]}\n"
+                    f"last output:\n{(out or '')[-3000:]}", pytrace=False)
 
 def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
     "`python -m speedtronic *args` in `cwd`, to the end; `env` entries are added to `cli_env()`, `popen` goes to `subprocess.run`."

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import ROOT, jsonl_records  # noqa: E402
+from conftest import ROOT, communicate_or_dump, jsonl_records  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
@@ -58,7 +58,7 @@ def launch(cfg: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
-    out, err = proc.communicate(timeout=timeout)
+    out, err = communicate_or_dump(proc, timeout)
     assert proc.returncode == 0, (out[-2000:], err[-3000:])
     return out
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, free_port, jsonl_records, one_error_line, tiny_config
+from conftest import ROOT, communicate_or_dump, free_port, jsonl_records, one_error_line, tiny_config
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.cli import main
 from speedtronic.tokens import TOKEN_FILE_FORMAT
@@ -38,7 +38,7 @@ STEPS = 12
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONFAULTHANDLER": "1"}
 
 
 def write_config(tmp: Path, name: str, *, micro: int, data: dict, steps: int = STEPS, every: int = 2, **sections) -> Path:
@@ -82,7 +82,7 @@ def torchrun(cfg: Path, *extra: str, nproc: int = 2) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
-    out, err = proc.communicate(timeout=timeout)
+    out, err = communicate_or_dump(proc, timeout)
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
     return out, err
 

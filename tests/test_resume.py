@@ -16,7 +16,7 @@ import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 
-from conftest import ROOT, jsonl_records, ok, run_cli, tiny_config
+from conftest import ROOT, communicate_or_dump, jsonl_records, ok, run_cli, tiny_config
 STEPS = 60
 WORDS = ("the model reads a stream of text and learns which byte tends to follow which one while the "
          "optimizer moves every weight a little after each batch so that the loss falls").split()
@@ -54,7 +54,7 @@ def start(cfg: Path, *extra: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> None:
-    _, err = proc.communicate(timeout=timeout)
+    _, err = communicate_or_dump(proc, timeout)
     assert proc.returncode == 0, err[-3000:]
 
 
