@@ -29,9 +29,10 @@ from .config import ConfigError, DataConfig, SpeedtronicConfig
 from .precision import resolve_device
 
 # %% auto #0
-__all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'World', 'world_from_env', 'accumulation_per_rank', 'world_problems',
-           'world_device', 'backend_for', 'start_world', 'end_process', 'PeerLost', 'peer_lost', 'watch_peers',
-           'JobError', 'job_wide', 'raised_together', 'merge_boundaries', 'saved_world_size', 'GroupCoordinator']
+__all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'World', 'world_from_env', 'accumulation_per_rank',
+           'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process', 'PeerLost', 'peer_lost',
+           'watch_peers', 'JobError', 'job_wide', 'raised_together', 'merge_boundaries', 'saved_world_size',
+           'GroupCoordinator']
 
 # %% ../nbs/10p_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -127,6 +128,20 @@ def backend_for(device: torch.device) -> str:
     "The collective backend for `device`: NCCL on CUDA, gloo otherwise."
     return "nccl" if device.type == "cuda" else "gloo"
 
+# %% ../nbs/10p_parallel.ipynb #01a2118c
+TEARDOWN_S = 30.0  # seconds leaving the process group may take before the process ends without it
+
+def _within(fn: Callable[[], Any], seconds: float, what: str) -> bool:
+    "Run `fn` on a daemon thread; True if it returned within `seconds` (else say so on stderr and leave it behind)."
+    done = threading.Event()
+    def run():
+        try: fn()
+        finally: done.set()
+    threading.Thread(target=run, name="speedtronic-teardown", daemon=True).start()
+    if done.wait(seconds): return True
+    print(f"speedtronic: {what} did not finish within {seconds:g} s; ending without waiting for it", file=sys.stderr, flush=True)
+    return False
+
 # %% ../nbs/10p_parallel.ipynb #0a656e0b
 _NOTICE_AFTER_S = 3.0  # a rendezvous that takes longer than this is said once
 _JOB_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -202,7 +217,7 @@ def close(self: World, failed: bool = False,
     if meet:  # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a collective
         try: dist.barrier(group=control)
         except Exception: meet = False
-    if meet or backend == "gloo": dist.destroy_process_group()
+    if meet or backend == "gloo": _within(dist.destroy_process_group, TEARDOWN_S, "leaving the process group")
 
 # %% ../nbs/10p_parallel.ipynb #0582c93e
 def _rendezvous_address() -> str:
