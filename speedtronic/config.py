@@ -324,6 +324,7 @@ class ModelConfig(_Section):
     dropout: float = 0.0
     tie_weights: bool = True
     rope_base: float = 10000.0
+    norm_eps: float = 1e-5  # RMSNorm's epsilon (a Llama config.json's rms_norm_eps)
     gradient_checkpointing: bool = False  # OR-synchronised with the root flag
     imports: list[str] = field(default_factory=list)  # modules imported before the registry lookup
     init_from: str | None = None  # a transformers Llama folder whose weights start a fresh run
@@ -332,7 +333,7 @@ class ModelConfig(_Section):
         if self.d_ff is None: self.d_ff = 4 * self.d_model
     def _rules(self):
         r = _Rules(self)
-        r.positive("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "rope_base")
+        r.positive("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "rope_base", "norm_eps")
         if not 0 <= self.dropout < 1: r.fail("dropout", f"must be in [0, 1), got {_show(self.dropout)}")
         heads_ok = self.n_head > 0 and self.n_kv_head > 0
         if heads_ok and self.n_head % self.n_kv_head:

@@ -21,9 +21,9 @@ from .registry import build_model
 from .tokens import load_tokenizer
 
 # %% auto #0
-__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'Trained', 'load_trained', 'weight_names', 'llama_config',
-           'ExportWarning', 'byte_tokenizer_json', 'export_hf', 'export_run', 'read_llama_config', 'llama_problems',
-           'model_settings', 'read_llama_weights', 'load_llama', 'push_to_hub']
+__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'Trained', 'load_trained', 'weight_names',
+           'llama_config', 'ExportWarning', 'byte_tokenizer_json', 'export_hf', 'export_run', 'read_llama_config',
+           'llama_problems', 'model_settings', 'read_llama_weights', 'load_llama', 'push_to_hub']
 
 # %% ../nbs/19_hf.ipynb #55aec66d
 @dataclass
@@ -86,8 +86,10 @@ LLAMA_CONFIG: tuple[tuple[str, str], ...] = (  # (model section key, Llama confi
     ("vocab_size", "vocab_size"), ("d_model", "hidden_size"), ("n_layer", "num_hidden_layers"),
     ("n_head", "num_attention_heads"), ("n_kv_head", "num_key_value_heads"), ("max_seq_len", "max_position_embeddings"),
     ("tie_weights", "tie_word_embeddings"), ("rope_base", "rope_theta"), ("d_ff", "intermediate_size"),
+    ("norm_eps", "rms_norm_eps"),
 )
-RMS_NORM_EPS = 1e-5  # the reference transformer's RMSNorm
+RMS_NORM_EPS = 1e-5  # the reference transformer's default RMSNorm epsilon (`model.norm_eps`)
+LLAMA_NORM_EPS = 1e-6  # what transformers' LlamaConfig assumes when config.json has no rms_norm_eps
 
 def weight_names(n_layer: int, tied: bool) -> list[tuple[str, str]]:
     "`(ours, theirs)` for every parameter of an `n_layer` model (no separate head when `tied`)."
@@ -110,7 +112,7 @@ def llama_config(section: Any) -> dict[str, Any]:
     config["intermediate_size"] = _swiglu_width(value("d_ff"), value("n_head"))
     config["rope_theta"] = float(config["rope_theta"])
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
-            "head_dim": value("d_model") // value("n_head"), "hidden_act": "silu", "rms_norm_eps": RMS_NORM_EPS,
+            "head_dim": value("d_model") // value("n_head"), "hidden_act": "silu",
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
             "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"]},
             "initializer_range": 0.02, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
@@ -221,9 +223,9 @@ def llama_problems(config: dict[str, Any]) -> list[str]:
                         f"{hidden / heads:g})")
     if config["intermediate_size"] % heads:
         problems.append(f"intermediate_size {config['intermediate_size']} (must be a multiple of num_attention_heads {heads})")
-    eps = config.get("rms_norm_eps", 1e-6)
-    if not isinstance(eps, (int, float)) or abs(eps - RMS_NORM_EPS) > 1e-12:
-        problems.append(f"rms_norm_eps {eps!r} (the reference transformer's RMSNorm uses {RMS_NORM_EPS})")
+    eps = config.get("rms_norm_eps", LLAMA_NORM_EPS)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        problems.append(f"rms_norm_eps {eps!r} (must be a positive number)")
     return problems
 
 # %% ../nbs/19_hf.ipynb #d9d12d19
@@ -235,12 +237,13 @@ def _d_ff_for(width: int, n_head: int) -> int:
 def model_settings(config: dict[str, Any]) -> dict[str, Any]:
     "The model section (`vocab_size`, `d_model`, ...) a representable Llama `config.json` describes."
     theirs = {"num_key_value_heads": config["num_attention_heads"], "max_position_embeddings": 2048,
-              "tie_word_embeddings": False, "rope_theta": 10000.0, **config}
+              "tie_word_embeddings": False, "rope_theta": 10000.0,
+              "rms_norm_eps": LLAMA_NORM_EPS, **config}
     if isinstance(config.get("rope_parameters"), dict) and "rope_theta" in config["rope_parameters"]:
         theirs["rope_theta"] = config["rope_parameters"]["rope_theta"]
     settings = {ours: theirs[key] for ours, key in LLAMA_CONFIG}
     settings["d_ff"] = _d_ff_for(config["intermediate_size"], config["num_attention_heads"])
-    settings["rope_base"] = float(settings["rope_base"])
+    settings["rope_base"], settings["norm_eps"] = float(settings["rope_base"]), float(settings["norm_eps"])
     return settings
 
 # %% ../nbs/19_hf.ipynb #432d1fa1

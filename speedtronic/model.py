@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any, NamedTuple
 
 import torch
@@ -43,6 +43,7 @@ class GPTConfig:
     dropout: float = _DEFAULT["dropout"]
     tie_weights: bool = _DEFAULT["tie_weights"]
     rope_base: float = _DEFAULT["rope_base"]
+    norm_eps: float = _DEFAULT["norm_eps"]        # every RMSNorm's epsilon
 
     def __post_init__(self):
         if self.n_kv_head is None: self.n_kv_head = self.n_head
@@ -57,6 +58,8 @@ class GPTConfig:
             raise ValueError(f"model d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"model dropout must be in [0, 1), got {self.dropout!r}")
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, Real) or not self.norm_eps > 0:
+            raise ValueError(f"model norm_eps must be a positive number, got {self.norm_eps!r}")
 
     @property
     def head_dim(self) -> int: return self.d_model // self.n_head
@@ -263,9 +266,9 @@ class TransformerBlock(nn.Module):
     "Pre-norm block: attention and SwiGLU, each added to the residual stream."
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln1 = RMSNorm(config.d_model)
+        self.ln1 = RMSNorm(config.d_model, config.norm_eps)
         self.attn = CausalSelfAttention(config)
-        self.ln2 = RMSNorm(config.d_model)
+        self.ln2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
         self.dropout = nn.Dropout(config.dropout)  # kept for 2.0's module tree; the attention branch drops once
         self.gradient_checkpointing = False
@@ -311,7 +314,7 @@ class ReferenceTransformer(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.d_model),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([TransformerBlock(config) for _ in range(config.n_layer)]),
-            ln_f=RMSNorm(config.d_model)))
+            ln_f=RMSNorm(config.d_model, config.norm_eps)))
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights: self.lm_head.weight = self.transformer.wte.weight
         self.rope = RotaryEmbedding(config.head_dim, config.rope_base)

@@ -89,14 +89,16 @@ def test_an_exported_run_is_a_llama_that_computes_our_logits(run_dir, tmp_path):
 
 
 def test_untied_heads_and_ordinary_attention_export_too(tmp_path):
-    run = trained_run(tmp_path, model={"tie_weights": False, "n_kv_head": 4, "rope_base": 500.0})
+    # norm_eps far from the default: a config.json that did not carry it would give other logits
+    run = trained_run(tmp_path, model={"tie_weights": False, "n_kv_head": 4, "rope_base": 500.0, "norm_eps": 0.25})
     ok(run_cli("export", "--checkpoint", str(sorted((run / "checkpoints").glob("step_*.pt"))[-1]),
                "--to", str(tmp_path / "llama"), cwd=tmp_path))
     theirs = hf_side(tmp_path / "llama")
     logits, greedy = our_answers(load_trained(run).model)
     assert (logits - torch.tensor(theirs["logits"])).abs().max().item() <= 1e-4
     assert theirs["greedy"] == greedy
-    assert json.loads((tmp_path / "llama" / "config.json").read_text())["tie_word_embeddings"] is False
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    assert (config["tie_word_embeddings"], config["rms_norm_eps"]) == (False, 0.25)
 
 
 def test_a_tokenizer_json_run_exports_its_tokenizer(tmp_path):
@@ -179,11 +181,11 @@ def init_config(tmp: Path, folder: Path, *, tied: bool = True, n_kv: int = 2, **
                      "target_batch_size": 2}, "precision": "fp32", "logging": {"progress": False, "loss_plot": False}}
 
 
-@pytest.mark.parametrize("tied, n_kv", [(True, 2), (False, 4), (True, 1), (False, 2)])
-def test_a_run_starts_from_a_llama_folder(tmp_path, tied, n_kv):
+@pytest.mark.parametrize("tied, n_kv, eps", [(True, 2, 1e-5), (False, 4, 1e-5), (True, 1, 1e-5), (False, 2, 0.25)])
+def test_a_run_starts_from_a_llama_folder(tmp_path, tied, n_kv, eps):
     from speedtronic.runtime import build_runtime, close_logger
-    folder = llama_folder(tmp_path / "llama", tied=tied, n_kv=n_kv)
-    trainer, _ = build_runtime(init_config(tmp_path, folder, tied=tied, n_kv=n_kv), device="cpu")
+    folder = llama_folder(tmp_path / "llama", tied=tied, n_kv=n_kv, rms_norm_eps=eps)
+    trainer, _ = build_runtime(init_config(tmp_path, folder, tied=tied, n_kv=n_kv, norm_eps=eps), device="cpu")
     try:
         theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         ids = torch.tensor(IDS)
@@ -215,7 +217,8 @@ def test_the_cli_trains_from_a_llama_folder_and_exports_it_back(tmp_path):
     ({"mlp_bias": True}, {}, ["mlp_bias true"]),
     ({"hidden_act": "gelu"}, {}, ["hidden_act 'gelu'"]),
     ({"head_dim": 16}, {}, ["head_dim 16"]),
-    ({"rms_norm_eps": 1e-6}, {}, ["rms_norm_eps 1e-06"]),
+    ({"rms_norm_eps": 1e-6}, {}, ["model.norm_eps: 1e-06", "rms_norm_eps 1e-06", "the model has 1e-05"]),
+    ({"rms_norm_eps": -1.0}, {}, ["rms_norm_eps -1.0 (must be a positive number)"]),
     ({"tie_word_embeddings": False}, {}, ["model.tie_weights: False", "tie_word_embeddings"]),
     ({}, {"tie_weights": False}, ["model.tie_weights: True"]),
     ({}, {"d_model": 64}, ["model.d_model: 32", "hidden_size"]),
