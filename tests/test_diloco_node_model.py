@@ -51,6 +51,18 @@ def saved(entry: dict) -> bytes:
     return buffer.getvalue()
 
 
+def earlier_entry(state: NodeState) -> dict:
+    "The checkpoint entry our coordinator wrote before `NodeState` (2.0's keys plus `session`, `last_sent_step`, the carry)."
+    job = state.in_flight
+    return {"node_id": "n", "role": "worker", "session": state.session, "last_global_step": state.version,
+            "last_uploaded_step": state.uploaded_step, "last_dispatched_step": state.sent_step, "last_skipped_step": None,
+            "local_step": state.step, "last_sent_step": state.base_step, "baseline_generation": 3, "baseline": dict(state.base),
+            "carry": state.carry, "carry_steps": state.carry_steps, "pending_delta": None, "pending_delta_step": None, "outer": None,
+            "pending_upload": None if job is None else {"step": job.step, "base_outer_step": job.base_outer_step, "generation": 3,
+                                                        "delta": dict(job.delta), "target_state": None, "inner_steps": job.steps,
+                                                        "final": job.final}}
+
+
 def loaded(data: bytes) -> dict:
     "A checkpoint entry read back with the trainer's safe loader (`weights_only`: tensors and plain data only)."
     return torch.load(io.BytesIO(data), weights_only=True)
@@ -183,17 +195,22 @@ class NodeMachine(RuleBasedStateMachine):
         self.saved, self.entry = (node_checkpoint(self.state), self.t.copy()), None   # written (torch.save) when it is read back
 
     @precondition(lambda self: self.saved is not None)
-    @rule(seed=SEEDS)
-    def killed_and_restarted(self, seed: int) -> None:
+    @rule(seed=SEEDS, earlier=st.booleans())
+    def killed_and_restarted(self, seed: int, earlier: bool) -> None:
         "The process dies; a new one builds its model (other weights), loads the checkpoint's weights and its coordinator entry."
         entry, timeline = self.saved
+        if earlier:                                                            # a checkpoint an earlier version of ours wrote
+            entry = earlier_entry(node_state_from(entry, self.t.live, "x", ROUND))
+            timeline = timeline.copy()
+            timeline.timed_out = False                                         # its waits were not saved: they wait again
         self.entry = entry = loaded(saved(entry))
-        assert entry["format"] == NODE_STATE_FORMAT
+        assert entry.get("format", NODE_STATE_FORMAT) == NODE_STATE_FORMAT and (earlier or "format" in entry)
         self.t = timeline.copy()
         constructed = weights([v / 4 for v in spread(seed, 4)])                          # the new process's model before the resume
         self.state = node_state_from(entry, constructed, "s2", ROUND)
         assert self.state.session == "s1"                                      # the same session: the master's ledger knows it
-        assert self.state.version == max(self.t.installed) and torch.equal(self.state.base["w"], entry["base"]["w"])
+        assert self.state.version == max(self.t.installed) and torch.equal(self.state.base["w"], entry.get("base", entry.get("baseline"))["w"])
+        if earlier: self.entry = None                                          # (the stale-answer rule reads our format)
 
     # -- invariants ----------------------------------------------------------------------------------------------
     @invariant()

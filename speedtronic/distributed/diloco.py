@@ -169,13 +169,14 @@ def node_state_from(entry: Mapping[str, Any], base: Mapping[str, torch.Tensor], 
     step, version = int(entry.get("local_step", 0)), int(entry.get("last_global_step", -1))
     job = entry.get("pending_upload") or (None if entry.get("pending_delta") is None else   # 2.0's legacy mirror
                                           {"step": entry.get("pending_delta_step") or step, "delta": entry["pending_delta"]})
-    sends = [int(v) for v in (entry.get("last_dispatched_step"), entry.get("last_uploaded_step"), job and job["step"]) if v is not None]
+    sent = [int(v) for v in (entry.get("last_dispatched_step"), job and job["step"]) if v is not None]   # dispatched, maybe in flight
+    sends = sent + [int(v) for v in [entry.get("last_uploaded_step")] if v is not None]
     return NodeState(str(entry.get("session") or session), merged, version, step,
                      int(entry["last_sent_step"]) if entry.get("last_sent_step") is not None else max(sends, default=step),
                      carry, int(entry.get("carry_steps", 0)),
                      None if not job else Upload(int(job["step"]), int(job.get("base_outer_step", version)), dict(job["delta"]),
                                                  int(job.get("inner_steps") or round_length), bool(job.get("final", False))),
-                     uploaded_step=entry.get("last_uploaded_step"))
+                     sent_step=max(sent, default=None), uploaded_step=entry.get("last_uploaded_step"))
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #4b6e218b
 class DumbDiLoCoCoordinator:
