@@ -97,7 +97,7 @@ class NodeMachine(RuleBasedStateMachine):
         self.entry: dict | None = None     # the checkpoint's entry once read back
 
     # -- training and boundaries --------------------------------------------------------------------------------
-    @rule(steps=st.integers(1, 2 * ROUND), seed=SEEDS)
+    @rule(steps=st.integers(1, 3 * ROUND), seed=SEEDS)
     def train(self, steps: int, seed: int) -> None:
         "`steps` optimizer steps; each one moves the weights, and a step that ends a round is a boundary."
         sizes = torch.tensor(spread(seed, 8), dtype=torch.float32) / 64
@@ -152,6 +152,12 @@ class NodeMachine(RuleBasedStateMachine):
         "The answer about an upload of the checkpoint's state (not this one) changes nothing."
         stale = node_state_from(self.entry, self.t.live, "x", ROUND).in_flight
         assert on_upload_done(self.state, stale) is self.state and on_upload_failed(self.state, stale) is self.state
+
+    @precondition(lambda self: self.t.uploaded)
+    @rule(seed=SEEDS)
+    def the_master_folds_its_newest_delta(self, seed: int) -> None:
+        "The usual next global: one version on, holding the newest delta this node uploaded."
+        self.global_arrives(1, True, seed)
 
     @rule(ahead=st.integers(-2, 2), holds=st.booleans(), seed=SEEDS)
     def global_arrives(self, ahead: int, holds: bool, seed: int) -> None:
@@ -241,6 +247,6 @@ class NodeMachine(RuleBasedStateMachine):
         if s.in_flight is not None: assert s.in_flight.step == s.sent_step and s.in_flight.steps <= s.step
 
 
-NodeMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=20, deadline=None, database=None,
+NodeMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=15, deadline=None, database=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_node_transitions = NodeMachine.TestCase
