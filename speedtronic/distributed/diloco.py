@@ -637,6 +637,7 @@ def load_state_dict(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None
     if not self.started: return self.prepare_state(state)
     self._log("warning", "coordinator state restored after start(): keeping the current baseline so no bogus delta is sent")
     with self.lock: self.state = replace(node_state_from(state, self.state.base, self.state.session, self.inner_steps), base=self.state.base)
+    if self.state.in_flight is not None: self._dispatch(self.state.in_flight)   # a delta the entry held: sent now, as start() does
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #02c91f8e
 class NodeShard:
