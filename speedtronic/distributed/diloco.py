@@ -9,16 +9,15 @@ import contextlib
 import hashlib
 import math
 import os
-import queue
 import shutil
 import signal
 import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from fastcore.basics import patch
@@ -34,10 +33,12 @@ from .transport import HubError, HubUnavailable, RepoMissing, RetryPolicy, Share
 from ..trainer import TrainingInterrupted
 
 # %% auto #0
-__all__ = ['DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR', 'resolve_role', 'build_transport', 'DeltaUploadJob',
-           'SyncResult', 'DumbDiLoCoCoordinator', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum',
-           'NodeShard', 'shard_loader', 'node_data_config', 'hub_commits_per_hour', 'commit_rate_warning',
-           'measure_step_time', 'warn_commit_rate']
+__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR', 'resolve_role',
+           'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done', 'on_upload_failed',
+           'on_global', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator',
+           'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum', 'NodeShard',
+           'shard_loader', 'node_data_config', 'hub_commits_per_hour', 'commit_rate_warning', 'measure_step_time',
+           'warn_commit_rate']
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -60,72 +61,151 @@ def build_transport(config: DistributedConfig, *, stop: threading.Event | None =
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #98cabdfe
 @dataclass(frozen=True)
-class DeltaUploadJob:
-    "One delta on its way to the repository."
+class Upload:
+    "A delta on its way to the repository: taken at `step` against global `base_outer_step`, covering `steps` optimizer steps."
     step: int
     base_outer_step: int
-    generation: int
-    delta: Mapping[str, torch.Tensor]
-    target_state: Mapping[str, torch.Tensor] | None = None
-    inner_steps: int = 0
-    final: bool = False
+    delta: Mapping[str, torch.Tensor]   # the wire tensors
+    steps: int
+    final: bool = False                 # the node's last delta of the run
 
-    def as_state(self) -> dict[str, Any]:
-        "Plain data for a checkpoint."
-        return {"step": self.step, "base_outer_step": self.base_outer_step, "generation": self.generation,
-                "delta": dict(self.delta), "target_state": None, "inner_steps": self.inner_steps, "final": self.final}
+DeltaUploadJob = Upload  # 2.0's name for it
 
-@dataclass
-class SyncResult:
-    "2.0's result record (declared, not produced)."
-    pushed: bool = False
-    loaded_global: bool = False
-    outer_step: int = 0
+@dataclass(frozen=True)
+class Install:
+    "The weights to copy into the model for global `version`; `reset`: the first install after a boundary."
+    version: int
+    weights: Mapping[str, torch.Tensor]
+    reset: bool = False
+
+@dataclass(frozen=True)
+class NodeState:
+    "What a node knows: one value, replaced (never changed) by each transition, saved whole in checkpoints."
+    session: str                                      # this run of the node (kept across a resume)
+    base: Mapping[str, torch.Tensor]                  # the weights its unsent progress is counted from
+    version: int = -1                                 # the installed global version (-1: none yet)
+    step: int = 0                                     # the newest optimizer step
+    base_step: int = 0                                # the step its unsent progress counts from
+    carry: Mapping[str, torch.Tensor] | None = None   # float32 progress computed but not delivered
+    carry_steps: int = 0                              # the steps the carry covers
+    in_flight: Upload | None = None                   # dispatched, not yet taken or refused
+    sent_step: int | None = None                      # the newest dispatched delta
+    uploaded_step: int | None = None                  # the newest delta the repository took
+    folded_step: int = -1                             # this session's newest delta in the installed global
+    waits: bool = True                                # boundary waits wait (False after one ran out, until a new fold)
+    reset_due: bool = False                           # a boundary passed since the last install
+
+# %% ../../nbs/12d_distributed_diloco.ipynb #9c1e006a
+def _plus(a: Mapping[str, torch.Tensor] | None, b: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return None if a is None and b is None else dict(b) if a is None else dict(a) if b is None else {k: v + b[k] for k, v in a.items()}
+
+def at_boundary(state: NodeState, weights: Mapping[str, torch.Tensor], step: int, dtype: str = "bfloat16",
+                final: bool = False) -> tuple[NodeState, Upload | str]:
+    "The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and the upload, or why none is sent."
+    state = replace(state, step=int(step), reset_due=True)
+    if state.in_flight is not None: return state, "upload_in_flight"
+    raw = compute_pseudo_gradient(state.base, weights)
+    if not all(bool(torch.isfinite(v).all()) for v in raw.values()): return state, "not_finite"
+    total = _plus(raw, state.carry)
+    wire = encode_delta(total, dtype)
+    upload = Upload(int(step), state.version, wire, max(1, step - state.base_step + state.carry_steps), final)
+    return replace(state, base=dict(weights), base_step=int(step), carry_steps=0, in_flight=upload, sent_step=int(step),
+                   carry=None if dtype == "float32" else {k: total[k] - v for k, v in decode_delta(wire).items()}), upload
+
+# %% ../../nbs/12d_distributed_diloco.ipynb #b3074f96
+def on_upload_done(state: NodeState, upload: Upload) -> NodeState:
+    "The repository took `upload` (one this state did not dispatch changes nothing)."
+    return state if state.in_flight is not upload else replace(state, in_flight=None, uploaded_step=upload.step)
+
+def on_upload_failed(state: NodeState, upload: Upload) -> NodeState:
+    "The repository refused `upload` for now: its delta and the steps it covers go back into the carry."
+    return state if state.in_flight is not upload else replace(
+        state, in_flight=None, carry=_plus(state.carry, decode_delta(upload.delta)), carry_steps=state.carry_steps + upload.steps)
+
+# %% ../../nbs/12d_distributed_diloco.ipynb #beac49fd
+def on_global(state: NodeState, version: int, tensors: Mapping[str, torch.Tensor], folded_step: int,
+              weights: Mapping[str, torch.Tensor], keep_progress: bool = True) -> tuple[NodeState, Install | None]:
+    "Global `version` (holding this session's deltas up to `folded_step`) over the model's `weights`: what to install, or None."
+    if keep_progress and version <= state.version: return state, None
+    if problem := state_misfit(weights, tensors): raise ValueError(problem)
+    mine = lambda k: keep_progress and weights[k].is_floating_point() and k in state.base
+    new = {k: g.float() - (state.base[k].float() - weights[k].detach().float().cpu()) if mine(k) else g for k, g in tensors.items()}
+    base = {**state.base, **{k: g.detach().to("cpu", state.base[k].dtype if k in state.base else g.dtype, copy=True)
+                             for k, g in tensors.items()}}
+    rest = {} if keep_progress else {"carry": None, "carry_steps": 0, "base_step": state.step}
+    return replace(state, base=base, version=int(version), folded_step=max(state.folded_step, int(folded_step)), reset_due=False,
+                   waits=state.waits or folded_step > state.folded_step, **rest), Install(int(version), new, state.reset_due)
+
+# %% ../../nbs/12d_distributed_diloco.ipynb #7658d477
+def wait_target(state: NodeState) -> int | None:
+    "The step whose fold a boundary wait waits for; None when it does not wait (nothing sent, or a wait ran out since the last fold)."
+    return state.sent_step if state.waits else None
+
+def after_wait(state: NodeState, target: int, *, out_of_time: bool, stopped: bool) -> tuple[NodeState, str | None]:
+    "Why a wait for the fold of `target` ends now (`folded`, `lost`, `stopped`, `timeout`; None: wait on); a timeout stops later waits."
+    if state.folded_step >= target: return state, "folded"
+    if state.in_flight is None and (state.uploaded_step is None or state.uploaded_step < target): return state, "lost"
+    if stopped: return state, "stopped"
+    return (replace(state, waits=False), "timeout") if out_of_time else (state, None)
+
+# %% ../../nbs/12d_distributed_diloco.ipynb #1e0f8bda
+NODE_STATE_FORMAT = 1  # the version of the checkpoint entry `node_checkpoint` writes
+
+def node_checkpoint(state: NodeState) -> dict[str, Any]:
+    "`state` as the plain data and tensors of a checkpoint entry (transitions never change a tensor in place: nothing is copied)."
+    job = state.in_flight
+    return {**{f.name: getattr(state, f.name) for f in fields(NodeState)}, "format": NODE_STATE_FORMAT,
+            "in_flight": None if job is None else {f.name: getattr(job, f.name) for f in fields(Upload)}}
+
+def node_state_from(entry: Mapping[str, Any], base: Mapping[str, torch.Tensor], session: str, round_length: int) -> NodeState:
+    "A checkpoint entry (ours, or 2.0's keys) as a `NodeState` over the model's `base`; `round_length` counts a 2.0 pending delta."
+    saved = entry.get("base", entry.get("baseline")) or {}
+    merged = {k: saved[k].detach().cpu().clone() if k in saved else v for k, v in base.items()}
+    carry = {k: v.float().clone() for k, v in entry["carry"].items()} if entry.get("carry") else None
+    if entry.get("format") == NODE_STATE_FORMAT:
+        job = entry.get("in_flight")
+        plain = {f.name: entry[f.name] for f in fields(NodeState) if f.name in entry and f.name not in ("base", "carry", "in_flight")}
+        return NodeState(**plain, base=merged, carry=carry, in_flight=Upload(**{**job, "delta": dict(job["delta"])}) if job else None)
+    step, version = int(entry.get("local_step", 0)), int(entry.get("last_global_step", -1))
+    job = entry.get("pending_upload") or (None if entry.get("pending_delta") is None else   # 2.0's legacy mirror
+                                          {"step": entry.get("pending_delta_step") or step, "delta": entry["pending_delta"]})
+    sent = [int(v) for v in (entry.get("last_dispatched_step"), job and job["step"]) if v is not None]   # dispatched, maybe in flight
+    sends = sent + [int(v) for v in [entry.get("last_uploaded_step")] if v is not None]
+    return NodeState(str(entry.get("session") or session), merged, version, step,
+                     int(entry["last_sent_step"]) if entry.get("last_sent_step") is not None else max(sends, default=step),
+                     carry, int(entry.get("carry_steps", 0)),
+                     None if not job else Upload(int(job["step"]), int(job.get("base_outer_step", version)), dict(job["delta"]),
+                                                 int(job.get("inner_steps") or round_length), bool(job.get("final", False))),
+                     sent_step=max(sent, default=None), uploaded_step=entry.get("last_uploaded_step"))
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #4b6e218b
 class DumbDiLoCoCoordinator:
-    "DiLoCo for one node: deltas out every `inner_steps`, new globals in, and on the master the outer loop."
+    "DiLoCo for one node: the shell around its `NodeState` (threads, transport calls, signals, files); on the master the outer loop too."
     def __init__(self, config: Any, model: torch.nn.Module, *, hub: Any = None, state_dir: str | os.PathLike | None = None,
                  logger: Any = None):
         self.config = cfg = as_section(config, DistributedConfig)
         self.model, self.logger = model, logger
         self.node_id, self.role = node_id(cfg), resolve_role(cfg)
-        self.inner_steps, self.poll_interval = int(cfg.inner_steps), float(cfg.poll_interval)
+        self.inner_steps, self.poll_interval = int(cfg.inner_steps), float(cfg.poll_interval)  # the round length; seconds between polls
         self.state_root = Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
         self.state_root.mkdir(parents=True, exist_ok=True)
-        self._stop = threading.Event()
+        self.lock, self._stop, self._poll_due = threading.RLock(), threading.Event(), threading.Event()
         self.transport = hub if hub is not None else build_transport(cfg, stop=self._stop, scratch=self.state_root / "cache",
                                                                      warn=lambda message: self._log("warning", message))
-        self._terminated, self._woken = False, threading.Event()  # SIGTERM came during one of the coordinator's waits
-        self._opened = False
         floating_state(model.state_dict())                       # complex parameters: refuse now, not at the first boundary
-        self.baseline = cpu_state_dict(model.state_dict())
-        self.last_global_step, self.local_step, self.last_sent_step = -1, 0, 0
-        self.last_uploaded_step = self.last_dispatched_step = self.last_skipped_step = None
-        self.baseline_generation, self.session = 0, uuid.uuid4().hex[:12]
-        self.carry: dict[str, torch.Tensor] | None = None
-        self.carry_steps = 0
-        self.lock = threading.RLock()
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._busy, self._pending, self._accepting = False, None, False
-        self._candidate: tuple[int, dict, int] | None = None   # (version, state, the step of this session's newest delta it holds)
-        self.folded_step = -1  # this session's newest delta in the installed global (-1: none known)
-        self._wait_for_fold = True  # False after a boundary_wait ran out, until one of this node's deltas is folded
-        self._poll_requests: queue.Queue = queue.Queue(maxsize=1)
-        self._polling, self._last_poll, self._seen_tag = False, 0.0, None
-        self._threads: list[threading.Thread] = []
-        self._prepared: dict | None = None
-        self._fatal: BaseException | None = None
-        self._reset_due = False  # the first global installed after a boundary may clear the inner optimizer
-        self.installs = 0  # globals installed into the model so far (a torchrun node broadcasts after each)
-        self.outer: MasterOuterLoop | None = None
+        self.state = NodeState(uuid.uuid4().hex[:12], cpu_state_dict(model.state_dict()))
+        self._accepting = self._opened = self.started = self._terminated = False  # _terminated: SIGTERM came in a wait
+        self._woken, self._last_poll, self._seen_tag = threading.Event(), 0.0, None  # _woken: a wait ends now
+        self._candidate: tuple[int, dict, int] | None = None     # the poll's newest global: (version, tensors, folded step)
+        self._threads, self._uploading = [], None                 # the background threads; the newest upload thread
+        self._prepared, self._fatal = None, None                  # a checkpoint entry `start()` applies; a background thread's error
+        self.installs, self.outer = 0, None  # globals installed so far (a torchrun node broadcasts after each); the master's loop
         self.global_watcher: Any = None  # on a master: given `(version, state)` of each published global (see `_published`)
-        self.started = False
 
     @property
     def outer_step(self) -> int:
         "The global version: the master's outer step, else the installed version (0 before any)."
-        return self.outer.outer_step if self.outer is not None else max(self.last_global_step, 0)
+        return self.outer.outer_step if self.outer is not None else max(self.state.version, 0)
 
     def _log(self, level: str, message: str) -> None:
         if self.logger is not None: getattr(self.logger, level)(f"diloco {self.node_id}: {message}")
@@ -144,120 +224,79 @@ DumbDiLoCo = DumbDiLoCoCoordinator
 # %% ../../nbs/12d_distributed_diloco.ipynb #108c8cbf
 @patch
 def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
-    "Compute and dispatch the delta at `step`; False when skipped (an upload is still running) or not accepted."
-    current = cpu_state_dict(self.model.state_dict())
+    "`at_boundary` on the model's weights at `step`, and the upload dispatched; False when nothing was sent."
+    weights = cpu_state_dict(self.model.state_dict())
     with self.lock:
         if not self._accepting: return False
-        if self._busy or self._pending is not None:
-            self.last_skipped_step = step
-            self._emit("delta_upload_skipped", {"step": step, "reason": "upload_in_flight"})
-            return False
-        try: raw = compute_pseudo_gradient(self.baseline, current)
-        except ValueError as e:
-            self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}")
-            return False
-        if not all(bool(torch.isfinite(v).all()) for v in raw.values()):   # NaN/inf weights: never sent, baseline kept
-            self.last_skipped_step = step
-            self._emit("delta_upload_skipped", {"step": step, "reason": "not_finite"})
-            return False
-        total = raw if self.carry is None else {k: v + self.carry[k] for k, v in raw.items()}
-        wire = encode_delta(total, self.config.delta_dtype)
-        sent = decode_delta(wire)
-        residual = {k: total[k] - sent[k] for k in total}
-        self.carry = None if self.config.delta_dtype == "float32" else residual
-        inner = step - self.last_sent_step + self.carry_steps
-        self.carry_steps, self.last_sent_step = 0, step
-        self.baseline, self.baseline_generation = current, self.baseline_generation + 1
-        job = DeltaUploadJob(step, self.last_global_step, self.baseline_generation, wire, None, max(1, inner), final)
-        self._pending, self._busy, self.last_dispatched_step = job, True, step
-    self._emit("delta_upload_queued", {"step": step, "base_outer_step": job.base_outer_step, "inner_steps": job.inner_steps,
-                                       "bytes": wire_bytes(wire)})
-    if self.config.async_delta_upload and self._upload_thread_alive(): self._queue.put(job)
-    else: self._upload(job)
+        try: self.state, out = at_boundary(self.state, weights, step, self.config.delta_dtype, final)
+        except ValueError as e: return self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}") or False
+    if isinstance(out, str): return self._emit("delta_upload_skipped", {"step": step, "reason": out}) or False
+    self._emit("delta_upload_queued", {"step": step, "base_outer_step": out.base_outer_step, "inner_steps": out.steps,
+                                       "bytes": wire_bytes(out.delta)})
+    self._dispatch(out)
     return True
 
-# %% ../../nbs/12d_distributed_diloco.ipynb #72cfad75
 @patch
-def _upload(self: DumbDiLoCoCoordinator, job: DeltaUploadJob) -> None:
-    "Write `job` as a delta file and commit it; on failure its delta returns to the carry."
+def _dispatch(self: DumbDiLoCoCoordinator, job: Upload) -> None:
+    "Upload `job` on its own thread (`async_delta_upload`, once started), else now."
+    if not (self.config.async_delta_upload and self.started): return self._upload(job)
+    self._uploading = threading.Thread(target=self._upload, args=(job,), name="speedtronic-diloco-upload", daemon=True)
+    self._threads = [t for t in self._threads if t.is_alive()] + [self._uploading]
+    self._uploading.start()
+
+@patch
+def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
+    "Write `job` as a delta file and commit it; then `on_upload_done`, or `on_upload_failed` when the repository cannot be reached."
     local = self.state_root / "outgoing" / f"delta_{job.step}.safetensors"
-    encoding = "int8" if any(t.dtype == torch.int8 for t in job.delta.values()) else \
-        {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(next(iter(job.delta.values())).dtype, "float32")
-    header = delta_header(node_id=self.node_id, local_step=job.step, base_outer_step=job.base_outer_step,
-                          inner_steps=job.inner_steps, encoding=encoding, session=self.session, final=job.final)
+    dtypes = {t.dtype for t in job.delta.values()}
+    encoding = "int8" if torch.int8 in dtypes else "bfloat16" if torch.bfloat16 in dtypes else "float32"
+    header = delta_header(node_id=self.node_id, local_step=job.step, base_outer_step=job.base_outer_step, inner_steps=job.steps,
+                          encoding=encoding, session=self.state.session, final=job.final)
     try:
         self._ensure_open()
         save_safetensors(job.delta, local, header)
         self.transport.upload({delta_path(self.node_id, job.step): local}, message=f"{self.node_id}: delta at step {job.step}")
     except HubUnavailable as e:
-        with self.lock:
-            back = decode_delta(job.delta)
-            self.carry = back if self.carry is None else {k: v + back[k] for k, v in self.carry.items()}
-            self.carry_steps += job.inner_steps
-            self._pending, self._busy = None, False
+        with self.lock: self.state = on_upload_failed(self.state, job)
         self._log("warning", f"delta of step {job.step} not uploaded, it travels with the next one: {e}")
         self._emit("delta_upload_failed", {"step": job.step, "error": str(e)})
-        return
     except BaseException as e:
-        with self.lock: self._fatal, self._busy = e, False      # stays pending: the checkpoint keeps it
+        with self.lock: self._fatal = e                           # stays in flight: the checkpoint keeps it
         self._log("error", f"delta upload stopped: {e}")
-        return
+    else:
+        with self.lock: self.state = on_upload_done(self.state, job)
+        self._emit("delta_uploaded", {"step": job.step, "bytes": wire_bytes(job.delta)})
+        if self.outer is not None: self.outer.wake()             # the master's own delta: its loop looks now, not at the next poll
     finally: local.unlink(missing_ok=True)
-    with self.lock: self.last_uploaded_step, self._pending, self._busy = job.step, None, False
-    self._emit("delta_uploaded", {"step": job.step, "bytes": wire_bytes(job.delta)})
-    if self.outer is not None: self.outer.wake()                 # the master's own delta: its loop looks now, not at the next poll
-
-# %% ../../nbs/12d_distributed_diloco.ipynb #01af5046
-@patch
-def _upload_loop(self: DumbDiLoCoCoordinator) -> None:
-    while not (self._stop.is_set() and self._queue.empty()):
-        try: job = self._queue.get(timeout=0.1)
-        except queue.Empty: continue
-        try: self._upload(job)
-        finally: self._queue.task_done()
-
-@patch
-def _upload_thread_alive(self: DumbDiLoCoCoordinator) -> bool:
-    return any(t.name == "speedtronic-diloco-upload" and t.is_alive() for t in self._threads)
 
 @patch
 def _wait_uploads(self: DumbDiLoCoCoordinator, timeout: float) -> bool:
-    "Wait until no upload is queued or running (at most `timeout` seconds); True when idle."
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with self.lock:
-            if not self._busy: return True
-        time.sleep(0.05)
-    return not self._busy
+    "Wait (at most `timeout` seconds) until the newest upload has ended; True when none is running."
+    if self._uploading is not None: self._uploading.join(timeout)
+    return self._uploading is None or not self._uploading.is_alive()
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #b31a555f
 @patch
-def _install(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor], *, keep_progress: bool = True) -> bool:
-    "Install global `state` (version `version`) into the model, keeping unsent progress; True when it changed the model."
+def _install(self: DumbDiLoCoCoordinator, version: int, tensors: Mapping[str, torch.Tensor], folded: int = -1,
+             keep_progress: bool = True) -> Install | None:
+    "`on_global`, and its weights copied into the model; None when the global is not newer."
     live = self.model.state_dict()
-    if problem := state_misfit(live, state):
-        raise HubError(f"the global model (version {version}) in {self._where()} does not fit this node's model: "
-                       f"{problem}; every node must train the same model (compare the model sections of the nodes' configs)")
     with self.lock, torch.no_grad():
-        used = {k: v for k, v in state.items() if k in live and tuple(v.shape) == tuple(live[k].shape)}
-        new = {k: g.float() - (self.baseline[k].float() - live[k].detach().float().cpu())
-               if keep_progress and live[k].is_floating_point() and k in self.baseline else g for k, g in used.items()}
-        for k, v in new.items(): live[k].copy_(v.to(live[k].device, live[k].dtype))   # computed first: tied weights share storage
-        for k, g in used.items(): self.baseline[k] = g.detach().to("cpu", self.baseline[k].dtype, copy=True)
-        self.baseline_generation, self.installs = self.baseline_generation + 1, self.installs + 1
-        self.last_global_step = int(version)
-    self._emit("global_installed", {"outer_step": int(version), "step": self.local_step, "keys": len(used)})
-    return bool(used)
-
+        try: self.state, out = on_global(self.state, version, tensors, folded, live, keep_progress)
+        except ValueError as e:
+            raise HubError(f"the global model (version {version}) in {self._where()} does not fit this node's model: {e}; every node "
+                           "must train the same model (compare the model sections of the nodes' configs)") from None
+        if out is None: return None
+        for k, v in out.weights.items(): live[k].copy_(v.to(live[k].device, live[k].dtype))   # computed first: tied weights share storage
+        self.installs += 1
+    self._emit("global_installed", {"outer_step": int(version), "step": self.state.step, "keys": len(out.weights)})
+    return out
 
 @patch
-def _install_candidate(self: DumbDiLoCoCoordinator) -> bool:
-    "Install the newest waiting global, if it is newer than the installed one."
+def _install_candidate(self: DumbDiLoCoCoordinator) -> Install | None:
+    "Install the newest global the poll (or the master's loop) offered, if it is newer than the installed one."
     with self.lock: candidate, self._candidate = self._candidate, None
-    if candidate is None or candidate[0] <= self.last_global_step: return False
-    version, state, folded = candidate
-    if folded > self.folded_step: self.folded_step, self._wait_for_fold = folded, True
-    return self._install(version, state)
+    return None if candidate is None else self._install(*candidate)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #182989d0
 @patch
@@ -267,7 +306,7 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
     tag = self.transport.version_tag() if hasattr(self.transport, "version_tag") else None
     if tag is not None and tag == self._seen_tag: return None     # the version file has not changed: nothing new
     repo = self.transport.state()
-    with self.lock: newest = max(self.last_global_step, self._candidate[0] if self._candidate else -1)
+    with self.lock: newest = max(self.state.version, self._candidate[0] if self._candidate else -1)
     if repo.metadata is None or repo.outer_step <= newest: return None
     path = self.state_root / "global" / "latest.safetensors"
     self.transport.fetch(GLOBAL_MODEL_PATH, path, revision=repo.revision)
@@ -279,7 +318,7 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
 @patch
 def _folded_in(self: DumbDiLoCoCoordinator, ledger: Ledger) -> int:
     "The step of this session's newest delta that `ledger`'s global holds (-1: none)."
-    return ledger.nodes.get(self.node_id, {}).get("sessions", {}).get(self.session, -1)
+    return ledger.nodes.get(self.node_id, {}).get("sessions", {}).get(self.state.session, -1)
 
 @patch
 def _offer(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor], folded: int = -1) -> None:
@@ -289,60 +328,58 @@ def _offer(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.
 
 @patch
 def _poll_loop(self: DumbDiLoCoCoordinator) -> None:
-    while not self._stop.is_set():
-        try: self._poll_requests.get(timeout=0.1)
-        except queue.Empty: continue
-        try:
-            found = self._fetch_global()
-            if found is not None: self._offer(*found)
-        except HubUnavailable as e: self._log("warning", f"async global poll failed: {e}")
+    "The poll thread: one `_fetch_global` each time `_poll_due` is set, until the coordinator stops."
+    while True:
+        self._poll_due.wait()
+        if self._stop.is_set(): return
+        self._poll_due.clear()
+        try: self._poll_once("async global poll")
         except BaseException as e:
             with self.lock: self._fatal = e
-        finally:
-            with self.lock: self._polling = False
 
-# %% ../../nbs/12d_distributed_diloco.ipynb #4b658e18
 @patch
-def _maybe_poll(self: DumbDiLoCoCoordinator, force: bool) -> bool:
-    "Ask for a new global (a worker, at most every `poll_interval` unless `force`); True when one was installed now."
-    if self.role == "master": return False
-    now = time.monotonic()
-    if not force and now - self._last_poll < self.poll_interval: return False
-    self._last_poll = now
-    if self.config.async_global_poll:
-        with self.lock:
-            if self._polling: return False
-            self._polling = True
-        try: self._poll_requests.put_nowait(True)
-        except queue.Full:
-            with self.lock: self._polling = False
-        return False
+def _poll_once(self: DumbDiLoCoCoordinator, what: str = "global poll") -> None:
+    "Read the repository and offer a newer global; an unreachable repository is a warning (the next poll tries again)."
     try: found = self._fetch_global()
-    except HubUnavailable as e:
-        self._log("warning", f"global poll failed: {e}")
-        return False
-    if found is None: return False
-    self._offer(*found)
+    except HubUnavailable as e: return self._log("warning", f"{what} failed: {e}")
+    if found is not None: self._offer(*found)
+
+@patch
+def _maybe_poll(self: DumbDiLoCoCoordinator, force: bool) -> Install | None:
+    "Ask for a new global (a worker, at most every `poll_interval` unless `force`); what was installed now, if anything."
+    if self.role == "master": return None
+    now = time.monotonic()
+    if not force and now - self._last_poll < self.poll_interval: return None
+    self._last_poll = now
+    if self.config.async_global_poll: return self._poll_due.set()
+    self._poll_once()
     return self._install_candidate()
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #08458975
+@dataclass
+class SyncResult:
+    "What one `after_optimizer_step` did (2.0's record); true when the trainer should clear the inner optimizer's state."
+    pushed: bool = False                  # a delta was dispatched
+    loaded_global: bool = False           # a global was installed
+    outer_step: int = 0                   # the global version after the step
+    reset_inner_optimizer: bool = False   # the first install after a boundary, with `reset_inner_optimizer: true`
+    def __bool__(self) -> bool: return self.reset_inner_optimizer
+
 @patch
-def after_optimizer_step(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> bool:
-    "Send at a boundary, install a newer global; True when the trainer should clear the inner optimizer state."
+def after_optimizer_step(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> SyncResult:
+    "Send at a boundary (and wait for its fold with `boundary_wait`), install a newer global; true when the trainer should clear the inner optimizer."
     if model is not self.model:
         raise ValueError("DumbDiLoCoCoordinator.after_optimizer_step got a different model than the one it was built with")
     self._raise_fatal()
-    self.local_step = int(step)
-    boundary = step % self.inner_steps == 0
-    waited = False
+    with self.lock: self.state = replace(self.state, step=int(step))
+    boundary, pushed, installed = step % self.inner_steps == 0, False, []
     if boundary:
-        self._send(step); self._reset_due = True
-        if self.config.boundary_wait > 0: waited = self._await_fold()
-    loaded = self._install_candidate() or waited
-    if not loaded: loaded = self._maybe_poll(force=boundary)
-    reset = loaded and self._reset_due and self.config.reset_inner_optimizer
-    if loaded: self._reset_due = False
-    return bool(reset)
+        pushed = self._send(step)
+        if self.config.boundary_wait > 0: installed += self._await_fold()
+    installed.append(self._install_candidate())
+    if not any(installed): installed.append(self._maybe_poll(force=boundary))
+    done = [i for i in installed if i is not None]
+    return SyncResult(pushed, bool(done), self.outer_step, bool(self.config.reset_inner_optimizer and any(i.reset for i in done)))
 
 @patch
 def _raise_fatal(self: DumbDiLoCoCoordinator) -> None:
@@ -353,36 +390,34 @@ def _raise_fatal(self: DumbDiLoCoCoordinator) -> None:
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #53471164
 @patch
-def _await_fold(self: DumbDiLoCoCoordinator) -> bool:
-    "Wait up to `boundary_wait` s until a global holding the last dispatched delta is installed; True when one was installed."
-    target, installed = self.last_dispatched_step, False
-    if target is None or not self._wait_for_fold: return False
-    start = time.monotonic()
+def _await_fold(self: DumbDiLoCoCoordinator) -> list[Install]:
+    "Wait up to `boundary_wait` s until a global holding the last dispatched delta is installed; the installs made meanwhile."
+    with self.lock: target = wait_target(self.state)
+    if target is None: return []
+    start, installed = time.monotonic(), []
     deadline, interval = start + float(self.config.boundary_wait), min(self.poll_interval, 0.25)
     with self._sigterm_ends_wait():                                  # SIGTERM: the trainer stops after this step
         while True:
-            installed = self._install_candidate() or installed
-            with self.lock: lost = not self._busy and (self.last_uploaded_step is None or self.last_uploaded_step < target)
-            stopped = self._stop.is_set() or self._terminated
-            if self.folded_step >= target or lost or time.monotonic() >= deadline or stopped: break
+            installed.append(self._install_candidate())
+            with self.lock: self.state, ended = after_wait(self.state, target, out_of_time=time.monotonic() >= deadline,
+                                                           stopped=self._stop.is_set() or self._terminated)
+            if ended: break
             self._raise_fatal()
-            if self._maybe_poll(force=True): installed = True        # a synchronous poll installed it
+            if polled := self._maybe_poll(force=True): installed.append(polled)   # a synchronous poll installed it
             else: self._woken.wait(interval)
-    arrived = self.folded_step >= target
-    ended = "folded" if arrived else "lost" if lost else "stopped" if stopped else "timeout"
     if ended == "timeout":                                           # out of time: the master is slow or gone
-        self._wait_for_fold = False
         self._log("warning", f"boundary_wait: the delta of step {target} was not folded within {self.config.boundary_wait:g} s; "
                              "not waiting again until one of this node's deltas is folded")
-    self._emit("boundary_wait", {"step": target, "waited_s": round(time.monotonic() - start, 4), "folded": arrived, "ended": ended})
-    return installed
+    self._emit("boundary_wait", {"step": target, "waited_s": round(time.monotonic() - start, 4), "folded": ended == "folded",
+                                 "ended": ended})
+    return [i for i in installed if i is not None]
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #bfacdca9
 @patch
 def start(self: DumbDiLoCoCoordinator) -> None:
     "Open the repository, restore prepared state, start the outer loop (master) and the background threads."
     if self.started: return
-    self._stop.clear()
+    self._stop.clear(); self._poll_due.clear()
     self._fatal = None
     for leftover in self.state_root.glob("**/.fetch-*"): shutil.rmtree(leftover, ignore_errors=True)   # a killed download
     if self.role != "master":
@@ -390,16 +425,18 @@ def start(self: DumbDiLoCoCoordinator) -> None:
         except RepoMissing: pass                                  # not created yet: the wait for the first global waits for it
         except HubUnavailable as e: self._log("warning", f"cannot reach the repository now; it is checked before the first exchange: {e}")
     prepared, self._prepared = self._prepared, None
-    if prepared is not None: self._apply_state(prepared)
-    elif not _same_state(self.baseline, self.model.state_dict()):
-        self.baseline = cpu_state_dict(self.model.state_dict())   # weights loaded after construction: nothing unsent yet
-    if self.last_global_step >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it existed: never create it again
+    with self.lock:
+        if prepared is not None: self.state = node_state_from(prepared, self.state.base, self.state.session, self.inner_steps)
+        elif (live := self.model.state_dict()).keys() != self.state.base.keys() or \
+                not all(torch.equal(v, live[k].detach().cpu()) for k, v in self.state.base.items()):   # weights loaded since construction
+            self.state = replace(self.state, base=cpu_state_dict(live))                                 # (nothing unsent yet)
+    if self.state.version >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it existed: never create it again
     if self.role == "master": self._start_master(prepared)
     else: self._await_global()
     self._install_candidate()
     self._accepting, self.started, self._last_poll = True, True, time.monotonic()
     self._spawn()
-    self._log("info", f"started as {self.role} (session {self.session}, global version {self.last_global_step})")
+    self._log("info", f"started as {self.role} (session {self.state.session}, global version {self.state.version})")
 
 @patch
 def _ensure_open(self: DumbDiLoCoCoordinator) -> None:
@@ -408,36 +445,41 @@ def _ensure_open(self: DumbDiLoCoCoordinator) -> None:
         if callable(getattr(self.transport, "open", None)): self.transport.open(create=False, private=True)
         self._opened = True
 
-def _same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k].detach().cpu()) for k in a)
-
 # %% ../../nbs/12d_distributed_diloco.ipynb #589ef27b
+@patch
+def _wait_until(self: DumbDiLoCoCoordinator, done: Callable[[], bool], timeout: float, saying: Callable[[], str], waiting_for: str,
+                stop_retries: bool = False) -> bool:
+    "Ask `done()` every poll (2 s at most) until it is True (True), the coordinator stops (True) or `timeout` s passed (False)."
+    deadline, told = time.monotonic() + timeout, False
+    with self._sigterm_ends_wait(stop_retries):
+        while not (self._stop.is_set() or self._terminated):
+            if done(): return True
+            if time.monotonic() >= deadline: return False
+            if not told: self._log("info", saying())                # said once
+            told = True
+            self._woken.wait(min(self.poll_interval, 2.0))
+    if self._terminated: raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for {waiting_for} in {self._where()}")
+    return True
+
 @patch
 def _await_global(self: DumbDiLoCoCoordinator) -> None:
     "A worker's first global: wait (up to `lease_timeout`) until the master has created the repository and published one; offer it."
-    deadline, told, missing = time.monotonic() + self.config.lease_timeout, False, None
-    with self._sigterm_ends_wait(stop_retries=True):
-        while not (self._stop.is_set() or self._terminated):
-            try:
-                found, missing = self._fetch_global(), None
-                if found is not None: return self._offer(*found)
-                if self.last_global_step >= 0: return               # resumed: newer globals come with the polls
-            except RepoMissing as e: missing = e
-            except HubUnavailable as e:
-                self._log("warning", f"cannot read the repository now: {e}")
-                if self.last_global_step >= 0: return
-            if time.monotonic() >= deadline:
-                if missing is not None:
-                    raise RepoMissing(f"{missing}; it was not created within distributed.lease_timeout={self.config.lease_timeout:g} s: "
-                                      "start its master, or check distributed.repo_id and the token")
-                return self._log("warning", f"no global model in {self._where()} after {self.config.lease_timeout:g} s; "
-                                            "training from local weights")
-            if not told: self._log("info", f"waiting for the master to {'create' if missing else 'publish the first global model in'} "
-                                           f"{self._where()} (up to {self.config.lease_timeout:g} s)")
-            told = True
-            self._woken.wait(min(self.poll_interval, 2.0))
-    if self._terminated:
-        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for the first global model in {self._where()}")
+    missing, limit = [None], self.config.lease_timeout
+    def arrived() -> bool:
+        try: found, missing[0] = self._fetch_global(), None
+        except RepoMissing as e: missing[0] = e; return False
+        except HubUnavailable as e:
+            self._log("warning", f"cannot read the repository now: {e}")
+            return self.state.version >= 0
+        if found is not None: self._offer(*found)
+        return found is not None or self.state.version >= 0          # resumed: newer globals come with the polls
+    saying = lambda: (f"waiting for the master to {'create' if missing[0] else 'publish the first global model in'} {self._where()} "
+                      f"(up to {limit:g} s)")
+    if self._wait_until(arrived, limit, saying, "the first global model", stop_retries=True): return
+    if missing[0] is not None:
+        raise RepoMissing(f"{missing[0]}; it was not created within distributed.lease_timeout={limit:g} s: "
+                          "start its master, or check distributed.repo_id and the token")
+    self._log("warning", f"no global model in {self._where()} after {limit:g} s; training from local weights")
 
 @patch
 @contextlib.contextmanager
@@ -480,13 +522,12 @@ def warn_outer_momentum(config: DistributedConfig) -> str | None:
 def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | None) -> None:
     cfg = self.config
     if message := outer_momentum_warning(cfg): self._log("warning", message)
-    self.outer = MasterOuterLoop(self.transport, cpu_state_dict(self.model.state_dict()), node_state_dir=self.state_root,
-                                 outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, poll_interval=cfg.poll_interval,
-                                 on_global_update=lambda state, version: self._published(version, state),
-                                 logger=self.logger, node_id=self.node_id, session=self.session, inner_steps=cfg.inner_steps,
-                                 staleness=cfg.staleness, expected_nodes=cfg.expected_nodes,
-                                 max_delta_norm_ratio=cfg.max_delta_norm_ratio, lease_timeout=cfg.lease_timeout,
-                                 round_wait=cfg.boundary_wait / 2)
+    self.outer = MasterOuterLoop(
+        self.transport, cpu_state_dict(self.model.state_dict()), node_state_dir=self.state_root, outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum, poll_interval=cfg.poll_interval, on_global_update=lambda state, version: self._published(version, state),
+        logger=self.logger, node_id=self.node_id, session=self.state.session, inner_steps=cfg.inner_steps, staleness=cfg.staleness,
+        expected_nodes=cfg.expected_nodes, max_delta_norm_ratio=cfg.max_delta_norm_ratio, lease_timeout=cfg.lease_timeout,
+        round_wait=cfg.boundary_wait / 2)
     if prepared is not None and prepared.get("outer"): self.outer.load_state_dict(prepared["outer"])
     if self.outer.outer_step >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it published there: never create it again
     try: self.outer.start_master()
@@ -495,17 +536,14 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
 
 @patch
 def _spawn(self: DumbDiLoCoCoordinator) -> None:
+    "Start the poll thread (a worker with `async_global_poll`) and the master's loop; send a delta a checkpoint held in flight."
     self._threads = []
-    if self.config.async_delta_upload:
-        self._threads.append(threading.Thread(target=self._upload_loop, name="speedtronic-diloco-upload", daemon=True))
     if self.role != "master" and self.config.async_global_poll:
         self._threads.append(threading.Thread(target=self._poll_loop, name="speedtronic-diloco-poll", daemon=True))
-    for t in self._threads: t.start()
+        self._threads[-1].start()
     if self.outer is not None: self.outer.start()
-    with self.lock: job, self._busy = self._pending, self._pending is not None
-    if job is not None:                                           # restored from a checkpoint: send it first
-        if self.config.async_delta_upload: self._queue.put(job)
-        else: self._upload(job)
+    with self.lock: job = self.state.in_flight
+    if job is not None: self._dispatch(job)                       # restored from a checkpoint: sent first
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #0a292e8a
 @patch
@@ -526,20 +564,18 @@ def _watcher_caught_up(self: DumbDiLoCoCoordinator, timeout: float) -> None:
 # %% ../../nbs/12d_distributed_diloco.ipynb #f61fbdae
 @patch
 def stop(self: DumbDiLoCoCoordinator) -> None:
-    "Stop uploads, polling and the master's loop (bounded waits; a pending upload is kept for the checkpoint)."
+    "Stop uploads, polling and the master's loop (bounded waits; an upload in flight is kept for the checkpoint)."
     if not self.started: return
     with self.lock: self._accepting = False
     timeout = float(self.config.delta_upload_shutdown_timeout)
     if not self._wait_uploads(timeout): self._log("warning", f"an upload did not finish within {timeout:g} s; it is kept for the next start")
-    self._stop.set()
+    self._stop.set(); self._poll_due.set()
     for t in self._threads:
         t.join(timeout)
         if t.is_alive(): self._log("warning", f"{t.name} did not stop within {timeout:g} s")
     if self.outer is not None: self.outer.stop()
     if self.global_watcher is not None: self._watcher_caught_up(timeout)
-    with self.lock:
-        if self._pending is not None and not any(t.is_alive() for t in self._threads): self._busy = False
-        self.started = False
+    self.started = False
 
 @patch
 def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> None:
@@ -548,7 +584,7 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
     self._raise_fatal()
     timeout = float(self.config.final_round_timeout)
     self._wait_uploads(timeout)
-    if step > self.last_sent_step or self.carry_steps: self._send(step, final=True)
+    if step > self.state.base_step or self.state.carry_steps: self._send(step, final=True)
     if not self._wait_uploads(timeout): self._log("warning", f"the final delta of step {step} is still uploading after {timeout:g} s")
     self._raise_fatal()
     if self.outer is None: return self._await_own_fold(timeout)
@@ -557,11 +593,9 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
     if self._terminated:
         raise TrainingInterrupted("SIGTERM", message=f"SIGTERM during the master's final round in {self._where()}")
     self._raise_fatal()
-    if self._folded_in(self.outer.ledger) < 0: raise self._unfolded(f"version {version} holds none of its deltas")
-    _, state = self.outer.snapshot()
-    self._install(version, state, keep_progress=False)
+    if (folded := self._folded_in(self.outer.ledger)) < 0: raise self._unfolded(f"version {version} holds none of its deltas")
+    self._install(version, self.outer.snapshot()[1], folded, keep_progress=False)
     if self.global_watcher is not None: self._watcher_caught_up(timeout)
-    self.carry, self.carry_steps, self.last_sent_step = None, 0, step
 
 @patch
 def _unfolded(self: DumbDiLoCoCoordinator, why: str) -> HubError:
@@ -572,37 +606,24 @@ def _unfolded(self: DumbDiLoCoCoordinator, why: str) -> HubError:
 @patch
 def _await_own_fold(self: DumbDiLoCoCoordinator, timeout: float) -> None:
     "A worker's end: wait up to `timeout` s for a published version whose ledger holds one of this session's deltas."
-    deadline, why, told = time.monotonic() + timeout, "no version was published", False
-    with self._sigterm_ends_wait():
-        while self.folded_step < 0 and not self._terminated:
-            try:
-                repo = self.transport.state()
-                if repo.metadata is not None and "ledger" not in repo.extras: return   # a 2.0 master: no ledger to check
-                if repo.metadata is not None and self._folded_in(Ledger.from_json(repo.extras["ledger"])) >= 0: return
-                if repo.metadata is not None: why = f"version {repo.outer_step} holds none of its deltas"
-            except HubUnavailable as e: why = f"the repository is unreachable ({e})"
-            if time.monotonic() >= deadline: raise self._unfolded(why)
-            if not told: self._log("info", f"waiting up to {timeout:g} s for a global model in {self._where()} that holds one of "
-                                           "this node's deltas (none has so far)")
-            told = True
-            self._woken.wait(min(self.poll_interval, 2.0))
-    if self._terminated:
-        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for a global model holding this node's deltas in {self._where()}")
+    why = ["no version was published"]
+    def folded() -> bool:
+        if self.state.folded_step >= 0: return True
+        try: repo = self.transport.state()
+        except HubUnavailable as e: why[0] = f"the repository is unreachable ({e})"; return False
+        if repo.metadata is None: return False
+        if "ledger" not in repo.extras: return True                  # a 2.0 master: no ledger to check
+        why[0] = f"version {repo.outer_step} holds none of its deltas"
+        return self._folded_in(Ledger.from_json(repo.extras["ledger"])) >= 0
+    saying = lambda: f"waiting up to {timeout:g} s for a global model in {self._where()} that holds one of this node's deltas (none has so far)"
+    if not self._wait_until(folded, timeout, saying, "a global model holding this node's deltas"): raise self._unfolded(why[0])
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #8aefbcbd
 @patch
 def state_dict(self: DumbDiLoCoCoordinator) -> dict[str, Any]:
-    "The coordinator's checkpoint entry (tensors and plain data)."
-    with self.lock:
-        pending = self._pending.as_state() if self._pending is not None else None
-        return {"node_id": self.node_id, "role": self.role, "session": self.session,
-                "last_global_step": self.last_global_step, "last_uploaded_step": self.last_uploaded_step,
-                "last_dispatched_step": self.last_dispatched_step, "last_skipped_step": self.last_skipped_step,
-                "local_step": self.local_step, "last_sent_step": self.last_sent_step,
-                "baseline_generation": self.baseline_generation, "baseline": {k: v.clone() for k, v in self.baseline.items()},
-                "carry": None if self.carry is None else {k: v.clone() for k, v in self.carry.items()},
-                "carry_steps": self.carry_steps, "pending_upload": pending, "pending_delta": None, "pending_delta_step": None,
-                "outer": self.outer.state_dict() if self.outer is not None else None}
+    "The coordinator's checkpoint entry: its `NodeState` (`node_checkpoint`), who wrote it, and on the master the outer state."
+    with self.lock: entry = node_checkpoint(self.state)
+    return {**entry, "node_id": self.node_id, "role": self.role, "outer": self.outer.state_dict() if self.outer is not None else None}
 
 @patch
 def prepare_state(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) -> None:
@@ -611,33 +632,12 @@ def prepare_state(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) 
 
 @patch
 def load_state_dict(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) -> None:
-    "Restore a checkpoint entry now (before `start()`: like `prepare_state`; after: all but the baseline)."
+    "Restore a checkpoint entry now (before `start()`: like `prepare_state`; after: all but the base weights)."
     if not state: return
     if not self.started: return self.prepare_state(state)
     self._log("warning", "coordinator state restored after start(): keeping the current baseline so no bogus delta is sent")
-    self._apply_state({k: v for k, v in state.items() if k not in ("baseline", "outer")})
-
-# %% ../../nbs/12d_distributed_diloco.ipynb #8469f7a5
-@patch
-def _apply_state(self: DumbDiLoCoCoordinator, state: Mapping[str, Any]) -> None:
-    with self.lock:
-        self.session = str(state.get("session") or self.session)
-        self.last_global_step = int(state.get("last_global_step", self.last_global_step))
-        self.local_step = int(state.get("local_step", self.local_step))
-        self.last_sent_step = int(state.get("last_sent_step", state.get("last_uploaded_step") or self.local_step))
-        self.last_uploaded_step = state.get("last_uploaded_step")
-        self.baseline_generation = int(state.get("baseline_generation", 0))
-        if state.get("baseline"):
-            saved = state["baseline"]
-            self.baseline = {k: saved[k].detach().cpu().clone() if k in saved else v for k, v in self.baseline.items()}
-        self.carry = {k: v.float().clone() for k, v in state["carry"].items()} if state.get("carry") else None
-        self.carry_steps = int(state.get("carry_steps", 0))
-        job = state.get("pending_upload")
-        if job is None and state.get("pending_delta") is not None:
-            job = {"step": state.get("pending_delta_step") or self.local_step, "delta": state["pending_delta"]}
-        self._pending = None if not job else DeltaUploadJob(
-            int(job["step"]), int(job.get("base_outer_step", self.last_global_step)), int(job.get("generation", 0)),
-            dict(job["delta"]), None, int(job.get("inner_steps") or self.inner_steps), bool(job.get("final", False)))
+    with self.lock: self.state = replace(node_state_from(state, self.state.base, self.state.session, self.inner_steps), base=self.state.base)
+    if self.state.in_flight is not None: self._dispatch(self.state.in_flight)   # a delta the entry held: sent now, as start() does
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #02c91f8e
 class NodeShard:
@@ -668,7 +668,6 @@ def shard_loader(loader: Any, config: DistributedConfig) -> Any:
     if not config.enabled or not config.shard_count or config.shard_count == 1: return loader
     return NodeShard(loader, config.shard_index, config.shard_count)
 
-# %% ../../nbs/12d_distributed_diloco.ipynb #50c524fb
 def _in_file_order(data: DataConfig) -> str | None:
     "The data file the loader reads in file order whatever the seed (the source `build_dataloader` picks), else None."
     if data.shuffle: return None                                   # shuffled with the node's own seed: its own order
