@@ -276,10 +276,14 @@ def test_tied_weights_travel_once_and_every_reader_gets_every_key(tmp_path):
     assert tensors["lm_head.weight"].data_ptr() != tensors["transformer.wte.weight"].data_ptr()
     # the master folds it and publishes a global that stores the tied tensor once too, and a node reads every key
     t = SharedDirectory(tmp_path / "repo"); t.open(create=True)
-    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=3)
+    rounds = []
+    logger = MetricLogger(stream=False, hooks=[lambda e, p: rounds.append(p) if e == "outer_step" else None])
+    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=3, logger=logger)
     m.start_master()
     t.upload({delta_path("n", 3): path})
-    assert m.sync_once() == 1 and m.rounds[-1][1] < unique_fp32 // 2 + 4096   # bytes the master downloaded
+    assert m.sync_once() == 1
+    logger.flush(); logger.close()
+    assert rounds[-1]["bytes_received"] < unique_fp32 // 2 + 4096   # bytes the master downloaded
     published = tmp_path / "repo" / GLOBAL_MODEL_PATH
     assert published.stat().st_size < unique_fp32 + 4096 and TENSOR_ALIASES in read_metadata(published)
     state = load_safetensors(published)
