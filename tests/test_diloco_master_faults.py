@@ -211,6 +211,17 @@ def test_a_forged_step_of_a_real_session_is_refused_and_the_session_goes_on(tmp_
     assert "rejected delta nodes/worker/delta_000000999999999999.safetensors" in run.console.getvalue()   # a warning, not INFO
 
 
+def test_a_refused_delta_of_a_session_first_folded_in_the_same_round_still_counts_as_reached(tmp_path):
+    """A node's first delta and its next one (NaN) are listed in one pass: the refusal is of a session the ledger learns
+    only from that round's fold. The node carries on after the refused delta; its next one must not look unreachable."""
+    run = Run(tmp_path)
+    m = run.master
+    run.send("worker", 10); run.send("worker", 20, float("nan")); m.sync_once()
+    assert run.folded() == [("worker", 10)] and run.rejected() == {("worker", 20): "not_finite"}
+    run.send("worker", 30); m.sync_once()                                   # steps 21..30: continues after the refused 20
+    assert run.folded() == [("worker", 10), ("worker", 30)] and len(run.rejected()) == 1
+
+
 # -- 4. the final round waits only for nodes in the global ----------------------------------------------------
 def test_the_final_round_does_not_wait_for_a_node_whose_only_file_was_refused(tmp_path):
     run = Run(tmp_path)
