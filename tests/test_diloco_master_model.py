@@ -169,7 +169,8 @@ class MasterModel(RuleBasedStateMachine):
             master.saved, master.prepared, master.state = master.prepared, None, on_published(prepared, (), self.now)
             return True
         master.alive = False                                                # another master published: this one stops
-        if self.zombie is not None and self.zombie.alive: self.master, self.zombie = self.zombie, None
+        if self.zombie is not None and self.zombie.alive:                 # the old master it was racing goes on
+            self.master, self.zombie, self.since_listing = self.zombie, None, set(self.repo)
         return False
 
     def one_pass(self, master: Master, full_rounds: bool, crash: str | None = None) -> None:
