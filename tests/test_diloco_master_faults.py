@@ -110,6 +110,19 @@ def test_a_delta_in_the_repository_before_the_masters_first_commit_is_folded_by_
     assert m.sync_once() == 1 and t.list_deltas() == []
 
 
+def test_a_delta_committed_while_the_master_bootstraps_is_folded_and_the_master_goes_on(tmp_path, hub):
+    "A node commits between the master's first read and its bootstrap commit: the bootstrap is retried, not taken for another master."
+    t, m, send = hub_master(tmp_path, hub, "org/boot-race", start=False, expected_nodes=1)
+    publish = t.publish
+    def racing_publish(*args, **kw):
+        t.publish = publish
+        send(10)
+        return publish(*args, **kw)
+    t.publish = racing_publish
+    assert m.start_master().outer_step == 0 and t.list_deltas() == [delta_path("w", 10)]
+    assert m.sync_once() == 1 and t.list_deltas() == []
+
+
 def test_the_final_round_folds_a_held_round_at_once(tmp_path, hub):
     "Whole rounds: a round waiting for a node that has finished is folded by the final round, not after its wait runs out."
     now = [0.0]

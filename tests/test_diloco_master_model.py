@@ -78,7 +78,7 @@ class MasterModel(RuleBasedStateMachine):
         if crash == "before": return False
         head_pub = None if self.head is None else self.head[3]
         if self.head is not None and head_pub != master.state.publication:
-            verdict = conflict_verdict(master.state, master.node_id, prepared.publication, self.head[0],
+            verdict = conflict_verdict(master.state.outer_step, master.node_id, prepared.publication, self.head[0],
                                        {"publication": head_pub, "master": {"node_id": self.head[4]}})
             assert verdict == "stop", verdict                           # only another master moves the head's publication
             master.alive = False
