@@ -110,6 +110,19 @@ def test_a_delta_in_the_repository_before_the_masters_first_commit_is_folded_by_
     assert m.sync_once() == 1 and t.list_deltas() == []
 
 
+def test_a_delta_committed_while_the_master_bootstraps_is_folded_and_the_master_goes_on(tmp_path, hub):
+    "A node commits between the master's first read and its bootstrap commit: the bootstrap is retried, not taken for another master."
+    t, m, send = hub_master(tmp_path, hub, "org/boot-race", start=False, expected_nodes=1)
+    publish = t.publish
+    def racing_publish(*args, **kw):
+        t.publish = publish
+        send(10)
+        return publish(*args, **kw)
+    t.publish = racing_publish
+    assert m.start_master().outer_step == 0 and t.list_deltas() == [delta_path("w", 10)]
+    assert m.sync_once() == 1 and t.list_deltas() == []
+
+
 def test_the_final_round_folds_a_held_round_at_once(tmp_path, hub):
     "Whole rounds: a round waiting for a node that has finished is folded by the final round, not after its wait runs out."
     now = [0.0]
@@ -211,6 +224,17 @@ def test_a_forged_step_of_a_real_session_is_refused_and_the_session_goes_on(tmp_
     assert "rejected delta nodes/worker/delta_000000999999999999.safetensors" in run.console.getvalue()   # a warning, not INFO
 
 
+def test_a_refused_delta_of_a_session_first_folded_in_the_same_round_still_counts_as_reached(tmp_path):
+    """A node's first delta and its next one (NaN) are listed in one pass: the refusal is of a session the ledger learns
+    only from that round's fold. The node carries on after the refused delta; its next one must not look unreachable."""
+    run = Run(tmp_path)
+    m = run.master
+    run.send("worker", 10); run.send("worker", 20, float("nan")); m.sync_once()
+    assert run.folded() == [("worker", 10)] and run.rejected() == {("worker", 20): "not_finite"}
+    run.send("worker", 30); m.sync_once()                                   # steps 21..30: continues after the refused 20
+    assert run.folded() == [("worker", 10), ("worker", 30)] and len(run.rejected()) == 1
+
+
 # -- 4. the final round waits only for nodes in the global ----------------------------------------------------
 def test_the_final_round_does_not_wait_for_a_node_whose_only_file_was_refused(tmp_path):
     run = Run(tmp_path)
@@ -276,10 +300,14 @@ def test_tied_weights_travel_once_and_every_reader_gets_every_key(tmp_path):
     assert tensors["lm_head.weight"].data_ptr() != tensors["transformer.wte.weight"].data_ptr()
     # the master folds it and publishes a global that stores the tied tensor once too, and a node reads every key
     t = SharedDirectory(tmp_path / "repo"); t.open(create=True)
-    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=3)
+    rounds = []
+    logger = MetricLogger(stream=False, hooks=[lambda e, p: rounds.append(p) if e == "outer_step" else None])
+    m = MasterOuterLoop(t, model.state_dict(), node_state_dir=tmp_path / "state", node_id="m", inner_steps=3, logger=logger)
     m.start_master()
     t.upload({delta_path("n", 3): path})
-    assert m.sync_once() == 1 and m.rounds[-1][1] < unique_fp32 // 2 + 4096   # bytes the master downloaded
+    assert m.sync_once() == 1
+    logger.flush(); logger.close()
+    assert rounds[-1]["bytes_received"] < unique_fp32 // 2 + 4096   # bytes the master downloaded
     published = tmp_path / "repo" / GLOBAL_MODEL_PATH
     assert published.stat().st_size < unique_fp32 + 4096 and TENSOR_ALIASES in read_metadata(published)
     state = load_safetensors(published)
@@ -349,3 +377,53 @@ def test_a_master_whose_model_does_not_fit_the_repositorys_global_stops_naming_t
                                        r"\(6, 6\) in the global"):
         master.start_master()
     assert master.outer_step == -1 and torch.equal(master.global_state["0.weight"], other.state_dict()["0.weight"])
+
+
+# -- a transport of 2.0's contract, and 2.0's checkpoint ----------------------------------------------------------------
+class ContractOnly:
+    "A transport written against 2.0's contract: state, list_deltas, fetch, upload, publish(files, deletes, parent, owner, message)."
+    def __init__(self, root: Path):
+        self.inner = SharedDirectory(root, retry=RetryPolicy(0.001, 0.01, 2))
+
+    def state(self): return self.inner.state()
+    def list_deltas(self, revision=None): return self.inner.list_deltas(revision)
+    def fetch(self, path, local, revision=None): return self.inner.fetch(path, local, revision=revision)
+    def upload(self, files, message=""): return self.inner.upload(files, message)
+    def publish(self, files, deletes, parent, owner, message=""):
+        return self.inner.publish(files, deletes, parent=parent, owner=owner, message=message)
+
+
+def test_a_master_works_on_a_transport_of_2_0s_contract(tmp_path):
+    "No open, describe, head_revision, counts, nor publish's newer keywords: the master bootstraps, folds, deletes and resumes."
+    run = Run(tmp_path)                                                       # its nodes send the deltas; its master is replaced
+    shutil.rmtree(tmp_path / "repo"); SharedDirectory(tmp_path / "repo").open(create=True)
+    plain = MasterOuterLoop(ContractOnly(tmp_path / "repo"), run.model.state_dict(), node_state_dir=tmp_path / "plain",
+                            node_id="m", inner_steps=10, logger=run.logger)
+    assert plain.start_master().outer_step == 0
+    run.send("w", 10); run.send("w", 20, float("nan"))
+    assert plain.sync_once() == 1 and run.folded() == [("w", 10)] and run.rejected() == {("w", 20): "not_finite"}
+    assert plain.transport.list_deltas() == []
+    again = MasterOuterLoop(ContractOnly(tmp_path / "repo"), run.model.state_dict(), node_state_dir=tmp_path / "plain",
+                            node_id="m", inner_steps=10)
+    assert again.start_master().outer_step == 1 and again.ledger == plain.ledger
+    torch.testing.assert_close(again.state.outer.momentum, plain.state.outer.momentum)
+
+
+@pytest.mark.skipif(not (V2 / "diloco-repo").is_dir(), reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here")
+def test_a_2_0_checkpoints_outer_state_is_continued_and_its_processed_deltas_are_not_folded_again(tmp_path):
+    "2.0's checkpoint shape (processed_deltas as [node, step, base] triples, momentum, global_state) comes in through the translator."
+    repo = tmp_path / "repo"
+    shutil.copytree(V2 / "diloco-repo", repo)
+    for p in [repo, *repo.rglob("*")]: p.chmod(0o755 if p.is_dir() else 0o644)
+    cfg = SpeedtronicConfig.from_dict({"model": {"vocab_size": 256, "max_seq_len": 64, "n_layer": 2, "d_model": 64,
+                                                 "n_head": 4, "n_kv_head": 2}})
+    model = build_model(cfg.model)
+    v2_global = load_safetensors(repo / GLOBAL_MODEL_PATH)
+    momentum = {k: torch.full(v.shape, 1e-4) for k, v in floating_state(v2_global).items()}
+    checkpoint = {"outer_step": 4, "processed_deltas": [[n, 200, 3] for n in ("master", "worker1", "worker2")],
+                  "momentum": momentum, "global_state": v2_global}
+    m = MasterOuterLoop(SharedDirectory(repo), model.state_dict(), node_state_dir=tmp_path / "state", node_id="master", inner_steps=10)
+    m.load_state_dict(checkpoint)
+    assert m.start_master().outer_step == 4
+    torch.testing.assert_close(m.state.outer.momentum, momentum)              # continued, not restarted at zero
+    assert m.sync_once() == 4 and SharedDirectory(repo).list_deltas() == []   # 2.0 had folded them: dropped as duplicates
