@@ -120,6 +120,18 @@ def node_configs(work: Path, corpus: dict[str, Path], repo: str, transport: str 
     return out
 
 
+def test_the_nodes_write_the_distributed_keys_of_a_2_0_config(tmp_path):
+    "The launch below runs what 2.0 ran: its nodes' distributed keys and values and its model are those of 2.0's own configs."
+    fixtures = ROOT.parent / "shared" / "fixtures" / "v2.0" / "diloco-repo"
+    if not fixtures.is_dir(): pytest.skip("needs ../shared/fixtures/v2.0 beside the checkout")
+    files = dict.fromkeys(NODES, Path("all.txt"))
+    ours = node_configs(tmp_path, files, "test/run", None)
+    for name, theirs in (("master", "master-config.json"), ("worker1", "worker1-config.json")):
+        v2 = json.loads((fixtures / theirs).read_text())
+        assert ours[name][0]["distributed"] == v2["distributed"]
+        assert ours[name][0]["model"] == v2["model"]
+
+
 ORDERS = {"workers_first": ("worker1", "worker2", "master"), "master_first": ("master", "worker1", "worker2")}
 
 
