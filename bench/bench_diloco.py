@@ -10,7 +10,8 @@ algorithm's, the gap between it and the DiLoCo runs is asynchrony's. Printed sid
 final global model and of the baseline, the deltas uploaded and folded, the versions published, bytes per delta and
 wall time. A "2.0 keys" row runs the nodes on the distributed keys a Speedtronic 2.0 user writes (outer lr 0.7, Nesterov
 momentum 0.9, every newer key at its default) with a contiguous part of the training text per node, as a 2.0 user
-shards. Wire rows give the bytes of one delta of this model in each delta dtype (the library's own encoding).
+shards. A whole-round row with float32 deltas (directory) beside the bfloat16 one shows what the smaller wire format
+costs. Wire rows give the bytes of one delta of this model in each delta dtype (the library's own encoding).
 The one table printed at the end is the place the docs cite measured DiLoCo numbers from.
 
     python bench/bench_diloco.py                  # baseline, directory and Hub runs, 3 seeds (tens of minutes on 2 cores)
@@ -292,6 +293,8 @@ def main(argv=None) -> None:
           f"{train.stat().st_size / 1e3:.0f} kB training text, {held.stat().st_size / 1e3:.0f} kB held out; seeds {seeds}", flush=True)
     plan = [dict(transport=t) for t in args.transports.split(",") if t]
     if args.boundary_wait: plan += [dict(transport=t, boundary_wait=args.boundary_wait) for t in args.transports.split(",") if t]
+    if args.boundary_wait and "directory" in args.transports:      # whole rounds with exact deltas: what bfloat16 costs
+        plan.append(dict(transport="directory", dtype="float32", boundary_wait=args.boundary_wait))
     defaults = dict(outer=(0.7, 0.9), reset=True)                 # DiLoCo's outer Nesterov and 2.0's inner reset
     if "directory" in args.transports: plan.append(dict(transport="directory", **defaults))
     if args.compare:
