@@ -7,14 +7,20 @@ synchronous baseline is one process reading the same batches together (batch 4·
 order) for the same number of steps. A lockstep row runs DiLoCo synchronously in this process (the same nodes, shards
 and inner steps; every round folds all nodes' deltas, none stale): the gap between it and the baseline is the
 algorithm's, the gap between it and the DiLoCo runs is asynchrony's. Printed side by side: the held-out loss of the
-final global model and of the baseline, bytes and commits per round, wall time.
+final global model and of the baseline, the deltas uploaded and folded, the versions published, bytes per delta and
+wall time. A "2.0 keys" row runs the nodes on the distributed keys a Speedtronic 2.0 user writes (outer lr 0.7, Nesterov
+momentum 0.9, every newer key at its default) with a contiguous part of the training text per node, as a 2.0 user
+shards. A whole-round row with float32 deltas (directory) beside the bfloat16 one shows what the smaller wire format
+costs. Wire rows give the bytes of one delta of this model in each delta dtype (the library's own encoding).
+The one table printed at the end is the place the docs cite measured DiLoCo numbers from.
 
-    python bench/bench_diloco.py                  # baseline, directory and Hub runs (a few minutes on 2 cores)
+    python bench/bench_diloco.py                  # baseline, directory and Hub runs, 3 seeds (tens of minutes on 2 cores)
     python bench/bench_diloco.py --compare        # also staleness policies and delta dtypes (directory)
     python bench/bench_diloco.py --steps 400 --inner-steps 25
     python bench/bench_diloco.py --seeds 1,2,3,4,5    # every row once per seed: single runs of a tiny model vary by several %
-    # 2.0's DiLoCo settings, asynchronous (a few minutes):
-    python bench/bench_diloco.py --nodes 3 --steps 200 --inner-steps 10 --transports hub --boundary-wait 0 --outer-lr 0.7 --outer-momentum 0.9 --reset-inner
+    # the run 2.0 was measured on (master + 2 workers, 200 steps, inner_steps 10): plain averaging, whole rounds and 2.0's
+    # keys on the Hub, one seed (about 5 minutes on 2 busy cores; add --transports directory,hub for the directory rows)
+    OMP_NUM_THREADS=1 python bench/bench_diloco.py --nodes 3 --steps 200 --inner-steps 10 --transports hub --seeds 1234
 """
 from __future__ import annotations
 
@@ -46,13 +52,14 @@ from speedtronic.runtime import demo_corpus_text  # noqa: E402
 TOKEN = "hf_bench_token"
 
 
-def prepare_text(work: Path) -> tuple[Path, bytes]:
-    "The demo corpus split into a training file (90%) and held-out bytes (10%, cut at a paragraph)."
+def prepare_text(work: Path) -> tuple[Path, Path]:
+    "The demo corpus split into a training file (90%) and a held-out file (10%, cut at a paragraph)."
     text = demo_corpus_text().encode("utf-8")
     cut = text.index(b"\n\n", int(len(text) * 0.9)) + 2
-    train = work / "train.txt"
+    train, held = work / "train.txt", work / "held_out.txt"
     train.write_bytes(text[:cut])
-    return train, text[cut:]
+    held.write_bytes(text[cut:])
+    return train, held
 
 
 def base_config(args, work: Path, name: str, train: Path, *, batch: int, target: int) -> dict:
@@ -114,34 +121,25 @@ def events(path: Path, name: str) -> list[dict]:
     return out
 
 
-@torch.no_grad()
-def held_out_loss(cfg: dict, state: dict, held: bytes) -> float:
-    "Mean next-byte cross-entropy of `state` on non-overlapping blocks of the held-out bytes."
-    model = build_model(SpeedtronicConfig.from_dict(cfg).model)
+def held_out_loss(cfg: dict, state: dict, held: Path) -> float:
+    "The library's held-out evaluation (`speedtronic.evaluation`) of `state` on the held-out text file `held`."
+    from speedtronic.evaluation import build_evaluator
+    config = SpeedtronicConfig.from_dict({**cfg, "eval": {"text_path": str(held)}})
+    model = build_model(config.model)
     model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, strict=False)
-    model.eval()
-    block = cfg["data"]["block_size"]
-    ids = torch.tensor(list(held), dtype=torch.long)
-    n = (len(ids) - 1) // block
-    x, y = ids[: n * block].view(n, block), ids[1: n * block + 1].view(n, block)
-    total = 0.0
-    for i in range(0, n, 64):
-        out = model(x[i:i + 64], y[i:i + 64])
-        loss = out["loss"] if isinstance(out, dict) else out[0]
-        total += float(loss) * len(x[i:i + 64])
-    return total / n
+    return build_evaluator(config, device="cpu")(model).loss
 
 
-def run_baseline(args, work: Path, train: Path, held: bytes) -> dict:
+def run_baseline(args, work: Path, train: Path, held: Path) -> dict:
     cfg = base_config(args, work, "baseline", train, batch=args.batch, target=args.batch * args.nodes)
     start = time.perf_counter()
     wait([launch(write(cfg, work / "baseline.yaml"))], "the baseline")
     ckpt = load_checkpoint(sorted((work / "baseline" / "checkpoints").glob("step_*.pt"))[-1])
     return {"name": f"synchronous baseline (batch {args.batch * args.nodes})", "loss": held_out_loss(cfg, ckpt["model"], held),
-            "wall": time.perf_counter() - start}
+            "wall": time.perf_counter() - start, "config": cfg, "state": ckpt["model"]}
 
 
-def run_lockstep(args, work: Path, train: Path, held: bytes) -> dict:
+def run_lockstep(args, work: Path, train: Path, held: Path) -> dict:
     "Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta folded at once, none stale."
     from speedtronic.distributed.diloco import NodeShard
     from speedtronic.distributed.outer import Contribution, OuterUpdate
@@ -168,20 +166,42 @@ def run_lockstep(args, work: Path, train: Path, held: bytes) -> dict:
             "loss": held_out_loss(cfg, state, held), "wall": time.perf_counter() - start}
 
 
-def run_diloco(args, work: Path, train: Path, held: bytes, *, transport: str, staleness: str = "delayed_nesterov",
+def node_texts(train: Path, nodes: int) -> list[Path]:
+    "`train` cut at paragraphs into `nodes` contiguous files of about equal size: a 2.0 user's one file per node."
+    text, cuts = train.read_bytes(), [0]
+    for i in range(1, nodes): cuts.append(text.index(b"\n\n", len(text) * i // nodes) + 2)
+    cuts.append(len(text))
+    paths = [train.with_name(f"{train.stem}-node{i}.txt") for i in range(nodes)]
+    for path, a, b in zip(paths, cuts, cuts[1:]): path.write_bytes(text[a:b])
+    return paths
+
+
+def v2_distributed(args, name: str, role: str, repo: str) -> dict:
+    "The distributed section a 2.0 user writes (2.0's outer defaults 0.7 / 0.9 spelled out, as 2.0's docs do)."
+    return {"enabled": True, "mode": "dumb_diloco", "role": role, "node_id": name, "repo_id": repo, "collaborators": [],
+            "inner_steps": args.inner_steps, "poll_interval": args.poll, "outer_lr": 0.7, "outer_momentum": 0.9}
+
+
+def run_diloco(args, work: Path, train: Path, held: Path, *, transport: str, staleness: str = "delayed_nesterov",
                dtype: str = "bfloat16", outer: tuple[float, float] | None = None, reset: bool | None = None,
-               boundary_wait: float = 0.0) -> dict:
-    outer = (args.outer_lr, args.outer_momentum) if outer is None else outer
-    reset = args.reset_inner if reset is None else reset
-    tag = f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}-{boundary_wait:g}"
+               boundary_wait: float = 0.0, v2_keys: bool = False) -> dict:
+    outer = (0.7, 0.9) if v2_keys else (args.outer_lr, args.outer_momentum) if outer is None else outer
+    reset = True if v2_keys else args.reset_inner if reset is None else reset
+    tag = f"{transport}-2.0-keys" if v2_keys else f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}-{boundary_wait:g}"
     run = work / tag
+    texts = node_texts(train, args.nodes) if v2_keys else [train] * args.nodes
     hub = HubStandIn(tokens={TOKEN: "write"}).start() if transport == "hub" else None
     repo = "bench/diloco" if hub else str(run / "repo")
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN} if hub else None
     configs = []
     for i in range(args.nodes):
         name = "master" if i == 0 else f"worker{i}"
-        cfg = base_config(args, run, name, train, batch=args.batch, target=args.batch)
+        cfg = base_config(args, run, name, texts[i], batch=args.batch, target=args.batch)
+        if v2_keys:
+            if transport != "hub": raise SystemExit("the 2.0 keys row runs on the Hub (2.0 has no directory transport)")
+            cfg["distributed"] = v2_distributed(args, name, "master" if i == 0 else "worker", repo)
+            configs.append((cfg, write(cfg, run / f"{name}.yaml")))
+            continue
         cfg["distributed"] = {"enabled": True, "role": "master" if i == 0 else "worker", "node_id": name, "transport": transport,
                               "repo_id": repo, "inner_steps": args.inner_steps, "poll_interval": args.poll, "expected_nodes": args.nodes,
                               "shard_count": args.nodes, "shard_index": i, "delta_dtype": dtype, "staleness": staleness,
@@ -215,12 +235,25 @@ def run_diloco(args, work: Path, train: Path, held: bytes, *, transport: str, st
     versions = max((e["outer_step"] for e in rounds), default=0)
     node_commits, master_commits = len(uploads), (commits - len(uploads) if commits is not None else versions + 1)
     global_bytes = len(weights)
-    return {"name": f"{transport} {staleness} {dtype} outer {outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}"
-                    f"{f' wait {boundary_wait:g}s' if boundary_wait else ''}", "loss": held_out_loss(configs[0][0], final, held), "wall": wall,
-            "versions": versions, "node_commits": node_commits, "master_commits": master_commits,
+    name = (f"{transport} 2.0 keys: outer 0.7/0.9 reset, a file per node" if v2_keys else
+            f"{transport} {staleness} {dtype} outer {outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}"
+            f"{f' wait {boundary_wait:g}s' if boundary_wait else ''}")
+    return {"name": name, "loss": held_out_loss(configs[0][0], final, held), "wall": wall,
+            "versions": versions, "node_commits": node_commits, "master_commits": master_commits, "uploaded": len(uploads),
             "delta_kb": sum(e["bytes"] for e in uploads) / max(1, len(uploads)) / 1024, "skipped": skipped,
             "folded": sum(e["deltas_included"] for e in rounds), "global_kb": global_bytes / 1024}
 
+
+def wire_rows(cfg: dict, trained: dict) -> list[dict]:
+    "The bytes of one delta file of this model (init minus `trained`) in each delta dtype, as a node writes it."
+    from speedtronic.distributed.tensors import delta_header, encode_delta, floating_state, safetensors_bytes
+    torch.manual_seed(cfg["run"]["seed"])
+    init = floating_state(build_model(SpeedtronicConfig.from_dict(cfg).model).state_dict())
+    delta = {k: v.float() - trained[k].float() for k, v in init.items()}
+    size = {d: len(safetensors_bytes(encode_delta(delta, d), delta_header(node_id="node", local_step=1, base_outer_step=0,
+                                                                          inner_steps=1, encoding=d)))
+            for d in ("float32", "bfloat16", "int8")}
+    return [{"name": f"wire: one delta in {d} ({size[d] / size['float32']:.2f}x float32)", "delta_kb": size[d] / 1024} for d in size]
 
 def load_safetensors_bytes(data: bytes) -> dict:
     "The tensors of a global file's bytes, read by our own loader (it restores tied tensors stored once)."
@@ -257,15 +290,18 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     train, held = prepare_text(work)
     print(f"{args.nodes} nodes x {args.steps} steps, inner_steps {args.inner_steps}, node batch {args.batch} x {args.block} bytes; "
-          f"{train.stat().st_size / 1e3:.0f} kB training text, {len(held) / 1e3:.0f} kB held out; seeds {seeds}", flush=True)
+          f"{train.stat().st_size / 1e3:.0f} kB training text, {held.stat().st_size / 1e3:.0f} kB held out; seeds {seeds}", flush=True)
     plan = [dict(transport=t) for t in args.transports.split(",") if t]
     if args.boundary_wait: plan += [dict(transport=t, boundary_wait=args.boundary_wait) for t in args.transports.split(",") if t]
+    if args.boundary_wait and "directory" in args.transports:      # whole rounds with exact deltas: what bfloat16 costs
+        plan.append(dict(transport="directory", dtype="float32", boundary_wait=args.boundary_wait))
     defaults = dict(outer=(0.7, 0.9), reset=True)                 # DiLoCo's outer Nesterov and 2.0's inner reset
     if "directory" in args.transports: plan.append(dict(transport="directory", **defaults))
     if args.compare:
         plan += [dict(transport="directory", staleness=s) for s in ("weighted", "none")]
         plan += [dict(transport="directory", staleness="none", **defaults)]
         plan += [dict(transport="directory", dtype=d) for d in ("float32", "int8")]
+    if "hub" in args.transports: plan.append(dict(transport="hub", v2_keys=True))   # what a 2.0 user's config gets
     rows: dict[str, list[dict]] = {}                                  # row name -> its runs, each with `ratio` to its seed's baseline
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
@@ -273,35 +309,43 @@ def main(argv=None) -> None:
         lockstep = run_lockstep(args, here, train, held)
         print(f"  seed {seed}: baseline {base['loss']:.4f} ({base['wall']:.0f} s), lockstep {lockstep['loss']:.4f}", flush=True)
         for r in (base, lockstep): rows.setdefault(r["name"], []).append({**r, "ratio": r["loss"] / base["loss"]})
+        if seed == seeds[0]: wire = wire_rows(base["config"], base["state"])
         for spec in plan:
             for i in range(args.repeats):
                 r = run_diloco(args, here / f"repeat{i}", train, held, **spec)
                 r["ratio"] = r["loss"] / base["loss"]
                 rows.setdefault(r["name"], []).append(r)
-                print(f"  seed {seed}: {r['name']} held-out loss {r['loss']:.4f} ({100 * (r['ratio'] - 1):+.2f}%, {r['wall']:.0f} s)",
+                print(f"  seed {seed}: {r['name']} held-out loss {r['loss']:.4f} ({r['ratio']:.3f}x the baseline, {r['wall']:.0f} s)",
                       flush=True)
+    for r in wire: rows[r["name"]] = [r]
     print_table(rows)
     if not args.keep: shutil.rmtree(work, ignore_errors=True)
 
 
 def print_table(rows: dict[str, list[dict]]) -> None:
-    "One line per row: means over its runs (seeds x repeats); the held-out loss relative to each run's own baseline, and its range."
+    "The one table of measured numbers: a line per row, means over its runs (seeds x repeats)."
     print()
-    print(f"{'run':52s} {'held-out':>8s} {'vs base':>8s} {'range':>17s} {'rounds':>6s} {'commits/rd':>10s} {'delta kB':>8s} "
-          f"{'global kB':>9s} {'wall s':>6s}")
+    print(f"{'run':56s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'uploaded':>8s} {'folded':>6s} {'versions':>8s} "
+          f"{'commits/v':>9s} {'delta kB':>8s} {'global kB':>9s} {'wall s':>6s}")
     for name, runs in rows.items():
         mean = lambda key: sum(r[key] for r in runs) / len(runs)
-        ratios = [100 * (r["ratio"] - 1) for r in runs]
-        spread = f"{min(ratios):+.1f} .. {max(ratios):+.1f}%" if len(runs) > 1 else ""
-        extra = f"{'':6s} {'':10s} {'':8s} {'':9s}"
+        if "loss" not in runs[0]:                                       # a wire row: bytes only
+            print(f"{name:56s} {'':8s} {'':7s} {'':13s} {'':8s} {'':6s} {'':8s} {'':9s} {mean('delta_kb'):8.1f}")
+            continue
+        ratios = [r["ratio"] for r in runs]
+        spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
+        extra = f"{'':8s} {'':6s} {'':8s} {'':9s} {'':8s} {'':9s}"
         if "versions" in runs[0]:
-            per_round = (mean("node_commits") + mean("master_commits")) / max(1, mean("versions"))
-            extra = f"{mean('versions'):6.0f} {per_round:10.2f} {mean('delta_kb'):8.1f} {mean('global_kb'):9.1f}"
-        print(f"{name:52s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):+7.2f}% {spread:>17s} {extra} {mean('wall'):6.0f}")
-    print("\nvs base = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) of (held-out loss / the same "
-          "seed's baseline - 1); range = the lowest and highest of them. rounds = published global versions; commits/rd = (node deltas + master publications) per round; delta kB = "
-          "one delta on the wire (a round folds about nodes x inner-steps worth of them); global kB = the weights published each "
-          "round (each node downloads it); outer a/b = outer_lr/outer_momentum; reset = reset_inner_optimizer")
+            per_version = (mean("node_commits") + mean("master_commits")) / max(1, mean("versions"))
+            extra = (f"{mean('uploaded'):8.1f} {mean('folded'):6.1f} {mean('versions'):8.1f} {per_version:9.2f} {mean('delta_kb'):8.1f} "
+                     f"{mean('global_kb'):9.1f}")
+        print(f"{name:56s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):6.3f}x {spread:>13s} {extra} {mean('wall'):6.0f}")
+    print("\nvs sync = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) of held-out loss / the same "
+          "seed's synchronous baseline; range = the lowest and highest of them. uploaded = deltas the nodes uploaded; folded = "
+          "deltas the master folded into a published global; versions = published global versions; commits/v = (node deltas + "
+          "master publications) per version; delta kB = one delta on the wire; global kB = the weights published each version "
+          "(each node downloads it); outer a/b = outer_lr/outer_momentum; reset = reset_inner_optimizer; wait = "
+          "distributed.boundary_wait (whole rounds); 2.0 keys = only the distributed keys of a 2.0 config, the rest at defaults")
 
 
 if __name__ == "__main__":
