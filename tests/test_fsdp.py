@@ -202,3 +202,28 @@ def test_muon_is_refused_before_the_job_joins(tmp_path):
     errors = [l for l in err.splitlines() if "speedtronic: error:" in l]
     assert errors and all(l.startswith("speedtronic: error: [rank") and "optimizer.name: muon orthogonalises each whole weight matrix" in l for l in errors), err[-3000:]
     assert not (tmp_path / "muon" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------- bench/gpu_check.py: ready for a GPU, smoke-tested here
+
+def test_gpu_check_skips_every_row_without_cuda():
+    if torch.cuda.is_available(): pytest.skip("a GPU is here: run bench/gpu_check.py itself")
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("speedtronic GPU check on no CUDA device")
+    rows = lines[1:]
+    assert len(rows) == 9 and all(r.endswith("skipped: no CUDA") for r in rows), proc.stdout
+    assert [r.split("  ")[0] for r in rows][:2] == ["bf16 autocast", "fp16 + GradScaler"]
+
+
+def test_gpu_check_world_of_one_runs_on_the_cpu(tmp_path):
+    "The DDP/FSDP rows' code (a process group of world 1, Trainer on it, checkpoint written and loaded back) with gloo."
+    code = ("import sys; sys.path.insert(0, 'bench'); from pathlib import Path; import gpu_check\n"
+            f"print(gpu_check.train_on_world(Path({str(tmp_path)!r}), 'fsdp', 'fsdp', 'cpu'))\n"
+            f"print(gpu_check.train_on_world(Path({str(tmp_path)!r}), 'ddp', 'ddp', 'cpu'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fsdp, ddp = [line for line in proc.stdout.splitlines() if " | INFO | " not in line]   # the runs' own log lines aside
+    assert fsdp.startswith("DTensor params, 6 steps") and fsdp.endswith("step_000000000006.dcp loads back"), fsdp
+    assert ddp.startswith("Parameter params, 6 steps") and ddp.endswith("step_000000000006.pt loads back"), ddp
