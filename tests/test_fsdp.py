@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, jsonl_records
-from test_parallel import env, finish, losses_by_step, one_process, rank_pid, torchrun, wait_for_step, write_config
+from test_parallel import NAN_MODEL, env, finish, losses_by_step, one_process, rank_pid, refused, torchrun, wait_for_step, write_config
 from speedtronic.checkpoint import consolidate_checkpoint, load_checkpoint, load_sharded
 
 STEPS = 8
@@ -104,6 +104,42 @@ def test_kill_one_rank_then_resume(fsdp_run, tmp_path):
     assert_state_equal(load_checkpoint(folder(tmp_path / "fsdp", STEPS))["model"],
                        load_checkpoint(folder(fsdp_run / "fsdp", STEPS))["model"], "model")
     assert not half.exists()                               # the next save removed it
+
+
+def test_sigterm_saves_once_then_resume(fsdp_run, tmp_path):
+    "SIGTERM to the job: every rank stops after the same step, which the job saves once (a folder); --resume reproduces the run."
+    cfg = write_config(tmp_path, "fsdp", micro=4, data=DATA, steps=STEPS, every=100, model=MODEL, parallel=FSDP)
+    job = torchrun(cfg)
+    wait_for_step(job, tmp_path / "fsdp.jsonl", 3)
+    job.send_signal(signal.SIGTERM)
+    try: job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        job.kill(); pytest.fail("the job did not stop after SIGTERM")
+    saves = jsonl_records(tmp_path / "fsdp.jsonl", "checkpoint")
+    last = max(r["step"] for r in jsonl_records(tmp_path / "fsdp.jsonl"))
+    assert [s["step"] for s in saves] == [last] and last < STEPS, saves
+    assert saves[0]["path"].endswith(f"step_{last:012d}.dcp")
+    finish(torchrun(cfg, "--resume"))
+    ref = {s: v[0] for s, v in losses_by_step(fsdp_run / "fsdp.jsonl").items()}
+    for step, values in losses_by_step(tmp_path / "fsdp.jsonl").items(): assert all(v == ref[step] for v in values), step
+    assert_state_equal(load_checkpoint(folder(tmp_path / "fsdp", STEPS))["model"],
+                       load_checkpoint(folder(fsdp_run / "fsdp", STEPS))["model"], "model")
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path):
+    "The non-finite rule on the job's loss under fsdp: rank 1's NaN stops both ranks at step 3 with one message; step 2 is saved."
+    (tmp_path / "nan_models.py").write_text(NAN_MODEL)       # a model without repeated blocks: sharded as a whole
+    cfg = write_config(tmp_path, "nan", micro=4, data={"synthetic": True, "num_tokens": 40}, steps=6, every=2,
+                       model={"name": "nan_on_one_rank", "imports": ["nan_models"]}, parallel=FSDP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()),
+           "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"]
+    job = subprocess.Popen(cmd, cwd=ROOT, env={**env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "NAN_CALLS": "5"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = refused(job)
+    assert line.startswith("speedtronic: error: [rank 0 of 2] step 3: the loss is nan"), line
+    assert [s["step"] for s in jsonl_records(tmp_path / "nan.jsonl", "checkpoint")] == [2]
+    saved = load_checkpoint(folder(tmp_path / "nan", 2))
+    assert saved["step"] == 2 and all(torch.isfinite(t).all() for t in saved["model"].values())
 
 
 def test_consolidate_and_export(fsdp_run, tmp_path):
