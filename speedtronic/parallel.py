@@ -370,6 +370,9 @@ def shard(self: World, model: nn.Module, precision: Any = None) -> nn.Module:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     if isinstance(model, FSDPModule): return model
     if problems := fsdp_problems(SpeedtronicConfig(parallel=self.parallel), precision): raise ConfigError(problems)
+    if self.parallel.cpu_offload and self.device.type != "cuda":   # every rank decides it alike: one of them reports it
+        raise job_wide(ConfigError(f"parallel.cpu_offload: moves a GPU's shards to the CPU, and this job trains on {self.device.type}; "
+                                   "set parallel.cpu_offload: false (or train on CUDA)"))
     model.to(self.device)
     self.share_weights(model)
     options = fsdp_options(self.parallel, precision, self.device)

@@ -232,6 +232,22 @@ def test_one_process_loads_into_two_sharded_ranks(tmp_path, kind):
     for i, name in enumerate(names): assert_state_equal(loaded["optimizer"]["state"][name], saved["optimizer"]["state"][i], name)
 
 
+def test_reshard_after_forward_false_trains_the_same(fsdp_run, tmp_path):
+    "Keeping each block's gathered weights from forward to backward changes memory and traffic, not the numbers."
+    cfg = write_config(tmp_path, "kept", micro=4, data=DATA, steps=STEPS, every=STEPS, model=MODEL,
+                       parallel={**FSDP, "reshard_after_forward": False})
+    finish(torchrun(cfg))
+    ref = losses_by_step(fsdp_run / "fsdp.jsonl")
+    for step, (loss,) in losses_by_step(tmp_path / "kept.jsonl").items(): assert loss == pytest.approx(ref[step][0], rel=1e-6, abs=0)
+
+
+def test_cpu_offload_on_the_cpu_is_refused_once(tmp_path):
+    cfg = write_config(tmp_path, "offload", micro=4, data=DATA, steps=2, model=MODEL, parallel={**FSDP, "cpu_offload": True})
+    line = refused(torchrun(cfg))
+    assert line.startswith("speedtronic: error: [rank 0 of 2] parallel.cpu_offload: moves a GPU's shards to the CPU, and this "
+                           "job trains on cpu; set parallel.cpu_offload: false"), line
+
+
 def test_muon_is_refused_before_the_job_joins(tmp_path):
     cfg = write_config(tmp_path, "muon", micro=4, data=DATA, steps=2, optimizer={"name": "muon"}, parallel=FSDP)
     out, err = torchrun(cfg).communicate(timeout=240)
