@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import pickle
@@ -625,7 +626,7 @@ def _dcp_errors(path: Path, doing: str):
     except CheckpointException as e:
         rank, failure = next(iter(e.failures.items()), (0, e))
         failure = failure[0] if isinstance(failure, tuple) else failure
-        error = _unusable(path, f"{doing} (rank {rank}: {type(failure).__name__}: {_first_sentence(failure)})",
+        error = _unusable(path, f"{doing} (rank {rank}: {_first_sentence(failure)})",
                           "resume from another checkpoint, or check the folder is complete and readable by every rank")
         raise error from None
 
@@ -668,12 +669,48 @@ def _publish(self: CheckpointManager, step: int, temp: Path, state: Mapping) -> 
     return final
 
 # %% ../nbs/07_checkpoint.ipynb #d60bbb0e
+class _Forbidden(pickle.UnpicklingError):
+    "A global that a checkpoint index must not name."
+
+class _IndexUnpickler(pickle.Unpickler):
+    "Unpickles a sharded checkpoint's `.metadata`: only the index's own records, torch sizes, dtypes and layouts, and paths."
+    def find_class(self, module: str, name: str):
+        allowed = (module.startswith("torch.distributed.checkpoint.") or (module, name) in _INDEX_GLOBALS
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed: raise _Forbidden(f"GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+_INDEX_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                  ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+def _safe_index(path: Path) -> Any:
+    "The index of the sharded folder `path`, checked to hold no code and to name only tensors and plain data; else a `CheckpointError`."
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    try:
+        with open(path / ".metadata", "rb") as f: index = _IndexUnpickler(f).load()
+        entries = index.state_dict_metadata
+    except _Forbidden as e:
+        raise _unusable(path, f"is unsafe to load: its index (.metadata) holds Python objects other than the index's own ({e}), "
+                        "and unpickling them could run code, so it was not loaded", None) from None
+    except Exception as e: raise _unusable(path, f"has an unreadable index (.metadata: {_first_sentence(e)})") from None
+    for key, where in (getattr(index, "storage_data", None) or {}).items():   # the non-tensor values: plain data only
+        if not isinstance(entries.get(getattr(key, "fqn", None)), BytesStorageMetadata): continue
+        file = (path / where.relative_path).resolve()
+        if file.parent != path.resolve() or where.transform_descriptors:
+            raise _unusable(path, f"has an index entry for {key.fqn} outside its own shard files", None)
+        try:
+            with open(file, "rb") as f: f.seek(where.offset); chunk = f.read(where.length)
+        except OSError as e: raise _unusable(path, f"has shards that cannot be read ({file.name}: {e.strerror or e})") from None
+        try: torch.load(io.BytesIO(chunk), weights_only=True)
+        except pickle.UnpicklingError:
+            raise _unusable(path, f"is unsafe to load: its value {key.fqn} holds Python objects other than plain data, "
+                            "and unpickling them could run code, so it was not loaded", None) from None
+    return index
+
 def _sharded_state(path: Path) -> dict:
     "The plain part of the sharded checkpoint `path`, its model as `meta` tensors of the saved shapes, and `sharded`: the folder."
-    from torch.distributed.checkpoint import FileSystemReader
     state = load_checkpoint(path / SHARDED_STATE)
-    try: index = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e: raise _unusable(path, f"has an unreadable index (.metadata: {_first_sentence(e)})") from None
+    index = _safe_index(path).state_dict_metadata
     model = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
              for k, v in index.items() if k.startswith("model.") and hasattr(v, "size")}
     return {**state, "model": model, "sharded": str(path)}
@@ -682,6 +719,7 @@ def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: tor
     "Load the sharded checkpoint `path` into `model` (and `optimizer`) in place, on every rank together, whatever the world size that saved it."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    _safe_index(Path(path))   # torch.distributed.checkpoint unpickles the index and the plain values as they are
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     if optimizer is None:
         weights = get_model_state_dict(model)
