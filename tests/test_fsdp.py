@@ -1,14 +1,17 @@
 """`parallel.strategy: fsdp` under torchrun: real processes on CPU (gloo), started with `python -m torch.distributed.run`.
 
-- 2 fsdp ranks reproduce 2 ddp ranks on the same config (per-step losses, final weights), with clipping and
-  accumulation (2 microbatches per update: FSDP's `set_requires_gradient_sync(False)` for the first);
+- 2 fsdp ranks reproduce 2 ddp ranks on the same config (per-step losses, held-out losses, final weights), with
+  clipping and accumulation (2 microbatches per update: FSDP's `set_requires_gradient_sync(False)` for the first);
+  `reshard_after_forward: false` trains the same losses;
+- SIGTERM saves the agreed step once and a NaN loss on one rank stops every rank with one message, as under ddp;
 - checkpoints are `step_<N>.dcp` folders written by every rank, `latest.json` pointing at the newest only
   once it is complete; kill -9 of one rank, then `--resume`, reproduces the uninterrupted run exactly;
 - a sharded checkpoint converts to one file (`speedtronic consolidate`) that `load_checkpoint` and
   `speedtronic export` read, and `export` reads the folder itself;
 - a sharded checkpoint of 2 ranks loads into 1 process, and one of 1 process (sharded or a single file) into
   2 sharded ranks: model and optimizer state equal the saved ones;
-- what a shard cannot do (Muon) is refused before the job joins, in one line naming the key.
+- what a shard cannot do (Muon) is refused before the job joins, and cpu_offload on the CPU, in one line naming the key;
+- bench/gpu_check.py runs on the CPU (every row skipped) and its world-of-one DDP/FSDP code runs with gloo.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, jsonl_records
-from test_parallel import NAN_MODEL, env, finish, losses_by_step, one_process, rank_pid, refused, torchrun, wait_for_step, write_config
+from test_parallel import NAN_MODEL, env, finish, losses_by_step, one_process, rank_pid, refused, token_file, torchrun, wait_for_step, write_config
 from speedtronic.checkpoint import consolidate_checkpoint, load_checkpoint, load_sharded
 
 STEPS = 8
@@ -46,10 +49,11 @@ def assert_state_equal(got: dict, want: dict, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    "The uninterrupted 2-rank fsdp run (a checkpoint every 2 steps) and the same config under ddp."
+    "The uninterrupted 2-rank fsdp run (a checkpoint every 2 steps) and the same config under ddp, both evaluated every 4 steps."
     tmp = tmp_path_factory.mktemp("fsdp")
-    cfg = write_config(tmp, "fsdp", micro=4, data=DATA, steps=STEPS, every=2, model=MODEL, parallel=FSDP)
-    ddp = write_config(tmp, "ddp", micro=4, data=DATA, steps=STEPS, every=STEPS, model=MODEL)
+    held_out = {"every_steps": 4, "max_batches": 3, "token_file": str(token_file(tmp, blocks=40))}
+    cfg = write_config(tmp, "fsdp", micro=4, data=DATA, steps=STEPS, every=2, model=MODEL, parallel=FSDP, eval=held_out)
+    ddp = write_config(tmp, "ddp", micro=4, data=DATA, steps=STEPS, every=STEPS, model=MODEL, eval=held_out)
     finish(torchrun(cfg))
     finish(torchrun(ddp))
     return tmp
@@ -64,6 +68,9 @@ def test_fsdp_matches_ddp(fsdp_run):
     for step, (loss,) in got.items(): assert loss == pytest.approx(want[step][0], rel=1e-6, abs=0), step
     start = jsonl_records(tmp / "fsdp.jsonl", "train_start")[0]
     assert (start["world_size"], start["accumulation_steps"]) == (2, 2)
+    evals, ddp_evals = jsonl_records(tmp / "fsdp.jsonl", "eval"), jsonl_records(tmp / "ddp.jsonl", "eval")
+    assert [e["step"] for e in evals] == [e["step"] for e in ddp_evals] == [4, 8]      # every rank runs the sharded forward
+    for e, d in zip(evals, ddp_evals): assert e["val_loss"] == pytest.approx(d["val_loss"], rel=1e-6, abs=0) and e["val_tokens"] == d["val_tokens"]
     final = load_checkpoint(folder(tmp / "fsdp", STEPS))                  # the folder gathered whole
     ddp = load_checkpoint(tmp / "ddp" / "checkpoints" / f"step_{STEPS:012d}.pt")
     for name, tensor in ddp["model"].items():
