@@ -8,6 +8,7 @@
   once it is complete; kill -9 of one rank, then `--resume`, reproduces the uninterrupted run exactly;
 - a sharded checkpoint converts to one file (`speedtronic consolidate`) that `load_checkpoint` and
   `speedtronic export` read, and `export` reads the folder itself;
+- a ddp job's checkpoint file resumes as fsdp and a fsdp folder as ddp (the losses go on as the ddp run's);
 - a sharded checkpoint of 2 ranks loads into 1 process, and one of 1 process (sharded or a single file) into
   2 sharded ranks: model and optimizer state equal the saved ones;
 - what a shard cannot do (Muon) is refused before the job joins, and cpu_offload on the CPU, in one line naming the key;
@@ -147,6 +148,25 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path):
     assert [s["step"] for s in jsonl_records(tmp_path / "nan.jsonl", "checkpoint")] == [2]
     saved = load_checkpoint(folder(tmp_path / "nan", 2))
     assert saved["step"] == 2 and all(torch.isfinite(t).all() for t in saved["model"].values())
+
+
+@pytest.mark.parametrize("first,then", [("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_resume_with_the_other_strategy(fsdp_run, tmp_path, first, then):
+    "A ddp job's checkpoint file resumes as fsdp (each rank keeps its shards of it), a fsdp folder as ddp: the run goes on as before."
+    cfg = write_config(tmp_path, "switch", micro=4, data=DATA, steps=STEPS, every=4, model=MODEL, parallel={"strategy": first})
+    finish(torchrun(cfg))
+    checkpoints = tmp_path / "switch" / "checkpoints"
+    last = checkpoints / f"step_{STEPS:012d}.{'pt' if first == 'ddp' else 'dcp'}"
+    subprocess.run(["rm", "-r", str(last)], check=True)                    # as if the job had stopped after step 4
+    cfg = write_config(tmp_path, "switch", micro=4, data=DATA, steps=STEPS, every=4, model=MODEL, parallel={"strategy": then})
+    out, _ = finish(torchrun(cfg, "--resume"))
+    ref = {s: v[0] for s, v in losses_by_step(fsdp_run / "ddp.jsonl").items()}
+    got = {s: v[-1] for s, v in losses_by_step(tmp_path / "switch.jsonl").items()}
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(5, STEPS + 1): assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=0), step
+    assert out.count(f"parallel.strategy {first!r} -> {then!r}") == 1, out[-3000:]   # the changed setting is said, by rank 0
+    resumed = [r for r in jsonl_records(tmp_path / "switch.jsonl", "checkpoint") if r["step"] == STEPS]
+    assert resumed[-1]["path"].endswith(f"step_{STEPS:012d}.{'dcp' if then == 'fsdp' else 'pt'}")
 
 
 def test_consolidate_and_export(fsdp_run, tmp_path):
