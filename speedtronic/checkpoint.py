@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import pickle
@@ -28,10 +29,11 @@ from .config import ModelConfig, SpeedtronicConfig, as_section, explicit_fields,
 from .files import TEMP_NAME, atomic_write, atomic_write_text, file_in_the_way, writer_gone
 
 # %% auto #0
-__all__ = ['CheckpointError', 'atomic_torch_save', 'atomic_json_dump', 'load_checkpoint', 'capture_rng_state',
-           'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes', 'checkpoint_step',
-           'checkpoint_files', 'read_pointer', 'stale_temp_files', 'redacted_state', 'CheckpointManager',
-           'nonfinite_tensors', 'nonfinite_state', 'checkpoint_run_id']
+__all__ = ['SHARDED_STATE', 'CheckpointError', 'atomic_torch_save', 'atomic_json_dump', 'is_sharded', 'load_checkpoint',
+           'capture_rng_state', 'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes',
+           'checkpoint_step', 'checkpoint_files', 'read_pointer', 'stale_temp_files', 'redacted_state',
+           'CheckpointManager', 'nonfinite_tensors', 'nonfinite_state', 'checkpoint_run_id', 'load_sharded',
+           'consolidate_checkpoint', 'load_whole']
 
 # %% ../nbs/07_checkpoint.ipynb #8fc616ec
 class CheckpointError(ExpectedError, RuntimeError):
@@ -62,6 +64,19 @@ def _torch_load_restricted(path: Path, mmap: bool = False) -> Any:
     with context, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected pickle protocol")  # junk bytes: we report it
         return torch.load(path, map_location="cpu", weights_only=True, **({"mmap": True} if mmap else {}))
+
+# %% ../nbs/07_checkpoint.ipynb #28914323
+SHARDED_STATE = "state.pt"  # in a sharded checkpoint folder: everything but the model and optimizer tensors
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    "Is `path` a sharded checkpoint folder (`step_<digits>.dcp` holding `torch.distributed.checkpoint`'s `.metadata`)?"
+    path = Path(path)
+    return path.is_dir() and (path / ".metadata").is_file()
+
+def _remove(path: Path) -> None:
+    "Delete a checkpoint file, or a sharded checkpoint folder with its shards."
+    if path.is_dir() and not path.is_symlink(): shutil.rmtree(path)
+    else: path.unlink()
 
 # %% ../nbs/07_checkpoint.ipynb #ff3181a4
 _UNSAFE = re.compile(r"GLOBAL (\S+?)(?:\s|$)|but got <class '([^']+)'>|Unsupported operand (\d+)|(Unsupported class)")
@@ -107,8 +122,9 @@ def _unusable(path: Path, why: str, advice: str | None = _OLDER) -> CheckpointEr
     return error
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    "Load the checkpoint at `path` as tensors and plain data only; any problem is a `CheckpointError`."
+    "Load the checkpoint at `path` (a file, or a sharded folder gathered whole) as tensors and plain data only; any problem is a `CheckpointError`."
     path = Path(path)
+    if is_sharded(path): return _full_sharded(path)
     if problem := _not_a_file(path): raise _unusable(path, problem, None)
     try: cut, size = _zip_cut_short(path)
     except OSError as e:
@@ -294,20 +310,20 @@ def setting_changes(state: Mapping, config: SpeedtronicConfig | None) -> tuple[l
     return refused, applied
 
 # %% ../nbs/07_checkpoint.ipynb #7f7d0cbc
-_STEP_NAME = re.compile(r"step_(\d+)\.pt")
+_STEP_NAME = re.compile(r"step_(\d+)\.(?:pt|dcp)")
 
 def checkpoint_step(name: str) -> int | None:
-    "The step of a checkpoint file name `step_<digits>.pt`, or `None` for any other name."
+    "The step of a checkpoint name `step_<digits>.pt` (a file) or `step_<digits>.dcp` (a sharded folder), or `None` for any other name."
     match = _STEP_NAME.fullmatch(str(name))
     return int(match.group(1)) if match else None
 
 # %% ../nbs/07_checkpoint.ipynb #be8942e2
 def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
-    "The `step_<digits>.pt` files in `directory`, highest step first."
+    "The `step_<digits>.pt` files and sharded `step_<digits>.dcp` folders in `directory`, highest step first."
     directory = Path(directory)
     if not directory.is_dir(): return []
     found = [(checkpoint_step(p.name), p) for p in directory.iterdir()]
-    return [p for step, p in sorted((f for f in found if f[0] is not None), reverse=True) if p.is_file()]
+    return [p for step, p in sorted((f for f in found if f[0] is not None), reverse=True) if p.is_file() or is_sharded(p)]
 
 # %% ../nbs/07_checkpoint.ipynb #47787fdc
 def read_pointer(path: str | os.PathLike, warn=warnings.warn) -> dict:
@@ -393,7 +409,7 @@ def nonfinite_tensors(tensors: Mapping) -> list[str]:
     "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device, as a rule)."
     by_device: dict[torch.device, list] = {}
     for k, v in tensors.items():
-        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()):
+        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and v.device.type != "meta":
             by_device.setdefault(v.device, []).append((k, v.detach()))
     bad = []
     for items in by_device.values():   # a finite sum means every element is finite; only an infinite sum is looked at closely
@@ -430,7 +446,9 @@ def _nonfinite_reason(found: dict[str, list[str]]) -> str:
 
 def checkpoint_run_id(path: str | os.PathLike) -> str | None:
     "The run id a checkpoint file records, read without loading its tensors; `None` if it has none or does not load."
-    try: state = _torch_load_restricted(Path(path), mmap=True)
+    path = Path(path)
+    if is_sharded(path): path = path / SHARDED_STATE
+    try: state = _torch_load_restricted(path, mmap=True)
     except Exception: return None
     run_id = state.get("run_id") if isinstance(state, dict) else None
     return run_id if isinstance(run_id, str) else None
@@ -481,7 +499,7 @@ def _retain(self: CheckpointManager, written: list[str], **pointer) -> list[Path
     removed = []
     for name in drop + [p.name for p in stale_temp_files(self.directory)]:
         with contextlib.suppress(FileNotFoundError):
-            (self.directory / name).unlink(); removed.append(self.directory / name)
+            _remove(self.directory / name); removed.append(self.directory / name)
     return removed
 
 @patch
@@ -522,13 +540,13 @@ def _usable(self: CheckpointManager, path: Path, owner: str | None) -> dict:
     if target := _outside(path, self.directory):
         raise _unusable(path, f"is a link to {target}, outside {self.directory}; a run resumes only its own checkpoints",
                         "replace the link with a copy of the file to continue from it")
-    state = load_checkpoint(path)
+    state = _sharded_state(path) if is_sharded(path) else load_checkpoint(path)
     if bad := nonfinite_state(state):
         raise _unusable(path, f"is unusable: {_nonfinite_reason(bad)}, written by a run that had diverged")
     step, named = state.get("step"), checkpoint_step(path.name)
     if isinstance(step, int) and not isinstance(step, bool) and step != named:
         raise _unusable(path, f"holds step {step}, not step {named} as its name says (a file copied or renamed onto it)",
-                        "rename it step_<step>.pt for the step it holds, or delete it")
+                        "rename it step_<step>.pt (.dcp) for the step it holds, or delete it")
     run_id = state.get("run_id")
     if owner is not None and isinstance(run_id, str) and run_id != owner:
         raise _unusable(path, f"belongs to run {run_id}, not to run {owner} whose checkpoints {self.directory} holds",
@@ -546,7 +564,7 @@ def _newest_loadable(self: CheckpointManager) -> tuple[Path, dict] | None:
     "The newest checkpoint that loads, reporting and recording every newer one that does not."
     self.skipped, self.loaded_path = [], None
     pointer = read_pointer(self.pointer_path, self._warn)
-    if "file" in pointer and not (self.directory / pointer["file"]).is_file():
+    if "file" in pointer and not (self.directory / pointer["file"]).exists():
         self._warn(f"{self.pointer_path} names {pointer['file']}, which does not exist; "
                    "using the newest checkpoint file instead")
     owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
@@ -573,13 +591,14 @@ def load_latest(self: CheckpointManager) -> dict | None:
 # %% ../nbs/07_checkpoint.ipynb #5c39f826
 @patch
 def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
-    "Copy the newest loadable checkpoint to `destination` (a file, or an existing folder)."
+    "Copy the newest loadable checkpoint to `destination` (a file, or an existing folder); a sharded one as one `.pt` file."
     found = self._newest_loadable()
     if found is None: raise CheckpointError(f"no checkpoint is available to copy from {self.directory}")
     source = found[0]
     del found
     destination = Path(destination)
     if destination.is_dir(): destination = destination / source.name
+    if is_sharded(source): return consolidate_checkpoint(source, destination.with_suffix(".pt"))
     with open(source, "rb") as src: atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
     shutil.copystat(source, destination)
     return destination
@@ -590,9 +609,165 @@ def clear(self: CheckpointManager) -> list[Path]:
     "Delete all checkpoint files, `latest.json` and dead temp files in `directory`; returns what was deleted."
     removed = []
     for path in checkpoint_files(self.directory) + [self.pointer_path] + stale_temp_files(self.directory):
-        with contextlib.suppress(FileNotFoundError): path.unlink(); removed.append(path)
+        with contextlib.suppress(FileNotFoundError): _remove(path); removed.append(path)
     self._foreign = {}
     return removed
+
+# %% ../nbs/07_checkpoint.ipynb #a10b082d
+def _local_tensors(tensors: Mapping) -> dict[str, torch.Tensor]:
+    "Every tensor of `tensors` as this rank holds it (a sharded `DTensor`: its local shard)."
+    return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in _tensor_leaves(tensors).items()}
+
+@contextlib.contextmanager
+def _dcp_errors(path: Path, doing: str):
+    "Within the block, a failure of `torch.distributed.checkpoint` (a `BaseException` there) is a `CheckpointError` naming `path`."
+    from torch.distributed.checkpoint.api import CheckpointException
+    try: yield
+    except CheckpointException as e:
+        rank, failure = next(iter(e.failures.items()), (0, e))
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        error = _unusable(path, f"{doing} (rank {rank}: {_first_sentence(failure)})",
+                          "resume from another checkpoint, or check the folder is complete and readable by every rank")
+        raise error from None
+
+def _sync_folder(path: Path) -> None:
+    "fsync the folder `path` itself, so a rename in it survives a power cut."
+    fd = os.open(path, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+@patch
+def save_sharded(self: CheckpointManager, step: int, tensors: Mapping, state: Mapping, world: Any) -> Path | None:
+    "Every rank: write `tensors` (model, optimizer) sharded and rank 0's `state` as the folder of `step`; the folder on rank 0."
+    import torch.distributed.checkpoint as dcp
+    final = self.directory / f"step_{int(step):012d}.dcp"
+    def check():
+        if bad := nonfinite_tensors(_local_tensors(tensors)):
+            raise CheckpointError(f"checkpoint {final} was not written: the model weights or optimizer state hold NaN or infinity "
+                                  f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already in {self.directory} "
+                                  "are kept. Resume from the last good one with a lower optimizer.lr or an optimizer.grad_clip")
+    world.on_every_rank(check)
+    temp = Path(world.share(str(final.with_name(f".{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")) if world.writes else None))
+    def write():
+        with _dcp_errors(final, "could not be written"): dcp.save(dict(tensors), checkpoint_id=str(temp))
+    world.on_every_rank(write)
+    return world.on_writer(lambda: self._publish(step, temp, state))
+
+@patch
+def _publish(self: CheckpointManager, step: int, temp: Path, state: Mapping) -> Path:
+    "Rank 0, once every shard is written: `state` into the temp folder, the folder renamed, `latest.json`, retention."
+    final = self.directory / f"step_{int(step):012d}.dcp"
+    if self.run_id is not None: state = {**state, "run_id": self.run_id}
+    try:
+        atomic_torch_save(redacted_state({**state, "model": None, "optimizer": None}), temp / SHARDED_STATE)
+        if final.exists(): _remove(final)     # the same step saved again (after a resume): the new one replaces it
+        os.replace(temp, final)
+        _sync_folder(self.directory)
+        written = [n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != final.name]
+        self._retain(written + [final.name], step=step, file=final.name)
+    except OSError as e: raise self._unwritable(f"checkpoint {final}", e) from None
+    return final
+
+# %% ../nbs/07_checkpoint.ipynb #d60bbb0e
+class _Forbidden(pickle.UnpicklingError):
+    "A global that a checkpoint index must not name."
+
+class _IndexUnpickler(pickle.Unpickler):
+    "Unpickles a sharded checkpoint's `.metadata`: only the index's own records, torch sizes, dtypes and layouts, and paths."
+    def find_class(self, module: str, name: str):
+        allowed = (module.startswith("torch.distributed.checkpoint.") or (module, name) in _INDEX_GLOBALS
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed: raise _Forbidden(f"GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+_INDEX_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                  ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+
+def _safe_index(path: Path) -> Any:
+    "The index of the sharded folder `path`, checked to hold no code and to name only tensors and plain data; else a `CheckpointError`."
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    try:
+        with open(path / ".metadata", "rb") as f: index = _IndexUnpickler(f).load()
+        entries = index.state_dict_metadata
+    except _Forbidden as e:
+        raise _unusable(path, f"is unsafe to load: its index (.metadata) holds Python objects other than the index's own ({e}), "
+                        "and unpickling them could run code, so it was not loaded", None) from None
+    except Exception as e: raise _unusable(path, f"has an unreadable index (.metadata: {_first_sentence(e)})") from None
+    for key, where in (getattr(index, "storage_data", None) or {}).items():   # the non-tensor values: plain data only
+        if not isinstance(entries.get(getattr(key, "fqn", None)), BytesStorageMetadata): continue
+        file = (path / where.relative_path).resolve()
+        if file.parent != path.resolve() or where.transform_descriptors:
+            raise _unusable(path, f"has an index entry for {key.fqn} outside its own shard files", None)
+        try:
+            with open(file, "rb") as f: f.seek(where.offset); chunk = f.read(where.length)
+        except OSError as e: raise _unusable(path, f"has shards that cannot be read ({file.name}: {e.strerror or e})") from None
+        try: torch.load(io.BytesIO(chunk), weights_only=True)
+        except pickle.UnpicklingError:
+            raise _unusable(path, f"is unsafe to load: its value {key.fqn} holds Python objects other than plain data, "
+                            "and unpickling them could run code, so it was not loaded", None) from None
+    return index
+
+def _sharded_state(path: Path) -> dict:
+    "The plain part of the sharded checkpoint `path`, its model as `meta` tensors of the saved shapes, and `sharded`: the folder."
+    state = load_checkpoint(path / SHARDED_STATE)
+    index = _safe_index(path).state_dict_metadata
+    model = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
+             for k, v in index.items() if k.startswith("model.") and hasattr(v, "size")}
+    return {**state, "model": model, "sharded": str(path)}
+
+def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    "Load the sharded checkpoint `path` into `model` (and `optimizer`) in place, on every rank together, whatever the world size that saved it."
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    _safe_index(Path(path))   # torch.distributed.checkpoint unpickles the index and the plain values as they are
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    if optimizer is None:
+        weights = get_model_state_dict(model)
+        with _dcp_errors(Path(path), "has shards that cannot be read"): dcp.load({"model": weights}, checkpoint_id=str(path))
+        return set_model_state_dict(model, weights)
+    weights, moments = get_state_dict(model, optimizer)   # the optimizer's state is made first, so there is room to load it
+    with _dcp_errors(Path(path), "has shards that cannot be read"): dcp.load({"model": weights, "optimizer": moments}, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=moments)
+
+# %% ../nbs/07_checkpoint.ipynb #da9bdb7c
+def _by_position(moments: Mapping | None) -> dict | None:
+    "An optimizer state dict keyed by parameter name (as `get_state_dict` gives it) keyed by position instead, as `Optimizer.state_dict()`."
+    if not moments: return None
+    names = [n for g in moments["param_groups"] for n in g["params"]]
+    index = {n: i for i, n in enumerate(names)}
+    return {"state": {index[n]: s for n, s in moments.get("state", {}).items() if n in index},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in moments["param_groups"]]}
+
+def _full_sharded(path: Path) -> dict:
+    "The sharded checkpoint `path` gathered in memory: the state a single-file checkpoint of the same step holds."
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    state = _sharded_state(path)
+    with tempfile.TemporaryDirectory(prefix="speedtronic-consolidate-") as d:
+        with _dcp_errors(path, "has shards that cannot be read"): dcp_to_torch_save(str(path), str(Path(d) / "full.pt"))
+        full = _torch_load_restricted(Path(d) / "full.pt")
+    state.pop("sharded")
+    return {**state, "model": full["model"], "optimizer": _by_position(full.get("optimizer"))}
+
+def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike | None = None) -> Path:
+    "Write the sharded checkpoint folder `path` as one checkpoint file (default: `step_<step>.pt` beside it); returns the file."
+    path = Path(path)
+    if not is_sharded(path):
+        raise CheckpointError(f"{path} is not a sharded checkpoint (a step_<step>.dcp folder holding .metadata, written by "
+                              "parallel.strategy: fsdp); give such a folder")
+    output = Path(output) if output is not None else path.with_suffix(".pt")
+    return atomic_torch_save(_full_sharded(path), output)
+
+# %% ../nbs/07_checkpoint.ipynb #b17f517f
+def load_whole(state: Mapping, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    "Load a single-file checkpoint `state` (whole tensors) into `model` and `optimizer`, sharded or not, on every rank together."
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
+    options = StateDictOptions(full_state_dict=True)
+    if optimizer is None or not state.get("optimizer"): return set_model_state_dict(model, state["model"], options=options)
+    names = [n for g in get_state_dict(model, optimizer)[1]["param_groups"] for n in g["params"]]
+    saved = state["optimizer"]
+    by_name = {"state": {names[i]: s for i, s in saved["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=by_name, options=options)
 
 # %% ../nbs/07_checkpoint.ipynb #abc7e575
 def __dir__() -> list[str]: return list(__all__)

@@ -285,6 +285,22 @@ def _export(args: argparse.Namespace) -> int:
 
 _COMMANDS.update(generate=_generate, export=_export)
 
+# %% ../nbs/15_cli.ipynb #5b33ef5b
+def _consolidate_arguments(c: argparse.ArgumentParser) -> None:
+    c.add_argument("folder", metavar="FOLDER", help="a sharded checkpoint folder (step_<N>.dcp)")
+    c.add_argument("--output", metavar="FILE", help="the checkpoint file to write (default: step_<N>.pt beside the folder)")
+
+def _consolidate(args: argparse.Namespace) -> int:
+    "`speedtronic consolidate`: a sharded checkpoint folder written as one checkpoint file; says where."
+    from speedtronic.checkpoint import consolidate_checkpoint
+    print(f"wrote {consolidate_checkpoint(args.folder, args.output)}")
+    return 0
+
+COMMAND_ARGUMENTS.update(consolidate=("write a sharded (fsdp) checkpoint folder as one checkpoint file",
+                                      "Gather a sharded checkpoint folder (step_<N>.dcp, parallel.strategy: fsdp) into one "
+                                      "checkpoint file that a one-process run, generate and export read.", _consolidate_arguments))
+_COMMANDS.update(consolidate=_consolidate)
+
 # %% ../nbs/15_cli.ipynb #1066b2c1
 def _config_secrets(argv: Sequence[str] | None) -> list[str]:
     "Credential values of the configuration named by `--config` (best effort, for masking errors)."

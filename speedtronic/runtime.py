@@ -32,7 +32,7 @@ from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
 from .optional import MissingExtra
-from .parallel import GroupCoordinator, World, raised_together, start_world, world_device, world_from_env, world_problems
+from .parallel import GroupCoordinator, World, fsdp_problems, raised_together, start_world, world_device, world_from_env, world_problems
 from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
 from .precision import resolve_precision
 from .profiling import MetricLogger
@@ -46,7 +46,7 @@ from .widgets import TrainingView
 # %% auto #0
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
            'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
-           'RunClaim', 'claim_run', 'claim_job', 'build_runtime', 'sigterm_stops', 'earlier_records',
+           'RunClaim', 'claim_run', 'claim_job', 'job_problems', 'build_runtime', 'sigterm_stops', 'earlier_records',
            'train_from_config', 'write_loss_plot', 'training_memory', 'available_memory', 'startup_problems',
            'check_runnable']
 
@@ -202,6 +202,11 @@ def claim_job(config: SpeedtronicConfig, world: World, *, resume: bool = False, 
     return claim if claim is not None else RunClaim(run_id)
 
 # %% ../nbs/13_runtime.ipynb #721fb952
+def job_problems(config: SpeedtronicConfig, world: World) -> list[str]:
+    "Why `config` cannot run as this torchrun job (the global batch, and what `parallel.strategy: fsdp` refuses); sets `world.parallel`."
+    world.parallel = config.parallel
+    return world_problems(config, world) + (fsdp_problems(config) if world.size > 1 else [])
+
 def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
                   *, resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
                   device: str | torch.device | None = None,  # overrides `run.device`
@@ -212,7 +217,7 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     config = load_runtime_config(config)
     resume = bool(resume or config.checkpoint.resume)
     world = world_from_env()  # a torchrun job, or one process
-    if problems := world_problems(config, world): raise ConfigError(problems)
+    if problems := job_problems(config, world): raise ConfigError(problems)
     dev = world_device(world, device or config.run.device)  # a bad device is refused before any directory is made
     if problems := startup_problems(config, max_steps=max_steps, device=dev): raise ConfigError(problems)
     start_world(world, dev)
@@ -277,6 +282,7 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         if getattr(logger, "device", "absent") is None: logger.device = dev
         if getattr(plan, "reason", None): logger.warning(f"precision: {plan.reason}")
         report = validate_startup_shapes(config, model, dev, plan, logger=logger)
+        model = world.shard(model, plan)  # fsdp: sharded in place, before the optimizer takes its parameters
         optimizer = build_optimizer(model, config, dev, logger=logger)
         target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
@@ -506,7 +512,7 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
     "Problems that would stop `config` from training here (empty when it can run)."
     config = load_runtime_config(config)
     world, problems = world_from_env(), []
-    problems += world_problems(config, world)
+    problems += job_problems(config, world)
     try: dev = world_device(world, device or config.run.device)
     except Exception as e:
         problems.append(f"device {device or config.run.device!r} is not usable here: {e}")

@@ -27,7 +27,7 @@ from fastcore.basics import patch
 from torch import nn
 
 from .errors import ExpectedError
-from .checkpoint import CheckpointError, capture_rng_state, check_compatible, load_checkpoint, restore_rng_state, setting_changes
+from .checkpoint import CheckpointError, capture_rng_state, check_compatible, load_checkpoint, load_sharded, load_whole, restore_rng_state, setting_changes
 from .config import SpeedtronicConfig
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
@@ -42,8 +42,8 @@ from .schedules import load_scheduler_state
 # %% auto #0
 __all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
            'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
-           'is_compile_failure', 'read_pending', 'scaler_step', 'gradient_norm', 'update_is_finite', 'nonfinite_update',
-           'TrainerSettings', 'Trainer', 'signals_held']
+           'is_compile_failure', 'read_pending', 'scaler_step', 'whole', 'gradient_norm', 'update_is_finite',
+           'nonfinite_update', 'TrainerSettings', 'Trainer', 'signals_held']
 
 # %% ../nbs/11_trainer.ipynb #beb9dcd2
 class TrainingError(ExpectedError, RuntimeError):
@@ -232,12 +232,16 @@ def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     return not scaler.get_scale() < before
 
 # %% ../nbs/11_trainer.ipynb #504d5754
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    "`tensor` as a plain tensor: a sharded `DTensor` (a norm over fsdp's shards) gathered whole, anything else as it is."
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
 def gradient_norm(parameters: Any) -> torch.Tensor:
     "The global L2 norm of the gradients of `parameters` (a 0-d tensor; 0 when there are none), without a host sync."
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads: return torch.zeros(())
     total = getattr(torch.nn.utils, "get_total_norm", None)
-    if total is not None: return total(grads, 2.0)
+    if total is not None: return whole(total(grads, 2.0))
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32).to(grads[0].device)
                                                  for g in grads]))
 
@@ -393,12 +397,14 @@ def _boundary_state(self: Trainer) -> dict:
     return {"rng": capture_rng_state(), "data": self._loader_state()}
 
 @patch
-def checkpoint_state(self: Trainer, boundary: dict | None = None) -> dict[str, Any]:
+def checkpoint_state(self: Trainer, boundary: dict | None = None,
+                     tensors: bool = True, # False: model and optimizer left out (a sharded checkpoint writes them itself)
+                    ) -> dict[str, Any]:
     "The checkpoint payload of the last completed step (model, optimizer, counters, RNG, data position...)."
     boundary = boundary or self._boundary_state()
     plan = self.precision
-    return {"model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+    return {"model": self.model.state_dict() if tensors else None,
+            "optimizer": self.optimizer.state_dict() if tensors else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "step": self.step, "samples": self.samples, "tokens": self.tokens,
@@ -412,10 +418,19 @@ def checkpoint_state(self: Trainer, boundary: dict | None = None) -> dict[str, A
 def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
     "Save the last completed step through the checkpoint manager and emit `checkpoint` (in a job: every rank calls, rank 0 writes)."
     boundary = self.world.gather_boundary(boundary or self._boundary_state())
-    path = self.world.on_writer(lambda: self.checkpoint_manager.save(self.step, self.checkpoint_state(boundary)))
+    if self.world.fsdp: path = self._save_sharded(boundary)
+    else: path = self.world.on_writer(lambda: self.checkpoint_manager.save(self.step, self.checkpoint_state(boundary)))
     self._last_saved_step = self.step  # a save that failed on rank 0 raised on every rank
     if path is not None: self.logger.emit("checkpoint", {"step": self.step, "path": str(path)})
     return path
+
+@patch
+def _save_sharded(self: Trainer, boundary: dict) -> Any:
+    "`parallel.strategy: fsdp`: every rank writes its shards of the model and optimizer, rank 0 the rest (a `step_<N>.dcp` folder)."
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    weights, moments = get_state_dict(self.model, self.optimizer)
+    plain = self.checkpoint_state(boundary, tensors=False) if self.world.writes else {}
+    return self.checkpoint_manager.save_sharded(self.step, {"model": weights, "optimizer": moments}, plain, self.world)
 
 # %% ../nbs/11_trainer.ipynb #4e730724
 _MUON_SETTINGS = {"muon_momentum": "momentum", "muon_ns_steps": "ns_steps", "muon_norm_eps": "norm_eps", "muon_scale": "scale"}
@@ -467,8 +482,10 @@ def resume(self: Trainer, state: Mapping[str, Any] | str | os.PathLike,  # a che
     data = state.get("data")  # a loader that refuses the position (other data, micro_batch_size) fails before anything changed
     if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
         self.dataloader.load_state_dict(data)
-    self.model.load_state_dict(state["model"])
-    if state.get("optimizer") is not None:
+    if state.get("sharded"): load_sharded(state["sharded"], self.model, self.optimizer)   # every rank its shards, any world size
+    elif self.world.fsdp and self.world.backend is not None: load_whole(state, self.model, self.optimizer)
+    else: self.model.load_state_dict(state["model"])
+    if state.get("optimizer") is not None and not (self.world.fsdp and self.world.backend is not None):
         note = load_optimizer_state(self.optimizer, state["optimizer"], self.model,  # settings: the config comparison above says
                                     report_settings=not isinstance(state.get("config"), Mapping))
         if note: self.logger.warning("resume: %s", note)
@@ -530,7 +547,7 @@ def _begin_fit(self: Trainer, limit: int) -> _FitState:
         self.logger.warning(f"max_steps={limit} is an absolute target step and the trainer is already at step "
                             f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})")
     params = tuple(self.model.parameters())
-    if any(t.device != self.device for t in (*params, *self.model.buffers())):
+    if not self.world.fsdp and any(t.device != self.device for t in (*params, *self.model.buffers())):  # fsdp placed its shards
         self.model.to(self.device)
         params = tuple(self.model.parameters())  # the same objects, unless torch is set to replace them on a move
     if not all(m.training for m in self.model.modules()): self.model.train()  # both asked first: a fit call starts cheaply
@@ -601,7 +618,7 @@ def _apply_update(self: Trainer, loss: torch.Tensor, params: Any = None, # the p
             torch.nn.utils.clip_grad_norm_(params, clip)
         outcome = (None if scaler_step(self.scaler, self.optimizer) else "grad_scaler_overflow"), float("nan"), float("nan")
     else:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params)
+        norm = whole(torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params))  # sharded: the global norm
         loss, norm = self._job_values(loss, norm)
         outcome = (None, math.nan, math.nan) if update_is_finite(loss, norm) else nonfinite_update(loss, norm)
         if outcome[0] is None: self.optimizer.step()
