@@ -6,7 +6,8 @@
 __all__ = ['REDACTED', 'HF_DATASET_KEYS', 'Config', 'ConfigError', 'ConfigWarning', 'is_secret_key', 'redact', 'explicit_fields',
            'RunConfig', 'ModelConfig', 'hf_dataset_spec', 'DataConfig', 'OptimizerConfig', 'SchedulerConfig',
            'PrecisionConfig', 'CheckpointConfig', 'LoggingConfig', 'ShapeValidationConfig', 'EvalConfig',
-           'DistributedConfig', 'SpeedtronicConfig', 'run_target', 'load_config', 'load_yaml_config', 'as_section']
+           'DistributedConfig', 'ParallelConfig', 'SpeedtronicConfig', 'run_target', 'load_config', 'load_yaml_config',
+           'as_section']
 
 # %% ../nbs/00_config.ipynb #d9134a01
 import dataclasses
@@ -683,11 +684,24 @@ class DistributedConfig(_Section):
         if self.repo_id is not None and not self.repo_id.strip(): r.fail("repo_id", "must not be blank (e.g. org/run)")
         return r.problems
 
+# %% ../nbs/00_config.ipynb #0373ec7d
+@_config_section("parallel")
+class ParallelConfig(_Section):
+    "How the ranks of a torchrun job hold the model: `ddp` (a full copy each) or `fsdp` (sharded)."
+    strategy: str = "ddp"  # ddp or fsdp
+    reshard_after_forward: bool = True  # fsdp: free each block's gathered weights after its forward
+    cpu_offload: bool = False  # fsdp: shards, gradients and the optimizer step on the CPU
+    def _rules(self):
+        r = _Rules(self)
+        r.choice("strategy", ("ddp", "fsdp"), {"fsdp2": "fsdp", "fully_shard": "fsdp", "dp": "ddp", "zero3": "fsdp"})
+        return r.problems
+
 # %% ../nbs/00_config.ipynb #84cde6ab
 _SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
                               "scheduler": SchedulerConfig, "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
                               "logging": LoggingConfig, "distributed": DistributedConfig,
-                              "shape_validation": ShapeValidationConfig, "eval": EvalConfig}
+                              "shape_validation": ShapeValidationConfig, "eval": EvalConfig,
+                              "parallel": ParallelConfig}
 
 def _warmup_problem(warmup: int, horizon: int, how: str) -> str:
     "The error for an explicit warmup longer than the schedule it starts."
@@ -698,7 +712,7 @@ def _warmup_problem(warmup: int, horizon: int, how: str) -> str:
 # %% ../nbs/00_config.ipynb #f3df623c
 @_config_section("")
 class SpeedtronicConfig(_Section):
-    "A whole run's configuration: eleven sections plus root flags."
+    "A whole run's configuration: twelve sections plus root flags."
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -710,6 +724,7 @@ class SpeedtronicConfig(_Section):
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     gradient_checkpointing: bool = False
     compile: bool = False
     ooo_backprop: bool = False

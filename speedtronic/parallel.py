@@ -32,8 +32,8 @@ from .precision import resolve_device
 # %% auto #0
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'World', 'world_from_env', 'accumulation_per_rank',
            'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process', 'PeerLost', 'peer_lost',
-           'watch_peers', 'JobError', 'job_wide', 'raised_together', 'merge_boundaries', 'saved_world_size',
-           'GroupCoordinator']
+           'watch_peers', 'block_modules', 'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide', 'raised_together',
+           'merge_boundaries', 'saved_world_size', 'GroupCoordinator']
 
 # %% ../nbs/10p_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -52,6 +52,12 @@ class World:
     connect_timeout_s: float = CONNECT_TIMEOUT_S  # how long joining waits for the others (`$SPEEDTRONIC_CONNECT_TIMEOUT`)
     control: Any = field(default=None, repr=False)  # gloo group for the small CPU-side agreements between ranks
     owns_group: bool = field(default=False, repr=False)  # the process group was started here (and is ended here)
+    parallel: Any = field(default=None, repr=False)  # the run's `ParallelConfig` (`None`: ddp); the runtime sets it
+
+    @property
+    def fsdp(self) -> bool:
+        "Does this run shard its model and checkpoints (`parallel.strategy: fsdp`)?"
+        return self.parallel is not None and self.parallel.strategy == "fsdp"
 
     @property
     def writes(self) -> bool:
@@ -310,8 +316,9 @@ def watch_peers(method: Callable) -> Callable:
 @patch
 @watch_peers
 def wrap(self: World, model: nn.Module) -> nn.Module:
-    "The module training runs forward on: `DistributedDataParallel(model)` in a torchrun job, else `model`."
+    "The module training runs forward on: `DistributedDataParallel(model)` in a torchrun job (`model`, sharded, under fsdp), else `model`."
     if self.backend is None: return model
+    if self.fsdp: return _sharded(model)
     from torch.nn.parallel import DistributedDataParallel
     model.to(self.device)
     synced = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -322,7 +329,81 @@ def wrap(self: World, model: nn.Module) -> nn.Module:
 def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     "The context of one microbatch's forward and backward: gradients are averaged over the ranks only when `sync`."
     if self.backend is None: return contextlib.nullcontext()
+    if self.fsdp:
+        module.set_requires_gradient_sync(sync)   # FSDP's no_sync: gradients stay local and unsharded until the last microbatch
+        return _peers_watched(self)
     return _peers_watched(self, None if sync else module.no_sync())   # DDP's all-reduce runs in the backward
+
+# %% ../nbs/10p_parallel.ipynb #b07f32e4
+def block_modules(model: nn.Module) -> list[nn.Module]:
+    "The modules fsdp shards one by one: those of a class named in `model._no_split_modules`, else the largest group of same-type siblings."
+    names = getattr(model, "_no_split_modules", None)
+    if names: return [m for m in model.modules() if m is not model and type(m).__name__ in set(names)]
+    size = lambda group: sum(p.numel() for m in group for p in m.parameters())
+    best: list[nn.Module] = []
+    for parent in model.modules():
+        groups: dict[type, list[nn.Module]] = {}
+        for child in parent.children(): groups.setdefault(type(child), []).append(child)
+        for group in groups.values():
+            if len(group) >= 2 and size(group) > size(best): best = group
+    return best
+
+# %% ../nbs/10p_parallel.ipynb #53de2969
+def fsdp_problems(config: SpeedtronicConfig, precision: Any = None) -> list[str]:
+    "Why `config` cannot train with `parallel.strategy: fsdp` (empty under ddp); `precision` is the resolved plan, when known."
+    if config.parallel.strategy != "fsdp": return []
+    why, out = "under parallel.strategy: fsdp each rank holds only a shard of every weight", []
+    if config.optimizer.name == "muon":
+        out.append(f"optimizer.name: muon orthogonalises each whole weight matrix, and {why}; use optimizer.name: adamw "
+                   "with fsdp, or parallel.strategy: ddp for Muon")
+    if config.optimizer.cautious:
+        out.append(f"optimizer.cautious: the cautious update rescales by the agreeing share of a whole tensor, and {why}; "
+                   "set optimizer.cautious: false, or parallel.strategy: ddp")
+    if precision is not None and getattr(precision, "use_scaler", False) or config.precision.mode == "fp16":
+        out.append("precision: fp16 needs a GradScaler, whose overflow check would see only this rank's shard of the "
+                   "gradients under parallel.strategy: fsdp; use precision: bf16 (or fp32), or parallel.strategy: ddp")
+    if config.eval.sample_prompts:
+        out.append("eval.sample_prompts: samples are written by rank 0 alone, and under parallel.strategy: fsdp every forward needs "
+                   "every rank; leave eval.sample_prompts empty with fsdp (speedtronic generate reads its checkpoints), or use ddp")
+    if config.distributed.enabled:
+        out.append("parallel.strategy: fsdp is not available to a DiLoCo node (distributed.enabled); set parallel.strategy: ddp")
+    return out
+
+def fsdp_options(parallel: Any, precision: Any, device: torch.device) -> dict:
+    "The `fully_shard` keyword arguments for `parallel` and the precision plan on `device`."
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    options = {"reshard_after_forward": bool(parallel.reshard_after_forward)}
+    if device.type == "cuda" and getattr(precision, "autocast_enabled", False):
+        dtype = precision.dtype
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)   # the shards stay fp32
+    if parallel.cpu_offload: options["offload_policy"] = CPUOffloadPolicy()
+    return options
+
+# %% ../nbs/10p_parallel.ipynb #6a9c101b
+def _sharded(model: nn.Module) -> nn.Module:
+    "`model`, which `World.shard` must have sharded before its optimizer was built."
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(model, FSDPModule): return model
+    raise ConfigError("parallel.strategy: fsdp shards the model before its optimizer is built: call world.shard(model, plan), "
+                      "then build the optimizer from the sharded model (build_runtime does), then the Trainer")
+
+@patch
+@watch_peers
+def shard(self: World, model: nn.Module, precision: Any = None) -> nn.Module:
+    "Under `parallel.strategy: fsdp` in a job: every block, then `model`, `fully_shard`ed in place (rank 0's weights); else `model`."
+    if self.backend is None or not self.fsdp: return model
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    if isinstance(model, FSDPModule): return model
+    if problems := fsdp_problems(SpeedtronicConfig(parallel=self.parallel), precision): raise ConfigError(problems)
+    if self.parallel.cpu_offload and self.device.type != "cuda":   # every rank decides it alike: one of them reports it
+        raise job_wide(ConfigError(f"parallel.cpu_offload: moves a GPU's shards to the CPU, and this job trains on {self.device.type}; "
+                                   "set parallel.cpu_offload: false (or train on CUDA)"))
+    model.to(self.device)
+    self.share_weights(model)
+    options = fsdp_options(self.parallel, precision, self.device)
+    for block in block_modules(model): fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
 
 # %% ../nbs/10p_parallel.ipynb #71478092
 @patch
