@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -99,11 +100,20 @@ def train(cfg: Path, *extra: str, nproc: int = 1) -> subprocess.Popen:
     "`speedtronic train` on CPU: one process, or a torchrun job of `nproc`."
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(free_port())] if nproc > 1 else []
     cmd = [sys.executable, *launcher, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)   # its own process group, ended whole if it hangs
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    out, err = proc.communicate(timeout=timeout)
+    "The stderr of `proc`, which must exit 0 within `timeout` seconds (else it and its ranks are killed and the test fails)."
+    try: out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()                      # torchrun passes SIGTERM to its ranks (each in a session of its own), then kills them
+        try: out, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"the run did not end within {timeout} s:\n{out[-3000:]}\n{err[-6000:]}")
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
     return err
 
