@@ -210,7 +210,7 @@ def load_state_dict(self: BlockStream, state: Mapping) -> None:
 
 # %% ../nbs/03_data.ipynb #14d55169
 class TextFileTokenDataset(BlockStream):
-    "A UTF-8 text file as a stream of non-overlapping token blocks; workers read only their own segments."
+    "A UTF-8 text file as a stream of non-overlapping token blocks, read segment by segment."
     def __init__(self, path: str | os.PathLike, block_size: int, tokenizer: Any = None, vocab_size: int = 256,
                  *, segment_bytes: int = 1 << 20):
         if int(block_size) <= 0: raise ValueError(f"block_size must be positive, got {block_size}")
