@@ -170,6 +170,7 @@ def _join_store(world: World) -> Any:
     return box["store"]
 
 _STARTED_GROUPS: list[str] = []  # the backends of the process groups this process started (read by `end_process`)
+_LEFT_GROUPS: list = []  # groups left by `close`, never freed: gloo's destructor joins a thread that may wait for the GIL it holds
 
 def start_world(world: World, device: torch.device) -> World:
     "Join the torchrun job on `device`: the process group (NCCL on CUDA, gloo on CPU) and a gloo group for agreements."
@@ -203,7 +204,7 @@ def close(self: World, failed: bool = False,
     if meet:  # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a collective
         try: dist.barrier(group=control)
         except Exception: meet = False
-    if meet or backend == "gloo": dist.destroy_process_group()
+    if meet or backend == "gloo": _LEFT_GROUPS.extend([dist.group.WORLD, control]); dist.destroy_process_group()
 
 # %% ../nbs/10p_parallel.ipynb #0582c93e
 def _rendezvous_address() -> str:
