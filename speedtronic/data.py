@@ -5,6 +5,7 @@
 # %% ../nbs/03_data.ipynb #3ebb56b9
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -91,19 +92,20 @@ def group_share(left: int, # samples left in the pass, from the start of the nex
 # %% ../nbs/03_data.ipynb #dc9990ff
 @dataclass
 class StreamStart:
-    "Where a pass over a `BlockStream` starts."
+    "Where a pass over a `BlockStream` starts, and which part of each group this reader takes."
     epoch: int = 0                      # pass number (seeds the shuffle of shuffled streams)
-    rotation: int = 0                   # worker `w` plays role `(w + rotation) % W`
-    positions: list | None = None       # per role the next `[unit, index]`; `None`: every role at its first unit
-    tagged: bool = False                # yield `((role, unit, index), sample)`, the position after the sample, for the loader
+    unit: int = 0                       # the position of the next sample of the pass's sequence: its unit ...
+    index: int = 0                      # ... and its index in that unit
+    samples: int = 0                    # samples of the pass before that position
+    tagged: bool = False                # yield `((samples, unit, index), sample)`: the position after the sample's group
     rank: int = 0                       # this process's rank in a torchrun job ...
     world: int = 1                      # ... of `world` processes, each with its own loader and workers
-    micro: int = 1                      # samples per microbatch of one rank (shares of a random-access stream)
+    micro: int = 1                      # samples per microbatch of one rank
     drop_last: bool = True              # drop an incomplete last group instead of sharing it out
 
 # %% ../nbs/03_data.ipynb #d5953952
 class BlockStream(IterableDataset):
-    "An iterable dataset made of fixed units dealt to worker roles; every sample has a `(unit, index)` position."
+    "An iterable dataset made of fixed units read in order; every sample has a `(unit, index)` position."
     _loader_start: StreamStart | None = None
     _epoch: int = 0
     _cursor: list | None = None
@@ -123,61 +125,76 @@ class BlockStream(IterableDataset):
 
     def __iter__(self):
         start, info = self._loader_start, get_worker_info()
-        direct = start is None and info is None
-        if start is None: start = StreamStart(self._epoch, 0, [self._cursor] if self._cursor else None)
+        if start is None and info is None: return self._direct(StreamStart(self._epoch, *(self._cursor or (0, 0))))
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        if start.positions is not None and len(start.positions) != nw:
-            raise DataError(f"the saved data position has {len(start.positions)} worker streams but the loader has {nw}; "
-                            f"resume with the same data.num_workers as the run that saved it")
-        role = (wid + start.rotation) % nw
-        shared = start.world > 1 and self.random_access      # every rank walks the same role streams
-        first = role if shared or start.world == 1 else start.rank * nw + role
-        unit, skip = start.positions[role] if start.positions else (first, 0)
-        if shared: return self._rank_shares(start, role, nw, int(unit), int(skip))
-        return self._role_samples(start, role, nw * start.world, int(unit), int(skip), direct)
+        return self._reader(start or StreamStart(self._epoch), wid, nw)
 
-    def _role_samples(self, start, role, stride, unit, skip, direct):
-        total = self.num_units(start.epoch)
+    def _sequence(self, epoch: int, unit: int, skip: int) -> Iterator[tuple[int, int, dict]]:
+        "`(unit, index after, sample)` for every sample of pass `epoch` from `(unit, skip)` on."
+        total = self.num_units(epoch)
         while unit < total:
-            for i, sample in enumerate(self.unit_samples(start.epoch, unit, skip), start=skip):
-                if direct: self._cursor = [unit, i + 1]
-                yield ((role, unit, i + 1), sample) if start.tagged else sample
-            unit, skip = unit + stride, 0
-        if direct: self._epoch, self._cursor = start.epoch + 1, None
+            for i, sample in enumerate(self.unit_samples(epoch, unit, skip), start=skip): yield unit, i + 1, sample
+            unit, skip = unit + 1, 0
 
 # %% ../nbs/03_data.ipynb #88a2a558
 @patch
-def _walk(self: BlockStream, epoch: int, unit: int, skip: int, n: int, stride: int) -> tuple[int, int, int]:
-    "The position `n` samples after `(unit, skip)` along units `unit, unit + stride, …`, and how many of the `n` were not there."
+def _walk(self: BlockStream, epoch: int, unit: int, skip: int, n: int) -> tuple[int, int, int]:
+    "The position `n` samples after `(unit, skip)`, and how many of the `n` were not there."
     total = self.num_units(epoch)
     while unit < total:
         room = self.unit_size(epoch, unit) - skip
         if n < room: return unit, skip + n, 0
-        n, unit, skip = n - room, unit + stride, 0
+        n, unit, skip = n - room, unit + 1, 0
     return unit, 0, n
 
 @patch
-def _take(self: BlockStream, epoch: int, unit: int, skip: int, count: int, stride: int) -> Iterator[dict]:
-    "`count` samples from `(unit, skip)` on, across units `unit, unit + stride, …`."
-    total = self.num_units(epoch)
-    while count > 0 and unit < total:
-        for sample in itertools.islice(self.unit_samples(epoch, unit, skip), count):
-            count -= 1
-            yield sample
-        unit, skip = unit + stride, 0
+def _take(self: BlockStream, epoch: int, unit: int, skip: int, count: int) -> Iterator[dict]:
+    "`count` samples from `(unit, skip)` on."
+    return (s for _, _, s in itertools.islice(self._sequence(epoch, unit, skip), count))
 
 @patch
-def _rank_shares(self: BlockStream, start: StreamStart, role: int, nw: int, unit: int, skip: int) -> Iterator:
-    "This rank's share of each group of role `role`'s stream; the other ranks' samples are skipped unread."
-    e, group = start.epoch, start.micro * start.world
-    while True:
-        left = group - self._walk(e, unit, skip, group, nw)[2]
-        offset, count, size = group_share(left, rank=start.rank, world=start.world, micro=start.micro, drop_last=start.drop_last)
-        if count == 0: return
-        after = self._walk(e, unit, skip, size, nw)[:2]
-        for sample in self._take(e, *self._walk(e, unit, skip, offset, nw)[:2], count, nw):
-            yield ((role, *after), sample) if start.tagged else sample
-        unit, skip = after
+def _groups(self: BlockStream, start: StreamStart, mine: Callable[[int], bool]) -> Iterator[tuple[tuple[int, int, int], list]]:
+    "`(position after, this rank's part)` of each group `j` of the pass from `start` for which `mine(j)`."
+    e, full = start.epoch, start.micro * start.world
+    share = functools.partial(group_share, rank=start.rank, world=start.world, micro=start.micro, drop_last=start.drop_last)
+    unit, index, samples = start.unit, start.index, start.samples
+    sequence = None if self.random_access else self._sequence(e, unit, index)
+    for j in itertools.count():
+        if sequence is None:
+            offset, count, size = share(full - self._walk(e, unit, index, full)[2])
+            if count == 0: return
+            part = list(self._take(e, *self._walk(e, unit, index, offset)[:2], count)) if mine(j) else []
+            unit, index = self._walk(e, unit, index, size)[:2]
+        else:
+            group = list(itertools.islice(sequence, full))          # (unit, index after, sample) of each sample
+            offset, count, size = share(len(group))
+            if count == 0: return
+            part = [s for _, _, s in group[offset:offset + count]] if mine(j) else []
+            unit, index = group[size - 1][:2]
+        samples += size
+        if mine(j): yield (samples, unit, index), part
+
+@patch
+def _reader(self: BlockStream, start: StreamStart, wid: int, nw: int) -> Iterator:
+    "Reader `wid` of `nw`: this rank's part of groups `wid, wid + nw, …`, tagged with the position after each when `start.tagged`."
+    for after, part in self._groups(start, lambda j: j % nw == wid):
+        for sample in part: yield (after, sample) if start.tagged else sample
+
+@patch
+def _direct(self: BlockStream, start: StreamStart) -> Iterator:
+    "The whole sequence from `start`, keeping the stream's own cursor (iteration without a loader)."
+    for after, part in self._groups(start, lambda j: True):
+        self._cursor = list(after[1:])
+        yield from part
+    self._epoch, self._cursor = start.epoch + 1, None
+
+@patch
+def locate(self: BlockStream, epoch: int, samples: int) -> tuple[int, int]:
+    "The `(unit, index)` of sample number `samples` of pass `epoch` (a stream read front to back reads up to it)."
+    if self.random_access: return self._walk(epoch, 0, 0, samples)[:2]
+    unit, index = 0, 0
+    for unit, index, _ in itertools.islice(self._sequence(epoch, 0, 0), samples): pass
+    return unit, index
 
 # %% ../nbs/03_data.ipynb #ba744c8d
 @patch
@@ -193,7 +210,7 @@ def load_state_dict(self: BlockStream, state: Mapping) -> None:
 
 # %% ../nbs/03_data.ipynb #14d55169
 class TextFileTokenDataset(BlockStream):
-    "A UTF-8 text file as a stream of non-overlapping token blocks; workers read only their own segments."
+    "A UTF-8 text file as a stream of non-overlapping token blocks, read segment by segment."
     def __init__(self, path: str | os.PathLike, block_size: int, tokenizer: Any = None, vocab_size: int = 256,
                  *, segment_bytes: int = 1 << 20):
         if int(block_size) <= 0: raise ValueError(f"block_size must be positive, got {block_size}")
@@ -232,14 +249,6 @@ def unit_samples(self: TextFileTokenDataset, epoch: int, unit: int, skip: int) -
     pieces = (encode_text(self.tokenizer, p) for p in text_pieces(text, self.piece_chars))
     for i, group in enumerate(cut_blocks(pieces, self.block_size, tail=unit == len(self.segments) - 1)):
         if i >= skip: yield block_sample(group)
-
-# %% ../nbs/03_data.ipynb #63a3a5fb
-@patch
-def split_for(self: TextFileTokenDataset, readers: int) -> None:
-    "Cut the file into at least `readers` segments when it has fewer (a small file read by several processes)."
-    if len(self.segments) >= readers: return
-    self.segment_bytes = max(1, -(-self.path.stat().st_size // readers))
-    self._segments, self.known_blocks = None, None
 
 # %% ../nbs/03_data.ipynb #80a29163
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -572,7 +581,7 @@ def _deal(batches: Iterator, rank: int, world: int) -> Iterator:
 
 # %% ../nbs/03_data.ipynb #86509c1f
 class ResumableDataLoader(DataLoader):
-    "A `DataLoader` whose `state_dict()` is the position of the next batch it hands out."
+    "A `DataLoader` whose `state_dict()` is the job's position of the next batch it hands out."
     def __init__(self, dataset: Any, *, batch_size: int = 1, shuffle: bool = False, num_workers: int = 0,
                  pin_memory: bool = False, drop_last: bool = True, collate_fn: Callable = collate_batch,
                  prefetch_factor: int | None = None, seed: int = 0,
@@ -588,67 +597,46 @@ class ResumableDataLoader(DataLoader):
                          generator=torch.Generator(), worker_init_fn=_seed_worker, **extra)
         self.seed = int(seed)
         self.shuffle = bool(getattr(dataset, "shuffle", False)) if iterable else bool(shuffle)
-        self._epoch, self._batches, self._next_role, self._positions = 0, 0, 0, None
-
-    @property
-    def _roles(self) -> int: return max(1, self.num_workers)
-
-    @property
-    def _first_role(self) -> int:
-        "The first stream role of this rank: its workers play roles `first, first + 1, …`."
-        return 0 if self._kind != "stream" or self.world_size == 1 or self.dataset.random_access else self.rank * self._roles
+        self._epoch, self._samples, self._unit, self._index = 0, 0, 0, 0   # the pass, the job's samples of it handed out, where a stream goes on
 
 # %% ../nbs/03_data.ipynb #b10b068e
 @patch
 def _begin_pass(self: ResumableDataLoader) -> None:
     self.generator.manual_seed(epoch_seed(self.seed, self._epoch))
-    if self._kind == "map": self.sampler.set_position(self._epoch, self._batches * self.batch_size * self.world_size)
+    if self._kind == "map": self.sampler.set_position(self._epoch, self._samples)
     if self._kind == "stream":
-        if self._positions is None:
-            self._check_units()
-            self._positions = [[self._first_role + r, 0] for r in range(self._roles)]
-        self.dataset._loader_start = StreamStart(self._epoch, self._next_role, [list(p) for p in self._positions], tagged=True,
-                                                 rank=self.rank, world=self.world_size, micro=self.batch_size, drop_last=self.drop_last)
-
-@patch
-def _check_units(self: ResumableDataLoader) -> None:
-    "A `DataError` when a stream has too few units for every rank to read some."
-    if self.world_size == 1 or self.dataset.random_access: return
-    units = self.dataset.num_units(self._epoch)
-    if units > (self.world_size - 1) * self._roles: return
-    what = f"data.text_path {str(self.dataset.path)!r}" if isinstance(self.dataset, TextFileTokenDataset) else type(self.dataset).__name__
-    raise DataError(f"{what} has {units} unit(s) but {self.world_size} processes × {self._roles} reader(s) share it, so rank "
-                    f"{self.world_size - 1} would read nothing; use fewer processes or data.num_workers, or more data")
+        self.dataset._loader_start = StreamStart(self._epoch, self._unit, self._index, self._samples, tagged=True, rank=self.rank,
+                                                 world=self.world_size, micro=self.batch_size, drop_last=self.drop_last)
 
 @patch
 def _record(self: ResumableDataLoader, item: Any) -> Any:
+    "Move the position past the group of the batch `item` (a stream's batch carries it) and return the batch."
     if self._kind == "stream":
         positions, item = item
-        for role, unit, index in positions: self._positions[int(role)] = [int(unit), int(index)]
-        self._next_role = (int(role) + 1) % self._roles
-    self._batches += 1
+        self._samples, self._unit, self._index = (int(x) for x in positions[-1])
+    elif self._kind == "map": self._samples += group_share(self.sampler.num_samples - self._samples, **self.sampler.share)[2]
+    else: self._samples += self.batch_size * self.world_size
     return item
 
 @patch
 def __iter__(self: ResumableDataLoader):
     while True:
-        resumed = self._batches > 0
+        resumed = self._samples > 0
         self._begin_pass()
         try: it = super(ResumableDataLoader, self).__iter__()
         finally:
             if self._kind == "stream": self.dataset._loader_start = None
         handed = 0
         if self._kind == "iterable":
+            it = itertools.islice(it, self._samples // self.batch_size, None)   # the job's batches already handed out
             if self.world_size > 1: it = _deal(it, self.rank, self.world_size)
-            for _ in range(self._batches):
-                if next(it, None) is None: break
         while True:
             try: item = next(it)
             except StopIteration: break
             except DataError as e: raise DataError(_worker_error_message(str(e))) from None
             handed += 1
             yield self._record(item)
-        self._epoch, self._batches, self._next_role, self._positions = self._epoch + 1, 0, 0, None
+        self._epoch, self._samples, self._unit, self._index = self._epoch + 1, 0, 0, 0
         if handed or not resumed: return
 
 # %% ../nbs/03_data.ipynb #91ef6fb6
@@ -709,13 +697,11 @@ def identity_differences(saved: Mapping, now: Mapping) -> list[str]:
 # %% ../nbs/03_data.ipynb #53d97773
 @patch
 def state_dict(self: ResumableDataLoader) -> dict:
-    "The position of the next batch: epoch, batches handed out in it, seed and (streams) each worker role's position."
-    state = {"version": 1, "kind": self._kind, "epoch": self._epoch, "batches": self._batches, "seed": self.seed,
-             "shuffle": self.shuffle, "batch_size": self.batch_size, "num_workers": self.num_workers, "source": self.source()}
-    if self.world_size > 1: state.update(rank=self.rank, world_size=self.world_size)
+    "The job's position of the next batch: epoch, samples of the job handed out in it, seed and (streams) the next `(unit, index)`."
+    state = {"version": 2, "kind": self._kind, "epoch": self._epoch, "samples": self._samples, "seed": self.seed,
+             "shuffle": self.shuffle, "source": self.source()}
     if self._kind == "stream":
-        state["next_role"] = self._next_role
-        state["positions"] = [list(p) for p in (self._positions or [[self._first_role + r, 0] for r in range(self._roles)])]
+        state.update(unit=self._unit, index=self._index)
         if hasattr(self.dataset, "seed"): state["stream_seed"] = int(self.dataset.seed)
     return state
 
@@ -727,8 +713,8 @@ def source(self: ResumableDataLoader) -> dict[str, Any]:
 
 @patch
 def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
-    "Continue the next `iter()` exactly at the batch `state` describes."
-    if not isinstance(state, Mapping) or "epoch" not in state or "batches" not in state:
+    "Continue the next `iter()` exactly at the batch `state` describes (saved by a job of any size)."
+    if not isinstance(state, Mapping) or "epoch" not in state or not ({"samples", "batches"} & set(state)):
         raise DataError(f"data loader state must be a mapping from state_dict(), got {type(state).__name__}")
     if isinstance(state.get("source"), Mapping) and (changed := identity_differences(state["source"], self.source())):
         raise DataError("the data differs from the data the saved position belongs to, so the position would point into other "
@@ -736,21 +722,37 @@ def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
                         "run (--overwrite, or another --output-dir)")
     if state.get("kind", self._kind) != self._kind:
         raise DataError(f"data loader state was saved for a {state['kind']} dataset but this loader reads a {self._kind} dataset; resume with the same data source")
-    if state.get("batch_size", self.batch_size) != self.batch_size:
-        raise DataError(f"data loader state was saved with micro_batch_size {state['batch_size']}, this loader uses {self.batch_size}; "
-                        f"resume with the same data.micro_batch_size")
-    saved = (state.get("rank", 0), state.get("world_size", 1))
-    if saved != (self.rank, self.world_size):
-        raise DataError(f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this loader is rank {self.rank} "
-                        f"of {self.world_size}; resume with the same number of processes (torchrun --nproc_per_node/--nnodes)")
-    if self._kind == "stream" and len(state.get("positions", [])) != self._roles:
-        raise DataError(f"data loader state was saved with data.num_workers={state.get('num_workers')}, this loader has {self.num_workers}; "
-                        f"a stream position can only be restored with the same data.num_workers")
-    self._epoch, self._batches, self.seed = int(state["epoch"]), int(state["batches"]), int(state.get("seed", self.seed))
+    if "samples" not in state: state = self._rank_position(state)
+    if self._kind == "iterable" and int(state["samples"]) % self.batch_size:
+        raise DataError(f"data loader state is {state['samples']} samples into a plain iterable dataset, which resumes only at a "
+                        f"whole number of micro batches and data.micro_batch_size is {self.batch_size}; resume with a "
+                        f"data.micro_batch_size that divides {state['samples']}")
+    self._epoch, self._samples, self.seed = int(state["epoch"]), int(state["samples"]), int(state.get("seed", self.seed))
     if self._kind == "map": self.sampler.seed = self.seed
     if self._kind == "stream":
-        self._next_role, self._positions = int(state["next_role"]), [[int(u), int(i)] for u, i in state["positions"]]
+        self._unit, self._index = int(state["unit"]), int(state["index"])
         if "stream_seed" in state and hasattr(self.dataset, "seed"): self.dataset.seed = int(state["stream_seed"])
+
+# %% ../nbs/03_data.ipynb #5b1e7c42
+@patch
+def _rank_position(self: ResumableDataLoader, state: Mapping) -> dict:
+    "The job's position of a state an earlier version saved for one rank (`batches` of that rank, a position per worker)."
+    saved = (int(state.get("rank", 0)), int(state.get("world_size", 1)))
+    if saved != (self.rank, self.world_size):
+        raise DataError(f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this loader is rank {self.rank} "
+                        f"of {self.world_size}; a position written by an earlier version is one rank's, so resume with the same "
+                        f"number of processes (torchrun --nproc_per_node/--nnodes)")
+    epoch, samples = int(state["epoch"]), int(state["batches"]) * int(state.get("batch_size", self.batch_size)) * saved[1]
+    position = {**state, "samples": samples}
+    if self._kind != "stream": return position
+    roles = state.get("positions") or [[0, 0]]
+    if len(roles) == 1 and (saved[1] == 1 or self.dataset.random_access): unit, index = roles[0]   # the same order as now
+    else:
+        unit, index = self.dataset.locate(epoch, samples)
+        warnings.warn(f"the data position was saved by an earlier version that read this stream with {len(roles)} reader(s) "
+                      f"in another order; the run continues at sample {samples} of pass {epoch} in the order every job now "
+                      "shares, so some samples of this pass may be seen twice or not at all", DataWarning, stacklevel=3)
+    return {**position, "unit": int(unit), "index": int(index)}
 
 # %% ../nbs/03_data.ipynb #619003a6
 def resolve_vocab_size(data: DataConfig, vocab_size: int | None = None) -> int:
@@ -818,7 +820,6 @@ def build_dataloader(config: Any, *, dataset: Any = None, tokenizer: Any = None,
     "A resumable loader over the configured data source; `config` is a `DataConfig` (or a whole config, mapping or namespace)."
     data = as_section(config, DataConfig)
     ds = select_dataset(data, dataset=dataset, tokenizer=tokenizer, vocab_size=vocab_size)
-    if world_size > 1 and isinstance(ds, TextFileTokenDataset): ds.split_for(world_size * max(1, data.num_workers))
     check_loader_settings(ds, batch_size=data.micro_batch_size, drop_last=data.drop_last, shuffle=data.shuffle, world_size=world_size)
     return ResumableDataLoader(ds, batch_size=data.micro_batch_size, shuffle=data.shuffle, num_workers=data.num_workers,
                                pin_memory=bool(pin_memory_device if data.pin_memory is None else data.pin_memory),

@@ -33,7 +33,7 @@ from .precision import resolve_device
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'World', 'world_from_env', 'accumulation_per_rank',
            'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process', 'PeerLost', 'peer_lost',
            'watch_peers', 'block_modules', 'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide', 'raised_together',
-           'merge_boundaries', 'saved_world_size', 'GroupCoordinator']
+           'merge_boundaries', 'saved_world_size', 'derived_rng', 'GroupCoordinator']
 
 # %% ../nbs/10p_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -198,6 +198,7 @@ def _join_store(world: World) -> Any:
     return box["store"]
 
 _STARTED_GROUPS: list[str] = []  # the backends of the process groups this process started (read by `end_process`)
+_LEFT_GROUPS: list = []  # groups left by `close`, never freed: gloo's destructor joins a thread that may wait for the GIL it holds
 
 def start_world(world: World, device: torch.device) -> World:
     "Join the torchrun job on `device`: the process group (NCCL on CUDA, gloo on CPU) and a gloo group for agreements."
@@ -232,7 +233,10 @@ def close(self: World, failed: bool = False,
         try: dist.barrier(group=control)
         except Exception: meet = False
     _release_reducers()
-    if meet or backend == "gloo": _within(dist.destroy_process_group, TEARDOWN_S, "leaving the process group")
+    if meet or backend == "gloo":
+        _LEFT_GROUPS.extend([dist.group.WORLD, control])
+        _within(dist.destroy_process_group, TEARDOWN_S, "leaving the process group")
+
 
 # %% ../nbs/10p_parallel.ipynb #0582c93e
 def _rendezvous_address() -> str:
@@ -488,24 +492,40 @@ def share(self: World, value: Any) -> Any:
 
 # %% ../nbs/10p_parallel.ipynb #ab136e13
 def merge_boundaries(parts: list[Mapping]) -> dict:
-    "One boundary for the whole job from each rank's `{'rng': ..., 'data': ...}`, in rank order."
-    return {key: {"world_size": len(parts), "ranks": [p.get(key) for p in parts]} for key in ("rng", "data")}
+    "One boundary for the whole job from each rank's `{'rng': ..., 'data': ...}`, in rank order: every RNG, the job's data position."
+    return {"rng": {"world_size": len(parts), "ranks": [p.get("rng") for p in parts]}, "data": parts[0].get("data")}
 
 def saved_world_size(state: Mapping) -> int:
     "How many processes saved checkpoint `state` (1 for a single-process checkpoint)."
     rng = state.get("rng")
     return int(rng["world_size"]) if isinstance(rng, Mapping) and "world_size" in rng else 1
 
+def _per_rank(value: Any) -> bool:
+    "Is `value` one entry per rank, `{'world_size': n, 'ranks': [...]}` (a job's RNG, an earlier version's data position)?"
+    return isinstance(value, Mapping) and "ranks" in value and "world_size" in value
+
+def derived_rng(seed: int, step: int, rank: int) -> dict:
+    "A torch RNG state (CPU and each CUDA device) fixed by the run seed, the step and the rank: a rank's RNG after a resize."
+    s = (int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + int(rank) * 0x94D049BB133111EB + 1) % 2**63
+    state = {"torch": torch.Generator().manual_seed(s).get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = [torch.Generator(device=f"cuda:{i}").manual_seed(s).get_state() for i in range(torch.cuda.device_count())]
+    return state
+
 @patch
 def local_state(self: World, state: Mapping, path: Any = None) -> Mapping:
-    "Checkpoint `state` as this rank resumes it: its own RNG and data position; an error if another job size saved it."
-    saved = saved_world_size(state)
-    if saved != self.size:
-        who = lambda n: "one process" if n == 1 else f"a torchrun job of {n} processes"
-        raise CheckpointError(f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} and this run is {who(self.size)}; resume it "
-                              f"with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or start without --resume")
-    if saved == 1: return state
-    return {**state, **{key: state[key]["ranks"][self.rank] if state.get(key) else None for key in ("rng", "data")}}
+    "Checkpoint `state` as this rank resumes it: the job's data position and this rank's RNG (derived on a job of another size)."
+    saved, data, rng = saved_world_size(state), state.get("data"), state.get("rng")
+    if _per_rank(data):                                   # an earlier version's job: one data position per rank
+        if saved != self.size:
+            who = lambda n: "one process" if n == 1 else f"a torchrun job of {n} processes"
+            raise CheckpointError(f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} and this run is "
+                                  f"{who(self.size)}; it was written by an earlier version, whose data position is each rank's, so "
+                                  f"resume it with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or start without --resume")
+        data = data["ranks"][self.rank]
+    if saved == self.size: rng = rng["ranks"][self.rank] if _per_rank(rng) else rng
+    else: rng = derived_rng(((state.get("config") or {}).get("run") or {}).get("seed") or 0, int(state.get("step") or 0), self.rank)
+    return {**state, "rng": rng, "data": data}
 
 # %% ../nbs/10p_parallel.ipynb #4af8793f
 @patch

@@ -47,11 +47,11 @@ def as_lists(items):
     return [(tag, s["input_ids"].tolist() + s["labels"][-1:].tolist()) for tag, s in items]
 
 
-def tagged_samples(dataset, num_workers):
-    "Every sample of one pass through a real DataLoader with `num_workers`, with its (role, unit, index) tag."
-    dataset._loader_start = StreamStart(tagged=True)
+def tagged_samples(dataset, num_workers, batch=512):
+    "Every sample of one pass through a real DataLoader with `num_workers`, in the order handed out, with its (samples, unit, index) tag."
+    dataset._loader_start = StreamStart(tagged=True, micro=batch)
     try:
-        loader = DataLoader(dataset, batch_size=512, num_workers=num_workers, collate_fn=as_lists)
+        loader = DataLoader(dataset, batch_size=batch, num_workers=num_workers, collate_fn=as_lists)
         it = iter(loader)
     finally:
         dataset._loader_start = None
@@ -74,20 +74,18 @@ def test_two_workers_yield_exactly_the_single_process_stream(big_text):
     double = tagged_samples(ds, 2)
     assert len(ds.segments) >= 16
     assert len(single) > 30_000
-    # the multiset of blocks is the same, and sorted by (unit, index) so is the sequence
-    assert sorted(b for _, b in double) == sorted(b for _, b in single)
-    assert [b for _, b in sorted(double, key=lambda t: t[0][1:])] == [b for _, b in single]
-    # each worker role yielded only its own segments: role r reads units r, r+2, ...
-    units_of = {0: set(), 1: set()}
-    for (role, unit, _), _ in double: units_of[role].add(unit)
-    assert units_of[0] and units_of[1]
-    assert all(u % 2 == 0 for u in units_of[0]) and all(u % 2 == 1 for u in units_of[1])
+    # the same blocks in the same order, and every block tagged with the position after its batch
+    assert [b for _, b in double] == [b for _, b in single]
+    assert [t for t, _ in double] == [t for t, _ in single]
+    assert [t[0] for t, _ in single[511::512]] == list(range(512, len(single) + 1, 512))
     # and the blocks are the text's tokens: within a segment, consecutive blocks are consecutive tokens
     raw = big_text.read_bytes()
     start, end = ds.segments[3]
-    seg_blocks = [b for (_, u, _), b in single if u == 3]
+    seg_blocks = [s["input_ids"].tolist() + s["labels"][-1:].tolist() for s in ds.unit_samples(0, 3, 0)]
     joined = sum(seg_blocks, [])
     assert joined == list(raw[start:start + len(joined)])
+    before = sum(len(list(ds.unit_samples(0, u, 0))) for u in range(3))      # the sequence: segment 0's blocks, then 1's, ...
+    assert [b for _, b in single[before:before + len(seg_blocks)]] == seg_blocks
 
 
 def test_stream_loses_at_most_one_block_per_segment(small_text):
@@ -144,7 +142,8 @@ def test_resume_continues_with_exactly_the_next_batches(source, num_workers, sma
         head = _consume(first_run, k)
         _same(head, reference[:k])
         state = json.loads(json.dumps(first_run.state_dict()))   # plain data only
-        assert (state["epoch"], state["batches"]) == ((0, k) if k <= per_epoch else (1, k - per_epoch))
+        batch = reference[0]["input_ids"].shape[0]
+        assert (state["epoch"], state["samples"]) == ((0, k * batch) if k <= per_epoch else (1, (k - per_epoch) * batch))
         _same(_consume(make(), total - k, state), reference[k:])
     # the second epoch of a shuffled source is a new order
     if "shuffled" in source:
@@ -153,12 +152,13 @@ def test_resume_continues_with_exactly_the_next_batches(source, num_workers, sma
         assert not torch.equal(a, b)
 
 
-def test_stream_state_needs_the_same_worker_count(small_text):
+@pytest.mark.parametrize("workers", [(2, 0), (0, 2)])
+def test_stream_state_continues_with_another_worker_count(small_text, workers):
     make = lambda w: build_dataloader(SimpleNamespace(micro_batch_size=4, target_batch_size=4, num_workers=w, text_path=str(small_text), block_size=32))
-    loader = make(2)
-    _consume(loader, 5)
-    with pytest.raises(DataError, match="same data.num_workers"):
-        make(0).load_state_dict(loader.state_dict())
+    reference = _consume(make(0), 12)
+    loader = make(workers[0])
+    _same(_consume(loader, 5), reference[:5])
+    _same(_consume(make(workers[1]), 7, loader.state_dict()), reference[5:])
 
 
 def test_equal_length_batches_have_no_attention_mask(small_text):

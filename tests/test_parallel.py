@@ -151,7 +151,8 @@ def test_two_ranks_reproduce_one_process(tmp_path):
     for name, tensor in a["model"].items():
         torch.testing.assert_close(b["model"][name], tensor, rtol=0, atol=1e-6, msg=name)
     assert (b["samples"], b["tokens"]) == (a["samples"], a["tokens"]) == (STEPS * 16, STEPS * 16 * 8)
-    assert b["rng"]["world_size"] == 2 and len(b["data"]["ranks"]) == 2
+    assert b["rng"]["world_size"] == 2 and len(b["rng"]["ranks"]) == 2     # every rank's RNG ...
+    assert b["data"] == a["data"]                                          # ... and the job's data position: one process's
     assert two_out.count("completed steps=") == 1                         # rank 0 prints the line
     assert two_out.splitlines()[-1].split(" loss=")[0] == one_out.splitlines()[-1].split(" loss=")[0]
     start = records(tmp_path / "two.jsonl", "train_start")[0]
@@ -444,46 +445,50 @@ def test_a_diloco_node_can_be_a_torchrun_job(tmp_path):
     assert records(tmp_path / "master.jsonl", "train_start")[0]["world_size"] == 2
 
 
-def test_one_process_checkpoint_is_not_resumed_by_a_job(tmp_path):
+def test_one_process_checkpoint_is_resumed_by_a_job(tmp_path):
+    "A job continues a one-process run where it stopped: the data position is the job's (tests/test_elastic_resume.py: exactly)."
     data = {"synthetic": True, "num_tokens": 40}
     single = write_config(tmp_path, "single", micro=8, data=data, steps=3)
     finish(one_process(single))
     job_cfg = write_config(tmp_path, "single", micro=4, data=data, steps=6)   # the same output directory, micro 4 per rank
-    job = torchrun(job_cfg, "--resume")
-    _, err = job.communicate(timeout=120)
-    assert job.returncode != 0
-    assert "was saved by one process and this run is a torchrun job of 2 processes" in err, err[-3000:]
+    finish(torchrun(job_cfg, "--resume"))
+    assert sorted(losses_by_step(tmp_path / "single.jsonl")) == list(range(1, 7))
+    state = final_state(tmp_path / "single", 6)
+    assert (state["samples"], state["rng"]["world_size"]) == (6 * 16, 2)
 
 
 # ---------------------------------------------------------------- loaders of ranks x workers (no torchrun needed)
 
 def test_token_file_ranks_with_workers_split_the_single_loader_batches(tmp_path):
-    "2 ranks x 2 workers x micro 4 hold, batch for batch, the halves of 1 process x 2 workers x micro 8 (shuffled, past an epoch)."
+    "2 ranks x 2 workers x micro 4 hold, batch for batch, the halves of 1 process x micro 8 without workers (shuffled, past an epoch)."
     from speedtronic.data import ResumableDataLoader, TokenFileDataset, infinite_batches
     path = token_file(tmp_path, blocks=200)
     def loader(micro, rank, world):
-        return ResumableDataLoader(TokenFileDataset(path, 8, shuffle=True, seed=3), batch_size=micro, num_workers=2,
+        return ResumableDataLoader(TokenFileDataset(path, 8, shuffle=True, seed=3), batch_size=micro, num_workers=2 if world > 1 else 0,
                                    rank=rank, world_size=world)
     def head(lo, n):
         it = infinite_batches(lo)
         return [next(it)["input_ids"] for _ in range(n)]
-    n = 30                                                       # 25 batches of 8 per pass (2 workers): crosses into the next
+    n = 30                                                       # 25 batches of 8 per pass: crosses into the next
     single = head(loader(8, 0, 1), n)
     ranks = [head(loader(4, r, 2), n) for r in (0, 1)]
     for i in range(n): assert torch.equal(torch.cat([ranks[0][i], ranks[1][i]]), single[i]), i
 
 
-def test_text_ranks_with_workers_read_disjoint_segments(tmp_path):
-    "A text stream read by 2 ranks x 2 workers: every block once over the ranks, the same blocks as one process."
+def test_text_ranks_with_workers_split_the_single_loader_batches(tmp_path):
+    "A text stream of several segments read by 2 ranks x 2 workers x micro 2: batch for batch the halves of 1 process x micro 4."
     from speedtronic.data import ResumableDataLoader, TextFileTokenDataset
     text = tmp_path / "corpus.txt"
     text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400)))
-    def rows(rank, world):
+    def batches(micro, rank, world, workers):
         ds = TextFileTokenDataset(text, 16, segment_bytes=2000)
-        lo = ResumableDataLoader(ds, batch_size=1, drop_last=False, num_workers=2, rank=rank, world_size=world)
-        return [tuple(b["input_ids"][0].tolist()) for b in lo]
-    r0, r1 = rows(0, 2), rows(1, 2)
-    assert r0 and r1 and sorted(r0 + r1) == sorted(rows(0, 1))
+        assert len(ds.segments) > 4
+        lo = ResumableDataLoader(ds, batch_size=micro, num_workers=workers, rank=rank, world_size=world)
+        return [b["input_ids"] for b in lo]
+    single = batches(4, 0, 1, 0)
+    r0, r1 = batches(2, 0, 2, 2), batches(2, 1, 2, 2)
+    assert len(r0) == len(r1) == len(single) > 100
+    for i, (a, b) in enumerate(zip(r0, r1)): assert torch.equal(torch.cat([a, b]), single[i]), i
 
 
 # ---------------------------------------------------------------- torchrun's variables without torchrun, a rank that dies
