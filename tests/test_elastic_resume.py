@@ -18,7 +18,7 @@ import pytest
 from test_sample_order import STEPS, assert_same_training, final_state, finish, losses, source, train, write_config
 
 STOP = 5   # the first job stops here; the second resumes from its checkpoint
-CASES = [("ddp", 2, 1), ("ddp", 1, 2), ("ddp", 2, 4)]
+CASES = [("ddp", 2, 1), ("ddp", 1, 2), ("ddp", 2, 4), ("fsdp", 2, 1), ("fsdp", 1, 2), ("fsdp", 2, 4)]
 
 
 def settings(strategy: str) -> dict:

@@ -125,7 +125,9 @@ def losses(jsonl: Path) -> dict[int, list[float]]:
 
 
 def final_state(out: Path, step: int = STEPS) -> dict:
-    return load_checkpoint(out / "checkpoints" / f"step_{step:012d}.pt")
+    "The checkpoint of `step`: a file, or the folder of shards an fsdp job writes."
+    stem = out / "checkpoints" / f"step_{step:012d}"
+    return load_checkpoint(next((p for p in (stem.with_suffix(".dcp"), stem.with_suffix(".pt")) if p.exists()), stem.with_suffix(".pt")))
 
 
 def assert_same_training(tmp: Path, name: str, ref: str, steps: range = range(1, STEPS + 1)) -> None:
