@@ -42,12 +42,14 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
 # %% ../../nbs/12c_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
 VERSIONS_KEPT = 64  # versions whose momentum step count the buffers remember (a delta's staleness in outer steps)
+
 @dataclass
 class Contribution:
     "One delta as the outer optimizer sees it."
     delta: Mapping[str, torch.Tensor]
     share: float = 1.0  # steps the delta covers / the round length (distributed.inner_steps)
     staleness: int = 0  # versions published since the version the delta was computed from
+
 @dataclass(frozen=True)
 class OuterBuffers:
     "What the outer optimizer remembers between folds (float32 CPU tensors; never changed in place)."
@@ -93,6 +95,7 @@ def _delayed_nesterov(buffers: OuterBuffers, contributions: Sequence[Contributio
         keep = (progress - whole) / progress if progress > whole else 0.0
         pending, progress, steps = {k: p * keep for k, p in pending.items()}, (progress - whole if keep else 0.0), steps + whole
     return replace(buffers, momentum=momentum, pending=pending, progress=progress, momentum_steps=steps), update
+
 def _averaged_nesterov(buffers: OuterBuffers, contributions: Sequence[Contribution], lr: float, mu: float, weighted: bool):
     weights = [c.share / (1.0 + max(0, c.staleness)) if weighted else 1.0 for c in contributions]
     units = [max(c.share, 1e-12) if weighted else 1.0 for c in contributions]
@@ -101,6 +104,7 @@ def _averaged_nesterov(buffers: OuterBuffers, contributions: Sequence[Contributi
     momentum = {**buffers.momentum, **{k: buffers.momentum[k] * mu + g for k, g in grad.items()}}
     update = {k: lr * (g + mu * momentum[k]) for k, g in grad.items()}
     return replace(buffers, momentum=momentum, momentum_steps=buffers.momentum_steps + 1), update
+
 def outer_update(buffers: OuterBuffers, contributions: Sequence[Contribution], nodes: int, *, lr: float = 0.7,
                  momentum: float = 0.9, policy: str = "delayed_nesterov") -> tuple[OuterBuffers, dict[str, torch.Tensor]]:
     "The outer optimizer: the new buffers and the float32 update to subtract from the global for one round's `contributions`."
@@ -109,6 +113,7 @@ def outer_update(buffers: OuterBuffers, contributions: Sequence[Contribution], n
     if policy == "delayed_nesterov": buffers, update = _delayed_nesterov(buffers, contributions, max(1, int(nodes)), lr, momentum)
     else: buffers, update = _averaged_nesterov(buffers, contributions, lr, momentum, policy == "weighted")
     return replace(buffers, steps_at=buffers.steps_at[-(VERSIONS_KEPT - 1):] + (buffers.momentum_steps,)), update
+
 def applied(state: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     "A new global: `state` minus `update` (computed in float32, stored in each tensor's dtype); `state` is not changed."
     return {k: ((v.float() - update[k]).to(v.dtype) if k in update else v) for k, v in state.items()}
@@ -126,6 +131,7 @@ class OuterUpdate:
         return update
     def state_dict(self) -> dict[str, Any]: return {**vars(self.buffers), "steps_at": list(self.buffers.steps_at)}
     def load_state_dict(self, state: Mapping[str, Any]) -> None: self.buffers = _buffers_from_record(self.buffers, state)
+
 class NesterovOuterOptimizer(OuterUpdate):
     "SGD with Nesterov momentum over a state dict's floating tensors (DiLoCo's synchronous outer step): policy `none`, one delta."
     def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9): super().__init__(state, lr, momentum, "none")
@@ -137,6 +143,7 @@ class NesterovOuterOptimizer(OuterUpdate):
         super().step(state, [Contribution({k: g for k, g in delta.items() if k in self.buffers.momentum})], 1)
     def state_dict(self) -> dict[str, torch.Tensor]: return {k: v.clone() for k, v in self.buffers.momentum.items()}
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: super().load_state_dict({"momentum": state})
+
 @dataclass
 class OuterState:
     "2.0's declared (unused) record of the outer state."
@@ -148,6 +155,7 @@ class OuterState:
 
 # %% ../../nbs/12c_distributed_outer.ipynb #fee3ec26
 _SESSIONS_KEPT = 8
+
 @dataclass
 class Ledger:
     "Which deltas the global model already holds: per node, the highest folded step of each session."
@@ -191,6 +199,7 @@ def other_master(extras: Mapping[str, Any], node_id: str) -> str | None:
     "The node id of the master that wrote a version file, when it is not `node_id`."
     master = extras.get("master") if isinstance(extras.get("master"), Mapping) else None
     return None if not master or master.get("node_id") in (None, node_id) else str(master["node_id"])
+
 def lease_holder(extras: Mapping[str, Any], node_id: str, lease_timeout: float, now: float | None = None) -> str | None:
     "The other master whose heartbeat is fresh by this host's clock (`now`), or None when the clocks cannot tell it is alive."
     if other_master(extras, node_id) is None: return None
@@ -198,6 +207,7 @@ def lease_holder(extras: Mapping[str, Any], node_id: str, lease_timeout: float, 
     except ValueError: return None
     age = (time.time() if now is None else now) - beat
     return f"{extras['master']['node_id']!r} (heartbeat {age:.0f} s ago)" if 0 <= age < lease_timeout else None
+
 def liveness(extras: Mapping[str, Any]) -> tuple:
     "What changes in the version file while its master is alive: its id, session, heartbeat and publication."
     master = extras.get("master") if isinstance(extras.get("master"), Mapping) else {}
@@ -241,6 +251,7 @@ class MasterRules:
     max_delta_norm_ratio: float = 10.0
     round_wait: float = 0.0  # seconds a round waits for every node's delta before it is folded without them (0: never)
     lease_timeout: float = 600.0
+
 @dataclass(frozen=True)
 class MasterState:
     "Everything the master knows; transitions return a new value and never change this one."
@@ -257,16 +268,19 @@ class MasterState:
     refusals: Mapping[tuple[str, str], int] = field(default_factory=dict)  # content refusals of sessions the ledger learns at the next fold
     published_at: float = 0.0  # this host's clock at the last commit
     global_norm: float = -1.0  # the L2 norm of the global's floating tensors (-1: not computed yet)
+
 def master_state(state: Mapping[str, torch.Tensor]) -> MasterState:
     "A master that has published nothing, starting from the model `state` (CPU copies)."
     state = cpu_state_dict(state)
     return MasterState(state, OuterBuffers.zeros(state), global_norm=delta_norm(floating_state(state)))
+
 def _with_global(state: MasterState, global_state: Mapping[str, torch.Tensor], **changes) -> MasterState:
     "`state` with another global (its norm recomputed) and other `changes`."
     return replace(state, global_state=dict(global_state), global_norm=delta_norm(floating_state(global_state)), **changes)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #170bbf24
 RECORD_VERSION = 2  # the format of `state_record`'s info
+
 def _buffers_from_record(template: OuterBuffers, data: Mapping[str, Any]) -> OuterBuffers:
     "Buffers from `{momentum, pending, progress, momentum_steps, steps_at}` onto `template`'s keys and shapes (others ignored)."
     def fit(name: str) -> dict[str, torch.Tensor]:
@@ -276,6 +290,7 @@ def _buffers_from_record(template: OuterBuffers, data: Mapping[str, Any]) -> Out
     steps = int(data.get("momentum_steps", 0))
     return OuterBuffers(fit("momentum"), fit("pending"), float(data.get("progress", 0.0)), steps,
                         tuple(int(n) for n in data.get("steps_at") or [])[-VERSIONS_KEPT:] or (steps,))
+
 def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     "`(info, tensors)`: the one persisted form of `state`."
     info = {"version": RECORD_VERSION, "outer_step": state.outer_step, "publication": state.publication,
@@ -288,6 +303,7 @@ def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Te
 def _flat(**groups: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     "One flat dict of tensors: `group/key` for each of the `groups` (a trailing `_` dropped from its name)."
     return {f"{g.rstrip('_')}/{k}": v for g, part in groups.items() for k, v in (part or {}).items()}
+
 def restored(template: MasterState, info: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> MasterState:
     "The state `state_record` wrote, on `template`'s model (keys or shapes it lacks are ignored)."
     group = lambda name: {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(name + "/")}
@@ -300,6 +316,7 @@ def restored(template: MasterState, info: Mapping[str, Any], tensors: Mapping[st
                        sizes=DeltaSizes.from_json(info.get("delta_sizes")),
                        punctual=None if punctual is None else frozenset(map(str, punctual)), held=(), held_since=None, drop={},
                        refusals={(str(n), str(s)): int(v) for n, s, v in info.get("refusals") or []})
+
 def translated_record(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
     "A checkpoint's outer state (this format, an earlier one, or 2.0's) as `(info, tensors)`; None when it holds none."
     if not isinstance(data, Mapping) or "outer_step" not in data: return None
@@ -315,9 +332,11 @@ def translated_record(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
 
 # %% ../../nbs/12c_distributed_outer.ipynb #d195c6bd
 CONTENT_REASONS = ("too_large", "not_finite", "keys", "shape", "dtype")  # refusals of what a plausible delta held
+
 def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
     "The inner steps `d` covers (a 2.0 node does not say: one round)."
     return max(1, d.inner_steps or rules.round_steps)
+
 def _reachable(state: MasterState, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]) -> None:
     "Refuse (`unreachable`) a delta of a known session that begins after the highest step that session has reached."
     node, step = parse_delta_path(path) or (None, None)
@@ -331,6 +350,7 @@ def _reachable(state: MasterState, path: str, header: Mapping[str, str], reached
         raise DeltaRejected("unreachable", f"{path}: covers steps {step - covered + 1}..{step} of session {session!r}, whose deltas "
                                            f"reached step {reach}; a node's deltas continue where its previous one ended, so "
                                            f"{node!r} did not write this file in that session (a forged or stray file)")
+
 def check(state: MasterState, rules: MasterRules, path: str, tensors: Mapping[str, torch.Tensor], header: Mapping[str, str],
           reached: Mapping[tuple[str, str], int] = {}) -> CheckedDelta:
     "The delta at `path`, checked against `state`; `DeltaRejected` says why not."
@@ -348,6 +368,7 @@ def check(state: MasterState, rules: MasterRules, path: str, tensors: Mapping[st
         raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / judged_by[0]:.1f}x "
                                          f"{judged_by[1]} (limit distributed.max_delta_norm_ratio={ratio:g})")
     return d
+
 def rejected(state: MasterState, path: str, reason: str, session: str | None = None) -> MasterState:
     "`state` after refusing the file at `path` (or finding it a duplicate): deleted with the next commit."
     ledger = state.ledger
@@ -357,6 +378,7 @@ def rejected(state: MasterState, path: str, reason: str, session: str | None = N
         if ledger.reach(node, session) is not None: ledger = ledger.copy(); ledger.refuse(node, session, step)
         else: refusals = {**refusals, (node, session): max(step, refusals.get((node, session), -1))}   # its session may be folded next
     return replace(state, drop={**state.drop, path: reason}, ledger=ledger, refusals=refusals)
+
 def listed(state: MasterState, present: Collection[str]) -> MasterState:
     "`state` after a listing of the repository's deltas: files gone meanwhile are neither deleted nor held."
     present = set(present)
@@ -389,6 +411,7 @@ def active_nodes(state: MasterState, rules: MasterRules, extra: Collection[str] 
     if rules.expected_nodes: return int(rules.expected_nodes)
     known = len(state.ledger.nodes | dict.fromkeys(extra))
     return max(1, len(state.ledger.active(state.outer_step, window=2 * max(1, known) + 1) | set(extra)))
+
 def round_complete(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float) -> bool:
     "Whether `accepted` may be folded at `now`: no wait, a delta of every node the round waits for, or the wait is over."
     if rules.round_wait <= 0: return True
@@ -396,9 +419,11 @@ def round_complete(state: MasterState, rules: MasterRules, accepted: Sequence[Ch
     if state.punctual is None and len(present) >= active_nodes(state, rules, present): return True
     if state.punctual is not None and present >= state.punctual: return True
     return now - (now if state.held_since is None else state.held_since) >= rules.round_wait
+
 def round_due(state: MasterState, rules: MasterRules, now: float, full_rounds: bool = True) -> bool:
     "Whether the held round is to be folded now (the final round folds it at once)."
     return bool(state.held) and (not full_rounds or round_complete(state, rules, state.held, now))
+
 def heartbeat_due(state: MasterState, rules: MasterRules, now: float) -> bool:
     "Whether the master has been silent for a third of its lease."
     return now - state.published_at > rules.lease_timeout / 3
@@ -415,15 +440,18 @@ class Publication:
     folded: tuple[CheckedDelta, ...] = ()
     update: Mapping[str, torch.Tensor] = field(default_factory=dict)  # what the fold subtracted from the global
     nodes: int = 0
+
 def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
     "Whether the held round's wait is over at `now`."
     return rules.round_wait > 0 and state.held_since is not None and now - state.held_since >= rules.round_wait
+
 def _next_punctual(state: MasterState, rules: MasterRules, present: set[str], nodes: int, now: float) -> frozenset[str] | None:
     "Whom rounds wait for after this one: its nodes when its wait ran out short of some, else the waited-for set grows back."
     if wait_ran_out(state, rules, now) and len(present) < nodes: return frozenset(present)
     if state.punctual is None: return None
     back = state.punctual | present                                 # a node that was missing is back: waited for again
     return None if len(back) >= nodes else back
+
 def fold(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float,
          full_rounds: bool = True) -> tuple[MasterState, Publication | None, list[tuple[CheckedDelta, str, str]]]:
     "`(state, publication, refused)` for one pass's accepted deltas (see above); `now` is this host's clock."
@@ -460,18 +488,22 @@ def fold(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta
 def on_published(prepared: MasterState, deletes: Collection[str], now: float) -> MasterState:
     "The master's state once the commit of `prepared` (deleting `deletes`) went through at `now`."
     return replace(prepared, drop={p: why for p, why in prepared.drop.items() if p not in set(deletes)}, published_at=now)
+
 def conflict_verdict(parent_step: int, node_id: str, publication: str, repo_outer_step: int, repo_extras: Mapping[str, Any]) -> str:
     "After a refused commit of `publication` onto version `parent_step`: `published` (it went through), `retry` (only nodes committed) or `stop`."
     if repo_extras.get("publication") == publication: return "published"
     master = repo_extras.get("master") if isinstance(repo_extras.get("master"), Mapping) else {}
     mine = repo_outer_step < 0 or master.get("node_id") == node_id
     return "retry" if mine and repo_outer_step == parent_step else "stop"
+
 def heartbeat(state: MasterState) -> Publication:
     "Renew the lease: the same version with a fresh heartbeat."
     return Publication(state, (), weights=False, message="heartbeat of the master")
+
 def cleanup(state: MasterState) -> Publication:
     "Delete the duplicate and rejected files (a commit without a new version)."
     return Publication(state, tuple(state.drop), weights=False, message=f"remove {len(state.drop)} file(s) that will not be folded")
+
 def bootstrap(state: MasterState) -> Publication:
     "The first publication on an empty repository: the master's global as version 0 (or its local version, if it has one)."
     return Publication(replace(state, outer_step=max(state.outer_step, 0)), (), bootstrap=state.outer_step < 0,
@@ -483,11 +515,13 @@ def resumed(local: MasterState | None, prepared: MasterState | None, repo_outer_
     for state in (prepared, local):
         if state is not None and state.outer_step == repo_outer_step and state.publication == repo_publication: return state
     return None
+
 def adopted(state: MasterState, remote: Mapping[str, torch.Tensor], outer_step: int, ledger: Ledger, publication: str) -> MasterState:
     "`state` taking the repository's global, version and ledger (outer momentum restarts at zero)."
     glob = {k: v.to(state.global_state[k].dtype) for k, v in remote.items() if k in state.global_state}
     return _with_global(state, {**state.global_state, **glob}, outer=OuterBuffers.zeros(state.global_state), outer_step=outer_step,
                        ledger=ledger, publication=publication, punctual=None, held=(), held_since=None)
+
 def still_waiting(state: MasterState, rules: MasterRules, final_step: int, own: str) -> tuple[set[str], bool]:
     "`(nodes whose last delta is not in, whether enough nodes are done)` for the final round of master `own`."
     nodes = state.ledger.nodes
@@ -540,6 +574,7 @@ def _save_local(self: MasterOuterLoop, state: MasterState, suffix: str = "") -> 
     info, tensors = state_record(state)
     save_safetensors(tensors, st)
     atomic_write_text(json.dumps({**info, "session": self.session, "updated_at": utc_now()}, indent=2) + "\n", js)
+
 @patch
 def _read_local(self: MasterOuterLoop, suffix: str = "") -> MasterState | None:
     "The saved state, or None when absent or unreadable."
@@ -549,6 +584,7 @@ def _read_local(self: MasterOuterLoop, suffix: str = "") -> MasterState | None:
     except Exception as e:
         self._log("warning", f"ignoring unreadable outer state {js}: {e}")
         return None
+
 @patch
 def _promote(self: MasterOuterLoop) -> None:
     for nxt, cur in zip(self._local_files(".next"), self._local_files()): os.replace(nxt, cur)
@@ -586,6 +622,7 @@ def start_master(self: MasterOuterLoop) -> RepoState:
     with self.lock: self.state = chosen
     self.revision = None                                            # deltas already there are listed by the first round
     return repo
+
 @patch
 def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
     "Take over another master's repository only after its version file stayed unchanged for `lease_timeout` s here."
@@ -603,18 +640,21 @@ def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
 
 # %% ../../nbs/12c_distributed_outer.ipynb #323ad2fa
 PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
+
 @patch
 def _version_extras(self: MasterOuterLoop, state: MasterState, bootstrap: bool) -> dict[str, Any]:
     return {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.rules.policy, "ledger": state.ledger.to_json(),
             "master": {"node_id": self.node_id, "session": self.session,
                        "heartbeat": datetime.fromtimestamp(self.wall_clock(), timezone.utc).replace(microsecond=0).isoformat()},
             "publication": state.publication, **({"bootstrap": "true"} if bootstrap else {})}
+
 @patch
 def _commit(self: MasterOuterLoop, files: dict, deletes: list[str], repo: RepoState, version: int, message: str) -> str:
     "One guarded commit through the transport; the keywords a transport of the 2.0 contract lacks are left out."
     extra, params = {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)}, inspect.signature(self.transport.publish).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()): extra = {k: v for k, v in extra.items() if k in params}
     return self.transport.publish(files, deletes, parent=repo, owner=self.node_id, message=message, **extra)
+
 @patch
 def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoState:
     "Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns the new repository state."
@@ -681,6 +721,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     accepted, refused = judge_newcomers(self.state, self.rules, accepted)
     for d, reason, why in refused: self._quarantine(d.path, local_of.get(d.path, cache / "-"), DeltaRejected(reason, f"{d.path}: {why}"), {"session": d.session})
     return accepted, len(listed_paths)
+
 @patch
 def _fetch(self: MasterOuterLoop, path: str, local: Path, revision: str | None) -> HubError | None:
     "Fetch one listed delta; the error when that one file cannot be had (the repository being unreachable still raises)."
@@ -688,6 +729,7 @@ def _fetch(self: MasterOuterLoop, path: str, local: Path, revision: str | None) 
     except HubUnavailable: raise
     except HubError as e: return e
     return None
+
 @patch
 def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejected, header: Mapping[str, str] | None = None) -> None:
     "Refuse the delta at `path`: its file and reason kept in the quarantine (the newest 20), a warning and a `delta_rejected` event."
@@ -708,6 +750,7 @@ def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejec
 def active_nodes(self: MasterOuterLoop, extra: set[str] = frozenset()) -> int:
     "How many nodes make one outer step: `expected_nodes`, else the nodes folded in recently."
     return active_nodes(self.state, self.rules, extra)
+
 @patch
 def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
     "Raise `HubError` unless the repository is at this master's version (or one it published without hearing back)."
@@ -722,6 +765,7 @@ def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
     who = (repo.extras.get("master") or {}).get("node_id")
     raise HubError(f"{self._describe()} is at version {repo.outer_step} by {who!r}, not this master's "
                    f"version {self.state.outer_step}; another master is publishing, so {self.node_id!r} stops")
+
 @patch
 def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     "One round: collect, fold and publish (with `round_wait`, only a full round unless `full_rounds` is False). Returns the outer step."
@@ -751,6 +795,7 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
                           f"{self.rules.round_wait:g} s for the rest; until the others send again, rounds wait only for {sorted(pub.state.punctual)}")
     self._after_round(pub, found, self._received() - received)
     return self.state.outer_step
+
 @patch
 def _after_round(self: MasterOuterLoop, pub: Publication, found: int, received: int) -> None:
     version = self.state.outer_step
@@ -771,10 +816,12 @@ def start(self: MasterOuterLoop) -> None:
     self._stop.clear()
     self._thread = threading.Thread(target=self._run, name="speedtronic-diloco-master", daemon=True)
     self._thread.start()
+
 @patch
 def wake(self: MasterOuterLoop) -> None:
     "Look at the repository now rather than at the next poll (the master's own node has just sent a delta)."
     self._wake.set()
+
 @patch
 def _run(self: MasterOuterLoop) -> None:
     while not self._stop.is_set():
@@ -787,6 +834,7 @@ def _run(self: MasterOuterLoop) -> None:
             self._log("error", f"master outer loop stopped: {type(e).__name__}: {e}")
             return
         if self.state.outer_step == before: self._wake.wait(min(self.poll_interval, 0.25) if self.state.held else self.poll_interval)
+
 @patch
 def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
     "Stop the loop thread (waits for a running round up to `timeout`, default `max(1, min(poll_interval, 10))` s)."
@@ -794,6 +842,7 @@ def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
     if self._thread is not None:
         self._thread.join(max(1.0, min(self.poll_interval, 10.0)) if timeout is None else timeout)
         if self._thread.is_alive(): self._log("warning", "the master outer loop is still finishing a repository call")
+
 @patch
 def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: float | None = None,
            stop: threading.Event | None = None, # set (e.g. by SIGTERM): end the wait at once
@@ -817,16 +866,19 @@ def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: flo
         self._log("warning", f"final round: no last delta from {sorted(missing) or 'some of the expected nodes'} within "
                              f"distributed.final_round_timeout={timeout:g} s; their last steps are not in the final global model")
     return self.state.outer_step
+
 @patch
 def snapshot(self: MasterOuterLoop) -> tuple[int, dict[str, torch.Tensor]]:
     "`(outer_step, a copy of the global state)`."
     state = self.state                                              # one immutable value: no lock needed to read it
     return state.outer_step, {k: v.clone() for k, v in state.global_state.items()}
+
 @patch
 def state_dict(self: MasterOuterLoop) -> dict[str, Any]:
     "The master's state record for a checkpoint: its info, and its tensors under `tensors`."
     with self.lock: info, tensors = state_record(self.state)
     return {**info, "tensors": {k: v.clone() for k, v in tensors.items()}}
+
 @patch
 def load_state_dict(self: MasterOuterLoop, state: Mapping[str, Any]) -> None:
     "Use a checkpoint's outer state (this format or 2.0's) when the state directory has none (it is reconciled with the repository at start)."
