@@ -29,7 +29,8 @@ from .outer import Ledger, MasterOuterLoop
 from .tensors import (GLOBAL_MODEL_PATH, state_misfit, compute_pseudo_gradient, cpu_state_dict, decode_delta, delta_header,
                                              delta_path, encode_delta, floating_state, load_safetensors, read_metadata,
                                              save_safetensors, wire_bytes)
-from .transport import HubError, HubUnavailable, RepoMissing, RetryPolicy, SharedDirectory
+from .transport import (HubError, HubUnavailable, RepoMissing, RetryPolicy, SharedDirectory,
+                                              describe_repository)
 from ..trainer import TrainingInterrupted
 
 # %% auto #0
@@ -210,10 +211,7 @@ class DumbDiLoCoCoordinator:
     def _log(self, level: str, message: str) -> None:
         if self.logger is not None: getattr(self.logger, level)(f"diloco {self.node_id}: {message}")
 
-    def _where(self) -> str:
-        "The repository in words (`describe()`, which a transport written for 2.0 may not have)."
-        describe = getattr(self.transport, "describe", None)
-        return describe() if callable(describe) else f"repository {getattr(self.transport, 'repo_id', type(self.transport).__name__)}"
+    def _where(self) -> str: return describe_repository(self.transport)
 
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):

@@ -27,7 +27,7 @@ from fastcore.basics import patch
 from .tensors import (state_misfit, GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, CheckedDelta, DeltaRejected, GlobalMetadata,
                                              check_delta, cpu_state_dict, delta_norm, floating_state, layer_norms, load_delta,
                                              load_safetensors, parse_delta_path, save_safetensors, step_count_text, utc_now)
-from .transport import HubError, HubUnavailable, PublishConflict, RepoState
+from .transport import HubError, HubUnavailable, PublishConflict, RepoState, describe_repository
 from ..files import atomic_write_text
 
 # %% auto #0
@@ -35,8 +35,8 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
            'OuterBuffers', 'momentum_steps', 'outer_update', 'applied', 'OuterUpdate', 'NesterovOuterOptimizer',
            'OuterState', 'Ledger', 'other_master', 'lease_holder', 'liveness', 'DeltaSizes', 'MasterRules',
            'MasterState', 'master_state', 'state_record', 'restored', 'translated_record', 'check', 'rejected',
-           'listed', 'judge_newcomers', 'active_nodes', 'round_complete', 'round_due', 'heartbeat_due', 'Publication',
-           'wait_ran_out', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed',
+           'listed', 'judge_newcomers', 'active_nodes', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due',
+           'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed',
            'adopted', 'still_waiting', 'MasterOuterLoop']
 
 # %% ../../nbs/12c_distributed_outer.ipynb #3de07fdd
@@ -318,17 +318,14 @@ def restored(template: MasterState, info: Mapping[str, Any], tensors: Mapping[st
                        refusals={(str(n), str(s)): int(v) for n, s, v in info.get("refusals") or []})
 
 def translated_record(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-    "A checkpoint's outer state (this format, an earlier one, or 2.0's) as `(info, tensors)`; None when it holds none."
+    "A checkpoint's outer state (this format or 2.0's) as `(info, tensors)`; None when it holds none."
     if not isinstance(data, Mapping) or "outer_step" not in data: return None
     if "version" in data: return {k: v for k, v in data.items() if k != "tensors"}, dict(data.get("tensors") or {})
-    processed, update = data.get("processed_deltas"), data.get("update") or {}
-    ledger = Ledger.from_json(processed)                            # this package before the record: the ledger itself
-    for entry in [] if isinstance(processed, Mapping) else processed or []:        # 2.0: [[node, step, base], ...]
+    ledger = Ledger()
+    for entry in data.get("processed_deltas") or []:                # [[node, step, base], ...]
         if isinstance(entry, (list, tuple)) and len(entry) == 3: ledger.record(str(entry[0]), "", int(entry[1]), int(data["outer_step"]))
-    info = {"version": RECORD_VERSION, "outer_step": int(data["outer_step"]), "publication": str(data.get("publication", "")),
-            "ledger": ledger.to_json(), "delta_sizes": data.get("delta_sizes"),
-            **{k: update[k] for k in ("progress", "momentum_steps", "steps_at") if k in update}}
-    return info, _flat(global_=data.get("global_state"), momentum=data.get("momentum"), pending=update.get("pending"))
+    info = {"version": RECORD_VERSION, "outer_step": int(data["outer_step"]), "ledger": ledger.to_json()}
+    return info, _flat(global_=data.get("global_state"), momentum=data.get("momentum"))
 
 # %% ../../nbs/12c_distributed_outer.ipynb #d195c6bd
 CONTENT_REASONS = ("too_large", "not_finite", "keys", "shape", "dtype")  # refusals of what a plausible delta held
@@ -412,13 +409,17 @@ def active_nodes(state: MasterState, rules: MasterRules, extra: Collection[str] 
     known = len(state.ledger.nodes | dict.fromkeys(extra))
     return max(1, len(state.ledger.active(state.outer_step, window=2 * max(1, known) + 1) | set(extra)))
 
+def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
+    "Whether the held round's wait is over at `now`."
+    return rules.round_wait > 0 and state.held_since is not None and now - state.held_since >= rules.round_wait
+
 def round_complete(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float) -> bool:
     "Whether `accepted` may be folded at `now`: no wait, a delta of every node the round waits for, or the wait is over."
     if rules.round_wait <= 0: return True
     present = {d.node_id for d in accepted}
     if state.punctual is None and len(present) >= active_nodes(state, rules, present): return True
     if state.punctual is not None and present >= state.punctual: return True
-    return now - (now if state.held_since is None else state.held_since) >= rules.round_wait
+    return wait_ran_out(state, rules, now)
 
 def round_due(state: MasterState, rules: MasterRules, now: float, full_rounds: bool = True) -> bool:
     "Whether the held round is to be folded now (the final round folds it at once)."
@@ -440,10 +441,6 @@ class Publication:
     folded: tuple[CheckedDelta, ...] = ()
     update: Mapping[str, torch.Tensor] = field(default_factory=dict)  # what the fold subtracted from the global
     nodes: int = 0
-
-def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
-    "Whether the held round's wait is over at `now`."
-    return rules.round_wait > 0 and state.held_since is not None and now - state.held_since >= rules.round_wait
 
 def _next_punctual(state: MasterState, rules: MasterRules, present: set[str], nodes: int, now: float) -> frozenset[str] | None:
     "Whom rounds wait for after this one: its nodes when its wait ran out short of some, else the waited-for set grows back."
@@ -548,23 +545,19 @@ class MasterOuterLoop:
         self.revision = None  # the revision this master last listed: an unchanged head means nothing new (never its own commit)
         self.unfetched: set[str] = set()  # listed deltas that could not be fetched: tried again each pass, said once
         self.error, self.lock, self._stop, self._wake, self._thread = None, threading.RLock(), threading.Event(), threading.Event(), None
-        self.next_local = self._read_local(".next")
         self.state = self._read_local() or self.state
     outer_step = property(lambda self: self.state.outer_step, doc="The published version (-1 before the first).")
     global_state = property(lambda self: self.state.global_state, doc="The published global model (CPU tensors).")
     ledger = property(lambda self: self.state.ledger, doc="The deltas the global holds.")
     punctual = property(lambda self: self.state.punctual, doc="The nodes rounds wait for after a wait ran out (None: all).")
     held = property(lambda self: {d.path: d for d in self.state.held}, doc="The held round's deltas by path.")
-    state_path = property(lambda self: self.dir / "outer_state.json")
-    metadata_path = property(lambda self: self.dir / "outer_state.safetensors")
     def _local_files(self, suffix: str = "") -> tuple[Path, Path]: return self.dir / f"outer_state.json{suffix}", self.dir / f"outer_state.safetensors{suffix}"
     def _log(self, level: str, message: str) -> None:
         if self.logger is not None: getattr(self.logger, level)(message)
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
             with contextlib.suppress(RuntimeError): self.logger.emit(event, payload)   # a closed logger must not kill the loop
-    def _describe(self) -> str:
-        return d() if callable(d := getattr(self.transport, "describe", None)) else f"repository {getattr(self.transport, 'repo_id', type(self.transport).__name__)}"
+    def _where(self) -> str: return describe_repository(self.transport)
     def _received(self) -> int: return getattr(getattr(self.transport, "counts", None), "bytes_received", 0)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #82864fc9
@@ -595,12 +588,12 @@ def start_master(self: MasterOuterLoop) -> RepoState:
     "Reconcile local state and repository; bootstrap or adopt. Returns the repository state afterwards."
     if callable(getattr(self.transport, "open", None)): self.transport.open(create=True, private=True)
     repo = self.transport.state()
-    prepared, self.next_local = self.next_local, None
+    prepared = self._read_local(".next")
     if repo.metadata is None:
         self._publish(repo, bootstrap(self.state))
         return self.transport.state()
     holder = lease_holder(repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock())
-    if holder: raise HubError(f"{self._describe()} belongs to master {holder}; only one master may publish. "
+    if holder: raise HubError(f"{self._where()} belongs to master {holder}; only one master may publish. "
                               f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it stopped")
     if other_master(repo.extras, self.node_id): repo = self._outwait_lease(repo)
     chosen = resumed(self.state, prepared, repo.outer_step, str(repo.extras.get("publication", "")))
@@ -609,13 +602,13 @@ def start_master(self: MasterOuterLoop) -> RepoState:
         for f in self._local_files(".next"): f.unlink(missing_ok=True)   # prepared, never published
     if chosen is None:                                              # adopt the repository's global and ledger
         if self.state.outer_step >= 0:
-            self._log("warning", f"local outer state is at version {self.state.outer_step}, {self._describe()} at "
+            self._log("warning", f"local outer state is at version {self.state.outer_step}, {self._where()} at "
                                  f"{repo.outer_step}; adopting the repository's global model and ledger (outer momentum restarts)")
         self.transport.fetch(GLOBAL_MODEL_PATH, path := self.dir / "cache" / "global.safetensors", revision=repo.revision)
         remote = load_safetensors(path)
         path.unlink()
         if problem := state_misfit(self.state.global_state, remote):
-            raise HubError(f"the global model (version {repo.outer_step}) in {self._describe()} does not fit this master's "
+            raise HubError(f"the global model (version {repo.outer_step}) in {self._where()} does not fit this master's "
                            f"model: {problem}; every node must train the same model (compare the model sections of the configs)")
         chosen = adopted(self.state, remote, repo.outer_step, Ledger.from_json(repo.extras.get("ledger")), str(repo.extras.get("publication", "")))
         self._save_local(chosen)
@@ -627,26 +620,19 @@ def start_master(self: MasterOuterLoop) -> RepoState:
 def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
     "Take over another master's repository only after its version file stayed unchanged for `lease_timeout` s here."
     other, seen, start, lease = other_master(repo.extras, self.node_id), liveness(repo.extras), self.clock(), self.rules.lease_timeout
-    self._log("info", f"{self._describe()} was last published by master {other!r}; watching it for "
+    self._log("info", f"{self._where()} was last published by master {other!r}; watching it for "
                       f"distributed.lease_timeout={lease:g} s before taking over")
     while self.clock() - start < lease:
         time.sleep(max(0.01, min(self.poll_interval, lease / 20)))   # a start: Ctrl-C ends it
         repo = self.transport.state()
         if liveness(repo.extras) != seen:
-            raise HubError(f"{self._describe()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
+            raise HubError(f"{self._where()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
                            f"it published while {self.node_id!r} watched; only one master may publish. Stop it, or wait "
                            f"distributed.lease_timeout={lease:g} s after it stopped")
     return repo
 
 # %% ../../nbs/12c_distributed_outer.ipynb #323ad2fa
 PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
-
-@patch
-def _version_extras(self: MasterOuterLoop, state: MasterState, bootstrap: bool) -> dict[str, Any]:
-    return {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.rules.policy, "ledger": state.ledger.to_json(),
-            "master": {"node_id": self.node_id, "session": self.session,
-                       "heartbeat": datetime.fromtimestamp(self.wall_clock(), timezone.utc).replace(microsecond=0).isoformat()},
-            "publication": state.publication, **({"bootstrap": "true"} if bootstrap else {})}
 
 @patch
 def _commit(self: MasterOuterLoop, files: dict, deletes: list[str], repo: RepoState, version: int, message: str) -> str:
@@ -659,7 +645,10 @@ def _commit(self: MasterOuterLoop, files: dict, deletes: list[str], repo: RepoSt
 def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoState:
     "Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns the new repository state."
     prepared = replace(pub.state, publication=uuid.uuid4().hex)
-    version, extras, out = prepared.outer_step, self._version_extras(prepared, pub.bootstrap), self.dir / "outgoing"
+    version, out, beat = prepared.outer_step, self.dir / "outgoing", datetime.fromtimestamp(self.wall_clock(), timezone.utc)
+    extras = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.rules.policy, "ledger": prepared.ledger.to_json(),
+              "master": {"node_id": self.node_id, "session": self.session, "heartbeat": beat.replace(microsecond=0).isoformat()},
+              "publication": prepared.publication, **({"bootstrap": "true"} if pub.bootstrap else {})}
     meta = GlobalMetadata(version, utc_now())
     atomic_write_text(step_count_text(meta, extras), out / "step_count.json")
     files = {GLOBAL_METADATA_PATH: out / "step_count.json"}
@@ -675,7 +664,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
             verdict = conflict_verdict(parent_step, self.node_id, prepared.publication, repo.outer_step, repo.extras)
             if verdict == "published": new = repo; break
             if verdict == "stop":
-                raise HubError(f"another master published version {repo.outer_step} to {self._describe()} "
+                raise HubError(f"another master published version {repo.outer_step} to {self._where()} "
                                f"while {self.node_id!r} was master; stopping this master") from conflict
             if time.monotonic() > deadline:
                 raise HubUnavailable(f"publishing version {version}: the repository kept changing underneath "
@@ -698,8 +687,12 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     for d in accepted: reached[d.node_id, d.session] = max(d.step, reached.get((d.node_id, d.session), -1))
     paths, cache = sorted((p for p in listed_paths if p not in held), key=parse_delta_path), self.dir / "cache"   # in step order
     local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
+    def fetch(path: str) -> HubError | None:                       # the error when that one file cannot be had
+        try: self.transport.fetch(path, local_of[path], revision=repo.revision)
+        except HubUnavailable: raise                                # the repository being unreachable still raises
+        except HubError as e: return e
     with ThreadPoolExecutor(max_workers=4) as pool:                 # downloads overlap; checks stay in order
-        fetched = list(pool.map(lambda p: self._fetch(p, local_of[p], repo.revision), paths))
+        fetched = list(pool.map(fetch, paths))
     self.unfetched &= set(listed_paths)
     for path, problem in zip(paths, fetched):
         if problem is not None:
@@ -723,14 +716,6 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     return accepted, len(listed_paths)
 
 @patch
-def _fetch(self: MasterOuterLoop, path: str, local: Path, revision: str | None) -> HubError | None:
-    "Fetch one listed delta; the error when that one file cannot be had (the repository being unreachable still raises)."
-    try: self.transport.fetch(path, local, revision=revision)
-    except HubUnavailable: raise
-    except HubError as e: return e
-    return None
-
-@patch
 def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejected, header: Mapping[str, str] | None = None) -> None:
     "Refuse the delta at `path`: its file and reason kept in the quarantine (the newest 20), a warning and a `delta_rejected` event."
     quarantine = self.dir / "quarantine"
@@ -747,11 +732,6 @@ def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejec
 
 # %% ../../nbs/12c_distributed_outer.ipynb #e3ee59cc
 @patch
-def active_nodes(self: MasterOuterLoop, extra: set[str] = frozenset()) -> int:
-    "How many nodes make one outer step: `expected_nodes`, else the nodes folded in recently."
-    return active_nodes(self.state, self.rules, extra)
-
-@patch
 def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
     "Raise `HubError` unless the repository is at this master's version (or one it published without hearing back)."
     if repo.outer_step == self.state.outer_step and (repo.extras.get("publication") or "") == self.state.publication: return
@@ -763,7 +743,7 @@ def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
         if self.on_global_update is not None: self.on_global_update(self.state.global_state, self.state.outer_step)
         return
     who = (repo.extras.get("master") or {}).get("node_id")
-    raise HubError(f"{self._describe()} is at version {repo.outer_step} by {who!r}, not this master's "
+    raise HubError(f"{self._where()} is at version {repo.outer_step} by {who!r}, not this master's "
                    f"version {self.state.outer_step}; another master is publishing, so {self.node_id!r} stops")
 
 @patch

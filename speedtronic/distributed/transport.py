@@ -26,7 +26,7 @@ from ..files import TEMP_NAME, atomic_write
 
 # %% auto #0
 __all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavailable', 'PublishConflict', 'RepoMissing',
-           'RetryPolicy', 'RepoState', 'TransferCounts', 'SharedDirectory']
+           'RetryPolicy', 'RepoState', 'TransferCounts', 'describe_repository', 'SharedDirectory']
 
 # %% ../../nbs/12a_distributed_transport.ipynb #358d078b
 class HubError(ExpectedError, RuntimeError):
@@ -95,6 +95,10 @@ class TransferCounts:
     bytes_sent: int = 0
     bytes_received: int = 0
     commits: int = 0
+
+def describe_repository(transport: Any) -> str:
+    "The repository in words: `transport.describe()`, or its `repo_id` for a transport without one (written for 2.0)."
+    return d() if callable(d := getattr(transport, "describe", None)) else f"repository {getattr(transport, 'repo_id', type(transport).__name__)}"
 
 # %% ../../nbs/12a_distributed_transport.ipynb #affea04e
 _STALE_TEMP_S = 3600.0  # a temp file this old was left by a killed writer
