@@ -10,7 +10,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping

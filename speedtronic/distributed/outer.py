@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import math
 import os
 import statistics
 import threading
@@ -683,8 +682,6 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     held = {d.path for d in self.state.held}
     listed_paths = [p for p in present if p not in self.state.drop]
     accepted = list(self.state.held)                                # checked in an earlier pass, waiting for their round
-    reached = {}                                                    # (node, session) -> the highest step accepted in this pass
-    for d in accepted: reached[d.node_id, d.session] = max(d.step, reached.get((d.node_id, d.session), -1))
     paths, cache = sorted((p for p in listed_paths if p not in held), key=parse_delta_path), self.dir / "cache"   # in step order
     local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
     def fetch(path: str) -> HubError | None:                       # the error when that one file cannot be had
@@ -702,6 +699,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
         local, header = local_of[path], None
         try:
             tensors, header = load_delta(local)
+            reached = {(a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)}   # the highest step accepted
             d = check(self.state, self.rules, path, tensors, header, reached)
         except ValueError as e:                                     # DeltaRejected, or an unreadable file
             self._quarantine(path, local, e if isinstance(e, DeltaRejected) else DeltaRejected("unreadable", str(e)), header); continue
@@ -710,7 +708,6 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
             self.state = rejected(self.state, path, "duplicate")
             self._emit("delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step}); continue
         accepted.append(d)
-        reached[d.node_id, d.session] = max(d.step, reached.get((d.node_id, d.session), -1))
     accepted, refused = judge_newcomers(self.state, self.rules, accepted)
     for d, reason, why in refused: self._quarantine(d.path, local_of.get(d.path, cache / "-"), DeltaRejected(reason, f"{d.path}: {why}"), {"session": d.session})
     return accepted, len(listed_paths)
@@ -735,8 +732,7 @@ def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejec
 def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
     "Raise `HubError` unless the repository is at this master's version (or one it published without hearing back)."
     if repo.outer_step == self.state.outer_step and (repo.extras.get("publication") or "") == self.state.publication: return
-    prepared = self._read_local(".next")
-    if prepared is not None and resumed(None, prepared, repo.outer_step, str(repo.extras.get("publication", ""))) is prepared:
+    if (prepared := resumed(None, self._read_local(".next"), repo.outer_step, str(repo.extras.get("publication", "")))) is not None:
         self._promote()
         with self.lock: self.state = on_published(prepared, (), self.clock())
         self._log("warning", f"version {repo.outer_step} was published although no answer came back; continuing from it")
@@ -765,8 +761,7 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
         if found: self._emit("outer_step", {"outer_step": self.state.outer_step, "deltas_found": found, "deltas_included": 0})
         return self.state.outer_step
     now, before = self.clock(), self.state
-    state, pub, refused = fold(self.state, self.rules, accepted, now, full_rounds)
-    self.state = state
+    self.state, pub, refused = fold(before, self.rules, accepted, now, full_rounds)
     for d, reason, why in refused: self._quarantine(d.path, self.dir / "cache" / "-", DeltaRejected(reason, f"{d.path}: {why}"), {"session": d.session})
     if pub is None: return self.state.outer_step
     self._publish(repo, pub)
