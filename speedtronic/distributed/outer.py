@@ -573,13 +573,54 @@ def _read_local(self: MasterOuterLoop, suffix: str = "") -> MasterState | None:
     js, st = self._local_files(suffix)
     if not (js.exists() and st.exists()): return None
     try: return restored(self.state, json.loads(js.read_text()), load_safetensors(st))
-    except Exception as e:
-        self._log("warning", f"ignoring unreadable outer state {js}: {e}")
-        return None
+    except Exception as e: return self._log("warning", f"ignoring unreadable outer state {js}: {e}")
 
 @patch
 def _promote(self: MasterOuterLoop) -> None:
     for nxt, cur in zip(self._local_files(".next"), self._local_files()): os.replace(nxt, cur)
+
+# %% ../../nbs/12c_distributed_outer.ipynb #323ad2fa
+PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
+
+@patch
+def _commit(self: MasterOuterLoop, files: dict, deletes: list[str], repo: RepoState, version: int, message: str) -> str:
+    "One guarded commit through the transport; the keywords a transport of the 2.0 contract lacks are left out."
+    extra, params = {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)}, inspect.signature(self.transport.publish).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()): extra = {k: v for k, v in extra.items() if k in params}
+    return self.transport.publish(files, deletes, parent=repo, owner=self.node_id, message=message, **extra)
+
+@patch
+def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoState:
+    "Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns the new repository state."
+    prepared = replace(pub.state, publication=uuid.uuid4().hex)
+    version, out, beat = prepared.outer_step, self.dir / "outgoing", datetime.fromtimestamp(self.wall_clock(), timezone.utc)
+    extras = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.rules.policy,
+              "ledger": prepared.ledger.to_json(), "publication": prepared.publication, **({"bootstrap": "true"} if pub.bootstrap else {}),
+              "master": {"node_id": self.node_id, "session": self.session, "heartbeat": beat.replace(microsecond=0).isoformat()}}
+    meta = GlobalMetadata(version, utc_now())
+    atomic_write_text(step_count_text(meta, extras), out / "step_count.json")
+    files = {GLOBAL_METADATA_PATH: out / "step_count.json"}
+    if pub.weights: files = {GLOBAL_MODEL_PATH: save_safetensors(prepared.global_state, out / "latest.safetensors", {"outer_step": version}), **files}
+    self._save_local(prepared, ".next")
+    deadline, parent_step = time.monotonic() + PUBLISH_PATIENCE_S, repo.outer_step
+    while True:
+        try:
+            new = RepoState(self._commit(files, list(pub.deletes), repo, version, pub.message), meta, extras)
+            break
+        except PublishConflict as conflict:
+            repo = self.transport.state()                           # commits this master has not listed came in between
+            verdict = conflict_verdict(parent_step, self.node_id, prepared.publication, repo.outer_step, repo.extras)
+            if verdict == "published": new = repo; break
+            if verdict == "stop":
+                raise HubError(f"another master published version {repo.outer_step} to {self._where()} "
+                               f"while {self.node_id!r} was master; stopping this master") from conflict
+            if time.monotonic() > deadline:
+                raise HubUnavailable(f"publishing version {version}: the repository kept changing underneath "
+                                     f"for {PUBLISH_PATIENCE_S:g} s") from conflict
+    self._promote()
+    with self.lock: self.state = on_published(prepared, pub.deletes, self.clock())
+    self.revision = None   # the next round lists again: the new head is this master's commit, which it never listed
+    return new
 
 # %% ../../nbs/12c_distributed_outer.ipynb #e2496e14
 @patch
@@ -630,49 +671,6 @@ def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
                            f"distributed.lease_timeout={lease:g} s after it stopped")
     return repo
 
-# %% ../../nbs/12c_distributed_outer.ipynb #323ad2fa
-PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
-
-@patch
-def _commit(self: MasterOuterLoop, files: dict, deletes: list[str], repo: RepoState, version: int, message: str) -> str:
-    "One guarded commit through the transport; the keywords a transport of the 2.0 contract lacks are left out."
-    extra, params = {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)}, inspect.signature(self.transport.publish).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()): extra = {k: v for k, v in extra.items() if k in params}
-    return self.transport.publish(files, deletes, parent=repo, owner=self.node_id, message=message, **extra)
-
-@patch
-def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoState:
-    "Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns the new repository state."
-    prepared = replace(pub.state, publication=uuid.uuid4().hex)
-    version, out, beat = prepared.outer_step, self.dir / "outgoing", datetime.fromtimestamp(self.wall_clock(), timezone.utc)
-    extras = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.rules.policy, "ledger": prepared.ledger.to_json(),
-              "master": {"node_id": self.node_id, "session": self.session, "heartbeat": beat.replace(microsecond=0).isoformat()},
-              "publication": prepared.publication, **({"bootstrap": "true"} if pub.bootstrap else {})}
-    meta = GlobalMetadata(version, utc_now())
-    atomic_write_text(step_count_text(meta, extras), out / "step_count.json")
-    files = {GLOBAL_METADATA_PATH: out / "step_count.json"}
-    if pub.weights: files = {GLOBAL_MODEL_PATH: save_safetensors(prepared.global_state, out / "latest.safetensors", {"outer_step": version}), **files}
-    self._save_local(prepared, ".next")
-    deadline, parent_step = time.monotonic() + PUBLISH_PATIENCE_S, repo.outer_step
-    while True:
-        try:
-            new = RepoState(self._commit(files, list(pub.deletes), repo, version, pub.message), meta, extras)
-            break
-        except PublishConflict as conflict:
-            repo = self.transport.state()                           # commits this master has not listed came in between
-            verdict = conflict_verdict(parent_step, self.node_id, prepared.publication, repo.outer_step, repo.extras)
-            if verdict == "published": new = repo; break
-            if verdict == "stop":
-                raise HubError(f"another master published version {repo.outer_step} to {self._where()} "
-                               f"while {self.node_id!r} was master; stopping this master") from conflict
-            if time.monotonic() > deadline:
-                raise HubUnavailable(f"publishing version {version}: the repository kept changing underneath "
-                                     f"for {PUBLISH_PATIENCE_S:g} s") from conflict
-    self._promote()
-    with self.lock: self.state = on_published(prepared, pub.deletes, self.clock())
-    self.revision = None   # the next round lists again: the new head is this master's commit, which it never listed
-    return new
-
 # %% ../../nbs/12c_distributed_outer.ipynb #24d8f318
 @patch
 def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta], int]:
@@ -699,7 +697,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
         local, header = local_of[path], None
         try:
             tensors, header = load_delta(local)
-            reached = {(a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)}   # the highest step accepted
+            reached = {(a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)}   # highest accepted
             d = check(self.state, self.rules, path, tensors, header, reached)
         except ValueError as e:                                     # DeltaRejected, or an unreadable file
             self._quarantine(path, local, e if isinstance(e, DeltaRejected) else DeltaRejected("unreadable", str(e)), header); continue
@@ -716,11 +714,10 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
 def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejected, header: Mapping[str, str] | None = None) -> None:
     "Refuse the delta at `path`: its file and reason kept in the quarantine (the newest 20), a warning and a `delta_rejected` event."
     quarantine = self.dir / "quarantine"
-    quarantine.mkdir(parents=True, exist_ok=True)
     name = path.replace("/", "__")
-    if local.exists(): os.replace(local, quarantine / name)
     atomic_write_text(json.dumps({"path": path, "reason": error.reason, "message": str(error), "at": utc_now()}) + "\n",
-                      quarantine / (name + ".json"))
+                      quarantine / (name + ".json"))                # makes the folder too
+    if local.exists(): os.replace(local, quarantine / name)
     for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-40]: old.unlink(missing_ok=True)
     self.state = rejected(self.state, path, error.reason, None if header is None else str(header.get("session", "")))
     node_step = parse_delta_path(path) or (None, None)
@@ -825,16 +822,15 @@ def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: flo
     "The final round: fold deltas until every active node's last one is in (or `timeout`, or `stop`); returns the final version."
     self.stop(timeout=max(timeout, 30.0))
     deadline, interval = time.monotonic() + timeout, min(self.poll_interval, 2.0) if interval is None else interval
-    told = False
+    told = False                                                    # the wait is said once
     while True:
         before = self.state.outer_step
         try: self.sync_once(full_rounds=False)                      # the last deltas: folded as they come
         except HubUnavailable as e: self._log("warning", f"final round postponed: {e}")
         missing, enough = still_waiting(self.state, self.rules, final_step, self.node_id)
         if (not missing and enough) or time.monotonic() >= deadline or (stop is not None and stop.is_set()): break
-        if not told: self._log("info", f"final round: waiting up to {timeout:g} s for the last deltas of "
-                                       f"{sorted(missing) or 'the expected nodes'}")
-        told = True
+        if not told: told = self._log("info", f"final round: waiting up to {timeout:g} s for the last deltas of "
+                                              f"{sorted(missing) or 'the expected nodes'}") or True
         if self.state.outer_step == before: (stop.wait if stop is not None else time.sleep)(interval)  # after a new version, look again at once
     if stop is not None and stop.is_set(): return self.state.outer_step
     if missing or not enough:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -153,8 +153,7 @@ class GlobalMetadata:
         return cls(int(data.get("outer_step", data.get("step", 0))), str(data.get("updated_at", "")),
                    str(data.get("model_file") or GLOBAL_MODEL_PATH))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"outer_step": self.outer_step, "updated_at": self.updated_at, "model_file": self.model_file}
+    def to_dict(self) -> dict[str, Any]: return asdict(self)
 
 def utc_now() -> str:
     "The current UTC time as ISO-8601 with offset, as `updated_at` stores it."

@@ -98,7 +98,8 @@ class TransferCounts:
 
 def describe_repository(transport: Any) -> str:
     "The repository in words: `transport.describe()`, or its `repo_id` for a transport without one (written for 2.0)."
-    return d() if callable(d := getattr(transport, "describe", None)) else f"repository {getattr(transport, 'repo_id', type(transport).__name__)}"
+    describe = getattr(transport, "describe", None)
+    return describe() if callable(describe) else f"repository {getattr(transport, 'repo_id', type(transport).__name__)}"
 
 # %% ../../nbs/12a_distributed_transport.ipynb #affea04e
 _STALE_TEMP_S = 3600.0  # a temp file this old was left by a killed writer
@@ -182,7 +183,6 @@ def _refuse(self: SharedDirectory, path: str, why: str) -> None:
     self.refused.add(path)
     self.warn(f"{self.describe()}: refusing {path}: {why} (it may point outside the repository); delete it")
 
-# %% ../../nbs/12a_distributed_transport.ipynb #fb617776
 def _weights_version(path: Path) -> int | None:
     "The `outer_step` a global weights file carries in its header, None when it has none (a 2.0 file)."
     from speedtronic.distributed.tensors import read_metadata
