@@ -21,7 +21,7 @@ from fastcore.basics import patch
 
 from ..errors import ExpectedError
 from .tensors import (GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, GlobalMetadata, parse_delta_path,
-                                             parse_step_count)
+                                             parse_step_count, read_metadata)
 from ..files import TEMP_NAME, atomic_write
 
 # %% auto #0
@@ -185,7 +185,6 @@ def _refuse(self: SharedDirectory, path: str, why: str) -> None:
 
 def _weights_version(path: Path) -> int | None:
     "The `outer_step` a global weights file carries in its header, None when it has none (a 2.0 file)."
-    from speedtronic.distributed.tensors import read_metadata
     value = read_metadata(path).get("outer_step")
     return None if value is None else int(value)
 
