@@ -29,7 +29,8 @@ from .outer import Ledger, MasterOuterLoop
 from .tensors import (GLOBAL_MODEL_PATH, state_misfit, compute_pseudo_gradient, cpu_state_dict, decode_delta, delta_header,
                                              delta_path, encode_delta, floating_state, load_safetensors, read_metadata,
                                              save_safetensors, wire_bytes)
-from .transport import HubError, HubUnavailable, RepoMissing, RetryPolicy, SharedDirectory
+from .transport import (HubError, HubUnavailable, RepoMissing, RetryPolicy, SharedDirectory,
+                                              describe_repository)
 from ..trainer import TrainingInterrupted
 
 # %% auto #0
@@ -43,8 +44,7 @@ __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'SHORT_ROUND_STE
 # %% ../../nbs/12d_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
     "`master` or `worker` (an enabled `single` is the master when `repo_id` is set, as in 2.0)."
-    if config.role == "single": return "master" if config.repo_id else "worker"
-    return "master" if config.role == "master" else "worker"
+    return "master" if config.role == "master" or (config.role == "single" and config.repo_id) else "worker"
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #f540caff
 def build_transport(config: DistributedConfig, *, stop: threading.Event | None = None,
@@ -210,10 +210,7 @@ class DumbDiLoCoCoordinator:
     def _log(self, level: str, message: str) -> None:
         if self.logger is not None: getattr(self.logger, level)(f"diloco {self.node_id}: {message}")
 
-    def _where(self) -> str:
-        "The repository in words (`describe()`, which a transport written for 2.0 may not have)."
-        describe = getattr(self.transport, "describe", None)
-        return describe() if callable(describe) else f"repository {getattr(self.transport, 'repo_id', type(self.transport).__name__)}"
+    def _where(self) -> str: return describe_repository(self.transport)
 
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
@@ -427,9 +424,7 @@ def start(self: DumbDiLoCoCoordinator) -> None:
     prepared, self._prepared = self._prepared, None
     with self.lock:
         if prepared is not None: self.state = node_state_from(prepared, self.state.base, self.state.session, self.inner_steps)
-        elif (live := self.model.state_dict()).keys() != self.state.base.keys() or \
-                not all(torch.equal(v, live[k].detach().cpu()) for k, v in self.state.base.items()):   # weights loaded since construction
-            self.state = replace(self.state, base=cpu_state_dict(live))                                 # (nothing unsent yet)
+        else: self.state = replace(self.state, base=cpu_state_dict(self.model.state_dict()))   # as loaded since construction
     if self.state.version >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it existed: never create it again
     if self.role == "master": self._start_master(prepared)
     else: self._await_global()
@@ -455,8 +450,7 @@ def _wait_until(self: DumbDiLoCoCoordinator, done: Callable[[], bool], timeout: 
         while not (self._stop.is_set() or self._terminated):
             if done(): return True
             if time.monotonic() >= deadline: return False
-            if not told: self._log("info", saying())                # said once
-            told = True
+            if not told: told = self._log("info", saying()) or True  # said once
             self._woken.wait(min(self.poll_interval, 2.0))
     if self._terminated: raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for {waiting_for} in {self._where()}")
     return True
@@ -668,24 +662,18 @@ def shard_loader(loader: Any, config: DistributedConfig) -> Any:
     if not config.enabled or not config.shard_count or config.shard_count == 1: return loader
     return NodeShard(loader, config.shard_index, config.shard_count)
 
-def _in_file_order(data: DataConfig) -> str | None:
-    "The data file the loader reads in file order whatever the seed (the source `build_dataloader` picks), else None."
-    if data.shuffle: return None                                   # shuffled with the node's own seed: its own order
-    for key in ("text_path", "token_file", "dataset"):
-        value = getattr(data, key)
-        if isinstance(value, (str, os.PathLike)) and str(value): return f"data.{key} {str(value)!r}"
-    return None
-
 def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     "`config.data` as this node reads it: its own data seed when distributed without shards."
-    d = config.distributed
-    if not d.enabled or d.shard_count: return config.data
-    if source := _in_file_order(config.data):
-        warnings.warn(f"distributed: this node reads {source} in file order, whatever its seed: nodes reading the same file train "
+    d, data = config.distributed, config.data
+    if not d.enabled or d.shard_count: return data
+    in_file_order = [] if data.shuffle else [f"data.{k} {str(v)!r}" for k in ("text_path", "token_file", "dataset")
+                                             if isinstance(v := getattr(data, k), (str, os.PathLike)) and str(v)]
+    if in_file_order:                                              # unshuffled: every node reads it in one order
+        warnings.warn(f"distributed: this node reads {in_file_order[0]} in file order, whatever its seed: nodes reading the same file train "
                       "on the same data in the same order; give each node its own file, or set distributed.shard_count and "
                       "distributed.shard_index per node, or data.shuffle: true", DistributedWarning, stacklevel=2)
     offset = int(hashlib.sha256(node_id(d).encode()).hexdigest()[:8], 16)
-    return replace(config.data, seed=(int(config.data.seed or 0) + offset) % 2**31)
+    return replace(data, seed=(int(data.seed or 0) + offset) % 2**31)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #d25bc310
 HUB_COMMITS_PER_HOUR = 100  # plan for this many; the Hub's limit is not published (its 429 message has said 128)

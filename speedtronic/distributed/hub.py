@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 import threading
-import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -197,7 +194,6 @@ def version_tag(self: HubClient) -> str | None:
             raise
     return self._call(f"check {GLOBAL_METADATA_PATH} of {self.describe()}", run)
 
-# %% ../../nbs/12b_distributed_hub.ipynb #9210031c
 @patch
 def head_revision(self: HubClient) -> str | None:
     "The head commit of the repository (changes with every commit); None when the api object cannot say."
@@ -205,13 +201,10 @@ def head_revision(self: HubClient) -> str | None:
     return self._call(f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model").sha)
 
 # %% ../../nbs/12b_distributed_hub.ipynb #0bc47cda
-class _scratch:
-    "A fresh temporary folder inside `parent`, removed on exit."
-    def __init__(self, parent: Path): self.path = Path(parent) / f".fetch-{uuid.uuid4().hex[:12]}"
-    def __enter__(self) -> Path:
-        self.path.mkdir(parents=True, exist_ok=False)
-        return self.path
-    def __exit__(self, *exc) -> None: shutil.rmtree(self.path, ignore_errors=True)
+def _scratch(parent: Path) -> tempfile.TemporaryDirectory:
+    "A fresh temporary folder `.fetch-*` inside `parent` (made when missing), removed on exit."
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    return tempfile.TemporaryDirectory(prefix=".fetch-", dir=parent, ignore_cleanup_errors=True)
 
 @patch
 def fetch(self: HubClient, path: str, local: str | os.PathLike, revision: str | None = None) -> Path:

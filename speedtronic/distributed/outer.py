@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import math
 import os
 import statistics
 import threading
@@ -27,7 +26,7 @@ from fastcore.basics import patch
 from .tensors import (state_misfit, GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, CheckedDelta, DeltaRejected, GlobalMetadata,
                                              check_delta, cpu_state_dict, delta_norm, floating_state, layer_norms, load_delta,
                                              load_safetensors, parse_delta_path, save_safetensors, step_count_text, utc_now)
-from .transport import HubError, HubUnavailable, PublishConflict, RepoState
+from .transport import HubError, HubUnavailable, PublishConflict, RepoState, describe_repository
 from ..files import atomic_write_text
 
 # %% auto #0
@@ -35,19 +34,21 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
            'OuterBuffers', 'momentum_steps', 'outer_update', 'applied', 'OuterUpdate', 'NesterovOuterOptimizer',
            'OuterState', 'Ledger', 'other_master', 'lease_holder', 'liveness', 'DeltaSizes', 'MasterRules',
            'MasterState', 'master_state', 'state_record', 'restored', 'translated_record', 'check', 'rejected',
-           'listed', 'judge_newcomers', 'active_nodes', 'round_complete', 'round_due', 'heartbeat_due', 'Publication',
-           'wait_ran_out', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed',
+           'listed', 'judge_newcomers', 'active_nodes', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due',
+           'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed',
            'adopted', 'still_waiting', 'MasterOuterLoop']
 
 # %% ../../nbs/12c_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
 VERSIONS_KEPT = 64  # versions whose momentum step count the buffers remember (a delta's staleness in outer steps)
+
 @dataclass
 class Contribution:
     "One delta as the outer optimizer sees it."
     delta: Mapping[str, torch.Tensor]
     share: float = 1.0  # steps the delta covers / the round length (distributed.inner_steps)
     staleness: int = 0  # versions published since the version the delta was computed from
+
 @dataclass(frozen=True)
 class OuterBuffers:
     "What the outer optimizer remembers between folds (float32 CPU tensors; never changed in place)."
@@ -93,6 +94,7 @@ def _delayed_nesterov(buffers: OuterBuffers, contributions: Sequence[Contributio
         keep = (progress - whole) / progress if progress > whole else 0.0
         pending, progress, steps = {k: p * keep for k, p in pending.items()}, (progress - whole if keep else 0.0), steps + whole
     return replace(buffers, momentum=momentum, pending=pending, progress=progress, momentum_steps=steps), update
+
 def _averaged_nesterov(buffers: OuterBuffers, contributions: Sequence[Contribution], lr: float, mu: float, weighted: bool):
     weights = [c.share / (1.0 + max(0, c.staleness)) if weighted else 1.0 for c in contributions]
     units = [max(c.share, 1e-12) if weighted else 1.0 for c in contributions]
@@ -101,6 +103,7 @@ def _averaged_nesterov(buffers: OuterBuffers, contributions: Sequence[Contributi
     momentum = {**buffers.momentum, **{k: buffers.momentum[k] * mu + g for k, g in grad.items()}}
     update = {k: lr * (g + mu * momentum[k]) for k, g in grad.items()}
     return replace(buffers, momentum=momentum, momentum_steps=buffers.momentum_steps + 1), update
+
 def outer_update(buffers: OuterBuffers, contributions: Sequence[Contribution], nodes: int, *, lr: float = 0.7,
                  momentum: float = 0.9, policy: str = "delayed_nesterov") -> tuple[OuterBuffers, dict[str, torch.Tensor]]:
     "The outer optimizer: the new buffers and the float32 update to subtract from the global for one round's `contributions`."
@@ -109,6 +112,7 @@ def outer_update(buffers: OuterBuffers, contributions: Sequence[Contribution], n
     if policy == "delayed_nesterov": buffers, update = _delayed_nesterov(buffers, contributions, max(1, int(nodes)), lr, momentum)
     else: buffers, update = _averaged_nesterov(buffers, contributions, lr, momentum, policy == "weighted")
     return replace(buffers, steps_at=buffers.steps_at[-(VERSIONS_KEPT - 1):] + (buffers.momentum_steps,)), update
+
 def applied(state: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     "A new global: `state` minus `update` (computed in float32, stored in each tensor's dtype); `state` is not changed."
     return {k: ((v.float() - update[k]).to(v.dtype) if k in update else v) for k, v in state.items()}
@@ -126,6 +130,7 @@ class OuterUpdate:
         return update
     def state_dict(self) -> dict[str, Any]: return {**vars(self.buffers), "steps_at": list(self.buffers.steps_at)}
     def load_state_dict(self, state: Mapping[str, Any]) -> None: self.buffers = _buffers_from_record(self.buffers, state)
+
 class NesterovOuterOptimizer(OuterUpdate):
     "SGD with Nesterov momentum over a state dict's floating tensors (DiLoCo's synchronous outer step): policy `none`, one delta."
     def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9): super().__init__(state, lr, momentum, "none")
@@ -137,6 +142,7 @@ class NesterovOuterOptimizer(OuterUpdate):
         super().step(state, [Contribution({k: g for k, g in delta.items() if k in self.buffers.momentum})], 1)
     def state_dict(self) -> dict[str, torch.Tensor]: return {k: v.clone() for k, v in self.buffers.momentum.items()}
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: super().load_state_dict({"momentum": state})
+
 @dataclass
 class OuterState:
     "2.0's declared (unused) record of the outer state."
@@ -148,6 +154,7 @@ class OuterState:
 
 # %% ../../nbs/12c_distributed_outer.ipynb #fee3ec26
 _SESSIONS_KEPT = 8
+
 @dataclass
 class Ledger:
     "Which deltas the global model already holds: per node, the highest folded step of each session."
@@ -191,6 +198,7 @@ def other_master(extras: Mapping[str, Any], node_id: str) -> str | None:
     "The node id of the master that wrote a version file, when it is not `node_id`."
     master = extras.get("master") if isinstance(extras.get("master"), Mapping) else None
     return None if not master or master.get("node_id") in (None, node_id) else str(master["node_id"])
+
 def lease_holder(extras: Mapping[str, Any], node_id: str, lease_timeout: float, now: float | None = None) -> str | None:
     "The other master whose heartbeat is fresh by this host's clock (`now`), or None when the clocks cannot tell it is alive."
     if other_master(extras, node_id) is None: return None
@@ -198,6 +206,7 @@ def lease_holder(extras: Mapping[str, Any], node_id: str, lease_timeout: float, 
     except ValueError: return None
     age = (time.time() if now is None else now) - beat
     return f"{extras['master']['node_id']!r} (heartbeat {age:.0f} s ago)" if 0 <= age < lease_timeout else None
+
 def liveness(extras: Mapping[str, Any]) -> tuple:
     "What changes in the version file while its master is alive: its id, session, heartbeat and publication."
     master = extras.get("master") if isinstance(extras.get("master"), Mapping) else {}
@@ -241,6 +250,7 @@ class MasterRules:
     max_delta_norm_ratio: float = 10.0
     round_wait: float = 0.0  # seconds a round waits for every node's delta before it is folded without them (0: never)
     lease_timeout: float = 600.0
+
 @dataclass(frozen=True)
 class MasterState:
     "Everything the master knows; transitions return a new value and never change this one."
@@ -257,16 +267,19 @@ class MasterState:
     refusals: Mapping[tuple[str, str], int] = field(default_factory=dict)  # content refusals of sessions the ledger learns at the next fold
     published_at: float = 0.0  # this host's clock at the last commit
     global_norm: float = -1.0  # the L2 norm of the global's floating tensors (-1: not computed yet)
+
 def master_state(state: Mapping[str, torch.Tensor]) -> MasterState:
     "A master that has published nothing, starting from the model `state` (CPU copies)."
     state = cpu_state_dict(state)
     return MasterState(state, OuterBuffers.zeros(state), global_norm=delta_norm(floating_state(state)))
+
 def _with_global(state: MasterState, global_state: Mapping[str, torch.Tensor], **changes) -> MasterState:
     "`state` with another global (its norm recomputed) and other `changes`."
     return replace(state, global_state=dict(global_state), global_norm=delta_norm(floating_state(global_state)), **changes)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #170bbf24
 RECORD_VERSION = 2  # the format of `state_record`'s info
+
 def _buffers_from_record(template: OuterBuffers, data: Mapping[str, Any]) -> OuterBuffers:
     "Buffers from `{momentum, pending, progress, momentum_steps, steps_at}` onto `template`'s keys and shapes (others ignored)."
     def fit(name: str) -> dict[str, torch.Tensor]:
@@ -276,6 +289,7 @@ def _buffers_from_record(template: OuterBuffers, data: Mapping[str, Any]) -> Out
     steps = int(data.get("momentum_steps", 0))
     return OuterBuffers(fit("momentum"), fit("pending"), float(data.get("progress", 0.0)), steps,
                         tuple(int(n) for n in data.get("steps_at") or [])[-VERSIONS_KEPT:] or (steps,))
+
 def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     "`(info, tensors)`: the one persisted form of `state`."
     info = {"version": RECORD_VERSION, "outer_step": state.outer_step, "publication": state.publication,
@@ -288,6 +302,7 @@ def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Te
 def _flat(**groups: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     "One flat dict of tensors: `group/key` for each of the `groups` (a trailing `_` dropped from its name)."
     return {f"{g.rstrip('_')}/{k}": v for g, part in groups.items() for k, v in (part or {}).items()}
+
 def restored(template: MasterState, info: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> MasterState:
     "The state `state_record` wrote, on `template`'s model (keys or shapes it lacks are ignored)."
     group = lambda name: {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(name + "/")}
@@ -300,24 +315,24 @@ def restored(template: MasterState, info: Mapping[str, Any], tensors: Mapping[st
                        sizes=DeltaSizes.from_json(info.get("delta_sizes")),
                        punctual=None if punctual is None else frozenset(map(str, punctual)), held=(), held_since=None, drop={},
                        refusals={(str(n), str(s)): int(v) for n, s, v in info.get("refusals") or []})
+
 def translated_record(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-    "A checkpoint's outer state (this format, an earlier one, or 2.0's) as `(info, tensors)`; None when it holds none."
+    "A checkpoint's outer state (this format or 2.0's) as `(info, tensors)`; None when it holds none."
     if not isinstance(data, Mapping) or "outer_step" not in data: return None
     if "version" in data: return {k: v for k, v in data.items() if k != "tensors"}, dict(data.get("tensors") or {})
-    processed, update = data.get("processed_deltas"), data.get("update") or {}
-    ledger = Ledger.from_json(processed)                            # this package before the record: the ledger itself
-    for entry in [] if isinstance(processed, Mapping) else processed or []:        # 2.0: [[node, step, base], ...]
+    ledger = Ledger()
+    for entry in data.get("processed_deltas") or []:                # [[node, step, base], ...]
         if isinstance(entry, (list, tuple)) and len(entry) == 3: ledger.record(str(entry[0]), "", int(entry[1]), int(data["outer_step"]))
-    info = {"version": RECORD_VERSION, "outer_step": int(data["outer_step"]), "publication": str(data.get("publication", "")),
-            "ledger": ledger.to_json(), "delta_sizes": data.get("delta_sizes"),
-            **{k: update[k] for k in ("progress", "momentum_steps", "steps_at") if k in update}}
-    return info, _flat(global_=data.get("global_state"), momentum=data.get("momentum"), pending=update.get("pending"))
+    info = {"version": RECORD_VERSION, "outer_step": int(data["outer_step"]), "ledger": ledger.to_json()}
+    return info, _flat(global_=data.get("global_state"), momentum=data.get("momentum"))
 
 # %% ../../nbs/12c_distributed_outer.ipynb #d195c6bd
 CONTENT_REASONS = ("too_large", "not_finite", "keys", "shape", "dtype")  # refusals of what a plausible delta held
+
 def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
     "The inner steps `d` covers (a 2.0 node does not say: one round)."
     return max(1, d.inner_steps or rules.round_steps)
+
 def _reachable(state: MasterState, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]) -> None:
     "Refuse (`unreachable`) a delta of a known session that begins after the highest step that session has reached."
     node, step = parse_delta_path(path) or (None, None)
@@ -331,6 +346,7 @@ def _reachable(state: MasterState, path: str, header: Mapping[str, str], reached
         raise DeltaRejected("unreachable", f"{path}: covers steps {step - covered + 1}..{step} of session {session!r}, whose deltas "
                                            f"reached step {reach}; a node's deltas continue where its previous one ended, so "
                                            f"{node!r} did not write this file in that session (a forged or stray file)")
+
 def check(state: MasterState, rules: MasterRules, path: str, tensors: Mapping[str, torch.Tensor], header: Mapping[str, str],
           reached: Mapping[tuple[str, str], int] = {}) -> CheckedDelta:
     "The delta at `path`, checked against `state`; `DeltaRejected` says why not."
@@ -348,6 +364,7 @@ def check(state: MasterState, rules: MasterRules, path: str, tensors: Mapping[st
         raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / judged_by[0]:.1f}x "
                                          f"{judged_by[1]} (limit distributed.max_delta_norm_ratio={ratio:g})")
     return d
+
 def rejected(state: MasterState, path: str, reason: str, session: str | None = None) -> MasterState:
     "`state` after refusing the file at `path` (or finding it a duplicate): deleted with the next commit."
     ledger = state.ledger
@@ -357,6 +374,7 @@ def rejected(state: MasterState, path: str, reason: str, session: str | None = N
         if ledger.reach(node, session) is not None: ledger = ledger.copy(); ledger.refuse(node, session, step)
         else: refusals = {**refusals, (node, session): max(step, refusals.get((node, session), -1))}   # its session may be folded next
     return replace(state, drop={**state.drop, path: reason}, ledger=ledger, refusals=refusals)
+
 def listed(state: MasterState, present: Collection[str]) -> MasterState:
     "`state` after a listing of the repository's deltas: files gone meanwhile are neither deleted nor held."
     present = set(present)
@@ -389,16 +407,23 @@ def active_nodes(state: MasterState, rules: MasterRules, extra: Collection[str] 
     if rules.expected_nodes: return int(rules.expected_nodes)
     known = len(state.ledger.nodes | dict.fromkeys(extra))
     return max(1, len(state.ledger.active(state.outer_step, window=2 * max(1, known) + 1) | set(extra)))
+
+def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
+    "Whether the held round's wait is over at `now`."
+    return rules.round_wait > 0 and state.held_since is not None and now - state.held_since >= rules.round_wait
+
 def round_complete(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float) -> bool:
     "Whether `accepted` may be folded at `now`: no wait, a delta of every node the round waits for, or the wait is over."
     if rules.round_wait <= 0: return True
     present = {d.node_id for d in accepted}
     if state.punctual is None and len(present) >= active_nodes(state, rules, present): return True
     if state.punctual is not None and present >= state.punctual: return True
-    return now - (now if state.held_since is None else state.held_since) >= rules.round_wait
+    return wait_ran_out(state, rules, now)
+
 def round_due(state: MasterState, rules: MasterRules, now: float, full_rounds: bool = True) -> bool:
     "Whether the held round is to be folded now (the final round folds it at once)."
     return bool(state.held) and (not full_rounds or round_complete(state, rules, state.held, now))
+
 def heartbeat_due(state: MasterState, rules: MasterRules, now: float) -> bool:
     "Whether the master has been silent for a third of its lease."
     return now - state.published_at > rules.lease_timeout / 3
@@ -415,15 +440,14 @@ class Publication:
     folded: tuple[CheckedDelta, ...] = ()
     update: Mapping[str, torch.Tensor] = field(default_factory=dict)  # what the fold subtracted from the global
     nodes: int = 0
-def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
-    "Whether the held round's wait is over at `now`."
-    return rules.round_wait > 0 and state.held_since is not None and now - state.held_since >= rules.round_wait
+
 def _next_punctual(state: MasterState, rules: MasterRules, present: set[str], nodes: int, now: float) -> frozenset[str] | None:
     "Whom rounds wait for after this one: its nodes when its wait ran out short of some, else the waited-for set grows back."
     if wait_ran_out(state, rules, now) and len(present) < nodes: return frozenset(present)
     if state.punctual is None: return None
     back = state.punctual | present                                 # a node that was missing is back: waited for again
     return None if len(back) >= nodes else back
+
 def fold(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float,
          full_rounds: bool = True) -> tuple[MasterState, Publication | None, list[tuple[CheckedDelta, str, str]]]:
     "`(state, publication, refused)` for one pass's accepted deltas (see above); `now` is this host's clock."
@@ -460,18 +484,22 @@ def fold(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta
 def on_published(prepared: MasterState, deletes: Collection[str], now: float) -> MasterState:
     "The master's state once the commit of `prepared` (deleting `deletes`) went through at `now`."
     return replace(prepared, drop={p: why for p, why in prepared.drop.items() if p not in set(deletes)}, published_at=now)
+
 def conflict_verdict(parent_step: int, node_id: str, publication: str, repo_outer_step: int, repo_extras: Mapping[str, Any]) -> str:
     "After a refused commit of `publication` onto version `parent_step`: `published` (it went through), `retry` (only nodes committed) or `stop`."
     if repo_extras.get("publication") == publication: return "published"
     master = repo_extras.get("master") if isinstance(repo_extras.get("master"), Mapping) else {}
     mine = repo_outer_step < 0 or master.get("node_id") == node_id
     return "retry" if mine and repo_outer_step == parent_step else "stop"
+
 def heartbeat(state: MasterState) -> Publication:
     "Renew the lease: the same version with a fresh heartbeat."
     return Publication(state, (), weights=False, message="heartbeat of the master")
+
 def cleanup(state: MasterState) -> Publication:
     "Delete the duplicate and rejected files (a commit without a new version)."
     return Publication(state, tuple(state.drop), weights=False, message=f"remove {len(state.drop)} file(s) that will not be folded")
+
 def bootstrap(state: MasterState) -> Publication:
     "The first publication on an empty repository: the master's global as version 0 (or its local version, if it has one)."
     return Publication(replace(state, outer_step=max(state.outer_step, 0)), (), bootstrap=state.outer_step < 0,
@@ -483,11 +511,13 @@ def resumed(local: MasterState | None, prepared: MasterState | None, repo_outer_
     for state in (prepared, local):
         if state is not None and state.outer_step == repo_outer_step and state.publication == repo_publication: return state
     return None
+
 def adopted(state: MasterState, remote: Mapping[str, torch.Tensor], outer_step: int, ledger: Ledger, publication: str) -> MasterState:
     "`state` taking the repository's global, version and ledger (outer momentum restarts at zero)."
     glob = {k: v.to(state.global_state[k].dtype) for k, v in remote.items() if k in state.global_state}
     return _with_global(state, {**state.global_state, **glob}, outer=OuterBuffers.zeros(state.global_state), outer_step=outer_step,
                        ledger=ledger, publication=publication, punctual=None, held=(), held_since=None)
+
 def still_waiting(state: MasterState, rules: MasterRules, final_step: int, own: str) -> tuple[set[str], bool]:
     "`(nodes whose last delta is not in, whether enough nodes are done)` for the final round of master `own`."
     nodes = state.ledger.nodes
@@ -514,23 +544,19 @@ class MasterOuterLoop:
         self.revision = None  # the revision this master last listed: an unchanged head means nothing new (never its own commit)
         self.unfetched: set[str] = set()  # listed deltas that could not be fetched: tried again each pass, said once
         self.error, self.lock, self._stop, self._wake, self._thread = None, threading.RLock(), threading.Event(), threading.Event(), None
-        self.next_local = self._read_local(".next")
         self.state = self._read_local() or self.state
     outer_step = property(lambda self: self.state.outer_step, doc="The published version (-1 before the first).")
     global_state = property(lambda self: self.state.global_state, doc="The published global model (CPU tensors).")
     ledger = property(lambda self: self.state.ledger, doc="The deltas the global holds.")
     punctual = property(lambda self: self.state.punctual, doc="The nodes rounds wait for after a wait ran out (None: all).")
     held = property(lambda self: {d.path: d for d in self.state.held}, doc="The held round's deltas by path.")
-    state_path = property(lambda self: self.dir / "outer_state.json")
-    metadata_path = property(lambda self: self.dir / "outer_state.safetensors")
     def _local_files(self, suffix: str = "") -> tuple[Path, Path]: return self.dir / f"outer_state.json{suffix}", self.dir / f"outer_state.safetensors{suffix}"
     def _log(self, level: str, message: str) -> None:
         if self.logger is not None: getattr(self.logger, level)(message)
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
             with contextlib.suppress(RuntimeError): self.logger.emit(event, payload)   # a closed logger must not kill the loop
-    def _describe(self) -> str:
-        return d() if callable(d := getattr(self.transport, "describe", None)) else f"repository {getattr(self.transport, 'repo_id', type(self.transport).__name__)}"
+    def _where(self) -> str: return describe_repository(self.transport)
     def _received(self) -> int: return getattr(getattr(self.transport, "counts", None), "bytes_received", 0)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #82864fc9
@@ -540,86 +566,37 @@ def _save_local(self: MasterOuterLoop, state: MasterState, suffix: str = "") -> 
     info, tensors = state_record(state)
     save_safetensors(tensors, st)
     atomic_write_text(json.dumps({**info, "session": self.session, "updated_at": utc_now()}, indent=2) + "\n", js)
+
 @patch
 def _read_local(self: MasterOuterLoop, suffix: str = "") -> MasterState | None:
     "The saved state, or None when absent or unreadable."
     js, st = self._local_files(suffix)
     if not (js.exists() and st.exists()): return None
     try: return restored(self.state, json.loads(js.read_text()), load_safetensors(st))
-    except Exception as e:
-        self._log("warning", f"ignoring unreadable outer state {js}: {e}")
-        return None
+    except Exception as e: return self._log("warning", f"ignoring unreadable outer state {js}: {e}")
+
 @patch
 def _promote(self: MasterOuterLoop) -> None:
     for nxt, cur in zip(self._local_files(".next"), self._local_files()): os.replace(nxt, cur)
 
-# %% ../../nbs/12c_distributed_outer.ipynb #e2496e14
-@patch
-def start_master(self: MasterOuterLoop) -> RepoState:
-    "Reconcile local state and repository; bootstrap or adopt. Returns the repository state afterwards."
-    if callable(getattr(self.transport, "open", None)): self.transport.open(create=True, private=True)
-    repo = self.transport.state()
-    prepared, self.next_local = self.next_local, None
-    if repo.metadata is None:
-        self._publish(repo, bootstrap(self.state))
-        return self.transport.state()
-    holder = lease_holder(repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock())
-    if holder: raise HubError(f"{self._describe()} belongs to master {holder}; only one master may publish. "
-                              f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it stopped")
-    if other_master(repo.extras, self.node_id): repo = self._outwait_lease(repo)
-    chosen = resumed(self.state, prepared, repo.outer_step, str(repo.extras.get("publication", "")))
-    if prepared is not None and chosen is prepared: self._promote()
-    else:
-        for f in self._local_files(".next"): f.unlink(missing_ok=True)   # prepared, never published
-    if chosen is None:                                              # adopt the repository's global and ledger
-        if self.state.outer_step >= 0:
-            self._log("warning", f"local outer state is at version {self.state.outer_step}, {self._describe()} at "
-                                 f"{repo.outer_step}; adopting the repository's global model and ledger (outer momentum restarts)")
-        self.transport.fetch(GLOBAL_MODEL_PATH, path := self.dir / "cache" / "global.safetensors", revision=repo.revision)
-        remote = load_safetensors(path)
-        path.unlink()
-        if problem := state_misfit(self.state.global_state, remote):
-            raise HubError(f"the global model (version {repo.outer_step}) in {self._describe()} does not fit this master's "
-                           f"model: {problem}; every node must train the same model (compare the model sections of the configs)")
-        chosen = adopted(self.state, remote, repo.outer_step, Ledger.from_json(repo.extras.get("ledger")), str(repo.extras.get("publication", "")))
-        self._save_local(chosen)
-    with self.lock: self.state = chosen
-    self.revision = None                                            # deltas already there are listed by the first round
-    return repo
-@patch
-def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
-    "Take over another master's repository only after its version file stayed unchanged for `lease_timeout` s here."
-    other, seen, start, lease = other_master(repo.extras, self.node_id), liveness(repo.extras), self.clock(), self.rules.lease_timeout
-    self._log("info", f"{self._describe()} was last published by master {other!r}; watching it for "
-                      f"distributed.lease_timeout={lease:g} s before taking over")
-    while self.clock() - start < lease:
-        time.sleep(max(0.01, min(self.poll_interval, lease / 20)))   # a start: Ctrl-C ends it
-        repo = self.transport.state()
-        if liveness(repo.extras) != seen:
-            raise HubError(f"{self._describe()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
-                           f"it published while {self.node_id!r} watched; only one master may publish. Stop it, or wait "
-                           f"distributed.lease_timeout={lease:g} s after it stopped")
-    return repo
-
 # %% ../../nbs/12c_distributed_outer.ipynb #323ad2fa
 PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
-@patch
-def _version_extras(self: MasterOuterLoop, state: MasterState, bootstrap: bool) -> dict[str, Any]:
-    return {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.rules.policy, "ledger": state.ledger.to_json(),
-            "master": {"node_id": self.node_id, "session": self.session,
-                       "heartbeat": datetime.fromtimestamp(self.wall_clock(), timezone.utc).replace(microsecond=0).isoformat()},
-            "publication": state.publication, **({"bootstrap": "true"} if bootstrap else {})}
+
 @patch
 def _commit(self: MasterOuterLoop, files: dict, deletes: list[str], repo: RepoState, version: int, message: str) -> str:
     "One guarded commit through the transport; the keywords a transport of the 2.0 contract lacks are left out."
     extra, params = {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)}, inspect.signature(self.transport.publish).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()): extra = {k: v for k, v in extra.items() if k in params}
     return self.transport.publish(files, deletes, parent=repo, owner=self.node_id, message=message, **extra)
+
 @patch
 def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoState:
     "Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns the new repository state."
     prepared = replace(pub.state, publication=uuid.uuid4().hex)
-    version, extras, out = prepared.outer_step, self._version_extras(prepared, pub.bootstrap), self.dir / "outgoing"
+    version, out, beat = prepared.outer_step, self.dir / "outgoing", datetime.fromtimestamp(self.wall_clock(), timezone.utc)
+    extras = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.rules.policy,
+              "ledger": prepared.ledger.to_json(), "publication": prepared.publication, **({"bootstrap": "true"} if pub.bootstrap else {}),
+              "master": {"node_id": self.node_id, "session": self.session, "heartbeat": beat.replace(microsecond=0).isoformat()}}
     meta = GlobalMetadata(version, utc_now())
     atomic_write_text(step_count_text(meta, extras), out / "step_count.json")
     files = {GLOBAL_METADATA_PATH: out / "step_count.json"}
@@ -635,7 +612,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
             verdict = conflict_verdict(parent_step, self.node_id, prepared.publication, repo.outer_step, repo.extras)
             if verdict == "published": new = repo; break
             if verdict == "stop":
-                raise HubError(f"another master published version {repo.outer_step} to {self._describe()} "
+                raise HubError(f"another master published version {repo.outer_step} to {self._where()} "
                                f"while {self.node_id!r} was master; stopping this master") from conflict
             if time.monotonic() > deadline:
                 raise HubUnavailable(f"publishing version {version}: the repository kept changing underneath "
@@ -644,6 +621,55 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
     with self.lock: self.state = on_published(prepared, pub.deletes, self.clock())
     self.revision = None   # the next round lists again: the new head is this master's commit, which it never listed
     return new
+
+# %% ../../nbs/12c_distributed_outer.ipynb #e2496e14
+@patch
+def start_master(self: MasterOuterLoop) -> RepoState:
+    "Reconcile local state and repository; bootstrap or adopt. Returns the repository state afterwards."
+    if callable(getattr(self.transport, "open", None)): self.transport.open(create=True, private=True)
+    repo = self.transport.state()
+    prepared = self._read_local(".next")
+    if repo.metadata is None:
+        self._publish(repo, bootstrap(self.state))
+        return self.transport.state()
+    holder = lease_holder(repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock())
+    if holder: raise HubError(f"{self._where()} belongs to master {holder}; only one master may publish. "
+                              f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it stopped")
+    if other_master(repo.extras, self.node_id): repo = self._outwait_lease(repo)
+    chosen = resumed(self.state, prepared, repo.outer_step, str(repo.extras.get("publication", "")))
+    if prepared is not None and chosen is prepared: self._promote()
+    else:
+        for f in self._local_files(".next"): f.unlink(missing_ok=True)   # prepared, never published
+    if chosen is None:                                              # adopt the repository's global and ledger
+        if self.state.outer_step >= 0:
+            self._log("warning", f"local outer state is at version {self.state.outer_step}, {self._where()} at "
+                                 f"{repo.outer_step}; adopting the repository's global model and ledger (outer momentum restarts)")
+        self.transport.fetch(GLOBAL_MODEL_PATH, path := self.dir / "cache" / "global.safetensors", revision=repo.revision)
+        remote = load_safetensors(path)
+        path.unlink()
+        if problem := state_misfit(self.state.global_state, remote):
+            raise HubError(f"the global model (version {repo.outer_step}) in {self._where()} does not fit this master's "
+                           f"model: {problem}; every node must train the same model (compare the model sections of the configs)")
+        chosen = adopted(self.state, remote, repo.outer_step, Ledger.from_json(repo.extras.get("ledger")), str(repo.extras.get("publication", "")))
+        self._save_local(chosen)
+    with self.lock: self.state = chosen
+    self.revision = None                                            # deltas already there are listed by the first round
+    return repo
+
+@patch
+def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
+    "Take over another master's repository only after its version file stayed unchanged for `lease_timeout` s here."
+    other, seen, start, lease = other_master(repo.extras, self.node_id), liveness(repo.extras), self.clock(), self.rules.lease_timeout
+    self._log("info", f"{self._where()} was last published by master {other!r}; watching it for "
+                      f"distributed.lease_timeout={lease:g} s before taking over")
+    while self.clock() - start < lease:
+        time.sleep(max(0.01, min(self.poll_interval, lease / 20)))   # a start: Ctrl-C ends it
+        repo = self.transport.state()
+        if liveness(repo.extras) != seen:
+            raise HubError(f"{self._where()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
+                           f"it published while {self.node_id!r} watched; only one master may publish. Stop it, or wait "
+                           f"distributed.lease_timeout={lease:g} s after it stopped")
+    return repo
 
 # %% ../../nbs/12c_distributed_outer.ipynb #24d8f318
 @patch
@@ -654,12 +680,14 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     held = {d.path for d in self.state.held}
     listed_paths = [p for p in present if p not in self.state.drop]
     accepted = list(self.state.held)                                # checked in an earlier pass, waiting for their round
-    reached = {}                                                    # (node, session) -> the highest step accepted in this pass
-    for d in accepted: reached[d.node_id, d.session] = max(d.step, reached.get((d.node_id, d.session), -1))
     paths, cache = sorted((p for p in listed_paths if p not in held), key=parse_delta_path), self.dir / "cache"   # in step order
     local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
+    def fetch(path: str) -> HubError | None:                       # the error when that one file cannot be had
+        try: self.transport.fetch(path, local_of[path], revision=repo.revision)
+        except HubUnavailable: raise                                # the repository being unreachable still raises
+        except HubError as e: return e
     with ThreadPoolExecutor(max_workers=4) as pool:                 # downloads overlap; checks stay in order
-        fetched = list(pool.map(lambda p: self._fetch(p, local_of[p], repo.revision), paths))
+        fetched = list(pool.map(fetch, paths))
     self.unfetched &= set(listed_paths)
     for path, problem in zip(paths, fetched):
         if problem is not None:
@@ -669,6 +697,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
         local, header = local_of[path], None
         try:
             tensors, header = load_delta(local)
+            reached = {(a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)}   # highest accepted
             d = check(self.state, self.rules, path, tensors, header, reached)
         except ValueError as e:                                     # DeltaRejected, or an unreadable file
             self._quarantine(path, local, e if isinstance(e, DeltaRejected) else DeltaRejected("unreadable", str(e)), header); continue
@@ -677,26 +706,18 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
             self.state = rejected(self.state, path, "duplicate")
             self._emit("delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step}); continue
         accepted.append(d)
-        reached[d.node_id, d.session] = max(d.step, reached.get((d.node_id, d.session), -1))
     accepted, refused = judge_newcomers(self.state, self.rules, accepted)
     for d, reason, why in refused: self._quarantine(d.path, local_of.get(d.path, cache / "-"), DeltaRejected(reason, f"{d.path}: {why}"), {"session": d.session})
     return accepted, len(listed_paths)
-@patch
-def _fetch(self: MasterOuterLoop, path: str, local: Path, revision: str | None) -> HubError | None:
-    "Fetch one listed delta; the error when that one file cannot be had (the repository being unreachable still raises)."
-    try: self.transport.fetch(path, local, revision=revision)
-    except HubUnavailable: raise
-    except HubError as e: return e
-    return None
+
 @patch
 def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejected, header: Mapping[str, str] | None = None) -> None:
     "Refuse the delta at `path`: its file and reason kept in the quarantine (the newest 20), a warning and a `delta_rejected` event."
     quarantine = self.dir / "quarantine"
-    quarantine.mkdir(parents=True, exist_ok=True)
     name = path.replace("/", "__")
-    if local.exists(): os.replace(local, quarantine / name)
     atomic_write_text(json.dumps({"path": path, "reason": error.reason, "message": str(error), "at": utc_now()}) + "\n",
-                      quarantine / (name + ".json"))
+                      quarantine / (name + ".json"))                # makes the folder too
+    if local.exists(): os.replace(local, quarantine / name)
     for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-40]: old.unlink(missing_ok=True)
     self.state = rejected(self.state, path, error.reason, None if header is None else str(header.get("session", "")))
     node_step = parse_delta_path(path) or (None, None)
@@ -705,23 +726,19 @@ def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejec
 
 # %% ../../nbs/12c_distributed_outer.ipynb #e3ee59cc
 @patch
-def active_nodes(self: MasterOuterLoop, extra: set[str] = frozenset()) -> int:
-    "How many nodes make one outer step: `expected_nodes`, else the nodes folded in recently."
-    return active_nodes(self.state, self.rules, extra)
-@patch
 def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
     "Raise `HubError` unless the repository is at this master's version (or one it published without hearing back)."
     if repo.outer_step == self.state.outer_step and (repo.extras.get("publication") or "") == self.state.publication: return
-    prepared = self._read_local(".next")
-    if prepared is not None and resumed(None, prepared, repo.outer_step, str(repo.extras.get("publication", ""))) is prepared:
+    if (prepared := resumed(None, self._read_local(".next"), repo.outer_step, str(repo.extras.get("publication", "")))) is not None:
         self._promote()
         with self.lock: self.state = on_published(prepared, (), self.clock())
         self._log("warning", f"version {repo.outer_step} was published although no answer came back; continuing from it")
         if self.on_global_update is not None: self.on_global_update(self.state.global_state, self.state.outer_step)
         return
     who = (repo.extras.get("master") or {}).get("node_id")
-    raise HubError(f"{self._describe()} is at version {repo.outer_step} by {who!r}, not this master's "
+    raise HubError(f"{self._where()} is at version {repo.outer_step} by {who!r}, not this master's "
                    f"version {self.state.outer_step}; another master is publishing, so {self.node_id!r} stops")
+
 @patch
 def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     "One round: collect, fold and publish (with `round_wait`, only a full round unless `full_rounds` is False). Returns the outer step."
@@ -741,8 +758,7 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
         if found: self._emit("outer_step", {"outer_step": self.state.outer_step, "deltas_found": found, "deltas_included": 0})
         return self.state.outer_step
     now, before = self.clock(), self.state
-    state, pub, refused = fold(self.state, self.rules, accepted, now, full_rounds)
-    self.state = state
+    self.state, pub, refused = fold(before, self.rules, accepted, now, full_rounds)
     for d, reason, why in refused: self._quarantine(d.path, self.dir / "cache" / "-", DeltaRejected(reason, f"{d.path}: {why}"), {"session": d.session})
     if pub is None: return self.state.outer_step
     self._publish(repo, pub)
@@ -751,6 +767,7 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
                           f"{self.rules.round_wait:g} s for the rest; until the others send again, rounds wait only for {sorted(pub.state.punctual)}")
     self._after_round(pub, found, self._received() - received)
     return self.state.outer_step
+
 @patch
 def _after_round(self: MasterOuterLoop, pub: Publication, found: int, received: int) -> None:
     version = self.state.outer_step
@@ -771,10 +788,12 @@ def start(self: MasterOuterLoop) -> None:
     self._stop.clear()
     self._thread = threading.Thread(target=self._run, name="speedtronic-diloco-master", daemon=True)
     self._thread.start()
+
 @patch
 def wake(self: MasterOuterLoop) -> None:
     "Look at the repository now rather than at the next poll (the master's own node has just sent a delta)."
     self._wake.set()
+
 @patch
 def _run(self: MasterOuterLoop) -> None:
     while not self._stop.is_set():
@@ -787,6 +806,7 @@ def _run(self: MasterOuterLoop) -> None:
             self._log("error", f"master outer loop stopped: {type(e).__name__}: {e}")
             return
         if self.state.outer_step == before: self._wake.wait(min(self.poll_interval, 0.25) if self.state.held else self.poll_interval)
+
 @patch
 def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
     "Stop the loop thread (waits for a running round up to `timeout`, default `max(1, min(poll_interval, 10))` s)."
@@ -794,6 +814,7 @@ def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
     if self._thread is not None:
         self._thread.join(max(1.0, min(self.poll_interval, 10.0)) if timeout is None else timeout)
         if self._thread.is_alive(): self._log("warning", "the master outer loop is still finishing a repository call")
+
 @patch
 def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: float | None = None,
            stop: threading.Event | None = None, # set (e.g. by SIGTERM): end the wait at once
@@ -801,32 +822,34 @@ def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: flo
     "The final round: fold deltas until every active node's last one is in (or `timeout`, or `stop`); returns the final version."
     self.stop(timeout=max(timeout, 30.0))
     deadline, interval = time.monotonic() + timeout, min(self.poll_interval, 2.0) if interval is None else interval
-    told = False
+    told = False                                                    # the wait is said once
     while True:
         before = self.state.outer_step
         try: self.sync_once(full_rounds=False)                      # the last deltas: folded as they come
         except HubUnavailable as e: self._log("warning", f"final round postponed: {e}")
         missing, enough = still_waiting(self.state, self.rules, final_step, self.node_id)
         if (not missing and enough) or time.monotonic() >= deadline or (stop is not None and stop.is_set()): break
-        if not told: self._log("info", f"final round: waiting up to {timeout:g} s for the last deltas of "
-                                       f"{sorted(missing) or 'the expected nodes'}")
-        told = True
+        if not told: told = self._log("info", f"final round: waiting up to {timeout:g} s for the last deltas of "
+                                              f"{sorted(missing) or 'the expected nodes'}") or True
         if self.state.outer_step == before: (stop.wait if stop is not None else time.sleep)(interval)  # after a new version, look again at once
     if stop is not None and stop.is_set(): return self.state.outer_step
     if missing or not enough:
         self._log("warning", f"final round: no last delta from {sorted(missing) or 'some of the expected nodes'} within "
                              f"distributed.final_round_timeout={timeout:g} s; their last steps are not in the final global model")
     return self.state.outer_step
+
 @patch
 def snapshot(self: MasterOuterLoop) -> tuple[int, dict[str, torch.Tensor]]:
     "`(outer_step, a copy of the global state)`."
     state = self.state                                              # one immutable value: no lock needed to read it
     return state.outer_step, {k: v.clone() for k, v in state.global_state.items()}
+
 @patch
 def state_dict(self: MasterOuterLoop) -> dict[str, Any]:
     "The master's state record for a checkpoint: its info, and its tensors under `tensors`."
     with self.lock: info, tensors = state_record(self.state)
     return {**info, "tensors": {k: v.clone() for k, v in tensors.items()}}
+
 @patch
 def load_state_dict(self: MasterOuterLoop, state: Mapping[str, Any]) -> None:
     "Use a checkpoint's outer state (this format or 2.0's) when the state directory has none (it is reconciled with the repository at start)."

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -153,8 +153,7 @@ class GlobalMetadata:
         return cls(int(data.get("outer_step", data.get("step", 0))), str(data.get("updated_at", "")),
                    str(data.get("model_file") or GLOBAL_MODEL_PATH))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"outer_step": self.outer_step, "updated_at": self.updated_at, "model_file": self.model_file}
+    def to_dict(self) -> dict[str, Any]: return asdict(self)
 
 def utc_now() -> str:
     "The current UTC time as ISO-8601 with offset, as `updated_at` stores it."
@@ -180,13 +179,10 @@ def compute_pseudo_gradient(baseline: Mapping[str, torch.Tensor], current: Mappi
     missing, extra = sorted(set(baseline) - set(current)), sorted(set(current) - set(baseline))
     if missing or extra:
         raise ValueError(f"baseline and model differ: missing in the model {missing[:5]}, not in the baseline {extra[:5]}")
-    out = {}
-    for k, b in floating_state(baseline).items():
-        c = current[k]
-        if tuple(b.shape) != tuple(c.shape):
-            raise ValueError(f"{k}: baseline shape {tuple(b.shape)} differs from the model's {tuple(c.shape)}")
-        out[k] = b.detach().float().cpu() - c.detach().float().cpu()
-    return out
+    floats = floating_state(baseline)
+    if (k := next((k for k, b in floats.items() if tuple(b.shape) != tuple(current[k].shape)), None)) is not None:
+        raise ValueError(f"{k}: baseline shape {tuple(floats[k].shape)} differs from the model's {tuple(current[k].shape)}")
+    return {k: b.detach().float().cpu() - current[k].detach().float().cpu() for k, b in floats.items()}
 
 # %% ../../nbs/12_distributed_tensors.ipynb #e39d7d0d
 DELTA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -261,7 +257,6 @@ def _header_int(header: Mapping[str, str], key: str, path: str, default: int | N
     except (TypeError, ValueError):
         raise DeltaRejected("header", f"{path}: header {key}={header[key]!r} is not an integer") from None
 
-# %% ../../nbs/12_distributed_tensors.ipynb #e4531630
 def check_delta(path: str, tensors: Mapping[str, torch.Tensor], header: Mapping[str, str],
                 shapes: Mapping[str, tuple[int, ...]]) -> CheckedDelta:
     "Validate delta `tensors`/`header` found at repository `path` against the global floating `shapes`."
@@ -303,14 +298,12 @@ def average_deltas(deltas: list[Mapping[str, torch.Tensor]], weights: list[float
     weights = [1.0] * len(deltas) if weights is None else [float(w) for w in weights]
     if len(weights) != len(deltas) or sum(weights) <= 0 or min(weights) < 0:
         raise ValueError(f"average_deltas needs one non-negative weight per delta with a positive sum, got {weights}")
-    keys, total = set(deltas[0]), sum(weights)
-    out = {}
-    for i, (d, w) in enumerate(zip(deltas, weights)):
-        if set(d) != keys: raise ValueError(f"delta {i} has different keys from delta 0")
-        for k, v in d.items():
-            if k in out and out[k].shape != v.shape: raise ValueError(f"delta {i}: {k} has shape {tuple(v.shape)}, delta 0 {tuple(out[k].shape)}")
-            out[k] = out[k] + v.float() * (w / total) if k in out else v.float() * (w / total)
-    return out
+    first, total = deltas[0], sum(weights)
+    for i, d in enumerate(deltas):
+        if set(d) != set(first): raise ValueError(f"delta {i} has different keys from delta 0")
+        if (k := next((k for k, v in d.items() if v.shape != first[k].shape), None)) is not None:
+            raise ValueError(f"delta {i}: {k} has shape {tuple(d[k].shape)}, delta 0 {tuple(first[k].shape)}")
+    return {k: sum(d[k].float() * (w / total) for d, w in zip(deltas, weights)) for k in first}
 
 def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
     "The L2 norm of all tensors of `delta` together."

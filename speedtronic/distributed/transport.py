@@ -21,12 +21,12 @@ from fastcore.basics import patch
 
 from ..errors import ExpectedError
 from .tensors import (GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, GlobalMetadata, parse_delta_path,
-                                             parse_step_count)
+                                             parse_step_count, read_metadata)
 from ..files import TEMP_NAME, atomic_write
 
 # %% auto #0
 __all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavailable', 'PublishConflict', 'RepoMissing',
-           'RetryPolicy', 'RepoState', 'TransferCounts', 'SharedDirectory']
+           'RetryPolicy', 'RepoState', 'TransferCounts', 'describe_repository', 'SharedDirectory']
 
 # %% ../../nbs/12a_distributed_transport.ipynb #358d078b
 class HubError(ExpectedError, RuntimeError):
@@ -95,6 +95,11 @@ class TransferCounts:
     bytes_sent: int = 0
     bytes_received: int = 0
     commits: int = 0
+
+def describe_repository(transport: Any) -> str:
+    "The repository in words: `transport.describe()`, or its `repo_id` for a transport without one (written for 2.0)."
+    describe = getattr(transport, "describe", None)
+    return describe() if callable(describe) else f"repository {getattr(transport, 'repo_id', type(transport).__name__)}"
 
 # %% ../../nbs/12a_distributed_transport.ipynb #affea04e
 _STALE_TEMP_S = 3600.0  # a temp file this old was left by a killed writer
@@ -178,10 +183,8 @@ def _refuse(self: SharedDirectory, path: str, why: str) -> None:
     self.refused.add(path)
     self.warn(f"{self.describe()}: refusing {path}: {why} (it may point outside the repository); delete it")
 
-# %% ../../nbs/12a_distributed_transport.ipynb #fb617776
 def _weights_version(path: Path) -> int | None:
     "The `outer_step` a global weights file carries in its header, None when it has none (a 2.0 file)."
-    from speedtronic.distributed.tensors import read_metadata
     value = read_metadata(path).get("outer_step")
     return None if value is None else int(value)
 
