@@ -595,7 +595,8 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
 def _unfolded(self: DumbDiLoCoCoordinator, why: str) -> HubError:
     "The error of a node whose training never reached the global model."
     return HubError(f"none of the training of node {self.node_id!r} reached the global model in {self._where()}: {why} "
-                    "(see the warnings above); its trained weights are only in its own checkpoint")
+                    "(see the warnings above); its trained weights are only in its own checkpoint. A master ends once the nodes "
+                    "it has heard from are done: set distributed.expected_nodes so that it waits for every node")
 
 @patch
 def _await_own_fold(self: DumbDiLoCoCoordinator, timeout: float) -> None:
