@@ -10,7 +10,9 @@ A 2-rank master under `parallel.strategy: fsdp` next to a one-process worker tra
 
 The checkpoints fall on round boundaries, where the inner optimizer was just reset: a sharded save must leave it
 fresh (`get_state_dict` gives an empty optimizer a state of one zero step), and a resume from such a save starts
-it fresh too; a tiny sync scheme that resets every 4 steps shows both without DiLoCo.
+it fresh too; a tiny sync scheme that resets every 4 steps shows both without DiLoCo, and a master alone,
+stopped after round 2 and resumed (rank 0's coordinator gets its checkpointed state back), ends on the global the
+same ddp node ends on.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import os, sys, torch, yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from speedtronic.runtime import build_runtime, close_logger
 from speedtronic.parallel import end_process
-trainer, _ = build_runtime(yaml.safe_load(open(sys.argv[1])), device="cpu")
+trainer, _ = build_runtime(yaml.safe_load(open(sys.argv[1])), device="cpu", resume=sys.argv[3:] == ["resume"])
 try: trainer.fit()
 finally: close_logger(trainer.logger); trainer.run_claim.release()
 model, world = trainer.model, trainer.world
@@ -42,12 +44,12 @@ end_process(0)
 """
 
 
-def node(tmp: Path, name: str, role: str, index: int, micro: int, **sections) -> Path:
-    return write_config(tmp, name, micro=micro, steps=STEPS, every=10, model={"n_layer": 2},
+def node(tmp: Path, name: str, role: str, index: int, micro: int, steps: int = STEPS, nodes: int = 2, **sections) -> Path:
+    return write_config(tmp, name, micro=micro, steps=steps, every=10, model={"n_layer": 2},
                         data={"synthetic": True, "num_tokens": 400, "target_batch_size": 4}, logging={"every_steps": 5},
                         distributed={"enabled": True, "role": role, "node_id": name, "transport": "directory",
-                                     "repo_id": str(tmp / "repo"), "inner_steps": ROUND, "poll_interval": 0.2, "shard_count": 2,
-                                     "shard_index": index, "expected_nodes": 2, "final_round_timeout": 120,
+                                     "repo_id": str(tmp / "repo"), "inner_steps": ROUND, "poll_interval": 0.2, "shard_count": nodes,
+                                     "shard_index": index, "expected_nodes": nodes, "final_round_timeout": 120,
                                      "boundary_wait": 60, "delta_dtype": "float32"}, **sections)
 
 
@@ -147,3 +149,34 @@ def test_a_reset_optimizer_stays_fresh_through_a_sharded_checkpoint(tmp_path):
     assert (tmp_path / "again" / "checkpoints" / f"step_{4:012d}.dcp").is_dir()
     resumed = losses_by_step(resetting_job(tmp_path, "again", "fsdp", 8, resume=True))
     for step in range(5, 9): assert resumed[step][-1] == pytest.approx(fsdp[step][0], rel=1e-6, abs=0), step
+
+
+def alone(tmp: Path, strategy: str, steps: int, resume: bool = False) -> None:
+    "A master with no other node (each round its own delta), `steps` steps of a schedule 20 long, as a 2-rank `strategy` job."
+    cfg = node(tmp, "master", "master", 0, micro=2, steps=steps, nodes=1, parallel={"strategy": strategy},
+               scheduler={"max_steps": STEPS})
+    (tmp / "driver.py").write_text(DRIVER)
+    finish(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",
+                             str(free_port()), str(tmp / "driver.py"), str(cfg), str(tmp), *(["resume"] if resume else [])],
+                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), timeout=180)
+
+
+def resumed_alone(tmp: Path, strategy: str) -> dict:
+    "The master alone, stopped at step 10 (a boundary: its inner optimizer just reset) and resumed to 20; its final global."
+    from speedtronic.distributed.tensors import GLOBAL_MODEL_PATH, load_safetensors
+    tmp.mkdir()
+    alone(tmp, strategy, 10)
+    assert max(r["step"] for r in jsonl_records(tmp / "master.jsonl")) == 10
+    alone(tmp, strategy, STEPS, resume=True)
+    assert jsonl_records(tmp / "master.jsonl", "train_start")[-1]["start_step"] == 10     # it resumed
+    folded = [tuple(x) for e in jsonl_records(tmp / "master.jsonl", "outer_step") for x in e.get("folded", [])]
+    assert [s for _, s in folded] == [5, 10, 15, 20], folded
+    final = load_safetensors(tmp / "repo" / GLOBAL_MODEL_PATH)
+    for rank in (0, 1): assert all(torch.equal(torch.load(tmp / f"rank{rank}.pt")[k], v) for k, v in final.items()), rank
+    return final
+
+
+def test_a_resumed_fsdp_node_goes_on_as_a_ddp_one(tmp_path):
+    "Rank 0's coordinator gets its checkpointed state back, folds rounds 3 and 4, and ends where the ddp node ends."
+    fsdp, ddp = resumed_alone(tmp_path / "fsdp", "fsdp"), resumed_alone(tmp_path / "ddp", "ddp")
+    for key, tensor in ddp.items(): torch.testing.assert_close(fsdp[key], tensor, rtol=0, atol=1e-6, msg=key)
