@@ -151,9 +151,9 @@ def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any,
     if not config.distributed.enabled: return None
     if problem := distributed_problem(config): raise ConfigError(problem)
     from speedtronic.distributed import DumbDiLoCoCoordinator
-    build = lambda: DumbDiLoCoCoordinator(config.distributed, model, state_dir=run_paths(config).state_dir, logger=logger)
-    if world is None or world.size == 1: return build()
-    return GroupCoordinator(world.on_writer(build), world, model)  # the node is the job: rank 0 runs it, every rank follows
+    build = lambda module: DumbDiLoCoCoordinator(config.distributed, module, state_dir=run_paths(config).state_dir, logger=logger)
+    if world is None or world.size == 1: return build(model)
+    return GroupCoordinator.build(build, world, model)  # the node is the job: rank 0 runs it (on a whole copy under fsdp), every rank follows
 
 # %% ../nbs/13_runtime.ipynb #5dd65696
 @dataclass

@@ -428,8 +428,10 @@ def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
 def _save_sharded(self: Trainer, boundary: dict) -> Any:
     "`parallel.strategy: fsdp`: every rank writes its shards of the model and optimizer, rank 0 the rest (a `step_<N>.dcp` folder)."
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    fresh = not self.optimizer.state  # get_state_dict gives an empty optimizer a state (a step of zero gradients), which
     weights, moments = get_state_dict(self.model, self.optimizer)
-    plain = self.checkpoint_state(boundary, tensors=False) if self.world.writes else {}
+    if fresh: self.optimizer.state.clear()  # must not change training: a reset inner optimizer stays fresh, here and on resume
+    plain = {**self.checkpoint_state(boundary, tensors=False), **({"optimizer_fresh": True} if fresh else {})} if self.world.writes else {}
     return self.checkpoint_manager.save_sharded(self.step, {"model": weights, "optimizer": moments}, plain, self.world)
 
 # %% ../nbs/11_trainer.ipynb #4e730724
@@ -489,6 +491,7 @@ def resume(self: Trainer, state: Mapping[str, Any] | str | os.PathLike,  # a che
         note = load_optimizer_state(self.optimizer, state["optimizer"], self.model,  # settings: the config comparison above says
                                     report_settings=not isinstance(state.get("config"), Mapping))
         if note: self.logger.warning("resume: %s", note)
+    if state.get("optimizer_fresh"): self.optimizer.state.clear()   # saved fresh (see `_save_sharded`): resumed fresh
     if self.scheduler is not None and state.get("scheduler") is not None: load_scheduler_state(self.scheduler, state["scheduler"])
     if applied: self._apply_changed_settings(applied)
     self.step, self.samples = int(state.get("step", 0)), int(state.get("samples", 0))
