@@ -33,7 +33,7 @@ from .precision import resolve_device
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'World', 'world_from_env', 'accumulation_per_rank',
            'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process', 'PeerLost', 'peer_lost',
            'watch_peers', 'block_modules', 'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide', 'raised_together',
-           'merge_boundaries', 'saved_world_size', 'derived_rng', 'GroupCoordinator']
+           'merge_boundaries', 'saved_world_size', 'derived_rng', 'GroupCoordinator', 'StateReplica']
 
 # %% ../nbs/10p_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -369,8 +369,6 @@ def fsdp_problems(config: SpeedtronicConfig, precision: Any = None) -> list[str]
     if config.eval.sample_prompts:
         out.append("eval.sample_prompts: samples are written by rank 0 alone, and under parallel.strategy: fsdp every forward needs "
                    "every rank; leave eval.sample_prompts empty with fsdp (speedtronic generate reads its checkpoints), or use ddp")
-    if config.distributed.enabled:
-        out.append("parallel.strategy: fsdp is not available to a DiLoCo node (distributed.enabled); set parallel.strategy: ddp")
     return out
 
 def fsdp_options(parallel: Any, precision: Any, device: torch.device) -> dict:
@@ -585,25 +583,47 @@ def share_weights(self: World, module: nn.Module) -> None:
 # %% ../nbs/10p_parallel.ipynb #c0732a16
 class GroupCoordinator:
     "A DiLoCo node that is a torchrun job: `inner` (built on rank 0 only, `None` elsewhere) runs there; its weights reach every rank."
-    def __init__(self, inner: Any, world: World, model: nn.Module):
-        self.inner, self.world, self.model = inner, world, model  # `model`: the unwrapped module, not DDP
+    def __init__(self, inner: Any, world: World, model: nn.Module, replica: nn.Module | None = None, round_steps: int | None = None):
+        self.inner, self.world, self.model = inner, world, model  # `model`: the unwrapped module, not DDP (the sharded one under fsdp)
+        self.replica, self.round_steps = replica, round_steps  # fsdp: rank 0's whole copy `inner` works on; the round, on every rank
+        if self.sharded and inner is not None and replica is None:
+            raise ConfigError("under parallel.strategy: fsdp a DiLoCo node's coordinator works on a whole copy of the model: "
+                              "build it with GroupCoordinator.build(build, world, model)")
 
-    def _then_share(self, fn: Callable[[], Any], always: bool = False) -> Any:
-        "Rank 0's `fn()` → (answer, changed) on every rank; the weights broadcast when they changed."
+    @classmethod
+    def build(cls, build: Callable[[nn.Module], Any], world: World, model: nn.Module) -> GroupCoordinator:
+        "`build(module)` on rank 0 (`model`, or under fsdp a `StateReplica` of its gathered weights), wrapped for the job."
+        if world.backend is None or not world.fsdp: return cls(world.on_writer(lambda: build(model)), world, model)
+        whole = world.gather_whole(model)
+        replica = StateReplica(whole) if world.writes else None
+        inner = world.on_writer(lambda: build(replica))
+        return cls(inner, world, model, replica, world.share(getattr(inner, "inner_steps", None)))
+
+    @property
+    def sharded(self) -> bool: return self.world.backend is not None and self.world.fsdp
+
+    def _then_share(self, fn: Callable[[nn.Module], Any], model: nn.Module, always: bool = False) -> Any:
+        "Rank 0's `fn(module)` → (answer, changed) on every rank; the weights reach every rank when they changed."
+        if self.sharded:
+            whole = self.world.gather_whole(self.model)                 # every rank takes part; rank 0 holds the result
+            if self.replica is not None: self.replica.hold(whole)
+        module = self.replica if self.sharded else model
         def run():
             before = getattr(self.inner, "installs", None)
-            answer = fn()
+            answer = fn(module)
             return answer, always or before is None or getattr(self.inner, "installs", None) != before
         answer, changed = self.world.from_writer(run)
-        if changed: self.world.share_weights(self.model)
+        if changed and self.sharded: self.world.scatter_whole(self.model, self.replica.state_dict() if self.replica is not None else None)
+        elif changed: self.world.share_weights(self.model)
         return answer
 
-    def start(self) -> None: self._then_share(lambda: self.inner.start(), always=True)
+    def start(self) -> None: self._then_share(lambda m: self.inner.start(), self.model, always=True)
     def after_optimizer_step(self, model: nn.Module, step: int) -> bool:
-        return bool(self._then_share(lambda: self.inner.after_optimizer_step(model, step)))
+        if self.sharded and self.round_steps and step % self.round_steps: return False  # fsdp: weights meet the coordinator at boundaries
+        return bool(self._then_share(lambda m: self.inner.after_optimizer_step(m, step), model))
     def finish(self, model: nn.Module, step: int) -> None:
         finish = getattr(self.inner, "finish", None)
-        self._then_share(lambda: finish(model, step) if callable(finish) else None, always=True)
+        self._then_share(lambda m: finish(m, step) if callable(finish) else None, model, always=True)
     def stop(self) -> None:  # no collective: a rank may stop while the others are failing
         if self.inner is not None: self.inner.stop()
     def state_dict(self) -> dict | None: return self.inner.state_dict() if self.inner is not None else None
@@ -614,6 +634,52 @@ class GroupCoordinator:
         prepare = getattr(self.inner, "prepare_state", None)
         if callable(prepare): prepare(state)
         else: self.load_state_dict(state)
+
+# %% ../nbs/10p_parallel.ipynb #ae828bb8
+class StateReplica(nn.Module):
+    "A plain CPU module whose state dict has a whole model's keys and tensors: what rank 0's DiLoCo coordinator works on under fsdp."
+    def __init__(self, state: Mapping[str, torch.Tensor]):
+        super().__init__()
+        for key, tensor in state.items():
+            owner, name = self._owner(key, create=True)
+            owner.register_buffer(name, tensor)
+
+    def _owner(self, key: str, create: bool = False) -> tuple[nn.Module, str]:
+        "The submodule holding `key`'s tensor, and the tensor's name in it."
+        *path, name = key.split(".")
+        owner = self
+        for part in path:
+            if part not in owner._modules and create: owner.add_module(part, nn.Module())
+            owner = owner._modules[part]
+        return owner, name
+
+    def hold(self, state: Mapping[str, torch.Tensor]) -> None:
+        "Take `state`'s tensors as the replica's own (no copy); it must have the replica's keys."
+        if (got := set(state)) != (want := set(self.state_dict())):
+            raise ValueError(f"the gathered state does not fit the replica: missing {sorted(want - got)[:4]}, extra {sorted(got - want)[:4]}")
+        for key, tensor in state.items():
+            owner, name = self._owner(key)
+            setattr(owner, name, tensor)
+
+# %% ../nbs/10p_parallel.ipynb #33cd4b48
+@patch
+@watch_peers
+def gather_whole(self: World, model: nn.Module) -> dict[str, torch.Tensor]:
+    "Every rank: the whole state of sharded `model`, in rank 0's CPU memory (`{}` on the other ranks); a CPU copy of a plain model's."
+    if self.backend is None or not self.fsdp: return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+@patch
+@watch_peers
+def scatter_whole(self: World, model: nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:
+    "Every rank: rank 0's whole `state` loaded into `model` (into each rank's shards under fsdp); `state` is not read elsewhere."
+    if self.backend is None or not self.fsdp:
+        with torch.no_grad(): model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(state) if self.writes else {}, options=options)  # it replaces the entries of the dict it gets
 
 # %% ../nbs/10p_parallel.ipynb #eb67230c
 def __dir__() -> list[str]: return list(__all__)
