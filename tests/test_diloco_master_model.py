@@ -13,7 +13,7 @@ deltas its ledger names, recomputed here independently (outer lr 1, momentum 0, 
 the initial one minus the sum of those deltas over two); a whole round that did not time out holds every node it waits
 for; the repository holds nothing the master has decided on but not yet deleted.
 
-Examples: `SPEEDTRONIC_MODEL_EXAMPLES` (default 150, a few seconds; e.g. 3000 for a long run)."""
+Examples: `SPEEDTRONIC_MODEL_EXAMPLES` (default 2000, seconds; e.g. 20000 for a long run)."""
 from __future__ import annotations
 
 import os
@@ -30,7 +30,7 @@ from speedtronic.distributed.outer import (Ledger, MasterRules, adopted, bootstr
                                            wait_ran_out)
 from speedtronic.distributed.tensors import DeltaRejected, parse_delta_path
 
-EXAMPLES = int(os.environ.get("SPEEDTRONIC_MODEL_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("SPEEDTRONIC_MODEL_EXAMPLES", "2000"))
 RULES = MasterRules(round_steps=10, lr=1.0, momentum=0.0, expected_nodes=2, round_wait=5.0, lease_timeout=60.0)
 INIT = {"w": torch.ones(3)}
 HONEST = ("a", "b")

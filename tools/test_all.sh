@@ -59,7 +59,7 @@ echo "== pytest"
 report=$(mktemp -d)
 trap 'rm -rf "$report"' EXIT
 rc=0
-python -m pytest -q -p no:cacheprovider -rs --junitxml="$report/junit.xml" tests || rc=$?
+python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/junit.xml" tests || rc=$?
 
 echo "== not run"
 if [ -f "$report/junit.xml" ]; then skipped "$report/junit.xml"; else echo "pytest: wrote no report (exit $rc)"; fi
