@@ -27,6 +27,10 @@ def tiny_config(tmp: Path, name: str = "cfg.yaml", *, max_steps: int = 4, every_
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
+# The tests press Ctrl-C in their children: a suite started in the background, where the shell ignores SIGINT,
+# must not hand that on (a child that inherits SIG_IGN never raises KeyboardInterrupt).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN: signal.signal(signal.SIGINT, signal.default_int_handler)
+
 def cli_env(**extra: str) -> dict:
     "The environment of a `speedtronic` subprocess: this checkout importable, one thread, and `extra`."
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
