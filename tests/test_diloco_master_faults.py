@@ -315,14 +315,19 @@ def test_tied_weights_travel_once_and_every_reader_gets_every_key(tmp_path):
     fresh = _tied_model(); fresh.load_state_dict(state)
 
 
-@pytest.mark.skipif(not (V2 / "diloco-repo").is_dir(), reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here")
-def test_a_2_0_repository_is_read_and_its_deltas_are_folded(tmp_path):
+def v2_repo(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    "A writable copy of 2.0's DiLoCo repository fixture, and a fresh model of its shape."
     repo = tmp_path / "repo"
     shutil.copytree(V2 / "diloco-repo", repo)
     for p in [repo, *repo.rglob("*")]: p.chmod(0o755 if p.is_dir() else 0o644)
     cfg = SpeedtronicConfig.from_dict({"model": {"vocab_size": 256, "max_seq_len": 64, "n_layer": 2, "d_model": 64,
                                                  "n_head": 4, "n_kv_head": 2}})
-    model = build_model(cfg.model)
+    return repo, build_model(cfg.model)
+
+
+@pytest.mark.skipif(not (V2 / "diloco-repo").is_dir(), reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here")
+def test_a_2_0_repository_is_read_and_its_deltas_are_folded(tmp_path):
+    repo, model = v2_repo(tmp_path)
     model.load_state_dict(load_safetensors(repo / GLOBAL_MODEL_PATH))        # 2.0's global: every key, as 2.0 wrote it
     for node in ("master", "worker1", "worker2"):
         tensors, header = load_delta(repo / "nodes" / node / "delta_200.safetensors")
@@ -412,12 +417,7 @@ def test_a_master_works_on_a_transport_of_2_0s_contract(tmp_path):
 @pytest.mark.skipif(not (V2 / "diloco-repo").is_dir(), reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here")
 def test_a_2_0_checkpoints_outer_state_is_continued_and_its_processed_deltas_are_not_folded_again(tmp_path):
     "2.0's checkpoint shape (processed_deltas as [node, step, base] triples, momentum, global_state) comes in through the translator."
-    repo = tmp_path / "repo"
-    shutil.copytree(V2 / "diloco-repo", repo)
-    for p in [repo, *repo.rglob("*")]: p.chmod(0o755 if p.is_dir() else 0o644)
-    cfg = SpeedtronicConfig.from_dict({"model": {"vocab_size": 256, "max_seq_len": 64, "n_layer": 2, "d_model": 64,
-                                                 "n_head": 4, "n_kv_head": 2}})
-    model = build_model(cfg.model)
+    repo, model = v2_repo(tmp_path)
     v2_global = load_safetensors(repo / GLOBAL_MODEL_PATH)
     momentum = {k: torch.full(v.shape, 1e-4) for k, v in floating_state(v2_global).items()}
     checkpoint = {"outer_step": 4, "processed_deltas": [[n, 200, 3] for n in ("master", "worker1", "worker2")],

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import ROOT, free_port, jsonl_records
-from test_parallel import NAN_MODEL, env, finish, losses_by_step, one_process, rank_pid, refused, token_file, torchrun, wait_for_step, write_config
+from test_parallel import NAN_MODEL, env, finish, losses_by_step, one_process, rank_pid, refused, stop_at_step, token_file, torchrun, wait_for_step, write_config
 from speedtronic.checkpoint import consolidate_checkpoint, load_checkpoint, load_sharded
 
 STEPS = 8
@@ -118,11 +118,7 @@ def test_sigterm_saves_once_then_resume(fsdp_run, tmp_path):
     "SIGTERM to the job: every rank stops after the same step, which the job saves once (a folder); --resume reproduces the run."
     cfg = write_config(tmp_path, "fsdp", micro=4, data=DATA, steps=STEPS, every=100, model=MODEL, parallel=FSDP)
     job = torchrun(cfg)
-    wait_for_step(job, tmp_path / "fsdp.jsonl", 3)
-    job.send_signal(signal.SIGTERM)
-    try: job.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        job.kill(); pytest.fail("the job did not stop after SIGTERM")
+    stop_at_step(job, tmp_path / "fsdp.jsonl", 3)
     saves = jsonl_records(tmp_path / "fsdp.jsonl", "checkpoint")
     last = max(r["step"] for r in jsonl_records(tmp_path / "fsdp.jsonl"))
     assert [s["step"] for s in saves] == [last] and last < STEPS, saves

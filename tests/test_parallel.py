@@ -110,6 +110,15 @@ def wait_for_step(proc: subprocess.Popen, jsonl: Path, step: int, timeout: float
     pytest.fail(f"step {step} never appeared in {jsonl}")
 
 
+def stop_at_step(job: subprocess.Popen, jsonl: Path, step: int) -> None:
+    "SIGTERM to `job` once `step` is in `jsonl`; the test fails unless the job then ends within 120 s."
+    wait_for_step(job, jsonl, step)
+    job.send_signal(signal.SIGTERM)
+    try: job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        job.kill(); pytest.fail("the job did not stop after SIGTERM")
+
+
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
     "The pid of the worker process torchrun started for `rank` (a direct child of the launcher)."
     for _ in range(200):
@@ -206,11 +215,7 @@ def test_sigterm_saves_once_then_resume(token_runs):
     tmp, data, ref_losses, ref_model = token_runs
     cfg = write_config(tmp, "stopped", micro=4, data=data, steps=TOKEN_STEPS, every=100)
     job = torchrun(cfg)
-    wait_for_step(job, tmp / "stopped.jsonl", 5)
-    job.send_signal(signal.SIGTERM)
-    try: job.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        job.kill(); pytest.fail("the job did not stop after SIGTERM")
+    stop_at_step(job, tmp / "stopped.jsonl", 5)
     saves = records(tmp / "stopped.jsonl", "checkpoint")
     assert len(saves) == 1, saves                                         # once, by rank 0
     last = max(r["step"] for r in records(tmp / "stopped.jsonl"))
