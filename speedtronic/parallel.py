@@ -14,7 +14,6 @@ import socket
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -149,13 +148,6 @@ def _within(fn: Callable[[], Any], seconds: float, what: str) -> bool:
     print(f"speedtronic: {what} did not finish within {seconds:g} s; ending without waiting for it", file=sys.stderr, flush=True)
     return False
 
-_SYNCED: weakref.WeakSet = weakref.WeakSet()  # this process's DDP wrappers (`World.wrap`)
-
-def _release_reducers() -> None:
-    "Drop every DDP wrapper's reducer while the process group still holds its gloo backend (see below)."
-    for synced in list(_SYNCED):
-        for name in ("logger", "reducer"): synced.__dict__.pop(name, None)
-
 # %% ../nbs/10p_parallel.ipynb #0a656e0b
 _NOTICE_AFTER_S = 3.0  # a rendezvous that takes longer than this is said once
 _JOB_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -232,7 +224,6 @@ def close(self: World, failed: bool = False,
     if meet:  # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a collective
         try: dist.barrier(group=control)
         except Exception: meet = False
-    _release_reducers()
     if meet or backend == "gloo":
         _LEFT_GROUPS.extend([dist.group.WORLD, control])
         _within(dist.destroy_process_group, TEARDOWN_S, "leaving the process group")
@@ -325,9 +316,7 @@ def wrap(self: World, model: nn.Module) -> nn.Module:
     if self.fsdp: return _sharded(model)
     from torch.nn.parallel import DistributedDataParallel
     model.to(self.device)
-    synced = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-    _SYNCED.add(synced)  # `close` frees its reducer before the group
-    return synced
+    return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
 @patch
 def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
