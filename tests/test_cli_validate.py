@@ -236,7 +236,6 @@ def test_a_warmup_as_long_as_the_schedule_is_accepted(tmp_path):
 
 
 def test_deep_validation_uses_the_runtime(tmp_path):
-    if not (ROOT / "speedtronic" / "runtime.py").exists(): pytest.skip("speedtronic.runtime is not written yet")
     ok = cli("validate", "--config", str(ROOT / "configs" / "smoke.yaml"), "--deep", "--device", "cpu")
     assert (ok.returncode, ok.stderr) == (0, ""), ok.stderr
     missing = write(tmp_path, "missing.yaml", f"data: {{text_path: {tmp_path / 'nowhere.txt'}}}\n")

@@ -111,11 +111,11 @@ def test_text_holdout_end_to_end(tmp_path):
 
 def test_eval_records_reach_the_live_chart_and_the_terminal():
     "The notebook chart gets the held-out loss as an `eval` point; a terminal shows one short `eval` line."
-    widgets = pytest.importorskip("speedtronic.widgets")
+    pytest.importorskip("ipywidgets"); pytest.importorskip("matplotlib")     # the `widgets` extra, not our module
+    from speedtronic import widgets
     record = {"step": 10, "val_loss": 2.5, "val_ppl": math.exp(2.5), "val_bpb": 2.5 / math.log(2), "val_tokens": 4096,
               "val_batches": 8, "eval_s": 0.25}
-    try: view = widgets.TrainingView()
-    except ImportError as e: pytest.skip(f"the notebook view needs its extra: {e}")
+    view = widgets.TrainingView()
     bar = ProgressBar(enabled=True, notebook=True)
     bar.view = view
     bar.on_event("eval", record)

@@ -76,9 +76,9 @@ def test_a_sample_with_newlines_stays_one_log_line(tmp_path):
 
 def test_the_notebook_view_shows_the_newest_sample():
     "A `sample` event reaches the live notebook view: the newest text under the chart, prompt in bold."
-    widgets = pytest.importorskip("speedtronic.widgets")
-    try: view = widgets.TrainingView()
-    except ImportError as e: pytest.skip(f"the notebook view needs its extra: {e}")
+    pytest.importorskip("ipywidgets"); pytest.importorskip("matplotlib")     # the `widgets` extra, not our module
+    from speedtronic import widgets
+    view = widgets.TrainingView()
     bar = ProgressBar(enabled=True, notebook=True)
     bar.view = view
     for step, text in ((10, "cat"), (20, "dog & co")):
