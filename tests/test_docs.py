@@ -127,6 +127,33 @@ def test_navigation_is_a_guide_a_reference_and_the_internals(site):
     every = _titles(nav)
     assert len(every) == len(set(every)) == len(list((ROOT / 'nbs').glob('*.ipynb'))) + 1, every   # each page once
 
+def _sidebar_tree(items, page) -> list:
+    "Quarto's sidebar contents as nested (section, [page, ...]) lists, each notebook as the site page `page` names."
+    return [page(Path(i).stem) if isinstance(i, str) else (i['section'], _sidebar_tree(i['contents'], page)) for i in items]
+
+def _nav_tree(items) -> list:
+    "MkDocs' nav in the same shape: a page as its file's stem, a section as (title, [...])."
+    return [Path(v).stem if isinstance(v, str) else (k, _nav_tree(v)) for i in items for k, v in i.items()]
+
+def test_quarto_sidebar_is_written_from_the_same_grouping(site):
+    "nbs/sidebar.yml (what `nbdev_docs` renders with Quarto) has the site's sections and pages in the site's order."
+    import yaml
+    names = build_docs.page_names(ROOT / '_proc')                         # notebook stem -> page, as the site names it
+    sidebar = _sidebar_tree(yaml.safe_load((ROOT / 'nbs' / 'sidebar.yml').read_text())['website']['sidebar']['contents'],
+                            lambda stem: Path(names[stem]).stem)
+    drop_api = lambda tree: [(e[0], drop_api(e[1])) if isinstance(e, tuple) else e for e in tree if e != build_docs.API_INDEX]
+    assert sidebar == drop_api(_nav_tree(_nav()))                        # the API index is a page only this builder writes
+    assert [e[0] for e in sidebar[1:]] == ['User guide', 'Reference', 'Internals']
+
+def test_nbdev_leaves_the_grouped_sidebar_alone():
+    "The sidebar in the repository is the one `NAV` gives, and nbdev's own sidebar step (part of `nbdev_docs`) keeps it."
+    from nbdev.quarto import nbdev_sidebar
+    before = (ROOT / 'nbs' / 'sidebar.yml').read_text(encoding='utf-8')
+    res = subprocess.run([sys.executable, 'tools/build_docs.py', '--check-sidebar'], cwd=ROOT, capture_output=True, text=True)
+    assert (res.returncode, res.stderr) == (0, ''), res.stderr
+    nbdev_sidebar.__wrapped__(path=ROOT / 'nbs')
+    assert (ROOT / 'nbs' / 'sidebar.yml').read_text(encoding='utf-8') == before
+
 def _public_names(module_file: Path) -> list[str]:
     import ast
     tree = ast.parse(module_file.read_text(encoding='utf-8'))

@@ -23,7 +23,10 @@ rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
    the internals; a notebook `NAV` does not name goes to the guide when it exports no module, else to
    the reference.
 
-Where Quarto exists, `nbdev_docs` still works with the nbdev config in `nbs/_quarto.yml`.
+`NAV` is the one source of the grouping: Quarto's sidebar (`nbs/sidebar.yml`, which `nbdev_docs` reads;
+settings.ini has `custom_sidebar = True` so nbdev leaves it alone) is written from it too
+(`python tools/build_docs.py --sidebar` writes only that file, `--check-sidebar` exits 1 when it is stale),
+so where Quarto exists `nbdev_docs` renders the same user guide, reference and internals.
 """
 import os, re, shutil, subprocess, sys
 from pathlib import Path
@@ -52,14 +55,41 @@ NAV = [
                    '12a_distributed_transport', '12c_distributed_outer', '15b_main', '16b_showdoc']),
 ]
 
+SIDEBAR = ROOT / 'nbs' / 'sidebar.yml'
+
+def sections(stems) -> list[tuple[str, list]]:
+    "`NAV` over the pages there are (`stems`): (section, [stem or (subsection, [stems])]); a stem `NAV` does not name joins the guide or the reference."
+    stems = set(stems)
+    named = {s for _, entries in NAV for e in entries for s in ([e] if isinstance(e, str) else e[1])}
+    extra = sorted(stem for stem in stems if stem not in named and stem != 'index')
+    out = []
+    for section, entries in NAV:
+        items = [e if isinstance(e, str) else (e[0], [s for s in e[1] if s in stems])
+                 for e in entries if (e in stems if isinstance(e, str) else any(s in stems for s in e[1]))]
+        wanted = (lambda stem: is_guide(ROOT / 'nbs' / f'{stem}.ipynb')) if section == 'User guide' else \
+                 (lambda stem: section == 'Reference' and not is_guide(ROOT / 'nbs' / f'{stem}.ipynb'))
+        out.append((section, items + [stem for stem in extra if wanted(stem)]))
+    return out
+
+def quarto_sidebar() -> str:
+    "The text of `nbs/sidebar.yml`: Quarto's sidebar with `NAV`'s sections, over the notebooks in `nbs/` (no API index: only this builder writes one)."
+    import yaml
+    stems = [p.stem for p in sorted((ROOT / 'nbs').glob('*.ipynb'))]
+    contents = [f'{s}.ipynb' for s in stems if s == 'index']
+    for section, items in sections(stems):
+        contents.append({'section': section, 'contents': [f'{e}.ipynb' if isinstance(e, str) else
+                                                          {'section': e[0], 'contents': [f'{s}.ipynb' for s in e[1]]} for e in items]})
+    head = '# Written by tools/build_docs.py from its NAV (the docs site\'s grouping); edit NAV, not this file.\n'
+    return head + yaml.safe_dump({'website': {'sidebar': {'contents': contents}}}, sort_keys=False)
+
 def process_notebooks(n_workers: int = 2) -> Path:
-    "Run nbdev's docs preprocessing of `nbs/` into `_proc/`."
+    "Run nbdev's docs preprocessing of `nbs/` into `_proc/` (the sidebar written from `NAV`, not nbdev's flat list)."
     import nbdev.doclinks
-    from nbdev.quarto import refresh_quarto_yml, nbdev_sidebar
+    from nbdev.quarto import refresh_quarto_yml
     from nbdev.serve import proc_nbs
     refresh_quarto_yml()
     nbdev.doclinks._build_modidx()
-    nbdev_sidebar.__wrapped__(path=ROOT / 'nbs')
+    SIDEBAR.write_text(quarto_sidebar(), encoding='utf-8')
     return proc_nbs(ROOT / 'nbs', n_workers=n_workers, force=True)
 
 def _front_matter(nb) -> dict:
@@ -166,18 +196,11 @@ def site_sources(proc: Path) -> dict[str, tuple[str, str]]:
     return pages
 
 def navigation(pages: dict[str, tuple[str, str]]) -> list:
-    "MkDocs' `nav` from `NAV`: Home, then each section; a notebook `NAV` does not name joins the guide or the reference."
-    named = {s for _, entries in NAV for e in entries for s in ([e] if isinstance(e, str) else e[1])}
-    extra = sorted(stem for stem in pages if stem not in named and stem != 'index')
+    "MkDocs' `nav`: Home, then each of `sections` (the API index is a page here, unlike in Quarto's sidebar)."
     entry = lambda stem: {pages[stem][0]: pages[stem][1]}
     nav = [entry('index')] if 'index' in pages else []
-    for section, entries in NAV:
-        items = [entry(e) if isinstance(e, str) else {e[0]: [entry(s) for s in e[1] if s in pages]}
-                 for e in entries if (e in pages if isinstance(e, str) else any(s in pages for s in e[1]))]
-        wanted = (lambda stem: is_guide(ROOT / 'nbs' / f'{stem}.ipynb')) if section == 'User guide' else \
-                 (lambda stem: section == 'Reference' and not is_guide(ROOT / 'nbs' / f'{stem}.ipynb'))
-        items += [entry(stem) for stem in extra if wanted(stem)]
-        nav.append({section: items})
+    for section, items in sections(pages):
+        nav.append({section: [entry(e) if isinstance(e, str) else {e[0]: [entry(s) for s in e[1]]} for e in items]})
     return nav
 
 def site_config(pages: dict[str, tuple[str, str]]) -> Path:
@@ -254,6 +277,13 @@ def render_site(config: Path) -> Path:
 
 def main() -> int:
     os.chdir(ROOT)
+    if '--check-sidebar' in sys.argv:
+        if SIDEBAR.exists() and SIDEBAR.read_text(encoding='utf-8') == quarto_sidebar(): return 0
+        print(f"{SIDEBAR.relative_to(ROOT)} is out of date: run python tools/build_docs.py --sidebar", file=sys.stderr)
+        return 1
+    if '--sidebar' in sys.argv:
+        SIDEBAR.write_text(quarto_sidebar(), encoding='utf-8')
+        return 0
     proc = process_notebooks()
     missing = sorted(p.name for p in (ROOT / 'nbs').glob('*.ipynb') if not (proc / p.name).exists())
     if missing:
