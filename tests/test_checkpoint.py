@@ -118,34 +118,37 @@ def test_arbitrary_object_is_refused_without_running_it(tmp_path):
 
 # ---------------------------------------------------------------- 2.0 checkpoints still resume
 
-def test_checkpoint_written_by_2_0_resumes(tmp_path):
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    model(torch.randn(2, 8)).sum().backward(); opt.step(); sched.step()
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    expected = (random.random(), np.random.rand(), torch.rand(2).tolist())
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": None,
-             "scheduler": sched.state_dict(), "step": 4, "samples": 8, "tokens": 256,
-             "config": {"run": {"name": "smoke"}, "model": {"d_model": 16}, "distributed": {"token": "<redacted>"}},
-             "rng": rng, "coordinator": None,
-             "precision": {"mode": "fp32", "autocast_enabled": False, "use_scaler": False}}
-    torch.save(state, tmp_path / "step_000000000004.pt")  # exactly what 2.0 wrote
-    (tmp_path / "latest.json").write_text(json.dumps({"step": 4, "file": "step_000000000004.pt"}, indent=2) + "\n")
+V2 = ROOT.parent / "shared" / "fixtures" / "v2.0"      # files written by the published 2.0.0 (README there)
 
-    m = CheckpointManager(tmp_path, every_steps=2, keep_last=2)
+
+@pytest.mark.skipif(not (V2 / "checkpoint-adamw").is_dir(), reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here")
+def test_checkpoint_written_by_2_0_resumes(tmp_path):
+    "A checkpoint folder 2.0.0 wrote loads, fits its model, restores its RNG, and its files are never pruned by our retention."
+    import shutil, yaml
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.registry import build_model
+    folder = tmp_path / "checkpoints"
+    shutil.copytree(V2 / "checkpoint-adamw" / "run" / "checkpoints", folder)
+    for p in folder.iterdir(): p.chmod(0o644)
+    allowed = [np.dtype, np.ndarray, np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):                                  # plain torch's reading, not ours
+        plain = torch.load(folder / "step_000000000008.pt", weights_only=True)
+    random.setstate(plain["rng"]["python"]); np.random.set_state(plain["rng"]["numpy"]); torch.set_rng_state(plain["rng"]["torch"])
+    expected = (random.random(), np.random.rand(), torch.rand(2).tolist())
+
+    m = CheckpointManager(folder, every_steps=4, keep_last=2)
     loaded = m.load_latest()
-    assert loaded["step"] == 4 and loaded["precision"]["mode"] == "fp32"
-    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    check_compatible(loaded, model=fresh, config={"model": {"d_model": 16}})
+    assert (loaded["step"], loaded["samples"], loaded["precision"]["mode"]) == (8, plain["samples"], "fp32")
+    config = SpeedtronicConfig.from_dict(yaml.safe_load((V2 / "checkpoint-adamw" / "config.yaml").read_text()))
+    fresh = build_model(config.model)
+    check_compatible(loaded, model=fresh, config=config)
     fresh.load_state_dict(loaded["model"])
-    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-3); opt2.load_state_dict(loaded["optimizer"])
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in plain["model"].items())
     assert restore_rng_state(loaded["rng"]) == []
     assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == expected
-    # and the 2.0 file is foreign: our retention never deletes it
-    for s in (6, 8, 10): m.save(s, {"step": s})
-    assert names(tmp_path) == ["latest.json", "step_000000000004.pt", "step_000000000008.pt", "step_000000000010.pt"]
+    for s in (12, 16, 20): m.save(s, {"step": s})                                      # the 2.0 files are foreign: kept
+    assert names(folder) == ["latest.json", "step_000000000004.pt", "step_000000000008.pt",
+                             "step_000000000016.pt", "step_000000000020.pt"]
 
 
 def test_incompatible_checkpoint_names_the_differences(tmp_path):

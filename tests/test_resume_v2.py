@@ -1,42 +1,35 @@
-"""A checkpoint directory written by Speedtronic 2.0 (`step_*.pt` + `latest.json`, spec §8) resumes.
+"""A checkpoint directory written by Speedtronic 2.0.0 (`step_*.pt` + `latest.json`) resumes from the CLI into another
+output folder (`--output-dir`), with 2.0's optimizer state mapped onto ours and 2.0's files kept.
 
-2.0's default AdamW held only the routed AdamW parameters in one group and stored NumPy's RNG state as
-an array; the file is made here with plain `torch.save`, as 2.0 wrote it.
+The run is the real 2.0.0 one in `shared/fixtures/v2.0/checkpoint-adamw` (README there), copied to a temporary folder.
 """
-import json, os, random, subprocess, sys
+import shutil, stat, subprocess, sys
 from pathlib import Path
 
-import numpy as np
-import torch
+import pytest
+import yaml
+
+from conftest import cli_env, jsonl_records
 
 ROOT = Path(__file__).resolve().parent.parent
+V2 = ROOT.parent / "shared" / "fixtures" / "v2.0" / "checkpoint-adamw"
 
-def write_v2_checkpoint(directory: Path, step: int = 2) -> None:
-    from speedtronic.config import SpeedtronicConfig
-    from speedtronic.optimizers import v2_adamw_parameters
-    from speedtronic.registry import build_model
-    cfg = SpeedtronicConfig.load(ROOT / 'configs' / 'smoke.yaml')
-    model = build_model(cfg.model)
-    opt = torch.optim.AdamW(v2_adamw_parameters(model), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    x = torch.randint(0, 128, (2, 32))
-    model(x, labels=x)['loss'].backward(); opt.step(); sched.step()
-    state = {'model': model.state_dict(), 'optimizer': opt.state_dict(), 'scaler': None, 'scheduler': sched.state_dict(),
-             'step': step, 'samples': 2 * step, 'tokens': 64 * step, 'config': cfg.to_dict(redact_secrets=True),
-             'rng': {'python': random.getstate(), 'numpy': np.random.get_state(), 'torch': torch.get_rng_state()},
-             'coordinator': None, 'precision': {'mode': 'fp32', 'autocast_enabled': False, 'use_scaler': False}}
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.save(state, directory / f'step_{step:012d}.pt')
-    (directory / 'latest.json').write_text(json.dumps({'step': step, 'file': f'step_{step:012d}.pt'}, indent=2))
-
+@pytest.mark.skipif(not V2.is_dir(), reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here")
 def test_v2_checkpoint_resumes_from_the_cli(tmp_path):
-    write_v2_checkpoint(tmp_path / 'checkpoints')
-    res = subprocess.run([sys.executable, '-m', 'speedtronic', 'train', '--config', str(ROOT / 'configs' / 'smoke.yaml'),
-                          '--device', 'cpu', '--resume', '--output-dir', str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, 'PYTHONPATH': str(ROOT)})
+    work = tmp_path / "v2"
+    shutil.copytree(V2, work)
+    for p in [work, *work.rglob("*")]: p.chmod(p.stat().st_mode | stat.S_IWUSR)
+    (work / "run").rename(work / "moved")                                    # the run's folder is now elsewhere
+    raw = yaml.safe_load((work / "config.yaml").read_text())
+    raw["max_steps"], raw["checkpoint"]["keep_last"] = 12, 1                  # our retention keeps one of its own files
+    (work / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    res = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config", "config.yaml", "--device", "cpu",
+                          "--resume", "--output-dir", "moved"], cwd=work, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert 'resumed from' in res.stdout and 'optimizer state written by 2.0' in res.stdout
+    assert "resumed from" in res.stdout and "optimizer state written by 2.0" in res.stdout, res.stdout
     last = res.stdout.strip().splitlines()[-1]
-    assert last.startswith('completed steps=4 samples=8 tokens=256 loss=') and not last.endswith('None')
-    assert (tmp_path / 'checkpoints' / 'step_000000000004.pt').exists()
-    assert (tmp_path / 'checkpoints' / 'step_000000000002.pt').exists()   # 2.0's file is not ours to prune
+    assert last.startswith("completed steps=12 samples=96 tokens=1536 loss=") and not last.endswith("None"), last
+    saved = sorted(p.name for p in (work / "moved" / "checkpoints").glob("step_*.pt"))
+    assert saved == ["step_000000000004.pt", "step_000000000008.pt", "step_000000000012.pt"]   # 2.0's files are not ours to prune
+    assert [r["step"] for r in jsonl_records(work / "moved" / "metrics.jsonl")][8:] == [9, 10, 11, 12]   # its metrics followed the folder
+    assert not (work / "run").exists()
