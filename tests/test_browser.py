@@ -2,7 +2,7 @@
 
 No timing assertions: waits only bound how long a condition may take to become true.
 """
-import json, os, shutil, subprocess, sys, time, urllib.request
+import contextlib, json, os, shutil, subprocess, sys, time, urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,16 +17,21 @@ def _wait_http(url: str, timeout: float = 90) -> None:
         except Exception: time.sleep(0.5)
     raise TimeoutError(f'{url} did not answer within {timeout}s')
 
-@pytest.fixture(scope='module')
-def served_docs(docs_site):
+@contextlib.contextmanager
+def _served(folder: Path):
+    "A local HTTP server of `folder` for the length of the block; yields its base URL."
     port = free_port()
-    proc = subprocess.Popen([sys.executable, '-m', 'http.server', str(port), '--bind', '127.0.0.1', '--directory', str(docs_site)],
+    proc = subprocess.Popen([sys.executable, '-m', 'http.server', str(port), '--bind', '127.0.0.1', '--directory', str(folder)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_http(f'http://127.0.0.1:{port}/index.html', 30)
+        _wait_http(f'http://127.0.0.1:{port}/', 30)
         yield f'http://127.0.0.1:{port}'
     finally:
         proc.terminate(); proc.wait(10)
+
+@pytest.fixture(scope='module')
+def served_docs(docs_site):
+    with _served(docs_site) as url: yield url
 
 def test_config_page_renders_the_api(browser, served_docs, tmp_path):
     page = browser.new_page()
@@ -43,16 +48,32 @@ def test_config_page_renders_the_api(browser, served_docs, tmp_path):
 
 OFFLINE_PAGES = ['index.html', 'tutorial.html', 'trainer.html', 'widgets.html', 'distributed_norms.html', 'api.html', 'config.html']
 
-def test_pages_request_nothing_from_the_internet(browser, served_docs):
-    "Read offline, a page loads only what the site holds: every request (fonts, scripts, styles, images) goes to its server."
+def _remote_requests(browser, base: str, names: list[str]) -> tuple[list[str], list[str]]:
+    "Every request the pages `names` under `base` make once loaded (network idle), and those that leave the site."
     page = browser.new_page()
     requests = []
     page.on('request', lambda r: requests.append(r.url))
-    for name in OFFLINE_PAGES:
-        page.goto(f'{served_docs}/{name}', wait_until='networkidle')
-    assert len(requests) > len(OFFLINE_PAGES)
-    assert [u for u in requests if not u.startswith(served_docs + '/') and not u.startswith('data:')] == []
+    for name in names:
+        page.goto(f'{base}/{name}', wait_until='networkidle')
     page.close()
+    return requests, [u for u in requests if not u.startswith(base + '/') and not u.startswith('data:')]
+
+def test_pages_request_nothing_from_the_internet(browser, served_docs):
+    "Read offline, a page loads only what the site holds: every request (fonts, scripts, styles, images) goes to its server."
+    requests, remote = _remote_requests(browser, served_docs, OFFLINE_PAGES)
+    assert len(requests) > len(OFFLINE_PAGES)
+    assert remote == []
+
+def test_the_offline_check_sees_a_web_font_and_a_cdn_script(browser, tmp_path):
+    "The check above would fail for a page like mkdocs-material's default (Google Fonts) or one with widget state (a CDN script)."
+    (tmp_path / 'page.html').write_text(
+        '<html><head><link rel="stylesheet" href="https://fonts.googleapis.com/css?family=Roboto">'
+        '<script src="https://cdn.jsdelivr.net/npm/@jupyter-widgets/html-manager@1/dist/embed-amd.js"></script>'
+        '<style>@font-face { font-family: x; src: url(https://fonts.gstatic.com/x.woff2) }</style></head>'
+        '<body style="font-family: x">text</body></html>')
+    with _served(tmp_path) as base:
+        _, remote = _remote_requests(browser, base, ['page.html'])
+    assert [u.split('/')[2] for u in remote][:2] == ['fonts.googleapis.com', 'cdn.jsdelivr.net'], remote
 
 def test_docs_navigation_is_grouped(browser, served_docs):
     "The sidebar: a user guide, a reference that starts with the API index, and the internals."
