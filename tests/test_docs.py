@@ -247,3 +247,25 @@ def test_readme_says_what_the_package_does(tmp_path):
     proc = ok(run_cli('train', '--config', 'muon.yaml', '--device', 'cpu', cwd=tmp_path))
     assert 'optimizer name=muon' in proc.stderr + proc.stdout and 'muon_tensors=0 ' not in proc.stderr + proc.stdout
     assert 'API index' in readme and (ROOT / 'tools' / 'build_docs.py').exists()
+
+def test_readme_diloco_example_runs_as_written(tmp_path):
+    "The README's two-process DiLoCo example, in a copy: both finish, the master's last checkpoint holds the final global, a rerun is refused."
+    import shutil, torch
+    from conftest import cli_env, ok, one_error_line, run_cli
+    from speedtronic.checkpoint import load_checkpoint
+    from speedtronic.distributed.tensors import load_safetensors
+    readme = (ROOT / 'README.md').read_text(encoding='utf-8')
+    commands = ['speedtronic train --config examples/diloco_local_master.yaml &', 'speedtronic train --config examples/diloco_local_worker.yaml']
+    assert all(c in readme for c in commands) and 'export OMP_NUM_THREADS=1' in readme
+    shutil.copytree(ROOT / 'examples', tmp_path / 'examples')
+    master = subprocess.Popen([sys.executable, '-m', 'speedtronic', 'train', '--config', 'examples/diloco_local_master.yaml'],
+                              cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try: worker = run_cli('train', '--config', 'examples/diloco_local_worker.yaml', cwd=tmp_path, timeout=300)
+    finally: out, err = master.communicate(timeout=300)
+    ok(worker)
+    assert master.returncode == 0, err[-3000:]
+    run = tmp_path / 'runs' / 'diloco-local'
+    final = load_safetensors(run / 'repo' / 'global' / 'latest.safetensors')
+    saved = load_checkpoint(sorted((run / 'master' / 'checkpoints').glob('step_*.pt'))[-1])
+    assert saved['step'] == 200 and all(torch.equal(saved['model'][k], v) for k, v in final.items())
+    one_error_line(run_cli('train', '--config', 'examples/diloco_local_worker.yaml', cwd=tmp_path), '--resume', '--overwrite')
