@@ -452,11 +452,15 @@ def _memory_problems(model: torch.nn.Module, config: SpeedtronicConfig, device: 
     return []
 
 # %% ../nbs/13_runtime.ipynb #5222c12b
-def _missing_file(key: str, value: Any) -> str | None:
-    "The problem of a setting `key` naming a file that does not exist, or `None`."
+def _missing_file(key: str, value: Any, what: str = "file") -> str | None:
+    "The problem of a setting `key` naming a file (or folder) that does not exist, or `None`."
     if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
-        return f"{key}: file not found: {value} (create it, or fix the path relative to {os.getcwd()})"
+        return f"{key}: {what} not found: {value} (create it, or fix the path relative to {os.getcwd()})"
     return None
+
+def _tokenizer_file(spec: Any) -> str | None:
+    "The file a `data.tokenizer` value names, or `None` for the byte tokenizer (`null`, `byte`, `bytes`, `char`)."
+    return None if not isinstance(spec, str) or spec.strip().lower() in ("", "byte", "bytes", "char") else spec
 
 def _logging_problems(config: SpeedtronicConfig) -> list[str]:
     "Log, JSONL and TensorBoard paths (where `run_paths` puts them) that cannot be created."
@@ -479,7 +483,9 @@ def _startup(config: SpeedtronicConfig, *, max_steps: int | None = None, device:
     problems = [p for p in (_missing_file("data.text_path", text), _missing_file("data.token_file", d.token_file),
                             _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None),
                             _missing_file("eval.text_path", config.eval.text_path),
-                            _missing_file("eval.token_file", config.eval.token_file)) if p]
+                            _missing_file("eval.token_file", config.eval.token_file), _missing_file("data.tokenizer", _tokenizer_file(d.tokenizer)),
+                            _missing_file("model.init_from", m.init_from if not checkpoint_files(run_paths(config).checkpoints) else None, "folder"))
+                if p]
     try: check_optimizer_available(config.optimizer)
     except ConfigError as e: problems.append(str(e))
     try: resolve_schedule(config, max_steps=run_target(config, max_steps))

@@ -151,3 +151,13 @@ def test_relative_logging_paths_follow_the_output_dir_absolute_ones_stay(tmp_pat
                      logging={"json_file": str(tmp_path / "all.jsonl")})
     ok(cli("train", "--config", str(mine), "--device", "cpu", "--output-dir", "runs/c", cwd=tmp_path))
     assert records(tmp_path / "all.jsonl") and not (tmp_path / "runs" / "c" / "all.jsonl").exists()
+
+
+def test_a_missing_tokenizer_or_init_from_folder_is_found_before_the_run_directory_is_made(tmp_path):
+    (tmp_path / "a.txt").write_text("some text to learn from\n" * 40)
+    for key, section, value in [("data.tokenizer: file not found", "data", {"text_path": "a.txt", "tokenizer": "tok.json"}),
+                                ("model.init_from: folder not found", "model", {"init_from": "llama"})]:
+        cfg = tiny_yaml(tmp_path, "named.yaml", **{section: value})
+        proc = cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path)
+        assert not (tmp_path / "out").exists(), proc.stderr                  # nothing made for a run that cannot start
+        error_line(proc, key)
