@@ -32,8 +32,8 @@ from .files import TEMP_NAME, atomic_write, atomic_write_text, file_in_the_way, 
 __all__ = ['SHARDED_STATE', 'CheckpointError', 'atomic_torch_save', 'atomic_json_dump', 'is_sharded', 'load_checkpoint',
            'capture_rng_state', 'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes',
            'checkpoint_step', 'checkpoint_files', 'read_pointer', 'stale_temp_files', 'redacted_state',
-           'CheckpointManager', 'nonfinite_tensors', 'nonfinite_state', 'checkpoint_run_id', 'load_sharded',
-           'consolidate_checkpoint', 'load_whole']
+           'CheckpointManager', 'nonfinite_tensors', 'nonfinite_state', 'checkpoint_run_id', 'checked_checkpoint',
+           'load_sharded', 'consolidate_checkpoint', 'load_whole']
 
 # %% ../nbs/07_checkpoint.ipynb #8fc616ec
 class CheckpointError(ExpectedError, RuntimeError):
@@ -534,22 +534,25 @@ def _outside(path: Path, directory: Path) -> Path | None:
     target = path.resolve()
     return None if target.parent == directory.resolve() else target
 
-@patch
-def _usable(self: CheckpointManager, path: Path, owner: str | None) -> dict:
-    "The state in `path` if it is a finite checkpoint of the step its name says, of run `owner`; else a `CheckpointError`."
-    if target := _outside(path, self.directory):
-        raise _unusable(path, f"is a link to {target}, outside {self.directory}; a run resumes only its own checkpoints",
+def checked_checkpoint(path: str | os.PathLike,
+                       owner: str | None = None,  # the run the file must belong to; `None`: the run its folder's `latest.json` names
+                       ) -> dict:
+    "The state in checkpoint `path` if a run may continue from it: no link out of its folder, finite, of the step its name says, of run `owner`; else a `CheckpointError`."
+    path = Path(path)
+    if target := _outside(path, path.parent):
+        raise _unusable(path, f"is a link to {target}, outside {path.parent}; a run resumes only its own checkpoints",
                         "replace the link with a copy of the file to continue from it")
     state = _sharded_state(path) if is_sharded(path) else load_checkpoint(path)
     if bad := nonfinite_state(state):
         raise _unusable(path, f"is unusable: {_nonfinite_reason(bad)}, written by a run that had diverged")
     step, named = state.get("step"), checkpoint_step(path.name)
-    if isinstance(step, int) and not isinstance(step, bool) and step != named:
+    if named is not None and isinstance(step, int) and not isinstance(step, bool) and step != named:
         raise _unusable(path, f"holds step {step}, not step {named} as its name says (a file copied or renamed onto it)",
                         "rename it step_<step>.pt (.dcp) for the step it holds, or delete it")
+    if owner is None: owner = read_pointer(path.parent / CheckpointManager.pointer_name, lambda message: None).get("run_id")
     run_id = state.get("run_id")
-    if owner is not None and isinstance(run_id, str) and run_id != owner:
-        raise _unusable(path, f"belongs to run {run_id}, not to run {owner} whose checkpoints {self.directory} holds",
+    if isinstance(owner, str) and isinstance(run_id, str) and run_id != owner:
+        raise _unusable(path, f"belongs to run {run_id}, not to run {owner} whose checkpoints {path.parent} holds",
                         "move it to its own run's folder")
     return state
 
@@ -570,7 +573,7 @@ def _newest_loadable(self: CheckpointManager) -> tuple[Path, dict] | None:
     owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
     files, whys = checkpoint_files(self.directory), []
     for path in files:
-        try: return path, self._usable(path, owner)
+        try: return path, checked_checkpoint(path, owner)
         except CheckpointError as e:
             self.skipped.append((path, str(e))); whys.append(getattr(e, "why", str(e)))
             self._warn(f"skipping unusable checkpoint: {e}")

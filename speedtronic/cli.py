@@ -205,6 +205,11 @@ def shown_config(config: SpeedtronicConfig) -> dict:
     shown["scheduler"].update(max_steps=schedule.max_steps, warmup_steps=schedule.warmup_steps)
     return shown
 
+def _fitted(line: str, stream: object) -> str:
+    "`line` wrapped to the terminal's width when `stream` is a terminal (continuation lines indented); a pipe keeps one line."
+    from speedtronic.progress import TERMINAL_WIDTH, is_tty   # torch-free
+    return textwrap.fill(line, TERMINAL_WIDTH, subsequent_indent="  ") if is_tty(stream) else line
+
 def _validate(args: argparse.Namespace) -> int:
     "`speedtronic validate`: print the normalised, redacted configuration; `--deep` checks it can run."
     config = SpeedtronicConfig.load(args.config)
@@ -222,7 +227,7 @@ def _validate(args: argparse.Namespace) -> int:
     problems = check_runnable(config, device=args.device) + _output_dir_problems(config)
     for line in error_lines(ConfigError(problems)) if problems and _prints() else []: print(line, file=sys.stderr)
     from speedtronic.evaluation import holdout_note  # how many tokens each side of a held-out split gets
-    if not problems and _prints() and (note := holdout_note(config)): print(note, file=sys.stderr)
+    if not problems and _prints() and (note := holdout_note(config)): print(_fitted(note, sys.stderr), file=sys.stderr)
     return 2 if problems else 0
 
 # %% ../nbs/15_cli.ipynb #7c5d4e70
@@ -325,10 +330,8 @@ def _warning_printer(fallback: Callable) -> Callable:
     def show(message, category, filename, lineno, file=None, line=None):
         if not category.__module__.startswith("speedtronic"): return fallback(message, category, filename, lineno, file, line)
         text = _mask(re.sub(r"\s*\n\s*", " ", str(message)).strip(), [os.environ.get(k, "") for k in _SECRET_ENV])
-        from speedtronic.progress import TERMINAL_WIDTH, is_tty   # torch-free
-        line, stream = f"speedtronic: warning: {text}", file or sys.stderr
-        if is_tty(stream): line = textwrap.fill(line, TERMINAL_WIDTH, subsequent_indent="  ")   # a pipe keeps one line
-        print(line, file=stream)
+        stream = file or sys.stderr
+        print(_fitted(f"speedtronic: warning: {text}", stream), file=stream)
     return show
 
 # %% ../nbs/15_cli.ipynb #35d01b9e

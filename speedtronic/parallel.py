@@ -65,6 +65,7 @@ class World:
 
 # %% ../nbs/10p_parallel.ipynb #518638ce
 _TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_JOB_VARIABLES = _TORCHRUN + ("MASTER_ADDR", "MASTER_PORT")
 
 def world_from_env(environ: Mapping[str, str] | None = None) -> World:
     "The `World` torchrun describes in the environment (default `os.environ`); `World()` when it is not set."
@@ -107,10 +108,17 @@ def accumulation_per_rank(data: DataConfig, world_size: int = 1) -> int:
     if problem := _batch_problem(data, world_size): raise ConfigError(problem)
     return data.target_batch_size // (data.micro_batch_size * world_size)
 
+def _unset_advice() -> str:
+    "`if no torchrun job is meant here, unset WORLD_SIZE, RANK, ... (left in this environment)`, naming those that are set."
+    present = [n for n in _JOB_VARIABLES if n in os.environ]
+    return f"if no torchrun job is meant here, unset {', '.join(present)} (left in this environment)"
+
 def world_problems(config: SpeedtronicConfig, world: World) -> list[str]:
-    "Why `config` cannot run as this torchrun job (empty for one process)."
+    "Why `config` cannot run as this torchrun job (empty for one process); without torchrun's agent, what to unset if no job is meant."
     if world.size == 1: return []
-    return [p for p in [_batch_problem(config.data, world.size)] if p]
+    problems = [p for p in [_batch_problem(config.data, world.size)] if p]
+    if "TORCHELASTIC_RUN_ID" in os.environ: return problems
+    return [f"{p}; $WORLD_SIZE={os.environ.get('WORLD_SIZE', world.size)} was not set by torchrun: {_unset_advice()}" for p in problems]
 
 # %% ../nbs/10p_parallel.ipynb #a255c042
 def world_device(world: World, requested: str | torch.device | None = "auto") -> torch.device:
@@ -150,7 +158,6 @@ def _within(fn: Callable[[], Any], seconds: float, what: str) -> bool:
 
 # %% ../nbs/10p_parallel.ipynb #0a656e0b
 _NOTICE_AFTER_S = 3.0  # a rendezvous that takes longer than this is said once
-_JOB_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def _listener(world: World) -> tuple[str, int] | None:
     "The address this rank connects to before it joins (rank 0's, or torchrun's agent's); `None` when it hosts or it is unset."
@@ -243,9 +250,7 @@ def _waiting_for(world: World) -> str:
 def _join_failure(world: World, error: BaseException) -> ConfigError:
     "One message for a rendezvous that failed: what was missing or who did not come, and the variables to unset."
     text = " ".join(str(error).split())
-    present = [n for n in _JOB_VARIABLES if n in os.environ]
-    fix = (f"if no torchrun job is meant here, unset {', '.join(present)} (left in this environment); otherwise start "
-           "every rank with torchrun, with the same --master-addr/--master-port")
+    fix = f"{_unset_advice()}; otherwise start every rank with torchrun, with the same --master-addr/--master-port"
     if missing := re.search(r"environment variable (\w+) expected, but not set", text):
         return ConfigError(f"${missing.group(1)} is not set, but $WORLD_SIZE={world.size} makes this process rank "
                            f"{world.rank} of a torchrun job; {fix}")

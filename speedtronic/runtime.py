@@ -161,10 +161,18 @@ class RunClaim:
     "A run's hold on its directories: its id and the locks it owns (`release()` gives them up)."
     run_id: str
     locks: list[RunLock] = field(default_factory=list)
+    created: list[Path] = field(default_factory=list)  # the folders claiming made, deepest first
 
     def release(self) -> None:
         "Release every lock (idempotent)."
         for lock in self.locks: lock.release()
+
+    def abandon(self) -> None:
+        "Release, and remove the folders claiming made that are still empty: a run that could not start leaves nothing."
+        self.release()
+        for folder in self.created:
+            try: folder.rmdir()
+            except OSError: pass  # something was written there (or it is gone): kept
 
 def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
     "Refuse (or, with `overwrite`, delete) the checkpoints a fresh run finds in its checkpoint directory."
@@ -177,13 +185,20 @@ def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
                           "with --resume (resume=True), start over with --overwrite (overwrite=True), which deletes them, or "
                           "train into another --output-dir (run.output_dir)")
 
+def _missing_folders(folders: Sequence[Path]) -> list[Path]:
+    "Those of `folders` (and their parents) that do not exist yet, deepest first."
+    missing = set()
+    for folder in map(Path, folders):
+        while not folder.exists() and folder != folder.parent: missing.add(folder); folder = folder.parent
+    return sorted(missing, key=lambda f: len(f.absolute().parts), reverse=True)
+
 def claim_run(config: SpeedtronicConfig, *, resume: bool = False, overwrite: bool = False) -> RunClaim:
     "Lock the run's directories and choose its run id; a fresh run refuses (or `overwrite`s) another run's checkpoints."
     if resume and overwrite: raise ConfigError("--resume and --overwrite (resume=True, overwrite=True) cannot be combined: "
                                                "resume continues the checkpoints there, overwrite deletes them; choose one")
     paths = run_paths(config)
     recorded = read_pointer(paths.checkpoints / CheckpointManager.pointer_name, warn=lambda message: None).get("run_id")
-    claim = RunClaim(recorded if resume and isinstance(recorded, str) else new_run_id())
+    claim = RunClaim(recorded if resume and isinstance(recorded, str) else new_run_id(), created=_missing_folders([paths.output_dir, paths.checkpoints]))
     try:
         for i, lockfile in enumerate(paths.locks):
             if i and not config.checkpoint.enabled: continue       # a checkpoint folder elsewhere that is not used
@@ -191,7 +206,7 @@ def claim_run(config: SpeedtronicConfig, *, resume: bool = False, overwrite: boo
             claim.locks.append(lock_run(lockfile.parent, claim.run_id, key="checkpoint.directory" if i else "run.output_dir"))
         if not resume and (overwrite or config.checkpoint.enabled): _others_checkpoints(paths.checkpoints, overwrite)
     except BaseException:
-        claim.release()
+        claim.abandon()
         raise
     return claim
 
@@ -225,7 +240,7 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
         claim = claim_job(config, world, resume=resume, overwrite=overwrite)
         try: trainer, manager = _build_components(config, claim, world, resume=resume, device=dev, max_steps=max_steps)
         except BaseException:
-            claim.release()
+            claim.abandon()   # the folders it made go again when nothing was written there
             raise
     except BaseException as exc:
         world.close(failed=True, together=raised_together(exc))
@@ -268,6 +283,8 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         if world.rank: seed_everything(config.run.seed + world.rank)
         split = _holdout(config, model_vocab_size(model, config))
         loader = _loader(config, model, dev, world, dataset=split.train if split else None)
+        evaluator = build_evaluator(config, device=dev, vocab_size=model_vocab_size(model, config), precision=plan,  # its data
+                                    world=world, held_out=split.held_out if split else None)   # refused before a file is written
         if world.writes: _warn_random_tokens(config)
         ck = config.checkpoint
         manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
@@ -289,9 +306,7 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         coordinator = _coordinator(config, model, logger, world)
         trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
                           logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,
-                          shape_report=report, world=world,
-                          evaluator=build_evaluator(config, device=dev, vocab_size=model_vocab_size(model, config), precision=plan,
-                                                    world=world, held_out=split.held_out if split else None))
+                          shape_report=report, world=world, evaluator=evaluator)
         if split: logger.info(split.describe())
         _watch_globals(trainer, config, split.held_out if split else None)
         if resume:
@@ -452,11 +467,15 @@ def _memory_problems(model: torch.nn.Module, config: SpeedtronicConfig, device: 
     return []
 
 # %% ../nbs/13_runtime.ipynb #5222c12b
-def _missing_file(key: str, value: Any) -> str | None:
-    "The problem of a setting `key` naming a file that does not exist, or `None`."
+def _missing_file(key: str, value: Any, what: str = "file") -> str | None:
+    "The problem of a setting `key` naming a file (or folder) that does not exist, or `None`."
     if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
-        return f"{key}: file not found: {value} (create it, or fix the path relative to {os.getcwd()})"
+        return f"{key}: {what} not found: {value} (create it, or fix the path relative to {os.getcwd()})"
     return None
+
+def _tokenizer_file(spec: Any) -> str | None:
+    "The file a `data.tokenizer` value names, or `None` for the byte tokenizer (`null`, `byte`, `bytes`, `char`)."
+    return None if not isinstance(spec, str) or spec.strip().lower() in ("", "byte", "bytes", "char") else spec
 
 def _logging_problems(config: SpeedtronicConfig) -> list[str]:
     "Log, JSONL and TensorBoard paths (where `run_paths` puts them) that cannot be created."
@@ -479,7 +498,9 @@ def _startup(config: SpeedtronicConfig, *, max_steps: int | None = None, device:
     problems = [p for p in (_missing_file("data.text_path", text), _missing_file("data.token_file", d.token_file),
                             _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None),
                             _missing_file("eval.text_path", config.eval.text_path),
-                            _missing_file("eval.token_file", config.eval.token_file)) if p]
+                            _missing_file("eval.token_file", config.eval.token_file), _missing_file("data.tokenizer", _tokenizer_file(d.tokenizer)),
+                            _missing_file("model.init_from", m.init_from if not checkpoint_files(run_paths(config).checkpoints) else None, "folder"))
+                if p]
     try: check_optimizer_available(config.optimizer)
     except ConfigError as e: problems.append(str(e))
     try: resolve_schedule(config, max_steps=run_target(config, max_steps))
@@ -523,6 +544,7 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
     d = config.data
     if not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
         problems += _first_step_problems(config, model, model_vocab_size(model, config))
+        problems += [] if problems else _eval_problems(config, model_vocab_size(model, config))
     problems += _directory_problems(config) + _wandb_problems(config)
     if config.distributed.enabled and not problems:
         distributed = importlib.import_module("speedtronic.distributed")
@@ -563,6 +585,13 @@ def _first_step_problems(config: SpeedtronicConfig, model: torch.nn.Module, voca
     if not loss.requires_grad:
         return [f"model {config.model.name!r}: its loss does not depend on any trainable parameter (no gradient); "
                 "compute it from the model's outputs without .detach(), .item() or torch.no_grad()"]
+    return []
+
+def _eval_problems(config: SpeedtronicConfig, vocab: int) -> list[str]:
+    "What the held-out evaluation meets when it is built: a source too small, unreadable, or a split that leaves nothing to train on."
+    if not config.eval.enabled: return []
+    try: build_evaluator(config, device="cpu", vocab_size=vocab, held_out=(split := _holdout(config, vocab)) and split.held_out)
+    except (DataError, ValueError, OSError, MissingExtra) as e: return [str(e)]
     return []
 
 def _directory_problems(config: SpeedtronicConfig) -> list[str]:

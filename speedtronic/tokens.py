@@ -21,7 +21,7 @@ from .files import atomic_write, atomic_write_text
 from .optional import optional_import
 
 # %% auto #0
-__all__ = ['TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning', 'check_data_file', 'CharTokenizer',
+__all__ = ['UTF8_BOM', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning', 'check_data_file', 'CharTokenizer',
            'HFTokenizer', 'load_tokenizer', 'encode_text', 'tokenizer_spec', 'text_segments', 'read_text',
            'text_pieces', 'token_dtype', 'source_files', 'PreparedTokens', 'check_sidecar_free', 'prepare_token_file',
            'token_sidecar', 'read_token_sidecar']
@@ -141,12 +141,14 @@ def text_segments(path: str | os.PathLike, segment_bytes: int = 1 << 20, *, look
 
 # %% ../nbs/02c_tokens.ipynb #671a9fab
 _warned_files: set[str] = set()
+UTF8_BOM = b"\xef\xbb\xbf"
 
 def read_text(path: str | os.PathLike, start: int = 0, end: int | None = None) -> str:
-    "Decode bytes `[start, end)` of a file as UTF-8; bytes that are not UTF-8 become U+FFFD, with one warning per file."
+    "Decode bytes `[start, end)` of a file as UTF-8 (a byte-order mark at its start dropped); bytes that are not UTF-8 become U+FFFD, with one warning per file."
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read(-1 if end is None else end - start)
+    if start == 0 and data.startswith(UTF8_BOM): data, start = data[len(UTF8_BOM):], len(UTF8_BOM)
     try: return data.decode("utf-8")
     except UnicodeDecodeError as e:
         if str(path) not in _warned_files:

@@ -27,7 +27,7 @@ from fastcore.basics import patch
 from torch import nn
 
 from .errors import ExpectedError
-from .checkpoint import CheckpointError, capture_rng_state, check_compatible, load_checkpoint, load_sharded, load_whole, restore_rng_state, setting_changes
+from .checkpoint import CheckpointError, capture_rng_state, check_compatible, checked_checkpoint, load_sharded, load_whole, restore_rng_state, setting_changes
 from .config import SpeedtronicConfig
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
@@ -471,7 +471,7 @@ def resume(self: Trainer, state: Mapping[str, Any] | str | os.PathLike,  # a che
            path: Any = None,  # the checkpoint file `state` came from, named in error messages
           ) -> None:
     "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state` (or file)."
-    if isinstance(state, (str, os.PathLike)): state, path = load_checkpoint(state), state
+    if isinstance(state, (str, os.PathLike)): state, path = checked_checkpoint(state), state   # what `load_latest` checks
     if not isinstance(state, Mapping):
         raise TypeError(f"resume takes a checkpoint state (a dict) or the path of a checkpoint file, got {type(state).__name__}")
     state = self.world.local_state(state, path)  # in a job: this rank's RNG and data position

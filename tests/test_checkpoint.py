@@ -306,3 +306,45 @@ def test_nothing_loadable_names_each_file_once_without_pointless_advice(tmp_path
 def test_a_folder_given_as_the_checkpoint_says_so(tmp_path):
     with pytest.raises(CheckpointError) as e: load_checkpoint(tmp_path)
     assert str(e.value) == f"checkpoint {tmp_path} is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"
+
+
+# ---------------------------------------------------------------- a file named by hand: the same checks as load_latest
+
+class Regressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.lin = torch.nn.Linear(4, 1)
+    def forward(self, x, y): return ((self.lin(x).squeeze(-1) - y) ** 2).mean()
+
+
+def regressor_trainer(manager=None, max_steps=2):
+    from speedtronic.profiling import MetricLogger
+    from speedtronic.trainer import Trainer
+    torch.manual_seed(0)
+    model = Regressor()
+    batches = [(torch.randn(2, 4), torch.randn(2)) for _ in range(8)]
+    return Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), batches, device="cpu", max_steps=max_steps,
+                   logger=MetricLogger(stream=False), checkpoint_manager=manager)
+
+
+def test_resume_of_a_named_file_refuses_what_load_latest_skips(tmp_path):
+    ours = CheckpointManager(tmp_path / "ours", every_steps=1, keep_last=None, run_id="run-a", logger=Warnings())
+    regressor_trainer(ours).fit()
+    theirs = CheckpointManager(tmp_path / "theirs", every_steps=1, run_id="run-b")
+    regressor_trainer(theirs, max_steps=5).fit()
+    state = torch.load(ours.path_for(2), weights_only=True)
+    for moments in state["optimizer"]["state"].values(): moments["exp_avg"].fill_(float("nan"))
+    torch.save(state, ours.path_for(3))                                       # a diverged optimizer state
+    ours.path_for(4).write_bytes(ours.path_for(1).read_bytes())                # step 1 under step 4's name
+    ours.path_for(5).write_bytes(theirs.path_for(5).read_bytes())              # another run's file in our folder
+    ours.path_for(6).symlink_to(theirs.path_for(5))                            # another run's checkpoint linked in
+    for step, reason in [(3, "the optimizer state holds NaN or infinity"), (4, "holds step 1, not step 4"),
+                         (5, "belongs to run run-b, not to run run-a"), (6, "is a link to")]:
+        t = regressor_trainer()
+        with pytest.raises(CheckpointError, match=reason):
+            t.resume(ours.path_for(step))
+        assert t.step == 0
+    assert ours.load_latest()["step"] == 2                                      # the manager skips the same four
+    assert [p.name for p, _ in ours.skipped] == [ours.path_for(s).name for s in (6, 5, 4, 3)]
+    t = regressor_trainer(max_steps=3)
+    t.resume(ours.path_for(2))
+    assert t.fit().steps == 3

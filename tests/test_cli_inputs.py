@@ -145,3 +145,21 @@ def test_prepare_refuses_to_replace_a_json_file_it_was_not_given(tmp_path):
     assert '"format": "speedtronic-tokens"' in notes.read_text()
     again = cli("prepare", "src.txt", "out/x", "--no-progress", cwd=tmp_path)   # its own sidecar: replaced with the file
     assert again.returncode == 0, again.stderr
+
+
+def test_a_text_file_saved_with_a_byte_order_mark_trains_on_its_text_only(tmp_path):
+    # The mark names the encoding; it is not text: neither prepare nor a text_path dataset makes tokens of it.
+    import json
+
+    import numpy as np
+
+    from speedtronic.data import TextFileTokenDataset
+    text = "a line of text from a Windows editor\n" * 4
+    (tmp_path / "src.txt").write_bytes("\ufeff".encode() + text.encode())
+    proc = cli("prepare", "src.txt", "tokens.bin", "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((tmp_path / "tokens.bin.json").read_text())
+    tokens = np.fromfile(tmp_path / "tokens.bin", dtype=meta["dtype"])
+    assert (meta["num_tokens"], bytes(tokens.tolist()).decode()) == (len(text), text)
+    blocks = list(TextFileTokenDataset(tmp_path / "src.txt", block_size=15))
+    assert bytes(blocks[0]["input_ids"][:3].tolist()) == b"a l", blocks[0]

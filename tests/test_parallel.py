@@ -532,6 +532,16 @@ def test_stray_world_size_without_master_addr(tmp_path):
                    "$WORLD_SIZE=2", "unset WORLD_SIZE, RANK, MASTER_PORT")
 
 
+def test_stray_variables_behind_a_batch_that_cannot_split_are_named(tmp_path):
+    # The default global batch cannot split over the 2 "processes" a stray WORLD_SIZE makes: the message says to unset them.
+    cfg = tiny_config(tmp_path, max_steps=2)
+    proc = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"], cwd=tmp_path,
+                          env=stray_env(tmp_path, 1, free_port()), capture_output=True, text=True, timeout=120)
+    line = one_error_line(proc, "data.target_batch_size (2) is the global batch", "$WORLD_SIZE=2 was not set by torchrun",
+                          "unset WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT (left in this environment)")
+    assert not (tmp_path / "out").exists(), line
+
+
 @pytest.mark.parametrize("rank,sig,code,said", [(1, signal.SIGTERM, 143, None), (0, signal.SIGTERM, 143, "terminated (SIGTERM)"),
                                                 (0, signal.SIGINT, 130, "interrupted")])
 def test_a_signal_ends_the_wait_to_join(tmp_path, rank, sig, code, said):

@@ -151,3 +151,28 @@ def test_relative_logging_paths_follow_the_output_dir_absolute_ones_stay(tmp_pat
                      logging={"json_file": str(tmp_path / "all.jsonl")})
     ok(cli("train", "--config", str(mine), "--device", "cpu", "--output-dir", "runs/c", cwd=tmp_path))
     assert records(tmp_path / "all.jsonl") and not (tmp_path / "runs" / "c" / "all.jsonl").exists()
+
+
+def test_a_missing_tokenizer_or_init_from_folder_is_found_before_the_run_directory_is_made(tmp_path):
+    (tmp_path / "a.txt").write_text("some text to learn from\n" * 40)
+    for key, section, value in [("data.tokenizer: file not found", "data", {"text_path": "a.txt", "tokenizer": "tok.json"}),
+                                ("model.init_from: folder not found", "model", {"init_from": "llama"})]:
+        cfg = tiny_yaml(tmp_path, "named.yaml", **{section: value})
+        proc = cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path)
+        assert not (tmp_path / "out").exists(), proc.stderr                  # nothing made for a run that cannot start
+        error_line(proc, key)
+
+
+def test_a_run_refused_while_its_components_are_built_leaves_no_folder_and_validate_deep_finds_it(tmp_path):
+    # A held-out source too small, or a split that leaves nothing to train on: found after the claim, which made the folder.
+    (tmp_path / "short.txt").write_text("ab\n")
+    (tmp_path / "a.txt").write_text("x" * 40)
+    for key, data, evaluation in [("eval.text_path 'short.txt' holds 3 tokens", {}, {"text_path": "short.txt"}),
+                                  ("eval.holdout_fraction 0.9", {"text_path": "a.txt"}, {"holdout_fraction": 0.9})]:
+        cfg = tiny_yaml(tmp_path, "late.yaml", metrics=False, data=data, eval=evaluation,
+                        logging={"json_file": "runs/late/metrics.jsonl"}, run={"output_dir": "runs/late"})
+        proc = cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path)
+        assert not (tmp_path / "runs").exists(), (proc.stderr, sorted(str(p) for p in (tmp_path / "runs").rglob("*")))
+        error_line(proc, key)
+        deep = cli("validate", "--config", str(cfg), "--deep", "--device", "cpu", cwd=tmp_path)   # found by the deep check too
+        assert deep.returncode == 2 and key in deep.stderr, deep.stderr[-2000:]

@@ -55,3 +55,16 @@ def test_what_a_terminal_shows(tmp_path):
     assert re.search(r'\| INFO \| optimizer name=adamw .*fused_reason=', logged)
     assert re.search(r'\| INFO \| train_step step=4 loss=\S+ lr=\S+ steps_per_sec=', logged)
     assert (tmp_path / 'out' / 'loss_curve.png').exists()
+
+def test_validate_deep_fits_its_lines_to_the_terminal(tmp_path):
+    (tmp_path / 'a.txt').write_text('a line of text to train on and to hold out\n' * 200)
+    cfg = tmp_path / 'run.yaml'
+    cfg.write_text("run: {output_dir: out}\n"
+                   "model: {vocab_size: 256, max_seq_len: 16, n_layer: 1, n_head: 2, d_model: 16}\n"
+                   f"data: {{text_path: {tmp_path / 'a.txt'}, block_size: 16}}\neval: {{holdout_fraction: 0.1}}\n")
+    out = run_in_terminal([sys.executable, '-m', 'speedtronic', 'validate', '--deep', '--config', str(cfg), '--device', 'cpu'],
+                          tmp_path)
+    lines = [s for s in re.split(r'[\r\n]+', out) if s.strip()]
+    note = [i for i, s in enumerate(lines) if s.startswith('eval.holdout_fraction: ')]
+    assert len(note) == 1 and lines[note[0] + 1:][:1] != [] and lines[note[0] + 1].startswith('  '), out[-2000:]
+    assert max(len(s.rstrip()) for s in lines) <= COLUMNS, max(lines, key=len)

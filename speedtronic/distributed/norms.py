@@ -49,14 +49,25 @@ def norm_records_from_events(events: Iterable[tuple[str, Mapping[str, Any]] | Ma
         out += records_from_event(str(event), payload)
     return out
 
-def norm_records_from_jsonl(*paths: str | os.PathLike) -> list[NormRecord]:
-    "Records from the `delta_norms` / `outer_update_norms` lines of JSONL metrics files (a malformed one is named)."
+def _json_lines(path: str | os.PathLike) -> list[tuple[int, dict]]:
+    "`(line number, record)` for each line of `path` that is a JSON object."
+    out = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try: item = json.loads(line)
+        except ValueError: continue
+        if isinstance(item, dict): out.append((n, item))
+    return out
+
+def norm_records_from_jsonl(*paths: str | os.PathLike,
+                            run_id: str | None = None,  # the run to read; `None`: in each file, the newest run
+                           ) -> list[NormRecord]:
+    "Records from the `delta_norms` / `outer_update_norms` lines of one run in JSONL metrics files (a malformed one is named)."
     out = []
     for p in paths:
-        for n, line in enumerate(Path(p).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-            try: item = json.loads(line)
-            except ValueError: continue
-            if not isinstance(item, dict): continue
+        lines = _json_lines(p)
+        run = run_id or next((item["run_id"] for _, item in reversed(lines) if isinstance(item.get("run_id"), str)), None)
+        for n, item in lines:
+            if item.get("run_id", run) != run: continue   # another run's line
             try: out += records_from_event(str(item.get("event")), item)
             except (TypeError, ValueError, AttributeError) as e:
                 raise ValueError(f"{p}, line {n}: a {item.get('event')} record that cannot be read ({type(e).__name__}: {e}); "
@@ -112,14 +123,16 @@ def layer_profile(records: Iterable[NormRecord], outer_step: int, node: str | No
     return out
 
 # %% ../../nbs/12e_distributed_norms.ipynb #35cb1900
-def norm_records(source: Any) -> list[NormRecord]:
+def norm_records(source: Any,
+                 run_id: str | None = None,  # of a metrics file: the run to read (`None`: the newest in each file)
+                ) -> list[NormRecord]:
     "Records from a JSONL file, a folder of them, a transport (pending deltas) or an iterable of `NormRecord`s."
     if callable(getattr(source, "list_deltas", None)): return norm_records_from_repo(source)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if path.is_dir(): return norm_records_from_jsonl(*sorted(path.rglob("*.jsonl")))
+        if path.is_dir(): return norm_records_from_jsonl(*sorted(path.rglob("*.jsonl")), run_id=run_id)
         if not path.exists(): raise FileNotFoundError(f"{path}: no such file (a DiLoCo master's logging.json_file, or its folder)")
-        return norm_records_from_jsonl(path)
+        return norm_records_from_jsonl(path, run_id=run_id)
     records = list(source)
     if not all(isinstance(r, NormRecord) for r in records): raise TypeError("records: expected NormRecord items")
     return records
