@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
 import math
 import queue
 import threading
@@ -14,6 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -33,8 +36,8 @@ from .precision import autocast_context, resolve_precision
 from .trainer import call_model, move_batch, resolve_loss
 
 # %% auto #0
-__all__ = ['EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'StreamHoldout', 'Sampler', 'Evaluator',
-           'build_evaluator', 'GlobalEvaluator', 'holdout_note']
+__all__ = ['EVAL_RECORD_KEYS', 'EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'StreamHoldout',
+           'Sampler', 'Evaluator', 'build_evaluator', 'GlobalEvaluator', 'holdout_note', 'earlier_evals']
 
 # %% ../nbs/11b_evaluation.ipynb #383bfe39
 @dataclass(frozen=True)
@@ -342,6 +345,29 @@ def holdout_note(config: SpeedtronicConfig) -> str | None:
     if not config.eval.holdout_fraction: return None
     dataset = select_dataset(config.data, vocab_size=resolve_vocab_size(config.data))
     return holdout_split(dataset, config.eval.holdout_fraction).describe()
+
+# %% ../nbs/11b_evaluation.ipynb #93684c03
+EVAL_RECORD_KEYS = ("step", "val_loss", "val_ppl", "val_bpb", "val_tokens", "val_batches", "eval_s")  # an `eval` record's values
+
+def earlier_evals(path: str | os.PathLike | None, # the run's metrics file (`logging.json_file`)
+                  up_to: int, # the step the run resumed from
+                  *, run_id: str | None = None, # the resumed run: records of other runs in the file are skipped
+                 ) -> list[dict[str, Any]]:
+    "The `eval` records of run `run_id` up to step `up_to` that led to it, from a metrics file (empty if it is missing)."
+    if path is None or not Path(path).is_file() or up_to <= 0: return []
+    kept: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            if '"eval"' not in line and '"train_start"' not in line: continue
+            try: record = json.loads(line)
+            except ValueError: continue  # a line a kill cut short
+            if not isinstance(record, dict) or record.get("event") not in ("eval", "train_start"): continue
+            if run_id is not None and record.get("run_id", run_id) != run_id: continue
+            step = record.get("start_step", 0) if record["event"] == "train_start" else record.get("step")
+            if not isinstance(step, int): continue
+            if record["event"] == "train_start": kept = [r for r in kept if r["step"] <= step]   # a resume from `step` replaces what followed
+            elif step <= up_to: kept.append({k: record[k] for k in EVAL_RECORD_KEYS if k in record})
+    return kept
 
 # %% ../nbs/11b_evaluation.ipynb #f78af4fe
 def __dir__() -> list[str]: return list(__all__)

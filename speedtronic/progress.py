@@ -190,6 +190,7 @@ class ProgressBar:
         self.loss = self.tokens_per_sec = self._t0 = self._handle = None
         self.view: Any = None  # the notebook's widget (a `speedtronic.widgets.TrainingView`), from the first redraw
         self.earlier: list[tuple[int, float]] = []  # (step, loss) before this run's start (a resumed run), drawn first
+        self.earlier_evals: list[tuple[int, float]] = []  # (step, held-out loss) before this run's start, drawn first too
         self._last, self._width, self._open, self.renders, self._text = -math.inf, 0, False, 0, ""
         self._charted, self._fresh_points, self.finished = -math.inf, False, False
         self._lock = threading.RLock()  # the hook thread draws; the training thread may print around the bar
@@ -265,8 +266,9 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         self.loss = self.tokens_per_sec = None
         self._t0, self.finished = time.monotonic(), False
         self.render()
-        for step, loss in self.earlier if self.view is not None else ():
-            if step <= self.start_step: self.view.add("train", step, loss); self._fresh_points = True
+        earlier = [("train", *p) for p in self.earlier] + [("eval", *p) for p in self.earlier_evals]
+        for kind, step, loss in earlier if self.view is not None else ():
+            if step <= self.start_step: self.view.add(kind, step, loss); self._fresh_points = True
     elif event == "train_step":
         if self._t0 is None: self._t0 = time.monotonic()
         self.step = payload.get("step", self.step + 1)

@@ -124,6 +124,36 @@ def test_eval_records_reach_the_live_chart_and_the_terminal():
     assert line == "eval  step 10  val_loss   2.5000  ppl 12.18  bpb 3.6067" and len(line) <= 100
 
 
+def test_a_resumed_run_shows_the_held_out_curve_of_the_whole_run(tmp_path):
+    "A run stopped at step 4 and resumed to 8: the result and the loss plot carry evaluations 2, 4, 6, 8, equal to the uninterrupted run's."
+    text = corpus(tmp_path / "corpus.txt")
+    sections = dict(max_steps=8, every_steps=2, data={"synthetic": False, "text_path": str(text)}, model={"vocab_size": 256},
+                    eval={"holdout_fraction": 0.2, "every_steps": 2, "max_batches": 2})
+    (tmp_path / "whole").mkdir()
+    whole = train_from_config(yaml.safe_load(tiny_config(tmp_path / "whole", **sections).read_text()), device="cpu")
+    raw = yaml.safe_load(tiny_config(tmp_path, **sections).read_text())
+    trainer, _ = build_runtime(raw, device="cpu")
+    try: first = trainer.fit(4)                                        # stopped at step 4 (its schedule is the 8-step run's)
+    finally: trainer.logger.close(); trainer.run_claim.release()
+    assert [r["step"] for r in first.evals] == [2, 4]
+    resumed = train_from_config(raw, device="cpu", resume=True)
+    assert [(r["step"], r["val_loss"]) for r in resumed.evals] == [(r["step"], r["val_loss"]) for r in whole.evals]
+    assert [r["step"] for r in resumed.evals] == [2, 4, 6, 8] and resumed.val_loss == whole.val_loss
+    assert [r["step"] for r in resumed.metrics] == list(range(1, 9))
+
+
+def test_a_resumed_runs_earlier_evaluations_reach_the_live_chart():
+    widgets = pytest.importorskip("speedtronic.widgets")
+    try: view = widgets.TrainingView()
+    except ImportError as e: pytest.skip(f"the notebook view needs its extra: {e}")
+    bar = ProgressBar(enabled=True, notebook=True, make_view=lambda: view)
+    bar.earlier, bar.earlier_evals = [(1, 3.0), (2, 2.8)], [(2, 2.9)]
+    bar.on_event("train_start", {"start_step": 2, "target_step": 4})
+    bar.on_event("eval", {"step": 4, "val_loss": 2.5})
+    assert (view.train, view.evals) == ([(1, 3.0), (2, 2.8)], [(2, 2.9), (4, 2.5)])
+    bar.close()
+
+
 def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_path):
     """2 ranks x eval batch 4 read the held-out blocks one process reads in batches of 8: the same targets in
     all, and the same loss up to fp32 reduction order (the weights themselves agree to ~1e-7, see
