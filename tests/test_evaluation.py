@@ -154,14 +154,15 @@ def test_a_resumed_runs_earlier_evaluations_reach_the_live_chart():
     bar.close()
 
 
-def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_path, strategy):
     """2 ranks x eval batch 4 read the held-out blocks one process reads in batches of 8: the same targets in
     all, and the same loss up to fp32 reduction order (the weights themselves agree to ~1e-7, see
-    test_parallel.test_two_ranks_reproduce_one_process)."""
+    test_parallel.test_two_ranks_reproduce_one_process). Under fsdp every rank runs the sharded forward on its share."""
     data = {"token_file": str(token_file(tmp_path, blocks=120))}
     held = {"holdout_fraction": 0.2, "every_steps": 4}
     one = job_config(tmp_path, "one", micro=8, data=data, steps=8, eval=held)
-    two = job_config(tmp_path, "two", micro=4, data=data, steps=8, eval=held)
+    two = job_config(tmp_path, "two", micro=4, data=data, steps=8, eval=held, parallel={"strategy": strategy})
     finish_job(one_process(one))
     finish_job(torchrun(two))
     a, b = jsonl_records(tmp_path / "one.jsonl", "eval"), jsonl_records(tmp_path / "two.jsonl", "eval")
