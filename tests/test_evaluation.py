@@ -176,7 +176,7 @@ def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_pat
     ({"every_steps": "often", "holdout_fraction": 0.1}, ["eval.every_steps", "expected"]),
     ({"every_steps": 100}, ["eval.every_steps", "no held-out source"]),
     ({"holdout_fraction": 0.2, "text_path": "x.txt"}, ["eval.holdout_fraction", "choose one held-out source"]),
-    ({"holdout_fraction": 0.2}, ["eval.holdout_fraction", "data.text_path or data.token_file"]),
+    ({"holdout_fraction": 0.2}, ["eval.holdout_fraction", "data.text_path, data.token_file or data.hf_dataset"]),
     ({"every_step": 5, "holdout_fraction": 0.1}, ["eval.every_step: unknown key", "eval.every_steps"]),
 ])
 def test_bad_eval_settings_are_one_line(tmp_path, section, needles):
