@@ -320,7 +320,8 @@ def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = 
     "On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU) for every global it publishes."
     node = getattr(trainer.coordinator, "inner", trainer.coordinator)  # a torchrun node: rank 0's coordinator
     if trainer.evaluator is None or getattr(node, "role", None) != "master": return
-    evaluator = build_evaluator(config, device="cpu", vocab_size=model_vocab_size(trainer.model, config), held_out=held_out)
+    evaluator = build_evaluator(config, device="cpu", vocab_size=model_vocab_size(trainer.model, config),
+                                held_out=copy.copy(held_out))  # its own: a loader keeps its start on the dataset, and this one reads on another thread
     with torch.random.fork_rng(devices=[]):  # the second instance's initial weights are not drawn from training's generator
         model = build_model(config.model)
     node.global_watcher = GlobalEvaluator(model, evaluator, logger=trainer.logger)
