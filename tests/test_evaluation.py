@@ -3,6 +3,7 @@ the held-out blocks are never trained on, a torchrun job splits the held-out bat
 and bad `eval` settings give one clear line."""
 from __future__ import annotations
 
+import json
 import math
 import random
 import signal
@@ -258,3 +259,37 @@ def test_tensorboard_gets_the_held_out_scalars(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("eval/val_loss")] == [
         (r["step"], pytest.approx(r["val_loss"])) for r in result.evals]
     assert [r["step"] for r in result.evals] == [2, 4]
+
+
+def wandb_rows(folder):
+    "The logged rows of the one offline W&B run under `folder`, read from its `.wandb` file (a record log of protobuf records)."
+    from wandb.proto import wandb_internal_pb2
+    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, pending, rows = path.read_bytes(), 7, b"", []         # a 7-byte file header, then 32 KiB blocks
+    while pos + 7 <= len(data):
+        if (left := 32768 - pos % 32768) < 7: pos += left; continue  # a block's tail too short for a header is padding
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]   # crc32, length, full/first/middle/last
+        pending += data[pos + 7:pos + 7 + length]; pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record(); record.ParseFromString(pending); pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_gets_the_held_out_metrics_and_the_samples(tmp_path):
+    "An offline W&B run of `speedtronic train` holds each `eval` (val_loss, val_ppl, val_bpb at its step) and each `sample` text."
+    pytest.importorskip("wandb")
+    cfg = tiny_config(tmp_path, max_steps=4, data={"synthetic": False, "text_path": str(corpus(tmp_path / "corpus.txt"))},
+                      model={"vocab_size": 256}, eval={"holdout_fraction": 0.1, "every_steps": 2, "max_batches": 2,
+                                                       "sample_prompts": ["the "], "sample_tokens": 8},
+                      logging={"wandb": {"project": "held-out", "mode": "offline", "dir": str(tmp_path / "wb")}})
+    proc = run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path, env={"WANDB_SILENT": "true"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = wandb_rows(tmp_path / "wb")
+    keys = ("step", "val_loss", "val_ppl", "val_bpb", "val_tokens")
+    assert [{k: r[k] for k in keys} for r in rows if r.get("event") == "eval"] == [
+        {k: r[k] for k in keys} for r in jsonl_records(tmp_path / "metrics.jsonl", "eval")]
+    assert [(r["step"], r["text"]) for r in rows if r.get("event") == "sample"] == [
+        (r["step"], r["text"]) for r in jsonl_records(tmp_path / "metrics.jsonl", "sample")]
+    assert [r["step"] for r in rows if r.get("event") == "eval"] == [2, 4]
