@@ -306,3 +306,18 @@ def test_two_torchrun_ranks_split_a_streamed_held_out_side_as_one_process_reads_
     for p, q in zip(x, y):
         assert (p["val_tokens"], p["val_batches"] * 2) == (q["val_tokens"], q["val_batches"])
         assert q["val_loss"] == pytest.approx(p["val_loss"], rel=1e-5)
+
+
+def test_an_arrow_file_and_a_save_to_disk_folder_train_as_the_parquet_of_the_same_rows(tmp_path, data_dir):
+    "The same 300 rows as parquet, as the arrow file of a saved Dataset, and as a saved DatasetDict's split: the same losses."
+    table = datasets.Dataset.from_parquet(str(data_dir / "rows.parquet"), cache_dir=str(tmp_path / "hf-cache"))
+    table.save_to_disk(tmp_path / "one")
+    datasets.DatasetDict({"train": table, "test": table.select(range(10))}).save_to_disk(tmp_path / "saved")
+    (arrow,) = (tmp_path / "one").glob("*.arrow")
+    specs = {"parquet": str(data_dir / "rows.parquet"), "arrow": str(arrow), "saved": {"path": str(tmp_path / "saved"), "split": "train"}}
+    got = {}
+    for name, spec in specs.items():
+        finish(start(write_config(tmp_path, name, spec, every=STEPS, shuffle=True), tmp_path))
+        got[name] = losses(tmp_path / f"{name}.jsonl")
+    assert sorted(got["parquet"]) == list(range(1, STEPS + 1))
+    assert got["arrow"] == got["parquet"] == got["saved"]
