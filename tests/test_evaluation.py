@@ -125,6 +125,19 @@ def test_eval_records_reach_the_live_chart_and_the_terminal():
     assert line == "eval  step 10  val_loss   2.5000  ppl 12.18  bpb 3.6067" and len(line) <= 100
 
 
+def test_the_terminal_progress_line_ends_with_the_newest_held_out_loss(tmp_path):
+    "`speedtronic train` with the progress bar on: after an evaluation the bar's line shows `val <loss>` (here: the final one's)."
+    cfg = tiny_config(tmp_path, max_steps=4, data={"synthetic": False, "text_path": str(corpus(tmp_path / "corpus.txt"))},
+                      model={"vocab_size": 256}, eval={"holdout_fraction": 0.1, "every_steps": 2, "max_batches": 2},
+                      logging={"progress": True})
+    proc = run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = jsonl_records(tmp_path / "metrics.jsonl", "eval")
+    drawn = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.startswith("step ")]
+    assert not any("| val" in line for line in drawn if line.startswith(("step 1/", "step 2/")))   # none before the first
+    assert drawn[-1].startswith("step 4/4") and drawn[-1].endswith(f"| val {last['val_loss']:.4g}"), drawn[-3:]
+
+
 def test_a_resumed_run_shows_the_held_out_curve_of_the_whole_run(tmp_path):
     "A run stopped at step 4 and resumed to 8: the result and the loss plot carry evaluations 2, 4, 6, 8, equal to the uninterrupted run's."
     text = corpus(tmp_path / "corpus.txt")
