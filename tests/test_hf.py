@@ -328,3 +328,24 @@ def test_a_resumed_run_reads_its_checkpoint_not_the_llama_folder(tmp_path):
     fresh = run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", "--output-dir", str(tmp_path / "new"),
                     cwd=tmp_path)
     one_error_line(fresh, "model.init_from", "does not exist")     # a fresh run still needs it
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_torchrun_run_exports_and_generates_from_its_checkpoint(tmp_path, strategy, hf_env):
+    "A 2-rank torchrun run (fsdp: sharded step_<N>.dcp folders) exports a Llama folder transformers agrees with, and generates."
+    from test_parallel import finish, torchrun, write_config
+    cfg = write_config(tmp_path, "job", micro=4, data={"synthetic": True, "num_tokens": 400}, steps=4,
+                       model={"vocab_size": 256, "n_kv_head": 1, "n_layer": 2}, parallel={"strategy": strategy})
+    finish(torchrun(cfg))
+    saved = sorted((tmp_path / "job" / "checkpoints").glob("step_*"))
+    assert saved and all(p.suffix == (".dcp" if strategy == "fsdp" else ".pt") for p in saved), saved
+    ok(run_cli("export", "--run", str(tmp_path / "job"), "--to", str(tmp_path / "llama"), cwd=tmp_path))
+    ids = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]
+    theirs = hf_side(tmp_path / "llama", ids=ids, new=6, env=hf_env)
+    trained = load_trained(tmp_path / "job")
+    assert trained.step == 4
+    logits, greedy = our_answers(trained.model, ids=ids, new=6)
+    assert (logits - torch.tensor(theirs["logits"])).abs().max().item() <= 1e-4 and theirs["greedy"] == greedy
+    out = ok(run_cli("generate", "--run", str(tmp_path / "job"), "--prompt", "ab", "--temperature", "0", "--max-new-tokens", "5",
+                     "--device", "cpu", cwd=tmp_path)).stdout
+    assert out.startswith("ab") and len(out) >= len("ab\n")
