@@ -772,8 +772,8 @@ def _validation_problems(self: SpeedtronicConfig) -> list[str]:
     for name in _SECTIONS: problems += getattr(self, name)._problems()
     problems += _check_fields(self) + self._rules()
     if self.data.block_size is None: problems.append("data.block_size: must be positive (it is null; set it or rebuild the config)")
-    if self.eval.holdout_fraction and not (self.data.text_path or self.data.token_file):
-        problems.append("eval.holdout_fraction: holds out part of data.text_path or data.token_file, and neither is set; "
+    if self.eval.holdout_fraction and not (self.data.text_path or self.data.token_file or self.data.hf_dataset):
+        problems.append("eval.holdout_fraction: holds out part of data.text_path, data.token_file or data.hf_dataset, and none is set; "
                         "set one of them, or give eval.text_path / eval.token_file")
     d = self.distributed
     if d.enabled and not d.repo_id:

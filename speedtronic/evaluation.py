@@ -6,13 +6,18 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
+import os
 import math
 import queue
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -21,8 +26,9 @@ from torch import nn
 
 from .checkpoint import capture_rng_state, restore_rng_state
 from .config import DataConfig, SpeedtronicConfig
-from .data import (CharTokenizer, DataError, TextFileTokenDataset, TokenArrayDataset, build_dataloader, check_data_file,
-                   load_tokenizer, read_token_sidecar, resolve_vocab_size, select_dataset, token_dtype)
+from .data import (BlockStream, CharTokenizer, DataError, TextFileTokenDataset, TokenArrayDataset, build_dataloader,
+                   check_data_file, load_tokenizer, read_token_sidecar, resolve_vocab_size, select_dataset, source_identity,
+                   token_dtype)
 from .generation import generate
 from .parallel import World
 from .tokens import encode_text
@@ -30,8 +36,8 @@ from .precision import autocast_context, resolve_precision
 from .trainer import call_model, move_batch, resolve_loss
 
 # %% auto #0
-__all__ = ['EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'Sampler', 'Evaluator', 'build_evaluator',
-           'GlobalEvaluator', 'holdout_note']
+__all__ = ['EVAL_RECORD_KEYS', 'EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'StreamHoldout',
+           'Sampler', 'Evaluator', 'build_evaluator', 'GlobalEvaluator', 'holdout_note', 'earlier_evals']
 
 # %% ../nbs/11b_evaluation.ipynb #383bfe39
 @dataclass(frozen=True)
@@ -109,13 +115,17 @@ def bytes_per_token(tokenizer: Any, tokens: Any = None,  # held-out token ids to
 @dataclass(frozen=True)
 class Holdout:
     "A training source split in two at a block boundary."
-    train: TokenArrayDataset  # the blocks training reads
-    held_out: TokenArrayDataset  # the blocks evaluation reads
+    train: Any  # the blocks training reads: a `TokenArrayDataset`, or a `StreamHoldout` of a stream
+    held_out: Any  # the blocks evaluation reads, of the same kind
     source: str  # what was split, e.g. "data.token_file 'x.bin'"
 
     def describe(self) -> str:
-        "One line: how many blocks and tokens each side gets."
+        "One line: how many blocks and tokens each side gets (a stream: which blocks, its size is not known before reading)."
         t, h = self.train, self.held_out
+        if getattr(h, "share", None) is not None:  # a `StreamHoldout` (below)
+            return (f"eval.holdout_fraction: {self.source} is streamed, so the tokens each side gets are not known before it is read: "
+                    f"of each shard's blocks of {t.block_size + 1} tokens, {h.share} spread evenly are held out "
+                    f"({h.share.denominator - h.share.numerator} trained on, then {h.share.numerator} held out, in every {h.share.denominator})")
         return (f"eval.holdout_fraction: {self.source} split into {t.num_blocks:,} training blocks ({t.num_tokens:,} tokens) "
                 f"and {h.num_blocks:,} held-out blocks ({h.num_tokens:,} tokens)")
 
@@ -127,13 +137,16 @@ def _text_tokens(dataset: TextFileTokenDataset) -> np.ndarray:
 
 # %% ../nbs/11b_evaluation.ipynb #9c5bd118
 def holdout_split(dataset: Any, fraction: float) -> Holdout:
-    "Split a text or token dataset: its last `fraction` of blocks (at least one) held out, the rest trained on."
+    "Split a text or token dataset: its last `fraction` of blocks (at least one) held out, the rest trained on; a stream block by block."
     if isinstance(dataset, TextFileTokenDataset):
         tokens, source, shuffle, seed = _text_tokens(dataset), f"data.text_path {str(dataset.path)!r}", False, 0
     elif isinstance(dataset, TokenArrayDataset):
         tokens, source, shuffle, seed = dataset.tokens, dataset.name, dataset.shuffle, dataset.seed
-    else: raise DataError(f"eval.holdout_fraction splits data.text_path or data.token_file, not a {type(dataset).__name__}; "
-                          "give eval.text_path or eval.token_file instead")
+    elif isinstance(dataset, BlockStream) and hasattr(dataset, "block_size"):
+        source = getattr(dataset, "name", None) or type(dataset).__name__
+        return Holdout(StreamHoldout(dataset, fraction, held_out=False), StreamHoldout(dataset, fraction, held_out=True), source)
+    else: raise DataError(f"eval.holdout_fraction splits data.text_path, data.token_file or data.hf_dataset, not a "
+                          f"{type(dataset).__name__}; give eval.text_path or eval.token_file instead")
     block, g = dataset.block_size, dataset.block_size + 1
     blocks = len(tokens) // g + (len(tokens) % g >= 2)
     held = max(1, math.ceil(blocks * fraction))
@@ -145,6 +158,32 @@ def holdout_split(dataset: Any, fraction: float) -> Holdout:
     rest = TokenArrayDataset(tokens[cut:], block, name=f"{source} held-out blocks {blocks - held}..{blocks - 1}")
     train.vocab_limit = rest.vocab_limit = getattr(dataset, "vocab_limit", None)
     return Holdout(train, rest, source)
+
+# %% ../nbs/11b_evaluation.ipynb #01aed97c
+def _is_held(i: int, share: Fraction) -> bool:
+    "Whether block `i` of a shard is held out: `floor((i + 1) * share)` passes an integer there."
+    return (i + 1) * share.numerator // share.denominator > i * share.numerator // share.denominator
+
+class StreamHoldout(BlockStream):
+    "One side of a streamed source split block by block: `fraction` of each unit's blocks, spread evenly, are held out."
+    shuffle, known_blocks = False, None
+    def __init__(self, source: BlockStream, fraction: float, *, held_out: bool):
+        self.source, self.held_out = source, bool(held_out)
+        self.share = Fraction(fraction).limit_denominator(1 << 20)
+        self.block_size, self.vocab_size = source.block_size, getattr(source, "vocab_size", None)
+        self.name = f"{getattr(source, 'name', None) or type(source).__name__} {'held-out' if held_out else 'training'} blocks"
+
+    def num_units(self, epoch: int) -> int: return self.source.num_units(epoch)
+
+    def unit_samples(self, epoch: int, unit: int, skip: int) -> Iterator[dict]:
+        "This side's samples of `unit`, after its first `skip` (the source's unit read from its start)."
+        mine = (s for i, s in enumerate(self.source.unit_samples(epoch, unit, 0)) if _is_held(i, self.share) == self.held_out)
+        return itertools.islice(mine, skip, None)
+
+    def source_identity(self, **order: Any) -> dict[str, Any]:
+        "The source's identity, the fraction and the side: a position of one side is not one of the other."
+        return {**source_identity(self.source, **order), "eval.holdout_fraction": float(self.share),
+                "side": "held out" if self.held_out else "trained on"}
 
 # %% ../nbs/11b_evaluation.ipynb #dc97c733
 @dataclass
@@ -207,7 +246,7 @@ def _held_out_data(config: SpeedtronicConfig) -> tuple[DataConfig, str]:
 
 def build_evaluator(config: SpeedtronicConfig, *, device: str | torch.device, vocab_size: int | None = None,
                     precision: Any = None, world: World | None = None,
-                    held_out: TokenArrayDataset | None = None,  # the held-out side of a `holdout_split`
+                    held_out: Any = None,  # the held-out side of a `holdout_split`
                     tokenizer: Any = None,  # the run's tokenizer (for bits per byte); default from `data.tokenizer`
                    ) -> Evaluator | None:
     "The `Evaluator` that `config.eval` describes, or `None` when it names no held-out source."
@@ -222,12 +261,12 @@ def build_evaluator(config: SpeedtronicConfig, *, device: str | torch.device, vo
     except DataError as err:  # the data module names the training keys; this is the held-out file
         if held_out is not None: raise
         raise DataError(str(err).replace("data.text_path", key).replace("data.token_file", key)) from None
-    uses_tokenizer = held_out is not None and config.data.text_path or e.text_path
+    uses_tokenizer = held_out is not None and (config.data.text_path or config.data.hf_dataset) or e.text_path
     tok = (tokenizer if tokenizer is not None else load_tokenizer(config.data.tokenizer, vocab)) if uses_tokenizer else None
     token_path = e.token_file or (config.data.token_file if held_out is not None else None)
     if tok is None and token_path: tok = _sidecar_tokenizer(token_path, vocab)
-    sample = held_out.tokens if held_out is not None else getattr(loader.dataset, "tokens", None)
-    if sample is None and tok is not None and not isinstance(tok, CharTokenizer):  # a text file: measure on its first blocks
+    sample = getattr(loader.dataset, "tokens", None)
+    if sample is None and tok is not None and not isinstance(tok, CharTokenizer):  # a text file or stream: its first blocks
         sample = np.concatenate([s["input_ids"].numpy() for _, s in zip(range(64), loader.dataset)])
     sampler = _sampler(config, tok if tok is not None else load_tokenizer(config.data.tokenizer, vocab), vocab) if e.sample_prompts else None
     return Evaluator(loader, device=device, every_steps=e.every_steps, max_batches=e.max_batches, precision=precision,
@@ -306,6 +345,29 @@ def holdout_note(config: SpeedtronicConfig) -> str | None:
     if not config.eval.holdout_fraction: return None
     dataset = select_dataset(config.data, vocab_size=resolve_vocab_size(config.data))
     return holdout_split(dataset, config.eval.holdout_fraction).describe()
+
+# %% ../nbs/11b_evaluation.ipynb #93684c03
+EVAL_RECORD_KEYS = ("step", "val_loss", "val_ppl", "val_bpb", "val_tokens", "val_batches", "eval_s")  # an `eval` record's values
+
+def earlier_evals(path: str | os.PathLike | None, # the run's metrics file (`logging.json_file`)
+                  up_to: int, # the step the run resumed from
+                  *, run_id: str | None = None, # the resumed run: records of other runs in the file are skipped
+                 ) -> list[dict[str, Any]]:
+    "The `eval` records of run `run_id` up to step `up_to` that led to it, from a metrics file (empty if it is missing)."
+    if path is None or not Path(path).is_file() or up_to <= 0: return []
+    kept: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            if '"eval"' not in line and '"train_start"' not in line: continue
+            try: record = json.loads(line)
+            except ValueError: continue  # a line a kill cut short
+            if not isinstance(record, dict) or record.get("event") not in ("eval", "train_start"): continue
+            if run_id is not None and record.get("run_id", run_id) != run_id: continue
+            step = record.get("start_step", 0) if record["event"] == "train_start" else record.get("step")
+            if not isinstance(step, int): continue
+            if record["event"] == "train_start": kept = [r for r in kept if r["step"] <= step]   # a resume from `step` replaces what followed
+            elif step <= up_to: kept.append({k: record[k] for k in EVAL_RECORD_KEYS if k in record})
+    return kept
 
 # %% ../nbs/11b_evaluation.ipynb #f78af4fe
 def __dir__() -> list[str]: return list(__all__)

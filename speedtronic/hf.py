@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, load_checkpoint
+from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, is_sharded, load_checkpoint
 from .config import ConfigError, SpeedtronicConfig
 from .precision import resolve_device
 from .registry import build_model
@@ -42,8 +42,8 @@ def _run_checkpoint(run: str | os.PathLike) -> tuple[Path, dict]:
     for folder in (run / "checkpoints", run):
         if checkpoint_files(folder):
             manager = CheckpointManager(folder)
-            state = manager.load_latest()
-            return manager.loaded_path, state
+            state = manager.load_latest()  # a sharded folder's tensors are left for a job to fill in: gather it whole
+            return manager.loaded_path, load_checkpoint(manager.loaded_path) if is_sharded(manager.loaded_path) else state
     raise CheckpointError(f"no checkpoint in {run / 'checkpoints'} (or {run}); train the run first, "
                           "or give a checkpoint file with --checkpoint")
 

@@ -162,6 +162,7 @@ class HFStreamDataset(BlockStream):
     def __init__(self, spec: str | Mapping, block_size: int, tokenizer: Any = None):
         if int(block_size) <= 0: raise ValueError(f"block_size must be positive, got {block_size}")
         self.spec, self.block_size = hf_spec({**hf_spec(spec), "streaming": True}), int(block_size)
+        self.name = describe(self.spec)  # how messages name it
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
         self.vocab_size = int(self.tokenizer.vocab_size)
         self.dataset = open_hf_dataset(self.spec)

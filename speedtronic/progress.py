@@ -190,6 +190,8 @@ class ProgressBar:
         self.loss = self.tokens_per_sec = self._t0 = self._handle = None
         self.view: Any = None  # the notebook's widget (a `speedtronic.widgets.TrainingView`), from the first redraw
         self.earlier: list[tuple[int, float]] = []  # (step, loss) before this run's start (a resumed run), drawn first
+        self.earlier_evals: list[tuple[int, float]] = []  # (step, held-out loss) before this run's start, drawn first too
+        self.val_loss: float | None = None  # the newest held-out loss, shown at the end of the terminal line
         self._last, self._width, self._open, self.renders, self._text = -math.inf, 0, False, 0, ""
         self._charted, self._fresh_points, self.finished = -math.inf, False, False
         self._lock = threading.RLock()  # the hook thread draws; the training thread may print around the bar
@@ -202,7 +204,7 @@ def line(self: ProgressBar) -> str:
     "The current progress line."
     elapsed = None if self._t0 is None else time.monotonic() - self._t0
     return format_progress(self.step, self.target, self.loss, self.tokens_per_sec, elapsed,
-                           start_step=self.start_step)
+                           start_step=self.start_step) + (f" | val {self.val_loss:.4g}" if self.val_loss is not None else "")
 
 @patch
 def _notebook_view(self: ProgressBar) -> Any:
@@ -265,8 +267,9 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         self.loss = self.tokens_per_sec = None
         self._t0, self.finished = time.monotonic(), False
         self.render()
-        for step, loss in self.earlier if self.view is not None else ():
-            if step <= self.start_step: self.view.add("train", step, loss); self._fresh_points = True
+        earlier = [("train", *p) for p in self.earlier] + [("eval", *p) for p in self.earlier_evals]
+        for kind, step, loss in earlier if self.view is not None else ():
+            if step <= self.start_step: self.view.add(kind, step, loss); self._fresh_points = True
     elif event == "train_step":
         if self._t0 is None: self._t0 = time.monotonic()
         self.step = payload.get("step", self.step + 1)
@@ -275,6 +278,7 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         self._add_point("train", payload)
         if self.step == self.target or time.monotonic() - self._last >= self.min_interval: self.render()
     elif event == "eval":
+        self.val_loss = payload.get("val_loss", self.val_loss)
         self._add_point("eval", {"step": payload.get("step"), "loss": payload.get("val_loss", payload.get("loss"))})
     elif event == "sample" and self.notebook and self.view is not None and hasattr(self.view, "sample"):
         self.view.sample(payload.get("step"), str(payload.get("prompt", "")), str(payload.get("text", "")))  # the newest, under the chart

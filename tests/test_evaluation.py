@@ -3,6 +3,7 @@ the held-out blocks are never trained on, a torchrun job splits the held-out bat
 and bad `eval` settings give one clear line."""
 from __future__ import annotations
 
+import json
 import math
 import random
 import signal
@@ -124,14 +125,58 @@ def test_eval_records_reach_the_live_chart_and_the_terminal():
     assert line == "eval  step 10  val_loss   2.5000  ppl 12.18  bpb 3.6067" and len(line) <= 100
 
 
-def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_path):
+def test_the_terminal_progress_line_ends_with_the_newest_held_out_loss(tmp_path):
+    "`speedtronic train` with the progress bar on: after an evaluation the bar's line shows `val <loss>` (here: the final one's)."
+    cfg = tiny_config(tmp_path, max_steps=4, data={"synthetic": False, "text_path": str(corpus(tmp_path / "corpus.txt"))},
+                      model={"vocab_size": 256}, eval={"holdout_fraction": 0.1, "every_steps": 2, "max_batches": 2},
+                      logging={"progress": True})
+    proc = run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = jsonl_records(tmp_path / "metrics.jsonl", "eval")
+    drawn = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.startswith("step ")]
+    assert not any("| val" in line for line in drawn if line.startswith(("step 1/", "step 2/")))   # none before the first
+    assert drawn[-1].startswith("step 4/4") and drawn[-1].endswith(f"| val {last['val_loss']:.4g}"), drawn[-3:]
+
+
+def test_a_resumed_run_shows_the_held_out_curve_of_the_whole_run(tmp_path):
+    "A run stopped at step 4 and resumed to 8: the result and the loss plot carry evaluations 2, 4, 6, 8, equal to the uninterrupted run's."
+    text = corpus(tmp_path / "corpus.txt")
+    sections = dict(max_steps=8, every_steps=2, data={"synthetic": False, "text_path": str(text)}, model={"vocab_size": 256},
+                    eval={"holdout_fraction": 0.2, "every_steps": 2, "max_batches": 2})
+    (tmp_path / "whole").mkdir()
+    whole = train_from_config(yaml.safe_load(tiny_config(tmp_path / "whole", **sections).read_text()), device="cpu")
+    raw = yaml.safe_load(tiny_config(tmp_path, **sections).read_text())
+    trainer, _ = build_runtime(raw, device="cpu")
+    try: first = trainer.fit(4)                                        # stopped at step 4 (its schedule is the 8-step run's)
+    finally: trainer.logger.close(); trainer.run_claim.release()
+    assert [r["step"] for r in first.evals] == [2, 4]
+    resumed = train_from_config(raw, device="cpu", resume=True)
+    assert [(r["step"], r["val_loss"]) for r in resumed.evals] == [(r["step"], r["val_loss"]) for r in whole.evals]
+    assert [r["step"] for r in resumed.evals] == [2, 4, 6, 8] and resumed.val_loss == whole.val_loss
+    assert [r["step"] for r in resumed.metrics] == list(range(1, 9))
+
+
+def test_a_resumed_runs_earlier_evaluations_reach_the_live_chart():
+    widgets = pytest.importorskip("speedtronic.widgets")
+    try: view = widgets.TrainingView()
+    except ImportError as e: pytest.skip(f"the notebook view needs its extra: {e}")
+    bar = ProgressBar(enabled=True, notebook=True, make_view=lambda: view)
+    bar.earlier, bar.earlier_evals = [(1, 3.0), (2, 2.8)], [(2, 2.9)]
+    bar.on_event("train_start", {"start_step": 2, "target_step": 4})
+    bar.on_event("eval", {"step": 4, "val_loss": 2.5})
+    assert (view.train, view.evals) == ([(1, 3.0), (2, 2.8)], [(2, 2.9), (4, 2.5)])
+    bar.close()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_path, strategy):
     """2 ranks x eval batch 4 read the held-out blocks one process reads in batches of 8: the same targets in
     all, and the same loss up to fp32 reduction order (the weights themselves agree to ~1e-7, see
-    test_parallel.test_two_ranks_reproduce_one_process)."""
+    test_parallel.test_two_ranks_reproduce_one_process). Under fsdp every rank runs the sharded forward on its share."""
     data = {"token_file": str(token_file(tmp_path, blocks=120))}
     held = {"holdout_fraction": 0.2, "every_steps": 4}
     one = job_config(tmp_path, "one", micro=8, data=data, steps=8, eval=held)
-    two = job_config(tmp_path, "two", micro=4, data=data, steps=8, eval=held)
+    two = job_config(tmp_path, "two", micro=4, data=data, steps=8, eval=held, parallel={"strategy": strategy})
     finish_job(one_process(one))
     finish_job(torchrun(two))
     a, b = jsonl_records(tmp_path / "one.jsonl", "eval"), jsonl_records(tmp_path / "two.jsonl", "eval")
@@ -145,7 +190,7 @@ def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_pat
     ({"every_steps": "often", "holdout_fraction": 0.1}, ["eval.every_steps", "expected"]),
     ({"every_steps": 100}, ["eval.every_steps", "no held-out source"]),
     ({"holdout_fraction": 0.2, "text_path": "x.txt"}, ["eval.holdout_fraction", "choose one held-out source"]),
-    ({"holdout_fraction": 0.2}, ["eval.holdout_fraction", "data.text_path or data.token_file"]),
+    ({"holdout_fraction": 0.2}, ["eval.holdout_fraction", "data.text_path, data.token_file or data.hf_dataset"]),
     ({"every_step": 5, "holdout_fraction": 0.1}, ["eval.every_step: unknown key", "eval.every_steps"]),
 ])
 def test_bad_eval_settings_are_one_line(tmp_path, section, needles):
@@ -227,3 +272,37 @@ def test_tensorboard_gets_the_held_out_scalars(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("eval/val_loss")] == [
         (r["step"], pytest.approx(r["val_loss"])) for r in result.evals]
     assert [r["step"] for r in result.evals] == [2, 4]
+
+
+def wandb_rows(folder):
+    "The logged rows of the one offline W&B run under `folder`, read from its `.wandb` file (a record log of protobuf records)."
+    from wandb.proto import wandb_internal_pb2
+    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, pending, rows = path.read_bytes(), 7, b"", []         # a 7-byte file header, then 32 KiB blocks
+    while pos + 7 <= len(data):
+        if (left := 32768 - pos % 32768) < 7: pos += left; continue  # a block's tail too short for a header is padding
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]   # crc32, length, full/first/middle/last
+        pending += data[pos + 7:pos + 7 + length]; pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record(); record.ParseFromString(pending); pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def test_wandb_gets_the_held_out_metrics_and_the_samples(tmp_path):
+    "An offline W&B run of `speedtronic train` holds each `eval` (val_loss, val_ppl, val_bpb at its step) and each `sample` text."
+    pytest.importorskip("wandb")
+    cfg = tiny_config(tmp_path, max_steps=4, data={"synthetic": False, "text_path": str(corpus(tmp_path / "corpus.txt"))},
+                      model={"vocab_size": 256}, eval={"holdout_fraction": 0.1, "every_steps": 2, "max_batches": 2,
+                                                       "sample_prompts": ["the "], "sample_tokens": 8},
+                      logging={"wandb": {"project": "held-out", "mode": "offline", "dir": str(tmp_path / "wb")}})
+    proc = run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path, env={"WANDB_SILENT": "true"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = wandb_rows(tmp_path / "wb")
+    keys = ("step", "val_loss", "val_ppl", "val_bpb", "val_tokens")
+    assert [{k: r[k] for k in keys} for r in rows if r.get("event") == "eval"] == [
+        {k: r[k] for k in keys} for r in jsonl_records(tmp_path / "metrics.jsonl", "eval")]
+    assert [(r["step"], r["text"]) for r in rows if r.get("event") == "sample"] == [
+        (r["step"], r["text"]) for r in jsonl_records(tmp_path / "metrics.jsonl", "sample")]
+    assert [r["step"] for r in rows if r.get("event") == "eval"] == [2, 4]

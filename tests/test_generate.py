@@ -3,13 +3,15 @@
 The text the command prints is the prompt followed by exactly what `speedtronic.generation.generate`
 writes in process from the same checkpoint; bad input is one `speedtronic: error:` line and exit 2.
 """
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, bpe_tokenizer_file, ok, one_error_line, run_cli, tiny_config
+from conftest import ROOT, bpe_tokenizer_file, cli_env, ok, one_error_line, run_cli, tiny_config
 from speedtronic.generation import generate
 from speedtronic.hf import load_trained
 
@@ -45,6 +47,21 @@ def test_greedy_text_of_a_run_and_of_its_checkpoint(run_dir):
     newest = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
     again = ok(run_cli("generate", "--checkpoint", str(newest), *args, cwd=run_dir.parent)).stdout
     assert again == out
+
+
+def test_the_text_streams_while_the_model_is_still_writing(run_dir):
+    "Asked for 200,000 tokens (minutes of work), the command has printed the prompt and the first 30 generated ones (generate's) while it still runs."
+    first = expected({"run": run_dir}, "the qu", max_new_tokens=30, temperature=0).removesuffix("\n").encode()
+    proc = subprocess.Popen([sys.executable, "-m", "speedtronic", "generate", "--run", str(run_dir), "--prompt", "the qu",
+                             "--temperature", "0", "--max-new-tokens", "200000", "--device", "cpu"],
+                            cwd=run_dir.parent, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        got = b""
+        while len(got) < len(first) and (chunk := os.read(proc.stdout.fileno(), 4096)): got += chunk
+        assert proc.poll() is None                                     # 200,000 tokens are far from written
+        assert got[:len(first)] == first
+    finally:
+        proc.kill(); proc.wait(timeout=60); proc.stdout.close()
 
 
 def test_a_seed_gives_the_same_sampled_text(run_dir):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -17,21 +18,25 @@ from test_resume import corpus
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.distributed.tensors import load_safetensors
-from speedtronic.evaluation import build_evaluator, evaluate
+from speedtronic.data import select_dataset
+from speedtronic.evaluation import build_evaluator, evaluate, holdout_split
 from speedtronic.registry import build_model
 
 
 def with_text(cfg, text, held) -> None:
-    "Train on the text `text`, evaluate on `held` every 5 steps (a byte vocabulary)."
+    "Train on the text `text`, evaluate every 5 steps on `held` (a text file, or the fraction of `text` held out; a byte vocabulary)."
     raw = yaml.safe_load(cfg.read_text())
     raw["model"]["vocab_size"] = 256
     raw["data"] = {"text_path": str(text), "block_size": 16, "micro_batch_size": 4, "target_batch_size": 4}
-    raw["eval"] = {"text_path": str(held), "every_steps": 5, "max_batches": 3}
+    source = {"holdout_fraction": held} if isinstance(held, float) else {"text_path": str(held)}
+    raw["eval"] = {**source, "every_steps": 5, "max_batches": 3}
     cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
-def test_master_evaluates_every_published_global_and_workers_do_not(tmp_path):
-    text, held = corpus(tmp_path / "corpus.txt"), held_text(tmp_path / "held.txt")
+@pytest.mark.parametrize("source", ["text_path", "holdout_fraction"])
+def test_master_evaluates_every_published_global_and_workers_do_not(tmp_path, source):
+    text = corpus(tmp_path / "corpus.txt")
+    held = held_text(tmp_path / "held.txt") if source == "text_path" else 0.1
     repo = str(tmp_path / "share" / "repo")
     cfgs = {n: node_config(tmp_path, n, n if n == "master" else "worker", repo=repo, transport="directory", steps=20,
                            expected_nodes=2) for n in ("master", "worker")}
@@ -52,7 +57,8 @@ def test_master_evaluates_every_published_global_and_workers_do_not(tmp_path):
     model = build_model(config.model)
     model.load_state_dict(load_safetensors(tmp_path / "share" / "repo" / "global" / "latest.safetensors"))
     torch.set_num_threads(1)
-    expected = evaluate(model, build_evaluator(config, device="cpu").loader, max_batches=3, device="cpu", bytes_per_token=1.0)
+    split = holdout_split(select_dataset(config.data, vocab_size=256), held).held_out if source == "holdout_fraction" else None
+    expected = evaluate(model, build_evaluator(config, device="cpu", held_out=split).loader, max_batches=3, device="cpu", bytes_per_token=1.0)
     last = evals[-1]
     assert last["global_val_loss"] == expected.loss                   # the same batches, the same CPU arithmetic
     assert last["global_val_ppl"] == pytest.approx(math.exp(last["global_val_loss"]))
@@ -60,3 +66,22 @@ def test_master_evaluates_every_published_global_and_workers_do_not(tmp_path):
     assert last["val_batches"] == 3
     inner = jsonl_records(metrics, "eval")[-1]                          # the master's own evaluation at its end
     assert inner["step"] == 20 and math.isfinite(inner["val_loss"])
+
+
+def test_the_global_evaluator_reads_its_own_copy_of_the_held_out_side(tmp_path):
+    """A loader keeps the start of its pass on the dataset it reads (`_loader_start`), and the master's global evaluator
+    reads on its own thread while training evaluates: the two loaders must not share one held-out dataset object
+    (they share its tokens)."""
+    from speedtronic.runtime import build_runtime
+    cfg = node_config(tmp_path, "master", "master", repo=str(tmp_path / "repo"), transport="directory", steps=10)
+    with_text(cfg, corpus(tmp_path / "corpus.txt"), 0.1)
+    trainer, _ = build_runtime(yaml.safe_load(cfg.read_text()))
+    try:
+        watcher = trainer.coordinator.global_watcher
+        ours, theirs = trainer.evaluator.loader.dataset, watcher.evaluator.loader.dataset
+        assert ours is not theirs and np.shares_memory(ours.tokens, theirs.tokens)
+        assert trainer.evaluator(trainer.model).loss == evaluate(trainer.model, watcher.evaluator.loader, max_batches=3, device="cpu",
+                                                                  bytes_per_token=1.0).loss
+    finally:
+        getattr(trainer.coordinator.global_watcher, "close", lambda: None)()
+        trainer.logger.close(); trainer.run_claim.release()

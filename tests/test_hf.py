@@ -6,12 +6,14 @@ Every comparison is between our reference transformer and the real `transformers
 import json
 import subprocess
 import sys
-import sysconfig
+import importlib.metadata
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 from conftest import ROOT, bpe_tokenizer_file, ok, one_error_line, run_cli, tiny_config
 from speedtronic.generation import generate_ids
@@ -40,10 +42,10 @@ def our_answers(model, ids=IDS, new=10) -> tuple[torch.Tensor, list[list[int]]]:
 
 HF_SIDE = '''
 import json, sys
-try:
-    import speedtronic
-    raise SystemExit("speedtronic is importable here: " + speedtronic.__file__)
-except ModuleNotFoundError: pass
+for name in ("speedtronic", "fastcore", "nbdev"):
+    try: module = __import__(name)
+    except ModuleNotFoundError: continue
+    raise SystemExit(f"{name} is importable here: {module.__file__}")
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 folder, ids, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
@@ -56,10 +58,28 @@ print(json.dumps({"class": type(model).__name__, "logits": logits.tolist(), "gre
                   "encoded": tokenizer("the lazy dog")["input_ids"]}))
 '''
 
-def hf_side(folder: Path, ids=IDS, new=10) -> dict:
-    "What transformers computes from `folder`, in a Python that sees only the installed packages (no speedtronic)."
-    site = sysconfig.get_paths()["purelib"]  # on sys.path without its .pth files: the editable speedtronic stays out
-    code = f"import sys; sys.path.append({site!r})\n" + HF_SIDE
+def only_torch_and_transformers(folder: Path) -> Path:
+    "`folder` holding links to torch, transformers and what they require (their metadata too): a Python environment of those alone."
+    seen, todo = set(), ["torch", "transformers"]
+    while todo:
+        name = todo.pop()
+        if (key := re.sub(r"[-_.]+", "-", name).lower()) in seen: continue
+        seen.add(key)
+        dist = importlib.metadata.distribution(name)
+        todo += [r.name for r in map(Requirement, dist.requires or []) if r.marker is None or r.marker.evaluate({"extra": ""})]
+        for top in {Path(str(f)).parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
+            if not top.endswith(".pth") and not (folder / top).exists(): (folder / top).symlink_to(dist.locate_file(top))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_env(tmp_path_factory) -> Path:
+    return only_torch_and_transformers(tmp_path_factory.mktemp("torch-and-transformers"))
+
+
+def hf_side(folder: Path, ids=IDS, new=10, *, env: Path) -> dict:
+    "What transformers computes from `folder`, in a Python whose only packages are torch, transformers and their requirements."
+    code = f"import sys; sys.path.append({str(env)!r})\n" + HF_SIDE   # -I -S: no site-packages, no .pth, no PYTHONPATH
     proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(folder), json.dumps(ids), str(new)], capture_output=True, text=True,
                           timeout=300, cwd=folder, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,14 +91,14 @@ def run_dir(tmp_path_factory):
     return trained_run(tmp_path_factory.mktemp("hf"))
 
 
-def test_an_exported_run_is_a_llama_that_computes_our_logits(run_dir, tmp_path):
+def test_an_exported_run_is_a_llama_that_computes_our_logits(run_dir, tmp_path, hf_env):
     out = ok(run_cli("export", "--run", str(run_dir), "--to", str(tmp_path / "llama"), cwd=tmp_path)).stdout
     assert out.strip() == f"exported to {tmp_path / 'llama'}"
     assert sorted(p.name for p in (tmp_path / "llama").iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
     assert (config["num_key_value_heads"], config["num_attention_heads"], config["tie_word_embeddings"]) == (2, 4, True)
-    theirs = hf_side(tmp_path / "llama")
+    theirs = hf_side(tmp_path / "llama", env=hf_env)
     logits, greedy = our_answers(load_trained(run_dir).model)
     diff = (logits - torch.tensor(theirs["logits"])).abs().max().item()
     print(f"max |ours - transformers| logit difference: {diff:.2e}")
@@ -88,12 +108,23 @@ def test_an_exported_run_is_a_llama_that_computes_our_logits(run_dir, tmp_path):
     assert theirs["encoded"] == list(b"the lazy dog")      # the byte tokenizer's ids
 
 
-def test_untied_heads_and_ordinary_attention_export_too(tmp_path):
+def test_the_environment_transformers_loads_the_export_in_has_only_torch_and_transformers(hf_env):
+    "The Python of `hf_side`: torch and transformers import there; speedtronic, fastcore, nbdev, pytest and datasets do not."
+    code = (f"import sys; sys.path.append({str(hf_env)!r})\nimport importlib.util as u, torch, transformers\n"
+            "print([n for n in ('speedtronic', 'fastcore', 'nbdev', 'pytest', 'datasets') if u.find_spec(n)])")
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=300, cwd=hf_env,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+    assert {"torch", "transformers", "tokenizers", "safetensors"} <= {p.name for p in hf_env.iterdir()}
+
+
+def test_untied_heads_and_ordinary_attention_export_too(tmp_path, hf_env):
     # norm_eps far from the default: a config.json that did not carry it would give other logits
     run = trained_run(tmp_path, model={"tie_weights": False, "n_kv_head": 4, "rope_base": 500.0, "norm_eps": 0.25})
     ok(run_cli("export", "--checkpoint", str(sorted((run / "checkpoints").glob("step_*.pt"))[-1]),
                "--to", str(tmp_path / "llama"), cwd=tmp_path))
-    theirs = hf_side(tmp_path / "llama")
+    theirs = hf_side(tmp_path / "llama", env=hf_env)
     logits, greedy = our_answers(load_trained(run).model)
     assert (logits - torch.tensor(theirs["logits"])).abs().max().item() <= 1e-4
     assert theirs["greedy"] == greedy
@@ -101,12 +132,12 @@ def test_untied_heads_and_ordinary_attention_export_too(tmp_path):
     assert (config["tie_word_embeddings"], config["rms_norm_eps"]) == (False, 0.25)
 
 
-def test_a_tokenizer_json_run_exports_its_tokenizer(tmp_path):
+def test_a_tokenizer_json_run_exports_its_tokenizer(tmp_path, hf_env):
     tok, _ = bpe_tokenizer_file(tmp_path, TEXT)
     run = trained_run(tmp_path, model={"vocab_size": 320}, data={"tokenizer": str(tmp_path / "tokenizer.json")})
     ok(run_cli("export", "--run", str(run), "--to", str(tmp_path / "llama"), cwd=tmp_path))
     ids = [tok.encode("the quick brown fox").ids]
-    theirs = hf_side(tmp_path / "llama", ids=ids)
+    theirs = hf_side(tmp_path / "llama", ids=ids, env=hf_env)
     assert theirs["encoded"] == tok.encode("the lazy dog").ids
     logits, greedy = our_answers(load_trained(run).model, ids=ids)
     assert (logits - torch.tensor(theirs["logits"])).abs().max().item() <= 1e-4
@@ -196,13 +227,13 @@ def test_a_run_starts_from_a_llama_folder(tmp_path, tied, n_kv, eps):
     finally: close_logger(trainer.logger); trainer.run_claim.release()
 
 
-def test_the_cli_trains_from_a_llama_folder_and_exports_it_back(tmp_path):
+def test_the_cli_trains_from_a_llama_folder_and_exports_it_back(tmp_path, hf_env):
     import yaml
     folder = llama_folder(tmp_path / "llama")
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(init_config(tmp_path, folder)))
     ok(run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", cwd=tmp_path))
     ok(run_cli("export", "--run", str(tmp_path / "out"), "--to", str(tmp_path / "back"), cwd=tmp_path))
-    theirs = hf_side(tmp_path / "back")
+    theirs = hf_side(tmp_path / "back", env=hf_env)
     logits, greedy = our_answers(load_trained(tmp_path / "out").model)
     assert (logits - torch.tensor(theirs["logits"])).abs().max().item() <= 1e-4 and theirs["greedy"] == greedy
     assert all(len(set(row)) > 3 for row in greedy)                   # varied text, not one token repeated
@@ -250,7 +281,7 @@ def hub():
     server.stop()
 
 
-def test_push_to_hub_uploads_the_export_in_one_commit(run_dir, tmp_path, hub):
+def test_push_to_hub_uploads_the_export_in_one_commit(run_dir, tmp_path, hub, hf_env):
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     proc = ok(run_cli("export", "--run", str(run_dir), "--to", str(tmp_path / "llama"), "--push-to-hub", "org/tiny-llama",
                       cwd=tmp_path, env=env))
@@ -264,7 +295,7 @@ def test_push_to_hub_uploads_the_export_in_one_commit(run_dir, tmp_path, hub):
     # what was pushed loads from the Hub with transformers
     from huggingface_hub import snapshot_download
     got = snapshot_download("org/tiny-llama", endpoint=hub.url, token=TOKEN, cache_dir=tmp_path / "cache")
-    assert hf_side(Path(got))["greedy"] == our_answers(load_trained(run_dir).model)[1]
+    assert hf_side(Path(got), env=hf_env)["greedy"] == our_answers(load_trained(run_dir).model)[1]
     # pushing the same export again finds the repository and leaves it as it is
     ok(run_cli("export", "--run", str(run_dir), "--to", str(tmp_path / "llama"), "--push-to-hub", "org/tiny-llama",
                cwd=tmp_path, env=env))
@@ -297,3 +328,24 @@ def test_a_resumed_run_reads_its_checkpoint_not_the_llama_folder(tmp_path):
     fresh = run_cli("train", "--config", str(tmp_path / "cfg.yaml"), "--device", "cpu", "--output-dir", str(tmp_path / "new"),
                     cwd=tmp_path)
     one_error_line(fresh, "model.init_from", "does not exist")     # a fresh run still needs it
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_torchrun_run_exports_and_generates_from_its_checkpoint(tmp_path, strategy, hf_env):
+    "A 2-rank torchrun run (fsdp: sharded step_<N>.dcp folders) exports a Llama folder transformers agrees with, and generates."
+    from test_parallel import finish, torchrun, write_config
+    cfg = write_config(tmp_path, "job", micro=4, data={"synthetic": True, "num_tokens": 400}, steps=4,
+                       model={"vocab_size": 256, "n_kv_head": 1, "n_layer": 2}, parallel={"strategy": strategy})
+    finish(torchrun(cfg))
+    saved = sorted((tmp_path / "job" / "checkpoints").glob("step_*"))
+    assert saved and all(p.suffix == (".dcp" if strategy == "fsdp" else ".pt") for p in saved), saved
+    ok(run_cli("export", "--run", str(tmp_path / "job"), "--to", str(tmp_path / "llama"), cwd=tmp_path))
+    ids = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]]
+    theirs = hf_side(tmp_path / "llama", ids=ids, new=6, env=hf_env)
+    trained = load_trained(tmp_path / "job")
+    assert trained.step == 4
+    logits, greedy = our_answers(trained.model, ids=ids, new=6)
+    assert (logits - torch.tensor(theirs["logits"])).abs().max().item() <= 1e-4 and theirs["greedy"] == greedy
+    out = ok(run_cli("generate", "--run", str(tmp_path / "job"), "--prompt", "ab", "--temperature", "0", "--max-new-tokens", "5",
+                     "--device", "cpu", cwd=tmp_path)).stdout
+    assert out.startswith("ab") and len(out) >= len("ab\n")

@@ -223,3 +223,101 @@ def test_prepare_reads_a_dataset_and_keeps_an_unrelated_json(tmp_path, data_dir)
     refused = run_cli("prepare", "--hf-dataset", str(data_dir / "rows.parquet"), str(tmp_path / "notes.bin"), cwd=tmp_path, env=env(tmp_path))
     one_error_line(refused, "notes.bin.json", "--overwrite")
     assert mine.read_text() == '{"mine": true}\n' and not (tmp_path / "notes.bin").exists()
+
+
+HOLDOUTS = {"in-memory": lambda d: str(d / "rows.parquet"), "streamed": lambda d: {"path": str(d / "parts"), "streaming": True}}
+
+
+def with_holdout(cfg: Path, fraction: float = 0.1, every: int = 5) -> Path:
+    raw = yaml.safe_load(cfg.read_text())
+    raw["eval"] = {"holdout_fraction": fraction, "every_steps": every, "max_batches": 4}
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return cfg
+
+
+@pytest.mark.parametrize("kind", list(HOLDOUTS))
+def test_a_held_out_fraction_of_a_dataset_is_never_trained_on(tmp_path, data_dir, monkeypatch, kind):
+    "The training and held-out sides of a dataset (in memory or streamed) are disjoint and together every block."
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.data import select_dataset
+    from speedtronic.runtime import build_runtime
+    cfg = with_holdout(write_config(tmp_path, "run", HOLDOUTS[kind](data_dir)), fraction=0.25)
+    raw = yaml.safe_load(cfg.read_text()); raw["data"]["shuffle"] = False
+    trainer, _ = build_runtime(raw, device="cpu")
+    try:
+        train, held = trainer.dataloader.dataset, trainer.evaluator.loader.dataset
+        whole = select_dataset(SpeedtronicConfig.from_dict(raw).data, vocab_size=256)
+        block = lambda s: tuple(s["input_ids"].tolist() + s["labels"].tolist()[-1:])
+        every, a, b = [block(s) for s in whole], [block(s) for s in train], [block(s) for s in held]
+        assert sorted(a + b) == sorted(every) and len(b) >= len(every) // 5
+        assert not set(a) & set(b)                       # no block on both sides
+        result = trainer.fit()
+    finally:
+        trainer.logger.close(); trainer.run_claim.release()
+    assert [r["step"] for r in result.evals] == [5, 10, 15, 20, 25, 30]
+    assert result.evals[-1]["val_bpb"] is not None     # the byte tokenizer knows its bytes
+
+
+@pytest.mark.parametrize("kind", list(HOLDOUTS))
+def test_kill9_and_resume_with_a_held_out_fraction_gives_the_uninterrupted_run(tmp_path, data_dir, kind):
+    ref = with_holdout(write_config(tmp_path, "ref", HOLDOUTS[kind](data_dir), every=STEPS))
+    finish(start(ref, tmp_path))
+    expected = {s: v[-1] for s, v in losses(tmp_path / "ref.jsonl").items()}
+    held = {r["step"]: r["val_loss"] for r in jsonl_records(tmp_path / "ref.jsonl", "eval")}
+    assert sorted(held) == [5, 10, 15, 20, 25, 30]
+    cfg = with_holdout(write_config(tmp_path, "run", HOLDOUTS[kind](data_dir)))
+    proc = start(cfg, tmp_path)
+    kill_at(proc, tmp_path / "run.jsonl", random.Random(kind).randint(6, 14))
+    finish(start(cfg, tmp_path, "--resume"))
+    got = losses(tmp_path / "run.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, values in got.items(): assert all(v == expected[step] for v in values), (step, values, expected[step])
+    for r in jsonl_records(tmp_path / "run.jsonl", "eval"): assert r["val_loss"] == held[r["step"]], r
+
+
+@pytest.mark.parametrize("kind, needle", [("in-memory", "training blocks ("), ("streamed", "is streamed, so the tokens each side gets are not known")])
+def test_validate_deep_says_what_each_side_of_a_dataset_gets(tmp_path, data_dir, kind, needle):
+    cfg = with_holdout(write_config(tmp_path, "run", HOLDOUTS[kind](data_dir)))
+    proc = run_cli("validate", "--deep", "--config", str(cfg), cwd=tmp_path, env=env(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval.holdout_fraction: data.hf_dataset" in proc.stderr and needle in proc.stderr, proc.stderr
+
+
+def test_two_torchrun_ranks_split_a_streamed_held_out_side_as_one_process_reads_it(tmp_path, data_dir):
+    "A streamed dataset with a held-out fraction: 2 ranks x 4 give one process's (x 8) losses and held-out losses, each rank its share."
+    from conftest import free_port
+    spec = {"path": str(data_dir / "parts"), "streaming": True}
+    one = with_holdout(write_config(tmp_path, "one", spec, every=STEPS, micro_batch_size=8, target_batch_size=8), every=4)
+    two = with_holdout(write_config(tmp_path, "two", spec, every=STEPS, micro_batch_size=4, target_batch_size=8), every=4)
+    for cfg in (one, two):
+        raw = yaml.safe_load(cfg.read_text()); raw["model"]["dropout"] = 0.0; raw["run"]["max_steps"] = 8
+        raw["optimizer"].update(eps=1.0, weight_decay=0.0); raw["eval"]["micro_batch_size"] = raw["data"]["micro_batch_size"]
+        cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    finish(start(one, tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()),
+           "-m", "speedtronic", "train", "--config", str(two), "--device", "cpu"]
+    finish(subprocess.Popen(cmd, cwd=ROOT, env=cli_env(**env(tmp_path)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    a, b = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
+    assert sorted(b) == sorted(a) == list(range(1, 9))
+    for step, (loss,) in b.items(): assert loss == pytest.approx(a[step][0], rel=1e-6, abs=0), step
+    x, y = jsonl_records(tmp_path / "one.jsonl", "eval"), jsonl_records(tmp_path / "two.jsonl", "eval")
+    assert [r["step"] for r in x] == [r["step"] for r in y] == [4, 8]
+    for p, q in zip(x, y):
+        assert (p["val_tokens"], p["val_batches"] * 2) == (q["val_tokens"], q["val_batches"])
+        assert q["val_loss"] == pytest.approx(p["val_loss"], rel=1e-5)
+
+
+def test_an_arrow_file_and_a_save_to_disk_folder_train_as_the_parquet_of_the_same_rows(tmp_path, data_dir):
+    "The same 300 rows as parquet, as the arrow file of a saved Dataset, and as a saved DatasetDict's split: the same losses."
+    table = datasets.Dataset.from_parquet(str(data_dir / "rows.parquet"), cache_dir=str(tmp_path / "hf-cache"))
+    table.save_to_disk(tmp_path / "one")
+    datasets.DatasetDict({"train": table, "test": table.select(range(10))}).save_to_disk(tmp_path / "saved")
+    (arrow,) = (tmp_path / "one").glob("*.arrow")
+    specs = {"parquet": str(data_dir / "rows.parquet"), "arrow": str(arrow), "saved": {"path": str(tmp_path / "saved"), "split": "train"}}
+    got = {}
+    for name, spec in specs.items():
+        finish(start(write_config(tmp_path, name, spec, every=STEPS, shuffle=True), tmp_path))
+        got[name] = losses(tmp_path / f"{name}.jsonl")
+    assert sorted(got["parquet"]) == list(range(1, STEPS + 1))
+    assert got["arrow"] == got["parquet"] == got["saved"]

@@ -111,3 +111,21 @@ def test_demo_config_ends_with_a_held_out_loss_and_a_sample(tmp_path):
     assert f"sample step=20 index=0 prompt={prompt} text=" in proc.stdout, proc.stdout[-3000:]
     (sample,) = jsonl_records(tmp_path / "runs" / "demo" / "metrics.jsonl", "sample")
     assert (sample["step"], sample["prompt"]) == (20, prompt) and len(sample["text"]) > 0
+
+
+def test_the_exported_demo_model_loads_where_only_torch_and_transformers_are_installed(tmp_path):
+    "The README's demo run (20 steps, in a copy), exported: transformers computes its logits and greedy text in a Python of torch and transformers alone."
+    pytest.importorskip("transformers")
+    from speedtronic.hf import load_trained
+    from test_hf import hf_side, only_torch_and_transformers, our_answers
+    shutil.copy(ROOT / "configs" / "demo.yaml", tmp_path / "demo.yaml")
+    ok(run_cli("train", "--config", "demo.yaml", "--max-steps", "20", cwd=tmp_path))
+    ok(run_cli("export", "--run", "runs/demo", "--to", "runs/demo-hf", cwd=tmp_path))
+    ids = [list(b"Return the "), list(b"def main():")]
+    (tmp_path / "env").mkdir()
+    theirs = hf_side(tmp_path / "runs" / "demo-hf", ids=ids, new=16, env=only_torch_and_transformers(tmp_path / "env"))
+    logits, greedy = our_answers(load_trained(tmp_path / "runs" / "demo").model, ids=ids, new=16)
+    diff = (logits - torch.tensor(theirs["logits"])).abs().max().item()
+    print(f"demo model: max |ours - transformers| logit difference (fp32): {diff:.2e}")
+    assert theirs["class"] == "LlamaForCausalLM" and diff <= 1e-4
+    assert theirs["greedy"] == greedy
