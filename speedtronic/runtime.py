@@ -27,7 +27,7 @@ import torch
 from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
 from .config import ConfigError, ConfigWarning, SpeedtronicConfig, explicit_fields, run_target
 from .data import DataError, DataWarning, build_dataloader, check_loader_settings, collate_batch, select_dataset
-from .evaluation import GlobalEvaluator, Holdout, build_evaluator, holdout_split
+from .evaluation import GlobalEvaluator, Holdout, build_evaluator, earlier_evals, holdout_split
 from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
@@ -335,7 +335,8 @@ def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = 
     "On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU) for every global it publishes."
     node = getattr(trainer.coordinator, "inner", trainer.coordinator)  # a torchrun node: rank 0's coordinator
     if trainer.evaluator is None or getattr(node, "role", None) != "master": return
-    evaluator = build_evaluator(config, device="cpu", vocab_size=model_vocab_size(trainer.model, config), held_out=held_out)
+    evaluator = build_evaluator(config, device="cpu", vocab_size=model_vocab_size(trainer.model, config),
+                                held_out=copy.copy(held_out))  # its own: a loader keeps its start on the dataset, and this one reads on another thread
     with torch.random.fork_rng(devices=[]):  # the second instance's initial weights are not drawn from training's generator
         model = build_model(config.model)
     node.global_watcher = GlobalEvaluator(model, evaluator, logger=trainer.logger)
@@ -386,9 +387,13 @@ def earlier_records(path: str | os.PathLike | None, # the run's metrics file (`l
 # %% ../nbs/13_runtime.ipynb #5bf102eb
 RESUME_HINT = "train_from_config(config, resume=True)  (command line: speedtronic train --resume)"
 
-def _whole_run(result: TrainResult, earlier: list[dict[str, Any]], keep: int | None) -> TrainResult:
-    "`result` with `earlier` records (a resumed run's history) in front, at most `keep` in all."
+def _whole_run(result: TrainResult, earlier: list[dict[str, Any]], keep: int | None,
+               evals: Sequence[Mapping[str, Any]] = ()) -> TrainResult:  # the resumed run's earlier `eval` records
+    "`result` with `earlier` records (a resumed run's history) in front, at most `keep` in all, and the earlier `evals` too."
     if earlier: result.metrics = (earlier + result.metrics)[-keep:] if keep else earlier + result.metrics
+    if evals := [dict(r) for r in evals if not result.evals or r["step"] < result.evals[0]["step"]]:
+        result.evals = evals + result.evals
+        if result.val_loss is None: result.val_loss = result.evals[-1]["val_loss"]
     return result
 
 def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
@@ -400,14 +405,16 @@ def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
     try:
         keep = trainer.metrics_history
         earlier = earlier_records(run_paths(trainer.config).metrics, trainer.step, keep, run_id=trainer.run_claim.run_id)
-        for bar in (h for h in trainer.logger.hooks if isinstance(h, ProgressBar)): bar.earlier = loss_points(earlier)
+        held = earlier_evals(run_paths(trainer.config).metrics, trainer.step, run_id=trainer.run_claim.run_id)
+        for bar in (h for h in trainer.logger.hooks if isinstance(h, ProgressBar)):
+            bar.earlier, bar.earlier_evals = loss_points(earlier), [(r["step"], r["val_loss"]) for r in held]
         with sigterm_stops(trainer):
             try: result = trainer.fit()
             except TrainingInterrupted as stop:
                 stop.resume_hint = RESUME_HINT
-                if stop.result is not None: _whole_run(stop.result, earlier, keep)
+                if stop.result is not None: _whole_run(stop.result, earlier, keep, held)
                 raise
-        _whole_run(result, earlier, keep)
+        _whole_run(result, earlier, keep, held)
         if trainer.world.writes and trainer.config.logging.loss_plot and result.metrics:
             write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger, evals=result.evals)
         failed = False
