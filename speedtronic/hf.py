@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, is_sharded, load_checkpoint
+from .checkpoint import CheckpointError, CheckpointManager, checked_checkpoint, checkpoint_files, is_sharded, load_checkpoint
 from .config import ConfigError, SpeedtronicConfig
 from .precision import resolve_device
 from .registry import build_model
@@ -47,12 +47,18 @@ def _run_checkpoint(run: str | os.PathLike) -> tuple[Path, dict]:
     raise CheckpointError(f"no checkpoint in {run / 'checkpoints'} (or {run}); train the run first, "
                           "or give a checkpoint file with --checkpoint")
 
+def _checked_file(path: str | os.PathLike) -> dict:
+    "The state in the checkpoint `path` (a file or a sharded folder, gathered whole) after the checks a resume makes."
+    state = checked_checkpoint(path)
+    return load_checkpoint(path) if is_sharded(path) else state
+
+
 # %% ../nbs/19_hf.ipynb #aded77c3
 def load_trained(run: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None,
                  *, device: str | torch.device = "cpu") -> Trained:
     "Model, tokenizer and configuration of the newest checkpoint of `run`, or of the file `checkpoint`."
     if (run is None) == (checkpoint is None): raise ValueError("give either a run folder or a checkpoint file, not both")
-    path, state = _run_checkpoint(run) if checkpoint is None else (Path(checkpoint), load_checkpoint(checkpoint))
+    path, state = _run_checkpoint(run) if checkpoint is None else (Path(checkpoint), _checked_file(checkpoint))
     if not isinstance(state.get("config"), dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(f"checkpoint {path} records no model weights and configuration; "
                               "it was not written by speedtronic train")

@@ -143,3 +143,21 @@ def test_a_checkpoint_written_by_2_0_generates(tmp_path):
     out = ok(run_cli("generate", "--checkpoint", str(newest), "--prompt", "ab", "--temperature", "0",
                      "--max-new-tokens", "20", "--device", "cpu", cwd=tmp_path)).stdout
     assert out == expected({"checkpoint": newest}, "ab", max_new_tokens=20, temperature=0)
+
+
+@pytest.mark.parametrize("fault, needles", [
+    ("nan", ["step_", "unusable", "diverged"]),
+    ("renamed", ["holds step", "as its name says"]),
+])
+def test_generate_and_export_refuse_a_checkpoint_no_run_would_continue_from(run_dir, tmp_path, fault, needles):
+    "`--checkpoint FILE` gets the checks a resume makes: a file with NaN weights, or one holding another step than its name."
+    files = sorted((run_dir / "checkpoints").glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    state = torch.load(files[-1], map_location="cpu", weights_only=False)
+    if fault == "nan": next(iter(state["model"].values())).fill_(float("nan"))
+    else: state["step"] = state["step"] + 1
+    bad = tmp_path / files[-1].name
+    torch.save(state, bad)
+    one_error_line(run_cli("generate", "--checkpoint", str(bad), "--prompt", "the", "--device", "cpu", cwd=tmp_path), *needles)
+    proc = run_cli("export", "--checkpoint", str(bad), "--to", str(tmp_path / "hf"), cwd=tmp_path)
+    one_error_line(proc, *needles)
+    assert not (tmp_path / "hf").exists()
