@@ -103,6 +103,7 @@ def at_boundary(state: NodeState, weights: Mapping[str, torch.Tensor], step: int
                 final: bool = False) -> tuple[NodeState, Upload | str]:
     "The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and the upload, or why none is sent."
     state = replace(state, step=int(step), reset_due=True)
+    if step <= state.folded_step: return replace(state, base=dict(weights), base_step=int(step), carry=None, carry_steps=0), "already_folded"
     if state.in_flight is not None: return state, "upload_in_flight"
     raw = compute_pseudo_gradient(state.base, weights)
     if not all(bool(torch.isfinite(v).all()) for v in raw.values()): return state, "not_finite"
@@ -118,9 +119,10 @@ def on_upload_done(state: NodeState, upload: Upload) -> NodeState:
     return state if state.in_flight is not upload else replace(state, in_flight=None, uploaded_step=upload.step)
 
 def on_upload_failed(state: NodeState, upload: Upload) -> NodeState:
-    "The repository refused `upload` for now: its delta and the steps it covers go back into the carry."
-    return state if state.in_flight is not upload else replace(
-        state, in_flight=None, carry=_plus(state.carry, decode_delta(upload.delta)), carry_steps=state.carry_steps + upload.steps)
+    "The repository refused `upload` for now: its delta and the steps it covers go back into the carry (dropped if the global holds its step)."
+    if state.in_flight is not upload: return state
+    if upload.step <= state.folded_step: return replace(state, in_flight=None)
+    return replace(state, in_flight=None, carry=_plus(state.carry, decode_delta(upload.delta)), carry_steps=state.carry_steps + upload.steps)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #beac49fd
 def on_global(state: NodeState, version: int, tensors: Mapping[str, torch.Tensor], folded_step: int,
@@ -128,6 +130,7 @@ def on_global(state: NodeState, version: int, tensors: Mapping[str, torch.Tensor
     "Global `version` (holding this session's deltas up to `folded_step`) over the model's `weights`: what to install, or None."
     if keep_progress and version <= state.version: return state, None
     if problem := state_misfit(weights, tensors): raise ValueError(problem)
+    keep_progress = keep_progress and folded_step <= state.step        # a global past our own step already holds our progress
     mine = lambda k: keep_progress and weights[k].is_floating_point() and k in state.base
     new = {k: g.float() - (state.base[k].float() - weights[k].detach().float().cpu()) if mine(k) else g for k, g in tensors.items()}
     base = {**state.base, **{k: g.detach().to("cpu", state.base[k].dtype if k in state.base else g.dtype, copy=True)
