@@ -4,14 +4,18 @@ running at the next boundary, globals that arrive newer, older or twice and hold
 or run out, checkpoints written through `torch.save`, and the node killed and restarted from its last checkpoint — and checks
 after every rule:
 
-- every step of training is in exactly one delta that was uploaded, is in flight, is carried, or is not sent yet (no step lost,
-  none counted twice), by the step counts the deltas carry and by the progress their tensors hold;
+- every step of training (across lives: a step number the repository holds counts once) is in exactly one delta that was
+  uploaded, is in flight, is carried, or is not sent yet (no step lost, none counted twice), by the step counts the deltas carry
+  and by the progress their tensors hold;
 - the installed version and the folded step only grow (a restart goes back to the checkpoint's, with its weights);
 - a node never sends a delta against a version it did not install;
+- a node restarted from a checkpoint older than its deltas the repository kept (and the master folded) never delivers a step
+  number twice across its lives: the steps it retrains up to that fold are not new progress, and are never sent again;
 - a delta covers at most the steps trained, and never a step it does not hold;
 - a node stops waiting at boundaries only after a wait ran out, and waits again once a global holds one of its deltas.
 
-`SPEEDTRONIC_MODEL_EXAMPLES` sets the number of examples (default 2000, a few seconds)."""
+`SPEEDTRONIC_MODEL_EXAMPLES` sets the number of examples (default 2000, a few seconds; half as many start just after a restart
+behind the node's own folds, which random rules reach rarely)."""
 from __future__ import annotations
 
 import io
@@ -77,8 +81,14 @@ class Timeline:
         self.delivered = torch.zeros(3)    # the progress those deltas hold (their decoded sum)
         self.in_flight: frozenset[int] = frozenset()  # the steps of the delta in flight
         self.carried: frozenset[int] = frozenset()    # the steps the carry holds
+        self.retrained = torch.zeros(3)    # the progress of steps the repository already held, trained again since the base
         self.installed = {-1}              # the versions installed (-1: the node's own starting weights)
         self.timed_out = False             # a boundary wait ran out since the last new fold
+        self.behind = False                # this run restarted behind its own folds (needs this code: no earlier checkpoint format)
+
+    def newest(self) -> int:
+        "The newest step the repository holds a delta of (0: none): a delta of a step not after it is a duplicate the master refuses."
+        return max([0] + [job.step for job, _ in self.uploaded])
 
     def copy(self) -> "Timeline":
         other = Timeline(dict(self.live))
@@ -105,7 +115,8 @@ class NodeMachine(RuleBasedStateMachine):
             step = self.state.step + 1
             move = sizes * (1 + step % 3)
             self.t.live = {"w": self.t.live["w"] + move, "n": self.t.live["n"]}
-            self.t.trained = self.t.trained - move
+            if step > self.t.newest(): self.t.trained = self.t.trained - move
+            else: self.t.retrained = self.t.retrained - move                  # the repository holds this step already
             self.state = replace(self.state, step=step)
             if step % ROUND == 0: self.boundary(step)
 
@@ -114,6 +125,12 @@ class NodeMachine(RuleBasedStateMachine):
         unsent = self.unsent()
         self.state, out = at_boundary(before, self.t.live, step, self.dtype)
         assert self.state.reset_due
+        if out == "already_folded":                                           # retrained steps the global holds: dropped
+            assert step <= before.folded_step and not self.t.carried and all(s <= self.t.newest() for s in unsent), (step, sorted(unsent))
+            assert self.state.base_step == step and self.state.carry is None and torch.equal(self.state.base["w"], self.t.live["w"])
+            assert self.state.in_flight is before.in_flight
+            self.t.retrained = torch.zeros(3)
+            return
         if isinstance(out, str):
             assert out == "upload_in_flight" and before.in_flight is not None, out   # finite weights: only an upload in flight skips
             assert self.state.in_flight is before.in_flight and self.state.base is before.base
@@ -122,7 +139,9 @@ class NodeMachine(RuleBasedStateMachine):
         holds = self.t.carried | unsent
         assert out.steps == len(holds) and out.step == step == self.state.sent_step == self.state.base_step, (out.steps, sorted(holds))
         assert out.base_outer_step == before.version and out.base_outer_step in self.t.installed   # a base it installed
-        self.t.in_flight, self.t.carried = frozenset(holds), frozenset()
+        stale = out.step <= self.t.newest()                                   # a duplicate the master refuses: its steps are held
+        self.t.in_flight, self.t.carried = frozenset() if stale else frozenset(holds), frozenset()
+        self.t.retrained = torch.zeros(3)
 
     def unsent(self) -> frozenset[int]:
         return frozenset(range(self.state.base_step + 1, self.state.step + 1))
@@ -133,8 +152,9 @@ class NodeMachine(RuleBasedStateMachine):
     def upload_succeeds(self) -> None:
         job = self.state.in_flight
         self.state = on_upload_done(self.state, job)
-        self.t.uploaded.append((job, self.t.in_flight))
-        self.t.delivered = self.t.delivered + decode_delta(job.delta)["w"]
+        if job.step > self.t.newest():                                        # (the master refuses a duplicate: not folded)
+            self.t.uploaded.append((job, self.t.in_flight))
+            self.t.delivered = self.t.delivered + decode_delta(job.delta)["w"]
         self.t.in_flight = frozenset()
         assert self.state.in_flight is None and self.state.uploaded_step == job.step
 
@@ -144,7 +164,7 @@ class NodeMachine(RuleBasedStateMachine):
         job = self.state.in_flight
         self.state = on_upload_failed(self.state, job)
         self.t.carried, self.t.in_flight = self.t.carried | self.t.in_flight, frozenset()
-        assert self.state.in_flight is None and self.state.carry is not None
+        assert self.state.in_flight is None and (self.state.carry is not None or job.step <= self.state.folded_step)
 
     @precondition(lambda self: self.entry is not None and self.entry["in_flight"] is not None)
     @rule()
@@ -165,12 +185,18 @@ class NodeMachine(RuleBasedStateMachine):
         version = max(0, self.state.version + ahead)
         mine = [job.step for job, _ in self.t.uploaded] if holds else []
         folded = max(mine) if mine else -1
-        g = weights([v / 8 for v in spread(seed, 16)], seed % 10)
+        self.install(version, weights([v / 8 for v in spread(seed, 16)], seed % 10), folded)
+
+    def install(self, version: int, g: dict[str, torch.Tensor], folded: int) -> None:
+        "`on_global` of global `version` (`g`, holding this node's deltas up to `folded`) over the model, and what it must do."
         before, progress = self.state, self.state.base["w"] - self.t.live["w"]
         self.state, out = on_global(before, version, g, folded, self.t.live)
         if version <= before.version:
             assert out is None and self.state is before                       # older, or the same twice: nothing
             return
+        if folded > before.step:                                              # it holds steps past ours: our progress is in it
+            assert self.state.carry is None and self.state.base_step == before.step and not self.t.carried
+            progress = self.t.retrained = torch.zeros(3)
         assert out.reset == before.reset_due and not self.state.reset_due
         assert self.state.version == version > before.version and self.state.folded_step == max(before.folded_step, folded)
         self.t.live = dict(out.weights)
@@ -205,6 +231,7 @@ class NodeMachine(RuleBasedStateMachine):
     def killed_and_restarted(self, seed: int, earlier: bool) -> None:
         "The process dies; a new one builds its model (other weights), loads the checkpoint's weights and its coordinator entry."
         entry, timeline = self.saved
+        earlier = earlier and not timeline.behind                              # (an earlier version of ours never resumed behind)
         if earlier:                                                            # a checkpoint an earlier version of ours wrote
             entry = earlier_entry(node_state_from(entry, self.t.live, "x", ROUND))
             timeline = timeline.copy()
@@ -218,6 +245,26 @@ class NodeMachine(RuleBasedStateMachine):
         assert self.state.version == max(self.t.installed) and torch.equal(self.state.base["w"], entry.get("base", entry.get("baseline"))["w"])
         if earlier: self.entry = None                                          # (the stale-answer rule reads our format)
 
+    @precondition(lambda self: self.saved is not None and self.t.newest() > self.saved[0]["step"])
+    @rule(seed=SEEDS)
+    def killed_after_the_repository_kept_its_uploads(self, seed: int) -> None:
+        "The process dies after deltas it uploaded since its checkpoint; the master folded them, and the restart installs that global."
+        entry, timeline = self.saved
+        kept = self.t.uploaded[len(timeline.uploaded):]                       # the repository forgets nothing
+        self.entry = entry = loaded(saved(entry))
+        version, delivered = max(self.t.installed) + 1, self.t.delivered
+        self.t = timeline.copy()
+        self.t.uploaded += kept
+        self.t.delivered = self.t.trained = delivered                         # the progress the global holds of this node: all counted
+        self.t.in_flight = frozenset()                                        # the checkpoint's upload: its steps are held (a duplicate)
+        self.t.carried = frozenset()                                          # the checkpoint's carry went into a kept delta
+        self.t.behind = True
+        self.state = node_state_from(entry, weights([v / 4 for v in spread(seed, 4)]), "s2", ROUND)
+        assert self.state.session == "s1" and self.state.step < self.t.newest()
+        assert self.state.in_flight is None or self.state.in_flight.step <= self.t.newest()
+        self.install(version, weights([v / 8 for v in spread(seed, 16)], seed % 10), self.t.newest())
+        assert torch.equal(self.t.live["w"], self.state.base["w"])            # exactly the global: nothing of ours kept on top
+
     # -- invariants ----------------------------------------------------------------------------------------------
     @invariant()
     def holds(self) -> None:
@@ -226,16 +273,20 @@ class NodeMachine(RuleBasedStateMachine):
 
     def every_step_is_in_exactly_one_delta(self) -> None:
         s, t = self.state, self.t
-        pieces = [ids for _, ids in t.uploaded] + [t.in_flight, t.carried, self.unsent()]
-        assert sum(len(p) for p in pieces) == s.step and frozenset().union(*pieces) == frozenset(range(1, s.step + 1)), pieces
-        assert sum(job.steps for job, _ in t.uploaded) + (s.in_flight.steps if s.in_flight else 0) + s.carry_steps \
-            + s.step - s.base_step == s.step
-        assert (s.in_flight is None) == (not t.in_flight) and s.carry_steps == len(t.carried)
+        newest = t.newest()
+        live = s.in_flight is not None and s.in_flight.step > newest          # not a duplicate of a delta the repository holds
+        fresh = frozenset(i for i in self.unsent() if i > newest)             # (steps up to `newest` trained again are not new)
+        pieces = [ids for _, ids in t.uploaded] + [t.in_flight, t.carried, fresh]
+        top = max(s.step, newest)
+        assert sum(len(p) for p in pieces) == top and frozenset().union(*pieces) == frozenset(range(1, top + 1)), pieces
+        assert sum(job.steps for job, _ in t.uploaded) + (s.in_flight.steps if live else 0) + s.carry_steps \
+            + s.step - max(s.base_step, min(s.step, newest)) == top
+        assert live == bool(t.in_flight) and s.carry_steps == len(t.carried)
 
     def the_deltas_hold_all_the_progress_once(self) -> None:
         s, t = self.state, self.t
-        held = t.delivered + s.base["w"] - t.live["w"]
-        if s.in_flight is not None: held = held + decode_delta(s.in_flight.delta)["w"]
+        held = t.delivered + s.base["w"] - t.live["w"] - t.retrained
+        if s.in_flight is not None and s.in_flight.step > t.newest(): held = held + decode_delta(s.in_flight.delta)["w"]
         if s.carry is not None: held = held + s.carry["w"]
         assert torch.allclose(held, t.trained, atol=TOLERANCE), (held, t.trained)
 
@@ -250,3 +301,22 @@ class NodeMachine(RuleBasedStateMachine):
 NodeMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=15, deadline=None, database=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_node_transitions = NodeMachine.TestCase
+
+
+class BehindMachine(NodeMachine):
+    "The same machine started (mostly) just after a restart behind the node's own folds: a checkpoint, uploads, the kill."
+    @initialize(dtype=st.sampled_from(["float32", "bfloat16", "int8"]), before=st.integers(0, 2 * ROUND),
+                after=st.integers(1, 3 * ROUND), seed=SEEDS, answered=st.booleans())
+    def start(self, dtype: str, before: int, after: int, seed: int, answered: bool) -> None:
+        super().start(dtype)
+        if before: self.train(before, seed)
+        self.checkpoint()
+        if answered and self.state.in_flight is not None: self.upload_succeeds()   # the checkpoint's upload, after it
+        self.train(after, seed >> 1)
+        if self.state.in_flight is not None: self.upload_succeeds()
+        if self.t.newest() > self.saved[0]["step"]: self.killed_after_the_repository_kept_its_uploads(seed)
+
+
+BehindMachine.TestCase.settings = settings(max_examples=max(1, EXAMPLES // 2), stateful_step_count=10, deadline=None, database=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+test_node_resumed_behind_its_folds = BehindMachine.TestCase
