@@ -187,12 +187,13 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
     wait_for(lambda: events(tmp_path / "master" / "metrics.jsonl", "train_start"), what="the master")
     procs["w1"] = launch(configs[1])
     _kill_when(procs[victim], tmp_path / victim / "metrics.jsonl", min_step=30)
-    before = SharedDirectory(repo).state()
+    # the committed version (a master killed while publishing leaves newer weights beside it, which state() refuses to read)
+    before = json.loads((repo / GLOBAL_METADATA_PATH).read_text())["outer_step"]
     procs[victim] = launch(configs[names.index(victim)], "--resume")
     for p in procs.values(): finish(p)
     t = SharedDirectory(repo)
     state = t.state()
-    assert t.list_deltas() == [] and state.outer_step >= before.outer_step
+    assert t.list_deltas() == [] and state.outer_step >= before
     ledger = state.extras["ledger"]
     check_exactly_once(tmp_path, names, ledger)
     for n in names: assert max(ledger[n]["sessions"].values()) == 200

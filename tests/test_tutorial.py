@@ -20,6 +20,10 @@ def test_the_tutorial_runs_whenever_stop_is_pressed(tmp_path, step):
     cells = [c for c in nb.cells if PRESS in c.source]
     assert len(cells) == 1, "the tutorial's training cell changed: update PRESS"
     cells[0].source = cells[0].source.replace(PRESS, f"stop_pressed_at({step},")
+    # torch imports torch._dynamo (and sympy) the first time it builds an optimizer; a KeyboardInterrupt inside that import
+    # leaves sympy half-initialised for the rest of the kernel, whatever the tutorial does. Imported first, as any earlier
+    # run in a reader's kernel would have, so ■ during setup tests the tutorial, not that import.
+    nb.cells.insert(0, nbformat.v4.new_code_cell("import torch._dynamo"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=env)                                       # a failing cell (one of its hidden checks) raises here
