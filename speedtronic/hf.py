@@ -35,6 +35,10 @@ class Trained:
     checkpoint: Path
     step: int | None
 
+def _gathered(path: Path, state: dict) -> dict:
+    "`state`, loaded from checkpoint `path`, with a sharded folder's tensors (left for a job to fill in) gathered whole."
+    return load_checkpoint(path) if is_sharded(path) else state
+
 def _run_checkpoint(run: str | os.PathLike) -> tuple[Path, dict]:
     "The newest loadable checkpoint of the run folder `run` and its state."
     run = Path(run)
@@ -42,23 +46,18 @@ def _run_checkpoint(run: str | os.PathLike) -> tuple[Path, dict]:
     for folder in (run / "checkpoints", run):
         if checkpoint_files(folder):
             manager = CheckpointManager(folder)
-            state = manager.load_latest()  # a sharded folder's tensors are left for a job to fill in: gather it whole
-            return manager.loaded_path, load_checkpoint(manager.loaded_path) if is_sharded(manager.loaded_path) else state
+            state = manager.load_latest()
+            return manager.loaded_path, _gathered(manager.loaded_path, state)
     raise CheckpointError(f"no checkpoint in {run / 'checkpoints'} (or {run}); train the run first, "
                           "or give a checkpoint file with --checkpoint")
-
-def _checked_file(path: str | os.PathLike) -> dict:
-    "The state in the checkpoint `path` (a file or a sharded folder, gathered whole) after the checks a resume makes."
-    state = checked_checkpoint(path)
-    return load_checkpoint(path) if is_sharded(path) else state
-
 
 # %% ../nbs/19_hf.ipynb #aded77c3
 def load_trained(run: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None,
                  *, device: str | torch.device = "cpu") -> Trained:
     "Model, tokenizer and configuration of the newest checkpoint of `run`, or of the file `checkpoint`."
     if (run is None) == (checkpoint is None): raise ValueError("give either a run folder or a checkpoint file, not both")
-    path, state = _run_checkpoint(run) if checkpoint is None else (Path(checkpoint), _checked_file(checkpoint))
+    if checkpoint is None: path, state = _run_checkpoint(run)
+    else: path = Path(checkpoint); state = _gathered(path, checked_checkpoint(path))   # the checks a resume makes
     if not isinstance(state.get("config"), dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(f"checkpoint {path} records no model weights and configuration; "
                               "it was not written by speedtronic train")
