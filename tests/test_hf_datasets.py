@@ -160,15 +160,14 @@ def test_import_speedtronic_data_does_not_import_datasets():
     assert out.stdout.strip() == "False", out.stderr[-2000:]
 
 
-def test_two_torchrun_ranks_read_what_one_process_reads(tmp_path, data_dir):
-    "Two ranks with micro batches of 4 against one process with 8: the same per-step losses (see test_parallel for the tolerance)."
+def one_process_and_two_ranks_agree(tmp_path: Path, one: Path, two: Path, *, eval_micro: bool = False) -> None:
+    "Train `one` in one process and `two` under 2 torchrun ranks (8 steps, no dropout, AdamW eps 1 without weight decay; "
+    "`eval_micro`: the held-out micro batch as the training one) and check their per-step losses agree."
     from conftest import free_port
-    spec = str(data_dir / "rows.parquet")
-    one = write_config(tmp_path, "one", spec, every=STEPS, shuffle=True, micro_batch_size=8, target_batch_size=8)
-    two = write_config(tmp_path, "two", spec, every=STEPS, shuffle=True, micro_batch_size=4, target_batch_size=8)
     for cfg in (one, two):
         raw = yaml.safe_load(cfg.read_text()); raw["model"]["dropout"] = 0.0; raw["run"]["max_steps"] = 8
         raw["optimizer"].update(eps=1.0, weight_decay=0.0)
+        if eval_micro: raw["eval"]["micro_batch_size"] = raw["data"]["micro_batch_size"]
         cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
     finish(start(one, tmp_path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()),
@@ -177,6 +176,14 @@ def test_two_torchrun_ranks_read_what_one_process_reads(tmp_path, data_dir):
     a, b = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
     assert sorted(b) == sorted(a) == list(range(1, 9))
     for step, (loss,) in b.items(): assert loss == pytest.approx(a[step][0], rel=1e-6, abs=0), step
+
+
+def test_two_torchrun_ranks_read_what_one_process_reads(tmp_path, data_dir):
+    "Two ranks with micro batches of 4 against one process with 8: the same per-step losses (see test_parallel for the tolerance)."
+    spec = str(data_dir / "rows.parquet")
+    one = write_config(tmp_path, "one", spec, every=STEPS, shuffle=True, micro_batch_size=8, target_batch_size=8)
+    two = write_config(tmp_path, "two", spec, every=STEPS, shuffle=True, micro_batch_size=4, target_batch_size=8)
+    one_process_and_two_ranks_agree(tmp_path, one, two)
 
 
 def test_diloco_node_shards_split_the_batches_and_resume(tmp_path, data_dir, monkeypatch):
@@ -286,21 +293,10 @@ def test_validate_deep_says_what_each_side_of_a_dataset_gets(tmp_path, data_dir,
 
 def test_two_torchrun_ranks_split_a_streamed_held_out_side_as_one_process_reads_it(tmp_path, data_dir):
     "A streamed dataset with a held-out fraction: 2 ranks x 4 give one process's (x 8) losses and held-out losses, each rank its share."
-    from conftest import free_port
     spec = {"path": str(data_dir / "parts"), "streaming": True}
     one = with_holdout(write_config(tmp_path, "one", spec, every=STEPS, micro_batch_size=8, target_batch_size=8), every=4)
     two = with_holdout(write_config(tmp_path, "two", spec, every=STEPS, micro_batch_size=4, target_batch_size=8), every=4)
-    for cfg in (one, two):
-        raw = yaml.safe_load(cfg.read_text()); raw["model"]["dropout"] = 0.0; raw["run"]["max_steps"] = 8
-        raw["optimizer"].update(eps=1.0, weight_decay=0.0); raw["eval"]["micro_batch_size"] = raw["data"]["micro_batch_size"]
-        cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
-    finish(start(one, tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()),
-           "-m", "speedtronic", "train", "--config", str(two), "--device", "cpu"]
-    finish(subprocess.Popen(cmd, cwd=ROOT, env=cli_env(**env(tmp_path)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    a, b = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
-    assert sorted(b) == sorted(a) == list(range(1, 9))
-    for step, (loss,) in b.items(): assert loss == pytest.approx(a[step][0], rel=1e-6, abs=0), step
+    one_process_and_two_ranks_agree(tmp_path, one, two, eval_micro=True)
     x, y = jsonl_records(tmp_path / "one.jsonl", "eval"), jsonl_records(tmp_path / "two.jsonl", "eval")
     assert [r["step"] for r in x] == [r["step"] for r in y] == [4, 8]
     for p, q in zip(x, y):
