@@ -675,22 +675,40 @@ def _publish(self: CheckpointManager, step: int, temp: Path, state: Mapping) -> 
 class _Forbidden(pickle.UnpicklingError):
     "A global that a checkpoint index must not name."
 
+_DCP = "torch.distributed.checkpoint"
+_INDEX_GLOBALS = frozenset({
+    (f"{_DCP}.metadata", name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                            "TensorStorageMetadata", "ChunkStorageMetadata",
+                                            "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    (f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")})
+
+def _index_global_allowed(module: str, name: str) -> bool:
+    "May a checkpoint index name `module`.`name`? Exact pairs and torch's dtypes only; never a dotted name."
+    if "." in name: return False   # pickle 4 walks a dotted name attribute by attribute: `filesystem.os.system`
+    if (module, name) in _INDEX_GLOBALS: return True
+    return module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+
 class _IndexUnpickler(pickle.Unpickler):
     "Unpickles a sharded checkpoint's `.metadata`: only the index's own records, torch sizes, dtypes and layouts, and paths."
     def find_class(self, module: str, name: str):
-        allowed = (module.startswith("torch.distributed.checkpoint.") or (module, name) in _INDEX_GLOBALS
-                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-        if not allowed: raise _Forbidden(f"GLOBAL {module}.{name}")
+        if not _index_global_allowed(module, name): raise _Forbidden(f"GLOBAL {module}.{name}")
         return super().find_class(module, name)
 
-_INDEX_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                  ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+def _read_index(path: Path) -> Any:
+    "The `.metadata` of the sharded folder `path`, unpickled by `_IndexUnpickler`; one pickle and nothing after it."
+    with open(path / ".metadata", "rb") as f:
+        index = _IndexUnpickler(f).load()
+        if f.read(1): raise pickle.UnpicklingError("bytes follow the index's end")
+    return index
 
 def _safe_index(path: Path) -> Any:
     "The index of the sharded folder `path`, checked to hold no code and to name only tensors and plain data; else a `CheckpointError`."
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
     try:
-        with open(path / ".metadata", "rb") as f: index = _IndexUnpickler(f).load()
+        index = _read_index(path)
+        if not isinstance(index, Metadata): raise TypeError(f"it holds a {type(index).__name__}, not an index")
         entries = index.state_dict_metadata
     except _Forbidden as e:
         raise _unusable(path, f"is unsafe to load: its index (.metadata) holds Python objects other than the index's own ({e}), "
@@ -718,18 +736,52 @@ def _sharded_state(path: Path) -> dict:
              for k, v in index.items() if k.startswith("model.") and hasattr(v, "size")}
     return {**state, "model": model, "sharded": str(path)}
 
+# %% ../nbs/07_checkpoint.ipynb #7622af44
+def _safe_reading(path: Path) -> tuple:
+    """A `torch.distributed.checkpoint` reader and planner classes for the folder `path` that unpickle nothing freely.
+
+    DCP's own reader unpickles `.metadata` with a full unpickler, and its planners read each plain value with
+    `torch.load(weights_only=False)`. Ours hand DCP the index `_safe_index` checked, and read values with
+    `weights_only=True`, so a file changed after the check still runs nothing."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            index = _safe_index(path)
+            if getattr(index, "storage_meta", None) is None: index.storage_meta = StorageMeta()
+            index.storage_meta.load_id = self.load_id
+            return index
+
+    def load_bytes(self, read_item, value):
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element   # what DCP's planner does
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else: self.state_dict[read_item.dest_index.fqn] = loaded
+
+    planner = type("SafeLoadPlanner", (DefaultLoadPlanner,), {"load_bytes": load_bytes})
+    gatherer = type("SafeGatherPlanner", (_EmptyStateDictLoadPlanner,), {"load_bytes": load_bytes})
+    return SafeReader(str(path)), planner, gatherer
+
 def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     "Load the sharded checkpoint `path` into `model` (and `optimizer`) in place, on every rank together, whatever the world size that saved it."
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    _safe_index(Path(path))   # torch.distributed.checkpoint unpickles the index and the plain values as they are
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+    path = Path(path)
+    _safe_index(path)   # a clear error before any rank reads a shard
+    reader, planner, _ = _safe_reading(path)
+    def read(state: dict) -> None:
+        with _dcp_errors(path, "has shards that cannot be read"):
+            dcp.load(state, storage_reader=reader, planner=planner())
     if optimizer is None:
         weights = get_model_state_dict(model)
-        with _dcp_errors(Path(path), "has shards that cannot be read"): dcp.load({"model": weights}, checkpoint_id=str(path))
+        read({"model": weights})
         return set_model_state_dict(model, weights)
     weights, moments = get_state_dict(model, optimizer)   # the optimizer's state is made first, so there is room to load it
-    with _dcp_errors(Path(path), "has shards that cannot be read"): dcp.load({"model": weights, "optimizer": moments}, checkpoint_id=str(path))
+    read({"model": weights, "optimizer": moments})
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=moments)
 
 # %% ../nbs/07_checkpoint.ipynb #da9bdb7c
@@ -743,11 +795,12 @@ def _by_position(moments: Mapping | None) -> dict | None:
 
 def _full_sharded(path: Path) -> dict:
     "The sharded checkpoint `path` gathered in memory: the state a single-file checkpoint of the same step holds."
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict   # what dcp_to_torch_save calls
     state = _sharded_state(path)
-    with tempfile.TemporaryDirectory(prefix="speedtronic-consolidate-") as d:
-        with _dcp_errors(path, "has shards that cannot be read"): dcp_to_torch_save(str(path), str(Path(d) / "full.pt"))
-        full = _torch_load_restricted(Path(d) / "full.pt")
+    reader, _, gatherer = _safe_reading(path)
+    full: dict = {}
+    with _dcp_errors(path, "has shards that cannot be read"):
+        _load_state_dict(full, storage_reader=reader, planner=gatherer(), no_dist=True)
     state.pop("sharded")
     return {**state, "model": full["model"], "optimizer": _by_position(full.get("optimizer"))}
 

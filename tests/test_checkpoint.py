@@ -1,4 +1,5 @@
 "Checkpoint files on disk: corruption, fallback, unsafe pickle, 2.0 compatibility, retention, SIGKILL mid-write."
+import io
 import json
 import os
 import random
@@ -348,3 +349,67 @@ def test_resume_of_a_named_file_refuses_what_load_latest_skips(tmp_path):
     t = regressor_trainer(max_steps=3)
     t.resume(ours.path_for(2))
     assert t.fit().steps == 3
+
+
+def _reachable_names(module, depth: int = 2):
+    "Every dotted name reachable from `module` by attribute access, `depth` steps deep."
+    frontier = [("", module)]
+    for _ in range(depth):
+        following = []
+        for prefix, obj in frontier:
+            try: names = list(vars(obj)) if hasattr(obj, "__dict__") else dir(obj)
+            except TypeError: continue
+            for name in names:
+                try: value = getattr(obj, name)
+                except Exception: continue
+                dotted = f"{prefix}.{name}" if prefix else name
+                yield dotted, value
+                following.append((dotted, value))
+        frontier = following
+
+
+def _globals_a_real_index_names() -> set:
+    "The (module, name) pairs in the `.metadata` torch.distributed.checkpoint writes for a model and its AdamW."
+    import pickle
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8))
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.tensor([[1, 2]])).sum().backward(); opt.step()
+    weights, moments = get_state_dict(net, opt)
+    seen = set()
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name): seen.add((module, name)); return super().find_class(module, name)
+    with tempfile.TemporaryDirectory() as d:
+        dcp.save({"model": weights, "optimizer": moments}, checkpoint_id=d, no_dist=True)
+        with open(Path(d) / ".metadata", "rb") as f: Recording(f).load()
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in seen, seen
+    return seen
+
+
+def test_the_sharded_index_reader_reaches_no_callable_but_the_index_records():
+    """The corpus: every global reachable by a dotted path from each module the index reader allows, and
+    each such global through the real unpickler. Only the exact records, sizes, dtypes and paths load."""
+    import importlib
+    import pickle
+    from speedtronic.checkpoint import _INDEX_GLOBALS, _Forbidden, _IndexUnpickler
+
+    text = lambda s: b"\x8c" + bytes([len(s.encode())]) + s.encode() if len(s.encode()) < 256 else \
+        b"\x8d" + len(s.encode()).to_bytes(8, "little") + s.encode()
+    allowed_objects = {id(getattr(importlib.import_module(m), n)) for m, n in _INDEX_GLOBALS}
+    modules = sorted({m for m, _ in _globals_a_real_index_names()} | {"torch.distributed.checkpoint"})
+    tried = loaded = 0
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        for dotted, _ in _reachable_names(module):
+            data = b"\x80\x04" + text(module_name) + text(dotted) + b"\x93."
+            tried += 1
+            try: got = _IndexUnpickler(io.BytesIO(data)).load()
+            except _Forbidden: continue
+            loaded += 1
+            assert id(got) in allowed_objects or isinstance(got, torch.dtype), (module_name, dotted, got)
+            assert "." not in dotted and not (callable(got) and id(got) not in allowed_objects), (module_name, dotted)
+    dtypes = sum(isinstance(v, torch.dtype) for v in vars(torch).values())
+    expected = sum(m in modules for m, _ in _INDEX_GLOBALS) + dtypes
+    assert tried > 10_000 and loaded == expected, (tried, loaded, expected)

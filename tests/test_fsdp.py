@@ -302,3 +302,34 @@ def test_gpu_check_world_of_one_runs_on_the_cpu(tmp_path):
     fsdp, ddp = [line for line in proc.stdout.splitlines() if " | INFO | " not in line]   # the runs' own log lines aside
     assert fsdp.startswith("DTensor params, 6 steps") and fsdp.endswith("step_000000000006.dcp loads back"), fsdp
     assert ddp.startswith("Parameter params, 6 steps") and ddp.endswith("step_000000000006.pt loads back"), ddp
+
+
+def dotted_payload(index_bytes: bytes, command: str) -> bytes:
+    "A `.metadata` that runs `command` through `torch.distributed.checkpoint.filesystem.os.system`, then holds the real index."
+    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()
+    call = text("torch.distributed.checkpoint.filesystem") + text("os.system") + b"\x93" + text(command) + b"\x85R0"
+    assert index_bytes[:2] == b"\x80\x04", "DCP wrote its index with pickle protocol 4"
+    return b"\x80\x04" + call + index_bytes[2:]
+
+
+def test_a_sharded_index_that_runs_code_is_refused_by_every_reader(fsdp_run, tmp_path):
+    "A crafted `.metadata` (a dotted global, then the real index): resume on 2 ranks, generate, export, consolidate never run it."
+    import shutil
+    out = tmp_path / "fsdp"
+    shutil.copytree(fsdp_run / "fsdp", out)
+    cfg = write_config(tmp_path, "fsdp", micro=4, data=DATA, steps=STEPS + 2, every=2, model=MODEL, parallel=FSDP)
+    newest = folder(out, STEPS)
+    marker = tmp_path / "marker"
+    (newest / ".metadata").write_bytes(dotted_payload((newest / ".metadata").read_bytes(), f"touch {marker}"))
+    runs = {"consolidate": ["consolidate", str(newest)],
+            "export": ["export", "--checkpoint", str(newest), "--to", str(tmp_path / "hf")],
+            "generate": ["generate", "--checkpoint", str(newest), "--prompt", "a", "--max-new-tokens", "2"]}
+    for what, args in runs.items():
+        proc = subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=ROOT, env=env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (what, proc.stderr[-2000:])
+        assert "is unsafe to load" in proc.stderr and "os.system" in proc.stderr, (what, proc.stderr[-2000:])
+        assert not marker.exists(), what
+    job_out, job_err = torchrun(cfg, "--resume").communicate(timeout=240)
+    assert not marker.exists(), job_err[-3000:]
+    assert "is unsafe to load" in job_out + job_err, job_err[-3000:]
