@@ -22,6 +22,7 @@ The one table printed at the end is the place the docs cite measured DiLoCo numb
     # keys on the Hub, one seed (about 5 minutes on 2 busy cores; add --transports directory,hub for the directory rows)
     OMP_NUM_THREADS=1 python bench/bench_diloco.py --nodes 3 --steps 200 --inner-steps 10 --transports hub --seeds 1234
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,16 +64,45 @@ def prepare_text(work: Path) -> tuple[Path, Path]:
 
 
 def base_config(args, work: Path, name: str, train: Path, *, batch: int, target: int) -> dict:
-    return {"run": {"name": name, "seed": args.seed, "device": "cpu", "max_steps": args.steps, "output_dir": str(work / name)},
-            "model": {"name": "reference_transformer", "vocab_size": 256, "max_seq_len": args.block, "n_layer": 2,
-                      "n_head": 4, "n_kv_head": 2, "d_model": args.width, "d_ff": 3 * args.width},
-            "data": {"text_path": str(train), "block_size": args.block, "micro_batch_size": batch, "target_batch_size": target},
-            "optimizer": {"name": "adamw", "lr": args.lr, "weight_decay": 0.01, "grad_clip": 1.0},
-            "scheduler": {"name": "cosine", "warmup_steps": max(1, args.steps // 10), "min_lr_ratio": 0.1},
-            "precision": {"mode": "fp32"},
-            "checkpoint": {"every_steps": args.steps, "keep_last": 1},
-            "logging": {"every_steps": max(1, args.steps // 4), "json_file": str(work / name / "metrics.jsonl"),
-                        "loss_plot": False, "progress": False}}
+    return {
+        "run": {
+            "name": name,
+            "seed": args.seed,
+            "device": "cpu",
+            "max_steps": args.steps,
+            "output_dir": str(work / name),
+        },
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 256,
+            "max_seq_len": args.block,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "d_model": args.width,
+            "d_ff": 3 * args.width,
+        },
+        "data": {
+            "text_path": str(train),
+            "block_size": args.block,
+            "micro_batch_size": batch,
+            "target_batch_size": target,
+        },
+        "optimizer": {"name": "adamw", "lr": args.lr, "weight_decay": 0.01, "grad_clip": 1.0},
+        "scheduler": {
+            "name": "cosine",
+            "warmup_steps": max(1, args.steps // 10),
+            "min_lr_ratio": 0.1,
+        },
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"every_steps": args.steps, "keep_last": 1},
+        "logging": {
+            "every_steps": max(1, args.steps // 4),
+            "json_file": str(work / name / "metrics.jsonl"),
+            "loss_plot": False,
+            "progress": False,
+        },
+    }
 
 
 def write(cfg: dict, path: Path) -> Path:
@@ -82,13 +112,25 @@ def write(cfg: dict, path: Path) -> Path:
 
 
 def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})}
+    full = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        **(env or {}),
+    }
     log = open(cfg.with_suffix(".log"), "w")
     # training runs below the bench process, which serves the Hub stand-in: like the real Hub, the repository does not
     # compete with the nodes for this machine's cores (every training process, the baseline too, gets the same priority)
-    proc = subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)], cwd=ROOT, env=full,
-                            stdout=log, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=(lambda: os.nice(5)) if hasattr(os, "nice") else None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
+        cwd=ROOT,
+        env=full,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=(lambda: os.nice(5)) if hasattr(os, "nice") else None,
+    )
     proc.log = Path(log.name)
     log.close()
     return proc
@@ -96,7 +138,8 @@ def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
 
 def wait(procs: list[subprocess.Popen], what: str) -> None:
     for p in procs:
-        if p.wait() != 0: raise SystemExit(f"{what} failed:\n{p.log.read_text()[-3000:]}")
+        if p.wait() != 0:
+            raise SystemExit(f"{what} failed:\n{p.log.read_text()[-3000:]}")
 
 
 def wait_for_line(procs: list[subprocess.Popen], text: str, what: str) -> None:
@@ -104,10 +147,14 @@ def wait_for_line(procs: list[subprocess.Popen], text: str, what: str) -> None:
     deadline = time.monotonic() + 300
     while not all(text in p.log.read_text() for p in procs):
         for p in procs:
-            if p.poll() is not None: wait([p], what)
+            if p.poll() is not None:
+                wait([p], what)
         if time.monotonic() > deadline:
-            for p in procs: p.kill()
-            raise SystemExit(f"{what} did not write {text!r} within 5 minutes; see {', '.join(str(p.log) for p in procs)}")
+            for p in procs:
+                p.kill()
+            raise SystemExit(
+                f"{what} did not write {text!r} within 5 minutes; see {', '.join(str(p.log) for p in procs)}"
+            )
         time.sleep(0.05)
 
 
@@ -115,15 +162,19 @@ def events(path: Path, name: str) -> list[dict]:
     out = []
     if path.exists():
         for line in path.read_text().splitlines():
-            try: item = json.loads(line)
-            except ValueError: continue
-            if item.get("event") == name: out.append(item)
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue
+            if item.get("event") == name:
+                out.append(item)
     return out
 
 
 def held_out_loss(cfg: dict, state: dict, held: Path) -> float:
     "The library's held-out evaluation (`speedtronic.evaluation`) of `state` on the held-out text file `held`."
     from speedtronic.evaluation import build_evaluator
+
     config = SpeedtronicConfig.from_dict({**cfg, "eval": {"text_path": str(held)}})
     model = build_model(config.model)
     model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()}, strict=False)
@@ -131,12 +182,19 @@ def held_out_loss(cfg: dict, state: dict, held: Path) -> float:
 
 
 def run_baseline(args, work: Path, train: Path, held: Path) -> dict:
-    cfg = base_config(args, work, "baseline", train, batch=args.batch, target=args.batch * args.nodes)
+    cfg = base_config(
+        args, work, "baseline", train, batch=args.batch, target=args.batch * args.nodes
+    )
     start = time.perf_counter()
     wait([launch(write(cfg, work / "baseline.yaml"))], "the baseline")
     ckpt = load_checkpoint(sorted((work / "baseline" / "checkpoints").glob("step_*.pt"))[-1])
-    return {"name": f"synchronous baseline (batch {args.batch * args.nodes})", "loss": held_out_loss(cfg, ckpt["model"], held),
-            "wall": time.perf_counter() - start, "config": cfg, "state": ckpt["model"]}
+    return {
+        "name": f"synchronous baseline (batch {args.batch * args.nodes})",
+        "loss": held_out_loss(cfg, ckpt["model"], held),
+        "wall": time.perf_counter() - start,
+        "config": cfg,
+        "state": ckpt["model"],
+    }
 
 
 def run_lockstep(args, work: Path, train: Path, held: Path) -> dict:
@@ -145,49 +203,99 @@ def run_lockstep(args, work: Path, train: Path, held: Path) -> dict:
     from speedtronic.distributed.outer import Contribution, OuterUpdate
     from speedtronic.distributed.tensors import compute_pseudo_gradient, cpu_state_dict
     from speedtronic.runtime import build_runtime
+
     start, nodes = time.perf_counter(), []
     for i in range(args.nodes):
-        cfg = base_config(args, work / "lockstep", f"node{i}", train, batch=args.batch, target=args.batch)
-        cfg["logging"] = {"level": "WARNING", "every_steps": args.steps, "loss_plot": False, "progress": False}
+        cfg = base_config(
+            args, work / "lockstep", f"node{i}", train, batch=args.batch, target=args.batch
+        )
+        cfg["logging"] = {
+            "level": "WARNING",
+            "every_steps": args.steps,
+            "loss_plot": False,
+            "progress": False,
+        }
         cfg["checkpoint"] = {"enabled": False}
         trainer, _ = build_runtime(cfg)
-        trainer.dataloader = NodeShard(trainer.dataloader, i, args.nodes)   # the shard a DiLoCo node reads
+        trainer.dataloader = NodeShard(
+            trainer.dataloader, i, args.nodes
+        )  # the shard a DiLoCo node reads
         nodes.append(trainer)
     state = cpu_state_dict(nodes[0].model.state_dict())
     update = OuterUpdate(state, args.outer_lr, args.outer_momentum)
     for end in range(args.inner_steps, args.steps + args.inner_steps, args.inner_steps):
-        for trainer in nodes: trainer.fit(max_steps=min(end, args.steps))
-        update.step(state, [Contribution(compute_pseudo_gradient(state, cpu_state_dict(t.model.state_dict()))) for t in nodes],
-                    args.nodes)
+        for trainer in nodes:
+            trainer.fit(max_steps=min(end, args.steps))
+        update.step(
+            state,
+            [
+                Contribution(compute_pseudo_gradient(state, cpu_state_dict(t.model.state_dict())))
+                for t in nodes
+            ],
+            args.nodes,
+        )
         for trainer in nodes:
             trainer.model.load_state_dict(state)
-            if args.reset_inner: trainer.optimizer.state.clear()
-    return {"name": f"lockstep DiLoCo outer {args.outer_lr:g}/{args.outer_momentum:g}{' reset' if args.reset_inner else ''} (in-process)",
-            "loss": held_out_loss(cfg, state, held), "wall": time.perf_counter() - start}
+            if args.reset_inner:
+                trainer.optimizer.state.clear()
+    return {
+        "name": f"lockstep DiLoCo outer {args.outer_lr:g}/{args.outer_momentum:g}{' reset' if args.reset_inner else ''} (in-process)",
+        "loss": held_out_loss(cfg, state, held),
+        "wall": time.perf_counter() - start,
+    }
 
 
 def node_texts(train: Path, nodes: int) -> list[Path]:
     "`train` cut at paragraphs into `nodes` contiguous files of about equal size: a 2.0 user's one file per node."
     text, cuts = train.read_bytes(), [0]
-    for i in range(1, nodes): cuts.append(text.index(b"\n\n", len(text) * i // nodes) + 2)
+    for i in range(1, nodes):
+        cuts.append(text.index(b"\n\n", len(text) * i // nodes) + 2)
     cuts.append(len(text))
     paths = [train.with_name(f"{train.stem}-node{i}.txt") for i in range(nodes)]
-    for path, a, b in zip(paths, cuts, cuts[1:]): path.write_bytes(text[a:b])
+    for path, a, b in zip(paths, cuts, cuts[1:]):
+        path.write_bytes(text[a:b])
     return paths
 
 
 def v2_distributed(args, name: str, role: str, repo: str) -> dict:
     "The distributed section a 2.0 user writes (2.0's outer defaults 0.7 / 0.9 spelled out, as 2.0's docs do)."
-    return {"enabled": True, "mode": "dumb_diloco", "role": role, "node_id": name, "repo_id": repo, "collaborators": [],
-            "inner_steps": args.inner_steps, "poll_interval": args.poll, "outer_lr": 0.7, "outer_momentum": 0.9}
+    return {
+        "enabled": True,
+        "mode": "dumb_diloco",
+        "role": role,
+        "node_id": name,
+        "repo_id": repo,
+        "collaborators": [],
+        "inner_steps": args.inner_steps,
+        "poll_interval": args.poll,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+    }
 
 
-def run_diloco(args, work: Path, train: Path, held: Path, *, transport: str, staleness: str = "delayed_nesterov",
-               dtype: str = "bfloat16", outer: tuple[float, float] | None = None, reset: bool | None = None,
-               boundary_wait: float = 0.0, v2_keys: bool = False) -> dict:
-    outer = (0.7, 0.9) if v2_keys else (args.outer_lr, args.outer_momentum) if outer is None else outer
+def run_diloco(
+    args,
+    work: Path,
+    train: Path,
+    held: Path,
+    *,
+    transport: str,
+    staleness: str = "delayed_nesterov",
+    dtype: str = "bfloat16",
+    outer: tuple[float, float] | None = None,
+    reset: bool | None = None,
+    boundary_wait: float = 0.0,
+    v2_keys: bool = False,
+) -> dict:
+    outer = (
+        (0.7, 0.9) if v2_keys else (args.outer_lr, args.outer_momentum) if outer is None else outer
+    )
     reset = True if v2_keys else args.reset_inner if reset is None else reset
-    tag = f"{transport}-2.0-keys" if v2_keys else f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}-{boundary_wait:g}"
+    tag = (
+        f"{transport}-2.0-keys"
+        if v2_keys
+        else f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}-{boundary_wait:g}"
+    )
     run = work / tag
     texts = node_texts(train, args.nodes) if v2_keys else [train] * args.nodes
     hub = HubStandIn(tokens={TOKEN: "write"}).start() if transport == "hub" else None
@@ -198,19 +306,38 @@ def run_diloco(args, work: Path, train: Path, held: Path, *, transport: str, sta
         name = "master" if i == 0 else f"worker{i}"
         cfg = base_config(args, run, name, texts[i], batch=args.batch, target=args.batch)
         if v2_keys:
-            if transport != "hub": raise SystemExit("the 2.0 keys row runs on the Hub (2.0 has no directory transport)")
+            if transport != "hub":
+                raise SystemExit(
+                    "the 2.0 keys row runs on the Hub (2.0 has no directory transport)"
+                )
             cfg["distributed"] = v2_distributed(args, name, "master" if i == 0 else "worker", repo)
             configs.append((cfg, write(cfg, run / f"{name}.yaml")))
             continue
-        cfg["distributed"] = {"enabled": True, "role": "master" if i == 0 else "worker", "node_id": name, "transport": transport,
-                              "repo_id": repo, "inner_steps": args.inner_steps, "poll_interval": args.poll, "expected_nodes": args.nodes,
-                              "shard_count": args.nodes, "shard_index": i, "delta_dtype": dtype, "staleness": staleness,
-                              "final_round_timeout": 1800, "retry_initial": 0.2, "retry_max": 5.0,
-                              "reset_inner_optimizer": reset, "outer_lr": outer[0], "outer_momentum": outer[1],
-                              "boundary_wait": boundary_wait}
+        cfg["distributed"] = {
+            "enabled": True,
+            "role": "master" if i == 0 else "worker",
+            "node_id": name,
+            "transport": transport,
+            "repo_id": repo,
+            "inner_steps": args.inner_steps,
+            "poll_interval": args.poll,
+            "expected_nodes": args.nodes,
+            "shard_count": args.nodes,
+            "shard_index": i,
+            "delta_dtype": dtype,
+            "staleness": staleness,
+            "final_round_timeout": 1800,
+            "retry_initial": 0.2,
+            "retry_max": 5.0,
+            "reset_inner_optimizer": reset,
+            "outer_lr": outer[0],
+            "outer_momentum": outer[1],
+            "boundary_wait": boundary_wait,
+        }
         configs.append((cfg, write(cfg, run / f"{name}.yaml")))
     try:
-        if hub: hub.create(repo, private=True)                          # made on the website before the run
+        if hub:
+            hub.create(repo, private=True)  # made on the website before the run
         start = time.perf_counter()
         # the workers start first and wait for the master's first global: on a 10-second run, the seconds a process takes
         # to start would otherwise let one node train alone for most of it
@@ -227,33 +354,84 @@ def run_diloco(args, work: Path, train: Path, held: Path, *, transport: str, sta
             commits = None
         final = load_safetensors_bytes(weights)
     finally:
-        if hub: hub.stop()
+        if hub:
+            hub.stop()
     master = run / "master" / "metrics.jsonl"
     rounds = [e for e in events(master, "outer_step") if e.get("deltas_included")]
-    uploads = [e for i in range(args.nodes) for e in events(run / ("master" if i == 0 else f"worker{i}") / "metrics.jsonl", "delta_uploaded")]
-    skipped = sum(len(events(run / ("master" if i == 0 else f"worker{i}") / "metrics.jsonl", "delta_upload_skipped")) for i in range(args.nodes))
+    uploads = [
+        e
+        for i in range(args.nodes)
+        for e in events(
+            run / ("master" if i == 0 else f"worker{i}") / "metrics.jsonl", "delta_uploaded"
+        )
+    ]
+    skipped = sum(
+        len(
+            events(
+                run / ("master" if i == 0 else f"worker{i}") / "metrics.jsonl",
+                "delta_upload_skipped",
+            )
+        )
+        for i in range(args.nodes)
+    )
     versions = max((e["outer_step"] for e in rounds), default=0)
-    node_commits, master_commits = len(uploads), (commits - len(uploads) if commits is not None else versions + 1)
+    node_commits, master_commits = (
+        len(uploads),
+        (commits - len(uploads) if commits is not None else versions + 1),
+    )
     global_bytes = len(weights)
-    name = (f"{transport} 2.0 keys: outer 0.7/0.9 reset, a file per node" if v2_keys else
-            f"{transport} {staleness} {dtype} outer {outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}"
-            f"{f' wait {boundary_wait:g}s' if boundary_wait else ''}")
-    return {"name": name, "loss": held_out_loss(configs[0][0], final, held), "wall": wall,
-            "versions": versions, "node_commits": node_commits, "master_commits": master_commits, "uploaded": len(uploads),
-            "delta_kb": sum(e["bytes"] for e in uploads) / max(1, len(uploads)) / 1024, "skipped": skipped,
-            "folded": sum(e["deltas_included"] for e in rounds), "global_kb": global_bytes / 1024}
+    name = (
+        f"{transport} 2.0 keys: outer 0.7/0.9 reset, a file per node"
+        if v2_keys
+        else f"{transport} {staleness} {dtype} outer {outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}"
+        f"{f' wait {boundary_wait:g}s' if boundary_wait else ''}"
+    )
+    return {
+        "name": name,
+        "loss": held_out_loss(configs[0][0], final, held),
+        "wall": wall,
+        "versions": versions,
+        "node_commits": node_commits,
+        "master_commits": master_commits,
+        "uploaded": len(uploads),
+        "delta_kb": sum(e["bytes"] for e in uploads) / max(1, len(uploads)) / 1024,
+        "skipped": skipped,
+        "folded": sum(e["deltas_included"] for e in rounds),
+        "global_kb": global_bytes / 1024,
+    }
 
 
 def wire_rows(cfg: dict, trained: dict) -> list[dict]:
     "The bytes of one delta file of this model (init minus `trained`) in each delta dtype, as a node writes it."
-    from speedtronic.distributed.tensors import delta_header, encode_delta, floating_state, safetensors_bytes
+    from speedtronic.distributed.tensors import (
+        delta_header,
+        encode_delta,
+        floating_state,
+        safetensors_bytes,
+    )
+
     torch.manual_seed(cfg["run"]["seed"])
     init = floating_state(build_model(SpeedtronicConfig.from_dict(cfg).model).state_dict())
     delta = {k: v.float() - trained[k].float() for k, v in init.items()}
-    size = {d: len(safetensors_bytes(encode_delta(delta, d), delta_header(node_id="node", local_step=1, base_outer_step=0,
-                                                                          inner_steps=1, encoding=d)))
-            for d in ("float32", "bfloat16", "int8")}
-    return [{"name": f"wire: one delta in {d} ({size[d] / size['float32']:.2f}x float32)", "delta_kb": size[d] / 1024} for d in size]
+    size = {
+        d: len(
+            safetensors_bytes(
+                encode_delta(delta, d),
+                delta_header(
+                    node_id="node", local_step=1, base_outer_step=0, inner_steps=1, encoding=d
+                ),
+            )
+        )
+        for d in ("float32", "bfloat16", "int8")
+    }
+    return [
+        {
+            "name": f"wire: one delta in {d} ({size[d] / size['float32']:.2f}x float32)",
+            "delta_kb": size[d] / 1024,
+        }
+        for d in size
+    ]
+
 
 def load_safetensors_bytes(data: bytes) -> dict:
     "The tensors of a global file's bytes, read by our own loader (it restores tied tensors stored once)."
@@ -265,87 +443,150 @@ def load_safetensors_bytes(data: bytes) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps of every node and of the baseline")
+    parser.add_argument(
+        "--steps", type=int, default=300, help="optimizer steps of every node and of the baseline"
+    )
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--nodes", type=int, default=4, help="the master and nodes-1 workers")
-    parser.add_argument("--batch", type=int, default=8, help="each node's batch (the baseline uses nodes x batch)")
+    parser.add_argument(
+        "--batch", type=int, default=8, help="each node's batch (the baseline uses nodes x batch)"
+    )
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--width", type=int, default=64, help="d_model of the 2-layer model")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--poll", type=float, default=0.5, help="distributed.poll_interval")
     parser.add_argument("--transports", default="directory,hub")
-    parser.add_argument("--boundary-wait", type=float, default=30.0,
-                        help="distributed.boundary_wait of the extra waiting runs of each transport (0: no such runs)")
-    parser.add_argument("--compare", action="store_true", help="also staleness none/weighted and float32/int8 deltas (directory)")
-    parser.add_argument("--outer-lr", type=float, default=1.0, help="distributed.outer_lr of the main runs")
-    parser.add_argument("--outer-momentum", type=float, default=0.0, help="distributed.outer_momentum of the main runs")
-    parser.add_argument("--reset-inner", action="store_true", help="reset_inner_optimizer: true in the main runs")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per DiLoCo variant and seed (timing makes async runs vary)")
-    parser.add_argument("--seeds", default="1234,1,2", help="comma-separated run.seed values: every row runs once per seed (init and "
-                        "data order), each DiLoCo run compared with the baseline of its own seed")
+    parser.add_argument(
+        "--boundary-wait",
+        type=float,
+        default=30.0,
+        help="distributed.boundary_wait of the extra waiting runs of each transport (0: no such runs)",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also staleness none/weighted and float32/int8 deltas (directory)",
+    )
+    parser.add_argument(
+        "--outer-lr", type=float, default=1.0, help="distributed.outer_lr of the main runs"
+    )
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.0,
+        help="distributed.outer_momentum of the main runs",
+    )
+    parser.add_argument(
+        "--reset-inner", action="store_true", help="reset_inner_optimizer: true in the main runs"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per DiLoCo variant and seed (timing makes async runs vary)",
+    )
+    parser.add_argument(
+        "--seeds",
+        default="1234,1,2",
+        help="comma-separated run.seed values: every row runs once per seed (init and "
+        "data order), each DiLoCo run compared with the baseline of its own seed",
+    )
     parser.add_argument("--keep", default=None, help="keep the runs in this folder")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-diloco-"))
     work.mkdir(parents=True, exist_ok=True)
     train, held = prepare_text(work)
-    print(f"{args.nodes} nodes x {args.steps} steps, inner_steps {args.inner_steps}, node batch {args.batch} x {args.block} bytes; "
-          f"{train.stat().st_size / 1e3:.0f} kB training text, {held.stat().st_size / 1e3:.0f} kB held out; seeds {seeds}", flush=True)
+    print(
+        f"{args.nodes} nodes x {args.steps} steps, inner_steps {args.inner_steps}, node batch {args.batch} x {args.block} bytes; "
+        f"{train.stat().st_size / 1e3:.0f} kB training text, {held.stat().st_size / 1e3:.0f} kB held out; seeds {seeds}",
+        flush=True,
+    )
     plan = [dict(transport=t) for t in args.transports.split(",") if t]
-    if args.boundary_wait: plan += [dict(transport=t, boundary_wait=args.boundary_wait) for t in args.transports.split(",") if t]
-    if args.boundary_wait and "directory" in args.transports:      # whole rounds with exact deltas: what bfloat16 costs
+    if args.boundary_wait:
+        plan += [
+            dict(transport=t, boundary_wait=args.boundary_wait)
+            for t in args.transports.split(",")
+            if t
+        ]
+    if (
+        args.boundary_wait and "directory" in args.transports
+    ):  # whole rounds with exact deltas: what bfloat16 costs
         plan.append(dict(transport="directory", dtype="float32", boundary_wait=args.boundary_wait))
-    defaults = dict(outer=(0.7, 0.9), reset=True)                 # DiLoCo's outer Nesterov and 2.0's inner reset
-    if "directory" in args.transports: plan.append(dict(transport="directory", **defaults))
+    defaults = dict(outer=(0.7, 0.9), reset=True)  # DiLoCo's outer Nesterov and 2.0's inner reset
+    if "directory" in args.transports:
+        plan.append(dict(transport="directory", **defaults))
     if args.compare:
         plan += [dict(transport="directory", staleness=s) for s in ("weighted", "none")]
         plan += [dict(transport="directory", staleness="none", **defaults)]
         plan += [dict(transport="directory", dtype=d) for d in ("float32", "int8")]
-    if "hub" in args.transports: plan.append(dict(transport="hub", v2_keys=True))   # what a 2.0 user's config gets
-    rows: dict[str, list[dict]] = {}                                  # row name -> its runs, each with `ratio` to its seed's baseline
+    if "hub" in args.transports:
+        plan.append(dict(transport="hub", v2_keys=True))  # what a 2.0 user's config gets
+    rows: dict[
+        str, list[dict]
+    ] = {}  # row name -> its runs, each with `ratio` to its seed's baseline
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
         lockstep = run_lockstep(args, here, train, held)
-        print(f"  seed {seed}: baseline {base['loss']:.4f} ({base['wall']:.0f} s), lockstep {lockstep['loss']:.4f}", flush=True)
-        for r in (base, lockstep): rows.setdefault(r["name"], []).append({**r, "ratio": r["loss"] / base["loss"]})
-        if seed == seeds[0]: wire = wire_rows(base["config"], base["state"])
+        print(
+            f"  seed {seed}: baseline {base['loss']:.4f} ({base['wall']:.0f} s), lockstep {lockstep['loss']:.4f}",
+            flush=True,
+        )
+        for r in (base, lockstep):
+            rows.setdefault(r["name"], []).append({**r, "ratio": r["loss"] / base["loss"]})
+        if seed == seeds[0]:
+            wire = wire_rows(base["config"], base["state"])
         for spec in plan:
             for i in range(args.repeats):
                 r = run_diloco(args, here / f"repeat{i}", train, held, **spec)
                 r["ratio"] = r["loss"] / base["loss"]
                 rows.setdefault(r["name"], []).append(r)
-                print(f"  seed {seed}: {r['name']} held-out loss {r['loss']:.4f} ({r['ratio']:.3f}x the baseline, {r['wall']:.0f} s)",
-                      flush=True)
-    for r in wire: rows[r["name"]] = [r]
+                print(
+                    f"  seed {seed}: {r['name']} held-out loss {r['loss']:.4f} ({r['ratio']:.3f}x the baseline, {r['wall']:.0f} s)",
+                    flush=True,
+                )
+    for r in wire:
+        rows[r["name"]] = [r]
     print_table(rows)
-    if not args.keep: shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def print_table(rows: dict[str, list[dict]]) -> None:
     "The one table of measured numbers: a line per row, means over its runs (seeds x repeats)."
     print()
-    print(f"{'run':56s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'uploaded':>8s} {'folded':>6s} {'versions':>8s} "
-          f"{'commits/v':>9s} {'delta kB':>8s} {'global kB':>9s} {'wall s':>6s}")
+    print(
+        f"{'run':56s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'uploaded':>8s} {'folded':>6s} {'versions':>8s} "
+        f"{'commits/v':>9s} {'delta kB':>8s} {'global kB':>9s} {'wall s':>6s}"
+    )
     for name, runs in rows.items():
         mean = lambda key: sum(r[key] for r in runs) / len(runs)
-        if "loss" not in runs[0]:                                       # a wire row: bytes only
-            print(f"{name:56s} {'':8s} {'':7s} {'':13s} {'':8s} {'':6s} {'':8s} {'':9s} {mean('delta_kb'):8.1f}")
+        if "loss" not in runs[0]:  # a wire row: bytes only
+            print(
+                f"{name:56s} {'':8s} {'':7s} {'':13s} {'':8s} {'':6s} {'':8s} {'':9s} {mean('delta_kb'):8.1f}"
+            )
             continue
         ratios = [r["ratio"] for r in runs]
         spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
         extra = f"{'':8s} {'':6s} {'':8s} {'':9s} {'':8s} {'':9s}"
         if "versions" in runs[0]:
             per_version = (mean("node_commits") + mean("master_commits")) / max(1, mean("versions"))
-            extra = (f"{mean('uploaded'):8.1f} {mean('folded'):6.1f} {mean('versions'):8.1f} {per_version:9.2f} {mean('delta_kb'):8.1f} "
-                     f"{mean('global_kb'):9.1f}")
-        print(f"{name:56s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):6.3f}x {spread:>13s} {extra} {mean('wall'):6.0f}")
-    print("\nvs sync = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) of held-out loss / the same "
-          "seed's synchronous baseline; range = the lowest and highest of them. uploaded = deltas the nodes uploaded; folded = "
-          "deltas the master folded into a published global; versions = published global versions; commits/v = (node deltas + "
-          "master publications) per version; delta kB = one delta on the wire; global kB = the weights published each version "
-          "(each node downloads it); outer a/b = outer_lr/outer_momentum; reset = reset_inner_optimizer; wait = "
-          "distributed.boundary_wait (whole rounds); 2.0 keys = only the distributed keys of a 2.0 config, the rest at defaults")
+            extra = (
+                f"{mean('uploaded'):8.1f} {mean('folded'):6.1f} {mean('versions'):8.1f} {per_version:9.2f} {mean('delta_kb'):8.1f} "
+                f"{mean('global_kb'):9.1f}"
+            )
+        print(
+            f"{name:56s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):6.3f}x {spread:>13s} {extra} {mean('wall'):6.0f}"
+        )
+    print(
+        "\nvs sync = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) of held-out loss / the same "
+        "seed's synchronous baseline; range = the lowest and highest of them. uploaded = deltas the nodes uploaded; folded = "
+        "deltas the master folded into a published global; versions = published global versions; commits/v = (node deltas + "
+        "master publications) per version; delta kB = one delta on the wire; global kB = the weights published each version "
+        "(each node downloads it); outer a/b = outer_lr/outer_momentum; reset = reset_inner_optimizer; wait = "
+        "distributed.boundary_wait (whole rounds); 2.0 keys = only the distributed keys of a 2.0 config, the rest at defaults"
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ wrote the same tokens.
     OMP_NUM_THREADS=1 python bench/bench_generate.py              # CPU: demo model and a 512-token one
     python bench/bench_generate.py --device cuda --rounds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,26 +26,42 @@ from speedtronic.generation import generate_ids  # noqa: E402
 from speedtronic.model import ReferenceTransformer  # noqa: E402
 
 SHAPES = {  # name -> (model keywords, prompt tokens, new tokens)
-    "demo (configs/demo.yaml)": (dict(vocab_size=256, max_seq_len=64, n_layer=3, n_head=4, n_kv_head=2, d_model=96, d_ff=256), 16, 48),
-    "512-token, 6x256": (dict(vocab_size=512, max_seq_len=512, n_layer=6, n_head=8, n_kv_head=2, d_model=256), 64, 256),
+    "demo (configs/demo.yaml)": (
+        dict(
+            vocab_size=256, max_seq_len=64, n_layer=3, n_head=4, n_kv_head=2, d_model=96, d_ff=256
+        ),
+        16,
+        48,
+    ),
+    "512-token, 6x256": (
+        dict(vocab_size=512, max_seq_len=512, n_layer=6, n_head=8, n_kv_head=2, d_model=256),
+        64,
+        256,
+    ),
 }
 
 
 class NoCache(nn.Module):
     "The same model behind a forward without a cache."
+
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner, self.config = inner, inner.config
 
-    def forward(self, input_ids): return self.inner(input_ids)
+    def forward(self, input_ids):
+        return self.inner(input_ids)
 
 
-def timed(model: nn.Module, prompt: list[int], new: int, device: torch.device) -> tuple[float, list[int]]:
+def timed(
+    model: nn.Module, prompt: list[int], new: int, device: torch.device
+) -> tuple[float, list[int]]:
     "Seconds to write `new` greedy tokens, and the tokens."
-    if device.type == "cuda": torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     tokens = list(generate_ids(model, prompt, max_new_tokens=new, temperature=0))
-    if device.type == "cuda": torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start, tokens
 
 
@@ -55,13 +72,16 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads, greedy, fp32")
-    print(f"{'model':28} {'prompt+new':>10} {'cached tok/s':>13} {'uncached tok/s':>15} {'ratio':>7}")
+    print(
+        f"{'model':28} {'prompt+new':>10} {'cached tok/s':>13} {'uncached tok/s':>15} {'ratio':>7}"
+    )
     for name, (kwargs, n_prompt, new) in SHAPES.items():
         torch.manual_seed(0)
         model = ReferenceTransformer(**kwargs).to(device).eval()
         prompt = torch.randint(0, kwargs["vocab_size"], (n_prompt,)).tolist()
         runs = {"cached": model, "uncached": NoCache(model)}
-        for m in runs.values(): timed(m, prompt, 4, device)   # warm-up
+        for m in runs.values():
+            timed(m, prompt, 4, device)  # warm-up
         seconds, tokens = {k: [] for k in runs}, {}
         for _ in range(args.rounds):
             for key, m in runs.items():
@@ -69,8 +89,10 @@ def main() -> None:
                 seconds[key].append(s)
         assert tokens["cached"] == tokens["uncached"], "cached and uncached greedy tokens differ"
         rate = {k: new / statistics.median(v) for k, v in seconds.items()}
-        print(f"{name:28} {f'{n_prompt}+{new}':>10} {rate['cached']:13.1f} {rate['uncached']:15.1f} "
-              f"{rate['cached'] / rate['uncached']:6.2f}x")
+        print(
+            f"{name:28} {f'{n_prompt}+{new}':>10} {rate['cached']:13.1f} {rate['uncached']:15.1f} "
+            f"{rate['cached'] / rate['uncached']:6.2f}x"
+        )
 
 
 if __name__ == "__main__":

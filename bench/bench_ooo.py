@@ -8,6 +8,7 @@ fed by one input: the case stream scheduling is for), each in fp32 and bf16 auto
 plain and the scheduled loop on the same model and batch; the ratio of their median step times is printed
 (>1 means the scheduler is faster). Gradients are checked equal before timing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,14 @@ from speedtronic.scheduling import StageStreamScheduler  # noqa: E402
 
 class Branches(nn.Module):
     "Independent branches on one input, summed."
+
     def __init__(self, width: int = 1024, branches: int = 4):
         super().__init__()
         self.inp = nn.Linear(width, width)
-        self.branches = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                                      for _ in range(branches))
+        self.branches = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(branches)
+        )
         self.ooo_stage_names = [f"branches.{i}" for i in range(branches)]
         self.out = nn.Linear(width, 1)
 
@@ -43,7 +47,9 @@ class Branches(nn.Module):
 
 def models():
     torch.manual_seed(0)
-    ref = ReferenceTransformer(vocab_size=512, block_size=256, n_layer=4, n_head=8, n_kv_head=2, d_model=512).cuda()
+    ref = ReferenceTransformer(
+        vocab_size=512, block_size=256, n_layer=4, n_head=8, n_kv_head=2, d_model=512
+    ).cuda()
     ids = torch.randint(0, 512, (16, 256), device="cuda")
     yield "reference transformer 4x512", ref, (lambda m: m(ids, labels=ids)["loss"])
     torch.manual_seed(0)
@@ -57,10 +63,12 @@ def step_time(model, loss_of, steps: int, scheduler=None, autocast=False) -> flo
     start = time.perf_counter()
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
-        if scheduler is not None: scheduler.begin()
+        if scheduler is not None:
+            scheduler.begin()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = loss_of(model)
-        if scheduler is not None: scheduler.finish()
+        if scheduler is not None:
+            scheduler.finish()
         loss.backward()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps
@@ -68,9 +76,11 @@ def step_time(model, loss_of, steps: int, scheduler=None, autocast=False) -> flo
 
 def grads(model, loss_of, scheduler=None):
     model.zero_grad(set_to_none=True)
-    if scheduler is not None: scheduler.begin()
+    if scheduler is not None:
+        scheduler.begin()
     loss = loss_of(model)
-    if scheduler is not None: scheduler.finish()
+    if scheduler is not None:
+        scheduler.finish()
     loss.backward()
     return [p.grad.detach().clone() for p in model.parameters()]
 
@@ -82,25 +92,33 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench_ooo: CUDA is not available here; the stream scheduler is a no-op off CUDA, nothing to measure")
+        print(
+            "bench_ooo: CUDA is not available here; the stream scheduler is a no-op off CUDA, nothing to measure"
+        )
         return
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    print(f"{'model':<30}{'precision':>10}{'streams':>8}{'plain ms':>10}{'ooo ms':>10}{'plain/ooo':>11}")
+    print(
+        f"{'model':<30}{'precision':>10}{'streams':>8}{'plain ms':>10}{'ooo ms':>10}{'plain/ooo':>11}"
+    )
     for name, model, loss_of in models():
         for streams in args.streams:
             sched = StageStreamScheduler(model, "cuda", num_streams=streams)
             if not sched.enabled:
-                print(f"{name:<30} scheduler off: {sched.reason}"); continue
+                print(f"{name:<30} scheduler off: {sched.reason}")
+                continue
             for a, b in zip(grads(model, loss_of), grads(model, loss_of, sched)):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
             for autocast in (False, True):
-                step_time(model, loss_of, 3, None, autocast); step_time(model, loss_of, 3, sched, autocast)   # warm-up
+                step_time(model, loss_of, 3, None, autocast)
+                step_time(model, loss_of, 3, sched, autocast)  # warm-up
                 plain, ooo = [], []
                 for _ in range(args.rounds):
                     plain.append(step_time(model, loss_of, args.steps, None, autocast))
                     ooo.append(step_time(model, loss_of, args.steps, sched, autocast))
                 p, o = statistics.median(plain), statistics.median(ooo)
-                print(f"{name:<30}{'bf16' if autocast else 'fp32':>10}{streams:>8}{p * 1e3:>10.2f}{o * 1e3:>10.2f}{p / o:>11.3f}")
+                print(
+                    f"{name:<30}{'bf16' if autocast else 'fp32':>10}{streams:>8}{p * 1e3:>10.2f}{o * 1e3:>10.2f}{p / o:>11.3f}"
+                )
             sched.dispose()
 
 

@@ -14,6 +14,7 @@ with 2.0's update scale is run at the shared lr only, to show what 2.0's default
 Step times are measured side by side afterwards: the variants take turns, a few steps each, over several rounds,
 and the median of each is divided by AdamW's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,12 @@ def demo_config(train_file: Path, out: Path, optimizer: dict, lr: float, steps: 
     raw["optimizer"] = {**raw["optimizer"], **optimizer, "lr": lr}
     raw["scheduler"]["warmup_steps"] = min(raw["scheduler"]["warmup_steps"], steps // 5)
     raw["checkpoint"] = {"enabled": False}
-    raw["logging"] = {"level": "WARNING", "every_steps": steps, "progress": False, "loss_plot": False}
+    raw["logging"] = {
+        "level": "WARNING",
+        "every_steps": steps,
+        "progress": False,
+        "loss_plot": False,
+    }
     return raw
 
 
@@ -62,7 +68,7 @@ def held_out_batches(text: str, count: int = 48, block: int = 64, seed: int = 0)
     ids = torch.tensor(CharTokenizer(256).encode(text), dtype=torch.long)
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - block - 1, (count,), generator=g)
-    return torch.stack([ids[s:s + block + 1] for s in starts.tolist()])
+    return torch.stack([ids[s : s + block + 1] for s in starts.tolist()])
 
 
 @torch.no_grad()
@@ -73,7 +79,9 @@ def held_out_loss(model, windows: torch.Tensor) -> float:
     return sum(losses) / len(losses)
 
 
-def train(train_file: Path, windows: torch.Tensor, optimizer: dict, lr: float, steps: int, out: Path) -> dict:
+def train(
+    train_file: Path, windows: torch.Tensor, optimizer: dict, lr: float, steps: int, out: Path
+) -> dict:
     trainer, _ = build_runtime(demo_config(train_file, out, optimizer, lr, steps), device="cpu")
     try:
         start = time.perf_counter()
@@ -83,20 +91,26 @@ def train(train_file: Path, windows: torch.Tensor, optimizer: dict, lr: float, s
         close_logger(trainer.logger)
     train_tail = [r["loss"] for r in result.metrics][-1:] if result.metrics else [float("nan")]
     loss = held_out_loss(trainer.model, windows)
-    return {"held_out": loss if math.isfinite(loss) else float("inf"), "train": train_tail[-1], "tokens": result.tokens,
-            "seconds": elapsed}
+    return {
+        "held_out": loss if math.isfinite(loss) else float("inf"),
+        "train": train_tail[-1],
+        "tokens": result.tokens,
+        "seconds": elapsed,
+    }
 
 
 def step_times(train_file: Path, lr: float, rounds: int, steps: int) -> dict[str, float]:
     "Median seconds per training step of each variant, measured in turns on the same model and batch."
     trainers = {}
     for name, optimizer in VARIANTS.items():
-        trainer, _ = build_runtime(demo_config(train_file, Path(tempfile.mkdtemp()), optimizer, lr, 10_000), device="cpu")
+        trainer, _ = build_runtime(
+            demo_config(train_file, Path(tempfile.mkdtemp()), optimizer, lr, 10_000), device="cpu"
+        )
         close_logger(trainer.logger)
         trainers[name] = trainer
     batch = next(iter(trainers["adamw"].dataloader))
     times = {name: [] for name in VARIANTS}
-    for _ in range(rounds + 1):        # the first round warms up and is dropped
+    for _ in range(rounds + 1):  # the first round warms up and is dropped
         for name, trainer in trainers.items():
             model, opt = trainer.model, trainer.optimizer
             start = time.perf_counter()
@@ -111,12 +125,26 @@ def step_times(train_file: Path, lr: float, rounds: int, steps: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run (tokens = steps x 1024)")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[6.25e-4, 1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
-                        help="learning-rate sweep")
-    parser.add_argument("--shared-lr", type=float, default=5e-3, help="the one config lr every optimizer is also run at")
+    parser.add_argument(
+        "--steps", type=int, default=400, help="optimizer steps per run (tokens = steps x 1024)"
+    )
+    parser.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        default=[6.25e-4, 1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2],
+        help="learning-rate sweep",
+    )
+    parser.add_argument(
+        "--shared-lr",
+        type=float,
+        default=5e-3,
+        help="the one config lr every optimizer is also run at",
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--timing-rounds", type=int, default=5, help="0 skips the step-time measurement")
+    parser.add_argument(
+        "--timing-rounds", type=int, default=5, help="0 skips the step-time measurement"
+    )
     parser.add_argument("--timing-steps", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -127,27 +155,47 @@ def main() -> None:
     train_file = work / "train.txt"
     train_file.write_text(text[:cut], encoding="utf-8")
     windows = held_out_batches(text[cut:])
-    print(f"corpus: {len(text):,} characters ({cut:,} train, {len(text) - cut:,} held out); {args.steps} steps of "
-          f"16 x 64 tokens = {args.steps * 1024:,} tokens per run; lrs {lrs}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"corpus: {len(text):,} characters ({cut:,} train, {len(text) - cut:,} held out); {args.steps} steps of "
+        f"16 x 64 tokens = {args.steps * 1024:,} tokens per run; lrs {lrs}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
     results: dict[str, dict[float, dict]] = {}
     for name in args.variants:
         results[name] = {}
         for lr in lrs if name not in SHARED_ONLY else [args.shared_lr]:
-            r = train(train_file, windows, VARIANTS[name], lr, args.steps, work / f"{name}-{lr}".replace(" ", "_"))
+            r = train(
+                train_file,
+                windows,
+                VARIANTS[name],
+                lr,
+                args.steps,
+                work / f"{name}-{lr}".replace(" ", "_"),
+            )
             results[name][lr] = r
-            print(f"  {name:<18} lr {lr:<8g} held-out {r['held_out']:.4f}  train {r['train']:.4f}  ({r['seconds']:.0f} s)",
-                  flush=True)
-    times = step_times(train_file, args.shared_lr, args.timing_rounds, args.timing_steps) if args.timing_rounds else {}
-    timing = lambda name: f"{times[name] * 1e3:.1f} | {times[name] / times['adamw']:.2f}x" if times else "- | -"
+            print(
+                f"  {name:<18} lr {lr:<8g} held-out {r['held_out']:.4f}  train {r['train']:.4f}  ({r['seconds']:.0f} s)",
+                flush=True,
+            )
+    times = (
+        step_times(train_file, args.shared_lr, args.timing_rounds, args.timing_steps)
+        if args.timing_rounds
+        else {}
+    )
+    timing = lambda name: (
+        f"{times[name] * 1e3:.1f} | {times[name] / times['adamw']:.2f}x" if times else "- | -"
+    )
     print()
-    header = (f"| optimizer | best lr | held-out loss at best lr | held-out loss at lr {args.shared_lr:g} | "
-              f"step time (ms) | vs AdamW |")
+    header = (
+        f"| optimizer | best lr | held-out loss at best lr | held-out loss at lr {args.shared_lr:g} | "
+        f"step time (ms) | vs AdamW |"
+    )
     print(header)
     print("|---|---|---|---|---|---|")
     for name in args.variants:
         shared = results[name][args.shared_lr]["held_out"]
-        if name in SHARED_ONLY: best_lr, best = "-", "-"
+        if name in SHARED_ONLY:
+            best_lr, best = "-", "-"
         else:
             best_lr = min(results[name], key=lambda lr: results[name][lr]["held_out"])
             best_lr, best = f"{best_lr:g}", f"{results[name][best_lr]['held_out']:.4f}"
@@ -157,8 +205,13 @@ def main() -> None:
     print("| optimizer | " + " | ".join(f"{lr:g}" for lr in lrs) + " |")
     print("|---|" + "---|" * len(lrs))
     for name in args.variants:
-        print(f"| {name} | " + " | ".join(f"{results[name][lr]['held_out']:.4f}" if lr in results[name] else "-"
-                                          for lr in lrs) + " |")
+        print(
+            f"| {name} | "
+            + " | ".join(
+                f"{results[name][lr]['held_out']:.4f}" if lr in results[name] else "-" for lr in lrs
+            )
+            + " |"
+        )
 
 
 if __name__ == "__main__":

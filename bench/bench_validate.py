@@ -3,6 +3,7 @@
 Runs both as fresh subprocesses, alternating, N rounds each, and prints both medians and their ratio.
     python bench/bench_validate.py [--rounds 7] [--config configs/smoke.yaml]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,12 @@ def wall_time(cmd: list[str]) -> float:
     "Seconds one subprocess takes from start to exit; it must succeed."
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     elapsed = time.perf_counter() - start
-    if proc.returncode != 0: raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
     return elapsed
 
 
@@ -33,7 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     validate = [sys.executable, "-m", "speedtronic", "validate", "--config", args.config]
     torch = [sys.executable, "-c", "import torch"]
-    wall_time(validate); wall_time(torch)  # warm the file cache once, untimed
+    wall_time(validate)
+    wall_time(torch)  # warm the file cache once, untimed
     times: dict[str, list[float]] = {"validate": [], "import torch": []}
     for _ in range(args.rounds):
         times["validate"].append(wall_time(validate))

@@ -17,31 +17,78 @@ from importlib import import_module
 __version__ = "2.1.0"
 
 _LAZY_NAMES = {
-    'speedtronic.config': ['CheckpointConfig', 'Config', 'ConfigError', 'DataConfig', 'DistributedConfig',
-                           'LoggingConfig', 'ModelConfig', 'OptimizerConfig', 'PrecisionConfig', 'RunConfig',
-                           'SchedulerConfig', 'ShapeValidationConfig', 'SpeedtronicConfig',
-                           'load_config', 'load_yaml_config'],
-    'speedtronic.registry': ['ModelRegistry', 'build_model', 'register_model', 'registry'],
-    'speedtronic.module_utils': ['set_gradient_checkpointing'],
-    'speedtronic.model': ['GPT', 'GPTConfig', 'ReferenceTransformer'],
-    'speedtronic.trainer': ['Trainer', 'TrainResult'],
-    'speedtronic.shapes': ['ShapeProfile', 'ShapeReport', 'ShapeWarning', 'resolve_shape_profile',
-                           'validate_startup_shapes'],
+    "speedtronic.config": [
+        "CheckpointConfig",
+        "Config",
+        "ConfigError",
+        "DataConfig",
+        "DistributedConfig",
+        "LoggingConfig",
+        "ModelConfig",
+        "OptimizerConfig",
+        "PrecisionConfig",
+        "RunConfig",
+        "SchedulerConfig",
+        "ShapeValidationConfig",
+        "SpeedtronicConfig",
+        "load_config",
+        "load_yaml_config",
+    ],
+    "speedtronic.registry": ["ModelRegistry", "build_model", "register_model", "registry"],
+    "speedtronic.module_utils": ["set_gradient_checkpointing"],
+    "speedtronic.model": ["GPT", "GPTConfig", "ReferenceTransformer"],
+    "speedtronic.trainer": ["Trainer", "TrainResult"],
+    "speedtronic.shapes": [
+        "ShapeProfile",
+        "ShapeReport",
+        "ShapeWarning",
+        "resolve_shape_profile",
+        "validate_startup_shapes",
+    ],
 }
 _MODULE_OF = {name: mod for mod, names in _LAZY_NAMES.items() for name in names}
-_all_ = ['CheckpointConfig', 'Config', 'ConfigError', 'DataConfig', 'DistributedConfig', 'GPT', 'GPTConfig',
-         'LoggingConfig', 'ModelConfig', 'ModelRegistry', 'OptimizerConfig', 'PrecisionConfig', 'ReferenceTransformer',
-         'RunConfig', 'SchedulerConfig', 'ShapeProfile', 'ShapeReport', 'ShapeValidationConfig', 'ShapeWarning',
-         'SpeedtronicConfig', 'TrainResult', 'Trainer', 'build_model', 'load_config', 'load_yaml_config',
-         'register_model', 'registry', 'resolve_shape_profile', 'set_gradient_checkpointing',
-         'validate_startup_shapes']
+_all_ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "GPT",
+    "GPTConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "ModelRegistry",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "ReferenceTransformer",
+    "RunConfig",
+    "SchedulerConfig",
+    "ShapeProfile",
+    "ShapeReport",
+    "ShapeValidationConfig",
+    "ShapeWarning",
+    "SpeedtronicConfig",
+    "TrainResult",
+    "Trainer",
+    "build_model",
+    "load_config",
+    "load_yaml_config",
+    "register_model",
+    "registry",
+    "resolve_shape_profile",
+    "set_gradient_checkpointing",
+    "validate_startup_shapes",
+]
+
 
 def __getattr__(name: str):
     "Import the module that owns `name` on first use (PEP 562)."
-    if name not in _MODULE_OF: raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")
     value = getattr(import_module(_MODULE_OF[name]), name)
     globals()[name] = value
     return value
+
 
 def __dir__():
     return sorted(set(globals()) | set(_MODULE_OF))

@@ -14,4 +14,6 @@ def _run_as_module() -> bool:
     spec = globals().get("__spec__")
     return __name__ == "__main__" and getattr(spec, "name", None) == "speedtronic.__main__"
 
-if _run_as_module(): raise SystemExit(main())
+
+if _run_as_module():
+    raise SystemExit(main())

@@ -26,7 +26,13 @@ from fastcore.basics import patch
 
 from .errors import ExpectedError
 from .config import ModelConfig, SpeedtronicConfig, as_section, explicit_fields, redact
-from .files import TEMP_NAME, atomic_write, atomic_write_text, file_in_the_way, writer_gone
+from speedtronic.files import (
+    TEMP_NAME,
+    atomic_write,
+    atomic_write_text,
+    file_in_the_way,
+    writer_gone,
+)
 
 # %% auto #0
 __all__ = ['SHARDED_STATE', 'CheckpointError', 'atomic_torch_save', 'atomic_json_dump', 'is_sharded', 'load_checkpoint',
@@ -44,6 +50,7 @@ def atomic_torch_save(state: Any, path: str | os.PathLike) -> Path:
     "`torch.save` `state` to `path` atomically, streaming straight to disk (no copy in memory)."
     return atomic_write(path, lambda f: torch.save(state, f))
 
+
 def atomic_json_dump(value: Any, path: str | os.PathLike) -> Path:
     "Write `value` as pretty JSON (2-space indent, trailing newline) to `path` atomically."
     return atomic_write_text(json.dumps(value, indent=2, default=str) + "\n", path)
@@ -51,61 +58,97 @@ def atomic_json_dump(value: Any, path: str | os.PathLike) -> Path:
 # %% ../nbs/07_checkpoint.ipynb #fd0dfd9f
 def _numpy_safe_globals() -> list:
     "The NumPy globals needed to rebuild plain numeric arrays (2.0's NumPy RNG state)."
-    try: import numpy as np
-    except ImportError: return []
+    try:
+        import numpy as np
+    except ImportError:
+        return []
     core = getattr(np, "_core", None) or np.core
     dtypes = {type(np.dtype(code)) for code in "?bBhHiIlLqQefd"}
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, *sorted(dtypes, key=str)]
+
 
 def _torch_load_restricted(path: Path, mmap: bool = False) -> Any:
     "`torch.load` with `weights_only=True`, also accepting plain numeric NumPy arrays (`mmap`: tensors not read)."
     safe_globals = getattr(torch.serialization, "safe_globals", None)
     context = safe_globals(_numpy_safe_globals()) if safe_globals else contextlib.nullcontext()
     with context, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Detected pickle protocol")  # junk bytes: we report it
-        return torch.load(path, map_location="cpu", weights_only=True, **({"mmap": True} if mmap else {}))
+        warnings.filterwarnings(
+            "ignore", message="Detected pickle protocol"
+        )  # junk bytes: we report it
+        return torch.load(
+            path, map_location="cpu", weights_only=True, **({"mmap": True} if mmap else {})
+        )
 
 # %% ../nbs/07_checkpoint.ipynb #28914323
-SHARDED_STATE = "state.pt"  # in a sharded checkpoint folder: everything but the model and optimizer tensors
+SHARDED_STATE = (
+    "state.pt"  # in a sharded checkpoint folder: everything but the model and optimizer tensors
+)
+
 
 def is_sharded(path: str | os.PathLike) -> bool:
     "Is `path` a sharded checkpoint folder (`step_<digits>.dcp` holding `torch.distributed.checkpoint`'s `.metadata`)?"
     path = Path(path)
     return path.is_dir() and (path / ".metadata").is_file()
 
+
 def _remove(path: Path) -> None:
     "Delete a checkpoint file, or a sharded checkpoint folder with its shards."
-    if path.is_dir() and not path.is_symlink(): shutil.rmtree(path)
-    else: path.unlink()
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 # %% ../nbs/07_checkpoint.ipynb #ff3181a4
-_UNSAFE = re.compile(r"GLOBAL (\S+?)(?:\s|$)|but got <class '([^']+)'>|Unsupported operand (\d+)|(Unsupported class)")
+_UNSAFE = re.compile(
+    r"GLOBAL (\S+?)(?:\s|$)|but got <class '([^']+)'>|Unsupported operand (\d+)|(Unsupported class)"
+)
+
 
 def _unsafe_what(message: str, path: Path) -> str | None:
     "What the safe loader refused (a global's name, a pickle instruction), or `None` if it did not refuse anything."
-    if "Weights only load failed" not in message and "Unsupported global" not in message: return None
-    with open(path, "rb") as f: head = f.read(2)
-    if "Unsupported operand" in message and not (len(head) == 2 and head[0] == 0x80 and head[1] <= 5):
-        return None   # random bytes read as pickle instructions: corrupt, not a pickle
+    if "Weights only load failed" not in message and "Unsupported global" not in message:
+        return None
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if "Unsupported operand" in message and not (
+        len(head) == 2 and head[0] == 0x80 and head[1] <= 5
+    ):
+        return None  # random bytes read as pickle instructions: corrupt, not a pickle
     found = _UNSAFE.search(message)
-    if found and found.group(3): return f"pickle instruction {found.group(3)}, which only a full unpickler runs"
-    return next((g for g in found.groups() if g), None) if found else "a pickle instruction it does not allow"
+    if found and found.group(3):
+        return f"pickle instruction {found.group(3)}, which only a full unpickler runs"
+    return (
+        next((g for g in found.groups() if g), None)
+        if found
+        else "a pickle instruction it does not allow"
+    )
+
 
 def _not_a_file(path: Path) -> str | None:
     "What `path` is when it is not a checkpoint file to read (missing, a folder, a broken link, a pipe), else `None`."
-    if path.is_dir(): return "is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"
-    if path.is_symlink() and not path.exists(): return f"is a link to {os.readlink(path)}, which does not exist"
-    if not path.exists(): return "does not exist"
-    if not path.is_file(): return "is not a regular file (a pipe, socket or device); name a step_<step>.pt file"
+    if path.is_dir():
+        return "is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"
+    if path.is_symlink() and not path.exists():
+        return f"is a link to {os.readlink(path)}, which does not exist"
+    if not path.exists():
+        return "does not exist"
+    if not path.is_file():
+        return "is not a regular file (a pipe, socket or device); name a step_<step>.pt file"
     return None
+
 
 def _zip_cut_short(path: Path) -> tuple[bool, int]:
     "(is `path` a zip archive, as `torch.save` writes, whose end record is missing?, its size in bytes)."
     with open(path, "rb") as f:
         head, size = f.read(4), os.fstat(f.fileno()).st_size
-        if head != b"PK\x03\x04": return False, size
+        if head != b"PK\x03\x04":
+            return False, size
         f.seek(max(0, size - 22))
-        return f.read(4) != b"PK\x05\x06", size   # torch.save writes no zip comment: the record is the last 22 bytes
+        return (
+            f.read(4) != b"PK\x05\x06",
+            size,
+        )  # torch.save writes no zip comment: the record is the last 22 bytes
+
 
 def _first_sentence(error: BaseException) -> str:
     "`Type: first sentence` of `error`'s message, on one line and never cut within a sentence."
@@ -113,7 +156,9 @@ def _first_sentence(error: BaseException) -> str:
     first = re.split(r"(?<=[.!?;])\s", text, maxsplit=1)[0].rstrip(".;")
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
+
 _OLDER = "delete it or resume from an older checkpoint"
+
 
 def _unusable(path: Path, why: str, advice: str | None = _OLDER) -> CheckpointError:
     "`checkpoint <path> <why>; <advice>` as a `CheckpointError` whose `.why` a list of several files shows alone."
@@ -121,28 +166,47 @@ def _unusable(path: Path, why: str, advice: str | None = _OLDER) -> CheckpointEr
     error.why = why
     return error
 
+
 def load_checkpoint(path: str | os.PathLike) -> dict:
     "Load the checkpoint at `path` (a file, or a sharded folder gathered whole) as tensors and plain data only; any problem is a `CheckpointError`."
     path = Path(path)
-    if is_sharded(path): return _full_sharded(path)
-    if problem := _not_a_file(path): raise _unusable(path, problem, None)
-    try: cut, size = _zip_cut_short(path)
+    if is_sharded(path):
+        return _full_sharded(path)
+    if problem := _not_a_file(path):
+        raise _unusable(path, problem, None)
+    try:
+        cut, size = _zip_cut_short(path)
     except OSError as e:
-        raise _unusable(path, f"cannot be read ({e.strerror or e})", "give this user read access to it, or resume "
-                        "from another checkpoint") from None
-    if size == 0: raise _unusable(path, "is empty (0 bytes): it was never completely written")
-    if cut: raise _unusable(path, f"is truncated ({size} bytes, cut short before the end record every complete "
-                            "torch.save file has)")
-    try: state = _torch_load_restricted(path)
+        raise _unusable(
+            path,
+            f"cannot be read ({e.strerror or e})",
+            "give this user read access to it, or resume from another checkpoint",
+        ) from None
+    if size == 0:
+        raise _unusable(path, "is empty (0 bytes): it was never completely written")
+    if cut:
+        raise _unusable(
+            path,
+            f"is truncated ({size} bytes, cut short before the end record every complete "
+            "torch.save file has)",
+        )
+    try:
+        state = _torch_load_restricted(path)
     except pickle.UnpicklingError as e:
         if unsafe := _unsafe_what(str(e), path):
-            raise _unusable(path, f"is unsafe to load: it holds Python objects other than tensors and plain data "
-                            f"({unsafe}), and unpickling them could run code, so it was not loaded",
-                            "if you trust the file, re-save it with only tensors, numbers, strings, lists and dicts") from None
+            raise _unusable(
+                path,
+                f"is unsafe to load: it holds Python objects other than tensors and plain data "
+                f"({unsafe}), and unpickling them could run code, so it was not loaded",
+                "if you trust the file, re-save it with only tensors, numbers, strings, lists and dicts",
+            ) from None
         raise _unusable(path, "is corrupt (not a readable torch.save file)") from None
-    except Exception as e: raise _unusable(path, f"is corrupt ({_first_sentence(e)})") from None
+    except Exception as e:
+        raise _unusable(path, f"is corrupt ({_first_sentence(e)})") from None
     if not isinstance(state, dict):
-        raise _unusable(path, f"does not contain a state dictionary (found {type(state).__name__})", None)
+        raise _unusable(
+            path, f"does not contain a state dictionary (found {type(state).__name__})", None
+        )
     return state
 
 # %% ../nbs/07_checkpoint.ipynb #7f695362
@@ -151,19 +215,34 @@ def _mps_available() -> bool:
     mps = getattr(torch.backends, "mps", None)
     return bool(mps is not None and mps.is_available())
 
+
 def _numpy_rng_state() -> dict | None:
     "NumPy's global RNG state as tensors and plain numbers, or `None` without NumPy."
-    try: import numpy as np
-    except ImportError: return None
+    try:
+        import numpy as np
+    except ImportError:
+        return None
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    return {"bit_generator": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return {
+        "bit_generator": str(name),
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+
 
 def capture_rng_state() -> dict:
     "Python, NumPy, torch CPU (+ CUDA, MPS when available) RNG states, loadable with `weights_only`."
-    state = {"python": random.getstate(), "numpy": _numpy_rng_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available(): state["cuda"] = torch.cuda.get_rng_state_all()
-    if _mps_available(): state["mps"] = torch.mps.get_rng_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": _numpy_rng_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if _mps_available():
+        state["mps"] = torch.mps.get_rng_state()
     return state
 
 # %% ../nbs/07_checkpoint.ipynb #83a559c5
@@ -171,107 +250,169 @@ def _restore_python(value) -> None:
     version, internal, gauss = value
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
+
 def _restore_numpy(value) -> None:
     import numpy as np
+
     if isinstance(value, Mapping):
         keys = value["keys"]
         keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
-        value = (value["bit_generator"], keys.astype(np.uint32), value["pos"],
-                 value["has_gauss"], value["cached_gaussian"])
+        value = (
+            value["bit_generator"],
+            keys.astype(np.uint32),
+            value["pos"],
+            value["has_gauss"],
+            value["cached_gaussian"],
+        )
     else:  # 2.0: the tuple returned by np.random.get_state()
         name, keys, *rest = value
         value = (name, np.asarray(keys, dtype=np.uint32), *rest)
     np.random.set_state(value)
 
+
 def _restore_cuda(value) -> None:
-    if not torch.cuda.is_available(): raise RuntimeError("CUDA is not available in this process")
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available in this process")
     torch.cuda.set_rng_state_all(value)
 
+
 def _restore_mps(value) -> None:
-    if not _mps_available(): raise RuntimeError("MPS is not available in this process")
+    if not _mps_available():
+        raise RuntimeError("MPS is not available in this process")
     torch.mps.set_rng_state(value)
 
-_RNG_RESTORERS = {"python": _restore_python, "numpy": _restore_numpy,
-                  "torch": torch.set_rng_state, "cuda": _restore_cuda, "mps": _restore_mps}
+
+_RNG_RESTORERS = {
+    "python": _restore_python,
+    "numpy": _restore_numpy,
+    "torch": torch.set_rng_state,
+    "cuda": _restore_cuda,
+    "mps": _restore_mps,
+}
 
 # %% ../nbs/07_checkpoint.ipynb #6ab0ebce
 def restore_rng_state(state: Mapping | None, *, logger=None) -> list[str]:
     "Restore each RNG part of `state` independently; return (and warn about) the parts that failed."
     problems = []
     for part, value in (state or {}).items():
-        if value is None: continue
+        if value is None:
+            continue
         restorer = _RNG_RESTORERS.get(part)
-        if restorer is None: problems.append(f"{part}: unknown RNG state; ignored"); continue
-        try: restorer(value)
-        except Exception as e: problems.append(f"{part}: {type(e).__name__}: {e}")
+        if restorer is None:
+            problems.append(f"{part}: unknown RNG state; ignored")
+            continue
+        try:
+            restorer(value)
+        except Exception as e:
+            problems.append(f"{part}: {type(e).__name__}: {e}")
     for problem in problems:
         message = f"RNG state not restored: {problem}"
-        if logger is not None: logger.warning(message)
-        else: warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if logger is not None:
+            logger.warning(message)
+        else:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
     return problems
 
 # %% ../nbs/07_checkpoint.ipynb #8c7723c0
 def _shape(value) -> tuple | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
+
 def _listing(label: str, names: list[str], limit: int = 8) -> str:
     "`label: a, b, c` with at most `limit` names shown."
-    shown = ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+    shown = ", ".join(names[:limit]) + (
+        f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    )
     return f"{label}: {shown}"
 
-_RUNTIME_ONLY = {"gradient_checkpointing", "imports", "init_from"}  # model.* keys that never change the weights
+
+_RUNTIME_ONLY = {
+    "gradient_checkpointing",
+    "imports",
+    "init_from",
+}  # model.* keys that never change the weights
+
 
 def _plain(value):
     "Tuples and lists compare equal after a round trip through a file."
     return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
+
 def _saved_model(state: Mapping) -> ModelConfig | None:
     "The model section of the whole config the checkpoint recorded, or `None` when it has none that can be read."
     saved = state.get("config")
-    if not isinstance(saved, Mapping): return None
-    try: return SpeedtronicConfig.from_dict(saved).model
-    except ValueError: return None  # a config this version cannot read: compare the tensors only
+    if not isinstance(saved, Mapping):
+        return None
+    try:
+        return SpeedtronicConfig.from_dict(saved).model
+    except ValueError:
+        return None  # a config this version cannot read: compare the tensors only
+
 
 def _config_differences(saved: ModelConfig | None, current: ModelConfig | None) -> list[str]:
     "`model.<key>: saved .. vs current ..` for every weight-relevant value the checkpoint recorded that differs."
-    if saved is None or current is None: return []
+    if saved is None or current is None:
+        return []
     recorded = explicit_fields(saved) - _RUNTIME_ONLY
-    return [f"model.{f.name}: saved {getattr(saved, f.name)!r} vs current {getattr(current, f.name)!r}"
-            for f in fields(current) if f.name in recorded and _plain(getattr(saved, f.name)) != _plain(getattr(current, f.name))]
+    return [
+        f"model.{f.name}: saved {getattr(saved, f.name)!r} vs current {getattr(current, f.name)!r}"
+        for f in fields(current)
+        if f.name in recorded and _plain(getattr(saved, f.name)) != _plain(getattr(current, f.name))
+    ]
 
 # %% ../nbs/07_checkpoint.ipynb #7fc6ff8e
-def compatibility_problems(state: Mapping, *, model: torch.nn.Module, config=None,
-                           limit: int = 8,  # most tensor-shape differences listed one by one
-                          ) -> list[str]:
+def compatibility_problems(
+    state: Mapping,
+    *,
+    model: torch.nn.Module,
+    config=None,
+    limit: int = 8,  # most tensor-shape differences listed one by one
+) -> list[str]:
     "Every way checkpoint `state` does not fit `model`: `model.*` config differences first, then keys and shapes."
     saved = state.get("model") if isinstance(state, Mapping) else None
-    if not isinstance(saved, Mapping): return ["the checkpoint has no 'model' state dictionary"]
+    if not isinstance(saved, Mapping):
+        return ["the checkpoint has no 'model' state dictionary"]
     current = model.state_dict()
     new = None if config is None else as_section(config, ModelConfig)
     problems = _config_differences(_saved_model(state), new)  # the cause first
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
-    if missing: problems.append(_listing("missing keys (in the model, not in the checkpoint)", missing))
-    if unexpected: problems.append(_listing("unexpected keys (in the checkpoint, not in the model)", unexpected))
-    shapes = [f"{name}: saved {_shape(saved[name])} vs current {_shape(tensor)}"
-              for name, tensor in current.items() if name in saved and _shape(saved[name]) != _shape(tensor)]
+    if missing:
+        problems.append(_listing("missing keys (in the model, not in the checkpoint)", missing))
+    if unexpected:
+        problems.append(
+            _listing("unexpected keys (in the checkpoint, not in the model)", unexpected)
+        )
+    shapes = [
+        f"{name}: saved {_shape(saved[name])} vs current {_shape(tensor)}"
+        for name, tensor in current.items()
+        if name in saved and _shape(saved[name]) != _shape(tensor)
+    ]
     problems += shapes[:limit]
-    if len(shapes) > limit: problems.append(f"... and {len(shapes) - limit} more tensors with a different shape")
+    if len(shapes) > limit:
+        problems.append(f"... and {len(shapes) - limit} more tensors with a different shape")
     return problems
+
 
 def check_compatible(state: Mapping, *, model: torch.nn.Module, config=None, path=None) -> None:
     "Raise a `CheckpointError` naming every difference between checkpoint `state` and `model`/`config`."
     problems = compatibility_problems(state, model=model, config=config)
-    if not problems: return
+    if not problems:
+        return
     where = f"checkpoint {path}" if path is not None else "the checkpoint"
-    raise CheckpointError(f"{where} does not fit the current model:\n  - " + "\n  - ".join(problems)
-                          + "\nResume with the model config the checkpoint was written with, or "
-                          "start a fresh run in another checkpoint.directory")
+    raise CheckpointError(
+        f"{where} does not fit the current model:\n  - "
+        + "\n  - ".join(problems)
+        + "\nResume with the model config the checkpoint was written with, or "
+        "start a fresh run in another checkpoint.directory"
+    )
 
 # %% ../nbs/07_checkpoint.ipynb #bb65eec1
 _REFUSED_CHANGES = {
-    "optimizer.name": ("the saved optimizer state belongs to another optimizer: Muon keeps one momentum matrix per hidden "
-                       "weight where AdamW keeps two moments per parameter"),
+    "optimizer.name": (
+        "the saved optimizer state belongs to another optimizer: Muon keeps one momentum matrix per hidden "
+        "weight where AdamW keeps two moments per parameter"
+    ),
     "optimizer.weight_decay_on": "the saved optimizer state has other parameter groups",
     "optimizer.cautious": "the saved optimizer state was written for another update rule",
     "optimizer.muon_plus": "the saved optimizer state was written for another update rule",
@@ -280,37 +421,69 @@ _REFUSED_CHANGES = {
     "distributed.repo_id": "the saved DiLoCo state counts the saved repository's global versions",
     "distributed.transport": "distributed.repo_id would name another repository",
     "distributed.shard_index": "the saved data position is within the saved shard",
-    "distributed.shard_count": "the saved data position is within the saved shard"}
-_LOADER_KEYS = {f"data.{k}" for k in ("text_path", "token_file", "dataset", "synthetic", "num_tokens", "vocab_size", "block_size",
-                                       "tokenizer", "micro_batch_size", "shuffle", "seed", "trust_pickle")}
+    "distributed.shard_count": "the saved data position is within the saved shard",
+}
+_LOADER_KEYS = {
+    f"data.{k}"
+    for k in (
+        "text_path",
+        "token_file",
+        "dataset",
+        "synthetic",
+        "num_tokens",
+        "vocab_size",
+        "block_size",
+        "tokenizer",
+        "micro_batch_size",
+        "shuffle",
+        "seed",
+        "trust_pickle",
+    )
+}
 
-_WHERE_IT_LIVES = {"run.output_dir", "checkpoint.directory", "checkpoint.resume"}   # the checkpoint was found there: not a change
+_WHERE_IT_LIVES = {
+    "run.output_dir",
+    "checkpoint.directory",
+    "checkpoint.resume",
+}  # the checkpoint was found there: not a change
+
 
 def _checked_elsewhere(key: str) -> bool:
     "Keys the model check and the data loader judge where they are loaded, and where the run's files now live."
     return key.startswith("model.") or key in _LOADER_KEYS or key in _WHERE_IT_LIVES
 
+
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     "`{'a.b': value}` for every leaf of nested mappings (lists and tuples compare as lists)."
-    if not isinstance(value, Mapping): return {prefix: _plain(value)}
+    if not isinstance(value, Mapping):
+        return {prefix: _plain(value)}
     out = {}
-    for k, v in value.items(): out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    for k, v in value.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
     return out
 
-def setting_changes(state: Mapping, config: SpeedtronicConfig | None) -> tuple[list[str], list[tuple[str, Any, Any]]]:
+
+def setting_changes(
+    state: Mapping, config: SpeedtronicConfig | None
+) -> tuple[list[str], list[tuple[str, Any, Any]]]:
     "(refused, applied): how `config` differs from the configuration checkpoint `state` recorded."
     saved = state.get("config") if isinstance(state, Mapping) else None
-    if config is None or not isinstance(saved, Mapping): return [], []
+    if config is None or not isinstance(saved, Mapping):
+        return [], []
     old, new = _flat(redact(saved)), _flat(config.to_dict(redact_secrets=True))
     refused, applied = [], []
     for key, value in new.items():
-        if key not in old or old[key] == value or _checked_elsewhere(key): continue
-        if key in _REFUSED_CHANGES: refused.append(f"{key}: saved {old[key]!r}, now {value!r} ({_REFUSED_CHANGES[key]})")
-        else: applied.append((key, old[key], value))
+        if key not in old or old[key] == value or _checked_elsewhere(key):
+            continue
+        if key in _REFUSED_CHANGES:
+            refused.append(f"{key}: saved {old[key]!r}, now {value!r} ({_REFUSED_CHANGES[key]})")
+        else:
+            applied.append((key, old[key], value))
     return refused, applied
 
 # %% ../nbs/07_checkpoint.ipynb #7f7d0cbc
 _STEP_NAME = re.compile(r"step_(\d+)\.(?:pt|dcp)")
+
 
 def checkpoint_step(name: str) -> int | None:
     "The step of a checkpoint name `step_<digits>.pt` (a file) or `step_<digits>.dcp` (a sharded folder), or `None` for any other name."
@@ -321,80 +494,120 @@ def checkpoint_step(name: str) -> int | None:
 def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
     "The `step_<digits>.pt` files and sharded `step_<digits>.dcp` folders in `directory`, highest step first."
     directory = Path(directory)
-    if not directory.is_dir(): return []
+    if not directory.is_dir():
+        return []
     found = [(checkpoint_step(p.name), p) for p in directory.iterdir()]
-    return [p for step, p in sorted((f for f in found if f[0] is not None), reverse=True) if p.is_file() or is_sharded(p)]
+    return [
+        p
+        for step, p in sorted((f for f in found if f[0] is not None), reverse=True)
+        if p.is_file() or is_sharded(p)
+    ]
 
 # %% ../nbs/07_checkpoint.ipynb #47787fdc
 def read_pointer(path: str | os.PathLike, warn=warnings.warn) -> dict:
     "`latest.json` at `path` as a dict whose `file`/`written` are checkpoint names; problems go to `warn`."
     path = Path(path)
-    if not path.exists(): return {"written": []}
-    try: pointer = json.loads(path.read_text(encoding="utf-8"))
+    if not path.exists():
+        return {"written": []}
+    try:
+        pointer = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        warn(f"ignoring unreadable checkpoint pointer {path} ({e}); the directory is scanned instead")
+        warn(
+            f"ignoring unreadable checkpoint pointer {path} ({e}); the directory is scanned instead"
+        )
         return {"written": []}
     if not isinstance(pointer, dict):
-        warn(f"ignoring checkpoint pointer {path}: expected a JSON object"); return {"written": []}
+        warn(f"ignoring checkpoint pointer {path}: expected a JSON object")
+        return {"written": []}
     if "file" in pointer and checkpoint_step(pointer["file"]) is None:
-        warn(f"ignoring checkpoint pointer {path}: 'file' {pointer['file']!r} is not a checkpoint "
-             "name step_<digits>.pt")
-        pointer.pop("file"); pointer.pop("step", None)
+        warn(
+            f"ignoring checkpoint pointer {path}: 'file' {pointer['file']!r} is not a checkpoint "
+            "name step_<digits>.pt"
+        )
+        pointer.pop("file")
+        pointer.pop("step", None)
     written = pointer.get("written")
-    pointer["written"] = [n for n in written if isinstance(n, str) and checkpoint_step(n) is not None] \
-        if isinstance(written, list) else []
+    pointer["written"] = (
+        [n for n in written if isinstance(n, str) and checkpoint_step(n) is not None]
+        if isinstance(written, list)
+        else []
+    )
     return pointer
 
 # %% ../nbs/07_checkpoint.ipynb #ea8962c3
 def stale_temp_files(directory: str | os.PathLike) -> list[Path]:
     "Temp files of checkpoint/pointer writes in `directory` whose writing process is gone."
     directory = Path(directory)
-    if not directory.is_dir(): return []
+    if not directory.is_dir():
+        return []
     stale = []
     for p in directory.iterdir():
         m = TEMP_NAME.fullmatch(p.name)
-        if m and (checkpoint_step(m["target"]) is not None or m["target"] == "latest.json") \
-             and writer_gone(int(m["pid"])): stale.append(p)
+        if (
+            m
+            and (checkpoint_step(m["target"]) is not None or m["target"] == "latest.json")
+            and writer_gone(int(m["pid"]))
+        ):
+            stale.append(p)
     return sorted(stale)
 
 # %% ../nbs/07_checkpoint.ipynb #28c91c56
 def redacted_state(state: Mapping) -> Mapping:
     "`state` with its `config` entry passed through `speedtronic.config.redact`."
     config = state.get("config") if isinstance(state, Mapping) else None
-    if not isinstance(config, Mapping): return state
+    if not isinstance(config, Mapping):
+        return state
     return {**state, "config": redact(config)}
 
 # %% ../nbs/07_checkpoint.ipynb #f7e4151d
 class CheckpointManager:
     "Save, find, load and prune `step_<step:012d>.pt` checkpoints in `directory`."
+
     pointer_name = "latest.json"
 
-    def __init__(self, directory: str | os.PathLike,
-                 *, every_steps: int = 500,  # save when `step % every_steps == 0`
-                 keep_last: int | None = 3,  # own checkpoints kept; `None` keeps all
-                 enabled: bool = True,       # `should_save` is always false when disabled
-                 logger=None,                # anything with `.warning(msg)`; `None` → Python warnings
-                 run_id: str | None = None): # recorded in each checkpoint and the pointer
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every_steps: int = 500,  # save when `step % every_steps == 0`
+        keep_last: int | None = 3,  # own checkpoints kept; `None` keeps all
+        enabled: bool = True,  # `should_save` is always false when disabled
+        logger=None,  # anything with `.warning(msg)`; `None` → Python warnings
+        run_id: str | None = None,
+    ):  # recorded in each checkpoint and the pointer
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps <= 0:
-            raise ValueError(f"checkpoint.every_steps must be a positive integer, got {every_steps!r}")
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last <= 0):
-            raise ValueError(f"checkpoint.keep_last must be a positive integer or null, got {keep_last!r}")
+            raise ValueError(
+                f"checkpoint.every_steps must be a positive integer, got {every_steps!r}"
+            )
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last <= 0
+        ):
+            raise ValueError(
+                f"checkpoint.keep_last must be a positive integer or null, got {keep_last!r}"
+            )
         self.directory, self.every_steps, self.keep_last = Path(directory), every_steps, keep_last
         self.enabled, self.logger, self.run_id = bool(enabled), logger, run_id
-        self._foreign: dict[str, int] = {}  # checkpoint names (with mtime) known not to be this run's
+        self._foreign: dict[
+            str, int
+        ] = {}  # checkpoint names (with mtime) known not to be this run's
         self.skipped: list[tuple[Path, str]] = []
         self.loaded_path: Path | None = None
 
     def __repr__(self) -> str:
-        return (f"CheckpointManager({str(self.directory)!r}, every_steps={self.every_steps}, "
-                f"keep_last={self.keep_last}, enabled={self.enabled})")
+        return (
+            f"CheckpointManager({str(self.directory)!r}, every_steps={self.every_steps}, "
+            f"keep_last={self.keep_last}, enabled={self.enabled})"
+        )
 
     def _warn(self, message: str) -> None:
-        if self.logger is not None: self.logger.warning(message)
-        else: warnings.warn(message, RuntimeWarning, stacklevel=3)
+        if self.logger is not None:
+            self.logger.warning(message)
+        else:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     @property
-    def pointer_path(self) -> Path: return self.directory / self.pointer_name
+    def pointer_path(self) -> Path:
+        return self.directory / self.pointer_name
 
     def should_save(self, step: int) -> bool:
         "True when enabled, `step > 0` and `step` is a multiple of `every_steps`."
@@ -409,34 +622,60 @@ def nonfinite_tensors(tensors: Mapping) -> list[str]:
     "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device, as a rule)."
     by_device: dict[torch.device, list] = {}
     for k, v in tensors.items():
-        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and v.device.type != "meta":
+        if (
+            isinstance(v, torch.Tensor)
+            and (v.is_floating_point() or v.is_complex())
+            and v.device.type != "meta"
+        ):
             by_device.setdefault(v.device, []).append((k, v.detach()))
     bad = []
-    for items in by_device.values():   # a finite sum means every element is finite; only an infinite sum is looked at closely
+    for items in (
+        by_device.values()
+    ):  # a finite sum means every element is finite; only an infinite sum is looked at closely
         sums = torch.stack([torch.isfinite(v.sum()) for _, v in items]).cpu().tolist()
         suspects = [(k, v) for (k, v), ok in zip(items, sums) if not ok]
-        if not suspects: continue
-        flags = torch.stack([torch.isfinite(v).all() for _, v in suspects]).cpu().tolist()   # or the sum overflowed
+        if not suspects:
+            continue
+        flags = (
+            torch.stack([torch.isfinite(v).all() for _, v in suspects]).cpu().tolist()
+        )  # or the sum overflowed
         bad += [k for (k, _), ok in zip(suspects, flags) if not ok]
     return bad
 
-_CHECKED_PARTS = {"model": "the model weights", "optimizer": "the optimizer state", "coordinator": "the DiLoCo state"}
+
+_CHECKED_PARTS = {
+    "model": "the model weights",
+    "optimizer": "the optimizer state",
+    "coordinator": "the DiLoCo state",
+}
+
 
 def _tensor_leaves(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     "`{'a.0.b': tensor}` for every tensor inside nested mappings, lists and tuples."
-    if isinstance(value, torch.Tensor): return {prefix: value}
-    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    items = (
+        value.items()
+        if isinstance(value, Mapping)
+        else enumerate(value)
+        if isinstance(value, (list, tuple))
+        else ()
+    )
     out = {}
-    for k, v in items: out.update(_tensor_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    for k, v in items:
+        out.update(_tensor_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
     return out
+
 
 def nonfinite_state(state: Mapping) -> dict[str, list[str]]:
     "`{part: tensors with NaN/inf}` for the parts of checkpoint `state` a resume restores: model, optimizer, DiLoCo state."
     found = {}
     for part in _CHECKED_PARTS:
         leaves = _tensor_leaves(state.get(part), "" if part == "model" else part)
-        if bad := nonfinite_tensors(leaves): found[part] = bad
+        if bad := nonfinite_tensors(leaves):
+            found[part] = bad
     return found
+
 
 def _nonfinite_reason(found: dict[str, list[str]]) -> str:
     "`the model weights hold NaN or infinity (in: w)` for what `nonfinite_state` found."
@@ -444,12 +683,16 @@ def _nonfinite_reason(found: dict[str, list[str]]) -> str:
     verb = "hold" if len(found) > 1 or "model" in found else "holds"
     return f"{what} {verb} NaN or infinity ({_listing('in', [n for names in found.values() for n in names], 4)})"
 
+
 def checkpoint_run_id(path: str | os.PathLike) -> str | None:
     "The run id a checkpoint file records, read without loading its tensors; `None` if it has none or does not load."
     path = Path(path)
-    if is_sharded(path): path = path / SHARDED_STATE
-    try: state = _torch_load_restricted(path, mmap=True)
-    except Exception: return None
+    if is_sharded(path):
+        path = path / SHARDED_STATE
+    try:
+        state = _torch_load_restricted(path, mmap=True)
+    except Exception:
+        return None
     run_id = state.get("run_id") if isinstance(state, dict) else None
     return run_id if isinstance(run_id, str) else None
 
@@ -460,53 +703,77 @@ def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
     if bad := nonfinite_state(state):
-        raise CheckpointError(f"checkpoint {self.path_for(step)} was not written: {_nonfinite_reason(bad)}, "
-                              "so training diverged; the checkpoints already in "
-                              f"{self.directory} are kept. Resume from the last good one with a lower optimizer.lr "
-                              "or an optimizer.grad_clip")
-    if self.run_id is not None: state = {**state, "run_id": self.run_id}
+        raise CheckpointError(
+            f"checkpoint {self.path_for(step)} was not written: {_nonfinite_reason(bad)}, "
+            "so training diverged; the checkpoints already in "
+            f"{self.directory} are kept. Resume from the last good one with a lower optimizer.lr "
+            "or an optimizer.grad_clip"
+        )
+    if self.run_id is not None:
+        state = {**state, "run_id": self.run_id}
     try:
         path = atomic_torch_save(redacted_state(state), self.path_for(step))
-        written = [n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name]
+        written = [
+            n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name
+        ]
         self._retain(written + [path.name], step=step, file=path.name)
-    except OSError as e: raise self._unwritable(f"checkpoint {self.path_for(step)}", e) from None
+    except OSError as e:
+        raise self._unwritable(f"checkpoint {self.path_for(step)}", e) from None
     return path
 
 # %% ../nbs/07_checkpoint.ipynb #4c7d9ebf
 @patch
 def _own_unlisted(self: CheckpointManager, listed: list[str]) -> list[str]:
     "Checkpoint files that carry this manager's run id but are not in `listed` (a kill before the pointer, a lost pointer)."
-    if self.run_id is None: return []
+    if self.run_id is None:
+        return []
     found = []
     for path in checkpoint_files(self.directory):
-        if path.name in listed: continue
+        if path.name in listed:
+            continue
         stamp = path.stat().st_mtime_ns
-        if self._foreign.get(path.name) == stamp: continue
-        if checkpoint_run_id(path) == self.run_id: found.append(path.name)
-        else: self._foreign[path.name] = stamp
+        if self._foreign.get(path.name) == stamp:
+            continue
+        if checkpoint_run_id(path) == self.run_id:
+            found.append(path.name)
+        else:
+            self._foreign[path.name] = stamp
     return found
+
 
 @patch
 def _retain(self: CheckpointManager, written: list[str], **pointer) -> list[Path]:
     "Record `written`, then delete the own files beyond `keep_last` (never the newest)."
     written = [n for n in written if (self.directory / n).exists()]
-    current = [n for n in written if n == pointer.get("file")]          # the file just written counts as the newest
-    own = sorted([n for n in written if n not in current] + self._own_unlisted(written), key=checkpoint_step) + current
-    drop = own[:-self.keep_last] if self.keep_last is not None else []
+    current = [
+        n for n in written if n == pointer.get("file")
+    ]  # the file just written counts as the newest
+    own = (
+        sorted(
+            [n for n in written if n not in current] + self._own_unlisted(written),
+            key=checkpoint_step,
+        )
+        + current
+    )
+    drop = own[: -self.keep_last] if self.keep_last is not None else []
     keep = [n for n in own if n not in drop]
-    if self.run_id is not None: pointer["run_id"] = self.run_id
+    if self.run_id is not None:
+        pointer["run_id"] = self.run_id
     atomic_json_dump({**pointer, "written": keep}, self.pointer_path)
     removed = []
     for name in drop + [p.name for p in stale_temp_files(self.directory)]:
         with contextlib.suppress(FileNotFoundError):
-            _remove(self.directory / name); removed.append(self.directory / name)
+            _remove(self.directory / name)
+            removed.append(self.directory / name)
     return removed
+
 
 @patch
 def prune(self: CheckpointManager) -> list[Path]:
     "Delete this manager's checkpoints beyond the newest `keep_last` and dead temp files."
     pointer = read_pointer(self.pointer_path, self._warn)
-    if not self.pointer_path.exists() and self.run_id is None: return []
+    if not self.pointer_path.exists() and self.run_id is None:
+        return []
     return self._retain(pointer.pop("written"), **pointer)
 
 # %% ../nbs/07_checkpoint.ipynb #fd268004
@@ -514,47 +781,75 @@ def prune(self: CheckpointManager) -> list[Path]:
 def _unwritable(self: CheckpointManager, what: str, error: OSError) -> CheckpointError:
     "A `CheckpointError` for an `OSError` writing `what`, naming what blocks it and the fix."
     blocker = file_in_the_way(self.directory)
-    why = f"{blocker} is a file, not a folder" if blocker is not None else (error.strerror or str(error))
-    return CheckpointError(f"cannot write {what} ({why}); the checkpoints already in {self.directory} are kept. "
-                           "Set checkpoint.directory (or run.output_dir / --output-dir) to a writable folder, "
-                           "or checkpoint.enabled: false")
+    why = (
+        f"{blocker} is a file, not a folder"
+        if blocker is not None
+        else (error.strerror or str(error))
+    )
+    return CheckpointError(
+        f"cannot write {what} ({why}); the checkpoints already in {self.directory} are kept. "
+        "Set checkpoint.directory (or run.output_dir / --output-dir) to a writable folder, "
+        "or checkpoint.enabled: false"
+    )
+
 
 @patch
 def check_writable(self: CheckpointManager) -> None:
     "Create `directory` and write a probe file in it; a `CheckpointError` says why it cannot be used."
     try:
         self.directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-check-"): pass
-    except OSError as e: raise self._unwritable(f"checkpoints to {self.directory}", e) from None
+        with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise self._unwritable(f"checkpoints to {self.directory}", e) from None
 
 # %% ../nbs/07_checkpoint.ipynb #660e2b94
 def _outside(path: Path, directory: Path) -> Path | None:
     "Where `path` leads when it is a link out of `directory` (to another run's checkpoint), else `None`."
-    if not path.is_symlink(): return None
+    if not path.is_symlink():
+        return None
     target = path.resolve()
     return None if target.parent == directory.resolve() else target
 
-def checked_checkpoint(path: str | os.PathLike,
-                       owner: str | None = None,  # the run the file must belong to; `None`: the run its folder's `latest.json` names
-                       ) -> dict:
+
+def checked_checkpoint(
+    path: str | os.PathLike,
+    owner: str
+    | None = None,  # the run the file must belong to; `None`: the run its folder's `latest.json` names
+) -> dict:
     "The state in checkpoint `path` if a run may continue from it: no link out of its folder, finite, of the step its name says, of run `owner`; else a `CheckpointError`."
     path = Path(path)
     if target := _outside(path, path.parent):
-        raise _unusable(path, f"is a link to {target}, outside {path.parent}; a run resumes only its own checkpoints",
-                        "replace the link with a copy of the file to continue from it")
+        raise _unusable(
+            path,
+            f"is a link to {target}, outside {path.parent}; a run resumes only its own checkpoints",
+            "replace the link with a copy of the file to continue from it",
+        )
     state = _sharded_state(path) if is_sharded(path) else load_checkpoint(path)
     if bad := nonfinite_state(state):
-        raise _unusable(path, f"is unusable: {_nonfinite_reason(bad)}, written by a run that had diverged")
+        raise _unusable(
+            path, f"is unusable: {_nonfinite_reason(bad)}, written by a run that had diverged"
+        )
     step, named = state.get("step"), checkpoint_step(path.name)
     if named is not None and isinstance(step, int) and not isinstance(step, bool) and step != named:
-        raise _unusable(path, f"holds step {step}, not step {named} as its name says (a file copied or renamed onto it)",
-                        "rename it step_<step>.pt (.dcp) for the step it holds, or delete it")
-    if owner is None: owner = read_pointer(path.parent / CheckpointManager.pointer_name, lambda message: None).get("run_id")
+        raise _unusable(
+            path,
+            f"holds step {step}, not step {named} as its name says (a file copied or renamed onto it)",
+            "rename it step_<step>.pt (.dcp) for the step it holds, or delete it",
+        )
+    if owner is None:
+        owner = read_pointer(
+            path.parent / CheckpointManager.pointer_name, lambda message: None
+        ).get("run_id")
     run_id = state.get("run_id")
     if isinstance(owner, str) and isinstance(run_id, str) and run_id != owner:
-        raise _unusable(path, f"belongs to run {run_id}, not to run {owner} whose checkpoints {path.parent} holds",
-                        "move it to its own run's folder")
+        raise _unusable(
+            path,
+            f"belongs to run {run_id}, not to run {owner} whose checkpoints {path.parent} holds",
+            "move it to its own run's folder",
+        )
     return state
+
 
 @patch
 def latest_path(self: CheckpointManager) -> Path | None:
@@ -562,32 +857,41 @@ def latest_path(self: CheckpointManager) -> Path | None:
     files = checkpoint_files(self.directory)
     return files[0] if files else None
 
+
 @patch
 def _newest_loadable(self: CheckpointManager) -> tuple[Path, dict] | None:
     "The newest checkpoint that loads, reporting and recording every newer one that does not."
     self.skipped, self.loaded_path = [], None
     pointer = read_pointer(self.pointer_path, self._warn)
     if "file" in pointer and not (self.directory / pointer["file"]).exists():
-        self._warn(f"{self.pointer_path} names {pointer['file']}, which does not exist; "
-                   "using the newest checkpoint file instead")
+        self._warn(
+            f"{self.pointer_path} names {pointer['file']}, which does not exist; "
+            "using the newest checkpoint file instead"
+        )
     owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
     files, whys = checkpoint_files(self.directory), []
     for path in files:
-        try: return path, checked_checkpoint(path, owner)
+        try:
+            return path, checked_checkpoint(path, owner)
         except CheckpointError as e:
-            self.skipped.append((path, str(e))); whys.append(getattr(e, "why", str(e)))
+            self.skipped.append((path, str(e)))
+            whys.append(getattr(e, "why", str(e)))
             self._warn(f"skipping unusable checkpoint: {e}")
     if files:
-        raise CheckpointError(f"no checkpoint in {self.directory} can be loaded:\n  - "
-                              + "\n  - ".join(f"{p.name} {why}" for p, why in zip(files, whys))
-                              + "\nRestore a good copy there, or start without resume")
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} can be loaded:\n  - "
+            + "\n  - ".join(f"{p.name} {why}" for p, why in zip(files, whys))
+            + "\nRestore a good copy there, or start without resume"
+        )
     return None
+
 
 @patch
 def load_latest(self: CheckpointManager) -> dict | None:
     "The state of the newest loadable checkpoint, falling back past unusable ones; `None` if none."
     found = self._newest_loadable()
-    if found is None: return None
+    if found is None:
+        return None
     self.loaded_path, state = found
     return state
 
@@ -596,13 +900,17 @@ def load_latest(self: CheckpointManager) -> dict | None:
 def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
     "Copy the newest loadable checkpoint to `destination` (a file, or an existing folder); a sharded one as one `.pt` file."
     found = self._newest_loadable()
-    if found is None: raise CheckpointError(f"no checkpoint is available to copy from {self.directory}")
+    if found is None:
+        raise CheckpointError(f"no checkpoint is available to copy from {self.directory}")
     source = found[0]
     del found
     destination = Path(destination)
-    if destination.is_dir(): destination = destination / source.name
-    if is_sharded(source): return consolidate_checkpoint(source, destination.with_suffix(".pt"))
-    with open(source, "rb") as src: atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
+    if destination.is_dir():
+        destination = destination / source.name
+    if is_sharded(source):
+        return consolidate_checkpoint(source, destination.with_suffix(".pt"))
+    with open(source, "rb") as src:
+        atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
     shutil.copystat(source, destination)
     return destination
 
@@ -611,129 +919,226 @@ def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
 def clear(self: CheckpointManager) -> list[Path]:
     "Delete all checkpoint files, `latest.json` and dead temp files in `directory`; returns what was deleted."
     removed = []
-    for path in checkpoint_files(self.directory) + [self.pointer_path] + stale_temp_files(self.directory):
-        with contextlib.suppress(FileNotFoundError): _remove(path); removed.append(path)
+    for path in (
+        checkpoint_files(self.directory) + [self.pointer_path] + stale_temp_files(self.directory)
+    ):
+        with contextlib.suppress(FileNotFoundError):
+            _remove(path)
+            removed.append(path)
     self._foreign = {}
     return removed
 
 # %% ../nbs/07_checkpoint.ipynb #a10b082d
 def _local_tensors(tensors: Mapping) -> dict[str, torch.Tensor]:
     "Every tensor of `tensors` as this rank holds it (a sharded `DTensor`: its local shard)."
-    return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in _tensor_leaves(tensors).items()}
+    return {
+        k: (v.to_local() if hasattr(v, "to_local") else v)
+        for k, v in _tensor_leaves(tensors).items()
+    }
+
 
 @contextlib.contextmanager
 def _dcp_errors(path: Path, doing: str):
     "Within the block, a failure of `torch.distributed.checkpoint` (a `BaseException` there) is a `CheckpointError` naming `path`."
     from torch.distributed.checkpoint.api import CheckpointException
-    try: yield
+
+    try:
+        yield
     except CheckpointException as e:
         rank, failure = next(iter(e.failures.items()), (0, e))
         failure = failure[0] if isinstance(failure, tuple) else failure
-        error = _unusable(path, f"{doing} (rank {rank}: {_first_sentence(failure)})",
-                          "resume from another checkpoint, or check the folder is complete and readable by every rank")
+        error = _unusable(
+            path,
+            f"{doing} (rank {rank}: {_first_sentence(failure)})",
+            "resume from another checkpoint, or check the folder is complete and readable by every rank",
+        )
         raise error from None
+
 
 def _sync_folder(path: Path) -> None:
     "fsync the folder `path` itself, so a rename in it survives a power cut."
     fd = os.open(path, os.O_RDONLY)
-    try: os.fsync(fd)
-    finally: os.close(fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 @patch
-def save_sharded(self: CheckpointManager, step: int, tensors: Mapping, state: Mapping, world: Any) -> Path | None:
+def save_sharded(
+    self: CheckpointManager, step: int, tensors: Mapping, state: Mapping, world: Any
+) -> Path | None:
     "Every rank: write `tensors` (model, optimizer) sharded and rank 0's `state` as the folder of `step`; the folder on rank 0."
     import torch.distributed.checkpoint as dcp
+
     final = self.directory / f"step_{int(step):012d}.dcp"
+
     def check():
         if bad := nonfinite_tensors(_local_tensors(tensors)):
-            raise CheckpointError(f"checkpoint {final} was not written: the model weights or optimizer state hold NaN or infinity "
-                                  f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already in {self.directory} "
-                                  "are kept. Resume from the last good one with a lower optimizer.lr or an optimizer.grad_clip")
+            raise CheckpointError(
+                f"checkpoint {final} was not written: the model weights or optimizer state hold NaN or infinity "
+                f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already in {self.directory} "
+                "are kept. Resume from the last good one with a lower optimizer.lr or an optimizer.grad_clip"
+            )
+
     world.on_every_rank(check)
-    temp = Path(world.share(str(final.with_name(f".{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")) if world.writes else None))
+    temp = Path(
+        world.share(
+            str(final.with_name(f".{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"))
+            if world.writes
+            else None
+        )
+    )
+
     def write():
-        with _dcp_errors(final, "could not be written"): dcp.save(dict(tensors), checkpoint_id=str(temp))
+        with _dcp_errors(final, "could not be written"):
+            dcp.save(dict(tensors), checkpoint_id=str(temp))
+
     world.on_every_rank(write)
     return world.on_writer(lambda: self._publish(step, temp, state))
+
 
 @patch
 def _publish(self: CheckpointManager, step: int, temp: Path, state: Mapping) -> Path:
     "Rank 0, once every shard is written: `state` into the temp folder, the folder renamed, `latest.json`, retention."
     final = self.directory / f"step_{int(step):012d}.dcp"
-    if self.run_id is not None: state = {**state, "run_id": self.run_id}
+    if self.run_id is not None:
+        state = {**state, "run_id": self.run_id}
     try:
-        atomic_torch_save(redacted_state({**state, "model": None, "optimizer": None}), temp / SHARDED_STATE)
-        if final.exists(): _remove(final)     # the same step saved again (after a resume): the new one replaces it
+        atomic_torch_save(
+            redacted_state({**state, "model": None, "optimizer": None}), temp / SHARDED_STATE
+        )
+        if final.exists():
+            _remove(final)  # the same step saved again (after a resume): the new one replaces it
         os.replace(temp, final)
         _sync_folder(self.directory)
-        written = [n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != final.name]
+        written = [
+            n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != final.name
+        ]
         self._retain(written + [final.name], step=step, file=final.name)
-    except OSError as e: raise self._unwritable(f"checkpoint {final}", e) from None
+    except OSError as e:
+        raise self._unwritable(f"checkpoint {final}", e) from None
     return final
 
 # %% ../nbs/07_checkpoint.ipynb #d60bbb0e
 class _Forbidden(pickle.UnpicklingError):
     "A global that a checkpoint index must not name."
 
+
 _DCP = "torch.distributed.checkpoint"
-_INDEX_GLOBALS = frozenset({
-    (f"{_DCP}.metadata", name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                            "TensorStorageMetadata", "ChunkStorageMetadata",
-                                            "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-    (f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")})
+_INDEX_GLOBALS = frozenset(
+    {
+        (f"{_DCP}.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
+
 
 def _index_global_allowed(module: str, name: str) -> bool:
     "May a checkpoint index name `module`.`name`? Exact pairs and torch's dtypes only; never a dotted name."
-    if "." in name: return False   # pickle 4 walks a dotted name attribute by attribute: `filesystem.os.system`
-    if (module, name) in _INDEX_GLOBALS: return True
+    if "." in name:
+        return False  # pickle 4 walks a dotted name attribute by attribute: `filesystem.os.system`
+    if (module, name) in _INDEX_GLOBALS:
+        return True
     return module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
+
 
 class _IndexUnpickler(pickle.Unpickler):
     "Unpickles a sharded checkpoint's `.metadata`: only the index's own records, torch sizes, dtypes and layouts, and paths."
+
     def find_class(self, module: str, name: str):
-        if not _index_global_allowed(module, name): raise _Forbidden(f"GLOBAL {module}.{name}")
+        if not _index_global_allowed(module, name):
+            raise _Forbidden(f"GLOBAL {module}.{name}")
         return super().find_class(module, name)
+
 
 def _read_index(path: Path) -> Any:
     "The `.metadata` of the sharded folder `path`, unpickled by `_IndexUnpickler`; one pickle and nothing after it."
     with open(path / ".metadata", "rb") as f:
         index = _IndexUnpickler(f).load()
-        if f.read(1): raise pickle.UnpicklingError("bytes follow the index's end")
+        if f.read(1):
+            raise pickle.UnpicklingError("bytes follow the index's end")
     return index
+
 
 def _safe_index(path: Path) -> Any:
     "The index of the sharded folder `path`, checked to hold no code and to name only tensors and plain data; else a `CheckpointError`."
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
     try:
         index = _read_index(path)
-        if not isinstance(index, Metadata): raise TypeError(f"it holds a {type(index).__name__}, not an index")
+        if not isinstance(index, Metadata):
+            raise TypeError(f"it holds a {type(index).__name__}, not an index")
         entries = index.state_dict_metadata
     except _Forbidden as e:
-        raise _unusable(path, f"is unsafe to load: its index (.metadata) holds Python objects other than the index's own ({e}), "
-                        "and unpickling them could run code, so it was not loaded", None) from None
-    except Exception as e: raise _unusable(path, f"has an unreadable index (.metadata: {_first_sentence(e)})") from None
-    for key, where in (getattr(index, "storage_data", None) or {}).items():   # the non-tensor values: plain data only
-        if not isinstance(entries.get(getattr(key, "fqn", None)), BytesStorageMetadata): continue
+        raise _unusable(
+            path,
+            f"is unsafe to load: its index (.metadata) holds Python objects other than the index's own ({e}), "
+            "and unpickling them could run code, so it was not loaded",
+            None,
+        ) from None
+    except Exception as e:
+        raise _unusable(
+            path, f"has an unreadable index (.metadata: {_first_sentence(e)})"
+        ) from None
+    for key, where in (
+        getattr(index, "storage_data", None) or {}
+    ).items():  # the non-tensor values: plain data only
+        if not isinstance(entries.get(getattr(key, "fqn", None)), BytesStorageMetadata):
+            continue
         file = (path / where.relative_path).resolve()
         if file.parent != path.resolve() or where.transform_descriptors:
-            raise _unusable(path, f"has an index entry for {key.fqn} outside its own shard files", None)
+            raise _unusable(
+                path, f"has an index entry for {key.fqn} outside its own shard files", None
+            )
         try:
-            with open(file, "rb") as f: f.seek(where.offset); chunk = f.read(where.length)
-        except OSError as e: raise _unusable(path, f"has shards that cannot be read ({file.name}: {e.strerror or e})") from None
-        try: torch.load(io.BytesIO(chunk), weights_only=True)
+            with open(file, "rb") as f:
+                f.seek(where.offset)
+                chunk = f.read(where.length)
+        except OSError as e:
+            raise _unusable(
+                path, f"has shards that cannot be read ({file.name}: {e.strerror or e})"
+            ) from None
+        try:
+            torch.load(io.BytesIO(chunk), weights_only=True)
         except pickle.UnpicklingError:
-            raise _unusable(path, f"is unsafe to load: its value {key.fqn} holds Python objects other than plain data, "
-                            "and unpickling them could run code, so it was not loaded", None) from None
+            raise _unusable(
+                path,
+                f"is unsafe to load: its value {key.fqn} holds Python objects other than plain data, "
+                "and unpickling them could run code, so it was not loaded",
+                None,
+            ) from None
     return index
+
 
 def _sharded_state(path: Path) -> dict:
     "The plain part of the sharded checkpoint `path`, its model as `meta` tensors of the saved shapes, and `sharded`: the folder."
     state = load_checkpoint(path / SHARDED_STATE)
     index = _safe_index(path).state_dict_metadata
-    model = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
-             for k, v in index.items() if k.startswith("model.") and hasattr(v, "size")}
+    model = {
+        k[len("model.") :]: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
+        for k, v in index.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
     return {**state, "model": model, "sharded": str(path)}
 
 # %% ../nbs/07_checkpoint.ipynb #7622af44
@@ -744,58 +1149,83 @@ def _safe_reading(path: Path) -> tuple:
     `torch.load(weights_only=False)`. Ours hand DCP the index `_safe_index` checked, and read values with
     `weights_only=True`, so a file changed after the check still runs nothing."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        _EmptyStateDictLoadPlanner,
+    )
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             index = _safe_index(path)
-            if getattr(index, "storage_meta", None) is None: index.storage_meta = StorageMeta()
+            if getattr(index, "storage_meta", None) is None:
+                index.storage_meta = StorageMeta()
             index.storage_meta.load_id = self.load_id
             return index
 
     def load_bytes(self, read_item, value):
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element   # what DCP's planner does
+            from torch.distributed.checkpoint._traverse import (
+                set_element,
+            )  # what DCP's planner does
+
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else: self.state_dict[read_item.dest_index.fqn] = loaded
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
     planner = type("SafeLoadPlanner", (DefaultLoadPlanner,), {"load_bytes": load_bytes})
     gatherer = type("SafeGatherPlanner", (_EmptyStateDictLoadPlanner,), {"load_bytes": load_bytes})
     return SafeReader(str(path)), planner, gatherer
 
-def load_sharded(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+
+def load_sharded(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     "Load the sharded checkpoint `path` into `model` (and `optimizer`) in place, on every rank together, whatever the world size that saved it."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
     path = Path(path)
-    _safe_index(path)   # a clear error before any rank reads a shard
+    _safe_index(path)  # a clear error before any rank reads a shard
     reader, planner, _ = _safe_reading(path)
+
     def read(state: dict) -> None:
         with _dcp_errors(path, "has shards that cannot be read"):
             dcp.load(state, storage_reader=reader, planner=planner())
+
     if optimizer is None:
         weights = get_model_state_dict(model)
         read({"model": weights})
         return set_model_state_dict(model, weights)
-    weights, moments = get_state_dict(model, optimizer)   # the optimizer's state is made first, so there is room to load it
+    weights, moments = get_state_dict(
+        model, optimizer
+    )  # the optimizer's state is made first, so there is room to load it
     read({"model": weights, "optimizer": moments})
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=moments)
 
 # %% ../nbs/07_checkpoint.ipynb #da9bdb7c
 def _by_position(moments: Mapping | None) -> dict | None:
     "An optimizer state dict keyed by parameter name (as `get_state_dict` gives it) keyed by position instead, as `Optimizer.state_dict()`."
-    if not moments: return None
+    if not moments:
+        return None
     names = [n for g in moments["param_groups"] for n in g["params"]]
     index = {n: i for i, n in enumerate(names)}
-    return {"state": {index[n]: s for n, s in moments.get("state", {}).items() if n in index},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in moments["param_groups"]]}
+    return {
+        "state": {index[n]: s for n, s in moments.get("state", {}).items() if n in index},
+        "param_groups": [
+            {**g, "params": [index[n] for n in g["params"]]} for g in moments["param_groups"]
+        ],
+    }
+
 
 def _full_sharded(path: Path) -> dict:
     "The sharded checkpoint `path` gathered in memory: the state a single-file checkpoint of the same step holds."
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict   # what dcp_to_torch_save calls
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict,
+    )  # what dcp_to_torch_save calls
+
     state = _sharded_state(path)
     reader, _, gatherer = _safe_reading(path)
     full: dict = {}
@@ -804,26 +1234,47 @@ def _full_sharded(path: Path) -> dict:
     state.pop("sharded")
     return {**state, "model": full["model"], "optimizer": _by_position(full.get("optimizer"))}
 
-def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike | None = None) -> Path:
+
+def consolidate_checkpoint(
+    path: str | os.PathLike, output: str | os.PathLike | None = None
+) -> Path:
     "Write the sharded checkpoint folder `path` as one checkpoint file (default: `step_<step>.pt` beside it); returns the file."
     path = Path(path)
     if not is_sharded(path):
-        raise CheckpointError(f"{path} is not a sharded checkpoint (a step_<step>.dcp folder holding .metadata, written by "
-                              "parallel.strategy: fsdp); give such a folder")
+        raise CheckpointError(
+            f"{path} is not a sharded checkpoint (a step_<step>.dcp folder holding .metadata, written by "
+            "parallel.strategy: fsdp); give such a folder"
+        )
     output = Path(output) if output is not None else path.with_suffix(".pt")
     return atomic_torch_save(_full_sharded(path), output)
 
 # %% ../nbs/07_checkpoint.ipynb #b17f517f
-def load_whole(state: Mapping, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_whole(
+    state: Mapping, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     "Load a single-file checkpoint `state` (whole tensors) into `model` and `optimizer`, sharded or not, on every rank together."
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     options = StateDictOptions(full_state_dict=True)
-    if optimizer is None or not state.get("optimizer"): return set_model_state_dict(model, state["model"], options=options)
+    if optimizer is None or not state.get("optimizer"):
+        return set_model_state_dict(model, state["model"], options=options)
     names = [n for g in get_state_dict(model, optimizer)[1]["param_groups"] for n in g["params"]]
     saved = state["optimizer"]
-    by_name = {"state": {names[i]: s for i, s in saved["state"].items()},
-               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=by_name, options=options)
+    by_name = {
+        "state": {names[i]: s for i, s in saved["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]
+        ],
+    }
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=by_name, options=options
+    )
 
 # %% ../nbs/07_checkpoint.ipynb #abc7e575
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

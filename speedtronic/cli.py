@@ -27,86 +27,197 @@ from .paths import run_paths
 
 # %% ../nbs/15_cli.ipynb #169c9c51
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, FileNotFoundError, OSError, ValueError, RuntimeError, TypeError, KeyError, ImportError,
-    pickle.UnpicklingError, EOFError, zipfile.BadZipFile)
-_QUIET_TYPES = ("ExpectedError", "ConfigError", "DataError", "CheckpointError", "FileNotFoundError", "HubError", "TrainingError", "RunLocked",
-                "LogWriteError", "IntegrationError")
+    ConfigError,
+    FileNotFoundError,
+    OSError,
+    ValueError,
+    RuntimeError,
+    TypeError,
+    KeyError,
+    ImportError,
+    pickle.UnpicklingError,
+    EOFError,
+    zipfile.BadZipFile,
+)
+_QUIET_TYPES = (
+    "ExpectedError",
+    "ConfigError",
+    "DataError",
+    "CheckpointError",
+    "FileNotFoundError",
+    "HubError",
+    "TrainingError",
+    "RunLocked",
+    "LogWriteError",
+    "IntegrationError",
+)
 _SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+
 
 def _mask(text: str, secrets: Sequence[str]) -> str:
     "Replace every secret value (longer than 3 characters) in `text` by `<redacted>`."
     for s in secrets:
-        if isinstance(s, str) and len(s) > 3: text = text.replace(s, "<redacted>")
+        if isinstance(s, str) and len(s) > 3:
+            text = text.replace(s, "<redacted>")
     return text
+
 
 def error_lines(exc: BaseException, secrets: Sequence[str] = ()) -> list[str]:
     "The `speedtronic: error: …` lines for an exception: one per config problem, else one."
-    if isinstance(exc, ConfigError): messages = exc.problems or [str(exc)]
+    if isinstance(exc, ConfigError):
+        messages = exc.problems or [str(exc)]
     else:
         text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         text = re.sub(r"\s*\n\s*", " ", str(text)).strip() or "(no message)"
         kind = type(exc).__name__
-        messages = [text if any(c.__name__ in _QUIET_TYPES for c in type(exc).__mro__) else f"{kind}: {text}"]
+        messages = [
+            text
+            if any(c.__name__ in _QUIET_TYPES for c in type(exc).__mro__)
+            else f"{kind}: {text}"
+        ]
     secrets = [*secrets, *(os.environ.get(k, "") for k in _SECRET_ENV)]
-    return ["speedtronic: error: " + _mask(re.sub(r"[ \t]*\n[ \t]*", " ", m), secrets) for m in messages]
+    return [
+        "speedtronic: error: " + _mask(re.sub(r"[ \t]*\n[ \t]*", " ", m), secrets) for m in messages
+    ]
 
 # %% ../nbs/15_cli.ipynb #af4d9284
 def positive_int(text: str) -> int:
     "argparse type: a positive integer."
-    try: value = int(text)
-    except ValueError: raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0: raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
 
 def output_dir(text: str) -> str:
     "argparse type: a non-empty directory (an empty value must not silently mean run.output_dir)."
-    if not text.strip(): raise argparse.ArgumentTypeError("must not be empty (give a directory; . is the working directory)")
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "must not be empty (give a directory; . is the working directory)"
+        )
     return text
+
 
 def device_name(text: str) -> str:
     "argparse type: a non-empty device name (an unset shell variable must not silently mean run.device)."
-    if not text.strip(): raise argparse.ArgumentTypeError("must not be empty (use auto, cpu, cuda, cuda:N or mps)")
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (use auto, cpu, cuda, cuda:N or mps)")
     return text.strip()
 
+
 def _validate_arguments(v: argparse.ArgumentParser) -> None:
-    v.add_argument("--config", required=True, metavar="PATH", help="YAML or JSON configuration file")
-    v.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)")
-    v.add_argument("--deep", action="store_true", help="also check the run can start: model, data, device (loads torch)")
-    v.add_argument("--device", type=device_name, default=None, help="device for --deep checks (default: run.device)")
+    v.add_argument(
+        "--config", required=True, metavar="PATH", help="YAML or JSON configuration file"
+    )
+    v.add_argument(
+        "--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)"
+    )
+    v.add_argument(
+        "--deep",
+        action="store_true",
+        help="also check the run can start: model, data, device (loads torch)",
+    )
+    v.add_argument(
+        "--device",
+        type=device_name,
+        default=None,
+        help="device for --deep checks (default: run.device)",
+    )
+
 
 def _train_arguments(t: argparse.ArgumentParser) -> None:
-    t.add_argument("--config", required=True, metavar="PATH", help="YAML or JSON configuration file")
-    t.add_argument("--resume", action="store_true", help="continue from the latest valid checkpoint, if any")
-    t.add_argument("--device", type=device_name, default=None, help="auto, cpu, cuda, cuda:N or mps (default: run.device)")
-    t.add_argument("--max-steps", type=positive_int, default=None, metavar="N", help="absolute step target and schedule horizon")
-    t.add_argument("--output-dir", type=output_dir, default=None, metavar="DIR",
-                   help="replaces run.output_dir; the run's checkpoints, metrics, loss curve and logs all go there")
-    t.add_argument("--overwrite", action="store_true",
-                   help="start a fresh run even where another run left checkpoints (they are deleted)")
+    t.add_argument(
+        "--config", required=True, metavar="PATH", help="YAML or JSON configuration file"
+    )
+    t.add_argument(
+        "--resume", action="store_true", help="continue from the latest valid checkpoint, if any"
+    )
+    t.add_argument(
+        "--device",
+        type=device_name,
+        default=None,
+        help="auto, cpu, cuda, cuda:N or mps (default: run.device)",
+    )
+    t.add_argument(
+        "--max-steps",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="absolute step target and schedule horizon",
+    )
+    t.add_argument(
+        "--output-dir",
+        type=output_dir,
+        default=None,
+        metavar="DIR",
+        help="replaces run.output_dir; the run's checkpoints, metrics, loss curve and logs all go there",
+    )
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a fresh run even where another run left checkpoints (they are deleted)",
+    )
+
 
 def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="a UTF-8 text file or a directory of them")
-    p.add_argument("output", help="the token file to write (a <output>.json sidecar is written next to it)")
-    p.add_argument("--tokenizer", default="byte", metavar="byte|PATH", help="'byte' or a Hugging Face tokenizer.json")
-    p.add_argument("--vocab-size", type=positive_int, default=None, metavar="N", help="vocabulary size the tokens must fit")
-    p.add_argument("--no-progress", action="store_true", help="do not show a progress line on stderr")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing <output>.json that is not a token sidecar")
-    p.add_argument("--hf-dataset", action="store_true",
-                   help="SOURCE names a `datasets` dataset (a data.hf_dataset path or Hub name: its train split, text column)")
+    p.add_argument(
+        "output", help="the token file to write (a <output>.json sidecar is written next to it)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        metavar="byte|PATH",
+        help="'byte' or a Hugging Face tokenizer.json",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="vocabulary size the tokens must fit",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="do not show a progress line on stderr"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing <output>.json that is not a token sidecar",
+    )
+    p.add_argument(
+        "--hf-dataset",
+        action="store_true",
+        help="SOURCE names a `datasets` dataset (a data.hf_dataset path or Hub name: its train split, text column)",
+    )
+
 
 # name -> (help, description, the function that adds its arguments); `build_parser` adds them in this order
 COMMAND_ARGUMENTS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
-    "validate": ("load, check and print a configuration (secrets redacted)",
-                 "Load and check a configuration and print it normalised, with secrets redacted.", _validate_arguments),
+    "validate": (
+        "load, check and print a configuration (secrets redacted)",
+        "Load and check a configuration and print it normalised, with secrets redacted.",
+        _validate_arguments,
+    ),
     "train": ("train from a configuration", "Train from a configuration file.", _train_arguments),
-    "prepare": ("tokenize text once into a token file for data.token_file",
-                "Tokenize a text file or directory once into a token file for data.token_file.", _prepare_arguments),
+    "prepare": (
+        "tokenize text once into a token file for data.token_file",
+        "Tokenize a text file or directory once into a token file for data.token_file.",
+        _prepare_arguments,
+    ),
 }
+
 
 def build_parser() -> argparse.ArgumentParser:
     "The `speedtronic` argument parser with a sub-command for each entry of `COMMAND_ARGUMENTS`."
     from speedtronic import __version__
-    parser = argparse.ArgumentParser(prog="speedtronic", description="Train a PyTorch model from one YAML file.")
+
+    parser = argparse.ArgumentParser(
+        prog="speedtronic", description="Train a PyTorch model from one YAML file."
+    )
     parser.add_argument("--version", action="version", version=f"speedtronic {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (summary, description, add_arguments) in COMMAND_ARGUMENTS.items():
@@ -116,31 +227,68 @@ def build_parser() -> argparse.ArgumentParser:
 # %% ../nbs/15_cli.ipynb #4d2cb8d0
 def _generate_arguments(g: argparse.ArgumentParser) -> None:
     where = g.add_mutually_exclusive_group(required=True)
-    where.add_argument("--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint")
+    where.add_argument(
+        "--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint"
+    )
     where.add_argument("--checkpoint", metavar="FILE", help="one checkpoint file")
     g.add_argument("--prompt", required=True, help="the text to continue (printed first)")
-    g.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default: 100)")
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=100,
+        metavar="N",
+        help="tokens to generate (default: 100)",
+    )
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
-    g.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens")
-    g.add_argument("--top-p", type=float, default=None, metavar="P", help="sample among the most likely tokens up to probability P")
+    g.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens"
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="sample among the most likely tokens up to probability P",
+    )
     g.add_argument("--seed", type=int, default=None, help="the same seed writes the same text")
-    g.add_argument("--device", type=device_name, default="auto", help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+    g.add_argument(
+        "--device",
+        type=device_name,
+        default="auto",
+        help="auto, cpu, cuda, cuda:N or mps (default: auto)",
+    )
+
 
 def _export_arguments(e: argparse.ArgumentParser) -> None:
     where = e.add_mutually_exclusive_group(required=True)
-    where.add_argument("--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint")
+    where.add_argument(
+        "--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint"
+    )
     where.add_argument("--checkpoint", metavar="FILE", help="one checkpoint file")
-    e.add_argument("--to", required=True, type=output_dir, metavar="DIR", help="the folder to write")
-    e.add_argument("--push-to-hub", metavar="ORG/NAME", help="then upload the folder to this Hub model repository (one commit)")
+    e.add_argument(
+        "--to", required=True, type=output_dir, metavar="DIR", help="the folder to write"
+    )
+    e.add_argument(
+        "--push-to-hub",
+        metavar="ORG/NAME",
+        help="then upload the folder to this Hub model repository (one commit)",
+    )
+
 
 # the work is in `speedtronic.generation` and `speedtronic.hf`
 COMMAND_ARGUMENTS.update(
-    generate=("continue a prompt with a trained model, streaming the text",
-              "Continue a prompt with the model of a trained run; the text streams to stdout.", _generate_arguments),
-    export=("write a trained model as a transformers (Llama) folder",
-            "Write the model of a trained run and its tokenizer as a folder that "
-            "transformers.AutoModelForCausalLM.from_pretrained loads.", _export_arguments))
-
+    generate=(
+        "continue a prompt with a trained model, streaming the text",
+        "Continue a prompt with the model of a trained run; the text streams to stdout.",
+        _generate_arguments,
+    ),
+    export=(
+        "write a trained model as a transformers (Llama) folder",
+        "Write the model of a trained run and its tokenizer as a folder that "
+        "transformers.AutoModelForCausalLM.from_pretrained loads.",
+        _export_arguments,
+    ),
+)
 
 # %% ../nbs/15_cli.ipynb #b4c4fdb5
 def _output_dir_problems(config: SpeedtronicConfig, key: str = "run.output_dir") -> list[str]:
@@ -148,21 +296,36 @@ def _output_dir_problems(config: SpeedtronicConfig, key: str = "run.output_dir")
     paths = run_paths(config)
     for name, d in [(key, paths.output_dir), ("checkpoint.directory", paths.checkpoints)]:
         blocker = file_in_the_way(d)
-        if blocker == d: return [f"{name}: {d} is a file, not a directory; choose another directory"]
-        if blocker: return [f"{name}: {d} cannot be created because {blocker} is a file; choose another directory"]
+        if blocker == d:
+            return [f"{name}: {d} is a file, not a directory; choose another directory"]
+        if blocker:
+            return [
+                f"{name}: {d} cannot be created because {blocker} is a file; choose another directory"
+            ]
     return []
+
 
 def _prepare_problems(source: str, output: str) -> list[str]:
     "Why writing token file `output` from `source` would fail or overwrite the text (empty when fine)."
     src, out = Path(source).expanduser(), Path(output).expanduser()
-    if out.is_dir(): return [f"output {output!r} is a directory; give a file path such as {str(out / 'tokens.bin')!r}"]
+    if out.is_dir():
+        return [
+            f"output {output!r} is a directory; give a file path such as {str(out / 'tokens.bin')!r}"
+        ]
     blocker = file_in_the_way(out.parent)
-    if blocker: return [f"output {output!r} cannot be created because {str(blocker)!r} is a file, not a directory"]
+    if blocker:
+        return [
+            f"output {output!r} cannot be created because {str(blocker)!r} is a file, not a directory"
+        ]
     targets = (out.resolve(), Path(str(out) + ".json").resolve())
     if src.is_file() and src.resolve() in targets:
-        return [f"output {output!r} (or its sidecar {targets[1].name}) would overwrite the source {source!r}; give another output path"]
+        return [
+            f"output {output!r} (or its sidecar {targets[1].name}) would overwrite the source {source!r}; give another output path"
+        ]
     if src.is_dir() and targets[0].is_relative_to(src.resolve()):
-        return [f"output {output!r} is inside the source directory {source!r} and would be read as text next time; write it elsewhere"]
+        return [
+            f"output {output!r} is inside the source directory {source!r} and would be read as text next time; write it elsewhere"
+        ]
     return []
 
 # %% ../nbs/15_cli.ipynb #c9de4dc2
@@ -171,63 +334,97 @@ def _job_rank() -> str | None:
     size, rank = os.environ.get("WORLD_SIZE", "1").strip(), os.environ.get("RANK", "0").strip()
     return None if size in ("", "1") else f"rank {rank} of {size}"
 
+
 def _prints() -> bool:
     "Does this process print results? One process does; in a torchrun job only rank 0 (others print errors only)."
     return _job_rank() is None or os.environ.get("RANK", "0").strip() in ("", "0")
 
+
 def _record_for_torchrun(exc: BaseException) -> None:
     "Write `exc` to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`), so its failure summary shows this error."
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"): return
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
     try:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
         ErrorHandler().record_exception(exc)
-    except Exception: pass  # the summary is a courtesy; the error line is already printed
+    except Exception:
+        pass  # the summary is a courtesy; the error line is already printed
+
 
 def _reported_elsewhere(exc: BaseException) -> bool:
     "In a torchrun job: is `exc` an error all ranks raised together that another rank reports?"
     rank = getattr(exc, "reporting_rank", None)
-    return _job_rank() is not None and isinstance(rank, int) and str(rank) != os.environ.get("RANK", "0").strip()
+    return (
+        _job_rank() is not None
+        and isinstance(rank, int)
+        and str(rank) != os.environ.get("RANK", "0").strip()
+    )
+
 
 def _hold_sigterm() -> None:
     "In a torchrun worker, ignore SIGTERM until the process exits: it is reporting how it ended while torchrun ends the job."
-    if os.environ.get("TORCHELASTIC_RUN_ID") and threading.current_thread() is threading.main_thread():
+    if (
+        os.environ.get("TORCHELASTIC_RUN_ID")
+        and threading.current_thread() is threading.main_thread()
+    ):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
 
 def _sigterm_held() -> bool:
     "Has `_hold_sigterm` taken SIGTERM out of play for the rest of this torchrun worker's life?"
-    return bool(os.environ.get("TORCHELASTIC_RUN_ID")) and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    return (
+        bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    )
 
 # %% ../nbs/15_cli.ipynb #28d013e7
 def shown_config(config: SpeedtronicConfig) -> dict:
     "The redacted configuration as `validate` prints it: as written, with the schedule the run will use."
-    from speedtronic.schedules import resolve_schedule   # the one owner of the horizon; loads no torch
+    from speedtronic.schedules import (
+        resolve_schedule,
+    )  # the one owner of the horizon; loads no torch
+
     shown, schedule = config.to_dict(redact_secrets=True), resolve_schedule(config)
     shown["scheduler"].update(max_steps=schedule.max_steps, warmup_steps=schedule.warmup_steps)
     return shown
 
+
 def _fitted(line: str, stream: object) -> str:
     "`line` wrapped to the terminal's width when `stream` is a terminal (continuation lines indented); a pipe keeps one line."
-    from speedtronic.progress import TERMINAL_WIDTH, is_tty   # torch-free
+    from speedtronic.progress import TERMINAL_WIDTH, is_tty  # torch-free
+
     return textwrap.fill(line, TERMINAL_WIDTH, subsequent_indent="  ") if is_tty(stream) else line
+
 
 def _validate(args: argparse.Namespace) -> int:
     "`speedtronic validate`: print the normalised, redacted configuration; `--deep` checks it can run."
     config = SpeedtronicConfig.load(args.config)
     shown = shown_config(config)
-    if not _prints(): pass  # torchrun: rank 0 prints for the job
+    if not _prints():
+        pass  # torchrun: rank 0 prints for the job
     elif args.format == "json":
         import json
+
         print(json.dumps(shown, indent=2))
     else:
         import yaml
+
         print(yaml.safe_dump(shown, sort_keys=False), end="")
-    if not args.deep: return 0
+    if not args.deep:
+        return 0
     sys.stdout.flush()
     from speedtronic.runtime import check_runnable
+
     problems = check_runnable(config, device=args.device) + _output_dir_problems(config)
-    for line in error_lines(ConfigError(problems)) if problems and _prints() else []: print(line, file=sys.stderr)
-    from speedtronic.evaluation import holdout_note  # how many tokens each side of a held-out split gets
-    if not problems and _prints() and (note := holdout_note(config)): print(_fitted(note, sys.stderr), file=sys.stderr)
+    for line in error_lines(ConfigError(problems)) if problems and _prints() else []:
+        print(line, file=sys.stderr)
+    from speedtronic.evaluation import (
+        holdout_note,
+    )  # how many tokens each side of a held-out split gets
+
+    if not problems and _prints() and (note := holdout_note(config)):
+        print(_fitted(note, sys.stderr), file=sys.stderr)
     return 2 if problems else 0
 
 # %% ../nbs/15_cli.ipynb #7c5d4e70
@@ -236,109 +433,180 @@ def completed_line(result) -> str:
     loss = None if result.final_loss is None else float(result.final_loss)
     return f"completed steps={int(result.steps)} samples={int(result.samples)} tokens={int(result.tokens)} loss={loss!r}"
 
+
 def _train(args: argparse.Namespace) -> int:
     "`speedtronic train`: load, apply `--output-dir`/`--max-steps`, train, print the completed line."
     config = SpeedtronicConfig.load(args.config)
-    if args.output_dir is not None: config.run.output_dir = args.output_dir
-    if args.max_steps is not None: config.set_max_steps(args.max_steps)
+    if args.output_dir is not None:
+        config.run.output_dir = args.output_dir
+    if args.max_steps is not None:
+        config.set_max_steps(args.max_steps)
     problems = _output_dir_problems(config, "--output-dir" if args.output_dir else "run.output_dir")
-    if problems: raise ConfigError(problems)
+    if problems:
+        raise ConfigError(problems)
     from speedtronic.runtime import train_from_config
-    result = train_from_config(config, resume=args.resume, device=args.device, overwrite=args.overwrite)
-    from speedtronic.progress import is_tty  # a person at a terminal gets the closing lines, a script the completed line
-    if _prints(): print(result.closing(run_paths(config)) if is_tty(sys.stdout) else completed_line(result))
+
+    result = train_from_config(
+        config, resume=args.resume, device=args.device, overwrite=args.overwrite
+    )
+    from speedtronic.progress import (
+        is_tty,
+    )  # a person at a terminal gets the closing lines, a script the completed line
+
+    if _prints():
+        print(result.closing(run_paths(config)) if is_tty(sys.stdout) else completed_line(result))
     return 0
 
 # %% ../nbs/15_cli.ipynb #2f92463f
 def _prepare(args: argparse.Namespace) -> int:
     "`speedtronic prepare`: tokenize SOURCE into the token file OUTPUT and print a summary."
     from speedtronic.tokens import DataError, load_tokenizer, prepare_token_file
+
     problems = _prepare_problems(args.source, args.output)
-    if problems: raise DataError(problems[0])
+    if problems:
+        raise DataError(problems[0])
     tokenizer = load_tokenizer(args.tokenizer, args.vocab_size)
     if args.hf_dataset:
         from speedtronic.hf_datasets import prepare_hf_dataset
-        result = prepare_hf_dataset(args.source, args.output, tokenizer=tokenizer, overwrite=args.overwrite)
-    else: result = prepare_token_file(args.source, args.output, tokenizer=tokenizer, progress=not args.no_progress,
-                                      overwrite=args.overwrite)
+
+        result = prepare_hf_dataset(
+            args.source, args.output, tokenizer=tokenizer, overwrite=args.overwrite
+        )
+    else:
+        result = prepare_token_file(
+            args.source,
+            args.output,
+            tokenizer=tokenizer,
+            progress=not args.no_progress,
+            overwrite=args.overwrite,
+        )
     print(re.sub(r"\s*\n\s*", " ", str(result)).strip())
     return 0
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"validate": _validate, "train": _train, "prepare": _prepare}
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "validate": _validate,
+    "train": _train,
+    "prepare": _prepare,
+}
 
 # %% ../nbs/15_cli.ipynb #4c65f770
 def _generate(args: argparse.Namespace) -> int:
     "`speedtronic generate`: print the prompt, then the model's continuation as it comes."
     from speedtronic.generation import check_sampling, generate, prompt_ids
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+    sampling = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
     check_sampling(**sampling)
     from speedtronic.hf import load_trained
+
     trained = load_trained(args.run, args.checkpoint, device=args.device)
     prompt_ids(trained.model, trained.tokenizer, args.prompt)  # refused before anything is printed
-    def show(piece: str) -> None: sys.stdout.write(piece); sys.stdout.flush()
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     show(args.prompt)
-    generate(trained.model, trained.tokenizer, args.prompt, seed=args.seed, on_text=show, **sampling)
+    generate(
+        trained.model, trained.tokenizer, args.prompt, seed=args.seed, on_text=show, **sampling
+    )
     print()
     return 0
+
 
 def _export(args: argparse.Namespace) -> int:
     "`speedtronic export`: write the transformers folder (and push it to the Hub) and say where."
     from speedtronic.hf import export_run, push_to_hub
+
     print(f"exported to {export_run(args.run, args.checkpoint, to=args.to)}")
-    if args.push_to_hub: print(f"pushed to {push_to_hub(args.to, args.push_to_hub)}")
+    if args.push_to_hub:
+        print(f"pushed to {push_to_hub(args.to, args.push_to_hub)}")
     return 0
+
 
 _COMMANDS.update(generate=_generate, export=_export)
 
 # %% ../nbs/15_cli.ipynb #5b33ef5b
 def _consolidate_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("folder", metavar="FOLDER", help="a sharded checkpoint folder (step_<N>.dcp)")
-    c.add_argument("--output", metavar="FILE", help="the checkpoint file to write (default: step_<N>.pt beside the folder)")
+    c.add_argument(
+        "--output",
+        metavar="FILE",
+        help="the checkpoint file to write (default: step_<N>.pt beside the folder)",
+    )
+
 
 def _consolidate(args: argparse.Namespace) -> int:
     "`speedtronic consolidate`: a sharded checkpoint folder written as one checkpoint file; says where."
     from speedtronic.checkpoint import consolidate_checkpoint
+
     print(f"wrote {consolidate_checkpoint(args.folder, args.output)}")
     return 0
 
-COMMAND_ARGUMENTS.update(consolidate=("write a sharded (fsdp) checkpoint folder as one checkpoint file",
-                                      "Gather a sharded checkpoint folder (step_<N>.dcp, parallel.strategy: fsdp) into one "
-                                      "checkpoint file that a one-process run, generate and export read.", _consolidate_arguments))
+
+COMMAND_ARGUMENTS.update(
+    consolidate=(
+        "write a sharded (fsdp) checkpoint folder as one checkpoint file",
+        "Gather a sharded checkpoint folder (step_<N>.dcp, parallel.strategy: fsdp) into one "
+        "checkpoint file that a one-process run, generate and export read.",
+        _consolidate_arguments,
+    )
+)
 _COMMANDS.update(consolidate=_consolidate)
 
 # %% ../nbs/15_cli.ipynb #1066b2c1
 def _config_secrets(argv: Sequence[str] | None) -> list[str]:
     "Credential values of the configuration named by `--config` (best effort, for masking errors)."
     from speedtronic.config import redact
+
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in args or args.index("--config") + 1 >= len(args): return []
+    if "--config" not in args or args.index("--config") + 1 >= len(args):
+        return []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plain = SpeedtronicConfig.load(args[args.index("--config") + 1]).to_dict()
-    except Exception: return []
+    except Exception:
+        return []
     found, masked = [], redact(plain)
+
     def walk(a, b):
         if isinstance(a, dict):
-            for k in a: walk(a[k], b.get(k) if isinstance(b, dict) else None)
-        elif a != b and isinstance(a, str): found.append(a)
+            for k in a:
+                walk(a[k], b.get(k) if isinstance(b, dict) else None)
+        elif a != b and isinstance(a, str):
+            found.append(a)
+
     walk(plain, masked)
     return found
 
+
 def _warning_printer(fallback: Callable) -> Callable:
     "A `warnings.showwarning` that prints Speedtronic's own warnings as one `speedtronic: warning: …` line."
+
     def show(message, category, filename, lineno, file=None, line=None):
-        if not category.__module__.startswith("speedtronic"): return fallback(message, category, filename, lineno, file, line)
-        text = _mask(re.sub(r"\s*\n\s*", " ", str(message)).strip(), [os.environ.get(k, "") for k in _SECRET_ENV])
+        if not category.__module__.startswith("speedtronic"):
+            return fallback(message, category, filename, lineno, file, line)
+        text = _mask(
+            re.sub(r"\s*\n\s*", " ", str(message)).strip(),
+            [os.environ.get(k, "") for k in _SECRET_ENV],
+        )
         stream = file or sys.stderr
         print(_fitted(f"speedtronic: warning: {text}", stream), file=stream)
+
     return show
 
 # %% ../nbs/15_cli.ipynb #35d01b9e
 def main(argv: Sequence[str] | None = None) -> int:
     "Run the `speedtronic` command line with `argv` (default `sys.argv[1:]`); returns the exit code."
     parser = build_parser()
-    try: args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
     with warnings.catch_warnings(), _sigterm_interrupts():
@@ -346,55 +614,76 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _run_command(args, argv)
     return _end_process(code)
 
+
 def _end_process(code: int) -> int:
     "`code`; a torchrun worker that joined the job's process group exits here instead (`parallel.end_process`)."
     parallel = sys.modules.get("speedtronic.parallel")  # not imported: no process group was started
     return code if parallel is None else parallel.end_process(code)
 
+
 class Terminated(KeyboardInterrupt):
     "SIGTERM arrived: unwinds like Ctrl-C, so every writer removes its temp files."
+
 
 @contextlib.contextmanager
 def _sigterm_interrupts():
     "Within the block, SIGTERM raises `Terminated` (the trainer installs its own graceful handler while it fits)."
-    if threading.current_thread() is not threading.main_thread(): yield; return
-    def handler(signum, frame): raise Terminated("SIGTERM")
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated("SIGTERM")
+
     previous = signal.signal(signal.SIGTERM, handler)
-    try: yield
+    try:
+        yield
     finally:
-        if not _sigterm_held(): signal.signal(signal.SIGTERM, previous)
+        if not _sigterm_held():
+            signal.signal(signal.SIGTERM, previous)
+
 
 def _by_sigterm(stop: KeyboardInterrupt) -> bool:
     "Whether SIGTERM ended the command: outside training (`Terminated`) or a run it stopped (`TrainingInterrupted`'s reason)."
     return isinstance(stop, Terminated) or str(getattr(stop, "reason", "")).startswith("SIGTERM")
 
+
 def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     "Run the parsed sub-command; expected errors become `speedtronic: error:` lines and exit 2."
-    try: return _COMMANDS[args.command](args)
+    try:
+        return _COMMANDS[args.command](args)
     except Terminated:
         _hold_sigterm()
-        if _prints(): print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
+        if _prints():
+            print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
         return 143
     except KeyboardInterrupt as stop:
         _hold_sigterm()
         if _by_sigterm(stop):
-            if _prints(): print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
+            if _prints():
+                print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
             return 143
-        if _prints(): print("speedtronic: error: interrupted", file=sys.stderr)
+        if _prints():
+            print("speedtronic: error: interrupted", file=sys.stderr)
         return 130
     except EXPECTED_ERRORS as exc:
         _hold_sigterm()
-        if _reported_elsewhere(exc): return 2  # the same error on every rank: the reporting rank prints it
+        if _reported_elsewhere(exc):
+            return 2  # the same error on every rank: the reporting rank prints it
         _record_for_torchrun(exc)
-        if os.environ.get("SPEEDTRONIC_DEBUG"): raise
+        if os.environ.get("SPEEDTRONIC_DEBUG"):
+            raise
         sys.stdout.flush()
         where = _job_rank()  # torchrun: say which rank failed
         for line in error_lines(exc, _config_secrets(argv)):
-            print(line.replace("error: ", f"error: [{where}] ", 1) if where else line, file=sys.stderr)
+            print(
+                line.replace("error: ", f"error: [{where}] ", 1) if where else line, file=sys.stderr
+            )
         return 2
     except Exception as exc:
         _record_for_torchrun(exc)
         raise
 
 # %% ../nbs/15_cli.ipynb #ff0132e3
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -32,38 +32,56 @@ from .files import atomic_write_text
 # %% ../nbs/00_config.ipynb #0803e96c
 class ConfigError(ExpectedError, ValueError):
     "A configuration problem, or several: `.problems` lists them, `str()` shows one per line."
+
     def __init__(self, problems: str | Iterable[str]):
-        self.problems = [problems] if isinstance(problems, str) else list(dict.fromkeys(str(p) for p in problems))
+        self.problems = (
+            [problems]
+            if isinstance(problems, str)
+            else list(dict.fromkeys(str(p) for p in problems))
+        )
         super().__init__(_join_problems(self.problems))
-    def __reduce__(self): return (type(self), (self.problems,))
+
+    def __reduce__(self):
+        return (type(self), (self.problems,))
+
 
 class ConfigWarning(UserWarning):
     "Something in a configuration file that loads but is probably a mistake (a repeated key)."
 
+
 def _join_problems(problems: list[str]) -> str:
     "One problem as is; several under a line that counts them."
-    if len(problems) == 1: return problems[0]
-    if not problems: return "invalid configuration"
+    if len(problems) == 1:
+        return problems[0]
+    if not problems:
+        return "invalid configuration"
     return f"{len(problems)} problems in the configuration:\n" + "\n".join(problems)
 
 # %% ../nbs/00_config.ipynb #2a791ae9
-_SECRET_WORDS = frozenset("token secret secrets password passwd passphrase credential credentials apikey "
-                          "auth authorization authentication bearer".split())
+_SECRET_WORDS = frozenset(
+    "token secret secrets password passwd passphrase credential credentials apikey "
+    "auth authorization authentication bearer".split()
+)
 _KEY_OWNERS = frozenset("api access private secret client signing".split())
 _PLACE_WORDS = frozenset("file path dir directory env".split())
 REDACTED = "<redacted>"
+
 
 def _words(name: str) -> list[str]:
     "Lower-cased words of a key: split on punctuation and camelCase."
     parts = re.split(r"[^A-Za-z0-9]+", name)
     return [w.lower() for p in parts for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", p)]
 
+
 def is_secret_key(name: Any) -> bool:
     "True when a mapping key names a credential (token, secret, password, api key, auth...)."
-    if not isinstance(name, str): return False
+    if not isinstance(name, str):
+        return False
     words = _words(name)
-    if not words or words[-1] in _PLACE_WORDS: return False
-    if any(w in _SECRET_WORDS for w in words): return True
+    if not words or words[-1] in _PLACE_WORDS:
+        return False
+    if any(w in _SECRET_WORDS for w in words):
+        return True
     return any(a in _KEY_OWNERS and b == "key" for a, b in zip(words, words[1:]))
 
 # %% ../nbs/00_config.ipynb #c9880980
@@ -72,16 +90,27 @@ def _redact(obj: Any, seen: set[int]) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         obj = {f.name: getattr(obj, f.name) for f in fields(obj)}
     if isinstance(obj, Mapping) or isinstance(obj, (list, tuple)):
-        if id(obj) in seen: return "<cycle>"
+        if id(obj) in seen:
+            return "<cycle>"
         seen = seen | {id(obj)}
     if isinstance(obj, Mapping):
-        return {k: (REDACTED if is_secret_key(k) and not _unset(v) else _redact(v, seen)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)): return type(obj)(_redact(v, seen) for v in obj) if isinstance(obj, list) else tuple(_redact(v, seen) for v in obj)
+        return {
+            k: (REDACTED if is_secret_key(k) and not _unset(v) else _redact(v, seen))
+            for k, v in obj.items()
+        }
+    if isinstance(obj, (list, tuple)):
+        return (
+            type(obj)(_redact(v, seen) for v in obj)
+            if isinstance(obj, list)
+            else tuple(_redact(v, seen) for v in obj)
+        )
     return obj
+
 
 def _unset(value: Any) -> bool:
     "Values that carry no secret: null, empty string, true/false."
     return value is None or value == "" or isinstance(value, bool)
+
 
 def redact(obj: Any) -> Any:
     "Deep copy of `obj` (mapping, list or dataclass) with every credential-like key's value `'<redacted>'`."
@@ -90,90 +119,136 @@ def redact(obj: Any) -> Any:
 # %% ../nbs/00_config.ipynb #9c66bbb6
 _NUMERIC = re.compile(r"\s*[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)(?:[eE][-+]?\d+)?\s*")
 
+
 class _Mismatch(Exception):
     "A value does not fit an annotation; `.expected` says what would."
-    def __init__(self, expected: str): self.expected = expected
+
+    def __init__(self, expected: str):
+        self.expected = expected
+
 
 def _number(value: Any, what: str) -> float:
     "A finite float from a number or numeric string, else `_Mismatch(what)`."
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) or (isinstance(value, str) and _NUMERIC.fullmatch(value))):
+    if isinstance(value, bool) or not (
+        isinstance(value, (int, float)) or (isinstance(value, str) and _NUMERIC.fullmatch(value))
+    ):
         raise _Mismatch(what)
-    try: number = float(value)
-    except (OverflowError, ValueError): raise _Mismatch(f"{what} (this one is out of range)") from None
-    if not math.isfinite(number): raise _Mismatch(f"a finite {what.removeprefix('a ').removeprefix('an ')}")
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        raise _Mismatch(f"{what} (this one is out of range)") from None
+    if not math.isfinite(number):
+        raise _Mismatch(f"a finite {what.removeprefix('a ').removeprefix('an ')}")
     return number
 
+
 _INT_LIMIT = 2**64
+
 
 def _as_int(value: Any) -> int:
     "An int (below 2**64 in size) from an int, an integral float or an integral numeric string."
     if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d[\d_]*\s*", value):
-        try: value = int(value)
-        except ValueError: raise _Mismatch("an integer (this one is out of range)") from None
+        try:
+            value = int(value)
+        except ValueError:
+            raise _Mismatch("an integer (this one is out of range)") from None
     if not (isinstance(value, int) and not isinstance(value, bool)):
         number = _number(value, "an integer")
-        if not number.is_integer(): raise _Mismatch("an integer")
+        if not number.is_integer():
+            raise _Mismatch("an integer")
         value = int(number)
-    if abs(value) >= _INT_LIMIT: raise _Mismatch("an integer (this one is out of range)")
+    if abs(value) >= _INT_LIMIT:
+        raise _Mismatch("an integer (this one is out of range)")
     return value
+
 
 def _as_str(value: Any) -> str:
     "A str from a str, a path, an int or a date."
     import datetime
-    if isinstance(value, str): return value
-    if isinstance(value, os.PathLike) and isinstance(os.fspath(value), str): return os.fspath(value)
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**100: return str(value)
-    if isinstance(value, datetime.date): return value.isoformat()
+
+    if isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
+        return os.fspath(value)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**100:
+        return str(value)
+    if isinstance(value, datetime.date):
+        return value.isoformat()
     raise _Mismatch("a string")
 
 # %% ../nbs/00_config.ipynb #047034ab
 _NONE = type(None)
 
+
 def _coerce(value: Any, tp: Any) -> Any:
     "Check `value` against annotation `tp`, returning the normalised value or raising `_Mismatch`."
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any: return value
+    if tp is Any:
+        return value
     if origin in (Union, types.UnionType):
-        if value is None and _NONE in args: return None
+        if value is None and _NONE in args:
+            return None
         expected = []
         for arg in (a for a in args if a is not _NONE):
-            try: return _coerce(value, arg)
-            except _Mismatch as m: expected.append(m.expected)
+            try:
+                return _coerce(value, arg)
+            except _Mismatch as m:
+                expected.append(m.expected)
         raise _Mismatch(" or ".join(expected + (["null"] if _NONE in args else [])))
     if tp is bool:
-        if isinstance(value, bool): return value
+        if isinstance(value, bool):
+            return value
         raise _Mismatch("true or false")
-    if tp is int: return _as_int(value)
-    if tp is float: return _number(value, "a number")
-    if tp is str: return _as_str(value)
+    if tp is int:
+        return _as_int(value)
+    if tp is float:
+        return _number(value, "a number")
+    if tp is str:
+        return _as_str(value)
     if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args): raise _Mismatch(f"a list of {len(args)} numbers")
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise _Mismatch(f"a list of {len(args)} numbers")
         return tuple(_coerce(v, a) for v, a in zip(value, args))
     if origin is list:
-        if not isinstance(value, (list, tuple)): raise _Mismatch("a list of strings")
-        try: return [_coerce(v, args[0]) for v in value]
-        except _Mismatch: raise _Mismatch("a list of strings") from None
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch("a list of strings")
+        try:
+            return [_coerce(v, args[0]) for v in value]
+        except _Mismatch:
+            raise _Mismatch("a list of strings") from None
     if tp is dict:
-        if isinstance(value, Mapping): return dict(value)
+        if isinstance(value, Mapping):
+            return dict(value)
         raise _Mismatch("a mapping")
-    if isinstance(tp, type) and isinstance(value, tp): return value
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
     raise _Mismatch(f"a mapping of {getattr(tp, '_section', tp.__name__)} settings")
 
 # %% ../nbs/00_config.ipynb #1191712f
 def _show(value: Any) -> str:
     "A short description of a bad value for an error message."
-    kind = {bool: None, str: "a string", list: "a list", tuple: "a list", dict: "a mapping"}.get(type(value), "")
-    if isinstance(value, bool): return "true" if value else "false"
-    if value is None: return "null"
-    if isinstance(value, (list, tuple, dict, Mapping)): return kind or "a mapping"
-    try: text = repr(value)
-    except Exception: text = f"<{type(value).__name__}>"
-    if len(text) > 40: text = text[:37] + "..."
+    kind = {bool: None, str: "a string", list: "a list", tuple: "a list", dict: "a mapping"}.get(
+        type(value), ""
+    )
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple, dict, Mapping)):
+        return kind or "a mapping"
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    if len(text) > 40:
+        text = text[:37] + "..."
     return f"{text} ({kind})" if kind else text
+
 
 def _key(section: str, name: Any) -> str:
     "Dotted path of a key inside a section (the root has no prefix)."
     return f"{section}.{name}" if section else str(name)
+
 
 def _suggest(name: Any, candidates: Iterable[str]) -> str:
     "` (did you mean X?)` for the closest candidate, or nothing."
@@ -183,48 +258,68 @@ def _suggest(name: Any, candidates: Iterable[str]) -> str:
 # %% ../nbs/00_config.ipynb #61cb69cd
 class _Rules:
     "Collects `section.key: message` problems for one section."
+
     def __init__(self, obj: Any):
         self.obj, self.section, self.problems = obj, type(obj)._section, []
-    def fail(self, name: str, message: str): self.problems.append(f"{_key(self.section, name)}: {message}")
+
+    def fail(self, name: str, message: str):
+        self.problems.append(f"{_key(self.section, name)}: {message}")
+
     def positive(self, *names: str):
         for n in names:
             v = getattr(self.obj, n)
-            if v is not None and v <= 0: self.fail(n, f"must be positive, got {_show(v)}")
+            if v is not None and v <= 0:
+                self.fail(n, f"must be positive, got {_show(v)}")
+
     def non_negative(self, *names: str):
         for n in names:
             v = getattr(self.obj, n)
-            if v is not None and v < 0: self.fail(n, f"cannot be negative, got {_show(v)}")
+            if v is not None and v < 0:
+                self.fail(n, f"cannot be negative, got {_show(v)}")
+
     def fraction(self, name: str, closed: bool = False):
         v = getattr(self.obj, name)
-        if not (0 <= v <= 1 if closed else 0 <= v < 1): self.fail(name, f"must be in [0, 1{']' if closed else ')'}, got {_show(v)}")
+        if not (0 <= v <= 1 if closed else 0 <= v < 1):
+            self.fail(name, f"must be in [0, 1{']' if closed else ')'}, got {_show(v)}")
+
     def choice(self, name: str, choices: Iterable[str], hints: Mapping[str, str] | None = None):
         "Strip and lower-case a string field, then require one of `choices`."
         v = getattr(self.obj, name)
-        if v is None: return
+        if v is None:
+            return
         v = v.strip().lower()
         setattr(self.obj, name, v)
         if v not in choices:
             hint = (hints or {}).get(v)
-            self.fail(name, f"{_show(v)} is not one of {', '.join(choices)}" + (f" (did you mean {hint}?)" if hint else _suggest(v, choices)))
+            self.fail(
+                name,
+                f"{_show(v)} is not one of {', '.join(choices)}"
+                + (f" (did you mean {hint}?)" if hint else _suggest(v, choices)),
+            )
 
 # %% ../nbs/00_config.ipynb #b236f44b
 def _field_default(f: dataclasses.Field) -> Any:
     "The default value of a dataclass field."
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
+
 _HINTS: dict[type, dict[str, Any]] = {}
+
 
 def _hints(cls: type) -> dict[str, Any]:
     "Resolved field annotations of a config class (cached)."
-    if cls not in _HINTS: _HINTS[cls] = typing.get_type_hints(cls)
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
     return _HINTS[cls]
+
 
 def _check_fields(obj: Any) -> list[str]:
     "Coerce every field to its annotation; report and reset the ones that do not fit."
     problems, hints, section = [], _hints(type(obj)), type(obj)._section
     for f in fields(obj):
         value = getattr(obj, f.name)
-        try: setattr(obj, f.name, _coerce(value, hints[f.name]))
+        try:
+            setattr(obj, f.name, _coerce(value, hints[f.name]))
         except _Mismatch as m:
             got = "a value of the wrong type" if is_secret_key(f.name) else _show(value)
             problems.append(f"{_key(section, f.name)}: expected {m.expected}, got {got}")
@@ -234,44 +329,64 @@ def _check_fields(obj: Any) -> list[str]:
 # %% ../nbs/00_config.ipynb #532b1f11
 class _Section:
     "Shared behaviour of config sections: type checks, rules, one `ConfigError`, explicit-field tracking."
+
     _section = ""
+
     def __post_init__(self):
         problems = self._problems()
-        if getattr(self, "_defer", False): self._deferred = problems
-        elif problems: raise ConfigError(problems)
+        if getattr(self, "_defer", False):
+            self._deferred = problems
+        elif problems:
+            raise ConfigError(problems)
+
     def _problems(self) -> list[str]:
         problems = _check_fields(self)
         self._normalise()
         return problems + self._rules()
-    def _normalise(self) -> None: "Fill the values a section derives from its own fields (2.0's normalisation); checks nothing."
-    def _rules(self) -> list[str]: return []
+
+    def _normalise(self) -> None:
+        "Fill the values a section derives from its own fields (2.0's normalisation); checks nothing."
+
+    def _rules(self) -> list[str]:
+        return []
+
     def __repr__(self) -> str:
         "Like a dataclass repr, with every credential shown as `<redacted>` (a notebook cell may print it)."
         return f"{type(self).__name__}({', '.join(f'{f.name}={_shown(f.name, getattr(self, f.name))}' for f in fields(self))})"
 
+
 def _shown(name: str, value: Any) -> str:
     "repr of a field value for `_Section.__repr__`: secrets redacted, nested sections as their own repr."
-    if is_secret_key(name) and not _unset(value): return repr(REDACTED)
-    if isinstance(value, _Section): return repr(value)
+    if is_secret_key(name) and not _unset(value):
+        return repr(REDACTED)
+    if isinstance(value, _Section):
+        return repr(value)
     return repr(redact(value) if isinstance(value, (Mapping, list, tuple)) else value)
+
 
 def _config_section(name: str):
     "Class decorator: a `_Section` dataclass named `name` whose `__init__` records the fields it was given."
+
     def decorate(cls):
         cls = dataclass(cls, repr=False)
         cls._section = name
         init, names = cls.__init__, [f.name for f in fields(cls)]
+
         def __init__(self, *args, **kwargs):
-            self._explicit = frozenset(names[:len(args)]) | frozenset(kwargs)
+            self._explicit = frozenset(names[: len(args)]) | frozenset(kwargs)
             init(self, *args, **kwargs)
+
         __init__.__wrapped__, __init__.__doc__ = init, init.__doc__
         cls.__init__ = __init__
         return cls
+
     return decorate
+
 
 def explicit_fields(section: Any) -> frozenset[str]:
     "Names of the fields the caller set when `section` was built (the rest hold defaults)."
     return getattr(section, "_explicit", frozenset())
+
 
 def _construct(cls: type, values: Mapping[str, Any]) -> tuple[Any, list[str]]:
     "Build `cls(**values)` without raising: the instance (bad fields reset) and its problems."
@@ -286,22 +401,29 @@ def _construct(cls: type, values: Mapping[str, Any]) -> tuple[Any, list[str]]:
 @_config_section("run")
 class RunConfig(_Section):
     "Run identity, seed, device request, step target and output directory."
+
     name: str = "speedtronic-run"  # a label only, never a path
     seed: int = 1234  # global seed; also the default data seed
     device: str = "auto"  # auto -> CUDA, then MPS, then CPU
     max_steps: int = 1000  # absolute optimizer-step target
     output_dir: str = "runs"  # base of relative checkpoint and distributed-state dirs
     log_every: int | None = None  # copied into logging.every_steps while that is 1
+
     def _rules(self):
         r = _Rules(self)
         r.positive("max_steps", "log_every")
-        if not 0 <= self.seed < 2**64: r.fail("seed", f"must be in [0, 2**64), got {_show(self.seed)}")
-        if not self.device.strip(): r.fail("device", "must not be empty (use auto, cpu, cuda, cuda:N or mps)")
-        if not self.output_dir.strip(): r.fail("output_dir", "must not be empty (write . for the working directory)")
+        if not 0 <= self.seed < 2**64:
+            r.fail("seed", f"must be in [0, 2**64), got {_show(self.seed)}")
+        if not self.device.strip():
+            r.fail("device", "must not be empty (use auto, cpu, cuda, cuda:N or mps)")
+        if not self.output_dir.strip():
+            r.fail("output_dir", "must not be empty (write . for the working directory)")
         return r.problems
+
     def __post_init__(self):
         super().__post_init__()
         self._written_output_dir = self.output_dir
+
     @property
     def written_output_dir(self) -> str:
         "The `output_dir` this section was built with (what relative logging paths were written against)."
@@ -311,9 +433,11 @@ class RunConfig(_Section):
 _REFERENCE_MODELS = ("reference_transformer", "gpt")
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
+
 @_config_section("model")
 class ModelConfig(_Section):
     "Model registry name and the transformer dimensions passed to its factory."
+
     name: str = "reference_transformer"  # registry key
     vocab_size: int = 512
     max_seq_len: int = 128  # passed to factories as block_size
@@ -329,57 +453,123 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = False  # OR-synchronised with the root flag
     imports: list[str] = field(default_factory=list)  # modules imported before the registry lookup
     init_from: str | None = None  # a transformers Llama folder whose weights start a fresh run
+
     def _normalise(self):
-        if self.n_kv_head is None: self.n_kv_head = self.n_head
-        if self.d_ff is None: self.d_ff = 4 * self.d_model
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+
     def _rules(self):
         r = _Rules(self)
-        r.positive("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "rope_base", "norm_eps")
-        if not 0 <= self.dropout < 1: r.fail("dropout", f"must be in [0, 1), got {_show(self.dropout)}")
+        r.positive(
+            "vocab_size",
+            "max_seq_len",
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "d_model",
+            "d_ff",
+            "rope_base",
+            "norm_eps",
+        )
+        if not 0 <= self.dropout < 1:
+            r.fail("dropout", f"must be in [0, 1), got {_show(self.dropout)}")
         heads_ok = self.n_head > 0 and self.n_kv_head > 0
         if heads_ok and self.n_head % self.n_kv_head:
-            r.fail("n_kv_head", f"must divide model.n_head (got n_head={_show(self.n_head)}, n_kv_head={_show(self.n_kv_head)})")
+            r.fail(
+                "n_kv_head",
+                f"must divide model.n_head (got n_head={_show(self.n_head)}, n_kv_head={_show(self.n_kv_head)})",
+            )
         if heads_ok and self.d_model > 0 and self.d_model % self.n_head:
-            r.fail("d_model", f"must be divisible by model.n_head (got d_model={_show(self.d_model)}, n_head={_show(self.n_head)})")
-        elif heads_ok and self.d_model > 0 and self.name in _REFERENCE_MODELS and (self.d_model // self.n_head) % 2:
-            r.fail("d_model", f"head dimension d_model // n_head = {_show(self.d_model // self.n_head)} must be even for RoPE "
-                              f"(pick d_model = {_show(self.n_head * (self.d_model // self.n_head + 1))} or another n_head)")
+            r.fail(
+                "d_model",
+                f"must be divisible by model.n_head (got d_model={_show(self.d_model)}, n_head={_show(self.n_head)})",
+            )
+        elif (
+            heads_ok
+            and self.d_model > 0
+            and self.name in _REFERENCE_MODELS
+            and (self.d_model // self.n_head) % 2
+        ):
+            r.fail(
+                "d_model",
+                f"head dimension d_model // n_head = {_show(self.d_model // self.n_head)} must be even for RoPE "
+                f"(pick d_model = {_show(self.n_head * (self.d_model // self.n_head + 1))} or another n_head)",
+            )
         for m in self.imports:
-            if not _MODULE_NAME.fullmatch(m): r.fail("imports", f"{m!r} is not a module name like 'my_pkg.models'")
+            if not _MODULE_NAME.fullmatch(m):
+                r.fail("imports", f"{m!r} is not a module name like 'my_pkg.models'")
         if self.init_from is not None and not self.init_from.strip():
-            r.fail("init_from", "must not be empty (give a transformers Llama folder, or leave it unset)")
+            r.fail(
+                "init_from",
+                "must not be empty (give a transformers Llama folder, or leave it unset)",
+            )
         return r.problems
 
 # %% ../nbs/00_config.ipynb #a49a362d
-HF_DATASET_KEYS = {"path": None, "name": None, "data_files": None, "split": "train", "text_field": "text", "streaming": False}
+HF_DATASET_KEYS = {
+    "path": None,
+    "name": None,
+    "data_files": None,
+    "split": "train",
+    "text_field": "text",
+    "streaming": False,
+}
+
 
 def _files_ok(v: Any) -> bool:
     "A path, a list of paths, or a mapping of split names to either."
-    if isinstance(v, Mapping): return all(isinstance(k, str) and _files_ok(x) and not isinstance(x, Mapping) for k, x in v.items())
-    return isinstance(v, str) and bool(v.strip()) or isinstance(v, (list, tuple)) and bool(v) and all(isinstance(x, str) and x.strip() for x in v)
+    if isinstance(v, Mapping):
+        return all(
+            isinstance(k, str) and _files_ok(x) and not isinstance(x, Mapping) for k, x in v.items()
+        )
+    return (
+        isinstance(v, str)
+        and bool(v.strip())
+        or isinstance(v, (list, tuple))
+        and bool(v)
+        and all(isinstance(x, str) and x.strip() for x in v)
+    )
+
 
 def hf_dataset_spec(value: Any) -> tuple[dict | None, list[str]]:
     "`data.hf_dataset` with every key filled in (a string is its `path`), and its `data.hf_dataset.<key>: ...` problems."
-    if value is None: return None, []
+    if value is None:
+        return None, []
     spec, problems = dict(HF_DATASET_KEYS), []
     bad = lambda key, message: problems.append(f"data.hf_dataset.{key}: {message}")
     for key, v in ({"path": value} if isinstance(value, str) else value).items():
-        if key in spec: spec[key] = list(v) if isinstance(v, tuple) else v
-        else: bad(key, f"unknown key (known: {', '.join(HF_DATASET_KEYS)})" + _suggest(key, HF_DATASET_KEYS))
-    if spec["path"] is None: bad("path", "is required: a local file or folder, or a Hub dataset name")
+        if key in spec:
+            spec[key] = list(v) if isinstance(v, tuple) else v
+        else:
+            bad(
+                key,
+                f"unknown key (known: {', '.join(HF_DATASET_KEYS)})"
+                + _suggest(key, HF_DATASET_KEYS),
+            )
+    if spec["path"] is None:
+        bad("path", "is required: a local file or folder, or a Hub dataset name")
     for key in ("path", "split", "text_field"):
         v = spec[key]
-        if v is not None and not (isinstance(v, str) and v.strip()): bad(key, f"expected a non-empty string, got {_show(v)}")
-    if spec["name"] is not None and not isinstance(spec["name"], str): bad("name", f"expected a string or null, got {_show(spec['name'])}")
-    if not isinstance(spec["streaming"], bool): bad("streaming", f"expected true or false, got {_show(spec['streaming'])}")
+        if v is not None and not (isinstance(v, str) and v.strip()):
+            bad(key, f"expected a non-empty string, got {_show(v)}")
+    if spec["name"] is not None and not isinstance(spec["name"], str):
+        bad("name", f"expected a string or null, got {_show(spec['name'])}")
+    if not isinstance(spec["streaming"], bool):
+        bad("streaming", f"expected true or false, got {_show(spec['streaming'])}")
     if spec["data_files"] is not None and not _files_ok(spec["data_files"]):
-        bad("data_files", f"expected a path, a list of paths or a mapping of split names to paths, got {_show(spec['data_files'])}")
+        bad(
+            "data_files",
+            f"expected a path, a list of paths or a mapping of split names to paths, got {_show(spec['data_files'])}",
+        )
     return (None if problems else spec), problems
 
 # %% ../nbs/00_config.ipynb #5beb3149
 @_config_section("data")
 class DataConfig(_Section):
     "Data source, batch geometry and loader settings."
+
     text_path: str | None = None  # UTF-8 text file (highest priority source)
     dataset: Any = None  # path to a serialized Dataset, or a live Dataset object
     synthetic: bool = True  # allow the synthetic fallback
@@ -398,38 +588,73 @@ class DataConfig(_Section):
     token_file: str | None = None  # a prepared token file (speedtronic prepare)
     tokenizer: str | None = None  # null/"byte" -> CharTokenizer, else a tokenizer.json path
     trust_pickle: bool = False  # opt in to unpickling a serialized data.dataset
-    hf_dataset: str | dict | None = None  # a `datasets` dataset: a path or Hub name, or {path, name, data_files, split, text_field, streaming}
+    hf_dataset: str | dict | None = (
+        None  # a `datasets` dataset: a path or Hub name, or {path, name, data_files, split, text_field, streaming}
+    )
+
     def _normalise(self):
-        if "target_batch_size" not in explicit_fields(self) and self.micro_batch_size > self.target_batch_size:
-            self.target_batch_size = self.micro_batch_size   # unwritten: one micro batch per update
+        if (
+            "target_batch_size" not in explicit_fields(self)
+            and self.micro_batch_size > self.target_batch_size
+        ):
+            self.target_batch_size = self.micro_batch_size  # unwritten: one micro batch per update
         if "synthetic" not in explicit_fields(self) and self.source != "synthetic tokens":
-            self.synthetic = False                            # a real source is read: no random tokens
+            self.synthetic = False  # a real source is read: no random tokens
+
     @property
     def source(self) -> str:
         "What training reads: the first of `text_path`, `token_file`, `hf_dataset`, `dataset` that is set, else synthetic tokens (or nothing)."
-        if self.text_path: return "data.text_path"
-        if self.token_file: return "data.token_file"
-        if self.hf_dataset is not None: return "data.hf_dataset"
-        if self.dataset is not None: return "data.dataset"
+        if self.text_path:
+            return "data.text_path"
+        if self.token_file:
+            return "data.token_file"
+        if self.hf_dataset is not None:
+            return "data.hf_dataset"
+        if self.dataset is not None:
+            return "data.dataset"
         return "synthetic tokens" if self.synthetic else "nothing"
+
     def _rules(self):
         r = _Rules(self)
-        if isinstance(self.dataset, os.PathLike): self.dataset = os.fspath(self.dataset)
+        if isinstance(self.dataset, os.PathLike):
+            self.dataset = os.fspath(self.dataset)
         if isinstance(self.dataset, (bool, int, float, list, tuple, Mapping)):
-            r.fail("dataset", f"expected a file path or a Dataset object, got {_show(self.dataset)}")
+            r.fail(
+                "dataset", f"expected a file path or a Dataset object, got {_show(self.dataset)}"
+            )
             self.dataset = None
-        r.positive("num_tokens", "vocab_size", "block_size", "micro_batch_size", "target_batch_size", "prefetch_factor", "max_steps")
+        r.positive(
+            "num_tokens",
+            "vocab_size",
+            "block_size",
+            "micro_batch_size",
+            "target_batch_size",
+            "prefetch_factor",
+            "max_steps",
+        )
         r.non_negative("num_workers")
-        self.hf_dataset, problems = hf_dataset_spec(self.hf_dataset); r.problems += problems
-        if self.num_tokens >= 2**63: r.fail("num_tokens", f"must be below 2**63 (a sample count a sequence can index), got {_show(self.num_tokens)}")
+        self.hf_dataset, problems = hf_dataset_spec(self.hf_dataset)
+        r.problems += problems
+        if self.num_tokens >= 2**63:
+            r.fail(
+                "num_tokens",
+                f"must be below 2**63 (a sample count a sequence can index), got {_show(self.num_tokens)}",
+            )
         if self.micro_batch_size > 0 and self.target_batch_size > 0:
             if self.target_batch_size < self.micro_batch_size:
-                r.fail("target_batch_size", f"must be >= data.micro_batch_size (got {_show(self.target_batch_size)} < {_show(self.micro_batch_size)})")
+                r.fail(
+                    "target_batch_size",
+                    f"must be >= data.micro_batch_size (got {_show(self.target_batch_size)} < {_show(self.micro_batch_size)})",
+                )
             elif self.target_batch_size % self.micro_batch_size:
                 fit = self.target_batch_size // self.micro_batch_size * self.micro_batch_size
-                r.fail("target_batch_size", f"must be divisible by data.micro_batch_size (got {_show(self.target_batch_size)} and "
-                                            f"{_show(self.micro_batch_size)}; try {_show(fit)})")
+                r.fail(
+                    "target_batch_size",
+                    f"must be divisible by data.micro_batch_size (got {_show(self.target_batch_size)} and "
+                    f"{_show(self.micro_batch_size)}; try {_show(fit)})",
+                )
         return r.problems
+
     @property
     def accumulation_steps(self) -> int:
         "Micro-batches per optimizer step: `target_batch_size // micro_batch_size`."
@@ -439,6 +664,7 @@ class DataConfig(_Section):
 @_config_section("optimizer")
 class OptimizerConfig(_Section):
     "Optimizer choice and hyper-parameters (AdamW, Muon, Muon+, cautious updates)."
+
     name: str = "adamw"  # adamw or muon
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -453,49 +679,82 @@ class OptimizerConfig(_Section):
     muon_norm_eps: float = 1e-8
     weight_decay_on: str = "matrices"  # matrices (2-D+ weights) or all
     muon_lr: float | None = None  # null -> optimizer.lr (one rate for both groups)
-    muon_scale: str = "match_rms_adamw"  # match_rms_adamw (Muon steps sized like AdamW's) or original (2.0)
-    max_nonfinite_skips: int = 0  # updates with a NaN/inf loss or gradient skipped in a row before the run stops
+    muon_scale: str = (
+        "match_rms_adamw"  # match_rms_adamw (Muon steps sized like AdamW's) or original (2.0)
+    )
+    max_nonfinite_skips: int = (
+        0  # updates with a NaN/inf loss or gradient skipped in a row before the run stops
+    )
+
     def _rules(self):
         r = _Rules(self)
         r.choice("name", ("adamw", "muon"), {"adam": "adamw", "sgd": "adamw"})
         r.choice("weight_decay_on", ("matrices", "all"))
-        r.choice("muon_scale", ("match_rms_adamw", "original"),
-                 {"adamw": "match_rms_adamw", "moonlight": "match_rms_adamw", "matched": "match_rms_adamw", "keller": "original"})
+        r.choice(
+            "muon_scale",
+            ("match_rms_adamw", "original"),
+            {
+                "adamw": "match_rms_adamw",
+                "moonlight": "match_rms_adamw",
+                "matched": "match_rms_adamw",
+                "keller": "original",
+            },
+        )
         r.positive("lr", "eps", "grad_clip", "muon_ns_steps", "muon_norm_eps", "muon_lr")
         r.non_negative("weight_decay", "max_nonfinite_skips")
         for i, b in enumerate(self.betas):
-            if not 0 <= b < 1: r.fail("betas", f"each value must be in [0, 1), got value {i} = {_show(b)}")
+            if not 0 <= b < 1:
+                r.fail("betas", f"each value must be in [0, 1), got value {i} = {_show(b)}")
         r.fraction("muon_momentum")
-        if self.muon_plus and self.name == "adamw": r.fail("muon_plus", "is only valid with optimizer.name: muon")
+        if self.muon_plus and self.name == "adamw":
+            r.fail("muon_plus", "is only valid with optimizer.name: muon")
         return r.problems
 
 # %% ../nbs/00_config.ipynb #0c63d73e
 @_config_section("scheduler")
 class SchedulerConfig(_Section):
     "Learning-rate schedule: linear warmup, then cosine decay to `min_lr_ratio` or constant."
+
     name: str = "cosine"  # cosine or constant
-    warmup_steps: int = 100  # unset: min(100, horizon // 10) for a whole run (speedtronic.schedules)
+    warmup_steps: int = (
+        100  # unset: min(100, horizon // 10) for a whole run (speedtronic.schedules)
+    )
     max_steps: int = 1000  # unset: the run target is the horizon (speedtronic.schedules)
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of optimizer.lr
+
     def _rules(self):
         r = _Rules(self)
         r.choice("name", ("cosine", "constant"), {"linear": "cosine", "cos": "cosine"})
         r.non_negative("warmup_steps")
         r.positive("max_steps")
         r.fraction("min_lr_ratio", closed=True)
-        if {"warmup_steps", "max_steps"} <= explicit_fields(self) and 0 < self.max_steps < self.warmup_steps:
-            r.problems.append(_warmup_problem(self.warmup_steps, self.max_steps, "raise scheduler.max_steps"))
+        if {"warmup_steps", "max_steps"} <= explicit_fields(
+            self
+        ) and 0 < self.max_steps < self.warmup_steps:
+            r.problems.append(
+                _warmup_problem(self.warmup_steps, self.max_steps, "raise scheduler.max_steps")
+            )
         return r.problems
 
 # %% ../nbs/00_config.ipynb #ee7bfb6d
-_DTYPE_HINTS = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32", "fp8": "bf16"}
+_DTYPE_HINTS = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp8": "bf16",
+}
+
 
 @_config_section("precision")
 class PrecisionConfig(_Section):
     "Mixed-precision request: auto, bf16, fp16 or fp32."
+
     mode: str = "auto"  # auto, bf16, fp16, fp32
     dtype: str | None = None  # consulted only when mode is auto
     max_skipped_steps: int = 100  # consecutive GradScaler-skipped updates before the run stops
+
     def _rules(self):
         r = _Rules(self)
         r.choice("mode", ("auto", "bf16", "fp16", "fp32"), _DTYPE_HINTS)
@@ -503,40 +762,57 @@ class PrecisionConfig(_Section):
         r.positive("max_skipped_steps")
         return r.problems
 
+
 @_config_section("checkpoint")
 class CheckpointConfig(_Section):
     "Where and how often checkpoints are written, and how many are kept."
+
     enabled: bool = True
     directory: str = "checkpoints"  # relative -> under run.output_dir
     every_steps: int = 500
     keep_last: int | None = 3  # null keeps all
     resume: bool = False  # OR-ed with the CLI/API resume flag
+
     def _rules(self):
         r = _Rules(self)
         r.positive("every_steps", "keep_last")
-        if not self.directory.strip(): r.fail("directory", "must not be empty")
+        if not self.directory.strip():
+            r.fail("directory", "must not be empty")
         return r.problems
 
 # %% ../nbs/00_config.ipynb #67270c0e
-_MAX_FREE_VALUES = 10_000   # a free-form mapping (logging.wandb) bigger than this is a mistake or an alias bomb
+_MAX_FREE_VALUES = (
+    10_000  # a free-form mapping (logging.wandb) bigger than this is a mistake or an alias bomb
+)
+
 
 def _expanded_size(value: Any) -> int:
     "How many values `value` holds once shared references (YAML aliases) are expanded; linear time."
     memo: dict[int, int] = {}
+
     def size(v: Any, depth: int) -> int:
-        if not isinstance(v, (Mapping, list, tuple)): return 1
-        if id(v) in memo: return memo[id(v)]
-        if depth > 100: return _MAX_FREE_VALUES + 1
-        memo[id(v)] = _MAX_FREE_VALUES + 1              # a cycle counts as too big
-        memo[id(v)] = 1 + sum(size(x, depth + 1) for x in (v.values() if isinstance(v, Mapping) else v))
+        if not isinstance(v, (Mapping, list, tuple)):
+            return 1
+        if id(v) in memo:
+            return memo[id(v)]
+        if depth > 100:
+            return _MAX_FREE_VALUES + 1
+        memo[id(v)] = _MAX_FREE_VALUES + 1  # a cycle counts as too big
+        memo[id(v)] = 1 + sum(
+            size(x, depth + 1) for x in (v.values() if isinstance(v, Mapping) else v)
+        )
         return memo[id(v)]
+
     return size(value, 0)
 
+
 _LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
+
 
 @_config_section("logging")
 class LoggingConfig(_Section):
     "Log level, text/JSONL files, cadence, and the optional TensorBoard/W&B/progress/plot outputs."
+
     level: str = "INFO"
     file: str | None = None  # text log file; replaces stdout output
     every_steps: int = 1  # cadence of train_step records
@@ -544,21 +820,33 @@ class LoggingConfig(_Section):
     tensorboard_dir: str | None = None  # attach a TensorboardHook writing there
     wandb: bool | dict | None = None  # true or a mapping of wandb.init arguments
     progress: bool | str = "auto"  # auto (terminal or Jupyter only), true, false
-    metrics_history: int | None = 10000  # newest train_step records kept in TrainResult.metrics; null keeps all
+    metrics_history: int | None = (
+        10000  # newest train_step records kept in TrainResult.metrics; null keeps all
+    )
     loss_plot: bool = True  # write loss_curve.png beside the JSONL file (or in run.output_dir)
+
     def _rules(self):
         r = _Rules(self)
         self.level = self.level.strip().upper()
-        if self.level not in _LEVELS: r.fail("level", f"{self.level!r} is not a log level ({', '.join(_LEVELS[:6])})" + _suggest(self.level, _LEVELS))
+        if self.level not in _LEVELS:
+            r.fail(
+                "level",
+                f"{self.level!r} is not a log level ({', '.join(_LEVELS[:6])})"
+                + _suggest(self.level, _LEVELS),
+            )
         r.positive("every_steps", "metrics_history")
         if isinstance(self.progress, str):
             self.progress = self.progress.strip().lower()
-            if self.progress != "auto": r.fail("progress", f"must be auto, true or false, got {_show(self.progress)}")
+            if self.progress != "auto":
+                r.fail("progress", f"must be auto, true or false, got {_show(self.progress)}")
         if isinstance(self.wandb, dict) and not all(isinstance(k, str) for k in self.wandb):
             r.fail("wandb", "the mapping's keys must be strings (wandb.init argument names)")
         if isinstance(self.wandb, dict) and (n := _expanded_size(self.wandb)) > _MAX_FREE_VALUES:
-            r.fail("wandb", f"holds {n:,} values once YAML aliases (*name) are expanded, more than {_MAX_FREE_VALUES:,}; "
-                            "write the wandb.init arguments out plainly")
+            r.fail(
+                "wandb",
+                f"holds {n:,} values once YAML aliases (*name) are expanded, more than {_MAX_FREE_VALUES:,}; "
+                "write the wandb.init arguments out plainly",
+            )
             self.wandb = None
         return r.problems
 
@@ -566,6 +854,7 @@ class LoggingConfig(_Section):
 @_config_section("shape_validation")
 class ShapeValidationConfig(_Section):
     "Startup checks that batch, sequence, model and vocab sizes suit the hardware."
+
     enabled: bool = True
     alignment: int | str | None = "auto"  # auto, none or a positive int
     check_batch: bool = True
@@ -573,57 +862,96 @@ class ShapeValidationConfig(_Section):
     check_model: bool = True
     check_vocab: bool = False
     warn_on_cpu: bool = False
+
     def _normalise(self):
-        if self.alignment is None: self.alignment = "auto"
+        if self.alignment is None:
+            self.alignment = "auto"
+
     def _rules(self):
         r = _Rules(self)
         if isinstance(self.alignment, str):
             r.choice("alignment", ("auto", "none"))
-        elif self.alignment <= 0: r.fail("alignment", f"must be 'auto', 'none' or a positive integer, got {_show(self.alignment)}")
+        elif self.alignment <= 0:
+            r.fail(
+                "alignment",
+                f"must be 'auto', 'none' or a positive integer, got {_show(self.alignment)}",
+            )
         return r.problems
 
 # %% ../nbs/00_config.ipynb #29a6d5aa
 @_config_section("eval")
 class EvalConfig(_Section):
     "Held-out evaluation: where the held-out text comes from, how often and how much of it is read."
-    every_steps: int | None = None  # evaluate every this many steps; 0/null: only at the end of the run
+
+    every_steps: int | None = (
+        None  # evaluate every this many steps; 0/null: only at the end of the run
+    )
     max_batches: int | None = None  # most held-out batches one evaluation reads; null: all of them
     text_path: str | None = None  # a separate UTF-8 text file, read with the run's tokenizer
     token_file: str | None = None  # a separate prepared token file
-    holdout_fraction: float = 0.0  # this share of the training source's blocks, taken from its end, is held out
+    holdout_fraction: float = (
+        0.0  # this share of the training source's blocks, taken from its end, is held out
+    )
     micro_batch_size: int | None = None  # samples per held-out batch; null: data.micro_batch_size
-    sample_prompts: list[str] = field(default_factory=list)  # texts the model continues at every evaluation
+    sample_prompts: list[str] = field(
+        default_factory=list
+    )  # texts the model continues at every evaluation
     sample_tokens: int = 64  # tokens generated after each sample prompt
-    sample_temperature: float = 0.0  # 0: greedy (a run's samples are reproducible); else sampled from a seeded generator
+    sample_temperature: float = (
+        0.0  # 0: greedy (a run's samples are reproducible); else sampled from a seeded generator
+    )
+
     def _normalise(self):
-        if self.every_steps == 0: self.every_steps = None
+        if self.every_steps == 0:
+            self.every_steps = None
+
     @property
     def enabled(self) -> bool:
         "Whether a held-out source is set."
         return bool(self.text_path or self.token_file or self.holdout_fraction)
+
     def _rules(self):
         r = _Rules(self)
         r.positive("every_steps", "max_batches", "micro_batch_size", "sample_tokens")
         r.non_negative("sample_temperature")
         for i, p in enumerate(self.sample_prompts if isinstance(self.sample_prompts, list) else ()):
             if not isinstance(p, str) or not p:
-                r.fail("sample_prompts", f"item {i} is {_show(p)}; each prompt must be a non-empty string"); break
+                r.fail(
+                    "sample_prompts",
+                    f"item {i} is {_show(p)}; each prompt must be a non-empty string",
+                )
+                break
         r.fraction("holdout_fraction")
         given = [k for k in ("text_path", "token_file", "holdout_fraction") if getattr(self, k)]
-        if len(given) > 1: r.fail(given[1], f"choose one held-out source: {' and '.join(f'eval.{k}' for k in given)} are both set")
-        for name in ("every_steps", "max_batches", "micro_batch_size", "sample_prompts") if not given else ():
-            if getattr(self, name): r.fail(name, "is set but no held-out source is: set eval.text_path, eval.token_file or eval.holdout_fraction")
+        if len(given) > 1:
+            r.fail(
+                given[1],
+                f"choose one held-out source: {' and '.join(f'eval.{k}' for k in given)} are both set",
+            )
+        for name in (
+            ("every_steps", "max_batches", "micro_batch_size", "sample_prompts")
+            if not given
+            else ()
+        ):
+            if getattr(self, name):
+                r.fail(
+                    name,
+                    "is set but no held-out source is: set eval.text_path, eval.token_file or eval.holdout_fraction",
+                )
         return r.problems
 
 # %% ../nbs/00_config.ipynb #fb12cff0
 @_config_section("distributed")
 class DistributedConfig(_Section):
     "DumbDiLoCo settings: role, Hub repository, inner/outer loop and retry policy."
+
     enabled: bool = False
     mode: str = "dumb_diloco"  # dumb_diloco or single
     role: str = "single"  # single, master or worker
     node_id: str | None = None  # null -> HF_USERNAME, USER, "local" at run time
-    collaborators: list[str] = field(default_factory=list)  # Hub usernames the master grants write access
+    collaborators: list[str] = field(
+        default_factory=list
+    )  # Hub usernames the master grants write access
     inner_steps: int = 500
     poll_interval: float = 60.0  # seconds
     outer_lr: float = 0.7
@@ -641,78 +969,146 @@ class DistributedConfig(_Section):
     delta_upload_overflow: str = "skip"  # must be skip
     delta_upload_shutdown_timeout: float = 5.0  # seconds
     async_global_poll: bool = True
-    transport: str = "hub"  # hub: repo_id is a Hub model repo; directory: repo_id is a shared directory path
+    transport: str = (
+        "hub"  # hub: repo_id is a Hub model repo; directory: repo_id is a shared directory path
+    )
     delta_dtype: str = "bfloat16"  # wire dtype of deltas: float32 (as 2.0), bfloat16, or int8 (rounding kept and resent)
     staleness: str = "delayed_nesterov"  # how the master applies late deltas: delayed_nesterov, weighted, or none (as 2.0)
-    expected_nodes: int | None = None  # nodes one outer step averages; null -> the nodes that sent deltas recently
+    expected_nodes: int | None = (
+        None  # nodes one outer step averages; null -> the nodes that sent deltas recently
+    )
     max_delta_norm_ratio: float = 10.0  # reject a delta whose norm per inner step exceeds this multiple of its node's recent median (0 = off)
-    lease_timeout: float = 600.0  # seconds without a publication after which another node may take over as master
-    final_round_timeout: float = 300.0  # seconds the master waits at the end of its run for the other nodes' last deltas
+    lease_timeout: float = (
+        600.0  # seconds without a publication after which another node may take over as master
+    )
+    final_round_timeout: float = (
+        300.0  # seconds the master waits at the end of its run for the other nodes' last deltas
+    )
     boundary_wait: float = 0.0  # seconds a node waits at each boundary for the global holding the delta it just sent (0: never); a master holds rounds for missing deltas half as long
-    request_timeout: float = 60.0  # seconds one Hub request may wait on the server before it is retried
-    shard_count: int | None = None  # data shards, usually the node count; null -> each node draws its own data seed
+    request_timeout: float = (
+        60.0  # seconds one Hub request may wait on the server before it is retried
+    )
+    shard_count: int | None = (
+        None  # data shards, usually the node count; null -> each node draws its own data seed
+    )
     shard_index: int | None = None  # this node's shard, 0 <= shard_index < shard_count
+
     def _rules(self):
         r = _Rules(self)
-        for name, aliases in (("transport", {"dir": "directory", "shared": "directory", "folder": "directory"}),
-                              ("delta_dtype", {"fp32": "float32", "bf16": "bfloat16", "float": "float32"})):
+        for name, aliases in (
+            ("transport", {"dir": "directory", "shared": "directory", "folder": "directory"}),
+            ("delta_dtype", {"fp32": "float32", "bf16": "bfloat16", "float": "float32"}),
+        ):
             value = getattr(self, name)
-            if isinstance(value, str): setattr(self, name, aliases.get(value.strip().lower(), value))
+            if isinstance(value, str):
+                setattr(self, name, aliases.get(value.strip().lower(), value))
         r.choice("transport", ("hub", "directory"))
         r.choice("delta_dtype", ("float32", "bfloat16", "int8"))
-        r.choice("staleness", ("delayed_nesterov", "weighted", "none"), {"dn": "delayed_nesterov", "nesterov": "delayed_nesterov"})
+        r.choice(
+            "staleness",
+            ("delayed_nesterov", "weighted", "none"),
+            {"dn": "delayed_nesterov", "nesterov": "delayed_nesterov"},
+        )
         r.positive("expected_nodes", "lease_timeout", "request_timeout", "shard_count")
         r.non_negative("max_delta_norm_ratio", "final_round_timeout", "boundary_wait")
         if (self.shard_count is None) != (self.shard_index is None):
-            r.fail("shard_index" if self.shard_index is None else "shard_count", "set shard_count and shard_index together (or neither)")
-        elif self.shard_count is not None and self.shard_count > 0 and not 0 <= self.shard_index < self.shard_count:
-            r.fail("shard_index", f"must be in [0, {self.shard_count}) for shard_count {self.shard_count}, got {_show(self.shard_index)}")
+            r.fail(
+                "shard_index" if self.shard_index is None else "shard_count",
+                "set shard_count and shard_index together (or neither)",
+            )
+        elif (
+            self.shard_count is not None
+            and self.shard_count > 0
+            and not 0 <= self.shard_index < self.shard_count
+        ):
+            r.fail(
+                "shard_index",
+                f"must be in [0, {self.shard_count}) for shard_count {self.shard_count}, got {_show(self.shard_index)}",
+            )
         r.choice("mode", ("dumb_diloco", "single"), {"diloco": "dumb_diloco"})
         r.choice("role", ("single", "master", "worker"))
-        if self.enabled and self.mode != "dumb_diloco": r.fail("mode", "must be dumb_diloco when distributed.enabled is true")
+        if self.enabled and self.mode != "dumb_diloco":
+            r.fail("mode", "must be dumb_diloco when distributed.enabled is true")
         if self.node_id is not None:
             self.node_id = self.node_id.strip()
             if self.node_id in ("", ".", "..") or "/" in self.node_id or "\\" in self.node_id:
-                r.fail("node_id", f"{self.node_id!r} is not usable as a directory name (no '/', '\\', '.' or '..')")
-        if any(not c.strip() for c in self.collaborators): r.fail("collaborators", "must be a list of non-blank Hub usernames")
-        r.positive("inner_steps", "poll_interval", "outer_lr", "retry_initial", "retry_attempts", "delta_upload_shutdown_timeout")
+                r.fail(
+                    "node_id",
+                    f"{self.node_id!r} is not usable as a directory name (no '/', '\\', '.' or '..')",
+                )
+        if any(not c.strip() for c in self.collaborators):
+            r.fail("collaborators", "must be a list of non-blank Hub usernames")
+        r.positive(
+            "inner_steps",
+            "poll_interval",
+            "outer_lr",
+            "retry_initial",
+            "retry_attempts",
+            "delta_upload_shutdown_timeout",
+        )
         r.fraction("outer_momentum")
         if self.retry_max < self.retry_initial:
-            r.fail("retry_max", f"must be >= distributed.retry_initial (got {_show(self.retry_max)} < {_show(self.retry_initial)})")
-        if self.delta_upload_queue_size != 1: r.fail("delta_upload_queue_size", f"must be 1, got {_show(self.delta_upload_queue_size)}")
+            r.fail(
+                "retry_max",
+                f"must be >= distributed.retry_initial (got {_show(self.retry_max)} < {_show(self.retry_initial)})",
+            )
+        if self.delta_upload_queue_size != 1:
+            r.fail(
+                "delta_upload_queue_size", f"must be 1, got {_show(self.delta_upload_queue_size)}"
+            )
         r.choice("delta_upload_overflow", ("skip",))
-        if self.repo_id is not None and not self.repo_id.strip(): r.fail("repo_id", "must not be blank (e.g. org/run)")
+        if self.repo_id is not None and not self.repo_id.strip():
+            r.fail("repo_id", "must not be blank (e.g. org/run)")
         return r.problems
 
 # %% ../nbs/00_config.ipynb #0373ec7d
 @_config_section("parallel")
 class ParallelConfig(_Section):
     "How the ranks of a torchrun job hold the model: `ddp` (a full copy each) or `fsdp` (sharded)."
+
     strategy: str = "ddp"  # ddp or fsdp
     reshard_after_forward: bool = True  # fsdp: free each block's gathered weights after its forward
     cpu_offload: bool = False  # fsdp: shards, gradients and the optimizer step on the CPU
+
     def _rules(self):
         r = _Rules(self)
-        r.choice("strategy", ("ddp", "fsdp"), {"fsdp2": "fsdp", "fully_shard": "fsdp", "dp": "ddp", "zero3": "fsdp"})
+        r.choice(
+            "strategy",
+            ("ddp", "fsdp"),
+            {"fsdp2": "fsdp", "fully_shard": "fsdp", "dp": "ddp", "zero3": "fsdp"},
+        )
         return r.problems
 
 # %% ../nbs/00_config.ipynb #84cde6ab
-_SECTIONS: dict[str, type] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig, "optimizer": OptimizerConfig,
-                              "scheduler": SchedulerConfig, "precision": PrecisionConfig, "checkpoint": CheckpointConfig,
-                              "logging": LoggingConfig, "distributed": DistributedConfig,
-                              "shape_validation": ShapeValidationConfig, "eval": EvalConfig,
-                              "parallel": ParallelConfig}
+_SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "distributed": DistributedConfig,
+    "shape_validation": ShapeValidationConfig,
+    "eval": EvalConfig,
+    "parallel": ParallelConfig,
+}
+
 
 def _warmup_problem(warmup: int, horizon: int, how: str) -> str:
     "The error for an explicit warmup longer than the schedule it starts."
     warmup, horizon = _show(warmup), _show(horizon)
-    return (f"scheduler.warmup_steps: {warmup} is longer than the schedule horizon of {horizon} steps; "
-            f"set scheduler.warmup_steps to at most {horizon} or {how}")
+    return (
+        f"scheduler.warmup_steps: {warmup} is longer than the schedule horizon of {horizon} steps; "
+        f"set scheduler.warmup_steps to at most {horizon} or {how}"
+    )
 
 # %% ../nbs/00_config.ipynb #f3df623c
 @_config_section("")
 class SpeedtronicConfig(_Section):
     "A whole run's configuration: twelve sections plus root flags."
+
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -738,64 +1134,95 @@ class SpeedtronicConfig(_Section):
 # %% ../nbs/00_config.ipynb #567d17ae
 def run_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
     "The absolute step a run trains to: `max_steps` if given, else `data.max_steps`, else `run.max_steps`."
-    return int(max_steps) if max_steps is not None else int(config.data.max_steps or config.run.max_steps)
+    return (
+        int(max_steps)
+        if max_steps is not None
+        else int(config.data.max_steps or config.run.max_steps)
+    )
 
 # %% ../nbs/00_config.ipynb #9be3c3ca
 @patch
 def _problems(self: SpeedtronicConfig) -> list[str]:
     for name, cls in _SECTIONS.items():
-        if getattr(self, name) is None: setattr(self, name, cls())
+        if getattr(self, name) is None:
+            setattr(self, name, cls())
     return _Section._problems(self)
+
 
 @patch
 def _normalise(self: SpeedtronicConfig) -> None:
     "2.0's aggregate normalisation: fill the values one section takes from another."
     d = self.distributed
-    if d.enabled and d.role == "single": d.role = "master" if d.repo_id else "worker"
-    if self.data.block_size is None: self.data.block_size = self.model.max_seq_len
-    if self.data.vocab_size is None: self.data.vocab_size = self.model.vocab_size
-    if self.data.seed is None: self.data.seed = self.run.seed
-    if self.run.log_every is not None and self.logging.every_steps == 1: self.logging.every_steps = self.run.log_every
+    if d.enabled and d.role == "single":
+        d.role = "master" if d.repo_id else "worker"
+    if self.data.block_size is None:
+        self.data.block_size = self.model.max_seq_len
+    if self.data.vocab_size is None:
+        self.data.vocab_size = self.model.vocab_size
+    if self.data.seed is None:
+        self.data.seed = self.run.seed
+    if self.run.log_every is not None and self.logging.every_steps == 1:
+        self.logging.every_steps = self.run.log_every
     if self.gradient_checkpointing or self.model.gradient_checkpointing:
         self.gradient_checkpointing = self.model.gradient_checkpointing = True
+
 
 @patch
 def _rules(self: SpeedtronicConfig) -> list[str]:
     problems = []
-    if not 1 <= self.ooo_streams <= 8: problems.append(f"ooo_streams: must be between 1 and 8, got {_show(self.ooo_streams)}")
+    if not 1 <= self.ooo_streams <= 8:
+        problems.append(f"ooo_streams: must be between 1 and 8, got {_show(self.ooo_streams)}")
     return problems
 
 # %% ../nbs/00_config.ipynb #3b19c323
 def _validation_problems(self: SpeedtronicConfig) -> list[str]:
     "Every problem of an already built configuration (sections re-checked, cross-section rules)."
     problems = []
-    for name in _SECTIONS: problems += getattr(self, name)._problems()
+    for name in _SECTIONS:
+        problems += getattr(self, name)._problems()
     problems += _check_fields(self) + self._rules()
-    if self.data.block_size is None: problems.append("data.block_size: must be positive (it is null; set it or rebuild the config)")
-    if self.eval.holdout_fraction and not (self.data.text_path or self.data.token_file or self.data.hf_dataset):
-        problems.append("eval.holdout_fraction: holds out part of data.text_path, data.token_file or data.hf_dataset, and none is set; "
-                        "set one of them, or give eval.text_path / eval.token_file")
+    if self.data.block_size is None:
+        problems.append(
+            "data.block_size: must be positive (it is null; set it or rebuild the config)"
+        )
+    if self.eval.holdout_fraction and not (
+        self.data.text_path or self.data.token_file or self.data.hf_dataset
+    ):
+        problems.append(
+            "eval.holdout_fraction: holds out part of data.text_path, data.token_file or data.hf_dataset, and none is set; "
+            "set one of them, or give eval.text_path / eval.token_file"
+        )
     d = self.distributed
     if d.enabled and not d.repo_id:
-        problems.append("distributed.repo_id: is required for DumbDiLoCo when distributed.enabled is true (e.g. repo_id: org/run)")
+        problems.append(
+            "distributed.repo_id: is required for DumbDiLoCo when distributed.enabled is true (e.g. repo_id: org/run)"
+        )
     return problems
+
 
 @patch
 def validate(self: SpeedtronicConfig) -> SpeedtronicConfig:
     "Check the whole configuration again; raise one `ConfigError` listing every problem. Returns `self`."
     problems = _validation_problems(self)
-    if problems: raise ConfigError(problems)
+    if problems:
+        raise ConfigError(problems)
     return self
+
 
 @patch
 def set_max_steps(self: SpeedtronicConfig, max_steps: int) -> SpeedtronicConfig:
     "Set the run target to `max_steps` (CLI `--max-steps`), and the schedule horizon where one was written."
-    try: n = _as_int(max_steps)
-    except _Mismatch: n = 0
-    if n <= 0: raise ConfigError(f"max_steps: must be a positive integer, got {_show(max_steps)}")
+    try:
+        n = _as_int(max_steps)
+    except _Mismatch:
+        n = 0
+    if n <= 0:
+        raise ConfigError(f"max_steps: must be a positive integer, got {_show(max_steps)}")
     self.run.max_steps = n
-    if self.data.max_steps is not None: self.data.max_steps = n   # it outranks run.max_steps as the target
-    if "max_steps" in explicit_fields(self.scheduler): self.scheduler.max_steps = n   # unwritten, it follows the target
+    if self.data.max_steps is not None:
+        self.data.max_steps = n  # it outranks run.max_steps as the target
+    if "max_steps" in explicit_fields(self.scheduler):
+        self.scheduler.max_steps = n  # unwritten, it follows the target
     return self
 
 # %% ../nbs/00_config.ipynb #985461a5
@@ -803,11 +1230,15 @@ _RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every"
 _ROOT_SCALARS = ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_streams")
 _ROOT_KEYS = tuple(_SECTIONS) + _ROOT_SCALARS
 _OPTIMIZER_FLAGS = ("muon_plus", "cautious")
-_KEY_HINTS = {"logging.hooks": "hooks are attached in Python; use logging.tensorboard_dir or logging.wandb from YAML"}
+_KEY_HINTS = {
+    "logging.hooks": "hooks are attached in Python; use logging.tensorboard_dir or logging.wandb from YAML"
+}
+
 
 def _section_dict(value: Any) -> dict:
     "Fields of a section dataclass as a plain dict (shallow)."
     return {f.name: getattr(value, f.name) for f in fields(value)}
+
 
 def _unknown(section: str, keys: Iterable[Any], valid: Iterable[str]) -> list[str]:
     "One problem per unknown key, with the closest valid key as a hint."
@@ -815,42 +1246,57 @@ def _unknown(section: str, keys: Iterable[Any], valid: Iterable[str]) -> list[st
     for k in sorted(keys, key=str):
         path = _key(section, k)
         hint = _KEY_HINTS.get(path)
-        out.append(f"{path}: unknown key" + (f" ({hint})" if hint else
-                   _suggest(path, [_key(section, v) for v in valid])))
+        out.append(
+            f"{path}: unknown key"
+            + (f" ({hint})" if hint else _suggest(path, [_key(section, v) for v in valid]))
+        )
     return out
 
 # %% ../nbs/00_config.ipynb #71cfc816
 def _as_mapping(value: Any, cls: type) -> dict | None:
     "A section given as `None`, a `cls` instance or a mapping, as a plain dict; `None` for anything else."
-    if value is None: return {}
-    if isinstance(value, cls): return _section_dict(value)
-    if isinstance(value, Mapping): return dict(value)
+    if value is None:
+        return {}
+    if isinstance(value, cls):
+        return _section_dict(value)
+    if isinstance(value, Mapping):
+        return dict(value)
     return None
+
 
 def _apply_run_aliases(root: dict, problems: list[str]):
     "Move root `name`, `seed`, ... into `run` (a root alias wins over the same key inside `run`)."
     aliases = {k: root.pop(k) for k in _RUN_ALIASES if k in root}
-    if not aliases: return
+    if not aliases:
+        return
     run = _as_mapping(root.get("run"), RunConfig)
     if run is None:
         problems.append(f"run: must be a mapping, got {_show(root.get('run'))}")
         run = {}
     root["run"] = {**run, **aliases}
 
+
 def _apply_optimizer_aliases(root: dict, problems: list[str]):
     "`hub`/`diloco` → `distributed`; `optimizer: muon` → `{name: muon}`; root Muon flags → `optimizer`."
     for alias in ("hub", "diloco"):
-        if alias in root and "distributed" not in root: root["distributed"] = root.pop(alias)
-    if isinstance(root.get("optimizer"), str): root["optimizer"] = {"name": root["optimizer"]}
+        if alias in root and "distributed" not in root:
+            root["distributed"] = root.pop(alias)
+    if isinstance(root.get("optimizer"), str):
+        root["optimizer"] = {"name": root["optimizer"]}
     flags = {k: root.pop(k) for k in _OPTIMIZER_FLAGS if k in root}
-    if not flags: return
+    if not flags:
+        return
     opt = _as_mapping(root.get("optimizer"), OptimizerConfig)
     if opt is None:
-        problems.append(f"optimizer: must be a mapping or an optimizer name string, got {_show(root.get('optimizer'))}")
+        problems.append(
+            f"optimizer: must be a mapping or an optimizer name string, got {_show(root.get('optimizer'))}"
+        )
         return
     for k, v in flags.items():
         if k in opt and not (type(opt[k]) is type(v) and opt[k] == v):
-            problems.append(f"optimizer.{k}: conflicting values at the root ({_show(v)}) and in optimizer ({_show(opt[k])}); keep one")
+            problems.append(
+                f"optimizer.{k}: conflicting values at the root ({_show(v)}) and in optimizer ({_show(opt[k])}); keep one"
+            )
         opt[k] = v
     root["optimizer"] = opt
 
@@ -864,19 +1310,27 @@ def _root_scalars(root: Mapping, problems: list[str]) -> dict:
         out["compile"] = out["compile"].get("enabled", False)
     return out
 
+
 def _build_sections(root: Mapping, problems: list[str]) -> dict:
     "Section instances from the root mapping; problems are collected, bad sections use defaults."
     built = {}
     for name, cls in _SECTIONS.items():
-        if name not in root or root[name] is None: continue
+        if name not in root or root[name] is None:
+            continue
         value = root[name]
-        if isinstance(value, cls): built[name] = value; continue
-        if name == "precision" and isinstance(value, str): value = {"mode": value}
+        if isinstance(value, cls):
+            built[name] = value
+            continue
+        if name == "precision" and isinstance(value, str):
+            value = {"mode": value}
         if not isinstance(value, Mapping):
-            problems.append(f"{name}: must be a mapping, got {_show(value)}"); continue
+            problems.append(f"{name}: must be a mapping, got {_show(value)}")
+            continue
         valid = [f.name for f in fields(cls)]
         problems += _unknown(name, [k for k in value if k not in valid], valid)
-        built[name], section_problems = _construct(cls, {k: v for k, v in value.items() if k in valid})
+        built[name], section_problems = _construct(
+            cls, {k: v for k, v in value.items() if k in valid}
+        )
         problems += section_problems
     return built
 
@@ -884,8 +1338,10 @@ def _build_sections(root: Mapping, problems: list[str]) -> dict:
 @patch(cls_method=True)
 def from_dict(cls: SpeedtronicConfig, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
     "Build and validate a configuration from a mapping; one `ConfigError` lists every problem."
-    if values is None: values = {}
-    if not isinstance(values, Mapping): raise ConfigError(f"configuration root must be a mapping, got {_show(values)}")
+    if values is None:
+        values = {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"configuration root must be a mapping, got {_show(values)}")
     root, problems = dict(values), []
     _apply_run_aliases(root, problems)
     _apply_optimizer_aliases(root, problems)
@@ -893,111 +1349,170 @@ def from_dict(cls: SpeedtronicConfig, values: Mapping[str, Any] | None = None) -
     kwargs = {**_root_scalars(root, problems), **_build_sections(root, problems)}
     config, aggregate_problems = _construct(cls, kwargs)
     problems += aggregate_problems
-    if not problems: problems += _validation_problems(config)
-    if problems: raise ConfigError(problems)
+    if not problems:
+        problems += _validation_problems(config)
+    if problems:
+        raise ConfigError(problems)
     return config
 
 # %% ../nbs/00_config.ipynb #0c8a40fd
 def _yaml_loader() -> type:
     "A `yaml.SafeLoader` that also records repeated keys of one mapping in `.duplicates` as (key, line)."
     import yaml
+
     class Loader(yaml.SafeLoader):
         def __init__(self, stream):
             super().__init__(stream)
             self.duplicates = []
+
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
-                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge": continue
+                if (
+                    not isinstance(key_node, yaml.ScalarNode)
+                    or key_node.tag == "tag:yaml.org,2002:merge"
+                ):
+                    continue
                 key = self.construct_object(key_node)
-                if key in seen: self.duplicates.append((key, key_node.start_mark.line + 1))
+                if key in seen:
+                    self.duplicates.append((key, key_node.start_mark.line + 1))
                 seen.add(key)
             return super().construct_mapping(node, deep)
+
     return Loader
+
 
 def _warn_duplicates(where: str, duplicates: list[tuple[Any, int | None]]):
     "One `ConfigWarning` per repeated key: the file still loads (2.0 kept the last value silently)."
     for key, line in duplicates:
         at = f" at line {line}" if line else ""
-        warnings.warn(f"{where}: key {key!r}{at} repeats a key of the same mapping; the last value is used, "
-                      "remove the other one", ConfigWarning, stacklevel=4)
+        warnings.warn(
+            f"{where}: key {key!r}{at} repeats a key of the same mapping; the last value is used, "
+            "remove the other one",
+            ConfigWarning,
+            stacklevel=4,
+        )
+
 
 def _parse_yaml(text: str, where: str) -> Any:
     "YAML text → Python data; syntax errors become `ConfigError` with line and column; repeated keys warn."
     import yaml
+
     loader = None
     try:
-        loader = _yaml_loader()(text)                   # the reader checks the characters here
+        loader = _yaml_loader()(text)  # the reader checks the characters here
         data = loader.get_single_data()
         _warn_duplicates(where, loader.duplicates)
         return data
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{where}: invalid YAML{at}: {e.problem or e.context or 'syntax error'}") from None
+        raise ConfigError(
+            f"{where}: invalid YAML{at}: {e.problem or e.context or 'syntax error'}"
+        ) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'reason', None) or type(e).__name__}") from None
-    except RecursionError: raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
-    except ValueError as e: raise ConfigError(f"{where}: invalid YAML: {e}") from None
+        raise ConfigError(
+            f"{where}: invalid YAML: {getattr(e, 'reason', None) or type(e).__name__}"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: invalid YAML: {e}") from None
     finally:
-        if loader is not None: loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
 
 def _parse_json(text: str, where: str) -> Any:
     "JSON text → Python data; syntax errors become `ConfigError` with line and column; repeated keys warn."
     duplicates = []
+
     def pairs(items: list) -> dict:
         seen = set()
         for k, _ in items:
-            if k in seen: duplicates.append((k, None))
+            if k in seen:
+                duplicates.append((k, None))
             seen.add(k)
         return dict(items)
-    try: data = json.loads(text, object_pairs_hook=pairs)
+
+    try:
+        data = json.loads(text, object_pairs_hook=pairs)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{where}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    except RecursionError: raise ConfigError(f"{where}: invalid JSON: nested too deeply") from None
-    except ValueError as e: raise ConfigError(f"{where}: invalid JSON: {e}") from None
+        raise ConfigError(
+            f"{where}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"{where}: invalid JSON: nested too deeply") from None
+    except ValueError as e:
+        raise ConfigError(f"{where}: invalid JSON: {e}") from None
     _warn_duplicates(where, duplicates)
     return data
 
+
 def _read_config_file(path: Path, fmt: str | None = None) -> Any:
     "Parse a config file as YAML or JSON (by `fmt` or suffix); unreadable files become `ConfigError`."
-    try: text = path.read_text(encoding="utf-8-sig")   # a byte-order mark (Windows editors) is not part of the text
-    except FileNotFoundError: raise FileNotFoundError(f"config file not found: {path}") from None
-    except IsADirectoryError: raise ConfigError(f"{path}: is a directory, not a config file") from None
-    except UnicodeDecodeError as e: raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
-    except (OSError, ValueError) as e: raise ConfigError(f"{path}: cannot read config file ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        text = path.read_text(
+            encoding="utf-8-sig"
+        )  # a byte-order mark (Windows editors) is not part of the text
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{path}: cannot read config file ({getattr(e, 'strerror', None) or e})"
+        ) from None
     fmt = fmt or ("json" if path.suffix.lower() == ".json" else "yaml")
     data = _parse_json(text, str(path)) if fmt == "json" else _parse_yaml(text, str(path))
     if data is not None and not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: configuration root must be a mapping of sections (run:, model:, ...), got {_show(data)}")
+        raise ConfigError(
+            f"{path}: configuration root must be a mapping of sections (run:, model:, ...), got {_show(data)}"
+        )
     return data
 
 # %% ../nbs/00_config.ipynb #4fe91c36
 def _is_file(text: str) -> bool:
     "`os.path.isfile` that answers False for names the OS cannot even look up."
-    try: return os.path.isfile(text)
-    except (ValueError, OSError): return False
+    try:
+        return os.path.isfile(text)
+    except (ValueError, OSError):
+        return False
+
 
 def _is_inline(text: str) -> bool:
     "Does a `load()` string hold YAML/JSON text rather than a path?"
-    if "\n" in text or text.lstrip().startswith(("{", "[")): return True
+    if "\n" in text or text.lstrip().startswith(("{", "[")):
+        return True
     return bool(re.search(r":(\s|$)", text)) and not _is_file(text)
+
 
 @patch(cls_method=True)
 def from_yaml(cls: SpeedtronicConfig, path: str | os.PathLike) -> SpeedtronicConfig:
     "Load a YAML (or JSON) file; an empty file is the default configuration."
     return cls.from_dict(_read_config_file(Path(path), "yaml"))
 
+
 @patch(cls_method=True)
 def load(cls: SpeedtronicConfig, source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
     "Load from a mapping, a path (`.json` → JSON, else YAML) or inline YAML/JSON text."
-    if isinstance(source, SpeedtronicConfig): return source.validate()
-    if isinstance(source, Mapping): return cls.from_dict(source)
-    if isinstance(source, os.PathLike): return cls.from_dict(_read_config_file(Path(source)))
+    if isinstance(source, SpeedtronicConfig):
+        return source.validate()
+    if isinstance(source, Mapping):
+        return cls.from_dict(source)
+    if isinstance(source, os.PathLike):
+        return cls.from_dict(_read_config_file(Path(source)))
     if not isinstance(source, str):
-        raise ConfigError(f"config source must be a mapping, a file path or YAML/JSON text, got {type(source).__name__}")
-    source = source.removeprefix("\ufeff")                # a byte-order mark, as a file read without utf-8-sig keeps it
-    if _is_inline(source): return cls.from_dict(_parse_yaml(source, "inline config"))
+        raise ConfigError(
+            f"config source must be a mapping, a file path or YAML/JSON text, got {type(source).__name__}"
+        )
+    source = source.removeprefix(
+        "\ufeff"
+    )  # a byte-order mark, as a file read without utf-8-sig keeps it
+    if _is_inline(source):
+        return cls.from_dict(_parse_yaml(source, "inline config"))
     return cls.from_dict(_read_config_file(Path(source)))
 
 
@@ -1005,39 +1520,53 @@ def load_config(source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
     "Load a configuration from a mapping, a path or inline YAML/JSON text (`SpeedtronicConfig.load`)."
     return SpeedtronicConfig.load(source)
 
+
 def load_yaml_config(path: str | os.PathLike) -> SpeedtronicConfig:
     "Load a YAML configuration file (`SpeedtronicConfig.from_yaml`)."
     return SpeedtronicConfig.from_yaml(path)
+
 
 Config = SpeedtronicConfig
 
 # %% ../nbs/00_config.ipynb #a049f940
 def _plain(value: Any, seen: frozenset = frozenset()) -> Any:
     "JSON-friendly copy: dataclasses → dicts, tuples → lists, paths → str, keys → str."
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 8192: return "<int too large>"
-    if value is None or isinstance(value, (bool, int, float, str)): return value
-    if id(value) in seen: return "<cycle>"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 8192:
+        return "<int too large>"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if id(value) in seen:
+        return "<cycle>"
     seen = seen | {id(value)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name), seen) for f in fields(value)}
-    if isinstance(value, Mapping): return {str(k): _plain(v, seen) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)): return [_plain(v, seen) for v in value]
-    if isinstance(value, os.PathLike): return os.fspath(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, seen) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v, seen) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     return f"<{type(value).__name__} object>"
+
 
 @patch
 def to_dict(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> dict:
     "Plain JSON-friendly dict in field order; `redact_secrets` replaces every credential value."
     out = _plain(self)
     for key in {"warmup_steps", "max_steps"} - explicit_fields(self.scheduler):
-        out["scheduler"].pop(key, None)   # unwritten: they follow the run target, and must again when the dict is loaded
+        out["scheduler"].pop(
+            key, None
+        )  # unwritten: they follow the run target, and must again when the dict is loaded
     return redact(out) if redact_secrets else out
+
 
 @patch
 def to_yaml(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> str:
     "YAML text of `to_dict`, keys in field order."
     import yaml
+
     return yaml.safe_dump(self.to_dict(redact_secrets=redact_secrets), sort_keys=False)
+
 
 @patch
 def save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
@@ -1046,8 +1575,10 @@ def save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
     data = self.to_dict(redact_secrets=True)
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
+
         text = yaml.safe_dump(data, sort_keys=False)
-    else: text = json.dumps(data, indent=2) + "\n"
+    else:
+        text = json.dumps(data, indent=2) + "\n"
     return atomic_write_text(text, path)
 
 # %% ../nbs/00_config.ipynb #295d7fc9
@@ -1056,27 +1587,41 @@ def _section_from_mapping(cls: type, values: Mapping[str, Any]) -> Any:
     valid = [f.name for f in fields(cls)]
     problems = _unknown(cls._section, [k for k in values if k not in valid], valid)
     section, more = _construct(cls, {k: v for k, v in values.items() if k in valid})
-    if problems or more: raise ConfigError(problems + more)
+    if problems or more:
+        raise ConfigError(problems + more)
     return section
+
 
 def _is_root_mapping(values: Mapping[str, Any], cls: type) -> bool:
     "Does `values` look like a whole configuration rather than the keys of section `cls`?"
     keys, own = set(map(str, values)), {f.name for f in fields(cls)}
-    return bool((keys - own) & (set(_SECTIONS) | {"hub", "diloco"}))   # a section name that is not one of cls's keys
+    return bool(
+        (keys - own) & (set(_SECTIONS) | {"hub", "diloco"})
+    )  # a section name that is not one of cls's keys
 
-def as_section(value: Any, # a `SpeedtronicConfig`, a section, a mapping (root or section keys), a namespace, or None
-               cls: type, # the section class wanted, e.g. `OptimizerConfig`
-              ) -> Any:
+
+def as_section(
+    value: Any,  # a `SpeedtronicConfig`, a section, a mapping (root or section keys), a namespace, or None
+    cls: type,  # the section class wanted, e.g. `OptimizerConfig`
+) -> Any:
     "The `cls` section of `value`, built and checked once (how a public 2.0 signature converts its argument)."
-    if isinstance(value, cls): return value
-    if value is None: return cls()
-    if isinstance(value, SpeedtronicConfig): return getattr(value, cls._section)
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if isinstance(value, SpeedtronicConfig):
+        return getattr(value, cls._section)
     if isinstance(value, Mapping):
-        if _is_root_mapping(value, cls): return getattr(SpeedtronicConfig.from_dict(value), cls._section)
+        if _is_root_mapping(value, cls):
+            return getattr(SpeedtronicConfig.from_dict(value), cls._section)
         return _section_from_mapping(cls, value)
     inner = getattr(value, cls._section, None)
-    if inner is not None and not isinstance(inner, (str, int, float, bool)): return as_section(inner, cls)
-    return _section_from_mapping(cls, {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)})
+    if inner is not None and not isinstance(inner, (str, int, float, bool)):
+        return as_section(inner, cls)
+    return _section_from_mapping(
+        cls, {f.name: getattr(value, f.name) for f in fields(cls) if hasattr(value, f.name)}
+    )
 
 # %% ../nbs/00_config.ipynb #7078a70f
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -24,10 +24,27 @@ from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from .config import DataConfig, ModelConfig, as_section, explicit_fields
-from .tokens import (
-    TOKEN_FILE_FORMAT, TOKEN_FILE_VERSION, CharTokenizer, DataError, DataWarning, HFTokenizer, PreparedTokens, check_data_file,
-    encode_text, load_tokenizer, prepare_token_file, read_text, read_token_sidecar, source_files, text_pieces, text_segments,
-    token_dtype, token_sidecar, tokenizer_spec)
+from speedtronic.tokens import (
+    TOKEN_FILE_FORMAT,
+    TOKEN_FILE_VERSION,
+    CharTokenizer,
+    DataError,
+    DataWarning,
+    HFTokenizer,
+    PreparedTokens,
+    check_data_file,
+    encode_text,
+    load_tokenizer,
+    prepare_token_file,
+    read_text,
+    read_token_sidecar,
+    source_files,
+    text_pieces,
+    text_segments,
+    token_dtype,
+    token_sidecar,
+    tokenizer_spec,
+)
 
 # %% auto #0
 __all__ = ['SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'group_share', 'StreamStart', 'BlockStream',
@@ -41,39 +58,78 @@ __all__ = ['SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'group_share',
            'source_files', 'text_pieces', 'text_segments', 'token_dtype', 'token_sidecar', 'tokenizer_spec']
 
 # %% ../nbs/03_data.ipynb #b9778730
-_all_ = ["TOKEN_FILE_FORMAT", "TOKEN_FILE_VERSION", "CharTokenizer", "DataError", "DataWarning", "HFTokenizer",
-         "PreparedTokens", "check_data_file", "encode_text", "load_tokenizer", "prepare_token_file", "read_text",
-         "read_token_sidecar", "source_files", "text_pieces", "text_segments", "token_dtype", "token_sidecar",
-         "tokenizer_spec"]
+_all_ = [
+    "TOKEN_FILE_FORMAT",
+    "TOKEN_FILE_VERSION",
+    "CharTokenizer",
+    "DataError",
+    "DataWarning",
+    "HFTokenizer",
+    "PreparedTokens",
+    "check_data_file",
+    "encode_text",
+    "load_tokenizer",
+    "prepare_token_file",
+    "read_text",
+    "read_token_sidecar",
+    "source_files",
+    "text_pieces",
+    "text_segments",
+    "token_dtype",
+    "token_sidecar",
+    "tokenizer_spec",
+]
 
 # %% ../nbs/03_data.ipynb #54511f1f
 class SyntheticTokenDataset(Dataset):
     "Random token blocks; item `i` depends only on `seed + i`."
-    def __init__(self, num_samples: int = 10_000, block_size: int = 128, vocab_size: int = 512, seed: int = 1234):
-        if min(num_samples, block_size, vocab_size) <= 0: raise ValueError("dataset sizes must be positive")
-        self.num_samples, self.block_size, self.vocab_size, self.seed = int(num_samples), int(block_size), int(vocab_size), int(seed)
 
-    def __len__(self) -> int: return self.num_samples
+    def __init__(
+        self,
+        num_samples: int = 10_000,
+        block_size: int = 128,
+        vocab_size: int = 512,
+        seed: int = 1234,
+    ):
+        if min(num_samples, block_size, vocab_size) <= 0:
+            raise ValueError("dataset sizes must be positive")
+        self.num_samples, self.block_size, self.vocab_size, self.seed = (
+            int(num_samples),
+            int(block_size),
+            int(vocab_size),
+            int(seed),
+        )
+
+    def __len__(self) -> int:
+        return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         i = int(index)
-        if i < 0: i += self.num_samples
-        if not 0 <= i < self.num_samples: raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        if i < 0:
+            i += self.num_samples
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
         g = torch.Generator().manual_seed((self.seed + i) % 2**64)
         t = torch.randint(0, self.vocab_size, (self.block_size + 1,), generator=g, dtype=torch.long)
         return {"input_ids": t[:-1], "labels": t[1:]}
 
 # %% ../nbs/03_data.ipynb #2d97ca1e
-def cut_blocks(arrays: Iterable[np.ndarray], block_size: int, *, tail: bool = True) -> Iterator[np.ndarray]:
+def cut_blocks(
+    arrays: Iterable[np.ndarray], block_size: int, *, tail: bool = True
+) -> Iterator[np.ndarray]:
     "Non-overlapping groups of `block_size + 1` tokens from a stream of arrays; then a short tail (>= 2 tokens) if `tail`."
     g, carry = block_size + 1, np.empty(0, dtype=np.int64)
     for arr in arrays:
-        if len(arr) == 0: continue
+        if len(arr) == 0:
+            continue
         carry = np.concatenate([carry, arr]) if len(carry) else np.asarray(arr, dtype=np.int64)
         n = len(carry) // g
-        for k in range(n): yield carry[k * g:(k + 1) * g]
-        carry = carry[n * g:]
-    if tail and len(carry) >= 2: yield carry
+        for k in range(n):
+            yield carry[k * g : (k + 1) * g]
+        carry = carry[n * g :]
+    if tail and len(carry) >= 2:
+        yield carry
+
 
 def block_sample(group: np.ndarray) -> dict[str, torch.Tensor]:
     "The causal-LM sample of a token group: inputs `g[:-1]`, one label per position `g[1:]`."
@@ -81,11 +137,18 @@ def block_sample(group: np.ndarray) -> dict[str, torch.Tensor]:
     return {"input_ids": t[:-1], "labels": t[1:]}
 
 # %% ../nbs/03_data.ipynb #3fd6e9e0
-def group_share(left: int, # samples left in the pass, from the start of the next group
-                *, rank: int = 0, world: int = 1, micro: int = 1, drop_last: bool = False) -> tuple[int, int, int]:
+def group_share(
+    left: int,  # samples left in the pass, from the start of the next group
+    *,
+    rank: int = 0,
+    world: int = 1,
+    micro: int = 1,
+    drop_last: bool = False,
+) -> tuple[int, int, int]:
     "`(offset, count, size)`: where rank `rank`'s part of the next group starts, how many samples it takes, and the group's size."
     size = micro * world
-    if left >= size: return rank * micro, micro, size
+    if left >= size:
+        return rank * micro, micro, size
     share = 0 if drop_last else left // world
     return rank * share, share, share * world
 
@@ -93,19 +156,23 @@ def group_share(left: int, # samples left in the pass, from the start of the nex
 @dataclass
 class StreamStart:
     "Where a pass over a `BlockStream` starts, and which part of each group this reader takes."
-    epoch: int = 0                      # pass number (seeds the shuffle of shuffled streams)
-    unit: int = 0                       # the position of the next sample of the pass's sequence: its unit ...
-    index: int = 0                      # ... and its index in that unit
-    samples: int = 0                    # samples of the pass before that position
-    tagged: bool = False                # yield `((samples, unit, index), sample)`: the position after the sample's group
-    rank: int = 0                       # this process's rank in a torchrun job ...
-    world: int = 1                      # ... of `world` processes, each with its own loader and workers
-    micro: int = 1                      # samples per microbatch of one rank
-    drop_last: bool = True              # drop an incomplete last group instead of sharing it out
+
+    epoch: int = 0  # pass number (seeds the shuffle of shuffled streams)
+    unit: int = 0  # the position of the next sample of the pass's sequence: its unit ...
+    index: int = 0  # ... and its index in that unit
+    samples: int = 0  # samples of the pass before that position
+    tagged: bool = (
+        False  # yield `((samples, unit, index), sample)`: the position after the sample's group
+    )
+    rank: int = 0  # this process's rank in a torchrun job ...
+    world: int = 1  # ... of `world` processes, each with its own loader and workers
+    micro: int = 1  # samples per microbatch of one rank
+    drop_last: bool = True  # drop an incomplete last group instead of sharing it out
 
 # %% ../nbs/03_data.ipynb #d5953952
 class BlockStream(IterableDataset):
     "An iterable dataset made of fixed units read in order; every sample has a `(unit, index)` position."
+
     _loader_start: StreamStart | None = None
     _epoch: int = 0
     _cursor: list | None = None
@@ -118,14 +185,18 @@ class BlockStream(IterableDataset):
         "Samples of `unit` in pass `epoch`, starting after the first `skip`."
         raise NotImplementedError
 
-    random_access: bool = False  # a subclass that knows `unit_size` and starts anywhere in a unit cheaply sets this
+    random_access: bool = (
+        False  # a subclass that knows `unit_size` and starts anywhere in a unit cheaply sets this
+    )
+
     def unit_size(self, epoch: int, unit: int) -> int:
         "Number of samples in `unit` of pass `epoch` (random-access streams only)."
         raise NotImplementedError
 
     def __iter__(self):
         start, info = self._loader_start, get_worker_info()
-        if start is None and info is None: return self._direct(StreamStart(self._epoch, *(self._cursor or (0, 0))))
+        if start is None and info is None:
+            return self._direct(StreamStart(self._epoch, *(self._cursor or (0, 0))))
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         return self._reader(start or StreamStart(self._epoch), wid, nw)
 
@@ -133,7 +204,8 @@ class BlockStream(IterableDataset):
         "`(unit, index after, sample)` for every sample of pass `epoch` from `(unit, skip)` on."
         total = self.num_units(epoch)
         while unit < total:
-            for i, sample in enumerate(self.unit_samples(epoch, unit, skip), start=skip): yield unit, i + 1, sample
+            for i, sample in enumerate(self.unit_samples(epoch, unit, skip), start=skip):
+                yield unit, i + 1, sample
             unit, skip = unit + 1, 0
 
 # %% ../nbs/03_data.ipynb #88a2a558
@@ -143,42 +215,65 @@ def _walk(self: BlockStream, epoch: int, unit: int, skip: int, n: int) -> tuple[
     total = self.num_units(epoch)
     while unit < total:
         room = self.unit_size(epoch, unit) - skip
-        if n < room: return unit, skip + n, 0
+        if n < room:
+            return unit, skip + n, 0
         n, unit, skip = n - room, unit + 1, 0
     return unit, 0, n
+
 
 @patch
 def _take(self: BlockStream, epoch: int, unit: int, skip: int, count: int) -> Iterator[dict]:
     "`count` samples from `(unit, skip)` on."
     return (s for _, _, s in itertools.islice(self._sequence(epoch, unit, skip), count))
 
+
 @patch
-def _groups(self: BlockStream, start: StreamStart, mine: Callable[[int], bool]) -> Iterator[tuple[tuple[int, int, int], list]]:
+def _groups(
+    self: BlockStream, start: StreamStart, mine: Callable[[int], bool]
+) -> Iterator[tuple[tuple[int, int, int], list]]:
     "`(position after, this rank's part)` of each group `j` of the pass from `start` for which `mine(j)`."
     e, full = start.epoch, start.micro * start.world
-    share = functools.partial(group_share, rank=start.rank, world=start.world, micro=start.micro, drop_last=start.drop_last)
+    share = functools.partial(
+        group_share,
+        rank=start.rank,
+        world=start.world,
+        micro=start.micro,
+        drop_last=start.drop_last,
+    )
     unit, index, samples = start.unit, start.index, start.samples
     sequence = None if self.random_access else self._sequence(e, unit, index)
     for j in itertools.count():
         if sequence is None:
             offset, count, size = share(full - self._walk(e, unit, index, full)[2])
-            if count == 0: return
-            part = list(self._take(e, *self._walk(e, unit, index, offset)[:2], count)) if mine(j) else []
+            if count == 0:
+                return
+            part = (
+                list(self._take(e, *self._walk(e, unit, index, offset)[:2], count))
+                if mine(j)
+                else []
+            )
             unit, index = self._walk(e, unit, index, size)[:2]
         else:
-            group = list(itertools.islice(sequence, full))          # (unit, index after, sample) of each sample
+            group = list(
+                itertools.islice(sequence, full)
+            )  # (unit, index after, sample) of each sample
             offset, count, size = share(len(group))
-            if count == 0: return
-            part = [s for _, _, s in group[offset:offset + count]] if mine(j) else []
+            if count == 0:
+                return
+            part = [s for _, _, s in group[offset : offset + count]] if mine(j) else []
             unit, index = group[size - 1][:2]
         samples += size
-        if mine(j): yield (samples, unit, index), part
+        if mine(j):
+            yield (samples, unit, index), part
+
 
 @patch
 def _reader(self: BlockStream, start: StreamStart, wid: int, nw: int) -> Iterator:
     "Reader `wid` of `nw`: this rank's part of groups `wid, wid + nw, …`, tagged with the position after each when `start.tagged`."
     for after, part in self._groups(start, lambda j: j % nw == wid):
-        for sample in part: yield (after, sample) if start.tagged else sample
+        for sample in part:
+            yield (after, sample) if start.tagged else sample
+
 
 @patch
 def _direct(self: BlockStream, start: StreamStart) -> Iterator:
@@ -188,12 +283,15 @@ def _direct(self: BlockStream, start: StreamStart) -> Iterator:
         yield from part
     self._epoch, self._cursor = start.epoch + 1, None
 
+
 @patch
 def locate(self: BlockStream, epoch: int, samples: int) -> tuple[int, int]:
     "The `(unit, index)` of sample number `samples` of pass `epoch` (a stream read front to back reads up to it)."
-    if self.random_access: return self._walk(epoch, 0, 0, samples)[:2]
+    if self.random_access:
+        return self._walk(epoch, 0, 0, samples)[:2]
     unit, index = 0, 0
-    for unit, index, _ in itertools.islice(self._sequence(epoch, 0, 0), samples): pass
+    for unit, index, _ in itertools.islice(self._sequence(epoch, 0, 0), samples):
+        pass
     return unit, index
 
 # %% ../nbs/03_data.ipynb #ba744c8d
@@ -203,6 +301,7 @@ def state_dict(self: BlockStream) -> dict:
     unit, index = self._cursor or (0, 0)
     return {"epoch": self._epoch, "unit": unit, "index": index}
 
+
 @patch
 def load_state_dict(self: BlockStream, state: Mapping) -> None:
     "Make the next direct `iter()` continue at `state`."
@@ -211,9 +310,18 @@ def load_state_dict(self: BlockStream, state: Mapping) -> None:
 # %% ../nbs/03_data.ipynb #14d55169
 class TextFileTokenDataset(BlockStream):
     "A UTF-8 text file as a stream of non-overlapping token blocks, read segment by segment."
-    def __init__(self, path: str | os.PathLike, block_size: int, tokenizer: Any = None, vocab_size: int = 256,
-                 *, segment_bytes: int = 1 << 20):
-        if int(block_size) <= 0: raise ValueError(f"block_size must be positive, got {block_size}")
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        block_size: int,
+        tokenizer: Any = None,
+        vocab_size: int = 256,
+        *,
+        segment_bytes: int = 1 << 20,
+    ):
+        if int(block_size) <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
         self.path = check_data_file(path, "data.text_path")
         self.block_size, self.segment_bytes = int(block_size), int(segment_bytes)
         self.tokenizer = tokenizer if tokenizer is not None else CharTokenizer(vocab_size)
@@ -229,55 +337,90 @@ class TextFileTokenDataset(BlockStream):
         whole = size <= max(1 << 16, 16 * g)
         self.known_blocks = n // g + (n % g >= 2) if whole and size <= self.segment_bytes else None
         if whole and n < g:
-            raise DataError(f"data.text_path {str(self.path)!r} holds {n} tokens, fewer than one block of block_size + 1 = "
-                            f"{self.block_size + 1}; use a smaller data.block_size or a longer file")
+            raise DataError(
+                f"data.text_path {str(self.path)!r} holds {n} tokens, fewer than one block of block_size + 1 = "
+                f"{self.block_size + 1}; use a smaller data.block_size or a longer file"
+            )
 
 # %% ../nbs/03_data.ipynb #5231762c
 @patch(as_prop=True)
 def segments(self: TextFileTokenDataset) -> list[tuple[int, int]]:
     "The byte ranges (units) of the file."
-    if self._segments is None: self._segments = text_segments(self.path, self.segment_bytes)
+    if self._segments is None:
+        self._segments = text_segments(self.path, self.segment_bytes)
     return self._segments
 
+
 @patch
-def num_units(self: TextFileTokenDataset, epoch: int) -> int: return len(self.segments)
+def num_units(self: TextFileTokenDataset, epoch: int) -> int:
+    return len(self.segments)
+
 
 @patch
 def unit_samples(self: TextFileTokenDataset, epoch: int, unit: int, skip: int) -> Iterator[dict]:
     start, end = self.segments[unit]
     text = read_text(self.path, start, end)
     pieces = (encode_text(self.tokenizer, p) for p in text_pieces(text, self.piece_chars))
-    for i, group in enumerate(cut_blocks(pieces, self.block_size, tail=unit == len(self.segments) - 1)):
-        if i >= skip: yield block_sample(group)
+    for i, group in enumerate(
+        cut_blocks(pieces, self.block_size, tail=unit == len(self.segments) - 1)
+    ):
+        if i >= skip:
+            yield block_sample(group)
 
 # %% ../nbs/03_data.ipynb #80a29163
 def epoch_seed(seed: int, epoch: int) -> int:
     "A 63-bit seed for pass `epoch` of a run seeded `seed`."
-    return int(np.random.SeedSequence([int(seed) % 2**63, int(epoch)]).generate_state(1, np.uint64)[0] >> 1)
+    return int(
+        np.random.SeedSequence([int(seed) % 2**63, int(epoch)]).generate_state(1, np.uint64)[0] >> 1
+    )
 
 # %% ../nbs/03_data.ipynb #65465b2e
 class TokenArrayDataset(BlockStream):
     "A 1-D array of token ids as a stream of non-overlapping blocks, in order or shuffled per epoch."
-    vocab_limit: int | None = None      # set by `check_vocab`: a block with an id >= this is an error, not an embedding crash
-    random_access = True                # any block can be read directly: ranks take exact shares of each group
-    def __init__(self, tokens: Any, block_size: int, *, shuffle: bool = False, seed: int = 0, unit_blocks: int = 64,
-                 name: str = "token array"):
-        if int(block_size) <= 0: raise ValueError(f"block_size must be positive, got {block_size}")
-        self.block_size, self.shuffle, self.seed, self.unit_blocks, self.name = int(block_size), bool(shuffle), int(seed), int(unit_blocks), name
+
+    vocab_limit: int | None = (
+        None  # set by `check_vocab`: a block with an id >= this is an error, not an embedding crash
+    )
+    random_access = True  # any block can be read directly: ranks take exact shares of each group
+
+    def __init__(
+        self,
+        tokens: Any,
+        block_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        unit_blocks: int = 64,
+        name: str = "token array",
+    ):
+        if int(block_size) <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size, self.shuffle, self.seed, self.unit_blocks, self.name = (
+            int(block_size),
+            bool(shuffle),
+            int(seed),
+            int(unit_blocks),
+            name,
+        )
         self._tokens = None if tokens is None else np.asarray(tokens)
         if self.num_tokens < self.block_size + 1:
-            raise DataError(f"{name} holds {self.num_tokens} tokens, fewer than one block of block_size + 1 = {self.block_size + 1}; "
-                            f"use a smaller data.block_size or more data")
+            raise DataError(
+                f"{name} holds {self.num_tokens} tokens, fewer than one block of block_size + 1 = {self.block_size + 1}; "
+                f"use a smaller data.block_size or more data"
+            )
         self._orders: dict[int, np.ndarray] = {}
 
     @property
-    def tokens(self) -> np.ndarray: return self._tokens
+    def tokens(self) -> np.ndarray:
+        return self._tokens
 
     @property
-    def num_tokens(self) -> int: return len(self.tokens)
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
     @property
-    def vocab_size(self) -> int: return self.max_token() + 1
+    def vocab_size(self) -> int:
+        return self.max_token() + 1
 
     @property
     def num_blocks(self) -> int:
@@ -288,104 +431,159 @@ class TokenArrayDataset(BlockStream):
     def max_token(self, chunk: int = 1 << 24) -> int:
         "The largest token id in the data (read in chunks)."
         t = self.tokens
-        return max(int(t[i:i + chunk].max()) for i in range(0, len(t), chunk))
+        return max(int(t[i : i + chunk].max()) for i in range(0, len(t), chunk))
 
     def __getstate__(self):
-        state = dict(self.__dict__); state["_orders"] = {}
+        state = dict(self.__dict__)
+        state["_orders"] = {}
         return state
 
 # %% ../nbs/03_data.ipynb #cdede36a
 @patch
 def block_order(self: TokenArrayDataset, epoch: int) -> np.ndarray:
     "The block indices of pass `epoch` in visiting order."
-    if not self.shuffle: return np.arange(self.num_blocks)
+    if not self.shuffle:
+        return np.arange(self.num_blocks)
     if epoch not in self._orders:
-        self._orders = {epoch: np.random.default_rng(epoch_seed(self.seed, epoch)).permutation(self.num_blocks)}
+        self._orders = {
+            epoch: np.random.default_rng(epoch_seed(self.seed, epoch)).permutation(self.num_blocks)
+        }
     return self._orders[epoch]
 
+
 @patch
-def num_units(self: TokenArrayDataset, epoch: int) -> int: return -(-self.num_blocks // self.unit_blocks)
+def num_units(self: TokenArrayDataset, epoch: int) -> int:
+    return -(-self.num_blocks // self.unit_blocks)
+
 
 @patch
 def unit_size(self: TokenArrayDataset, epoch: int, unit: int) -> int:
     return max(0, min(self.unit_blocks, self.num_blocks - unit * self.unit_blocks))
 
+
 @patch
 def unit_samples(self: TokenArrayDataset, epoch: int, unit: int, skip: int) -> Iterator[dict]:
     order, g, t = self.block_order(epoch), self.block_size + 1, self.tokens
-    for k in range(unit * self.unit_blocks + skip, min((unit + 1) * self.unit_blocks, self.num_blocks)):
+    for k in range(
+        unit * self.unit_blocks + skip, min((unit + 1) * self.unit_blocks, self.num_blocks)
+    ):
         b = int(order[k])
-        block = t[b * g:(b + 1) * g]
+        block = t[b * g : (b + 1) * g]
         if self.vocab_limit is not None and int(block.max()) >= self.vocab_limit:
-            raise DataError(f"{self.name} holds token id {int(block.max())} (in block {b}) but the model vocabulary is {self.vocab_limit}; "
-                            f"the data does not match its declared vocabulary {self.vocab_size}: re-run `speedtronic prepare`, or raise model.vocab_size")
+            raise DataError(
+                f"{self.name} holds token id {int(block.max())} (in block {b}) but the model vocabulary is {self.vocab_limit}; "
+                f"the data does not match its declared vocabulary {self.vocab_size}: re-run `speedtronic prepare`, or raise model.vocab_size"
+            )
         yield block_sample(block)
 
 # %% ../nbs/03_data.ipynb #a4bdd7c2
 class TokenFileDataset(TokenArrayDataset):
     "A prepared token file (`prepare_token_file`), memory-mapped, as a stream of blocks in order or shuffled per epoch."
-    def __init__(self, path: str | os.PathLike, block_size: int, *, shuffle: bool = False, seed: int = 0,
-                 vocab_size: int | None = None, unit_blocks: int = 64):
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        block_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        vocab_size: int | None = None,
+        unit_blocks: int = 64,
+    ):
         self.meta = read_token_sidecar(path)
         self.path = Path(path).expanduser()
-        super().__init__(None, block_size, shuffle=shuffle, seed=seed, unit_blocks=unit_blocks, name=f"data.token_file {str(path)!r}")
-        if vocab_size is not None: check_vocab(self, vocab_size)
+        super().__init__(
+            None,
+            block_size,
+            shuffle=shuffle,
+            seed=seed,
+            unit_blocks=unit_blocks,
+            name=f"data.token_file {str(path)!r}",
+        )
+        if vocab_size is not None:
+            check_vocab(self, vocab_size)
 
     @property
-    def vocab_size(self) -> int: return int(self.meta["vocab_size"])
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
 
     @property
     def tokens(self) -> np.ndarray:
         if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.meta["dtype"], mode="r", shape=(int(self.meta["num_tokens"]),))
+            self._tokens = np.memmap(
+                self.path, dtype=self.meta["dtype"], mode="r", shape=(int(self.meta["num_tokens"]),)
+            )
         return self._tokens
 
     @property
-    def num_tokens(self) -> int: return int(self.meta["num_tokens"])
+    def num_tokens(self) -> int:
+        return int(self.meta["num_tokens"])
 
     def __getstate__(self):
-        state = super().__getstate__(); state["_tokens"] = None
+        state = super().__getstate__()
+        state["_tokens"] = None
         return state
 
 # %% ../nbs/03_data.ipynb #d63dffea
 def check_vocab(dataset: Any, vocab_size: int) -> None:
     "Raise `DataError` when `dataset` (or a tokenizer) holds token ids the model's `vocab_size` cannot embed."
-    if isinstance(dataset, TokenArrayDataset): dataset.vocab_limit = int(vocab_size)
+    if isinstance(dataset, TokenArrayDataset):
+        dataset.vocab_limit = int(vocab_size)
     declared = getattr(dataset, "vocab_size", None)
-    if declared is None or int(declared) <= vocab_size: return
+    if declared is None or int(declared) <= vocab_size:
+        return
     where = getattr(dataset, "name", None) or f"tokenizer {tokenizer_spec(dataset)}"
     if isinstance(dataset, TokenArrayDataset):
         top = dataset.max_token()
-        if top < vocab_size: return
-        raise DataError(f"{where} holds token id {top} (vocabulary {declared}) but the model vocabulary is {vocab_size}; "
-                        f"raise model.vocab_size to at least {top + 1} or prepare the data with a smaller tokenizer")
-    if isinstance(dataset, Dataset):   # rows of token ids (`TensorRowsDataset`)
-        raise DataError(f"{where} holds token id {declared - 1} (in input_ids or labels) but the model vocabulary is {vocab_size}; "
-                        f"raise model.vocab_size to at least {declared} or fix the data")
-    raise DataError(f"{where} has a vocabulary of {declared} but the model vocabulary is {vocab_size}; "
-                    f"raise model.vocab_size to at least {declared} or use a smaller tokenizer")
+        if top < vocab_size:
+            return
+        raise DataError(
+            f"{where} holds token id {top} (vocabulary {declared}) but the model vocabulary is {vocab_size}; "
+            f"raise model.vocab_size to at least {top + 1} or prepare the data with a smaller tokenizer"
+        )
+    if isinstance(dataset, Dataset):  # rows of token ids (`TensorRowsDataset`)
+        raise DataError(
+            f"{where} holds token id {declared - 1} (in input_ids or labels) but the model vocabulary is {vocab_size}; "
+            f"raise model.vocab_size to at least {declared} or fix the data"
+        )
+    raise DataError(
+        f"{where} has a vocabulary of {declared} but the model vocabulary is {vocab_size}; "
+        f"raise model.vocab_size to at least {declared} or use a smaller tokenizer"
+    )
 
 # %% ../nbs/03_data.ipynb #550b72f1
 class TensorRowsDataset(Dataset):
     "Rows of tensors (a dict of `[N, ...]` tensors, or a `[N, T+1]` tensor of token ids) as causal-LM records."
+
     def __init__(self, columns: Mapping[str, torch.Tensor], name: str = "tensor dataset"):
         self.columns, self.name = dict(columns), name
         sizes = {k: len(v) for k, v in self.columns.items()}
-        if len(set(sizes.values())) != 1: raise DataError(f"{name}: tensors have different first dimensions {sizes}; give one row per sample in every tensor")
+        if len(set(sizes.values())) != 1:
+            raise DataError(
+                f"{name}: tensors have different first dimensions {sizes}; give one row per sample in every tensor"
+            )
         labels, ids = self.columns.get("labels"), self.columns["input_ids"]
         if labels is not None and labels.shape != ids.shape:
-            raise DataError(f"{name}: labels {tuple(labels.shape)} and input_ids {tuple(ids.shape)} differ; give one label per input position")
+            raise DataError(
+                f"{name}: labels {tuple(labels.shape)} and input_ids {tuple(ids.shape)} differ; give one label per input position"
+            )
         if labels is not None and (labels.is_floating_point() or labels.is_complex()):
-            raise DataError(f"{name}: labels has dtype {labels.dtype}; labels must be integer token ids")
+            raise DataError(
+                f"{name}: labels has dtype {labels.dtype}; labels must be integer token ids"
+            )
         if labels is not None and labels.numel() and bool(((labels < 0) & (labels != -100)).any()):
             bad = int(labels[(labels < 0) & (labels != -100)][0])
-            raise DataError(f"{name}: labels holds {bad}; a label is a token id >= 0, or -100 for a position without a target")
+            raise DataError(
+                f"{name}: labels holds {bad}; a label is a token id >= 0, or -100 for a position without a target"
+            )
 
-    def __len__(self) -> int: return len(next(iter(self.columns.values())))
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
 
     def __getitem__(self, i: int) -> dict:
         row = {k: v[i] for k, v in self.columns.items()}
-        if "labels" not in row: row = {"input_ids": row["input_ids"][:-1], "labels": row["input_ids"][1:]}
+        if "labels" not in row:
+            row = {"input_ids": row["input_ids"][:-1], "labels": row["input_ids"][1:]}
         return row
 
     @property
@@ -393,101 +591,154 @@ class TensorRowsDataset(Dataset):
         "One more than the largest token id in `input_ids` and `labels` (ignored labels, -100, not counted)."
         top = int(self.columns["input_ids"].max())
         labels = self.columns.get("labels")
-        if labels is not None and bool((labels >= 0).any()): top = max(top, int(labels[labels >= 0].max()))
+        if labels is not None and bool((labels >= 0).any()):
+            top = max(top, int(labels[labels >= 0].max()))
         return top + 1
 
 # %% ../nbs/03_data.ipynb #a8d46fa7
 def dataset_from_object(obj: Any, block_size: int, name: str = "data.dataset") -> Any:
     "A dataset from a loaded object: a `Dataset` as is, token-id tensors as streams or rows, else `DataError`."
-    if isinstance(obj, (Dataset, IterableDataset)): return obj
-    if isinstance(obj, torch.Tensor): obj = {"input_ids": obj}
+    if isinstance(obj, (Dataset, IterableDataset)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        obj = {"input_ids": obj}
     if not isinstance(obj, Mapping) or not isinstance(obj.get("input_ids"), torch.Tensor):
-        raise DataError(f"{name} holds a {type(obj).__name__}, not a Dataset, a tensor of token ids or a dict with an 'input_ids' tensor")
+        raise DataError(
+            f"{name} holds a {type(obj).__name__}, not a Dataset, a tensor of token ids or a dict with an 'input_ids' tensor"
+        )
     ids = obj["input_ids"]
-    if ids.is_floating_point() or ids.is_complex(): raise DataError(f"{name}: input_ids has dtype {ids.dtype}; token ids must be integers")
-    if ids.numel() == 0: raise DataError(f"{name}: input_ids is empty; save at least one block of token ids")
-    if int(ids.min()) < 0: raise DataError(f"{name}: input_ids holds the negative id {int(ids.min())}; token ids must be >= 0")
-    if ids.ndim == 1 and "labels" not in obj: return TokenArrayDataset(ids.numpy(), block_size, name=name)
-    if ids.ndim != 2: raise DataError(f"{name}: input_ids has shape {tuple(ids.shape)}; give a 1-D token stream or 2-D [samples, tokens]")
-    return TensorRowsDataset({k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}, name=name)
+    if ids.is_floating_point() or ids.is_complex():
+        raise DataError(f"{name}: input_ids has dtype {ids.dtype}; token ids must be integers")
+    if ids.numel() == 0:
+        raise DataError(f"{name}: input_ids is empty; save at least one block of token ids")
+    if int(ids.min()) < 0:
+        raise DataError(
+            f"{name}: input_ids holds the negative id {int(ids.min())}; token ids must be >= 0"
+        )
+    if ids.ndim == 1 and "labels" not in obj:
+        return TokenArrayDataset(ids.numpy(), block_size, name=name)
+    if ids.ndim != 2:
+        raise DataError(
+            f"{name}: input_ids has shape {tuple(ids.shape)}; give a 1-D token stream or 2-D [samples, tokens]"
+        )
+    return TensorRowsDataset(
+        {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}, name=name
+    )
 
 # %% ../nbs/03_data.ipynb #88ad4e5b
-def load_serialized_dataset(path: str | os.PathLike, block_size: int, *, trust_pickle: bool = False) -> Any:
+def load_serialized_dataset(
+    path: str | os.PathLike, block_size: int, *, trust_pickle: bool = False
+) -> Any:
     "Load a `.pt` dataset file without unpickling code unless `trust_pickle`."
     p = Path(path).expanduser()
-    if not p.exists(): raise DataError(f"data.dataset must be a Dataset object or an existing local path: {str(path)!r} does not exist")
+    if not p.exists():
+        raise DataError(
+            f"data.dataset must be a Dataset object or an existing local path: {str(path)!r} does not exist"
+        )
     p, name = check_data_file(p, "data.dataset"), f"data.dataset {str(p)!r}"
     if not trust_pickle and not zipfile.is_zipfile(p):
-        raise DataError(f"{name} is not a file written by torch.save; save the dataset (or its token-id tensor) with torch.save")
-    try: obj = torch.load(p, map_location="cpu", weights_only=True)
+        raise DataError(
+            f"{name} is not a file written by torch.save; save the dataset (or its token-id tensor) with torch.save"
+        )
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
         if not trust_pickle and not isinstance(e, pickle.UnpicklingError):
-            raise DataError(f"{name} is damaged or not a torch.save file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); save it again with torch.save") from None
+            raise DataError(
+                f"{name} is damaged or not a torch.save file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); save it again with torch.save"
+            ) from None
         if not trust_pickle:
-            raise DataError(f"{name} is not a plain tensor file: it needs unpickling, which runs code "
-                            f"stored in the file. Only if you trust this file, set data.trust_pickle: true.") from None
-        warnings.warn(f"unpickling {name} because data.trust_pickle is true", DataWarning, stacklevel=2)
-        try: obj = torch.load(p, map_location="cpu", weights_only=False)
+            raise DataError(
+                f"{name} is not a plain tensor file: it needs unpickling, which runs code "
+                f"stored in the file. Only if you trust this file, set data.trust_pickle: true."
+            ) from None
+        warnings.warn(
+            f"unpickling {name} because data.trust_pickle is true", DataWarning, stacklevel=2
+        )
+        try:
+            obj = torch.load(p, map_location="cpu", weights_only=False)
         except Exception as e:
-            raise DataError(f"{name} cannot be loaded even with data.trust_pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                            f"it must be written by torch.save, and the module defining its classes must be importable here") from None
+            raise DataError(
+                f"{name} cannot be loaded even with data.trust_pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                f"it must be written by torch.save, and the module defining its classes must be importable here"
+            ) from None
     return dataset_from_object(obj, block_size, name=f"data.dataset {str(p)!r}")
 
 # %% ../nbs/03_data.ipynb #1ccc7773
 def collate_causal(batch: Sequence[Mapping]) -> dict[str, torch.Tensor]:
     "Stack causal-LM records; pad and add `attention_mask` only when lengths differ."
-    if len(batch) == 0: raise ValueError("cannot collate an empty batch")
+    if len(batch) == 0:
+        raise ValueError("cannot collate an empty batch")
     ids = [torch.as_tensor(item["input_ids"], dtype=torch.long) for item in batch]
     labels = [torch.as_tensor(item["labels"], dtype=torch.long) for item in batch]
     for i, (x, y) in enumerate(zip(ids, labels)):
-        if x.shape != y.shape: raise ValueError(f"batch item {i}: input_ids {tuple(x.shape)} and labels {tuple(y.shape)} differ; give one label per input position")
+        if x.shape != y.shape:
+            raise ValueError(
+                f"batch item {i}: input_ids {tuple(x.shape)} and labels {tuple(y.shape)} differ; give one label per input position"
+            )
     lengths = [len(x) for x in ids]
-    if len(set(lengths)) == 1: return {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
+    if len(set(lengths)) == 1:
+        return {"input_ids": torch.stack(ids), "labels": torch.stack(labels)}
     T = max(lengths)
     out_ids = torch.zeros(len(batch), T, dtype=torch.long)
     out_labels = torch.full((len(batch), T), -100, dtype=torch.long)
     mask = torch.zeros(len(batch), T, dtype=torch.bool)
     for i, (x, y) in enumerate(zip(ids, labels)):
-        out_ids[i, :len(x)], out_labels[i, :len(y)], mask[i, :len(x)] = x, y, True
+        out_ids[i, : len(x)], out_labels[i, : len(y)], mask[i, : len(x)] = x, y, True
     return {"input_ids": out_ids, "labels": out_labels, "attention_mask": mask}
+
 
 def collate_batch(batch: Sequence[Any]) -> Any:
     "The loader's default collate: dicts → `collate_causal`, tuples column-wise, tensors stacked."
-    if len(batch) == 0: raise ValueError("cannot collate an empty batch")
+    if len(batch) == 0:
+        raise ValueError("cannot collate an empty batch")
     first = batch[0]
-    if isinstance(first, Mapping): return collate_causal(batch)
+    if isinstance(first, Mapping):
+        return collate_causal(batch)
     if isinstance(first, (tuple, list)):
-        if any(len(item) != len(first) for item in batch): raise ValueError("all batch items must have the same number of fields")
+        if any(len(item) != len(first) for item in batch):
+            raise ValueError("all batch items must have the same number of fields")
         columns = []
         for j, col in enumerate(zip(*batch)):
             if isinstance(col[0], torch.Tensor):
-                if any(c.shape != col[0].shape for c in col): raise ValueError(f"batch field {j}: tensors have different shapes")
+                if any(c.shape != col[0].shape for c in col):
+                    raise ValueError(f"batch field {j}: tensors have different shapes")
                 columns.append(torch.stack(col))
-            else: columns.append(list(col))
+            else:
+                columns.append(list(col))
         return tuple(columns)
-    if isinstance(first, torch.Tensor): return torch.stack(list(batch))
+    if isinstance(first, torch.Tensor):
+        return torch.stack(list(batch))
     return list(batch)
 
 # %% ../nbs/03_data.ipynb #036b0824
 def infinite_batches(loader: Iterable) -> Iterator:
     "Batches of `loader`, pass after pass, forever; `RuntimeError` if a whole pass yields nothing."
-    first = 0   # batches of the first pass
+    first = 0  # batches of the first pass
     while True:
         produced = 0
         for batch in loader:
             produced += 1
             yield batch
-        if produced: first = first or produced; continue
+        if produced:
+            first = first or produced
+            continue
         one_shot = isinstance(loader, IteratorType)
         if first and one_shot:
-            raise RuntimeError(f"data loader produced no batches in its second pass: it is a one-shot {type(loader).__name__} that gave "
-                               f"{first} batch{'es' if first != 1 else ''} and is used up. Pass something that can be iterated "
-                               "again (a list, a DataLoader), or train for fewer steps")
+            raise RuntimeError(
+                f"data loader produced no batches in its second pass: it is a one-shot {type(loader).__name__} that gave "
+                f"{first} batch{'es' if first != 1 else ''} and is used up. Pass something that can be iterated "
+                "again (a list, a DataLoader), or train for fewer steps"
+            )
         if one_shot:
-            raise RuntimeError(f"data loader produced no batches: it is a {type(loader).__name__} (a one-shot iterator) that was already "
-                               "used up, or is empty. Pass something that can be iterated again (a list, a DataLoader)")
-        raise RuntimeError("data loader produced no batches: the data is empty, or holds fewer samples than one batch "
-                           "(data.micro_batch_size) with data.drop_last: true")
+            raise RuntimeError(
+                f"data loader produced no batches: it is a {type(loader).__name__} (a one-shot iterator) that was already "
+                "used up, or is empty. Pass something that can be iterated again (a list, a DataLoader)"
+            )
+        raise RuntimeError(
+            "data loader produced no batches: the data is empty, or holds fewer samples than one batch "
+            "(data.micro_batch_size) with data.drop_last: true"
+        )
 
 # %% ../nbs/03_data.ipynb #e093172f
 def _mix64(x: int) -> int:
@@ -497,26 +748,47 @@ def _mix64(x: int) -> int:
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
 
+
 def lazy_permutation(n: int, seed: int, start: int = 0) -> Iterator[int]:
     "The indices `0..n-1` in an order fixed by `seed`, from position `start`, one at a time (no memory held)."
-    half = max(1, ((n - 1).bit_length() + 1) // 2)          # a Feistel network on 2*half bits covers [0, n)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)  # a Feistel network on 2*half bits covers [0, n)
     mask, keys = (1 << half) - 1, [_mix64(seed * 4 + r) for r in range(4)]
+
     def shuffle(x: int) -> int:
         left, right = x >> half, x & mask
-        for k in keys: left, right = right, left ^ (_mix64(right ^ k) & mask)
+        for k in keys:
+            left, right = right, left ^ (_mix64(right ^ k) & mask)
         return (left << half) | right
+
     for i in range(start, n):
         x = shuffle(i)
-        while x >= n: x = shuffle(x)                          # cycle-walk back into [0, n): still a bijection
+        while x >= n:
+            x = shuffle(x)  # cycle-walk back into [0, n): still a bijection
         yield x
+
 
 class EpochSampler(Sampler):
     "Indices of one pass, shuffled per epoch with its own seeded generator, starting `start` samples in; a rank's share of each group."
-    eager_limit = 1 << 24  # up to this many samples a shuffle is a `torch.randperm`; beyond, `lazy_permutation`
-    def __init__(self, num_samples: int, *, shuffle: bool = False, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, micro: int = 1, drop_last: bool = False):
+
+    eager_limit = (
+        1 << 24
+    )  # up to this many samples a shuffle is a `torch.randperm`; beyond, `lazy_permutation`
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        micro: int = 1,
+        drop_last: bool = False,
+    ):
         self.num_samples, self.shuffle, self.seed = int(num_samples), bool(shuffle), int(seed)
-        self.share = dict(rank=int(rank), world=int(world_size), micro=int(micro), drop_last=bool(drop_last))
+        self.share = dict(
+            rank=int(rank), world=int(world_size), micro=int(micro), drop_last=bool(drop_last)
+        )
         self.epoch, self.start = 0, 0
 
     def set_position(self, epoch: int, start: int) -> None:
@@ -526,10 +798,17 @@ class EpochSampler(Sampler):
     def indices(self, epoch: int, start: int = 0, chunk: int = 1 << 16) -> Iterator[int]:
         "The indices of pass `epoch` in visiting order, from position `start`, produced lazily."
         n = self.num_samples
-        if not self.shuffle: yield from range(start, n); return
-        if n > self.eager_limit: yield from lazy_permutation(n, epoch_seed(self.seed, epoch), start); return
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch)))
-        for i in range(start, n, chunk): yield from perm[i:i + chunk].tolist()
+        if not self.shuffle:
+            yield from range(start, n)
+            return
+        if n > self.eager_limit:
+            yield from lazy_permutation(n, epoch_seed(self.seed, epoch), start)
+            return
+        perm = torch.randperm(
+            n, generator=torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        )
+        for i in range(start, n, chunk):
+            yield from perm[i : i + chunk].tolist()
 
     def order(self, epoch: int) -> list[int]:
         "All indices of pass `epoch`, in visiting order (as a list: for small datasets)."
@@ -540,13 +819,16 @@ class EpochSampler(Sampler):
         pos = self.start
         while True:
             offset, count, size = group_share(self.num_samples - pos, **self.share)
-            if count == 0: return
+            if count == 0:
+                return
             yield pos + offset, count
             pos += size
 
     def __iter__(self) -> Iterator[int]:
         indices, pos = self.indices(self.epoch, self.start), self.start
-        if self.share["world"] == 1 and not self.share["drop_last"]: yield from indices; return
+        if self.share["world"] == 1 and not self.share["drop_last"]:
+            yield from indices
+            return
         for begin, count in self._runs():
             yield from itertools.islice(indices, begin - pos, begin - pos + count)
             pos = begin + count
@@ -554,59 +836,125 @@ class EpochSampler(Sampler):
     def __len__(self) -> int:
         left, micro = max(0, self.num_samples - self.start), self.share["micro"]
         full = left // (micro * self.share["world"])
-        return full * micro + group_share(left - full * micro * self.share["world"], **self.share)[1]
+        return (
+            full * micro + group_share(left - full * micro * self.share["world"], **self.share)[1]
+        )
 
 # %% ../nbs/03_data.ipynb #a2ff7b0d
 def _seed_worker(worker_id: int) -> None:
     "Seed Python's and NumPy's RNGs in a worker from its torch seed (which the loader's generator sets); own process group."
     seed = torch.initial_seed() % 2**32
-    random.seed(seed); np.random.seed(seed)
-    if hasattr(os, "setpgrp"): os.setpgrp()  # a signal to the trainer's group (torchrun's SIGTERM) is the trainer's to handle
+    random.seed(seed)
+    np.random.seed(seed)
+    if hasattr(os, "setpgrp"):
+        os.setpgrp()  # a signal to the trainer's group (torchrun's SIGTERM) is the trainer's to handle
+
 
 def _worker_error_message(text: str) -> str:
     "The message of a `DataError` raised in a loader worker, without the traceback the loader wraps around it."
-    if "Original Traceback" not in text: return text
+    if "Original Traceback" not in text:
+        return text
     last = text.rstrip().splitlines()[-1]
     return last.split("DataError: ", 1)[-1]
 
+
 class _TaggedCollate:
     "Collate `(position, sample)` pairs into `(positions, batch)`."
-    def __init__(self, collate_fn: Callable): self.collate_fn = collate_fn
+
+    def __init__(self, collate_fn: Callable):
+        self.collate_fn = collate_fn
+
     def __call__(self, items):
         return [p for p, _ in items], self.collate_fn([s for _, s in items])
 
+
 def _deal(batches: Iterator, rank: int, world: int) -> Iterator:
     "Rank `rank`'s batch of each complete round of `world` batches (every rank gets as many)."
-    while len(batch_round := list(itertools.islice(batches, world))) == world: yield batch_round[rank]
+    while len(batch_round := list(itertools.islice(batches, world))) == world:
+        yield batch_round[rank]
 
 # %% ../nbs/03_data.ipynb #86509c1f
 class ResumableDataLoader(DataLoader):
     "A `DataLoader` whose `state_dict()` is the job's position of the next batch it hands out."
-    def __init__(self, dataset: Any, *, batch_size: int = 1, shuffle: bool = False, num_workers: int = 0,
-                 pin_memory: bool = False, drop_last: bool = True, collate_fn: Callable = collate_batch,
-                 prefetch_factor: int | None = None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):  # this loader's rank in a torchrun job of `world_size` processes
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        collate_fn: Callable = collate_batch,
+        prefetch_factor: int | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):  # this loader's rank in a torchrun job of `world_size` processes
         iterable = isinstance(dataset, IterableDataset)
-        self._kind = "stream" if isinstance(dataset, BlockStream) else "iterable" if iterable else "map"
+        self._kind = (
+            "stream" if isinstance(dataset, BlockStream) else "iterable" if iterable else "map"
+        )
         self.rank, self.world_size = int(rank), int(world_size)
-        sampler = None if iterable else EpochSampler(len(dataset), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
-                                                     micro=batch_size, drop_last=drop_last)
-        extra = {"prefetch_factor": prefetch_factor or 2, "persistent_workers": not iterable} if num_workers > 0 else {}
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                         drop_last=drop_last, collate_fn=_TaggedCollate(collate_fn) if self._kind == "stream" else collate_fn,
-                         generator=torch.Generator(), worker_init_fn=_seed_worker, **extra)
+        sampler = (
+            None
+            if iterable
+            else EpochSampler(
+                len(dataset),
+                shuffle=shuffle,
+                seed=seed,
+                rank=rank,
+                world_size=world_size,
+                micro=batch_size,
+                drop_last=drop_last,
+            )
+        )
+        extra = (
+            {"prefetch_factor": prefetch_factor or 2, "persistent_workers": not iterable}
+            if num_workers > 0
+            else {}
+        )
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            collate_fn=_TaggedCollate(collate_fn) if self._kind == "stream" else collate_fn,
+            generator=torch.Generator(),
+            worker_init_fn=_seed_worker,
+            **extra,
+        )
         self.seed = int(seed)
         self.shuffle = bool(getattr(dataset, "shuffle", False)) if iterable else bool(shuffle)
-        self._epoch, self._samples, self._unit, self._index = 0, 0, 0, 0   # the pass, the job's samples of it handed out, where a stream goes on
+        self._epoch, self._samples, self._unit, self._index = (
+            0,
+            0,
+            0,
+            0,
+        )  # the pass, the job's samples of it handed out, where a stream goes on
 
 # %% ../nbs/03_data.ipynb #b10b068e
 @patch
 def _begin_pass(self: ResumableDataLoader) -> None:
     self.generator.manual_seed(epoch_seed(self.seed, self._epoch))
-    if self._kind == "map": self.sampler.set_position(self._epoch, self._samples)
+    if self._kind == "map":
+        self.sampler.set_position(self._epoch, self._samples)
     if self._kind == "stream":
-        self.dataset._loader_start = StreamStart(self._epoch, self._unit, self._index, self._samples, tagged=True, rank=self.rank,
-                                                 world=self.world_size, micro=self.batch_size, drop_last=self.drop_last)
+        self.dataset._loader_start = StreamStart(
+            self._epoch,
+            self._unit,
+            self._index,
+            self._samples,
+            tagged=True,
+            rank=self.rank,
+            world=self.world_size,
+            micro=self.batch_size,
+            drop_last=self.drop_last,
+        )
+
 
 @patch
 def _record(self: ResumableDataLoader, item: Any) -> Any:
@@ -614,124 +962,226 @@ def _record(self: ResumableDataLoader, item: Any) -> Any:
     if self._kind == "stream":
         positions, item = item
         self._samples, self._unit, self._index = (int(x) for x in positions[-1])
-    elif self._kind == "map": self._samples += group_share(self.sampler.num_samples - self._samples, **self.sampler.share)[2]
-    else: self._samples += self.batch_size * self.world_size
+    elif self._kind == "map":
+        self._samples += group_share(
+            self.sampler.num_samples - self._samples, **self.sampler.share
+        )[2]
+    else:
+        self._samples += self.batch_size * self.world_size
     return item
+
 
 @patch
 def __iter__(self: ResumableDataLoader):
     while True:
         resumed = self._samples > 0
         self._begin_pass()
-        try: it = super(ResumableDataLoader, self).__iter__()
+        try:
+            it = super(ResumableDataLoader, self).__iter__()
         finally:
-            if self._kind == "stream": self.dataset._loader_start = None
+            if self._kind == "stream":
+                self.dataset._loader_start = None
         handed = 0
         if self._kind == "iterable":
-            it = itertools.islice(it, self._samples // self.batch_size, None)   # the job's batches already handed out
-            if self.world_size > 1: it = _deal(it, self.rank, self.world_size)
+            it = itertools.islice(
+                it, self._samples // self.batch_size, None
+            )  # the job's batches already handed out
+            if self.world_size > 1:
+                it = _deal(it, self.rank, self.world_size)
         while True:
-            try: item = next(it)
-            except StopIteration: break
-            except DataError as e: raise DataError(_worker_error_message(str(e))) from None
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+            except DataError as e:
+                raise DataError(_worker_error_message(str(e))) from None
             handed += 1
             yield self._record(item)
         self._epoch, self._samples, self._unit, self._index = self._epoch + 1, 0, 0, 0
-        if handed or not resumed: return
+        if handed or not resumed:
+            return
 
 # %% ../nbs/03_data.ipynb #91ef6fb6
-def content_fingerprint(size: int, read: Callable[[int, int], bytes], *, whole_below: int = 64 << 20,
-                        windows: int = 62, window: int = 1 << 16) -> str:
+def content_fingerprint(
+    size: int,
+    read: Callable[[int, int], bytes],
+    *,
+    whole_below: int = 64 << 20,
+    windows: int = 62,
+    window: int = 1 << 16,
+) -> str:
     "`<size> bytes, sha256 <hex>` of data read by `read(offset, length)`: all of it, or head, tail and evenly spaced windows."
     h = hashlib.sha256(str(size).encode())
     if size <= whole_below:
-        for at in range(0, size, 1 << 20): h.update(read(at, min(1 << 20, size - at)))
+        for at in range(0, size, 1 << 20):
+            h.update(read(at, min(1 << 20, size - at)))
         return f"{size} bytes, sha256 {h.hexdigest()[:16]}"
     for at in [0, size - (1 << 20)] + [size * (k + 1) // (windows + 1) for k in range(windows)]:
         h.update(read(at, 1 << 20 if at in (0, size - (1 << 20)) else window))
     return f"{size} bytes, sampled sha256 {h.hexdigest()[:16]}"
 
+
 def file_fingerprint(path: str | os.PathLike) -> str:
     "`content_fingerprint` of a file."
     with open(path, "rb") as f:
-        def read(at, n): f.seek(at); return f.read(n)
+
+        def read(at, n):
+            f.seek(at)
+            return f.read(n)
+
         return content_fingerprint(os.fstat(f.fileno()).st_size, read)
+
 
 def array_fingerprint(array: Any) -> str:
     "`content_fingerprint` of a NumPy array or tensor's bytes."
-    data = memoryview(np.ascontiguousarray(array.numpy() if isinstance(array, torch.Tensor) else array)).cast("B")
-    return content_fingerprint(len(data), lambda at, n: bytes(data[at:at + n]))
+    data = memoryview(
+        np.ascontiguousarray(array.numpy() if isinstance(array, torch.Tensor) else array)
+    ).cast("B")
+    return content_fingerprint(len(data), lambda at, n: bytes(data[at : at + n]))
 
 # %% ../nbs/03_data.ipynb #a197abd9
-_PATH_KEYS = ("data.text_path", "data.token_file", "data.dataset", "data.hf_dataset.path", "data.hf_dataset.data_files")   # may change when the content does not (a moved file)
+_PATH_KEYS = (
+    "data.text_path",
+    "data.token_file",
+    "data.dataset",
+    "data.hf_dataset.path",
+    "data.hf_dataset.data_files",
+)  # may change when the content does not (a moved file)
+
 
 def source_identity(dataset: Any, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
     "What a saved data position depends on: the source, its content and how it is cut and ordered (plain data)."
-    if callable(own := getattr(dataset, "source_identity", None)): return own(shuffle=shuffle, seed=seed)   # a source that says it itself
+    if callable(own := getattr(dataset, "source_identity", None)):
+        return own(shuffle=shuffle, seed=seed)  # a source that says it itself
     order = {"data.shuffle": shuffle, "data.seed": seed} if shuffle else {"data.shuffle": False}
     if isinstance(dataset, TextFileTokenDataset):
-        return {"data.text_path": str(dataset.path), "content": file_fingerprint(dataset.path), "data.block_size": dataset.block_size,
-                "data.tokenizer": tokenizer_spec(dataset.tokenizer), "vocabulary": dataset.vocab_size}
+        return {
+            "data.text_path": str(dataset.path),
+            "content": file_fingerprint(dataset.path),
+            "data.block_size": dataset.block_size,
+            "data.tokenizer": tokenizer_spec(dataset.tokenizer),
+            "vocabulary": dataset.vocab_size,
+        }
     if isinstance(dataset, TokenFileDataset):
-        return {"data.token_file": str(dataset.path), "content": file_fingerprint(dataset.path), "data.block_size": dataset.block_size,
-                "data.shuffle": dataset.shuffle, **({"data.seed": dataset.seed} if dataset.shuffle else {})}
+        return {
+            "data.token_file": str(dataset.path),
+            "content": file_fingerprint(dataset.path),
+            "data.block_size": dataset.block_size,
+            "data.shuffle": dataset.shuffle,
+            **({"data.seed": dataset.seed} if dataset.shuffle else {}),
+        }
     if isinstance(dataset, TokenArrayDataset):
-        return {"data.dataset": dataset.name, "content": array_fingerprint(dataset.tokens), "data.block_size": dataset.block_size,
-                "data.shuffle": dataset.shuffle, **({"data.seed": dataset.seed} if dataset.shuffle else {})}
+        return {
+            "data.dataset": dataset.name,
+            "content": array_fingerprint(dataset.tokens),
+            "data.block_size": dataset.block_size,
+            "data.shuffle": dataset.shuffle,
+            **({"data.seed": dataset.seed} if dataset.shuffle else {}),
+        }
     if isinstance(dataset, TensorRowsDataset):
-        content = "; ".join(f"{k} {array_fingerprint(v)}" for k, v in sorted(dataset.columns.items()))
+        content = "; ".join(
+            f"{k} {array_fingerprint(v)}" for k, v in sorted(dataset.columns.items())
+        )
         return {"data.dataset": dataset.name, "content": content, **order}
     if isinstance(dataset, SyntheticTokenDataset):
-        return {"source": "synthetic", "data.num_tokens": dataset.num_samples, "data.block_size": dataset.block_size,
-                "vocabulary": dataset.vocab_size, "data.seed": dataset.seed, **order}
-    try: n = len(dataset)
-    except Exception: n = None
-    return {"source": f"{type(dataset).__module__}.{type(dataset).__qualname__}", "samples": n, **order}
+        return {
+            "source": "synthetic",
+            "data.num_tokens": dataset.num_samples,
+            "data.block_size": dataset.block_size,
+            "vocabulary": dataset.vocab_size,
+            "data.seed": dataset.seed,
+            **order,
+        }
+    try:
+        n = len(dataset)
+    except Exception:
+        n = None
+    return {
+        "source": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+        "samples": n,
+        **order,
+    }
+
 
 def identity_differences(saved: Mapping, now: Mapping) -> list[str]:
     "`key: saved .., now ..` for every difference between two `source_identity` records (a moved file is none)."
     keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)]
-    if "content" in saved and "content" not in keys: keys = [k for k in keys if k not in _PATH_KEYS]
+    if "content" in saved and "content" not in keys:
+        keys = [k for k in keys if k not in _PATH_KEYS]
     return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys]
 
 # %% ../nbs/03_data.ipynb #53d97773
 @patch
 def state_dict(self: ResumableDataLoader) -> dict:
     "The job's position of the next batch: epoch, samples of the job handed out in it, seed and (streams) the next `(unit, index)`."
-    state = {"version": 2, "kind": self._kind, "epoch": self._epoch, "samples": self._samples, "seed": self.seed,
-             "shuffle": self.shuffle, "source": self.source()}
+    state = {
+        "version": 2,
+        "kind": self._kind,
+        "epoch": self._epoch,
+        "samples": self._samples,
+        "seed": self.seed,
+        "shuffle": self.shuffle,
+        "source": self.source(),
+    }
     if self._kind == "stream":
         state.update(unit=self._unit, index=self._index)
-        if hasattr(self.dataset, "seed"): state["stream_seed"] = int(self.dataset.seed)
+        if hasattr(self.dataset, "seed"):
+            state["stream_seed"] = int(self.dataset.seed)
     return state
+
 
 @patch
 def source(self: ResumableDataLoader) -> dict[str, Any]:
     "`source_identity` of the data this loader reads (computed once)."
-    if getattr(self, "_source", None) is None: self._source = source_identity(self.dataset, shuffle=self.shuffle, seed=self.seed)
+    if getattr(self, "_source", None) is None:
+        self._source = source_identity(self.dataset, shuffle=self.shuffle, seed=self.seed)
     return self._source
+
 
 @patch
 def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
     "Continue the next `iter()` exactly at the batch `state` describes (saved by a job of any size)."
-    if not isinstance(state, Mapping) or "epoch" not in state or not ({"samples", "batches"} & set(state)):
-        raise DataError(f"data loader state must be a mapping from state_dict(), got {type(state).__name__}")
-    if isinstance(state.get("source"), Mapping) and (changed := identity_differences(state["source"], self.source())):
-        raise DataError("the data differs from the data the saved position belongs to, so the position would point into other "
-                        "data:\n  - " + "\n  - ".join(changed) + "\nResume with the data the run was trained on, or start a fresh "
-                        "run (--overwrite, or another --output-dir)")
+    if (
+        not isinstance(state, Mapping)
+        or "epoch" not in state
+        or not ({"samples", "batches"} & set(state))
+    ):
+        raise DataError(
+            f"data loader state must be a mapping from state_dict(), got {type(state).__name__}"
+        )
+    if isinstance(state.get("source"), Mapping) and (
+        changed := identity_differences(state["source"], self.source())
+    ):
+        raise DataError(
+            "the data differs from the data the saved position belongs to, so the position would point into other "
+            "data:\n  - "
+            + "\n  - ".join(changed)
+            + "\nResume with the data the run was trained on, or start a fresh "
+            "run (--overwrite, or another --output-dir)"
+        )
     if state.get("kind", self._kind) != self._kind:
-        raise DataError(f"data loader state was saved for a {state['kind']} dataset but this loader reads a {self._kind} dataset; resume with the same data source")
-    if "samples" not in state: state = self._rank_position(state)
+        raise DataError(
+            f"data loader state was saved for a {state['kind']} dataset but this loader reads a {self._kind} dataset; resume with the same data source"
+        )
+    if "samples" not in state:
+        state = self._rank_position(state)
     if self._kind == "iterable" and int(state["samples"]) % self.batch_size:
-        raise DataError(f"data loader state is {state['samples']} samples into a plain iterable dataset, which resumes only at a "
-                        f"whole number of micro batches and data.micro_batch_size is {self.batch_size}; resume with a "
-                        f"data.micro_batch_size that divides {state['samples']}")
-    self._epoch, self._samples, self.seed = int(state["epoch"]), int(state["samples"]), int(state.get("seed", self.seed))
-    if self._kind == "map": self.sampler.seed = self.seed
+        raise DataError(
+            f"data loader state is {state['samples']} samples into a plain iterable dataset, which resumes only at a "
+            f"whole number of micro batches and data.micro_batch_size is {self.batch_size}; resume with a "
+            f"data.micro_batch_size that divides {state['samples']}"
+        )
+    self._epoch, self._samples, self.seed = (
+        int(state["epoch"]),
+        int(state["samples"]),
+        int(state.get("seed", self.seed)),
+    )
+    if self._kind == "map":
+        self.sampler.seed = self.seed
     if self._kind == "stream":
         self._unit, self._index = int(state["unit"]), int(state["index"])
-        if "stream_seed" in state and hasattr(self.dataset, "seed"): self.dataset.seed = int(state["stream_seed"])
+        if "stream_seed" in state and hasattr(self.dataset, "seed"):
+            self.dataset.seed = int(state["stream_seed"])
 
 # %% ../nbs/03_data.ipynb #5b1e7c42
 @patch
@@ -739,19 +1189,30 @@ def _rank_position(self: ResumableDataLoader, state: Mapping) -> dict:
     "The job's position of a state an earlier version saved for one rank (`batches` of that rank, a position per worker)."
     saved = (int(state.get("rank", 0)), int(state.get("world_size", 1)))
     if saved != (self.rank, self.world_size):
-        raise DataError(f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this loader is rank {self.rank} "
-                        f"of {self.world_size}; a position written by an earlier version is one rank's, so resume with the same "
-                        f"number of processes (torchrun --nproc_per_node/--nnodes)")
-    epoch, samples = int(state["epoch"]), int(state["batches"]) * int(state.get("batch_size", self.batch_size)) * saved[1]
+        raise DataError(
+            f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this loader is rank {self.rank} "
+            f"of {self.world_size}; a position written by an earlier version is one rank's, so resume with the same "
+            f"number of processes (torchrun --nproc_per_node/--nnodes)"
+        )
+    epoch, samples = (
+        int(state["epoch"]),
+        int(state["batches"]) * int(state.get("batch_size", self.batch_size)) * saved[1],
+    )
     position = {**state, "samples": samples}
-    if self._kind != "stream": return position
+    if self._kind != "stream":
+        return position
     roles = state.get("positions") or [[0, 0]]
-    if len(roles) == 1 and (saved[1] == 1 or self.dataset.random_access): unit, index = roles[0]   # the same order as now
+    if len(roles) == 1 and (saved[1] == 1 or self.dataset.random_access):
+        unit, index = roles[0]  # the same order as now
     else:
         unit, index = self.dataset.locate(epoch, samples)
-        warnings.warn(f"the data position was saved by an earlier version that read this stream with {len(roles)} reader(s) "
-                      f"in another order; the run continues at sample {samples} of pass {epoch} in the order every job now "
-                      "shares, so some samples of this pass may be seen twice or not at all", DataWarning, stacklevel=3)
+        warnings.warn(
+            f"the data position was saved by an earlier version that read this stream with {len(roles)} reader(s) "
+            f"in another order; the run continues at sample {samples} of pass {epoch} in the order every job now "
+            "shares, so some samples of this pass may be seen twice or not at all",
+            DataWarning,
+            stacklevel=3,
+        )
     return {**position, "unit": int(unit), "index": int(index)}
 
 # %% ../nbs/03_data.ipynb #619003a6
@@ -759,72 +1220,135 @@ def resolve_vocab_size(data: DataConfig, vocab_size: int | None = None) -> int:
     "The vocabulary the data is read and checked with: a written `data.vocab_size` that fits `vocab_size`, else `vocab_size`."
     written = data.vocab_size if "vocab_size" in explicit_fields(data) else None
     if written is not None and vocab_size is not None and written > vocab_size:
-        raise DataError(f"data.vocab_size={written} is larger than the model vocabulary {vocab_size}; token ids >= {vocab_size} "
-                        f"cannot be embedded. Lower data.vocab_size or raise model.vocab_size")
+        raise DataError(
+            f"data.vocab_size={written} is larger than the model vocabulary {vocab_size}; token ids >= {vocab_size} "
+            f"cannot be embedded. Lower data.vocab_size or raise model.vocab_size"
+        )
     return int(written or vocab_size or data.vocab_size or ModelConfig().vocab_size)
 
 # %% ../nbs/03_data.ipynb #e0a1fb64
-def _block_size(data: DataConfig) -> int: return data.block_size or ModelConfig().max_seq_len
-def _seed(data: DataConfig) -> int: return data.seed or 0
+def _block_size(data: DataConfig) -> int:
+    return data.block_size or ModelConfig().max_seq_len
 
-def select_dataset(data: DataConfig, *, dataset: Any = None, tokenizer: Any = None, vocab_size: int | None = None) -> Any:
+
+def _seed(data: DataConfig) -> int:
+    return data.seed or 0
+
+
+def select_dataset(
+    data: DataConfig, *, dataset: Any = None, tokenizer: Any = None, vocab_size: int | None = None
+) -> Any:
     "The dataset `build_dataloader` reads: `dataset`, else `data.text_path`, `data.token_file`, `data.hf_dataset`, `data.dataset`, else synthetic tokens."
     block, vocab, seed = _block_size(data), resolve_vocab_size(data, vocab_size), _seed(data)
-    if dataset is not None: return dataset
+    if dataset is not None:
+        return dataset
     if data.text_path:
         tok = tokenizer if tokenizer is not None else load_tokenizer(data.tokenizer, vocab)
         check_vocab(tok, vocab)
         return TextFileTokenDataset(data.text_path, block, tok, vocab)
-    if data.token_file: return TokenFileDataset(data.token_file, block, shuffle=data.shuffle, seed=seed, vocab_size=vocab)
-    if data.hf_dataset:                                  # the Hugging Face datasets chapter; `datasets` is imported only here
+    if data.token_file:
+        return TokenFileDataset(
+            data.token_file, block, shuffle=data.shuffle, seed=seed, vocab_size=vocab
+        )
+    if data.hf_dataset:  # the Hugging Face datasets chapter; `datasets` is imported only here
         from speedtronic.hf_datasets import hf_dataset_source
+
         return hf_dataset_source(data, block, tokenizer=tokenizer, vocab_size=vocab, seed=seed)
     source = data.dataset
-    if isinstance(source, (Dataset, IterableDataset)): return source
+    if isinstance(source, (Dataset, IterableDataset)):
+        return source
     if source is not None:
         if not isinstance(source, (str, os.PathLike)):
-            raise DataError(f"data.dataset must be a Dataset object or an existing local path, got {type(source).__name__}")
+            raise DataError(
+                f"data.dataset must be a Dataset object or an existing local path, got {type(source).__name__}"
+            )
         ds = load_serialized_dataset(source, block, trust_pickle=data.trust_pickle)
-        if isinstance(ds, TokenArrayDataset): ds.shuffle, ds.seed = data.shuffle, seed
-        if isinstance(ds, (TokenArrayDataset, TensorRowsDataset)): check_vocab(ds, vocab)
+        if isinstance(ds, TokenArrayDataset):
+            ds.shuffle, ds.seed = data.shuffle, seed
+        if isinstance(ds, (TokenArrayDataset, TensorRowsDataset)):
+            check_vocab(ds, vocab)
         return ds
-    if not data.synthetic: raise DataError("data.synthetic=false requires data.text_path, data.token_file or data.dataset (or data.hf_dataset)")
-    return SyntheticTokenDataset(num_samples=data.num_tokens, block_size=block, vocab_size=vocab, seed=seed)
+    if not data.synthetic:
+        raise DataError(
+            "data.synthetic=false requires data.text_path, data.token_file or data.dataset (or data.hf_dataset)"
+        )
+    return SyntheticTokenDataset(
+        num_samples=data.num_tokens, block_size=block, vocab_size=vocab, seed=seed
+    )
 
 # %% ../nbs/03_data.ipynb #09f03f0c
 def known_samples(dataset: Any) -> int | None:
     "Samples in one pass of `dataset` when known without reading it: `len()` of a map dataset, blocks of a token array or short text."
-    if isinstance(dataset, TokenArrayDataset): return dataset.num_blocks
-    if isinstance(dataset, IterableDataset): return getattr(dataset, "known_blocks", None)
-    try: return len(dataset)
-    except (TypeError, NotImplementedError): return None
+    if isinstance(dataset, TokenArrayDataset):
+        return dataset.num_blocks
+    if isinstance(dataset, IterableDataset):
+        return getattr(dataset, "known_blocks", None)
+    try:
+        return len(dataset)
+    except (TypeError, NotImplementedError):
+        return None
 
-def check_loader_settings(dataset: Any, *, batch_size: int, drop_last: bool, shuffle: bool,
-                          world_size: int = 1) -> None:  # processes of a torchrun job, each taking `batch_size`
+
+def check_loader_settings(
+    dataset: Any, *, batch_size: int, drop_last: bool, shuffle: bool, world_size: int = 1
+) -> None:  # processes of a torchrun job, each taking `batch_size`
     "`DataError` when no batch could ever be produced; a `DataWarning` when `shuffle` cannot apply to a stream."
     n = known_samples(dataset)
     if drop_last and n is not None and n < batch_size * world_size:
-        what = f"data.micro_batch_size is {batch_size}" + (f" for each of {world_size} processes" if world_size > 1 else "")
-        raise DataError(f"the data holds {n} sample{'s' if n != 1 else ''} but {what}, and with "
-                        f"data.drop_last: true no batch is ever produced; lower data.micro_batch_size, set data.drop_last: false, or use more data")
+        what = f"data.micro_batch_size is {batch_size}" + (
+            f" for each of {world_size} processes" if world_size > 1 else ""
+        )
+        raise DataError(
+            f"the data holds {n} sample{'s' if n != 1 else ''} but {what}, and with "
+            f"data.drop_last: true no batch is ever produced; lower data.micro_batch_size, set data.drop_last: false, or use more data"
+        )
     if shuffle and isinstance(dataset, IterableDataset) and not getattr(dataset, "shuffle", False):
-        what = f"data.text_path {str(dataset.path)!r}" if isinstance(dataset, TextFileTokenDataset) else type(dataset).__name__
-        warnings.warn(f"data.shuffle is true but {what} is a stream read in order; it is not shuffled. To shuffle blocks, "
-                      f"run `speedtronic prepare` and set data.token_file; or set data.shuffle: false", DataWarning, stacklevel=3)
+        what = (
+            f"data.text_path {str(dataset.path)!r}"
+            if isinstance(dataset, TextFileTokenDataset)
+            else type(dataset).__name__
+        )
+        warnings.warn(
+            f"data.shuffle is true but {what} is a stream read in order; it is not shuffled. To shuffle blocks, "
+            f"run `speedtronic prepare` and set data.token_file; or set data.shuffle: false",
+            DataWarning,
+            stacklevel=3,
+        )
 
 # %% ../nbs/03_data.ipynb #42252598
-def build_dataloader(config: Any, *, dataset: Any = None, tokenizer: Any = None, pin_memory_device: bool = False,
-                     vocab_size: int | None = None,
-                     rank: int = 0, world_size: int = 1,  # this process's rank in a torchrun job of `world_size` processes
-                    ) -> ResumableDataLoader:
+def build_dataloader(
+    config: Any,
+    *,
+    dataset: Any = None,
+    tokenizer: Any = None,
+    pin_memory_device: bool = False,
+    vocab_size: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,  # this process's rank in a torchrun job of `world_size` processes
+) -> ResumableDataLoader:
     "A resumable loader over the configured data source; `config` is a `DataConfig` (or a whole config, mapping or namespace)."
     data = as_section(config, DataConfig)
     ds = select_dataset(data, dataset=dataset, tokenizer=tokenizer, vocab_size=vocab_size)
-    check_loader_settings(ds, batch_size=data.micro_batch_size, drop_last=data.drop_last, shuffle=data.shuffle, world_size=world_size)
-    return ResumableDataLoader(ds, batch_size=data.micro_batch_size, shuffle=data.shuffle, num_workers=data.num_workers,
-                               pin_memory=bool(pin_memory_device if data.pin_memory is None else data.pin_memory),
-                               drop_last=data.drop_last, prefetch_factor=data.prefetch_factor, seed=_seed(data),
-                               rank=rank, world_size=world_size)
+    check_loader_settings(
+        ds,
+        batch_size=data.micro_batch_size,
+        drop_last=data.drop_last,
+        shuffle=data.shuffle,
+        world_size=world_size,
+    )
+    return ResumableDataLoader(
+        ds,
+        batch_size=data.micro_batch_size,
+        shuffle=data.shuffle,
+        num_workers=data.num_workers,
+        pin_memory=bool(pin_memory_device if data.pin_memory is None else data.pin_memory),
+        drop_last=data.drop_last,
+        prefetch_factor=data.prefetch_factor,
+        seed=_seed(data),
+        rank=rank,
+        world_size=world_size,
+    )
 
 # %% ../nbs/03_data.ipynb #56e710d0
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

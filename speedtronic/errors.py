@@ -14,20 +14,26 @@ __all__ = ['full_traceback', 'ExpectedError']
 # %% ../nbs/00d_errors.ipynb #f0132144
 _TB_HINT = "\x1b[2m(the traceback: %tb)\x1b[0m"
 
+
 def full_traceback(error: BaseException) -> list[str]:
     "The lines of `error`'s whole traceback: IPython's own rendering in IPython, else Python's."
     shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    if shell is not None: return shell.InteractiveTB.structured_traceback(type(error), error, error.__traceback__)
+    if shell is not None:
+        return shell.InteractiveTB.structured_traceback(type(error), error, error.__traceback__)
     return "".join(traceback.format_exception(type(error), error, error.__traceback__)).splitlines()
+
 
 class ExpectedError(Exception):
     "Base of the package's errors about something the user can fix; IPython shows the message, `%tb` the traceback."
+
     def _render_traceback_(self) -> list[str]:
         "The message (then the traceback when shown again, e.g. by `%tb`), as IPython's lines."
-        if getattr(self, "_message_shown", False): return full_traceback(self)
+        if getattr(self, "_message_shown", False):
+            return full_traceback(self)
         self._message_shown = True
         first, *rest = str(self).splitlines() or [""]
         return [f"\x1b[1;31m{type(self).__name__}\x1b[0m: {first}", *rest, _TB_HINT]
 
 # %% ../nbs/00d_errors.ipynb #fa288f8e
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

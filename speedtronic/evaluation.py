@@ -26,9 +26,21 @@ from torch import nn
 
 from .checkpoint import capture_rng_state, restore_rng_state
 from .config import DataConfig, SpeedtronicConfig
-from .data import (BlockStream, CharTokenizer, DataError, TextFileTokenDataset, TokenArrayDataset, build_dataloader,
-                   check_data_file, load_tokenizer, read_token_sidecar, resolve_vocab_size, select_dataset, source_identity,
-                   token_dtype)
+from speedtronic.data import (
+    BlockStream,
+    CharTokenizer,
+    DataError,
+    TextFileTokenDataset,
+    TokenArrayDataset,
+    build_dataloader,
+    check_data_file,
+    load_tokenizer,
+    read_token_sidecar,
+    resolve_vocab_size,
+    select_dataset,
+    source_identity,
+    token_dtype,
+)
 from .generation import generate
 from .parallel import World
 from .tokens import encode_text
@@ -43,6 +55,7 @@ __all__ = ['EVAL_RECORD_KEYS', 'EvalResult', 'evaluate', 'bytes_per_token', 'Hol
 @dataclass(frozen=True)
 class EvalResult:
     "One evaluation: mean loss per predicted token over `tokens` targets in `batches` batches."
+
     loss: float  # mean cross-entropy (nats) per predicted token
     tokens: int  # predicted tokens read (all ranks)
     batches: int  # held-out batches read (all ranks)
@@ -57,29 +70,58 @@ class EvalResult:
     @property
     def bpb(self) -> float | None:
         "Bits per byte of held-out text, `None` when the bytes per token are unknown."
-        if not self.bytes_per_token: return None
+        if not self.bytes_per_token:
+            return None
         return self.loss / math.log(2) / self.bytes_per_token
 
     def record(self) -> dict[str, Any]:
         "The `eval` event's values: `val_loss`, `val_ppl`, `val_bpb`, `val_tokens`, `val_batches`, `eval_s`."
-        return {"val_loss": self.loss, "val_ppl": self.ppl, "val_bpb": self.bpb, "val_tokens": self.tokens,
-                "val_batches": self.batches, "eval_s": self.elapsed_s}
+        return {
+            "val_loss": self.loss,
+            "val_ppl": self.ppl,
+            "val_bpb": self.bpb,
+            "val_tokens": self.tokens,
+            "val_batches": self.batches,
+            "eval_s": self.elapsed_s,
+        }
 
 # %% ../nbs/11b_evaluation.ipynb #db66636c
 def _targets(batch: Any, device: torch.device) -> torch.Tensor:
     "Predicted tokens in `batch` as a 0-d tensor: labels that are not -100, else one per sample."
-    labels = batch.get("labels") if isinstance(batch, Mapping) else batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
-    if torch.is_tensor(labels) and not labels.is_floating_point(): return (labels != -100).sum().double()
-    first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0] if isinstance(batch, (tuple, list)) else batch
-    return torch.tensor(float(first.shape[0] if torch.is_tensor(first) and first.ndim else 1), dtype=torch.float64, device=device)
+    labels = (
+        batch.get("labels")
+        if isinstance(batch, Mapping)
+        else batch[1]
+        if isinstance(batch, (tuple, list)) and len(batch) > 1
+        else None
+    )
+    if torch.is_tensor(labels) and not labels.is_floating_point():
+        return (labels != -100).sum().double()
+    first = (
+        next(iter(batch.values()))
+        if isinstance(batch, Mapping)
+        else batch[0]
+        if isinstance(batch, (tuple, list))
+        else batch
+    )
+    return torch.tensor(
+        float(first.shape[0] if torch.is_tensor(first) and first.ndim else 1),
+        dtype=torch.float64,
+        device=device,
+    )
 
-def evaluate(model: nn.Module, loader: Any, *,
-             max_batches: int | None = None,  # most batches read; `None`: the whole loader
-             device: str | torch.device,
-             precision: Any = None,  # a `PrecisionPlan` (autocast); `None`: fp32
-             world: World | None = None,  # a torchrun job: every rank calls, each with its share of the batches
-             bytes_per_token: float | None = None,  # bytes of text per token, for bits per byte
-            ) -> EvalResult:
+
+def evaluate(
+    model: nn.Module,
+    loader: Any,
+    *,
+    max_batches: int | None = None,  # most batches read; `None`: the whole loader
+    device: str | torch.device,
+    precision: Any = None,  # a `PrecisionPlan` (autocast); `None`: fp32
+    world: World
+    | None = None,  # a torchrun job: every rank calls, each with its share of the batches
+    bytes_per_token: float | None = None,  # bytes of text per token, for bits per byte
+) -> EvalResult:
     "The mean held-out loss of `model` over `loader` (eval mode, no gradients), as an `EvalResult`."
     device, t0 = torch.device(device), time.perf_counter()
     plan = precision if precision is not None else resolve_precision("fp32", device)
@@ -89,32 +131,56 @@ def evaluate(model: nn.Module, loader: Any, *,
     try:
         with torch.no_grad():
             for i, batch in enumerate(loader):
-                if max_batches is not None and i >= max_batches: break
+                if max_batches is not None and i >= max_batches:
+                    break
                 batch = move_batch(batch, device)
-                with autocast_context(plan, device): loss = resolve_loss(call_model(model, batch), batch)
+                with autocast_context(plan, device):
+                    loss = resolve_loss(call_model(model, batch), batch)
                 n = _targets(batch, device).to(device)
-                total += torch.stack([loss.detach().double() * n, n, torch.ones((), dtype=torch.float64, device=device)])
+                total += torch.stack(
+                    [
+                        loss.detach().double() * n,
+                        n,
+                        torch.ones((), dtype=torch.float64, device=device),
+                    ]
+                )
     finally:
-        for m, mode in modes: m.training = mode
-    if world is not None and world.size > 1: total = world.all_sum(total)
+        for m, mode in modes:
+            m.training = mode
+    if world is not None and world.size > 1:
+        total = world.all_sum(total)
     loss_sum, tokens, batches = total.cpu().tolist()
-    if not batches: raise DataError("the held-out data gave no batch to evaluate on; give eval more data (or data.drop_last: false)")
-    return EvalResult(loss_sum / max(tokens, 1.0), int(tokens), int(batches), time.perf_counter() - t0, bytes_per_token)
+    if not batches:
+        raise DataError(
+            "the held-out data gave no batch to evaluate on; give eval more data (or data.drop_last: false)"
+        )
+    return EvalResult(
+        loss_sum / max(tokens, 1.0),
+        int(tokens),
+        int(batches),
+        time.perf_counter() - t0,
+        bytes_per_token,
+    )
 
 # %% ../nbs/11b_evaluation.ipynb #851c3320
-def bytes_per_token(tokenizer: Any, tokens: Any = None,  # held-out token ids to measure the ratio on
-                    ) -> float | None:
+def bytes_per_token(
+    tokenizer: Any,
+    tokens: Any = None,  # held-out token ids to measure the ratio on
+) -> float | None:
     "Bytes of UTF-8 text per token: 1 for the byte tokenizer, measured on `tokens` for another, `None` if unknown."
-    if isinstance(tokenizer, CharTokenizer): return 1.0
+    if isinstance(tokenizer, CharTokenizer):
+        return 1.0
     decode = getattr(tokenizer, "decode", None)
-    if tokens is None or not callable(decode) or not len(tokens): return None
-    ids = np.asarray(tokens[:1 << 20]).tolist()
+    if tokens is None or not callable(decode) or not len(tokens):
+        return None
+    ids = np.asarray(tokens[: 1 << 20]).tolist()
     return len(decode(ids).encode("utf-8")) / len(ids)
 
 # %% ../nbs/11b_evaluation.ipynb #5ab0050d
 @dataclass(frozen=True)
 class Holdout:
     "A training source split in two at a block boundary."
+
     train: Any  # the blocks training reads: a `TokenArrayDataset`, or a `StreamHoldout` of a stream
     held_out: Any  # the blocks evaluation reads, of the same kind
     source: str  # what was split, e.g. "data.token_file 'x.bin'"
@@ -123,39 +189,72 @@ class Holdout:
         "One line: how many blocks and tokens each side gets (a stream: which blocks, its size is not known before reading)."
         t, h = self.train, self.held_out
         if getattr(h, "share", None) is not None:  # a `StreamHoldout` (below)
-            return (f"eval.holdout_fraction: {self.source} is streamed, so the tokens each side gets are not known before it is read: "
-                    f"of each shard's blocks of {t.block_size + 1} tokens, {h.share} spread evenly are held out "
-                    f"({h.share.denominator - h.share.numerator} trained on, then {h.share.numerator} held out, in every {h.share.denominator})")
-        return (f"eval.holdout_fraction: {self.source} split into {t.num_blocks:,} training blocks ({t.num_tokens:,} tokens) "
-                f"and {h.num_blocks:,} held-out blocks ({h.num_tokens:,} tokens)")
+            return (
+                f"eval.holdout_fraction: {self.source} is streamed, so the tokens each side gets are not known before it is read: "
+                f"of each shard's blocks of {t.block_size + 1} tokens, {h.share} spread evenly are held out "
+                f"({h.share.denominator - h.share.numerator} trained on, then {h.share.numerator} held out, in every {h.share.denominator})"
+            )
+        return (
+            f"eval.holdout_fraction: {self.source} split into {t.num_blocks:,} training blocks ({t.num_tokens:,} tokens) "
+            f"and {h.num_blocks:,} held-out blocks ({h.num_tokens:,} tokens)"
+        )
+
 
 def _text_tokens(dataset: TextFileTokenDataset) -> np.ndarray:
     "Every block of a text dataset, in reading order, as one token array (each block's `block_size + 1` tokens)."
-    direct = TextFileTokenDataset(dataset.path, dataset.block_size, dataset.tokenizer, dataset.vocab_size)
+    direct = TextFileTokenDataset(
+        dataset.path, dataset.block_size, dataset.tokenizer, dataset.vocab_size
+    )
     groups = [np.concatenate([s["input_ids"].numpy(), s["labels"].numpy()[-1:]]) for s in direct]
-    return np.concatenate(groups).astype(token_dtype(dataset.vocab_size)) if groups else np.empty(0, np.uint16)
+    return (
+        np.concatenate(groups).astype(token_dtype(dataset.vocab_size))
+        if groups
+        else np.empty(0, np.uint16)
+    )
 
 # %% ../nbs/11b_evaluation.ipynb #9c5bd118
 def holdout_split(dataset: Any, fraction: float) -> Holdout:
     "Split a text or token dataset: its last `fraction` of blocks (at least one) held out, the rest trained on; a stream block by block."
     if isinstance(dataset, TextFileTokenDataset):
-        tokens, source, shuffle, seed = _text_tokens(dataset), f"data.text_path {str(dataset.path)!r}", False, 0
+        tokens, source, shuffle, seed = (
+            _text_tokens(dataset),
+            f"data.text_path {str(dataset.path)!r}",
+            False,
+            0,
+        )
     elif isinstance(dataset, TokenArrayDataset):
         tokens, source, shuffle, seed = dataset.tokens, dataset.name, dataset.shuffle, dataset.seed
     elif isinstance(dataset, BlockStream) and hasattr(dataset, "block_size"):
         source = getattr(dataset, "name", None) or type(dataset).__name__
-        return Holdout(StreamHoldout(dataset, fraction, held_out=False), StreamHoldout(dataset, fraction, held_out=True), source)
-    else: raise DataError(f"eval.holdout_fraction splits data.text_path, data.token_file or data.hf_dataset, not a "
-                          f"{type(dataset).__name__}; give eval.text_path or eval.token_file instead")
+        return Holdout(
+            StreamHoldout(dataset, fraction, held_out=False),
+            StreamHoldout(dataset, fraction, held_out=True),
+            source,
+        )
+    else:
+        raise DataError(
+            f"eval.holdout_fraction splits data.text_path, data.token_file or data.hf_dataset, not a "
+            f"{type(dataset).__name__}; give eval.text_path or eval.token_file instead"
+        )
     block, g = dataset.block_size, dataset.block_size + 1
     blocks = len(tokens) // g + (len(tokens) % g >= 2)
     held = max(1, math.ceil(blocks * fraction))
     if held >= blocks:
-        raise DataError(f"eval.holdout_fraction {fraction} of {source} ({blocks} block(s) of {g} tokens) leaves no block to "
-                        "train on; lower eval.holdout_fraction or use more data")
+        raise DataError(
+            f"eval.holdout_fraction {fraction} of {source} ({blocks} block(s) of {g} tokens) leaves no block to "
+            "train on; lower eval.holdout_fraction or use more data"
+        )
     cut = (blocks - held) * g
-    train = TokenArrayDataset(tokens[:cut], block, shuffle=shuffle, seed=seed, name=f"{source} blocks 0..{blocks - held - 1}")
-    rest = TokenArrayDataset(tokens[cut:], block, name=f"{source} held-out blocks {blocks - held}..{blocks - 1}")
+    train = TokenArrayDataset(
+        tokens[:cut],
+        block,
+        shuffle=shuffle,
+        seed=seed,
+        name=f"{source} blocks 0..{blocks - held - 1}",
+    )
+    rest = TokenArrayDataset(
+        tokens[cut:], block, name=f"{source} held-out blocks {blocks - held}..{blocks - 1}"
+    )
     train.vocab_limit = rest.vocab_limit = getattr(dataset, "vocab_limit", None)
     return Holdout(train, rest, source)
 
@@ -164,31 +263,43 @@ def _is_held(i: int, share: Fraction) -> bool:
     "Whether block `i` of a shard is held out: `floor((i + 1) * share)` passes an integer there."
     return (i + 1) * share.numerator // share.denominator > i * share.numerator // share.denominator
 
+
 class StreamHoldout(BlockStream):
     "One side of a streamed source split block by block: `fraction` of each unit's blocks, spread evenly, are held out."
+
     shuffle, known_blocks = False, None
+
     def __init__(self, source: BlockStream, fraction: float, *, held_out: bool):
         self.source, self.held_out = source, bool(held_out)
         self.share = Fraction(fraction).limit_denominator(1 << 20)
         self.block_size, self.vocab_size = source.block_size, getattr(source, "vocab_size", None)
         self.name = f"{getattr(source, 'name', None) or type(source).__name__} {'held-out' if held_out else 'training'} blocks"
 
-    def num_units(self, epoch: int) -> int: return self.source.num_units(epoch)
+    def num_units(self, epoch: int) -> int:
+        return self.source.num_units(epoch)
 
     def unit_samples(self, epoch: int, unit: int, skip: int) -> Iterator[dict]:
         "This side's samples of `unit`, after its first `skip` (the source's unit read from its start)."
-        mine = (s for i, s in enumerate(self.source.unit_samples(epoch, unit, 0)) if _is_held(i, self.share) == self.held_out)
+        mine = (
+            s
+            for i, s in enumerate(self.source.unit_samples(epoch, unit, 0))
+            if _is_held(i, self.share) == self.held_out
+        )
         return itertools.islice(mine, skip, None)
 
     def source_identity(self, **order: Any) -> dict[str, Any]:
         "The source's identity, the fraction and the side: a position of one side is not one of the other."
-        return {**source_identity(self.source, **order), "eval.holdout_fraction": float(self.share),
-                "side": "held out" if self.held_out else "trained on"}
+        return {
+            **source_identity(self.source, **order),
+            "eval.holdout_fraction": float(self.share),
+            "side": "held out" if self.held_out else "trained on",
+        }
 
 # %% ../nbs/11b_evaluation.ipynb #dc97c733
 @dataclass
 class Sampler:
     "Continues each prompt with `generate`: one `{index, prompt, text}` per prompt."
+
     tokenizer: Any  # the run's tokenizer
     prompts: list[str]
     max_new_tokens: int = 64
@@ -200,21 +311,54 @@ class Sampler:
         model = getattr(model, "module", model)
         modes, rng = [(m, m.training) for m in model.modules()], capture_rng_state()
         try:
-            return [{"index": i, "prompt": p, "text": generate(model, self.tokenizer, p, max_new_tokens=self.max_new_tokens,
-                                                               temperature=self.temperature, seed=self.seed)}
-                    for i, p in enumerate(self.prompts)]
+            return [
+                {
+                    "index": i,
+                    "prompt": p,
+                    "text": generate(
+                        model,
+                        self.tokenizer,
+                        p,
+                        max_new_tokens=self.max_new_tokens,
+                        temperature=self.temperature,
+                        seed=self.seed,
+                    ),
+                }
+                for i, p in enumerate(self.prompts)
+            ]
         finally:
-            for m, mode in modes: m.training = mode
+            for m, mode in modes:
+                m.training = mode
             restore_rng_state(rng)
 
 # %% ../nbs/11b_evaluation.ipynb #681176e0
 class Evaluator:
     "The held-out loader and how often and how much of it to read; called with the model, returns an `EvalResult`."
-    def __init__(self, loader: Any, *, device: str | torch.device, every_steps: int | None = None, max_batches: int | None = None,
-                 precision: Any = None, world: World | None = None, bytes_per_token: float | None = None,
-                 sampler: Sampler | None = None):  # the texts written at every evaluation
-        self.loader, self.device, self.every_steps, self.max_batches = loader, torch.device(device), every_steps, max_batches
-        self.precision, self.world, self.bytes_per_token, self.sampler = precision, world, bytes_per_token, sampler
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        device: str | torch.device,
+        every_steps: int | None = None,
+        max_batches: int | None = None,
+        precision: Any = None,
+        world: World | None = None,
+        bytes_per_token: float | None = None,
+        sampler: Sampler | None = None,
+    ):  # the texts written at every evaluation
+        self.loader, self.device, self.every_steps, self.max_batches = (
+            loader,
+            torch.device(device),
+            every_steps,
+            max_batches,
+        )
+        self.precision, self.world, self.bytes_per_token, self.sampler = (
+            precision,
+            world,
+            bytes_per_token,
+            sampler,
+        )
         state = getattr(loader, "state_dict", None)
         self._start = state() if callable(state) else None  # the first held-out batch
 
@@ -224,53 +368,118 @@ class Evaluator:
 
     def __call__(self, model: nn.Module) -> EvalResult:
         "Evaluate `model` on the held-out batches, leaving the random generators as they were."
-        if self._start is not None: self.loader.load_state_dict(self._start)
+        if self._start is not None:
+            self.loader.load_state_dict(self._start)
         rng = capture_rng_state()
-        try: return evaluate(model, self.loader, max_batches=self.max_batches, device=self.device, precision=self.precision,
-                             world=self.world, bytes_per_token=self.bytes_per_token)
-        finally: restore_rng_state(rng)
+        try:
+            return evaluate(
+                model,
+                self.loader,
+                max_batches=self.max_batches,
+                device=self.device,
+                precision=self.precision,
+                world=self.world,
+                bytes_per_token=self.bytes_per_token,
+            )
+        finally:
+            restore_rng_state(rng)
 
     def samples(self, model: nn.Module) -> list[dict[str, Any]]:
         "The sampler's texts for `model` (none without prompts, and none on a rank that does not write)."
-        if self.sampler is None or (self.world is not None and not self.world.writes): return []
+        if self.sampler is None or (self.world is not None and not self.world.writes):
+            return []
         return self.sampler(model)
 
 # %% ../nbs/11b_evaluation.ipynb #7b611bf7
 def _held_out_data(config: SpeedtronicConfig) -> tuple[DataConfig, str]:
     "The data settings of the held-out loader, and the key that names its source."
     e, d = config.eval, config.data
-    common = dict(micro_batch_size=e.micro_batch_size or d.micro_batch_size, shuffle=False, drop_last=False, num_workers=0,
-                  dataset=None, max_steps=None)
-    if e.text_path: return dataclasses.replace(d, text_path=e.text_path, token_file=None, **common), "eval.text_path"
-    return dataclasses.replace(d, text_path=None, token_file=e.token_file, **common), "eval.token_file"
+    common = dict(
+        micro_batch_size=e.micro_batch_size or d.micro_batch_size,
+        shuffle=False,
+        drop_last=False,
+        num_workers=0,
+        dataset=None,
+        max_steps=None,
+    )
+    if e.text_path:
+        return dataclasses.replace(
+            d, text_path=e.text_path, token_file=None, **common
+        ), "eval.text_path"
+    return dataclasses.replace(
+        d, text_path=None, token_file=e.token_file, **common
+    ), "eval.token_file"
 
-def build_evaluator(config: SpeedtronicConfig, *, device: str | torch.device, vocab_size: int | None = None,
-                    precision: Any = None, world: World | None = None,
-                    held_out: Any = None,  # the held-out side of a `holdout_split`
-                    tokenizer: Any = None,  # the run's tokenizer (for bits per byte); default from `data.tokenizer`
-                   ) -> Evaluator | None:
+
+def build_evaluator(
+    config: SpeedtronicConfig,
+    *,
+    device: str | torch.device,
+    vocab_size: int | None = None,
+    precision: Any = None,
+    world: World | None = None,
+    held_out: Any = None,  # the held-out side of a `holdout_split`
+    tokenizer: Any = None,  # the run's tokenizer (for bits per byte); default from `data.tokenizer`
+) -> Evaluator | None:
     "The `Evaluator` that `config.eval` describes, or `None` when it names no held-out source."
     e, world = config.eval, world if world is not None else World()
-    if not e.enabled: return None
-    if e.holdout_fraction and held_out is None: raise ValueError("eval.holdout_fraction: pass the held_out side of holdout_split")
+    if not e.enabled:
+        return None
+    if e.holdout_fraction and held_out is None:
+        raise ValueError("eval.holdout_fraction: pass the held_out side of holdout_split")
     data, key = _held_out_data(config)
-    if held_out is None: check_data_file(e.text_path or e.token_file, key)
+    if held_out is None:
+        check_data_file(e.text_path or e.token_file, key)
     vocab = resolve_vocab_size(config.data, vocab_size)
-    try: loader = build_dataloader(data, dataset=held_out, vocab_size=vocab, rank=world.rank, world_size=world.size,
-                                   pin_memory_device=torch.device(device).type == "cuda")
+    try:
+        loader = build_dataloader(
+            data,
+            dataset=held_out,
+            vocab_size=vocab,
+            rank=world.rank,
+            world_size=world.size,
+            pin_memory_device=torch.device(device).type == "cuda",
+        )
     except DataError as err:  # the data module names the training keys; this is the held-out file
-        if held_out is not None: raise
-        raise DataError(str(err).replace("data.text_path", key).replace("data.token_file", key)) from None
-    uses_tokenizer = held_out is not None and (config.data.text_path or config.data.hf_dataset) or e.text_path
-    tok = (tokenizer if tokenizer is not None else load_tokenizer(config.data.tokenizer, vocab)) if uses_tokenizer else None
+        if held_out is not None:
+            raise
+        raise DataError(
+            str(err).replace("data.text_path", key).replace("data.token_file", key)
+        ) from None
+    uses_tokenizer = (
+        held_out is not None and (config.data.text_path or config.data.hf_dataset) or e.text_path
+    )
+    tok = (
+        (tokenizer if tokenizer is not None else load_tokenizer(config.data.tokenizer, vocab))
+        if uses_tokenizer
+        else None
+    )
     token_path = e.token_file or (config.data.token_file if held_out is not None else None)
-    if tok is None and token_path: tok = _sidecar_tokenizer(token_path, vocab)
+    if tok is None and token_path:
+        tok = _sidecar_tokenizer(token_path, vocab)
     sample = getattr(loader.dataset, "tokens", None)
-    if sample is None and tok is not None and not isinstance(tok, CharTokenizer):  # a text file or stream: its first blocks
+    if (
+        sample is None and tok is not None and not isinstance(tok, CharTokenizer)
+    ):  # a text file or stream: its first blocks
         sample = np.concatenate([s["input_ids"].numpy() for _, s in zip(range(64), loader.dataset)])
-    sampler = _sampler(config, tok if tok is not None else load_tokenizer(config.data.tokenizer, vocab), vocab) if e.sample_prompts else None
-    return Evaluator(loader, device=device, every_steps=e.every_steps, max_batches=e.max_batches, precision=precision,
-                     world=world, bytes_per_token=bytes_per_token(tok, sample) if tok is not None else None, sampler=sampler)
+    sampler = (
+        _sampler(
+            config, tok if tok is not None else load_tokenizer(config.data.tokenizer, vocab), vocab
+        )
+        if e.sample_prompts
+        else None
+    )
+    return Evaluator(
+        loader,
+        device=device,
+        every_steps=e.every_steps,
+        max_batches=e.max_batches,
+        precision=precision,
+        world=world,
+        bytes_per_token=bytes_per_token(tok, sample) if tok is not None else None,
+        sampler=sampler,
+    )
+
 
 def _sampler(config: SpeedtronicConfig, tokenizer: Any, vocab: int) -> Sampler:
     "The `Sampler` of `eval.sample_*`, each prompt checked against the run's tokenizer and vocabulary first."
@@ -278,96 +487,183 @@ def _sampler(config: SpeedtronicConfig, tokenizer: Any, vocab: int) -> Sampler:
     for i, prompt in enumerate(e.sample_prompts):
         ids = encode_text(tokenizer, prompt)
         if not len(ids) or int(ids.max()) >= vocab:
-            raise DataError(f"eval.sample_prompts: item {i} {prompt!r} " + (f"holds token {int(ids.max())}, outside the model's vocabulary of {vocab}"
-                            if len(ids) else "gives no token") + " with the run's tokenizer; change the prompt")
-    return Sampler(tokenizer, list(e.sample_prompts), e.sample_tokens, e.sample_temperature, seed=config.run.seed or 0)
+            raise DataError(
+                f"eval.sample_prompts: item {i} {prompt!r} "
+                + (
+                    f"holds token {int(ids.max())}, outside the model's vocabulary of {vocab}"
+                    if len(ids)
+                    else "gives no token"
+                )
+                + " with the run's tokenizer; change the prompt"
+            )
+    return Sampler(
+        tokenizer,
+        list(e.sample_prompts),
+        e.sample_tokens,
+        e.sample_temperature,
+        seed=config.run.seed or 0,
+    )
+
 
 def _sidecar_tokenizer(path: str, vocab: int) -> Any:
     "The tokenizer a prepared token file's sidecar names, or `None` when it cannot be loaded here."
     spec = read_token_sidecar(path).get("tokenizer")
-    try: return load_tokenizer(spec, vocab) if spec is not None else None
-    except Exception: return None
+    try:
+        return load_tokenizer(spec, vocab) if spec is not None else None
+    except Exception:
+        return None
 
 # %% ../nbs/11b_evaluation.ipynb #778be876
 class GlobalEvaluator:
     "Evaluates each published global model in its own CPU model instance, on its own thread: one `global_eval` event per version."
-    def __init__(self, model: nn.Module, # a second instance of the trained model (not the one training): each version's weights go in it
-                 evaluator: Evaluator, *, logger: Any = None):
+
+    def __init__(
+        self,
+        model: nn.Module,  # a second instance of the trained model (not the one training): each version's weights go in it
+        evaluator: Evaluator,
+        *,
+        logger: Any = None,
+    ):
         self.model = model.to("cpu").requires_grad_(False)
-        self.evaluator, self.logger, self.results = evaluator, logger, {}  # results: version -> EvalResult
+        self.evaluator, self.logger, self.results = (
+            evaluator,
+            logger,
+            {},
+        )  # results: version -> EvalResult
         self._queue, self._pending, self._done = queue.Queue(), 0, threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="speedtronic-global-eval", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="speedtronic-global-eval", daemon=True
+        )
         self._thread.start()
 
     def __call__(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         "Queue global `version` (its weights are copied now); returns at once."
-        with self._done: self._pending += 1
-        self._queue.put((int(version), {k: v.detach().to("cpu", copy=True) for k, v in state.items()}))
+        with self._done:
+            self._pending += 1
+        self._queue.put(
+            (int(version), {k: v.detach().to("cpu", copy=True) for k, v in state.items()})
+        )
 
     def wait(self, timeout: float | None = None) -> bool:
         "Wait until every queued version is evaluated; whether that happened within `timeout` seconds."
-        with self._done: return self._done.wait_for(lambda: self._pending == 0, timeout)
+        with self._done:
+            return self._done.wait_for(lambda: self._pending == 0, timeout)
 
     def close(self, timeout: float | None = None) -> None:
         "Evaluate what is queued (within `timeout` s), then end the thread."
-        self.wait(timeout); self._queue.put(None); self._thread.join(timeout)
+        self.wait(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
 
 # %% ../nbs/11b_evaluation.ipynb #eb750ef0
 @patch
-def _evaluate_version(self: GlobalEvaluator, version: int, state: Mapping[str, torch.Tensor]) -> None:
+def _evaluate_version(
+    self: GlobalEvaluator, version: int, state: Mapping[str, torch.Tensor]
+) -> None:
     "Load `state` into the copy, evaluate it, emit `global_eval` (a failure is a warning)."
     e = self.evaluator
     try:
         self.model.load_state_dict(state)
-        if e._start is not None: e.loader.load_state_dict(e._start)
-        result = evaluate(self.model, e.loader, max_batches=e.max_batches, device="cpu", bytes_per_token=e.bytes_per_token)
+        if e._start is not None:
+            e.loader.load_state_dict(e._start)
+        result = evaluate(
+            self.model,
+            e.loader,
+            max_batches=e.max_batches,
+            device="cpu",
+            bytes_per_token=e.bytes_per_token,
+        )
     except Exception as err:
-        if self.logger is not None: self.logger.warning(f"global model version {version}: held-out evaluation failed: {type(err).__name__}: {err}")
+        if self.logger is not None:
+            self.logger.warning(
+                f"global model version {version}: held-out evaluation failed: {type(err).__name__}: {err}"
+            )
         return
     self.results[version] = result
     if self.logger is not None and callable(getattr(self.logger, "emit", None)):
-        record = {"outer_step": version, "global_val_loss": result.loss, "global_val_ppl": result.ppl, "global_val_bpb": result.bpb,
-                  "val_tokens": result.tokens, "val_batches": result.batches, "eval_s": result.elapsed_s}
-        try: self.logger.emit("global_eval", record)
-        except RuntimeError: pass  # a closed logger must not end the thread
+        record = {
+            "outer_step": version,
+            "global_val_loss": result.loss,
+            "global_val_ppl": result.ppl,
+            "global_val_bpb": result.bpb,
+            "val_tokens": result.tokens,
+            "val_batches": result.batches,
+            "eval_s": result.elapsed_s,
+        }
+        try:
+            self.logger.emit("global_eval", record)
+        except RuntimeError:
+            pass  # a closed logger must not end the thread
+
 
 @patch
 def _run(self: GlobalEvaluator) -> None:
     "The thread: evaluate queued versions in order until `close`."
     while (item := self._queue.get()) is not None:
-        try: self._evaluate_version(*item)
+        try:
+            self._evaluate_version(*item)
         finally:
-            with self._done: self._pending -= 1; self._done.notify_all()
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()
 
 # %% ../nbs/11b_evaluation.ipynb #a32dc610
 def holdout_note(config: SpeedtronicConfig) -> str | None:
     "How `eval.holdout_fraction` splits the training source (blocks and tokens each side), or `None` without a split."
-    if not config.eval.holdout_fraction: return None
+    if not config.eval.holdout_fraction:
+        return None
     dataset = select_dataset(config.data, vocab_size=resolve_vocab_size(config.data))
     return holdout_split(dataset, config.eval.holdout_fraction).describe()
 
 # %% ../nbs/11b_evaluation.ipynb #93684c03
-EVAL_RECORD_KEYS = ("step", "val_loss", "val_ppl", "val_bpb", "val_tokens", "val_batches", "eval_s")  # an `eval` record's values
+EVAL_RECORD_KEYS = (
+    "step",
+    "val_loss",
+    "val_ppl",
+    "val_bpb",
+    "val_tokens",
+    "val_batches",
+    "eval_s",
+)  # an `eval` record's values
 
-def earlier_evals(path: str | os.PathLike | None, # the run's metrics file (`logging.json_file`)
-                  up_to: int, # the step the run resumed from
-                  *, run_id: str | None = None, # the resumed run: records of other runs in the file are skipped
-                 ) -> list[dict[str, Any]]:
+
+def earlier_evals(
+    path: str | os.PathLike | None,  # the run's metrics file (`logging.json_file`)
+    up_to: int,  # the step the run resumed from
+    *,
+    run_id: str | None = None,  # the resumed run: records of other runs in the file are skipped
+) -> list[dict[str, Any]]:
     "The `eval` records of run `run_id` up to step `up_to` that led to it, from a metrics file (empty if it is missing)."
-    if path is None or not Path(path).is_file() or up_to <= 0: return []
+    if path is None or not Path(path).is_file() or up_to <= 0:
+        return []
     kept: list[dict[str, Any]] = []
     with open(path, encoding="utf-8", errors="replace") as lines:
         for line in lines:
-            if '"eval"' not in line and '"train_start"' not in line: continue
-            try: record = json.loads(line)
-            except ValueError: continue  # a line a kill cut short
-            if not isinstance(record, dict) or record.get("event") not in ("eval", "train_start"): continue
-            if run_id is not None and record.get("run_id", run_id) != run_id: continue
-            step = record.get("start_step", 0) if record["event"] == "train_start" else record.get("step")
-            if not isinstance(step, int): continue
-            if record["event"] == "train_start": kept = [r for r in kept if r["step"] <= step]   # a resume from `step` replaces what followed
-            elif step <= up_to: kept.append({k: record[k] for k in EVAL_RECORD_KEYS if k in record})
+            if '"eval"' not in line and '"train_start"' not in line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line a kill cut short
+            if not isinstance(record, dict) or record.get("event") not in ("eval", "train_start"):
+                continue
+            if run_id is not None and record.get("run_id", run_id) != run_id:
+                continue
+            step = (
+                record.get("start_step", 0)
+                if record["event"] == "train_start"
+                else record.get("step")
+            )
+            if not isinstance(step, int):
+                continue
+            if record["event"] == "train_start":
+                kept = [
+                    r for r in kept if r["step"] <= step
+                ]  # a resume from `step` replaces what followed
+            elif step <= up_to:
+                kept.append({k: record[k] for k in EVAL_RECORD_KEYS if k in record})
     return kept
 
 # %% ../nbs/11b_evaluation.ipynb #f78af4fe
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -20,64 +20,94 @@ __all__ = ['TEMP_NAME', 'writer_gone', 'stale_temps', 'atomic_write', 'atomic_wr
 # %% ../nbs/00a_files.ipynb #be748c8a
 TEMP_NAME = re.compile(r"\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")
 
+
 def _temp_path(path: Path) -> Path:
     "A fresh temp sibling of `path`, named `.<name>.tmp-<pid>-<random>` (matched by `TEMP_NAME`)."
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
+
 def writer_gone(pid: int) -> bool:
     "True when no process `pid` runs on this machine (never for this process; unknown counts as alive)."
-    if pid == os.getpid() or os.name == "nt": return False
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return True
-    except OSError: return False
+    if pid == os.getpid() or os.name == "nt":
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
     return False
+
 
 def stale_temps(path: str | os.PathLike) -> list[Path]:
     "Temp files left next to `path` by earlier writes of it whose writer is gone."
     path = Path(path)
-    try: names = os.listdir(path.parent)
-    except OSError: return []
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return []
     found = [(TEMP_NAME.fullmatch(n), n) for n in names]
-    return sorted(path.parent / n for m, n in found if m and m["target"] == path.name and writer_gone(int(m["pid"])))
+    return sorted(
+        path.parent / n
+        for m, n in found
+        if m and m["target"] == path.name and writer_gone(int(m["pid"]))
+    )
 
 # %% ../nbs/00a_files.ipynb #f213d0d2
 def _fsync_directory(directory: Path) -> None:
     "Make a rename inside `directory` durable (skipped on Windows and where the file system cannot)."
-    if os.name == "nt": return
+    if os.name == "nt":
+        return
     fd = os.open(directory, os.O_RDONLY)
-    try: os.fsync(fd)
+    try:
+        os.fsync(fd)
     except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF): raise
-    finally: os.close(fd)
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
 
 def _about_target(error: OSError, temp: Path, path: Path) -> OSError:
     "`error` naming `path` when it named the temp file or no file at all."
-    if error.errno is None or error.filename not in (None, str(temp)): return error
-    return OSError(error.errno, error.strerror, str(path))   # the subclass for the errno (PermissionError...)
+    if error.errno is None or error.filename not in (None, str(temp)):
+        return error
+    return OSError(
+        error.errno, error.strerror, str(path)
+    )  # the subclass for the errno (PermissionError...)
 
-def atomic_write(path: str | os.PathLike,
-                 write: Callable[[BinaryIO], None],  # fills the binary file it is given
-                 ) -> Path:
+
+def atomic_write(
+    path: str | os.PathLike,
+    write: Callable[[BinaryIO], None],  # fills the binary file it is given
+) -> Path:
     "Replace `path` with what `write(file)` writes, atomically and durably; returns `path`."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in stale_temps(path):
-        with contextlib.suppress(OSError): old.unlink()
-    temp = _temp_path(path)   # a fresh name: a file by that name can only be this call's
+        with contextlib.suppress(OSError):
+            old.unlink()
+    temp = _temp_path(path)  # a fresh name: a file by that name can only be this call's
     try:
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            fd = os.open(
+                temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666
+            )
             with os.fdopen(fd, "wb") as f:
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temp, path)
-        except BaseException:   # also an interrupt (SIGTERM, Ctrl-C) that lands the moment os.open has created the file
-            with contextlib.suppress(OSError): temp.unlink()
+        except (
+            BaseException
+        ):  # also an interrupt (SIGTERM, Ctrl-C) that lands the moment os.open has created the file
+            with contextlib.suppress(OSError):
+                temp.unlink()
             raise
     except OSError as e:
         named = _about_target(e, temp, path)
-        if named is e: raise
+        if named is e:
+            raise
         raise named from None
     _fsync_directory(path.parent)
     return path
@@ -86,6 +116,7 @@ def atomic_write(path: str | os.PathLike,
 def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
     "Write `data` to `path` atomically (`atomic_write`); returns `path`."
     return atomic_write(path, lambda f: f.write(data))
+
 
 def atomic_write_text(text: str, path: str | os.PathLike, encoding: str = "utf-8") -> Path:
     "Write `text` to `path` atomically, encoded with `encoding`, line ends as given; returns `path`."
@@ -96,8 +127,10 @@ def file_in_the_way(directory: str | os.PathLike) -> Path | None:
     "The existing non-directory at `directory` or at one of its parents (which blocks creating it), if any."
     directory = Path(directory)
     for p in (directory, *directory.parents):
-        if p.exists(): return None if p.is_dir() else p
+        if p.exists():
+            return None if p.is_dir() else p
     return None
 
 # %% ../nbs/00a_files.ipynb #bd2de055
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

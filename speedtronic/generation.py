@@ -18,19 +18,33 @@ __all__ = ['check_sampling', 'filter_logits', 'next_token', 'context_window', 'g
            'generate_stream', 'generate']
 
 # %% ../nbs/18_generation.ipynb #a6de7303
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_sampling(
+    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None
+) -> None:
     "Refuse sampling settings that mean nothing, naming the argument."
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
         raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not 0 <= temperature < float("inf")
+    ):
         raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
         raise ValueError(f"top_k must be a positive whole number (or unset), got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
+    ):
         raise ValueError(f"top_p must be in (0, 1] (or unset), got {top_p!r}")
 
 # %% ../nbs/18_generation.ipynb #bcebf02f
-def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     "`logits` `(V,)` with every token outside the top-k and the top-p nucleus set to -inf."
     logits = logits.clone()
     if top_k is not None and top_k < logits.numel():
@@ -38,14 +52,24 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
         logits[logits < kth] = float("-inf")
     if top_p is not None and top_p < 1:
         ordered, order = torch.sort(logits, descending=True)
-        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # probability of the tokens ranked above
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(
+            -1
+        )  # probability of the tokens ranked above
         logits[order[before >= top_p]] = float("-inf")
     return logits
 
-def next_token(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, generator: torch.Generator | None = None) -> int:
+
+def next_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> int:
     "The next token id from last-position `logits` `(V,)`: argmax at temperature 0, else a filtered draw."
-    if temperature == 0: return int(logits.argmax())
+    if temperature == 0:
+        return int(logits.argmax())
     probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
@@ -55,15 +79,19 @@ def context_window(model: nn.Module) -> int | None:
     for owner in (getattr(model, "config", None), model):
         for name in ("block_size", "max_seq_len", "max_position_embeddings"):
             value = getattr(owner, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0: return value
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None
+
 
 def _last_logits(output: Any) -> torch.Tensor:
     "Last-position logits `(V,)` of the first sequence, from a dict, an object with `.logits`, or a tensor."
     logits = output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", output)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        raise TypeError(f"the model must return logits (batch, seq, vocab) (a tensor, or a dict with 'logits'); "
-                        f"got {type(logits).__name__}")
+        raise TypeError(
+            f"the model must return logits (batch, seq, vocab) (a tensor, or a dict with 'logits'); "
+            f"got {type(logits).__name__}"
+        )
     return logits[0, -1]
 
 # %% ../nbs/18_generation.ipynb #6d1cf5f9
@@ -71,28 +99,42 @@ def _device(model: nn.Module) -> torch.device:
     "Where the model's parameters live (CPU for a model without any)."
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
+
 def _steps(model: nn.Module, ids: list[int]) -> Iterator[torch.Tensor]:
     "Last-position logits after `ids`, then after each id appended to `ids` by the consumer."
     window, device = context_window(model), _device(model)
     as_batch = lambda t: torch.tensor([t], dtype=torch.long, device=device)
     if not hasattr(model, "new_cache"):
-        while True: yield _last_logits(model(as_batch(ids[-window:] if window else ids)))
+        while True:
+            yield _last_logits(model(as_batch(ids[-window:] if window else ids)))
     cache = model.new_cache()
-    yield _last_logits(model(as_batch(ids[-cache.max_len:]), cache=cache))
+    yield _last_logits(model(as_batch(ids[-cache.max_len :]), cache=cache))
     while True:
         if cache.length == cache.max_len:
             cache.crop(0)
-            yield _last_logits(model(as_batch(ids[-cache.max_len:]), cache=cache))
-        else: yield _last_logits(model(as_batch(ids[-1:]), cache=cache))
+            yield _last_logits(model(as_batch(ids[-cache.max_len :]), cache=cache))
+        else:
+            yield _last_logits(model(as_batch(ids[-1:]), cache=cache))
 
 # %% ../nbs/18_generation.ipynb #06569ce7
-def generate_ids(model: nn.Module, prompt_ids: Sequence[int], *, max_new_tokens: int = 100, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 stop_ids: Sequence[int] = ()) -> Iterator[int]:
+def generate_ids(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int = 100,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_ids: Sequence[int] = (),
+) -> Iterator[int]:
     "Yield up to `max_new_tokens` new token ids after `prompt_ids`, stopping after any of `stop_ids`."
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ids = [int(i) for i in prompt_ids]
-    if not ids: raise ValueError("the prompt is empty; give at least one token (one character for the byte tokenizer)")
+    if not ids:
+        raise ValueError(
+            "the prompt is empty; give at least one token (one character for the byte tokenizer)"
+        )
     generator = None if seed is None else torch.Generator().manual_seed(int(seed))
     was_training = model.training
     model.eval()
@@ -100,15 +142,24 @@ def generate_ids(model: nn.Module, prompt_ids: Sequence[int], *, max_new_tokens:
         with torch.no_grad():
             steps = _steps(model, ids)
             for _ in range(max_new_tokens):
-                token = next_token(next(steps), temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+                token = next_token(
+                    next(steps),
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    generator=generator,
+                )
                 ids.append(token)
                 yield token
-                if token in stop_ids: return
-    finally: model.train(was_training)
+                if token in stop_ids:
+                    return
+    finally:
+        model.train(was_training)
 
 # %% ../nbs/18_generation.ipynb #6594029a
 class TextStream:
     "Decode token ids as they come into text pieces that never split a character."
+
     def __init__(self, tokenizer: Any):
         self.tokenizer, self.ids, self.sent = tokenizer, [], 0
 
@@ -116,14 +167,15 @@ class TextStream:
         "The new text that `token` completes (may be empty)."
         self.ids.append(int(token))
         text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"): return ""
-        piece, self.sent = text[self.sent:], len(text)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.sent = text[self.sent :], len(text)
         return piece
 
     def flush(self) -> str:
         "Whatever is left, incomplete characters included."
         text = self.tokenizer.decode(self.ids)
-        piece, self.sent = text[self.sent:], len(text)
+        piece, self.sent = text[self.sent :], len(text)
         return piece
 
 # %% ../nbs/18_generation.ipynb #3b715787
@@ -133,35 +185,66 @@ def _vocab_size(model: nn.Module) -> int | None:
     value = getattr(config, "vocab_size", None) or getattr(model, "vocab_size", None)
     return value if isinstance(value, int) else None
 
+
 def prompt_ids(model: nn.Module, tokenizer: Any, prompt: str) -> list[int]:
     "The token ids of `prompt`, refused when empty or outside the model's vocabulary."
-    if not isinstance(prompt, str): raise TypeError(f"the prompt must be text, got {type(prompt).__name__}")
+    if not isinstance(prompt, str):
+        raise TypeError(f"the prompt must be text, got {type(prompt).__name__}")
     ids = encode_text(tokenizer, prompt).tolist()
-    if not ids: raise ValueError("the prompt is empty; give at least one token (one character for the byte tokenizer)")
+    if not ids:
+        raise ValueError(
+            "the prompt is empty; give at least one token (one character for the byte tokenizer)"
+        )
     vocab = _vocab_size(model)
     if vocab is not None and max(ids) >= vocab:
-        raise ValueError(f"the prompt holds token {max(ids)}, outside the model's vocabulary of {vocab}; "
-                         "use the tokenizer the model was trained with")
+        raise ValueError(
+            f"the prompt holds token {max(ids)}, outside the model's vocabulary of {vocab}; "
+            "use the tokenizer the model was trained with"
+        )
     return ids
+
 
 def generate_stream(model: nn.Module, tokenizer: Any, prompt: str, **sampling) -> Iterator[str]:
     "Yield the text generated after `prompt`, piece by piece; `sampling` as for `generate_ids`."
     stream = TextStream(tokenizer)
     for token in generate_ids(model, prompt_ids(model, tokenizer, prompt), **sampling):
-        if piece := stream.push(token): yield piece
-    if rest := stream.flush(): yield rest
+        if piece := stream.push(token):
+            yield piece
+    if rest := stream.flush():
+        yield rest
 
 # %% ../nbs/18_generation.ipynb #e604bb35
-def generate(model: nn.Module, tokenizer: Any, prompt: str, *, max_new_tokens: int = 100, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             stop_ids: Sequence[int] = (), on_text: Callable[[str], Any] | None = None) -> str:
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str,
+    *,
+    max_new_tokens: int = 100,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_ids: Sequence[int] = (),
+    on_text: Callable[[str], Any] | None = None,
+) -> str:
     "The text `model` writes after `prompt` (greedy at temperature 0); `on_text` gets each piece as it comes."
     pieces = []
-    for piece in generate_stream(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, seed=seed, stop_ids=stop_ids):
+    for piece in generate_stream(
+        model,
+        tokenizer,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_ids=stop_ids,
+    ):
         pieces.append(piece)
-        if on_text is not None: on_text(piece)
+        if on_text is not None:
+            on_text(piece)
     return "".join(pieces)
 
 # %% ../nbs/18_generation.ipynb #384eead7
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

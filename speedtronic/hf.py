@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, CheckpointManager, checked_checkpoint, checkpoint_files, is_sharded, load_checkpoint
+from speedtronic.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    checked_checkpoint,
+    checkpoint_files,
+    is_sharded,
+    load_checkpoint,
+)
 from .config import ConfigError, SpeedtronicConfig
 from .precision import resolve_device
 from .registry import build_model
@@ -29,51 +36,78 @@ __all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'T
 @dataclass
 class Trained:
     "A model read back from a checkpoint, with the tokenizer and configuration of its run."
+
     model: nn.Module
     tokenizer: Any
     config: SpeedtronicConfig
     checkpoint: Path
     step: int | None
 
+
 def _gathered(path: Path, state: dict) -> dict:
     "`state`, loaded from checkpoint `path`, with a sharded folder's tensors (left for a job to fill in) gathered whole."
     return load_checkpoint(path) if is_sharded(path) else state
 
+
 def _run_checkpoint(run: str | os.PathLike) -> tuple[Path, dict]:
     "The newest loadable checkpoint of the run folder `run` and its state."
     run = Path(run)
-    if not run.is_dir(): raise CheckpointError(f"run folder {run} does not exist; give run.output_dir of a trained run")
+    if not run.is_dir():
+        raise CheckpointError(
+            f"run folder {run} does not exist; give run.output_dir of a trained run"
+        )
     for folder in (run / "checkpoints", run):
         if checkpoint_files(folder):
             manager = CheckpointManager(folder)
             state = manager.load_latest()
             return manager.loaded_path, _gathered(manager.loaded_path, state)
-    raise CheckpointError(f"no checkpoint in {run / 'checkpoints'} (or {run}); train the run first, "
-                          "or give a checkpoint file with --checkpoint")
+    raise CheckpointError(
+        f"no checkpoint in {run / 'checkpoints'} (or {run}); train the run first, "
+        "or give a checkpoint file with --checkpoint"
+    )
 
 # %% ../nbs/19_hf.ipynb #aded77c3
-def load_trained(run: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None,
-                 *, device: str | torch.device = "cpu") -> Trained:
+def load_trained(
+    run: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device = "cpu",
+) -> Trained:
     "Model, tokenizer and configuration of the newest checkpoint of `run`, or of the file `checkpoint`."
-    if (run is None) == (checkpoint is None): raise ValueError("give either a run folder or a checkpoint file, not both")
-    if checkpoint is None: path, state = _run_checkpoint(run)
-    else: path = Path(checkpoint); state = _gathered(path, checked_checkpoint(path))   # the checks a resume makes
+    if (run is None) == (checkpoint is None):
+        raise ValueError("give either a run folder or a checkpoint file, not both")
+    if checkpoint is None:
+        path, state = _run_checkpoint(run)
+    else:
+        path = Path(checkpoint)
+        state = _gathered(path, checked_checkpoint(path))  # the checks a resume makes
     if not isinstance(state.get("config"), dict) or not isinstance(state.get("model"), dict):
-        raise CheckpointError(f"checkpoint {path} records no model weights and configuration; "
-                              "it was not written by speedtronic train")
-    try: config = SpeedtronicConfig.from_dict(state["config"])
-    except ConfigError as e: raise CheckpointError(f"checkpoint {path} records a configuration that does not load: {e}") from None
+        raise CheckpointError(
+            f"checkpoint {path} records no model weights and configuration; "
+            "it was not written by speedtronic train"
+        )
+    try:
+        config = SpeedtronicConfig.from_dict(state["config"])
+    except ConfigError as e:
+        raise CheckpointError(
+            f"checkpoint {path} records a configuration that does not load: {e}"
+        ) from None
     model = build_model(config.model)
-    try: model.load_state_dict(state["model"], strict=True)
+    try:
+        model.load_state_dict(state["model"], strict=True)
     except RuntimeError as e:
-        raise CheckpointError(f"checkpoint {path}: its weights do not fit the model its configuration describes "
-                              f"({str(e).splitlines()[0]}); check model.imports and the model's code") from None
+        raise CheckpointError(
+            f"checkpoint {path}: its weights do not fit the model its configuration describes "
+            f"({str(e).splitlines()[0]}); check model.imports and the model's code"
+        ) from None
     tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
     step = state.get("step") if isinstance(state.get("step"), int) else None
     return Trained(model.to(resolve_device(device)).eval(), tokenizer, config, path, step)
 
 # %% ../nbs/19_hf.ipynb #85792a59
-LLAMA_WEIGHTS: tuple[tuple[str, str], ...] = (  # (reference transformer, LlamaForCausalLM); {i} is the layer
+LLAMA_WEIGHTS: tuple[
+    tuple[str, str], ...
+] = (  # (reference transformer, LlamaForCausalLM); {i} is the layer
     ("transformer.wte.weight", "model.embed_tokens.weight"),
     ("transformer.h.{i}.ln1.weight", "model.layers.{i}.input_layernorm.weight"),
     ("transformer.h.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
@@ -88,19 +122,27 @@ LLAMA_WEIGHTS: tuple[tuple[str, str], ...] = (  # (reference transformer, LlamaF
     ("lm_head.weight", "lm_head.weight"),  # untied models only
 )
 LLAMA_CONFIG: tuple[tuple[str, str], ...] = (  # (model section key, Llama config.json key)
-    ("vocab_size", "vocab_size"), ("d_model", "hidden_size"), ("n_layer", "num_hidden_layers"),
-    ("n_head", "num_attention_heads"), ("n_kv_head", "num_key_value_heads"), ("max_seq_len", "max_position_embeddings"),
-    ("tie_weights", "tie_word_embeddings"), ("rope_base", "rope_theta"), ("d_ff", "intermediate_size"),
+    ("vocab_size", "vocab_size"),
+    ("d_model", "hidden_size"),
+    ("n_layer", "num_hidden_layers"),
+    ("n_head", "num_attention_heads"),
+    ("n_kv_head", "num_key_value_heads"),
+    ("max_seq_len", "max_position_embeddings"),
+    ("tie_weights", "tie_word_embeddings"),
+    ("rope_base", "rope_theta"),
+    ("d_ff", "intermediate_size"),
     ("norm_eps", "rms_norm_eps"),
 )
 RMS_NORM_EPS = 1e-5  # the reference transformer's default RMSNorm epsilon (`model.norm_eps`)
 LLAMA_NORM_EPS = 1e-6  # what transformers' LlamaConfig assumes when config.json has no rms_norm_eps
 
+
 def weight_names(n_layer: int, tied: bool) -> list[tuple[str, str]]:
     "`(ours, theirs)` for every parameter of an `n_layer` model (no separate head when `tied`)."
     names = []
     for ours, theirs in LLAMA_WEIGHTS:
-        if ours == "lm_head.weight" and tied: continue
+        if ours == "lm_head.weight" and tied:
+            continue
         layers = range(n_layer) if "{i}" in ours else [None]
         names += [(ours.format(i=i), theirs.format(i=i)) for i in layers]
     return names
@@ -108,86 +150,163 @@ def weight_names(n_layer: int, tied: bool) -> list[tuple[str, str]]:
 # %% ../nbs/19_hf.ipynb #15aca6ca
 def _swiglu_width(d_ff: int, n_head: int) -> int:
     from speedtronic.model import swiglu_hidden
+
     return swiglu_hidden(d_ff, n_head)
+
 
 def llama_config(section: Any) -> dict[str, Any]:
     "The transformers `config.json` of a reference transformer with these settings (a `GPTConfig` or model section)."
-    value = lambda key: getattr(section, "block_size" if key == "max_seq_len" and not hasattr(section, key) else key)
+    value = lambda key: getattr(
+        section, "block_size" if key == "max_seq_len" and not hasattr(section, key) else key
+    )
     config = {theirs: value(ours) for ours, theirs in LLAMA_CONFIG}
     config["intermediate_size"] = _swiglu_width(value("d_ff"), value("n_head"))
     config["rope_theta"] = float(config["rope_theta"])
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
-            "head_dim": value("d_model") // value("n_head"), "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
-            "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"]},
-            "initializer_range": 0.02, "use_cache": True, "bos_token_id": None, "eos_token_id": None,
-            "pad_token_id": None, "torch_dtype": "float32"}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **config,
+        "head_dim": value("d_model") // value("n_head"),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "pretraining_tp": 1,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+    }
 
 # %% ../nbs/19_hf.ipynb #94ca278c
 class ExportWarning(UserWarning):
     "An export that is complete for the model but leaves something out (e.g. a tokenizer with no transformers form)."
 
+
 def _byte_alphabet() -> list[str]:
     "The printable character byte-level tokenizers use for each byte 0..255 (GPT-2's table)."
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    kept = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     extra = iter(range(256, 512))
     return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
 
+
 def byte_tokenizer_json() -> dict[str, Any]:
     "A `tokenizers` tokenizer.json where token id `b` is the byte `b` (the byte tokenizer's ids)."
-    level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-             "vocab": {ch: b for b, ch in enumerate(_byte_alphabet())}, "merges": []}
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
-            "pre_tokenizer": level, "post_processor": None, "decoder": level, "model": model}
+    level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": False,
+        "use_regex": False,
+    }
+    model = {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": False,
+        "vocab": {ch: b for b, ch in enumerate(_byte_alphabet())},
+        "merges": [],
+    }
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": level,
+        "post_processor": None,
+        "decoder": level,
+        "model": model,
+    }
 
 # %% ../nbs/19_hf.ipynb #931c2f0a
 def _tokenizer_files(tokenizer: Any, max_len: int) -> dict[str, bytes]:
     "File name -> contents of `tokenizer` in transformers' form; empty (with a warning) when it has none."
     from speedtronic.tokens import CharTokenizer, HFTokenizer
-    if isinstance(tokenizer, HFTokenizer): data = Path(tokenizer.path).read_bytes()
-    elif isinstance(tokenizer, CharTokenizer) and tokenizer.vocab_size >= 256: data = json.dumps(byte_tokenizer_json()).encode()
+
+    if isinstance(tokenizer, HFTokenizer):
+        data = Path(tokenizer.path).read_bytes()
+    elif isinstance(tokenizer, CharTokenizer) and tokenizer.vocab_size >= 256:
+        data = json.dumps(byte_tokenizer_json()).encode()
     else:
         import warnings
-        why = (f"the byte tokenizer with vocab_size {tokenizer.vocab_size} < 256 folds bytes together"
-               if isinstance(tokenizer, CharTokenizer) else f"{type(tokenizer).__name__} is not a tokenizers tokenizer")
-        warnings.warn(f"no tokenizer exported: {why} and has no transformers equivalent; the model is exported alone",
-                      ExportWarning, stacklevel=3)
+
+        why = (
+            f"the byte tokenizer with vocab_size {tokenizer.vocab_size} < 256 folds bytes together"
+            if isinstance(tokenizer, CharTokenizer)
+            else f"{type(tokenizer).__name__} is not a tokenizers tokenizer"
+        )
+        warnings.warn(
+            f"no tokenizer exported: {why} and has no transformers equivalent; the model is exported alone",
+            ExportWarning,
+            stacklevel=3,
+        )
         return {}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
     return {"tokenizer.json": data, "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 # %% ../nbs/19_hf.ipynb #15a59dcc
 def _reference(model: nn.Module) -> Any:
     "`model` if it is the reference transformer, else one clear refusal."
     from speedtronic.model import ReferenceTransformer
+
     if type(model) is not ReferenceTransformer:
-        raise ConfigError(f"only the reference transformer (model.name reference_transformer or gpt) can be exported as "
-                          f"a transformers Llama model; this model is {type(model).__module__}.{type(model).__qualname__}")
+        raise ConfigError(
+            f"only the reference transformer (model.name reference_transformer or gpt) can be exported as "
+            f"a transformers Llama model; this model is {type(model).__module__}.{type(model).__qualname__}"
+        )
     return model
+
 
 def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = None) -> Path:
     "Write `model` (and `tokenizer`) to `folder` as a transformers `LlamaForCausalLM` folder; returns the folder."
     from safetensors.torch import save
     from speedtronic.files import atomic_write_bytes, file_in_the_way
+
     cfg, folder = _reference(model).config, Path(folder)
     if (blocker := file_in_the_way(folder)) is not None:
-        raise ConfigError(f"cannot export to {folder}: {blocker} is a file, not a folder; give another folder")
+        raise ConfigError(
+            f"cannot export to {folder}: {blocker} is a file, not a folder; give another folder"
+        )
     sd = model.state_dict()
-    tensors = {theirs: sd[ours].detach().to("cpu", copy=True).contiguous()
-               for ours, theirs in weight_names(cfg.n_layer, cfg.tie_weights)}
-    files = {"model.safetensors": save(tensors, metadata={"format": "pt"}),
-             **({} if tokenizer is None else _tokenizer_files(tokenizer, cfg.block_size)),
-             "generation_config.json": json.dumps({"_from_model_config": True, "max_length": cfg.block_size}, indent=2).encode(),
-             "config.json": json.dumps(llama_config(cfg), indent=2).encode()}
-    for name, data in files.items(): atomic_write_bytes(data, folder / name)
+    tensors = {
+        theirs: sd[ours].detach().to("cpu", copy=True).contiguous()
+        for ours, theirs in weight_names(cfg.n_layer, cfg.tie_weights)
+    }
+    files = {
+        "model.safetensors": save(tensors, metadata={"format": "pt"}),
+        **({} if tokenizer is None else _tokenizer_files(tokenizer, cfg.block_size)),
+        "generation_config.json": json.dumps(
+            {"_from_model_config": True, "max_length": cfg.block_size}, indent=2
+        ).encode(),
+        "config.json": json.dumps(llama_config(cfg), indent=2).encode(),
+    }
+    for name, data in files.items():
+        atomic_write_bytes(data, folder / name)
     return folder
 
 # %% ../nbs/19_hf.ipynb #b9bc71ed
-def export_run(run: str | os.PathLike | None = None, checkpoint: str | os.PathLike | None = None, *,
-               to: str | os.PathLike) -> Path:
+def export_run(
+    run: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    *,
+    to: str | os.PathLike,
+) -> Path:
     "Export the model of a trained run (or one checkpoint) and its tokenizer to the folder `to`."
     trained = load_trained(run, checkpoint)
     return export_hf(_reference(trained.model), to, tokenizer=trained.tokenizer)
@@ -196,38 +315,65 @@ def export_run(run: str | os.PathLike | None = None, checkpoint: str | os.PathLi
 def read_llama_config(folder: str | os.PathLike) -> dict[str, Any]:
     "The `config.json` of the transformers folder `folder`, as a dict."
     path = Path(folder) / "config.json"
-    if not Path(folder).is_dir(): raise ConfigError(f"model.init_from: folder {folder} does not exist; give a transformers model folder")
-    if not path.is_file(): raise ConfigError(f"model.init_from: {path} does not exist; {folder} is not a transformers model folder")
-    try: config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e: raise ConfigError(f"model.init_from: {path} is not valid JSON ({e})") from None
-    if not isinstance(config, dict): raise ConfigError(f"model.init_from: {path} does not hold a JSON object")
+    if not Path(folder).is_dir():
+        raise ConfigError(
+            f"model.init_from: folder {folder} does not exist; give a transformers model folder"
+        )
+    if not path.is_file():
+        raise ConfigError(
+            f"model.init_from: {path} does not exist; {folder} is not a transformers model folder"
+        )
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.init_from: {path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model.init_from: {path} does not hold a JSON object")
     return config
+
 
 def _rope_problem(config: dict[str, Any]) -> str | None:
     "Why the folder's RoPE is not the default one, or `None`."
     for key in ("rope_scaling", "rope_parameters"):
         value = config.get(key)
-        kind = (value.get("rope_type") or value.get("type") or "default") if isinstance(value, dict) else value
-        if kind not in (None, "default"): return f"{key} {kind!r} (only default RoPE is implemented)"
+        kind = (
+            (value.get("rope_type") or value.get("type") or "default")
+            if isinstance(value, dict)
+            else value
+        )
+        if kind not in (None, "default"):
+            return f"{key} {kind!r} (only default RoPE is implemented)"
     return None
 
 # %% ../nbs/19_hf.ipynb #414de21f
 def llama_problems(config: dict[str, Any]) -> list[str]:
     "Every setting of a Llama `config.json` the reference transformer cannot represent, by key."
     problems = []
-    if config.get("model_type") != "llama": problems.append(f"model_type {config.get('model_type')!r} (only 'llama' is read)")
-    if config.get("hidden_act", "silu") != "silu": problems.append(f"hidden_act {config['hidden_act']!r} (the SwiGLU uses silu)")
+    if config.get("model_type") != "llama":
+        problems.append(f"model_type {config.get('model_type')!r} (only 'llama' is read)")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {config['hidden_act']!r} (the SwiGLU uses silu)")
     for key in ("attention_bias", "mlp_bias"):
-        if config.get(key): problems.append(f"{key} true (the reference transformer has no biases)")
-    if rope := _rope_problem(config): problems.append(rope)
+        if config.get(key):
+            problems.append(f"{key} true (the reference transformer has no biases)")
+    if rope := _rope_problem(config):
+        problems.append(rope)
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    if not all(isinstance(v, int) and v > 0 for v in (hidden, heads, config.get("intermediate_size"))):
-        return problems + ["hidden_size, num_attention_heads and intermediate_size must be positive integers"]
+    if not all(
+        isinstance(v, int) and v > 0 for v in (hidden, heads, config.get("intermediate_size"))
+    ):
+        return problems + [
+            "hidden_size, num_attention_heads and intermediate_size must be positive integers"
+        ]
     if config.get("head_dim") not in (None, hidden // heads) or hidden % heads:
-        problems.append(f"head_dim {config.get('head_dim', hidden / heads)} (must be hidden_size / num_attention_heads = "
-                        f"{hidden / heads:g})")
+        problems.append(
+            f"head_dim {config.get('head_dim', hidden / heads)} (must be hidden_size / num_attention_heads = "
+            f"{hidden / heads:g})"
+        )
     if config["intermediate_size"] % heads:
-        problems.append(f"intermediate_size {config['intermediate_size']} (must be a multiple of num_attention_heads {heads})")
+        problems.append(
+            f"intermediate_size {config['intermediate_size']} (must be a multiple of num_attention_heads {heads})"
+        )
     eps = config.get("rms_norm_eps", LLAMA_NORM_EPS)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         problems.append(f"rms_norm_eps {eps!r} (must be a positive number)")
@@ -236,37 +382,67 @@ def llama_problems(config: dict[str, Any]) -> list[str]:
 # %% ../nbs/19_hf.ipynb #d9d12d19
 def _d_ff_for(width: int, n_head: int) -> int:
     "The `d_ff` nearest `1.5 * width` whose SwiGLU width is `width` (a multiple of `n_head`)."
-    near = sorted(range(max(1, 3 * width // 2 - 3), 3 * width // 2 + 5), key=lambda d: abs(d - 1.5 * width))
+    near = sorted(
+        range(max(1, 3 * width // 2 - 3), 3 * width // 2 + 5), key=lambda d: abs(d - 1.5 * width)
+    )
     return next(d for d in near if _swiglu_width(d, n_head) == width)
+
 
 def model_settings(config: dict[str, Any]) -> dict[str, Any]:
     "The model section (`vocab_size`, `d_model`, ...) a representable Llama `config.json` describes."
-    theirs = {"num_key_value_heads": config["num_attention_heads"], "max_position_embeddings": 2048,
-              "tie_word_embeddings": False, "rope_theta": 10000.0,
-              "rms_norm_eps": LLAMA_NORM_EPS, **config}
-    if isinstance(config.get("rope_parameters"), dict) and "rope_theta" in config["rope_parameters"]:
+    theirs = {
+        "num_key_value_heads": config["num_attention_heads"],
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": LLAMA_NORM_EPS,
+        **config,
+    }
+    if (
+        isinstance(config.get("rope_parameters"), dict)
+        and "rope_theta" in config["rope_parameters"]
+    ):
         theirs["rope_theta"] = config["rope_parameters"]["rope_theta"]
     settings = {ours: theirs[key] for ours, key in LLAMA_CONFIG}
     settings["d_ff"] = _d_ff_for(config["intermediate_size"], config["num_attention_heads"])
-    settings["rope_base"], settings["norm_eps"] = float(settings["rope_base"]), float(settings["norm_eps"])
+    settings["rope_base"], settings["norm_eps"] = (
+        float(settings["rope_base"]),
+        float(settings["norm_eps"]),
+    )
     return settings
 
 # %% ../nbs/19_hf.ipynb #432d1fa1
 def read_llama_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     "Every tensor of a transformers folder's `model.safetensors` (or the shards its index lists)."
     from safetensors.torch import load_file
+
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file(): files = [folder / "model.safetensors"]
-    elif index.is_file(): files = [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    elif index.is_file():
+        files = [
+            folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        ]
     else:
-        found = ", ".join(sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))) or "none"
-        raise CheckpointError(f"model.init_from: {folder} has no model.safetensors (weight files found: {found}); "
-                              "pickled weights are not read: save the model with safetensors (save_pretrained does by default)")
+        found = (
+            ", ".join(
+                sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+            )
+            or "none"
+        )
+        raise CheckpointError(
+            f"model.init_from: {folder} has no model.safetensors (weight files found: {found}); "
+            "pickled weights are not read: save the model with safetensors (save_pretrained does by default)"
+        )
     tensors = {}
     for f in files:
-        try: tensors.update(load_file(str(f)))
-        except Exception as e: raise CheckpointError(f"model.init_from: {f} is not a readable safetensors file ({e})") from None
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:
+            raise CheckpointError(
+                f"model.init_from: {f} is not a readable safetensors file ({e})"
+            ) from None
     return tensors
 
 # %% ../nbs/19_hf.ipynb #d9fdf253
@@ -276,66 +452,117 @@ def _settings_mismatch(model: nn.Module, settings: dict[str, Any], folder: Path)
     for key, theirs in LLAMA_CONFIG:
         mine, want = getattr(config, "block_size" if key == "max_seq_len" else key), settings[key]
         if key == "d_ff":
-            width, wanted = _swiglu_width(mine, config.n_head), _swiglu_width(want, settings["n_head"])
-            if width != wanted: out.append(f"model.d_ff: {want} ({theirs} {wanted} in {folder / 'config.json'}; "
-                                           f"the model's d_ff {mine} gives a SwiGLU width of {width})")
-        elif mine != want: out.append(f"model.{key}: {want!r} ({theirs} {want!r} in {folder / 'config.json'}, "
-                                      f"the model has {mine!r})")
+            width, wanted = (
+                _swiglu_width(mine, config.n_head),
+                _swiglu_width(want, settings["n_head"]),
+            )
+            if width != wanted:
+                out.append(
+                    f"model.d_ff: {want} ({theirs} {wanted} in {folder / 'config.json'}; "
+                    f"the model's d_ff {mine} gives a SwiGLU width of {width})"
+                )
+        elif mine != want:
+            out.append(
+                f"model.{key}: {want!r} ({theirs} {want!r} in {folder / 'config.json'}, "
+                f"the model has {mine!r})"
+            )
     return out
 
-def _weight_problems(tensors: dict[str, torch.Tensor], names: list[tuple[str, str]], model: nn.Module) -> list[str]:
+
+def _weight_problems(
+    tensors: dict[str, torch.Tensor], names: list[tuple[str, str]], model: nn.Module
+) -> list[str]:
     "Missing, unknown and misshapen tensors of the folder for `model`."
     sd, wanted = model.state_dict(), {theirs for _, theirs in names}
-    left_out = lambda k: k.endswith("rotary_emb.inv_freq") or (k == "lm_head.weight" and model.config.tie_weights)
+    left_out = lambda k: (
+        k.endswith("rotary_emb.inv_freq") or (k == "lm_head.weight" and model.config.tie_weights)
+    )
     missing = [t for _, t in names if t not in tensors]
     unknown = sorted(k for k in tensors if k not in wanted and not left_out(k))
-    shapes = [f"{t} {tuple(tensors[t].shape)} (the model's {o} is {tuple(sd[o].shape)})"
-              for o, t in names if t in tensors and tuple(tensors[t].shape) != tuple(sd[o].shape)]
-    return ([f"missing tensors: {', '.join(missing[:6])}"] if missing else []) + \
-           ([f"tensors the reference transformer does not have: {', '.join(unknown[:6])}"] if unknown else []) + shapes[:6]
+    shapes = [
+        f"{t} {tuple(tensors[t].shape)} (the model's {o} is {tuple(sd[o].shape)})"
+        for o, t in names
+        if t in tensors and tuple(tensors[t].shape) != tuple(sd[o].shape)
+    ]
+    return (
+        ([f"missing tensors: {', '.join(missing[:6])}"] if missing else [])
+        + (
+            [f"tensors the reference transformer does not have: {', '.join(unknown[:6])}"]
+            if unknown
+            else []
+        )
+        + shapes[:6]
+    )
 
 # %% ../nbs/19_hf.ipynb #5553c97b
 def load_llama(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     "Copy the weights of the transformers Llama folder `folder` into the reference transformer `model`."
     from speedtronic.model import ReferenceTransformer
+
     folder = Path(folder)
     if type(model) is not ReferenceTransformer:
-        raise ConfigError(f"model.init_from needs the reference transformer (model.name reference_transformer or gpt); "
-                          f"this model is {type(model).__module__}.{type(model).__qualname__}")
+        raise ConfigError(
+            f"model.init_from needs the reference transformer (model.name reference_transformer or gpt); "
+            f"this model is {type(model).__module__}.{type(model).__qualname__}"
+        )
     config = read_llama_config(folder)
     if problems := llama_problems(config):
-        raise ConfigError(f"model.init_from: {folder / 'config.json'} has what the reference transformer cannot compute: "
-                          + "; ".join(problems))
+        raise ConfigError(
+            f"model.init_from: {folder / 'config.json'} has what the reference transformer cannot compute: "
+            + "; ".join(problems)
+        )
     if mismatch := _settings_mismatch(model, model_settings(config), folder):
         raise ConfigError("model.init_from: set " + "; ".join(mismatch))
     names = weight_names(model.config.n_layer, model.config.tie_weights)
     tensors = read_llama_weights(folder)
     if problems := _weight_problems(tensors, names, model):
-        raise CheckpointError(f"model.init_from: the weights in {folder} do not fit: " + "; ".join(problems))
+        raise CheckpointError(
+            f"model.init_from: the weights in {folder} do not fit: " + "; ".join(problems)
+        )
     sd = model.state_dict()
     with torch.no_grad():
-        for ours, theirs in names: sd[ours].copy_(tensors[theirs])
+        for ours, theirs in names:
+            sd[ours].copy_(tensors[theirs])
     return model
 
 # %% ../nbs/19_hf.ipynb #920f4754
-def push_to_hub(folder: str | os.PathLike, repo_id: str, *, token: str | None = None,
-                commit_message: str = "Upload model exported by speedtronic") -> str:
+def push_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    commit_message: str = "Upload model exported by speedtronic",
+) -> str:
     "Upload the exported `folder` to the Hub model repository `repo_id` in one commit; returns the commit URL."
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HFValidationError, HfHubHTTPError
+
     folder = Path(folder)
-    if not (folder / "config.json").is_file(): raise ConfigError(f"{folder} holds no exported model (config.json); export it first")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} holds no exported model (config.json); export it first")
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=True, exist_ok=True)
-        return str(api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message).commit_url)
+        return str(
+            api.upload_folder(
+                folder_path=folder, repo_id=repo_id, commit_message=commit_message
+            ).commit_url
+        )
     except HFValidationError as e:
-        raise ConfigError(f"--push-to-hub {repo_id!r} is not a repository id like 'org/name' ({e})") from None
+        raise ConfigError(
+            f"--push-to-hub {repo_id!r} is not a repository id like 'org/name' ({e})"
+        ) from None
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
-        hint = ("set HF_TOKEN to a token with write access to it" if status in (401, 403)
-                else "check the repository id and the network")
-        raise ConfigError(f"could not push {folder} to the Hub repository {repo_id} (HTTP {status}): {hint}") from None
+        hint = (
+            "set HF_TOKEN to a token with write access to it"
+            if status in (401, 403)
+            else "check the repository id and the network"
+        )
+        raise ConfigError(
+            f"could not push {folder} to the Hub repository {repo_id} (HTTP {status}): {hint}"
+        ) from None
 
 # %% ../nbs/19_hf.ipynb #94e95e78
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

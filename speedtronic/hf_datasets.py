@@ -16,11 +16,30 @@ import numpy as np
 from fastcore.basics import patch
 
 from .config import DataConfig
-from .data import BlockStream, TokenArrayDataset, array_fingerprint, block_sample, check_vocab, cut_blocks, file_fingerprint
+from speedtronic.data import (
+    BlockStream,
+    TokenArrayDataset,
+    array_fingerprint,
+    block_sample,
+    check_vocab,
+    cut_blocks,
+    file_fingerprint,
+)
 from .files import atomic_write, atomic_write_text
 from .optional import optional_import
-from .tokens import (TOKEN_FILE_FORMAT, TOKEN_FILE_VERSION, CharTokenizer, DataError, PreparedTokens, encode_text,
-                                load_tokenizer, token_dtype, token_sidecar, tokenizer_spec, check_sidecar_free)
+from speedtronic.tokens import (
+    TOKEN_FILE_FORMAT,
+    TOKEN_FILE_VERSION,
+    CharTokenizer,
+    DataError,
+    PreparedTokens,
+    encode_text,
+    load_tokenizer,
+    token_dtype,
+    token_sidecar,
+    tokenizer_spec,
+    check_sidecar_free,
+)
 
 # %% auto #0
 __all__ = ['hf_spec', 'describe', 'dataset_kind', 'no_rows', 'open_hf_dataset', 'text_rows', 'row_tokens', 'HFTokenDataset',
@@ -29,29 +48,51 @@ __all__ = ['hf_spec', 'describe', 'dataset_kind', 'no_rows', 'open_hf_dataset', 
 # %% ../nbs/03b_hf_datasets.ipynb #2f849734
 def hf_spec(spec: str | Mapping) -> dict:
     "The checked `data.hf_dataset` mapping of `spec` (a path or Hub name, or a mapping), every key filled in."
-    if spec is None: raise DataError("data.hf_dataset is not set; give a path, a Hub dataset name or a mapping with a path")
+    if spec is None:
+        raise DataError(
+            "data.hf_dataset is not set; give a path, a Hub dataset name or a mapping with a path"
+        )
     return DataConfig(hf_dataset=spec).hf_dataset
+
 
 def describe(spec: Mapping) -> str:
     "How messages name the dataset: `data.hf_dataset 'path' (split 'train')`."
-    return f"data.hf_dataset {spec['path']!r}" + (f" ({spec['name']})" if spec["name"] else "") + f" (split {spec['split']!r})"
+    return (
+        f"data.hf_dataset {spec['path']!r}"
+        + (f" ({spec['name']})" if spec["name"] else "")
+        + f" (split {spec['split']!r})"
+    )
 
 # %% ../nbs/03b_hf_datasets.ipynb #3580890b
-_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv", ".txt": "text"}
-_SAVED_MARKS = ("state.json", "dataset_dict.json")   # what `save_to_disk` writes into its folder
+_BUILDERS = {
+    ".parquet": "parquet",
+    ".jsonl": "json",
+    ".json": "json",
+    ".arrow": "arrow",
+    ".csv": "csv",
+    ".txt": "text",
+}
+_SAVED_MARKS = ("state.json", "dataset_dict.json")  # what `save_to_disk` writes into its folder
+
 
 def dataset_kind(spec: Mapping) -> str:
     "`file`, `saved` (a `save_to_disk` folder), `folder` (of data files) or `hub`: how `spec['path']` is read."
     path = str(spec["path"])
     p = Path(path).expanduser()
     if p.is_file():
-        if p.suffix.lower() in _BUILDERS: return "file"
-        raise DataError(f"data.hf_dataset.path {path!r} is a {p.suffix or 'suffix-less'} file; give a {', '.join(_BUILDERS)} file, "
-                        "a folder, or a Hub dataset name")
-    if p.is_dir(): return "saved" if any((p / m).is_file() for m in _SAVED_MARKS) else "folder"
+        if p.suffix.lower() in _BUILDERS:
+            return "file"
+        raise DataError(
+            f"data.hf_dataset.path {path!r} is a {p.suffix or 'suffix-less'} file; give a {', '.join(_BUILDERS)} file, "
+            "a folder, or a Hub dataset name"
+        )
+    if p.is_dir():
+        return "saved" if any((p / m).is_file() for m in _SAVED_MARKS) else "folder"
     if path.startswith((".", "/", "~")) or p.suffix.lower() in _BUILDERS or path.count("/") > 1:
-        raise DataError(f"data.hf_dataset.path {path!r} does not exist; check the path (relative paths start at the working "
-                        f"directory {os.getcwd()})")
+        raise DataError(
+            f"data.hf_dataset.path {path!r} does not exist; check the path (relative paths start at the working "
+            f"directory {os.getcwd()})"
+        )
     return "hub"
 
 # %% ../nbs/03b_hf_datasets.ipynb #92b67e4a
@@ -59,70 +100,109 @@ def _datasets() -> Any:
     "The `datasets` module, or `MissingExtra` naming `pip install 'speedtronic[datasets]'`."
     return optional_import("datasets", extra="datasets", purpose="data.hf_dataset")
 
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
 
 def no_rows(spec: Mapping) -> str:
     "The message for a dataset split without rows."
     return f"{describe(spec)} holds no rows; set data.hf_dataset.split (or data_files) to data that has some"
 
+
 def _saved_split(saved: Any, spec: Mapping) -> Any:
     "The `split` of a loaded `save_to_disk` folder (a `DatasetDict`), or the folder's one `Dataset`."
-    if not isinstance(saved, Mapping): return saved
+    if not isinstance(saved, Mapping):
+        return saved
     if spec["split"] not in saved:
-        raise DataError(f"data.hf_dataset.split {spec['split']!r} is not a split of {spec['path']!r} (it has {', '.join(saved)}); "
-                        "set data.hf_dataset.split to one of them")
+        raise DataError(
+            f"data.hf_dataset.split {spec['split']!r} is not a split of {spec['path']!r} (it has {', '.join(saved)}); "
+            "set data.hf_dataset.split to one of them"
+        )
     return saved[spec["split"]]
+
 
 def open_hf_dataset(spec: Mapping) -> Any:
     "The `datasets.Dataset` (an `IterableDataset` when `streaming`) that `spec` names; a `DataError` saying what to fix."
     kind, datasets = dataset_kind(spec), _datasets()
     path = str(Path(spec["path"]).expanduser()) if kind != "hub" else spec["path"]
     if spec["name"] is not None and kind != "hub":
-        raise DataError(f"data.hf_dataset.name {spec['name']!r} picks a configuration of a Hub dataset, but {spec['path']!r} is local; remove it")
+        raise DataError(
+            f"data.hf_dataset.name {spec['name']!r} picks a configuration of a Hub dataset, but {spec['path']!r} is local; remove it"
+        )
     if spec["data_files"] is not None and kind in ("file", "saved"):
-        raise DataError(f"data.hf_dataset.data_files picks files of a folder or a Hub dataset, but {spec['path']!r} is a "
-                        f"{'file' if kind == 'file' else 'save_to_disk folder'}; remove it")
+        raise DataError(
+            f"data.hf_dataset.data_files picks files of a folder or a Hub dataset, but {spec['path']!r} is a "
+            f"{'file' if kind == 'file' else 'save_to_disk folder'}; remove it"
+        )
     try:
         if kind == "saved":
             ds = _saved_split(datasets.load_from_disk(path), spec)
-            return ds.to_iterable_dataset(num_shards=max(1, len(ds.cache_files))) if spec["streaming"] else ds
-        builder, files = (_BUILDERS[Path(path).suffix.lower()], path) if kind == "file" else (path, spec["data_files"])
-        return datasets.load_dataset(builder, spec["name"], data_files=files, split=spec["split"], streaming=spec["streaming"])
-    except DataError: raise
+            return (
+                ds.to_iterable_dataset(num_shards=max(1, len(ds.cache_files)))
+                if spec["streaming"]
+                else ds
+            )
+        builder, files = (
+            (_BUILDERS[Path(path).suffix.lower()], path)
+            if kind == "file"
+            else (path, spec["data_files"])
+        )
+        return datasets.load_dataset(
+            builder,
+            spec["name"],
+            data_files=files,
+            split=spec["split"],
+            streaming=spec["streaming"],
+        )
+    except DataError:
+        raise
     except Exception as e:
-        if "corresponds to no data" in str(e): raise DataError(no_rows(spec)) from None     # an empty split
-        raise DataError(f"{describe(spec)} cannot be loaded ({type(e).__name__}: {_first_line(e)}); check data.hf_dataset.path, "
-                        f"split and data_files" + (", and that the Hub can be reached" if kind == "hub" else "")) from None
+        if "corresponds to no data" in str(e):
+            raise DataError(no_rows(spec)) from None  # an empty split
+        raise DataError(
+            f"{describe(spec)} cannot be loaded ({type(e).__name__}: {_first_line(e)}); check data.hf_dataset.path, "
+            f"split and data_files" + (", and that the Hub can be reached" if kind == "hub" else "")
+        ) from None
 
 # %% ../nbs/03b_hf_datasets.ipynb #25d7f600
 def _column_problem(spec: Mapping, columns: Iterable[str], features: Any = None) -> str | None:
     "Why `spec['text_field']` is not a text column of a dataset with these columns and features, or `None`."
     field, columns = spec["text_field"], list(columns)
     if field not in columns:
-        return (f"data.hf_dataset.text_field {field!r} is not a column of {describe(spec)} (columns: {', '.join(columns) or 'none'}); "
-                "set data.hf_dataset.text_field to the column that holds the text")
+        return (
+            f"data.hf_dataset.text_field {field!r} is not a column of {describe(spec)} (columns: {', '.join(columns) or 'none'}); "
+            "set data.hf_dataset.text_field to the column that holds the text"
+        )
     feature = (features or {}).get(field)
     kind = getattr(feature, "dtype", type(feature).__name__) if feature is not None else None
     if kind is not None and kind not in ("string", "large_string"):
-        return (f"data.hf_dataset.text_field {field!r} of {describe(spec)} holds {kind} values, not text; set "
-                "data.hf_dataset.text_field to a column of strings")
+        return (
+            f"data.hf_dataset.text_field {field!r} of {describe(spec)} holds {kind} values, not text; set "
+            "data.hf_dataset.text_field to a column of strings"
+        )
     return None
+
 
 def text_rows(ds: Any, spec: Mapping, batch_size: int = 256) -> Iterator[str]:
     "The text of every row of `ds`, in order, read `batch_size` rows at a time (a `DataError` for a column that is not text)."
     field = spec["text_field"]
     if ds.column_names is not None:
-        if problem := _column_problem(spec, ds.column_names, ds.features): raise DataError(problem)
+        if problem := _column_problem(spec, ds.column_names, ds.features):
+            raise DataError(problem)
         ds = ds.select_columns([field])
     for batch in ds.iter(batch_size=batch_size):
-        if problem := _column_problem(spec, batch): raise DataError(problem)
+        if problem := _column_problem(spec, batch):
+            raise DataError(problem)
         for value in batch[field]:
-            if value is None: continue
+            if value is None:
+                continue
             if not isinstance(value, str):
-                raise DataError(f"data.hf_dataset.text_field {field!r} of {describe(spec)} holds a {type(value).__name__}, not text; "
-                                "set data.hf_dataset.text_field to a column of strings")
+                raise DataError(
+                    f"data.hf_dataset.text_field {field!r} of {describe(spec)} holds a {type(value).__name__}, not text; "
+                    "set data.hf_dataset.text_field to a column of strings"
+                )
             yield value
 
 # %% ../nbs/03b_hf_datasets.ipynb #3ea9441a
@@ -130,7 +210,8 @@ def row_tokens(rows: Iterable[str], tokenizer: Any, batch: int = 256) -> Iterato
     "Token arrays of `rows`, each row followed by a line break (the byte tokenizer: a batch of rows per array)."
     lines = (r if r.endswith("\n") else r + "\n" for r in rows)
     if not isinstance(tokenizer, CharTokenizer):
-        for line in lines: yield encode_text(tokenizer, line)
+        for line in lines:
+            yield encode_text(tokenizer, line)
         return
     while chunk := [line for _, line in zip(range(batch), lines)]:
         yield encode_text(tokenizer, "".join(chunk))
@@ -138,10 +219,20 @@ def row_tokens(rows: Iterable[str], tokenizer: Any, batch: int = 256) -> Iterato
 # %% ../nbs/03b_hf_datasets.ipynb #25b7106c
 class HFTokenDataset(TokenArrayDataset):
     "The text column of a `datasets.Dataset`, tokenized once into a token array, as a stream of blocks in order or shuffled."
-    def __init__(self, spec: str | Mapping, block_size: int, tokenizer: Any = None, *, shuffle: bool = False, seed: int = 0,
-                 unit_blocks: int = 64):
+
+    def __init__(
+        self,
+        spec: str | Mapping,
+        block_size: int,
+        tokenizer: Any = None,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        unit_blocks: int = 64,
+    ):
         self.spec = hf_spec(spec)
-        if self.spec["streaming"]: raise ValueError("a streamed data.hf_dataset is read by HFStreamDataset")
+        if self.spec["streaming"]:
+            raise ValueError("a streamed data.hf_dataset is read by HFStreamDataset")
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
         ds = open_hf_dataset(self.spec)
         if len(ds) == 0:
@@ -149,18 +240,29 @@ class HFTokenDataset(TokenArrayDataset):
         dtype = token_dtype(self.vocab_size)
         parts = [a.astype(dtype) for a in row_tokens(text_rows(ds, self.spec), self.tokenizer)]
         tokens = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
-        super().__init__(tokens, block_size, shuffle=shuffle, seed=seed, unit_blocks=unit_blocks, name=describe(self.spec))
+        super().__init__(
+            tokens,
+            block_size,
+            shuffle=shuffle,
+            seed=seed,
+            unit_blocks=unit_blocks,
+            name=describe(self.spec),
+        )
 
     @property
-    def vocab_size(self) -> int: return int(self.tokenizer.vocab_size)
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size)
 
 # %% ../nbs/03b_hf_datasets.ipynb #918acf1f
 class HFStreamDataset(BlockStream):
     "A streamed `datasets.IterableDataset`: each shard a unit, tokenized as it is read and cut into blocks."
-    shuffle = False        # read in order
-    known_blocks = None    # not known before reading
+
+    shuffle = False  # read in order
+    known_blocks = None  # not known before reading
+
     def __init__(self, spec: str | Mapping, block_size: int, tokenizer: Any = None):
-        if int(block_size) <= 0: raise ValueError(f"block_size must be positive, got {block_size}")
+        if int(block_size) <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
         self.spec, self.block_size = hf_spec({**hf_spec(spec), "streaming": True}), int(block_size)
         self.name = describe(self.spec)  # how messages name it
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
@@ -169,74 +271,137 @@ class HFStreamDataset(BlockStream):
         if next(text_rows(self.dataset.take(1), self.spec, batch_size=1), None) is None:
             raise DataError(no_rows(self.spec))
 
-    def num_units(self, epoch: int) -> int: return int(self.dataset.num_shards)
+    def num_units(self, epoch: int) -> int:
+        return int(self.dataset.num_shards)
 
     def unit_samples(self, epoch: int, unit: int, skip: int) -> Iterator[dict]:
         n = self.num_units(epoch)
         shard = self.dataset.shard(num_shards=n, index=unit, contiguous=True)
-        for i, group in enumerate(cut_blocks(row_tokens(text_rows(shard, self.spec), self.tokenizer), self.block_size, tail=unit == n - 1)):
-            if i >= skip: yield block_sample(group)
+        for i, group in enumerate(
+            cut_blocks(
+                row_tokens(text_rows(shard, self.spec), self.tokenizer),
+                self.block_size,
+                tail=unit == n - 1,
+            )
+        ):
+            if i >= skip:
+                yield block_sample(group)
 
 # %% ../nbs/03b_hf_datasets.ipynb #610ca7ae
 def _spec_identity(spec: Mapping) -> dict[str, Any]:
-    return {f"data.hf_dataset.{k}": spec[k] for k in ("path", "name", "data_files", "split", "text_field", "streaming")}
+    return {
+        f"data.hf_dataset.{k}": spec[k]
+        for k in ("path", "name", "data_files", "split", "text_field", "streaming")
+    }
+
 
 def local_fingerprint(path: str | os.PathLike) -> str:
     "`file_fingerprint` of a file, or of every non-hidden file in a folder (names relative to it), in one line."
     p = Path(path).expanduser()
-    if p.is_file(): return file_fingerprint(p)
-    files = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
-    h = hashlib.sha256("\n".join(f"{f.relative_to(p).as_posix()} {file_fingerprint(f)}" for f in files).encode())
+    if p.is_file():
+        return file_fingerprint(p)
+    files = sorted(
+        f
+        for f in p.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+    )
+    h = hashlib.sha256(
+        "\n".join(f"{f.relative_to(p).as_posix()} {file_fingerprint(f)}" for f in files).encode()
+    )
     return f"{len(files)} files, sha256 {h.hexdigest()[:16]}"
 
-@patch
-def source_identity(self: HFTokenDataset, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
-    "What a saved position in this dataset depends on: the spec, the tokens' fingerprint, block size, tokenizer and order."
-    return {**_spec_identity(self.spec), "content": array_fingerprint(self.tokens), "data.block_size": self.block_size,
-            "data.tokenizer": tokenizer_spec(self.tokenizer), "data.shuffle": self.shuffle, **({"data.seed": self.seed} if self.shuffle else {})}
 
 @patch
-def source_identity(self: HFStreamDataset, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
+def source_identity(
+    self: HFTokenDataset, *, shuffle: bool = False, seed: int = 0
+) -> dict[str, Any]:
+    "What a saved position in this dataset depends on: the spec, the tokens' fingerprint, block size, tokenizer and order."
+    return {
+        **_spec_identity(self.spec),
+        "content": array_fingerprint(self.tokens),
+        "data.block_size": self.block_size,
+        "data.tokenizer": tokenizer_spec(self.tokenizer),
+        "data.shuffle": self.shuffle,
+        **({"data.seed": self.seed} if self.shuffle else {}),
+    }
+
+
+@patch
+def source_identity(
+    self: HFStreamDataset, *, shuffle: bool = False, seed: int = 0
+) -> dict[str, Any]:
     "What a saved position in this stream depends on: the spec, the local files' fingerprint, block size and tokenizer."
     local = dataset_kind(self.spec) != "hub"
-    return {**_spec_identity(self.spec), "content": local_fingerprint(self.spec["path"]) if local else "not checked (streamed from the Hub)",
-            "data.block_size": self.block_size, "data.tokenizer": tokenizer_spec(self.tokenizer)}
+    return {
+        **_spec_identity(self.spec),
+        "content": local_fingerprint(self.spec["path"])
+        if local
+        else "not checked (streamed from the Hub)",
+        "data.block_size": self.block_size,
+        "data.tokenizer": tokenizer_spec(self.tokenizer),
+    }
 
 # %% ../nbs/03b_hf_datasets.ipynb #e67ec188
-def hf_dataset_source(data: DataConfig, block_size: int, *, tokenizer: Any = None, vocab_size: int, seed: int = 0) -> BlockStream:
+def hf_dataset_source(
+    data: DataConfig, block_size: int, *, tokenizer: Any = None, vocab_size: int, seed: int = 0
+) -> BlockStream:
     "The dataset `data.hf_dataset` names, tokenized with `tokenizer` (else `data.tokenizer`) and checked against `vocab_size`."
     tok = tokenizer if tokenizer is not None else load_tokenizer(data.tokenizer, vocab_size)
     check_vocab(tok, vocab_size)
-    if data.hf_dataset["streaming"]: return HFStreamDataset(data.hf_dataset, block_size, tok)
+    if data.hf_dataset["streaming"]:
+        return HFStreamDataset(data.hf_dataset, block_size, tok)
     ds = HFTokenDataset(data.hf_dataset, block_size, tok, shuffle=data.shuffle, seed=seed)
     check_vocab(ds, vocab_size)
     return ds
 
 # %% ../nbs/03b_hf_datasets.ipynb #65977551
-def prepare_hf_dataset(spec: str | Mapping, output: str | os.PathLike, *, tokenizer: Any = None,
-                       overwrite: bool = False, # replace an existing `<output>.json` that is not a token sidecar
-                      ) -> PreparedTokens:
+def prepare_hf_dataset(
+    spec: str | Mapping,
+    output: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    overwrite: bool = False,  # replace an existing `<output>.json` that is not a token sidecar
+) -> PreparedTokens:
     "Tokenize the text column of the dataset `spec` names into a token file `output` and its sidecar `<output>.json`."
     check_sidecar_free(output, overwrite)
     spec, tok = hf_spec(spec), load_tokenizer(tokenizer)
     vocab = int(getattr(tok, "vocab_size", 0) or 0)
-    if vocab <= 0: raise DataError(f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute")
+    if vocab <= 0:
+        raise DataError(
+            f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute"
+        )
     dtype, out, count = token_dtype(vocab), Path(output).expanduser(), 0
     ds = open_hf_dataset(spec)
+
     def write(f):
         nonlocal count
         for ids in row_tokens(text_rows(ds, spec), tok):
             if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
-                raise DataError(f"{describe(spec)}: tokenizer {tokenizer_spec(tok)} produced id {int(ids.max())} outside its vocabulary of {vocab}")
-            f.write(ids.astype(dtype).tobytes()); count += len(ids)
+                raise DataError(
+                    f"{describe(spec)}: tokenizer {tokenizer_spec(tok)} produced id {int(ids.max())} outside its vocabulary of {vocab}"
+                )
+            f.write(ids.astype(dtype).tobytes())
+            count += len(ids)
+
     atomic_write(out, write)
     if count == 0:
         out.unlink(missing_ok=True)
         raise DataError(no_rows(spec))
-    meta = {"format": TOKEN_FILE_FORMAT, "version": TOKEN_FILE_VERSION, "dtype": dtype.name, "num_tokens": count, "vocab_size": vocab,
-            "tokenizer": tokenizer_spec(tok), "sources": [spec["path"]], "hf_dataset": spec}
+    meta = {
+        "format": TOKEN_FILE_FORMAT,
+        "version": TOKEN_FILE_VERSION,
+        "dtype": dtype.name,
+        "num_tokens": count,
+        "vocab_size": vocab,
+        "tokenizer": tokenizer_spec(tok),
+        "sources": [spec["path"]],
+        "hf_dataset": spec,
+    }
     atomic_write_text(json.dumps(meta, indent=2) + "\n", token_sidecar(out))
-    return PreparedTokens(out, token_sidecar(out), meta["sources"], count, dtype.name, vocab, meta["tokenizer"])
+    return PreparedTokens(
+        out, token_sidecar(out), meta["sources"], count, dtype.name, vocab, meta["tokenizer"]
+    )
 
 # %% ../nbs/03b_hf_datasets.ipynb #a1f2106e
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -13,18 +13,24 @@ from .profiling import CallbackList, Hook, Metric, TrainingHook, call_hook, chec
 __all__ = ['on_event']
 
 # %% ../nbs/08a_hooks.ipynb #832dc7d9
-def on_event(callback: Hook, # a function `(event, payload)` or an object with `on_event`
-             events: Iterable[str] | str | None = None, # only these event names (None = all)
-            ) -> Callable[[str, Metric], None]:
+def on_event(
+    callback: Hook,  # a function `(event, payload)` or an object with `on_event`
+    events: Iterable[str] | str | None = None,  # only these event names (None = all)
+) -> Callable[[str, Metric], None]:
     "Wrap `callback` as a two-argument hook `(event, payload)`, optionally for some events only."
     check_hook(callback)
     wanted = None if events is None else frozenset([events] if isinstance(events, str) else events)
+
     def hook(event: str, payload: Metric) -> None:
-        if wanted is None or event in wanted: call_hook(callback, event, payload)
+        if wanted is None or event in wanted:
+            call_hook(callback, event, payload)
+
     hook.__name__ = getattr(callback, "__name__", type(callback).__name__)
     hook.__wrapped__ = callback
-    if callable(getattr(callback, "close", None)): hook.close = callback.close
+    if callable(getattr(callback, "close", None)):
+        hook.close = callback.close
     return hook
 
 # %% ../nbs/08a_hooks.ipynb #ccbec1b4
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

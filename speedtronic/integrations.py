@@ -25,33 +25,47 @@ __all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook'
 class IntegrationMissing(MissingExtra, RuntimeError):
     "An integration's library is not installed (a `MissingExtra` naming the `logging` extra, and 2.0's `RuntimeError`)."
 
-def _import_for(hook: str, # the hook that needs the module, named in the message
-                name: str, # the module to import
-               ) -> Any:
+
+def _import_for(
+    hook: str,  # the hook that needs the module, named in the message
+    name: str,  # the module to import
+) -> Any:
     "Import `name` for `hook`, or raise `IntegrationMissing` saying to install the `logging` extra."
-    try: return optional_import(name, extra="logging", purpose=hook)
-    except MissingExtra as e: raise IntegrationMissing(str(e)) from e.__cause__
+    try:
+        return optional_import(name, extra="logging", purpose=hook)
+    except MissingExtra as e:
+        raise IntegrationMissing(str(e)) from e.__cause__
 
 # %% ../nbs/08c_integrations.ipynb #ea34d5a8
 def event_step(payload: Mapping[str, Any], default: int) -> int:
     "The training step an event belongs to: `step`, `steps` or `start_step`, else `default`."
     for key in ("step", "steps", "start_step"):
         value = payload.get(key)
-        if isinstance(value, int) and not isinstance(value, bool): return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     return default
+
 
 def scalar_items(payload: Mapping[str, Any]) -> list[tuple[str, float]]:
     "The payload values worth plotting: ints and floats, not bools and not the `step` itself."
-    return [(k, v) for k, v in payload.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return [
+        (k, v)
+        for k, v in payload.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
 
 # %% ../nbs/08c_integrations.ipynb #d359180a
 class TensorboardHook:
     "Writes numeric event values as TensorBoard scalars `<event>/<key>`, samples as texts `samples/<i>`, at the training step."
-    def __init__(self, log_dir: str | os.PathLike = "runs", # directory of the event files
-                 flush_secs: int = 10, # how often pending scalars are flushed to disk
-                ):
-        _import_for("TensorboardHook", "tensorboard")  # names the missing package when torch cannot load its writer
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike = "runs",  # directory of the event files
+        flush_secs: int = 10,  # how often pending scalars are flushed to disk
+    ):
+        _import_for(
+            "TensorboardHook", "tensorboard"
+        )  # names the missing package when torch cannot load its writer
         writer = _import_for("TensorboardHook", "torch.utils.tensorboard").SummaryWriter
         self.log_dir = Path(log_dir)
         self.writer = writer(log_dir=str(self.log_dir), flush_secs=flush_secs)
@@ -59,66 +73,97 @@ class TensorboardHook:
 
     def on_event(self, event: str, payload: Metric) -> None:
         "Add one scalar per numeric value at the event's step (a `sample` event: its text)."
-        if self.writer is None: return
+        if self.writer is None:
+            return
         self.last_step = step = event_step(payload, self.last_step)
         if event == "sample":  # a text the model wrote: one text per prompt, `samples/<index>`
-            self.writer.add_text(f"samples/{payload.get('index', 0)}", f"{payload.get('prompt', '')}{payload.get('text', '')}", global_step=step)
+            self.writer.add_text(
+                f"samples/{payload.get('index', 0)}",
+                f"{payload.get('prompt', '')}{payload.get('text', '')}",
+                global_step=step,
+            )
             return
         for key, value in scalar_items(payload):
             self.writer.add_scalar(f"{event}/{key}", value, global_step=step)
 
     def flush(self) -> None:
         "Write pending scalars now."
-        if self.writer is not None: self.writer.flush()
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
         "Flush and close the event file (idempotent)."
-        if self.writer is not None: self.writer.close(); self.writer = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 # %% ../nbs/08c_integrations.ipynb #8b8e87c8
 def _wandb_value(value: Any) -> Any:
     "A payload value as W&B accepts it: numbers, strings, bools and None as they are, others as text."
     return value if value is None or isinstance(value, (int, float, str, bool)) else str(value)
 
+
 class IntegrationError(ExpectedError, RuntimeError):
     "A TensorBoard or W&B hook cannot start (no login, no network, a folder in the way)."
 
+
 _OFFLINE = ("offline", "disabled", "dryrun")
-_WAYS_OUT = ("log in with `wandb login` (or set WANDB_API_KEY), or log offline with logging.wandb: {mode: offline} "
-             "and upload later with `wandb sync`")
+_WAYS_OUT = (
+    "log in with `wandb login` (or set WANDB_API_KEY), or log offline with logging.wandb: {mode: offline} "
+    "and upload later with `wandb sync`"
+)
+
 
 def _check_reachable(url: str, timeout: float = 5.0) -> None:
     "Raise `IntegrationError` when nothing answers a TCP connection to `url`'s host within `timeout` seconds."
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")): return  # the proxy decides
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return  # the proxy decides
     parts = urlsplit(url)
-    try: socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=timeout).close()
+    try:
+        socket.create_connection(
+            (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+            timeout=timeout,
+        ).close()
     except OSError as e:
-        raise IntegrationError(f"logging.wandb: W&B cannot reach {url} ({e.strerror or e}); check the network, or log "
-                               "offline with logging.wandb: {mode: offline} and upload later with `wandb sync`") from None
+        raise IntegrationError(
+            f"logging.wandb: W&B cannot reach {url} ({e.strerror or e}); check the network, or log "
+            "offline with logging.wandb: {mode: offline} and upload later with `wandb sync`"
+        ) from None
+
 
 def check_wandb(settings: Mapping[str, Any]) -> Any:
     "The `wandb` module, once it is installed and — for an online run with `settings` — its server answers."
     wandb = _import_for("WandbHook", "wandb")
     mode = str(settings.get("mode") or os.environ.get("WANDB_MODE") or "online").lower()
     if mode not in _OFFLINE and not settings.get("offline"):
-        _check_reachable(os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url))   # W&B reads the variable at init
+        _check_reachable(
+            os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url)
+        )  # W&B reads the variable at init
     return wandb
+
 
 def _start_wandb(project: str | None, settings: Mapping) -> Any:
     "`wandb.init(project=project, **settings)`, failing fast and in one line when it cannot start."
     wandb = check_wandb(settings)
-    try: return wandb.init(project=project, **settings)
+    try:
+        return wandb.init(project=project, **settings)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise IntegrationError(f"logging.wandb: wandb.init failed ({type(e).__name__}: {first}); {_WAYS_OUT}") from None
+        raise IntegrationError(
+            f"logging.wandb: wandb.init failed ({type(e).__name__}: {first}); {_WAYS_OUT}"
+        ) from None
+
 
 class WandbHook:
     "Logs every event to a W&B run started at construction; `finish()`/`close()` ends the run."
+
     def __init__(self, project: str | None = None, **settings: Any):
         self._run = _start_wandb(project, settings)
 
     @property
-    def run(self) -> Any: "The W&B run (None once finished)."; return self._run
+    def run(self) -> Any:
+        "The W&B run (None once finished)."
+        return self._run
 
     def on_event(self, event: str, payload: Metric) -> None:
         "Log `{**payload, 'event': event}` to the run."
@@ -128,7 +173,8 @@ class WandbHook:
     def finish(self) -> None:
         "Finish the run (idempotent)."
         run, self._run = self._run, None
-        if run is not None: run.finish()
+        if run is not None:
+            run.finish()
 
     close = finish
 
@@ -137,33 +183,53 @@ def _tensorboard_hook(directory: str | os.PathLike) -> TensorboardHook:
     "A `TensorboardHook` for `logging.tensorboard_dir`; a folder that cannot be used is a `ConfigError` naming the key."
     blocker = file_in_the_way(directory)
     if blocker is not None:
-        where = "is a file" if Path(blocker) == Path(directory) else f"cannot be created because {blocker} is a file"
-        raise ConfigError(f"logging.tensorboard_dir: {directory} {where}, not a directory; choose a directory for the event files")
-    try: return TensorboardHook(directory)
+        where = (
+            "is a file"
+            if Path(blocker) == Path(directory)
+            else f"cannot be created because {blocker} is a file"
+        )
+        raise ConfigError(
+            f"logging.tensorboard_dir: {directory} {where}, not a directory; choose a directory for the event files"
+        )
+    try:
+        return TensorboardHook(directory)
     except OSError as e:
-        raise ConfigError(f"logging.tensorboard_dir: cannot write event files to {directory} ({e.strerror or e}); "
-                          "choose a writable directory") from None
+        raise ConfigError(
+            f"logging.tensorboard_dir: cannot write event files to {directory} ({e.strerror or e}); "
+            "choose a writable directory"
+        ) from None
 
-def hooks_from_config(logging_config: LoggingConfig | Any, # the `logging` section (or a config, mapping or namespace holding it)
-                      *, progress: bool = False, # also add the bar `logging.progress` asks for
-                      progress_stream: Any = None, # stream for the progress bar (default sys.stderr)
-                      make_view: Any = None, # makes the bar's notebook view (the runtime passes `speedtronic.widgets.TrainingView`)
-                     ) -> list:
+
+def hooks_from_config(
+    logging_config: LoggingConfig
+    | Any,  # the `logging` section (or a config, mapping or namespace holding it)
+    *,
+    progress: bool = False,  # also add the bar `logging.progress` asks for
+    progress_stream: Any = None,  # stream for the progress bar (default sys.stderr)
+    make_view: Any = None,  # makes the bar's notebook view (the runtime passes `speedtronic.widgets.TrainingView`)
+) -> list:
     "The hooks that the `logging` section asks for: TensorBoard, W&B (and, on request, the progress bar)."
     from speedtronic.progress import ProgressBar
+
     lg = as_section(logging_config, LoggingConfig)
     hooks: list = []
     try:
-        if lg.tensorboard_dir: hooks.append(_tensorboard_hook(lg.tensorboard_dir))
-        if lg.wandb is True: hooks.append(WandbHook())
-        elif isinstance(lg.wandb, dict): hooks.append(WandbHook(**lg.wandb))
+        if lg.tensorboard_dir:
+            hooks.append(_tensorboard_hook(lg.tensorboard_dir))
+        if lg.wandb is True:
+            hooks.append(WandbHook())
+        elif isinstance(lg.wandb, dict):
+            hooks.append(WandbHook(**lg.wandb))
         if progress:
             bar = ProgressBar(enabled=lg.progress, stream=progress_stream, make_view=make_view)
-            if bar.enabled: hooks.append(bar)
+            if bar.enabled:
+                hooks.append(bar)
     except BaseException:
-        for hook in hooks: close_hook(hook)
+        for hook in hooks:
+            close_hook(hook)
         raise
     return hooks
 
 # %% ../nbs/08c_integrations.ipynb #88fd10fe
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -27,54 +27,78 @@ __all__ = ['TransformerConfig', 'GPT', 'Transformer', 'ReferenceModel', 'GPTMode
            'parameter_breakdown']
 
 # %% ../nbs/02_model.ipynb #8aaa9960
-_DEFAULT = {f.name: f.default for f in fields(ModelConfig)}  # the defaults, stated once: ModelConfig's
+_DEFAULT = {
+    f.name: f.default for f in fields(ModelConfig)
+}  # the defaults, stated once: ModelConfig's
 _POSITIVE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
+
 
 @dataclass
 class GPTConfig:
     "Shape of the reference transformer; every default is `ModelConfig`'s."
+
     vocab_size: int = _DEFAULT["vocab_size"]
-    block_size: int = _DEFAULT["max_seq_len"]        # longest sequence the model accepts (`model.max_seq_len`)
+    block_size: int = _DEFAULT[
+        "max_seq_len"
+    ]  # longest sequence the model accepts (`model.max_seq_len`)
     n_layer: int = _DEFAULT["n_layer"]
     n_head: int = _DEFAULT["n_head"]
-    n_kv_head: int | None = _DEFAULT["n_kv_head"]    # key/value heads for grouped-query attention; `None` -> `n_head`
+    n_kv_head: int | None = _DEFAULT[
+        "n_kv_head"
+    ]  # key/value heads for grouped-query attention; `None` -> `n_head`
     d_model: int = _DEFAULT["d_model"]
-    d_ff: int | None = _DEFAULT["d_ff"]              # feed-forward width before the SwiGLU 2/3 scaling; `None` -> 4*d_model
+    d_ff: int | None = _DEFAULT[
+        "d_ff"
+    ]  # feed-forward width before the SwiGLU 2/3 scaling; `None` -> 4*d_model
     dropout: float = _DEFAULT["dropout"]
     tie_weights: bool = _DEFAULT["tie_weights"]
     rope_base: float = _DEFAULT["rope_base"]
-    norm_eps: float = _DEFAULT["norm_eps"]        # every RMSNorm's epsilon
+    norm_eps: float = _DEFAULT["norm_eps"]  # every RMSNorm's epsilon
 
     def __post_init__(self):
-        if self.n_kv_head is None: self.n_kv_head = self.n_head
-        if self.d_ff is None: self.d_ff = 4 * self.d_model
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
         for name in _POSITIVE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
                 raise ValueError(f"model {name} must be a positive integer, got {value!r}")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"model n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+            raise ValueError(
+                f"model n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})"
+            )
         if self.d_model % self.n_head:
-            raise ValueError(f"model d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+            raise ValueError(
+                f"model d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"model dropout must be in [0, 1), got {self.dropout!r}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, Real) or not self.norm_eps > 0:
+        if (
+            isinstance(self.norm_eps, bool)
+            or not isinstance(self.norm_eps, Real)
+            or not self.norm_eps > 0
+        ):
             raise ValueError(f"model norm_eps must be a positive number, got {self.norm_eps!r}")
 
     @property
-    def head_dim(self) -> int: return self.d_model // self.n_head
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
 
 TransformerConfig = GPTConfig
 
 # %% ../nbs/02_model.ipynb #1ffba1b5
 class RMSNorm(nn.Module):
     "Scale by the reciprocal root-mean-square over the last dim (computed in fp32), times a gain."
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def extra_repr(self) -> str: return f"{self.weight.shape[0]}, eps={self.eps}"
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ms = x.float().pow(2).mean(-1, keepdim=True)
@@ -86,6 +110,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
 
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     "Rotate `x` shaped `(B, H, T, D)` by the angles whose cos/sin are `(T, D)`."
     return x * cos + rotate_half(x) * sin
@@ -93,26 +118,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # %% ../nbs/02_model.ipynb #635b157c
 class RotaryEmbedding(nn.Module):
     "cos/sin tables for rotary position embedding, cached per device and dtype."
+
     def __init__(self, head_dim: int, base: float = 10000.0):
         super().__init__()
         if head_dim % 2:
-            raise ValueError(f"rotary embedding needs an even head dim, got {head_dim} "
-                             f"(head dim = d_model / n_head; pick d_model and n_head so it is even)")
+            raise ValueError(
+                f"rotary embedding needs an even head dim, got {head_dim} "
+                f"(head dim = d_model / n_head; pick d_model and n_head so it is even)"
+            )
         self.head_dim, self.base = head_dim, base
         self.register_buffer("inv_freq", self.frequencies(), persistent=False)
-        self._cache: tuple | None = None   # (length, device, dtype, cos, sin)
+        self._cache: tuple | None = None  # (length, device, dtype, cos, sin)
 
     def frequencies(self) -> torch.Tensor:
         "`inv_freq[j] = base^(-2j/head_dim)`, computed in fp32 on the CPU."
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device="cpu") / self.head_dim
-        return 1.0 / (self.base ** exponents)
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device="cpu") / self.head_dim
+        )
+        return 1.0 / (self.base**exponents)
 
-    def forward(self, seq_len: int, device: torch.device | None = None,
-                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, seq_len: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         "cos and sin, each `(seq_len, head_dim)`, on `device` in `dtype`."
         device = torch.device(device) if device is not None else self.inv_freq.device
         dtype = dtype or torch.float32
-        compiling = torch.compiler.is_compiling()  # a compiled graph computes the table itself: no Python-side cache
+        compiling = (
+            torch.compiler.is_compiling()
+        )  # a compiled graph computes the table itself: no Python-side cache
         c = None if compiling else self._cache
         if c is not None and c[0] >= seq_len and c[1] == device and c[2] == dtype:
             return c[3][:seq_len], c[4][:seq_len]
@@ -121,24 +154,32 @@ class RotaryEmbedding(nn.Module):
             angles = torch.outer(t, self.frequencies().to(device))
             emb = torch.cat((angles, angles), dim=-1)
             cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        if not compiling and not torch.is_inference_mode_enabled(): self._cache = (seq_len, device, dtype, cos, sin)
+        if not compiling and not torch.is_inference_mode_enabled():
+            self._cache = (seq_len, device, dtype, cos, sin)
         return cos, sin
 
 # %% ../nbs/02_model.ipynb #2692182e
 class AttentionMask(NamedTuple):
     "A boolean `(B, 1, T, T)` mask for SDPA and the `(B, 1, T, 1)` rows that have any key to attend to."
+
     allowed: torch.Tensor
     has_key: torch.Tensor
 
-def prepare_attention_mask(attention_mask: torch.Tensor | AttentionMask | None, batch: int,
-                           length: int) -> AttentionMask | None:
+
+def prepare_attention_mask(
+    attention_mask: torch.Tensor | AttentionMask | None, batch: int, length: int
+) -> AttentionMask | None:
     "Turn a `(B, T)` padding mask (1 = token) into an `AttentionMask`, or `None` for the causal path."
-    if attention_mask is None or isinstance(attention_mask, AttentionMask): return attention_mask
+    if attention_mask is None or isinstance(attention_mask, AttentionMask):
+        return attention_mask
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
-        raise ValueError(f"attention_mask must have shape (batch, seq) = {(batch, length)}, "
-                         f"got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must have shape (batch, seq) = {(batch, length)}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
     keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-    if keep.device.type == "cpu" and not torch.compiler.is_compiling() and bool(keep.all()): return None
+    if keep.device.type == "cpu" and not torch.compiler.is_compiling() and bool(keep.all()):
+        return None
     causal = torch.ones(length, length, dtype=torch.bool, device=keep.device).tril()
     allowed = causal & keep[:, None, None, :]
     has_key = allowed.any(dim=-1, keepdim=True)
@@ -147,6 +188,7 @@ def prepare_attention_mask(attention_mask: torch.Tensor | AttentionMask | None, 
 # %% ../nbs/02_model.ipynb #44413c23
 class LayerCache:
     "One layer's keys and values `(B, n_kv_head, max_len, head_dim)`; the first `length` positions are filled."
+
     def __init__(self, max_len: int):
         self.max_len, self.length = int(max_len), 0
         self.k: torch.Tensor | None = None
@@ -155,21 +197,31 @@ class LayerCache:
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         "Append `k`, `v` `(B, H, T, D)` after the held positions; return all held keys and values."
         B, H, T, D = k.shape
-        if self.k is None or self.k.shape[:2] != (B, H) or self.k.dtype != k.dtype or self.k.device != k.device:
-            if self.length: raise ValueError(f"the cache holds {self.length} positions of a batch of {tuple(self.k.shape[:2])} "
-                                             f"{self.k.dtype}; start a new cache for a batch of {(B, H)} {k.dtype}")
+        if (
+            self.k is None
+            or self.k.shape[:2] != (B, H)
+            or self.k.dtype != k.dtype
+            or self.k.device != k.device
+        ):
+            if self.length:
+                raise ValueError(
+                    f"the cache holds {self.length} positions of a batch of {tuple(self.k.shape[:2])} "
+                    f"{self.k.dtype}; start a new cache for a batch of {(B, H)} {k.dtype}"
+                )
             self.k = k.new_zeros(B, H, self.max_len, D)
             self.v = v.new_zeros(B, H, self.max_len, D)
         end = self.length + T
-        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        self.k[:, :, self.length : end], self.v[:, :, self.length : end] = k, v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
 # %% ../nbs/02_model.ipynb #4ef88662
 class KVCache:
     "Keys and values of the positions seen so far, one `LayerCache` per transformer block."
+
     def __init__(self, n_layer: int, max_len: int):
-        if max_len <= 0: raise ValueError(f"a KV cache needs max_len > 0, got {max_len}")
+        if max_len <= 0:
+            raise ValueError(f"a KV cache needs max_len > 0, got {max_len}")
         self.max_len = int(max_len)
         self.layers = [LayerCache(max_len) for _ in range(n_layer)]
 
@@ -180,26 +232,41 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         "Forget every position from `length` on."
-        for layer in self.layers: layer.length = max(0, min(layer.length, int(length)))
+        for layer in self.layers:
+            layer.length = max(0, min(layer.length, int(length)))
 
     def check_room(self, new: int, attention_mask: Any = None) -> None:
         "Refuse a padding mask, or `new` positions that do not fit after the held ones."
         if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
-            raise ValueError("a forward with a KV cache takes no padding mask; decode unpadded sequences")
+            raise ValueError(
+                "a forward with a KV cache takes no padding mask; decode unpadded sequences"
+            )
         if self.length + new > self.max_len:
-            raise ValueError(f"the KV cache holds {self.length} of {self.max_len} positions and cannot take {new} more; "
-                             f"crop it (cache.crop(n)) or start a new one")
+            raise ValueError(
+                f"the KV cache holds {self.length} of {self.max_len} positions and cannot take {new} more; "
+                f"crop it (cache.crop(n)) or start a new one"
+            )
 
-    def __repr__(self) -> str: return f"KVCache(layers={len(self.layers)}, length={self.length}, max_len={self.max_len})"
+    def __repr__(self) -> str:
+        return f"KVCache(layers={len(self.layers)}, length={self.length}, max_len={self.max_len})"
 
 # %% ../nbs/02_model.ipynb #d3ec1437
-_SDPA_GQA = torch.__version__ >= (2, 5)   # `enable_gqa=` shares KV heads inside SDPA without copying them
+_SDPA_GQA = torch.__version__ >= (
+    2,
+    5,
+)  # `enable_gqa=` shares KV heads inside SDPA without copying them
+
 
 class CausalSelfAttention(nn.Module):
     "Multi-head causal self-attention with RoPE and grouped key/value heads."
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.n_head, self.n_kv_head, self.head_dim = (
+            config.n_head,
+            config.n_kv_head,
+            config.head_dim,
+        )
         self.attn_dropout = float(config.dropout)
         self.q_proj = nn.Linear(config.d_model, self.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.d_model, self.n_kv_head * self.head_dim, bias=False)
@@ -212,16 +279,26 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = proj.shape
         return proj.view(B, T, n, self.head_dim).transpose(1, 2)
 
-    def _shared_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def _shared_kv(
+        self, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         "Keys and values each query head reads, and the SDPA keywords that go with them."
-        if self.n_kv_head == self.n_head: return k, v, {}
-        if _SDPA_GQA and k.device.type == "cpu": return k, v, {"enable_gqa": True}
+        if self.n_kv_head == self.n_head:
+            return k, v, {}
+        if _SDPA_GQA and k.device.type == "cpu":
+            return k, v, {"enable_gqa": True}
         repeat = self.n_head // self.n_kv_head
         return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), {}
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding,
-                attention_mask: torch.Tensor | AttentionMask | None = None, cache: LayerCache | None = None) -> torch.Tensor:
-        if cache is not None: return self._forward_cached(x, rope, cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        attention_mask: torch.Tensor | AttentionMask | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        if cache is not None:
+            return self._forward_cached(x, rope, cache)
         B, T, _ = x.shape
         q, k = self._heads(self.q_proj(x), self.n_head), self._heads(self.k_proj(x), self.n_kv_head)
         v = self._heads(self.v_proj(x), self.n_kv_head)
@@ -230,8 +307,15 @@ class CausalSelfAttention(nn.Module):
         k, v, extra = self._shared_kv(k, v)
         mask = prepare_attention_mask(attention_mask, B, T)
         p = self.attn_dropout if self.training else 0.0
-        if mask is None: y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **extra)
-        else: y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, dropout_p=p, **extra) * mask.has_key
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **extra)
+        else:
+            y = (
+                F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask.allowed, dropout_p=p, **extra
+                )
+                * mask.has_key
+            )
         return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 # %% ../nbs/02_model.ipynb #b3ed387a
@@ -239,7 +323,9 @@ def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     "Reference causal attention by explicit softmax (for tests and benchmarks)."
     T = q.shape[-2]
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    scores = scores.masked_fill(
+        ~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf")
+    )
     return scores.softmax(-1) @ v
 
 # %% ../nbs/02_model.ipynb #23248da9
@@ -248,8 +334,10 @@ def swiglu_hidden(d_ff: int, n_head: int) -> int:
     hidden = int(d_ff * 2 / 3)
     return -(-hidden // n_head) * n_head
 
+
 class SwiGLU(nn.Module):
     "Gated feed-forward block: `dropout(down(silu(gate(x)) * up(x)))`."
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         hidden = swiglu_hidden(config.d_ff, config.n_head)
@@ -264,20 +352,27 @@ class SwiGLU(nn.Module):
 # %% ../nbs/02_model.ipynb #71e730ff
 class TransformerBlock(nn.Module):
     "Pre-norm block: attention and SwiGLU, each added to the residual stream."
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln1 = RMSNorm(config.d_model, config.norm_eps)
         self.attn = CausalSelfAttention(config)
         self.ln2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
-        self.dropout = nn.Dropout(config.dropout)  # kept for 2.0's module tree; the attention branch drops once
+        self.dropout = nn.Dropout(
+            config.dropout
+        )  # kept for 2.0's module tree; the attention branch drops once
         self.gradient_checkpointing = False
 
-    def _body(self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None, cache=None) -> torch.Tensor:
+    def _body(
+        self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None, cache=None
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), rope, attention_mask, cache)
         return x + self.mlp(self.ln2(x))
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None, cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, attention_mask=None, cache=None
+    ) -> torch.Tensor:
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             return checkpoint(self._body, x, rope, attention_mask, cache, use_reentrant=False)
         return self._body(x, rope, attention_mask, cache)
@@ -287,9 +382,13 @@ def init_weights(module: nn.Module) -> None:
     "2.0's initialisation for one module: N(0, 0.02) linear/embedding weights, zero biases, unit norms."
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if module.bias is not None: nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.Embedding): nn.init.normal_(module.weight, mean=0.0, std=0.02)
-    elif isinstance(module, RMSNorm): nn.init.ones_(module.weight)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+
 
 def _model_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     "Map `max_seq_len` to `block_size` and reject unknown keywords."
@@ -297,26 +396,34 @@ def _model_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if "max_seq_len" in kwargs:
         seq = kwargs.pop("max_seq_len")
         if "block_size" in kwargs and kwargs["block_size"] != seq:
-            raise ValueError(f"max_seq_len={seq!r} and block_size={kwargs['block_size']!r} disagree; "
-                             f"they are the same setting, give one of them")
+            raise ValueError(
+                f"max_seq_len={seq!r} and block_size={kwargs['block_size']!r} disagree; "
+                f"they are the same setting, give one of them"
+            )
         kwargs["block_size"] = seq
     unknown = sorted(set(kwargs) - {f.name for f in fields(GPTConfig)})
-    if unknown: raise TypeError(f"unknown model arguments: {', '.join(unknown)}")
+    if unknown:
+        raise TypeError(f"unknown model arguments: {', '.join(unknown)}")
     return kwargs
 
 # %% ../nbs/02_model.ipynb #b937a355
 class ReferenceTransformer(nn.Module):
     "Decoder-only transformer with RoPE, grouped-query attention, SwiGLU and RMSNorm."
+
     def __init__(self, **kwargs):
         super().__init__()
         self.config = config = GPTConfig(**_model_kwargs(kwargs))
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.d_model),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([TransformerBlock(config) for _ in range(config.n_layer)]),
-            ln_f=RMSNorm(config.d_model, config.norm_eps)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.d_model),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([TransformerBlock(config) for _ in range(config.n_layer)]),
+                ln_f=RMSNorm(config.d_model, config.norm_eps),
+            )
+        )
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_weights: self.lm_head.weight = self.transformer.wte.weight
+        if config.tie_weights:
+            self.lm_head.weight = self.transformer.wte.weight
         self.rope = RotaryEmbedding(config.head_dim, config.rope_base)
         self.gradient_checkpointing = False
         self.apply(init_weights)
@@ -326,44 +433,64 @@ class ReferenceTransformer(nn.Module):
         "Build from a `GPTConfig`."
         return cls(**{f.name: getattr(config, f.name) for f in fields(GPTConfig)})
 
+
 GPT = Transformer = ReferenceModel = GPTModel = ReferenceTransformer
 
 # %% ../nbs/02_model.ipynb #7c5c4dce
 @patch
-def forward(self: ReferenceTransformer, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None, *, cache: KVCache | None = None, **_) -> dict[str, torch.Tensor]:
+def forward(
+    self: ReferenceTransformer,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    cache: KVCache | None = None,
+    **_,
+) -> dict[str, torch.Tensor]:
     "Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given; `cache` continues a sequence."
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}")
     B, T = input_ids.shape
     if T > self.config.block_size:
-        raise ValueError(f"sequence length {T} exceeds model block size {self.config.block_size}; "
-                         f"raise model.max_seq_len or lower data.block_size")
-    if cache is not None: cache.check_room(T, attention_mask)
+        raise ValueError(
+            f"sequence length {T} exceeds model block size {self.config.block_size}; "
+            f"raise model.max_seq_len or lower data.block_size"
+        )
+    if cache is not None:
+        cache.check_room(T, attention_mask)
     mask = prepare_attention_mask(attention_mask, B, T) if cache is None else None
     x = self.transformer.drop(self.transformer.wte(input_ids))
-    for i, block in enumerate(self.transformer.h): x = block(x, self.rope, mask, None if cache is None else cache.layers[i])
+    for i, block in enumerate(self.transformer.h):
+        x = block(x, self.rope, mask, None if cache is None else cache.layers[i])
     logits = self.lm_head(self.transformer.ln_f(x))
-    if labels is None: return {"logits": logits}
+    if labels is None:
+        return {"logits": logits}
     return {"logits": logits, "loss": causal_lm_loss(logits, labels)}
 
 # %% ../nbs/02_model.ipynb #13656589
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
     "Mean next-token cross-entropy of `logits (B, T, V)` against aligned `(B, T)` or `(B, T-1)` labels."
     B, T, V = logits.shape
     if labels.dim() != 2 or labels.shape[0] != B:
         raise ValueError(f"labels must be 2-D with batch size {B}, got shape {tuple(labels.shape)}")
-    if labels.shape[1] == T - 1: logits = logits[:, :-1]
+    if labels.shape[1] == T - 1:
+        logits = logits[:, :-1]
     elif labels.shape[1] != T:
-        raise ValueError(f"labels length {labels.shape[1]} must equal the sequence length {T} "
-                         f"(already shifted) or {T - 1} (shifted here)")
+        raise ValueError(
+            f"labels length {labels.shape[1]} must equal the sequence length {T} "
+            f"(already shifted) or {T - 1} (shifted here)"
+        )
     flat = labels.reshape(-1).long()
     total = F.cross_entropy(logits.reshape(-1, V), flat, ignore_index=ignore_index, reduction="sum")
     return total / (flat != ignore_index).sum().clamp(min=1)
 
 # %% ../nbs/02_model.ipynb #cd141144
 @patch
-def _forward_cached(self: CausalSelfAttention, x: torch.Tensor, rope: RotaryEmbedding, cache: LayerCache) -> torch.Tensor:
+def _forward_cached(
+    self: CausalSelfAttention, x: torch.Tensor, rope: RotaryEmbedding, cache: LayerCache
+) -> torch.Tensor:
     "Attention for the positions after those `cache` holds, appending their keys and values to it."
     B, T, _ = x.shape
     start = cache.length
@@ -372,8 +499,10 @@ def _forward_cached(self: CausalSelfAttention, x: torch.Tensor, rope: RotaryEmbe
     cos, sin = rope(start + T, x.device, q.dtype)
     q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
     k, v, extra = self._shared_kv(*cache.extend(k, v))
-    if start == 0: y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
-    elif T == 1: y = F.scaled_dot_product_attention(q, k, v, **extra)
+    if start == 0:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
+    elif T == 1:
+        y = F.scaled_dot_product_attention(q, k, v, **extra)
     else:
         allowed = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **extra)
@@ -396,12 +525,19 @@ def reference_state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]
     shapes = {"transformer.wte.weight": (V, d)}
     for i in range(config.n_layer):
         p = f"transformer.h.{i}."
-        shapes.update({p + "ln1.weight": (d,), p + "attn.q_proj.weight": (config.n_head * hd, d),
-                       p + "attn.k_proj.weight": (config.n_kv_head * hd, d),
-                       p + "attn.v_proj.weight": (config.n_kv_head * hd, d),
-                       p + "attn.out_proj.weight": (d, config.n_head * hd), p + "ln2.weight": (d,),
-                       p + "mlp.gate_proj.weight": (H, d), p + "mlp.up_proj.weight": (H, d),
-                       p + "mlp.down_proj.weight": (d, H)})
+        shapes.update(
+            {
+                p + "ln1.weight": (d,),
+                p + "attn.q_proj.weight": (config.n_head * hd, d),
+                p + "attn.k_proj.weight": (config.n_kv_head * hd, d),
+                p + "attn.v_proj.weight": (config.n_kv_head * hd, d),
+                p + "attn.out_proj.weight": (d, config.n_head * hd),
+                p + "ln2.weight": (d,),
+                p + "mlp.gate_proj.weight": (H, d),
+                p + "mlp.up_proj.weight": (H, d),
+                p + "mlp.down_proj.weight": (d, H),
+            }
+        )
     shapes.update({"transformer.ln_f.weight": (d,), "lm_head.weight": (V, d)})
     return shapes
 
@@ -410,20 +546,30 @@ def reference_state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]
 def set_gradient_checkpointing(self: ReferenceTransformer, enabled: bool = True) -> None:
     "Recompute each block in the backward pass (less memory, more compute) when `enabled`."
     self.gradient_checkpointing = bool(enabled)
-    for block in self.transformer.h: block.gradient_checkpointing = bool(enabled)
+    for block in self.transformer.h:
+        block.gradient_checkpointing = bool(enabled)
 
 # %% ../nbs/02_model.ipynb #e893fd68
 _NORM_TYPES = (RMSNorm, nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d)
 
+
 def _component(name: str, module: nn.Module) -> str:
     "Which component a module's own parameters belong to."
     parts = name.lower().split(".")
-    if isinstance(module, nn.Embedding): return "embedding"
-    if isinstance(module, _NORM_TYPES) or any("norm" in p or p in ("ln1", "ln2", "ln_f") for p in parts): return "norms"
-    if any("attn" in p or "attention" in p for p in parts): return "attention"
-    if any("mlp" in p or "ffn" in p or "feed_forward" in p for p in parts): return "mlp"
-    if parts[-1].endswith("head"): return "head"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, _NORM_TYPES) or any(
+        "norm" in p or p in ("ln1", "ln2", "ln_f") for p in parts
+    ):
+        return "norms"
+    if any("attn" in p or "attention" in p for p in parts):
+        return "attention"
+    if any("mlp" in p or "ffn" in p or "feed_forward" in p for p in parts):
+        return "mlp"
+    if parts[-1].endswith("head"):
+        return "head"
     return "other"
+
 
 def parameter_breakdown(model: nn.Module) -> dict[str, int]:
     "Parameter count per component (shared tensors counted once), plus the total."
@@ -431,7 +577,8 @@ def parameter_breakdown(model: nn.Module) -> dict[str, int]:
     seen: set[int] = set()
     for name, module in model.named_modules():
         for p in module.parameters(recurse=False):
-            if id(p) in seen: continue
+            if id(p) in seen:
+                continue
             seen.add(id(p))
             counts[_component(name, module)] += p.numel()
     counts["total"] = sum(counts.values())
@@ -442,4 +589,5 @@ registry.register_builtin("reference_transformer", ReferenceTransformer)
 registry.register_builtin("gpt", ReferenceTransformer)
 
 # %% ../nbs/02_model.ipynb #d04064cb
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -15,10 +15,13 @@ def set_gradient_checkpointing(module: Any, enabled: bool = True) -> Any:
     "Call `module.set_gradient_checkpointing(bool(enabled))` and return `module`."
     hook = getattr(module, "set_gradient_checkpointing", None)
     if not callable(hook):
-        raise AttributeError(f"{type(module).__name__} has no set_gradient_checkpointing(enabled) method; "
-                             f"add one to the model (or leave gradient_checkpointing off)")
+        raise AttributeError(
+            f"{type(module).__name__} has no set_gradient_checkpointing(enabled) method; "
+            f"add one to the model (or leave gradient_checkpointing off)"
+        )
     hook(bool(enabled))
     return module
 
 # %% ../nbs/02b_module_utils.ipynb #37705c35
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -31,49 +31,70 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     "`(name, parameter)` for each trainable parameter of `model`, tied weights once (first name wins)."
     seen, out = set(), []
     for name, p in model.named_parameters(remove_duplicate=False):
-        if not p.requires_grad or id(p) in seen: continue
-        seen.add(id(p)); out.append((name, p))
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append((name, p))
     return out
 
 # %% ../nbs/05_optimizers.ipynb #ab01164e
 WEIGHT_DECAY_MODES = ("matrices", "all")
 
-def decay_groups(params: Iterable[nn.Parameter],
-                 mode: str = "matrices", # `matrices` (decay 2-D+ weights only) or `all` (2.0 behaviour)
-                 weight_decay: float = 0.1, # decay applied to the decayed group
-                ) -> list[dict]:
+
+def decay_groups(
+    params: Iterable[nn.Parameter],
+    mode: str = "matrices",  # `matrices` (decay 2-D+ weights only) or `all` (2.0 behaviour)
+    weight_decay: float = 0.1,  # decay applied to the decayed group
+) -> list[dict]:
     "`params` as optimizer groups: decayed matrices, then the undecayed rest; no empty group."
     mode, params = str(mode).strip().lower(), list(params)
     if mode not in WEIGHT_DECAY_MODES:
-        raise ConfigError(f"optimizer.weight_decay_on must be one of {', '.join(WEIGHT_DECAY_MODES)}, got {mode!r}")
-    if mode == "all": groups = [{"params": params, "weight_decay": weight_decay}]
-    else: groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        raise ConfigError(
+            f"optimizer.weight_decay_on must be one of {', '.join(WEIGHT_DECAY_MODES)}, got {mode!r}"
+        )
+    if mode == "all":
+        groups = [{"params": params, "weight_decay": weight_decay}]
+    else:
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
     return [g for g in groups if g["params"]]
+
 
 def require_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     "`trainable_parameters(model)`, or a `ValueError` saying how to fix a model with none."
     params = trainable_parameters(model)
     if not params:
-        raise ValueError(f"model has no trainable parameters ({type(model).__name__} has "
-                         f"{sum(1 for _ in model.parameters())} parameter tensor(s), none with requires_grad=True); "
-                         "unfreeze the parameters to train (p.requires_grad_(True)) before building the optimizer")
+        raise ValueError(
+            f"model has no trainable parameters ({type(model).__name__} has "
+            f"{sum(1 for _ in model.parameters())} parameter tensor(s), none with requires_grad=True); "
+            "unfreeze the parameters to train (p.requires_grad_(True)) before building the optimizer"
+        )
     return params
 
-def weight_decay_groups(model: nn.Module, mode: str = "matrices", weight_decay: float = 0.1) -> list[dict]:
+
+def weight_decay_groups(
+    model: nn.Module, mode: str = "matrices", weight_decay: float = 0.1
+) -> list[dict]:
     "Optimizer parameter groups of `model`'s trainable parameters: decayed matrices, undecayed rest."
     return decay_groups([p for _, p in require_trainable(model)], mode, weight_decay)
 
 # %% ../nbs/05_optimizers.ipynb #d90fc9ba
-def resolve_fused(requested: bool | None, # the `optimizer.fused` value
-                  device: torch.device | str, # the device the model lives on
-                  probe: Callable[[torch.device], bool] = supports_fused_adamw, # capability check
-                 ) -> tuple[bool, str]:
+def resolve_fused(
+    requested: bool | None,  # the `optimizer.fused` value
+    device: torch.device | str,  # the device the model lives on
+    probe: Callable[[torch.device], bool] = supports_fused_adamw,  # capability check
+) -> tuple[bool, str]:
     "Whether to attempt fused AdamW on `device`, and why."
     if requested is None:
         device = torch.device(device)
-        if probe(device): return True, f"optimizer.fused: null and {device} supports fused AdamW"
-        return False, f"optimizer.fused: null and {device} does not support fused AdamW (fused is probed on CUDA only)"
+        if probe(device):
+            return True, f"optimizer.fused: null and {device} supports fused AdamW"
+        return (
+            False,
+            f"optimizer.fused: null and {device} does not support fused AdamW (fused is probed on CUDA only)",
+        )
     if isinstance(requested, bool):
         return requested, f"optimizer.fused: {str(requested).lower()}"
     raise ConfigError(f"optimizer.fused must be true, false or null, got {requested!r}")
@@ -81,13 +102,22 @@ def resolve_fused(requested: bool | None, # the `optimizer.fused` value
 # %% ../nbs/05_optimizers.ipynb #7aa04dfa
 FUSED_ERRORS = (TypeError, RuntimeError, ValueError, NotImplementedError)
 
-def construct_adamw(groups: list[dict], *, lr: float, betas: tuple[float, float], eps: float, fused: bool,
-                    fused_reason: str = "", optimizer_class: type = torch.optim.AdamW,
-                   ) -> tuple[torch.optim.Optimizer, bool, str]:
+
+def construct_adamw(
+    groups: list[dict],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    fused: bool,
+    fused_reason: str = "",
+    optimizer_class: type = torch.optim.AdamW,
+) -> tuple[torch.optim.Optimizer, bool, str]:
     "AdamW over `groups`, fused if asked and possible: `(optimizer, fused_engaged, reason)`."
     kwargs = dict(lr=lr, betas=tuple(betas), eps=eps)
     if fused:
-        try: return optimizer_class(groups, fused=True, **kwargs), True, fused_reason
+        try:
+            return optimizer_class(groups, fused=True, **kwargs), True, fused_reason
         except FUSED_ERRORS as exc:
             fused_reason = f"fused AdamW construction failed ({type(exc).__name__}: {exc}); using the standard AdamW"
     return optimizer_class(groups, **kwargs), False, fused_reason
@@ -95,18 +125,27 @@ def construct_adamw(groups: list[dict], *, lr: float, betas: tuple[float, float]
 # %% ../nbs/05_optimizers.ipynb #63036b62
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
+
 def ns_work_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     "The precision Newton–Schulz uses for an input of `dtype` on `device`."
-    if dtype == torch.float64: return torch.float64
-    if dtype in (torch.float16, torch.bfloat16) and torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
+    if dtype == torch.float64:
+        return torch.float64
+    if (
+        dtype in (torch.float16, torch.bfloat16)
+        and torch.device(device).type == "cuda"
+        and torch.cuda.is_bf16_supported()
+    ):
         return torch.bfloat16
     return torch.float32
+
 
 def _ns_iterate(X: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
     "Quintic Newton–Schulz on a stack of wide matrices `(..., m, n)` with m <= n, in X's dtype."
     a, b, c = NS_COEFFICIENTS
     norm = torch.linalg.matrix_norm(X, keepdim=True)
-    huge = ~torch.isfinite(norm)  # finite entries whose squares overflow: divide by the largest entry first
+    huge = ~torch.isfinite(
+        norm
+    )  # finite entries whose squares overflow: divide by the largest entry first
     X = X / torch.where(huge, X.abs().amax(dim=(-2, -1), keepdim=True), torch.ones_like(norm))
     X = X / (torch.where(huge, torch.linalg.matrix_norm(X, keepdim=True), norm) + eps)
     for _ in range(steps):
@@ -114,17 +153,22 @@ def _ns_iterate(X: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
         X = a * X + (b * A + c * (A @ A)) @ X
     return X
 
-def orthogonalize(stack: torch.Tensor, # one matrix `(rows, cols)` or a stack `(..., rows, cols)` of equal shapes
-                  steps: int = 5, eps: float = 1e-7,
-                  dtype: torch.dtype | None = None, # working precision; default `ns_work_dtype(stack)`
-                 ) -> torch.Tensor:
+
+def orthogonalize(
+    stack: torch.Tensor,  # one matrix `(rows, cols)` or a stack `(..., rows, cols)` of equal shapes
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,  # working precision; default `ns_work_dtype(stack)`
+) -> torch.Tensor:
     "Newton–Schulz polar factor of each matrix in `stack`, returned in the working precision."
     work = dtype or ns_work_dtype(stack.dtype, stack.device)
     tall = stack.shape[-2] > stack.shape[-1]
     X = stack.mT if tall else stack
-    try: out = _ns_iterate(X.to(work), steps, eps)
+    try:
+        out = _ns_iterate(X.to(work), steps, eps)
     except (RuntimeError, TypeError) as exc:
-        if work not in (torch.float16, torch.bfloat16) or isinstance(exc, torch.OutOfMemoryError): raise
+        if work not in (torch.float16, torch.bfloat16) or isinstance(exc, torch.OutOfMemoryError):
+            raise
         out = _ns_iterate(X.to(torch.float32), steps, eps)
     return out.mT if tall else out
 
@@ -132,16 +176,20 @@ def orthogonalize(stack: torch.Tensor, # one matrix `(rows, cols)` or a stack `(
 def newton_schulz(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
     "The approximate polar factor `U Vᵀ` of a 2-D floating `matrix` (quintic Newton–Schulz, `steps` iterations)."
     if not torch.is_tensor(matrix) or matrix.ndim != 2:
-        raise ValueError(f"newton_schulz needs a 2-D tensor, got {getattr(matrix, 'shape', type(matrix).__name__)}")
+        raise ValueError(
+            f"newton_schulz needs a 2-D tensor, got {getattr(matrix, 'shape', type(matrix).__name__)}"
+        )
     if not matrix.is_floating_point():
         raise TypeError(f"newton_schulz needs a floating-point tensor, got {matrix.dtype}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"newton_schulz steps must be an integer >= 1, got {steps!r}")
-    if not eps > 0: raise ValueError(f"newton_schulz eps must be > 0, got {eps!r}")
+    if not eps > 0:
+        raise ValueError(f"newton_schulz eps must be > 0, got {eps!r}")
     return orthogonalize(matrix, steps, float(eps))
 
 # %% ../nbs/05_optimizers.ipynb #7a2fab37
 POLAR_MODES = {"none": (), "row": (-1,), "col": (-2,), "row_col": (-1, -2), "col_row": (-2, -1)}
+
 
 def _normalize_rows_cols(U: torch.Tensor, mode: str, eps: float) -> torch.Tensor:
     "Divide rows (dim -1 sums) and/or columns (dim -2 sums) of a stack `(..., rows, cols)` by their norms, in `mode`'s order."
@@ -149,86 +197,149 @@ def _normalize_rows_cols(U: torch.Tensor, mode: str, eps: float) -> torch.Tensor
         U = U / torch.sqrt(U.square().sum(dim=dim, keepdim=True) + eps)
     return U
 
-def post_polar_normalize(update: torch.Tensor, mode: str = "row_col", eps: float = 1e-8) -> torch.Tensor:
+
+def post_polar_normalize(
+    update: torch.Tensor, mode: str = "row_col", eps: float = 1e-8
+) -> torch.Tensor:
     "Muon+: give the rows and/or columns of a 2-D `update` unit norm, in the order `mode` names."
     if not torch.is_tensor(update) or update.ndim != 2:
-        raise ValueError(f"post_polar_normalize needs a 2-D tensor, got {getattr(update, 'shape', type(update).__name__)}")
-    if mode not in POLAR_MODES: raise ValueError(f"post_polar_normalize mode must be one of {', '.join(POLAR_MODES)}, got {mode!r}")
-    if not eps > 0: raise ValueError(f"post_polar_normalize eps must be > 0, got {eps!r}")
+        raise ValueError(
+            f"post_polar_normalize needs a 2-D tensor, got {getattr(update, 'shape', type(update).__name__)}"
+        )
+    if mode not in POLAR_MODES:
+        raise ValueError(
+            f"post_polar_normalize mode must be one of {', '.join(POLAR_MODES)}, got {mode!r}"
+        )
+    if not eps > 0:
+        raise ValueError(f"post_polar_normalize eps must be > 0, got {eps!r}")
     work = update.float() if update.dtype in (torch.float16, torch.bfloat16) else update
     return _normalize_rows_cols(work, mode, eps).to(update.dtype)
 
 # %% ../nbs/05_optimizers.ipynb #759e23d7
 MUON_SCALES = ("match_rms_adamw", "original")
 
-def muon_update_scale(shape: Iterable[int], # the parameter's shape `(rows, cols)`
-                      mode: str = "original", # `original` (2.0) or `match_rms_adamw`
-                     ) -> float:
+
+def muon_update_scale(
+    shape: Iterable[int],  # the parameter's shape `(rows, cols)`
+    mode: str = "original",  # `original` (2.0) or `match_rms_adamw`
+) -> float:
     "What Muon multiplies `lr` by for a matrix of `shape`."
     rows, cols = tuple(shape)[-2:]
-    if mode == "original": return math.sqrt(max(1.0, rows / cols))
-    if mode == "match_rms_adamw": return 0.2 * math.sqrt(max(rows, cols))
+    if mode == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if mode == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"Muon update scale must be one of {', '.join(MUON_SCALES)}, got {mode!r}")
 
 # %% ../nbs/05_optimizers.ipynb #a37fac33
 def _check_muon_parameter(p: torch.Tensor) -> None:
     "Refuse what Muon cannot orthogonalise: anything but a real 2-D dense tensor."
     if p.ndim != 2:
-        raise ValueError(f"Muon only takes 2-D parameters, got one of shape {tuple(p.shape)}; give it to AdamW")
-    if p.is_complex(): raise TypeError(f"Muon does not take complex parameters ({p.dtype}); give it to AdamW")
+        raise ValueError(
+            f"Muon only takes 2-D parameters, got one of shape {tuple(p.shape)}; give it to AdamW"
+        )
+    if p.is_complex():
+        raise TypeError(f"Muon does not take complex parameters ({p.dtype}); give it to AdamW")
+
 
 class Muon(torch.optim.Optimizer):
     "Momentum orthogonalised by Newton–Schulz, for 2-D hidden weights, with decoupled weight decay."
-    def __init__(self, params, lr: float = 3e-4, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 weight_decay: float = 0.0, eps: float = 1e-7, # Newton–Schulz normalisation epsilon
-                 norm_eps: float = 1e-8, # Muon+ normalisation epsilon
-                 muon_plus: bool = False, *,
-                 scale: str = "original", # update scale: `original` (2.0) or `match_rms_adamw`
-                 ns_dtype: torch.dtype | None = None, # Newton–Schulz precision; None: bf16 on CUDA where supported, else fp32
-                 batched: bool = True, # orthogonalise same-shape parameters as one stack
-                ):
-        if not lr > 0: raise ValueError(f"Muon lr must be > 0, got {lr!r}")
-        if not 0 <= momentum < 1: raise ValueError(f"Muon momentum must be in [0, 1), got {momentum!r}")
+
+    def __init__(
+        self,
+        params,
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        eps: float = 1e-7,  # Newton–Schulz normalisation epsilon
+        norm_eps: float = 1e-8,  # Muon+ normalisation epsilon
+        muon_plus: bool = False,
+        *,
+        scale: str = "original",  # update scale: `original` (2.0) or `match_rms_adamw`
+        ns_dtype: torch.dtype
+        | None = None,  # Newton–Schulz precision; None: bf16 on CUDA where supported, else fp32
+        batched: bool = True,  # orthogonalise same-shape parameters as one stack
+    ):
+        if not lr > 0:
+            raise ValueError(f"Muon lr must be > 0, got {lr!r}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"Muon momentum must be in [0, 1), got {momentum!r}")
         if isinstance(ns_steps, bool) or int(ns_steps) != ns_steps or ns_steps < 1:
             raise ValueError(f"Muon ns_steps must be an integer >= 1, got {ns_steps!r}")
-        if weight_decay < 0: raise ValueError(f"Muon weight_decay must be >= 0, got {weight_decay!r}")
+        if weight_decay < 0:
+            raise ValueError(f"Muon weight_decay must be >= 0, got {weight_decay!r}")
         muon_update_scale((1, 1), scale)
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=int(ns_steps),
-                                      weight_decay=weight_decay, eps=eps, norm_eps=norm_eps, muon_plus=muon_plus, scale=scale))
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=int(ns_steps),
+                weight_decay=weight_decay,
+                eps=eps,
+                norm_eps=norm_eps,
+                muon_plus=muon_plus,
+                scale=scale,
+            ),
+        )
         for group in self.param_groups:
-            for p in group["params"]: _check_muon_parameter(p)
+            for p in group["params"]:
+                _check_muon_parameter(p)
         self.ns_dtype, self.batched = ns_dtype, batched
 
 # %% ../nbs/05_optimizers.ipynb #e2cf413e
 def muon_ns_dtype(device: torch.device) -> torch.dtype:
     "Newton–Schulz precision Muon uses on `device`: bf16 on CUDA where supported, else fp32."
-    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return (
+        torch.bfloat16
+        if device.type == "cuda" and torch.cuda.is_bf16_supported()
+        else torch.float32
+    )
+
 
 @patch
 def _direction(self: Muon, p: torch.Tensor, group: dict) -> torch.Tensor:
     "Advance `p`'s momentum with its gradient and return the fp32 direction to orthogonalise."
     g = p.grad
-    if g.is_sparse: raise RuntimeError(f"Muon does not support sparse gradients (parameter of shape {tuple(p.shape)}); give it to AdamW")
-    if g.is_complex(): raise TypeError(f"Muon does not support complex gradients ({g.dtype}); give the parameter to AdamW")
+    if g.is_sparse:
+        raise RuntimeError(
+            f"Muon does not support sparse gradients (parameter of shape {tuple(p.shape)}); give it to AdamW"
+        )
+    if g.is_complex():
+        raise TypeError(
+            f"Muon does not support complex gradients ({g.dtype}); give the parameter to AdamW"
+        )
     _check_muon_parameter(p)
     state = self.state[p]
-    if not state: state["momentum_buffer"], state["step"] = torch.zeros_like(p, dtype=torch.float32), 0
+    if not state:
+        state["momentum_buffer"], state["step"] = torch.zeros_like(p, dtype=torch.float32), 0
     state["step"] += 1
     g, buf, mu = g.float(), state["momentum_buffer"], group["momentum"]
     buf.mul_(mu).add_(g, alpha=1 - mu)
     return torch.lerp(g, buf, mu) if group["nesterov"] else buf
 
+
 @patch
-def _update(self: Muon, group: dict, params: list[torch.Tensor], directions: list[torch.Tensor]) -> None:
+def _update(
+    self: Muon, group: dict, params: list[torch.Tensor], directions: list[torch.Tensor]
+) -> None:
     "Orthogonalise the directions of same-shape `params` as one stack, then decay and step each parameter."
     stack = torch.stack(directions)
-    U = orthogonalize(stack, group["ns_steps"], group["eps"], self.ns_dtype or muon_ns_dtype(stack.device))
-    if group["muon_plus"]: U = _normalize_rows_cols(U.float(), "row_col", group["norm_eps"])
+    U = orthogonalize(
+        stack, group["ns_steps"], group["eps"], self.ns_dtype or muon_ns_dtype(stack.device)
+    )
+    if group["muon_plus"]:
+        U = _normalize_rows_cols(U.float(), "row_col", group["norm_eps"])
     lr, wd = group["lr"], group["weight_decay"]
     step = lr * muon_update_scale(params[0].shape, group["scale"])
     for p, u in zip(params, U.unbind(0)):
-        if wd: p.mul_(1 - lr * wd)
+        if wd:
+            p.mul_(1 - lr * wd)
         p.add_(u.to(p.dtype), alpha=-step)
+
 
 @patch
 @torch.no_grad()
@@ -236,12 +347,17 @@ def step(self: Muon, closure: Callable | None = None) -> Any:
     "One Muon update of every parameter that has a gradient; `closure` (optional) re-computes the loss."
     loss = None
     if closure is not None:
-        with torch.enable_grad(): loss = closure()
+        with torch.enable_grad():
+            loss = closure()
     for group in self.param_groups:
         batches = defaultdict(list)
         for p in group["params"]:
-            if p.grad is not None: batches[tuple(p.shape) if self.batched else id(p)].append((p, self._direction(p, group)))
-        for items in batches.values(): self._update(group, [p for p, _ in items], [d for _, d in items])
+            if p.grad is not None:
+                batches[tuple(p.shape) if self.batched else id(p)].append(
+                    (p, self._direction(p, group))
+                )
+        for items in batches.values():
+            self._update(group, [p for p, _ in items], [d for _, d in items])
     return loss
 
 # %% ../nbs/05_optimizers.ipynb #355c9bb1
@@ -252,7 +368,10 @@ def _restore_fp32_momentum(optimizer: torch.optim.Optimizer, state_dict: Mapping
     for p, i in zip(params, saved):
         buf = state_dict["state"].get(i, {}).get("momentum_buffer")
         if buf is not None and p.dtype != torch.float32:
-            optimizer.state[p]["momentum_buffer"] = buf.detach().to(device=p.device, dtype=torch.float32, copy=True)
+            optimizer.state[p]["momentum_buffer"] = buf.detach().to(
+                device=p.device, dtype=torch.float32, copy=True
+            )
+
 
 @patch
 def load_state_dict(self: Muon, state_dict: Mapping) -> None:
@@ -261,42 +380,74 @@ def load_state_dict(self: Muon, state_dict: Mapping) -> None:
     _restore_fp32_momentum(self, state_dict)
 
 # %% ../nbs/05_optimizers.ipynb #14370004
-HEAD_NAMES = frozenset({"embed", "embedding", "wte", "wpe", "lm_head", "classifier", "output",
-                        "output_proj", "score", "score_proj", "head"})
+HEAD_NAMES = frozenset(
+    {
+        "embed",
+        "embedding",
+        "wte",
+        "wpe",
+        "lm_head",
+        "classifier",
+        "output",
+        "output_proj",
+        "score",
+        "score_proj",
+        "head",
+    }
+)
+
 
 @dataclass
 class ParameterRouting:
     "Trainable parameters split by optimizer: lists of `(name, parameter)`."
+
     muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     adamw: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     skipped: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
+
 def _is_embedding_head_or_norm(module: nn.Module, name: str) -> bool:
     "True for parameters of embeddings, output heads and norms."
     cls = type(module).__name__.lower()
-    return "embedding" in cls or "norm" in cls or any(part in HEAD_NAMES for part in name.lower().split("."))
+    return (
+        "embedding" in cls
+        or "norm" in cls
+        or any(part in HEAD_NAMES for part in name.lower().split("."))
+    )
+
 
 def _wants_muon(module: nn.Module, pname: str, full: str, p: nn.Parameter) -> bool:
     "Whether parameter `p` (named `pname` in `module`, `full` in the model) goes to Muon."
-    eligible = p.ndim == 2 and p.is_floating_point() and not p.is_sparse and not pname.endswith("bias")
+    eligible = (
+        p.ndim == 2 and p.is_floating_point() and not p.is_sparse and not pname.endswith("bias")
+    )
     role = getattr(module, "_speedtronic_optimizer_role", None)
     if role is not None:
         if role not in ("muon", "adamw"):
-            raise ValueError(f"{type(module).__name__}._speedtronic_optimizer_role must be 'muon', 'adamw' or None, got {role!r}")
+            raise ValueError(
+                f"{type(module).__name__}._speedtronic_optimizer_role must be 'muon', 'adamw' or None, got {role!r}"
+            )
         return role == "muon" and eligible
-    return isinstance(module, nn.Linear) and eligible and not _is_embedding_head_or_norm(module, full)
+    return (
+        isinstance(module, nn.Linear) and eligible and not _is_embedding_head_or_norm(module, full)
+    )
+
 
 def route_parameters(model: nn.Module) -> ParameterRouting:
     "Split `model`'s parameters into Muon, AdamW and skipped (frozen) lists, each tensor once."
     routing, seen = ParameterRouting(), set()
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            if id(p) in seen: continue
+            if id(p) in seen:
+                continue
             seen.add(id(p))
             full = f"{mname}.{pname}" if mname else pname
-            if not p.requires_grad: routing.skipped.append((full, p))
-            elif _wants_muon(module, pname, full, p): routing.muon.append((full, p))
-            else: routing.adamw.append((full, p))
+            if not p.requires_grad:
+                routing.skipped.append((full, p))
+            elif _wants_muon(module, pname, full, p):
+                routing.muon.append((full, p))
+            else:
+                routing.adamw.append((full, p))
     return routing
 
 # %% ../nbs/05_optimizers.ipynb #f1d4ddc2
@@ -305,41 +456,114 @@ def routing_summary(routing: ParameterRouting) -> dict[str, int]:
     out = {}
     for group in ("muon", "adamw", "skipped"):
         params = getattr(routing, group)
-        out[f"{group}_tensors"], out[f"{group}_params"] = len(params), sum(p.numel() for _, p in params)
+        out[f"{group}_tensors"], out[f"{group}_params"] = (
+            len(params),
+            sum(p.numel() for _, p in params),
+        )
     return out
 
 # %% ../nbs/05_optimizers.ipynb #b91fc96b
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "ns_steps", "norm_eps", "muon_plus", "scale")
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
+
 def _adamw_groups(adamw_params: Iterable, weight_decay: float) -> list[dict]:
     "AdamW groups from a list of parameters (one group) or of group dicts (each keeps its `weight_decay`)."
     items = list(adamw_params)
     if items and all(isinstance(g, Mapping) for g in items):
-        groups = [{"params": list(g["params"]), "weight_decay": g.get("weight_decay", weight_decay)} for g in items]
-    else: groups = [{"params": items, "weight_decay": weight_decay}]
+        groups = [
+            {"params": list(g["params"]), "weight_decay": g.get("weight_decay", weight_decay)}
+            for g in items
+        ]
+    else:
+        groups = [{"params": items, "weight_decay": weight_decay}]
     return [g for g in groups if g["params"]]
+
 
 class HybridOptimizer(torch.optim.Optimizer):
     "Muon for the hidden matrices and AdamW for the rest, behind one optimizer with one shared state."
-    def __init__(self, muon_params: Iterable, adamw_params: Iterable, *, muon_lr: float, adamw_lr: float,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0, fused: bool = False,
-                 muon_momentum: float = 0.95, muon_ns_steps: int = 5, muon_norm_eps: float = 1e-8, muon_plus: bool = False,
-                 muon_scale: str = "original", # `original` (2.0) or `match_rms_adamw`
-                 ns_dtype: torch.dtype | None = None):
+
+    def __init__(
+        self,
+        muon_params: Iterable,
+        adamw_params: Iterable,
+        *,
+        muon_lr: float,
+        adamw_lr: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        fused: bool = False,
+        muon_momentum: float = 0.95,
+        muon_ns_steps: int = 5,
+        muon_norm_eps: float = 1e-8,
+        muon_plus: bool = False,
+        muon_scale: str = "original",  # `original` (2.0) or `match_rms_adamw`
+        ns_dtype: torch.dtype | None = None,
+    ):
         muon, adamw = list(muon_params), _adamw_groups(adamw_params, weight_decay)
-        groups = [{"params": muon, "algorithm": "muon", "lr": muon_lr, "momentum": muon_momentum, "ns_steps": muon_ns_steps,
-                   "norm_eps": muon_norm_eps, "muon_plus": muon_plus, "weight_decay": weight_decay, "scale": muon_scale}] if muon else []
-        groups += [{**g, "algorithm": "adamw", "lr": adamw_lr, "betas": tuple(betas), "eps": eps, "fused": fused} for g in adamw]
-        if not groups: raise ValueError("HybridOptimizer needs at least one parameter (both parameter lists are empty)")
+        groups = (
+            [
+                {
+                    "params": muon,
+                    "algorithm": "muon",
+                    "lr": muon_lr,
+                    "momentum": muon_momentum,
+                    "ns_steps": muon_ns_steps,
+                    "norm_eps": muon_norm_eps,
+                    "muon_plus": muon_plus,
+                    "weight_decay": weight_decay,
+                    "scale": muon_scale,
+                }
+            ]
+            if muon
+            else []
+        )
+        groups += [
+            {
+                **g,
+                "algorithm": "adamw",
+                "lr": adamw_lr,
+                "betas": tuple(betas),
+                "eps": eps,
+                "fused": fused,
+            }
+            for g in adamw
+        ]
+        if not groups:
+            raise ValueError(
+                "HybridOptimizer needs at least one parameter (both parameter lists are empty)"
+            )
         super().__init__(groups, {"algorithm": "hybrid"})
-        self._muon = Muon(muon, lr=muon_lr, momentum=muon_momentum, ns_steps=muon_ns_steps, weight_decay=weight_decay,
-                          norm_eps=muon_norm_eps, muon_plus=muon_plus, scale=muon_scale, ns_dtype=ns_dtype) if muon else None
-        self._adamw, self.fused, self.fused_reason = (construct_adamw(
-            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw], lr=adamw_lr, betas=betas, eps=eps,
-            fused=fused) if adamw else (None, False, "no AdamW parameters"))
+        self._muon = (
+            Muon(
+                muon,
+                lr=muon_lr,
+                momentum=muon_momentum,
+                ns_steps=muon_ns_steps,
+                weight_decay=weight_decay,
+                norm_eps=muon_norm_eps,
+                muon_plus=muon_plus,
+                scale=muon_scale,
+                ns_dtype=ns_dtype,
+            )
+            if muon
+            else None
+        )
+        self._adamw, self.fused, self.fused_reason = (
+            construct_adamw(
+                [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adamw],
+                lr=adamw_lr,
+                betas=betas,
+                eps=eps,
+                fused=fused,
+            )
+            if adamw
+            else (None, False, "no AdamW parameters")
+        )
         for g in self.param_groups:
-            if g["algorithm"] == "adamw": g["fused"] = self.fused
+            if g["algorithm"] == "adamw":
+                g["fused"] = self.fused
         self._built = True
         self._share_state()
 
@@ -348,7 +572,9 @@ class HybridOptimizer(torch.optim.Optimizer):
 def _share_state(self: HybridOptimizer) -> None:
     "Make both children use the facade's state dict."
     for child in (self._muon, self._adamw):
-        if child is not None: child.state = self.state
+        if child is not None:
+            child.state = self.state
+
 
 @patch
 def _child_groups(self: HybridOptimizer) -> Iterable[tuple[dict, dict, tuple[str, ...]]]:
@@ -356,19 +582,28 @@ def _child_groups(self: HybridOptimizer) -> Iterable[tuple[dict, dict, tuple[str
     muon = iter(self._muon.param_groups if self._muon is not None else [])
     adamw = iter(self._adamw.param_groups if self._adamw is not None else [])
     for g in self.param_groups:
-        yield (g, next(muon), _MUON_KEYS) if g["algorithm"] == "muon" else (g, next(adamw), _ADAMW_KEYS)
+        yield (
+            (g, next(muon), _MUON_KEYS)
+            if g["algorithm"] == "muon"
+            else (g, next(adamw), _ADAMW_KEYS)
+        )
+
 
 @patch
 def step(self: HybridOptimizer, closure: Callable | None = None) -> Any:
     "Copy the facade's settings into Muon and AdamW, run `closure` once, then step Muon and AdamW."
     for group, child, keys in self._child_groups():
-        for k in keys: child[k] = tuple(group[k]) if k == "betas" else group[k]
+        for k in keys:
+            child[k] = tuple(group[k]) if k == "betas" else group[k]
     loss = None
     if closure is not None:
-        with torch.enable_grad(): loss = closure()
+        with torch.enable_grad():
+            loss = closure()
     for child in (self._muon, self._adamw):
-        if child is not None: child.step()
+        if child is not None:
+            child.step()
     return loss
+
 
 @patch
 def load_state_dict(self: HybridOptimizer, state_dict: Mapping) -> None:
@@ -376,25 +611,32 @@ def load_state_dict(self: HybridOptimizer, state_dict: Mapping) -> None:
     current = [dict(g) for g in self.param_groups]
     torch.optim.Optimizer.load_state_dict(self, state_dict)
     for group, old in zip(self.param_groups, current):
-        for k, v in old.items(): group.setdefault(k, v)
+        for k, v in old.items():
+            group.setdefault(k, v)
     self._share_state()
     _restore_fp32_momentum(self, state_dict)
+
 
 @patch
 def add_param_group(self: HybridOptimizer, param_group: dict) -> None:
     "Parameter groups are fixed when the optimizer is built (routing decides them)."
     if getattr(self, "_built", False):
-        raise NotImplementedError("HybridOptimizer routes its parameters when it is built; build a new one to add parameters")
+        raise NotImplementedError(
+            "HybridOptimizer routes its parameters when it is built; build a new one to add parameters"
+        )
     torch.optim.Optimizer.add_param_group(self, param_group)
 
 # %% ../nbs/05_optimizers.ipynb #d82d64c3
 class CautiousOptimizer(torch.optim.Optimizer):
     "Wraps an optimizer; keeps only the update entries that agree in sign with the current gradient."
+
     _step_supports_amp_scaling = False  # a GradScaler unscales the gradients before `step`
 
     def __init__(self, base: torch.optim.Optimizer):
         if not isinstance(base, torch.optim.Optimizer):
-            raise TypeError(f"CautiousOptimizer wraps a torch.optim.Optimizer, got {type(base).__name__}")
+            raise TypeError(
+                f"CautiousOptimizer wraps a torch.optim.Optimizer, got {type(base).__name__}"
+            )
         self.base, self._built = base, False
         super().__init__(base.param_groups, base.defaults)
         self._built = True
@@ -402,14 +644,19 @@ class CautiousOptimizer(torch.optim.Optimizer):
 
     def _share(self):
         "Use the base's groups, defaults and state as our own (the same objects, not copies)."
-        self.param_groups, self.defaults, self.state = self.base.param_groups, self.base.defaults, self.base.state
+        self.param_groups, self.defaults, self.state = (
+            self.base.param_groups,
+            self.base.defaults,
+            self.base.state,
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> Any:
         "Step the base optimizer, then revert every entry whose change disagrees in sign with its gradient."
         loss = None
         if closure is not None:
-            with torch.enable_grad(): loss = closure()
+            with torch.enable_grad():
+                loss = closure()
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         before = [p.detach().clone() for p in params]
         self.base.step()
@@ -417,82 +664,153 @@ class CautiousOptimizer(torch.optim.Optimizer):
             p.copy_(torch.where((old - p) * p.grad > 0, p, old))
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None: self.base.zero_grad(set_to_none=set_to_none)
-    def state_dict(self) -> dict: return self.base.state_dict()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.base.state_dict()
+
     def load_state_dict(self, state_dict: Mapping) -> None:
         self.base.load_state_dict(state_dict)
         self._share()
+
     def add_param_group(self, param_group: dict) -> None:
-        if not self._built: return torch.optim.Optimizer.add_param_group(self, param_group)
+        if not self._built:
+            return torch.optim.Optimizer.add_param_group(self, param_group)
         self.base.add_param_group(param_group)
 
 # %% ../nbs/05_optimizers.ipynb #526d062e
-def build_adamw(model: nn.Module, cfg: OptimizerConfig, fused: bool, reason: str) -> tuple[torch.optim.Optimizer, bool, str]:
+def build_adamw(
+    model: nn.Module, cfg: OptimizerConfig, fused: bool, reason: str
+) -> tuple[torch.optim.Optimizer, bool, str]:
     "AdamW over every trainable parameter of `model`, decay groups per `cfg.weight_decay_on`, groups tagged `adamw`."
-    groups = [{**g, "algorithm": "adamw"} for g in weight_decay_groups(model, cfg.weight_decay_on, cfg.weight_decay)]
-    return construct_adamw(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused, fused_reason=reason)
+    groups = [
+        {**g, "algorithm": "adamw"}
+        for g in weight_decay_groups(model, cfg.weight_decay_on, cfg.weight_decay)
+    ]
+    return construct_adamw(
+        groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused, fused_reason=reason
+    )
 
-def build_hybrid(routing: ParameterRouting, cfg: OptimizerConfig, fused: bool, reason: str) -> tuple[HybridOptimizer, bool, str]:
+
+def build_hybrid(
+    routing: ParameterRouting, cfg: OptimizerConfig, fused: bool, reason: str
+) -> tuple[HybridOptimizer, bool, str]:
     "Muon over `routing.muon` and AdamW (decay groups) over `routing.adamw`, configured by `cfg`."
-    opt = HybridOptimizer([p for _, p in routing.muon], decay_groups([p for _, p in routing.adamw], cfg.weight_decay_on, cfg.weight_decay),
-                          muon_lr=cfg.muon_lr or cfg.lr, adamw_lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                          weight_decay=cfg.weight_decay, fused=fused, muon_momentum=cfg.muon_momentum,
-                          muon_ns_steps=cfg.muon_ns_steps, muon_norm_eps=cfg.muon_norm_eps, muon_plus=cfg.muon_plus,
-                          muon_scale=cfg.muon_scale)
+    opt = HybridOptimizer(
+        [p for _, p in routing.muon],
+        decay_groups([p for _, p in routing.adamw], cfg.weight_decay_on, cfg.weight_decay),
+        muon_lr=cfg.muon_lr or cfg.lr,
+        adamw_lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=fused,
+        muon_momentum=cfg.muon_momentum,
+        muon_ns_steps=cfg.muon_ns_steps,
+        muon_norm_eps=cfg.muon_norm_eps,
+        muon_plus=cfg.muon_plus,
+        muon_scale=cfg.muon_scale,
+    )
     return opt, opt.fused, opt.fused_reason if fused and not opt.fused else reason
 
-def fused_decision(cfg: OptimizerConfig, device: torch.device | str, adamw_tensors: int) -> tuple[bool, str]:
+
+def fused_decision(
+    cfg: OptimizerConfig, device: torch.device | str, adamw_tensors: int
+) -> tuple[bool, str]:
     "Whether to attempt fused AdamW, and why (cautious updates and runs without AdamW parameters never do)."
-    if cfg.cautious: return False, "optimizer.cautious: true uses the standard AdamW"
-    if not adamw_tensors: return False, "no parameters go to AdamW"
+    if cfg.cautious:
+        return False, "optimizer.cautious: true uses the standard AdamW"
+    if not adamw_tensors:
+        return False, "no parameters go to AdamW"
     return resolve_fused(cfg.fused, device)
 
 # %% ../nbs/05_optimizers.ipynb #d013f33e
-def check_coverage(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]) -> None:
+def check_coverage(
+    optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]
+) -> None:
     "Raise `RuntimeError` unless `optimizer`'s groups hold each of `params` (`(name, parameter)`) exactly once and nothing else."
-    held, names = Counter(id(p) for g in optimizer.param_groups for p in g["params"]), {id(p): n for n, p in params}
+    held, names = (
+        Counter(id(p) for g in optimizer.param_groups for p in g["params"]),
+        {id(p): n for n, p in params},
+    )
     missing = [n for i, n in names.items() if i not in held]
     twice = sorted(names.get(i, "?") for i, k in held.items() if k > 1)
     extra = sum(1 for i in held if i not in names)
     if missing or twice or extra:
-        raise RuntimeError(f"the optimizer does not cover the model's trainable parameters exactly once (never trained: "
-                           f"{missing or 'none'}; in two groups: {twice or 'none'}; frozen or foreign tensors: {extra}); "
-                           "this is a bug in the routing, please report it with the model's parameter names")
+        raise RuntimeError(
+            f"the optimizer does not cover the model's trainable parameters exactly once (never trained: "
+            f"{missing or 'none'}; in two groups: {twice or 'none'}; frozen or foreign tensors: {extra}); "
+            "this is a bug in the routing, please report it with the model's parameter names"
+        )
 
 # %% ../nbs/05_optimizers.ipynb #19dbd9c7
-def optimizer_info(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, routing: ParameterRouting,
-                   fused: bool, reason: str) -> dict[str, Any]:
+def optimizer_info(
+    optimizer: torch.optim.Optimizer,
+    cfg: OptimizerConfig,
+    routing: ParameterRouting,
+    fused: bool,
+    reason: str,
+) -> dict[str, Any]:
     "What `build_optimizer` built: choices, fused or not and why, and where the parameters went."
     groups = optimizer.param_groups
     total = sum(p.numel() for g in groups for p in g["params"])
     decayed = sum(p.numel() for g in groups if g["weight_decay"] > 0 for p in g["params"])
     where = routing_summary(routing)
-    if cfg.name == "adamw":   # AdamW owns everything trainable
-        where.update(adamw_tensors=where["muon_tensors"] + where["adamw_tensors"], adamw_params=total, muon_tensors=0, muon_params=0)
+    if cfg.name == "adamw":  # AdamW owns everything trainable
+        where.update(
+            adamw_tensors=where["muon_tensors"] + where["adamw_tensors"],
+            adamw_params=total,
+            muon_tensors=0,
+            muon_params=0,
+        )
     muon = cfg.name == "muon"
-    return {"name": cfg.name, "cautious": cfg.cautious, "muon_plus": cfg.muon_plus, "lr": cfg.lr,
-            "muon_lr": (cfg.muon_lr or cfg.lr) if muon else None, "muon_scale": cfg.muon_scale if muon else None,
-            "fused": fused, "fused_reason": reason, "param_count": total, "decay_params": decayed,
-            "no_decay_params": total - decayed, "weight_decay": cfg.weight_decay, "weight_decay_on": cfg.weight_decay_on,
-            **where}
+    return {
+        "name": cfg.name,
+        "cautious": cfg.cautious,
+        "muon_plus": cfg.muon_plus,
+        "lr": cfg.lr,
+        "muon_lr": (cfg.muon_lr or cfg.lr) if muon else None,
+        "muon_scale": cfg.muon_scale if muon else None,
+        "fused": fused,
+        "fused_reason": reason,
+        "param_count": total,
+        "decay_params": decayed,
+        "no_decay_params": total - decayed,
+        "weight_decay": cfg.weight_decay,
+        "weight_decay_on": cfg.weight_decay_on,
+        **where,
+    }
 
-def build_optimizer(model: nn.Module,
-                    config: Any, # a `SpeedtronicConfig`, its `optimizer` section, a mapping or a namespace
-                    device: torch.device | str | None = None, # where the model lives; default: its first parameter's device
-                    *, logger: Any = None, # a `MetricLogger` (anything with `emit(event, payload)`)
-                   ) -> torch.optim.Optimizer:
+
+def build_optimizer(
+    model: nn.Module,
+    config: Any,  # a `SpeedtronicConfig`, its `optimizer` section, a mapping or a namespace
+    device: torch.device
+    | str
+    | None = None,  # where the model lives; default: its first parameter's device
+    *,
+    logger: Any = None,  # a `MetricLogger` (anything with `emit(event, payload)`)
+) -> torch.optim.Optimizer:
     "The optimizer the `optimizer` section of `config` asks for, over every trainable parameter of `model`."
     cfg = as_section(config, OptimizerConfig)
     params, routing = require_trainable(model), route_parameters(model)
     adamw_tensors = len(params) if cfg.name == "adamw" else len(routing.adamw)
-    fused, reason = fused_decision(cfg, device if device is not None else params[0][1].device, adamw_tensors)
-    if cfg.name == "adamw": optimizer, fused, reason = build_adamw(model, cfg, fused, reason)
-    else: optimizer, fused, reason = build_hybrid(routing, cfg, fused, reason)
-    if cfg.cautious: optimizer = CautiousOptimizer(optimizer)
+    fused, reason = fused_decision(
+        cfg, device if device is not None else params[0][1].device, adamw_tensors
+    )
+    if cfg.name == "adamw":
+        optimizer, fused, reason = build_adamw(model, cfg, fused, reason)
+    else:
+        optimizer, fused, reason = build_hybrid(routing, cfg, fused, reason)
+    if cfg.cautious:
+        optimizer = CautiousOptimizer(optimizer)
     check_coverage(optimizer, params)
     optimizer.speedtronic_info = optimizer_info(optimizer, cfg, routing, fused, reason)
-    if logger is not None and hasattr(logger, "emit"): logger.emit("optimizer", dict(optimizer.speedtronic_info))
+    if logger is not None and hasattr(logger, "emit"):
+        logger.emit("optimizer", dict(optimizer.speedtronic_info))
     return optimizer
+
 
 build_v2_optimizer = build_optimizer
 
@@ -506,22 +824,36 @@ def group_algorithm(group: Mapping) -> str:
     "`muon` or `adamw` for an optimizer parameter group (untagged groups are AdamW, as 2.0's default wrote them)."
     return group.get("algorithm", "adamw")
 
+
 def _describe(algorithms: set[str]) -> str:
-    return "Muon + AdamW (optimizer.name: muon)" if "muon" in algorithms else "AdamW (optimizer.name: adamw)"
+    return (
+        "Muon + AdamW (optimizer.name: muon)"
+        if "muon" in algorithms
+        else "AdamW (optimizer.name: adamw)"
+    )
+
 
 def check_same_algorithm(saved_groups: list[Mapping], optimizer: torch.optim.Optimizer) -> None:
     "Refuse to load a Muon state into an AdamW optimizer or the reverse, naming both and the fix."
-    saved, current = {group_algorithm(g) for g in saved_groups}, {group_algorithm(g) for g in optimizer.param_groups}
-    if ("muon" in saved) == ("muon" in current): return
-    raise ValueError(f"the checkpoint's optimizer state was written by {_describe(saved)} but this run uses "
-                     f"{_describe(current)}; Muon keeps one momentum matrix per hidden weight where AdamW keeps two "
-                     "moments, so the state cannot carry over. Resume with optimizer.name: "
-                     f"{'muon' if 'muon' in saved else 'adamw'}, or start a fresh run in another checkpoint.directory")
+    saved, current = (
+        {group_algorithm(g) for g in saved_groups},
+        {group_algorithm(g) for g in optimizer.param_groups},
+    )
+    if ("muon" in saved) == ("muon" in current):
+        return
+    raise ValueError(
+        f"the checkpoint's optimizer state was written by {_describe(saved)} but this run uses "
+        f"{_describe(current)}; Muon keeps one momentum matrix per hidden weight where AdamW keeps two "
+        "moments, so the state cannot carry over. Resume with optimizer.name: "
+        f"{'muon' if 'muon' in saved else 'adamw'}, or start a fresh run in another checkpoint.directory"
+    )
+
 
 def v2_adamw_parameters(model: nn.Module) -> list[nn.Parameter]:
     "The parameters, in order, that 2.0's default AdamW was built over for `model`."
     routed = [p for _, p in route_parameters(model).adamw]
     return routed or [p for _, p in trainable_parameters(model)]
+
 
 def v2_parameters(model: nn.Module, saved_groups: list[Mapping]) -> list[nn.Parameter]:
     "The parameter order of a 2.0 optimizer state: Muon's then AdamW's for a hybrid, else 2.0's default AdamW list."
@@ -532,55 +864,88 @@ def v2_parameters(model: nn.Module, saved_groups: list[Mapping]) -> list[nn.Para
 
 # %% ../nbs/05_optimizers.ipynb #2ae9764e
 def _moments_fit(saved: Mapping, p: nn.Parameter) -> bool:
-    return all(v.shape == p.shape for k, v in saved.items() if isinstance(v, torch.Tensor) and k != "step")
+    return all(
+        v.shape == p.shape for k, v in saved.items() if isinstance(v, torch.Tensor) and k != "step"
+    )
 
-def _load_v2_state(optimizer: torch.optim.Optimizer, state: Mapping, model: nn.Module, reason: str) -> str:
+
+def _load_v2_state(
+    optimizer: torch.optim.Optimizer, state: Mapping, model: nn.Module, reason: str
+) -> str:
     "Map a 2.0 optimizer `state` onto `optimizer` parameter by parameter; returns the note."
     saved_groups = state.get("param_groups", [])
-    saved_ids, old = [i for g in saved_groups for i in g.get("params", [])], v2_parameters(model, saved_groups)
+    saved_ids, old = (
+        [i for g in saved_groups for i in g.get("params", [])],
+        v2_parameters(model, saved_groups),
+    )
     if len(saved_ids) != len(old):
-        raise ValueError(f"the checkpoint's optimizer state does not fit this optimizer ({reason}; it holds "
-                         f"{len(saved_ids)} parameters, this model has {len(old)} in 2.0's order): "
-                         "resume with the optimizer and model the checkpoint was written with")
+        raise ValueError(
+            f"the checkpoint's optimizer state does not fit this optimizer ({reason}; it holds "
+            f"{len(saved_ids)} parameters, this model has {len(old)} in 2.0's order): "
+            "resume with the optimizer and model the checkpoint was written with"
+        )
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     moments = {}
     for sid, p in zip(saved_ids, old):
         saved = state.get("state", {}).get(sid)
-        if saved is None: continue
+        if saved is None:
+            continue
         if not _moments_fit(saved, p):
-            raise ValueError(f"the checkpoint's optimizer state for a parameter of shape {tuple(p.shape)} has other shapes: "
-                             "resume with the model the checkpoint was written with")
+            raise ValueError(
+                f"the checkpoint's optimizer state for a parameter of shape {tuple(p.shape)} has other shapes: "
+                "resume with the model the checkpoint was written with"
+            )
         moments[index[id(p)]] = saved
     optimizer.load_state_dict({**optimizer.state_dict(), "state": moments})
     lr = {group_algorithm(g): g["lr"] for g in reversed(saved_groups) if "lr" in g}
-    for g in optimizer.param_groups: g["lr"] = lr.get(group_algorithm(g), g["lr"])
+    for g in optimizer.param_groups:
+        g["lr"] = lr.get(group_algorithm(g), g["lr"])
     fresh = f", {len(index) - len(moments)} start fresh" if len(moments) < len(index) else ""
-    return (f"optimizer state written by 2.0 ({len(saved_ids)} parameters in {len(saved_groups)} group(s)) mapped onto "
-            f"{len(index)} parameters: {len(moments)} keep their moments{fresh}")
+    return (
+        f"optimizer state written by 2.0 ({len(saved_ids)} parameters in {len(saved_groups)} group(s)) mapped onto "
+        f"{len(index)} parameters: {len(moments)} keep their moments{fresh}"
+    )
 
 # %% ../nbs/05_optimizers.ipynb #d74876ac
 _NOT_SETTINGS = ("params", "lr", "initial_lr", "fused", "param_names")
+
 
 def _setting_changes(configured: list[Mapping], loaded: list[Mapping]) -> list[str]:
     "`key: saved (config ...)` for each setting the loaded groups hold differently from the configured ones."
     out = []
     for before, after in zip(configured, loaded):
         for k, v in before.items():
-            if k not in _NOT_SETTINGS and k in after and after[k] != v and f"{k}: {after[k]!r} (config {v!r})" not in out:
+            if (
+                k not in _NOT_SETTINGS
+                and k in after
+                and after[k] != v
+                and f"{k}: {after[k]!r} (config {v!r})" not in out
+            ):
                 out.append(f"{k}: {after[k]!r} (config {v!r})")
     return out
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping, model: nn.Module, *,
-                         report_settings: bool = True, # note the saved settings that differ from the configured ones
-                        ) -> str | None:
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    state: Mapping,
+    model: nn.Module,
+    *,
+    report_settings: bool = True,  # note the saved settings that differ from the configured ones
+) -> str | None:
     "Load checkpoint `state` into `optimizer` (2.0's states mapped onto ours); returns a note when converted or changed."
     check_same_algorithm(state.get("param_groups", []), optimizer)
     configured = [dict(g) for g in optimizer.param_groups]
-    try: optimizer.load_state_dict(state)
-    except (ValueError, KeyError) as exc: return _load_v2_state(optimizer, state, model, str(exc))
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError) as exc:
+        return _load_v2_state(optimizer, state, model, str(exc))
     if report_settings and (changes := _setting_changes(configured, optimizer.param_groups)):
-        return "the checkpoint's optimizer settings are kept where they differ from the config: " + "; ".join(changes)
+        return (
+            "the checkpoint's optimizer settings are kept where they differ from the config: "
+            + "; ".join(changes)
+        )
     return None
 
 # %% ../nbs/05_optimizers.ipynb #f04f0a68
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -16,16 +16,25 @@ __all__ = ['MissingExtra', 'optional_import']
 class MissingExtra(ExpectedError, ImportError):
     "An optional dependency is not installed; the message names the extra that installs it."
 
-def optional_import(name: str, # the module to import, e.g. "matplotlib.figure"
-                    *, extra: str, # the speedtronic extra that installs it, e.g. "plot"
-                    purpose: str, # what needs it, e.g. "the loss plot"
-                   ) -> ModuleType:
+
+def optional_import(
+    name: str,  # the module to import, e.g. "matplotlib.figure"
+    *,
+    extra: str,  # the speedtronic extra that installs it, e.g. "plot"
+    purpose: str,  # what needs it, e.g. "the loss plot"
+) -> ModuleType:
     "Import `name`, or raise `MissingExtra` saying what needs it and which extra installs it."
-    try: return importlib.import_module(name)
+    try:
+        return importlib.import_module(name)
     except ImportError as exc:
-        package = (getattr(exc, "name", None) or name).split(".")[0]   # the module that is really missing
-        raise MissingExtra(f"{purpose} needs {package}, which is not installed; "
-                           f"install it with: pip install 'speedtronic[{extra}]'") from exc
+        package = (getattr(exc, "name", None) or name).split(".")[
+            0
+        ]  # the module that is really missing
+        raise MissingExtra(
+            f"{purpose} needs {package}, which is not installed; "
+            f"install it with: pip install 'speedtronic[{extra}]'"
+        ) from exc
 
 # %% ../nbs/00b_optional.ipynb #df9bf385
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

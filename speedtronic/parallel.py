@@ -38,9 +38,11 @@ __all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'World', '
 COLLECTIVE_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 120.0
 
+
 @dataclass
 class World:
     "This process's place in a torchrun job; one process is a world of one, where every method does nothing."
+
     size: int = 1  # processes in the job (`$WORLD_SIZE`)
     rank: int = 0  # this process (`$RANK`); rank 0 writes the run's files
     local_rank: int = 0  # this process among those of its machine (`$LOCAL_RANK`): the GPU it takes
@@ -48,10 +50,18 @@ class World:
     device: Any = None  # the `torch.device` this rank trains on, set by `start_world`
     backend: str | None = None  # `nccl` or `gloo` while this process is in the job's process group
     timeout_s: float = COLLECTIVE_TIMEOUT_S  # how long a collective waits for the other ranks
-    connect_timeout_s: float = CONNECT_TIMEOUT_S  # how long joining waits for the others (`$SPEEDTRONIC_CONNECT_TIMEOUT`)
-    control: Any = field(default=None, repr=False)  # gloo group for the small CPU-side agreements between ranks
-    owns_group: bool = field(default=False, repr=False)  # the process group was started here (and is ended here)
-    parallel: Any = field(default=None, repr=False)  # the run's `ParallelConfig` (`None`: ddp); the runtime sets it
+    connect_timeout_s: float = (
+        CONNECT_TIMEOUT_S  # how long joining waits for the others (`$SPEEDTRONIC_CONNECT_TIMEOUT`)
+    )
+    control: Any = field(
+        default=None, repr=False
+    )  # gloo group for the small CPU-side agreements between ranks
+    owns_group: bool = field(
+        default=False, repr=False
+    )  # the process group was started here (and is ended here)
+    parallel: Any = field(
+        default=None, repr=False
+    )  # the run's `ParallelConfig` (`None`: ddp); the runtime sets it
 
     @property
     def fsdp(self) -> bool:
@@ -67,76 +77,112 @@ class World:
 _TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _JOB_VARIABLES = _TORCHRUN + ("MASTER_ADDR", "MASTER_PORT")
 
+
 def world_from_env(environ: Mapping[str, str] | None = None) -> World:
     "The `World` torchrun describes in the environment (default `os.environ`); `World()` when it is not set."
     env = os.environ if environ is None else environ
-    if "WORLD_SIZE" not in env: return World()
+    if "WORLD_SIZE" not in env:
+        return World()
     values = {}
     for name, default in zip(_TORCHRUN, (None, "0", env.get("RANK", "0"), env["WORLD_SIZE"])):
         text = env.get(name, default)
-        try: values[name] = int(text)
+        try:
+            values[name] = int(text)
         except (TypeError, ValueError):
-            raise ConfigError(f"${name}={text!r} is not a whole number; start the job with torchrun, which sets it") from None
+            raise ConfigError(
+                f"${name}={text!r} is not a whole number; start the job with torchrun, which sets it"
+            ) from None
     size, rank, local_rank, local_size = (values[n] for n in _TORCHRUN)
     if size < 1 or not 0 <= rank < size or not 0 <= local_rank < local_size <= size:
         shown = ", ".join(f"{n}={values[n]}" for n in _TORCHRUN)
-        raise ConfigError(f"the torchrun environment does not add up ({shown}); start the job with torchrun")
+        raise ConfigError(
+            f"the torchrun environment does not add up ({shown}); start the job with torchrun"
+        )
     return World(size, rank, local_rank, local_size, connect_timeout_s=_connect_timeout(env))
+
 
 def _connect_timeout(env: Mapping[str, str]) -> float:
     "`$SPEEDTRONIC_CONNECT_TIMEOUT` as seconds (a positive number), else `CONNECT_TIMEOUT_S`."
     text = env.get("SPEEDTRONIC_CONNECT_TIMEOUT")
-    if text is None: return CONNECT_TIMEOUT_S
-    try: seconds = float(text)
-    except ValueError: seconds = -1.0
+    if text is None:
+        return CONNECT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
     if not 0 < seconds < float("inf"):
-        raise ConfigError(f"$SPEEDTRONIC_CONNECT_TIMEOUT={text!r} must be a positive number of seconds; set it to e.g. 120 or unset it")
+        raise ConfigError(
+            f"$SPEEDTRONIC_CONNECT_TIMEOUT={text!r} must be a positive number of seconds; set it to e.g. 120 or unset it"
+        )
     return seconds
 
 # %% ../nbs/10p_parallel.ipynb #323712dd
 def _batch_problem(data: DataConfig, world_size: int) -> str | None:
     "Why `data`'s global batch cannot be split over `world_size` processes, or None."
     group = data.micro_batch_size * world_size
-    if data.target_batch_size % group == 0: return None
+    if data.target_batch_size % group == 0:
+        return None
     near = max(group, round(data.target_batch_size / group) * group)
-    return (f"data.target_batch_size ({data.target_batch_size}) is the global batch and must be a multiple of "
-            f"data.micro_batch_size × processes ({data.micro_batch_size} × {world_size} = {group}); "
-            f"set data.target_batch_size to {near}, or change data.micro_batch_size or the number of processes")
+    return (
+        f"data.target_batch_size ({data.target_batch_size}) is the global batch and must be a multiple of "
+        f"data.micro_batch_size × processes ({data.micro_batch_size} × {world_size} = {group}); "
+        f"set data.target_batch_size to {near}, or change data.micro_batch_size or the number of processes"
+    )
+
 
 def accumulation_per_rank(data: DataConfig, world_size: int = 1) -> int:
     "Microbatches each of `world_size` processes runs per optimizer update: `target / (micro × world)`."
-    if problem := _batch_problem(data, world_size): raise ConfigError(problem)
+    if problem := _batch_problem(data, world_size):
+        raise ConfigError(problem)
     return data.target_batch_size // (data.micro_batch_size * world_size)
+
 
 def _unset_advice() -> str:
     "`if no torchrun job is meant here, unset WORLD_SIZE, RANK, ... (left in this environment)`, naming those that are set."
     present = [n for n in _JOB_VARIABLES if n in os.environ]
-    return f"if no torchrun job is meant here, unset {', '.join(present)} (left in this environment)"
+    return (
+        f"if no torchrun job is meant here, unset {', '.join(present)} (left in this environment)"
+    )
+
 
 def world_problems(config: SpeedtronicConfig, world: World) -> list[str]:
     "Why `config` cannot run as this torchrun job (empty for one process); without torchrun's agent, what to unset if no job is meant."
-    if world.size == 1: return []
+    if world.size == 1:
+        return []
     problems = [p for p in [_batch_problem(config.data, world.size)] if p]
-    if "TORCHELASTIC_RUN_ID" in os.environ: return problems
-    return [f"{p}; $WORLD_SIZE={os.environ.get('WORLD_SIZE', world.size)} was not set by torchrun: {_unset_advice()}" for p in problems]
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return problems
+    return [
+        f"{p}; $WORLD_SIZE={os.environ.get('WORLD_SIZE', world.size)} was not set by torchrun: {_unset_advice()}"
+        for p in problems
+    ]
 
 # %% ../nbs/10p_parallel.ipynb #a255c042
 def world_device(world: World, requested: str | torch.device | None = "auto") -> torch.device:
     "The device this rank trains on: `auto`/`cuda` → `cuda:LOCAL_RANK` under torchrun; as `resolve_device` for one process."
-    if world.size == 1: return resolve_device(requested)
+    if world.size == 1:
+        return resolve_device(requested)
     name = "auto" if requested is None else str(requested).strip().lower()
-    if name in ("", "auto"): name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name in ("", "auto"):
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = resolve_device(f"cuda:{world.local_rank}" if name == "cuda" else name)
     if device.type == "mps":
-        raise ConfigError("device mps cannot be shared by the processes of a torchrun job (no collective backend); use --device cpu")
+        raise ConfigError(
+            "device mps cannot be shared by the processes of a torchrun job (no collective backend); use --device cpu"
+        )
     if device.type == "cuda":
         if world.local_size > torch.cuda.device_count():
-            raise ConfigError(f"torchrun starts {world.local_size} processes on this machine but it has {torch.cuda.device_count()} "
-                              f"GPU(s); start at most {torch.cuda.device_count()} (--nproc_per_node), one per GPU")
+            raise ConfigError(
+                f"torchrun starts {world.local_size} processes on this machine but it has {torch.cuda.device_count()} "
+                f"GPU(s); start at most {torch.cuda.device_count()} (--nproc_per_node), one per GPU"
+            )
         if world.local_size > 1 and device.index != world.local_rank:
-            raise ConfigError(f"device {requested} names one GPU for all {world.local_size} processes of this machine; use "
-                              "--device cuda (or auto): each process takes cuda:LOCAL_RANK")
+            raise ConfigError(
+                f"device {requested} names one GPU for all {world.local_size} processes of this machine; use "
+                "--device cuda (or auto): each process takes cuda:LOCAL_RANK"
+            )
     return device
+
 
 def backend_for(device: torch.device) -> str:
     "The collective backend for `device`: NCCL on CUDA, gloo otherwise."
@@ -145,171 +191,272 @@ def backend_for(device: torch.device) -> str:
 # %% ../nbs/10p_parallel.ipynb #01a2118c
 TEARDOWN_S = 30.0  # seconds leaving the process group may take before the process ends without it
 
+
 def _within(fn: Callable[[], Any], seconds: float, what: str) -> bool:
     "Run `fn` on a daemon thread; True if it returned within `seconds` (else say so on stderr and leave it behind)."
     done = threading.Event()
+
     def run():
-        try: fn()
-        finally: done.set()
+        try:
+            fn()
+        finally:
+            done.set()
+
     threading.Thread(target=run, name="speedtronic-teardown", daemon=True).start()
-    if done.wait(seconds): return True
-    print(f"speedtronic: {what} did not finish within {seconds:g} s; ending without waiting for it", file=sys.stderr, flush=True)
+    if done.wait(seconds):
+        return True
+    print(
+        f"speedtronic: {what} did not finish within {seconds:g} s; ending without waiting for it",
+        file=sys.stderr,
+        flush=True,
+    )
     return False
 
 # %% ../nbs/10p_parallel.ipynb #0a656e0b
 _NOTICE_AFTER_S = 3.0  # a rendezvous that takes longer than this is said once
 
+
 def _listener(world: World) -> tuple[str, int] | None:
     "The address this rank connects to before it joins (rank 0's, or torchrun's agent's); `None` when it hosts or it is unset."
-    if world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True": return None
-    try: return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError): return None   # the rendezvous itself names what is missing
+    if world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return None  # the rendezvous itself names what is missing
+
 
 def _answers(address: tuple[str, int], wait_s: float) -> bool:
     "Does something accept a TCP connection at `address` within `wait_s` seconds?"
     try:
-        with socket.create_connection(address, timeout=max(0.05, wait_s)): return True
-    except OSError: return False
+        with socket.create_connection(address, timeout=max(0.05, wait_s)):
+            return True
+    except OSError:
+        return False
+
 
 def _join_store(world: World) -> Any:
     "The job's `env://` rendezvous store, reached within `connect_timeout_s`; Ctrl-C and SIGTERM stop the wait."
     from torch.distributed.rendezvous import rendezvous
+
     start = time.monotonic()
     left = lambda: start + world.connect_timeout_s - time.monotonic()
     said = []
+
     def say_once():
-        if said or time.monotonic() - start < _NOTICE_AFTER_S: return
+        if said or time.monotonic() - start < _NOTICE_AFTER_S:
+            return
         said.append(True)
-        print(f"speedtronic: {_waiting_for(world)}, for up to {world.connect_timeout_s:g} s (Ctrl-C stops)", file=sys.stderr, flush=True)
-    if (address := _listener(world)) is not None:   # wait here, in Python, until rank 0 listens: no C++ retry loop
+        print(
+            f"speedtronic: {_waiting_for(world)}, for up to {world.connect_timeout_s:g} s (Ctrl-C stops)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    if (
+        address := _listener(world)
+    ) is not None:  # wait here, in Python, until rank 0 listens: no C++ retry loop
         while not _answers(address, min(1.0, left())):
-            if left() <= 0: raise _join_failure(world, TimeoutError("timed out")) from None
+            if left() <= 0:
+                raise _join_failure(world, TimeoutError("timed out")) from None
             say_once()
             time.sleep(min(0.2, max(left(), 0)))
     box, done = {}, threading.Event()
+
     def connect():
-        try: box["store"] = next(rendezvous("env://", timeout=timedelta(seconds=max(left(), 1.0))))[0]
-        except Exception as e: box["error"] = e
-        finally: done.set()
+        try:
+            box["store"] = next(rendezvous("env://", timeout=timedelta(seconds=max(left(), 1.0))))[
+                0
+            ]
+        except Exception as e:
+            box["error"] = e
+        finally:
+            done.set()
+
     threading.Thread(target=connect, name="speedtronic-rendezvous", daemon=True).start()
-    while not done.wait(0.5): say_once()   # lock waits: the signal handlers run, and what they raise ends the wait
-    if "error" in box: raise _join_failure(world, box["error"]) from None
+    while not done.wait(0.5):
+        say_once()  # lock waits: the signal handlers run, and what they raise ends the wait
+    if "error" in box:
+        raise _join_failure(world, box["error"]) from None
     return box["store"]
 
-_STARTED_GROUPS: list[str] = []  # the backends of the process groups this process started (read by `end_process`)
+
+_STARTED_GROUPS: list[
+    str
+] = []  # the backends of the process groups this process started (read by `end_process`)
 _LEFT_GROUPS: list = []  # groups left by `close`, never freed: gloo's destructor joins a thread that may wait for the GIL it holds
+
 
 def start_world(world: World, device: torch.device) -> World:
     "Join the torchrun job on `device`: the process group (NCCL on CUDA, gloo on CPU) and a gloo group for agreements."
     world.device = torch.device(device)
-    if world.size == 1: return world
+    if world.size == 1:
+        return world
     import torch.distributed as dist
-    if not dist.is_available(): raise ConfigError("this PyTorch build has no torch.distributed; install one that has, or run one process")
+
+    if not dist.is_available():
+        raise ConfigError(
+            "this PyTorch build has no torch.distributed; install one that has, or run one process"
+        )
     timeout = timedelta(seconds=world.timeout_s)
-    if world.device.type == "cuda": torch.cuda.set_device(world.device)
+    if world.device.type == "cuda":
+        torch.cuda.set_device(world.device)
     world.owns_group = not dist.is_initialized()
     if world.owns_group:
         store = _join_store(world)
-        store.set_timeout(timeout)   # the connect bound is for joining; the group's own waits keep the collective timeout
-        dist.init_process_group(backend_for(world.device), store=dist.PrefixStore("default_pg", store),
-                                rank=world.rank, world_size=world.size, timeout=timeout)
+        store.set_timeout(
+            timeout
+        )  # the connect bound is for joining; the group's own waits keep the collective timeout
+        dist.init_process_group(
+            backend_for(world.device),
+            store=dist.PrefixStore("default_pg", store),
+            rank=world.rank,
+            world_size=world.size,
+            timeout=timeout,
+        )
         _STARTED_GROUPS.append(backend_for(world.device))
     world.backend = dist.get_backend()
-    world.control = dist.new_group(backend="gloo", timeout=timeout) if world.backend != "gloo" else dist.group.WORLD
+    world.control = (
+        dist.new_group(backend="gloo", timeout=timeout)
+        if world.backend != "gloo"
+        else dist.group.WORLD
+    )
     return world
 
+
 @patch
-def close(self: World, failed: bool = False,
-          together: bool = False, # the failure was raised by every rank at once (`raised_together`): all are here
-         ) -> None:
+def close(
+    self: World,
+    failed: bool = False,
+    together: bool = False,  # the failure was raised by every rank at once (`raised_together`): all are here
+) -> None:
     "Leave the process group (after a lone failure only when it is gloo: an NCCL group with a dead peer may not end cleanly)."
-    if self.backend is None: return
+    if self.backend is None:
+        return
     import torch.distributed as dist
+
     backend, control, self.backend, self.control = self.backend, self.control, None, None
-    if not (self.owns_group and dist.is_initialized()): return
+    if not (self.owns_group and dist.is_initialized()):
+        return
     meet = not failed or together
     if meet:  # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a collective
-        try: dist.barrier(group=control)
-        except Exception: meet = False
+        try:
+            dist.barrier(group=control)
+        except Exception:
+            meet = False
     if meet or backend == "gloo":
         _LEFT_GROUPS.extend([dist.group.WORLD, control])
         _within(dist.destroy_process_group, TEARDOWN_S, "leaving the process group")
-
 
 # %% ../nbs/10p_parallel.ipynb #0582c93e
 def _rendezvous_address() -> str:
     return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
+
 def _waiting_for(world: World) -> str:
     "What a joining rank waits for, e.g. `rank 1 of 2 is waiting for rank 0 at 10.0.0.5:29500 ($MASTER_ADDR:$MASTER_PORT)`."
     hosts = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    who = f"waiting at {_rendezvous_address()} for the other {world.size - 1} rank(s) to join" if hosts else \
-          f"waiting for rank 0 at {_rendezvous_address()}"
+    who = (
+        f"waiting at {_rendezvous_address()} for the other {world.size - 1} rank(s) to join"
+        if hosts
+        else f"waiting for rank 0 at {_rendezvous_address()}"
+    )
     return f"rank {world.rank} of {world.size} is {who} ($MASTER_ADDR:$MASTER_PORT)"
+
 
 def _join_failure(world: World, error: BaseException) -> ConfigError:
     "One message for a rendezvous that failed: what was missing or who did not come, and the variables to unset."
     text = " ".join(str(error).split())
     fix = f"{_unset_advice()}; otherwise start every rank with torchrun, with the same --master-addr/--master-port"
     if missing := re.search(r"environment variable (\w+) expected, but not set", text):
-        return ConfigError(f"${missing.group(1)} is not set, but $WORLD_SIZE={world.size} makes this process rank "
-                           f"{world.rank} of a torchrun job; {fix}")
+        return ConfigError(
+            f"${missing.group(1)} is not set, but $WORLD_SIZE={world.size} makes this process rank "
+            f"{world.rank} of a torchrun job; {fix}"
+        )
     if joined := re.search(r"(\d+)/(\d+) clients joined", text):
-        return ConfigError(f"rank 0 waited {world.connect_timeout_s:g} s at {_rendezvous_address()} and {int(joined.group(1)) - 1} of "
-                           f"the other {world.size - 1} rank(s) joined; {fix}")
+        return ConfigError(
+            f"rank 0 waited {world.connect_timeout_s:g} s at {_rendezvous_address()} and {int(joined.group(1)) - 1} of "
+            f"the other {world.size - 1} rank(s) joined; {fix}"
+        )
     if "failed to listen" in text:
-        return ConfigError(f"rank 0 cannot listen at {_rendezvous_address()} ($MASTER_ADDR:$MASTER_PORT): the port is in use "
-                           f"or the address is not this machine's; {fix} (torchrun --master-port picks a free port)")
+        return ConfigError(
+            f"rank 0 cannot listen at {_rendezvous_address()} ($MASTER_ADDR:$MASTER_PORT): the port is in use "
+            f"or the address is not this machine's; {fix} (torchrun --master-port picks a free port)"
+        )
     if "timed out" in text.lower():
-        return ConfigError(f"rank {world.rank} of {world.size} could not reach rank 0 at {_rendezvous_address()} "
-                           f"($MASTER_ADDR:$MASTER_PORT) within {world.connect_timeout_s:g} s; {fix}")
+        return ConfigError(
+            f"rank {world.rank} of {world.size} could not reach rank 0 at {_rendezvous_address()} "
+            f"($MASTER_ADDR:$MASTER_PORT) within {world.connect_timeout_s:g} s; {fix}"
+        )
     first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
-    return ConfigError(f"rank {world.rank} of {world.size} could not join the torchrun job at {_rendezvous_address()} "
-                       f"({type(error).__name__}: {first}); {fix}")
+    return ConfigError(
+        f"rank {world.rank} of {world.size} could not join the torchrun job at {_rendezvous_address()} "
+        f"({type(error).__name__}: {first}); {fix}"
+    )
 
 # %% ../nbs/10p_parallel.ipynb #63cd6c0f
 def end_process(code: int) -> int:
     "`code` in a process that never started a process group; one that did ends here with exit status `code`."
-    if not _STARTED_GROUPS: return code
-    for thread in threading.enumerate():  # what the interpreter does at exit: wait for the non-daemon threads
-        if thread is not threading.current_thread() and not thread.daemon: thread.join()
+    if not _STARTED_GROUPS:
+        return code
+    for thread in (
+        threading.enumerate()
+    ):  # what the interpreter does at exit: wait for the non-daemon threads
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try: stream.flush()
-        except Exception: pass  # a closed stream has nothing left to write
+        try:
+            stream.flush()
+        except Exception:
+            pass  # a closed stream has nothing left to write
     os._exit(code)
 
 # %% ../nbs/10p_parallel.ipynb #0b6d0b71
 class PeerLost(ExpectedError, RuntimeError):
     "Another rank of the job died, or its connection broke, during a collective; this rank stops too."
 
-_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|ncclRemoteError|remote process exited")
+
+_PEER_GONE = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|ncclRemoteError|remote process exited"
+)
+
 
 def peer_lost(error: BaseException, world: World) -> PeerLost | None:
     "The `PeerLost` for a collective's `error` that says a peer vanished (naming the rank when it is known), else `None`."
     text = " ".join(str(error).split())
-    if hasattr(error, "reporting_rank") or not (gone := _PEER_GONE.search(text)): return None   # a job-wide verdict: as it is
+    if hasattr(error, "reporting_rank") or not (gone := _PEER_GONE.search(text)):
+        return None  # a job-wide verdict: as it is
     at = re.search(r"\[([^\]/]+)\]:(\d+)", text)
     where = f" at {at.group(1)}:{at.group(2)}" if at else ""
     who = f"rank {1 - world.rank}" if world.size == 2 else f"another rank{where}"
-    return PeerLost(f"{who} of this torchrun job died or lost its connection ({gone.group(0)}{where}), so rank {world.rank} "
-                    "stops too; see that rank's output (torchrun's summary names the rank that failed) for why, then start "
-                    "the job again (--resume continues from the last checkpoint)")
+    return PeerLost(
+        f"{who} of this torchrun job died or lost its connection ({gone.group(0)}{where}), so rank {world.rank} "
+        "stops too; see that rank's output (torchrun's summary names the rank that failed) for why, then start "
+        "the job again (--resume continues from the last checkpoint)"
+    )
+
 
 @contextlib.contextmanager
 def _peers_watched(world: World, inner: contextlib.AbstractContextManager | None = None):
     "Within the block (and `inner`), an error about a vanished peer is raised as its `PeerLost`."
     try:
-        with inner or contextlib.nullcontext(): yield
+        with inner or contextlib.nullcontext():
+            yield
     except RuntimeError as e:
-        if (lost := peer_lost(e, world)) is None: raise
+        if (lost := peer_lost(e, world)) is None:
+            raise
         raise lost from e
+
 
 def watch_peers(method: Callable) -> Callable:
     "`method` of `World` with its collectives' vanished-peer errors raised as `PeerLost`."
+
     @functools.wraps(method)
     def watched(self: World, *args, **kwargs):
-        with _peers_watched(self): return method(self, *args, **kwargs)
+        with _peers_watched(self):
+            return method(self, *args, **kwargs)
+
     return watched
 
 # %% ../nbs/10p_parallel.ipynb #7d6fc54a
@@ -317,87 +464,135 @@ def watch_peers(method: Callable) -> Callable:
 @watch_peers
 def wrap(self: World, model: nn.Module) -> nn.Module:
     "The module training runs forward on: `DistributedDataParallel(model)` in a torchrun job (`model`, sharded, under fsdp), else `model`."
-    if self.backend is None: return model
-    if self.fsdp: return _sharded(model)
+    if self.backend is None:
+        return model
+    if self.fsdp:
+        return _sharded(model)
     from torch.nn.parallel import DistributedDataParallel
+
     model.to(self.device)
-    return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+    return DistributedDataParallel(
+        model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+    )
+
 
 @patch
 def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     "The context of one microbatch's forward and backward: gradients are averaged over the ranks only when `sync`."
-    if self.backend is None: return contextlib.nullcontext()
+    if self.backend is None:
+        return contextlib.nullcontext()
     if self.fsdp:
-        module.set_requires_gradient_sync(sync)   # FSDP's no_sync: gradients stay local and unsharded until the last microbatch
+        module.set_requires_gradient_sync(
+            sync
+        )  # FSDP's no_sync: gradients stay local and unsharded until the last microbatch
         return _peers_watched(self)
-    return _peers_watched(self, None if sync else module.no_sync())   # DDP's all-reduce runs in the backward
+    return _peers_watched(
+        self, None if sync else module.no_sync()
+    )  # DDP's all-reduce runs in the backward
 
 # %% ../nbs/10p_parallel.ipynb #b07f32e4
 def block_modules(model: nn.Module) -> list[nn.Module]:
     "The modules fsdp shards one by one: those of a class named in `model._no_split_modules`, else the largest group of same-type siblings."
     names = getattr(model, "_no_split_modules", None)
-    if names: return [m for m in model.modules() if m is not model and type(m).__name__ in set(names)]
+    if names:
+        return [m for m in model.modules() if m is not model and type(m).__name__ in set(names)]
     size = lambda group: sum(p.numel() for m in group for p in m.parameters())
     best: list[nn.Module] = []
     for parent in model.modules():
         groups: dict[type, list[nn.Module]] = {}
-        for child in parent.children(): groups.setdefault(type(child), []).append(child)
+        for child in parent.children():
+            groups.setdefault(type(child), []).append(child)
         for group in groups.values():
-            if len(group) >= 2 and size(group) > size(best): best = group
+            if len(group) >= 2 and size(group) > size(best):
+                best = group
     return best
 
 # %% ../nbs/10p_parallel.ipynb #53de2969
 def fsdp_problems(config: SpeedtronicConfig, precision: Any = None) -> list[str]:
     "Why `config` cannot train with `parallel.strategy: fsdp` (empty under ddp); `precision` is the resolved plan, when known."
-    if config.parallel.strategy != "fsdp": return []
+    if config.parallel.strategy != "fsdp":
+        return []
     why, out = "under parallel.strategy: fsdp each rank holds only a shard of every weight", []
     if config.optimizer.name == "muon":
-        out.append(f"optimizer.name: muon orthogonalises each whole weight matrix, and {why}; use optimizer.name: adamw "
-                   "with fsdp, or parallel.strategy: ddp for Muon")
+        out.append(
+            f"optimizer.name: muon orthogonalises each whole weight matrix, and {why}; use optimizer.name: adamw "
+            "with fsdp, or parallel.strategy: ddp for Muon"
+        )
     if config.optimizer.cautious:
-        out.append(f"optimizer.cautious: the cautious update rescales by the agreeing share of a whole tensor, and {why}; "
-                   "set optimizer.cautious: false, or parallel.strategy: ddp")
-    if precision is not None and getattr(precision, "use_scaler", False) or config.precision.mode == "fp16":
-        out.append("precision: fp16 needs a GradScaler, whose overflow check would see only this rank's shard of the "
-                   "gradients under parallel.strategy: fsdp; use precision: bf16 (or fp32), or parallel.strategy: ddp")
+        out.append(
+            f"optimizer.cautious: the cautious update rescales by the agreeing share of a whole tensor, and {why}; "
+            "set optimizer.cautious: false, or parallel.strategy: ddp"
+        )
+    if (
+        precision is not None
+        and getattr(precision, "use_scaler", False)
+        or config.precision.mode == "fp16"
+    ):
+        out.append(
+            "precision: fp16 needs a GradScaler, whose overflow check would see only this rank's shard of the "
+            "gradients under parallel.strategy: fsdp; use precision: bf16 (or fp32), or parallel.strategy: ddp"
+        )
     if config.eval.sample_prompts:
-        out.append("eval.sample_prompts: samples are written by rank 0 alone, and under parallel.strategy: fsdp every forward needs "
-                   "every rank; leave eval.sample_prompts empty with fsdp (speedtronic generate reads its checkpoints), or use ddp")
+        out.append(
+            "eval.sample_prompts: samples are written by rank 0 alone, and under parallel.strategy: fsdp every forward needs "
+            "every rank; leave eval.sample_prompts empty with fsdp (speedtronic generate reads its checkpoints), or use ddp"
+        )
     return out
+
 
 def fsdp_options(parallel: Any, precision: Any, device: torch.device) -> dict:
     "The `fully_shard` keyword arguments for `parallel` and the precision plan on `device`."
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
     options = {"reshard_after_forward": bool(parallel.reshard_after_forward)}
     if device.type == "cuda" and getattr(precision, "autocast_enabled", False):
         dtype = precision.dtype
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)   # the shards stay fp32
-    if parallel.cpu_offload: options["offload_policy"] = CPUOffloadPolicy()
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=dtype
+        )  # the shards stay fp32
+    if parallel.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
     return options
 
 # %% ../nbs/10p_parallel.ipynb #6a9c101b
 def _sharded(model: nn.Module) -> nn.Module:
     "`model`, which `World.shard` must have sharded before its optimizer was built."
     from torch.distributed.fsdp import FSDPModule
-    if isinstance(model, FSDPModule): return model
-    raise ConfigError("parallel.strategy: fsdp shards the model before its optimizer is built: call world.shard(model, plan), "
-                      "then build the optimizer from the sharded model (build_runtime does), then the Trainer")
+
+    if isinstance(model, FSDPModule):
+        return model
+    raise ConfigError(
+        "parallel.strategy: fsdp shards the model before its optimizer is built: call world.shard(model, plan), "
+        "then build the optimizer from the sharded model (build_runtime does), then the Trainer"
+    )
+
 
 @patch
 @watch_peers
 def shard(self: World, model: nn.Module, precision: Any = None) -> nn.Module:
     "Under `parallel.strategy: fsdp` in a job: every block, then `model`, `fully_shard`ed in place (rank 0's weights); else `model`."
-    if self.backend is None or not self.fsdp: return model
+    if self.backend is None or not self.fsdp:
+        return model
     from torch.distributed.fsdp import FSDPModule, fully_shard
-    if isinstance(model, FSDPModule): return model
-    if problems := fsdp_problems(SpeedtronicConfig(parallel=self.parallel), precision): raise ConfigError(problems)
-    if self.parallel.cpu_offload and self.device.type != "cuda":   # every rank decides it alike: one of them reports it
-        raise job_wide(ConfigError(f"parallel.cpu_offload: moves a GPU's shards to the CPU, and this job trains on {self.device.type}; "
-                                   "set parallel.cpu_offload: false (or train on CUDA)"))
+
+    if isinstance(model, FSDPModule):
+        return model
+    if problems := fsdp_problems(SpeedtronicConfig(parallel=self.parallel), precision):
+        raise ConfigError(problems)
+    if (
+        self.parallel.cpu_offload and self.device.type != "cuda"
+    ):  # every rank decides it alike: one of them reports it
+        raise job_wide(
+            ConfigError(
+                f"parallel.cpu_offload: moves a GPU's shards to the CPU, and this job trains on {self.device.type}; "
+                "set parallel.cpu_offload: false (or train on CUDA)"
+            )
+        )
     model.to(self.device)
     self.share_weights(model)
     options = fsdp_options(self.parallel, precision, self.device)
-    for block in block_modules(model): fully_shard(block, **options)
+    for block in block_modules(model):
+        fully_shard(block, **options)
     fully_shard(model, **options)
     return model
 
@@ -406,17 +601,22 @@ def shard(self: World, model: nn.Module, precision: Any = None) -> nn.Module:
 @watch_peers
 def all_sum(self: World, tensor: torch.Tensor) -> torch.Tensor:
     "`tensor` summed over every rank (in place, one all-reduce); `tensor` itself for one process."
-    if self.backend is None: return tensor
+    if self.backend is None:
+        return tensor
     import torch.distributed as dist
+
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
 
 @patch
 @watch_peers
 def agree_stop(self: World, reason: str | None) -> str | None:
     "The reason every rank stops after this step, or None: one rank asked to stop stops them all at the same step."
-    if self.backend is None: return reason
+    if self.backend is None:
+        return reason
     import torch.distributed as dist
+
     flag = torch.tensor([1 if reason else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
     return (reason or "another rank was asked to stop") if flag.item() else None
@@ -424,32 +624,40 @@ def agree_stop(self: World, reason: str | None) -> str | None:
 # %% ../nbs/10p_parallel.ipynb #8463093f
 class JobError(ExpectedError, RuntimeError):
     "Another rank's error, raised on this rank too so that the whole job stops at the same point; that rank reports it."
+
     def __init__(self, message: str, reporting_rank: int = 0):
         super().__init__(message)
         self.reporting_rank = reporting_rank
+
 
 def job_wide(error: BaseException, reporting_rank: int = 0) -> BaseException:
     "Mark `error` as raised by every rank at the same point, reported by `reporting_rank`; returns `error`."
     error.reporting_rank = reporting_rank
     return error
 
+
 def raised_together(error: BaseException) -> bool:
     "Was `error` raised by every rank at the same point (so the ranks can still meet in a collective)?"
     return isinstance(getattr(error, "reporting_rank", None), int)
+
 
 @patch
 @watch_peers
 def raise_together(self: World, error: BaseException | None) -> None:
     "Raise on every rank if any rank has an `error`: the lowest such rank its own (it reports it), the others a `JobError`."
     if self.backend is None:
-        if error is not None: raise error
+        if error is not None:
+            raise error
         return
     import torch.distributed as dist
+
     messages = [None] * self.size
     dist.all_gather_object(messages, None if error is None else str(error), group=self.control)
     failing = [r for r, m in enumerate(messages) if m is not None]
-    if not failing: return
-    if error is not None: raise job_wide(error, failing[0])
+    if not failing:
+        return
+    if error is not None:
+        raise job_wide(error, failing[0])
     raise JobError(f"rank {failing[0]} stopped the job: {messages[failing[0]]}", failing[0])
 
 # %% ../nbs/10p_parallel.ipynb #346cd77b
@@ -458,26 +666,34 @@ def on_writer(self: World, fn: Callable[[], Any]) -> Any:
     "`fn()` on rank 0 (its result there, `None` on the other ranks); if it raises, every rank raises (rank 0 reports it)."
     result = error = None
     if self.writes:
-        try: result = fn()
-        except Exception as e: error = e
+        try:
+            result = fn()
+        except Exception as e:
+            error = e
     self.raise_together(error)
     return result
+
 
 @patch
 def on_every_rank(self: World, fn: Callable[[], Any]) -> Any:
     "`fn()` on every rank; if it raises on any, every rank raises (the lowest failing rank reports it)."
     result = error = None
-    try: result = fn()
-    except Exception as e: error = e
+    try:
+        result = fn()
+    except Exception as e:
+        error = e
     self.raise_together(error)
     return result
+
 
 @patch
 @watch_peers
 def share(self: World, value: Any) -> Any:
     "Rank 0's `value` (small and picklable: a run id) on every rank; `value` itself for one process."
-    if self.backend is None: return value
+    if self.backend is None:
+        return value
     import torch.distributed as dist
+
     box = [value if self.writes else None]
     dist.broadcast_object_list(box, src=0, group=self.control)
     return box[0]
@@ -485,38 +701,61 @@ def share(self: World, value: Any) -> Any:
 # %% ../nbs/10p_parallel.ipynb #ab136e13
 def merge_boundaries(parts: list[Mapping]) -> dict:
     "One boundary for the whole job from each rank's `{'rng': ..., 'data': ...}`, in rank order: every RNG, the job's data position."
-    return {"rng": {"world_size": len(parts), "ranks": [p.get("rng") for p in parts]}, "data": parts[0].get("data")}
+    return {
+        "rng": {"world_size": len(parts), "ranks": [p.get("rng") for p in parts]},
+        "data": parts[0].get("data"),
+    }
+
 
 def saved_world_size(state: Mapping) -> int:
     "How many processes saved checkpoint `state` (1 for a single-process checkpoint)."
     rng = state.get("rng")
     return int(rng["world_size"]) if isinstance(rng, Mapping) and "world_size" in rng else 1
 
+
 def _per_rank(value: Any) -> bool:
     "Is `value` one entry per rank, `{'world_size': n, 'ranks': [...]}` (a job's RNG, an earlier version's data position)?"
     return isinstance(value, Mapping) and "ranks" in value and "world_size" in value
 
+
 def derived_rng(seed: int, step: int, rank: int) -> dict:
     "A torch RNG state (CPU and each CUDA device) fixed by the run seed, the step and the rank: a rank's RNG after a resize."
-    s = (int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + int(rank) * 0x94D049BB133111EB + 1) % 2**63
+    s = (
+        int(seed) * 0x9E3779B97F4A7C15
+        + int(step) * 0xBF58476D1CE4E5B9
+        + int(rank) * 0x94D049BB133111EB
+        + 1
+    ) % 2**63
     state = {"torch": torch.Generator().manual_seed(s).get_state()}
     if torch.cuda.is_available():
-        state["cuda"] = [torch.Generator(device=f"cuda:{i}").manual_seed(s).get_state() for i in range(torch.cuda.device_count())]
+        state["cuda"] = [
+            torch.Generator(device=f"cuda:{i}").manual_seed(s).get_state()
+            for i in range(torch.cuda.device_count())
+        ]
     return state
+
 
 @patch
 def local_state(self: World, state: Mapping, path: Any = None) -> Mapping:
     "Checkpoint `state` as this rank resumes it: the job's data position and this rank's RNG (derived on a job of another size)."
     saved, data, rng = saved_world_size(state), state.get("data"), state.get("rng")
-    if _per_rank(data):                                   # an earlier version's job: one data position per rank
+    if _per_rank(data):  # an earlier version's job: one data position per rank
         if saved != self.size:
             who = lambda n: "one process" if n == 1 else f"a torchrun job of {n} processes"
-            raise CheckpointError(f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} and this run is "
-                                  f"{who(self.size)}; it was written by an earlier version, whose data position is each rank's, so "
-                                  f"resume it with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or start without --resume")
+            raise CheckpointError(
+                f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} and this run is "
+                f"{who(self.size)}; it was written by an earlier version, whose data position is each rank's, so "
+                f"resume it with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or start without --resume"
+            )
         data = data["ranks"][self.rank]
-    if saved == self.size: rng = rng["ranks"][self.rank] if _per_rank(rng) else rng
-    else: rng = derived_rng(((state.get("config") or {}).get("run") or {}).get("seed") or 0, int(state.get("step") or 0), self.rank)
+    if saved == self.size:
+        rng = rng["ranks"][self.rank] if _per_rank(rng) else rng
+    else:
+        rng = derived_rng(
+            ((state.get("config") or {}).get("run") or {}).get("seed") or 0,
+            int(state.get("step") or 0),
+            self.rank,
+        )
     return {**state, "rng": rng, "data": data}
 
 # %% ../nbs/10p_parallel.ipynb #4af8793f
@@ -524,24 +763,36 @@ def local_state(self: World, state: Mapping, path: Any = None) -> Mapping:
 @watch_peers
 def gather_boundary(self: World, boundary: Mapping) -> Mapping:
     "The job's boundary (every rank's RNG and data position); all ranks call it together. One process: `boundary`."
-    if self.backend is None: return boundary
+    if self.backend is None:
+        return boundary
     import torch.distributed as dist
+
     parts = [None] * self.size
     dist.all_gather_object(parts, dict(boundary), group=self.control)
     return merge_boundaries(parts)
+
 
 @patch
 @watch_peers
 def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None:
     "Raise a `CheckpointError` on every rank unless all ranks are resuming the same step (`None`: none found)."
-    if self.backend is None: return
+    if self.backend is None:
+        return
     import torch.distributed as dist
+
     found = [None] * self.size
     dist.all_gather_object(found, step, group=self.control)
     if len(set(found)) > 1:
-        seen = ", ".join(f"rank {r}: {'none' if s is None else f'step {s}'}" for r, s in enumerate(found))
-        raise job_wide(CheckpointError(f"the ranks found different checkpoints to resume ({seen}); every process must see "
-                                       f"the same checkpoint directory{f' {path}' if path else ''} (on several machines, a shared filesystem)"))
+        seen = ", ".join(
+            f"rank {r}: {'none' if s is None else f'step {s}'}" for r, s in enumerate(found)
+        )
+        raise job_wide(
+            CheckpointError(
+                f"the ranks found different checkpoints to resume ({seen}); every process must see "
+                f"the same checkpoint directory{f' {path}' if path else ''} (on several machines, a shared filesystem)"
+            )
+        )
+
 
 @patch
 def writer_first(self: World, write: Callable[[], Any]) -> None:
@@ -553,85 +804,145 @@ def writer_first(self: World, write: Callable[[], Any]) -> None:
 @watch_peers
 def from_writer(self: World, fn: Callable[[], Any]) -> Any:
     "`fn()` run on rank 0 and its (small, picklable) result on every rank in one broadcast; if it raises, every rank raises."
-    if self.backend is None: return fn()
+    if self.backend is None:
+        return fn()
     import torch.distributed as dist
+
     box, error = [None], None
     if self.writes:
-        try: box = [(fn(), None)]
-        except Exception as e: box, error = [(None, f"{type(e).__name__}: {e}")], e
+        try:
+            box = [(fn(), None)]
+        except Exception as e:
+            box, error = [(None, f"{type(e).__name__}: {e}")], e
     dist.broadcast_object_list(box, src=0, group=self.control)
     result, message = box[0]
-    if message is None: return result
-    if error is not None: raise job_wide(error, 0)
+    if message is None:
+        return result
+    if error is not None:
+        raise job_wide(error, 0)
     raise JobError(f"rank 0 stopped the job: {message}", 0)
+
 
 @patch
 @watch_peers
 def share_weights(self: World, module: nn.Module) -> None:
     "Rank 0's parameters and buffers of `module` copied, in place, into every rank's (one broadcast per tensor)."
-    if self.backend is None: return
+    if self.backend is None:
+        return
     import torch.distributed as dist
+
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]: dist.broadcast(tensor.data, src=0)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
 
 # %% ../nbs/10p_parallel.ipynb #c0732a16
 class GroupCoordinator:
     "A DiLoCo node that is a torchrun job: `inner` (built on rank 0 only, `None` elsewhere) runs there; its weights reach every rank."
-    def __init__(self, inner: Any, world: World, model: nn.Module, replica: nn.Module | None = None, round_steps: int | None = None):
-        self.inner, self.world, self.model = inner, world, model  # `model`: the unwrapped module, not DDP (the sharded one under fsdp)
-        self.replica, self.round_steps = replica, round_steps  # fsdp: rank 0's whole copy `inner` works on; the round, on every rank
+
+    def __init__(
+        self,
+        inner: Any,
+        world: World,
+        model: nn.Module,
+        replica: nn.Module | None = None,
+        round_steps: int | None = None,
+    ):
+        self.inner, self.world, self.model = (
+            inner,
+            world,
+            model,
+        )  # `model`: the unwrapped module, not DDP (the sharded one under fsdp)
+        self.replica, self.round_steps = (
+            replica,
+            round_steps,
+        )  # fsdp: rank 0's whole copy `inner` works on; the round, on every rank
         if self.sharded and inner is not None and replica is None:
-            raise ConfigError("under parallel.strategy: fsdp a DiLoCo node's coordinator works on a whole copy of the model: "
-                              "build it with GroupCoordinator.build(build, world, model)")
+            raise ConfigError(
+                "under parallel.strategy: fsdp a DiLoCo node's coordinator works on a whole copy of the model: "
+                "build it with GroupCoordinator.build(build, world, model)"
+            )
 
     @classmethod
-    def build(cls, build: Callable[[nn.Module], Any], world: World, model: nn.Module) -> GroupCoordinator:
+    def build(
+        cls, build: Callable[[nn.Module], Any], world: World, model: nn.Module
+    ) -> GroupCoordinator:
         "`build(module)` on rank 0 (`model`, or under fsdp a `StateReplica` of its gathered weights), wrapped for the job."
-        if world.backend is None or not world.fsdp: return cls(world.on_writer(lambda: build(model)), world, model)
+        if world.backend is None or not world.fsdp:
+            return cls(world.on_writer(lambda: build(model)), world, model)
         whole = world.gather_whole(model)
         replica = StateReplica(whole) if world.writes else None
         inner = world.on_writer(lambda: build(replica))
         return cls(inner, world, model, replica, world.share(getattr(inner, "inner_steps", None)))
 
     @property
-    def sharded(self) -> bool: return self.world.backend is not None and self.world.fsdp
+    def sharded(self) -> bool:
+        return self.world.backend is not None and self.world.fsdp
 
-    def _then_share(self, fn: Callable[[nn.Module], Any], model: nn.Module, always: bool = False) -> Any:
+    def _then_share(
+        self, fn: Callable[[nn.Module], Any], model: nn.Module, always: bool = False
+    ) -> Any:
         "Rank 0's `fn(module)` → (answer, changed) on every rank; the weights reach every rank when they changed."
         if self.sharded:
-            whole = self.world.gather_whole(self.model)                 # every rank takes part; rank 0 holds the result
-            if self.replica is not None: self.replica.hold(whole)
+            whole = self.world.gather_whole(
+                self.model
+            )  # every rank takes part; rank 0 holds the result
+            if self.replica is not None:
+                self.replica.hold(whole)
         module = self.replica if self.sharded else model
+
         def run():
             before = getattr(self.inner, "installs", None)
             answer = fn(module)
-            return answer, always or before is None or getattr(self.inner, "installs", None) != before
+            return answer, always or before is None or getattr(
+                self.inner, "installs", None
+            ) != before
+
         answer, changed = self.world.from_writer(run)
-        if changed and self.sharded: self.world.scatter_whole(self.model, self.replica.state_dict() if self.replica is not None else None)
-        elif changed: self.world.share_weights(self.model)
+        if changed and self.sharded:
+            self.world.scatter_whole(
+                self.model, self.replica.state_dict() if self.replica is not None else None
+            )
+        elif changed:
+            self.world.share_weights(self.model)
         return answer
 
-    def start(self) -> None: self._then_share(lambda m: self.inner.start(), self.model, always=True)
+    def start(self) -> None:
+        self._then_share(lambda m: self.inner.start(), self.model, always=True)
+
     def after_optimizer_step(self, model: nn.Module, step: int) -> bool:
-        if self.sharded and self.round_steps and step % self.round_steps: return False  # fsdp: weights meet the coordinator at boundaries
+        if self.sharded and self.round_steps and step % self.round_steps:
+            return False  # fsdp: weights meet the coordinator at boundaries
         return bool(self._then_share(lambda m: self.inner.after_optimizer_step(m, step), model))
+
     def finish(self, model: nn.Module, step: int) -> None:
         finish = getattr(self.inner, "finish", None)
-        self._then_share(lambda m: finish(m, step) if callable(finish) else None, model, always=True)
+        self._then_share(
+            lambda m: finish(m, step) if callable(finish) else None, model, always=True
+        )
+
     def stop(self) -> None:  # no collective: a rank may stop while the others are failing
-        if self.inner is not None: self.inner.stop()
-    def state_dict(self) -> dict | None: return self.inner.state_dict() if self.inner is not None else None
+        if self.inner is not None:
+            self.inner.stop()
+
+    def state_dict(self) -> dict | None:
+        return self.inner.state_dict() if self.inner is not None else None
+
     def load_state_dict(self, state: dict | None) -> None:
-        if self.inner is not None and state: self.inner.load_state_dict(state)
+        if self.inner is not None and state:
+            self.inner.load_state_dict(state)
+
     def prepare_state(self, state: dict | None) -> None:
         "Give a checkpoint's coordinator state to rank 0's coordinator before `start` (when it can take it so)."
         prepare = getattr(self.inner, "prepare_state", None)
-        if callable(prepare): prepare(state)
-        else: self.load_state_dict(state)
+        if callable(prepare):
+            prepare(state)
+        else:
+            self.load_state_dict(state)
 
 # %% ../nbs/10p_parallel.ipynb #ae828bb8
 class StateReplica(nn.Module):
     "A plain CPU module whose state dict has a whole model's keys and tensors: what rank 0's DiLoCo coordinator works on under fsdp."
+
     def __init__(self, state: Mapping[str, torch.Tensor]):
         super().__init__()
         for key, tensor in state.items():
@@ -643,14 +954,17 @@ class StateReplica(nn.Module):
         *path, name = key.split(".")
         owner = self
         for part in path:
-            if part not in owner._modules and create: owner.add_module(part, nn.Module())
+            if part not in owner._modules and create:
+                owner.add_module(part, nn.Module())
             owner = owner._modules[part]
         return owner, name
 
     def hold(self, state: Mapping[str, torch.Tensor]) -> None:
         "Take `state`'s tensors as the replica's own (no copy); it must have the replica's keys."
         if (got := set(state)) != (want := set(self.state_dict())):
-            raise ValueError(f"the gathered state does not fit the replica: missing {sorted(want - got)[:4]}, extra {sorted(got - want)[:4]}")
+            raise ValueError(
+                f"the gathered state does not fit the replica: missing {sorted(want - got)[:4]}, extra {sorted(got - want)[:4]}"
+            )
         for key, tensor in state.items():
             owner, name = self._owner(key)
             setattr(owner, name, tensor)
@@ -660,20 +974,30 @@ class StateReplica(nn.Module):
 @watch_peers
 def gather_whole(self: World, model: nn.Module) -> dict[str, torch.Tensor]:
     "Every rank: the whole state of sharded `model`, in rank 0's CPU memory (`{}` on the other ranks); a CPU copy of a plain model's."
-    if self.backend is None or not self.fsdp: return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if self.backend is None or not self.fsdp:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
 
 @patch
 @watch_peers
 def scatter_whole(self: World, model: nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:
     "Every rank: rank 0's whole `state` loaded into `model` (into each rank's shards under fsdp); `state` is not read elsewhere."
     if self.backend is None or not self.fsdp:
-        with torch.no_grad(): model.load_state_dict(state)
+        with torch.no_grad():
+            model.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, dict(state) if self.writes else {}, options=options)  # it replaces the entries of the dict it gets
+    set_model_state_dict(
+        model, dict(state) if self.writes else {}, options=options
+    )  # it replaces the entries of the dict it gets
 
 # %% ../nbs/10p_parallel.ipynb #eb67230c
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -26,18 +26,24 @@ __all__ = ['LOCK_NAME', 'node_id', 'RunPaths', 'run_paths', 'RunLocked', 'new_ru
 def _unsafe_name(name: str) -> bool:
     return name in ("", ".", "..") or "/" in name or "\\" in name
 
-def node_id(distributed: object, # a `DistributedConfig`
-            environ: Mapping[str, str] | None = None, # the environment (default: `os.environ`)
-           ) -> str:
+
+def node_id(
+    distributed: object,  # a `DistributedConfig`
+    environ: Mapping[str, str] | None = None,  # the environment (default: `os.environ`)
+) -> str:
     "This node's id: `distributed.node_id`, else `$HF_USERNAME`, else `$USER`, else `local`."
     env = os.environ if environ is None else environ
-    if distributed.node_id: return distributed.node_id.strip()
+    if distributed.node_id:
+        return distributed.node_id.strip()
     for var in ("HF_USERNAME", "USER"):
         value = (env.get(var) or "").strip()
-        if not value: continue
+        if not value:
+            continue
         if _unsafe_name(value):
-            raise ConfigError(f"distributed.node_id: not set, and ${var}={value!r} is not usable as a node id "
-                              "(no '/', '\\', '.' or '..'); set distributed.node_id")
+            raise ConfigError(
+                f"distributed.node_id: not set, and ${var}={value!r} is not usable as a node id "
+                "(no '/', '\\', '.' or '..'); set distributed.node_id"
+            )
         return value
     return "local"
 
@@ -45,6 +51,7 @@ def node_id(distributed: object, # a `DistributedConfig`
 @dataclass(frozen=True)
 class RunPaths:
     "Every path a run writes to (see the table above)."
+
     output_dir: Path
     checkpoints: Path
     state_dir: Path | None  # None unless distributed.enabled
@@ -55,19 +62,25 @@ class RunPaths:
     locks: tuple[Path, ...] = ()  # lock files of the directories the run owns
     tensorboard: Path | None = None  # TensorBoard event directory (logging.tensorboard_dir)
 
+
 LOCK_NAME = ".speedtronic.lock"
+
 
 def _under(base: Path, path: str | os.PathLike) -> Path:
     path = Path(path)
     return path if path.is_absolute() else base / path
 
+
 def _moved(path: str | None, written: str, out: Path) -> Path | None:
     "A logging path written against output dir `written`, for a run whose output dir is now `out`."
-    if not path: return None
+    if not path:
+        return None
     path, was = Path(path), os.path.abspath(written)
-    if path.is_absolute() or was == os.path.abspath(out): return path
+    if path.is_absolute() or was == os.path.abspath(out):
+        return path
     here = os.path.abspath(path)
     return out / (Path(here).relative_to(was) if Path(here).is_relative_to(was) else path)
+
 
 def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = None) -> RunPaths:
     "The paths `config`'s run writes to; relative ones resolved as 2.0 did, and moved with a moved run (see above)."
@@ -78,120 +91,180 @@ def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = Non
     state = _under(out, d.state_dir) / node_id(d, environ) if d.enabled else None
     checkpoints = _under(out, config.checkpoint.directory)
     inside = Path(os.path.abspath(checkpoints)).is_relative_to(os.path.abspath(out))
-    return RunPaths(output_dir=out, checkpoints=checkpoints, state_dir=state,
-                    metrics=metrics, log_file=follow(lg.file), tensorboard=follow(lg.tensorboard_dir),
-                    hub_cache=Path(config.distributed.cache_dir),
-                    loss_plot=(metrics.parent if metrics else out) / "loss_curve.png",
-                    locks=(out / LOCK_NAME,) + (() if inside else (checkpoints / LOCK_NAME,)))
+    return RunPaths(
+        output_dir=out,
+        checkpoints=checkpoints,
+        state_dir=state,
+        metrics=metrics,
+        log_file=follow(lg.file),
+        tensorboard=follow(lg.tensorboard_dir),
+        hub_cache=Path(config.distributed.cache_dir),
+        loss_plot=(metrics.parent if metrics else out) / "loss_curve.png",
+        locks=(out / LOCK_NAME,) + (() if inside else (checkpoints / LOCK_NAME,)),
+    )
 
 # %% ../nbs/00c_paths.ipynb #4ba00e96
 class RunLocked(ExpectedError, RuntimeError):
     "Another process is training into this directory."
 
+
 def new_run_id() -> str:
     "A fresh run id: the start time and a random suffix, e.g. `20260101-120000-3fa2c1`."
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
+
 def _holder_of(fd: int) -> dict:
     "The JSON the current holder wrote into the lock file (empty when there is none)."
     os.lseek(fd, 0, os.SEEK_SET)
-    try: info = json.loads(os.read(fd, 1 << 16).decode("utf-8") or "{}")
-    except (ValueError, UnicodeDecodeError, OSError): return {}
+    try:
+        info = json.loads(os.read(fd, 1 << 16).decode("utf-8") or "{}")
+    except (ValueError, UnicodeDecodeError, OSError):
+        return {}
     return info if isinstance(info, dict) else {}
+
 
 def _describe(info: Mapping) -> str:
     "`run <id> (pid <pid> on <host>, started <time>)` from a lock file's content."
-    return (f"run {info.get('run_id', '?')} (pid {info.get('pid', '?')} on {info.get('host', '?')}, "
-            f"started {info.get('started', '?')})")
+    return (
+        f"run {info.get('run_id', '?')} (pid {info.get('pid', '?')} on {info.get('host', '?')}, "
+        f"started {info.get('started', '?')})"
+    )
 
 # %% ../nbs/00c_paths.ipynb #a28d3460
-_held: dict[str, list] = {}   # lock file (absolute) -> [fd, holders] for the locks this process holds
+_held: dict[
+    str, list
+] = {}  # lock file (absolute) -> [fd, holders] for the locks this process holds
 _held_guard = threading.Lock()
+
 
 def _drop_inherited_locks() -> None:
     "In a forked child: close the inherited lock descriptors (the parent keeps its locks; the child holds none)."
     global _held_guard
     for fd, _ in list(_held.values()):
-        try: os.close(fd)
-        except OSError: pass
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     _held.clear()
     _held_guard = threading.Lock()
 
-if hasattr(os, "register_at_fork"): os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
 
 def _open_locked(path: Path, key: str) -> int:
     "A descriptor of `path` holding its exclusive `flock`; `RunLocked` naming the holder if another process has it."
-    try: import fcntl
-    except ImportError: return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)   # no fcntl here: record only
+    try:
+        import fcntl
+    except ImportError:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no fcntl here: record only
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = _holder_of(fd)
             os.close(fd)
-            raise RunLocked(f"{key} {path.parent} is in use by another training process: {_describe(holder)}. "
-                            f"Wait for it to finish or stop it, or train into another directory "
-                            f"(--output-dir / run.output_dir)") from None
-        try: same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError: same = False
-        if same: return fd
-        os.close(fd)   # the previous holder deleted the file between our open and our lock: try again
+            raise RunLocked(
+                f"{key} {path.parent} is in use by another training process: {_describe(holder)}. "
+                f"Wait for it to finish or stop it, or train into another directory "
+                f"(--output-dir / run.output_dir)"
+            ) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(
+            fd
+        )  # the previous holder deleted the file between our open and our lock: try again
 
 # %% ../nbs/00c_paths.ipynb #1a7d6b0f
 @dataclass
 class RunLock:
     "An exclusive claim on a run directory; `release()` (idempotent) gives it up and deletes the lock file."
+
     path: Path
     previous: dict | None = None  # what a holder that never released it (a killed run) had written
     released: bool = False
 
     def release(self) -> None:
         "Give the directory up (the lock file is deleted when the last holder in this process releases it)."
-        if self.released: return
+        if self.released:
+            return
         self.released = True
         with _held_guard:
             entry = _held.get(os.path.abspath(self.path))
-            if entry is None: return
+            if entry is None:
+                return
             entry[1] -= 1
-            if entry[1] > 0: return
+            if entry[1] > 0:
+                return
             del _held[os.path.abspath(self.path)]
-            with contextlib.suppress(OSError): os.unlink(self.path)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             os.close(entry[0])
+
 
 def lock_run(directory: str | os.PathLike, run_id: str, *, key: str = "run.output_dir") -> RunLock:
     "Claim `directory` for run `run_id`: create it and lock its `.speedtronic.lock`, or raise `RunLocked`."
     path = Path(directory) / LOCK_NAME
-    try: path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{key}: cannot create {path.parent} ({e.strerror or e}); choose a writable directory") from None
-    info = {"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        raise ConfigError(
+            f"{key}: cannot create {path.parent} ({e.strerror or e}); choose a writable directory"
+        ) from None
+    info = {
+        "run_id": run_id,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     with _held_guard:
         entry, previous = _held.get(os.path.abspath(path)), None
         if entry is None:
-            try: fd = _open_locked(path, key)
+            try:
+                fd = _open_locked(path, key)
             except OSError as e:
-                raise ConfigError(f"{key}: cannot create {path} ({e.strerror or e}); choose a writable directory") from None
+                raise ConfigError(
+                    f"{key}: cannot create {path} ({e.strerror or e}); choose a writable directory"
+                ) from None
             previous = _holder_of(fd) or None
             entry = _held[os.path.abspath(path)] = [fd, 0]
         entry[1] += 1
         data = json.dumps(info).encode()
-        os.ftruncate(entry[0], 0); os.lseek(entry[0], 0, os.SEEK_SET); os.write(entry[0], data)
+        os.ftruncate(entry[0], 0)
+        os.lseek(entry[0], 0, os.SEEK_SET)
+        os.write(entry[0], data)
     return RunLock(path, previous)
+
 
 def lock_holder(directory: str | os.PathLike) -> dict | None:
     "What another running process wrote into `directory`'s lock while it holds it, or `None` (reads only, creates nothing)."
     path = Path(directory) / LOCK_NAME
-    try: import fcntl
-    except ImportError: return None
-    if os.path.abspath(path) in _held: return None          # this process's own claim
-    try: fd = os.open(path, os.O_RDONLY)
-    except OSError: return None
     try:
-        try: fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError: return _holder_of(fd)
+        import fcntl
+    except ImportError:
+        return None
+    if os.path.abspath(path) in _held:
+        return None  # this process's own claim
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return _holder_of(fd)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
-    finally: os.close(fd)
+    finally:
+        os.close(fd)
 
 # %% ../nbs/00c_paths.ipynb #e840a2be
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -16,26 +16,45 @@ __all__ = ['loss_points', 'plot_loss', 'loss_figure', 'figure_png']
 # %% ../nbs/08d_plotting.ipynb #ca716c29
 def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
     "(step, loss) of each record that has an integer `step` and a numeric `loss`."
-    return [(r["step"], float(r["loss"])) for r in records
-            if isinstance(r.get("step"), int) and isinstance(r.get("loss"), (int, float)) and not isinstance(r.get("loss"), bool)]
+    return [
+        (r["step"], float(r["loss"]))
+        for r in records
+        if isinstance(r.get("step"), int)
+        and isinstance(r.get("loss"), (int, float))
+        and not isinstance(r.get("loss"), bool)
+    ]
 
 # %% ../nbs/08d_plotting.ipynb #fbf63680
-def plot_loss(ax: Any, # matplotlib axes to draw on (cleared first)
-              train: Sequence[tuple[int, float]], # (step, training loss)
-              evals: Sequence[tuple[int, float]] = (), # (step, evaluation loss), drawn as dots
-             ) -> None:
+def plot_loss(
+    ax: Any,  # matplotlib axes to draw on (cleared first)
+    train: Sequence[tuple[int, float]],  # (step, training loss)
+    evals: Sequence[tuple[int, float]] = (),  # (step, evaluation loss), drawn as dots
+) -> None:
     "Draw the training loss as a line and the evaluation loss as dots against the step."
     from matplotlib.ticker import MaxNLocator
-    ax.clear()
-    if train: ax.plot([s for s, _ in train], [v for _, v in train], lw=1.2, color="C0", label="train")
-    if evals: ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", ms=3, lw=1, color="C1", label="eval")
-    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    if evals: ax.legend(loc="upper right", fontsize="small")
 
-def loss_figure(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, float]] = (),
-                *, size: tuple[float, float] = (6.0, 3.5), # inches; 100 pixels each at dpi 100
-                title: str | None = "training loss") -> Any:
+    ax.clear()
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], lw=1.2, color="C0", label="train")
+    if evals:
+        ax.plot(
+            [s for s, _ in evals], [v for _, v in evals], "o-", ms=3, lw=1, color="C1", label="eval"
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    if evals:
+        ax.legend(loc="upper right", fontsize="small")
+
+
+def loss_figure(
+    train: Sequence[tuple[int, float]],
+    evals: Sequence[tuple[int, float]] = (),
+    *,
+    size: tuple[float, float] = (6.0, 3.5),  # inches; 100 pixels each at dpi 100
+    title: str | None = "training loss",
+) -> Any:
     "A matplotlib `Figure` of the loss curve with its own Agg canvas (pyplot is never used)."
     figure = optional_import("matplotlib.figure", extra="plot", purpose="the loss plot")
     agg = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the loss plot")
@@ -43,14 +62,16 @@ def loss_figure(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, f
     agg.FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     plot_loss(ax, train, evals)
-    if title: ax.set_title(title)
+    if title:
+        ax.set_title(title)
     return fig
 
 # %% ../nbs/08d_plotting.ipynb #30efa2c1
-def figure_png(figure: Any, # a matplotlib `Figure`
-               dpi: float, # image pixels per inch
-               colors: int = 64, # palette size: a plot has few colours, and a palette PNG is a quarter of the bytes
-              ) -> bytes:
+def figure_png(
+    figure: Any,  # a matplotlib `Figure`
+    dpi: float,  # image pixels per inch
+    colors: int = 64,  # palette size: a plot has few colours, and a palette PNG is a quarter of the bytes
+) -> bytes:
     "`figure` as a PNG with a palette of `colors`."
     Image = optional_import("PIL.Image", extra="plot", purpose="the loss plot")
     rgba, png = io.BytesIO(), io.BytesIO()
@@ -59,4 +80,5 @@ def figure_png(figure: Any, # a matplotlib `Figure`
     return png.getvalue()
 
 # %% ../nbs/08d_plotting.ipynb #96580394
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -43,7 +43,11 @@ def _parse_device(requested: str | torch.device) -> torch.device:
     if not isinstance(requested, (str, torch.device)):
         raise DeviceError(f"Device must be a string such as 'cpu' or 'cuda:0', got {requested!r}.")
     try:
-        device = requested if isinstance(requested, torch.device) else torch.device(requested.strip().lower())
+        device = (
+            requested
+            if isinstance(requested, torch.device)
+            else torch.device(requested.strip().lower())
+        )
     except (RuntimeError, ValueError) as exc:
         raise DeviceError(
             f"Unknown device {requested!r} ({exc}). Use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps' "
@@ -81,24 +85,33 @@ def _check_available(device: torch.device, requested: Any) -> None:
 
 def resolve_device(requested: str | torch.device | None = "auto") -> torch.device:
     "The `torch.device` to train on: `auto` picks CUDA, then MPS, then CPU."
-    if requested is None or (isinstance(requested, str) and requested.strip().lower() in ("", "auto")):
+    if requested is None or (
+        isinstance(requested, str) and requested.strip().lower() in ("", "auto")
+    ):
         if torch.cuda.is_available():
             return torch.device("cuda")
         return torch.device("mps") if mps_available() else torch.device("cpu")
     device = _parse_device(requested)
     _check_available(device, requested)
     if device.type == "cpu":
-        return torch.device("cpu")  # tensors never carry a CPU index: `cpu:0` would compare unequal to their device
+        return torch.device(
+            "cpu"
+        )  # tensors never carry a CPU index: `cpu:0` would compare unequal to their device
     return device
 
 # %% ../nbs/04_precision.ipynb #4b0ac8ab
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
 PRECISION_MODES = ("auto", "bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
 class PrecisionPlan:
     "How a run computes: mode, autocast dtype, GradScaler use and the reason for any fallback."
+
     mode: str  # resolved mode: bf16, fp16 or fp32
     dtype: torch.dtype  # autocast dtype (float32 when autocast is off)
     use_scaler: bool  # a GradScaler wraps backward/step (fp16 on CUDA)
@@ -147,7 +160,9 @@ def probe_cpu_bf16_autocast(step: Callable[[], Any] | None = None) -> tuple[bool
             if y.dtype != torch.bfloat16:
                 raise RuntimeError(f"autocast produced {y.dtype}, not bfloat16")
             _, ref_grad = _reference_probe_step()
-            if not torch.isfinite(grad).all() or not torch.allclose(grad, ref_grad, rtol=0.1, atol=1e-2):
+            if not torch.isfinite(grad).all() or not torch.allclose(
+                grad, ref_grad, rtol=0.1, atol=1e-2
+            ):
                 raise RuntimeError("bf16 gradients are not finite or differ from fp32")
         result: tuple[bool, str | None] = (True, None)
     except Exception as exc:  # any failure means: do not train in CPU bf16
@@ -181,6 +196,7 @@ def _cuda_bf16_supported(device: torch.device) -> bool:
 @dataclass(frozen=True)
 class DeviceCapabilities:
     "What a device can do for precision decisions: bf16/fp16 autocast and fused AdamW."
+
     kind: str  # cpu, cuda or mps
     bf16: bool = False  # bf16 autocast works (CUDA: is_bf16_supported; CPU: the probe)
     fp16: bool = False  # fp16 autocast with a GradScaler works (CUDA)
@@ -189,7 +205,9 @@ class DeviceCapabilities:
 
     def __post_init__(self):
         if self.kind not in SUPPORTED_DEVICE_TYPES:
-            raise ValueError(f"DeviceCapabilities.kind must be one of {SUPPORTED_DEVICE_TYPES}, got {self.kind!r}.")
+            raise ValueError(
+                f"DeviceCapabilities.kind must be one of {SUPPORTED_DEVICE_TYPES}, got {self.kind!r}."
+            )
 
     @classmethod
     def describe(cls, kind: str, **caps: bool) -> DeviceCapabilities:
@@ -199,13 +217,19 @@ class DeviceCapabilities:
 
 # %% ../nbs/04_precision.ipynb #e61ab930
 @patch(cls_method=True)
-def detect(cls: DeviceCapabilities, device: str | torch.device, *, probe_bf16: bool = True) -> DeviceCapabilities:
+def detect(
+    cls: DeviceCapabilities, device: str | torch.device, *, probe_bf16: bool = True
+) -> DeviceCapabilities:
     "Read the capabilities of the real `device` (runs the cached CPU bf16 probe if `probe_bf16`)."
     device = torch.device(device)
     if device.type == "cuda":
         available = torch.cuda.is_available()
-        return cls("cuda", bf16=available and _cuda_bf16_supported(device), fp16=available,
-                   fused_adamw=supports_fused_adamw(device))
+        return cls(
+            "cuda",
+            bf16=available and _cuda_bf16_supported(device),
+            fp16=available,
+            fused_adamw=supports_fused_adamw(device),
+        )
     if device.type == "cpu":
         ok, err = probe_cpu_bf16_autocast() if probe_bf16 else (False, None)
         return cls("cpu", bf16=ok, probe_error=err)
@@ -257,11 +281,17 @@ def resolve_precision(
     if capabilities is None:
         capabilities = DeviceCapabilities.detect(device, probe_bf16=(requested == "bf16"))
     elif capabilities.kind != device_type:
-        raise ValueError(f"capabilities describe a {capabilities.kind!r} device but device is {str(device)!r}.")
+        raise ValueError(
+            f"capabilities describe a {capabilities.kind!r} device but device is {str(device)!r}."
+        )
     mode, reason = _decide(requested, capabilities)
     return PrecisionPlan(
-        mode=mode, dtype=DTYPES[mode], use_scaler=(mode == "fp16" and device_type == "cuda"),
-        autocast_enabled=mode in ("bf16", "fp16"), device_type=device_type, reason=reason,
+        mode=mode,
+        dtype=DTYPES[mode],
+        use_scaler=(mode == "fp16" and device_type == "cuda"),
+        autocast_enabled=mode in ("bf16", "fp16"),
+        device_type=device_type,
+        reason=reason,
         requested=requested,
     )
 
@@ -288,9 +318,18 @@ def precision_table(devices: dict[str, DeviceCapabilities] | None = None) -> lis
     for label, caps in (devices or TABLE_DEVICES).items():
         for request in PRECISION_MODES:
             plan = resolve_precision(request, caps.kind, caps)
-            rows.append({"device": label, "request": request, "mode": plan.mode,
-                         "autocast": str(plan.dtype).replace("torch.", "") if plan.autocast_enabled else "off",
-                         "scaler": plan.use_scaler, "reason": plan.reason or ""})
+            rows.append(
+                {
+                    "device": label,
+                    "request": request,
+                    "mode": plan.mode,
+                    "autocast": str(plan.dtype).replace("torch.", "")
+                    if plan.autocast_enabled
+                    else "off",
+                    "scaler": plan.use_scaler,
+                    "reason": plan.reason or "",
+                }
+            )
     return rows
 
 
@@ -330,4 +369,5 @@ def parameter_count(model: nn.Module, *, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 # %% ../nbs/04_precision.ipynb #d3d39f09
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

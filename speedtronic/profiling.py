@@ -28,7 +28,6 @@ from .config import REDACTED, ConfigError, is_secret_key
 from .progress import TERMINAL_WIDTH, TerminalLines, is_tty
 from .errors import ExpectedError
 
-
 # %% auto #0
 __all__ = ['Metric', 'Hook', 'LEVELS', 'CONSOLE_STYLES', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
            'memory_usage_bytes', 'resolve_level', 'level_name', 'format_value', 'format_event', 'format_asctime',
@@ -38,75 +37,115 @@ __all__ = ['Metric', 'Hook', 'LEVELS', 'CONSOLE_STYLES', 'TrainingHook', 'call_h
 # %% ../nbs/08_metrics.ipynb #84f57f92
 Metric = dict[str, Any]
 
+
 @runtime_checkable
 class TrainingHook(Protocol):
     "An object that receives every emitted event as `on_event(event, payload)`."
+
     def on_event(self, event: str, payload: Metric) -> None: ...
 
+
 Hook = Union[TrainingHook, Callable[[str, Metric], None]]
+
 
 def call_hook(hook: Hook, event: str, payload: Metric) -> None:
     "Deliver one event to `hook`: its `on_event` method if it has one, else call it."
     method = getattr(hook, "on_event", None)
     (method if callable(method) else hook)(event, payload)
 
+
 def check_hook(hook: Any) -> Hook:
     "Return `hook` if it can receive events, else raise a `TypeError` naming it."
-    if callable(getattr(hook, "on_event", None)) or callable(hook): return hook
-    raise TypeError(f"metric hook {hook!r} is not a hook: give it an on_event(event, payload) method "
-                    "or pass a function taking (event, payload)")
+    if callable(getattr(hook, "on_event", None)) or callable(hook):
+        return hook
+    raise TypeError(
+        f"metric hook {hook!r} is not a hook: give it an on_event(event, payload) method "
+        "or pass a function taking (event, payload)"
+    )
+
 
 def close_hook(hook: Any) -> None:
     "Close `hook` if it has a `close()` method."
     close = getattr(hook, "close", None)
-    if callable(close): close()
+    if callable(close):
+        close()
 
 # %% ../nbs/08_metrics.ipynb #df518bac
 class CallbackList:
     "Several hooks behaving as one: events go to each, in order."
+
     def __init__(self, callbacks: Iterable[Hook] | None = None):
         self.callbacks: list[Hook] = [check_hook(c) for c in (callbacks or [])]
+
     def append(self, callback: Hook) -> None:
         "Add one more hook at the end."
         self.callbacks.append(check_hook(callback))
+
     def on_event(self, event: str, payload: Metric) -> None:
         "Send the event to every hook."
-        for callback in self.callbacks: call_hook(callback, event, payload)
+        for callback in self.callbacks:
+            call_hook(callback, event, payload)
+
     __call__ = on_event
+
     def close(self) -> None:
         "Close every member that has `close()`."
-        for callback in self.callbacks: close_hook(callback)
-    def __len__(self) -> int: return len(self.callbacks)
-    def __iter__(self): return iter(self.callbacks)
+        for callback in self.callbacks:
+            close_hook(callback)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    def __iter__(self):
+        return iter(self.callbacks)
 
 # %% ../nbs/08_metrics.ipynb #0e8166b6
 def memory_usage_bytes(device: Any = None) -> int | None:
     "Bytes allocated by PyTorch on `device` (CUDA/MPS; `None` = the current accelerator); `None` on CPU."
-    if getattr(device, "type", None) == "cpu": return None  # a `torch.device("cpu")`: asked at every event
+    if getattr(device, "type", None) == "cpu":
+        return None  # a `torch.device("cpu")`: asked at every event
     try:
         import torch
+
         if device is None:
-            if torch.cuda.is_available(): return int(torch.cuda.memory_allocated())
+            if torch.cuda.is_available():
+                return int(torch.cuda.memory_allocated())
             mps = getattr(torch.backends, "mps", None)
-            if mps is not None and mps.is_available(): return int(torch.mps.current_allocated_memory())
+            if mps is not None and mps.is_available():
+                return int(torch.mps.current_allocated_memory())
             return None
         device = torch.device(device)
-        if device.type == "cuda": return int(torch.cuda.memory_allocated(device))
-        if device.type == "mps": return int(torch.mps.current_allocated_memory())
+        if device.type == "cuda":
+            return int(torch.cuda.memory_allocated(device))
+        if device.type == "mps":
+            return int(torch.mps.current_allocated_memory())
         return None
     except Exception:
         return None
 
 # %% ../nbs/08_metrics.ipynb #88a0c4ce
-LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50, "FATAL": 50}
+LEVELS = {
+    "DEBUG": 10,
+    "INFO": 20,
+    "WARNING": 30,
+    "WARN": 30,
+    "ERROR": 40,
+    "CRITICAL": 50,
+    "FATAL": 50,
+}
 _LEVEL_NAMES = {10: "DEBUG", 20: "INFO", 30: "WARNING", 40: "ERROR", 50: "CRITICAL"}
 
 
 def resolve_level(level: str | int) -> int:
     "Numeric level for a level name or number; unknown names are INFO."
-    if isinstance(level, int) and not isinstance(level, bool): return level
-    if isinstance(level, str): return LEVELS.get(level.strip().upper(), 20)
-    raise ConfigError(f"logging.level must be a level name such as 'INFO' or 'DEBUG', got {level!r}")
+    if isinstance(level, int) and not isinstance(level, bool):
+        return level
+    if isinstance(level, str):
+        return LEVELS.get(level.strip().upper(), 20)
+    raise ConfigError(
+        f"logging.level must be a level name such as 'INFO' or 'DEBUG', got {level!r}"
+    )
+
 
 def level_name(level: int) -> str:
     "Printed name of a numeric level."
@@ -115,30 +154,40 @@ def level_name(level: int) -> str:
 # %% ../nbs/08_metrics.ipynb #2b4c2c15
 def format_value(value: Any) -> str:
     "A payload value as printed in a text line: floats with 6 significant digits, text with newlines escaped."
-    if isinstance(value, str) and not value.isprintable(): return repr(value)  # a newline would end the line: escaped
+    if isinstance(value, str) and not value.isprintable():
+        return repr(value)  # a newline would end the line: escaped
     return f"{value:.6g}" if isinstance(value, float) else str(value)
+
 
 def format_event(event: str, payload: Mapping[str, Any]) -> str:
     "The message of an event line: `<event> k=v k=v …`."
     return " ".join([event, *(f"{k}={format_value(v)}" for k, v in payload.items())])
+
 
 def format_asctime(t: float | None = None) -> str:
     "Local time as `YYYY-MM-DD HH:MM:SS,mmm` (the `logging` module's `asctime`)."
     t = time.time() if t is None else t
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) + f",{int(t % 1 * 1000):03d}"
 
+
 def text_line(level: int, message: str, t: float | None = None) -> str:
     "One text log line: `<asctime> | <LEVEL> | <message>`."
     return f"{format_asctime(t)} | {level_name(level)} | {message}"
 
+
 def _json_safe(value: Any) -> Any:
     "`value` with NaN/inf floats as `null` and non-JSON dict keys as text, nested containers included."
-    if isinstance(value, float): return value if math.isfinite(value) else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {(k if isinstance(k, (str, int, float, bool)) or k is None else str(k)): _json_safe(v)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)): return [_json_safe(v) for v in value]
+        return {
+            (k if isinstance(k, (str, int, float, bool)) or k is None else str(k)): _json_safe(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
     return value
+
 
 def json_line(event: str, payload: Mapping[str, Any]) -> str:
     "One JSONL record (without the newline): strict JSON, so a NaN loss is written as `null`."
@@ -150,25 +199,41 @@ def _is_secret(key: str) -> bool:
     "`speedtronic.config.is_secret_key` (the one rule), cached per key: payload keys repeat every step."
     return bool(is_secret_key(key))
 
-_SCALARS = frozenset({str, int, float, bool, type(None)})  # payload values that are copied as they are
+
+_SCALARS = frozenset(
+    {str, int, float, bool, type(None)}
+)  # payload values that are copied as they are
+
 
 def scrub(value: Any) -> Any:
     "Copy of `value` with nested dicts/lists copied and every credential-like key's value redacted."
-    if type(value) in _SCALARS: return value
+    if type(value) in _SCALARS:
+        return value
     if type(value) is dict or isinstance(value, Mapping):
-        return {k: (REDACTED if isinstance(k, str) and v is not None and _is_secret(k)
-                    else v if type(v) in _SCALARS else scrub(v))
-                for k, v in value.items()}
-    if isinstance(value, list): return [scrub(v) for v in value]
-    if isinstance(value, tuple): return tuple(scrub(v) for v in value)
+        return {
+            k: (
+                REDACTED
+                if isinstance(k, str) and v is not None and _is_secret(k)
+                else v
+                if type(v) in _SCALARS
+                else scrub(v)
+            )
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [scrub(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(scrub(v) for v in value)
     return value
 
 # %% ../nbs/08_metrics.ipynb #a96c8442
 class LogWriteError(ExpectedError, OSError):
     "A log line could not be appended (disk full, size limit); the file still ends with a whole line."
 
+
 class LineFile:
     "An append-only text file; each line is one `os.write` on an `O_APPEND` descriptor kept open."
+
     def __init__(self, path: str | os.PathLike, key: str = "logging.file"):
         self.path, self.key, self._lock = Path(path), key, threading.Lock()
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0)
@@ -176,40 +241,64 @@ class LineFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd: int | None = os.open(self.path, flags, 0o644)
         except OSError as e:
-            raise ConfigError(f"{key}: cannot open {str(self.path)!r} for appending ({e.strerror}); "
-                                "choose a writable path") from None
-        self._finalizer = weakref.finalize(self, os.close, self.fd)  # an unclosed file is closed when dropped
+            raise ConfigError(
+                f"{key}: cannot open {str(self.path)!r} for appending ({e.strerror}); "
+                "choose a writable path"
+            ) from None
+        self._finalizer = weakref.finalize(
+            self, os.close, self.fd
+        )  # an unclosed file is closed when dropped
+
     def write_line(self, text: str) -> None:
         "Append `text` and a newline in one write; a line that cannot be completed is removed again."
         data = (text + "\n").encode("utf-8")
         with self._lock:
-            if self.fd is None: raise ValueError(f"log file {self.path} is closed")
+            if self.fd is None:
+                raise ValueError(f"log file {self.path} is closed")
             written = 0
             try:
-                while written < len(data): written += os.write(self.fd, data[written:])
+                while written < len(data):
+                    written += os.write(self.fd, data[written:])
             except OSError as e:
                 if written:
-                    try: os.ftruncate(self.fd, os.fstat(self.fd).st_size - written)
-                    except OSError: pass
-                error = LogWriteError(f"{self.key}: cannot append to {self.path} ({e.strerror or e}); "
-                                      "the lines written before are intact. Free space there, or point it elsewhere")
+                    try:
+                        os.ftruncate(self.fd, os.fstat(self.fd).st_size - written)
+                    except OSError:
+                        pass
+                error = LogWriteError(
+                    f"{self.key}: cannot append to {self.path} ({e.strerror or e}); "
+                    "the lines written before are intact. Free space there, or point it elsewhere"
+                )
                 error.path = self.path
                 raise error from e
+
     def close(self) -> None:
         "Close the descriptor (idempotent)."
-        if self.fd is not None: self._finalizer(); self.fd = None
+        if self.fd is not None:
+            self._finalizer()
+            self.fd = None
 
 # %% ../nbs/08_metrics.ipynb #99b1a055
 class HookDispatcher:
     "Calls hooks on one background thread fed by a bounded queue; failures and drops are counted."
-    def __init__(self, *, maxsize: int = 1000, # events waiting at most
-                 put_timeout: float = 0.5, # seconds `submit` waits for room before dropping
-                 on_error: Callable[[Any, BaseException, int], None] | None = None, # (hook, exc, failures)
-                 on_drop: Callable[[str, int], None] | None = None, # (event, dropped so far)
-                 name: str = "speedtronic-hooks",
-                 idle_s: float = 2.0): # the thread ends after this long without events
+
+    def __init__(
+        self,
+        *,
+        maxsize: int = 1000,  # events waiting at most
+        put_timeout: float = 0.5,  # seconds `submit` waits for room before dropping
+        on_error: Callable[[Any, BaseException, int], None] | None = None,  # (hook, exc, failures)
+        on_drop: Callable[[str, int], None] | None = None,  # (event, dropped so far)
+        name: str = "speedtronic-hooks",
+        idle_s: float = 2.0,
+    ):  # the thread ends after this long without events
         self._queue: queue.Queue = queue.Queue(maxsize)
-        self.put_timeout, self.on_error, self.on_drop, self.name = put_timeout, on_error, on_drop, name
+        self.put_timeout, self.on_error, self.on_drop, self.name = (
+            put_timeout,
+            on_error,
+            on_drop,
+            name,
+        )
         self.idle_s = idle_s
         self._cond = threading.Condition()
         self._pending = 0
@@ -229,42 +318,55 @@ class HookDispatcher:
 @patch
 def submit(self: HookDispatcher, hooks: tuple, event: str, payload: Metric) -> bool:
     "Queue one event for `hooks`; False when it was dropped because the queue stayed full."
-    with self._cond: self._pending += 1
+    with self._cond:
+        self._pending += 1
     try:
         self._queue.put((hooks, event, payload), timeout=self.put_timeout)
         self._start()  # after the put: an idle thread only ends while the queue is empty
         return True
     except queue.Full:
         with self._cond:
-            self._pending -= 1; self.dropped += 1; dropped = self.dropped
+            self._pending -= 1
+            self.dropped += 1
+            dropped = self.dropped
             self._cond.notify_all()
-        if self.on_drop is not None: self.on_drop(event, dropped)
+        if self.on_drop is not None:
+            self.on_drop(event, dropped)
         return False
 
 # %% ../nbs/08_metrics.ipynb #b99a4bcc
 @patch
 def _deliver(self: HookDispatcher, hook: Any, event: str, payload: Metric) -> None:
     "Call one hook with its own copy of the payload; a failure is counted and reported, never raised."
-    try: call_hook(hook, event, scrub(payload))
+    try:
+        call_hook(hook, event, scrub(payload))
     except Exception as exc:
         self.errors += 1
         count = self.errors_by_hook[id(hook)] = self.errors_by_hook.get(id(hook), 0) + 1
         if self.on_error is not None:
-            try: self.on_error(hook, exc, count)
-            except Exception: pass
+            try:
+                self.on_error(hook, exc, count)
+            except Exception:
+                pass
+
 
 @patch
 def _run(self: HookDispatcher) -> None:
     "The hook thread: deliver queued events until `None` arrives or the queue stays empty for `idle_s`."
     while True:
-        try: item = self._queue.get(timeout=self.idle_s)
+        try:
+            item = self._queue.get(timeout=self.idle_s)
         except queue.Empty:
             with self._cond:
-                if self._queue.empty(): self._thread = None; return
+                if self._queue.empty():
+                    self._thread = None
+                    return
             continue
-        if item is None: break
+        if item is None:
+            break
         hooks, event, payload = item
-        for hook in hooks: self._deliver(hook, event, payload)
+        for hook in hooks:
+            self._deliver(hook, event, payload)
         with self._cond:
             self._pending -= 1
             self._cond.notify_all()
@@ -273,101 +375,154 @@ def _run(self: HookDispatcher) -> None:
 @patch
 def flush(self: HookDispatcher, timeout: float | None = None) -> bool:
     "Wait until hooks have seen every submitted event; False if `timeout` passed first."
-    if threading.current_thread() is self._thread: return False  # called from a hook
-    with self._cond: return self._cond.wait_for(lambda: self._pending == 0, timeout)
+    if threading.current_thread() is self._thread:
+        return False  # called from a hook
+    with self._cond:
+        return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
 
 @patch
 def close(self: HookDispatcher, timeout: float | None = None) -> bool:
     "Flush, then stop the thread; False if hooks were still busy after `timeout`."
     done = self.flush(timeout)
-    with self._cond: thread = self._thread
+    with self._cond:
+        thread = self._thread
     if thread is not None and threading.current_thread() is not thread:
-        try: self._queue.put(None, timeout=0 if not done else None)
-        except queue.Full: return False
+        try:
+            self._queue.put(None, timeout=0 if not done else None)
+        except queue.Full:
+            return False
         thread.join(timeout)
         done = done and not thread.is_alive()
-        with self._cond: self._thread = None
+        with self._cond:
+            self._thread = None
     return done
 
 # %% ../nbs/08_metrics.ipynb #82cd1b6b
 CONSOLE_STYLES = ("auto", "full", "short")
 
+
 class TextSinks:
     "The console stream and the text file, written line by line under one lock."
-    def __init__(self, level: int = 20, stream: Any = None, file: str | os.PathLike | None = None,
-                 console_level: int | None = None, # console lines below this are not printed (None: `level`)
-                 style: str = "auto"): # console lines: "full" (the file's), "short" (a terminal's), "auto" (short on a terminal)
+
+    def __init__(
+        self,
+        level: int = 20,
+        stream: Any = None,
+        file: str | os.PathLike | None = None,
+        console_level: int
+        | None = None,  # console lines below this are not printed (None: `level`)
+        style: str = "auto",
+    ):  # console lines: "full" (the file's), "short" (a terminal's), "auto" (short on a terminal)
         if style not in CONSOLE_STYLES:
-            raise ConfigError(f"console style must be one of {', '.join(CONSOLE_STYLES)}, got {style!r}")
+            raise ConfigError(
+                f"console style must be one of {', '.join(CONSOLE_STYLES)}, got {style!r}"
+            )
         self.level, self.stream, self.style = level, stream, style
         self.console_level = level if console_level is None else max(level, console_level)
         self.file = LineFile(file, "logging.file") if file else None
         self._lock = threading.Lock()
-        self.guard: Callable[[], Any] | None = None  # a context manager around console writes (a progress bar's `cleared`)
+        self.guard: Callable[[], Any] | None = (
+            None  # a context manager around console writes (a progress bar's `cleared`)
+        )
         self.terminal, self._tty = TerminalLines(), (None, False)
+
     def console(self) -> Any:
         "The console: None = `sys.stdout` now (so redirection works), False = off, else the object."
-        if self.stream is False: return None
+        if self.stream is False:
+            return None
         return sys.stdout if self.stream is None else self.stream
+
     def short(self, console: Any) -> bool:
         "Whether `console` gets the short terminal lines."
-        if self.style != "auto": return self.style == "short"
-        if self._tty[0] is not console: self._tty = (console, is_tty(console))
+        if self.style != "auto":
+            return self.style == "short"
+        if self._tty[0] is not console:
+            self._tty = (console, is_tty(console))
         return self._tty[1]
+
     def _sinks(self, level: int) -> tuple[Any, LineFile | None]:
         "(console, file) that take a line at `level`; `None` for each that does not."
-        if level < self.level: return None, None
+        if level < self.level:
+            return None, None
         console = self.console() if level >= self.console_level else None
         return console, (self.file if self.file is not None and self.file.fd is not None else None)
 
 # %% ../nbs/08_metrics.ipynb #b93e7ca7
 @patch
-def _put(self: TextSinks, console: Any, shown: str | None, file: LineFile | None, line: str) -> None:
+def _put(
+    self: TextSinks, console: Any, shown: str | None, file: LineFile | None, line: str
+) -> None:
     "`shown` to the console (when not `None`) and `line` to the file, under the lock."
     with self._lock:
         if console is not None and shown is not None:
             try:
-                with (self.guard() if self.guard is not None else nullcontext()):
-                    console.write(shown + "\n"); console.flush()
-            except (ValueError, OSError): pass  # a closed console must not stop training
-        if file is not None: file.write_line(line)
+                with self.guard() if self.guard is not None else nullcontext():
+                    console.write(shown + "\n")
+                    console.flush()
+            except (ValueError, OSError):
+                pass  # a closed console must not stop training
+        if file is not None:
+            file.write_line(line)
+
 
 @patch
 def write(self: TextSinks, level: int, message: str) -> None:
     "Write `message` as one line at `level` to the console and the file, unless below the level."
     console, file = self._sinks(level)
-    if console is None and file is None: return  # nobody reads it: not even formatted
+    if console is None and file is None:
+        return  # nobody reads it: not even formatted
     line = text_line(level, message)
-    if console is not None and self.short(console):  # wrapped to the terminal's width: a message is never cut
+    if console is not None and self.short(
+        console
+    ):  # wrapped to the terminal's width: a message is never cut
         shown = message if level < 30 else f"{level_name(level).lower()}: {message}"
-        shown = "\n".join(textwrap.fill(part, TERMINAL_WIDTH, subsequent_indent="  ") for part in shown.splitlines() or [""])
-    else: shown = line
+        shown = "\n".join(
+            textwrap.fill(part, TERMINAL_WIDTH, subsequent_indent="  ")
+            for part in shown.splitlines() or [""]
+        )
+    else:
+        shown = line
     self._put(console, shown, file, line)
+
 
 @patch
 def write_event(self: TextSinks, event: str, record: Mapping[str, Any], level: int = 20) -> None:
     "Write one event: its full line to the file, and to the console the full line or, on a terminal, the short one."
     console, file = self._sinks(level)
-    if console is None and file is None: return
-    line = text_line(level, format_event(event, record)) if file is not None or not self.short(console) else None
-    shown = None if console is None else (self.terminal.line(event, record) if self.short(console) else line)
+    if console is None and file is None:
+        return
+    line = (
+        text_line(level, format_event(event, record))
+        if file is not None or not self.short(console)
+        else None
+    )
+    shown = (
+        None
+        if console is None
+        else (self.terminal.line(event, record) if self.short(console) else line)
+    )
     self._put(console, shown, file, line)
+
 
 @patch
 def close(self: TextSinks) -> None:
     "Close the file (the console belongs to the caller)."
     with self._lock:
-        if self.file is not None: self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 # %% ../nbs/08_metrics.ipynb #30f0f4dd
 _logger_ids = itertools.count(1)
 _open_loggers: "weakref.WeakSet[MetricLogger]" = weakref.WeakSet()
+
 
 def _check_every_steps(value: Any) -> int:
     "Validate the `train_step` cadence (an int > 0)."
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"logging.every_steps must be a positive integer, got {value!r}")
     return value
+
 
 def _on_cadence(payload: Mapping[str, Any], every_steps: int) -> bool:
     "Whether a `train_step` payload falls on the cadence (a payload without an int step always does)."
@@ -378,6 +533,7 @@ def _on_cadence(payload: Mapping[str, Any], every_steps: int) -> bool:
 @dataclass(eq=False)
 class MetricLogger:
     "Writes events as text lines (console and/or file) and JSONL, and hands them to hooks."
+
     level: str | int = "INFO"  # DEBUG, INFO, WARNING, ERROR; unknown names = INFO
     file: str | os.PathLike | None = None  # text log file, written in addition to the console
     json_file: str | os.PathLike | None = None  # JSONL file, one record per event
@@ -386,8 +542,12 @@ class MetricLogger:
     hooks: list | None = None  # hooks called on a background thread with a copy of each event
     device: Any = None  # device whose memory `memory_bytes` reports (set by the trainer)
     queue_size: int = 1000  # events that may wait for slow hooks
-    queue_timeout_s: float = 0.5  # how long `emit` waits for room before dropping an event for hooks
-    console_level: str | int | None = None  # console lines below this level are not printed (the file still gets them)
+    queue_timeout_s: float = (
+        0.5  # how long `emit` waits for room before dropping an event for hooks
+    )
+    console_level: str | int | None = (
+        None  # console lines below this level are not printed (the file still gets them)
+    )
     run_id: str | None = None  # written into every JSONL record when set
     console_style: str = "auto"  # console lines: "auto" (short on a terminal), "full" (every field, as the file), "short"
 
@@ -395,69 +555,119 @@ class MetricLogger:
         self.levelno = resolve_level(self.level)
         self.every_steps = _check_every_steps(self.every_steps)
         self.hooks = self.hooks if isinstance(self.hooks, list) else list(self.hooks or [])
-        for hook in self.hooks: check_hook(hook)
+        for hook in self.hooks:
+            check_hook(hook)
         self.name, self.closed = f"speedtronic.metrics.{next(_logger_ids)}", False
         self._t0 = time.perf_counter()
         console = None if self.console_level is None else resolve_level(self.console_level)
-        self._text = TextSinks(self.levelno, self.stream, self.file, console_level=console, style=self.console_style)
-        try: self._json = LineFile(self.json_file, "logging.json_file") if self.json_file else None
-        except Exception: self._text.close(); raise
-        self._hooks = HookDispatcher(maxsize=self.queue_size, put_timeout=self.queue_timeout_s,
-                                     on_error=self._hook_failed, on_drop=self._event_dropped,
-                                     name=f"{self.name}.hooks")
+        self._text = TextSinks(
+            self.levelno, self.stream, self.file, console_level=console, style=self.console_style
+        )
+        try:
+            self._json = LineFile(self.json_file, "logging.json_file") if self.json_file else None
+        except Exception:
+            self._text.close()
+            raise
+        self._hooks = HookDispatcher(
+            maxsize=self.queue_size,
+            put_timeout=self.queue_timeout_s,
+            on_error=self._hook_failed,
+            on_drop=self._event_dropped,
+            name=f"{self.name}.hooks",
+        )
         _open_loggers.add(self)
 
     def log(self, level: str | int, msg: str, *args: Any) -> None:
         "Write one text line at `level` (`msg % args` when args are given)."
-        if not self.closed: self._text.write(resolve_level(level), (str(msg) % args) if args else str(msg))
-    def debug(self, msg: str, *args: Any) -> None: "Log at DEBUG."; self.log(10, msg, *args)
-    def info(self, msg: str, *args: Any) -> None: "Log at INFO."; self.log(20, msg, *args)
-    def warning(self, msg: str, *args: Any) -> None: "Log at WARNING."; self.log(30, msg, *args)
-    def error(self, msg: str, *args: Any) -> None: "Log at ERROR."; self.log(40, msg, *args)
+        if not self.closed:
+            self._text.write(resolve_level(level), (str(msg) % args) if args else str(msg))
+
+    def debug(self, msg: str, *args: Any) -> None:
+        "Log at DEBUG."
+        self.log(10, msg, *args)
+
+    def info(self, msg: str, *args: Any) -> None:
+        "Log at INFO."
+        self.log(20, msg, *args)
+
+    def warning(self, msg: str, *args: Any) -> None:
+        "Log at WARNING."
+        self.log(30, msg, *args)
+
+    def error(self, msg: str, *args: Any) -> None:
+        "Log at ERROR."
+        self.log(40, msg, *args)
 
 # %% ../nbs/08_metrics.ipynb #816b018b
 @patch
-def emit(self: MetricLogger, event: str, payload: Mapping[str, Any] | None = None, *,
-         force: bool = False) -> bool:  # write a `train_step` off the cadence too
+def emit(
+    self: MetricLogger, event: str, payload: Mapping[str, Any] | None = None, *, force: bool = False
+) -> bool:  # write a `train_step` off the cadence too
     "Record one event (text line, JSONL line, hooks); False when the `train_step` cadence skips it."
-    if self.closed: raise RuntimeError(f"{self.name}: emit({event!r}) after close(); create a new MetricLogger")
+    if self.closed:
+        raise RuntimeError(f"{self.name}: emit({event!r}) after close(); create a new MetricLogger")
     payload = {} if payload is None else payload
     if not isinstance(payload, Mapping):
-        raise TypeError(f"emit({event!r}, ...): the payload must be a dict of metrics, got {type(payload).__name__}")
-    if event == "train_step" and not force and not _on_cadence(payload, self.every_steps): return False
+        raise TypeError(
+            f"emit({event!r}, ...): the payload must be a dict of metrics, got {type(payload).__name__}"
+        )
+    if event == "train_step" and not force and not _on_cadence(payload, self.every_steps):
+        return False
     record = scrub(payload)
     record.setdefault("elapsed_s", time.perf_counter() - self._t0)
     if "memory_bytes" not in record and "torch" in sys.modules:
         memory = memory_usage_bytes(self.device)
-        if memory is not None: record["memory_bytes"] = memory
+        if memory is not None:
+            record["memory_bytes"] = memory
     self._text.write_event(event, record)
     if self._json is not None:
-        self._json.write_line(json_line(event, {"run_id": self.run_id, **record} if self.run_id else record))
-    if self.hooks: self._hooks.submit(tuple(self.hooks), event, record)
+        self._json.write_line(
+            json_line(event, {"run_id": self.run_id, **record} if self.run_id else record)
+        )
+    if self.hooks:
+        self._hooks.submit(tuple(self.hooks), event, record)
     return True
 
 # %% ../nbs/08_metrics.ipynb #207fcaf1
 @patch(as_prop=True)
-def hook_errors(self: MetricLogger) -> int: "Hook calls that raised so far."; return self._hooks.errors
+def hook_errors(self: MetricLogger) -> int:
+    "Hook calls that raised so far."
+    return self._hooks.errors
+
 
 @patch(as_prop=True)
-def dropped_events(self: MetricLogger) -> int: "Events hooks never saw because their queue stayed full."; return self._hooks.dropped
+def dropped_events(self: MetricLogger) -> int:
+    "Events hooks never saw because their queue stayed full."
+    return self._hooks.dropped
+
 
 @patch
 def _hook_failed(self: MetricLogger, hook: Any, exc: BaseException, count: int) -> None:
     if count == 1 or count % 100 == 0:
-        self.warning("metric hook failed: %s: %r (%d failure%s of this hook so far)",
-                     getattr(hook, "__name__", type(hook).__name__), exc, count, "" if count == 1 else "s")
+        self.warning(
+            "metric hook failed: %s: %r (%d failure%s of this hook so far)",
+            getattr(hook, "__name__", type(hook).__name__),
+            exc,
+            count,
+            "" if count == 1 else "s",
+        )
+
 
 @patch
 def _event_dropped(self: MetricLogger, event: str, dropped: int) -> None:
     if dropped == 1 or dropped % 100 == 0:
-        self.warning("metric hooks are slower than training: dropped %r for hooks (%d dropped so far)", event, dropped)
+        self.warning(
+            "metric hooks are slower than training: dropped %r for hooks (%d dropped so far)",
+            event,
+            dropped,
+        )
+
 
 @patch
 def flush(self: MetricLogger, timeout: float | None = None) -> bool:
     "Wait until hooks have seen every event emitted so far; False if `timeout` passed first."
     return self._hooks.flush(timeout)
+
 
 @patch
 def guard_console(self: MetricLogger, guard: Callable[[], Any] | None) -> None:
@@ -468,31 +678,47 @@ def guard_console(self: MetricLogger, guard: Callable[[], Any] | None) -> None:
 @patch
 def close(self: MetricLogger, timeout: float | None = 30.0) -> None:
     "Wait for hooks, stop the hook thread, close hooks with `close()`, then the files (idempotent)."
-    if self.closed: return
+    if self.closed:
+        return
     if not self._hooks.close(timeout):
         self.warning("metric hooks still busy after %ss; closing without waiting", timeout)
     for hook in list(self.hooks):
-        try: close_hook(hook)
-        except Exception as exc: self.warning("closing metric hook %r failed: %r", hook, exc)
+        try:
+            close_hook(hook)
+        except Exception as exc:
+            self.warning("closing metric hook %r failed: %r", hook, exc)
     if self.hook_errors or self.dropped_events:
-        self.warning("metric hooks: %d failed call(s), %d event(s) dropped", self.hook_errors, self.dropped_events)
+        self.warning(
+            "metric hooks: %d failed call(s), %d event(s) dropped",
+            self.hook_errors,
+            self.dropped_events,
+        )
     self.closed = True
     self._text.close()
-    if self._json is not None: self._json.close()
+    if self._json is not None:
+        self._json.close()
     _open_loggers.discard(self)
 
-@patch
-def __enter__(self: MetricLogger) -> MetricLogger: return self
 
 @patch
-def __exit__(self: MetricLogger, *exc_info) -> None: self.close()
+def __enter__(self: MetricLogger) -> MetricLogger:
+    return self
+
+
+@patch
+def __exit__(self: MetricLogger, *exc_info) -> None:
+    self.close()
+
 
 @atexit.register
 def _close_open_loggers() -> None:
     "At interpreter exit, flush and close loggers nobody closed (so hooks see the last events)."
     for logger in list(_open_loggers):
-        try: logger.close(timeout=5.0)
-        except Exception: pass
+        try:
+            logger.close(timeout=5.0)
+        except Exception:
+            pass
 
 # %% ../nbs/08_metrics.ipynb #550a2a20
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

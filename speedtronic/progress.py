@@ -28,28 +28,34 @@ __all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'format_duration', 'format_rate', '
 # %% ../nbs/08b_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:
     "`mm:ss`, or `h:mm:ss` from one hour on; `?` for a time that is not finite."
-    if not math.isfinite(seconds): return "?"
+    if not math.isfinite(seconds):
+        return "?"
     seconds = max(0, int(round(seconds)))
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
+
 def format_rate(value: float) -> str:
     "A rate with a k/M/G suffix and three significant digits."
-    if not math.isfinite(value): return str(value)
+    if not math.isfinite(value):
+        return str(value)
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale: return f"{value / scale:.3g}{unit}"
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{unit}"
     return f"{value:.3g}"
 
 # %% ../nbs/08b_progress.ipynb #683e70d7
-def format_progress(step: int, # steps done (absolute)
-                    target: int | None, # absolute target step, None if unknown
-                    loss: float | None = None, # latest loss
-                    tokens_per_sec: float | None = None, # latest throughput
-                    elapsed_s: float | None = None, # seconds since this invocation started
-                    *, start_step: int = 0, # step this invocation started from (resume)
-                    width: int = 20, # characters of the bar; 0 leaves the bar out (a widget draws it)
-                   ) -> str:
+def format_progress(
+    step: int,  # steps done (absolute)
+    target: int | None,  # absolute target step, None if unknown
+    loss: float | None = None,  # latest loss
+    tokens_per_sec: float | None = None,  # latest throughput
+    elapsed_s: float | None = None,  # seconds since this invocation started
+    *,
+    start_step: int = 0,  # step this invocation started from (resume)
+    width: int = 20,  # characters of the bar; 0 leaves the bar out (a widget draws it)
+) -> str:
     "The progress line: `step 50/100 [####....]  50% | loss 2.35 | 12.3k tok/s | 00:05<00:05`."
     if target:
         frac = min(max(step / target, 0.0), 1.0)
@@ -58,115 +64,211 @@ def format_progress(step: int, # steps done (absolute)
         parts = [f"step {step}/{target}{bar} {frac * 100:3.0f}%"]
     else:
         parts = [f"step {step}"]
-    if loss is not None: parts.append(f"loss {loss:.4g}")
-    if tokens_per_sec is not None: parts.append(f"{format_rate(tokens_per_sec)} tok/s")
+    if loss is not None:
+        parts.append(f"loss {loss:.4g}")
+    if tokens_per_sec is not None:
+        parts.append(f"{format_rate(tokens_per_sec)} tok/s")
     if elapsed_s is not None:
         done, left = step - start_step, (target - step) if target else None
         eta = "?" if not left or done <= 0 else format_duration(elapsed_s / done * left)
-        parts.append(f"{format_duration(elapsed_s)}<{eta if left else '00:00'}" if target else format_duration(elapsed_s))
+        parts.append(
+            f"{format_duration(elapsed_s)}<{eta if left else '00:00'}"
+            if target
+            else format_duration(elapsed_s)
+        )
     return " | ".join(parts)
 
 # %% ../nbs/08b_progress.ipynb #6a11a67c
 TERMINAL_WIDTH = 100  # columns a terminal line may take
-QUIET_EVENTS = frozenset({"optimizer", "train_end", "compile", "shape_profile", "ooo_backprop",  # files only:
-                          "shape_warning", "settings_changed"})  # these two are also said in a warning line
+QUIET_EVENTS = frozenset(
+    {
+        "optimizer",
+        "train_end",
+        "compile",
+        "shape_profile",
+        "ooo_backprop",  # files only:
+        "shape_warning",
+        "settings_changed",
+    }
+)  # these two are also said in a warning line
+
 
 def clip_line(text: str, width: int = TERMINAL_WIDTH) -> str:
     "`text` cut to `width` columns, ending in `…` when cut."
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return text if len(text) <= width else text[: width - 1] + "…"
 
-def format_step_line(payload: Mapping[str, Any], # a `train_step` record
-                     target: int | None = None, # the run's target step (for the ETA and the alignment)
-                    ) -> str:
+
+def format_step_line(
+    payload: Mapping[str, Any],  # a `train_step` record
+    target: int | None = None,  # the run's target step (for the ETA and the alignment)
+) -> str:
     "`step  10/200  loss   4.1315  lr 2.43e-04   1.72k tok/s  ETA 00:07`: aligned from one line to the next."
     step, digits = payload.get("step"), len(str(target or payload.get("step") or 0))
     parts = [f"step {step:>{digits}}/{target}" if target else f"step {step:>{digits}}"]
-    loss, lr, rate, speed = (payload.get(k) for k in ("loss", "lr", "tokens_per_sec", "steps_per_sec"))
+    loss, lr, rate, speed = (
+        payload.get(k) for k in ("loss", "lr", "tokens_per_sec", "steps_per_sec")
+    )
     parts.append(f"loss {loss:8.4f}" if isinstance(loss, (int, float)) else f"loss {'-':>8}")
-    if isinstance(lr, (int, float)): parts.append(f"lr {lr:.2e}")
-    if isinstance(rate, (int, float)): parts.append(f"{format_rate(rate):>6} tok/s")
+    if isinstance(lr, (int, float)):
+        parts.append(f"lr {lr:.2e}")
+    if isinstance(rate, (int, float)):
+        parts.append(f"{format_rate(rate):>6} tok/s")
     if target and isinstance(step, int) and isinstance(speed, (int, float)) and speed > 0:
         parts.append(f"ETA {format_duration(max(target - step, 0) / speed)}")
     return clip_line("  ".join(parts))
 
 # %% ../nbs/08b_progress.ipynb #ae22c397
-def format_setup_line(start: Mapping[str, Any], # the `train_start` payload
-                      optimizer: Mapping[str, Any] | None = None, # the `optimizer` event's payload, when there was one
-                     ) -> str:
+def format_setup_line(
+    start: Mapping[str, Any],  # the `train_start` payload
+    optimizer: Mapping[str, Any]
+    | None = None,  # the `optimizer` event's payload, when there was one
+) -> str:
     "`model 4.11k params | cpu fp32 | adamw lr 3.00e-04 | batch 2 x 16 tokens | steps 0 -> 25`."
     optimizer = optimizer or {}
     parts = []
-    if isinstance(start.get("parameters"), int): parts.append(f"model {format_rate(start['parameters'])} params")
+    if isinstance(start.get("parameters"), int):
+        parts.append(f"model {format_rate(start['parameters'])} params")
     parts.append(" ".join(str(start[k]) for k in ("device", "precision") if start.get(k)))
     name, lr = optimizer.get("name") or start.get("optimizer"), optimizer.get("lr", start.get("lr"))
-    if name: parts.append(f"{name} lr {lr:.2e}" if isinstance(lr, (int, float)) else str(name))
-    batch, length, accumulation = (start.get(k) for k in ("batch_size", "sequence_length", "accumulation_steps"))
-    if batch: parts.append(f"batch {batch}" + (f" x {length} tokens" if length else "")
-                           + (f" ({accumulation} micro-batches)" if isinstance(accumulation, int) and accumulation > 1 else ""))
-    if start.get("world_size", 1) not in (None, 1): parts.append(f"{start['world_size']} processes")
+    if name:
+        parts.append(f"{name} lr {lr:.2e}" if isinstance(lr, (int, float)) else str(name))
+    batch, length, accumulation = (
+        start.get(k) for k in ("batch_size", "sequence_length", "accumulation_steps")
+    )
+    if batch:
+        parts.append(
+            f"batch {batch}"
+            + (f" x {length} tokens" if length else "")
+            + (
+                f" ({accumulation} micro-batches)"
+                if isinstance(accumulation, int) and accumulation > 1
+                else ""
+            )
+        )
+    if start.get("world_size", 1) not in (None, 1):
+        parts.append(f"{start['world_size']} processes")
     parts.append(f"steps {start.get('start_step', 0)} -> {start.get('target_step')}")
     return clip_line(" | ".join(p for p in parts if p))
 
+
 class TerminalLines:
     "Turns events into the short lines a terminal shows (`None`: the event stays in the files)."
-    def __init__(self): self.optimizer, self.target = {}, None
+
+    def __init__(self):
+        self.optimizer, self.target = {}, None
+
     def line(self, event: str, payload: Mapping[str, Any]) -> str | None:
         "The terminal line for one event, or `None`."
-        if event == "optimizer": self.optimizer = dict(payload)
-        if event in QUIET_EVENTS: return None
+        if event == "optimizer":
+            self.optimizer = dict(payload)
+        if event in QUIET_EVENTS:
+            return None
         if event == "train_start":
             self.target = payload.get("target_step")
             return format_setup_line(payload, self.optimizer)
-        if event == "train_step": return format_step_line(payload, self.target)
+        if event == "train_step":
+            return format_step_line(payload, self.target)
         if event == "eval" and isinstance(payload.get("val_loss"), float):  # a held-out evaluation
-            bpb = f"  bpb {payload['val_bpb']:.4f}" if isinstance(payload.get("val_bpb"), float) else ""
-            return clip_line(f"eval  step {payload.get('step')}  val_loss {payload['val_loss']:8.4f}  ppl {payload.get('val_ppl', math.nan):.4g}{bpb}")
-        if event == "sample":  # a text the model wrote: the prompt, then its continuation, on one line
-            return clip_line(f"sample  step {payload.get('step')}  {payload.get('prompt', '')!r} -> {payload.get('text', '')!r}")
-        if event == "checkpoint": return clip_line(f"checkpoint  step {payload.get('step')}: {Path(str(payload.get('path'))).name}")
+            bpb = (
+                f"  bpb {payload['val_bpb']:.4f}"
+                if isinstance(payload.get("val_bpb"), float)
+                else ""
+            )
+            return clip_line(
+                f"eval  step {payload.get('step')}  val_loss {payload['val_loss']:8.4f}  ppl {payload.get('val_ppl', math.nan):.4g}{bpb}"
+            )
+        if (
+            event == "sample"
+        ):  # a text the model wrote: the prompt, then its continuation, on one line
+            return clip_line(
+                f"sample  step {payload.get('step')}  {payload.get('prompt', '')!r} -> {payload.get('text', '')!r}"
+            )
+        if event == "checkpoint":
+            return clip_line(
+                f"checkpoint  step {payload.get('step')}: {Path(str(payload.get('path'))).name}"
+            )
         shown = {k: v for k, v in payload.items() if k not in ("elapsed_s", "memory_bytes")}
-        return clip_line(" ".join([event, *(f"{k}={f'{v:.4g}' if isinstance(v, float) else v}" for k, v in shown.items())]))
+        return clip_line(
+            " ".join(
+                [
+                    event,
+                    *(f"{k}={f'{v:.4g}' if isinstance(v, float) else v}" for k, v in shown.items()),
+                ]
+            )
+        )
 
 # %% ../nbs/08b_progress.ipynb #08573fb8
 def _shown_path(path: str | os.PathLike) -> str:
     "`path` relative to the working directory when it is inside it."
     path = Path(path)
-    try: return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except (ValueError, OSError): return str(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
 
-def format_closing(steps: int, # the step the run ended at
-                   loss: float | None, # the final training loss, `None` when this call made no update
-                   elapsed_s: float | None = None, # seconds the call took
-                   *, eval_loss: float | None = None, # the held-out loss, when the run has one
-                   files: Mapping[str, str | os.PathLike | None] = {}, # what was written: label -> path (missing ones are left out)
-                  ) -> str:
+
+def format_closing(
+    steps: int,  # the step the run ended at
+    loss: float | None,  # the final training loss, `None` when this call made no update
+    elapsed_s: float | None = None,  # seconds the call took
+    *,
+    eval_loss: float | None = None,  # the held-out loss, when the run has one
+    files: Mapping[
+        str, str | os.PathLike | None
+    ] = {},  # what was written: label -> path (missing ones are left out)
+) -> str:
     "The lines a run ends with: `done: step 25 in 00:03 | loss 4.1745`, then one `  label  path` line per file written."
-    head = [f"done: step {steps}" + (f" in {format_duration(elapsed_s)}" if elapsed_s is not None else ""),
-            "no update made" if loss is None else f"loss {loss:.4f}"]
-    if eval_loss is not None: head.append(f"held-out loss {eval_loss:.4f}")
-    written = [(label, path) for label, path in files.items() if path is not None and Path(path).exists()]
+    head = [
+        f"done: step {steps}"
+        + (f" in {format_duration(elapsed_s)}" if elapsed_s is not None else ""),
+        "no update made" if loss is None else f"loss {loss:.4f}",
+    ]
+    if eval_loss is not None:
+        head.append(f"held-out loss {eval_loss:.4f}")
+    written = [
+        (label, path) for label, path in files.items() if path is not None and Path(path).exists()
+    ]
     width = max((len(label) for label, _ in written), default=0)
-    return "\n".join([" | ".join(head), *(f"  {label:<{width}}  {_shown_path(path)}" for label, path in written)])
+    return "\n".join(
+        [" | ".join(head), *(f"  {label:<{width}}  {_shown_path(path)}" for label, path in written)]
+    )
 
 # %% ../nbs/08b_progress.ipynb #c081910b
 def in_notebook() -> bool:
     "Whether this process is a Jupyter kernel (JupyterLab, Notebook, Colab, VS Code)."
     ipython = sys.modules.get("IPython")
-    if ipython is None: return False
-    try: shell = ipython.get_ipython()
-    except Exception: return False
+    if ipython is None:
+        return False
+    try:
+        shell = ipython.get_ipython()
+    except Exception:
+        return False
     return shell is not None and getattr(shell, "kernel", None) is not None
+
 
 def is_tty(stream: Any) -> bool:
     "Whether `stream` is an interactive terminal."
-    try: return bool(stream.isatty())
-    except Exception: return False
+    try:
+        return bool(stream.isatty())
+    except Exception:
+        return False
+
 
 def resolve_progress(setting: Any, stream: Any, notebook: bool) -> bool:
     "Whether to show the bar for a `logging.progress` setting: auto, true or false."
-    if isinstance(setting, bool): return setting
-    if setting is None: return False
-    if isinstance(setting, str) and setting.strip().lower() in ("auto", "true", "false", "on", "off", "yes", "no"):
+    if isinstance(setting, bool):
+        return setting
+    if setting is None:
+        return False
+    if isinstance(setting, str) and setting.strip().lower() in (
+        "auto",
+        "true",
+        "false",
+        "on",
+        "off",
+        "yes",
+        "no",
+    ):
         s = setting.strip().lower()
         return (notebook or is_tty(stream)) if s == "auto" else s in ("true", "on", "yes")
     raise ConfigError(f"logging.progress must be 'auto', true or false, got {setting!r}")
@@ -174,67 +276,113 @@ def resolve_progress(setting: Any, stream: Any, notebook: bool) -> bool:
 # %% ../nbs/08b_progress.ipynb #be5a72cb
 class ProgressBar:
     "A metric hook drawing one progress line in a terminal or one updating output in Jupyter."
-    def __init__(self, total: int | None = None, # target step (default: `target_step` of `train_start`)
-                 *, enabled: Any = "auto", # "auto" (terminal or Jupyter only), True or False
-                 stream: Any = None, # where the terminal line goes (default: sys.stderr)
-                 min_interval: float = 0.1, # seconds between redraws
-                 notebook: bool | None = None, # update a Jupyter output (default: in Jupyter, when no stream is given)
-                 chart_interval: float = 1.0, # seconds between redraws of the notebook's loss chart
-                 make_view: Callable[[], Any] | None = None, # makes the notebook's view, e.g. `speedtronic.widgets.TrainingView`
-                ):
-        self.total, self.stream, self.min_interval, self.chart_interval = total, stream, min_interval, chart_interval
+
+    def __init__(
+        self,
+        total: int | None = None,  # target step (default: `target_step` of `train_start`)
+        *,
+        enabled: Any = "auto",  # "auto" (terminal or Jupyter only), True or False
+        stream: Any = None,  # where the terminal line goes (default: sys.stderr)
+        min_interval: float = 0.1,  # seconds between redraws
+        notebook: bool
+        | None = None,  # update a Jupyter output (default: in Jupyter, when no stream is given)
+        chart_interval: float = 1.0,  # seconds between redraws of the notebook's loss chart
+        make_view: Callable[[], Any]
+        | None = None,  # makes the notebook's view, e.g. `speedtronic.widgets.TrainingView`
+    ):
+        self.total, self.stream, self.min_interval, self.chart_interval = (
+            total,
+            stream,
+            min_interval,
+            chart_interval,
+        )
         self.make_view = make_view
         self.notebook = (stream is None and in_notebook()) if notebook is None else bool(notebook)
         self.enabled = resolve_progress(enabled, self._stream(), self.notebook)
         self.start_step, self.target, self.step = 0, total, 0
         self.loss = self.tokens_per_sec = self._t0 = self._handle = None
         self.view: Any = None  # the notebook's widget (a `speedtronic.widgets.TrainingView`), from the first redraw
-        self.earlier: list[tuple[int, float]] = []  # (step, loss) before this run's start (a resumed run), drawn first
-        self.earlier_evals: list[tuple[int, float]] = []  # (step, held-out loss) before this run's start, drawn first too
-        self.val_loss: float | None = None  # the newest held-out loss, shown at the end of the terminal line
+        self.earlier: list[
+            tuple[int, float]
+        ] = []  # (step, loss) before this run's start (a resumed run), drawn first
+        self.earlier_evals: list[
+            tuple[int, float]
+        ] = []  # (step, held-out loss) before this run's start, drawn first too
+        self.val_loss: float | None = (
+            None  # the newest held-out loss, shown at the end of the terminal line
+        )
         self._last, self._width, self._open, self.renders, self._text = -math.inf, 0, False, 0, ""
         self._charted, self._fresh_points, self.finished = -math.inf, False, False
-        self._lock = threading.RLock()  # the hook thread draws; the training thread may print around the bar
+        self._lock = (
+            threading.RLock()
+        )  # the hook thread draws; the training thread may print around the bar
 
-    def _stream(self) -> Any: return sys.stderr if self.stream is None else self.stream
+    def _stream(self) -> Any:
+        return sys.stderr if self.stream is None else self.stream
 
 # %% ../nbs/08b_progress.ipynb #d264b178
 @patch
 def line(self: ProgressBar) -> str:
     "The current progress line."
     elapsed = None if self._t0 is None else time.monotonic() - self._t0
-    return format_progress(self.step, self.target, self.loss, self.tokens_per_sec, elapsed,
-                           start_step=self.start_step) + (f" | val {self.val_loss:.4g}" if self.val_loss is not None else "")
+    return format_progress(
+        self.step, self.target, self.loss, self.tokens_per_sec, elapsed, start_step=self.start_step
+    ) + (f" | val {self.val_loss:.4g}" if self.val_loss is not None else "")
+
 
 @patch
 def _notebook_view(self: ProgressBar) -> Any:
     "A new view from `make_view`, or `None` without one or when ipywidgets or matplotlib is missing."
-    if self.make_view is None: return None
-    try: return self.make_view()
-    except MissingExtra: return None
+    if self.make_view is None:
+        return None
+    try:
+        return self.make_view()
+    except MissingExtra:
+        return None
+
 
 @patch
 def _render_notebook(self: ProgressBar, chart: bool) -> None:
     "Show the state in the notebook: the widget (bar, text, and the chart when `chart`), or a text output."
     from IPython.display import display
-    if self._handle is None: self.view = self._notebook_view()
+
+    if self._handle is None:
+        self.view = self._notebook_view()
     if self.view is None:
         text = self.line()
-        if self._handle is None: self._handle = display({"text/plain": text}, raw=True, display_id=True)
-        else: self._handle.update({"text/plain": text}, raw=True)
+        if self._handle is None:
+            self._handle = display({"text/plain": text}, raw=True, display_id=True)
+        else:
+            self._handle.update({"text/plain": text}, raw=True)
         return
     elapsed = None if self._t0 is None else time.monotonic() - self._t0
     state = "done" if self.finished else "running"
-    self.view.progress(self.step, self.target, format_progress(self.step, self.target, self.loss, self.tokens_per_sec,
-                                                               elapsed, start_step=self.start_step, width=0), state)
+    self.view.progress(
+        self.step,
+        self.target,
+        format_progress(
+            self.step,
+            self.target,
+            self.loss,
+            self.tokens_per_sec,
+            elapsed,
+            start_step=self.start_step,
+            width=0,
+        ),
+        state,
+    )
     if chart and self._fresh_points:
         self.view.refresh()
         self._charted, self._fresh_points = time.monotonic(), False
-    if self._handle is None: self._handle = display(self.view, display_id=True)
+    if self._handle is None:
+        self._handle = display(self.view, display_id=True)
+
 
 @patch
-def render(self: ProgressBar, chart: bool | None = None, # redraw the notebook's chart (default: when it is due)
-          ) -> None:
+def render(
+    self: ProgressBar,
+    chart: bool | None = None,  # redraw the notebook's chart (default: when it is due)
+) -> None:
     "Draw the current line now."
     self._last = time.monotonic()
     self.renders += 1
@@ -252,15 +400,18 @@ def render(self: ProgressBar, chart: bool | None = None, # redraw the notebook's
 @patch
 def _add_point(self: ProgressBar, kind: str, payload: Mapping[str, Any]) -> None:
     "Give the notebook chart a (step, loss) point of `kind` (`train` or `eval`)."
-    if not self.notebook or self.view is None: return
+    if not self.notebook or self.view is None:
+        return
     for step, loss in loss_points([payload]):
         self.view.add(kind, step, loss)
         self._fresh_points = True
 
+
 @patch
 def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
     "Follow `train_start` / `train_step` / `eval` / `sample` / `train_end`; ignore other events."
-    if not self.enabled: return
+    if not self.enabled:
+        return
     if event == "train_start":
         self.start_step = self.step = int(payload.get("start_step", 0) or 0)
         self.target = self.total or payload.get("target_step")
@@ -269,22 +420,37 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         self.render()
         earlier = [("train", *p) for p in self.earlier] + [("eval", *p) for p in self.earlier_evals]
         for kind, step, loss in earlier if self.view is not None else ():
-            if step <= self.start_step: self.view.add(kind, step, loss); self._fresh_points = True
+            if step <= self.start_step:
+                self.view.add(kind, step, loss)
+                self._fresh_points = True
     elif event == "train_step":
-        if self._t0 is None: self._t0 = time.monotonic()
+        if self._t0 is None:
+            self._t0 = time.monotonic()
         self.step = payload.get("step", self.step + 1)
         self.loss = payload.get("loss", self.loss)
         self.tokens_per_sec = payload.get("tokens_per_sec", self.tokens_per_sec)
         self._add_point("train", payload)
-        if self.step == self.target or time.monotonic() - self._last >= self.min_interval: self.render()
+        if self.step == self.target or time.monotonic() - self._last >= self.min_interval:
+            self.render()
     elif event == "eval":
         self.val_loss = payload.get("val_loss", self.val_loss)
-        self._add_point("eval", {"step": payload.get("step"), "loss": payload.get("val_loss", payload.get("loss"))})
-    elif event == "sample" and self.notebook and self.view is not None and hasattr(self.view, "sample"):
-        self.view.sample(payload.get("step"), str(payload.get("prompt", "")), str(payload.get("text", "")))  # the newest, under the chart
+        self._add_point(
+            "eval",
+            {"step": payload.get("step"), "loss": payload.get("val_loss", payload.get("loss"))},
+        )
+    elif (
+        event == "sample"
+        and self.notebook
+        and self.view is not None
+        and hasattr(self.view, "sample")
+    ):
+        self.view.sample(
+            payload.get("step"), str(payload.get("prompt", "")), str(payload.get("text", ""))
+        )  # the newest, under the chart
     elif event == "train_end":
         self.step = payload.get("steps", self.step)
-        if payload.get("loss") is not None: self.loss = payload["loss"]
+        if payload.get("loss") is not None:
+            self.loss = payload["loss"]
         self.finished = True
         self.render(chart=True)
         self.close()
@@ -299,10 +465,14 @@ def cleared(self: ProgressBar) -> Iterator[None]:
             yield
             return
         stream = self._stream()
-        stream.write("\r" + " " * self._width + "\r"); stream.flush()
-        try: yield
+        stream.write("\r" + " " * self._width + "\r")
+        stream.flush()
+        try:
+            yield
         finally:
-            stream.write("\r" + self._text); stream.flush()
+            stream.write("\r" + self._text)
+            stream.flush()
+
 
 @patch
 def close(self: ProgressBar) -> None:
@@ -310,16 +480,27 @@ def close(self: ProgressBar) -> None:
     with self._lock:
         if self._open:
             stream = self._stream()
-            stream.write("\n"); stream.flush()
+            stream.write("\n")
+            stream.flush()
             self._open = False
     if self.view is not None and self._handle is not None:
         if not self.finished:
             elapsed = None if self._t0 is None else format_duration(time.monotonic() - self._t0)
-            self.view.stop(self.step, self.target, " | ".join(x for x in (
-                None if self.loss is None else f"loss {self.loss:.4g}", elapsed) if x))
-        if self._fresh_points: self.view.refresh(); self._fresh_points = False
+            self.view.stop(
+                self.step,
+                self.target,
+                " | ".join(
+                    x
+                    for x in (None if self.loss is None else f"loss {self.loss:.4g}", elapsed)
+                    if x
+                ),
+            )
+        if self._fresh_points:
+            self.view.refresh()
+            self._fresh_points = False
         self._handle.update(self.view)  # the output saved with the notebook shows the final picture
     self._handle = None
 
 # %% ../nbs/08b_progress.ipynb #0c88f3c3
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -24,7 +24,9 @@ __all__ = ['ModelFactory', 'ENTRY_POINT_GROUP', 'BUILTIN_MODELS', 'registry', 'U
            'ModelRegistry', 'register_model', 'import_model_modules', 'factory_fields', 'build_model']
 
 # %% ../nbs/01_registry.ipynb #a15b825a
-ModelFactory = Callable[..., Any]  # anything that returns a model when called with keyword arguments
+ModelFactory = Callable[
+    ..., Any
+]  # anything that returns a model when called with keyword arguments
 
 ENTRY_POINT_GROUP = "speedtronic.models"
 BUILTIN_MODELS: dict[str, str] = {
@@ -32,24 +34,34 @@ BUILTIN_MODELS: dict[str, str] = {
     "gpt": "speedtronic.model:ReferenceTransformer",
 }
 
+
 class UnknownModelError(ConfigError, KeyError):
     "No factory is registered under a model name (a `KeyError`, for 2.0 compatibility)."
+
     def __init__(self, name: str, known: Iterable[str]):
         self.name, self.known = name, tuple(known)
         listed = ", ".join(self.known) or "none"
-        self.message = (f"unknown model '{name}'; registered models: {listed}. If '{name}' is defined "
-                        f"in your own module, list that module under model.imports (or call "
-                        f"speedtronic.register_model('{name}', factory) before building).")
+        self.message = (
+            f"unknown model '{name}'; registered models: {listed}. If '{name}' is defined "
+            f"in your own module, list that module under model.imports (or call "
+            f"speedtronic.register_model('{name}', factory) before building)."
+        )
         super().__init__(self.message)
-    def __str__(self) -> str: return self.message
-    def __reduce__(self): return (type(self), (self.name, self.known))
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.known))
 
 # %% ../nbs/01_registry.ipynb #357c999d
 def factory_path(factory: Any) -> str | None:
     "The importable `module:qualname` of `factory`, or `None` when it has none (lambdas, locals)."
     module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
-    if not module or not qualname or "<" in qualname: return None
+    if not module or not qualname or "<" in qualname:
+        return None
     return f"{module}:{qualname}"
+
 
 def same_factory(a: Any, b: Any) -> bool:
     "True when `a` and `b` are one factory: the same object, or the same importable path (a reload)."
@@ -61,44 +73,73 @@ def _load_target(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     return getattr(importlib.import_module(module_name), attr)
 
+
 class ModelRegistry:
     "Maps model names to factories; built-ins and entry points are loaded on first lookup."
-    def __init__(self, *, builtins: bool = True, # resolve `reference_transformer`/`gpt` lazily
-                 entry_points: bool = True): # look up the `speedtronic.models` entry-point group on a miss
+
+    def __init__(
+        self,
+        *,
+        builtins: bool = True,  # resolve `reference_transformer`/`gpt` lazily
+        entry_points: bool = True,
+    ):  # look up the `speedtronic.models` entry-point group on a miss
         self._factories: dict[str, ModelFactory] = {}
-        self._builtins: dict[str, str] = dict(BUILTIN_MODELS) if builtins else {}  # name -> "module:attr"
+        self._builtins: dict[str, str] = (
+            dict(BUILTIN_MODELS) if builtins else {}
+        )  # name -> "module:attr"
         self._use_entry_points = entry_points
 
-    def __contains__(self, name: str) -> bool: return name in self.names()
-    def __repr__(self) -> str: return f"ModelRegistry({', '.join(self.names())})"
+    def __contains__(self, name: str) -> bool:
+        return name in self.names()
+
+    def __repr__(self) -> str:
+        return f"ModelRegistry({', '.join(self.names())})"
 
 # %% ../nbs/01_registry.ipynb #9163cc4f
 @patch
-def register(self: ModelRegistry, name: str, factory: ModelFactory | None = None, *, replace: bool = False):
+def register(
+    self: ModelRegistry, name: str, factory: ModelFactory | None = None, *, replace: bool = False
+):
     "Register `factory` under `name` (direct call or decorator); a taken name needs `replace=True`."
-    if factory is None: return lambda f: self.register(name, f, replace=replace)
+    if factory is None:
+        return lambda f: self.register(name, f, replace=replace)
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model name must be a non-empty string, got {name!r}")
     if not callable(factory):
-        raise ValueError(f"model factory for '{name}' must be callable, got {type(factory).__name__}")
-    if not replace: self._check_free(name, factory)
+        raise ValueError(
+            f"model factory for '{name}' must be callable, got {type(factory).__name__}"
+        )
+    if not replace:
+        self._check_free(name, factory)
     self._factories[name] = factory
-    if self._builtins.get(name) not in (None, factory_path(factory)): del self._builtins[name]
+    if self._builtins.get(name) not in (None, factory_path(factory)):
+        del self._builtins[name]
     return factory
+
 
 @patch
 def _check_free(self: ModelRegistry, name: str, factory: ModelFactory) -> None:
     "Raise when `name` is taken by a different factory."
     old, builtin = self._factories.get(name), self._builtins.get(name)
-    if old is not None and same_factory(old, factory): return
-    if old is None and builtin in (None, factory_path(factory)): return
-    taken = f"a built-in ({builtin})" if builtin else f"already registered to {factory_path(old) or repr(old)}"
-    raise ValueError(f"model name '{name}' is {taken}; pass replace=True to replace it, or choose another name")
+    if old is not None and same_factory(old, factory):
+        return
+    if old is None and builtin in (None, factory_path(factory)):
+        return
+    taken = (
+        f"a built-in ({builtin})"
+        if builtin
+        else f"already registered to {factory_path(old) or repr(old)}"
+    )
+    raise ValueError(
+        f"model name '{name}' is {taken}; pass replace=True to replace it, or choose another name"
+    )
+
 
 @patch
 def register_builtin(self: ModelRegistry, name: str, factory: ModelFactory) -> None:
     "Fill a built-in name with its factory (idempotent; a user's `replace=True` choice is kept)."
-    if name in self._factories and name not in self._builtins: return
+    if name in self._factories and name not in self._builtins:
+        return
     self._builtins[name] = self._builtins.get(name) or factory_path(factory) or name
     self._factories[name] = factory
 
@@ -106,24 +147,31 @@ def register_builtin(self: ModelRegistry, name: str, factory: ModelFactory) -> N
 @patch
 def get(self: ModelRegistry, name: str) -> ModelFactory:
     "The factory registered as `name`; built-ins and entry points load on demand."
-    if name in self._factories: return self._factories[name]
-    if name in self._builtins: return self._load_builtin(name)
-    if self._use_entry_points and self._load_entry_point(name): return self._factories[name]
+    if name in self._factories:
+        return self._factories[name]
+    if name in self._builtins:
+        return self._load_builtin(name)
+    if self._use_entry_points and self._load_entry_point(name):
+        return self._factories[name]
     raise UnknownModelError(name, self.names())
+
 
 @patch
 def build(self: ModelRegistry, name: str, **kwargs) -> Any:
     "Look up `name` and call its factory with `kwargs`."
     return self.get(name)(**kwargs)
 
+
 @patch
 def _load_builtin(self: ModelRegistry, name: str) -> ModelFactory:
     "Import a built-in's module and register its factory here."
     target = self._builtins[name]
-    try: factory = _load_target(target)
+    try:
+        factory = _load_target(target)
     except ImportError as e:
-        raise ImportError(f"model '{name}' lives in {target}, which failed to import: {e}. "
-                          f"Is torch installed?") from e
+        raise ImportError(
+            f"model '{name}' lives in {target}, which failed to import: {e}. Is torch installed?"
+        ) from e
     self._factories[name] = factory
     return factory
 
@@ -132,30 +180,42 @@ def _load_builtin(self: ModelRegistry, name: str) -> ModelFactory:
 def _load_entry_point(self: ModelRegistry, name: str) -> bool:
     "Load the `speedtronic.models` entry point called `name`; False when there is none."
     found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    if not found: return False
+    if not found:
+        return False
     ep = found[0]
     dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
-    try: obj = ep.load()
+    try:
+        obj = ep.load()
     except Exception as e:
-        raise ImportError(f"model '{name}': entry point '{ep.value}' (group {ENTRY_POINT_GROUP}, "
-                          f"from {dist}) failed to load: {e!r}") from e
+        raise ImportError(
+            f"model '{name}': entry point '{ep.value}' (group {ENTRY_POINT_GROUP}, "
+            f"from {dist}) failed to load: {e!r}"
+        ) from e
     if isinstance(obj, ModuleType):  # a module that registers its models when imported
         if name not in self._factories and self is not registry and name in registry._factories:
             self._factories[name] = registry._factories[name]
         if name not in self._factories:
-            raise ValueError(f"model '{name}': entry point module {obj.__name__} (from {dist}) was "
-                             f"imported but did not call register_model('{name}', ...)")
-    elif callable(obj): self._factories.setdefault(name, obj)
-    else: raise ValueError(f"model '{name}': entry point '{ep.value}' from {dist} is neither a "
-                           f"factory nor a module (got {type(obj).__name__})")
+            raise ValueError(
+                f"model '{name}': entry point module {obj.__name__} (from {dist}) was "
+                f"imported but did not call register_model('{name}', ...)"
+            )
+    elif callable(obj):
+        self._factories.setdefault(name, obj)
+    else:
+        raise ValueError(
+            f"model '{name}': entry point '{ep.value}' from {dist} is neither a "
+            f"factory nor a module (got {type(obj).__name__})"
+        )
     return True
 
 # %% ../nbs/01_registry.ipynb #2bc48e3e
 @patch
 def entry_point_names(self: ModelRegistry) -> tuple[str, ...]:
     "Names offered by installed packages through the `speedtronic.models` group."
-    if not self._use_entry_points: return ()
+    if not self._use_entry_points:
+        return ()
     return tuple(sorted({ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}))
+
 
 @patch
 def names(self: ModelRegistry) -> tuple[str, ...]:
@@ -165,6 +225,7 @@ def names(self: ModelRegistry) -> tuple[str, ...]:
 # %% ../nbs/01_registry.ipynb #1c68345f
 registry = ModelRegistry()
 
+
 def register_model(name: str, factory: ModelFactory | None = None, *, replace: bool = False):
     "Register `factory` as `name` in the global `registry` (usable as a decorator)."
     return registry.register(name, factory, replace=replace)
@@ -172,38 +233,62 @@ def register_model(name: str, factory: ModelFactory | None = None, *, replace: b
 # %% ../nbs/01_registry.ipynb #a378de18
 def import_model_modules(names: Iterable[str] | str | None) -> list[ModuleType]:
     "Import each module named in `model.imports` so its `register_model` calls run."
-    if names is None: return []
-    if isinstance(names, str): names = [names]
+    if names is None:
+        return []
+    if isinstance(names, str):
+        names = [names]
     cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path: sys.path.append(cwd)
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     modules = []
     for name in names:
         if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"model.imports entries must be module names like 'my_models', got {name!r}")
-        try: modules.append(importlib.import_module(name.strip()))
+            raise ConfigError(
+                f"model.imports entries must be module names like 'my_models', got {name!r}"
+            )
+        try:
+            modules.append(importlib.import_module(name.strip()))
         except ModuleNotFoundError as e:
-            raise ConfigError(f"model.imports: cannot import module '{name}' ({e}); check the name and "
-                              f"put its folder on PYTHONPATH or install its package") from e
+            raise ConfigError(
+                f"model.imports: cannot import module '{name}' ({e}); check the name and "
+                f"put its folder on PYTHONPATH or install its package"
+            ) from e
         except Exception as e:
             raise ConfigError(f"model.imports: importing module '{name}' failed: {e!r}") from e
     return modules
 
 # %% ../nbs/01_registry.ipynb #02443162
-_NOT_FACTORY_ARGUMENTS = ("name", "imports", "gradient_checkpointing", "init_from")  # read by the registry and the trainer
-_FACTORY_KEYWORD = {"max_seq_len": "block_size"}  # config field -> factory keyword, where they differ
+_NOT_FACTORY_ARGUMENTS = (
+    "name",
+    "imports",
+    "gradient_checkpointing",
+    "init_from",
+)  # read by the registry and the trainer
+_FACTORY_KEYWORD = {
+    "max_seq_len": "block_size"
+}  # config field -> factory keyword, where they differ
+
 
 def factory_fields() -> dict[str, str]:
     "`{factory keyword: ModelConfig field}` for every field `build_model` passes to a factory."
-    return {_FACTORY_KEYWORD.get(f.name, f.name): f.name for f in fields(ModelConfig) if f.name not in _NOT_FACTORY_ARGUMENTS}
+    return {
+        _FACTORY_KEYWORD.get(f.name, f.name): f.name
+        for f in fields(ModelConfig)
+        if f.name not in _NOT_FACTORY_ARGUMENTS
+    }
 
 # %% ../nbs/01_registry.ipynb #e6de86ef
 def _accepted(factory: ModelFactory, kwargs: dict[str, Any]) -> dict[str, Any]:
     "Drop keywords a factory without `**kwargs` cannot take."
-    try: params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError): return kwargs
-    if any(p.kind is p.VAR_KEYWORD for p in params): return kwargs
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return kwargs
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return {k: v for k, v in kwargs.items() if k in names}
+
 
 def build_model(config: Any = None, **overrides) -> Any:
     "Build the model named by `model.name` with the section's standard fields; `overrides` win."
@@ -213,9 +298,12 @@ def build_model(config: Any = None, **overrides) -> Any:
     standard = {keyword: getattr(section, name) for keyword, name in factory_fields().items()}
     model = factory(**{**_accepted(factory, standard), **overrides})
     if model is None:
-        raise TypeError(f"model factory for '{section.name}' ({factory_path(factory) or repr(factory)}) returned None; "
-                        "it must return the model (a missing `return`?)")
+        raise TypeError(
+            f"model factory for '{section.name}' ({factory_path(factory) or repr(factory)}) returned None; "
+            "it must return the model (a missing `return`?)"
+        )
     return model
 
 # %% ../nbs/01_registry.ipynb #92d68489
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -24,15 +24,48 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, CheckpointManager, checkpoint_files, read_pointer
-from .config import ConfigError, ConfigWarning, SpeedtronicConfig, explicit_fields, run_target
-from .data import DataError, DataWarning, build_dataloader, check_loader_settings, collate_batch, select_dataset
-from .evaluation import GlobalEvaluator, Holdout, build_evaluator, earlier_evals, holdout_split
+from speedtronic.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    checkpoint_files,
+    read_pointer,
+)
+from speedtronic.config import (
+    ConfigError,
+    ConfigWarning,
+    SpeedtronicConfig,
+    explicit_fields,
+    run_target,
+)
+from speedtronic.data import (
+    DataError,
+    DataWarning,
+    build_dataloader,
+    check_loader_settings,
+    collate_batch,
+    select_dataset,
+)
+from speedtronic.evaluation import (
+    GlobalEvaluator,
+    Holdout,
+    build_evaluator,
+    earlier_evals,
+    holdout_split,
+)
 from .files import atomic_write, atomic_write_text, file_in_the_way
 from .integrations import IntegrationError, hooks_from_config
 from .optimizers import build_optimizer, check_optimizer_available
 from .optional import MissingExtra
-from .parallel import GroupCoordinator, World, fsdp_problems, raised_together, start_world, world_device, world_from_env, world_problems
+from speedtronic.parallel import (
+    GroupCoordinator,
+    World,
+    fsdp_problems,
+    raised_together,
+    start_world,
+    world_device,
+    world_from_env,
+    world_problems,
+)
 from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
 from .precision import resolve_precision
 from .profiling import MetricLogger
@@ -40,7 +73,14 @@ from .progress import ProgressBar, in_notebook, loss_figure, loss_points
 from .registry import build_model
 from .schedules import build_scheduler, resolve_schedule
 from .shapes import validate_startup_shapes
-from .trainer import STEP_RECORD_KEYS, Trainer, TrainResult, TrainingInterrupted, call_model, resolve_loss
+from speedtronic.trainer import (
+    STEP_RECORD_KEYS,
+    Trainer,
+    TrainResult,
+    TrainingInterrupted,
+    call_model,
+    resolve_loss,
+)
 from .widgets import TrainingView
 
 # %% auto #0
@@ -58,24 +98,40 @@ def seed_everything(seed: int) -> None:
     os.environ["PYTHONHASHSEED"] = str(seed)
     try:
         import numpy as np
+
         np.random.seed(seed % 2**32)
-    except Exception: pass
+    except Exception:
+        pass
     torch.manual_seed(seed)
-    if torch.cuda.is_available(): torch.cuda.manual_seed_all(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 # %% ../nbs/13_runtime.ipynb #2a44fbda
-def build_logger(config: SpeedtronicConfig,
-                 writes: bool = True,  # False for the ranks of a torchrun job other than rank 0
-                 *, run_id: str | None = None,  # written into every JSONL record
-                ) -> MetricLogger:
+def build_logger(
+    config: SpeedtronicConfig,
+    writes: bool = True,  # False for the ranks of a torchrun job other than rank 0
+    *,
+    run_id: str | None = None,  # written into every JSONL record
+) -> MetricLogger:
     "A `MetricLogger` from `config.logging`, with its configured hooks and progress bar attached."
     lg, paths = config.logging, run_paths(config)
-    if not writes: return MetricLogger(level="ERROR", every_steps=lg.every_steps, run_id=run_id)
-    console = "WARNING" if in_notebook() and "level" not in explicit_fields(lg) else None  # the view shows progress
-    logger = MetricLogger(level=lg.level, file=paths.log_file, json_file=paths.metrics, every_steps=lg.every_steps,
-                          console_level=console, run_id=run_id)
+    if not writes:
+        return MetricLogger(level="ERROR", every_steps=lg.every_steps, run_id=run_id)
+    console = (
+        "WARNING" if in_notebook() and "level" not in explicit_fields(lg) else None
+    )  # the view shows progress
+    logger = MetricLogger(
+        level=lg.level,
+        file=paths.log_file,
+        json_file=paths.metrics,
+        every_steps=lg.every_steps,
+        console_level=console,
+        run_id=run_id,
+    )
     try:
-        placed = copy.copy(lg)   # the TensorBoard folder where run_paths puts it (it follows a moved run)
+        placed = copy.copy(
+            lg
+        )  # the TensorBoard folder where run_paths puts it (it follows a moved run)
         placed.tensorboard_dir = None if paths.tensorboard is None else str(paths.tensorboard)
         logger.hooks.extend(hooks_from_config(placed, progress=True, make_view=TrainingView))
         for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
@@ -85,34 +141,81 @@ def build_logger(config: SpeedtronicConfig,
         raise
     return logger
 
+
 def close_logger(logger: Any) -> None:
     "Close the logger, which waits for and closes its hooks."
     close = getattr(logger, "close", None)
-    if callable(close): close()
+    if callable(close):
+        close()
 
 # %% ../nbs/13_runtime.ipynb #57351287
 DEMO_CORPUS_NAME = "stdlib_docs.txt"
-DEMO_MODULES = ("collections", "json", "pathlib", "functools", "itertools", "argparse", "logging", "re",
-                "datetime", "random", "string", "textwrap", "statistics", "fractions", "decimal", "heapq",
-                "bisect", "csv", "shutil", "tempfile", "threading", "subprocess", "typing", "dataclasses",
-                "contextlib", "inspect", "unittest", "email", "http.client", "urllib.parse", "zipfile",
-                "tarfile", "sqlite3", "pprint", "difflib", "calendar", "copy", "enum", "abc", "io", "os")
+DEMO_MODULES = (
+    "collections",
+    "json",
+    "pathlib",
+    "functools",
+    "itertools",
+    "argparse",
+    "logging",
+    "re",
+    "datetime",
+    "random",
+    "string",
+    "textwrap",
+    "statistics",
+    "fractions",
+    "decimal",
+    "heapq",
+    "bisect",
+    "csv",
+    "shutil",
+    "tempfile",
+    "threading",
+    "subprocess",
+    "typing",
+    "dataclasses",
+    "contextlib",
+    "inspect",
+    "unittest",
+    "email",
+    "http.client",
+    "urllib.parse",
+    "zipfile",
+    "tarfile",
+    "sqlite3",
+    "pprint",
+    "difflib",
+    "calendar",
+    "copy",
+    "enum",
+    "abc",
+    "io",
+    "os",
+)
+
 
 def demo_corpus_text(modules: Sequence[str] = DEMO_MODULES) -> str:
     "English text from the docstrings of standard-library `modules` and their public members."
     import importlib, inspect as insp
+
     parts = []
     for name in modules:
-        try: mod = importlib.import_module(name)
-        except Exception: continue
+        try:
+            mod = importlib.import_module(name)
+        except Exception:
+            continue
         docs = [insp.getdoc(mod)]
         for attr in sorted(dir(mod)):
-            if attr.startswith("_"): continue
+            if attr.startswith("_"):
+                continue
             obj = getattr(mod, attr, None)
             if insp.isclass(obj) or insp.isfunction(obj) or insp.isbuiltin(obj):
-                if getattr(obj, "__module__", name) == mod.__name__: docs.append(insp.getdoc(obj))
+                if getattr(obj, "__module__", name) == mod.__name__:
+                    docs.append(insp.getdoc(obj))
         parts.extend(d.strip() for d in docs if d and len(d.strip()) > 40)
     return "\n\n".join(dict.fromkeys(parts)) + "\n"
+
 
 def ensure_demo_corpus(path: str | os.PathLike) -> Path:
     "Write the standard-library docstring corpus to `path` unless the file already exists."
@@ -121,96 +224,158 @@ def ensure_demo_corpus(path: str | os.PathLike) -> Path:
         atomic_write_text(demo_corpus_text(), path)
     return path
 
+
 def _is_demo_corpus(path: str | None) -> bool:
     "Is `path` a demo corpus, written on first use?"
     return bool(path) and Path(path).name == DEMO_CORPUS_NAME
 
+
 def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
-    if _is_demo_corpus(config.data.text_path): ensure_demo_corpus(config.data.text_path)
+    if _is_demo_corpus(config.data.text_path):
+        ensure_demo_corpus(config.data.text_path)
 
 # %% ../nbs/13_runtime.ipynb #5decef8d
 def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> SpeedtronicConfig:
     "A validated `SpeedtronicConfig` from a config object or a plain mapping."
-    if isinstance(config, Mapping): config = SpeedtronicConfig.from_dict(dict(config))
+    if isinstance(config, Mapping):
+        config = SpeedtronicConfig.from_dict(dict(config))
     return config.validate()
+
 
 def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
     "The model's vocabulary (its `vocab_size` attribute or config), passed to the loader."
     for holder in (model, getattr(model, "config", None)):
         v = getattr(holder, "vocab_size", None)
-        if isinstance(v, int) and v > 0: return v
+        if isinstance(v, int) and v > 0:
+            return v
     return int(config.model.vocab_size)
+
 
 def distributed_problem(config: SpeedtronicConfig) -> str | None:
     "Why `distributed.enabled` cannot run with this installation, or None."
-    if not config.distributed.enabled or importlib.util.find_spec("speedtronic.distributed") is not None: return None
+    if (
+        not config.distributed.enabled
+        or importlib.util.find_spec("speedtronic.distributed") is not None
+    ):
+        return None
     return "distributed.enabled: true needs speedtronic.distributed, which is missing from this installation; reinstall speedtronic"
 
-def _coordinator(config: SpeedtronicConfig, model: torch.nn.Module, logger: Any, world: World | None = None) -> Any:
+
+def _coordinator(
+    config: SpeedtronicConfig, model: torch.nn.Module, logger: Any, world: World | None = None
+) -> Any:
     "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`; in a torchrun job rank 0's."
-    if not config.distributed.enabled: return None
-    if problem := distributed_problem(config): raise ConfigError(problem)
+    if not config.distributed.enabled:
+        return None
+    if problem := distributed_problem(config):
+        raise ConfigError(problem)
     from speedtronic.distributed import DumbDiLoCoCoordinator
-    build = lambda module: DumbDiLoCoCoordinator(config.distributed, module, state_dir=run_paths(config).state_dir, logger=logger)
-    if world is None or world.size == 1: return build(model)
-    return GroupCoordinator.build(build, world, model)  # the node is the job: rank 0 runs it (on a whole copy under fsdp), every rank follows
+
+    build = lambda module: DumbDiLoCoCoordinator(
+        config.distributed, module, state_dir=run_paths(config).state_dir, logger=logger
+    )
+    if world is None or world.size == 1:
+        return build(model)
+    return GroupCoordinator.build(
+        build, world, model
+    )  # the node is the job: rank 0 runs it (on a whole copy under fsdp), every rank follows
 
 # %% ../nbs/13_runtime.ipynb #5dd65696
 @dataclass
 class RunClaim:
     "A run's hold on its directories: its id and the locks it owns (`release()` gives them up)."
+
     run_id: str
     locks: list[RunLock] = field(default_factory=list)
     created: list[Path] = field(default_factory=list)  # the folders claiming made, deepest first
 
     def release(self) -> None:
         "Release every lock (idempotent)."
-        for lock in self.locks: lock.release()
+        for lock in self.locks:
+            lock.release()
 
     def abandon(self) -> None:
         "Release, and remove the folders claiming made that are still empty: a run that could not start leaves nothing."
         self.release()
         for folder in self.created:
-            try: folder.rmdir()
-            except OSError: pass  # something was written there (or it is gone): kept
+            try:
+                folder.rmdir()
+            except OSError:
+                pass  # something was written there (or it is gone): kept
+
 
 def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
     "Refuse (or, with `overwrite`, delete) the checkpoints a fresh run finds in its checkpoint directory."
     files = checkpoint_files(checkpoints)
-    if not files: return
-    if overwrite: CheckpointManager(checkpoints).clear(); return
-    owner = read_pointer(checkpoints / CheckpointManager.pointer_name, warn=lambda message: None).get("run_id")
-    raise CheckpointError(f"{checkpoints} already holds checkpoints of {'run ' + owner if owner else 'an earlier run'} "
-                          f"(newest: {files[0].name}); a new run there would mix its checkpoints with them. Continue that run "
-                          "with --resume (resume=True), start over with --overwrite (overwrite=True), which deletes them, or "
-                          "train into another --output-dir (run.output_dir)")
+    if not files:
+        return
+    if overwrite:
+        CheckpointManager(checkpoints).clear()
+        return
+    owner = read_pointer(
+        checkpoints / CheckpointManager.pointer_name, warn=lambda message: None
+    ).get("run_id")
+    raise CheckpointError(
+        f"{checkpoints} already holds checkpoints of {'run ' + owner if owner else 'an earlier run'} "
+        f"(newest: {files[0].name}); a new run there would mix its checkpoints with them. Continue that run "
+        "with --resume (resume=True), start over with --overwrite (overwrite=True), which deletes them, or "
+        "train into another --output-dir (run.output_dir)"
+    )
+
 
 def _missing_folders(folders: Sequence[Path]) -> list[Path]:
     "Those of `folders` (and their parents) that do not exist yet, deepest first."
     missing = set()
     for folder in map(Path, folders):
-        while not folder.exists() and folder != folder.parent: missing.add(folder); folder = folder.parent
+        while not folder.exists() and folder != folder.parent:
+            missing.add(folder)
+            folder = folder.parent
     return sorted(missing, key=lambda f: len(f.absolute().parts), reverse=True)
 
-def claim_run(config: SpeedtronicConfig, *, resume: bool = False, overwrite: bool = False) -> RunClaim:
+
+def claim_run(
+    config: SpeedtronicConfig, *, resume: bool = False, overwrite: bool = False
+) -> RunClaim:
     "Lock the run's directories and choose its run id; a fresh run refuses (or `overwrite`s) another run's checkpoints."
-    if resume and overwrite: raise ConfigError("--resume and --overwrite (resume=True, overwrite=True) cannot be combined: "
-                                               "resume continues the checkpoints there, overwrite deletes them; choose one")
+    if resume and overwrite:
+        raise ConfigError(
+            "--resume and --overwrite (resume=True, overwrite=True) cannot be combined: "
+            "resume continues the checkpoints there, overwrite deletes them; choose one"
+        )
     paths = run_paths(config)
-    recorded = read_pointer(paths.checkpoints / CheckpointManager.pointer_name, warn=lambda message: None).get("run_id")
-    claim = RunClaim(recorded if resume and isinstance(recorded, str) else new_run_id(), created=_missing_folders([paths.output_dir, paths.checkpoints]))
+    recorded = read_pointer(
+        paths.checkpoints / CheckpointManager.pointer_name, warn=lambda message: None
+    ).get("run_id")
+    claim = RunClaim(
+        recorded if resume and isinstance(recorded, str) else new_run_id(),
+        created=_missing_folders([paths.output_dir, paths.checkpoints]),
+    )
     try:
         for i, lockfile in enumerate(paths.locks):
-            if i and not config.checkpoint.enabled: continue       # a checkpoint folder elsewhere that is not used
-            if i: CheckpointManager(lockfile.parent).check_writable()   # the manager's message when it cannot be created
-            claim.locks.append(lock_run(lockfile.parent, claim.run_id, key="checkpoint.directory" if i else "run.output_dir"))
-        if not resume and (overwrite or config.checkpoint.enabled): _others_checkpoints(paths.checkpoints, overwrite)
+            if i and not config.checkpoint.enabled:
+                continue  # a checkpoint folder elsewhere that is not used
+            if i:
+                CheckpointManager(
+                    lockfile.parent
+                ).check_writable()  # the manager's message when it cannot be created
+            claim.locks.append(
+                lock_run(
+                    lockfile.parent,
+                    claim.run_id,
+                    key="checkpoint.directory" if i else "run.output_dir",
+                )
+            )
+        if not resume and (overwrite or config.checkpoint.enabled):
+            _others_checkpoints(paths.checkpoints, overwrite)
     except BaseException:
         claim.abandon()
         raise
     return claim
 
-def claim_job(config: SpeedtronicConfig, world: World, *, resume: bool = False, overwrite: bool = False) -> RunClaim:
+
+def claim_job(
+    config: SpeedtronicConfig, world: World, *, resume: bool = False, overwrite: bool = False
+) -> RunClaim:
     "`claim_run` on rank 0 of a torchrun job, its run id shared with every rank (rank 0's refusal stops them all)."
     claim = world.on_writer(lambda: claim_run(config, resume=resume, overwrite=overwrite))
     run_id = world.share(claim.run_id if claim is not None else None)
@@ -222,25 +387,35 @@ def job_problems(config: SpeedtronicConfig, world: World) -> list[str]:
     world.parallel = config.parallel
     return world_problems(config, world) + (fsdp_problems(config) if world.size > 1 else [])
 
-def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
-                  *, resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
-                  device: str | torch.device | None = None,  # overrides `run.device`
-                  max_steps: int | None = None,  # overrides `data.max_steps` / `run.max_steps`
-                  overwrite: bool = False,  # a fresh run deletes the checkpoints it finds (CLI `--overwrite`)
-                 ) -> tuple[Trainer, CheckpointManager]:
+
+def build_runtime(
+    config: SpeedtronicConfig | Mapping[str, Any],
+    *,
+    resume: bool = False,  # restore the newest checkpoint (also `checkpoint.resume`)
+    device: str | torch.device | None = None,  # overrides `run.device`
+    max_steps: int | None = None,  # overrides `data.max_steps` / `run.max_steps`
+    overwrite: bool = False,  # a fresh run deletes the checkpoints it finds (CLI `--overwrite`)
+) -> tuple[Trainer, CheckpointManager]:
     "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
     config = load_runtime_config(config)
     resume = bool(resume or config.checkpoint.resume)
     world = world_from_env()  # a torchrun job, or one process
-    if problems := job_problems(config, world): raise ConfigError(problems)
-    dev = world_device(world, device or config.run.device)  # a bad device is refused before any directory is made
-    if problems := startup_problems(config, max_steps=max_steps, device=dev): raise ConfigError(problems)
+    if problems := job_problems(config, world):
+        raise ConfigError(problems)
+    dev = world_device(
+        world, device or config.run.device
+    )  # a bad device is refused before any directory is made
+    if problems := startup_problems(config, max_steps=max_steps, device=dev):
+        raise ConfigError(problems)
     start_world(world, dev)
     try:
         claim = claim_job(config, world, resume=resume, overwrite=overwrite)
-        try: trainer, manager = _build_components(config, claim, world, resume=resume, device=dev, max_steps=max_steps)
+        try:
+            trainer, manager = _build_components(
+                config, claim, world, resume=resume, device=dev, max_steps=max_steps
+            )
         except BaseException:
-            claim.abandon()   # the folders it made go again when nothing was written there
+            claim.abandon()  # the folders it made go again when nothing was written there
             raise
     except BaseException as exc:
         world.close(failed=True, together=raised_together(exc))
@@ -249,28 +424,55 @@ def build_runtime(config: SpeedtronicConfig | Mapping[str, Any],
     weakref.finalize(trainer, claim.release)
     return trainer, manager
 
-def _loader(config: SpeedtronicConfig, model: torch.nn.Module, dev: torch.device, world: World,
-            dataset: Any = None) -> Any:  # the training side of an `eval.holdout_fraction` split
+
+def _loader(
+    config: SpeedtronicConfig,
+    model: torch.nn.Module,
+    dev: torch.device,
+    world: World,
+    dataset: Any = None,
+) -> Any:  # the training side of an `eval.holdout_fraction` split
     "The data loader: a torchrun rank reads its share of each global batch; a DiLoCo node its own shard (or data seed)."
     data, distributed = config.data, config.distributed.enabled
     if distributed:
         from speedtronic.distributed import node_data_config, shard_loader
+
         data = node_data_config(config)
-        if getattr(dataset, "shuffle", False): dataset.seed = int(data.seed or 0)  # a held-out split keeps the node's order
-    loader = build_dataloader(data, dataset=dataset, pin_memory_device=dev.type == "cuda", vocab_size=model_vocab_size(model, config),
-                              rank=world.rank, world_size=world.size)
+        if getattr(dataset, "shuffle", False):
+            dataset.seed = int(data.seed or 0)  # a held-out split keeps the node's order
+    loader = build_dataloader(
+        data,
+        dataset=dataset,
+        pin_memory_device=dev.type == "cuda",
+        vocab_size=model_vocab_size(model, config),
+        rank=world.rank,
+        world_size=world.size,
+    )
     return shard_loader(loader, config.distributed) if distributed else loader
+
 
 def _warn_random_tokens(config: SpeedtronicConfig) -> None:
     "One `DataWarning` when the run reads random tokens that `data.synthetic: true` did not ask for."
     d = config.data
     if d.source == "synthetic tokens" and "synthetic" not in explicit_fields(d):
-        warnings.warn(f"no data source is set (data.text_path, data.token_file, data.hf_dataset or data.dataset): training on "
-                      f"{d.num_tokens:,} samples of random tokens; set a source, or write data.synthetic: true "
-                      "to train on random tokens on purpose", DataWarning, stacklevel=3)
+        warnings.warn(
+            f"no data source is set (data.text_path, data.token_file, data.hf_dataset or data.dataset): training on "
+            f"{d.num_tokens:,} samples of random tokens; set a source, or write data.synthetic: true "
+            "to train on random tokens on purpose",
+            DataWarning,
+            stacklevel=3,
+        )
 
-def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, *, resume: bool, device: Any,
-                      max_steps: int | None) -> tuple[Trainer, CheckpointManager]:
+
+def _build_components(
+    config: SpeedtronicConfig,
+    claim: RunClaim,
+    world: World,
+    *,
+    resume: bool,
+    device: Any,
+    max_steps: int | None,
+) -> tuple[Trainer, CheckpointManager]:
     "`build_runtime` after the directory is claimed."
     dev, logger = device, None
     try:
@@ -278,66 +480,125 @@ def _build_components(config: SpeedtronicConfig, claim: RunClaim, world: World, 
         plan = resolve_precision(config.precision, dev)
         world.writer_first(lambda: _maybe_demo_corpus(config))
         model = build_model(config.model).to(dev)
-        if config.model.init_from and not (resume and checkpoint_files(run_paths(config).checkpoints)):  # a resume reads its checkpoint
-            from speedtronic.hf import load_llama; load_llama(model, config.model.init_from)
-        if world.rank: seed_everything(config.run.seed + world.rank)
+        if config.model.init_from and not (
+            resume and checkpoint_files(run_paths(config).checkpoints)
+        ):  # a resume reads its checkpoint
+            from speedtronic.hf import load_llama
+
+            load_llama(model, config.model.init_from)
+        if world.rank:
+            seed_everything(config.run.seed + world.rank)
         split = _holdout(config, model_vocab_size(model, config))
         loader = _loader(config, model, dev, world, dataset=split.train if split else None)
-        evaluator = build_evaluator(config, device=dev, vocab_size=model_vocab_size(model, config), precision=plan,  # its data
-                                    world=world, held_out=split.held_out if split else None)   # refused before a file is written
-        if world.writes: _warn_random_tokens(config)
+        evaluator = build_evaluator(
+            config,
+            device=dev,
+            vocab_size=model_vocab_size(model, config),
+            precision=plan,  # its data
+            world=world,
+            held_out=split.held_out if split else None,
+        )  # refused before a file is written
+        if world.writes:
+            _warn_random_tokens(config)
         ck = config.checkpoint
-        manager = CheckpointManager(run_paths(config).checkpoints, every_steps=ck.every_steps, keep_last=ck.keep_last,
-                                    enabled=ck.enabled, run_id=claim.run_id)
+        manager = CheckpointManager(
+            run_paths(config).checkpoints,
+            every_steps=ck.every_steps,
+            keep_last=ck.keep_last,
+            enabled=ck.enabled,
+            run_id=claim.run_id,
+        )
         logger = build_logger(config, writes=world.writes, run_id=claim.run_id)
         manager.logger = logger
         for lock in claim.locks:
             if lock.previous:
-                logger.warning(f"{lock.path.parent} was last claimed by run {lock.previous.get('run_id', '?')} (pid "
-                               f"{lock.previous.get('pid', '?')} on {lock.previous.get('host', '?')}), which ended without "
-                               "releasing it (killed?); this run takes it over")
-        if getattr(logger, "device", "absent") is None: logger.device = dev
-        if getattr(plan, "reason", None): logger.warning(f"precision: {plan.reason}")
+                logger.warning(
+                    f"{lock.path.parent} was last claimed by run {lock.previous.get('run_id', '?')} (pid "
+                    f"{lock.previous.get('pid', '?')} on {lock.previous.get('host', '?')}), which ended without "
+                    "releasing it (killed?); this run takes it over"
+                )
+        if getattr(logger, "device", "absent") is None:
+            logger.device = dev
+        if getattr(plan, "reason", None):
+            logger.warning(f"precision: {plan.reason}")
         report = validate_startup_shapes(config, model, dev, plan, logger=logger)
-        model = world.shard(model, plan)  # fsdp: sharded in place, before the optimizer takes its parameters
+        model = world.shard(
+            model, plan
+        )  # fsdp: sharded in place, before the optimizer takes its parameters
         optimizer = build_optimizer(model, config, dev, logger=logger)
         target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
         coordinator = _coordinator(config, model, logger, world)
-        trainer = Trainer(model, optimizer, loader, device=dev, config=config, scheduler=scheduler, precision=plan,
-                          logger=logger, checkpoint_manager=manager, coordinator=coordinator, max_steps=target,
-                          shape_report=report, world=world, evaluator=evaluator)
-        if split: logger.info(split.describe())
+        trainer = Trainer(
+            model,
+            optimizer,
+            loader,
+            device=dev,
+            config=config,
+            scheduler=scheduler,
+            precision=plan,
+            logger=logger,
+            checkpoint_manager=manager,
+            coordinator=coordinator,
+            max_steps=target,
+            shape_report=report,
+            world=world,
+            evaluator=evaluator,
+        )
+        if split:
+            logger.info(split.describe())
         _watch_globals(trainer, config, split.held_out if split else None)
         if resume:
             state = world.on_every_rank(manager.load_latest)
-            world.agree_on_checkpoint(None if state is None else state.get("step"), manager.directory)
+            world.agree_on_checkpoint(
+                None if state is None else state.get("step"), manager.directory
+            )
             if state is None:
-                logger.warning(f"resume requested but no local checkpoint was found in {manager.directory}; starting fresh")
+                logger.warning(
+                    f"resume requested but no local checkpoint was found in {manager.directory}; starting fresh"
+                )
             else:
-                world.on_every_rank(lambda: trainer.resume(state, path=manager.loaded_path))  # one verdict for the job
-                if isinstance(state.get("run_id"), str): claim.run_id = state["run_id"]
+                world.on_every_rank(
+                    lambda: trainer.resume(state, path=manager.loaded_path)
+                )  # one verdict for the job
+                if isinstance(state.get("run_id"), str):
+                    claim.run_id = state["run_id"]
                 claim.run_id = manager.run_id = logger.run_id = world.share(claim.run_id)
-                logger.info(f"resumed from {manager.loaded_path} at step {trainer.step} (run {claim.run_id})")
+                logger.info(
+                    f"resumed from {manager.loaded_path} at step {trainer.step} (run {claim.run_id})"
+                )
     except BaseException:
-        if logger is not None: close_logger(logger)
+        if logger is not None:
+            close_logger(logger)
         raise
     return trainer, manager
 
 # %% ../nbs/13_runtime.ipynb #c6821550
 def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
     "The training source split by `eval.holdout_fraction`, or `None` when the run holds nothing out."
-    if not config.eval.holdout_fraction: return None
-    return holdout_split(select_dataset(config.data, vocab_size=vocab), config.eval.holdout_fraction)
+    if not config.eval.holdout_fraction:
+        return None
+    return holdout_split(
+        select_dataset(config.data, vocab_size=vocab), config.eval.holdout_fraction
+    )
 
 # %% ../nbs/13_runtime.ipynb #6b46ea79
 def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = None) -> None:
     "On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU) for every global it publishes."
-    node = getattr(trainer.coordinator, "inner", trainer.coordinator)  # a torchrun node: rank 0's coordinator
-    if trainer.evaluator is None or getattr(node, "role", None) != "master": return
-    evaluator = build_evaluator(config, device="cpu", vocab_size=model_vocab_size(trainer.model, config),
-                                held_out=copy.copy(held_out))  # its own: a loader keeps its start on the dataset, and this one reads on another thread
-    with torch.random.fork_rng(devices=[]):  # the second instance's initial weights are not drawn from training's generator
+    node = getattr(
+        trainer.coordinator, "inner", trainer.coordinator
+    )  # a torchrun node: rank 0's coordinator
+    if trainer.evaluator is None or getattr(node, "role", None) != "master":
+        return
+    evaluator = build_evaluator(
+        config,
+        device="cpu",
+        vocab_size=model_vocab_size(trainer.model, config),
+        held_out=copy.copy(held_out),
+    )  # its own: a loader keeps its start on the dataset, and this one reads on another thread
+    with torch.random.fork_rng(
+        devices=[]
+    ):  # the second instance's initial weights are not drawn from training's generator
         model = build_model(config.model)
     node.global_watcher = GlobalEvaluator(model, evaluator, logger=trainer.logger)
 
@@ -346,131 +607,212 @@ def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = 
 def sigterm_stops(trainer: Trainer) -> Iterator[None]:
     "Within the block, SIGTERM asks `trainer` to stop after saving its current step."
     if threading.current_thread() is not threading.main_thread():
-        yield; return
+        yield
+        return
+
     def handler(signum, frame):
-        if trainer.stop_requested: raise TrainingInterrupted("SIGTERM received twice")
+        if trainer.stop_requested:
+            raise TrainingInterrupted("SIGTERM received twice")
         trainer.request_stop("SIGTERM")
+
     previous = signal.signal(signal.SIGTERM, handler)
-    try: yield
-    finally: signal.signal(signal.SIGTERM, previous)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 # %% ../nbs/13_runtime.ipynb #1c0c4b40
 def _step_record(line: str) -> tuple[str, dict] | None:
     "(event, record) of a `train_step` or `train_start` line of a metrics file; `None` for others and torn lines."
-    if '"train_step"' not in line and '"train_start"' not in line: return None
-    try: record = json.loads(line)
-    except ValueError: return None
-    if not isinstance(record, dict) or record.get("event") not in ("train_step", "train_start"): return None
+    if '"train_step"' not in line and '"train_start"' not in line:
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("event") not in ("train_step", "train_start"):
+        return None
     return record["event"], record
 
-def earlier_records(path: str | os.PathLike | None, # the run's metrics file (`logging.json_file`)
-                    up_to: int, # the step the run resumed from
-                    keep: int | None = None, # most records returned (the newest); `None` returns all
-                    *, run_id: str | None = None, # the resumed run: records of other runs in the file are skipped
-                   ) -> list[dict[str, Any]]:
+
+def earlier_records(
+    path: str | os.PathLike | None,  # the run's metrics file (`logging.json_file`)
+    up_to: int,  # the step the run resumed from
+    keep: int | None = None,  # most records returned (the newest); `None` returns all
+    *,
+    run_id: str | None = None,  # the resumed run: records of other runs in the file are skipped
+) -> list[dict[str, Any]]:
     "The `train_step` records of run `run_id`'s steps up to `up_to` that led to it, from a metrics file (empty if it is missing)."
-    if path is None or not Path(path).is_file() or up_to <= 0: return []
+    if path is None or not Path(path).is_file() or up_to <= 0:
+        return []
     records: deque = deque(maxlen=keep)
     with open(path, encoding="utf-8", errors="replace") as lines:
         for found in map(_step_record, lines):
-            if found is None: continue
+            if found is None:
+                continue
             event, record = found
-            if run_id is not None and record.get("run_id", run_id) != run_id: continue   # another run's line
+            if run_id is not None and record.get("run_id", run_id) != run_id:
+                continue  # another run's line
             last = record.get("start_step", 0) if event == "train_start" else record.get("step")
-            if not isinstance(last, int): continue
-            while records and records[-1]["step"] >= last + (event == "train_start"): records.pop()
+            if not isinstance(last, int):
+                continue
+            while records and records[-1]["step"] >= last + (event == "train_start"):
+                records.pop()
             if event == "train_step" and last <= up_to:
-                records.append({k: (float("nan") if k == "loss" and record[k] is None else record[k])
-                                for k in STEP_RECORD_KEYS if k in record})
+                records.append(
+                    {
+                        k: (float("nan") if k == "loss" and record[k] is None else record[k])
+                        for k in STEP_RECORD_KEYS
+                        if k in record
+                    }
+                )
     return list(records)
 
 # %% ../nbs/13_runtime.ipynb #5bf102eb
 RESUME_HINT = "train_from_config(config, resume=True)  (command line: speedtronic train --resume)"
 
-def _whole_run(result: TrainResult, earlier: list[dict[str, Any]], keep: int | None,
-               evals: Sequence[Mapping[str, Any]] = ()) -> TrainResult:  # the resumed run's earlier `eval` records
+
+def _whole_run(
+    result: TrainResult,
+    earlier: list[dict[str, Any]],
+    keep: int | None,
+    evals: Sequence[Mapping[str, Any]] = (),
+) -> TrainResult:  # the resumed run's earlier `eval` records
     "`result` with `earlier` records (a resumed run's history) in front, at most `keep` in all, and the earlier `evals` too."
-    if earlier: result.metrics = (earlier + result.metrics)[-keep:] if keep else earlier + result.metrics
+    if earlier:
+        result.metrics = (earlier + result.metrics)[-keep:] if keep else earlier + result.metrics
     if evals := [dict(r) for r in evals if not result.evals or r["step"] < result.evals[0]["step"]]:
         result.evals = evals + result.evals
-        if result.val_loss is None: result.val_loss = result.evals[-1]["val_loss"]
+        if result.val_loss is None:
+            result.val_loss = result.evals[-1]["val_loss"]
     return result
 
-def train_from_config(config: SpeedtronicConfig | Mapping[str, Any],
-                      *, resume: bool = False, device: str | torch.device | None = None,
-                      max_steps: int | None = None, overwrite: bool = False) -> TrainResult:
+
+def train_from_config(
+    config: SpeedtronicConfig | Mapping[str, Any],
+    *,
+    resume: bool = False,
+    device: str | torch.device | None = None,
+    max_steps: int | None = None,
+    overwrite: bool = False,
+) -> TrainResult:
     "Build the runtime from `config`, train to the target and return the `TrainResult`."
-    trainer, manager = build_runtime(config, resume=resume, device=device, max_steps=max_steps, overwrite=overwrite)
+    trainer, manager = build_runtime(
+        config, resume=resume, device=device, max_steps=max_steps, overwrite=overwrite
+    )
     failed = True
     try:
         keep = trainer.metrics_history
-        earlier = earlier_records(run_paths(trainer.config).metrics, trainer.step, keep, run_id=trainer.run_claim.run_id)
-        held = earlier_evals(run_paths(trainer.config).metrics, trainer.step, run_id=trainer.run_claim.run_id)
+        earlier = earlier_records(
+            run_paths(trainer.config).metrics, trainer.step, keep, run_id=trainer.run_claim.run_id
+        )
+        held = earlier_evals(
+            run_paths(trainer.config).metrics, trainer.step, run_id=trainer.run_claim.run_id
+        )
         for bar in (h for h in trainer.logger.hooks if isinstance(h, ProgressBar)):
-            bar.earlier, bar.earlier_evals = loss_points(earlier), [(r["step"], r["val_loss"]) for r in held]
+            bar.earlier, bar.earlier_evals = (
+                loss_points(earlier),
+                [(r["step"], r["val_loss"]) for r in held],
+            )
         with sigterm_stops(trainer):
-            try: result = trainer.fit()
+            try:
+                result = trainer.fit()
             except TrainingInterrupted as stop:
                 stop.resume_hint = RESUME_HINT
-                if stop.result is not None: _whole_run(stop.result, earlier, keep, held)
+                if stop.result is not None:
+                    _whole_run(stop.result, earlier, keep, held)
                 raise
         _whole_run(result, earlier, keep, held)
         if trainer.world.writes and trainer.config.logging.loss_plot and result.metrics:
-            write_loss_plot(result.metrics, run_paths(trainer.config).loss_plot, logger=trainer.logger, evals=result.evals)
+            write_loss_plot(
+                result.metrics,
+                run_paths(trainer.config).loss_plot,
+                logger=trainer.logger,
+                evals=result.evals,
+            )
         failed = False
         return result
     finally:
-        with sigterm_stops(trainer):  # a SIGTERM now (torchrun ending a failed job) does not cut the closing short
-            try: close_logger(trainer.logger)
+        with sigterm_stops(
+            trainer
+        ):  # a SIGTERM now (torchrun ending a failed job) does not cut the closing short
+            try:
+                close_logger(trainer.logger)
             finally:
                 trainer.run_claim.release()
                 trainer.world.close(failed=failed, together=raised_together(sys.exc_info()[1]))
+
 
 run = train_from_config
 train = train_from_config
 
 # %% ../nbs/13_runtime.ipynb #1a61bb11
-def write_loss_plot(metrics: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, logger: Any = None,
-                    evals: Sequence[Mapping[str, Any]] = ()) -> Path | None:  # `eval` records: the held-out loss as dots
+def write_loss_plot(
+    metrics: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike,
+    *,
+    logger: Any = None,
+    evals: Sequence[Mapping[str, Any]] = (),
+) -> Path | None:  # `eval` records: the held-out loss as dots
     "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
-    try: fig = loss_figure(loss_points(metrics), [(r["step"], r["val_loss"]) for r in evals])
+    try:
+        fig = loss_figure(loss_points(metrics), [(r["step"], r["val_loss"]) for r in evals])
     except MissingExtra as e:
-        if logger is not None: logger.info(f"skipped {Path(path).name}: {e}")
+        if logger is not None:
+            logger.info(f"skipped {Path(path).name}: {e}")
         return None
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
 
 # %% ../nbs/13_runtime.ipynb #9239109e
 def training_memory(model: torch.nn.Module, optimizer: str = "adamw") -> tuple[int, int]:
     "(parameters, bytes) to train `model`: float32 weights, gradients and optimizer state (activations not counted)."
-    params = list(model.parameters())     # a tied weight is one parameter
+    params = list(model.parameters())  # a tied weight is one parameter
     total = sum(p.numel() for p in params)
     trained = [p for p in params if p.requires_grad]
     states = sum(p.numel() * (1 if optimizer == "muon" and p.ndim == 2 else 2) for p in trained)
     return total, 4 * (total + sum(p.numel() for p in trained) + states)
 
+
 def available_memory(device: torch.device | str) -> int | None:
     "Bytes free for a run on `device`: a CUDA device's free memory, else the machine's available memory (None if unknown)."
     device = torch.device(device)
-    if device.type == "cuda": return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"): return int(line.split()[1]) * 1024
-    except OSError: pass
-    try: return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError): return None
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
 
 def _memory_problems(model: torch.nn.Module, config: SpeedtronicConfig, device: Any) -> list[str]:
     "A refusal when training `model` cannot fit in `device`'s memory (a warning above half of it)."
     params, need = training_memory(model, config.optimizer.name)
     free = None if device is None else available_memory(device)
-    if not free: return []
+    if not free:
+        return []
     m = config.model
-    what = (f"the model has {params:,} parameters (model.vocab_size {m.vocab_size}, d_model {m.d_model}, n_layer {m.n_layer}): "
-            f"training needs about {need / 2**30:,.1f} GiB for weights, gradients and {config.optimizer.name} state")
+    what = (
+        f"the model has {params:,} parameters (model.vocab_size {m.vocab_size}, d_model {m.d_model}, n_layer {m.n_layer}): "
+        f"training needs about {need / 2**30:,.1f} GiB for weights, gradients and {config.optimizer.name} state"
+    )
     where = f"{torch.device(device).type} has {free / 2**30:,.1f} GiB available"
-    if need > free: return [f"{what}, but {where}; make the model smaller or train on a device with more memory"]
-    if need > free / 2: warnings.warn(f"{what}, more than half of what {where} (activations come on top)", ConfigWarning, stacklevel=3)
+    if need > free:
+        return [
+            f"{what}, but {where}; make the model smaller or train on a device with more memory"
+        ]
+    if need > free / 2:
+        warnings.warn(
+            f"{what}, more than half of what {where} (activations come on top)",
+            ConfigWarning,
+            stacklevel=3,
+        )
     return []
 
 # %% ../nbs/13_runtime.ipynb #5222c12b
@@ -480,74 +822,127 @@ def _missing_file(key: str, value: Any, what: str = "file") -> str | None:
         return f"{key}: {what} not found: {value} (create it, or fix the path relative to {os.getcwd()})"
     return None
 
+
 def _tokenizer_file(spec: Any) -> str | None:
     "The file a `data.tokenizer` value names, or `None` for the byte tokenizer (`null`, `byte`, `bytes`, `char`)."
-    return None if not isinstance(spec, str) or spec.strip().lower() in ("", "byte", "bytes", "char") else spec
+    return (
+        None
+        if not isinstance(spec, str) or spec.strip().lower() in ("", "byte", "bytes", "char")
+        else spec
+    )
+
 
 def _logging_problems(config: SpeedtronicConfig) -> list[str]:
     "Log, JSONL and TensorBoard paths (where `run_paths` puts them) that cannot be created."
     paths, problems = run_paths(config), []
     for key, value in (("logging.file", paths.log_file), ("logging.json_file", paths.metrics)):
-        if not value: continue
+        if not value:
+            continue
         blocker = file_in_the_way(value.parent)
-        if value.is_dir(): problems.append(f"{key}: {value} is a directory; give the path of a file")
-        elif blocker: problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
+        if value.is_dir():
+            problems.append(f"{key}: {value} is a directory; give the path of a file")
+        elif blocker:
+            problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
     if paths.tensorboard and (blocker := file_in_the_way(paths.tensorboard)):
-        problems.append(f"logging.tensorboard_dir: {paths.tensorboard} cannot be a directory because {blocker} is a file")
+        problems.append(
+            f"logging.tensorboard_dir: {paths.tensorboard} cannot be a directory because {blocker} is a file"
+        )
     return problems
 
-def _startup(config: SpeedtronicConfig, *, max_steps: int | None = None, device: Any = None,
-             meta_failures: tuple[type[BaseException], ...] = (Exception,), # build errors reported (others: the real build tells)
-            ) -> tuple[list[str], Any]:
+
+def _startup(
+    config: SpeedtronicConfig,
+    *,
+    max_steps: int | None = None,
+    device: Any = None,
+    meta_failures: tuple[type[BaseException], ...] = (
+        Exception,
+    ),  # build errors reported (others: the real build tells)
+) -> tuple[list[str], Any]:
     "(problems, the model on the meta device or None): the checks `startup_problems` makes."
     m, d = config.model, config.data
     text = None if _is_demo_corpus(d.text_path) else d.text_path  # written on first use
-    problems = [p for p in (_missing_file("data.text_path", text), _missing_file("data.token_file", d.token_file),
-                            _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None),
-                            _missing_file("eval.text_path", config.eval.text_path),
-                            _missing_file("eval.token_file", config.eval.token_file), _missing_file("data.tokenizer", _tokenizer_file(d.tokenizer)),
-                            _missing_file("model.init_from", m.init_from if not checkpoint_files(run_paths(config).checkpoints) else None, "folder"))
-                if p]
-    try: check_optimizer_available(config.optimizer)
-    except ConfigError as e: problems.append(str(e))
-    try: resolve_schedule(config, max_steps=run_target(config, max_steps))
-    except ConfigError as e: problems += e.problems
-    if problem := distributed_problem(config): problems.append(problem)
+    problems = [
+        p
+        for p in (
+            _missing_file("data.text_path", text),
+            _missing_file("data.token_file", d.token_file),
+            _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None),
+            _missing_file("eval.text_path", config.eval.text_path),
+            _missing_file("eval.token_file", config.eval.token_file),
+            _missing_file("data.tokenizer", _tokenizer_file(d.tokenizer)),
+            _missing_file(
+                "model.init_from",
+                m.init_from if not checkpoint_files(run_paths(config).checkpoints) else None,
+                "folder",
+            ),
+        )
+        if p
+    ]
+    try:
+        check_optimizer_available(config.optimizer)
+    except ConfigError as e:
+        problems.append(str(e))
+    try:
+        resolve_schedule(config, max_steps=run_target(config, max_steps))
+    except ConfigError as e:
+        problems += e.problems
+    if problem := distributed_problem(config):
+        problems.append(problem)
     if d.block_size and d.block_size > m.max_seq_len:
-        problems.append(f"data.block_size ({d.block_size}) is larger than model.max_seq_len ({m.max_seq_len}): "
-                        "lower data.block_size or raise model.max_seq_len")
+        problems.append(
+            f"data.block_size ({d.block_size}) is larger than model.max_seq_len ({m.max_seq_len}): "
+            "lower data.block_size or raise model.max_seq_len"
+        )
     problems += _logging_problems(config)
     try:
-        with torch.device("meta"): model = build_model(config.model)
+        with torch.device("meta"):
+            model = build_model(config.model)
     except Exception as e:
-        return problems + ([f"model {m.name!r} cannot be built: {e}"] if isinstance(e, meta_failures) else []), None
+        return problems + (
+            [f"model {m.name!r} cannot be built: {e}"] if isinstance(e, meta_failures) else []
+        ), None
     vocab = model_vocab_size(model, config)
     if d.vocab_size and d.vocab_size > vocab:
-        problems.append(f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
-                        "token ids would be out of range; make them equal")
+        problems.append(
+            f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
+            "token ids would be out of range; make them equal"
+        )
     return problems + _memory_problems(model, config, device), model
 
-def startup_problems(config: SpeedtronicConfig | Mapping[str, Any],
-                     *, max_steps: int | None = None, # the run's target, as `build_runtime` gets it
-                     device: str | torch.device | None = None, # the device whose memory the model must fit
-                    ) -> list[str]:
+
+def startup_problems(
+    config: SpeedtronicConfig | Mapping[str, Any],
+    *,
+    max_steps: int | None = None,  # the run's target, as `build_runtime` gets it
+    device: str | torch.device | None = None,  # the device whose memory the model must fit
+) -> list[str]:
     "What would stop `config` from training that can be seen before any directory is created or data is read."
     # an unknown model or a failed model.imports is final; a model the meta device cannot build is left to the real build
-    return _startup(load_runtime_config(config), max_steps=max_steps, device=device, meta_failures=(ConfigError, ImportError))[0]
+    return _startup(
+        load_runtime_config(config),
+        max_steps=max_steps,
+        device=device,
+        meta_failures=(ConfigError, ImportError),
+    )[0]
 
 # %% ../nbs/13_runtime.ipynb #ac143b86
-def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None) -> list[str]:
+def check_runnable(
+    config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None
+) -> list[str]:
     "Problems that would stop `config` from training here (empty when it can run)."
     config = load_runtime_config(config)
     world, problems = world_from_env(), []
     problems += job_problems(config, world)
-    try: dev = world_device(world, device or config.run.device)
+    try:
+        dev = world_device(world, device or config.run.device)
     except Exception as e:
         problems.append(f"device {device or config.run.device!r} is not usable here: {e}")
         dev = None
     found, model = _startup(config, device=dev)
     problems += found
-    if model is None: return problems
+    if model is None:
+        return problems
     d = config.data
     if not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
         problems += _first_step_problems(config, model, model_vocab_size(model, config))
@@ -559,69 +954,117 @@ def check_runnable(config: SpeedtronicConfig | Mapping[str, Any], *, device: str
         distributed.warn_outer_momentum(config.distributed)
     return problems
 
-
 # %% ../nbs/13_runtime.ipynb #fbc52282
 def _on_meta(batch: Any) -> Any:
     "`batch` with every tensor moved to the meta device."
-    if torch.is_tensor(batch): return batch.to("meta")
-    if isinstance(batch, Mapping): return {k: _on_meta(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)): return type(batch)(_on_meta(v) for v in batch)
+    if torch.is_tensor(batch):
+        return batch.to("meta")
+    if isinstance(batch, Mapping):
+        return {k: _on_meta(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_on_meta(v) for v in batch)
     return batch
 
-def _first_step_problems(config: SpeedtronicConfig, model: torch.nn.Module, vocab: int) -> list[str]:
+
+def _first_step_problems(
+    config: SpeedtronicConfig, model: torch.nn.Module, vocab: int
+) -> list[str]:
     "What the first step would meet: the data opened as training opens it, and the model's loss on the first sample (meta)."
     d = config.data
     try:
         dataset = select_dataset(d, vocab_size=vocab)
-        check_loader_settings(dataset, batch_size=d.micro_batch_size, drop_last=d.drop_last, shuffle=False)
-        sample = next(iter(dataset)) if isinstance(dataset, torch.utils.data.IterableDataset) else dataset[0]
+        check_loader_settings(
+            dataset, batch_size=d.micro_batch_size, drop_last=d.drop_last, shuffle=False
+        )
+        sample = (
+            next(iter(dataset))
+            if isinstance(dataset, torch.utils.data.IterableDataset)
+            else dataset[0]
+        )
         batch = _on_meta(collate_batch([sample]))
-    except (DataError, ValueError, OSError, MissingExtra) as e: return [str(e)]   # MissingExtra: the data needs an extra
-    except Exception: return []        # a custom dataset the check cannot open like this: training will tell
-    try: output = call_model(model.train(), batch)
-    except Exception:                  # the meta device cannot run this model: run a small one for real
-        if sum(p.numel() for p in model.parameters()) > 50_000_000: return []
+    except (DataError, ValueError, OSError, MissingExtra) as e:
+        return [str(e)]  # MissingExtra: the data needs an extra
+    except Exception:
+        return []  # a custom dataset the check cannot open like this: training will tell
+    try:
+        output = call_model(model.train(), batch)
+    except Exception:  # the meta device cannot run this model: run a small one for real
+        if sum(p.numel() for p in model.parameters()) > 50_000_000:
+            return []
         try:
             batch = collate_batch([sample])
             output = call_model(build_model(config.model).train(), batch)
-        except Exception as e:         # the first step would fail the same way
+        except Exception as e:  # the first step would fail the same way
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            return [f"model {config.model.name!r} fails on the first batch: {type(e).__name__}: {first}"]
-    try: loss = resolve_loss(output, batch)
-    except (TypeError, ValueError) as e: return [f"model {config.model.name!r}: {e}"]
+            return [
+                f"model {config.model.name!r} fails on the first batch: {type(e).__name__}: {first}"
+            ]
+    try:
+        loss = resolve_loss(output, batch)
+    except (TypeError, ValueError) as e:
+        return [f"model {config.model.name!r}: {e}"]
     if not loss.requires_grad:
-        return [f"model {config.model.name!r}: its loss does not depend on any trainable parameter (no gradient); "
-                "compute it from the model's outputs without .detach(), .item() or torch.no_grad()"]
+        return [
+            f"model {config.model.name!r}: its loss does not depend on any trainable parameter (no gradient); "
+            "compute it from the model's outputs without .detach(), .item() or torch.no_grad()"
+        ]
     return []
+
 
 def _eval_problems(config: SpeedtronicConfig, vocab: int) -> list[str]:
     "What the held-out evaluation meets when it is built: a source too small, unreadable, or a split that leaves nothing to train on."
-    if not config.eval.enabled: return []
-    try: build_evaluator(config, device="cpu", vocab_size=vocab, held_out=(split := _holdout(config, vocab)) and split.held_out)
-    except (DataError, ValueError, OSError, MissingExtra) as e: return [str(e)]
+    if not config.eval.enabled:
+        return []
+    try:
+        build_evaluator(
+            config,
+            device="cpu",
+            vocab_size=vocab,
+            held_out=(split := _holdout(config, vocab)) and split.held_out,
+        )
+    except (DataError, ValueError, OSError, MissingExtra) as e:
+        return [str(e)]
     return []
+
 
 def _directory_problems(config: SpeedtronicConfig) -> list[str]:
     "Run directories another trainer holds now, or that cannot be created or written here."
     paths, problems = run_paths(config), []
-    for key, directory in (("run.output_dir", paths.output_dir), ("checkpoint.directory", paths.checkpoints)):
-        if key == "checkpoint.directory" and not config.checkpoint.enabled: continue
+    for key, directory in (
+        ("run.output_dir", paths.output_dir),
+        ("checkpoint.directory", paths.checkpoints),
+    ):
+        if key == "checkpoint.directory" and not config.checkpoint.enabled:
+            continue
         if (holder := lock_holder(directory)) is not None:
-            problems.append(f"{key}: {directory} is in use by another training process: run {holder.get('run_id', '?')} "
-                            f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')})")
+            problems.append(
+                f"{key}: {directory} is in use by another training process: run {holder.get('run_id', '?')} "
+                f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')})"
+            )
         existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
-        if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
-            problems.append(f"{key}: {directory} cannot be written here ({existing} is not writable); choose a writable directory")
+        if (
+            existing is not None
+            and existing.is_dir()
+            and not os.access(existing, os.W_OK | os.X_OK)
+        ):
+            problems.append(
+                f"{key}: {directory} cannot be written here ({existing} is not writable); choose a writable directory"
+            )
     return problems
+
 
 def _wandb_problems(config: SpeedtronicConfig) -> list[str]:
     "A W&B run that cannot start."
     lg, problems = config.logging, []
     if lg.wandb:
         from speedtronic.integrations import check_wandb
-        try: check_wandb(lg.wandb if isinstance(lg.wandb, dict) else {})
-        except (IntegrationError, ImportError) as e: problems.append(str(e))
+
+        try:
+            check_wandb(lg.wandb if isinstance(lg.wandb, dict) else {})
+        except (IntegrationError, ImportError) as e:
+            problems.append(str(e))
     return problems
 
 # %% ../nbs/13_runtime.ipynb #31aabf1e
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

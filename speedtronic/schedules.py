@@ -12,7 +12,14 @@ from typing import Any, Callable
 from collections.abc import Mapping
 from dataclasses import fields
 
-from .config import ConfigError, SchedulerConfig, SpeedtronicConfig, as_section, explicit_fields, run_target
+from speedtronic.config import (
+    ConfigError,
+    SchedulerConfig,
+    SpeedtronicConfig,
+    as_section,
+    explicit_fields,
+    run_target,
+)
 from .optional import optional_import
 
 # %% auto #0
@@ -23,17 +30,23 @@ __all__ = ['SCHEDULE_NAMES', 'DEFAULT_WARMUP_STEPS', 'lr_multiplier', 'Schedule'
 # %% ../nbs/06_schedules.ipynb #f6a3c7b4
 SCHEDULE_NAMES = ("cosine", "constant")
 
-def lr_multiplier(step: int, # updates applied so far (the scheduler's position)
-                  *, warmup_steps: int, max_steps: int, # warmup length and horizon, in updates
-                  min_lr_ratio: float = 0.1, # cosine floor as a fraction of the base rate
-                  name: str = "cosine", # `cosine` or `constant`
-                 ) -> float:
+
+def lr_multiplier(
+    step: int,  # updates applied so far (the scheduler's position)
+    *,
+    warmup_steps: int,
+    max_steps: int,  # warmup length and horizon, in updates
+    min_lr_ratio: float = 0.1,  # cosine floor as a fraction of the base rate
+    name: str = "cosine",  # `cosine` or `constant`
+) -> float:
     "Factor applied to the base learning rate after `step` updates."
     if name not in SCHEDULE_NAMES:
         raise ConfigError(f"scheduler.name: {name!r} is not one of {', '.join(SCHEDULE_NAMES)}")
     w, n = max(0, int(warmup_steps)), max(1, int(max_steps))
-    if w > 0 and step < w: return max(1e-8, (step + 1) / w)
-    if name == "constant": return 1.0
+    if w > 0 and step < w:
+        return max(1e-8, (step + 1) / w)
+    if name == "constant":
+        return 1.0
     p = min(1.0, max(0.0, (step - w) / max(1, n - w)))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
@@ -41,6 +54,7 @@ def lr_multiplier(step: int, # updates applied so far (the scheduler's position)
 @dataclass(frozen=True)
 class Schedule:
     "The resolved shape of a run's learning-rate schedule."
+
     name: str = "cosine"
     warmup_steps: int = 100
     max_steps: int = 1000
@@ -51,64 +65,93 @@ class Schedule:
         return lr_multiplier(step, **asdict(self))
 
 # %% ../nbs/06_schedules.ipynb #14947225
-DEFAULT_WARMUP_STEPS = SchedulerConfig.warmup_steps   # 2.0's default warmup, for a 1000-step horizon
+DEFAULT_WARMUP_STEPS = SchedulerConfig.warmup_steps  # 2.0's default warmup, for a 1000-step horizon
+
 
 def default_warmup(horizon: int) -> int:
     "Warmup for a run that did not set one: 2.0's 100 updates, at most a tenth of the horizon."
     return min(DEFAULT_WARMUP_STEPS, max(0, int(horizon)) // 10)
 
-def horizon_and_warmup(section: Any, # a `SchedulerConfig` (what the user wrote is in `explicit_fields`)
-                       target: int | None = None, # the run's target step, if known
-                      ) -> tuple[int, int]:
+
+def horizon_and_warmup(
+    section: Any,  # a `SchedulerConfig` (what the user wrote is in `explicit_fields`)
+    target: int | None = None,  # the run's target step, if known
+) -> tuple[int, int]:
     "The horizon and warmup a run uses: values the user wrote are kept, the others follow `target`."
     written = explicit_fields(section)
     horizon = section.max_steps if "max_steps" in written or target is None else target
     warmup = section.warmup_steps if "warmup_steps" in written else default_warmup(horizon)
     return horizon, warmup
 
+
 def _whole_config(config: Any) -> SpeedtronicConfig | None:
     "`config` as a whole configuration when it is one (or a mapping of one); `None` for a scheduler section."
-    if isinstance(config, SpeedtronicConfig): return config
+    if isinstance(config, SpeedtronicConfig):
+        return config
     own = {f.name for f in fields(SchedulerConfig)}
-    if isinstance(config, Mapping) and not set(map(str, config)) <= own: return SpeedtronicConfig.from_dict(config)
+    if isinstance(config, Mapping) and not set(map(str, config)) <= own:
+        return SpeedtronicConfig.from_dict(config)
     return None
 
-def resolve_schedule(config: Any, # a `SpeedtronicConfig`, its `scheduler` section, or a mapping of either
-                     *, max_steps: int | None = None, # the run's target (default: a whole config's own `run_target`)
-                    ) -> Schedule:
+
+def resolve_schedule(
+    config: Any,  # a `SpeedtronicConfig`, its `scheduler` section, or a mapping of either
+    *,
+    max_steps: int | None = None,  # the run's target (default: a whole config's own `run_target`)
+) -> Schedule:
     "The schedule a run uses: its kind, and the horizon and warmup resolved against the run's target."
     whole = _whole_config(config)
     sched = whole.scheduler if whole is not None else as_section(config, SchedulerConfig)
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0):
+    if max_steps is not None and (
+        isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0
+    ):
         raise ConfigError(f"max_steps: must be a positive integer, got {max_steps!r}")
     target = max_steps if max_steps is not None or whole is None else run_target(whole)
     horizon, warmup = horizon_and_warmup(sched, target)
     if warmup > horizon > 0:
-        how = ("raise scheduler.max_steps" if "max_steps" in explicit_fields(sched)
-               else "train for more steps (run.max_steps or --max-steps; the horizon follows them)")
-        raise ConfigError(f"scheduler.warmup_steps: {warmup} is longer than the schedule horizon of {horizon} steps; "
-                          f"set scheduler.warmup_steps to at most {horizon} or {how}")
-    return Schedule(name=sched.name, warmup_steps=warmup, max_steps=horizon, min_lr_ratio=sched.min_lr_ratio)
+        how = (
+            "raise scheduler.max_steps"
+            if "max_steps" in explicit_fields(sched)
+            else "train for more steps (run.max_steps or --max-steps; the horizon follows them)"
+        )
+        raise ConfigError(
+            f"scheduler.warmup_steps: {warmup} is longer than the schedule horizon of {horizon} steps; "
+            f"set scheduler.warmup_steps to at most {horizon} or {how}"
+        )
+    return Schedule(
+        name=sched.name, warmup_steps=warmup, max_steps=horizon, min_lr_ratio=sched.min_lr_ratio
+    )
 
 # %% ../nbs/06_schedules.ipynb #7ceb09c0
 def _multiplier_of(schedule: Schedule) -> Callable[[int], float]:
     "The schedule as a plain function (so `LambdaLR` never saves it), carrying the `Schedule` it follows."
-    def multiplier(step: int) -> float: return schedule.multiplier(step)
+
+    def multiplier(step: int) -> float:
+        return schedule.multiplier(step)
+
     multiplier.schedule = schedule
     return multiplier
 
-def build_scheduler(optimizer: Any, # a `torch.optim.Optimizer`
-                    config: Any, # a `SpeedtronicConfig`, its `scheduler` section, or a mapping of either
-                    *, max_steps: int | None = None, # the run's target (see `resolve_schedule`)
-                   ) -> Any:
+
+def build_scheduler(
+    optimizer: Any,  # a `torch.optim.Optimizer`
+    config: Any,  # a `SpeedtronicConfig`, its `scheduler` section, or a mapping of either
+    *,
+    max_steps: int | None = None,  # the run's target (see `resolve_schedule`)
+) -> Any:
     "A `torch.optim.lr_scheduler.LambdaLR` applying `resolve_schedule(config, max_steps=...)` to every parameter group."
     from torch.optim.lr_scheduler import LambdaLR
-    return LambdaLR(optimizer, lr_lambda=_multiplier_of(resolve_schedule(config, max_steps=max_steps)))
+
+    return LambdaLR(
+        optimizer, lr_lambda=_multiplier_of(resolve_schedule(config, max_steps=max_steps))
+    )
+
 
 def schedule_of(scheduler: Any) -> Schedule | None:
     "The `Schedule` a scheduler from `build_scheduler` follows (`None` for any other scheduler)."
     lambdas = getattr(scheduler, "lr_lambdas", None) or [None]
     return getattr(lambdas[0], "schedule", None)
+
 
 def lr_of_update(scheduler_or_optimizer: Any) -> float:
     "The rate the last `optimizer.step()` used; read it before `scheduler.step()`."
@@ -124,32 +167,55 @@ def load_scheduler_state(scheduler: Any, state: dict) -> None:
         state["lr_lambdas"] = [None] * len(scheduler.base_lrs)
     scheduler.load_state_dict(state)
     factors = [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
-    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, factors): group["lr"] = base * factor
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, factors):
+        group["lr"] = base * factor
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
 
 # %% ../nbs/06_schedules.ipynb #c3c29a6d
-def schedule_points(*, base_lr: float, warmup_steps: int, max_steps: int, min_lr_ratio: float = 0.1,
-                    name: str = "cosine") -> tuple[list[int], list[float]]:
+def schedule_points(
+    *,
+    base_lr: float,
+    warmup_steps: int,
+    max_steps: int,
+    min_lr_ratio: float = 0.1,
+    name: str = "cosine",
+) -> tuple[list[int], list[float]]:
     "Update numbers `1..max_steps` and the learning rate each of them uses."
     steps = list(range(1, max(1, int(max_steps)) + 1))
     f = dict(warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio, name=name)
     return steps, [base_lr * lr_multiplier(u - 1, **f) for u in steps]
 
-def plot_schedule(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
-                  min_lr_ratio: float = 0.1, name: str = "cosine",
-                  ax: Any = None, # a matplotlib `Axes` to draw on; default: a new figure
-                 ) -> tuple[Any, Any]:
+
+def plot_schedule(
+    *,
+    base_lr: float = 3e-4,
+    warmup_steps: int = 100,
+    max_steps: int = 1000,
+    min_lr_ratio: float = 0.1,
+    name: str = "cosine",
+    ax: Any = None,  # a matplotlib `Axes` to draw on; default: a new figure
+) -> tuple[Any, Any]:
     "Plot learning rate against update number; returns `(figure, axes)`."
     if ax is None:
         Figure = optional_import("matplotlib.figure", extra="plot", purpose="plot_schedule").Figure
         ax = Figure(figsize=(6, 2.6), layout="constrained").subplots()
-    xs, ys = schedule_points(base_lr=base_lr, warmup_steps=warmup_steps, max_steps=max_steps,
-                             min_lr_ratio=min_lr_ratio, name=name)
+    xs, ys = schedule_points(
+        base_lr=base_lr,
+        warmup_steps=warmup_steps,
+        max_steps=max_steps,
+        min_lr_ratio=min_lr_ratio,
+        name=name,
+    )
     ax.plot(xs, ys, color="tab:blue")
-    ax.set_xlabel("optimizer update"); ax.set_ylabel("learning rate")
-    ax.set_title(f"{name}: warmup {warmup_steps}, horizon {max_steps}, floor {min_lr_ratio:g}×{base_lr:g}", fontsize=9)
+    ax.set_xlabel("optimizer update")
+    ax.set_ylabel("learning rate")
+    ax.set_title(
+        f"{name}: warmup {warmup_steps}, horizon {max_steps}, floor {min_lr_ratio:g}×{base_lr:g}",
+        fontsize=9,
+    )
     ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     return ax.figure, ax
 
 # %% ../nbs/06_schedules.ipynb #adc14496
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

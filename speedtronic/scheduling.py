@@ -22,8 +22,10 @@ __all__ = ['StageInfo', 'select_stages', 'tensors_in', 'ProducerLog', 'StageStre
 @dataclass(frozen=True)
 class StageInfo:
     "One stage of the scheduler: the module's dotted name and the index of the stream it runs on."
+
     name: str
     stream_index: int
+
 
 def select_stages(model: nn.Module) -> list[tuple[str, nn.Module]]:
     "`(name, module)` of each stage of `model`: its `ooo_stage_names` if any are found, else every leaf module."
@@ -36,55 +38,92 @@ def select_stages(model: nn.Module) -> list[tuple[str, nn.Module]]:
         chosen = [(n, modules[n]) for n in names if n and n in modules]
         for a, _ in chosen:
             for b, _ in chosen:
-                if b.startswith(a + "."): raise ValueError(f"ooo_stage_names nests stage {b!r} inside stage {a!r}")
-        if chosen: return chosen
-    return [(n, m) for n, m in model.named_modules() if m is not model and next(m.children(), None) is None]
+                if b.startswith(a + "."):
+                    raise ValueError(f"ooo_stage_names nests stage {b!r} inside stage {a!r}")
+        if chosen:
+            return chosen
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if m is not model and next(m.children(), None) is None
+    ]
 
 # %% ../nbs/10_ooo.ipynb #34bd12e1
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     "Every tensor in `obj`, looking through tuples, lists and mappings (keys and values)."
-    if torch.is_tensor(obj): return [obj]
-    if isinstance(obj, Mapping): return [t for k, v in obj.items() for t in tensors_in(k) + tensors_in(v)]
-    if isinstance(obj, (tuple, list)): return [t for v in obj for t in tensors_in(v)]
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for k, v in obj.items() for t in tensors_in(k) + tensors_in(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in tensors_in(v)]
     return []
+
 
 def _version(t: torch.Tensor) -> int | None:
     "`t`'s in-place version counter (`None` for inference tensors, which have none)."
-    try: return t._version
-    except RuntimeError: return None
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
 
 class ProducerLog:
     "Which stream produced each recorded tensor during one forward pass (weak references, version-checked)."
-    def __init__(self): self._records: dict[int, tuple[weakref.ref, int | None, Any]] = {}
-    def record(self, t: torch.Tensor, stream: Any) -> None: self._records[id(t)] = (weakref.ref(t), _version(t), stream)
+
+    def __init__(self):
+        self._records: dict[int, tuple[weakref.ref, int | None, Any]] = {}
+
+    def record(self, t: torch.Tensor, stream: Any) -> None:
+        self._records[id(t)] = (weakref.ref(t), _version(t), stream)
+
     def producer(self, t: torch.Tensor, default: Any) -> Any:
         "The stream that produced `t`, or `default` when it was not recorded or changed since."
         ref, version, stream = self._records.get(id(t), (None, None, None))
-        return stream if ref is not None and ref() is t and version is not None and _version(t) == version else default
-    def clear(self) -> None: self._records.clear()
-    def __len__(self) -> int: return len(self._records)
+        return (
+            stream
+            if ref is not None and ref() is t and version is not None and _version(t) == version
+            else default
+        )
+
+    def clear(self) -> None:
+        self._records.clear()
+
+    def __len__(self) -> int:
+        return len(self._records)
 
 # %% ../nbs/10_ooo.ipynb #cb72b393
 class StageStreamScheduler:
     "Runs a model's module stages on several CUDA streams so independent forward/backward work can overlap."
-    def __init__(self, model: nn.Module, device: torch.device | str, *,
-                 num_streams: int = 4, # streams to spread stages over (clamped to 1..8 and to the stage count)
-                 logger: Any = None): # gets a warning when setup fails
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device | str,
+        *,
+        num_streams: int = 4,  # streams to spread stages over (clamped to 1..8 and to the stage count)
+        logger: Any = None,
+    ):  # gets a warning when setup fails
         self.model, self.device, self.logger = model, torch.device(device), logger
         self.num_streams = min(8, max(1, int(num_streams)))
         self.enabled, self.reason, self.stages = False, "", []
         self._streams, self._handles, self._log, self._entered = [], [], ProducerLog(), []
         self._ambient, self._active = None, False
         if self.device.type != "cuda":
-            self.reason = f"device {self.device.type} has no supported CUDA stream scheduler"; return
+            self.reason = f"device {self.device.type} has no supported CUDA stream scheduler"
+            return
         if not torch.cuda.is_available():
-            self.reason = "CUDA is unavailable"; return
-        try: self._setup()
+            self.reason = "CUDA is unavailable"
+            return
+        try:
+            self._setup()
         except Exception as e:
             self.remove_hooks()
             self.stages, self._streams, self.reason = [], [], f"stream scheduling setup failed: {e}"
-            if self.logger is not None and hasattr(self.logger, "warning"): self.logger.warning(self.reason)
-            else: warnings.warn(self.reason)
+            if self.logger is not None and hasattr(self.logger, "warning"):
+                self.logger.warning(self.reason)
+            else:
+                warnings.warn(self.reason)
 
 # %% ../nbs/10_ooo.ipynb #fd2f77b0
 @patch
@@ -92,75 +131,102 @@ def _setup(self: StageStreamScheduler) -> None:
     "Choose the stages, create the streams and register the hooks."
     stages = select_stages(self.model)
     if len(stages) < 2:
-        self.reason = "fewer than two independent module stages were found"; return
+        self.reason = "fewer than two independent module stages were found"
+        return
     count = min(self.num_streams, len(stages))
     self._streams = [torch.cuda.Stream(device=self.device) for _ in range(count)]
     for i, (name, module) in enumerate(stages):
         stream = self._streams[i % count]
-        self._handles.append(module.register_forward_pre_hook(self._pre_hook(stream), with_kwargs=True))
+        self._handles.append(
+            module.register_forward_pre_hook(self._pre_hook(stream), with_kwargs=True)
+        )
         self._handles.append(module.register_forward_hook(self._post_hook(stream)))
         self.stages.append(StageInfo(name, i % count))
     self.enabled, self.reason = True, "enabled"
 
+
 @patch
 def remove_hooks(self: StageStreamScheduler) -> None:
     "Remove every hook this scheduler registered."
-    for handle in self._handles: handle.remove()
+    for handle in self._handles:
+        handle.remove()
     self._handles = []
+
 
 @patch
 def as_dict(self: StageStreamScheduler) -> dict[str, Any]:
     "`enabled`, `reason`, `streams` and `stages` (names): the `ooo_backprop` event's payload."
-    return {"enabled": self.enabled, "reason": self.reason, "streams": len(self._streams),
-            "stages": [s.name for s in self.stages]}
+    return {
+        "enabled": self.enabled,
+        "reason": self.reason,
+        "streams": len(self._streams),
+        "stages": [s.name for s in self.stages],
+    }
 
 # %% ../nbs/10_ooo.ipynb #46fb86a7
 @patch
 def _pre_hook(self: StageStreamScheduler, stream: torch.cuda.Stream):
     "The forward pre-hook of a stage on `stream`: wait for each input's producer, then switch to `stream`."
+
     def hook(module, args, kwargs):
-        if not self._active: return None
+        if not self._active:
+            return None
         for t in tensors_in(args) + tensors_in(kwargs):
             producer = self._log.producer(t, self._ambient)
-            if producer != stream: stream.wait_stream(producer)
-            if t.is_cuda: t.record_stream(stream)
+            if producer != stream:
+                stream.wait_stream(producer)
+            if t.is_cuda:
+                t.record_stream(stream)
         context = torch.cuda.stream(stream)
         context.__enter__()
         self._entered.append(context)
         return None
+
     return hook
+
 
 @patch
 def _post_hook(self: StageStreamScheduler, stream: torch.cuda.Stream):
     "The forward hook of a stage on `stream`: back to the ambient stream, which waits for the stage; record outputs."
+
     def hook(module, args, output):
-        if not self._active or not self._entered: return None
+        if not self._active or not self._entered:
+            return None
         self._entered.pop().__exit__(None, None, None)
         self._ambient.wait_stream(stream)
         for t in tensors_in(output):
             self._log.record(t, stream)
-            if t.is_cuda: t.record_stream(self._ambient)
+            if t.is_cuda:
+                t.record_stream(self._ambient)
         return None
+
     return hook
 
 # %% ../nbs/10_ooo.ipynb #cb557cd8
 @patch
 def begin(self: StageStreamScheduler) -> None:
     "Start a forward pass: note the ambient stream and make every stage stream wait for it."
-    if not self.enabled: return
+    if not self.enabled:
+        return
     self._ambient = torch.cuda.current_stream(self.device)
     self._log.clear()
-    for stream in self._streams: stream.wait_stream(self._ambient)
+    for stream in self._streams:
+        stream.wait_stream(self._ambient)
     self._active = True
+
 
 @patch
 def finish(self: StageStreamScheduler) -> None:
     "End a forward pass: the ambient stream waits for every stage stream; leave any unfinished stage; clear records."
-    if not self.enabled or not self._active: return
-    while self._entered: self._entered.pop().__exit__(None, None, None)
-    for stream in self._streams: self._ambient.wait_stream(stream)
+    if not self.enabled or not self._active:
+        return
+    while self._entered:
+        self._entered.pop().__exit__(None, None, None)
+    for stream in self._streams:
+        self._ambient.wait_stream(stream)
     self._log.clear()
     self._active = False
+
 
 @patch
 def dispose(self: StageStreamScheduler) -> None:
@@ -170,4 +236,5 @@ def dispose(self: StageStreamScheduler) -> None:
     self.enabled = False
 
 # %% ../nbs/10_ooo.ipynb #1730a2ce
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

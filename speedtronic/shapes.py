@@ -11,7 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError, DataConfig, ModelConfig, ShapeValidationConfig, as_section
+from speedtronic.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ShapeValidationConfig,
+    as_section,
+)
 
 # %% auto #0
 __all__ = ['ShapeProfile', 'resolve_shape_profile', 'ShapeWarning', 'ShapeReport', 'round_up', 'model_dimensions',
@@ -21,6 +27,7 @@ __all__ = ['ShapeProfile', 'resolve_shape_profile', 'ShapeWarning', 'ShapeReport
 @dataclass(frozen=True)
 class ShapeProfile:
     "The alignment that startup validation checks against, and where it came from."
+
     device_type: str  # cpu, cuda or mps
     precision: str  # the plan's mode: bf16, fp16 or fp32
     alignment: int | None  # the multiple sizes should have; None = nothing to check
@@ -32,16 +39,22 @@ def _explicit_alignment(requested: Any) -> int | None:
     if requested is None:
         return None
     if isinstance(requested, bool) or not isinstance(requested, (int, str)):
-        raise ConfigError(f"shape_validation.alignment must be 'auto', 'none' or a positive integer; got {requested!r}.")
+        raise ConfigError(
+            f"shape_validation.alignment must be 'auto', 'none' or a positive integer; got {requested!r}."
+        )
     text = str(requested).strip().lower()
     if text in ("auto", "none"):
         return None
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(f"shape_validation.alignment must be 'auto', 'none' or a positive integer; got {requested!r}.") from None
+        raise ConfigError(
+            f"shape_validation.alignment must be 'auto', 'none' or a positive integer; got {requested!r}."
+        ) from None
     if value <= 0:
-        raise ConfigError(f"shape_validation.alignment must be a positive integer; got {requested!r}. Use 'none' to disable.")
+        raise ConfigError(
+            f"shape_validation.alignment must be a positive integer; got {requested!r}. Use 'none' to disable."
+        )
     return value
 
 
@@ -67,6 +80,7 @@ def resolve_shape_profile(
 @dataclass(frozen=True)
 class ShapeWarning:
     "One size that is not a multiple of the alignment, with a suggested replacement."
+
     code: str  # batch_alignment, sequence_alignment, token_alignment, model_alignment, vocab_alignment
     field: str  # config key or model dimension, e.g. data.block_size, model.Linear.in_features
     value: int
@@ -82,6 +96,7 @@ class ShapeWarning:
 @dataclass
 class ShapeReport:
     "Result of startup shape validation: the profile used and the findings (never fatal)."
+
     profile: ShapeProfile | None = None
     warnings: list[ShapeWarning] = field(default_factory=list)
     skipped: str | None = None  # why nothing was checked (disabled, no alignment, CPU/MPS)
@@ -98,9 +113,16 @@ class ShapeReport:
 
     def as_dict(self) -> dict[str, Any]:
         "Plain-data view of the profile, the count and every finding."
-        return {**(asdict(self.profile) if self.profile else {"device_type": None, "precision": None, "alignment": None, "source": None}),
-                "warning_count": self.warning_count, "skipped": self.skipped,
-                "warnings": [w.as_dict() for w in self.warnings]}
+        return {
+            **(
+                asdict(self.profile)
+                if self.profile
+                else {"device_type": None, "precision": None, "alignment": None, "source": None}
+            ),
+            "warning_count": self.warning_count,
+            "skipped": self.skipped,
+            "warnings": [w.as_dict() for w in self.warnings],
+        }
 
 # %% ../nbs/09_shapes.ipynb #bb2e09ef
 def round_up(value: int, multiple: int) -> int:
@@ -114,45 +136,99 @@ def model_dimensions(model: nn.Module) -> list[tuple[str, int, str]]:
     if callable(meta):
         out = []
         for name, value in dict(meta()).items():
-            for v in (value if isinstance(value, (list, tuple)) else [value]):
+            for v in value if isinstance(value, (list, tuple)) else [value]:
                 out.append((f"model.{name}", int(v), name))
         return out
-    attrs = {nn.Linear: ("in_features", "out_features"), nn.Embedding: ("embedding_dim",),
-             nn.Conv2d: ("in_channels", "out_channels")}
+    attrs = {
+        nn.Linear: ("in_features", "out_features"),
+        nn.Embedding: ("embedding_dim",),
+        nn.Conv2d: ("in_channels", "out_channels"),
+    }
     out = []
     for where, module in model.named_modules():
         for kind, names in attrs.items():
             if isinstance(module, kind):
-                out.extend((f"model.{kind.__name__}.{a}", int(getattr(module, a)), where or "<root>") for a in names)
+                out.extend(
+                    (f"model.{kind.__name__}.{a}", int(getattr(module, a)), where or "<root>")
+                    for a in names
+                )
     return out
 
 # %% ../nbs/09_shapes.ipynb #c1da6f72
-def shape_findings(data: DataConfig, model_config: ModelConfig, checks: ShapeValidationConfig,
-                   model: nn.Module | None, alignment: int) -> list[ShapeWarning]:
+def shape_findings(
+    data: DataConfig,
+    model_config: ModelConfig,
+    checks: ShapeValidationConfig,
+    model: nn.Module | None,
+    alignment: int,
+) -> list[ShapeWarning]:
     "All alignment findings for the data and model sections and `model`, de-duplicated, in check order."
     micro, target = data.micro_batch_size, data.target_batch_size
     block = data.block_size or model_config.max_seq_len
-    candidates: list[tuple[str, str, Any, Any, str]] = []  # code, field, value, suggested-or-"round", where
+    candidates: list[
+        tuple[str, str, Any, Any, str]
+    ] = []  # code, field, value, suggested-or-"round", where
     if checks.check_batch:
-        candidates.append(("batch_alignment", "data.micro_batch_size", micro,
-                           "round" if target % alignment == 0 else None, "the micro batch"))
+        candidates.append(
+            (
+                "batch_alignment",
+                "data.micro_batch_size",
+                micro,
+                "round" if target % alignment == 0 else None,
+                "the micro batch",
+            )
+        )
     if checks.check_sequence:
-        candidates.append(("sequence_alignment", "data.block_size", block, "round", "the sequence length"))
+        candidates.append(
+            ("sequence_alignment", "data.block_size", block, "round", "the sequence length")
+        )
     if checks.check_batch or checks.check_sequence:
-        candidates.append(("token_alignment", "data.micro_batch_size*data.block_size", micro * block, "round", "tokens per micro batch"))
+        candidates.append(
+            (
+                "token_alignment",
+                "data.micro_batch_size*data.block_size",
+                micro * block,
+                "round",
+                "tokens per micro batch",
+            )
+        )
     if checks.check_model and model is not None:
-        candidates += [("model_alignment", f, v, "round", f"module '{where}'") for f, v, where in model_dimensions(model)]
+        candidates += [
+            ("model_alignment", f, v, "round", f"module '{where}'")
+            for f, v, where in model_dimensions(model)
+        ]
     if checks.check_vocab:
-        candidates.append(("vocab_alignment", "model.vocab_size", model_config.vocab_size, "round", "the vocabulary"))
+        candidates.append(
+            (
+                "vocab_alignment",
+                "model.vocab_size",
+                model_config.vocab_size,
+                "round",
+                "the vocabulary",
+            )
+        )
     seen, found = set(), []
     for code, fld, value, suggested, where in candidates:
-        if not isinstance(value, int) or value <= 0 or value % alignment == 0 or (fld, value, alignment) in seen:
+        if (
+            not isinstance(value, int)
+            or value <= 0
+            or value % alignment == 0
+            or (fld, value, alignment) in seen
+        ):
             continue
         seen.add((fld, value, alignment))
         sug = round_up(value, alignment) if suggested == "round" else None
         hint = f"; try {sug}" if sug else ""
-        found.append(ShapeWarning(code, fld, value, sug, alignment,
-                                  f"{fld}={value} ({where}) is not a multiple of {alignment}{hint}"))
+        found.append(
+            ShapeWarning(
+                code,
+                fld,
+                value,
+                sug,
+                alignment,
+                f"{fld}={value} ({where}) is not a multiple of {alignment}{hint}",
+            )
+        )
     return found
 
 # %% ../nbs/09_shapes.ipynb #0ce780a0
@@ -173,7 +249,13 @@ def validate_startup_shapes(
         return ShapeReport(profile, skipped=f"no alignment ({profile.source})")
     if profile.device_type in ("cpu", "mps") and not checks.warn_on_cpu:
         return ShapeReport(profile, skipped=f"{profile.device_type} without warn_on_cpu")
-    found = shape_findings(as_section(config, DataConfig), as_section(config, ModelConfig), checks, model, profile.alignment)
+    found = shape_findings(
+        as_section(config, DataConfig),
+        as_section(config, ModelConfig),
+        checks,
+        model,
+        profile.alignment,
+    )
     report = ShapeReport(profile, found)
     if logger is not None:
         for w in report.warnings:
@@ -182,9 +264,17 @@ def validate_startup_shapes(
             if hasattr(logger, "emit"):
                 logger.emit("shape_warning", w.as_dict())
         if hasattr(logger, "emit"):
-            logger.emit("shape_profile", {"device_type": profile.device_type, "precision": profile.precision,
-                                          "alignment": profile.alignment, "warning_count": report.warning_count})
+            logger.emit(
+                "shape_profile",
+                {
+                    "device_type": profile.device_type,
+                    "precision": profile.precision,
+                    "alignment": profile.alignment,
+                    "warning_count": report.warning_count,
+                },
+            )
     return report
 
 # %% ../nbs/09_shapes.ipynb #e99cbd5b
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

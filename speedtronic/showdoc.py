@@ -15,16 +15,23 @@ __all__ = ['ShowDocRenderer']
 
 # %% ../nbs/16b_showdoc.ipynb #0c339bd1
 _showdoc = optional_import("nbdev.showdoc", extra="dev", purpose="the API tables of the notebooks")
-_QUARTO_LINK = re.compile(r'(\]\([^)\s]+\))\{[^}\n]*\}')   # [text](url){target="_blank" ...}
+_QUARTO_LINK = re.compile(r"(\]\([^)\s]+\))\{[^}\n]*\}")  # [text](url){target="_blank" ...}
+
 
 class ShowDocRenderer(_showdoc.BasicMarkdownRenderer):
     "nbdev's `show_doc` Markdown with plain links: the same heading, signature and table in any Markdown reader."
+
     def _repr_markdown_(self) -> str:
         text = _QUARTO_LINK.sub(r"\1", super()._repr_markdown_())
         if "#LNone)" in text:
-            try: text = text.replace("#LNone)", f"#L{inspect.getsourcelines(inspect.unwrap(self.sym))[1]})")
-            except (OSError, TypeError): text = text.replace("#LNone)", ")")
+            try:
+                text = text.replace(
+                    "#LNone)", f"#L{inspect.getsourcelines(inspect.unwrap(self.sym))[1]})"
+                )
+            except (OSError, TypeError):
+                text = text.replace("#LNone)", ")")
         return text
 
 # %% ../nbs/16b_showdoc.ipynb #dd080a20
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -30,6 +30,7 @@ __all__ = ['UTF8_BOM', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', '
 class DataError(ExpectedError, ValueError):
     "A data file, path or value that cannot be used; the message names it and the fix."
 
+
 class DataWarning(UserWarning):
     "Data that can be used, but not exactly as written (e.g. bytes that are not UTF-8)."
 
@@ -37,22 +38,34 @@ class DataWarning(UserWarning):
 def check_data_file(path: str | os.PathLike, key: str = "data file") -> Path:
     "Return `path` as a `Path` if it is an existing, readable, non-empty file; else raise `DataError`."
     p = Path(path).expanduser()
-    if not p.exists(): raise DataError(f"{key} {str(path)!r} does not exist; check the path (relative paths start at the working directory {os.getcwd()})")
+    if not p.exists():
+        raise DataError(
+            f"{key} {str(path)!r} does not exist; check the path (relative paths start at the working directory {os.getcwd()})"
+        )
     if p.is_dir():
-        hint = (f"; to train on a directory of text files, run `speedtronic prepare {path} tokens.bin` and set data.token_file: tokens.bin"
-                if key == "data.text_path" else "; give the path of a file")
+        hint = (
+            f"; to train on a directory of text files, run `speedtronic prepare {path} tokens.bin` and set data.token_file: tokens.bin"
+            if key == "data.text_path"
+            else "; give the path of a file"
+        )
         raise DataError(f"{key} {str(path)!r} is a directory, not a file{hint}")
-    if not p.is_file(): raise DataError(f"{key} {str(path)!r} is not a regular file")
-    if not os.access(p, os.R_OK): raise DataError(f"{key} {str(path)!r} is not readable; check its permissions")
-    if p.stat().st_size == 0: raise DataError(f"{key} {str(path)!r} is empty; point it at a file with data")
+    if not p.is_file():
+        raise DataError(f"{key} {str(path)!r} is not a regular file")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"{key} {str(path)!r} is not readable; check its permissions")
+    if p.stat().st_size == 0:
+        raise DataError(f"{key} {str(path)!r} is empty; point it at a file with data")
     return p
 
 # %% ../nbs/02c_tokens.ipynb #b362d1a2
 class CharTokenizer:
     "Byte tokenizer: the UTF-8 bytes of the text, each taken modulo `vocab_size`."
+
     spec = "byte"
+
     def __init__(self, vocab_size: int = 256):
-        if int(vocab_size) <= 0: raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        if int(vocab_size) <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = int(vocab_size)
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -70,16 +83,24 @@ class CharTokenizer:
         "Text of byte ids (exact when `vocab_size >= 256`; invalid UTF-8 becomes U+FFFD)."
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
-    def __repr__(self): return f"CharTokenizer(vocab_size={self.vocab_size})"
+    def __repr__(self):
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 # %% ../nbs/02c_tokens.ipynb #8769375e
 class HFTokenizer:
     "A Hugging Face `tokenizers` tokenizer read from a local `tokenizer.json`."
+
     def __init__(self, path: str | os.PathLike):
         p = check_data_file(path, "tokenizer file")
-        tokenizers = optional_import("tokenizers", extra="tokenizers", purpose=f"tokenizer {str(path)!r}")
-        try: self._tokenizer = tokenizers.Tokenizer.from_file(str(p))
-        except Exception as e: raise DataError(f"tokenizer {str(path)!r} is not a valid Hugging Face tokenizer.json ({e})") from None
+        tokenizers = optional_import(
+            "tokenizers", extra="tokenizers", purpose=f"tokenizer {str(path)!r}"
+        )
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(str(p))
+        except Exception as e:
+            raise DataError(
+                f"tokenizer {str(path)!r} is not a valid Hugging Face tokenizer.json ({e})"
+            ) from None
         self.path, self.spec = p, str(p)
         self.vocab_size = int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
@@ -93,49 +114,66 @@ class HFTokenizer:
         "Text of `ids`."
         return self._tokenizer.decode([int(i) for i in ids])
 
-    def __repr__(self): return f"HFTokenizer({self.spec!r}, vocab_size={self.vocab_size})"
+    def __repr__(self):
+        return f"HFTokenizer({self.spec!r}, vocab_size={self.vocab_size})"
 
 # %% ../nbs/02c_tokens.ipynb #80f2dba2
 def load_tokenizer(spec: Any = None, vocab_size: int | None = None) -> Any:
     "The tokenizer named by `spec`: `None`/`'byte'` → `CharTokenizer`, a path → `HFTokenizer`, an object → itself."
-    if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "byte", "bytes", "char")):
+    if spec is None or (
+        isinstance(spec, str) and spec.strip().lower() in ("", "byte", "bytes", "char")
+    ):
         return CharTokenizer(vocab_size or 256)
-    if not isinstance(spec, (str, os.PathLike)): return spec
+    if not isinstance(spec, (str, os.PathLike)):
+        return spec
     tok = HFTokenizer(spec)
     if vocab_size and tok.vocab_size > vocab_size:
-        raise DataError(f"tokenizer {str(spec)!r} has {tok.vocab_size} tokens but the vocabulary is {vocab_size}; "
-                        f"raise model.vocab_size (and data.vocab_size) to at least {tok.vocab_size}")
+        raise DataError(
+            f"tokenizer {str(spec)!r} has {tok.vocab_size} tokens but the vocabulary is {vocab_size}; "
+            f"raise model.vocab_size (and data.vocab_size) to at least {tok.vocab_size}"
+        )
     return tok
+
 
 def encode_text(tokenizer: Any, text: str) -> np.ndarray:
     "Token ids of `text` as an int64 array, for any tokenizer: `encode(text)` or a plain callable."
-    if hasattr(tokenizer, "encode_array"): return tokenizer.encode_array(text)
+    if hasattr(tokenizer, "encode_array"):
+        return tokenizer.encode_array(text)
     out = tokenizer.encode(text) if hasattr(tokenizer, "encode") else tokenizer(text)
-    if hasattr(out, "ids"): out = out.ids
-    if hasattr(out, "tolist"): out = out.tolist()
+    if hasattr(out, "ids"):
+        out = out.ids
+    if hasattr(out, "tolist"):
+        out = out.tolist()
     return np.asarray([int(t) for t in out], dtype=np.int64)
+
 
 def tokenizer_spec(tokenizer: Any) -> str:
     "The name of `tokenizer` recorded in sidecars: `'byte'`, a tokenizer.json path, or its class name."
     return str(getattr(tokenizer, "spec", None) or type(tokenizer).__name__)
 
 # %% ../nbs/02c_tokens.ipynb #79760d76
-def text_segments(path: str | os.PathLike, segment_bytes: int = 1 << 20, *, lookahead: int = 1 << 16) -> list[tuple[int, int]]:
+def text_segments(
+    path: str | os.PathLike, segment_bytes: int = 1 << 20, *, lookahead: int = 1 << 16
+) -> list[tuple[int, int]]:
     "Byte ranges `(start, end)` of about `segment_bytes` covering the file, each starting after a newline (else at a UTF-8 character start)."
     size = os.path.getsize(path)
     cuts = [0]
     with open(path, "rb") as f:
         for nominal in range(segment_bytes, size, segment_bytes):
-            if nominal <= cuts[-1]: continue
+            if nominal <= cuts[-1]:
+                continue
             f.seek(nominal)
             window = f.read(lookahead)
             nl = window.find(b"\n")
-            if nl >= 0: cut = nominal + nl + 1
+            if nl >= 0:
+                cut = nominal + nl + 1
             else:
                 k = 0
-                while k < len(window) and (window[k] & 0xC0) == 0x80: k += 1
+                while k < len(window) and (window[k] & 0xC0) == 0x80:
+                    k += 1
                 cut = nominal + k
-            if cuts[-1] < cut < size: cuts.append(cut)
+            if cuts[-1] < cut < size:
+                cuts.append(cut)
     cuts.append(size)
     return list(zip(cuts[:-1], cuts[1:]))
 
@@ -143,18 +181,25 @@ def text_segments(path: str | os.PathLike, segment_bytes: int = 1 << 20, *, look
 _warned_files: set[str] = set()
 UTF8_BOM = b"\xef\xbb\xbf"
 
+
 def read_text(path: str | os.PathLike, start: int = 0, end: int | None = None) -> str:
     "Decode bytes `[start, end)` of a file as UTF-8 (a byte-order mark at its start dropped); bytes that are not UTF-8 become U+FFFD, with one warning per file."
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read(-1 if end is None else end - start)
-    if start == 0 and data.startswith(UTF8_BOM): data, start = data[len(UTF8_BOM):], len(UTF8_BOM)
-    try: return data.decode("utf-8")
+    if start == 0 and data.startswith(UTF8_BOM):
+        data, start = data[len(UTF8_BOM) :], len(UTF8_BOM)
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         if str(path) not in _warned_files:
             _warned_files.add(str(path))
-            warnings.warn(f"{path}: bytes that are not UTF-8 at byte offset {start + e.start}; they are read as U+FFFD "
-                          f"(decoded with errors='replace'). Re-encode the file as UTF-8 to keep them.", DataWarning, stacklevel=2)
+            warnings.warn(
+                f"{path}: bytes that are not UTF-8 at byte offset {start + e.start}; they are read as U+FFFD "
+                f"(decoded with errors='replace'). Re-encode the file as UTF-8 to keep them.",
+                DataWarning,
+                stacklevel=2,
+            )
         return data.decode("utf-8", errors="replace")
 
 # %% ../nbs/02c_tokens.ipynb #d2979c24
@@ -165,31 +210,44 @@ def text_pieces(text: str, piece_chars: int) -> Iterator[str]:
         j = min(i + piece_chars, n)
         if j < n:
             nl = text.find("\n", j, j + piece_chars)
-            if nl >= 0: j = nl + 1
+            if nl >= 0:
+                j = nl + 1
         yield text[i:j]
         i = j
 
 # %% ../nbs/02c_tokens.ipynb #0b67be14
 TOKEN_FILE_FORMAT, TOKEN_FILE_VERSION = "speedtronic-tokens", 1
 
+
 def token_dtype(vocab_size: int) -> np.dtype:
     "The smallest unsigned dtype for token ids below `vocab_size`: uint16 up to 65,536, else uint32."
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
+
 def source_files(source: str | os.PathLike) -> list[Path]:
     "The text files of `source`: the file itself, or every non-hidden file under a directory, sorted."
     p = Path(source).expanduser()
-    if p.is_file(): return [check_data_file(p, "source")]
-    if not p.is_dir(): raise DataError(f"source {str(source)!r} does not exist; give a text file or a directory of text files")
-    files = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+    if p.is_file():
+        return [check_data_file(p, "source")]
+    if not p.is_dir():
+        raise DataError(
+            f"source {str(source)!r} does not exist; give a text file or a directory of text files"
+        )
+    files = sorted(
+        f
+        for f in p.rglob("*")
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+    )
     files = [f for f in files if f.stat().st_size > 0]
-    if not files: raise DataError(f"source directory {str(source)!r} has no non-empty files")
+    if not files:
+        raise DataError(f"source directory {str(source)!r} has no non-empty files")
     return files
 
 # %% ../nbs/02c_tokens.ipynb #88e772c3
 @dataclass
 class PreparedTokens:
     "What `prepare_token_file` wrote; `str()` is a one-line summary."
+
     path: Path
     sidecar: Path
     files: list[str]
@@ -200,46 +258,76 @@ class PreparedTokens:
 
     def __str__(self) -> str:
         n = len(self.files)
-        return (f"prepared {n} file{'s' if n != 1 else ''}: {self.num_tokens:,} tokens ({self.dtype}, vocab {self.vocab_size}, "
-                f"tokenizer {self.tokenizer}) -> {self.path}")
+        return (
+            f"prepared {n} file{'s' if n != 1 else ''}: {self.num_tokens:,} tokens ({self.dtype}, vocab {self.vocab_size}, "
+            f"tokenizer {self.tokenizer}) -> {self.path}"
+        )
+
 
 class _Progress:
     "A one-line progress report on stderr, rewritten in place."
+
     def __init__(self, total: int, enabled: bool, stream=None):
-        self.total, self.enabled, self.stream, self.last = max(total, 1), enabled, stream or sys.stderr, 0.0
+        self.total, self.enabled, self.stream, self.last = (
+            max(total, 1),
+            enabled,
+            stream or sys.stderr,
+            0.0,
+        )
+
     def update(self, done: int, tokens: int, force: bool = False):
-        if not self.enabled or (not force and time.monotonic() - self.last < 0.2): return
+        if not self.enabled or (not force and time.monotonic() - self.last < 0.2):
+            return
         self.last = time.monotonic()
-        self.stream.write(f"\rprepare: {100 * done / self.total:5.1f}%  {done / 2**20:.1f}/{self.total / 2**20:.1f} MiB  {tokens:,} tokens")
+        self.stream.write(
+            f"\rprepare: {100 * done / self.total:5.1f}%  {done / 2**20:.1f}/{self.total / 2**20:.1f} MiB  {tokens:,} tokens"
+        )
         self.stream.flush()
+
     def close(self):
-        if self.enabled: self.stream.write("\n"); self.stream.flush()
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
 
 # %% ../nbs/02c_tokens.ipynb #0308d1ab
 def _foreign_sidecar(out: Path) -> Path | None:
     "`<out>.json` when it exists and is not a Speedtronic token sidecar (someone else's file), else `None`."
     side = token_sidecar(out)
-    if not side.exists(): return None
-    try: meta = json.loads(side.read_text(encoding="utf-8-sig"))
-    except (OSError, ValueError): return side
+    if not side.exists():
+        return None
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return side
     return None if isinstance(meta, dict) and meta.get("format") == TOKEN_FILE_FORMAT else side
+
 
 def check_sidecar_free(output: str | os.PathLike, overwrite: bool = False) -> None:
     "`DataError` when writing token file `output` would replace a `<output>.json` that is not a token sidecar (unless `overwrite`)."
     if not overwrite and (side := _foreign_sidecar(Path(output).expanduser())) is not None:
-        raise DataError(f"{str(side)!r} already exists and is not a Speedtronic token sidecar; preparing {str(output)!r} would "
-                        f"replace it with the token file's metadata. Move it away, choose another output, or pass --overwrite "
-                        "(overwrite=True) to replace it")
+        raise DataError(
+            f"{str(side)!r} already exists and is not a Speedtronic token sidecar; preparing {str(output)!r} would "
+            f"replace it with the token file's metadata. Move it away, choose another output, or pass --overwrite "
+            "(overwrite=True) to replace it"
+        )
 
-def prepare_token_file(source: str | os.PathLike, output: str | os.PathLike, *, tokenizer: Any = None,
-                       progress: bool = True,
-                       overwrite: bool = False, # replace an existing `<output>.json` that is not a token sidecar
-                      ) -> PreparedTokens:
+
+def prepare_token_file(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    progress: bool = True,
+    overwrite: bool = False,  # replace an existing `<output>.json` that is not a token sidecar
+) -> PreparedTokens:
     "Tokenize a text file or directory once into a flat token file `output` plus its JSON sidecar `<output>.json`."
     check_sidecar_free(output, overwrite)
     tok = load_tokenizer(tokenizer)
     vocab = int(getattr(tok, "vocab_size", 0) or 0)
-    if vocab <= 0: raise DataError(f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute")
+    if vocab <= 0:
+        raise DataError(
+            f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute"
+        )
     dtype, files = token_dtype(vocab), source_files(source)
     out = Path(output).expanduser()
     total, done, count = sum(f.stat().st_size for f in files), 0, 0
@@ -251,22 +339,36 @@ def prepare_token_file(source: str | os.PathLike, output: str | os.PathLike, *, 
             for start, end in text_segments(path):
                 ids = encode_text(tok, read_text(path, start, end))
                 if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
-                    raise DataError(f"{path}: tokenizer {tokenizer_spec(tok)} produced id {int(ids.max())} outside its vocabulary of {vocab}")
+                    raise DataError(
+                        f"{path}: tokenizer {tokenizer_spec(tok)} produced id {int(ids.max())} outside its vocabulary of {vocab}"
+                    )
                 f.write(ids.astype(dtype).tobytes())
                 count, done = count + len(ids), done + end - start
                 bar.update(done, count)
+
     try:
         atomic_write(out, write)
     finally:
-        bar.update(done, count, force=True); bar.close()
+        bar.update(done, count, force=True)
+        bar.close()
     if count == 0:
         out.unlink(missing_ok=True)
         raise DataError(f"source {str(source)!r} produced no tokens")
-    meta = {"format": TOKEN_FILE_FORMAT, "version": TOKEN_FILE_VERSION, "dtype": dtype.name, "num_tokens": count,
-            "vocab_size": vocab, "tokenizer": tokenizer_spec(tok), "sources": [str(f) for f in files]}
+    meta = {
+        "format": TOKEN_FILE_FORMAT,
+        "version": TOKEN_FILE_VERSION,
+        "dtype": dtype.name,
+        "num_tokens": count,
+        "vocab_size": vocab,
+        "tokenizer": tokenizer_spec(tok),
+        "sources": [str(f) for f in files],
+    }
     sidecar = token_sidecar(out)
     atomic_write_text(json.dumps(meta, indent=2) + "\n", sidecar)
-    return PreparedTokens(out, sidecar, meta["sources"], count, dtype.name, vocab, meta["tokenizer"])
+    return PreparedTokens(
+        out, sidecar, meta["sources"], count, dtype.name, vocab, meta["tokenizer"]
+    )
+
 
 def token_sidecar(path: str | os.PathLike) -> Path:
     "The sidecar of a token file: `<path>.json`."
@@ -277,24 +379,48 @@ def read_token_sidecar(path: str | os.PathLike) -> dict:
     "The checked sidecar metadata of token file `path`."
     p = check_data_file(path, "data.token_file")
     side = token_sidecar(p)
-    if not side.is_file(): raise DataError(f"token file {str(p)!r} has no sidecar {side.name}; (re)create it with `speedtronic prepare SOURCE {p}`")
-    try: meta = json.loads(side.read_text(encoding="utf-8-sig"))   # a byte-order mark (a sidecar edited on Windows) is not JSON
-    except (OSError, ValueError) as e: raise DataError(f"sidecar {str(side)!r} is not valid JSON ({e}); re-run `speedtronic prepare`") from None
-    if not isinstance(meta, dict): meta = {}
-    missing = [k for k in ("format", "version", "dtype", "num_tokens", "vocab_size") if k not in meta]
-    if missing or meta.get("format") != TOKEN_FILE_FORMAT: raise DataError(f"sidecar {str(side)!r} is not a Speedtronic token sidecar (missing {missing or 'format'})")
+    if not side.is_file():
+        raise DataError(
+            f"token file {str(p)!r} has no sidecar {side.name}; (re)create it with `speedtronic prepare SOURCE {p}`"
+        )
+    try:
+        meta = json.loads(
+            side.read_text(encoding="utf-8-sig")
+        )  # a byte-order mark (a sidecar edited on Windows) is not JSON
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"sidecar {str(side)!r} is not valid JSON ({e}); re-run `speedtronic prepare`"
+        ) from None
+    if not isinstance(meta, dict):
+        meta = {}
+    missing = [
+        k for k in ("format", "version", "dtype", "num_tokens", "vocab_size") if k not in meta
+    ]
+    if missing or meta.get("format") != TOKEN_FILE_FORMAT:
+        raise DataError(
+            f"sidecar {str(side)!r} is not a Speedtronic token sidecar (missing {missing or 'format'})"
+        )
     for k, least in (("version", 1), ("num_tokens", 0), ("vocab_size", 1)):
         v = meta[k]
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
-            raise DataError(f"sidecar {str(side)!r}: {k} must be an integer >= {least}, got {v!r}; the sidecar was edited or damaged, "
-                            f"re-run `speedtronic prepare SOURCE {p}`")
-    if meta["version"] > TOKEN_FILE_VERSION: raise DataError(f"token file {str(p)!r} has format version {meta['version']}; this Speedtronic reads up to {TOKEN_FILE_VERSION}, upgrade it")
-    if meta["dtype"] not in ("uint16", "uint32"): raise DataError(f"sidecar {str(side)!r}: unsupported dtype {meta['dtype']!r}")
+            raise DataError(
+                f"sidecar {str(side)!r}: {k} must be an integer >= {least}, got {v!r}; the sidecar was edited or damaged, "
+                f"re-run `speedtronic prepare SOURCE {p}`"
+            )
+    if meta["version"] > TOKEN_FILE_VERSION:
+        raise DataError(
+            f"token file {str(p)!r} has format version {meta['version']}; this Speedtronic reads up to {TOKEN_FILE_VERSION}, upgrade it"
+        )
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"sidecar {str(side)!r}: unsupported dtype {meta['dtype']!r}")
     expected = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
     if p.stat().st_size != expected:
-        raise DataError(f"token file {str(p)!r} has {p.stat().st_size} bytes but its sidecar says {meta['num_tokens']} {meta['dtype']} tokens "
-                        f"({expected} bytes); the file is truncated or not the one prepared, re-run `speedtronic prepare`")
+        raise DataError(
+            f"token file {str(p)!r} has {p.stat().st_size} bytes but its sidecar says {meta['num_tokens']} {meta['dtype']} tokens "
+            f"({expected} bytes); the file is truncated or not the one prepared, re-run `speedtronic prepare`"
+        )
     return meta
 
 # %% ../nbs/02c_tokens.ipynb #36b53d91
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -27,7 +27,16 @@ from fastcore.basics import patch
 from torch import nn
 
 from .errors import ExpectedError
-from .checkpoint import CheckpointError, capture_rng_state, check_compatible, checked_checkpoint, load_sharded, load_whole, restore_rng_state, setting_changes
+from speedtronic.checkpoint import (
+    CheckpointError,
+    capture_rng_state,
+    check_compatible,
+    checked_checkpoint,
+    load_sharded,
+    load_whole,
+    restore_rng_state,
+    setting_changes,
+)
 from .config import SpeedtronicConfig
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
@@ -49,26 +58,40 @@ __all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'Training
 class TrainingError(ExpectedError, RuntimeError):
     "A run that cannot make progress (e.g. every update skipped by the GradScaler)."
 
+
 class TrainingInterrupted(KeyboardInterrupt):
     """Training stopped early by Ctrl-C (JupyterLab's ■), SIGTERM or `request_stop`, after saving its last completed step.
 
     `result` is the `TrainResult` of the steps done so far, `checkpoint` the newest checkpoint file after the stop
     (or `None`) and `saved` whether it holds the last completed step; `resume_hint` says how to go on."""
-    def __init__(self, reason: str = "interrupted", *, message: str | None = None, result: Any = None,
-                 checkpoint: Path | None = None, saved: bool = False, resume_hint: str | None = None):
+
+    def __init__(
+        self,
+        reason: str = "interrupted",
+        *,
+        message: str | None = None,
+        result: Any = None,
+        checkpoint: Path | None = None,
+        saved: bool = False,
+        resume_hint: str | None = None,
+    ):
         super().__init__(reason)
         self.reason, self.message, self.result = reason, message, result
         self.checkpoint, self.saved, self.resume_hint = checkpoint, saved, resume_hint
 
     def __str__(self) -> str:
         text = self.message or self.reason
-        return text + (f"\nTo continue: {self.resume_hint}" if self.resume_hint and self.checkpoint else "")
+        return text + (
+            f"\nTo continue: {self.resume_hint}" if self.resume_hint and self.checkpoint else ""
+        )
 
     def _render_traceback_(self) -> list[str]:
         "What IPython shows in place of a traceback: the message, and where the steps done so far are."
         first, *rest = str(self).splitlines() or [""]
-        if self.result is not None: rest.append("The steps done so far: sys.last_value.result")
+        if self.result is not None:
+            rest.append("The steps done so far: sys.last_value.result")
         return [f"\x1b[1;31m{type(self).__name__}\x1b[0m: {first}", *rest]
+
 
 @runtime_checkable
 class SyncCoordinator(Protocol):
@@ -81,6 +104,7 @@ class SyncCoordinator(Protocol):
     `state_dict()` is saved in every checkpoint and given back through `load_state_dict` (or, when the
     coordinator has one, `prepare_state` before `start()`) on resume. An optional `finish(model, step)` runs once
     after the last step of a `fit` that made updates, before the final checkpoint (DiLoCo's final round)."""
+
     def start(self) -> None: ...
     def after_optimizer_step(self, model: Any, step: int) -> bool | None: ...
     def stop(self) -> None: ...
@@ -91,105 +115,161 @@ class SyncCoordinator(Protocol):
 @dataclass
 class TrainResult:
     "Summary of one `fit` call: cumulative counters, last loss and the newest step records."
+
     steps: int  # final absolute global step, including resumed state
     samples: int  # cumulative samples
     tokens: int  # cumulative tokens
     final_loss: float | None  # mean loss of the last update of this call, `None` if no update ran
     elapsed_s: float  # duration of this call
     metrics: list[dict[str, Any]] = field(default_factory=list)  # newest `train_step` records
-    checkpoint_dir: Path | None = None  # the folder of this run's checkpoints, `None` without a checkpoint manager
-    evals: list[dict[str, Any]] = field(default_factory=list)  # this call's `eval` records (held-out loss at a step)
-    val_loss: float | None = None  # the newest held-out loss of this call, `None` without an evaluation
+    checkpoint_dir: Path | None = (
+        None  # the folder of this run's checkpoints, `None` without a checkpoint manager
+    )
+    evals: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # this call's `eval` records (held-out loss at a step)
+    val_loss: float | None = (
+        None  # the newest held-out loss of this call, `None` without an evaluation
+    )
 
 # %% ../nbs/11_trainer.ipynb #8d283c61
 def causal_lm_loss(logits: Any, labels: Any) -> torch.Tensor | None:
     "Causal cross-entropy of `(B,T,V)` logits against `(B,T)` or `(B,T-1)` labels; `None` if the shapes do not fit."
-    if not (torch.is_tensor(logits) and torch.is_tensor(labels)): return None
-    if logits.ndim != 3 or labels.ndim != 2 or labels.shape[0] != logits.shape[0]: return None
+    if not (torch.is_tensor(logits) and torch.is_tensor(labels)):
+        return None
+    if logits.ndim != 3 or labels.ndim != 2 or labels.shape[0] != logits.shape[0]:
+        return None
     T = logits.shape[1]
-    if labels.shape[1] == T: used = logits
-    elif labels.shape[1] == T - 1: used = logits[:, :-1]
-    else: return None
-    if labels.numel() == 0: return logits.sum() * 0.0
+    if labels.shape[1] == T:
+        used = logits
+    elif labels.shape[1] == T - 1:
+        used = logits[:, :-1]
+    else:
+        return None
+    if labels.numel() == 0:
+        return logits.sum() * 0.0
     flat = labels.reshape(-1).to(torch.long)
-    loss = F.cross_entropy(used.reshape(-1, used.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
+    loss = F.cross_entropy(
+        used.reshape(-1, used.shape[-1]).float(), flat, ignore_index=-100, reduction="sum"
+    )
     count = (flat != -100).sum()
     # all ignored -> 0 * logits.sum() (differentiable), without a host sync
     return torch.where(count > 0, loss / count.clamp(min=1), logits.sum() * 0.0)
 
 # %% ../nbs/11_trainer.ipynb #2088ef0c
 def _labels_of(batch: Any) -> Any:
-    if isinstance(batch, Mapping): return batch.get("labels")
-    if isinstance(batch, (tuple, list)) and len(batch) > 1: return batch[1]
+    if isinstance(batch, Mapping):
+        return batch.get("labels")
+    if isinstance(batch, (tuple, list)) and len(batch) > 1:
+        return batch[1]
     return None
+
 
 def _scalar(loss: Any, what: str = "loss") -> torch.Tensor:
     "`loss` as a 0-d tensor (mean-reduced); a `TypeError` saying what to return when it is not a tensor."
     if not torch.is_tensor(loss):
-        raise TypeError(f"the model's {what} is a {type(loss).__name__}, not a tensor: return the loss tensor computed from "
-                        "the model's outputs (e.g. F.cross_entropy(...)), not loss.item() or a Python number")
+        raise TypeError(
+            f"the model's {what} is a {type(loss).__name__}, not a tensor: return the loss tensor computed from "
+            "the model's outputs (e.g. F.cross_entropy(...)), not loss.item() or a Python number"
+        )
     return loss if loss.ndim == 0 else loss.mean()
+
 
 def resolve_loss(output: Any, batch: Any) -> torch.Tensor:
     "The scalar training loss from a model `output` for `batch`."
     if isinstance(output, Mapping):
-        if output.get("loss") is not None: return _scalar(output["loss"], "output 'loss'")
+        if output.get("loss") is not None:
+            return _scalar(output["loss"], "output 'loss'")
         loss = causal_lm_loss(output.get("logits"), _labels_of(batch))
         if loss is None:
-            raise ValueError("model output mapping needs a 'loss' or causal 'logits' of shape (B, T, V) "
-                             "with labels of shape (B, T) or (B, T-1); got keys " + ", ".join(map(str, output)))
+            raise ValueError(
+                "model output mapping needs a 'loss' or causal 'logits' of shape (B, T, V) "
+                "with labels of shape (B, T) or (B, T-1); got keys " + ", ".join(map(str, output))
+            )
         return loss
-    if torch.is_tensor(output): return _scalar(output)
+    if torch.is_tensor(output):
+        return _scalar(output)
     if isinstance(output, (tuple, list)) and output:
         first = output[0]
         if not torch.is_tensor(first):
-            raise ValueError(f"the first element of a model output {type(output).__name__} must be a tensor "
-                             f"(a loss or causal logits), got {type(first).__name__}")
+            raise ValueError(
+                f"the first element of a model output {type(output).__name__} must be a tensor "
+                f"(a loss or causal logits), got {type(first).__name__}"
+            )
         if first.ndim == 3:
             loss = causal_lm_loss(first, _labels_of(batch))
-            if loss is not None: return loss
+            if loss is not None:
+                return loss
         return _scalar(first)
-    raise TypeError(f"cannot take a loss from a model output of type {type(output).__name__}: "
-                    "return a loss tensor, a mapping with 'loss' or 'logits', or a tuple starting with one")
+    raise TypeError(
+        f"cannot take a loss from a model output of type {type(output).__name__}: "
+        "return a loss tensor, a mapping with 'loss' or 'logits', or a tuple starting with one"
+    )
 
 # %% ../nbs/11_trainer.ipynb #da277782
 def move_batch(batch: Any, device: torch.device) -> Any:
     "Move every tensor in nested dicts/tuples/lists of `batch` to `device` (non-blocking)."
-    if torch.is_tensor(batch): return batch.to(device, non_blocking=True)
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
     if type(batch) is dict:  # the usual batch: one level of tensors, moved without a call per value
-        return {k: v.to(device, non_blocking=True) if type(v) is torch.Tensor else move_batch(v, device) for k, v in batch.items()}
-    if isinstance(batch, Mapping): return {k: move_batch(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple): return tuple(move_batch(v, device) for v in batch)
-    if isinstance(batch, list): return [move_batch(v, device) for v in batch]
+        return {
+            k: v.to(device, non_blocking=True) if type(v) is torch.Tensor else move_batch(v, device)
+            for k, v in batch.items()
+        }
+    if isinstance(batch, Mapping):
+        return {k: move_batch(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(move_batch(v, device) for v in batch)
+    if isinstance(batch, list):
+        return [move_batch(v, device) for v in batch]
     return batch
+
 
 def batch_size_and_tokens(batch: Any) -> tuple[int, int | torch.Tensor]:
     "Samples and tokens in `batch`; tokens may be a 0-d device tensor (attention-mask sum) to avoid a sync."
     mapping = type(batch) is dict or isinstance(batch, Mapping)
-    if mapping: cand = batch.get("input_ids", batch.get("inputs"))
-    elif isinstance(batch, (tuple, list)) and batch: cand = batch[0]
-    else: cand = None
-    if not torch.is_tensor(cand) or cand.ndim < 1: return 1, 1
+    if mapping:
+        cand = batch.get("input_ids", batch.get("inputs"))
+    elif isinstance(batch, (tuple, list)) and batch:
+        cand = batch[0]
+    else:
+        cand = None
+    if not torch.is_tensor(cand) or cand.ndim < 1:
+        return 1, 1
     mask = batch.get("attention_mask") if mapping else None
-    if cand.ndim >= 2 and torch.is_tensor(mask): return int(cand.shape[0]), mask.sum()
+    if cand.ndim >= 2 and torch.is_tensor(mask):
+        return int(cand.shape[0]), mask.sum()
     return int(cand.shape[0]), int(cand.numel())
 
 # %% ../nbs/11_trainer.ipynb #2d54009c
 def call_model(model: nn.Module, batch: Any) -> Any:
     "Call `model` on `batch`: keywords for a dict, `(inputs, labels)` for a tuple/list."
-    if isinstance(batch, Mapping): return model(**batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
     if isinstance(batch, (tuple, list)):
-        if len(batch) < 2: raise ValueError(f"a tuple/list batch needs (inputs, labels); got {len(batch)} element(s)")
+        if len(batch) < 2:
+            raise ValueError(
+                f"a tuple/list batch needs (inputs, labels); got {len(batch)} element(s)"
+            )
         return model(batch[0], batch[1])
     raise TypeError(f"a batch must be a dict or a tuple/list, got {type(batch).__name__}")
+
 
 def is_compile_failure(exc: BaseException) -> bool:
     "True when `exc` comes from torch.compile's machinery (dynamo, inductor, a backend), not from the model."
     for e in (exc, exc.__cause__):
-        if e is None: continue
+        if e is None:
+            continue
         mod = type(e).__module__ or ""
-        if mod.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx")): return True
-        if type(e).__name__ in {"BackendCompilerFailed", "InductorError", "TorchRuntimeError", "Unsupported"}: return True
+        if mod.startswith(("torch._dynamo", "torch._inductor", "torch._functorch", "torch.fx")):
+            return True
+        if type(e).__name__ in {
+            "BackendCompilerFailed",
+            "InductorError",
+            "TorchRuntimeError",
+            "Unsupported",
+        }:
+            return True
     return False
 
 # %% ../nbs/11_trainer.ipynb #759a752e
@@ -203,19 +283,38 @@ class _PendingStep:
     lr: float
     time: float  # perf_counter when the step completed
 
-def read_pending(pending: list[_PendingStep],
-                 world: World | None = None,  # a torchrun job: the whole job's numbers (every rank calls together)
-                ) -> list[tuple[float, int]]:
+
+def read_pending(
+    pending: list[_PendingStep],
+    world: World
+    | None = None,  # a torchrun job: the whole job's numbers (every rank calls together)
+) -> list[tuple[float, int]]:
     "(loss, tokens) of every pending step, read from the device in one transfer; in a job, mean loss and total tokens of the ranks."
-    if not pending: return []
+    if not pending:
+        return []
     size = 1 if world is None else world.size
-    if size == 1 and not any(torch.is_tensor(p.tokens) for p in pending):  # only the losses live on the device
-        losses = [pending[0].loss.item()] if len(pending) == 1 else torch.stack([p.loss.detach() for p in pending]).tolist()
+    if size == 1 and not any(
+        torch.is_tensor(p.tokens) for p in pending
+    ):  # only the losses live on the device
+        losses = (
+            [pending[0].loss.item()]
+            if len(pending) == 1
+            else torch.stack([p.loss.detach() for p in pending]).tolist()
+        )
         return [(float(l), int(p.tokens)) for l, p in zip(losses, pending)]
-    table = torch.stack([torch.stack([p.loss.detach().double(),
-                                      torch.as_tensor(p.tokens, dtype=torch.float64, device=p.loss.device)])
-                         for p in pending])
-    if size > 1: table = world.all_sum(table)
+    table = torch.stack(
+        [
+            torch.stack(
+                [
+                    p.loss.detach().double(),
+                    torch.as_tensor(p.tokens, dtype=torch.float64, device=p.loss.device),
+                ]
+            )
+            for p in pending
+        ]
+    )
+    if size > 1:
+        table = world.all_sum(table)
     return [(float(l) / size, int(round(t))) for l, t in table.cpu().tolist()]
 
 # %% ../nbs/11_trainer.ipynb #6223834e
@@ -226,9 +325,11 @@ def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
     found = None
     try:
         found = sum(float(v.item()) for v in scaler._found_inf_per_device(optimizer).values())
-    except Exception: pass
+    except Exception:
+        pass
     scaler.update()
-    if found is not None: return found == 0
+    if found is not None:
+        return found == 0
     return not scaler.get_scale() < before
 
 # %% ../nbs/11_trainer.ipynb #504d5754
@@ -236,104 +337,169 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     "`tensor` as a plain tensor: a sharded `DTensor` (a norm over fsdp's shards) gathered whole, anything else as it is."
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
+
 def gradient_norm(parameters: Any) -> torch.Tensor:
     "The global L2 norm of the gradients of `parameters` (a 0-d tensor; 0 when there are none), without a host sync."
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads: return torch.zeros(())
+    if not grads:
+        return torch.zeros(())
     total = getattr(torch.nn.utils, "get_total_norm", None)
-    if total is not None: return whole(total(grads, 2.0))
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32).to(grads[0].device)
-                                                 for g in grads]))
+    if total is not None:
+        return whole(total(grads, 2.0))
+    return torch.linalg.vector_norm(
+        torch.stack(
+            [
+                torch.linalg.vector_norm(g.detach(), dtype=torch.float32).to(grads[0].device)
+                for g in grads
+            ]
+        )
+    )
+
 
 def update_is_finite(loss: torch.Tensor, norm: torch.Tensor) -> bool:
     "Whether both `loss` and the gradient `norm` are finite, from one scalar read (`norm + 0·loss`)."
     zeroed = loss * 0.0  # 0 for a finite loss, NaN for an infinite or NaN one
-    return math.isfinite((norm + (zeroed if zeroed.device == norm.device else zeroed.to(norm.device))).item())
+    return math.isfinite(
+        (norm + (zeroed if zeroed.device == norm.device else zeroed.to(norm.device))).item()
+    )
+
 
 def nonfinite_update(loss: torch.Tensor, norm: torch.Tensor) -> tuple[str | None, float, float]:
     "(why the update must not be applied — `nonfinite_loss`, `nonfinite_gradient` — or `None`, loss, norm) in one read."
-    loss_value, norm_value = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]).tolist()
+    loss_value, norm_value = torch.stack(
+        [loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]
+    ).tolist()
     finite = lambda v: v == v and abs(v) != float("inf")
-    if not finite(loss_value): return "nonfinite_loss", loss_value, norm_value
-    if not finite(norm_value): return "nonfinite_gradient", loss_value, norm_value
+    if not finite(loss_value):
+        return "nonfinite_loss", loss_value, norm_value
+    if not finite(norm_value):
+        return "nonfinite_gradient", loss_value, norm_value
     return None, loss_value, norm_value
 
 # %% ../nbs/11_trainer.ipynb #83784179
 @dataclass(frozen=True)
 class TrainerSettings:
     "What the trainer takes from a configuration, read once when it is built."
+
     max_steps: int  # `run.max_steps`: the target when `Trainer(max_steps=...)` is not given
     accumulation_steps: int  # microbatches per optimizer update of this process: `data.accumulation_steps` / processes
     grad_clip: float | None  # `optimizer.grad_clip`: global L2-norm clip, `None` for none
-    max_skipped_steps: int  # `precision.max_skipped_steps`: GradScaler skips in a row before the run stops
+    max_skipped_steps: (
+        int  # `precision.max_skipped_steps`: GradScaler skips in a row before the run stops
+    )
     max_nonfinite_skips: int  # `optimizer.max_nonfinite_skips`: NaN/inf updates skipped in a row before the run stops
-    metrics_history: int | None  # `logging.metrics_history`: records kept in `TrainResult.metrics`; `None` keeps all
+    metrics_history: (
+        int | None
+    )  # `logging.metrics_history`: records kept in `TrainResult.metrics`; `None` keeps all
     compile: bool  # `compile`: run a `torch.compile`d model
     gradient_checkpointing: bool  # `gradient_checkpointing`: ask the model to recompute activations
     ooo_backprop: bool  # `ooo_backprop`: out-of-order backprop on CUDA streams
     ooo_streams: int  # `ooo_streams`: how many streams it uses
-    batch_size: int | None = None  # `data.target_batch_size`: samples per update, reported at the start (`None`: not known)
-    sequence_length: int | None = None  # `data.block_size` (or `model.max_seq_len`): tokens per sample, reported likewise
+    batch_size: int | None = (
+        None  # `data.target_batch_size`: samples per update, reported at the start (`None`: not known)
+    )
+    sequence_length: int | None = (
+        None  # `data.block_size` (or `model.max_seq_len`): tokens per sample, reported likewise
+    )
 
     @classmethod
-    def from_config(cls, config: SpeedtronicConfig,
-                    world_size: int = 1,  # processes of a torchrun job sharing `data.target_batch_size`
-                    *, geometry: bool = True,  # the batch geometry is the loader's (False: a trainer built without a config)
-                   ) -> TrainerSettings:
+    def from_config(
+        cls,
+        config: SpeedtronicConfig,
+        world_size: int = 1,  # processes of a torchrun job sharing `data.target_batch_size`
+        *,
+        geometry: bool = True,  # the batch geometry is the loader's (False: a trainer built without a config)
+    ) -> TrainerSettings:
         "The trainer's settings in `config` (`SpeedtronicConfig()` gives a trainer built without one)."
-        return cls(max_steps=config.run.max_steps, accumulation_steps=accumulation_per_rank(config.data, world_size),
-                   grad_clip=config.optimizer.grad_clip, max_skipped_steps=config.precision.max_skipped_steps,
-                   max_nonfinite_skips=config.optimizer.max_nonfinite_skips,
-                   metrics_history=config.logging.metrics_history, compile=config.compile,
-                   gradient_checkpointing=config.gradient_checkpointing, ooo_backprop=config.ooo_backprop,
-                   ooo_streams=config.ooo_streams,
-                   batch_size=config.data.target_batch_size if geometry else None,
-                   sequence_length=(config.data.block_size or config.model.max_seq_len) if geometry else None)
+        return cls(
+            max_steps=config.run.max_steps,
+            accumulation_steps=accumulation_per_rank(config.data, world_size),
+            grad_clip=config.optimizer.grad_clip,
+            max_skipped_steps=config.precision.max_skipped_steps,
+            max_nonfinite_skips=config.optimizer.max_nonfinite_skips,
+            metrics_history=config.logging.metrics_history,
+            compile=config.compile,
+            gradient_checkpointing=config.gradient_checkpointing,
+            ooo_backprop=config.ooo_backprop,
+            ooo_streams=config.ooo_streams,
+            batch_size=config.data.target_batch_size if geometry else None,
+            sequence_length=(config.data.block_size or config.model.max_seq_len)
+            if geometry
+            else None,
+        )
+
 
 def _as_config(config: SpeedtronicConfig | Mapping | None) -> SpeedtronicConfig | None:
     "A `SpeedtronicConfig` built (and checked) from a mapping; a config or `None` as given."
-    if config is None or isinstance(config, SpeedtronicConfig): return config
-    if isinstance(config, Mapping): return SpeedtronicConfig.from_dict(config)
-    raise TypeError(f"Trainer(config=...) takes a SpeedtronicConfig, a mapping or None, got {type(config).__name__}")
+    if config is None or isinstance(config, SpeedtronicConfig):
+        return config
+    if isinstance(config, Mapping):
+        return SpeedtronicConfig.from_dict(config)
+    raise TypeError(
+        f"Trainer(config=...) takes a SpeedtronicConfig, a mapping or None, got {type(config).__name__}"
+    )
 
 # %% ../nbs/11_trainer.ipynb #6d30d448
 class Trainer:
     "Runs global optimizer steps with accumulation, precision, clipping, checkpoints and events."
-    def __init__(self,
-                 model: nn.Module,
-                 optimizer: torch.optim.Optimizer,
-                 dataloader: Any,  # any re-iterable of batches; `state_dict()`/`load_state_dict()` make resume exact
-                 *,
-                 device: str | torch.device,
-                 config: SpeedtronicConfig | Mapping | None = None,
-                 scheduler: Any = None,  # stepped once per applied update
-                 precision: Any = None,  # a `PrecisionPlan`; resolved from `config.precision` when omitted
-                 logger: Any = None,  # a `MetricLogger`; a default one writes to stdout
-                 checkpoint_manager: Any = None,
-                 coordinator: SyncCoordinator | None = None,
-                 max_steps: int | None = None,  # absolute target step (default `run.max_steps`)
-                 start_step: int = 0,
-                 shape_report: Any = None,  # a startup shape report; `None` checks shapes at the first `fit`
-                 world: World | None = None,  # the torchrun job this process is in; `None`: one process
-                 evaluator: Any = None):  # held-out evaluation: `evaluator(model)` gives an `EvalResult`, `due(step)` its cadence
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataloader: Any,  # any re-iterable of batches; `state_dict()`/`load_state_dict()` make resume exact
+        *,
+        device: str | torch.device,
+        config: SpeedtronicConfig | Mapping | None = None,
+        scheduler: Any = None,  # stepped once per applied update
+        precision: Any = None,  # a `PrecisionPlan`; resolved from `config.precision` when omitted
+        logger: Any = None,  # a `MetricLogger`; a default one writes to stdout
+        checkpoint_manager: Any = None,
+        coordinator: SyncCoordinator | None = None,
+        max_steps: int | None = None,  # absolute target step (default `run.max_steps`)
+        start_step: int = 0,
+        shape_report: Any = None,  # a startup shape report; `None` checks shapes at the first `fit`
+        world: World | None = None,  # the torchrun job this process is in; `None`: one process
+        evaluator: Any = None,
+    ):  # held-out evaluation: `evaluator(model)` gives an `EvalResult`, `due(step)` its cadence
         self.config = _as_config(config)
         read = self.config if self.config is not None else SpeedtronicConfig()
         self.world = world if world is not None else World()
-        self.settings = TrainerSettings.from_config(read, self.world.size, geometry=self.config is not None)
-        self.model, self.optimizer, self.dataloader, self.scheduler = model, optimizer, dataloader, scheduler
+        self.settings = TrainerSettings.from_config(
+            read, self.world.size, geometry=self.config is not None
+        )
+        self.model, self.optimizer, self.dataloader, self.scheduler = (
+            model,
+            optimizer,
+            dataloader,
+            scheduler,
+        )
         self.device = torch.device(device)
         self.logger = logger if logger is not None else MetricLogger()
-        if getattr(self.logger, "device", "absent") is None: self.logger.device = self.device
-        self.precision = precision if precision is not None else resolve_precision(read.precision, self.device)
+        if getattr(self.logger, "device", "absent") is None:
+            self.logger.device = self.device
+        self.precision = (
+            precision if precision is not None else resolve_precision(read.precision, self.device)
+        )
         self.scaler = make_grad_scaler(self.precision)
-        self.checkpoint_manager, self.coordinator, self.shape_report = checkpoint_manager, coordinator, shape_report
+        self.checkpoint_manager, self.coordinator, self.shape_report = (
+            checkpoint_manager,
+            coordinator,
+            shape_report,
+        )
         self.evaluator = evaluator
         self.max_steps = int(max_steps) if max_steps is not None else self.settings.max_steps
         self.step, self.samples, self._tokens = int(start_step), 0, 0
-        self.stop_requested: str | None = None  # set by `request_stop`; `fit` stops after the current step
-        self._pending: list[_PendingStep] = []  # completed steps whose loss and tokens are still on the device
+        self.stop_requested: str | None = (
+            None  # set by `request_stop`; `fit` stops after the current step
+        )
+        self._pending: list[
+            _PendingStep
+        ] = []  # completed steps whose loss and tokens are still on the device
         self._batches: Iterator | None = None  # the loader's batches; the next `fit` continues them
-        self._deferred_scaler = self._deferred_coordinator = None  # resumed state, applied by the next `fit`
+        self._deferred_scaler = self._deferred_coordinator = (
+            None  # resumed state, applied by the next `fit`
+        )
         self._coordinator_started, self._last_saved_step = False, -1
         self._setup_gradient_checkpointing()
         self.synced_model = self.world.wrap(self.model)  # DDP in a torchrun job, else the model
@@ -345,13 +511,15 @@ class Trainer:
         return self._tokens + sum(t for _, t in read_pending(self._pending))
 
     @tokens.setter
-    def tokens(self, value: int): self._tokens = int(value)
+    def tokens(self, value: int):
+        self._tokens = int(value)
 
 # %% ../nbs/11_trainer.ipynb #66337ff4
 @patch(as_prop=True)
 def accumulation_steps(self: Trainer) -> int:
     "Microbatches per optimizer update (`data.accumulation_steps`; 1 without a config)."
     return self.settings.accumulation_steps
+
 
 @patch(as_prop=True)
 def metrics_history(self: Trainer) -> int | None:
@@ -362,16 +530,23 @@ def metrics_history(self: Trainer) -> int | None:
 @patch
 def _setup_gradient_checkpointing(self: Trainer) -> None:
     "Turn on the model's gradient checkpointing when the config asks; a model without the hook only warns."
-    if not self.settings.gradient_checkpointing: return
-    try: self.model.set_gradient_checkpointing(True)
+    if not self.settings.gradient_checkpointing:
+        return
+    try:
+        self.model.set_gradient_checkpointing(True)
     except Exception as e:
-        self.logger.warning(f"gradient checkpointing is enabled but the model could not turn it on: {e}")
+        self.logger.warning(
+            f"gradient checkpointing is enabled but the model could not turn it on: {e}"
+        )
+
 
 @patch
 def _setup_compile(self: Trainer) -> nn.Module | None:
     "The `torch.compile`d model when the config asks for it (a `compile` event says whether it worked)."
-    if not self.settings.compile: return None
-    try: compiled = torch.compile(self.synced_model)
+    if not self.settings.compile:
+        return None
+    try:
+        compiled = torch.compile(self.synced_model)
     except Exception as e:
         self.logger.emit("compile", {"enabled": False, "reason": f"torch.compile failed: {e}"})
         return None
@@ -391,51 +566,89 @@ def _loader_state(self: Trainer) -> dict | None:
     fn = getattr(self.dataloader, "state_dict", None)
     return fn() if callable(fn) else None
 
+
 @patch
 def _boundary_state(self: Trainer) -> dict:
     "RNG and data position at the end of the last completed step."
     return {"rng": capture_rng_state(), "data": self._loader_state()}
 
+
 @patch
-def checkpoint_state(self: Trainer, boundary: dict | None = None,
-                     tensors: bool = True, # False: model and optimizer left out (a sharded checkpoint writes them itself)
-                    ) -> dict[str, Any]:
+def checkpoint_state(
+    self: Trainer,
+    boundary: dict | None = None,
+    tensors: bool = True,  # False: model and optimizer left out (a sharded checkpoint writes them itself)
+) -> dict[str, Any]:
     "The checkpoint payload of the last completed step (model, optimizer, counters, RNG, data position...)."
     boundary = boundary or self._boundary_state()
     plan = self.precision
-    return {"model": self.model.state_dict() if tensors else None,
-            "optimizer": self.optimizer.state_dict() if tensors else None,
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "step": self.step, "samples": self.samples, "tokens": self.tokens,
-            "config": self.config.to_dict(redact_secrets=True) if self.config is not None else None,
-            "rng": boundary["rng"], "data": boundary["data"],
-            "coordinator": self.coordinator.state_dict() if self.coordinator is not None else None,
-            "precision": {"mode": getattr(plan, "mode", None), "autocast_enabled": getattr(plan, "autocast_enabled", False),
-                          "use_scaler": getattr(plan, "use_scaler", False)}}
+    return {
+        "model": self.model.state_dict() if tensors else None,
+        "optimizer": self.optimizer.state_dict() if tensors else None,
+        "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        "step": self.step,
+        "samples": self.samples,
+        "tokens": self.tokens,
+        "config": self.config.to_dict(redact_secrets=True) if self.config is not None else None,
+        "rng": boundary["rng"],
+        "data": boundary["data"],
+        "coordinator": self.coordinator.state_dict() if self.coordinator is not None else None,
+        "precision": {
+            "mode": getattr(plan, "mode", None),
+            "autocast_enabled": getattr(plan, "autocast_enabled", False),
+            "use_scaler": getattr(plan, "use_scaler", False),
+        },
+    }
+
 
 @patch
 def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
     "Save the last completed step through the checkpoint manager and emit `checkpoint` (in a job: every rank calls, rank 0 writes)."
     boundary = self.world.gather_boundary(boundary or self._boundary_state())
-    if self.world.fsdp: path = self._save_sharded(boundary)
-    else: path = self.world.on_writer(lambda: self.checkpoint_manager.save(self.step, self.checkpoint_state(boundary)))
+    if self.world.fsdp:
+        path = self._save_sharded(boundary)
+    else:
+        path = self.world.on_writer(
+            lambda: self.checkpoint_manager.save(self.step, self.checkpoint_state(boundary))
+        )
     self._last_saved_step = self.step  # a save that failed on rank 0 raised on every rank
-    if path is not None: self.logger.emit("checkpoint", {"step": self.step, "path": str(path)})
+    if path is not None:
+        self.logger.emit("checkpoint", {"step": self.step, "path": str(path)})
     return path
+
 
 @patch
 def _save_sharded(self: Trainer, boundary: dict) -> Any:
     "`parallel.strategy: fsdp`: every rank writes its shards of the model and optimizer, rank 0 the rest (a `step_<N>.dcp` folder)."
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    fresh = not self.optimizer.state  # get_state_dict gives an empty optimizer a state (a step of zero gradients), which
+
+    fresh = (
+        not self.optimizer.state
+    )  # get_state_dict gives an empty optimizer a state (a step of zero gradients), which
     weights, moments = get_state_dict(self.model, self.optimizer)
-    if fresh: self.optimizer.state.clear()  # must not change training: a reset inner optimizer stays fresh, here and on resume
-    plain = {**self.checkpoint_state(boundary, tensors=False), **({"optimizer_fresh": True} if fresh else {})} if self.world.writes else {}
-    return self.checkpoint_manager.save_sharded(self.step, {"model": weights, "optimizer": moments}, plain, self.world)
+    if fresh:
+        self.optimizer.state.clear()  # must not change training: a reset inner optimizer stays fresh, here and on resume
+    plain = (
+        {
+            **self.checkpoint_state(boundary, tensors=False),
+            **({"optimizer_fresh": True} if fresh else {}),
+        }
+        if self.world.writes
+        else {}
+    )
+    return self.checkpoint_manager.save_sharded(
+        self.step, {"model": weights, "optimizer": moments}, plain, self.world
+    )
 
 # %% ../nbs/11_trainer.ipynb #4e730724
-_MUON_SETTINGS = {"muon_momentum": "momentum", "muon_ns_steps": "ns_steps", "muon_norm_eps": "norm_eps", "muon_scale": "scale"}
+_MUON_SETTINGS = {
+    "muon_momentum": "momentum",
+    "muon_ns_steps": "ns_steps",
+    "muon_norm_eps": "norm_eps",
+    "muon_scale": "scale",
+}
+
 
 @patch
 def _apply_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
@@ -444,59 +657,100 @@ def _apply_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) 
     new_rate = bool(keys & {"optimizer.lr", "optimizer.muon_lr"})
     for group in self.optimizer.param_groups:
         muon = group.get("algorithm") == "muon"
-        if "optimizer.betas" in keys and "betas" in group: group["betas"] = tuple(opt.betas)
-        if "optimizer.eps" in keys and "eps" in group: group["eps"] = opt.eps
+        if "optimizer.betas" in keys and "betas" in group:
+            group["betas"] = tuple(opt.betas)
+        if "optimizer.eps" in keys and "eps" in group:
+            group["eps"] = opt.eps
         for key, setting in _MUON_SETTINGS.items():
-            if muon and f"optimizer.{key}" in keys: group[setting] = getattr(opt, key)
+            if muon and f"optimizer.{key}" in keys:
+                group[setting] = getattr(opt, key)
         decayed = opt.weight_decay_on == "all" or all(p.ndim >= 2 for p in group["params"])
-        if "optimizer.weight_decay" in keys and "weight_decay" in group and decayed: group["weight_decay"] = opt.weight_decay
-        if new_rate: group["lr"] = group["initial_lr"] = (opt.muon_lr or opt.lr) if muon else opt.lr
+        if "optimizer.weight_decay" in keys and "weight_decay" in group and decayed:
+            group["weight_decay"] = opt.weight_decay
+        if new_rate:
+            group["lr"] = group["initial_lr"] = (opt.muon_lr or opt.lr) if muon else opt.lr
     sched = self.scheduler
     if new_rate and sched is not None and hasattr(sched, "lr_lambdas"):
         sched.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
-        for group, fn in zip(self.optimizer.param_groups, sched.lr_lambdas): group["lr"] = group["initial_lr"] * fn(sched.last_epoch)
+        for group, fn in zip(self.optimizer.param_groups, sched.lr_lambdas):
+            group["lr"] = group["initial_lr"] * fn(sched.last_epoch)
         sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
 
 @patch
 def _report_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
     "One warning and one `settings_changed` event listing what changed since the checkpoint."
-    if not applied: return
+    if not applied:
+        return
     listed = "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in applied)
-    self.logger.warning(f"resume: settings changed since the checkpoint, applied from step {self.step + 1}: {listed}")
-    self.logger.emit("settings_changed", {"step": self.step, "changed": {k: [old, new] for k, old, new in applied}})
+    self.logger.warning(
+        f"resume: settings changed since the checkpoint, applied from step {self.step + 1}: {listed}"
+    )
+    self.logger.emit(
+        "settings_changed",
+        {"step": self.step, "changed": {k: [old, new] for k, old, new in applied}},
+    )
 
 # %% ../nbs/11_trainer.ipynb #84093330
 @patch
-def resume(self: Trainer, state: Mapping[str, Any] | str | os.PathLike,  # a checkpoint state, or the path of a checkpoint file
-           path: Any = None,  # the checkpoint file `state` came from, named in error messages
-          ) -> None:
+def resume(
+    self: Trainer,
+    state: Mapping[str, Any]
+    | str
+    | os.PathLike,  # a checkpoint state, or the path of a checkpoint file
+    path: Any = None,  # the checkpoint file `state` came from, named in error messages
+) -> None:
     "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state` (or file)."
-    if isinstance(state, (str, os.PathLike)): state, path = checked_checkpoint(state), state   # what `load_latest` checks
+    if isinstance(state, (str, os.PathLike)):
+        state, path = checked_checkpoint(state), state  # what `load_latest` checks
     if not isinstance(state, Mapping):
-        raise TypeError(f"resume takes a checkpoint state (a dict) or the path of a checkpoint file, got {type(state).__name__}")
+        raise TypeError(
+            f"resume takes a checkpoint state (a dict) or the path of a checkpoint file, got {type(state).__name__}"
+        )
     state = self.world.local_state(state, path)  # in a job: this rank's RNG and data position
     check_compatible(state, model=self.model, config=self.config, path=path)
     refused, applied = setting_changes(state, self.config)
     if refused:
         where = f"checkpoint {path}" if path is not None else "the checkpoint"
-        raise CheckpointError(f"{where} cannot continue with the current settings:\n  - " + "\n  - ".join(refused)
-                              + "\nResume with the saved values, or start a fresh run (--overwrite, or another --output-dir)")
-    data = state.get("data")  # a loader that refuses the position (other data, micro_batch_size) fails before anything changed
+        raise CheckpointError(
+            f"{where} cannot continue with the current settings:\n  - "
+            + "\n  - ".join(refused)
+            + "\nResume with the saved values, or start a fresh run (--overwrite, or another --output-dir)"
+        )
+    data = state.get(
+        "data"
+    )  # a loader that refuses the position (other data, micro_batch_size) fails before anything changed
     if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
         self.dataloader.load_state_dict(data)
-    if state.get("sharded"): load_sharded(state["sharded"], self.model, self.optimizer)   # every rank its shards, any world size
-    elif self.world.fsdp and self.world.backend is not None: load_whole(state, self.model, self.optimizer)
-    else: self.model.load_state_dict(state["model"])
-    if state.get("optimizer") is not None and not (self.world.fsdp and self.world.backend is not None):
-        note = load_optimizer_state(self.optimizer, state["optimizer"], self.model,  # settings: the config comparison above says
-                                    report_settings=not isinstance(state.get("config"), Mapping))
-        if note: self.logger.warning("resume: %s", note)
-    if state.get("optimizer_fresh"): self.optimizer.state.clear()   # saved fresh (see `_save_sharded`): resumed fresh
-    if self.scheduler is not None and state.get("scheduler") is not None: load_scheduler_state(self.scheduler, state["scheduler"])
-    if applied: self._apply_changed_settings(applied)
+    if state.get("sharded"):
+        load_sharded(
+            state["sharded"], self.model, self.optimizer
+        )  # every rank its shards, any world size
+    elif self.world.fsdp and self.world.backend is not None:
+        load_whole(state, self.model, self.optimizer)
+    else:
+        self.model.load_state_dict(state["model"])
+    if state.get("optimizer") is not None and not (
+        self.world.fsdp and self.world.backend is not None
+    ):
+        note = load_optimizer_state(
+            self.optimizer,
+            state["optimizer"],
+            self.model,  # settings: the config comparison above says
+            report_settings=not isinstance(state.get("config"), Mapping),
+        )
+        if note:
+            self.logger.warning("resume: %s", note)
+    if state.get("optimizer_fresh"):
+        self.optimizer.state.clear()  # saved fresh (see `_save_sharded`): resumed fresh
+    if self.scheduler is not None and state.get("scheduler") is not None:
+        load_scheduler_state(self.scheduler, state["scheduler"])
+    if applied:
+        self._apply_changed_settings(applied)
     self.step, self.samples = int(state.get("step", 0)), int(state.get("samples", 0))
     self._tokens, self._pending = int(state.get("tokens", 0)), []
-    if state.get("rng"): restore_rng_state(state["rng"], logger=self.logger)
+    if state.get("rng"):
+        restore_rng_state(state["rng"], logger=self.logger)
     self._batches = None  # the next fit starts the loader at the restored position
     self._deferred_scaler = state.get("scaler")
     self._deferred_coordinator = state.get("coordinator")
@@ -507,15 +761,20 @@ def resume(self: Trainer, state: Mapping[str, Any] | str | os.PathLike,  # a che
 @dataclass
 class _FitState:
     "What one `fit` call keeps while it runs."
+
     model: nn.Module  # the module forward runs on: the compiled one, or the synced (DDP) model
     target: int  # the absolute step this call trains to
     start: tuple[int, int, int]  # step, samples and tokens when the call began (for the rates)
     records: deque  # the newest `train_step` records, at most `metrics_history`
     params: tuple = ()  # the model's parameters (clipped and checked every update), listed once per call
     ooo: Any = None  # this call's out-of-order backprop scheduler, disposed of at the end
-    keep_boundary: bool = False  # a checkpoint manager is on: remember each step's RNG and data position
+    keep_boundary: bool = (
+        False  # a checkpoint manager is on: remember each step's RNG and data position
+    )
     boundary: dict | None = None  # RNG and data position after the last completed step
-    updating: bool = False  # inside an optimizer update, which an interruption must not save half-done
+    updating: bool = (
+        False  # inside an optimizer update, which an interruption must not save half-done
+    )
     together: bool = False  # every rank leaves the loop at this same point (an agreed stop, an error raised by all), so all can join its save
     deferring: bool = False  # from an update until its step is counted and recorded: a Ctrl-C waits
     held: bool = False  # a Ctrl-C came while deferring; it is raised once the step is complete
@@ -528,47 +787,73 @@ class _FitState:
 @patch
 def _start_ooo(self: Trainer) -> Any:
     "The out-of-order backprop scheduler `ooo_backprop` asks for, or `None`; an `ooo_backprop` event says which."
-    if not self.settings.ooo_backprop: return None
+    if not self.settings.ooo_backprop:
+        return None
     if self.compiled_model is not None:
         self.logger.warning("ooo_backprop is disabled because compile is enabled")
         self.logger.emit("ooo_backprop", {"enabled": False, "reason": "compile is enabled"})
         return None
-    try: from speedtronic.scheduling import StageStreamScheduler
+    try:
+        from speedtronic.scheduling import StageStreamScheduler
     except ImportError as e:
-        self.logger.emit("ooo_backprop", {"enabled": False, "reason": f"stream scheduler unavailable: {e}"})
+        self.logger.emit(
+            "ooo_backprop", {"enabled": False, "reason": f"stream scheduler unavailable: {e}"}
+        )
         return None
-    ooo = StageStreamScheduler(self.model, self.device, num_streams=self.settings.ooo_streams, logger=self.logger)
+    ooo = StageStreamScheduler(
+        self.model, self.device, num_streams=self.settings.ooo_streams, logger=self.logger
+    )
     self.logger.emit("ooo_backprop", ooo.as_dict())
     return ooo
+
 
 @patch
 def _begin_fit(self: Trainer, limit: int) -> _FitState:
     "Check the target, prepare model, shapes, checkpoint directory, scaler and optimizer; the call's state."
-    if limit <= 0: raise ValueError(f"max_steps must be positive, got {limit}")
+    if limit <= 0:
+        raise ValueError(f"max_steps must be positive, got {limit}")
     target = max(self.step, limit)
     if limit < self.step:
-        self.logger.warning(f"max_steps={limit} is an absolute target step and the trainer is already at step "
-                            f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})")
+        self.logger.warning(
+            f"max_steps={limit} is an absolute target step and the trainer is already at step "
+            f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})"
+        )
     params = tuple(self.model.parameters())
-    if not self.world.fsdp and any(t.device != self.device for t in (*params, *self.model.buffers())):  # fsdp placed its shards
+    if not self.world.fsdp and any(
+        t.device != self.device for t in (*params, *self.model.buffers())
+    ):  # fsdp placed its shards
         self.model.to(self.device)
-        params = tuple(self.model.parameters())  # the same objects, unless torch is set to replace them on a move
-    if not all(m.training for m in self.model.modules()): self.model.train()  # both asked first: a fit call starts cheaply
+        params = tuple(
+            self.model.parameters()
+        )  # the same objects, unless torch is set to replace them on a move
+    if not all(m.training for m in self.model.modules()):
+        self.model.train()  # both asked first: a fit call starts cheaply
     if self.config is not None and self.shape_report is None:
         from speedtronic.shapes import validate_startup_shapes
-        self.shape_report = validate_startup_shapes(self.config, self.model, self.device, self.precision, logger=self.logger)
+
+        self.shape_report = validate_startup_shapes(
+            self.config, self.model, self.device, self.precision, logger=self.logger
+        )
     manager = self.checkpoint_manager
     keep = manager is not None and getattr(manager, "enabled", True)
     if keep and self.step < target and callable(getattr(manager, "check_writable", None)):
-        self.world.on_writer(manager.check_writable)  # in a job rank 0 writes, and its failure stops every rank
+        self.world.on_writer(
+            manager.check_writable
+        )  # in a job rank 0 writes, and its failure stops every rank
     ooo = self._start_ooo()
-    if self._deferred_scaler and self.scaler is not None: self.scaler.load_state_dict(self._deferred_scaler)
+    if self._deferred_scaler and self.scaler is not None:
+        self.scaler.load_state_dict(self._deferred_scaler)
     self._deferred_scaler = None
     self.optimizer.zero_grad(set_to_none=True)
-    return _FitState(model=self.compiled_model if self.compiled_model is not None else self.synced_model, target=target,
-                     start=(self.step, self.samples, self.tokens), records=deque(maxlen=self.settings.metrics_history),
-                     params=params,
-                     ooo=ooo, keep_boundary=keep)
+    return _FitState(
+        model=self.compiled_model if self.compiled_model is not None else self.synced_model,
+        target=target,
+        start=(self.step, self.samples, self.tokens),
+        records=deque(maxlen=self.settings.metrics_history),
+        params=params,
+        ooo=ooo,
+        keep_boundary=keep,
+    )
 
 # %% ../nbs/11_trainer.ipynb #6726dd3c
 @patch
@@ -576,14 +861,24 @@ def _forward(self: Trainer, run: _FitState, batch: Any) -> torch.Tensor:
     "The loss of one microbatch; a compile failure switches this and later calls to the eager model."
     with autocast_context(self.precision, self.device):
         if run.model is self.compiled_model:
-            try: output = call_model(run.model, batch)
-            except Exception as e:
-                if not is_compile_failure(e): raise
-                self.compiled_model, run.model = None, self.synced_model
-                self.logger.emit("compile", {"enabled": False, "reason": f"compilation failed; running eagerly: {type(e).__name__}: {e}"})
+            try:
                 output = call_model(run.model, batch)
-        else: output = call_model(run.model, batch)
+            except Exception as e:
+                if not is_compile_failure(e):
+                    raise
+                self.compiled_model, run.model = None, self.synced_model
+                self.logger.emit(
+                    "compile",
+                    {
+                        "enabled": False,
+                        "reason": f"compilation failed; running eagerly: {type(e).__name__}: {e}",
+                    },
+                )
+                output = call_model(run.model, batch)
+        else:
+            output = call_model(run.model, batch)
     return resolve_loss(output, batch)
+
 
 @patch
 def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torch.Tensor, int, int]:
@@ -594,14 +889,20 @@ def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torc
         batch = move_batch(next(self._batches), self.device)
         n, t = batch_size_and_tokens(batch)
         samples, tokens = samples + n, tokens + t
-        with self.world.gradient_sync(self.synced_model, sync=i == K - 1):  # in a job: one all-reduce, on the last one
-            if run.ooo is not None: run.ooo.begin()
+        with self.world.gradient_sync(
+            self.synced_model, sync=i == K - 1
+        ):  # in a job: one all-reduce, on the last one
+            if run.ooo is not None:
+                run.ooo.begin()
             loss = self._forward(run, batch)
-            if run.ooo is not None: run.ooo.finish()
+            if run.ooo is not None:
+                run.ooo.finish()
             if not loss.requires_grad:
-                raise TrainingError("the model's loss does not depend on any trainable parameter (it has no gradient): compute "
-                                    "it from the model's outputs without .detach(), .item() or torch.no_grad(), and check the "
-                                    "parameters have requires_grad=True")
+                raise TrainingError(
+                    "the model's loss does not depend on any trainable parameter (it has no gradient): compute "
+                    "it from the model's outputs without .detach(), .item() or torch.no_grad(), and check the "
+                    "parameters have requires_grad=True"
+                )
             detached = loss.detach().float()
             loss_sum = detached if loss_sum is None else loss_sum + detached
             scaled = loss if K == 1 else loss * (1.0 / K)  # one microbatch: no extra multiply
@@ -610,8 +911,11 @@ def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torc
 
 # %% ../nbs/11_trainer.ipynb #a206ee54
 @patch
-def _apply_update(self: Trainer, loss: torch.Tensor, params: Any = None, # the parameters (default: the model's)
-                 ) -> tuple[str | None, float, float]:
+def _apply_update(
+    self: Trainer,
+    loss: torch.Tensor,
+    params: Any = None,  # the parameters (default: the model's)
+) -> tuple[str | None, float, float]:
     "Clip, check and step the optimizer: (why it was skipped or `None` when applied, loss, gradient norm)."
     clip = self.settings.grad_clip
     params = list(self.model.parameters()) if params is None else params
@@ -619,20 +923,37 @@ def _apply_update(self: Trainer, loss: torch.Tensor, params: Any = None, # the p
         if clip:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(params, clip)
-        outcome = (None if scaler_step(self.scaler, self.optimizer) else "grad_scaler_overflow"), float("nan"), float("nan")
+        outcome = (
+            (None if scaler_step(self.scaler, self.optimizer) else "grad_scaler_overflow"),
+            float("nan"),
+            float("nan"),
+        )
     else:
-        norm = whole(torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params))  # sharded: the global norm
+        norm = whole(
+            torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params)
+        )  # sharded: the global norm
         loss, norm = self._job_values(loss, norm)
-        outcome = (None, math.nan, math.nan) if update_is_finite(loss, norm) else nonfinite_update(loss, norm)
-        if outcome[0] is None: self.optimizer.step()
+        outcome = (
+            (None, math.nan, math.nan)
+            if update_is_finite(loss, norm)
+            else nonfinite_update(loss, norm)
+        )
+        if outcome[0] is None:
+            self.optimizer.step()
     self.optimizer.zero_grad(set_to_none=True)
     return outcome
 
+
 @patch
-def _job_values(self: Trainer, loss: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _job_values(
+    self: Trainer, loss: torch.Tensor, norm: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     "The loss and gradient norm the update is judged on: in a job the ranks' mean of both (one all-reduce), equal on every rank."
-    if self.world.size == 1: return loss, norm
-    both = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)])
+    if self.world.size == 1:
+        return loss, norm
+    both = torch.stack(
+        [loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]
+    )
     both = self.world.all_sum(both) / self.world.size  # a NaN or inf on any rank makes the sum one
     return both[0], both[1]
 
@@ -642,15 +963,24 @@ def _job_values(self: Trainer, loss: torch.Tensor, norm: torch.Tensor) -> tuple[
 def _ctrl_c_after_update(self: Trainer, run: _FitState) -> Iterator[None]:
     "Within the block, a Ctrl-C during an optimizer update is raised once the step is complete; elsewhere at once."
     if threading.current_thread() is not threading.main_thread():
-        yield; return
+        yield
+        return
     previous = signal.getsignal(signal.SIGINT)
+
     def handler(signum, frame):
-        if run.deferring and not run.held: run.held = True; return
-        if callable(previous): return previous(signum, frame)
-        if previous != signal.SIG_IGN: raise KeyboardInterrupt
+        if run.deferring and not run.held:
+            run.held = True
+            return
+        if callable(previous):
+            return previous(signum, frame)
+        if previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
     signal.signal(signal.SIGINT, handler)
-    try: yield
-    finally: signal.signal(signal.SIGINT, previous)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 # %% ../nbs/11_trainer.ipynb #673ae880
 @patch
@@ -660,76 +990,129 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
     while True:
         loss, tokens, samples, micro = self._accumulate(run)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        run.deferring = run.updating = True  # until the step is counted and recorded, a Ctrl-C waits
+        run.deferring = run.updating = (
+            True  # until the step is counted and recorded, a Ctrl-C waits
+        )
         reason, loss_value, norm = self._apply_update(loss, run.params)
         if reason is None:
             run.boundary = None  # the RNG/data position of this step is taken once it completes
-            self.samples += samples * self.world.size  # every rank takes an equal share of each microbatch
+            self.samples += (
+                samples * self.world.size
+            )  # every rank takes an equal share of each microbatch
             self.step += 1
-            if self.scheduler is not None: self.scheduler.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             run.updating = False
-            self._pending.append(_PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter()))
+            self._pending.append(
+                _PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter())
+            )
         run.deferring = run.updating = False
-        if run.held and reason is not None: run.held = False; raise KeyboardInterrupt
-        if reason is None: break
+        if run.held and reason is not None:
+            run.held = False
+            raise KeyboardInterrupt
+        if reason is None:
+            break
         skipped += 1
         self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": reason})
         if reason == "grad_scaler_overflow" and skipped >= self.settings.max_skipped_steps:
-            raise job_wide(TrainingError(f"the GradScaler skipped {skipped} updates in a row at step {self.step + 1} "
-                                         "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use precision "
-                                         "bf16/fp32, or raise precision.max_skipped_steps"))
+            raise job_wide(
+                TrainingError(
+                    f"the GradScaler skipped {skipped} updates in a row at step {self.step + 1} "
+                    "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use precision "
+                    "bf16/fp32, or raise precision.max_skipped_steps"
+                )
+            )
         if reason != "grad_scaler_overflow" and skipped > self.settings.max_nonfinite_skips:
             raise job_wide(self._nonfinite_error(reason, loss_value, norm, skipped, lr))
-    if self.coordinator is not None and self.coordinator.after_optimizer_step(self.model, self.step):
+    if self.coordinator is not None and self.coordinator.after_optimizer_step(
+        self.model, self.step
+    ):
         self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
-    if run.held: run.held = False; raise KeyboardInterrupt  # the Ctrl-C that waited for this step
+    if run.held:
+        run.held = False
+        raise KeyboardInterrupt  # the Ctrl-C that waited for this step
 
 # %% ../nbs/11_trainer.ipynb #ac0aaca8
 @patch
-def _nonfinite_error(self: Trainer, reason: str, loss: float, norm: float, skipped: int, lr: float) -> TrainingError:
+def _nonfinite_error(
+    self: Trainer, reason: str, loss: float, norm: float, skipped: int, lr: float
+) -> TrainingError:
     "The `TrainingError` that stops a run at a NaN/inf loss or gradient: the step, the value, what to try."
-    what = f"the loss is {loss}" if reason == "nonfinite_loss" else f"the gradient norm is {norm} (the loss is {loss})"
+    what = (
+        f"the loss is {loss}"
+        if reason == "nonfinite_loss"
+        else f"the gradient norm is {norm} (the loss is {loss})"
+    )
     budget = self.settings.max_nonfinite_skips
-    row = f" after {skipped - 1} skipped update{'s' if skipped != 2 else ''} in a row" if budget else ""
-    return TrainingError(f"step {self.step + 1}: {what}{row}, so the update was not applied and training stopped; the "
-                         f"weights are those of step {self.step}. Lower optimizer.lr (this update used {lr:g}), set "
-                         "optimizer.grad_clip (e.g. 1.0), use precision fp32, or look for inf/NaN in the data and the model; "
-                         f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of stopping")
+    row = (
+        f" after {skipped - 1} skipped update{'s' if skipped != 2 else ''} in a row"
+        if budget
+        else ""
+    )
+    return TrainingError(
+        f"step {self.step + 1}: {what}{row}, so the update was not applied and training stopped; the "
+        f"weights are those of step {self.step}. Lower optimizer.lr (this update used {lr:g}), set "
+        "optimizer.grad_clip (e.g. 1.0), use precision fp32, or look for inf/NaN in the data and the model; "
+        f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of stopping"
+    )
 
 # %% ../nbs/11_trainer.ipynb #cf2ea3d8
-STEP_RECORD_KEYS = ("step", "loss", "lr", "steps_per_sec", "samples_per_sec", "tokens_per_sec", "samples", "tokens",
-                    "micro_batches")
+STEP_RECORD_KEYS = (
+    "step",
+    "loss",
+    "lr",
+    "steps_per_sec",
+    "samples_per_sec",
+    "tokens_per_sec",
+    "samples",
+    "tokens",
+    "micro_batches",
+)
+
 
 @patch
 def _flush(self: Trainer, run: _FitState) -> None:
     "Read pending losses/tokens in one transfer, emit their `train_step` records and keep them."
-    if not self._pending: return
+    if not self._pending:
+        return
     for loss, tokens in read_pending(list(self._pending), self.world):
         p = self._pending[0]
         total = self._tokens + tokens
         elapsed = max(p.time - run.t0, 1e-9)
-        record = {"step": p.step, "loss": loss, "lr": p.lr,
-                  "steps_per_sec": (p.step - run.start[0]) / elapsed,
-                  "samples_per_sec": (p.samples - run.start[1]) / elapsed,
-                  "tokens_per_sec": (total - run.start[2]) / elapsed,
-                  "samples": p.samples, "tokens": total, "micro_batches": p.micro_batches}
+        record = {
+            "step": p.step,
+            "loss": loss,
+            "lr": p.lr,
+            "steps_per_sec": (p.step - run.start[0]) / elapsed,
+            "samples_per_sec": (p.samples - run.start[1]) / elapsed,
+            "tokens_per_sec": (total - run.start[2]) / elapsed,
+            "samples": p.samples,
+            "tokens": total,
+            "micro_batches": p.micro_batches,
+        }
         shown = self.logger.emit("train_step", dict(record))
-        self._tokens = total; del self._pending[0]
+        self._tokens = total
+        del self._pending[0]
         run.last_loss, run.unwritten = loss, (record if shown is False else None)
         run.records.append(record)
 
+
 def _takes_force(emit: Any) -> bool:
     "Whether a logger's `emit` accepts `force=`."
-    try: params = inspect.signature(emit).parameters
-    except (TypeError, ValueError): return False
+    try:
+        params = inspect.signature(emit).parameters
+    except (TypeError, ValueError):
+        return False
     return "force" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
 
 @patch
 def _flush_last(self: Trainer, run: _FitState) -> None:
     "Flush, then write the newest record even if the logging cadence skipped it (where the logger can)."
     self._flush(run)
     record, run.unwritten = run.unwritten, None
-    if record is not None and _takes_force(self.logger.emit): self.logger.emit("train_step", dict(record), force=True)
+    if record is not None and _takes_force(self.logger.emit):
+        self.logger.emit("train_step", dict(record), force=True)
 
 # %% ../nbs/11_trainer.ipynb #bbead597
 @patch
@@ -740,119 +1123,183 @@ def _evaluate(self: Trainer, run: _FitState) -> None:
     record = {"step": self.step, **result.record()}
     self.logger.emit("eval", dict(record))
     run.evals.append(record)
-    for sample in getattr(self.evaluator, "samples", lambda model: [])(self.model):  # texts the model writes now
+    for sample in getattr(self.evaluator, "samples", lambda model: [])(
+        self.model
+    ):  # texts the model writes now
         self.logger.emit("sample", {"step": self.step, **sample})
 
 # %% ../nbs/11_trainer.ipynb #49b4ceb7
 @patch
 def _start_coordinator(self: Trainer) -> None:
     "Start the coordinator once, giving it resumed state (staged before `start()` when it can take it so)."
-    if self.coordinator is None or self._coordinator_started: return
+    if self.coordinator is None or self._coordinator_started:
+        return
     state, self._deferred_coordinator = self._deferred_coordinator, None
     prepare = getattr(self.coordinator, "prepare_state", None)
-    if state is not None and callable(prepare): prepare(state); state = None
+    if state is not None and callable(prepare):
+        prepare(state)
+        state = None
     self.coordinator.start()
     self._coordinator_started = True
-    if state is not None: self.coordinator.load_state_dict(state)
+    if state is not None:
+        self.coordinator.load_state_dict(state)
+
 
 @patch
 def _stop_coordinator(self: Trainer, failed: BaseException | None) -> None:
     "Stop a started coordinator; if the loop already failed, a failing `stop()` is a warning, not a new error."
-    if self.coordinator is None or not self._coordinator_started: return
+    if self.coordinator is None or not self._coordinator_started:
+        return
     self._coordinator_started = False
-    try: self.coordinator.stop()
+    try:
+        self.coordinator.stop()
     except Exception as e:
-        if failed is None: raise
-        self.logger.warning(f"coordinator stop() failed while the run was ending on {type(failed).__name__}: "
-                            f"{type(e).__name__}: {e}")
+        if failed is None:
+            raise
+        self.logger.warning(
+            f"coordinator stop() failed while the run was ending on {type(failed).__name__}: "
+            f"{type(e).__name__}: {e}"
+        )
+
 
 @patch
 def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
     "The `train_start` event: where the call starts and ends, on what, with what features."
     report = self.shape_report
-    return {"start_step": self.step, "target_step": run.target, "device": str(self.device),
-            "precision": getattr(self.precision, "mode", str(self.precision)),
-            "precision_reason": getattr(self.precision, "reason", None),
-            "accumulation_steps": self.settings.accumulation_steps,
-            "optimizer": type(self.optimizer).__name__, "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "batch_size": self.settings.batch_size, "sequence_length": self.settings.sequence_length,
-            "parameters": sum(p.numel() for p in run.params),
-            "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
-            "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
-            "ooo_backprop": bool(getattr(run.ooo, "enabled", False)), "world_size": self.world.size}
+    return {
+        "start_step": self.step,
+        "target_step": run.target,
+        "device": str(self.device),
+        "precision": getattr(self.precision, "mode", str(self.precision)),
+        "precision_reason": getattr(self.precision, "reason", None),
+        "accumulation_steps": self.settings.accumulation_steps,
+        "optimizer": type(self.optimizer).__name__,
+        "lr": float(self.optimizer.param_groups[0]["lr"]),
+        "batch_size": self.settings.batch_size,
+        "sequence_length": self.settings.sequence_length,
+        "parameters": sum(p.numel() for p in run.params),
+        "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
+        "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
+        "ooo_backprop": bool(getattr(run.ooo, "enabled", False)),
+        "world_size": self.world.size,
+    }
 
 # %% ../nbs/11_trainer.ipynb #4bfaeebb
 @patch
 def _train_to_target(self: Trainer, run: _FitState) -> None:
     "Steps until the target: records flushed on the logging cadence, interval checkpoints, a final one."
-    manager, every = self.checkpoint_manager, max(1, int(getattr(self.logger, "every_steps", 1) or 1))
-    if self._batches is None: self._batches = infinite_batches(self.dataloader)
-    if run.keep_boundary: run.boundary = self._boundary_state()
+    manager, every = (
+        self.checkpoint_manager,
+        max(1, int(getattr(self.logger, "every_steps", 1) or 1)),
+    )
+    if self._batches is None:
+        self._batches = infinite_batches(self.dataloader)
+    if run.keep_boundary:
+        run.boundary = self._boundary_state()
     while self.step < run.target:
         self._train_one_step(run)
-        stop = self.world.agree_stop(self.stop_requested)  # in a job, one rank's request stops all after this step
+        stop = self.world.agree_stop(
+            self.stop_requested
+        )  # in a job, one rank's request stops all after this step
         due = run.keep_boundary and manager.should_save(self.step)
-        if due or self.step % every == 0 or self.step == run.target or stop: self._flush(run)
-        if self.evaluator is not None and self.evaluator.due(self.step) and self.step < run.target: self._evaluate(run)
-        if run.keep_boundary: run.boundary = self._boundary_state()
-        if due: self.save_checkpoint(run.boundary)
+        if due or self.step % every == 0 or self.step == run.target or stop:
+            self._flush(run)
+        if self.evaluator is not None and self.evaluator.due(self.step) and self.step < run.target:
+            self._evaluate(run)
+        if run.keep_boundary:
+            run.boundary = self._boundary_state()
+        if due:
+            self.save_checkpoint(run.boundary)
         if stop:
             run.together = True
             raise TrainingInterrupted(stop)
     self._flush_last(run)
-    finish = getattr(self.coordinator, "finish", None)  # optional: a sync scheme's last round, before the final checkpoint
+    finish = getattr(
+        self.coordinator, "finish", None
+    )  # optional: a sync scheme's last round, before the final checkpoint
     if callable(finish) and self._coordinator_started and self.step > run.start[0]:
         finish(self.model, self.step)
         self._last_saved_step = -1  # what finish() changed is saved below
-    if self.evaluator is not None and self.step > run.start[0]: self._evaluate(run)  # the weights the call ends with
+    if self.evaluator is not None and self.step > run.start[0]:
+        self._evaluate(run)  # the weights the call ends with
     if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
         self.save_checkpoint(run.boundary)
 
 # %% ../nbs/11_trainer.ipynb #0537d671
 @contextlib.contextmanager
-def signals_held(note: str | None = None, # printed when a signal is held
-                ) -> Iterator[list[str]]:
+def signals_held(
+    note: str | None = None,  # printed when a signal is held
+) -> Iterator[list[str]]:
     "Within the block the first Ctrl-C or SIGTERM is held (printing `note`) and a second raises `KeyboardInterrupt`."
     held: list[str] = []
     if threading.current_thread() is not threading.main_thread():
-        yield held; return
+        yield held
+        return
+
     def handler(signum, frame):
         held.append(signal.Signals(signum).name)
-        if len(held) > 1: raise KeyboardInterrupt(f"{held[-1]} received twice")
+        if len(held) > 1:
+            raise KeyboardInterrupt(f"{held[-1]} received twice")
         if note:
-            with contextlib.suppress(Exception): print(f"\n{note}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):
+                print(f"\n{note}", file=sys.stderr, flush=True)
+
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try: yield held
+    try:
+        yield held
     finally:
-        for s, h in previous.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 # %% ../nbs/11_trainer.ipynb #891af4f7
 @patch
 def _newest_checkpoint(self: Trainer) -> Path | None:
     "The newest checkpoint file on disk, or `None`."
     latest = getattr(self.checkpoint_manager, "latest_path", None)
-    try: return latest() if callable(latest) else None
-    except Exception: return None
+    try:
+        return latest() if callable(latest) else None
+    except Exception:
+        return None
+
 
 @patch
-def _save_on_interrupt(self: Trainer, run: _FitState, exc: BaseException) -> tuple[Path | None, bool, str]:
+def _save_on_interrupt(
+    self: Trainer, run: _FitState, exc: BaseException
+) -> tuple[Path | None, bool, str]:
     "Save the last completed step unless saved or torn; (newest checkpoint, whether it holds that step, what happened)."
     manager, step, problem = self.checkpoint_manager, self.step, None
-    if manager is None or not getattr(manager, "enabled", True): return None, False, "checkpoints are off, so nothing was saved"
-    if step <= 0: return self._newest_checkpoint(), False, "no step was completed, so nothing was saved"
-    if step != self._last_saved_step and self.world.size > 1 and not run.together:  # the other ranks cannot join a save
+    if manager is None or not getattr(manager, "enabled", True):
+        return None, False, "checkpoints are off, so nothing was saved"
+    if step <= 0:
+        return self._newest_checkpoint(), False, "no step was completed, so nothing was saved"
+    if (
+        step != self._last_saved_step and self.world.size > 1 and not run.together
+    ):  # the other ranks cannot join a save
         problem = f"step {step} was not saved: rank {self.world.rank} stopped alone (the other ranks are not at this step)"
     elif step != self._last_saved_step and run.updating:
         problem = f"step {step} was not saved: the stop came inside the optimizer update of step {step + 1}"
     elif step != self._last_saved_step:
-        try: self.save_checkpoint(run.boundary or self._boundary_state())
+        try:
+            self.save_checkpoint(run.boundary or self._boundary_state())
         except BaseException as e:
-            why = "interrupted again while saving" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}: {e}"
+            why = (
+                "interrupted again while saving"
+                if isinstance(e, KeyboardInterrupt)
+                else f"{type(e).__name__}: {e}"
+            )
             problem = f"step {step} was NOT saved ({why})"
     newest = self._newest_checkpoint()
-    saved = step == self._last_saved_step or (newest is not None and newest == manager.path_for(step))
-    if saved: return newest, True, f"step {step} is saved in {newest}"
-    return newest, False, problem + (f"; the newest checkpoint is {newest}" if newest else "; there is no checkpoint yet")
+    saved = step == self._last_saved_step or (
+        newest is not None and newest == manager.path_for(step)
+    )
+    if saved:
+        return newest, True, f"step {step} is saved in {newest}"
+    return (
+        newest,
+        False,
+        problem
+        + (f"; the newest checkpoint is {newest}" if newest else "; there is no checkpoint yet"),
+    )
 
 # %% ../nbs/11_trainer.ipynb #ed07dfa2
 @patch
@@ -860,29 +1307,60 @@ def _result(self: Trainer, run: _FitState) -> TrainResult:
     "The `TrainResult` of this call so far."
     directory = getattr(self.checkpoint_manager, "directory", None)
     keeps = directory is not None and getattr(self.checkpoint_manager, "enabled", True)
-    return TrainResult(self.step, self.samples, self.tokens, run.last_loss if self.step > run.start[0] else None,
-                       time.perf_counter() - run.t0, list(run.records), checkpoint_dir=Path(directory) if keeps else None,
-                       evals=list(run.evals), val_loss=run.evals[-1]["val_loss"] if run.evals else None)
+    return TrainResult(
+        self.step,
+        self.samples,
+        self.tokens,
+        run.last_loss if self.step > run.start[0] else None,
+        time.perf_counter() - run.t0,
+        list(run.records),
+        checkpoint_dir=Path(directory) if keeps else None,
+        evals=list(run.evals),
+        val_loss=run.evals[-1]["val_loss"] if run.evals else None,
+    )
+
 
 @patch
 def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInterrupted | None:
     "After the loop ended on `exc`: keep the records, save the last step; for an interrupt, the `TrainingInterrupted` to raise."
     try:
-        with signals_held(f"speedtronic: still saving step {self.step}; press Ctrl-C again to abandon the save"):
-            if self.world.size == 1 or run.together:  # in a job the records are sums over the ranks: all must flush
-                try: self._flush_last(run)  # the records of completed steps reach the logger however the loop ended
-                except Exception as e: self.logger.warning(f"could not write the last step records: {type(e).__name__}: {e}")
+        with signals_held(
+            f"speedtronic: still saving step {self.step}; press Ctrl-C again to abandon the save"
+        ):
+            if (
+                self.world.size == 1 or run.together
+            ):  # in a job the records are sums over the ranks: all must flush
+                try:
+                    self._flush_last(
+                        run
+                    )  # the records of completed steps reach the logger however the loop ended
+                except Exception as e:
+                    self.logger.warning(
+                        f"could not write the last step records: {type(e).__name__}: {e}"
+                    )
             newest, saved, what = self._save_on_interrupt(run, exc)
     except KeyboardInterrupt:
-        newest, saved, what = self._newest_checkpoint(), False, f"the save of step {self.step} was abandoned"
+        newest, saved, what = (
+            self._newest_checkpoint(),
+            False,
+            f"the save of step {self.step} was abandoned",
+        )
     interrupt = isinstance(exc, KeyboardInterrupt)
-    (self.logger.info if interrupt else self.logger.warning)(f"run stopped by {type(exc).__name__} after step {self.step}; {what}")
-    if type(exc) not in (KeyboardInterrupt, TrainingInterrupted): return None  # other errors (and their subclasses) as they are
+    (self.logger.info if interrupt else self.logger.warning)(
+        f"run stopped by {type(exc).__name__} after step {self.step}; {what}"
+    )
+    if type(exc) not in (KeyboardInterrupt, TrainingInterrupted):
+        return None  # other errors (and their subclasses) as they are
     reason = exc.reason if isinstance(exc, TrainingInterrupted) else "interrupted"
     of = f" of {run.target}" if run.target else ""
-    return TrainingInterrupted(reason, message=f"Training stopped after step {self.step}{of} ({reason}); {what}.",
-                               result=self._result(run), checkpoint=newest, saved=saved,
-                               resume_hint="fit() again on this trainer, or resume a new one from the checkpoint")
+    return TrainingInterrupted(
+        reason,
+        message=f"Training stopped after step {self.step}{of} ({reason}); {what}.",
+        result=self._result(run),
+        checkpoint=newest,
+        saved=saved,
+        resume_hint="fit() again on this trainer, or resume a new one from the checkpoint",
+    )
 
 # %% ../nbs/11_trainer.ipynb #0a26718e
 @patch
@@ -891,23 +1369,31 @@ def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
     run = self._begin_fit(self.max_steps if max_steps is None else int(max_steps))
     failed = None
     try:
-        if self.step < run.target: self._start_coordinator()
+        if self.step < run.target:
+            self._start_coordinator()
         self.logger.emit("train_start", self._train_start_payload(run))
-        with self._ctrl_c_after_update(run): self._train_to_target(run)
+        with self._ctrl_c_after_update(run):
+            self._train_to_target(run)
     except BaseException as exc:
         failed = exc
         run.together = run.together or raised_together(exc)
         stop = self._stopped(run, exc)
-        if stop is not None: raise stop from None
+        if stop is not None:
+            raise stop from None
         raise
     finally:
         self.stop_requested = None
-        try: self._stop_coordinator(failed)
+        try:
+            self._stop_coordinator(failed)
         finally:
-            if run.ooo is not None: run.ooo.dispose()
+            if run.ooo is not None:
+                run.ooo.dispose()
     result = self._result(run)
-    self.logger.emit("train_end", {"steps": self.step, "elapsed_s": result.elapsed_s, "loss": result.final_loss})
+    self.logger.emit(
+        "train_end", {"steps": self.step, "elapsed_s": result.elapsed_s, "loss": result.final_loss}
+    )
     return result
+
 
 Trainer.train = Trainer.fit
 TrainingEngine = Trainer
@@ -920,40 +1406,73 @@ def __repr__(self: TrainResult) -> str:
     loss = "None" if self.final_loss is None else f"{self.final_loss:.4g}"
     where = f", checkpoint_dir='{self.checkpoint_dir}'" if self.checkpoint_dir is not None else ""
     held = f", val_loss={self.val_loss:.4g}" if self.val_loss is not None else ""
-    return (f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, final_loss={loss}{held}, "
-            f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})")
+    return (
+        f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, final_loss={loss}{held}, "
+        f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})"
+    )
+
 
 @patch
-def closing(self: TrainResult, paths: Any = None, # the run's `RunPaths` (its `metrics` and `loss_plot` are listed when written)
-            *, eval_loss: float | None = None, # the held-out loss; default `val_loss`
-           ) -> str:
+def closing(
+    self: TrainResult,
+    paths: Any = None,  # the run's `RunPaths` (its `metrics` and `loss_plot` are listed when written)
+    *,
+    eval_loss: float | None = None,  # the held-out loss; default `val_loss`
+) -> str:
     "What a terminal shows at the end: the step, time and loss, then the checkpoint folder, metrics file and loss curve."
-    files = {"checkpoints": self.checkpoint_dir, "metrics": None if paths is None else paths.metrics,
-             "loss curve": None if paths is None else paths.loss_plot}
+    files = {
+        "checkpoints": self.checkpoint_dir,
+        "metrics": None if paths is None else paths.metrics,
+        "loss curve": None if paths is None else paths.loss_plot,
+    }
     held = self.val_loss if eval_loss is None else eval_loss
     return format_closing(self.steps, self.final_loss, self.elapsed_s, eval_loss=held, files=files)
 
+
 @patch
-def loss_png(self: TrainResult, size: tuple[float, float] = (5.0, 2.6), # inches, 100 screen pixels each
-             dpi: int = 200) -> bytes | None:
+def loss_png(
+    self: TrainResult,
+    size: tuple[float, float] = (5.0, 2.6),  # inches, 100 screen pixels each
+    dpi: int = 200,
+) -> bytes | None:
     "The loss curve of `metrics` (and the held-out loss of `evals`) as a PNG; `None` without records or without matplotlib."
     points = loss_points(self.metrics)
-    if not points: return None
+    if not points:
+        return None
     held = [(r["step"], r["val_loss"]) for r in self.evals]
-    try: return figure_png(loss_figure(points, held, size=size, title=None), dpi=dpi)
-    except MissingExtra: return None
+    try:
+        return figure_png(loss_figure(points, held, size=size, title=None), dpi=dpi)
+    except MissingExtra:
+        return None
+
 
 @patch
 def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str, str]:
     "In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line repr elsewhere."
     loss = "none" if self.final_loss is None else f"{self.final_loss:.4g}"
     held = f" · held-out loss {self.val_loss:.4g}" if self.val_loss is not None else ""
-    line = (f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss}{held} · {self.elapsed_s:.1f} s"
-            + (f" · checkpoints in <code>{html.escape(str(self.checkpoint_dir))}</code>" if self.checkpoint_dir else ""))
+    line = (
+        f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss}{held} · {self.elapsed_s:.1f} s"
+        + (
+            f" · checkpoints in <code>{html.escape(str(self.checkpoint_dir))}</code>"
+            if self.checkpoint_dir
+            else ""
+        )
+    )
     png = self.loss_png()
-    picture = (f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" height="260" '
-               'alt="loss curve">') if png else ""
-    return {"text/plain": repr(self), "text/html": f'<div class="speedtronic-result">{line}{picture}</div>'}
+    picture = (
+        (
+            f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" height="260" '
+            'alt="loss curve">'
+        )
+        if png
+        else ""
+    )
+    return {
+        "text/plain": repr(self),
+        "text/html": f'<div class="speedtronic-result">{line}{picture}</div>',
+    }
 
 # %% ../nbs/11_trainer.ipynb #41af70fa
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

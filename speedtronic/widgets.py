@@ -29,6 +29,7 @@ def _ipywidgets():
     "ipywidgets, or an error naming the `widgets` extra that installs it."
     return optional_import("ipywidgets", extra="widgets", purpose="Speedtronic's interactive views")
 
+
 def error_html(exc: BaseException) -> str:
     "The message a view shows for `exc`: a configuration error in the configuration's words, anything else with its type."
     text = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
@@ -37,16 +38,22 @@ def error_html(exc: BaseException) -> str:
 # %% ../nbs/14_widgets.ipynb #81135de3
 class View:
     "Named controls, a result and a message line; a subclass draws the result for the controls' values."
-    def __init__(self, controls: dict[str, Any], # name -> an ipywidgets control; its `value` goes to `draw`
-                 rows: list[list[Any]], # the layout: one list per row of control names (or other widgets)
-                 result: Any, # the widget that shows the result (an `Image`, an `HTML`, ...)
-                ):
+
+    def __init__(
+        self,
+        controls: dict[str, Any],  # name -> an ipywidgets control; its `value` goes to `draw`
+        rows: list[list[Any]],  # the layout: one list per row of control names (or other widgets)
+        result: Any,  # the widget that shows the result (an `Image`, an `HTML`, ...)
+    ):
         W = _ipywidgets()
         self.controls, self.result, self.error = controls, result, None
         self.message = W.HTML(layout=W.Layout(display="none"))
-        self.widget = W.VBox([W.HBox([controls[c] if isinstance(c, str) else c for c in row]) for row in rows]
-                             + [self.message, result])
-        for control in controls.values(): control.observe(self.update, names="value")
+        self.widget = W.VBox(
+            [W.HBox([controls[c] if isinstance(c, str) else c for c in row]) for row in rows]
+            + [self.message, result]
+        )
+        for control in controls.values():
+            control.observe(self.update, names="value")
 
     def values(self) -> dict[str, Any]:
         "The value of every control, by name."
@@ -64,14 +71,17 @@ class View:
         "One line describing the view's state, for the plain-text display."
         return f"error: {self.error}" if self.error else ""
 
-    def __repr__(self) -> str: return f"{type(self).__name__}({self.summary()})"
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.summary()})"
 
 # %% ../nbs/14_widgets.ipynb #126c5703
 @patch
 def update(self: View, change: Any = None) -> None:
     "Redraw for the current values; an error is shown in the widget and the stale result is hidden."
-    try: self.draw(self.values())
-    except Exception as exc: self.fail(exc)
+    try:
+        self.draw(self.values())
+    except Exception as exc:
+        self.fail(exc)
     else:
         self.error, self.message.value, self.message.layout.display = None, "", "none"
         self.result.layout.display = None
@@ -88,10 +98,14 @@ def fail(self: View, exc: Exception) -> None:
 @patch
 def guarded(self: View, callback: Callable) -> Callable:
     "`callback` for `observe`: whatever it raises is shown in the widget (not only in JupyterLab's log console)."
+
     @functools.wraps(callback)
     def run(*args, **kwargs):
-        try: return callback(*args, **kwargs)
-        except Exception as exc: self.fail(exc)
+        try:
+            return callback(*args, **kwargs)
+        except Exception as exc:
+            self.fail(exc)
+
     return run
 
 # %% ../nbs/14_widgets.ipynb #ccc40823
@@ -99,6 +113,7 @@ def guarded(self: View, callback: Callable) -> Callable:
 def snapshot(self: View) -> tuple[dict, dict]:
     "A static picture of the current result as (mime data, metadata); the error message while there is one."
     return ({"text/html": self.message.value}, {}) if self.error else ({}, {})
+
 
 @patch
 def _repr_mimebundle_(self: View, **kwargs) -> tuple[dict, dict]:
@@ -109,11 +124,22 @@ def _repr_mimebundle_(self: View, **kwargs) -> tuple[dict, dict]:
 # %% ../nbs/14_widgets.ipynb #49f09d9f
 PIXEL_RATIO = 2  # image pixels per displayed pixel
 
+
 class FigureView(View):
     "A `View` whose result is a matplotlib `Figure`, shown as a PNG of `width` × `height` screen pixels."
-    def __init__(self, controls: dict[str, Any], rows: list[list[Any]], *, width: int = 640, height: int = 280):
+
+    def __init__(
+        self,
+        controls: dict[str, Any],
+        rows: list[list[Any]],
+        *,
+        width: int = 640,
+        height: int = 280,
+    ):
         W = _ipywidgets()
-        Figure = optional_import("matplotlib.figure", extra="widgets", purpose="Speedtronic's interactive views").Figure
+        Figure = optional_import(
+            "matplotlib.figure", extra="widgets", purpose="Speedtronic's interactive views"
+        ).Figure
         self.size = (width, height)
         self.figure = Figure(figsize=(width / 100, height / 100), dpi=100, layout="constrained")
         self.image = W.Image(format="png", width=str(width), height=str(height))
@@ -130,10 +156,13 @@ class FigureView(View):
 
     def snapshot(self) -> tuple[dict, dict]:
         "The current plot as a PNG shown at the view's size (or the error message)."
-        if self.error or not self.image.value: return View.snapshot(self)
+        if self.error or not self.image.value:
+            return View.snapshot(self)
         width, height = self.size
-        return ({"image/png": base64.b64encode(self.image.value).decode()},
-                {"image/png": {"width": width, "height": height}})
+        return (
+            {"image/png": base64.b64encode(self.image.value).decode()},
+            {"image/png": {"width": width, "height": height}},
+        )
 
 # %% ../nbs/14_widgets.ipynb #005ac448
 def lr_notches(rate: float | None = None) -> list[float]:
@@ -141,22 +170,60 @@ def lr_notches(rate: float | None = None) -> list[float]:
     notches = [float(f"{m}e{e}") for e in range(-6, 0) for m in (1, 2, 3, 5)] + [1.0]
     return sorted(set(notches) | ({float(rate)} if rate is not None and rate > 0 else set()))
 
+
 class ScheduleExplorer(FigureView):
     "Sliders for a schedule's settings and a plot of the learning rate each update uses."
-    def __init__(self, *, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
-                 min_lr_ratio: float = 0.1, name: str = "cosine"):
+
+    def __init__(
+        self,
+        *,
+        base_lr: float = 3e-4,
+        warmup_steps: int = 100,
+        max_steps: int = 1000,
+        min_lr_ratio: float = 0.1,
+        name: str = "cosine",
+    ):
         W, style = _ipywidgets(), {"description_width": "initial"}
         controls = {
-            "warmup_steps": W.IntSlider(value=warmup_steps, min=0, max=max(2 * max_steps, warmup_steps), description="warmup", style=style),
-            "max_steps": W.IntSlider(value=max_steps, min=1, max=max(10 * max_steps, 10), description="horizon", style=style),
-            "min_lr_ratio": W.FloatSlider(value=min_lr_ratio, min=0.0, max=1.0, step=0.01, description="floor ratio", style=style),
-            "name": W.Dropdown(options=list(SCHEDULE_NAMES), value=name, description="kind", style=style),
+            "warmup_steps": W.IntSlider(
+                value=warmup_steps,
+                min=0,
+                max=max(2 * max_steps, warmup_steps),
+                description="warmup",
+                style=style,
+            ),
+            "max_steps": W.IntSlider(
+                value=max_steps,
+                min=1,
+                max=max(10 * max_steps, 10),
+                description="horizon",
+                style=style,
+            ),
+            "min_lr_ratio": W.FloatSlider(
+                value=min_lr_ratio,
+                min=0.0,
+                max=1.0,
+                step=0.01,
+                description="floor ratio",
+                style=style,
+            ),
+            "name": W.Dropdown(
+                options=list(SCHEDULE_NAMES), value=name, description="kind", style=style
+            ),
             "base_lr": W.FloatText(value=base_lr, step=1e-5, description="base lr", style=style),
         }
-        self.lr_slider = W.SelectionSlider(options=lr_notches(base_lr), value=float(base_lr) if base_lr > 0 else 3e-4,
-                                           readout=False, description="base lr, log scale", style=style)
+        self.lr_slider = W.SelectionSlider(
+            options=lr_notches(base_lr),
+            value=float(base_lr) if base_lr > 0 else 3e-4,
+            readout=False,
+            description="base lr, log scale",
+            style=style,
+        )
         self._following_box = False
-        super().__init__(controls, [["warmup_steps", "max_steps", "min_lr_ratio"], ["name", "base_lr", self.lr_slider]])
+        super().__init__(
+            controls,
+            [["warmup_steps", "max_steps", "min_lr_ratio"], ["name", "base_lr", self.lr_slider]],
+        )
         self.ax, self.schedule = self.figure.subplots(), None
         self.lr_slider.observe(self.guarded(self._lr_from_slider), names="value")
         controls["base_lr"].observe(self.guarded(self._lr_to_slider), names="value")
@@ -173,34 +240,45 @@ class ScheduleExplorer(FigureView):
 def plot(self: ScheduleExplorer, values: dict[str, Any]) -> None:
     "Check the settings as a configuration would (the base rate as `optimizer.lr`), then draw the schedule they resolve to."
     from speedtronic.config import OptimizerConfig
+
     self.schedule = None
     OptimizerConfig(lr=values["base_lr"])
-    section = SchedulerConfig(**{k: values[k] for k in ("name", "warmup_steps", "max_steps", "min_lr_ratio")})
+    section = SchedulerConfig(
+        **{k: values[k] for k in ("name", "warmup_steps", "max_steps", "min_lr_ratio")}
+    )
     self.schedule = resolve_schedule(section)
     self.ax.clear()
     plot_schedule(base_lr=values["base_lr"], **asdict(self.schedule), ax=self.ax)
 
+
 @patch
 def _lr_from_slider(self: ScheduleExplorer, change: dict) -> None:
     "A drag writes the notch's rate in the box; the slider following the box writes nothing."
-    if not self._following_box: self.controls["base_lr"].value = change["new"]
+    if not self._following_box:
+        self.controls["base_lr"].value = change["new"]
+
 
 @patch
 def _lr_to_slider(self: ScheduleExplorer, change: dict) -> None:
     "A positive rate typed in the box moves the slider to it, made a notch if it is not one; another rate leaves the slider."
     rate = change["new"]
-    if not rate > 0 or rate == self.lr_slider.value: return
+    if not rate > 0 or rate == self.lr_slider.value:
+        return
     self._following_box = True
     try:
-        if rate not in self.lr_slider.options: self.lr_slider.options = lr_notches(rate)
+        if rate not in self.lr_slider.options:
+            self.lr_slider.options = lr_notches(rate)
         self.lr_slider.value = rate
-    finally: self._following_box = False
+    finally:
+        self._following_box = False
+
 
 @patch
 def _warmup_range(self: ScheduleExplorer, change: dict) -> None:
     "The warmup slider reaches twice the horizon shown (never below the warmup it holds)."
     warmup = self.controls["warmup_steps"]
     warmup.max = max(2 * change["new"], warmup.value)
+
 
 @patch
 def summary(self: ScheduleExplorer) -> str:
@@ -210,27 +288,57 @@ def summary(self: ScheduleExplorer) -> str:
     return text + (f"; {self.error}" if self.error else "")
 
 # %% ../nbs/14_widgets.ipynb #9900f805
-def schedule_explorer(*, base_lr: float = 3e-4, warmup_steps: int = 100, max_steps: int = 1000,
-                      min_lr_ratio: float = 0.1, name: str = "cosine") -> ScheduleExplorer:
+def schedule_explorer(
+    *,
+    base_lr: float = 3e-4,
+    warmup_steps: int = 100,
+    max_steps: int = 1000,
+    min_lr_ratio: float = 0.1,
+    name: str = "cosine",
+) -> ScheduleExplorer:
     "Sliders re-plotting the learning-rate schedule as they move; see `ScheduleExplorer`."
-    return ScheduleExplorer(base_lr=base_lr, warmup_steps=warmup_steps, max_steps=max_steps,
-                            min_lr_ratio=min_lr_ratio, name=name)
+    return ScheduleExplorer(
+        base_lr=base_lr,
+        warmup_steps=warmup_steps,
+        max_steps=max_steps,
+        min_lr_ratio=min_lr_ratio,
+        name=name,
+    )
 
 # %% ../nbs/14_widgets.ipynb #f08737f6
-DTYPE_CHOICES = (("not set", ""), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"))  # (label, value) pairs
+DTYPE_CHOICES = (
+    ("not set", ""),
+    ("bf16", "bf16"),
+    ("fp16", "fp16"),
+    ("fp32", "fp32"),
+)  # (label, value) pairs
+
 
 class PrecisionExplorer(View):
     "A device description and a precision request, and the `PrecisionPlan` a run would use for them."
-    def __init__(self, *, kind: str = "cuda", bf16: bool = True, fp16: bool = True, mode: str = "auto",
-                 dtype: str | None = None):
+
+    def __init__(
+        self,
+        *,
+        kind: str = "cuda",
+        bf16: bool = True,
+        fp16: bool = True,
+        mode: str = "auto",
+        dtype: str | None = None,
+    ):
         from speedtronic.precision import PRECISION_MODES, SUPPORTED_DEVICE_TYPES
+
         W = _ipywidgets()
         controls = {
-            "kind": W.Dropdown(options=list(SUPPORTED_DEVICE_TYPES), value=kind, description="device"),
+            "kind": W.Dropdown(
+                options=list(SUPPORTED_DEVICE_TYPES), value=kind, description="device"
+            ),
             "bf16": W.Checkbox(value=bf16, description="bf16 supported", indent=False),
             "fp16": W.Checkbox(value=fp16, description="fp16 supported", indent=False),
             "mode": W.Dropdown(options=list(PRECISION_MODES), value=mode, description="mode"),
-            "dtype": W.Dropdown(options=list(DTYPE_CHOICES), value=dtype or "", description="dtype"),
+            "dtype": W.Dropdown(
+                options=list(DTYPE_CHOICES), value=dtype or "", description="dtype"
+            ),
         }
         self.plan = None
         super().__init__(controls, [["kind", "bf16", "fp16"], ["mode", "dtype"]], W.HTML())
@@ -241,21 +349,29 @@ class PrecisionExplorer(View):
 def draw(self: PrecisionExplorer, values: dict[str, Any]) -> None:
     "Resolve the plan for the described device and the request, as a run would."
     from speedtronic.precision import DeviceCapabilities, describe_plan, resolve_precision
+
     self.plan, kind = None, values["kind"]
     probe_error = "the bf16 probe failed" if kind == "cpu" and not values["bf16"] else None
-    device = DeviceCapabilities(kind, bf16=values["bf16"], fp16=values["fp16"], probe_error=probe_error)
+    device = DeviceCapabilities(
+        kind, bf16=values["bf16"], fp16=values["fp16"], probe_error=probe_error
+    )
     request = PrecisionConfig(mode=values["mode"], dtype=values["dtype"] or None)
     self.plan = resolve_precision(request, kind, device)
     self.result.value = f"<code>{html.escape(describe_plan(self.plan))}</code>"
 
+
 @patch
 def snapshot(self: PrecisionExplorer) -> tuple[dict, dict]:
     "The described device, the request and the plan's line, as HTML (or the error message)."
-    if self.error: return View.snapshot(self)
+    if self.error:
+        return View.snapshot(self)
     v, yes = self.values(), lambda b: "yes" if b else "no"
-    asked = (f"device {v['kind']} (bf16 {yes(v['bf16'])}, fp16 {yes(v['fp16'])}), mode {v['mode']}, "
-             f"dtype {v['dtype'] or 'not set'}")
+    asked = (
+        f"device {v['kind']} (bf16 {yes(v['bf16'])}, fp16 {yes(v['fp16'])}), mode {v['mode']}, "
+        f"dtype {v['dtype'] or 'not set'}"
+    )
     return {"text/html": f"<div>{html.escape(asked)}</div>{self.result.value}"}, {}
+
 
 @patch
 def summary(self: PrecisionExplorer) -> str:
@@ -265,22 +381,26 @@ def summary(self: PrecisionExplorer) -> str:
     return request + (f": {self.error}" if self.error else f" -> {self.plan.mode}")
 
 # %% ../nbs/14_widgets.ipynb #0b526106
-def precision_explorer(*, kind: str = "cuda", # the device kind: cuda, cpu or mps
-                       bf16: bool = True, # the device supports bf16 autocast
-                       fp16: bool = True, # the device supports fp16 autocast (CUDA)
-                       mode: str = "auto", # `precision.mode`
-                       dtype: str | None = None, # `precision.dtype` (None: not set)
-                      ) -> PrecisionExplorer:
+def precision_explorer(
+    *,
+    kind: str = "cuda",  # the device kind: cuda, cpu or mps
+    bf16: bool = True,  # the device supports bf16 autocast
+    fp16: bool = True,  # the device supports fp16 autocast (CUDA)
+    mode: str = "auto",  # `precision.mode`
+    dtype: str | None = None,  # `precision.dtype` (None: not set)
+) -> PrecisionExplorer:
     "A view of the precision plan for a device you describe; see `PrecisionExplorer`."
     return PrecisionExplorer(kind=kind, bf16=bf16, fp16=fp16, mode=mode, dtype=dtype)
 
 # %% ../nbs/14_widgets.ipynb #3818d21e
 class TrainingView(FigureView):
     "A progress bar, a line of numbers, a loss chart and the newest sample that follow a training run in JupyterLab."
+
     STYLES = {"running": "", "done": "success", "stopped": "warning"}  # bar colour for each state
 
-    def __init__(self, *, width: int = 560, height: int = 200,
-                 max_points: int = 2000): # points kept per curve; older ones are thinned beyond that
+    def __init__(
+        self, *, width: int = 560, height: int = 200, max_points: int = 2000
+    ):  # points kept per curve; older ones are thinned beyond that
         W = _ipywidgets()
         self.bar = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="220px"))
         self.status = W.HTML(layout=W.Layout(margin="0 0 0 12px"))
@@ -289,7 +409,9 @@ class TrainingView(FigureView):
         self.train: list[tuple[int, float]] = []
         self.evals: list[tuple[int, float]] = []
         self.clear()  # no chart until there is a loss to draw
-        self.newest_sample = W.HTML(layout=W.Layout(display="none"))  # the newest text the model wrote, under the chart
+        self.newest_sample = W.HTML(
+            layout=W.Layout(display="none")
+        )  # the newest text the model wrote, under the chart
         self.widget.children = (*self.widget.children, self.newest_sample)
 
     def plot(self, values: dict[str, Any]) -> None:
@@ -298,39 +420,60 @@ class TrainingView(FigureView):
 
 # %% ../nbs/14_widgets.ipynb #c63ef2a9
 @patch
-def add(self: TrainingView, kind: str, # "train" or "eval"
-        step: int, loss: float) -> None:
+def add(
+    self: TrainingView,
+    kind: str,  # "train" or "eval"
+    step: int,
+    loss: float,
+) -> None:
     "Keep one (step, loss) point for the chart (drawn at the next `refresh`)."
     points = self.evals if kind == "eval" else self.train
     points.append((step, loss))
-    if len(points) > self.max_points: points[:-1] = points[:-1][::2]  # thin the history, keep the newest
+    if len(points) > self.max_points:
+        points[:-1] = points[:-1][::2]  # thin the history, keep the newest
+
 
 @patch
-def progress(self: TrainingView, step: int, target: int | None, text: str, state: str = "running") -> None:
+def progress(
+    self: TrainingView, step: int, target: int | None, text: str, state: str = "running"
+) -> None:
     "Move the bar to `step` of `target` and show `text`; `state` is running, done or stopped."
     self.bar.max = max(1, int(target or step or 1))
     self.bar.value = min(int(step), self.bar.max)
     self.bar.bar_style = self.STYLES[state]
     self.status.value = f'<span class="speedtronic-progress">{html.escape(text)}</span>'
 
+
 @patch
-def stop(self: TrainingView, step: int, target: int | None,
-         detail: str = "", # what else to say, e.g. the last loss and the time taken
-        ) -> None:
+def stop(
+    self: TrainingView,
+    step: int,
+    target: int | None,
+    detail: str = "",  # what else to say, e.g. the last loss and the time taken
+) -> None:
     "Show that the run stopped at `step` before reaching `target`."
-    text = f"stopped at step {step}" + (f" of {target}" if target else "") + (f" | {detail}" if detail else "")
+    text = (
+        f"stopped at step {step}"
+        + (f" of {target}" if target else "")
+        + (f" | {detail}" if detail else "")
+    )
     self.progress(step, target, text, "stopped")
+
 
 @patch
 def refresh(self: TrainingView) -> None:
     "Redraw the chart from the points received so far."
-    if self.train or self.evals: self.update()
+    if self.train or self.evals:
+        self.update()
+
 
 @patch
 def sample(self: TrainingView, step: int, prompt: str, text: str) -> None:
     "Show the newest sample under the chart: the prompt in bold, then what the model wrote after it."
-    self.newest_sample.value = (f'<pre class="speedtronic-sample" style="white-space:pre-wrap;margin:4px 0">step {step}: '
-                                f'<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>')
+    self.newest_sample.value = (
+        f'<pre class="speedtronic-sample" style="white-space:pre-wrap;margin:4px 0">step {step}: '
+        f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
+    )
     self.newest_sample.layout.display = None
 
 # %% ../nbs/14_widgets.ipynb #6145af8b
@@ -339,57 +482,121 @@ def summary(self: TrainingView) -> str:
     "The line of numbers beside the bar."
     return html.unescape(re.sub(r"<[^>]+>", "", self.status.value))
 
+
 @patch
 def snapshot(self: TrainingView) -> tuple[dict, dict]:
     "The line of numbers and the chart as HTML, for a notebook opened without a kernel and for the docs."
     width, height = self.size
-    picture = (f'<img src="data:image/png;base64,{base64.b64encode(self.image.value).decode()}" '
-               f'width="{width}" height="{height}" alt="loss chart">') if self.image.value and not self.error else ""
+    picture = (
+        (
+            f'<img src="data:image/png;base64,{base64.b64encode(self.image.value).decode()}" '
+            f'width="{width}" height="{height}" alt="loss chart">'
+        )
+        if self.image.value and not self.error
+        else ""
+    )
     bar = f'<progress value="{self.bar.value}" max="{self.bar.max}" style="width:220px"></progress>'
-    return {"text/html": f"<div>{bar} <code>{html.escape(self.summary())}</code></div>{picture}{self.newest_sample.value}"}, {}
+    return {
+        "text/html": f"<div>{bar} <code>{html.escape(self.summary())}</code></div>{picture}{self.newest_sample.value}"
+    }, {}
 
 # %% ../nbs/14_widgets.ipynb #2fa8128a
 class SampleBox(View):
     "A prompt box, a temperature slider, max new tokens and a Generate button; the text `generate` writes, below."
-    def __init__(self, model: Any, tokenizer: Any, *, prompt: str = "", temperature: float = 0.8,
-                 max_new_tokens: int = 100, seed: int | None = None, # seed of the draws (None: torch's global state)
-                ):
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        prompt: str = "",
+        temperature: float = 0.8,
+        max_new_tokens: int = 100,
+        seed: int | None = None,  # seed of the draws (None: torch's global state)
+    ):
         W, style = _ipywidgets(), {"description_width": "initial"}
-        controls = {"prompt": W.Textarea(value=prompt, placeholder="a prompt", description="prompt", style=style,
-                                         layout=W.Layout(width="560px")),
-                    "temperature": W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05, description="temperature",
-                                                 style=style),
-                    "max_new_tokens": W.BoundedIntText(value=max_new_tokens, min=1, max=100_000, description="new tokens",
-                                                       style=style, layout=W.Layout(width="160px"))}
-        self.model, self.tokenizer, self.seed, self.text, self.made_with = model, tokenizer, seed, None, None
-        self.button = W.Button(description="Generate", button_style="primary", tooltip="write text after the prompt")
-        super().__init__(controls, [["prompt"], ["temperature", "max_new_tokens", self.button]], W.HTML())
+        controls = {
+            "prompt": W.Textarea(
+                value=prompt,
+                placeholder="a prompt",
+                description="prompt",
+                style=style,
+                layout=W.Layout(width="560px"),
+            ),
+            "temperature": W.FloatSlider(
+                value=temperature,
+                min=0.0,
+                max=2.0,
+                step=0.05,
+                description="temperature",
+                style=style,
+            ),
+            "max_new_tokens": W.BoundedIntText(
+                value=max_new_tokens,
+                min=1,
+                max=100_000,
+                description="new tokens",
+                style=style,
+                layout=W.Layout(width="160px"),
+            ),
+        }
+        self.model, self.tokenizer, self.seed, self.text, self.made_with = (
+            model,
+            tokenizer,
+            seed,
+            None,
+            None,
+        )
+        self.button = W.Button(
+            description="Generate", button_style="primary", tooltip="write text after the prompt"
+        )
+        super().__init__(
+            controls, [["prompt"], ["temperature", "max_new_tokens", self.button]], W.HTML()
+        )
         self.button.on_click(lambda _: View.update(self))
 
     def update(self, change: Any = None) -> None:
         "A control that moves leaves the text alone; `Generate` (or a call without a change) writes new text."
-        if change is None: View.update(self)
+        if change is None:
+            View.update(self)
 
 # %% ../nbs/14_widgets.ipynb #01785d13
 @patch
 def show_text(self: SampleBox, prompt: str, text: str, note: str = "") -> None:
     "Show `prompt` and the `text` written after it, with `note` (the settings) under them."
-    self.result.value = (f'<pre class="speedtronic-sample" style="white-space:pre-wrap; margin:4px 0">'
-                         f'<b class="speedtronic-prompt">{html.escape(prompt)}</b>'
-                         f'<span class="speedtronic-generated">{html.escape(text)}</span></pre>'
-                         + (f'<div class="speedtronic-sample-note" style="color:#666">{html.escape(note)}</div>' if note else ""))
+    self.result.value = (
+        f'<pre class="speedtronic-sample" style="white-space:pre-wrap; margin:4px 0">'
+        f'<b class="speedtronic-prompt">{html.escape(prompt)}</b>'
+        f'<span class="speedtronic-generated">{html.escape(text)}</span></pre>'
+        + (
+            f'<div class="speedtronic-sample-note" style="color:#666">{html.escape(note)}</div>'
+            if note
+            else ""
+        )
+    )
+
 
 @patch
 def draw(self: SampleBox, values: dict[str, Any]) -> None:
     "Write text after the prompt with `generate`, showing each piece as it comes."
     from speedtronic.generation import generate
+
     prompt, pieces = values["prompt"], []
+
     def shown(piece: str) -> None:
         pieces.append(piece)
         self.show_text(prompt, "".join(pieces), "writing…")
+
     self.text = None
-    self.text = generate(self.model, self.tokenizer, prompt, max_new_tokens=values["max_new_tokens"],
-                         temperature=values["temperature"], seed=self.seed, on_text=shown)
+    self.text = generate(
+        self.model,
+        self.tokenizer,
+        prompt,
+        max_new_tokens=values["max_new_tokens"],
+        temperature=values["temperature"],
+        seed=self.seed,
+        on_text=shown,
+    )
     self.made_with = {k: values[k] for k in ("temperature", "max_new_tokens")}
     how = "greedy" if values["temperature"] == 0 else f"temperature {values['temperature']:g}"
     self.show_text(prompt, self.text, f"{how}, up to {values['max_new_tokens']} new tokens")
@@ -398,49 +605,75 @@ def draw(self: SampleBox, values: dict[str, Any]) -> None:
 @patch
 def summary(self: SampleBox) -> str:
     "How much text the last Generate wrote, or the refusal."
-    if self.error: return f"error: {self.error}"
-    return "press Generate" if self.text is None else f"{len(self.text)} characters after the prompt"
+    if self.error:
+        return f"error: {self.error}"
+    return (
+        "press Generate" if self.text is None else f"{len(self.text)} characters after the prompt"
+    )
+
 
 @patch
 def snapshot(self: SampleBox) -> tuple[dict, dict]:
     "The prompt and the text as HTML (or the error message)."
-    return View.snapshot(self) if self.error or self.text is None else ({"text/html": self.result.value}, {})
+    return (
+        View.snapshot(self)
+        if self.error or self.text is None
+        else ({"text/html": self.result.value}, {})
+    )
 
-def sample_box(model: Any, # a model `generate` takes (the reference transformer, or any causal LM returning logits)
-               tokenizer: Any, # the tokenizer it was trained with
-               **settings, # prompt, temperature, max_new_tokens, seed: the controls' starting values
-              ) -> SampleBox:
+
+def sample_box(
+    model: Any,  # a model `generate` takes (the reference transformer, or any causal LM returning logits)
+    tokenizer: Any,  # the tokenizer it was trained with
+    **settings,  # prompt, temperature, max_new_tokens, seed: the controls' starting values
+) -> SampleBox:
     "A prompt box, a temperature slider and a Generate button writing text with `model`; see `SampleBox`."
     return SampleBox(model, tokenizer, **settings)
 
 # %% ../nbs/14_widgets.ipynb #7dc960f6
 class DeltaNormView(FigureView):
     "A DiLoCo run's per-layer delta norms: pick the node, the layer and the outer steps; reload while the run goes on."
+
     def __init__(self, source: Any, *, node: str | None = None, layer: str = "total"):
         W, style = _ipywidgets(), {"description_width": "initial"}
-        controls = {"node": W.Dropdown(options=[("all nodes", "")], value="", description="node", style=style),
-                    "layer": W.Dropdown(options=["total"], value="total", description="layer", style=style),
-                    "rounds": W.IntRangeSlider(value=(0, 0), min=0, max=0, description="outer steps", style=style)}
+        controls = {
+            "node": W.Dropdown(
+                options=[("all nodes", "")], value="", description="node", style=style
+            ),
+            "layer": W.Dropdown(options=["total"], value="total", description="layer", style=style),
+            "rounds": W.IntRangeSlider(
+                value=(0, 0), min=0, max=0, description="outer steps", style=style
+            ),
+        }
         self.reload_button = W.Button(description="reload", tooltip="read the records again")
         self.source, self.records, self.load_error, self._loading = source, [], None, False
-        super().__init__(controls, [["node", "layer"], ["rounds", self.reload_button]], width=760, height=300)
+        super().__init__(
+            controls, [["node", "layer"], ["rounds", self.reload_button]], width=760, height=300
+        )
         self._wanted = (node or "", layer)
         self.reload_button.on_click(self.guarded(lambda _: self.reload()))
         self.reload()
 
     def update(self, change: Any = None) -> None:
         "Redraw, except while `reload` is replacing the controls' choices."
-        if not self._loading: View.update(self, change)
+        if not self._loading:
+            View.update(self, change)
 
 # %% ../nbs/14_widgets.ipynb #fca3b65b
 @patch
 def reload(self: DeltaNormView) -> None:
     "Read the records again, offer the nodes, layers and outer steps they hold, and redraw."
     from speedtronic.distributed.norms import norm_choices, norm_records
-    try: self.records, self.load_error = norm_records(self.source), None
-    except Exception as exc: self.records, self.load_error = [], exc
+
+    try:
+        self.records, self.load_error = norm_records(self.source), None
+    except Exception as exc:
+        self.records, self.load_error = [], exc
     choices, c = norm_choices(self.records), self.controls
-    node, layer = c["node"].value or self._wanted[0], self._wanted[1] if c["layer"].value == "total" else c["layer"].value
+    node, layer = (
+        c["node"].value or self._wanted[0],
+        self._wanted[1] if c["layer"].value == "total" else c["layer"].value,
+    )
     steps, rounds = choices["outer_steps"] or [0], c["rounds"]
     whole = rounds.value == (rounds.min, rounds.max)
     self._loading = True
@@ -453,7 +686,8 @@ def reload(self: DeltaNormView) -> None:
         rounds.max = steps[-1]
         lo, hi = rounds.value
         rounds.value = (steps[0], steps[-1]) if whole else (max(lo, steps[0]), min(hi, steps[-1]))
-    finally: self._loading = False
+    finally:
+        self._loading = False
     self.update()
 
 # %% ../nbs/14_widgets.ipynb #3be71700
@@ -461,28 +695,40 @@ def reload(self: DeltaNormView) -> None:
 def plot(self: DeltaNormView, values: dict[str, Any]) -> None:
     "The chapter's `plot_delta_norms` on this view's figure, for the chosen node, layer and outer steps."
     from speedtronic.distributed.norms import plot_delta_norms
-    if self.load_error is not None: raise self.load_error
+
+    if self.load_error is not None:
+        raise self.load_error
     if not self.records:
-        raise ValueError(f"{self.source}: no delta-norm records yet; a DiLoCo master writes them to its metrics file "
-                         "(logging.json_file) each time it folds deltas into the global model")
+        raise ValueError(
+            f"{self.source}: no delta-norm records yet; a DiLoCo master writes them to its metrics file "
+            "(logging.json_file) each time it folds deltas into the global model"
+        )
     lo, hi = values["rounds"]
     shown = [r for r in self.records if lo <= r.outer_step <= hi]
-    plot_delta_norms(shown, node=values["node"] or None, layer=values["layer"], outer_step=hi, figure=self.figure)
+    plot_delta_norms(
+        shown, node=values["node"] or None, layer=values["layer"], outer_step=hi, figure=self.figure
+    )
+
 
 @patch
 def summary(self: DeltaNormView) -> str:
     "What is shown (node, layer, outer steps), or the problem."
     v = self.values()
-    text = f"{v['node'] or 'all nodes'}, {v['layer']}, outer steps {v['rounds'][0]}-{v['rounds'][1]}"
+    text = (
+        f"{v['node'] or 'all nodes'}, {v['layer']}, outer steps {v['rounds'][0]}-{v['rounds'][1]}"
+    )
     return f"error: {self.error}" if self.error else text
 
 # %% ../nbs/14_widgets.ipynb #778987d8
-def delta_norm_view(source: Any, # a master's JSONL metrics file, a run folder, a repository transport or `NormRecord`s
-                    *, node: str | None = None, # the node shown first (None: all)
-                    layer: str = "total", # the layer shown first
-                   ) -> DeltaNormView:
+def delta_norm_view(
+    source: Any,  # a master's JSONL metrics file, a run folder, a repository transport or `NormRecord`s
+    *,
+    node: str | None = None,  # the node shown first (None: all)
+    layer: str = "total",  # the layer shown first
+) -> DeltaNormView:
     "A view of a DiLoCo run's delta norms by node, layer and outer step; see `DeltaNormView`."
     return DeltaNormView(source, node=node, layer=layer)
 
 # %% ../nbs/14_widgets.ipynb #59a4681e
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -7,69 +7,135 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
-@pytest.fixture(scope='session')
+
+@pytest.fixture(scope="session")
 def docs_site():
     "Build the docs site once per test session (tools/build_docs.py) and return its folder."
-    res = subprocess.run([sys.executable, 'tools/build_docs.py'], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "tools/build_docs.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return ROOT / 'docs'
+    return ROOT / "docs"
 
-def tiny_config(tmp: Path, name: str = "cfg.yaml", *, max_steps: int = 4, every_steps: int = 2, keep_last: int | None = 2,
-                metrics: bool = True, **sections) -> Path:
+
+def tiny_config(
+    tmp: Path,
+    name: str = "cfg.yaml",
+    *,
+    max_steps: int = 4,
+    every_steps: int = 2,
+    keep_last: int | None = 2,
+    metrics: bool = True,
+    **sections,
+) -> Path:
     "A one-layer CPU run on 64 synthetic tokens, written to `tmp/name`; each of `sections` is merged over its default section."
-    raw = {"run": {"name": "tiny", "seed": 3, "max_steps": max_steps, "output_dir": str(tmp / "out")},
-           "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64},
-           "data": {"num_tokens": 64, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
-           "precision": "fp32", "checkpoint": {"every_steps": every_steps, "keep_last": keep_last},
-           "logging": {"progress": False, "loss_plot": False, **({"json_file": str(tmp / "metrics.jsonl")} if metrics else {})}}
-    for key, value in sections.items(): raw[key] = {**raw.get(key, {}), **value}
+    raw = {
+        "run": {"name": "tiny", "seed": 3, "max_steps": max_steps, "output_dir": str(tmp / "out")},
+        "model": {
+            "vocab_size": 64,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+        },
+        "data": {"num_tokens": 64, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 2},
+        "precision": "fp32",
+        "checkpoint": {"every_steps": every_steps, "keep_last": keep_last},
+        "logging": {
+            "progress": False,
+            "loss_plot": False,
+            **({"json_file": str(tmp / "metrics.jsonl")} if metrics else {}),
+        },
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
     path = tmp / name
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
+
 # The tests press Ctrl-C in their children: a suite started in the background, where the shell ignores SIGINT,
 # must not hand that on (a child that inherits SIG_IGN never raises KeyboardInterrupt).
-if signal.getsignal(signal.SIGINT) == signal.SIG_IGN: signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def cli_env(**extra: str) -> dict:
     "The environment of a `speedtronic` subprocess: this checkout importable, one thread, and `extra`."
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",
+        **extra,
+    }
+
 
 def descendants(pid: int) -> list[int]:
     "Every process below `pid` (children first, then theirs), from /proc; empty where /proc is missing."
     found, todo = [], [pid]
     while todo:
         parent = todo.pop()
-        try: tasks = list(Path(f"/proc/{parent}/task").iterdir())
-        except OSError: continue
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
         for task in tasks:
-            try: kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError: kids = []
-            found += kids; todo += kids
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                kids = []
+            found += kids
+            todo += kids
     return found
+
 
 def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     """`proc.communicate(timeout)`; past the timeout every Python process below it prints its threads' stacks
     (PYTHONFAULTHANDLER is set by `cli_env`: SIGABRT makes faulthandler write them) and the test fails showing them."""
-    try: return proc.communicate(timeout=timeout)
+    try:
+        return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         for pid in descendants(proc.pid) + [proc.pid]:
-            with contextlib.suppress(OSError): os.kill(pid, signal.SIGABRT)
-        try: out, err = proc.communicate(timeout=30)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill(); out, err = proc.communicate()
-        pytest.fail(f"{proc.args} still ran after {timeout:g} s; its processes' stacks:\n{(err or '')[-12000:]}\n"
-                    f"last output:\n{(out or '')[-3000:]}", pytrace=False)
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(
+            f"{proc.args} still ran after {timeout:g} s; its processes' stacks:\n{(err or '')[-12000:]}\n"
+            f"last output:\n{(out or '')[-3000:]}",
+            pytrace=False,
+        )
 
-def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300, **popen) -> subprocess.CompletedProcess:
+
+def run_cli(
+    *args: str, cwd: Path, env: dict | None = None, timeout: float = 300, **popen
+) -> subprocess.CompletedProcess:
     "`python -m speedtronic *args` in `cwd`, to the end; `env` entries are added to `cli_env()`, `popen` goes to `subprocess.run`."
-    return subprocess.run([sys.executable, "-m", "speedtronic", *args], cwd=cwd, env=cli_env(**(env or {})),
-                          capture_output=True, text=True, timeout=timeout, **popen)
+    return subprocess.run(
+        [sys.executable, "-m", "speedtronic", *args],
+        cwd=cwd,
+        env=cli_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
+
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     "`proc`, which must have exited 0."
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
 
 def one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
     "The one `speedtronic: error:` line of a command that exited 2 without a traceback; it holds every one of `needles`."
@@ -77,37 +143,63 @@ def one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error:")]
     assert len(errors) == 1, proc.stderr
-    for needle in needles: assert needle in errors[0], (needle, errors[0])
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
     return errors[0]
+
 
 def jsonl_records(path: Path, event: str = "train_step") -> list[dict]:
     "Every `event` record of a JSONL metrics file, in order; a line cut by a kill is skipped, a missing file is empty."
     out = []
-    if not Path(path).exists(): return out
+    if not Path(path).exists():
+        return out
     for line in Path(path).read_text().splitlines():
-        try: record = json.loads(line)
-        except ValueError: continue
-        if record.get("event") == event: out.append(record)
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            out.append(record)
     return out
+
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-CHROMIUM_ARGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-                 '--disable-background-networking', '--disable-component-update', '--disable-sync']
 
-@pytest.fixture(scope='session')
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="session")
 def browser():
     "Headless Debian Chromium driven by Playwright; skipped when either is missing unless CI requires it."
-    exe = next((shutil.which(n) for n in ('chromium', 'chromium-browser', 'google-chrome', 'google-chrome-stable') if shutil.which(n)), None)
+    exe = next(
+        (
+            shutil.which(n)
+            for n in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+            if shutil.which(n)
+        ),
+        None,
+    )
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
         sync_playwright = None
     if not exe or sync_playwright is None:
-        if os.environ.get('SPEEDTRONIC_REQUIRE_BROWSER'): pytest.fail('Chromium or playwright is missing (see .ci/run)')
-        pytest.skip('needs Debian chromium and the playwright package')
+        if os.environ.get("SPEEDTRONIC_REQUIRE_BROWSER"):
+            pytest.fail("Chromium or playwright is missing (see .ci/run)")
+        pytest.skip("needs Debian chromium and the playwright package")
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS)
         yield b
@@ -120,8 +212,14 @@ def bpe_tokenizer_file(tmp: Path, text: str, vocab_size: int = 300) -> tuple[Any
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.train_from_iterator([text], tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["[UNK]"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [text],
+        tokenizers.trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["[UNK]"],
+            initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.save(str(tmp / "tokenizer.json"))
     return tok, tmp / "tokenizer.json"
 

@@ -15,6 +15,7 @@ downloads and lost commit responses. Point a client at it with
 
 `python tests/hub_server.py --port 8765` runs one in the foreground (Ctrl-C stops it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,12 +76,16 @@ class Fault:
 class HubStandIn:
     "An in-memory Hub on 127.0.0.1 (a free port unless one is given), served from a background thread."
 
-    def __init__(self, *, tokens: dict[str, str] | None = None, port: int = 0, commit_delay: float = 0.0):
+    def __init__(
+        self, *, tokens: dict[str, str] | None = None, port: int = 0, commit_delay: float = 0.0
+    ):
         self.tokens = tokens  # None: no authentication; else token -> "read" | "write"
         self.port, self.commit_delay = port, commit_delay
         self.repos: dict[str, Repo] = {}
         self.faults: list[Fault] = []
-        self.requests: list[tuple[str, str, int]] = []  # (method, path, status) of every request served
+        self.requests: list[
+            tuple[str, str, int]
+        ] = []  # (method, path, status) of every request served
         self.lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -92,7 +97,9 @@ class HubStandIn:
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="hub-stand-in", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="hub-stand-in", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -102,32 +109,55 @@ class HubStandIn:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self): return self.start()
-    def __exit__(self, *exc): self.stop()
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
 
     @property
-    def url(self) -> str: return f"http://127.0.0.1:{self.port}"
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     # -- test controls -----------------------------------------------------------------------------
-    def fault(self, kind: str, *, method: str | None = None, path: str | None = None, count: int = 1, delay: float = 30.0,
-              after: int = 0) -> None:
+    def fault(
+        self,
+        kind: str,
+        *,
+        method: str | None = None,
+        path: str | None = None,
+        count: int = 1,
+        delay: float = 30.0,
+        after: int = 0,
+    ) -> None:
         "Make the next `count` matching requests fail with `kind`, once `after` matching requests have gone through."
         with self.lock:
-            self.faults.append(Fault(str(kind), method, re.compile(path) if path else None, count, delay, after))
+            self.faults.append(
+                Fault(str(kind), method, re.compile(path) if path else None, count, delay, after)
+            )
 
     def clear_faults(self) -> None:
-        with self.lock: self.faults.clear()
+        with self.lock:
+            self.faults.clear()
 
     def create(self, repo_id: str, *, private: bool = True) -> Repo:
         "Create a repository directly (as if someone made it on the website)."
         with self.lock:
             oid = self._new_oid()
-            repo = Repo(repo_id, private, oid, {}, {oid: {}}, [Commit(oid, None, "initial commit", "", [], [], time.time())])
+            repo = Repo(
+                repo_id,
+                private,
+                oid,
+                {},
+                {oid: {}},
+                [Commit(oid, None, "initial commit", "", [], [], time.time())],
+            )
             self.repos[repo_id] = repo
             return repo
 
     def files(self, repo_id: str) -> dict[str, bytes]:
-        with self.lock: return dict(self.repos[repo_id].files)
+        with self.lock:
+            return dict(self.repos[repo_id].files)
 
     def _new_oid(self) -> str:
         self._counter += 1
@@ -136,42 +166,63 @@ class HubStandIn:
     def _take_fault(self, method: str, path: str) -> Fault | None:
         with self.lock:
             for f in self.faults:
-                if (f.method is None or f.method == method) and (f.path is None or f.path.search(path)):
+                if (f.method is None or f.method == method) and (
+                    f.path is None or f.path.search(path)
+                ):
                     if f.after > 0:
                         f.after -= 1
                         return None
                     f.count -= 1
-                    if f.count <= 0: self.faults.remove(f)
+                    if f.count <= 0:
+                        self.faults.remove(f)
                     return f
         return None
 
     # -- repository operations -----------------------------------------------------------------------
-    def commit(self, repo: Repo, *, parent: str | None, message: str, description: str,
-               added: dict[str, bytes], deleted: list[str]) -> Commit:
+    def commit(
+        self,
+        repo: Repo,
+        *,
+        parent: str | None,
+        message: str,
+        description: str,
+        added: dict[str, bytes],
+        deleted: list[str],
+    ) -> Commit:
         with self.lock:
             if parent is not None and not repo.head.startswith(parent):
                 raise _HTTPError(412, "A commit has happened since. Please refresh and try again.")
             for p in deleted:
-                if p not in repo.files and not any(f.startswith(p.rstrip("/") + "/") for f in repo.files):
-                    raise _HTTPError(404, f"A file with this name doesn't exist: {p}", "EntryNotFound")
+                if p not in repo.files and not any(
+                    f.startswith(p.rstrip("/") + "/") for f in repo.files
+                ):
+                    raise _HTTPError(
+                        404, f"A file with this name doesn't exist: {p}", "EntryNotFound"
+                    )
             files = dict(repo.files)
             for p in deleted:
                 files.pop(p, None)
-                for f in [f for f in files if f.startswith(p.rstrip("/") + "/")]: files.pop(f)
+                for f in [f for f in files if f.startswith(p.rstrip("/") + "/")]:
+                    files.pop(f)
             files.update(added)
             oid = self._new_oid()
-            commit = Commit(oid, repo.head, message, description, sorted(added), sorted(deleted), time.time())
+            commit = Commit(
+                oid, repo.head, message, description, sorted(added), sorted(deleted), time.time()
+            )
             repo.commits.append(commit)
             repo.files, repo.head = files, oid
             repo.snapshots[oid] = files
-            while len(repo.snapshots) > KEEP_SNAPSHOTS: repo.snapshots.pop(next(iter(repo.snapshots)))
+            while len(repo.snapshots) > KEEP_SNAPSHOTS:
+                repo.snapshots.pop(next(iter(repo.snapshots)))
             return commit
 
     def snapshot(self, repo: Repo, revision: str) -> tuple[str, dict[str, bytes]]:
         with self.lock:
-            if revision in ("main", repo.head): return repo.head, repo.files
+            if revision in ("main", repo.head):
+                return repo.head, repo.files
             for oid, files in repo.snapshots.items():
-                if oid.startswith(revision) and len(revision) >= 7: return oid, files
+                if oid.startswith(revision) and len(revision) >= 7:
+                    return oid, files
         raise _HTTPError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
 
 
@@ -183,12 +234,28 @@ class _HTTPError(Exception):
 
 _ROUTES = [
     ("POST", re.compile(r"^/api/repos/create$"), "create"),
-    ("GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$"), "info"),
-    ("GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/(?P<path>.+))?$"), "tree"),
-    ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)$"), "preupload"),
+    (
+        "GET",
+        re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$"),
+        "info",
+    ),
+    (
+        "GET",
+        re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/]+)(?:/(?P<path>.+))?$"),
+        "tree",
+    ),
+    (
+        "POST",
+        re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)$"),
+        "preupload",
+    ),
     ("POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/]+)$"), "commit"),
     ("GET", re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
-    ("HEAD", re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
+    (
+        "HEAD",
+        re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"),
+        "resolve",
+    ),
 ]
 
 
@@ -197,11 +264,17 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # a response's header and body are separate writes: with Nagle, the body waits ~40 ms for an ACK
 
-    def log_message(self, *args): pass
+    def log_message(self, *args):
+        pass
 
-    def do_GET(self): self._serve("GET")
-    def do_HEAD(self): self._serve("HEAD")
-    def do_POST(self): self._serve("POST")
+    def do_GET(self):
+        self._serve("GET")
+
+    def do_HEAD(self):
+        self._serve("HEAD")
+
+    def do_POST(self):
+        self._serve("POST")
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _serve(self, method: str) -> None:
@@ -215,38 +288,54 @@ class _Handler(BaseHTTPRequestHandler):
         except _HTTPError as e:
             status, payload = e.status, json.dumps({"error": e.message}).encode()
             headers = {"Content-Type": "application/json", "X-Error-Message": e.message}
-            if e.code: headers["X-Error-Code"] = e.code
-        with self.hub.lock: self.hub.requests.append((method, raw_path, status))
-        if fault is not None and fault.kind == "lost_response": return self._drop()
+            if e.code:
+                headers["X-Error-Code"] = e.code
+        with self.hub.lock:
+            self.hub.requests.append((method, raw_path, status))
+        if fault is not None and fault.kind == "lost_response":
+            return self._drop()
         self.send_response(status)
-        for k, v in headers.items(): self.send_header(k, v)
+        for k, v in headers.items():
+            self.send_header(k, v)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
-        if method == "HEAD": return
+        if method == "HEAD":
+            return
         if fault is not None and fault.kind == "truncate" and len(payload) > 1:
-            self.wfile.write(payload[: len(payload) // 2]); self.wfile.flush()
+            self.wfile.write(payload[: len(payload) // 2])
+            self.wfile.flush()
             return self._drop()
         self.wfile.write(payload)
 
     def _body(self) -> bytes:
         n = int(self.headers.get("Content-Length") or 0)
-        if n: return self.rfile.read(n)
+        if n:
+            return self.rfile.read(n)
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             out = b""
             while True:
                 size = int(self.rfile.readline().strip() or b"0", 16)
-                if size == 0: self.rfile.readline(); return out
-                out += self.rfile.read(size); self.rfile.readline()
+                if size == 0:
+                    self.rfile.readline()
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.readline()
         return b""
 
     def _drop(self) -> None:
         self.close_connection = True
-        try: self.connection.shutdown(socket.SHUT_RDWR)
-        except OSError: pass
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _fail(self, fault: Fault, method: str, path: str) -> None:
-        with self.hub.lock: self.hub.requests.append((method, path, 0 if not fault.kind.isdigit() else int(fault.kind)))
-        if fault.kind == "drop": return self._drop()
+        with self.hub.lock:
+            self.hub.requests.append(
+                (method, path, 0 if not fault.kind.isdigit() else int(fault.kind))
+            )
+        if fault.kind == "drop":
+            return self._drop()
         if fault.kind == "timeout":
             time.sleep(fault.delay)
             return self._drop()
@@ -254,13 +343,19 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.dumps({"error": f"injected {status}"}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
-        if status == 429: self.send_header("Retry-After", "0")
+        if status == 429:
+            self.send_header("Retry-After", "0")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if method != "HEAD": self.wfile.write(body)
+        if method != "HEAD":
+            self.wfile.write(body)
 
     def _json(self, value, status: int = 200, headers: dict | None = None):
-        return status, {"Content-Type": "application/json", **(headers or {})}, json.dumps(value).encode()
+        return (
+            status,
+            {"Content-Type": "application/json", **(headers or {})},
+            json.dumps(value).encode(),
+        )
 
     # -- authentication ------------------------------------------------------------------------------
     def _access(self) -> str | None:
@@ -268,9 +363,12 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.hub
         auth = self.headers.get("Authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        if hub.tokens is None: return "write"
-        if token is None: return None
-        if token not in hub.tokens: raise _HTTPError(401, "Invalid credentials in Authorization header")
+        if hub.tokens is None:
+            return "write"
+        if token is None:
+            return None
+        if token not in hub.tokens:
+            raise _HTTPError(401, "Invalid credentials in Authorization header")
         return hub.tokens[token]
 
     def _repo(self, repo_id: str, *, write: bool = False) -> Repo:
@@ -292,21 +390,31 @@ class _Handler(BaseHTTPRequestHandler):
         raise _HTTPError(404, f"no route for {method} {path}")
 
     def _create(self, body: bytes):
-        if self._access() != "write": raise _HTTPError(401 if self._access() is None else 403, "You must use a write token")
+        if self._access() != "write":
+            raise _HTTPError(401 if self._access() is None else 403, "You must use a write token")
         data = json.loads(body or b"{}")
         repo_id = f"{data.get('organization') or 'user'}/{data['name']}"
-        if data.get("type", "model") != "model": raise _HTTPError(400, "only model repos in the stand-in")
+        if data.get("type", "model") != "model":
+            raise _HTTPError(400, "only model repos in the stand-in")
         url = f"{self.hub.url}/{repo_id}"
         with self.hub.lock:
-            if repo_id in self.hub.repos: return self._json({"error": "You already created this model repo", "url": url}, 409)
+            if repo_id in self.hub.repos:
+                return self._json({"error": "You already created this model repo", "url": url}, 409)
             self.hub.create(repo_id, private=data.get("visibility", "public") == "private")
         return self._json({"url": url, "name": repo_id})
 
     def _info(self, body: bytes, repo: str, rev: str = "main"):
         r = self._repo(repo)
         oid, files = self.hub.snapshot(r, rev)
-        return self._json({"id": repo, "modelId": repo, "sha": oid, "private": r.private,
-                           "siblings": [{"rfilename": p} for p in sorted(files)]})
+        return self._json(
+            {
+                "id": repo,
+                "modelId": repo,
+                "sha": oid,
+                "private": r.private,
+                "siblings": [{"rfilename": p} for p in sorted(files)],
+            }
+        )
 
     def _tree(self, body: bytes, repo: str, rev: str, path: str = ""):
         r = self._repo(repo)
@@ -315,65 +423,110 @@ class _Handler(BaseHTTPRequestHandler):
         oid, files = self.hub.snapshot(r, rev)
         prefix = path.strip("/") + "/" if path.strip("/") else ""
         inside = [p for p in sorted(files) if p.startswith(prefix)]
-        if prefix and not inside: raise _HTTPError(404, f"{path} does not exist", "EntryNotFound")
+        if prefix and not inside:
+            raise _HTTPError(404, f"{path} does not exist", "EntryNotFound")
         entries, folders = [], set()
         for p in inside:
-            rest = p[len(prefix):]
+            rest = p[len(prefix) :]
             parts = rest.split("/")
             for i in range(1, len(parts)):
                 folder = prefix + "/".join(parts[:i])
                 if (recursive or i == 1) and folder not in folders:
-                    folders.add(folder); entries.append({"type": "directory", "path": folder, "oid": oid})
+                    folders.add(folder)
+                    entries.append({"type": "directory", "path": folder, "oid": oid})
             if recursive or len(parts) == 1:
-                entries.append({"type": "file", "path": p, "size": len(files[p]), "oid": git_blob_sha1(files[p])})
+                entries.append(
+                    {
+                        "type": "file",
+                        "path": p,
+                        "size": len(files[p]),
+                        "oid": git_blob_sha1(files[p]),
+                    }
+                )
         return self._json(entries)
 
     def _preupload(self, body: bytes, repo: str, rev: str):
         r = self._repo(repo, write=True)
         data = json.loads(body)
-        out = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                "oid": git_blob_sha1(r.files[f["path"]]) if f["path"] in r.files else None} for f in data["files"]]
+        out = [
+            {
+                "path": f["path"],
+                "uploadMode": "regular",
+                "shouldIgnore": False,
+                "oid": git_blob_sha1(r.files[f["path"]]) if f["path"] in r.files else None,
+            }
+            for f in data["files"]
+        ]
         return self._json({"files": out})
 
     def _commit(self, body: bytes, repo: str, rev: str):
         r = self._repo(repo, write=True)
-        if rev != "main": raise _HTTPError(400, "the stand-in commits to main only")
+        if rev != "main":
+            raise _HTTPError(400, "the stand-in commits to main only")
         header, added, deleted = {}, {}, []
         for line in body.splitlines():
-            if not line.strip(): continue
+            if not line.strip():
+                continue
             item = json.loads(line)
             key, value = item["key"], item["value"]
-            if key == "header": header = value
-            elif key == "file": added[value["path"]] = base64.b64decode(value["content"])
-            elif key in ("deletedFile", "deletedFolder"): deleted.append(value["path"])
-            else: raise _HTTPError(400, f"the stand-in does not support commit operation {key!r}")
-        if self.hub.commit_delay: time.sleep(self.hub.commit_delay)
-        c = self.hub.commit(r, parent=header.get("parentCommit"), message=header.get("summary", ""),
-                            description=header.get("description", ""), added=added, deleted=deleted)
-        return self._json({"commitUrl": f"{self.hub.url}/{repo}/commit/{c.oid}", "commitOid": c.oid})
+            if key == "header":
+                header = value
+            elif key == "file":
+                added[value["path"]] = base64.b64decode(value["content"])
+            elif key in ("deletedFile", "deletedFolder"):
+                deleted.append(value["path"])
+            else:
+                raise _HTTPError(400, f"the stand-in does not support commit operation {key!r}")
+        if self.hub.commit_delay:
+            time.sleep(self.hub.commit_delay)
+        c = self.hub.commit(
+            r,
+            parent=header.get("parentCommit"),
+            message=header.get("summary", ""),
+            description=header.get("description", ""),
+            added=added,
+            deleted=deleted,
+        )
+        return self._json(
+            {"commitUrl": f"{self.hub.url}/{repo}/commit/{c.oid}", "commitOid": c.oid}
+        )
 
     def _resolve(self, body: bytes, repo: str, rev: str, path: str):
         r = self._repo(repo)
         oid, files = self.hub.snapshot(r, rev)
-        if path not in files: raise _HTTPError(404, "Entry not found", "EntryNotFound")
+        if path not in files:
+            raise _HTTPError(404, "Entry not found", "EntryNotFound")
         data = files[path]
-        headers = {"Content-Type": "application/octet-stream", "X-Repo-Commit": oid, "ETag": f'"{git_blob_sha1(data)}"'}
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "X-Repo-Commit": oid,
+            "ETag": f'"{git_blob_sha1(data)}"',
+        }
         return 200, headers, data
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Run a loopback Hugging Face Hub stand-in in the foreground.")
+    parser = argparse.ArgumentParser(
+        description="Run a loopback Hugging Face Hub stand-in in the foreground."
+    )
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--token", default=None, help="require this write token")
-    parser.add_argument("--stop-on-stdin-eof", action="store_true", help="exit when standard input closes (its parent died)")
+    parser.add_argument(
+        "--stop-on-stdin-eof",
+        action="store_true",
+        help="exit when standard input closes (its parent died)",
+    )
     args = parser.parse_args()
     hub = HubStandIn(tokens={args.token: "write"} if args.token else None, port=args.port).start()
     print(f"Hub stand-in at {hub.url} (HF_ENDPOINT={hub.url})", flush=True)
     try:
-        if args.stop_on_stdin_eof: sys.stdin.read()
+        if args.stop_on_stdin_eof:
+            sys.stdin.read()
         else:
-            while True: time.sleep(3600)
-    except KeyboardInterrupt: pass
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
     hub.stop()
 
 

@@ -1,4 +1,5 @@
 "Checkpoint files on disk: corruption, fallback, unsafe pickle, 2.0 compatibility, retention, SIGKILL mid-write."
+
 import io
 import json
 import os
@@ -13,9 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from speedtronic.checkpoint import (CheckpointError, CheckpointManager, atomic_json_dump, atomic_torch_save,
-                                    capture_rng_state, check_compatible, checkpoint_files, load_checkpoint,
-                                    restore_rng_state)
+from speedtronic.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    atomic_json_dump,
+    atomic_torch_save,
+    capture_rng_state,
+    check_compatible,
+    checkpoint_files,
+    load_checkpoint,
+    restore_rng_state,
+)
 from speedtronic.files import atomic_write_bytes
 
 from conftest import one_error_line, run_cli, tiny_config
@@ -25,32 +34,43 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class Warnings(list):
     "A logger stand-in that records `.warning` messages."
-    def warning(self, msg): self.append(msg)
+
+    def warning(self, msg):
+        self.append(msg)
 
 
-def names(directory): return sorted(p.name for p in Path(directory).iterdir())
+def names(directory):
+    return sorted(p.name for p in Path(directory).iterdir())
 
 
 def saved_manager(tmp_path, steps=(1, 2, 3), **kw):
     "A manager in `tmp_path` that has saved small checkpoints for `steps`."
-    m = CheckpointManager(tmp_path, every_steps=1, keep_last=kw.pop("keep_last", None), logger=Warnings(), **kw)
-    for s in steps: m.save(s, {"step": s, "w": torch.full((64,), float(s))})
+    m = CheckpointManager(
+        tmp_path, every_steps=1, keep_last=kw.pop("keep_last", None), logger=Warnings(), **kw
+    )
+    for s in steps:
+        m.save(s, {"step": s, "w": torch.full((64,), float(s))})
     return m
 
 
 # ---------------------------------------------------------------- corruption and fallback (C2, C3)
+
 
 @pytest.mark.parametrize("damage", ["truncate", "random", "empty"])
 def test_damaged_newest_falls_back_to_older(tmp_path, damage):
     m = saved_manager(tmp_path)
     newest = m.path_for(3)
     data = newest.read_bytes()
-    newest.write_bytes({"truncate": data[: len(data) // 2], "random": os.urandom(len(data)), "empty": b""}[damage])
+    newest.write_bytes(
+        {"truncate": data[: len(data) // 2], "random": os.urandom(len(data)), "empty": b""}[damage]
+    )
     state = m.load_latest()
     assert state["step"] == 2 and m.loaded_path == m.path_for(2)
     assert [p for p, _ in m.skipped] == [newest]
     assert len(m.logger) == 1 and newest.name in m.logger[0]
-    assert {"empty": "is empty", "truncate": "is truncated", "random": "is corrupt"}[damage] in m.skipped[0][1]
+    assert {"empty": "is empty", "truncate": "is truncated", "random": "is corrupt"}[
+        damage
+    ] in m.skipped[0][1]
 
 
 def test_missing_pointer_target_uses_newest_file(tmp_path):
@@ -63,7 +83,9 @@ def test_missing_pointer_target_uses_newest_file(tmp_path):
 
 def test_stale_pointer_never_hides_a_newer_valid_file(tmp_path):
     m = saved_manager(tmp_path, steps=(1, 2))
-    atomic_torch_save({"step": 5}, m.path_for(5))  # written, then "crashed" before the pointer update
+    atomic_torch_save(
+        {"step": 5}, m.path_for(5)
+    )  # written, then "crashed" before the pointer update
     assert json.loads(m.pointer_path.read_text())["step"] == 2
     assert m.latest_path() == m.path_for(5)
     assert m.load_latest()["step"] == 5 and m.skipped == []
@@ -83,7 +105,8 @@ def test_nothing_loadable_names_every_file(tmp_path):
     m = saved_manager(tmp_path, steps=(1, 2))
     m.path_for(1).write_bytes(b"")
     m.path_for(2).write_bytes(os.urandom(100))
-    with pytest.raises(CheckpointError) as e: m.load_latest()
+    with pytest.raises(CheckpointError) as e:
+        m.load_latest()
     assert "step_000000000001.pt" in str(e.value) and "step_000000000002.pt" in str(e.value)
     assert "empty" in str(e.value) and "corrupt" in str(e.value)
 
@@ -96,12 +119,17 @@ def test_empty_or_missing_directory_gives_none(tmp_path):
 
 # ---------------------------------------------------------------- no unrestricted pickle (C9)
 
-def _write_marker(path): Path(path).write_text("code ran")
+
+def _write_marker(path):
+    Path(path).write_text("code ran")
 
 
 class Payload:
-    def __init__(self, marker): self.marker = marker
-    def __reduce__(self): return (_write_marker, (self.marker,))
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_write_marker, (self.marker,))
 
 
 def test_arbitrary_object_is_refused_without_running_it(tmp_path):
@@ -109,8 +137,10 @@ def test_arbitrary_object_is_refused_without_running_it(tmp_path):
     m = CheckpointManager(tmp_path / "ckpt", every_steps=1)
     m.save(1, {"step": 1})
     torch.save({"step": 2, "coordinator": Payload(str(marker))}, m.path_for(2))
-    with pytest.raises(CheckpointError, match="could run code"): load_checkpoint(m.path_for(2))
-    with pytest.warns(RuntimeWarning, match="could run code"): state = m.load_latest()
+    with pytest.raises(CheckpointError, match="could run code"):
+        load_checkpoint(m.path_for(2))
+    with pytest.warns(RuntimeWarning, match="could run code"):
+        state = m.load_latest()
     assert state["step"] == 1 and not marker.exists()
     # control: the payload is live — plain pickle loading would have run it
     torch.load(m.path_for(2), weights_only=False)
@@ -119,54 +149,93 @@ def test_arbitrary_object_is_refused_without_running_it(tmp_path):
 
 # ---------------------------------------------------------------- 2.0 checkpoints still resume
 
-V2 = ROOT.parent / "shared" / "fixtures" / "v2.0"      # files written by the published 2.0.0 (README there)
+V2 = (
+    ROOT.parent / "shared" / "fixtures" / "v2.0"
+)  # files written by the published 2.0.0 (README there)
 
 
-@pytest.mark.skipif(not (V2 / "checkpoint-adamw").is_dir(), reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here")
+@pytest.mark.skipif(
+    not (V2 / "checkpoint-adamw").is_dir(),
+    reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here",
+)
 def test_checkpoint_written_by_2_0_resumes(tmp_path):
     "A checkpoint folder 2.0.0 wrote loads, fits its model, restores its RNG, and its files are never pruned by our retention."
     import shutil, yaml
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.registry import build_model
+
     folder = tmp_path / "checkpoints"
     shutil.copytree(V2 / "checkpoint-adamw" / "run" / "checkpoints", folder)
-    for p in folder.iterdir(): p.chmod(0o644)
+    for p in folder.iterdir():
+        p.chmod(0o644)
     allowed = [np.dtype, np.ndarray, np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
-    with torch.serialization.safe_globals(allowed):                                  # plain torch's reading, not ours
+    with torch.serialization.safe_globals(allowed):  # plain torch's reading, not ours
         plain = torch.load(folder / "step_000000000008.pt", weights_only=True)
-    random.setstate(plain["rng"]["python"]); np.random.set_state(plain["rng"]["numpy"]); torch.set_rng_state(plain["rng"]["torch"])
+    random.setstate(plain["rng"]["python"])
+    np.random.set_state(plain["rng"]["numpy"])
+    torch.set_rng_state(plain["rng"]["torch"])
     expected = (random.random(), np.random.rand(), torch.rand(2).tolist())
 
     m = CheckpointManager(folder, every_steps=4, keep_last=2)
     loaded = m.load_latest()
-    assert (loaded["step"], loaded["samples"], loaded["precision"]["mode"]) == (8, plain["samples"], "fp32")
-    config = SpeedtronicConfig.from_dict(yaml.safe_load((V2 / "checkpoint-adamw" / "config.yaml").read_text()))
+    assert (loaded["step"], loaded["samples"], loaded["precision"]["mode"]) == (
+        8,
+        plain["samples"],
+        "fp32",
+    )
+    config = SpeedtronicConfig.from_dict(
+        yaml.safe_load((V2 / "checkpoint-adamw" / "config.yaml").read_text())
+    )
     fresh = build_model(config.model)
     check_compatible(loaded, model=fresh, config=config)
     fresh.load_state_dict(loaded["model"])
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in plain["model"].items())
     assert restore_rng_state(loaded["rng"]) == []
     assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == expected
-    for s in (12, 16, 20): m.save(s, {"step": s})                                      # the 2.0 files are foreign: kept
-    assert names(folder) == ["latest.json", "step_000000000004.pt", "step_000000000008.pt",
-                             "step_000000000016.pt", "step_000000000020.pt"]
+    for s in (12, 16, 20):
+        m.save(s, {"step": s})  # the 2.0 files are foreign: kept
+    assert names(folder) == [
+        "latest.json",
+        "step_000000000004.pt",
+        "step_000000000008.pt",
+        "step_000000000016.pt",
+        "step_000000000020.pt",
+    ]
 
 
 def test_incompatible_checkpoint_names_the_differences(tmp_path):
     m = CheckpointManager(tmp_path, every_steps=1)
-    m.save(1, {"model": torch.nn.Linear(8, 4).state_dict(), "config": {"model": {"d_model": 8, "n_head": 2}}})
+    m.save(
+        1,
+        {
+            "model": torch.nn.Linear(8, 4).state_dict(),
+            "config": {"model": {"d_model": 8, "n_head": 2}},
+        },
+    )
     with pytest.raises(CheckpointError) as e:
-        check_compatible(m.load_latest(), model=torch.nn.Linear(16, 4), config={"model": {"d_model": 16, "n_head": 2}})
+        check_compatible(
+            m.load_latest(),
+            model=torch.nn.Linear(16, 4),
+            config={"model": {"d_model": 16, "n_head": 2}},
+        )
     msg = str(e.value)
-    assert "weight: saved (4, 8) vs current (4, 16)" in msg and "model.d_model: saved 8 vs current 16" in msg
+    assert (
+        "weight: saved (4, 8) vs current (4, 16)" in msg
+        and "model.d_model: saved 8 vs current 16" in msg
+    )
     assert "n_head" not in msg and "bias" not in msg
 
 
 def test_config_object_checked_and_secrets_redacted(tmp_path):
     from speedtronic.config import SpeedtronicConfig
-    saved_cfg = SpeedtronicConfig.from_dict({"model": {"d_model": 8, "n_head": 2}, "distributed": {"token": "hf_secret"}})
+
+    saved_cfg = SpeedtronicConfig.from_dict(
+        {"model": {"d_model": 8, "n_head": 2}, "distributed": {"token": "hf_secret"}}
+    )
     m = CheckpointManager(tmp_path, every_steps=1)
-    m.save(1, {"model": torch.nn.Linear(8, 4).state_dict(), "config": saved_cfg.to_dict()})  # caller forgot to redact
+    m.save(
+        1, {"model": torch.nn.Linear(8, 4).state_dict(), "config": saved_cfg.to_dict()}
+    )  # caller forgot to redact
     assert b"hf_secret" not in m.path_for(1).read_bytes()
     state = m.load_latest()
     assert state["config"]["distributed"]["token"] == "<redacted>"
@@ -178,10 +247,13 @@ def test_config_object_checked_and_secrets_redacted(tmp_path):
 
 # ---------------------------------------------------------------- RNG
 
+
 def test_rng_roundtrip_through_a_weights_only_file(tmp_path):
     atomic_torch_save({"rng": capture_rng_state()}, tmp_path / "r.pt")
     want = (random.random(), np.random.rand(), torch.rand(3).tolist())
-    random.seed(0); np.random.seed(0); torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
     assert restore_rng_state(load_checkpoint(tmp_path / "r.pt")["rng"]) == []
     assert (random.random(), np.random.rand(), torch.rand(3).tolist()) == want
 
@@ -199,40 +271,60 @@ def test_cuda_rng_roundtrip(tmp_path):
 def test_rng_restore_failures_are_reported():
     log = Warnings()
     problems = restore_rng_state({"python": "garbage", "torch": torch.get_rng_state()}, logger=log)
-    assert len(problems) == 1 and problems[0].startswith("python:") and log == [f"RNG state not restored: {problems[0]}"]
+    assert (
+        len(problems) == 1
+        and problems[0].startswith("python:")
+        and log == [f"RNG state not restored: {problems[0]}"]
+    )
 
 
 # ---------------------------------------------------------------- retention (C11) and idempotent saves
 
+
 def test_retention_counts_only_own_files(tmp_path):
-    torch.save({"step": 7}, tmp_path / "step_000000000007.pt")   # a user's copy
-    torch.save({"step": 1}, tmp_path / "step_1.pt")              # another tool's naming
+    torch.save({"step": 7}, tmp_path / "step_000000000007.pt")  # a user's copy
+    torch.save({"step": 1}, tmp_path / "step_1.pt")  # another tool's naming
     (tmp_path / "notes.txt").write_text("keep me")
     m = CheckpointManager(tmp_path, every_steps=1, keep_last=2)
-    for s in (2, 3, 4, 5): m.save(s, {"step": s})
-    assert names(tmp_path) == ["latest.json", "notes.txt", "step_000000000004.pt", "step_000000000005.pt",
-                               "step_000000000007.pt", "step_1.pt"]
+    for s in (2, 3, 4, 5):
+        m.save(s, {"step": s})
+    assert names(tmp_path) == [
+        "latest.json",
+        "notes.txt",
+        "step_000000000004.pt",
+        "step_000000000005.pt",
+        "step_000000000007.pt",
+        "step_1.pt",
+    ]
     pointer = json.loads(m.pointer_path.read_text())
-    assert pointer == {"step": 5, "file": "step_000000000005.pt",
-                       "written": ["step_000000000004.pt", "step_000000000005.pt"]}
+    assert pointer == {
+        "step": 5,
+        "file": "step_000000000005.pt",
+        "written": ["step_000000000004.pt", "step_000000000005.pt"],
+    }
 
 
 def test_retention_continues_across_manager_instances(tmp_path):
     CheckpointManager(tmp_path, every_steps=1, keep_last=2).save(1, {"step": 1})
     CheckpointManager(tmp_path, every_steps=1, keep_last=2).save(2, {"step": 2})
     CheckpointManager(tmp_path, every_steps=1, keep_last=2).save(3, {"step": 3})
-    assert [p.name for p in checkpoint_files(tmp_path)] == ["step_000000000003.pt", "step_000000000002.pt"]
+    assert [p.name for p in checkpoint_files(tmp_path)] == [
+        "step_000000000003.pt",
+        "step_000000000002.pt",
+    ]
 
 
 def test_just_written_file_is_kept_even_when_lower(tmp_path):
     m = CheckpointManager(tmp_path, every_steps=1, keep_last=1)
-    m.save(10, {"step": 10}); m.save(2, {"step": 2})
+    m.save(10, {"step": 10})
+    m.save(2, {"step": 2})
     assert names(tmp_path) == ["latest.json", "step_000000000002.pt"]
 
 
 def test_saving_the_same_step_twice_is_idempotent(tmp_path):
     m = CheckpointManager(tmp_path, every_steps=1, keep_last=3)
-    m.save(1, {"step": 1}); p1 = m.save(2, {"step": 2, "v": 1})
+    m.save(1, {"step": 1})
+    p1 = m.save(2, {"step": 2, "v": 1})
     pointer = m.pointer_path.read_text()
     p2 = m.save(2, {"step": 2, "v": 1})
     assert p1 == p2 and m.pointer_path.read_text() == pointer
@@ -242,7 +334,8 @@ def test_saving_the_same_step_twice_is_idempotent(tmp_path):
 def test_failed_write_leaves_target_and_no_temp(tmp_path):
     target = tmp_path / "latest.json"
     atomic_json_dump({"step": 1}, target)
-    with pytest.raises(TypeError): atomic_write_bytes("not bytes", target)
+    with pytest.raises(TypeError):
+        atomic_write_bytes("not bytes", target)
     assert json.loads(target.read_text()) == {"step": 1} and names(tmp_path) == ["latest.json"]
 
 
@@ -269,17 +362,26 @@ print("saved-2", flush=True)
 
 def test_sigkill_during_save_keeps_older_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(directory)], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(directory)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline().strip() == "saved-1", child.stderr.read()
         deadline, temp = time.monotonic() + 120, None
         while temp is None and time.monotonic() < deadline and child.poll() is None:
-            temp = next((p for p in directory.glob(".step_000000000002.pt.tmp-*") if p.stat().st_size > 0), None)
+            temp = next(
+                (p for p in directory.glob(".step_000000000002.pt.tmp-*") if p.stat().st_size > 0),
+                None,
+            )
         assert temp is not None, "the child never started writing step 2"
         child.send_signal(signal.SIGKILL)
     finally:
-        child.kill(); child.wait()
+        child.kill()
+        child.wait()
     assert child.returncode == -signal.SIGKILL
     assert not (directory / "step_000000000002.pt").exists()
     assert temp.exists()  # a killed process cannot clean up ...
@@ -297,54 +399,84 @@ def test_nothing_loadable_names_each_file_once_without_pointless_advice(tmp_path
     cfg = tiny_config(tmp_path, max_steps=4, every_steps=2, keep_last=None)
     assert run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path).returncode == 0
     files = checkpoint_files(tmp_path / "out" / "checkpoints")
-    for f in files: f.write_bytes(f.read_bytes()[:3000])
-    line = one_error_line(run_cli("train", "--config", str(cfg), "--device", "cpu", "--resume", cwd=tmp_path),
-                          "can be loaded", "Restore a good copy there, or start without resume")
-    for f in files: assert line.count(f.name) == 1 and f"{f.name} is truncated (3000 bytes" in line, line
+    for f in files:
+        f.write_bytes(f.read_bytes()[:3000])
+    line = one_error_line(
+        run_cli("train", "--config", str(cfg), "--device", "cpu", "--resume", cwd=tmp_path),
+        "can be loaded",
+        "Restore a good copy there, or start without resume",
+    )
+    for f in files:
+        assert line.count(f.name) == 1 and f"{f.name} is truncated (3000 bytes" in line, line
     assert "older checkpoint" not in line, line
 
 
 def test_a_folder_given_as_the_checkpoint_says_so(tmp_path):
-    with pytest.raises(CheckpointError) as e: load_checkpoint(tmp_path)
-    assert str(e.value) == f"checkpoint {tmp_path} is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert (
+        str(e.value)
+        == f"checkpoint {tmp_path} is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"
+    )
 
 
 # ---------------------------------------------------------------- a file named by hand: the same checks as load_latest
 
+
 class Regressor(torch.nn.Module):
     def __init__(self):
-        super().__init__(); self.lin = torch.nn.Linear(4, 1)
-    def forward(self, x, y): return ((self.lin(x).squeeze(-1) - y) ** 2).mean()
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return ((self.lin(x).squeeze(-1) - y) ** 2).mean()
 
 
 def regressor_trainer(manager=None, max_steps=2):
     from speedtronic.profiling import MetricLogger
     from speedtronic.trainer import Trainer
+
     torch.manual_seed(0)
     model = Regressor()
     batches = [(torch.randn(2, 4), torch.randn(2)) for _ in range(8)]
-    return Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.01), batches, device="cpu", max_steps=max_steps,
-                   logger=MetricLogger(stream=False), checkpoint_manager=manager)
+    return Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        batches,
+        device="cpu",
+        max_steps=max_steps,
+        logger=MetricLogger(stream=False),
+        checkpoint_manager=manager,
+    )
 
 
 def test_resume_of_a_named_file_refuses_what_load_latest_skips(tmp_path):
-    ours = CheckpointManager(tmp_path / "ours", every_steps=1, keep_last=None, run_id="run-a", logger=Warnings())
+    ours = CheckpointManager(
+        tmp_path / "ours", every_steps=1, keep_last=None, run_id="run-a", logger=Warnings()
+    )
     regressor_trainer(ours).fit()
     theirs = CheckpointManager(tmp_path / "theirs", every_steps=1, run_id="run-b")
     regressor_trainer(theirs, max_steps=5).fit()
     state = torch.load(ours.path_for(2), weights_only=True)
-    for moments in state["optimizer"]["state"].values(): moments["exp_avg"].fill_(float("nan"))
-    torch.save(state, ours.path_for(3))                                       # a diverged optimizer state
-    ours.path_for(4).write_bytes(ours.path_for(1).read_bytes())                # step 1 under step 4's name
-    ours.path_for(5).write_bytes(theirs.path_for(5).read_bytes())              # another run's file in our folder
-    ours.path_for(6).symlink_to(theirs.path_for(5))                            # another run's checkpoint linked in
-    for step, reason in [(3, "the optimizer state holds NaN or infinity"), (4, "holds step 1, not step 4"),
-                         (5, "belongs to run run-b, not to run run-a"), (6, "is a link to")]:
+    for moments in state["optimizer"]["state"].values():
+        moments["exp_avg"].fill_(float("nan"))
+    torch.save(state, ours.path_for(3))  # a diverged optimizer state
+    ours.path_for(4).write_bytes(ours.path_for(1).read_bytes())  # step 1 under step 4's name
+    ours.path_for(5).write_bytes(
+        theirs.path_for(5).read_bytes()
+    )  # another run's file in our folder
+    ours.path_for(6).symlink_to(theirs.path_for(5))  # another run's checkpoint linked in
+    for step, reason in [
+        (3, "the optimizer state holds NaN or infinity"),
+        (4, "holds step 1, not step 4"),
+        (5, "belongs to run run-b, not to run run-a"),
+        (6, "is a link to"),
+    ]:
         t = regressor_trainer()
         with pytest.raises(CheckpointError, match=reason):
             t.resume(ours.path_for(step))
         assert t.step == 0
-    assert ours.load_latest()["step"] == 2                                      # the manager skips the same four
+    assert ours.load_latest()["step"] == 2  # the manager skips the same four
     assert [p.name for p, _ in ours.skipped] == [ours.path_for(s).name for s in (6, 5, 4, 3)]
     t = regressor_trainer(max_steps=3)
     t.resume(ours.path_for(2))
@@ -357,11 +489,15 @@ def _reachable_names(module, depth: int = 2):
     for _ in range(depth):
         following = []
         for prefix, obj in frontier:
-            try: names = list(vars(obj)) if hasattr(obj, "__dict__") else dir(obj)
-            except TypeError: continue
+            try:
+                names = list(vars(obj)) if hasattr(obj, "__dict__") else dir(obj)
+            except TypeError:
+                continue
             for name in names:
-                try: value = getattr(obj, name)
-                except Exception: continue
+                try:
+                    value = getattr(obj, name)
+                except Exception:
+                    continue
                 dotted = f"{prefix}.{name}" if prefix else name
                 yield dotted, value
                 following.append((dotted, value))
@@ -374,16 +510,23 @@ def _globals_a_real_index_names() -> set:
     import tempfile
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     net = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8))
     opt = torch.optim.AdamW(net.parameters())
-    net(torch.tensor([[1, 2]])).sum().backward(); opt.step()
+    net(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()
     weights, moments = get_state_dict(net, opt)
     seen = set()
+
     class Recording(pickle.Unpickler):
-        def find_class(self, module, name): seen.add((module, name)); return super().find_class(module, name)
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
     with tempfile.TemporaryDirectory() as d:
         dcp.save({"model": weights, "optimizer": moments}, checkpoint_id=d, no_dist=True)
-        with open(Path(d) / ".metadata", "rb") as f: Recording(f).load()
+        with open(Path(d) / ".metadata", "rb") as f:
+            Recording(f).load()
     assert ("torch.distributed.checkpoint.metadata", "Metadata") in seen, seen
     return seen
 
@@ -395,21 +538,35 @@ def test_the_sharded_index_reader_reaches_no_callable_but_the_index_records():
     import pickle
     from speedtronic.checkpoint import _INDEX_GLOBALS, _Forbidden, _IndexUnpickler
 
-    text = lambda s: b"\x8c" + bytes([len(s.encode())]) + s.encode() if len(s.encode()) < 256 else \
-        b"\x8d" + len(s.encode()).to_bytes(8, "little") + s.encode()
+    text = lambda s: (
+        b"\x8c" + bytes([len(s.encode())]) + s.encode()
+        if len(s.encode()) < 256
+        else b"\x8d" + len(s.encode()).to_bytes(8, "little") + s.encode()
+    )
     allowed_objects = {id(getattr(importlib.import_module(m), n)) for m, n in _INDEX_GLOBALS}
-    modules = sorted({m for m, _ in _globals_a_real_index_names()} | {"torch.distributed.checkpoint"})
+    modules = sorted(
+        {m for m, _ in _globals_a_real_index_names()} | {"torch.distributed.checkpoint"}
+    )
     tried = loaded = 0
     for module_name in modules:
         module = importlib.import_module(module_name)
         for dotted, _ in _reachable_names(module):
             data = b"\x80\x04" + text(module_name) + text(dotted) + b"\x93."
             tried += 1
-            try: got = _IndexUnpickler(io.BytesIO(data)).load()
-            except _Forbidden: continue
+            try:
+                got = _IndexUnpickler(io.BytesIO(data)).load()
+            except _Forbidden:
+                continue
             loaded += 1
-            assert id(got) in allowed_objects or isinstance(got, torch.dtype), (module_name, dotted, got)
-            assert "." not in dotted and not (callable(got) and id(got) not in allowed_objects), (module_name, dotted)
+            assert id(got) in allowed_objects or isinstance(got, torch.dtype), (
+                module_name,
+                dotted,
+                got,
+            )
+            assert "." not in dotted and not (callable(got) and id(got) not in allowed_objects), (
+                module_name,
+                dotted,
+            )
     dtypes = sum(isinstance(v, torch.dtype) for v in vars(torch).values())
     expected = sum(m in modules for m, _ in _INDEX_GLOBALS) + dtypes
     assert tried > 10_000 and loaded == expected, (tried, loaded, expected)

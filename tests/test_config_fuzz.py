@@ -5,6 +5,7 @@ configs built from the real schema with mutated values, deleted and misspelled k
 load must serialise, and load back from its own `to_dict()` to the same thing. Run with `-s` (or look at
 the terminal summary line) to see how many inputs were tried.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path: sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 from speedtronic.config import ConfigError, SpeedtronicConfig, load_config  # noqa: E402
 
-SETTINGS = dict(deadline=None, derandomize=False, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = dict(
+    deadline=None,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 COUNTS: dict[str, int] = {}
 OUTCOMES = {"loaded and round-tripped": 0, "rejected": 0}
 TMP = Path(tempfile.mkdtemp(prefix="speedtronic-fuzz-"))
@@ -38,8 +44,11 @@ def summary(request):
     line = f"config fuzz: tried {tried} ({sum(COUNTS.values())} inputs; loader calls: {outcomes})"
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None: print(line); return
-    with capture.global_and_fixture_disabled(): reporter.write_line("\n" + line)
+    if reporter is None or capture is None:
+        print(line)
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line("\n" + line)
 
 
 def count(kind: str):
@@ -52,29 +61,86 @@ def _schema() -> dict[str, list[str]]:
     out = {}
     for f in dataclasses.fields(base):
         value = getattr(base, f.name)
-        out[f.name] = [g.name for g in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else []
+        out[f.name] = (
+            [g.name for g in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else []
+        )
     return out
 
 
 SCHEMA = _schema()
-ALIASES = ["name", "seed", "device", "output_dir", "max_steps", "log_every", "hub", "diloco", "muon_plus", "cautious"]
+ALIASES = [
+    "name",
+    "seed",
+    "device",
+    "output_dir",
+    "max_steps",
+    "log_every",
+    "hub",
+    "diloco",
+    "muon_plus",
+    "cautious",
+]
 FIELD_NAMES = sorted({k for keys in SCHEMA.values() for k in keys})
-KEYS = st.one_of(st.sampled_from(sorted(SCHEMA) + ALIASES), st.sampled_from(FIELD_NAMES), st.text(max_size=12),
-                 st.integers(-3, 3), st.booleans(), st.none())
-SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.integers(min_value=-10**30, max_value=10**30),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
-    st.sampled_from(["auto", "none", "false", "true", "3e-4", "1e3", "10.0", "muon", "adamw", "cosine", "bf16", "fp16",
-                     "", " ", "..", "a/b", "org/run", "hf_xyz", "1e400", "-0", "nan", "0x10"]),
-    st.dates(), st.just(10**400), st.just(0).map(lambda _: -(10**5000)),
+KEYS = st.one_of(
+    st.sampled_from(sorted(SCHEMA) + ALIASES),
+    st.sampled_from(FIELD_NAMES),
+    st.text(max_size=12),
+    st.integers(-3, 3),
+    st.booleans(),
+    st.none(),
 )
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                         st.dictionaries(KEYS, inner, max_size=4)), max_leaves=12)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.sampled_from(
+        [
+            "auto",
+            "none",
+            "false",
+            "true",
+            "3e-4",
+            "1e3",
+            "10.0",
+            "muon",
+            "adamw",
+            "cosine",
+            "bf16",
+            "fp16",
+            "",
+            " ",
+            "..",
+            "a/b",
+            "org/run",
+            "hf_xyz",
+            "1e400",
+            "-0",
+            "nan",
+            "0x10",
+        ]
+    ),
+    st.dates(),
+    st.just(10**400),
+    st.just(0).map(lambda _: -(10**5000)),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(KEYS, inner, max_size=4)),
+    max_leaves=12,
+)
 
 
 def near_valid_bases() -> list[dict]:
     bases = [SpeedtronicConfig().to_dict()]
-    for name in ("configs/smoke.yaml", "configs/v2_smoke.yaml", "configs/diloco.yaml", "examples/diloco_master.yaml"):
+    for name in (
+        "configs/smoke.yaml",
+        "configs/v2_smoke.yaml",
+        "configs/diloco.yaml",
+        "examples/diloco_master.yaml",
+    ):
         bases.append(yaml.safe_load((ROOT / name).read_text()))
     return bases
 
@@ -84,10 +150,14 @@ BASES = near_valid_bases()
 
 def plausible(current):
     "Values of the same kind as `current`, mostly in range, so that many mutated configs still load."
-    if isinstance(current, bool): return st.booleans()
-    if isinstance(current, int): return st.one_of(st.integers(0, 64), st.sampled_from([current, 2 * current, current // 2]))
-    if isinstance(current, float): return st.one_of(st.floats(0, 1, exclude_max=True), st.just(current), st.integers(1, 9))
-    if isinstance(current, str): return st.sampled_from([current, current.upper(), f" {current} ", "auto", "none"])
+    if isinstance(current, bool):
+        return st.booleans()
+    if isinstance(current, int):
+        return st.one_of(st.integers(0, 64), st.sampled_from([current, 2 * current, current // 2]))
+    if isinstance(current, float):
+        return st.one_of(st.floats(0, 1, exclude_max=True), st.just(current), st.integers(1, 9))
+    if isinstance(current, str):
+        return st.sampled_from([current, current.upper(), f" {current} ", "auto", "none"])
     return st.one_of(st.none(), st.integers(1, 8))
 
 
@@ -99,17 +169,27 @@ def near_valid(draw) -> dict:
         section = draw(st.sampled_from(sorted(SCHEMA)))
         op = draw(st.sampled_from(["set"] * 6 + ["drop", "typo", "section", "alias"]))
         body = config.get(section)
-        if op == "section": config[section] = draw(VALUES); continue
-        if op == "alias": config[draw(st.sampled_from(ALIASES))] = draw(VALUES); continue
+        if op == "section":
+            config[section] = draw(VALUES)
+            continue
+        if op == "alias":
+            config[draw(st.sampled_from(ALIASES))] = draw(VALUES)
+            continue
         if not isinstance(body, dict) or not SCHEMA[section]:
-            config[section] = draw(plausible(body) if op == "set" else SCALARS); continue
+            config[section] = draw(plausible(body) if op == "set" else SCALARS)
+            continue
         key = draw(st.sampled_from(SCHEMA[section]))
-        if op == "set" and draw(st.booleans()): body[key] = draw(plausible(body.get(key)))
-        elif op == "set": body[key] = draw(st.one_of(SCALARS, VALUES))
-        elif op == "drop": body.pop(key, None)
+        if op == "set" and draw(st.booleans()):
+            body[key] = draw(plausible(body.get(key)))
+        elif op == "set":
+            body[key] = draw(st.one_of(SCALARS, VALUES))
+        elif op == "drop":
+            body.pop(key, None)
         else:
             i = draw(st.integers(0, max(0, len(key) - 1)))
-            body[key[:i] + draw(st.sampled_from(["", "_", "s", "x"])) + key[i + 1:]] = body.pop(key, 1)
+            body[key[:i] + draw(st.sampled_from(["", "_", "s", "x"])) + key[i + 1 :]] = body.pop(
+                key, 1
+            )
     return config
 
 
@@ -122,15 +202,30 @@ def yaml_text(draw) -> str:
     "YAML/JSON-ish text: a dump of near-valid or random data with character edits, or raw noise."
     kind = draw(st.sampled_from(["dump", "dump", "json", "noise"]))
     if kind == "noise":
-        return draw(st.text(alphabet=st.sampled_from(list("abc:- []{}\n\t\"'&*!|>#%@,.?01e+\\") + ["\x00", "é", "\ufeff"]),
-                             max_size=80))
+        return draw(
+            st.text(
+                alphabet=st.sampled_from(
+                    list("abc:- []{}\n\t\"'&*!|>#%@,.?01e+\\") + ["\x00", "é", "\ufeff"]
+                ),
+                max_size=80,
+            )
+        )
     data = draw(st.one_of(near_valid(), VALUES))
-    try: text = yaml.safe_dump(data, sort_keys=False) if kind == "dump" else _json_text(data)
-    except (yaml.YAMLError, ValueError, TypeError): text = "run: {max_steps: 3}\nseed: [1"
+    try:
+        text = yaml.safe_dump(data, sort_keys=False) if kind == "dump" else _json_text(data)
+    except (yaml.YAMLError, ValueError, TypeError):
+        text = "run: {max_steps: 3}\nseed: [1"
     for _ in range(draw(st.integers(0, 3))):
-        if not text: break
+        if not text:
+            break
         i = draw(st.integers(0, len(text) - 1))
-        text = text[:i] + draw(st.sampled_from(["", ":", " ", "\n", "[", "{", "'", "&a ", "*a", "!!", "- ", "\t"])) + text[i + 1:]
+        text = (
+            text[:i]
+            + draw(
+                st.sampled_from(["", ":", " ", "\n", "[", "{", "'", "&a ", "*a", "!!", "- ", "\t"])
+            )
+            + text[i + 1 :]
+        )
     return text
 
 
@@ -144,7 +239,8 @@ def check_loaded(config: SpeedtronicConfig):
 
 
 def only_expected_errors(call):
-    try: config = call()
+    try:
+        config = call()
     except (ConfigError, FileNotFoundError) as err:
         assert str(err), "an error must say something"
         OUTCOMES["rejected"] += 1
@@ -179,20 +275,48 @@ def test_inline_text(text):
 def test_files(text, suffix, as_bytes):
     count("files")
     path = TMP / f"fuzz{suffix}"
-    if as_bytes: path.write_bytes(text.encode("utf-8", "surrogatepass") + b"\xff")   # not UTF-8 at the end
-    else: path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    if as_bytes:
+        path.write_bytes(text.encode("utf-8", "surrogatepass") + b"\xff")  # not UTF-8 at the end
+    else:
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
     only_expected_errors(lambda: load_config(path))
     only_expected_errors(lambda: SpeedtronicConfig.from_yaml(path))
 
 
 def test_specific_nasty_inputs():
     "Inputs the strategies reach only rarely: aliases, self-reference, huge numbers, odd paths."
-    nasty = ["a: &x [*x]", "run: &r {name: *r}", "logging: {wandb: &w {a: *w}}", "model: {imports: &i [*i]}",
-             "[" * 3000, "{" * 3000, "max_steps: " + "9" * 5000, "optimizer: {lr: 1e400}", '{"seed": ' + "1" * 5000 + "}",
-             "!!python/object:os.system {}", "? [a, b]\n: c", "run: !!binary aGVsbG8=", "---\na: 1\n---\nb: 2",
-             "\x00", "", "   ", ".", "/", "\ufeffrun: {}", "seed: 2024-01-01", "name: 2024-01-01", {"run": None},
-             {"seed": True}, {"compile": {"enabled": "yes"}}, {"precision": 16}, {None: 1}, {1.5: 2},
-             {"data": {"dataset": object()}}, {"logging": {"wandb": {1: 2}}}, {"distributed": {"collaborators": [None]}}]
+    nasty = [
+        "a: &x [*x]",
+        "run: &r {name: *r}",
+        "logging: {wandb: &w {a: *w}}",
+        "model: {imports: &i [*i]}",
+        "[" * 3000,
+        "{" * 3000,
+        "max_steps: " + "9" * 5000,
+        "optimizer: {lr: 1e400}",
+        '{"seed": ' + "1" * 5000 + "}",
+        "!!python/object:os.system {}",
+        "? [a, b]\n: c",
+        "run: !!binary aGVsbG8=",
+        "---\na: 1\n---\nb: 2",
+        "\x00",
+        "",
+        "   ",
+        ".",
+        "/",
+        "\ufeffrun: {}",
+        "seed: 2024-01-01",
+        "name: 2024-01-01",
+        {"run": None},
+        {"seed": True},
+        {"compile": {"enabled": "yes"}},
+        {"precision": 16},
+        {None: 1},
+        {1.5: 2},
+        {"data": {"dataset": object()}},
+        {"logging": {"wandb": {1: 2}}},
+        {"distributed": {"collaborators": [None]}},
+    ]
     for source in nasty:
         count("hand-picked inputs")
         only_expected_errors(lambda: load_config(source))

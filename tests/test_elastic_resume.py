@@ -11,14 +11,31 @@ dropout continues reproducibly but not with the masks the uninterrupted run drew
 The source is real prose read as a text stream (read front to back: the hardest position to carry over).
 `strategy` is a parameter so that other ways of spreading the model over the ranks join the same cases.
 """
+
 from __future__ import annotations
 
 import pytest
 
-from test_sample_order import STEPS, assert_same_training, final_state, finish, losses, source, train, write_config
+from test_sample_order import (
+    STEPS,
+    assert_same_training,
+    final_state,
+    finish,
+    losses,
+    source,
+    train,
+    write_config,
+)
 
-STOP = 5   # the first job stops here; the second resumes from its checkpoint
-CASES = [("ddp", 2, 1), ("ddp", 1, 2), ("ddp", 2, 4), ("fsdp", 2, 1), ("fsdp", 1, 2), ("fsdp", 2, 4)]
+STOP = 5  # the first job stops here; the second resumes from its checkpoint
+CASES = [
+    ("ddp", 2, 1),
+    ("ddp", 1, 2),
+    ("ddp", 2, 4),
+    ("fsdp", 2, 1),
+    ("fsdp", 1, 2),
+    ("fsdp", 2, 4),
+]
 
 
 def settings(strategy: str) -> dict:
@@ -39,11 +56,22 @@ def reference(tmp_path_factory):
 def test_resume_on_another_number_of_processes(reference, strategy, before, after):
     tmp, data = reference
     name = f"{strategy}-{before}to{after}"
-    finish(train(write_config(tmp, name, micro=2, target=8, data=data, steps=STOP, **settings(strategy)), nproc=before))
+    finish(
+        train(
+            write_config(tmp, name, micro=2, target=8, data=data, steps=STOP, **settings(strategy)),
+            nproc=before,
+        )
+    )
     assert sorted(losses(tmp / f"{name}.jsonl")) == list(range(1, STOP + 1))
     saved = final_state(tmp / name, STOP)
-    err = finish(train(write_config(tmp, name, micro=2, target=8, data=data, **settings(strategy)), "--resume", nproc=after))
+    err = finish(
+        train(
+            write_config(tmp, name, micro=2, target=8, data=data, **settings(strategy)),
+            "--resume",
+            nproc=after,
+        )
+    )
     assert_same_training(tmp, name, "ref")
     assert final_state(tmp / name)["data"] == final_state(tmp / "ref")["data"]
-    assert saved["data"]["samples"] == STOP * 8                       # the job's position: 5 steps of 8 samples
+    assert saved["data"]["samples"] == STOP * 8  # the job's position: 5 steps of 8 samples
     assert "Traceback" not in err, err[-3000:]

@@ -14,6 +14,7 @@ it fresh too; a tiny sync scheme that resets every 4 steps shows both without Di
 stopped after round 2 and resumed (rank 0's coordinator gets its checkpointed state back), ends on the global the
 same ddp node ends on.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -44,41 +45,98 @@ end_process(0)
 """
 
 
-def node(tmp: Path, name: str, role: str, index: int, micro: int, steps: int = STEPS, nodes: int = 2, **sections) -> Path:
-    return write_config(tmp, name, micro=micro, steps=steps, every=10, model={"n_layer": 2},
-                        data={"synthetic": True, "num_tokens": 400, "target_batch_size": 4}, logging={"every_steps": 5},
-                        distributed={"enabled": True, "role": role, "node_id": name, "transport": "directory",
-                                     "repo_id": str(tmp / "repo"), "inner_steps": ROUND, "poll_interval": 0.2, "shard_count": nodes,
-                                     "shard_index": index, "expected_nodes": nodes, "final_round_timeout": 120,
-                                     "boundary_wait": 60, "delta_dtype": "float32"}, **sections)
+def node(
+    tmp: Path,
+    name: str,
+    role: str,
+    index: int,
+    micro: int,
+    steps: int = STEPS,
+    nodes: int = 2,
+    **sections,
+) -> Path:
+    return write_config(
+        tmp,
+        name,
+        micro=micro,
+        steps=steps,
+        every=10,
+        model={"n_layer": 2},
+        data={"synthetic": True, "num_tokens": 400, "target_batch_size": 4},
+        logging={"every_steps": 5},
+        distributed={
+            "enabled": True,
+            "role": role,
+            "node_id": name,
+            "transport": "directory",
+            "repo_id": str(tmp / "repo"),
+            "inner_steps": ROUND,
+            "poll_interval": 0.2,
+            "shard_count": nodes,
+            "shard_index": index,
+            "expected_nodes": nodes,
+            "final_round_timeout": 120,
+            "boundary_wait": 60,
+            "delta_dtype": "float32",
+        },
+        **sections,
+    )
 
 
 def run_nodes(tmp: Path, strategy: str) -> dict:
     "The 2-rank master (`strategy`) and the one-process worker, started together; the final global and each rank's weights."
     from speedtronic.distributed.tensors import GLOBAL_MODEL_PATH, load_safetensors
+
     master = node(tmp, "master", "master", 0, micro=2, parallel={"strategy": strategy})
     worker = node(tmp, "worker", "worker", 1, micro=4)
     (tmp / "driver.py").write_text(DRIVER)
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",
-                            str(free_port()), str(tmp / "driver.py"), str(master), str(tmp)],
-                           cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    alone = one_process(worker)                                  # waits (lease_timeout) for the master to create the repository
-    finish(alone, timeout=240); finish(job, timeout=120)         # bounded: a hung collective fails the test
-    return {"global": load_safetensors(tmp / "repo" / GLOBAL_MODEL_PATH),
-            "ranks": [torch.load(tmp / f"rank{r}.pt") for r in (0, 1)]}
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(tmp / "driver.py"),
+            str(master),
+            str(tmp),
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    alone = one_process(worker)  # waits (lease_timeout) for the master to create the repository
+    finish(alone, timeout=240)
+    finish(job, timeout=120)  # bounded: a hung collective fails the test
+    return {
+        "global": load_safetensors(tmp / "repo" / GLOBAL_MODEL_PATH),
+        "ranks": [torch.load(tmp / f"rank{r}.pt") for r in (0, 1)],
+    }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    return {strategy: (tmp := tmp_path_factory.mktemp(strategy), run_nodes(tmp, strategy)) for strategy in ("fsdp", "ddp")}
+    return {
+        strategy: (tmp := tmp_path_factory.mktemp(strategy), run_nodes(tmp, strategy))
+        for strategy in ("fsdp", "ddp")
+    }
 
 
 def test_fsdp_master_folds_every_delta(runs):
     "Each node's deltas of steps 5, 10, 15, 20 are folded once, and the job really ran sharded on 2 ranks."
     from speedtronic.distributed import SharedDirectory
+
     tmp, _ = runs["fsdp"]
-    folded = [tuple(x) for e in jsonl_records(tmp / "master.jsonl", "outer_step") for x in e.get("folded", [])]
-    assert folded and len(folded) == len(set(folded)), folded   # no delta folded twice
+    folded = [
+        tuple(x)
+        for e in jsonl_records(tmp / "master.jsonl", "outer_step")
+        for x in e.get("folded", [])
+    ]
+    assert folded and len(folded) == len(set(folded)), folded  # no delta folded twice
     ledger = SharedDirectory(tmp / "repo").state().extras["ledger"]
     for name in ("master", "worker"):
         uploaded = sorted(e["step"] for e in jsonl_records(tmp / f"{name}.jsonl", "delta_uploaded"))
@@ -86,16 +144,22 @@ def test_fsdp_master_folds_every_delta(runs):
         assert max(ledger[name]["sessions"].values()) == STEPS, (name, ledger[name])
         assert sum(1 for f in folded if name in f) == len(uploaded), (name, folded)
         waits = jsonl_records(tmp / f"{name}.jsonl", "boundary_wait")
-        assert waits and all(w["folded"] for w in waits), (name, waits)  # whole rounds: each boundary got its fold
+        assert waits and all(w["folded"] for w in waits), (
+            name,
+            waits,
+        )  # whole rounds: each boundary got its fold
     start = jsonl_records(tmp / "master.jsonl", "train_start")[0]
     assert start["world_size"] == 2
-    assert (tmp / "master" / "checkpoints" / f"step_{STEPS:012d}.dcp").is_dir()   # sharded checkpoints: fsdp it was
+    assert (
+        tmp / "master" / "checkpoints" / f"step_{STEPS:012d}.dcp"
+    ).is_dir()  # sharded checkpoints: fsdp it was
 
 
 def test_every_rank_ends_on_the_final_global(runs):
     _, got = runs["fsdp"]
     for key, tensor in got["global"].items():
-        for rank, weights in enumerate(got["ranks"]): assert torch.equal(weights[key], tensor), (rank, key)
+        for rank, weights in enumerate(got["ranks"]):
+            assert torch.equal(weights[key], tensor), (rank, key)
     assert got["ranks"][0].keys() == got["global"].keys()
 
 
@@ -106,7 +170,7 @@ def test_the_final_global_is_the_ddp_node_s(runs):
     for key, tensor in ddp["global"].items():
         torch.testing.assert_close(fsdp["global"][key], tensor, rtol=0, atol=1e-6, msg=key)
     moved = max((ddp["global"][k] - ddp["ranks"][0][k]).abs().max().item() for k in ddp["global"])
-    assert moved == 0.0                                          # the ddp ranks end on their final global too
+    assert moved == 0.0  # the ddp ranks end on their final global too
 
 
 RESETTING = r"""
@@ -131,52 +195,123 @@ end_process(0)
 
 def resetting_job(tmp: Path, name: str, strategy: str, steps: int, resume: bool = False) -> Path:
     "A 2-rank job of `steps` steps (the schedule's horizon 8 whatever `steps`), its optimizer reset every 4; its metrics file."
-    cfg = write_config(tmp, name, micro=4, steps=steps, every=4, model={"n_layer": 2}, parallel={"strategy": strategy},
-                       data={"synthetic": True, "num_tokens": 400, "shuffle": True}, scheduler={"max_steps": 8})
+    cfg = write_config(
+        tmp,
+        name,
+        micro=4,
+        steps=steps,
+        every=4,
+        model={"n_layer": 2},
+        parallel={"strategy": strategy},
+        data={"synthetic": True, "num_tokens": 400, "shuffle": True},
+        scheduler={"max_steps": 8},
+    )
     (tmp / "resetting.py").write_text(RESETTING)
-    finish(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port()),
-                             str(tmp / "resetting.py"), str(cfg), "resume" if resume else "fresh"],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), timeout=180)
+    finish(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                str(tmp / "resetting.py"),
+                str(cfg),
+                "resume" if resume else "fresh",
+            ],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
+        timeout=180,
+    )
     return tmp / f"{name}.jsonl"
 
 
 def test_a_reset_optimizer_stays_fresh_through_a_sharded_checkpoint(tmp_path):
     "fsdp with a save at each reset trains the ddp job's losses, and a resume from the save at step 4 goes on with them."
-    fsdp, ddp = losses_by_step(resetting_job(tmp_path, "fsdp", "fsdp", 8)), losses_by_step(resetting_job(tmp_path, "ddp", "ddp", 8))
+    fsdp, ddp = (
+        losses_by_step(resetting_job(tmp_path, "fsdp", "fsdp", 8)),
+        losses_by_step(resetting_job(tmp_path, "ddp", "ddp", 8)),
+    )
     assert sorted(fsdp) == list(range(1, 9))
-    for step, (loss,) in fsdp.items(): assert loss == pytest.approx(ddp[step][0], rel=1e-6, abs=0), step
+    for step, (loss,) in fsdp.items():
+        assert loss == pytest.approx(ddp[step][0], rel=1e-6, abs=0), step
     resetting_job(tmp_path, "again", "fsdp", 4)
     assert (tmp_path / "again" / "checkpoints" / f"step_{4:012d}.dcp").is_dir()
     resumed = losses_by_step(resetting_job(tmp_path, "again", "fsdp", 8, resume=True))
-    for step in range(5, 9): assert resumed[step][-1] == pytest.approx(fsdp[step][0], rel=1e-6, abs=0), step
+    for step in range(5, 9):
+        assert resumed[step][-1] == pytest.approx(fsdp[step][0], rel=1e-6, abs=0), step
 
 
 def alone(tmp: Path, strategy: str, steps: int, resume: bool = False) -> None:
     "A master with no other node (each round its own delta), `steps` steps of a schedule 20 long, as a 2-rank `strategy` job."
-    cfg = node(tmp, "master", "master", 0, micro=2, steps=steps, nodes=1, parallel={"strategy": strategy},
-               scheduler={"max_steps": STEPS})
+    cfg = node(
+        tmp,
+        "master",
+        "master",
+        0,
+        micro=2,
+        steps=steps,
+        nodes=1,
+        parallel={"strategy": strategy},
+        scheduler={"max_steps": STEPS},
+    )
     (tmp / "driver.py").write_text(DRIVER)
-    finish(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port",
-                             str(free_port()), str(tmp / "driver.py"), str(cfg), str(tmp), *(["resume"] if resume else [])],
-                            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), timeout=180)
+    finish(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                str(tmp / "driver.py"),
+                str(cfg),
+                str(tmp),
+                *(["resume"] if resume else []),
+            ],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
+        timeout=180,
+    )
 
 
 def resumed_alone(tmp: Path, strategy: str) -> dict:
     "The master alone, stopped at step 10 (a boundary: its inner optimizer just reset) and resumed to 20; its final global."
     from speedtronic.distributed.tensors import GLOBAL_MODEL_PATH, load_safetensors
+
     tmp.mkdir()
     alone(tmp, strategy, 10)
     assert max(r["step"] for r in jsonl_records(tmp / "master.jsonl")) == 10
     alone(tmp, strategy, STEPS, resume=True)
-    assert jsonl_records(tmp / "master.jsonl", "train_start")[-1]["start_step"] == 10     # it resumed
-    folded = [tuple(x) for e in jsonl_records(tmp / "master.jsonl", "outer_step") for x in e.get("folded", [])]
+    assert jsonl_records(tmp / "master.jsonl", "train_start")[-1]["start_step"] == 10  # it resumed
+    folded = [
+        tuple(x)
+        for e in jsonl_records(tmp / "master.jsonl", "outer_step")
+        for x in e.get("folded", [])
+    ]
     assert [s for _, s in folded] == [5, 10, 15, 20], folded
     final = load_safetensors(tmp / "repo" / GLOBAL_MODEL_PATH)
-    for rank in (0, 1): assert all(torch.equal(torch.load(tmp / f"rank{rank}.pt")[k], v) for k, v in final.items()), rank
+    for rank in (0, 1):
+        assert all(
+            torch.equal(torch.load(tmp / f"rank{rank}.pt")[k], v) for k, v in final.items()
+        ), rank
     return final
 
 
 def test_a_resumed_fsdp_node_goes_on_as_a_ddp_one(tmp_path):
     "Rank 0's coordinator gets its checkpointed state back, folds rounds 3 and 4, and ends where the ddp node ends."
     fsdp, ddp = resumed_alone(tmp_path / "fsdp", "fsdp"), resumed_alone(tmp_path / "ddp", "ddp")
-    for key, tensor in ddp.items(): torch.testing.assert_close(fsdp[key], tensor, rtol=0, atol=1e-6, msg=key)
+    for key, tensor in ddp.items():
+        torch.testing.assert_close(fsdp[key], tensor, rtol=0, atol=1e-6, msg=key)

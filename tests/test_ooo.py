@@ -3,6 +3,7 @@
 The GPU tests run wherever CUDA exists and skip cleanly elsewhere; the CPU tests check that the scheduler is an
 honest no-op off CUDA, through the real trainer.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,16 +17,21 @@ from speedtronic.model import ReferenceTransformer
 from speedtronic.runtime import train_from_config
 from speedtronic.scheduling import StageStreamScheduler
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the stream scheduler is only active on CUDA")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the stream scheduler is only active on CUDA"
+)
 
 
 class Branches(nn.Module):
     "Four independent branches on the same input, summed: the shape the scheduler can overlap."
+
     def __init__(self, width: int = 256, branches: int = 4):
         super().__init__()
         self.inp = nn.Linear(width, width)
-        self.branches = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                                      for _ in range(branches))
+        self.branches = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(branches)
+        )
         self.out = nn.Linear(width, 1)
 
     def forward(self, x):
@@ -35,19 +41,24 @@ class Branches(nn.Module):
 
 def reference(device="cuda"):
     torch.manual_seed(0)
-    return ReferenceTransformer(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
-                                d_ff=128).to(device)
+    return ReferenceTransformer(
+        vocab_size=128, block_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128
+    ).to(device)
 
 
 def loss_and_grads(model, batch, scheduler=None, autocast=False):
     model.zero_grad(set_to_none=True)
-    if scheduler is not None: scheduler.begin()
+    if scheduler is not None:
+        scheduler.begin()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         out = model(**batch) if isinstance(batch, dict) else model(batch)
     loss = out["loss"] if isinstance(out, dict) else out
-    if scheduler is not None: scheduler.finish()
+    if scheduler is not None:
+        scheduler.finish()
     loss.backward()
-    return loss.detach().float().item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.detach().float().item(), {
+        n: p.grad.detach().clone() for n, p in model.named_parameters()
+    }
 
 
 @cuda
@@ -60,11 +71,13 @@ def test_reference_model_same_gradients(streams, autocast):
     loss_a, grads_a = loss_and_grads(model, batch, autocast=autocast)
     sched = StageStreamScheduler(model, "cuda", num_streams=streams)
     assert sched.enabled and sched.reason == "enabled" and sched.as_dict()["streams"] == streams
-    for _ in range(3):                                   # repeated forwards: records are per forward
+    for _ in range(3):  # repeated forwards: records are per forward
         loss_b, grads_b = loss_and_grads(model, batch, sched, autocast=autocast)
         assert loss_b == pytest.approx(loss_a, rel=1e-6)
         for n in grads_a:
-            torch.testing.assert_close(grads_b[n], grads_a[n], rtol=1e-5 if not autocast else 1e-2, atol=1e-6, msg=n)
+            torch.testing.assert_close(
+                grads_b[n], grads_a[n], rtol=1e-5 if not autocast else 1e-2, atol=1e-6, msg=n
+            )
     sched.dispose()
     assert not sched.enabled
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
@@ -94,7 +107,9 @@ def test_bad_stage_list_disables_with_a_reason():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sched = StageStreamScheduler(model, "cuda")
-    assert not sched.enabled and sched.reason.startswith("stream scheduling setup failed: ooo_stage_names nests")
+    assert not sched.enabled and sched.reason.startswith(
+        "stream scheduling setup failed: ooo_stage_names nests"
+    )
     assert any("setup failed" in str(w.message) for w in caught)
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
     one = StageStreamScheduler(nn.Sequential(nn.Linear(4, 4)).cuda(), "cuda")
@@ -104,7 +119,8 @@ def test_bad_stage_list_disables_with_a_reason():
 @cuda
 def test_an_error_inside_a_stage_leaves_the_streams_clean():
     class Fails(nn.Module):
-        def forward(self, x): raise RuntimeError("boom")
+        def forward(self, x):
+            raise RuntimeError("boom")
 
     model = nn.Sequential(nn.Linear(4, 4), Fails()).cuda()
     sched = StageStreamScheduler(model, "cuda", num_streams=2)
@@ -117,14 +133,35 @@ def test_an_error_inside_a_stage_leaves_the_streams_clean():
 
 
 def run_config(tmp_path, name, ooo):
-    return {"run": {"name": name, "seed": 3, "max_steps": 4, "output_dir": str(tmp_path / name)},
-            "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 4, "n_kv_head": 2, "d_model": 32,
-                      "d_ff": 64},
-            "data": {"synthetic": True, "num_tokens": 32, "block_size": 16, "micro_batch_size": 2, "target_batch_size": 4},
-            "optimizer": {"name": "muon", "lr": 3e-3}, "precision": {"mode": "fp32"},
-            "checkpoint": {"enabled": False},
-            "logging": {"progress": False, "loss_plot": False, "json_file": str(tmp_path / f"{name}.jsonl")},
-            "ooo_backprop": ooo, "ooo_streams": 4}
+    return {
+        "run": {"name": name, "seed": 3, "max_steps": 4, "output_dir": str(tmp_path / name)},
+        "model": {
+            "vocab_size": 64,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+        },
+        "data": {
+            "synthetic": True,
+            "num_tokens": 32,
+            "block_size": 16,
+            "micro_batch_size": 2,
+            "target_batch_size": 4,
+        },
+        "optimizer": {"name": "muon", "lr": 3e-3},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"enabled": False},
+        "logging": {
+            "progress": False,
+            "loss_plot": False,
+            "json_file": str(tmp_path / f"{name}.jsonl"),
+        },
+        "ooo_backprop": ooo,
+        "ooo_streams": 4,
+    }
 
 
 def events(path, name):
@@ -137,7 +174,11 @@ def test_trainer_off_cuda_is_an_honest_no_op(tmp_path):
     assert [r["loss"] for r in scheduled.metrics] == [r["loss"] for r in plain.metrics]
     (event,) = events(tmp_path / "ooo.jsonl", "ooo_backprop")
     assert (event["enabled"], event["reason"], event["streams"], event["stages"]) == (
-        False, "device cpu has no supported CUDA stream scheduler", 0, [])
+        False,
+        "device cpu has no supported CUDA stream scheduler",
+        0,
+        [],
+    )
     assert events(tmp_path / "ooo.jsonl", "train_start")[0]["ooo_backprop"] is False
     assert events(tmp_path / "plain.jsonl", "ooo_backprop") == []
 
@@ -148,4 +189,6 @@ def test_trainer_on_cuda_trains_the_same(tmp_path):
     scheduled = train_from_config(run_config(tmp_path, "ooo", True), device="cuda")
     (event,) = events(tmp_path / "ooo.jsonl", "ooo_backprop")
     assert event["enabled"] is True and event["streams"] == 4 and len(event["stages"]) > 4
-    assert [r["loss"] for r in scheduled.metrics] == pytest.approx([r["loss"] for r in plain.metrics], rel=1e-5)
+    assert [r["loss"] for r in scheduled.metrics] == pytest.approx(
+        [r["loss"] for r in plain.metrics], rel=1e-5
+    )

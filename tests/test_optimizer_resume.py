@@ -5,6 +5,7 @@ bit-identical losses, weights and optimizer state to one run straight through (s
 SIGKILLed CLI process resumed from the CLI). Also: Muon with gradient accumulation matches one big batch, and a
 checkpoint of one optimizer family is refused by the other.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,18 +33,47 @@ VARIANTS = {
 }
 
 
-def raw_config(out: Path, optimizer: dict, *, steps: int = 6, micro: int = 2, target: int = 4) -> dict:
-    return {"run": {"name": "resume", "seed": 11, "max_steps": steps, "output_dir": str(out)},
-            "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 4, "n_kv_head": 2, "d_model": 32,
-                      "d_ff": 64, "dropout": 0.1},
-            "data": {"synthetic": True, "num_tokens": 64, "shuffle": True, "block_size": 16,
-                     "micro_batch_size": micro, "target_batch_size": target},
-            "optimizer": {"lr": 3e-3, "weight_decay": 0.01, "grad_clip": 1.0, "fused": False, **optimizer},
-            "scheduler": {"warmup_steps": 2},
-            "precision": {"mode": "fp32"},
-            "checkpoint": {"every_steps": 1, "keep_last": None},
-            "logging": {"every_steps": 1, "progress": False, "loss_plot": False, "json_file": str(out / "metrics.jsonl")},
-            "ooo_backprop": True}
+def raw_config(
+    out: Path, optimizer: dict, *, steps: int = 6, micro: int = 2, target: int = 4
+) -> dict:
+    return {
+        "run": {"name": "resume", "seed": 11, "max_steps": steps, "output_dir": str(out)},
+        "model": {
+            "vocab_size": 64,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+            "dropout": 0.1,
+        },
+        "data": {
+            "synthetic": True,
+            "num_tokens": 64,
+            "shuffle": True,
+            "block_size": 16,
+            "micro_batch_size": micro,
+            "target_batch_size": target,
+        },
+        "optimizer": {
+            "lr": 3e-3,
+            "weight_decay": 0.01,
+            "grad_clip": 1.0,
+            "fused": False,
+            **optimizer,
+        },
+        "scheduler": {"warmup_steps": 2},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"every_steps": 1, "keep_last": None},
+        "logging": {
+            "every_steps": 1,
+            "progress": False,
+            "loss_plot": False,
+            "json_file": str(out / "metrics.jsonl"),
+        },
+        "ooo_backprop": True,
+    }
 
 
 def final_state(out: Path, step: int) -> dict:
@@ -55,10 +85,12 @@ def assert_same_tensors(a, b, where=""):
         assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
     elif isinstance(a, dict):
         assert set(a) == set(b), where
-        for k in a: assert_same_tensors(a[k], b[k], f"{where}.{k}")
+        for k in a:
+            assert_same_tensors(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)): assert_same_tensors(x, y, f"{where}[{i}]")
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{where}[{i}]")
     else:
         assert a == b, (where, a, b)
 
@@ -72,7 +104,9 @@ def test_save_and_resume_is_bit_exact(tmp_path, variant):
     assert (first.steps, second.steps, straight.steps) == (3, 6, 6)
     losses = [r["loss"] for r in straight.metrics]
     # a resumed run's result covers the whole run (its earlier steps come from the metrics file)
-    assert [r["loss"] for r in first.metrics] == losses[:3] and [r["loss"] for r in second.metrics] == losses
+    assert [r["loss"] for r in first.metrics] == losses[:3] and [
+        r["loss"] for r in second.metrics
+    ] == losses
     assert [r["lr"] for r in second.metrics] == [r["lr"] for r in straight.metrics]
     a, b = final_state(straight_dir, 6), final_state(split_dir, 6)
     assert_same_tensors(a["model"], b["model"], "model")
@@ -81,7 +115,7 @@ def test_save_and_resume_is_bit_exact(tmp_path, variant):
     assert ("muon" in algorithms) == (VARIANTS[variant]["name"] == "muon")
 
 
-HELD_MODEL = '''
+HELD_MODEL = """
 import os, sys
 import torch
 from speedtronic.model import ReferenceTransformer
@@ -99,23 +133,48 @@ class HeldReference(ReferenceTransformer):
         return super().forward(*args, **kwargs)
 
 register_model("held_reference", HeldReference)
-'''
+"""
 
 
 def cli(cfg: Path, *extra: str, **env: str) -> subprocess.Popen:
     "`speedtronic train` of `cfg` on CPU, with the config's folder (its model module) and this checkout importable."
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg.parent), str(ROOT)]), "OMP_NUM_THREADS": "1", **env}
-    return subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu", *extra],
-                            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(cfg.parent), str(ROOT)]),
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "speedtronic",
+            "train",
+            "--config",
+            str(cfg),
+            "--device",
+            "cpu",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def train_steps(jsonl: Path) -> dict[int, float]:
     out = {}
     if jsonl.exists():
         for line in jsonl.read_text().splitlines():
-            try: rec = json.loads(line)
-            except json.JSONDecodeError: continue   # a line cut by kill -9
-            if rec.get("event") == "train_step": out[rec["step"]] = rec["loss"]
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by kill -9
+            if rec.get("event") == "train_step":
+                out[rec["step"]] = rec["loss"]
     return out
 
 
@@ -134,21 +193,32 @@ def test_kill_and_resume_from_the_cli_is_bit_exact(tmp_path):
     proc = cli(configs["straight"])
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    proc, jsonl = cli(configs["killed"], HOLD_AT_FORWARD=str(2 * 12 + 1)), tmp_path / "killed" / "metrics.jsonl"
+    proc, jsonl = (
+        cli(configs["killed"], HOLD_AT_FORWARD=str(2 * 12 + 1)),
+        tmp_path / "killed" / "metrics.jsonl",
+    )
     try:
         lines = []
-        for line in iter(proc.stderr.readline, ""):          # ends at "held", or at the end of a child that never held
+        for line in iter(
+            proc.stderr.readline, ""
+        ):  # ends at "held", or at the end of a child that never held
             lines.append(line)
-            if line == "held\n": break
+            if line == "held\n":
+                break
         assert lines and lines[-1] == "held\n", "".join(lines)[-3000:]
         proc.send_signal(signal.SIGKILL)
     finally:
-        if proc.poll() is None: proc.kill()
+        if proc.poll() is None:
+            proc.kill()
         proc.wait(timeout=60)
-        proc.stdin.close(); proc.stderr.close()
+        proc.stdin.close()
+        proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
     assert max(train_steps(jsonl)) <= 12
-    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step_*.pt"))[-1] == "step_000000000012.pt"
+    assert (
+        sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step_*.pt"))[-1]
+        == "step_000000000012.pt"
+    )
     proc = cli(configs["killed"], "--resume")
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
@@ -162,11 +232,20 @@ def test_muon_accumulation_matches_one_big_batch(tmp_path):
     "Two micro-batches of 2 accumulate to the update one batch of 4 gives (up to float rounding)."
     results = {}
     for micro in (2, 4):
-        raw = raw_config(tmp_path / f"m{micro}", {"name": "muon", "cautious": True}, steps=3, micro=micro, target=4)
+        raw = raw_config(
+            tmp_path / f"m{micro}",
+            {"name": "muon", "cautious": True},
+            steps=3,
+            micro=micro,
+            target=4,
+        )
         raw["model"]["dropout"] = 0.0
         raw["data"]["shuffle"] = False
         trainer, _ = build_runtime(raw, device="cpu")
-        results[micro] = ([r["loss"] for r in trainer.fit().metrics], [p.detach().clone() for p in trainer.model.parameters()])
+        results[micro] = (
+            [r["loss"] for r in trainer.fit().metrics],
+            [p.detach().clone() for p in trainer.model.parameters()],
+        )
         close_logger(trainer.logger)
     assert results[2][0] == pytest.approx(results[4][0], rel=1e-5)
     for a, b in zip(results[2][1], results[4][1]):
@@ -177,9 +256,17 @@ def test_adamw_checkpoint_is_refused_by_a_muon_run_and_kept(tmp_path):
     train_from_config(raw_config(tmp_path, {"name": "adamw"}, steps=4), device="cpu", max_steps=2)
     before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()}
     from speedtronic.checkpoint import CheckpointError
+
     with pytest.raises(CheckpointError) as err:
-        train_from_config(raw_config(tmp_path, {"name": "muon"}, steps=4), device="cpu", resume=True)
+        train_from_config(
+            raw_config(tmp_path, {"name": "muon"}, steps=4), device="cpu", resume=True
+        )
     message = str(err.value)
-    assert "optimizer.name: saved 'adamw', now 'muon'" in message and "Muon keeps one momentum matrix" in message, message
-    assert message.count("optimizer.") == 1, message                                         # one reason, not two
-    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()} == before   # saved work intact
+    assert (
+        "optimizer.name: saved 'adamw', now 'muon'" in message
+        and "Muon keeps one momentum matrix" in message
+    ), message
+    assert message.count("optimizer.") == 1, message  # one reason, not two
+    assert {
+        p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()
+    } == before  # saved work intact

@@ -1,4 +1,5 @@
 """Precision and device checks that need a fresh process or real training steps (spec §5, P1, P4)."""
+
 import os
 import subprocess
 import sys
@@ -14,13 +15,20 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_py(code: str, **env) -> subprocess.CompletedProcess:
     "Run `code` in a fresh Python with the repository importable."
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cuda_request_fails_cleanly_without_cuda():
     "With no GPU visible, `cuda` and `cuda:1` give one DeviceError naming the request and the fix."
-    res = run_py("""
+    res = run_py(
+        """
         from speedtronic.precision import resolve_device, DeviceError
         for req in ("cuda", "cuda:1", "CUDA:0"):
             try:
@@ -28,7 +36,9 @@ def test_cuda_request_fails_cleanly_without_cuda():
             except DeviceError as exc:
                 print("ERR", req, "|", exc)
         print("AUTO", resolve_device("auto").type)
-    """, CUDA_VISIBLE_DEVICES="")
+    """,
+        CUDA_VISIBLE_DEVICES="",
+    )
     assert res.returncode == 0, res.stderr
     errs = [l for l in res.stdout.splitlines() if l.startswith("ERR")]
     assert len(errs) == 3, res.stdout
@@ -109,7 +119,13 @@ def test_fp32_on_cpu_does_not_run_the_probe():
 
 def test_cpu_plan_trains_with_trainer_calls():
     "A CPU bf16 plan (when the probe passes) trains a few steps through autocast_context; no scaler."
-    from speedtronic.precision import autocast_context, make_grad_scaler, resolve_precision, probe_cpu_bf16_autocast
+    from speedtronic.precision import (
+        autocast_context,
+        make_grad_scaler,
+        resolve_precision,
+        probe_cpu_bf16_autocast,
+    )
+
     plan = resolve_precision("bf16", "cpu")
     assert make_grad_scaler(plan) is None
     torch.manual_seed(0)
@@ -123,15 +139,22 @@ def test_cpu_plan_trains_with_trainer_calls():
             out = model(x)
         assert out.dtype == (torch.bfloat16 if probe_cpu_bf16_autocast()[0] else torch.float32)
         loss = (out.float() - x).pow(2).mean()
-        loss.backward(); opt.step(); losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
     assert losses[-1] < losses[0]
 
 
 def test_cuda_check_script_exits_zero_without_cuda():
     "bench/check_cuda_precision.py says 'no CUDA' and exits 0 where no GPU is visible."
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "check_cuda_precision.py")], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "check_cuda_precision.py")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "no CUDA"
 
@@ -139,7 +162,13 @@ def test_cuda_check_script_exits_zero_without_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_check_script_passes_on_gpu():
     "On a GPU machine every check of the CUDA script passes."
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "check_cuda_precision.py")], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "check_cuda_precision.py")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all checks passed" in res.stdout

@@ -4,6 +4,7 @@ Every test runs a fresh interpreter (the registry is process-local). Plugins are
 plus a `*.dist-info` folder with `METADATA` and `entry_points.txt`, found through `PYTHONPATH` exactly
 as an installed distribution would be (no pip needed).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from conftest import one_error_line  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-PLUGIN_MODULE = '''
+PLUGIN_MODULE = """
 import torch
 from torch import nn
 
@@ -38,16 +39,16 @@ class TinyLM(nn.Module):
 
 def tiny_factory(**kwargs):
     return TinyLM(**kwargs)
-'''
+"""
 
-REGISTERING_MODULE = '''
+REGISTERING_MODULE = """
 from speedtronic.registry import register_model
 from demo_plugin_models import TinyLM
 
 @register_model("plugin_by_module")
 def by_module(**kwargs):
     return TinyLM(**kwargs)
-'''
+"""
 
 
 def make_distribution(root: Path, entry_points: str) -> Path:
@@ -57,7 +58,9 @@ def make_distribution(root: Path, entry_points: str) -> Path:
     (root / "demo_plugin_registering.py").write_text(REGISTERING_MODULE)
     info = root / "demo_speedtronic_plugin-0.1.dist-info"
     info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: demo-speedtronic-plugin\nVersion: 0.1\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: demo-speedtronic-plugin\nVersion: 0.1\n"
+    )
     (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
     return root
 
@@ -65,8 +68,14 @@ def make_distribution(root: Path, entry_points: str) -> Path:
 def run_python(code: str, *paths: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
     "Run `code` in a fresh interpreter with `paths` and the repository on PYTHONPATH."
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), str(REPO)])}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=cwd or REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd or REPO,
+        timeout=120,
+    )
 
 
 ENTRY_POINTS = """
@@ -84,52 +93,54 @@ def plugin_dir(tmp_path: Path) -> Path:
 
 
 def test_entry_point_factory_is_found_lazily(plugin_dir):
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         import sys
         from speedtronic.registry import build_model, registry
         assert "demo_plugin_models" not in sys.modules          # nothing loaded before the lookup
         assert "plugin_tiny" in registry.names()
         m = build_model({"name": "plugin_tiny", "vocab_size": 32, "d_model": 8})
         print(type(m).__name__, tuple(m.emb.weight.shape))
-    ''')
+    """)
     out = run_python(code, plugin_dir)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["TinyLM", "(32,", "8)"]
 
 
 def test_entry_point_module_registers_its_models(plugin_dir):
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         from speedtronic.registry import build_model, ModelRegistry
         print(type(build_model({"name": "plugin_by_module", "d_model": 4, "n_head": 2})).__name__)
         print(type(ModelRegistry().build("plugin_by_module")).__name__)   # a fresh registry finds it too
-    ''')
+    """)
     out = run_python(code, plugin_dir)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["TinyLM", "TinyLM"]
 
 
 def test_entry_points_can_be_switched_off(plugin_dir):
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         from speedtronic.registry import ModelRegistry
         r = ModelRegistry(entry_points=False)
         print(",".join(r.names()))
         try: r.get("plugin_tiny")
         except KeyError as e: print("KeyError", e)
-    ''')
+    """)
     out = run_python(code, plugin_dir)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "gpt,reference_transformer"
-    assert lines[1].startswith("KeyError unknown model 'plugin_tiny'; registered models: gpt, reference_transformer")
+    assert lines[1].startswith(
+        "KeyError unknown model 'plugin_tiny'; registered models: gpt, reference_transformer"
+    )
 
 
 def test_broken_entry_point_names_itself(plugin_dir):
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         from speedtronic.registry import build_model
         for name in ("plugin_broken", "plugin_silent"):
             try: build_model({"name": name})
             except Exception as e: print(type(e).__name__, "|", e)
-    ''')
+    """)
     out = run_python(code, plugin_dir)
     assert out.returncode == 0, out.stderr
     broken, silent = out.stdout.splitlines()
@@ -139,31 +150,40 @@ def test_broken_entry_point_names_itself(plugin_dir):
 
 
 def test_unknown_name_lists_installed_plugins(plugin_dir):
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         from speedtronic.registry import build_model
         try: build_model({"name": "nope"})
         except KeyError as e: print(e)
-    ''')
+    """)
     out = run_python(code, plugin_dir)
     assert out.returncode == 0, out.stderr
-    assert "registered models: gpt, plugin_broken, plugin_by_module, plugin_silent, plugin_tiny, reference_transformer" in out.stdout
+    assert (
+        "registered models: gpt, plugin_broken, plugin_by_module, plugin_silent, plugin_tiny, reference_transformer"
+        in out.stdout
+    )
     assert "model.imports" in out.stdout
 
 
-USER_MODELS = PLUGIN_MODULE + '''
+USER_MODELS = (
+    PLUGIN_MODULE
+    + """
 from speedtronic.registry import register_model
 register_model("user_tiny", tiny_factory)
-'''
+"""
+)
+
 
 def write_config(path: Path, model_name: str, imports: list[str], output_dir: Path) -> Path:
     "A smoke-sized run with a custom model."
-    path.write_text(textwrap.dedent(f'''
+    path.write_text(
+        textwrap.dedent(f'''
         run: {{name: plugin, seed: 1, max_steps: 2, output_dir: "{output_dir}"}}
         model: {{name: {model_name}, imports: {imports}, vocab_size: 64, max_seq_len: 16, d_model: 16, n_head: 2, n_layer: 1}}
         data: {{synthetic: true, num_tokens: 16, block_size: 16, micro_batch_size: 2, target_batch_size: 2, num_workers: 0}}
         checkpoint: {{enabled: false}}
         precision: fp32
-    '''))
+    ''')
+    )
     return path
 
 
@@ -175,15 +195,24 @@ def test_model_imports_from_yaml_in_a_script(tmp_path):
     cfg = write_config(tmp_path / "run.yaml", "user_tiny", ["user_models"], tmp_path / "out")
     script = tmp_path / "elsewhere" / "build.py"
     script.parent.mkdir()
-    script.write_text(textwrap.dedent(f'''
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         assert {str(tmp_path)!r} not in sys.path
         from speedtronic.config import load_config
         from speedtronic.registry import build_model
         print(type(build_model(load_config({str(cfg)!r}).model)).__name__)
-    '''))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "TinyLM"
 
@@ -197,8 +226,14 @@ def test_cli_trains_a_custom_model_named_in_yaml(tmp_path):
     (tmp_path / "user_models.py").write_text(USER_MODELS)
     cfg = write_config(tmp_path / "run.yaml", "user_tiny", ["user_models"], tmp_path / "out")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([*speedtronic_cli(), "train", "--config", str(cfg), "--device", "cpu"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = subprocess.run(
+        [*speedtronic_cli(), "train", "--config", str(cfg), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1].startswith("completed steps=2 ")
     # the model trained is the user's: 64x16 embedding + 16x64 head with bias (the reference model would be far larger)
@@ -206,8 +241,16 @@ def test_cli_trains_a_custom_model_named_in_yaml(tmp_path):
 
 
 def test_cli_reports_a_missing_model_module(tmp_path):
-    cfg = write_config(tmp_path / "run.yaml", "user_tiny", ["no_such_user_models"], tmp_path / "out")
+    cfg = write_config(
+        tmp_path / "run.yaml", "user_tiny", ["no_such_user_models"], tmp_path / "out"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([*speedtronic_cli(), "train", "--config", str(cfg), "--device", "cpu"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = subprocess.run(
+        [*speedtronic_cli(), "train", "--config", str(cfg), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     one_error_line(out, "model.imports", "'no_such_user_models'", "PYTHONPATH")

@@ -1,4 +1,5 @@
 """Kill a real training process at a random point, resume it, and get bit-identical results (C1, C6, C7)."""
+
 from __future__ import annotations
 
 import json
@@ -17,31 +18,54 @@ import yaml
 from speedtronic.checkpoint import load_checkpoint
 
 from conftest import ROOT, communicate_or_dump, jsonl_records, ok, run_cli, tiny_config
+
 STEPS = 60
-WORDS = ("the model reads a stream of text and learns which byte tends to follow which one while the "
-         "optimizer moves every weight a little after each batch so that the loss falls").split()
+WORDS = (
+    "the model reads a stream of text and learns which byte tends to follow which one while the "
+    "optimizer moves every weight a little after each batch so that the loss falls"
+).split()
 
 
 def corpus(path: Path) -> Path:
     rng = random.Random(0)
-    path.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(400)) + "\n")
+    path.write_text(
+        "\n".join(" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(400)) + "\n"
+    )
     return path
 
 
-def write_config(tmp: Path, name: str, *, workers: int, text: bool, every: int, max_steps: int = STEPS) -> Path:
+def write_config(
+    tmp: Path, name: str, *, workers: int, text: bool, every: int, max_steps: int = STEPS
+) -> Path:
     data = {"micro_batch_size": 2, "target_batch_size": 4, "num_workers": workers, "block_size": 16}
-    if text: data.update(text_path=str(corpus(tmp / "corpus.txt")))
-    else: data.update(synthetic=True, num_tokens=40, shuffle=True)
-    raw = {"run": {"name": name, "seed": 7, "max_steps": max_steps, "output_dir": str(tmp / name)},
-           "model": {"vocab_size": 128, "max_seq_len": 16, "n_layer": 1, "n_head": 4, "n_kv_head": 2,
-                     "d_model": 32, "d_ff": 64, "dropout": 0.1},
-           "data": data,
-           "optimizer": {"lr": 3e-3, "weight_decay": 0.01, "grad_clip": 1.0},
-           "scheduler": {"warmup_steps": 3},
-           "precision": {"mode": "fp32"},
-           "checkpoint": {"every_steps": every, "keep_last": None},
-           "logging": {"json_file": str(tmp / f"{name}.jsonl"), "every_steps": 1, "progress": False,
-                       "loss_plot": False}}
+    if text:
+        data.update(text_path=str(corpus(tmp / "corpus.txt")))
+    else:
+        data.update(synthetic=True, num_tokens=40, shuffle=True)
+    raw = {
+        "run": {"name": name, "seed": 7, "max_steps": max_steps, "output_dir": str(tmp / name)},
+        "model": {
+            "vocab_size": 128,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+            "dropout": 0.1,
+        },
+        "data": data,
+        "optimizer": {"lr": 3e-3, "weight_decay": 0.01, "grad_clip": 1.0},
+        "scheduler": {"warmup_steps": 3},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"every_steps": every, "keep_last": None},
+        "logging": {
+            "json_file": str(tmp / f"{name}.jsonl"),
+            "every_steps": 1,
+            "progress": False,
+            "loss_plot": False,
+        },
+    }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -49,8 +73,24 @@ def write_config(tmp: Path, name: str, *, workers: int, text: bool, every: int, 
 
 def start(cfg: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu",
-                             *extra], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "speedtronic",
+            "train",
+            "--config",
+            str(cfg),
+            "--device",
+            "cpu",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -61,7 +101,9 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> None:
 records = jsonl_records
 
 
-def kill_at(proc: subprocess.Popen, jsonl: Path, step: int, sig: int = signal.SIGKILL, timeout: float = 120) -> int:
+def kill_at(
+    proc: subprocess.Popen, jsonl: Path, step: int, sig: int = signal.SIGKILL, timeout: float = 120
+) -> int:
     "Send `sig` once the JSONL shows `step`; returns the newest step seen at that moment."
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -69,7 +111,8 @@ def kill_at(proc: subprocess.Popen, jsonl: Path, step: int, sig: int = signal.SI
         if seen and max(seen) >= step:
             proc.send_signal(sig)
             return max(seen)
-        if proc.poll() is not None: pytest.fail(f"the run ended before step {step}: {proc.stderr.read()[-2000:]}")
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before step {step}: {proc.stderr.read()[-2000:]}")
         time.sleep(0.003)
     proc.kill()
     pytest.fail(f"step {step} never appeared in {jsonl}")
@@ -81,12 +124,15 @@ def final_model(out: Path) -> dict:
 
 def losses_by_step(jsonl: Path) -> dict[int, list[float]]:
     by = {}
-    for r in records(jsonl): by.setdefault(r["step"], []).append(r["loss"])
+    for r in records(jsonl):
+        by.setdefault(r["step"], []).append(r["loss"])
     return by
 
 
-VARIANTS = [pytest.param(w, t, e, id=f"{'text' if t else 'synthetic'}-workers{w}-every{e}")
-            for (w, t, e) in [(0, True, 1), (2, True, 2), (0, False, 2), (2, False, 1)]]
+VARIANTS = [
+    pytest.param(w, t, e, id=f"{'text' if t else 'synthetic'}-workers{w}-every{e}")
+    for (w, t, e) in [(0, True, 1), (2, True, 2), (0, False, 2), (2, False, 1)]
+]
 _REFERENCE: dict = {}
 
 
@@ -157,8 +203,15 @@ def test_sigterm_saves_the_last_completed_step(tmp_path):
 
 def _tiny_run(tmp: Path, name: str, max_steps: int) -> Path:
     "Train the tiny run `name` in `tmp/name` to `max_steps` (a checkpoint every 2 steps, all kept); its config."
-    cfg = tiny_config(tmp, f"{name}.yaml", max_steps=max_steps, every_steps=2, keep_last=None,
-                      run={"output_dir": str(tmp / name)}, logging={"json_file": str(tmp / f"{name}.jsonl")})
+    cfg = tiny_config(
+        tmp,
+        f"{name}.yaml",
+        max_steps=max_steps,
+        every_steps=2,
+        keep_last=None,
+        run={"output_dir": str(tmp / name)},
+        logging={"json_file": str(tmp / f"{name}.jsonl")},
+    )
     ok(run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp))
     return cfg
 
@@ -169,8 +222,12 @@ def test_another_runs_checkpoint_linked_in_is_not_adopted(tmp_path):
     cfg = _tiny_run(tmp_path, "b", 2)
     own = tmp_path / "b" / "checkpoints"
     run_b = json.loads((own / "latest.json").read_text())["run_id"]
-    (own / "step_000000000006.pt").symlink_to(tmp_path / "a" / "checkpoints" / "step_000000000006.pt")
-    (own / "step_000000000004.pt").write_bytes((own / "step_000000000002.pt").read_bytes())   # step 2 under step 4's name
+    (own / "step_000000000006.pt").symlink_to(
+        tmp_path / "a" / "checkpoints" / "step_000000000006.pt"
+    )
+    (own / "step_000000000004.pt").write_bytes(
+        (own / "step_000000000002.pt").read_bytes()
+    )  # step 2 under step 4's name
     cfg.write_text(cfg.read_text().replace("max_steps: 2", "max_steps: 4"))
     proc = ok(run_cli("train", "--config", str(cfg), "--device", "cpu", "--resume", cwd=tmp_path))
     log = proc.stdout + proc.stderr
@@ -181,4 +238,4 @@ def test_another_runs_checkpoint_linked_in_is_not_adopted(tmp_path):
     assert steps == [1, 2, 3, 4], steps
     assert {r["run_id"] for r in jsonl_records(tmp_path / "b.jsonl")} == {run_b}
     assert load_checkpoint(own / "step_000000000004.pt")["run_id"] == run_b
-    assert (own / "step_000000000006.pt").is_symlink()                # the user's link is left as it was
+    assert (own / "step_000000000006.pt").is_symlink()  # the user's link is left as it was

@@ -11,6 +11,7 @@ given to the wrong step moves a loss by ~1e-3. The runs are tiny (one layer, 12 
 than one pass, so no microbatch holds a source's short last block: a padded microbatch's loss is the
 mean over its own tokens, which the ranks' equal-weight average does not reproduce.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,18 +80,38 @@ def env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
 
 
-def write_config(tmp: Path, name: str, *, micro: int, data: dict, steps: int = STEPS, target: int = 16, **sections) -> Path:
+def write_config(
+    tmp: Path,
+    name: str,
+    *,
+    micro: int,
+    data: dict,
+    steps: int = STEPS,
+    target: int = 16,
+    **sections,
+) -> Path:
     "A one-layer fp32 CPU run of `steps` steps (global batch `target`), checkpointed at its end."
-    raw = {"run": {"name": name, "seed": 7, "max_steps": steps, "output_dir": str(tmp / name)},
-           "model": {"vocab_size": 256, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32, "d_ff": 64, "dropout": 0.0},
-           "data": {"block_size": 16, "micro_batch_size": micro, "target_batch_size": target, **data},
-           # eps=1 keeps AdamW's update a smooth function of the gradient (tests/test_parallel.py says why)
-           "optimizer": {"lr": 1e-2, "weight_decay": 0.0, "eps": 1.0, "grad_clip": 1.0},
-           "scheduler": {"warmup_steps": 2, "max_steps": STEPS},
-           "precision": {"mode": "fp32"},
-           "checkpoint": {"every_steps": STEPS, "keep_last": None},
-           "logging": {"json_file": str(tmp / f"{name}.jsonl"), "progress": False, "loss_plot": False}}
-    for key, value in sections.items(): raw[key] = {**raw.get(key, {}), **value}
+    raw = {
+        "run": {"name": name, "seed": 7, "max_steps": steps, "output_dir": str(tmp / name)},
+        "model": {
+            "vocab_size": 256,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+            "dropout": 0.0,
+        },
+        "data": {"block_size": 16, "micro_batch_size": micro, "target_batch_size": target, **data},
+        # eps=1 keeps AdamW's update a smooth function of the gradient (tests/test_parallel.py says why)
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.0, "eps": 1.0, "grad_clip": 1.0},
+        "scheduler": {"warmup_steps": 2, "max_steps": STEPS},
+        "precision": {"mode": "fp32"},
+        "checkpoint": {"every_steps": STEPS, "keep_last": None},
+        "logging": {"json_file": str(tmp / f"{name}.jsonl"), "progress": False, "loss_plot": False},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -98,18 +119,49 @@ def write_config(tmp: Path, name: str, *, micro: int, data: dict, steps: int = S
 
 def train(cfg: Path, *extra: str, nproc: int = 1) -> subprocess.Popen:
     "`speedtronic train` on CPU: one process, or a torchrun job of `nproc`."
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(free_port())] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)   # its own process group, ended whole if it hangs
+    launcher = (
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+        ]
+        if nproc > 1
+        else []
+    )
+    cmd = [
+        sys.executable,
+        *launcher,
+        "-m",
+        "speedtronic",
+        "train",
+        "--config",
+        str(cfg),
+        "--device",
+        "cpu",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )  # its own process group, ended whole if it hangs
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     "The stderr of `proc`, which must exit 0 within `timeout` seconds (else it and its ranks are killed and the test fails)."
-    try: out, err = proc.communicate(timeout=timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.terminate()                      # torchrun passes SIGTERM to its ranks (each in a session of its own), then kills them
-        try: out, err = proc.communicate(timeout=90)
+        proc.terminate()  # torchrun passes SIGTERM to its ranks (each in a session of its own), then kills them
+        try:
+            out, err = proc.communicate(timeout=90)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
@@ -120,24 +172,38 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
 
 def losses(jsonl: Path) -> dict[int, list[float]]:
     by: dict[int, list[float]] = {}
-    for r in jsonl_records(jsonl): by.setdefault(r["step"], []).append(r["loss"])
+    for r in jsonl_records(jsonl):
+        by.setdefault(r["step"], []).append(r["loss"])
     return by
 
 
 def final_state(out: Path, step: int = STEPS) -> dict:
     "The checkpoint of `step`: a file, or the folder of shards an fsdp job writes."
     stem = out / "checkpoints" / f"step_{step:012d}"
-    return load_checkpoint(next((p for p in (stem.with_suffix(".dcp"), stem.with_suffix(".pt")) if p.exists()), stem.with_suffix(".pt")))
+    return load_checkpoint(
+        next(
+            (p for p in (stem.with_suffix(".dcp"), stem.with_suffix(".pt")) if p.exists()),
+            stem.with_suffix(".pt"),
+        )
+    )
 
 
-def assert_same_training(tmp: Path, name: str, ref: str, steps: range = range(1, STEPS + 1)) -> None:
+def assert_same_training(
+    tmp: Path, name: str, ref: str, steps: range = range(1, STEPS + 1)
+) -> None:
     "Run `name` took, step for step, the losses of run `ref` (rtol 1e-6) and ended on its weights (atol 1e-6)."
     got, want = losses(tmp / f"{name}.jsonl"), losses(tmp / f"{ref}.jsonl")
     assert sorted(got) == list(steps), sorted(got)
     for step, values in got.items():
-        for value in values: assert value == pytest.approx(want[step][-1], rel=1e-6, abs=0), (step, values, want[step])
+        for value in values:
+            assert value == pytest.approx(want[step][-1], rel=1e-6, abs=0), (
+                step,
+                values,
+                want[step],
+            )
     a, b = final_state(tmp / ref, steps[-1]), final_state(tmp / name, steps[-1])
-    for key, tensor in a["model"].items(): torch.testing.assert_close(b["model"][key], tensor, rtol=0, atol=1e-6, msg=key)
+    for key, tensor in a["model"].items():
+        torch.testing.assert_close(b["model"][key], tensor, rtol=0, atol=1e-6, msg=key)
     assert (b["samples"], b["tokens"]) == (a["samples"], a["tokens"])
 
 
@@ -146,8 +212,17 @@ def token_file(tmp: Path, blocks: int = 400) -> Path:
     ids = np.random.default_rng(0).integers(0, 256, size=blocks * 17).astype(np.uint16)
     path = tmp / "tokens.bin"
     path.write_bytes(ids.tobytes())
-    Path(str(path) + ".json").write_text(json.dumps({"format": TOKEN_FILE_FORMAT, "version": 1, "dtype": "uint16",
-                                                     "num_tokens": int(ids.size), "vocab_size": 256}))
+    Path(str(path) + ".json").write_text(
+        json.dumps(
+            {
+                "format": TOKEN_FILE_FORMAT,
+                "version": 1,
+                "dtype": "uint16",
+                "num_tokens": int(ids.size),
+                "vocab_size": 256,
+            }
+        )
+    )
     return path
 
 
@@ -165,10 +240,17 @@ def source(kind: str, tmp: Path) -> dict:
     if kind == "text":
         (tmp / "prose.txt").write_text(PROSE, encoding="utf-8")
         return {"text_path": str(tmp / "prose.txt"), "synthetic": False}
-    if kind == "token-file": return {"token_file": str(token_file(tmp)), "shuffle": True, "seed": 5, "synthetic": False}
-    if kind == "synthetic": return {"synthetic": True, "num_tokens": 200, "shuffle": True}
-    if kind == "datasets": return {"hf_dataset": {"path": str(saved_dataset(tmp))}, "synthetic": False}
-    if kind == "datasets-streamed": return {"hf_dataset": {"path": str(saved_dataset(tmp)), "streaming": True}, "synthetic": False}
+    if kind == "token-file":
+        return {"token_file": str(token_file(tmp)), "shuffle": True, "seed": 5, "synthetic": False}
+    if kind == "synthetic":
+        return {"synthetic": True, "num_tokens": 200, "shuffle": True}
+    if kind == "datasets":
+        return {"hf_dataset": {"path": str(saved_dataset(tmp))}, "synthetic": False}
+    if kind == "datasets-streamed":
+        return {
+            "hf_dataset": {"path": str(saved_dataset(tmp)), "streaming": True},
+            "synthetic": False,
+        }
     raise ValueError(kind)
 
 
@@ -181,8 +263,15 @@ def test_two_ranks_train_as_one_process_with_twice_the_micro_batch(tmp_path, kin
     finish(train(write_config(tmp_path, "one", micro=8, data=data)))
     for workers in (0, 2):
         name = f"two-w{workers}"
-        finish(train(write_config(tmp_path, name, micro=4, data={**data, "num_workers": workers}), nproc=2))
+        finish(
+            train(
+                write_config(tmp_path, name, micro=4, data={**data, "num_workers": workers}),
+                nproc=2,
+            )
+        )
         assert_same_training(tmp_path, name, "one")
-        assert all(len(v) == 1 for v in losses(tmp_path / f"{name}.jsonl").values()), "only rank 0 writes the JSONL"
+        assert all(len(v) == 1 for v in losses(tmp_path / f"{name}.jsonl").values()), (
+            "only rank 0 writes the JSONL"
+        )
         # the saved data position is the job's, and the one the single process saved
         assert final_state(tmp_path / name)["data"] == final_state(tmp_path / "one")["data"]

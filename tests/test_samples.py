@@ -1,6 +1,7 @@
 """Samples during training: `eval.sample_prompts` are continued with `generate` at every evaluation and at the
 end, written as `sample` events (JSONL, TensorBoard text, the console), without changing training by a bit;
 bad `eval.sample_*` settings give one clear line; the README demo ends with a held-out loss and a sample."""
+
 from __future__ import annotations
 
 import shutil
@@ -20,23 +21,59 @@ STEPS = 20
 
 def run_config(tmp, name: str, **eval_section) -> dict:
     "A 20-step text run with dropout (a used random generator or a model left in eval mode would show)."
-    return {"run": {"name": name, "seed": 7, "max_steps": STEPS, "output_dir": str(tmp / name), "device": "cpu"},
-            "model": {"vocab_size": 128, "max_seq_len": 16, "n_layer": 1, "n_head": 4, "n_kv_head": 2, "d_model": 32,
-                      "d_ff": 64, "dropout": 0.1},
-            "data": {"text_path": str(corpus(tmp / "corpus.txt")), "block_size": 16, "micro_batch_size": 2,
-                     "target_batch_size": 4},
-            "optimizer": {"lr": 3e-3}, "precision": "fp32", "checkpoint": {"enabled": False},
-            "logging": {"json_file": str(tmp / f"{name}.jsonl"), "progress": False, "loss_plot": False, "level": "WARNING",
-                        **({"tensorboard_dir": str(tmp / f"{name}-tb")} if eval_section.pop("tensorboard", False) else {})},
-            "eval": {"holdout_fraction": 0.1, "every_steps": 5, "max_batches": 2, **eval_section}}
+    return {
+        "run": {
+            "name": name,
+            "seed": 7,
+            "max_steps": STEPS,
+            "output_dir": str(tmp / name),
+            "device": "cpu",
+        },
+        "model": {
+            "vocab_size": 128,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+            "dropout": 0.1,
+        },
+        "data": {
+            "text_path": str(corpus(tmp / "corpus.txt")),
+            "block_size": 16,
+            "micro_batch_size": 2,
+            "target_batch_size": 4,
+        },
+        "optimizer": {"lr": 3e-3},
+        "precision": "fp32",
+        "checkpoint": {"enabled": False},
+        "logging": {
+            "json_file": str(tmp / f"{name}.jsonl"),
+            "progress": False,
+            "loss_plot": False,
+            "level": "WARNING",
+            **(
+                {"tensorboard_dir": str(tmp / f"{name}-tb")}
+                if eval_section.pop("tensorboard", False)
+                else {}
+            ),
+        },
+        "eval": {"holdout_fraction": 0.1, "every_steps": 5, "max_batches": 2, **eval_section},
+    }
 
 
 def train(raw: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     "Every step's loss and the final weights of the run `raw` describes."
     trainer, _ = build_runtime(raw)
-    try: result = trainer.fit()
-    finally: trainer.logger.close(); trainer.run_claim.release()
-    return [r["loss"] for r in result.metrics], {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.logger.close()
+        trainer.run_claim.release()
+    return [r["loss"] for r in result.metrics], {
+        k: v.clone() for k, v in trainer.model.state_dict().items()
+    }
 
 
 def test_samples_never_change_training_and_repeat_exactly(tmp_path):
@@ -46,58 +83,106 @@ def test_samples_never_change_training_and_repeat_exactly(tmp_path):
     plain_losses, plain_weights = train(run_config(tmp_path, "plain"))
     prompts = ["the ", "a"]
     for name, temperature in (("greedy", 0.0), ("hot", 1.0)):
-        losses, weights = train(run_config(tmp_path, name, sample_prompts=prompts, sample_tokens=12,
-                                           sample_temperature=temperature, tensorboard=name == "greedy"))
+        losses, weights = train(
+            run_config(
+                tmp_path,
+                name,
+                sample_prompts=prompts,
+                sample_tokens=12,
+                sample_temperature=temperature,
+                tensorboard=name == "greedy",
+            )
+        )
         assert losses == plain_losses, name
-        assert weights.keys() == plain_weights.keys() and all(torch.equal(weights[k], plain_weights[k]) for k in weights), name
+        assert weights.keys() == plain_weights.keys() and all(
+            torch.equal(weights[k], plain_weights[k]) for k in weights
+        ), name
     assert jsonl_records(tmp_path / "plain.jsonl", "sample") == []
     greedy = jsonl_records(tmp_path / "greedy.jsonl", "sample")
-    assert [(r["step"], r["index"], r["prompt"]) for r in greedy] == [(s, i, p) for s in (5, 10, 15, 20) for i, p in enumerate(prompts)]
+    assert [(r["step"], r["index"], r["prompt"]) for r in greedy] == [
+        (s, i, p) for s in (5, 10, 15, 20) for i, p in enumerate(prompts)
+    ]
     assert all(isinstance(r["text"], str) and r["text"] for r in greedy)
     evals = jsonl_records(tmp_path / "greedy.jsonl", "eval")
     assert [r["step"] for r in evals] == [5, 10, 15, 20]
     train(run_config(tmp_path, "again", sample_prompts=prompts, sample_tokens=12))
-    assert [r["text"] for r in jsonl_records(tmp_path / "again.jsonl", "sample")] == [r["text"] for r in greedy]
+    assert [r["text"] for r in jsonl_records(tmp_path / "again.jsonl", "sample")] == [
+        r["text"] for r in greedy
+    ]
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    acc = accumulator.EventAccumulator(str(tmp_path / "greedy-tb"), size_guidance={"tensors": 0}).Reload()
+    acc = accumulator.EventAccumulator(
+        str(tmp_path / "greedy-tb"), size_guidance={"tensors": 0}
+    ).Reload()
     for i, prompt in enumerate(prompts):
-        shown = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(f"samples/{i}/text_summary")]
+        shown = [
+            (e.step, e.tensor_proto.string_val[0].decode())
+            for e in acc.Tensors(f"samples/{i}/text_summary")
+        ]
         assert shown == [(r["step"], prompt + r["text"]) for r in greedy if r["index"] == i]
 
 
 def test_a_sample_with_newlines_stays_one_log_line(tmp_path):
     "The text log keeps one line per event: a newline in a sample is written escaped (the JSONL keeps the text)."
-    with MetricLogger(file=tmp_path / "run.log", json_file=tmp_path / "run.jsonl", stream=False) as log:
-        log.emit("sample", {"step": 3, "index": 0, "prompt": "def f():\n", "text": "    return 1\n\nx"})
+    with MetricLogger(
+        file=tmp_path / "run.log", json_file=tmp_path / "run.jsonl", stream=False
+    ) as log:
+        log.emit(
+            "sample", {"step": 3, "index": 0, "prompt": "def f():\n", "text": "    return 1\n\nx"}
+        )
     (line,) = (tmp_path / "run.log").read_text().splitlines()
-    assert "| INFO | sample step=3 index=0 prompt='def f():\\n' text='    return 1\\n\\nx' elapsed_s=" in line, line
+    assert (
+        "| INFO | sample step=3 index=0 prompt='def f():\\n' text='    return 1\\n\\nx' elapsed_s="
+        in line
+    ), line
     assert jsonl_records(tmp_path / "run.jsonl", "sample")[0]["text"] == "    return 1\n\nx"
 
 
 def test_the_notebook_view_shows_the_newest_sample():
     "A `sample` event reaches the live notebook view: the newest text under the chart, prompt in bold."
-    pytest.importorskip("ipywidgets"); pytest.importorskip("matplotlib")     # the `widgets` extra, not our module
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("matplotlib")  # the `widgets` extra, not our module
     from speedtronic import widgets
+
     view = widgets.TrainingView()
     bar = ProgressBar(enabled=True, notebook=True)
     bar.view = view
     for step, text in ((10, "cat"), (20, "dog & co")):
         bar.on_event("sample", {"step": step, "index": 0, "prompt": "The ", "text": text})
     assert view.newest_sample.layout.display is None
-    assert "step 20: <b>The </b>dog &amp; co</pre>" in view.newest_sample.value and "cat" not in view.newest_sample.value
+    assert (
+        "step 20: <b>The </b>dog &amp; co</pre>" in view.newest_sample.value
+        and "cat" not in view.newest_sample.value
+    )
 
 
-@pytest.mark.parametrize("section, key", [
-    ({"holdout_fraction": 0.1, "sample_prompts": "The "}, "eval.sample_prompts: expected a list of strings"),
-    ({"holdout_fraction": 0.1, "sample_prompts": ["ok", ""]}, "eval.sample_prompts: item 1"),
-    ({"holdout_fraction": 0.1, "sample_prompts": ["ok"], "sample_tokens": 0}, "eval.sample_tokens: must be positive"),
-    ({"holdout_fraction": 0.1, "sample_prompts": ["ok"], "sample_temperature": -0.5}, "eval.sample_temperature: cannot be negative"),
-    ({"sample_prompts": ["ok"]}, "eval.sample_prompts: is set but no held-out source is"),
-])
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        (
+            {"holdout_fraction": 0.1, "sample_prompts": "The "},
+            "eval.sample_prompts: expected a list of strings",
+        ),
+        ({"holdout_fraction": 0.1, "sample_prompts": ["ok", ""]}, "eval.sample_prompts: item 1"),
+        (
+            {"holdout_fraction": 0.1, "sample_prompts": ["ok"], "sample_tokens": 0},
+            "eval.sample_tokens: must be positive",
+        ),
+        (
+            {"holdout_fraction": 0.1, "sample_prompts": ["ok"], "sample_temperature": -0.5},
+            "eval.sample_temperature: cannot be negative",
+        ),
+        ({"sample_prompts": ["ok"]}, "eval.sample_prompts: is set but no held-out source is"),
+    ],
+)
 def test_bad_sample_settings_are_one_line(tmp_path, section, key):
     "A bad `eval.sample_*` value stops `speedtronic train` before anything is written: exit 2, one line naming the key."
     text = corpus(tmp_path / "corpus.txt")
-    cfg = tiny_config(tmp_path, data={"synthetic": False, "text_path": str(text)}, model={"vocab_size": 256}, eval=section)
+    cfg = tiny_config(
+        tmp_path,
+        data={"synthetic": False, "text_path": str(text)},
+        model={"vocab_size": 256},
+        eval=section,
+    )
     one_error_line(run_cli("train", "--config", str(cfg), cwd=tmp_path), key)
     assert not (tmp_path / "out").exists() and not (tmp_path / "metrics.jsonl").exists()
 
@@ -118,12 +203,18 @@ def test_the_exported_demo_model_loads_where_only_torch_and_transformers_are_ins
     pytest.importorskip("transformers")
     from speedtronic.hf import load_trained
     from test_hf import hf_side, only_torch_and_transformers, our_answers
+
     shutil.copy(ROOT / "configs" / "demo.yaml", tmp_path / "demo.yaml")
     ok(run_cli("train", "--config", "demo.yaml", "--max-steps", "20", cwd=tmp_path))
     ok(run_cli("export", "--run", "runs/demo", "--to", "runs/demo-hf", cwd=tmp_path))
     ids = [list(b"Return the "), list(b"def main():")]
     (tmp_path / "env").mkdir()
-    theirs = hf_side(tmp_path / "runs" / "demo-hf", ids=ids, new=16, env=only_torch_and_transformers(tmp_path / "env"))
+    theirs = hf_side(
+        tmp_path / "runs" / "demo-hf",
+        ids=ids,
+        new=16,
+        env=only_torch_and_transformers(tmp_path / "env"),
+    )
     logits, greedy = our_answers(load_trained(tmp_path / "runs" / "demo").model, ids=ids, new=16)
     diff = (logits - torch.tensor(theirs["logits"])).abs().max().item()
     print(f"demo model: max |ours - transformers| logit difference (fp32): {diff:.2e}")

@@ -28,271 +28,467 @@ settings.ini has `custom_sidebar = True` so nbdev leaves it alone) is written fr
 (`python tools/build_docs.py --sidebar` writes only that file, `--check-sidebar` exits 1 when it is stale),
 so where Quarto exists `nbdev_docs` renders the same user guide, reference and internals.
 """
+
 import os, re, shutil, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SITE_SRC = ROOT / '_site_src'
-_LINK_ATTRS = re.compile(r'(\]\([^)\s]*(?:\s+"[^"]*")?\))\{[^}\n]*\}')     # [text](url){target="_blank" ...}
-_SPAN = re.compile(r'\[([^\]\n]*)\]\{[.#][^}\n]*\}')                         # [text]{.class}
-_SHORTCODE = re.compile(r'\{\{<[^>]*>\}\}')                                  # {{< include x.qmd >}}
-_DIV_OPEN = re.compile(r'^\s*:{3,}\s*\{?\s*(?:\.callout-(\w+))?[^}]*\}?\s*$')
-_DIV_CLOSE = re.compile(r'^\s*:{3,}\s*$')
-_NB_LINK = re.compile(r'\]\((?![a-z]+:)([^)\s#]*?)([\w.-]+)\.ipynb(#[^)\s]*)?\)')      # [text](11_trainer.ipynb#x)
-_CHECK = re.compile(r'^\s*(test_\w*\(|test\(|assert\b)')                                  # a line that checks
-WIDGET_VIEW = 'application/vnd.jupyter.widget-view+json'
+SITE_SRC = ROOT / "_site_src"
+_LINK_ATTRS = re.compile(
+    r'(\]\([^)\s]*(?:\s+"[^"]*")?\))\{[^}\n]*\}'
+)  # [text](url){target="_blank" ...}
+_SPAN = re.compile(r"\[([^\]\n]*)\]\{[.#][^}\n]*\}")  # [text]{.class}
+_SHORTCODE = re.compile(r"\{\{<[^>]*>\}\}")  # {{< include x.qmd >}}
+_DIV_OPEN = re.compile(r"^\s*:{3,}\s*\{?\s*(?:\.callout-(\w+))?[^}]*\}?\s*$")
+_DIV_CLOSE = re.compile(r"^\s*:{3,}\s*$")
+_NB_LINK = re.compile(
+    r"\]\((?![a-z]+:)([^)\s#]*?)([\w.-]+)\.ipynb(#[^)\s]*)?\)"
+)  # [text](11_trainer.ipynb#x)
+_CHECK = re.compile(r"^\s*(test_\w*\(|test\(|assert\b)")  # a line that checks
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 # The site's navigation by notebook stem: (section, [entry, ...]); an entry is a stem or (subsection, [stems]).
-API_INDEX = 'api'
+API_INDEX = "api"
 NAV = [
-    ('User guide', ['00_tutorial', ('Training', ['13_runtime', '15_cli']), '00_config',
-                    ('DiLoCo', ['12_distributed', '12e_distributed_norms']), ('torchrun', ['10p_parallel']),
-                    ('After training', ['00b_after_training', '07_checkpoint', '08_metrics']), '17_coming_from_2']),
-    ('Reference', [API_INDEX, '11_trainer', '01_registry', '02_model', '02c_tokens', '03_data', '04_precision',
-                   '05_optimizers', '06_schedules', '08a_hooks', '08b_progress', '08c_integrations', '10_ooo',
-                   '12d_distributed_diloco', '12b_distributed_hub', '14_widgets', '16_package']),
-    ('Internals', ['00a_files', '00b_optional', '00c_paths', '02b_module_utils', '09_shapes', '12_distributed_tensors',
-                   '12a_distributed_transport', '12c_distributed_outer', '15b_main', '16b_showdoc']),
+    (
+        "User guide",
+        [
+            "00_tutorial",
+            ("Training", ["13_runtime", "15_cli"]),
+            "00_config",
+            ("DiLoCo", ["12_distributed", "12e_distributed_norms"]),
+            ("torchrun", ["10p_parallel"]),
+            ("After training", ["00b_after_training", "07_checkpoint", "08_metrics"]),
+            "17_coming_from_2",
+        ],
+    ),
+    (
+        "Reference",
+        [
+            API_INDEX,
+            "11_trainer",
+            "01_registry",
+            "02_model",
+            "02c_tokens",
+            "03_data",
+            "04_precision",
+            "05_optimizers",
+            "06_schedules",
+            "08a_hooks",
+            "08b_progress",
+            "08c_integrations",
+            "10_ooo",
+            "12d_distributed_diloco",
+            "12b_distributed_hub",
+            "14_widgets",
+            "16_package",
+        ],
+    ),
+    (
+        "Internals",
+        [
+            "00a_files",
+            "00b_optional",
+            "00c_paths",
+            "02b_module_utils",
+            "09_shapes",
+            "12_distributed_tensors",
+            "12a_distributed_transport",
+            "12c_distributed_outer",
+            "15b_main",
+            "16b_showdoc",
+        ],
+    ),
 ]
 
-SIDEBAR = ROOT / 'nbs' / 'sidebar.yml'
+SIDEBAR = ROOT / "nbs" / "sidebar.yml"
+
 
 def sections(stems) -> list[tuple[str, list]]:
     "`NAV` over the pages there are (`stems`): (section, [stem or (subsection, [stems])]); a stem `NAV` does not name joins the guide or the reference."
     stems = set(stems)
-    named = {s for _, entries in NAV for e in entries for s in ([e] if isinstance(e, str) else e[1])}
-    extra = sorted(stem for stem in stems if stem not in named and stem != 'index')
+    named = {
+        s for _, entries in NAV for e in entries for s in ([e] if isinstance(e, str) else e[1])
+    }
+    extra = sorted(stem for stem in stems if stem not in named and stem != "index")
     out = []
     for section, entries in NAV:
-        items = [e if isinstance(e, str) else (e[0], [s for s in e[1] if s in stems])
-                 for e in entries if (e in stems if isinstance(e, str) else any(s in stems for s in e[1]))]
-        wanted = (lambda stem: is_guide(ROOT / 'nbs' / f'{stem}.ipynb')) if section == 'User guide' else \
-                 (lambda stem: section == 'Reference' and not is_guide(ROOT / 'nbs' / f'{stem}.ipynb'))
+        items = [
+            e if isinstance(e, str) else (e[0], [s for s in e[1] if s in stems])
+            for e in entries
+            if (e in stems if isinstance(e, str) else any(s in stems for s in e[1]))
+        ]
+        wanted = (
+            (lambda stem: is_guide(ROOT / "nbs" / f"{stem}.ipynb"))
+            if section == "User guide"
+            else (
+                lambda stem: section == "Reference" and not is_guide(ROOT / "nbs" / f"{stem}.ipynb")
+            )
+        )
         out.append((section, items + [stem for stem in extra if wanted(stem)]))
     return out
+
 
 def quarto_sidebar() -> str:
     "The text of `nbs/sidebar.yml`: Quarto's sidebar with `NAV`'s sections, over the notebooks in `nbs/` (no API index: only this builder writes one)."
     import yaml
-    stems = [p.stem for p in sorted((ROOT / 'nbs').glob('*.ipynb'))]
-    contents = [f'{s}.ipynb' for s in stems if s == 'index']
+
+    stems = [p.stem for p in sorted((ROOT / "nbs").glob("*.ipynb"))]
+    contents = [f"{s}.ipynb" for s in stems if s == "index"]
     for section, items in sections(stems):
-        contents.append({'section': section, 'contents': [f'{e}.ipynb' if isinstance(e, str) else
-                                                          {'section': e[0], 'contents': [f'{s}.ipynb' for s in e[1]]} for e in items]})
-    head = '# Written by tools/build_docs.py from its NAV (the docs site\'s grouping); edit NAV, not this file.\n'
-    return head + yaml.safe_dump({'website': {'sidebar': {'contents': contents}}}, sort_keys=False)
+        contents.append(
+            {
+                "section": section,
+                "contents": [
+                    f"{e}.ipynb"
+                    if isinstance(e, str)
+                    else {"section": e[0], "contents": [f"{s}.ipynb" for s in e[1]]}
+                    for e in items
+                ],
+            }
+        )
+    head = "# Written by tools/build_docs.py from its NAV (the docs site's grouping); edit NAV, not this file.\n"
+    return head + yaml.safe_dump({"website": {"sidebar": {"contents": contents}}}, sort_keys=False)
+
 
 def process_notebooks(n_workers: int = 2) -> Path:
     "Run nbdev's docs preprocessing of `nbs/` into `_proc/` (the sidebar written from `NAV`, not nbdev's flat list)."
     import nbdev.doclinks
     from nbdev.quarto import refresh_quarto_yml
     from nbdev.serve import proc_nbs
+
     refresh_quarto_yml()
     nbdev.doclinks._build_modidx()
-    SIDEBAR.write_text(quarto_sidebar(), encoding='utf-8')
-    return proc_nbs(ROOT / 'nbs', n_workers=n_workers, force=True)
+    SIDEBAR.write_text(quarto_sidebar(), encoding="utf-8")
+    return proc_nbs(ROOT / "nbs", n_workers=n_workers, force=True)
+
 
 def _front_matter(nb) -> dict:
     import yaml
-    if nb.cells and nb.cells[0].cell_type == 'raw' and nb.cells[0].source.startswith('---'):
-        return yaml.safe_load(nb.cells[0].source.strip().strip('-')) or {}
+
+    if nb.cells and nb.cells[0].cell_type == "raw" and nb.cells[0].source.startswith("---"):
+        return yaml.safe_load(nb.cells[0].source.strip().strip("-")) or {}
     return {}
+
 
 def _directives(source: str) -> tuple[dict, str]:
     "`#| key: value` lines at the top of a cell, and the source without them."
     lines, found = source.splitlines(), {}
-    while lines and lines[0].startswith('#|'):
-        key, _, value = lines.pop(0)[2:].partition(':')
+    while lines and lines[0].startswith("#|"):
+        key, _, value = lines.pop(0)[2:].partition(":")
         found[key.strip()] = value.strip()
-    return found, '\n'.join(lines)
+    return found, "\n".join(lines)
+
 
 def _fenced_divs(text: str) -> str:
     "Quarto's `::: {.callout-note}` ... `:::` as a quote headed by the callout's kind; other `:::` fences dropped."
     out, divs = [], []  # one entry per open div: True for a callout, whose lines become a quote
-    for line in text.split('\n'):
+    for line in text.split("\n"):
         if _DIV_CLOSE.match(line):
-            if divs and divs.pop(): out.append('')  # a blank line ends the quote
+            if divs and divs.pop():
+                out.append("")  # a blank line ends the quote
         elif m := _DIV_OPEN.match(line):
             divs.append(bool(m.group(1)))
-            if m.group(1): out.append(f'> **{m.group(1).capitalize()}**\n>')
+            if m.group(1):
+                out.append(f"> **{m.group(1).capitalize()}**\n>")
         else:
-            out.append('> ' + line if any(divs) else line)
-    return '\n'.join(out)
+            out.append("> " + line if any(divs) else line)
+    return "\n".join(out)
+
 
 def plain_markdown(text: str) -> str:
     "Markdown with the Quarto-only syntax nbdev writes (link attributes, spans, callouts, shortcodes) made plain."
-    return _fenced_divs(_SHORTCODE.sub('', _SPAN.sub(r'\1', _LINK_ATTRS.sub(r'\1', text))))
+    return _fenced_divs(_SHORTCODE.sub("", _SPAN.sub(r"\1", _LINK_ATTRS.sub(r"\1", text))))
+
 
 def page_links(text: str, pages: dict[str, str]) -> str:
     "Links to notebooks (`11_trainer.ipynb#x`, as JupyterLab follows them) made links to their pages (`trainer.html#x`)."
+
     def page(m):
         name = pages.get(m.group(2))
-        return f'](' + (name if name else m.group(1) + m.group(2) + '.html') + (m.group(3) or '') + ')'
+        return (
+            f"](" + (name if name else m.group(1) + m.group(2) + ".html") + (m.group(3) or "") + ")"
+        )
+
     return _NB_LINK.sub(page, text)
+
 
 def only_checks(cell) -> bool:
     "A code cell that shows nothing and checks: no output, a line starting `test_*(`/`assert`, and no public `def`/`class`."
-    if cell.cell_type != 'code' or cell.get('outputs'): return False
+    if cell.cell_type != "code" or cell.get("outputs"):
+        return False
     lines = cell.source.splitlines()
-    return any(_CHECK.match(l) for l in lines) and not any(re.match(r'(async\s+)?(def|class)\s+[^_\s]|@patch', l) for l in lines)
+    return any(_CHECK.match(l) for l in lines) and not any(
+        re.match(r"(async\s+)?(def|class)\s+[^_\s]|@patch", l) for l in lines
+    )
+
 
 def _clean_text(text: str, site_url: str, pages: dict[str, str] | None = None) -> str:
-    return page_links(plain_markdown(text), pages or {}).replace(site_url, '')
+    return page_links(plain_markdown(text), pages or {}).replace(site_url, "")
+
 
 def quarto_pass(nb, site_url: str, pages: dict[str, str] | None = None):
     "Apply what Quarto would to one nbdev-processed notebook: title heading, directives, link attributes, page links."
     fm = _front_matter(nb)
     cells = nb.cells[1:] if fm else nb.cells
     import nbformat
-    head = [nbformat.v4.new_markdown_cell(f"# {fm['title']}" + (f"\n\n> {fm['description']}" if fm.get('description') else ''))] \
-        if fm.get('title') else []
+
+    head = (
+        [
+            nbformat.v4.new_markdown_cell(
+                f"# {fm['title']}" + (f"\n\n> {fm['description']}" if fm.get("description") else "")
+            )
+        ]
+        if fm.get("title")
+        else []
+    )
     out = []
     for cell in cells:
-        if cell.cell_type == 'markdown':
-            if cell.source.startswith('<!-- WARNING'): continue
+        if cell.cell_type == "markdown":
+            if cell.source.startswith("<!-- WARNING"):
+                continue
             cell.source = _clean_text(cell.source, site_url, pages)
-        elif cell.cell_type == 'code':
+        elif cell.cell_type == "code":
             d, cell.source = _directives(cell.source)
-            if 'hide' in d or d.get('include') == 'false' or only_checks(cell): continue
-            if d.get('output') == 'false': cell.outputs = []
-            if not cell.source.strip() and not cell.get('outputs'): continue
-            if d.get('echo') == 'false':
-                cell.metadata.setdefault('tags', []).append('remove_input')
-            for o in cell.get('outputs', []):
-                data = o.get('data', {})
-                if WIDGET_VIEW in data and len(data) > 1: del data[WIDGET_VIEW]   # a static page shows the view's picture
-                for mime in ('text/markdown', 'text/html'):
-                    if mime in data: data[mime] = _clean_text(''.join(data[mime]), site_url, pages)
+            if "hide" in d or d.get("include") == "false" or only_checks(cell):
+                continue
+            if d.get("output") == "false":
+                cell.outputs = []
+            if not cell.source.strip() and not cell.get("outputs"):
+                continue
+            if d.get("echo") == "false":
+                cell.metadata.setdefault("tags", []).append("remove_input")
+            for o in cell.get("outputs", []):
+                data = o.get("data", {})
+                if WIDGET_VIEW in data and len(data) > 1:
+                    del data[WIDGET_VIEW]  # a static page shows the view's picture
+                for mime in ("text/markdown", "text/html"):
+                    if mime in data:
+                        data[mime] = _clean_text("".join(data[mime]), site_url, pages)
         out.append(cell)
     nb.cells = head + out
-    nb.metadata.pop('widgets', None)   # no widget state: the page loads no widget scripts
+    nb.metadata.pop("widgets", None)  # no widget state: the page loads no widget scripts
     return nb, fm
 
+
 def is_guide(nb_path: Path) -> bool:
-    "A notebook that exports no module (a guide such as \"Coming from Speedtronic 2.0\"), rather than a chapter."
+    'A notebook that exports no module (a guide such as "Coming from Speedtronic 2.0"), rather than a chapter.'
     import nbformat
-    if not nb_path.exists() or nb_path.stem == 'index': return False
+
+    if not nb_path.exists() or nb_path.stem == "index":
+        return False
     cells = nbformat.read(nb_path, as_version=4).cells
-    return not any(c.cell_type == 'code' and '#| default_exp' in c.source for c in cells)
+    return not any(c.cell_type == "code" and "#| default_exp" in c.source for c in cells)
+
 
 def page_names(proc: Path) -> dict[str, str]:
     "Each processed notebook's page by notebook stem (`11_trainer` -> `trainer.html`), as nbdev names it (`output-file`)."
     import nbformat
-    return {src.stem: _front_matter(nbformat.read(src, as_version=4)).get('output-file', src.stem + '.html')
-            for src in proc.glob('*.ipynb')}
+
+    return {
+        src.stem: _front_matter(nbformat.read(src, as_version=4)).get(
+            "output-file", src.stem + ".html"
+        )
+        for src in proc.glob("*.ipynb")
+    }
+
 
 def site_sources(proc: Path) -> dict[str, tuple[str, str]]:
     "Write `_site_src/` from `_proc/`; returns (title, page file) by notebook stem."
     import nbformat, yaml
-    site_url = 'https://' + yaml.safe_load((ROOT / 'nbs' / 'nbdev.yml').read_text())['website']['site-url'].split('://', 1)[1].rstrip('/') + '/'
-    if SITE_SRC.exists(): shutil.rmtree(SITE_SRC)
+
+    site_url = (
+        "https://"
+        + yaml.safe_load((ROOT / "nbs" / "nbdev.yml").read_text())["website"]["site-url"]
+        .split("://", 1)[1]
+        .rstrip("/")
+        + "/"
+    )
+    if SITE_SRC.exists():
+        shutil.rmtree(SITE_SRC)
     SITE_SRC.mkdir()
     names, pages = page_names(proc), {}
-    for src in sorted(proc.glob('*.ipynb')):
+    for src in sorted(proc.glob("*.ipynb")):
         nb, fm = quarto_pass(nbformat.read(src, as_version=4), site_url, names)
-        name = Path(names[src.stem]).stem + '.ipynb'
+        name = Path(names[src.stem]).stem + ".ipynb"
         nbformat.write(nb, SITE_SRC / name)
-        pages[src.stem] = ('Home' if src.stem == 'index' else fm.get('title', src.stem), name)
+        pages[src.stem] = ("Home" if src.stem == "index" else fm.get("title", src.stem), name)
     return pages
+
 
 def navigation(pages: dict[str, tuple[str, str]]) -> list:
     "MkDocs' `nav`: Home, then each of `sections` (the API index is a page here, unlike in Quarto's sidebar)."
     entry = lambda stem: {pages[stem][0]: pages[stem][1]}
-    nav = [entry('index')] if 'index' in pages else []
+    nav = [entry("index")] if "index" in pages else []
     for section, items in sections(pages):
-        nav.append({section: [entry(e) if isinstance(e, str) else {e[0]: [entry(s) for s in e[1]]} for e in items]})
+        nav.append(
+            {
+                section: [
+                    entry(e) if isinstance(e, str) else {e[0]: [entry(s) for s in e[1]]}
+                    for e in items
+                ]
+            }
+        )
     return nav
+
 
 def site_config(pages: dict[str, tuple[str, str]]) -> Path:
     "`mkdocs.yml` plus the navigation (`navigation`); written to `_mkdocs.yml`."
     import yaml
-    cfg = yaml.safe_load((ROOT / 'mkdocs.yml').read_text())
-    cfg['docs_dir'] = SITE_SRC.name
-    cfg['nav'] = navigation(pages)
-    out = ROOT / '_mkdocs.yml'
+
+    cfg = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    cfg["docs_dir"] = SITE_SRC.name
+    cfg["nav"] = navigation(pages)
+    out = ROOT / "_mkdocs.yml"
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
 
+
 def slug(heading: str) -> str:
     "The id a page gives a heading (`### Trainer.fit` -> `trainerfit`)."
-    return re.sub(r'[\s]+', '-', re.sub(r'[^\w\s-]', '', heading.strip().lower()))
+    return re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", heading.strip().lower()))
+
 
 def _headings(nb_file: Path) -> set[str]:
     "The ids of the headings of one site page (markdown cells and `show_doc` outputs)."
     import nbformat
+
     texts = []
     for cell in nbformat.read(nb_file, as_version=4).cells:
-        texts.append(cell.source if cell.cell_type == 'markdown' else '')
-        texts += [''.join(o.get('data', {}).get('text/markdown', '')) for o in cell.get('outputs', [])]
-    return {slug(h) for t in texts for h in re.findall(r'^#{1,6}\s+(.+?)\s*$', t, flags=re.M)}
+        texts.append(cell.source if cell.cell_type == "markdown" else "")
+        texts += [
+            "".join(o.get("data", {}).get("text/markdown", "")) for o in cell.get("outputs", [])
+        ]
+    return {slug(h) for t in texts for h in re.findall(r"^#{1,6}\s+(.+?)\s*$", t, flags=re.M)}
+
 
 def public_names() -> dict[str, list[str]]:
     "Every public name by module: its `__all__` (read from the source, nothing imported) and the public methods of its classes."
     import ast
     from speedtronic._modidx import d
+
     out = {}
-    for src in sorted((ROOT / 'speedtronic').rglob('*.py')):
-        if src.name.startswith('_') and src.name != '__init__.py': continue
-        module = '.'.join(('speedtronic',) + src.relative_to(ROOT / 'speedtronic').with_suffix('').parts).removesuffix('.__init__')
-        names = next((ast.literal_eval(n.value) for n in ast.parse(src.read_text(encoding='utf-8')).body
-                      if isinstance(n, ast.Assign) and any(getattr(t, 'id', '') == '__all__' for t in n.targets)), [])
-        methods = [q[len(module) + 1:] for q in d['syms'].get(module, {})
-                   if q.count('.') == module.count('.') + 2 and q[len(module) + 1:].split('.')[0] in names
-                   and not q.rsplit('.', 1)[1].startswith('_')]
-        if names: out[module] = sorted(names, key=str.lower) + sorted(methods, key=str.lower)
+    for src in sorted((ROOT / "speedtronic").rglob("*.py")):
+        if src.name.startswith("_") and src.name != "__init__.py":
+            continue
+        module = ".".join(
+            ("speedtronic",) + src.relative_to(ROOT / "speedtronic").with_suffix("").parts
+        ).removesuffix(".__init__")
+        names = next(
+            (
+                ast.literal_eval(n.value)
+                for n in ast.parse(src.read_text(encoding="utf-8")).body
+                if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", "") == "__all__" for t in n.targets)
+            ),
+            [],
+        )
+        methods = [
+            q[len(module) + 1 :]
+            for q in d["syms"].get(module, {})
+            if q.count(".") == module.count(".") + 2
+            and q[len(module) + 1 :].split(".")[0] in names
+            and not q.rsplit(".", 1)[1].startswith("_")
+        ]
+        if names:
+            out[module] = sorted(names, key=str.lower) + sorted(methods, key=str.lower)
     return out
+
 
 def write_api_index(pages: dict[str, tuple[str, str]]) -> str:
     "Write `api.md`: every public name, by module, linked to the page (and heading) that documents it; returns its file name."
     import nbformat
+
     by_module = {}
     for stem, (title, name) in pages.items():
-        nb = ROOT / 'nbs' / f'{stem}.ipynb'
-        exp = [l.split(None, 2)[-1] for c in nbformat.read(nb, as_version=4).cells if c.cell_type == 'code'
-               for l in c.source.splitlines() if l.startswith('#| default_exp')] if nb.exists() else []
-        if exp: by_module['.'.join(('speedtronic', exp[0])).removesuffix('.__init__')] = (title, name)
+        nb = ROOT / "nbs" / f"{stem}.ipynb"
+        exp = (
+            [
+                l.split(None, 2)[-1]
+                for c in nbformat.read(nb, as_version=4).cells
+                if c.cell_type == "code"
+                for l in c.source.splitlines()
+                if l.startswith("#| default_exp")
+            ]
+            if nb.exists()
+            else []
+        )
+        if exp:
+            by_module[".".join(("speedtronic", exp[0])).removesuffix(".__init__")] = (title, name)
     ids = {name: _headings(SITE_SRC / name) for _, name in pages.values()}
-    lines = ['# API index', '', '> Every public name of the package by module, each linked to where it is documented.', '']
+    lines = [
+        "# API index",
+        "",
+        "> Every public name of the package by module, each linked to where it is documented.",
+        "",
+    ]
     for module, names in public_names().items():
         title, home = by_module.get(module, (None, None))
-        if home is None: continue
-        html = lambda n: n.removesuffix('.ipynb') + '.html'
-        lines += [f'## `{module}`', '', f'[{title}]({html(home)})', '', '| name | documented in |', '|---|---|']
+        if home is None:
+            continue
+        html = lambda n: n.removesuffix(".ipynb") + ".html"
+        lines += [
+            f"## `{module}`",
+            "",
+            f"[{title}]({html(home)})",
+            "",
+            "| name | documented in |",
+            "|---|---|",
+        ]
         for n in names:
-            where = home if slug(n) in ids[home] else next((p for p, i in ids.items() if slug(n) in i), home)
-            anchor = f'#{slug(n)}' if slug(n) in ids[where] else ''
+            where = (
+                home
+                if slug(n) in ids[home]
+                else next((p for p, i in ids.items() if slug(n) in i), home)
+            )
+            anchor = f"#{slug(n)}" if slug(n) in ids[where] else ""
             page_title = next(t for t, p in pages.values() if p == where)
-            lines.append(f'| [`{n}`]({html(where)}{anchor}) | {page_title} |')
-        lines.append('')
-    (SITE_SRC / 'api.md').write_text('\n'.join(lines), encoding='utf-8')
-    return 'api.md'
+            lines.append(f"| [`{n}`]({html(where)}{anchor}) | {page_title} |")
+        lines.append("")
+    (SITE_SRC / "api.md").write_text("\n".join(lines), encoding="utf-8")
+    return "api.md"
+
 
 def render_site(config: Path) -> Path:
     "Render the pages to `docs/` with MkDocs."
-    site = ROOT / 'docs'
-    if site.exists(): shutil.rmtree(site)
-    subprocess.run([sys.executable, '-m', 'mkdocs', 'build', '--quiet', '--config-file', str(config)],
-                   cwd=ROOT, check=True, env={**os.environ, 'NO_MKDOCS_2_WARNING': '1'})
+    site = ROOT / "docs"
+    if site.exists():
+        shutil.rmtree(site)
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--quiet", "--config-file", str(config)],
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     return site
+
 
 def main() -> int:
     os.chdir(ROOT)
-    if '--check-sidebar' in sys.argv:
-        if SIDEBAR.exists() and SIDEBAR.read_text(encoding='utf-8') == quarto_sidebar(): return 0
-        print(f"{SIDEBAR.relative_to(ROOT)} is out of date: run python tools/build_docs.py --sidebar", file=sys.stderr)
+    if "--check-sidebar" in sys.argv:
+        if SIDEBAR.exists() and SIDEBAR.read_text(encoding="utf-8") == quarto_sidebar():
+            return 0
+        print(
+            f"{SIDEBAR.relative_to(ROOT)} is out of date: run python tools/build_docs.py --sidebar",
+            file=sys.stderr,
+        )
         return 1
-    if '--sidebar' in sys.argv:
-        SIDEBAR.write_text(quarto_sidebar(), encoding='utf-8')
+    if "--sidebar" in sys.argv:
+        SIDEBAR.write_text(quarto_sidebar(), encoding="utf-8")
         return 0
     proc = process_notebooks()
-    missing = sorted(p.name for p in (ROOT / 'nbs').glob('*.ipynb') if not (proc / p.name).exists())
+    missing = sorted(p.name for p in (ROOT / "nbs").glob("*.ipynb") if not (proc / p.name).exists())
     if missing:
         print(f"nbdev could not process: {', '.join(missing)}", file=sys.stderr)
         return 1
     pages = site_sources(proc)
-    pages[API_INDEX] = ('API index', write_api_index(pages))
+    pages[API_INDEX] = ("API index", write_api_index(pages))
     site = render_site(site_config(pages))
-    print(f"docs site written to {site.relative_to(ROOT)}/ ({len(list(site.glob('*.html')))} pages)")
+    print(
+        f"docs site written to {site.relative_to(ROOT)}/ ({len(list(site.glob('*.html')))} pages)"
+    )
     return 0
 
-if __name__ == '__main__': sys.exit(main())
+
+if __name__ == "__main__":
+    sys.exit(main())

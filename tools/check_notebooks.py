@@ -8,6 +8,7 @@
 - The notebook's metadata holds the kernel JupyterLab would write (tools/clean_notebooks.py), so it opens
   without a "Select Kernel" dialog and without being marked modified.
 """
+
 import ast, sys
 from pathlib import Path
 import nbformat
@@ -16,41 +17,69 @@ from clean_notebooks import metadata_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
 def _directives(src: str) -> set[str]:
-    return {l.strip()[3:].split()[0].rstrip(':') for l in src.splitlines() if l.strip().startswith('#|') and len(l.strip()) > 3}
+    return {
+        l.strip()[3:].split()[0].rstrip(":")
+        for l in src.splitlines()
+        if l.strip().startswith("#|") and len(l.strip()) > 3
+    }
+
 
 def mixed_import_cells(nb_path: Path) -> list[int]:
     "Indices of code cells that mix imports with other statements (outside export cells)."
     nb = nbformat.read(nb_path, as_version=4)
     bad = []
     for i, cell in enumerate(nb.cells):
-        if cell.cell_type != 'code' or _directives(cell.source) & {'export', 'exports', 'exporti', 'exec_doc'}: continue
-        src = '\n'.join(l for l in cell.source.splitlines() if not l.lstrip().startswith(('%', '!')))
-        try: tree = ast.parse(src)
-        except SyntaxError: continue
+        if cell.cell_type != "code" or _directives(cell.source) & {
+            "export",
+            "exports",
+            "exporti",
+            "exec_doc",
+        }:
+            continue
+        src = "\n".join(
+            l for l in cell.source.splitlines() if not l.lstrip().startswith(("%", "!"))
+        )
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
         nodes = list(ast.walk(tree))
-        if any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in nodes) and any(isinstance(n, (ast.Expr, ast.Assign)) for n in nodes):
+        if any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in nodes) and any(
+            isinstance(n, (ast.Expr, ast.Assign)) for n in nodes
+        ):
             bad.append(i)
     return bad
+
 
 def title_cell_problem(nb_path: Path) -> str | None:
     "Why the first cell is not a bare title cell, or None."
     cells = nbformat.read(nb_path, as_version=4).cells
-    if not cells or cells[0].cell_type != 'markdown' or not cells[0].source.startswith('# '):
-        return 'the first cell must be a markdown `# Title` cell'
-    extra = [l for l in cells[0].source.splitlines()[1:] if l.strip() and not l.startswith('>')]
-    if extra: return 'the title cell holds more than `# Title` and `> description` (nbdev drops it from the docs)'
+    if not cells or cells[0].cell_type != "markdown" or not cells[0].source.startswith("# "):
+        return "the first cell must be a markdown `# Title` cell"
+    extra = [l for l in cells[0].source.splitlines()[1:] if l.strip() and not l.startswith(">")]
+    if extra:
+        return "the title cell holds more than `# Title` and `> description` (nbdev drops it from the docs)"
     return None
+
 
 def main() -> int:
     failed = False
-    for p in sorted((ROOT / 'nbs').glob('*.ipynb')):
+    for p in sorted((ROOT / "nbs").glob("*.ipynb")):
         if cells := mixed_import_cells(p):
-            print(f'{p.name}: cells {cells} mix imports with other code (put imports in a cell of their own)'); failed = True
+            print(
+                f"{p.name}: cells {cells} mix imports with other code (put imports in a cell of their own)"
+            )
+            failed = True
         if why := title_cell_problem(p):
-            print(f'{p.name}: {why}'); failed = True
+            print(f"{p.name}: {why}")
+            failed = True
         if why := metadata_problem(p):
-            print(f'{p.name}: {why}: run python tools/clean_notebooks.py'); failed = True
+            print(f"{p.name}: {why}: run python tools/clean_notebooks.py")
+            failed = True
     return 1 if failed else 0
 
-if __name__ == '__main__': sys.exit(main())
+
+if __name__ == "__main__":
+    sys.exit(main())

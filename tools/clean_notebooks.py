@@ -13,44 +13,69 @@ a plain `nbdev_clean` afterwards changes nothing. On another Python version Jupy
     python tools/clean_notebooks.py          # clean every notebook (nbdev_clean, then the metadata)
     python tools/clean_notebooks.py --check  # exit 1 naming the notebooks whose metadata differs
 """
+
 import json, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELSPEC = {"display_name": "python3", "language": "python", "name": "python3"}  # what nbdev_clean keeps
-LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
-                 "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
-                 "pygments_lexer": "ipython3", "version": "3.11.7"}
+KERNELSPEC = {
+    "display_name": "python3",
+    "language": "python",
+    "name": "python3",
+}  # what nbdev_clean keeps
+LANGUAGE_INFO = {
+    "codemirror_mode": {"name": "ipython", "version": 3},
+    "file_extension": ".py",
+    "mimetype": "text/x-python",
+    "name": "python",
+    "nbconvert_exporter": "python",
+    "pygments_lexer": "ipython3",
+    "version": "3.11.7",
+}
+
 
 def notebooks() -> list[Path]:
-    return sorted((ROOT / 'nbs').glob('*.ipynb'))
+    return sorted((ROOT / "nbs").glob("*.ipynb"))
+
 
 def metadata_problem(path: Path) -> str | None:
     "Why `path`'s kernel metadata is not what JupyterLab writes, or None."
-    meta = json.loads(path.read_text(encoding='utf-8')).get('metadata', {})
-    if meta.get('kernelspec') != KERNELSPEC: return f"kernelspec is {meta.get('kernelspec')!r}"
-    if meta.get('language_info') != LANGUAGE_INFO: return f"language_info is {meta.get('language_info')!r}"
+    meta = json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
+    if meta.get("kernelspec") != KERNELSPEC:
+        return f"kernelspec is {meta.get('kernelspec')!r}"
+    if meta.get("language_info") != LANGUAGE_INFO:
+        return f"language_info is {meta.get('language_info')!r}"
     return None
+
 
 def set_metadata(path: Path) -> bool:
     "Give `path` the kernel metadata JupyterLab writes; True if the file changed."
     from execnb.nbio import nb2str
-    text = path.read_text(encoding='utf-8')
+
+    text = path.read_text(encoding="utf-8")
     nb = json.loads(text)
-    nb.setdefault('metadata', {}).update(kernelspec=KERNELSPEC, language_info=LANGUAGE_INFO)
+    nb.setdefault("metadata", {}).update(kernelspec=KERNELSPEC, language_info=LANGUAGE_INFO)
     new = nb2str(nb)
-    if new == text: return False
-    path.write_text(new, encoding='utf-8')
+    if new == text:
+        return False
+    path.write_text(new, encoding="utf-8")
     return True
 
+
 def main(argv: list[str]) -> int:
-    if '--check' in argv:
+    if "--check" in argv:
         bad = [(p.name, why) for p in notebooks() if (why := metadata_problem(p))]
-        for name, why in bad: print(f"{name}: {why}; run python tools/clean_notebooks.py", file=sys.stderr)
+        for name, why in bad:
+            print(f"{name}: {why}; run python tools/clean_notebooks.py", file=sys.stderr)
         return 1 if bad else 0
-    beside = Path(sys.executable).parent / 'nbdev_clean'   # the nbdev of this interpreter, else the one on PATH
-    subprocess.run([str(beside) if beside.exists() else 'nbdev_clean'], cwd=ROOT, check=True)
-    for p in notebooks(): set_metadata(p)
+    beside = (
+        Path(sys.executable).parent / "nbdev_clean"
+    )  # the nbdev of this interpreter, else the one on PATH
+    subprocess.run([str(beside) if beside.exists() else "nbdev_clean"], cwd=ROOT, check=True)
+    for p in notebooks():
+        set_metadata(p)
     return 0
 
-if __name__ == '__main__': sys.exit(main(sys.argv[1:]))
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -50,6 +50,13 @@ fi
 python tools/check_notebooks.py
 python tools/make_readme.py --check
 
+echo "== ruff (the formatter and a small rule set, over nbs/, tests/, bench/ and tools/)"
+if ! ruff format --check --quiet . || ! ruff check --quiet .; then
+  echo "ruff would change or flags the files above: run 'ruff format . && ruff check .'," \
+       "then nbdev_export, and commit" >&2
+  exit 1
+fi
+
 echo "== nbdev_test"
 start=$(date +%s)
 nbdev_test --n_workers 2 --timing

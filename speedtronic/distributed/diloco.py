@@ -22,15 +22,39 @@ from typing import Any, Callable, Mapping
 import torch
 from fastcore.basics import patch
 
-from ..config import ConfigError, DataConfig, DistributedConfig, SpeedtronicConfig, as_section
+from speedtronic.config import (
+    ConfigError,
+    DataConfig,
+    DistributedConfig,
+    SpeedtronicConfig,
+    as_section,
+)
 from .hub import HubClient
 from ..paths import node_id
 from .outer import Ledger, MasterOuterLoop
-from .tensors import (GLOBAL_MODEL_PATH, state_misfit, compute_pseudo_gradient, cpu_state_dict, decode_delta, delta_header,
-                                             delta_path, encode_delta, floating_state, load_safetensors, read_metadata,
-                                             save_safetensors, wire_bytes)
-from .transport import (HubError, HubUnavailable, RepoMissing, RetryPolicy, SharedDirectory,
-                                              describe_repository)
+from speedtronic.distributed.tensors import (
+    GLOBAL_MODEL_PATH,
+    state_misfit,
+    compute_pseudo_gradient,
+    cpu_state_dict,
+    decode_delta,
+    delta_header,
+    delta_path,
+    encode_delta,
+    floating_state,
+    load_safetensors,
+    read_metadata,
+    save_safetensors,
+    wire_bytes,
+)
+from speedtronic.distributed.transport import (
+    HubError,
+    HubUnavailable,
+    RepoMissing,
+    RetryPolicy,
+    SharedDirectory,
+    describe_repository,
+)
 from ..trainer import TrainingInterrupted
 
 # %% auto #0
@@ -44,165 +68,356 @@ __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'SHORT_ROUND_STE
 # %% ../../nbs/12d_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
     "`master` or `worker` (an enabled `single` is the master when `repo_id` is set, as in 2.0)."
-    return "master" if config.role == "master" or (config.role == "single" and config.repo_id) else "worker"
+    return (
+        "master"
+        if config.role == "master" or (config.role == "single" and config.repo_id)
+        else "worker"
+    )
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #f540caff
-def build_transport(config: DistributedConfig, *, stop: threading.Event | None = None,
-                    scratch: str | os.PathLike | None = None, warn: Any = None) -> Any:
+def build_transport(
+    config: DistributedConfig,
+    *,
+    stop: threading.Event | None = None,
+    scratch: str | os.PathLike | None = None,
+    warn: Any = None,
+) -> Any:
     "The repository transport `config` describes (`HubClient` or `SharedDirectory`); `scratch` holds Hub downloads in flight."
-    if not config.repo_id: raise ConfigError("distributed.repo_id: is required for DumbDiLoCo (a Hub repo such as org/run, "
-                                             "or a directory with transport: directory)")
+    if not config.repo_id:
+        raise ConfigError(
+            "distributed.repo_id: is required for DumbDiLoCo (a Hub repo such as org/run, "
+            "or a directory with transport: directory)"
+        )
     if config.transport == "directory":
-        return SharedDirectory(config.repo_id, retry=RetryPolicy(config.retry_initial, config.retry_max, config.retry_attempts, stop=stop),
-                               warn=warn)
-    return HubClient(config.repo_id, token=config.token, cache_dir=scratch or config.cache_dir, retry_initial=config.retry_initial,
-                     retry_max=config.retry_max, retry_attempts=config.retry_attempts,
-                     request_timeout=config.request_timeout, stop=stop)
+        return SharedDirectory(
+            config.repo_id,
+            retry=RetryPolicy(
+                config.retry_initial, config.retry_max, config.retry_attempts, stop=stop
+            ),
+            warn=warn,
+        )
+    return HubClient(
+        config.repo_id,
+        token=config.token,
+        cache_dir=scratch or config.cache_dir,
+        retry_initial=config.retry_initial,
+        retry_max=config.retry_max,
+        retry_attempts=config.retry_attempts,
+        request_timeout=config.request_timeout,
+        stop=stop,
+    )
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #98cabdfe
 @dataclass(frozen=True)
 class Upload:
     "A delta on its way to the repository: taken at `step` against global `base_outer_step`, covering `steps` optimizer steps."
+
     step: int
     base_outer_step: int
-    delta: Mapping[str, torch.Tensor]   # the wire tensors
+    delta: Mapping[str, torch.Tensor]  # the wire tensors
     steps: int
-    final: bool = False                 # the node's last delta of the run
+    final: bool = False  # the node's last delta of the run
+
 
 DeltaUploadJob = Upload  # 2.0's name for it
+
 
 @dataclass(frozen=True)
 class Install:
     "The weights to copy into the model for global `version`; `reset`: the first install after a boundary."
+
     version: int
     weights: Mapping[str, torch.Tensor]
     reset: bool = False
 
+
 @dataclass(frozen=True)
 class NodeState:
     "What a node knows: one value, replaced (never changed) by each transition, saved whole in checkpoints."
-    session: str                                      # this run of the node (kept across a resume)
-    base: Mapping[str, torch.Tensor]                  # the weights its unsent progress is counted from
-    version: int = -1                                 # the installed global version (-1: none yet)
-    step: int = 0                                     # the newest optimizer step
-    base_step: int = 0                                # the step its unsent progress counts from
-    carry: Mapping[str, torch.Tensor] | None = None   # float32 progress computed but not delivered
-    carry_steps: int = 0                              # the steps the carry covers
-    in_flight: Upload | None = None                   # dispatched, not yet taken or refused
-    sent_step: int | None = None                      # the newest dispatched delta
-    uploaded_step: int | None = None                  # the newest delta the repository took
-    folded_step: int = -1                             # this session's newest delta in the installed global
-    waits: bool = True                                # boundary waits wait (False after one ran out, until a new fold)
-    reset_due: bool = False                           # a boundary passed since the last install
+
+    session: str  # this run of the node (kept across a resume)
+    base: Mapping[str, torch.Tensor]  # the weights its unsent progress is counted from
+    version: int = -1  # the installed global version (-1: none yet)
+    step: int = 0  # the newest optimizer step
+    base_step: int = 0  # the step its unsent progress counts from
+    carry: Mapping[str, torch.Tensor] | None = None  # float32 progress computed but not delivered
+    carry_steps: int = 0  # the steps the carry covers
+    in_flight: Upload | None = None  # dispatched, not yet taken or refused
+    sent_step: int | None = None  # the newest dispatched delta
+    uploaded_step: int | None = None  # the newest delta the repository took
+    folded_step: int = -1  # this session's newest delta in the installed global
+    waits: bool = True  # boundary waits wait (False after one ran out, until a new fold)
+    reset_due: bool = False  # a boundary passed since the last install
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #9c1e006a
-def _plus(a: Mapping[str, torch.Tensor] | None, b: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-    return None if a is None and b is None else dict(b) if a is None else dict(a) if b is None else {k: v + b[k] for k, v in a.items()}
+def _plus(
+    a: Mapping[str, torch.Tensor] | None, b: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    return (
+        None
+        if a is None and b is None
+        else dict(b)
+        if a is None
+        else dict(a)
+        if b is None
+        else {k: v + b[k] for k, v in a.items()}
+    )
 
-def at_boundary(state: NodeState, weights: Mapping[str, torch.Tensor], step: int, dtype: str = "bfloat16",
-                final: bool = False) -> tuple[NodeState, Upload | str]:
+
+def at_boundary(
+    state: NodeState,
+    weights: Mapping[str, torch.Tensor],
+    step: int,
+    dtype: str = "bfloat16",
+    final: bool = False,
+) -> tuple[NodeState, Upload | str]:
     "The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and the upload, or why none is sent."
     state = replace(state, step=int(step), reset_due=True)
-    if step <= state.folded_step: return replace(state, base=dict(weights), base_step=int(step), carry=None, carry_steps=0), "already_folded"
-    if state.in_flight is not None: return state, "upload_in_flight"
+    if step <= state.folded_step:
+        return replace(
+            state, base=dict(weights), base_step=int(step), carry=None, carry_steps=0
+        ), "already_folded"
+    if state.in_flight is not None:
+        return state, "upload_in_flight"
     raw = compute_pseudo_gradient(state.base, weights)
-    if not all(bool(torch.isfinite(v).all()) for v in raw.values()): return state, "not_finite"
+    if not all(bool(torch.isfinite(v).all()) for v in raw.values()):
+        return state, "not_finite"
     total = _plus(raw, state.carry)
     wire = encode_delta(total, dtype)
-    upload = Upload(int(step), state.version, wire, max(1, step - state.base_step + state.carry_steps), final)
-    return replace(state, base=dict(weights), base_step=int(step), carry_steps=0, in_flight=upload, sent_step=int(step),
-                   carry=None if dtype == "float32" else {k: total[k] - v for k, v in decode_delta(wire).items()}), upload
+    upload = Upload(
+        int(step), state.version, wire, max(1, step - state.base_step + state.carry_steps), final
+    )
+    return replace(
+        state,
+        base=dict(weights),
+        base_step=int(step),
+        carry_steps=0,
+        in_flight=upload,
+        sent_step=int(step),
+        carry=None
+        if dtype == "float32"
+        else {k: total[k] - v for k, v in decode_delta(wire).items()},
+    ), upload
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #b3074f96
 def on_upload_done(state: NodeState, upload: Upload) -> NodeState:
     "The repository took `upload` (one this state did not dispatch changes nothing)."
-    return state if state.in_flight is not upload else replace(state, in_flight=None, uploaded_step=upload.step)
+    return (
+        state
+        if state.in_flight is not upload
+        else replace(state, in_flight=None, uploaded_step=upload.step)
+    )
+
 
 def on_upload_failed(state: NodeState, upload: Upload) -> NodeState:
     "The repository refused `upload` for now: its delta and the steps it covers go back into the carry (dropped if the global holds its step)."
-    if state.in_flight is not upload: return state
-    if upload.step <= state.folded_step: return replace(state, in_flight=None)
-    return replace(state, in_flight=None, carry=_plus(state.carry, decode_delta(upload.delta)), carry_steps=state.carry_steps + upload.steps)
+    if state.in_flight is not upload:
+        return state
+    if upload.step <= state.folded_step:
+        return replace(state, in_flight=None)
+    return replace(
+        state,
+        in_flight=None,
+        carry=_plus(state.carry, decode_delta(upload.delta)),
+        carry_steps=state.carry_steps + upload.steps,
+    )
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #beac49fd
-def on_global(state: NodeState, version: int, tensors: Mapping[str, torch.Tensor], folded_step: int,
-              weights: Mapping[str, torch.Tensor], keep_progress: bool = True) -> tuple[NodeState, Install | None]:
+def on_global(
+    state: NodeState,
+    version: int,
+    tensors: Mapping[str, torch.Tensor],
+    folded_step: int,
+    weights: Mapping[str, torch.Tensor],
+    keep_progress: bool = True,
+) -> tuple[NodeState, Install | None]:
     "Global `version` (holding this session's deltas up to `folded_step`) over the model's `weights`: what to install, or None."
-    if keep_progress and version <= state.version: return state, None
-    if problem := state_misfit(weights, tensors): raise ValueError(problem)
-    keep_progress = keep_progress and folded_step <= state.step        # a global past our own step already holds our progress
+    if keep_progress and version <= state.version:
+        return state, None
+    if problem := state_misfit(weights, tensors):
+        raise ValueError(problem)
+    keep_progress = (
+        keep_progress and folded_step <= state.step
+    )  # a global past our own step already holds our progress
     mine = lambda k: keep_progress and weights[k].is_floating_point() and k in state.base
-    new = {k: g.float() - (state.base[k].float() - weights[k].detach().float().cpu()) if mine(k) else g for k, g in tensors.items()}
-    base = {**state.base, **{k: g.detach().to("cpu", state.base[k].dtype if k in state.base else g.dtype, copy=True)
-                             for k, g in tensors.items()}}
+    new = {
+        k: g.float() - (state.base[k].float() - weights[k].detach().float().cpu()) if mine(k) else g
+        for k, g in tensors.items()
+    }
+    base = {
+        **state.base,
+        **{
+            k: g.detach().to("cpu", state.base[k].dtype if k in state.base else g.dtype, copy=True)
+            for k, g in tensors.items()
+        },
+    }
     rest = {} if keep_progress else {"carry": None, "carry_steps": 0, "base_step": state.step}
-    return replace(state, base=base, version=int(version), folded_step=max(state.folded_step, int(folded_step)), reset_due=False,
-                   waits=state.waits or folded_step > state.folded_step, **rest), Install(int(version), new, state.reset_due)
+    return replace(
+        state,
+        base=base,
+        version=int(version),
+        folded_step=max(state.folded_step, int(folded_step)),
+        reset_due=False,
+        waits=state.waits or folded_step > state.folded_step,
+        **rest,
+    ), Install(int(version), new, state.reset_due)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #7658d477
 def wait_target(state: NodeState) -> int | None:
     "The step whose fold a boundary wait waits for; None when it does not wait (nothing sent, or a wait ran out since the last fold)."
     return state.sent_step if state.waits else None
 
-def after_wait(state: NodeState, target: int, *, out_of_time: bool, stopped: bool) -> tuple[NodeState, str | None]:
+
+def after_wait(
+    state: NodeState, target: int, *, out_of_time: bool, stopped: bool
+) -> tuple[NodeState, str | None]:
     "Why a wait for the fold of `target` ends now (`folded`, `lost`, `stopped`, `timeout`; None: wait on); a timeout stops later waits."
-    if state.folded_step >= target: return state, "folded"
-    if state.in_flight is None and (state.uploaded_step is None or state.uploaded_step < target): return state, "lost"
-    if stopped: return state, "stopped"
+    if state.folded_step >= target:
+        return state, "folded"
+    if state.in_flight is None and (state.uploaded_step is None or state.uploaded_step < target):
+        return state, "lost"
+    if stopped:
+        return state, "stopped"
     return (replace(state, waits=False), "timeout") if out_of_time else (state, None)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #1e0f8bda
 NODE_STATE_FORMAT = 1  # the version of the checkpoint entry `node_checkpoint` writes
 
+
 def node_checkpoint(state: NodeState) -> dict[str, Any]:
     "`state` as the plain data and tensors of a checkpoint entry (transitions never change a tensor in place: nothing is copied)."
     job = state.in_flight
-    return {**{f.name: getattr(state, f.name) for f in fields(NodeState)}, "format": NODE_STATE_FORMAT,
-            "in_flight": None if job is None else {f.name: getattr(job, f.name) for f in fields(Upload)}}
+    return {
+        **{f.name: getattr(state, f.name) for f in fields(NodeState)},
+        "format": NODE_STATE_FORMAT,
+        "in_flight": None
+        if job is None
+        else {f.name: getattr(job, f.name) for f in fields(Upload)},
+    }
 
-def node_state_from(entry: Mapping[str, Any], base: Mapping[str, torch.Tensor], session: str, round_length: int) -> NodeState:
+
+def node_state_from(
+    entry: Mapping[str, Any], base: Mapping[str, torch.Tensor], session: str, round_length: int
+) -> NodeState:
     "A checkpoint entry (ours, or 2.0's keys) as a `NodeState` over the model's `base`; `round_length` counts a 2.0 pending delta."
     saved = entry.get("base", entry.get("baseline")) or {}
     merged = {k: saved[k].detach().cpu().clone() if k in saved else v for k, v in base.items()}
-    carry = {k: v.float().clone() for k, v in entry["carry"].items()} if entry.get("carry") else None
+    carry = (
+        {k: v.float().clone() for k, v in entry["carry"].items()} if entry.get("carry") else None
+    )
     if entry.get("format") == NODE_STATE_FORMAT:
         job = entry.get("in_flight")
-        plain = {f.name: entry[f.name] for f in fields(NodeState) if f.name in entry and f.name not in ("base", "carry", "in_flight")}
-        return NodeState(**plain, base=merged, carry=carry, in_flight=Upload(**{**job, "delta": dict(job["delta"])}) if job else None)
+        plain = {
+            f.name: entry[f.name]
+            for f in fields(NodeState)
+            if f.name in entry and f.name not in ("base", "carry", "in_flight")
+        }
+        return NodeState(
+            **plain,
+            base=merged,
+            carry=carry,
+            in_flight=Upload(**{**job, "delta": dict(job["delta"])}) if job else None,
+        )
     step, version = int(entry.get("local_step", 0)), int(entry.get("last_global_step", -1))
-    job = entry.get("pending_upload") or (None if entry.get("pending_delta") is None else   # 2.0's legacy mirror
-                                          {"step": entry.get("pending_delta_step") or step, "delta": entry["pending_delta"]})
-    sent = [int(v) for v in (entry.get("last_dispatched_step"), job and job["step"]) if v is not None]   # dispatched, maybe in flight
+    job = entry.get("pending_upload") or (
+        None
+        if entry.get("pending_delta") is None
+        # 2.0's legacy mirror
+        else {"step": entry.get("pending_delta_step") or step, "delta": entry["pending_delta"]}
+    )
+    sent = [
+        int(v) for v in (entry.get("last_dispatched_step"), job and job["step"]) if v is not None
+    ]  # dispatched, maybe in flight
     sends = sent + [int(v) for v in [entry.get("last_uploaded_step")] if v is not None]
-    return NodeState(str(entry.get("session") or session), merged, version, step,
-                     int(entry["last_sent_step"]) if entry.get("last_sent_step") is not None else max(sends, default=step),
-                     carry, int(entry.get("carry_steps", 0)),
-                     None if not job else Upload(int(job["step"]), int(job.get("base_outer_step", version)), dict(job["delta"]),
-                                                 int(job.get("inner_steps") or round_length), bool(job.get("final", False))),
-                     sent_step=max(sent, default=None), uploaded_step=entry.get("last_uploaded_step"))
+    return NodeState(
+        str(entry.get("session") or session),
+        merged,
+        version,
+        step,
+        int(entry["last_sent_step"])
+        if entry.get("last_sent_step") is not None
+        else max(sends, default=step),
+        carry,
+        int(entry.get("carry_steps", 0)),
+        None
+        if not job
+        else Upload(
+            int(job["step"]),
+            int(job.get("base_outer_step", version)),
+            dict(job["delta"]),
+            int(job.get("inner_steps") or round_length),
+            bool(job.get("final", False)),
+        ),
+        sent_step=max(sent, default=None),
+        uploaded_step=entry.get("last_uploaded_step"),
+    )
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #4b6e218b
 class DumbDiLoCoCoordinator:
     "DiLoCo for one node: the shell around its `NodeState` (threads, transport calls, signals, files); on the master the outer loop too."
-    def __init__(self, config: Any, model: torch.nn.Module, *, hub: Any = None, state_dir: str | os.PathLike | None = None,
-                 logger: Any = None):
+
+    def __init__(
+        self,
+        config: Any,
+        model: torch.nn.Module,
+        *,
+        hub: Any = None,
+        state_dir: str | os.PathLike | None = None,
+        logger: Any = None,
+    ):
         self.config = cfg = as_section(config, DistributedConfig)
         self.model, self.logger = model, logger
         self.node_id, self.role = node_id(cfg), resolve_role(cfg)
-        self.inner_steps, self.poll_interval = int(cfg.inner_steps), float(cfg.poll_interval)  # the round length; seconds between polls
-        self.state_root = Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
+        self.inner_steps, self.poll_interval = (
+            int(cfg.inner_steps),
+            float(cfg.poll_interval),
+        )  # the round length; seconds between polls
+        self.state_root = (
+            Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
+        )
         self.state_root.mkdir(parents=True, exist_ok=True)
-        self.lock, self._stop, self._poll_due = threading.RLock(), threading.Event(), threading.Event()
-        self.transport = hub if hub is not None else build_transport(cfg, stop=self._stop, scratch=self.state_root / "cache",
-                                                                     warn=lambda message: self._log("warning", message))
-        floating_state(model.state_dict())                       # complex parameters: refuse now, not at the first boundary
+        self.lock, self._stop, self._poll_due = (
+            threading.RLock(),
+            threading.Event(),
+            threading.Event(),
+        )
+        self.transport = (
+            hub
+            if hub is not None
+            else build_transport(
+                cfg,
+                stop=self._stop,
+                scratch=self.state_root / "cache",
+                warn=lambda message: self._log("warning", message),
+            )
+        )
+        floating_state(
+            model.state_dict()
+        )  # complex parameters: refuse now, not at the first boundary
         self.state = NodeState(uuid.uuid4().hex[:12], cpu_state_dict(model.state_dict()))
-        self._accepting = self._opened = self.started = self._terminated = False  # _terminated: SIGTERM came in a wait
-        self._woken, self._last_poll, self._seen_tag = threading.Event(), 0.0, None  # _woken: a wait ends now
-        self._candidate: tuple[int, dict, int] | None = None     # the poll's newest global: (version, tensors, folded step)
-        self._threads, self._uploading = [], None                 # the background threads; the newest upload thread
-        self._prepared, self._fatal = None, None                  # a checkpoint entry `start()` applies; a background thread's error
-        self.installs, self.outer = 0, None  # globals installed so far (a torchrun node broadcasts after each); the master's loop
+        self._accepting = self._opened = self.started = self._terminated = (
+            False  # _terminated: SIGTERM came in a wait
+        )
+        self._woken, self._last_poll, self._seen_tag = (
+            threading.Event(),
+            0.0,
+            None,
+        )  # _woken: a wait ends now
+        self._candidate: tuple[int, dict, int] | None = (
+            None  # the poll's newest global: (version, tensors, folded step)
+        )
+        self._threads, self._uploading = (
+            [],
+            None,
+        )  # the background threads; the newest upload thread
+        self._prepared, self._fatal = (
+            None,
+            None,
+        )  # a checkpoint entry `start()` applies; a background thread's error
+        self.installs, self.outer = (
+            0,
+            None,
+        )  # globals installed so far (a torchrun node broadcasts after each); the master's loop
         self.global_watcher: Any = None  # on a master: given `(version, state)` of each published global (see `_published`)
 
     @property
@@ -211,13 +426,17 @@ class DumbDiLoCoCoordinator:
         return self.outer.outer_step if self.outer is not None else max(self.state.version, 0)
 
     def _log(self, level: str, message: str) -> None:
-        if self.logger is not None: getattr(self.logger, level)(f"diloco {self.node_id}: {message}")
+        if self.logger is not None:
+            getattr(self.logger, level)(f"diloco {self.node_id}: {message}")
 
-    def _where(self) -> str: return describe_repository(self.transport)
+    def _where(self) -> str:
+        return describe_repository(self.transport)
 
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
-            with contextlib.suppress(RuntimeError): self.logger.emit(event, payload)
+            with contextlib.suppress(RuntimeError):
+                self.logger.emit(event, payload)
+
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 
@@ -227,75 +446,131 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
     "`at_boundary` on the model's weights at `step`, and the upload dispatched; False when nothing was sent."
     weights = cpu_state_dict(self.model.state_dict())
     with self.lock:
-        if not self._accepting: return False
-        try: self.state, out = at_boundary(self.state, weights, step, self.config.delta_dtype, final)
-        except ValueError as e: return self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}") or False
-    if isinstance(out, str): return self._emit("delta_upload_skipped", {"step": step, "reason": out}) or False
-    self._emit("delta_upload_queued", {"step": step, "base_outer_step": out.base_outer_step, "inner_steps": out.steps,
-                                       "bytes": wire_bytes(out.delta)})
+        if not self._accepting:
+            return False
+        try:
+            self.state, out = at_boundary(self.state, weights, step, self.config.delta_dtype, final)
+        except ValueError as e:
+            return (
+                self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}") or False
+            )
+    if isinstance(out, str):
+        return self._emit("delta_upload_skipped", {"step": step, "reason": out}) or False
+    self._emit(
+        "delta_upload_queued",
+        {
+            "step": step,
+            "base_outer_step": out.base_outer_step,
+            "inner_steps": out.steps,
+            "bytes": wire_bytes(out.delta),
+        },
+    )
     self._dispatch(out)
     return True
+
 
 @patch
 def _dispatch(self: DumbDiLoCoCoordinator, job: Upload) -> None:
     "Upload `job` on its own thread (`async_delta_upload`, once started), else now."
-    if not (self.config.async_delta_upload and self.started): return self._upload(job)
-    self._uploading = threading.Thread(target=self._upload, args=(job,), name="speedtronic-diloco-upload", daemon=True)
+    if not (self.config.async_delta_upload and self.started):
+        return self._upload(job)
+    self._uploading = threading.Thread(
+        target=self._upload, args=(job,), name="speedtronic-diloco-upload", daemon=True
+    )
     self._threads = [t for t in self._threads if t.is_alive()] + [self._uploading]
     self._uploading.start()
+
 
 @patch
 def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
     "Write `job` as a delta file and commit it; then `on_upload_done`, or `on_upload_failed` when the repository cannot be reached."
     local = self.state_root / "outgoing" / f"delta_{job.step}.safetensors"
     dtypes = {t.dtype for t in job.delta.values()}
-    encoding = "int8" if torch.int8 in dtypes else "bfloat16" if torch.bfloat16 in dtypes else "float32"
-    header = delta_header(node_id=self.node_id, local_step=job.step, base_outer_step=job.base_outer_step, inner_steps=job.steps,
-                          encoding=encoding, session=self.state.session, final=job.final)
+    encoding = (
+        "int8" if torch.int8 in dtypes else "bfloat16" if torch.bfloat16 in dtypes else "float32"
+    )
+    header = delta_header(
+        node_id=self.node_id,
+        local_step=job.step,
+        base_outer_step=job.base_outer_step,
+        inner_steps=job.steps,
+        encoding=encoding,
+        session=self.state.session,
+        final=job.final,
+    )
     try:
         self._ensure_open()
         save_safetensors(job.delta, local, header)
-        self.transport.upload({delta_path(self.node_id, job.step): local}, message=f"{self.node_id}: delta at step {job.step}")
+        self.transport.upload(
+            {delta_path(self.node_id, job.step): local},
+            message=f"{self.node_id}: delta at step {job.step}",
+        )
     except HubUnavailable as e:
-        with self.lock: self.state = on_upload_failed(self.state, job)
-        self._log("warning", f"delta of step {job.step} not uploaded, it travels with the next one: {e}")
+        with self.lock:
+            self.state = on_upload_failed(self.state, job)
+        self._log(
+            "warning", f"delta of step {job.step} not uploaded, it travels with the next one: {e}"
+        )
         self._emit("delta_upload_failed", {"step": job.step, "error": str(e)})
     except BaseException as e:
-        with self.lock: self._fatal = e                           # stays in flight: the checkpoint keeps it
+        with self.lock:
+            self._fatal = e  # stays in flight: the checkpoint keeps it
         self._log("error", f"delta upload stopped: {e}")
     else:
-        with self.lock: self.state = on_upload_done(self.state, job)
+        with self.lock:
+            self.state = on_upload_done(self.state, job)
         self._emit("delta_uploaded", {"step": job.step, "bytes": wire_bytes(job.delta)})
-        if self.outer is not None: self.outer.wake()             # the master's own delta: its loop looks now, not at the next poll
-    finally: local.unlink(missing_ok=True)
+        if self.outer is not None:
+            self.outer.wake()  # the master's own delta: its loop looks now, not at the next poll
+    finally:
+        local.unlink(missing_ok=True)
+
 
 @patch
 def _wait_uploads(self: DumbDiLoCoCoordinator, timeout: float) -> bool:
     "Wait (at most `timeout` seconds) until the newest upload has ended; True when none is running."
-    if self._uploading is not None: self._uploading.join(timeout)
+    if self._uploading is not None:
+        self._uploading.join(timeout)
     return self._uploading is None or not self._uploading.is_alive()
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #b31a555f
 @patch
-def _install(self: DumbDiLoCoCoordinator, version: int, tensors: Mapping[str, torch.Tensor], folded: int = -1,
-             keep_progress: bool = True) -> Install | None:
+def _install(
+    self: DumbDiLoCoCoordinator,
+    version: int,
+    tensors: Mapping[str, torch.Tensor],
+    folded: int = -1,
+    keep_progress: bool = True,
+) -> Install | None:
     "`on_global`, and its weights copied into the model; None when the global is not newer."
     live = self.model.state_dict()
     with self.lock, torch.no_grad():
-        try: self.state, out = on_global(self.state, version, tensors, folded, live, keep_progress)
+        try:
+            self.state, out = on_global(self.state, version, tensors, folded, live, keep_progress)
         except ValueError as e:
-            raise HubError(f"the global model (version {version}) in {self._where()} does not fit this node's model: {e}; every node "
-                           "must train the same model (compare the model sections of the nodes' configs)") from None
-        if out is None: return None
-        for k, v in out.weights.items(): live[k].copy_(v.to(live[k].device, live[k].dtype))   # computed first: tied weights share storage
+            raise HubError(
+                f"the global model (version {version}) in {self._where()} does not fit this node's model: {e}; every node "
+                "must train the same model (compare the model sections of the nodes' configs)"
+            ) from None
+        if out is None:
+            return None
+        for k, v in out.weights.items():
+            live[k].copy_(
+                v.to(live[k].device, live[k].dtype)
+            )  # computed first: tied weights share storage
         self.installs += 1
-    self._emit("global_installed", {"outer_step": int(version), "step": self.state.step, "keys": len(out.weights)})
+    self._emit(
+        "global_installed",
+        {"outer_step": int(version), "step": self.state.step, "keys": len(out.weights)},
+    )
     return out
+
 
 @patch
 def _install_candidate(self: DumbDiLoCoCoordinator) -> Install | None:
     "Install the newest global the poll (or the master's loop) offered, if it is newer than the installed one."
-    with self.lock: candidate, self._candidate = self._candidate, None
+    with self.lock:
+        candidate, self._candidate = self._candidate, None
     return None if candidate is None else self._install(*candidate)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #182989d0
@@ -304,54 +579,79 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
     "`(version, state, folded step)` of the repository's global when newer than what this node has, else None."
     self._ensure_open()
     tag = self.transport.version_tag() if hasattr(self.transport, "version_tag") else None
-    if tag is not None and tag == self._seen_tag: return None     # the version file has not changed: nothing new
+    if tag is not None and tag == self._seen_tag:
+        return None  # the version file has not changed: nothing new
     repo = self.transport.state()
-    with self.lock: newest = max(self.state.version, self._candidate[0] if self._candidate else -1)
-    if repo.metadata is None or repo.outer_step <= newest: return None
+    with self.lock:
+        newest = max(self.state.version, self._candidate[0] if self._candidate else -1)
+    if repo.metadata is None or repo.outer_step <= newest:
+        return None
     path = self.state_root / "global" / "latest.safetensors"
     self.transport.fetch(GLOBAL_MODEL_PATH, path, revision=repo.revision)
     carried = read_metadata(path).get("outer_step")
-    if carried is not None and int(carried) != repo.outer_step: return None   # mid-publication; the next poll gets it
+    if carried is not None and int(carried) != repo.outer_step:
+        return None  # mid-publication; the next poll gets it
     self._seen_tag = tag
-    return repo.outer_step, load_safetensors(path), self._folded_in(Ledger.from_json(repo.extras.get("ledger")))
+    return (
+        repo.outer_step,
+        load_safetensors(path),
+        self._folded_in(Ledger.from_json(repo.extras.get("ledger"))),
+    )
+
 
 @patch
 def _folded_in(self: DumbDiLoCoCoordinator, ledger: Ledger) -> int:
     "The step of this session's newest delta that `ledger`'s global holds (-1: none)."
     return ledger.nodes.get(self.node_id, {}).get("sessions", {}).get(self.state.session, -1)
 
+
 @patch
-def _offer(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor], folded: int = -1) -> None:
+def _offer(
+    self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor], folded: int = -1
+) -> None:
     "Put a global in the candidate slot (a newer one replaces an older one not yet installed)."
     with self.lock:
-        if self._candidate is None or version > self._candidate[0]: self._candidate = (int(version), dict(state), int(folded))
+        if self._candidate is None or version > self._candidate[0]:
+            self._candidate = (int(version), dict(state), int(folded))
+
 
 @patch
 def _poll_loop(self: DumbDiLoCoCoordinator) -> None:
     "The poll thread: one `_fetch_global` each time `_poll_due` is set, until the coordinator stops."
     while True:
         self._poll_due.wait()
-        if self._stop.is_set(): return
+        if self._stop.is_set():
+            return
         self._poll_due.clear()
-        try: self._poll_once("async global poll")
+        try:
+            self._poll_once("async global poll")
         except BaseException as e:
-            with self.lock: self._fatal = e
+            with self.lock:
+                self._fatal = e
+
 
 @patch
 def _poll_once(self: DumbDiLoCoCoordinator, what: str = "global poll") -> None:
     "Read the repository and offer a newer global; an unreachable repository is a warning (the next poll tries again)."
-    try: found = self._fetch_global()
-    except HubUnavailable as e: return self._log("warning", f"{what} failed: {e}")
-    if found is not None: self._offer(*found)
+    try:
+        found = self._fetch_global()
+    except HubUnavailable as e:
+        return self._log("warning", f"{what} failed: {e}")
+    if found is not None:
+        self._offer(*found)
+
 
 @patch
 def _maybe_poll(self: DumbDiLoCoCoordinator, force: bool) -> Install | None:
     "Ask for a new global (a worker, at most every `poll_interval` unless `force`); what was installed now, if anything."
-    if self.role == "master": return None
+    if self.role == "master":
+        return None
     now = time.monotonic()
-    if not force and now - self._last_poll < self.poll_interval: return None
+    if not force and now - self._last_poll < self.poll_interval:
+        return None
     self._last_poll = now
-    if self.config.async_global_poll: return self._poll_due.set()
+    if self.config.async_global_poll:
+        return self._poll_due.set()
     self._poll_once()
     return self._install_candidate()
 
@@ -359,124 +659,220 @@ def _maybe_poll(self: DumbDiLoCoCoordinator, force: bool) -> Install | None:
 @dataclass
 class SyncResult:
     "What one `after_optimizer_step` did (2.0's record); true when the trainer should clear the inner optimizer's state."
-    pushed: bool = False                  # a delta was dispatched
-    loaded_global: bool = False           # a global was installed
-    outer_step: int = 0                   # the global version after the step
-    reset_inner_optimizer: bool = False   # the first install after a boundary, with `reset_inner_optimizer: true`
-    def __bool__(self) -> bool: return self.reset_inner_optimizer
+
+    pushed: bool = False  # a delta was dispatched
+    loaded_global: bool = False  # a global was installed
+    outer_step: int = 0  # the global version after the step
+    reset_inner_optimizer: bool = (
+        False  # the first install after a boundary, with `reset_inner_optimizer: true`
+    )
+
+    def __bool__(self) -> bool:
+        return self.reset_inner_optimizer
+
 
 @patch
-def after_optimizer_step(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> SyncResult:
+def after_optimizer_step(
+    self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int
+) -> SyncResult:
     "Send at a boundary (and wait for its fold with `boundary_wait`), install a newer global; true when the trainer should clear the inner optimizer."
     if model is not self.model:
-        raise ValueError("DumbDiLoCoCoordinator.after_optimizer_step got a different model than the one it was built with")
+        raise ValueError(
+            "DumbDiLoCoCoordinator.after_optimizer_step got a different model than the one it was built with"
+        )
     self._raise_fatal()
-    with self.lock: self.state = replace(self.state, step=int(step))
+    with self.lock:
+        self.state = replace(self.state, step=int(step))
     boundary, pushed, installed = step % self.inner_steps == 0, False, []
     if boundary:
         pushed = self._send(step)
-        if self.config.boundary_wait > 0: installed += self._await_fold()
+        if self.config.boundary_wait > 0:
+            installed += self._await_fold()
     installed.append(self._install_candidate())
-    if not any(installed): installed.append(self._maybe_poll(force=boundary))
+    if not any(installed):
+        installed.append(self._maybe_poll(force=boundary))
     done = [i for i in installed if i is not None]
-    return SyncResult(pushed, bool(done), self.outer_step, bool(self.config.reset_inner_optimizer and any(i.reset for i in done)))
+    return SyncResult(
+        pushed,
+        bool(done),
+        self.outer_step,
+        bool(self.config.reset_inner_optimizer and any(i.reset for i in done)),
+    )
+
 
 @patch
 def _raise_fatal(self: DumbDiLoCoCoordinator) -> None:
     "Raise a fatal error a background thread recorded (the master's loop included)."
     error = self._fatal or (self.outer.error if self.outer is not None else None)
     if error is not None:
-        raise error if isinstance(error, HubError) else HubError(f"DiLoCo background work failed: {type(error).__name__}: {error}")
+        raise (
+            error
+            if isinstance(error, HubError)
+            else HubError(f"DiLoCo background work failed: {type(error).__name__}: {error}")
+        )
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #53471164
 @patch
 def _await_fold(self: DumbDiLoCoCoordinator) -> list[Install]:
     "Wait up to `boundary_wait` s until a global holding the last dispatched delta is installed; the installs made meanwhile."
-    with self.lock: target = wait_target(self.state)
-    if target is None: return []
+    with self.lock:
+        target = wait_target(self.state)
+    if target is None:
+        return []
     start, installed = time.monotonic(), []
     deadline, interval = start + float(self.config.boundary_wait), min(self.poll_interval, 0.25)
-    with self._sigterm_ends_wait():                                  # SIGTERM: the trainer stops after this step
+    with self._sigterm_ends_wait():  # SIGTERM: the trainer stops after this step
         while True:
             installed.append(self._install_candidate())
-            with self.lock: self.state, ended = after_wait(self.state, target, out_of_time=time.monotonic() >= deadline,
-                                                           stopped=self._stop.is_set() or self._terminated)
-            if ended: break
+            with self.lock:
+                self.state, ended = after_wait(
+                    self.state,
+                    target,
+                    out_of_time=time.monotonic() >= deadline,
+                    stopped=self._stop.is_set() or self._terminated,
+                )
+            if ended:
+                break
             self._raise_fatal()
-            if polled := self._maybe_poll(force=True): installed.append(polled)   # a synchronous poll installed it
-            else: self._woken.wait(interval)
-    if ended == "timeout":                                           # out of time: the master is slow or gone
-        self._log("warning", f"boundary_wait: the delta of step {target} was not folded within {self.config.boundary_wait:g} s; "
-                             "not waiting again until one of this node's deltas is folded")
-    self._emit("boundary_wait", {"step": target, "waited_s": round(time.monotonic() - start, 4), "folded": ended == "folded",
-                                 "ended": ended})
+            if polled := self._maybe_poll(force=True):
+                installed.append(polled)  # a synchronous poll installed it
+            else:
+                self._woken.wait(interval)
+    if ended == "timeout":  # out of time: the master is slow or gone
+        self._log(
+            "warning",
+            f"boundary_wait: the delta of step {target} was not folded within {self.config.boundary_wait:g} s; "
+            "not waiting again until one of this node's deltas is folded",
+        )
+    self._emit(
+        "boundary_wait",
+        {
+            "step": target,
+            "waited_s": round(time.monotonic() - start, 4),
+            "folded": ended == "folded",
+            "ended": ended,
+        },
+    )
     return [i for i in installed if i is not None]
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #bfacdca9
 @patch
 def start(self: DumbDiLoCoCoordinator) -> None:
     "Open the repository, restore prepared state, start the outer loop (master) and the background threads."
-    if self.started: return
-    self._stop.clear(); self._poll_due.clear()
+    if self.started:
+        return
+    self._stop.clear()
+    self._poll_due.clear()
     self._fatal = None
-    for leftover in self.state_root.glob("**/.fetch-*"): shutil.rmtree(leftover, ignore_errors=True)   # a killed download
+    for leftover in self.state_root.glob("**/.fetch-*"):
+        shutil.rmtree(leftover, ignore_errors=True)  # a killed download
     if self.role != "master":
-        try: self._ensure_open()
-        except RepoMissing: pass                                  # not created yet: the wait for the first global waits for it
-        except HubUnavailable as e: self._log("warning", f"cannot reach the repository now; it is checked before the first exchange: {e}")
+        try:
+            self._ensure_open()
+        except RepoMissing:
+            pass  # not created yet: the wait for the first global waits for it
+        except HubUnavailable as e:
+            self._log(
+                "warning",
+                f"cannot reach the repository now; it is checked before the first exchange: {e}",
+            )
     prepared, self._prepared = self._prepared, None
     with self.lock:
-        if prepared is not None: self.state = node_state_from(prepared, self.state.base, self.state.session, self.inner_steps)
-        else: self.state = replace(self.state, base=cpu_state_dict(self.model.state_dict()))   # as loaded since construction
-    if self.state.version >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it existed: never create it again
-    if self.role == "master": self._start_master(prepared)
-    else: self._await_global()
+        if prepared is not None:
+            self.state = node_state_from(
+                prepared, self.state.base, self.state.session, self.inner_steps
+            )
+        else:
+            self.state = replace(
+                self.state, base=cpu_state_dict(self.model.state_dict())
+            )  # as loaded since construction
+    if self.state.version >= 0 and hasattr(self.transport, "used"):
+        self.transport.used = True  # it existed: never create it again
+    if self.role == "master":
+        self._start_master(prepared)
+    else:
+        self._await_global()
     self._install_candidate()
     self._accepting, self.started, self._last_poll = True, True, time.monotonic()
     self._spawn()
-    self._log("info", f"started as {self.role} (session {self.state.session}, global version {self.state.version})")
+    self._log(
+        "info",
+        f"started as {self.role} (session {self.state.session}, global version {self.state.version})",
+    )
+
 
 @patch
 def _ensure_open(self: DumbDiLoCoCoordinator) -> None:
     "Check the repository (a public or missing one is fatal) once, before the first exchange; a transport without `open` is not checked."
     if not self._opened:
-        if callable(getattr(self.transport, "open", None)): self.transport.open(create=False, private=True)
+        if callable(getattr(self.transport, "open", None)):
+            self.transport.open(create=False, private=True)
         self._opened = True
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #589ef27b
 @patch
-def _wait_until(self: DumbDiLoCoCoordinator, done: Callable[[], bool], timeout: float, saying: Callable[[], str], waiting_for: str,
-                stop_retries: bool = False) -> bool:
+def _wait_until(
+    self: DumbDiLoCoCoordinator,
+    done: Callable[[], bool],
+    timeout: float,
+    saying: Callable[[], str],
+    waiting_for: str,
+    stop_retries: bool = False,
+) -> bool:
     "Ask `done()` every poll (2 s at most) until it is True (True), the coordinator stops (True) or `timeout` s passed (False)."
     deadline, told = time.monotonic() + timeout, False
     with self._sigterm_ends_wait(stop_retries):
         while not (self._stop.is_set() or self._terminated):
-            if done(): return True
-            if time.monotonic() >= deadline: return False
-            if not told: told = self._log("info", saying()) or True  # said once
+            if done():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if not told:
+                told = self._log("info", saying()) or True  # said once
             self._woken.wait(min(self.poll_interval, 2.0))
-    if self._terminated: raise TrainingInterrupted("SIGTERM", message=f"SIGTERM while waiting for {waiting_for} in {self._where()}")
+    if self._terminated:
+        raise TrainingInterrupted(
+            "SIGTERM", message=f"SIGTERM while waiting for {waiting_for} in {self._where()}"
+        )
     return True
+
 
 @patch
 def _await_global(self: DumbDiLoCoCoordinator) -> None:
     "A worker's first global: wait (up to `lease_timeout`) until the master has created the repository and published one; offer it."
     missing, limit = [None], self.config.lease_timeout
+
     def arrived() -> bool:
-        try: found, missing[0] = self._fetch_global(), None
-        except RepoMissing as e: missing[0] = e; return False
+        try:
+            found, missing[0] = self._fetch_global(), None
+        except RepoMissing as e:
+            missing[0] = e
+            return False
         except HubUnavailable as e:
             self._log("warning", f"cannot read the repository now: {e}")
             return self.state.version >= 0
-        if found is not None: self._offer(*found)
-        return found is not None or self.state.version >= 0          # resumed: newer globals come with the polls
-    saying = lambda: (f"waiting for the master to {'create' if missing[0] else 'publish the first global model in'} {self._where()} "
-                      f"(up to {limit:g} s)")
-    if self._wait_until(arrived, limit, saying, "the first global model", stop_retries=True): return
+        if found is not None:
+            self._offer(*found)
+        return (
+            found is not None or self.state.version >= 0
+        )  # resumed: newer globals come with the polls
+
+    saying = lambda: (
+        f"waiting for the master to {'create' if missing[0] else 'publish the first global model in'} {self._where()} "
+        f"(up to {limit:g} s)"
+    )
+    if self._wait_until(arrived, limit, saying, "the first global model", stop_retries=True):
+        return
     if missing[0] is not None:
-        raise RepoMissing(f"{missing[0]}; it was not created within distributed.lease_timeout={limit:g} s: "
-                          "start its master, or check distributed.repo_id and the token")
-    self._log("warning", f"no global model in {self._where()} after {limit:g} s; training from local weights")
+        raise RepoMissing(
+            f"{missing[0]}; it was not created within distributed.lease_timeout={limit:g} s: "
+            "start its master, or check distributed.repo_id and the token"
+        )
+    self._log(
+        "warning",
+        f"no global model in {self._where()} after {limit:g} s; training from local weights",
+    )
+
 
 @patch
 @contextlib.contextmanager
@@ -484,220 +880,366 @@ def _sigterm_ends_wait(self: DumbDiLoCoCoordinator, stop_retries: bool = False):
     "Within the block (on the main thread), SIGTERM ends the coordinator's wait (`stop_retries`: the retries of its calls too), then goes to the handler before."
     self._terminated = False
     self._woken.clear()
-    if threading.current_thread() is not threading.main_thread(): yield; return
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.getsignal(signal.SIGTERM)
+
     def handler(signum, frame):
         self._terminated = True
         self._woken.set()
-        if stop_retries: self._stop.set()                        # before the background threads run: nothing else uses it
-        if callable(previous): previous(signum, frame)           # e.g. the trainer's: stop after this step
+        if stop_retries:
+            self._stop.set()  # before the background threads run: nothing else uses it
+        if callable(previous):
+            previous(signum, frame)  # e.g. the trainer's: stop after this step
+
     signal.signal(signal.SIGTERM, handler)
-    try: yield
-    finally: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #ca10c6c8
 class DistributedWarning(UserWarning):
     "A DiLoCo setting that will work, but not as well as it could."
 
-SHORT_ROUND_STEPS = 100  # below this many inner steps per round, outer momentum was measured to hurt
+
+SHORT_ROUND_STEPS = (
+    100  # below this many inner steps per round, outer momentum was measured to hurt
+)
+
 
 def outer_momentum_warning(config: DistributedConfig) -> str | None:
     "A warning when outer momentum meets short rounds (None when the settings are fine)."
-    if not config.outer_momentum or config.inner_steps >= SHORT_ROUND_STEPS: return None
-    return (f"distributed.outer_momentum {config.outer_momentum:g} with inner_steps {config.inner_steps}: outer Nesterov is "
-            f"tuned for hundreds of inner steps per round and was measured far behind plain averaging with rounds under "
-            f"{SHORT_ROUND_STEPS} steps (diverging on long runs); set outer_lr: 1.0 and outer_momentum: 0.0 for short rounds")
+    if not config.outer_momentum or config.inner_steps >= SHORT_ROUND_STEPS:
+        return None
+    return (
+        f"distributed.outer_momentum {config.outer_momentum:g} with inner_steps {config.inner_steps}: outer Nesterov is "
+        f"tuned for hundreds of inner steps per round and was measured far behind plain averaging with rounds under "
+        f"{SHORT_ROUND_STEPS} steps (diverging on long runs); set outer_lr: 1.0 and outer_momentum: 0.0 for short rounds"
+    )
+
 
 def warn_outer_momentum(config: DistributedConfig) -> str | None:
     "For the master (`speedtronic validate --deep`): warn (`DistributedWarning`) with `outer_momentum_warning`'s message."
     message = outer_momentum_warning(config) if resolve_role(config) == "master" else None
-    if message: warnings.warn(message, DistributedWarning, stacklevel=2)
+    if message:
+        warnings.warn(message, DistributedWarning, stacklevel=2)
     return message
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #b3c80134
 @patch
 def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | None) -> None:
     cfg = self.config
-    if message := outer_momentum_warning(cfg): self._log("warning", message)
+    if message := outer_momentum_warning(cfg):
+        self._log("warning", message)
     self.outer = MasterOuterLoop(
-        self.transport, cpu_state_dict(self.model.state_dict()), node_state_dir=self.state_root, outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum, poll_interval=cfg.poll_interval, on_global_update=lambda state, version: self._published(version, state),
-        logger=self.logger, node_id=self.node_id, session=self.state.session, inner_steps=cfg.inner_steps, staleness=cfg.staleness,
-        expected_nodes=cfg.expected_nodes, max_delta_norm_ratio=cfg.max_delta_norm_ratio, lease_timeout=cfg.lease_timeout,
-        round_wait=cfg.boundary_wait / 2)
-    if prepared is not None and prepared.get("outer"): self.outer.load_state_dict(prepared["outer"])
-    if self.outer.outer_step >= 0 and hasattr(self.transport, "used"): self.transport.used = True   # it published there: never create it again
-    try: self.outer.start_master()
-    except HubUnavailable as e: self._log("warning", f"master cannot reach the repository now, retrying in the background: {e}")
-    if self.outer.outer_step >= 0: self._published(*self.outer.snapshot())
+        self.transport,
+        cpu_state_dict(self.model.state_dict()),
+        node_state_dir=self.state_root,
+        outer_lr=cfg.outer_lr,
+        outer_momentum=cfg.outer_momentum,
+        poll_interval=cfg.poll_interval,
+        on_global_update=lambda state, version: self._published(version, state),
+        logger=self.logger,
+        node_id=self.node_id,
+        session=self.state.session,
+        inner_steps=cfg.inner_steps,
+        staleness=cfg.staleness,
+        expected_nodes=cfg.expected_nodes,
+        max_delta_norm_ratio=cfg.max_delta_norm_ratio,
+        lease_timeout=cfg.lease_timeout,
+        round_wait=cfg.boundary_wait / 2,
+    )
+    if prepared is not None and prepared.get("outer"):
+        self.outer.load_state_dict(prepared["outer"])
+    if self.outer.outer_step >= 0 and hasattr(self.transport, "used"):
+        self.transport.used = True  # it published there: never create it again
+    try:
+        self.outer.start_master()
+    except HubUnavailable as e:
+        self._log(
+            "warning", f"master cannot reach the repository now, retrying in the background: {e}"
+        )
+    if self.outer.outer_step >= 0:
+        self._published(*self.outer.snapshot())
+
 
 @patch
 def _spawn(self: DumbDiLoCoCoordinator) -> None:
     "Start the poll thread (a worker with `async_global_poll`) and the master's loop; send a delta a checkpoint held in flight."
     self._threads = []
     if self.role != "master" and self.config.async_global_poll:
-        self._threads.append(threading.Thread(target=self._poll_loop, name="speedtronic-diloco-poll", daemon=True))
+        self._threads.append(
+            threading.Thread(target=self._poll_loop, name="speedtronic-diloco-poll", daemon=True)
+        )
         self._threads[-1].start()
-    if self.outer is not None: self.outer.start()
-    with self.lock: job = self.state.in_flight
-    if job is not None: self._dispatch(job)                       # restored from a checkpoint: sent first
+    if self.outer is not None:
+        self.outer.start()
+    with self.lock:
+        job = self.state.in_flight
+    if job is not None:
+        self._dispatch(job)  # restored from a checkpoint: sent first
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #0a292e8a
 @patch
-def _published(self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor]) -> None:
+def _published(
+    self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor]
+) -> None:
     "A new global on the master: the candidate for this node's training, and `global_watcher(version, state)` when set."
-    self._offer(version, {k: v.clone() for k, v in state.items()}, self._folded_in(self.outer.ledger))
+    self._offer(
+        version, {k: v.clone() for k, v in state.items()}, self._folded_in(self.outer.ledger)
+    )
     if self.global_watcher is not None:
-        try: self.global_watcher(version, state)
-        except Exception as e: self._log("warning", f"the watcher of global version {version} failed: {type(e).__name__}: {e}")
+        try:
+            self.global_watcher(version, state)
+        except Exception as e:
+            self._log(
+                "warning",
+                f"the watcher of global version {version} failed: {type(e).__name__}: {e}",
+            )
+
 
 @patch
 def _watcher_caught_up(self: DumbDiLoCoCoordinator, timeout: float) -> None:
     "Wait for `global_watcher` to finish what it was given (a warning after `timeout` seconds)."
     wait = getattr(self.global_watcher, "wait", None)
     if callable(wait) and not wait(timeout):
-        self._log("warning", f"the held-out evaluation of the newest global is still running after {timeout:g} s; it is not waited for")
+        self._log(
+            "warning",
+            f"the held-out evaluation of the newest global is still running after {timeout:g} s; it is not waited for",
+        )
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #f61fbdae
 @patch
 def stop(self: DumbDiLoCoCoordinator) -> None:
     "Stop uploads, polling and the master's loop (bounded waits; an upload in flight is kept for the checkpoint)."
-    if not self.started: return
-    with self.lock: self._accepting = False
+    if not self.started:
+        return
+    with self.lock:
+        self._accepting = False
     timeout = float(self.config.delta_upload_shutdown_timeout)
-    if not self._wait_uploads(timeout): self._log("warning", f"an upload did not finish within {timeout:g} s; it is kept for the next start")
-    self._stop.set(); self._poll_due.set()
+    if not self._wait_uploads(timeout):
+        self._log(
+            "warning",
+            f"an upload did not finish within {timeout:g} s; it is kept for the next start",
+        )
+    self._stop.set()
+    self._poll_due.set()
     for t in self._threads:
         t.join(timeout)
-        if t.is_alive(): self._log("warning", f"{t.name} did not stop within {timeout:g} s")
-    if self.outer is not None: self.outer.stop()
-    if self.global_watcher is not None: self._watcher_caught_up(timeout)
+        if t.is_alive():
+            self._log("warning", f"{t.name} did not stop within {timeout:g} s")
+    if self.outer is not None:
+        self.outer.stop()
+    if self.global_watcher is not None:
+        self._watcher_caught_up(timeout)
     self.started = False
+
 
 @patch
 def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> None:
     "End of the run: send the last delta; the master folds everyone's last deltas and installs the final global."
-    if model is not self.model: raise ValueError("DumbDiLoCoCoordinator.finish got a different model than the one it was built with")
+    if model is not self.model:
+        raise ValueError(
+            "DumbDiLoCoCoordinator.finish got a different model than the one it was built with"
+        )
     self._raise_fatal()
     timeout = float(self.config.final_round_timeout)
     self._wait_uploads(timeout)
-    if step > self.state.base_step or self.state.carry_steps: self._send(step, final=True)
-    if not self._wait_uploads(timeout): self._log("warning", f"the final delta of step {step} is still uploading after {timeout:g} s")
+    if step > self.state.base_step or self.state.carry_steps:
+        self._send(step, final=True)
+    if not self._wait_uploads(timeout):
+        self._log(
+            "warning", f"the final delta of step {step} is still uploading after {timeout:g} s"
+        )
     self._raise_fatal()
-    if self.outer is None: return self._await_own_fold(timeout)
+    if self.outer is None:
+        return self._await_own_fold(timeout)
     with self._sigterm_ends_wait():
         version = self.outer.finish(step, timeout, stop=self._woken)
     if self._terminated:
-        raise TrainingInterrupted("SIGTERM", message=f"SIGTERM during the master's final round in {self._where()}")
+        raise TrainingInterrupted(
+            "SIGTERM", message=f"SIGTERM during the master's final round in {self._where()}"
+        )
     self._raise_fatal()
-    if (folded := self._folded_in(self.outer.ledger)) < 0: raise self._unfolded(f"version {version} holds none of its deltas")
+    if (folded := self._folded_in(self.outer.ledger)) < 0:
+        raise self._unfolded(f"version {version} holds none of its deltas")
     self._install(version, self.outer.snapshot()[1], folded, keep_progress=False)
-    if self.global_watcher is not None: self._watcher_caught_up(timeout)
+    if self.global_watcher is not None:
+        self._watcher_caught_up(timeout)
+
 
 @patch
 def _unfolded(self: DumbDiLoCoCoordinator, why: str) -> HubError:
     "The error of a node whose training never reached the global model."
-    return HubError(f"none of the training of node {self.node_id!r} reached the global model in {self._where()}: {why} "
-                    "(see the warnings above); its trained weights are only in its own checkpoint. A master ends once the nodes "
-                    "it has heard from are done: set distributed.expected_nodes so that it waits for every node")
+    return HubError(
+        f"none of the training of node {self.node_id!r} reached the global model in {self._where()}: {why} "
+        "(see the warnings above); its trained weights are only in its own checkpoint. A master ends once the nodes "
+        "it has heard from are done: set distributed.expected_nodes so that it waits for every node"
+    )
+
 
 @patch
 def _await_own_fold(self: DumbDiLoCoCoordinator, timeout: float) -> None:
     "A worker's end: wait up to `timeout` s for a published version whose ledger holds one of this session's deltas."
     why = ["no version was published"]
+
     def folded() -> bool:
-        if self.state.folded_step >= 0: return True
-        try: repo = self.transport.state()
-        except HubUnavailable as e: why[0] = f"the repository is unreachable ({e})"; return False
-        if repo.metadata is None: return False
-        if "ledger" not in repo.extras: return True                  # a 2.0 master: no ledger to check
+        if self.state.folded_step >= 0:
+            return True
+        try:
+            repo = self.transport.state()
+        except HubUnavailable as e:
+            why[0] = f"the repository is unreachable ({e})"
+            return False
+        if repo.metadata is None:
+            return False
+        if "ledger" not in repo.extras:
+            return True  # a 2.0 master: no ledger to check
         why[0] = f"version {repo.outer_step} holds none of its deltas"
         return self._folded_in(Ledger.from_json(repo.extras["ledger"])) >= 0
-    saying = lambda: f"waiting up to {timeout:g} s for a global model in {self._where()} that holds one of this node's deltas (none has so far)"
-    if not self._wait_until(folded, timeout, saying, "a global model holding this node's deltas"): raise self._unfolded(why[0])
+
+    saying = lambda: (
+        f"waiting up to {timeout:g} s for a global model in {self._where()} that holds one of this node's deltas (none has so far)"
+    )
+    if not self._wait_until(folded, timeout, saying, "a global model holding this node's deltas"):
+        raise self._unfolded(why[0])
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #8aefbcbd
 @patch
 def state_dict(self: DumbDiLoCoCoordinator) -> dict[str, Any]:
     "The coordinator's checkpoint entry: its `NodeState` (`node_checkpoint`), who wrote it, and on the master the outer state."
-    with self.lock: entry = node_checkpoint(self.state)
-    return {**entry, "node_id": self.node_id, "role": self.role, "outer": self.outer.state_dict() if self.outer is not None else None}
+    with self.lock:
+        entry = node_checkpoint(self.state)
+    return {
+        **entry,
+        "node_id": self.node_id,
+        "role": self.role,
+        "outer": self.outer.state_dict() if self.outer is not None else None,
+    }
+
 
 @patch
 def prepare_state(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) -> None:
     "Keep a checkpoint's coordinator entry for `start()` to apply before it reads the repository."
     self._prepared = dict(state) if state else None
 
+
 @patch
 def load_state_dict(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) -> None:
     "Restore a checkpoint entry now (before `start()`: like `prepare_state`; after: all but the base weights)."
-    if not state: return
-    if not self.started: return self.prepare_state(state)
-    self._log("warning", "coordinator state restored after start(): keeping the current baseline so no bogus delta is sent")
-    with self.lock: self.state = replace(node_state_from(state, self.state.base, self.state.session, self.inner_steps), base=self.state.base)
-    if self.state.in_flight is not None: self._dispatch(self.state.in_flight)   # a delta the entry held: sent now, as start() does
+    if not state:
+        return
+    if not self.started:
+        return self.prepare_state(state)
+    self._log(
+        "warning",
+        "coordinator state restored after start(): keeping the current baseline so no bogus delta is sent",
+    )
+    with self.lock:
+        self.state = replace(
+            node_state_from(state, self.state.base, self.state.session, self.inner_steps),
+            base=self.state.base,
+        )
+    if self.state.in_flight is not None:
+        self._dispatch(self.state.in_flight)  # a delta the entry held: sent now, as start() does
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #02c91f8e
 class NodeShard:
     "Every `count`-th batch of `loader`, starting at batch `index` (resumable with the loader)."
+
     def __init__(self, loader: Any, index: int, count: int):
         self.loader, self.index, self.count, self.consumed = loader, int(index), int(count), 0
 
     def __iter__(self):
         for batch in self.loader:
             mine, self.consumed = self.consumed % self.count == self.index, self.consumed + 1
-            if mine: yield batch
+            if mine:
+                yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        inner = self.loader.state_dict() if callable(getattr(self.loader, "state_dict", None)) else None
+        inner = (
+            self.loader.state_dict() if callable(getattr(self.loader, "state_dict", None)) else None
+        )
         return {"loader": inner, "consumed": self.consumed, "shard": [self.index, self.count]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if list(state.get("shard", [])) != [self.index, self.count]:
-            raise ConfigError(f"the checkpoint's data position is for shard {state.get('shard')}, this node reads shard "
-                              f"[{self.index}, {self.count}]; resume with the same distributed.shard_index/shard_count")
-        if state.get("loader") is not None: self.loader.load_state_dict(state["loader"])
+            raise ConfigError(
+                f"the checkpoint's data position is for shard {state.get('shard')}, this node reads shard "
+                f"[{self.index}, {self.count}]; resume with the same distributed.shard_index/shard_count"
+            )
+        if state.get("loader") is not None:
+            self.loader.load_state_dict(state["loader"])
         self.consumed = int(state.get("consumed", 0))
 
-    def __getattr__(self, name: str) -> Any: return getattr(self.loader, name)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
 
 def shard_loader(loader: Any, config: DistributedConfig) -> Any:
     "`loader` as this node's shard (`NodeShard`) when `shard_count` is set, else unchanged."
-    if not config.enabled or not config.shard_count or config.shard_count == 1: return loader
+    if not config.enabled or not config.shard_count or config.shard_count == 1:
+        return loader
     return NodeShard(loader, config.shard_index, config.shard_count)
+
 
 def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     "`config.data` as this node reads it: its own data seed when distributed without shards."
     d, data = config.distributed, config.data
-    if not d.enabled or d.shard_count: return data
-    in_file_order = [] if data.shuffle else [f"data.{k} {str(v)!r}" for k in ("text_path", "token_file", "dataset")
-                                             if isinstance(v := getattr(data, k), (str, os.PathLike)) and str(v)]
-    if in_file_order:                                              # unshuffled: every node reads it in one order
-        warnings.warn(f"distributed: this node reads {in_file_order[0]} in file order, whatever its seed: nodes reading the same file train "
-                      "on the same data in the same order; give each node its own file, or set distributed.shard_count and "
-                      "distributed.shard_index per node, or data.shuffle: true", DistributedWarning, stacklevel=2)
+    if not d.enabled or d.shard_count:
+        return data
+    in_file_order = (
+        []
+        if data.shuffle
+        else [
+            f"data.{k} {str(v)!r}"
+            for k in ("text_path", "token_file", "dataset")
+            if isinstance(v := getattr(data, k), (str, os.PathLike)) and str(v)
+        ]
+    )
+    if in_file_order:  # unshuffled: every node reads it in one order
+        warnings.warn(
+            f"distributed: this node reads {in_file_order[0]} in file order, whatever its seed: nodes reading the same file train "
+            "on the same data in the same order; give each node its own file, or set distributed.shard_count and "
+            "distributed.shard_index per node, or data.shuffle: true",
+            DistributedWarning,
+            stacklevel=2,
+        )
     offset = int(hashlib.sha256(node_id(d).encode()).hexdigest()[:8], 16)
     return replace(data, seed=(int(data.seed or 0) + offset) % 2**31)
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #d25bc310
-HUB_COMMITS_PER_HOUR = 100  # plan for this many; the Hub's limit is not published (its 429 message has said 128)
+HUB_COMMITS_PER_HOUR = (
+    100  # plan for this many; the Hub's limit is not published (its 429 message has said 128)
+)
 
-def hub_commits_per_hour(nodes: int, inner_steps: int, step_time_s: float, poll_interval: float = 60.0) -> float:
+
+def hub_commits_per_hour(
+    nodes: int, inner_steps: int, step_time_s: float, poll_interval: float = 60.0
+) -> float:
     "Expected commits per hour to one repository: every node once per boundary, the master about once per round."
     boundaries = 3600.0 / max(inner_steps * step_time_s, 1e-9)
     return nodes * boundaries + min(nodes * boundaries, 3600.0 / poll_interval) + 3
 
+
 def commit_rate_warning(config: SpeedtronicConfig, step_time_s: float) -> str | None:
     "A warning when the run's estimated Hub commit rate comes near the limit, else None."
     d = config.distributed
-    if not d.enabled or d.transport != "hub": return None
+    if not d.enabled or d.transport != "hub":
+        return None
     nodes = d.expected_nodes or d.shard_count or 1
     rate = hub_commits_per_hour(nodes, d.inner_steps, step_time_s, d.poll_interval)
-    if rate < 0.8 * HUB_COMMITS_PER_HOUR: return None
+    if rate < 0.8 * HUB_COMMITS_PER_HOUR:
+        return None
     need = math.ceil(2 * nodes * 3600.0 / (0.7 * HUB_COMMITS_PER_HOUR * step_time_s))
-    return (f"distributed: about {rate:.0f} Hub commits per hour expected ({nodes} node(s), inner_steps {d.inner_steps}, "
-            f"{step_time_s:.3g} s per step measured here); the Hub allows about {HUB_COMMITS_PER_HOUR} per repository per hour. "
-            f"Raise distributed.inner_steps to about {need}" + ("" if d.expected_nodes else " (set distributed.expected_nodes to the real node count)"))
+    return (
+        f"distributed: about {rate:.0f} Hub commits per hour expected ({nodes} node(s), inner_steps {d.inner_steps}, "
+        f"{step_time_s:.3g} s per step measured here); the Hub allows about {HUB_COMMITS_PER_HOUR} per repository per hour. "
+        f"Raise distributed.inner_steps to about {need}"
+        + ("" if d.expected_nodes else " (set distributed.expected_nodes to the real node count)")
+    )
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #4a42d8f5
 def measure_step_time(config: SpeedtronicConfig, device: Any = None, steps: int = 3) -> float:
@@ -705,31 +1247,48 @@ def measure_step_time(config: SpeedtronicConfig, device: Any = None, steps: int 
     from speedtronic.optimizers import build_optimizer
     from speedtronic.precision import resolve_device
     from speedtronic.registry import build_model
+
     dev = resolve_device(device or config.run.device)
     model = build_model(config.model).to(dev)
     opt = build_optimizer(model, config, dev)
     d, vocab = config.data, int(config.model.vocab_size)
     batch = torch.randint(0, vocab, (d.micro_batch_size, int(d.block_size) + 1), device=dev)
+
     def step():
         for _ in range(config.accumulation_steps):
             out = model(batch[:, :-1], batch[:, 1:])
-            loss = out["loss"] if isinstance(out, Mapping) else out[0] if isinstance(out, (tuple, list)) else out
+            loss = (
+                out["loss"]
+                if isinstance(out, Mapping)
+                else out[0]
+                if isinstance(out, (tuple, list))
+                else out
+            )
             (loss.float().mean() / config.accumulation_steps).backward()
-        opt.step(); opt.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     step()
-    if dev.type == "cuda": torch.cuda.synchronize(dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     start = time.perf_counter()
-    for _ in range(steps): step()
-    if dev.type == "cuda": torch.cuda.synchronize(dev)
+    for _ in range(steps):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return (time.perf_counter() - start) / steps
+
 
 def warn_commit_rate(config: SpeedtronicConfig, *, device: Any = None) -> str | None:
     "Measure the step time and warn (`DistributedWarning`) when the Hub commit rate would come near the limit."
     d = config.distributed
-    if not d.enabled or d.transport != "hub": return None
+    if not d.enabled or d.transport != "hub":
+        return None
     message = commit_rate_warning(config, measure_step_time(config, device))
-    if message: warnings.warn(message, DistributedWarning, stacklevel=2)
+    if message:
+        warnings.warn(message, DistributedWarning, stacklevel=2)
     return message
 
 # %% ../../nbs/12d_distributed_diloco.ipynb #9b618c34
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

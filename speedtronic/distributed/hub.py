@@ -14,9 +14,24 @@ from typing import Any, Callable, Iterable, Mapping
 
 from fastcore.basics import patch
 
-from .tensors import GLOBAL_METADATA_PATH, GlobalMetadata, parse_delta_path, parse_step_count
-from .transport import (CONFLICT, FATAL, MISSING, TRANSIENT, HubError, HubUnavailable, PublishConflict,
-                                               RepoState, RetryPolicy, TransferCounts)
+from speedtronic.distributed.tensors import (
+    GLOBAL_METADATA_PATH,
+    GlobalMetadata,
+    parse_delta_path,
+    parse_step_count,
+)
+from speedtronic.distributed.transport import (
+    CONFLICT,
+    FATAL,
+    MISSING,
+    TRANSIENT,
+    HubError,
+    HubUnavailable,
+    PublishConflict,
+    RepoState,
+    RetryPolicy,
+    TransferCounts,
+)
 
 # %% auto #0
 __all__ = ['HubTransport', 'token_source', 'classify_hub_error', 'HubClient']
@@ -24,45 +39,76 @@ __all__ = ['HubTransport', 'token_source', 'classify_hub_error', 'HubClient']
 # %% ../../nbs/12b_distributed_hub.ipynb #971b4d24
 def token_source(token: str | None) -> str:
     "Where the Hub token of this process comes from, in words (never the token)."
-    if token: return "distributed.token"
+    if token:
+        return "distributed.token"
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-        if os.environ.get(name): return f"the {name} environment variable"
+        if os.environ.get(name):
+            return f"the {name} environment variable"
     try:
         from huggingface_hub import get_token
-        if get_token(): return "the saved Hugging Face login"
-    except Exception: pass
+
+        if get_token():
+            return "the saved Hugging Face login"
+    except Exception:
+        pass
     return "no token (anonymous access)"
 
 # %% ../../nbs/12b_distributed_hub.ipynb #cb87bb5f
 def _status(exc: BaseException) -> int | None:
     return getattr(getattr(exc, "response", None), "status_code", None)
 
+
 def classify_hub_error(exc: BaseException) -> str | None:
     "`conflict`, `transient`, `missing`, `fatal`, or None (not a Hub failure) for an exception of a Hub call."
     status = _status(exc)
     if status is not None:
-        if status == 412: return CONFLICT
-        if status == 404 and (type(exc).__name__ == "RepositoryNotFoundError"
-                              or exc.response.headers.get("X-Error-Code") == "RepoNotFound"): return MISSING
-        if status in (408, 429) or status >= 500: return TRANSIENT
+        if status == 412:
+            return CONFLICT
+        if status == 404 and (
+            type(exc).__name__ == "RepositoryNotFoundError"
+            or exc.response.headers.get("X-Error-Code") == "RepoNotFound"
+        ):
+            return MISSING
+        if status in (408, 429) or status >= 500:
+            return TRANSIENT
         return FATAL if status >= 400 else TRANSIENT
     name, module = type(exc).__name__, type(exc).__module__ or ""
-    if name in ("LocalEntryNotFoundError", "FileMetadataError", "IncompleteDownload"): return TRANSIENT
-    if module.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests", "urllib3"): return TRANSIENT
-    if isinstance(exc, (TimeoutError, ConnectionError)): return TRANSIENT
+    if name in ("LocalEntryNotFoundError", "FileMetadataError", "IncompleteDownload"):
+        return TRANSIENT
+    if module.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests", "urllib3"):
+        return TRANSIENT
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return TRANSIENT
     return None
 
-_HINTS = {400: "the Hub refused the request", 401: "the token is missing, invalid or expired",
-          403: "the token may not write to this repository (it needs write access)",
-          404: "the repository does not exist, or the token cannot see it"}
+
+_HINTS = {
+    400: "the Hub refused the request",
+    401: "the token is missing, invalid or expired",
+    403: "the token may not write to this repository (it needs write access)",
+    404: "the repository does not exist, or the token cannot see it",
+}
 
 # %% ../../nbs/12b_distributed_hub.ipynb #e6a7c959
 class HubClient:
     "The DiLoCo repository as a Hugging Face Hub model repo, through `huggingface_hub.HfApi`."
-    def __init__(self, repo_id: str, *, token: str | None = None, cache_dir: str | os.PathLike | None = None,
-                 api: Any = None, endpoint: str | None = None, retry_initial: float = 1.0, retry_max: float = 60.0,
-                 retry_attempts: int = 6, request_timeout: float = 60.0, stop: threading.Event | None = None):
-        if not repo_id or not str(repo_id).strip(): raise ValueError("HubClient needs a repo_id such as 'org/run'")
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        token: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        api: Any = None,
+        endpoint: str | None = None,
+        retry_initial: float = 1.0,
+        retry_max: float = 60.0,
+        retry_attempts: int = 6,
+        request_timeout: float = 60.0,
+        stop: threading.Event | None = None,
+    ):
+        if not repo_id or not str(repo_id).strip():
+            raise ValueError("HubClient needs a repo_id such as 'org/run'")
         self.repo_id, self.token, self.cache_dir = str(repo_id).strip(), token, cache_dir
         self.endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
         self.request_timeout = float(request_timeout)
@@ -77,6 +123,7 @@ class HubClient:
         if self._api is None:
             from huggingface_hub import HfApi
             from huggingface_hub.utils import disable_progress_bars
+
             disable_progress_bars("huggingface_hub.http_get")
             self._api = HfApi(endpoint=self.endpoint, token=self.token)
         return self._api
@@ -84,32 +131,44 @@ class HubClient:
     def describe(self) -> str:
         return f"Hub repo {self.repo_id} at {getattr(self._api, 'endpoint', None) or self.endpoint or 'https://huggingface.co'}"
 
+
 HubTransport = HubClient
 
 # %% ../../nbs/12b_distributed_hub.ipynb #2d2e79a0
 def _ensure_timeout(seconds: float) -> None:
     "Give `huggingface_hub`'s shared HTTP session a request timeout when it has none."
     from huggingface_hub import get_session
+
     session = get_session()
     timeout = getattr(session, "timeout", None)
-    if timeout is not None and all(getattr(timeout, k, None) is None for k in ("connect", "read", "write", "pool")):
+    if timeout is not None and all(
+        getattr(timeout, k, None) is None for k in ("connect", "read", "write", "pool")
+    ):
         session.timeout = type(timeout)(seconds)
+
 
 @patch
 def _describe_error(self: HubClient, exc: BaseException) -> str:
     status = _status(exc)
-    if status is None: return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if status is None:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     server = (exc.response.headers.get("X-Error-Message") or "").strip()
     what = _HINTS.get(status, "the Hub refused the request")
-    return (f"HTTP {status}, {what}" + (f" ({server})" if server else "")
-            + f"; token from {token_source(self.token)}")
+    return (
+        f"HTTP {status}, {what}"
+        + (f" ({server})" if server else "")
+        + f"; token from {token_source(self.token)}"
+    )
+
 
 @patch
 def _call(self: HubClient, label: str, fn: Callable[[], Any]) -> Any:
     def run():
         _ensure_timeout(self.request_timeout)
         return fn()
+
     return self.retry.call(label, run, classify_hub_error, self._describe_error)
+
 
 @patch
 def _offers(self: HubClient, name: str) -> bool:
@@ -120,13 +179,28 @@ def _offers(self: HubClient, name: str) -> bool:
 @patch
 def open(self: HubClient, *, create: bool = False, private: bool = True) -> None:
     "Check the repository is usable; `create` makes it (private) when missing."
-    if create: self._call(f"create {self.describe()}", lambda: self.api.create_repo(self.repo_id, repo_type="model", private=True, exist_ok=True))
-    if not self._offers("repo_info"):   # 2.0's calls only: the listing says the repository is there
-        self._call(f"read {self.describe()}", lambda: self.api.list_repo_files(self.repo_id, repo_type="model")); return
-    info = self._call(f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model"))
+    if create:
+        self._call(
+            f"create {self.describe()}",
+            lambda: self.api.create_repo(
+                self.repo_id, repo_type="model", private=True, exist_ok=True
+            ),
+        )
+    if not self._offers("repo_info"):  # 2.0's calls only: the listing says the repository is there
+        self._call(
+            f"read {self.describe()}",
+            lambda: self.api.list_repo_files(self.repo_id, repo_type="model"),
+        )
+        return
+    info = self._call(
+        f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model")
+    )
     if private and getattr(info, "private", None) is False:
-        raise HubError(f"{self.describe()} is public; DiLoCo deltas and weights belong in a private repo. "
-                       f"Make it private on the Hub (Settings) or use another repo_id")
+        raise HubError(
+            f"{self.describe()} is public; DiLoCo deltas and weights belong in a private repo. "
+            f"Make it private on the Hub (Settings) or use another repo_id"
+        )
+
 
 @patch
 def create_repo(self: HubClient, private: bool = True) -> None:
@@ -137,47 +211,77 @@ def create_repo(self: HubClient, private: bool = True) -> None:
 def _missing(exc: BaseException) -> bool:
     return type(exc).__name__ in ("RemoteEntryNotFoundError", "EntryNotFoundError")
 
+
 @patch
 def _listing(self: HubClient) -> list[str]:
     "Every file path at the head (inside a `_call`)."
-    return [getattr(f, "rfilename", None) or str(f) for f in self.api.list_repo_files(self.repo_id, repo_type="model")]
+    return [
+        getattr(f, "rfilename", None) or str(f)
+        for f in self.api.list_repo_files(self.repo_id, repo_type="model")
+    ]
+
 
 @patch
 def _download(self: HubClient, path: str, revision: str | None, local_dir: Path) -> str:
     "Download `path` into `local_dir` with the call the api object offers (pinned to `revision` where it has commits)."
     pin = {"revision": revision} if revision and self._offers("repo_info") else {}
-    if self._offers("hf_hub_download"): return self.api.hf_hub_download(self.repo_id, path, local_dir=local_dir, **pin)
-    if self._offers("download_file"): return self.api.download_file(repo_id=self.repo_id, filename=path, local_dir=local_dir, **pin)
+    if self._offers("hf_hub_download"):
+        return self.api.hf_hub_download(self.repo_id, path, local_dir=local_dir, **pin)
+    if self._offers("download_file"):
+        return self.api.download_file(
+            repo_id=self.repo_id, filename=path, local_dir=local_dir, **pin
+        )
     from huggingface_hub import hf_hub_download
-    return hf_hub_download(self.repo_id, path, local_dir=local_dir, token=self.token, endpoint=self.endpoint, **pin)
+
+    return hf_hub_download(
+        self.repo_id, path, local_dir=local_dir, token=self.token, endpoint=self.endpoint, **pin
+    )
+
 
 @patch
 def state(self: HubClient, revision: str | None = None) -> RepoState:
     "What `global/step_count.json` says at commit `revision` (default: the head)."
+
     def run():
         pinned = self._offers("repo_info")
-        sha = (revision or self.api.repo_info(self.repo_id, repo_type="model").sha) if pinned else None
-        if not pinned and GLOBAL_METADATA_PATH not in self._listing(): return RepoState("none")
+        sha = (
+            (revision or self.api.repo_info(self.repo_id, repo_type="model").sha)
+            if pinned
+            else None
+        )
+        if not pinned and GLOBAL_METADATA_PATH not in self._listing():
+            return RepoState("none")
         with _scratch(Path(self.cache_dir or tempfile.gettempdir())) as tmp:
-            try: path = self._download(GLOBAL_METADATA_PATH, sha, tmp)
+            try:
+                path = self._download(GLOBAL_METADATA_PATH, sha, tmp)
             except Exception as e:
-                if _missing(e): return RepoState(sha)
+                if _missing(e):
+                    return RepoState(sha)
                 raise
             data = Path(path).read_bytes()
             meta, extras = parse_step_count(data)
         return RepoState(sha or f"content:{hashlib.sha256(data).hexdigest()[:16]}", meta, extras)
+
     return self._call(f"read {GLOBAL_METADATA_PATH} of {self.describe()}", run)
+
 
 @patch
 def list_deltas(self: HubClient, revision: str | None = None) -> list[str]:
     "Every delta path under `nodes/` at `revision` (default: the head), sorted."
+
     def run():
-        if not self._offers("list_repo_tree"): return sorted(p for p in self._listing() if parse_delta_path(p) is not None)
-        try: entries = list(self.api.list_repo_tree(self.repo_id, "nodes", recursive=True, revision=revision))
+        if not self._offers("list_repo_tree"):
+            return sorted(p for p in self._listing() if parse_delta_path(p) is not None)
+        try:
+            entries = list(
+                self.api.list_repo_tree(self.repo_id, "nodes", recursive=True, revision=revision)
+            )
         except Exception as e:
-            if _missing(e): return []
+            if _missing(e):
+                return []
             raise
         return sorted(e.path for e in entries if parse_delta_path(e.path) is not None)
+
     return self._call(f"list deltas of {self.describe()}", run)
 
 # %% ../../nbs/12b_distributed_hub.ipynb #7b42d3ea
@@ -185,20 +289,30 @@ def list_deltas(self: HubClient, revision: str | None = None) -> list[str]:
 def version_tag(self: HubClient) -> str | None:
     "A tag that changes exactly when `global/step_count.json` changes (None when there is none)."
     from huggingface_hub import hf_hub_url
-    if not self._offers("get_hf_file_metadata"): return None   # no cheap check: the caller reads the state
+
+    if not self._offers("get_hf_file_metadata"):
+        return None  # no cheap check: the caller reads the state
+
     def run():
         url = hf_hub_url(self.repo_id, GLOBAL_METADATA_PATH, endpoint=self.api.endpoint)
-        try: return self.api.get_hf_file_metadata(url=url, timeout=self.request_timeout).etag
+        try:
+            return self.api.get_hf_file_metadata(url=url, timeout=self.request_timeout).etag
         except Exception as e:
-            if _missing(e): return None
+            if _missing(e):
+                return None
             raise
+
     return self._call(f"check {GLOBAL_METADATA_PATH} of {self.describe()}", run)
+
 
 @patch
 def head_revision(self: HubClient) -> str | None:
     "The head commit of the repository (changes with every commit); None when the api object cannot say."
-    if not self._offers("repo_info"): return None
-    return self._call(f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model").sha)
+    if not self._offers("repo_info"):
+        return None
+    return self._call(
+        f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model").sha
+    )
 
 # %% ../../nbs/12b_distributed_hub.ipynb #0bc47cda
 def _scratch(parent: Path) -> tempfile.TemporaryDirectory:
@@ -206,11 +320,15 @@ def _scratch(parent: Path) -> tempfile.TemporaryDirectory:
     Path(parent).mkdir(parents=True, exist_ok=True)
     return tempfile.TemporaryDirectory(prefix=".fetch-", dir=parent, ignore_cleanup_errors=True)
 
+
 @patch
-def fetch(self: HubClient, path: str, local: str | os.PathLike, revision: str | None = None) -> Path:
+def fetch(
+    self: HubClient, path: str, local: str | os.PathLike, revision: str | None = None
+) -> Path:
     "Download repository `path` (at `revision`) to `local`, atomically."
     local = Path(local)
     local.parent.mkdir(parents=True, exist_ok=True)
+
     def run():
         with _scratch(local.parent) as tmp:
             got = Path(self._download(path, revision, tmp))
@@ -218,46 +336,77 @@ def fetch(self: HubClient, path: str, local: str | os.PathLike, revision: str | 
             os.replace(got, local)
         self.counts.bytes_received += size
         return local
+
     return self._call(f"download {path} from {self.describe()}", run)
 
 # %% ../../nbs/12b_distributed_hub.ipynb #f0119696
-def _operations(files: Mapping[str, str | os.PathLike], deletes: Iterable[str] = (), staged: dict | None = None) -> list:
+def _operations(
+    files: Mapping[str, str | os.PathLike], deletes: Iterable[str] = (), staged: dict | None = None
+) -> list:
     "Commit operations for `files` and `deletes`; an addition with the same path and content is taken from `staged`, uploaded already."
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
     adds = []
     for path, local in files.items():
         op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local))
         if staged is not None:
             key = (path, op.upload_info.sha256.hex())
-            if key in staged and not staged[key]._is_committed: op = staged[key]
+            if key in staged and not staged[key]._is_committed:
+                op = staged[key]
             staged[key] = op
         adds.append(op)
     return adds + [CommitOperationDelete(path_in_repo=p) for p in deletes]
 
+
 @patch
 def upload(self: HubClient, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
     "Add `files` (repository path -> local file) in one commit."
+
     def run():
         if self._offers("create_commit"):
-            self.api.create_commit(self.repo_id, _operations(files), commit_message=message or f"add {', '.join(files)}")
-        else: _upload_each(self, files)
+            self.api.create_commit(
+                self.repo_id,
+                _operations(files),
+                commit_message=message or f"add {', '.join(files)}",
+            )
+        else:
+            _upload_each(self, files)
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
         self.counts.commits += 1
+
     self._call(f"upload {', '.join(files)} to {self.describe()}", run)
 
+
 @patch
-def publish(self: HubClient, files: Mapping[str, str | os.PathLike], deletes: Iterable[str], *, parent: RepoState,
-            owner: str, version: int | None = None, message: str = "", description: str = "") -> str:
+def publish(
+    self: HubClient,
+    files: Mapping[str, str | os.PathLike],
+    deletes: Iterable[str],
+    *,
+    parent: RepoState,
+    owner: str,
+    version: int | None = None,
+    message: str = "",
+    description: str = "",
+) -> str:
     "Commit `files` and delete `deletes` only if the head is still `parent`; returns the new revision."
     deletes = list(deletes)
-    if not self._offers("create_commit"): return _publish_each(self, files, deletes, parent, message)
+    if not self._offers("create_commit"):
+        return _publish_each(self, files, deletes, parent, message)
+
     def run():
-        info = self.api.create_commit(self.repo_id, _operations(files, deletes, self._staged), commit_message=message or "publish global",
-                                      commit_description=description, parent_commit=parent.revision)
+        info = self.api.create_commit(
+            self.repo_id,
+            _operations(files, deletes, self._staged),
+            commit_message=message or "publish global",
+            commit_description=description,
+            parent_commit=parent.revision,
+        )
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
         self.counts.commits += 1
         self._staged.clear()
         return info.oid
+
     return self._call(f"publish to {self.describe()}", run)
 
 # %% ../../nbs/12b_distributed_hub.ipynb #42d32e28
@@ -265,20 +414,34 @@ def _upload_each(self: HubClient, files: Mapping[str, str | os.PathLike]) -> Non
     "Upload `files` one `upload_file` each, the version file last (2.0's call, its local path positional where asked)."
     for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
         kw = {"path_in_repo": path, "repo_id": self.repo_id, "repo_type": "model"}
-        try: self.api.upload_file(path_or_fileobj=str(files[path]), **kw)
-        except TypeError: self.api.upload_file(str(files[path]), **kw)
+        try:
+            self.api.upload_file(path_or_fileobj=str(files[path]), **kw)
+        except TypeError:
+            self.api.upload_file(str(files[path]), **kw)
 
-def _publish_each(self: HubClient, files: Mapping[str, str | os.PathLike], deletes: list[str], parent: RepoState, message: str) -> str:
+
+def _publish_each(
+    self: HubClient,
+    files: Mapping[str, str | os.PathLike],
+    deletes: list[str],
+    parent: RepoState,
+    message: str,
+) -> str:
     "`publish` through `upload_file`: refused (`PublishConflict`) when the version file changed since `parent`."
     current = self.state()
     if current.revision != parent.revision:
-        raise PublishConflict(f"{self.describe()} moved from revision {parent.revision} to {current.revision}")
+        raise PublishConflict(
+            f"{self.describe()} moved from revision {parent.revision} to {current.revision}"
+        )
+
     def run():
         _upload_each(self, files)
         if self._offers("delete_file"):
-            for p in deletes: self.api.delete_file(p, repo_id=self.repo_id, repo_type="model")
+            for p in deletes:
+                self.api.delete_file(p, repo_id=self.repo_id, repo_type="model")
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
         self.counts.commits += 1
+
     self._call(f"publish to {self.describe()}", run)
     return self.state().revision
 
@@ -286,12 +449,19 @@ def _publish_each(self: HubClient, files: Mapping[str, str | os.PathLike], delet
 @patch
 def list_files(self: HubClient) -> list[str]:
     "Every file path in the repository, sorted."
-    return sorted(self._call(f"list {self.describe()}", lambda: self.api.list_repo_files(self.repo_id, repo_type="model")))
+    return sorted(
+        self._call(
+            f"list {self.describe()}",
+            lambda: self.api.list_repo_files(self.repo_id, repo_type="model"),
+        )
+    )
+
 
 @patch
 def delta_paths(self: HubClient) -> list[str]:
     "Every delta path under `nodes/`, sorted."
     return self.list_deltas()
+
 
 @patch
 def global_metadata(self: HubClient) -> GlobalMetadata | None:
@@ -299,4 +469,5 @@ def global_metadata(self: HubClient) -> GlobalMetadata | None:
     return self.state().metadata
 
 # %% ../../nbs/12b_distributed_hub.ipynb #b451a4b6
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -22,9 +22,11 @@ __all__ = ['TOTAL', 'NormRecord', 'records_from_event', 'norm_records_from_event
 # %% ../../nbs/12e_distributed_norms.ipynb #22138028
 TOTAL = "total"
 
+
 @dataclass(frozen=True)
 class NormRecord:
     "One per-layer norm of a delta, an outer update or a pending delta."
+
     kind: str  # "delta", "update" or "pending"
     outer_step: int
     node_id: str | None  # None for an outer update
@@ -32,16 +34,27 @@ class NormRecord:
     layer: str  # a layer name, or "total"
     norm: float
 
+
 def records_from_event(event: str, payload: Mapping[str, Any]) -> list[NormRecord]:
     "The records in one `delta_norms` or `outer_update_norms` event (none for other events)."
-    if event not in ("delta_norms", "outer_update_norms"): return []
+    if event not in ("delta_norms", "outer_update_norms"):
+        return []
     kind = "delta" if event == "delta_norms" else "update"
-    node, step, version = payload.get("node_id"), payload.get("step"), int(payload.get("outer_step", -1))
+    node, step, version = (
+        payload.get("node_id"),
+        payload.get("step"),
+        int(payload.get("outer_step", -1)),
+    )
     out = [NormRecord(kind, version, node, step, TOTAL, float(payload.get("norm", 0.0)))]
-    return out + [NormRecord(kind, version, node, step, str(k), float(v)) for k, v in (payload.get("layers") or {}).items()]
+    return out + [
+        NormRecord(kind, version, node, step, str(k), float(v))
+        for k, v in (payload.get("layers") or {}).items()
+    ]
 
 # %% ../../nbs/12e_distributed_norms.ipynb #27c58539
-def norm_records_from_events(events: Iterable[tuple[str, Mapping[str, Any]] | Mapping[str, Any]]) -> list[NormRecord]:
+def norm_records_from_events(
+    events: Iterable[tuple[str, Mapping[str, Any]] | Mapping[str, Any]],
+) -> list[NormRecord]:
     "Records from `(event, payload)` pairs or JSONL dicts (`{'event': ..., **payload}`)."
     out = []
     for item in events:
@@ -49,47 +62,80 @@ def norm_records_from_events(events: Iterable[tuple[str, Mapping[str, Any]] | Ma
         out += records_from_event(str(event), payload)
     return out
 
+
 def _json_lines(path: str | os.PathLike) -> list[tuple[int, dict]]:
     "`(line number, record)` for each line of `path` that is a JSON object."
     out = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        try: item = json.loads(line)
-        except ValueError: continue
-        if isinstance(item, dict): out.append((n, item))
+    for n, line in enumerate(
+        Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1
+    ):
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append((n, item))
     return out
 
-def norm_records_from_jsonl(*paths: str | os.PathLike,
-                            run_id: str | None = None,  # the run to read; `None`: in each file, the newest run
-                           ) -> list[NormRecord]:
+
+def norm_records_from_jsonl(
+    *paths: str | os.PathLike,
+    run_id: str | None = None,  # the run to read; `None`: in each file, the newest run
+) -> list[NormRecord]:
     "Records from the `delta_norms` / `outer_update_norms` lines of one run in JSONL metrics files (a malformed one is named)."
     out = []
     for p in paths:
         lines = _json_lines(p)
-        run = run_id or next((item["run_id"] for _, item in reversed(lines) if isinstance(item.get("run_id"), str)), None)
+        run = run_id or next(
+            (item["run_id"] for _, item in reversed(lines) if isinstance(item.get("run_id"), str)),
+            None,
+        )
         for n, item in lines:
-            if item.get("run_id", run) != run: continue   # another run's line
-            try: out += records_from_event(str(item.get("event")), item)
+            if item.get("run_id", run) != run:
+                continue  # another run's line
+            try:
+                out += records_from_event(str(item.get("event")), item)
             except (TypeError, ValueError, AttributeError) as e:
-                raise ValueError(f"{p}, line {n}: a {item.get('event')} record that cannot be read ({type(e).__name__}: {e}); "
-                                 "it is not what a DiLoCo master writes — fix or remove that line") from None
+                raise ValueError(
+                    f"{p}, line {n}: a {item.get('event')} record that cannot be read ({type(e).__name__}: {e}); "
+                    "it is not what a DiLoCo master writes — fix or remove that line"
+                ) from None
     return out
 
 # %% ../../nbs/12e_distributed_norms.ipynb #8478e87a
-def norm_records_from_repo(transport: Any, scratch: str | os.PathLike | None = None) -> list[NormRecord]:
+def norm_records_from_repo(
+    transport: Any, scratch: str | os.PathLike | None = None
+) -> list[NormRecord]:
     "`pending` records for every delta currently in the repository behind `transport`."
-    from speedtronic.distributed.tensors import decode_delta, delta_norm, layer_norms, load_delta, parse_delta_path
-    work = Path(scratch) if scratch is not None else Path(tempfile.mkdtemp(prefix="speedtronic-norms-"))
+    from speedtronic.distributed.tensors import (
+        decode_delta,
+        delta_norm,
+        layer_norms,
+        load_delta,
+        parse_delta_path,
+    )
+
+    work = (
+        Path(scratch)
+        if scratch is not None
+        else Path(tempfile.mkdtemp(prefix="speedtronic-norms-"))
+    )
     out = []
     try:
         for path in transport.list_deltas():
             node, step = parse_delta_path(path)
             local = transport.fetch(path, work / path)
-            try: tensors, header = load_delta(local)
-            except ValueError: continue
+            try:
+                tensors, header = load_delta(local)
+            except ValueError:
+                continue
             delta, base = decode_delta(tensors), int(header.get("base_outer_step", -1))
             out.append(NormRecord("pending", base, node, step, TOTAL, delta_norm(delta)))
-            out += [NormRecord("pending", base, node, step, k, v) for k, v in layer_norms(delta).items()]
-    finally: shutil.rmtree(work, ignore_errors=True)
+            out += [
+                NormRecord("pending", base, node, step, k, v) for k, v in layer_norms(delta).items()
+            ]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out
 
 # %% ../../nbs/12e_distributed_norms.ipynb #33e9d5f3
@@ -97,82 +143,139 @@ def norm_choices(records: Iterable[NormRecord]) -> dict[str, list]:
     "The nodes, layers (`total` first) and outer steps in `records`."
     records = list(records)
     layers = list(dict.fromkeys(r.layer for r in records if r.layer != TOTAL))
-    return {"nodes": sorted({r.node_id for r in records if r.node_id is not None}),
-            "layers": [TOTAL] + layers, "outer_steps": sorted({r.outer_step for r in records})}
+    return {
+        "nodes": sorted({r.node_id for r in records if r.node_id is not None}),
+        "layers": [TOTAL] + layers,
+        "outer_steps": sorted({r.outer_step for r in records}),
+    }
 
-def norm_series(records: Iterable[NormRecord], layer: str = TOTAL, nodes: Iterable[str] | None = None) -> dict[str, tuple[list[int], list[float]]]:
+
+def norm_series(
+    records: Iterable[NormRecord], layer: str = TOTAL, nodes: Iterable[str] | None = None
+) -> dict[str, tuple[list[int], list[float]]]:
     "Per node (and `update`): the outer steps and norms of `layer`; a node with two deltas in one version gets both."
     wanted = None if nodes is None else set(nodes)
     series: dict[str, tuple[list[int], list[float]]] = {}
-    for r in sorted((r for r in records if r.layer == layer), key=lambda r: (r.outer_step, r.step or 0)):
+    for r in sorted(
+        (r for r in records if r.layer == layer), key=lambda r: (r.outer_step, r.step or 0)
+    ):
         name = "update" if r.kind == "update" else r.node_id
-        if r.kind != "update" and wanted is not None and name not in wanted: continue
+        if r.kind != "update" and wanted is not None and name not in wanted:
+            continue
         xs, ys = series.setdefault(name, ([], []))
-        xs.append(r.outer_step); ys.append(r.norm)
+        xs.append(r.outer_step)
+        ys.append(r.norm)
     return {k: series[k] for k in sorted(series, key=lambda k: (k == "update", k))}
 
-def layer_profile(records: Iterable[NormRecord], outer_step: int, node: str | None = None) -> dict[str, dict[str, float]]:
+
+def layer_profile(
+    records: Iterable[NormRecord], outer_step: int, node: str | None = None
+) -> dict[str, dict[str, float]]:
     "Per-layer norms at `outer_step`: `{'update': {layer: norm}, '<node>': {layer: norm}}` (deltas of one version are summed in quadrature)."
     out: dict[str, dict[str, float]] = {}
     for r in records:
-        if r.outer_step != outer_step or r.layer == TOTAL: continue
+        if r.outer_step != outer_step or r.layer == TOTAL:
+            continue
         name = "update" if r.kind == "update" else r.node_id
-        if node is not None and name not in (node, "update"): continue
+        if node is not None and name not in (node, "update"):
+            continue
         layers = out.setdefault(name, {})
-        layers[r.layer] = (layers.get(r.layer, 0.0) ** 2 + r.norm ** 2) ** 0.5
+        layers[r.layer] = (layers.get(r.layer, 0.0) ** 2 + r.norm**2) ** 0.5
     return out
 
 # %% ../../nbs/12e_distributed_norms.ipynb #35cb1900
-def norm_records(source: Any,
-                 run_id: str | None = None,  # of a metrics file: the run to read (`None`: the newest in each file)
-                ) -> list[NormRecord]:
+def norm_records(
+    source: Any,
+    run_id: str
+    | None = None,  # of a metrics file: the run to read (`None`: the newest in each file)
+) -> list[NormRecord]:
     "Records from a JSONL file, a folder of them, a transport (pending deltas) or an iterable of `NormRecord`s."
-    if callable(getattr(source, "list_deltas", None)): return norm_records_from_repo(source)
+    if callable(getattr(source, "list_deltas", None)):
+        return norm_records_from_repo(source)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if path.is_dir(): return norm_records_from_jsonl(*sorted(path.rglob("*.jsonl")), run_id=run_id)
-        if not path.exists(): raise FileNotFoundError(f"{path}: no such file (a DiLoCo master's logging.json_file, or its folder)")
+        if path.is_dir():
+            return norm_records_from_jsonl(*sorted(path.rglob("*.jsonl")), run_id=run_id)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path}: no such file (a DiLoCo master's logging.json_file, or its folder)"
+            )
         return norm_records_from_jsonl(path, run_id=run_id)
     records = list(source)
-    if not all(isinstance(r, NormRecord) for r in records): raise TypeError("records: expected NormRecord items")
+    if not all(isinstance(r, NormRecord) for r in records):
+        raise TypeError("records: expected NormRecord items")
     return records
 
 # %% ../../nbs/12e_distributed_norms.ipynb #06bec39a
-def plot_delta_norms(records: Iterable[NormRecord], *, node: str | None = None, layer: str = TOTAL,
-                     outer_step: int | None = None, figsize: tuple[float, float] = (10.0, 3.6), figure: Any = None) -> Any:
+def plot_delta_norms(
+    records: Iterable[NormRecord],
+    *,
+    node: str | None = None,
+    layer: str = TOTAL,
+    outer_step: int | None = None,
+    figsize: tuple[float, float] = (10.0, 3.6),
+    figure: Any = None,
+) -> Any:
     "A two-panel figure: `layer`'s norm over outer steps per node and update, and the per-layer norms at `outer_step`."
     records, fig = list(records), figure
     if fig is None:
-        Figure = optional_import("matplotlib.figure", extra="plot", purpose="the delta-norm plot").Figure
-        backend = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the delta-norm plot")
+        Figure = optional_import(
+            "matplotlib.figure", extra="plot", purpose="the delta-norm plot"
+        ).Figure
+        backend = optional_import(
+            "matplotlib.backends.backend_agg", extra="plot", purpose="the delta-norm plot"
+        )
         fig = Figure(figsize=figsize, layout="constrained")
         backend.FigureCanvasAgg(fig)
-    else: fig.clear()
+    else:
+        fig.clear()
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     series = norm_series(records, layer, None if node is None else [node])
     steps = norm_choices(records)["outer_steps"]
     at = outer_step if outer_step is not None else (steps[-1] if steps else None)
     profile = layer_profile(records, at, node) if at is not None else {}
     names = sorted(set(series) | set(profile), key=lambda k: (k == "update", k))
-    color = {n: "black" if n == "update" else f"C{i}" for i, n in enumerate(names)}    # one colour per node in both panels
+    color = {
+        n: "black" if n == "update" else f"C{i}" for i, n in enumerate(names)
+    }  # one colour per node in both panels
     label = lambda n: "outer update" if n == "update" else n
     handles = {}
     for name, (xs, ys) in series.items():
-        style = {"lw": 2.0, "marker": "s"} if name == "update" else {"lw": 1.2, "marker": "o", "ms": 3}
-        handles[name], = left.plot(xs, ys, label=label(name), color=color[name], **style)
+        style = (
+            {"lw": 2.0, "marker": "s"} if name == "update" else {"lw": 1.2, "marker": "o", "ms": 3}
+        )
+        (handles[name],) = left.plot(xs, ys, label=label(name), color=color[name], **style)
     left.set(xlabel="outer step", ylabel="L2 norm", title=f"{layer}: deltas and outer update")
-    left.xaxis.get_major_locator().set_params(integer=True)          # outer steps are whole numbers
+    left.xaxis.get_major_locator().set_params(integer=True)  # outer steps are whole numbers
     left.grid(alpha=0.3)
     layers = list(dict.fromkeys(k for v in profile.values() for k in v))
     width = 0.8 / max(1, len(profile))
     for i, name in enumerate(n for n in names if n in profile):
-        bars = right.bar([j + i * width for j in range(len(layers))], [profile[name].get(l, 0.0) for l in layers], width,
-                         label=label(name), color=color[name])
+        bars = right.bar(
+            [j + i * width for j in range(len(layers))],
+            [profile[name].get(l, 0.0) for l in layers],
+            width,
+            label=label(name),
+            color=color[name],
+        )
         handles.setdefault(name, bars)
-    right.set_xticks([j + width * (len(profile) - 1) / 2 for j in range(len(layers))], layers, rotation=45, ha="right", fontsize=7)
+    right.set_xticks(
+        [j + width * (len(profile) - 1) / 2 for j in range(len(layers))],
+        layers,
+        rotation=45,
+        ha="right",
+        fontsize=7,
+    )
     right.set(title=f"per layer at outer step {at}", ylabel="L2 norm")
-    if handles: fig.legend([handles[n] for n in names], [label(n) for n in names], loc="outside right upper", fontsize=8)
+    if handles:
+        fig.legend(
+            [handles[n] for n in names],
+            [label(n) for n in names],
+            loc="outside right upper",
+            fontsize=8,
+        )
     return fig
 
 # %% ../../nbs/12e_distributed_norms.ipynb #18b1ab5c
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -23,10 +23,32 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import torch
 from fastcore.basics import patch
 
-from .tensors import (state_misfit, GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, CheckedDelta, DeltaRejected, GlobalMetadata,
-                                             check_delta, cpu_state_dict, delta_norm, floating_state, layer_norms, load_delta,
-                                             load_safetensors, parse_delta_path, save_safetensors, step_count_text, utc_now)
-from .transport import HubError, HubUnavailable, PublishConflict, RepoState, describe_repository
+from speedtronic.distributed.tensors import (
+    state_misfit,
+    GLOBAL_METADATA_PATH,
+    GLOBAL_MODEL_PATH,
+    CheckedDelta,
+    DeltaRejected,
+    GlobalMetadata,
+    check_delta,
+    cpu_state_dict,
+    delta_norm,
+    floating_state,
+    layer_norms,
+    load_delta,
+    load_safetensors,
+    parse_delta_path,
+    save_safetensors,
+    step_count_text,
+    utc_now,
+)
+from speedtronic.distributed.transport import (
+    HubError,
+    HubUnavailable,
+    PublishConflict,
+    RepoState,
+    describe_repository,
+)
 from ..files import atomic_write_text
 
 # %% auto #0
@@ -42,29 +64,42 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
 VERSIONS_KEPT = 64  # versions whose momentum step count the buffers remember (a delta's staleness in outer steps)
 
+
 @dataclass
 class Contribution:
     "One delta as the outer optimizer sees it."
+
     delta: Mapping[str, torch.Tensor]
     share: float = 1.0  # steps the delta covers / the round length (distributed.inner_steps)
     staleness: int = 0  # versions published since the version the delta was computed from
 
+
 @dataclass(frozen=True)
 class OuterBuffers:
     "What the outer optimizer remembers between folds (float32 CPU tensors; never changed in place)."
+
     momentum: dict[str, torch.Tensor]
-    pending: dict[str, torch.Tensor]  # delayed Nesterov: fresh deltas' mean not yet through a momentum step
+    pending: dict[
+        str, torch.Tensor
+    ]  # delayed Nesterov: fresh deltas' mean not yet through a momentum step
     progress: float = 0.0  # outer steps' worth of shares in `pending`
     momentum_steps: int = 0
-    steps_at: tuple[int, ...] = (0,)  # momentum steps as of each of the last versions, the current one last
+    steps_at: tuple[int, ...] = (
+        0,
+    )  # momentum steps as of each of the last versions, the current one last
+
     @classmethod
     def zeros(cls, state: Mapping[str, torch.Tensor]) -> "OuterBuffers":
         "Empty buffers for the floating tensors of `state`."
         z = {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in floating_state(state).items()}
         return cls(z, {k: v.clone() for k, v in z.items()})
+
     def rounds_behind(self, staleness: int) -> int:
         "Outer steps the momentum took since the version `staleness` versions back (as far back as the record reaches)."
-        return self.steps_at[-1] - self.steps_at[max(0, len(self.steps_at) - 1 - max(0, int(staleness)))]
+        return (
+            self.steps_at[-1]
+            - self.steps_at[max(0, len(self.steps_at) - 1 - max(0, int(staleness)))]
+        )
 
 # %% ../../nbs/12c_distributed_outer.ipynb #34956eb6
 def momentum_steps(m: torch.Tensor, g: torch.Tensor, mu: float, n: int) -> torch.Tensor:
@@ -73,79 +108,183 @@ def momentum_steps(m: torch.Tensor, g: torch.Tensor, mu: float, n: int) -> torch
         total = m * n + g * (n * (n + 1) / 2)
         m.add_(g * n)
         return total
-    power = mu ** n
-    geometric = mu * (1 - power) / (1 - mu)                        # μ + μ² + … + μⁿ
+    power = mu**n
+    geometric = mu * (1 - power) / (1 - mu)  # μ + μ² + … + μⁿ
     total = m * geometric + g * ((n - geometric) / (1 - mu))
     m.mul_(power).add_(g * ((1 - power) / (1 - mu)))
     return total
 
 # %% ../../nbs/12c_distributed_outer.ipynb #82e81a28
-def _delayed_nesterov(buffers: OuterBuffers, contributions: Sequence[Contribution], nodes: int, lr: float, mu: float):
+def _delayed_nesterov(
+    buffers: OuterBuffers, contributions: Sequence[Contribution], nodes: int, lr: float, mu: float
+):
     keys = list(buffers.momentum)
     grad = {k: sum(c.delta[k].float() for c in contributions) / nodes for k in keys}
     update = {k: lr * g for k, g in grad.items()}
-    fresh = [c for c in contributions if buffers.rounds_behind(c.staleness) == 0]   # what feeds the momentum
-    pending = {k: buffers.pending[k] + (grad[k] if len(fresh) == len(contributions) else
-                                        sum((c.delta[k].float() for c in fresh), torch.zeros_like(grad[k])) / nodes) for k in keys}
-    momentum, progress, steps = buffers.momentum, buffers.progress + sum(c.share for c in contributions) / nodes, buffers.momentum_steps
+    fresh = [
+        c for c in contributions if buffers.rounds_behind(c.staleness) == 0
+    ]  # what feeds the momentum
+    pending = {
+        k: buffers.pending[k]
+        + (
+            grad[k]
+            if len(fresh) == len(contributions)
+            else sum((c.delta[k].float() for c in fresh), torch.zeros_like(grad[k])) / nodes
+        )
+        for k in keys
+    }
+    momentum, progress, steps = (
+        buffers.momentum,
+        buffers.progress + sum(c.share for c in contributions) / nodes,
+        buffers.momentum_steps,
+    )
     if progress >= 1.0 - 1e-6:
         whole, momentum = max(1, int(progress + 1e-6)), {k: v.clone() for k, v in momentum.items()}
-        for k, p in pending.items(): update[k] = update[k] + lr * mu * momentum_steps(momentum[k], p / progress, mu, whole)
+        for k, p in pending.items():
+            update[k] = update[k] + lr * mu * momentum_steps(momentum[k], p / progress, mu, whole)
         keep = (progress - whole) / progress if progress > whole else 0.0
-        pending, progress, steps = {k: p * keep for k, p in pending.items()}, (progress - whole if keep else 0.0), steps + whole
-    return replace(buffers, momentum=momentum, pending=pending, progress=progress, momentum_steps=steps), update
+        pending, progress, steps = (
+            {k: p * keep for k, p in pending.items()},
+            (progress - whole if keep else 0.0),
+            steps + whole,
+        )
+    return replace(
+        buffers, momentum=momentum, pending=pending, progress=progress, momentum_steps=steps
+    ), update
 
-def _averaged_nesterov(buffers: OuterBuffers, contributions: Sequence[Contribution], lr: float, mu: float, weighted: bool):
+
+def _averaged_nesterov(
+    buffers: OuterBuffers,
+    contributions: Sequence[Contribution],
+    lr: float,
+    mu: float,
+    weighted: bool,
+):
     weights = [c.share / (1.0 + max(0, c.staleness)) if weighted else 1.0 for c in contributions]
     units = [max(c.share, 1e-12) if weighted else 1.0 for c in contributions]
     keys = [k for k in buffers.momentum if k in contributions[0].delta]
-    grad = {k: sum(w * c.delta[k].float() / u for w, c, u in zip(weights, contributions, units)) / sum(weights) for k in keys}
+    grad = {
+        k: sum(w * c.delta[k].float() / u for w, c, u in zip(weights, contributions, units))
+        / sum(weights)
+        for k in keys
+    }
     momentum = {**buffers.momentum, **{k: buffers.momentum[k] * mu + g for k, g in grad.items()}}
     update = {k: lr * (g + mu * momentum[k]) for k, g in grad.items()}
     return replace(buffers, momentum=momentum, momentum_steps=buffers.momentum_steps + 1), update
 
-def outer_update(buffers: OuterBuffers, contributions: Sequence[Contribution], nodes: int, *, lr: float = 0.7,
-                 momentum: float = 0.9, policy: str = "delayed_nesterov") -> tuple[OuterBuffers, dict[str, torch.Tensor]]:
-    "The outer optimizer: the new buffers and the float32 update to subtract from the global for one round's `contributions`."
-    if policy not in STALENESS_POLICIES: raise ValueError(f"unknown staleness policy {policy!r}; use one of {', '.join(STALENESS_POLICIES)}")
-    if not contributions: return buffers, {}
-    if policy == "delayed_nesterov": buffers, update = _delayed_nesterov(buffers, contributions, max(1, int(nodes)), lr, momentum)
-    else: buffers, update = _averaged_nesterov(buffers, contributions, lr, momentum, policy == "weighted")
-    return replace(buffers, steps_at=buffers.steps_at[-(VERSIONS_KEPT - 1):] + (buffers.momentum_steps,)), update
 
-def applied(state: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def outer_update(
+    buffers: OuterBuffers,
+    contributions: Sequence[Contribution],
+    nodes: int,
+    *,
+    lr: float = 0.7,
+    momentum: float = 0.9,
+    policy: str = "delayed_nesterov",
+) -> tuple[OuterBuffers, dict[str, torch.Tensor]]:
+    "The outer optimizer: the new buffers and the float32 update to subtract from the global for one round's `contributions`."
+    if policy not in STALENESS_POLICIES:
+        raise ValueError(
+            f"unknown staleness policy {policy!r}; use one of {', '.join(STALENESS_POLICIES)}"
+        )
+    if not contributions:
+        return buffers, {}
+    if policy == "delayed_nesterov":
+        buffers, update = _delayed_nesterov(
+            buffers, contributions, max(1, int(nodes)), lr, momentum
+        )
+    else:
+        buffers, update = _averaged_nesterov(
+            buffers, contributions, lr, momentum, policy == "weighted"
+        )
+    return replace(
+        buffers, steps_at=buffers.steps_at[-(VERSIONS_KEPT - 1) :] + (buffers.momentum_steps,)
+    ), update
+
+
+def applied(
+    state: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     "A new global: `state` minus `update` (computed in float32, stored in each tensor's dtype); `state` is not changed."
-    return {k: ((v.float() - update[k]).to(v.dtype) if k in update else v) for k, v in state.items()}
+    return {
+        k: ((v.float() - update[k]).to(v.dtype) if k in update else v) for k, v in state.items()
+    }
 
 # %% ../../nbs/12c_distributed_outer.ipynb #7c6ac270
 class OuterUpdate:
     "The outer optimizer as an object that updates a state in place: `outer_update` with its buffers kept."
-    def __init__(self, state: Mapping[str, torch.Tensor], lr: float = 0.7, momentum: float = 0.9, policy: str = "delayed_nesterov"):
-        if policy not in STALENESS_POLICIES: raise ValueError(f"unknown staleness policy {policy!r}; use one of {', '.join(STALENESS_POLICIES)}")
-        self.lr, self.momentum, self.policy, self.buffers = float(lr), float(momentum), policy, OuterBuffers.zeros(state)
-    def step(self, state: dict[str, torch.Tensor], contributions: list[Contribution], nodes: int) -> dict[str, torch.Tensor]:
+
+    def __init__(
+        self,
+        state: Mapping[str, torch.Tensor],
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        policy: str = "delayed_nesterov",
+    ):
+        if policy not in STALENESS_POLICIES:
+            raise ValueError(
+                f"unknown staleness policy {policy!r}; use one of {', '.join(STALENESS_POLICIES)}"
+            )
+        self.lr, self.momentum, self.policy, self.buffers = (
+            float(lr),
+            float(momentum),
+            policy,
+            OuterBuffers.zeros(state),
+        )
+
+    def step(
+        self, state: dict[str, torch.Tensor], contributions: list[Contribution], nodes: int
+    ) -> dict[str, torch.Tensor]:
         "Fold `contributions` into `state` in place; returns the update applied (`old − new`, float32)."
-        self.buffers, update = outer_update(self.buffers, contributions, nodes, lr=self.lr, momentum=self.momentum, policy=self.policy)
-        for k, u in update.items(): state[k].copy_((state[k].float() - u).to(state[k].dtype))
+        self.buffers, update = outer_update(
+            self.buffers,
+            contributions,
+            nodes,
+            lr=self.lr,
+            momentum=self.momentum,
+            policy=self.policy,
+        )
+        for k, u in update.items():
+            state[k].copy_((state[k].float() - u).to(state[k].dtype))
         return update
-    def state_dict(self) -> dict[str, Any]: return {**vars(self.buffers), "steps_at": list(self.buffers.steps_at)}
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: self.buffers = _buffers_from_record(self.buffers, state)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**vars(self.buffers), "steps_at": list(self.buffers.steps_at)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.buffers = _buffers_from_record(self.buffers, state)
+
 
 class NesterovOuterOptimizer(OuterUpdate):
     "SGD with Nesterov momentum over a state dict's floating tensors (DiLoCo's synchronous outer step): policy `none`, one delta."
-    def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9): super().__init__(state, lr, momentum, "none")
+
+    def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9):
+        super().__init__(state, lr, momentum, "none")
+
     def step(self, state: dict[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> None:
         "Apply one Nesterov step with pseudo-gradient `delta` to `state`, in place."
         for k, g in delta.items():
-            if k not in state: raise KeyError(f"outer step: {k} is not in the global state")
-            if tuple(state[k].shape) != tuple(g.shape): raise ValueError(f"outer step: {k} has shape {tuple(g.shape)}, the state {tuple(state[k].shape)}")
-        super().step(state, [Contribution({k: g for k, g in delta.items() if k in self.buffers.momentum})], 1)
-    def state_dict(self) -> dict[str, torch.Tensor]: return {k: v.clone() for k, v in self.buffers.momentum.items()}
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: super().load_state_dict({"momentum": state})
+            if k not in state:
+                raise KeyError(f"outer step: {k} is not in the global state")
+            if tuple(state[k].shape) != tuple(g.shape):
+                raise ValueError(
+                    f"outer step: {k} has shape {tuple(g.shape)}, the state {tuple(state[k].shape)}"
+                )
+        super().step(
+            state, [Contribution({k: g for k, g in delta.items() if k in self.buffers.momentum})], 1
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.buffers.momentum.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        super().load_state_dict({"momentum": state})
+
 
 @dataclass
 class OuterState:
     "2.0's declared (unused) record of the outer state."
+
     global_state: dict[str, torch.Tensor]
     outer_step: int = 0
     processed_deltas: set = field(default_factory=set)
@@ -155,93 +294,175 @@ class OuterState:
 # %% ../../nbs/12c_distributed_outer.ipynb #fee3ec26
 _SESSIONS_KEPT = 8
 
+
 @dataclass
 class Ledger:
     "Which deltas the global model already holds: per node, the highest folded step of each session."
+
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
     def folded(self, node: str, session: str, step: int) -> bool:
         "Whether the delta of `node`'s `session` at local `step` is already in the global model."
         return step <= self.nodes.get(node, {}).get("sessions", {}).get(session, -1)
+
     def record(self, node: str, session: str, step: int, version: int, final: bool = False) -> None:
         "Note that `node`'s delta at `step` went into `version`."
         entry = self.nodes.setdefault(node, {"sessions": {}, "version": version, "final": False})
         sessions = entry["sessions"]
-        sessions[session] = max(step, sessions.pop(session, -1))   # re-inserted: newest session last
-        while len(sessions) > _SESSIONS_KEPT: sessions.pop(next(iter(sessions)))
-        if entry.get("refused"): entry["refused"] = {s: v for s, v in entry["refused"].items() if s in sessions}
+        sessions[session] = max(step, sessions.pop(session, -1))  # re-inserted: newest session last
+        while len(sessions) > _SESSIONS_KEPT:
+            sessions.pop(next(iter(sessions)))
+        if entry.get("refused"):
+            entry["refused"] = {s: v for s, v in entry["refused"].items() if s in sessions}
         entry["version"], entry["final"] = version, bool(final)
+
     def refuse(self, node: str, session: str, step: int) -> None:
         "Note that a delta of a known session reached `step` although it was refused (its content, not its step)."
-        if self.reach(node, session) is None: return
+        if self.reach(node, session) is None:
+            return
         refused = self.nodes[node].setdefault("refused", {})
         refused[session] = max(step, refused.get(session, -1))
+
     def reach(self, node: str, session: str) -> int | None:
         "The highest step a known session's deltas reached (folded or refused); None for a session not in the ledger."
         entry = self.nodes.get(node, {})
-        if session not in entry.get("sessions", {}): return None
+        if session not in entry.get("sessions", {}):
+            return None
         return max(entry["sessions"][session], (entry.get("refused") or {}).get(session, -1))
+
     def active(self, version: int, window: int) -> set[str]:
         "Nodes folded into one of the last `window` versions and not finished."
-        return {n for n, e in self.nodes.items() if e["version"] > version - window and not e.get("final")}
-    def to_json(self) -> dict[str, Any]: return json.loads(json.dumps(self.nodes))
-    def copy(self) -> "Ledger": return Ledger.from_json(self.nodes)
+        return {
+            n
+            for n, e in self.nodes.items()
+            if e["version"] > version - window and not e.get("final")
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.nodes))
+
+    def copy(self) -> "Ledger":
+        return Ledger.from_json(self.nodes)
+
     @classmethod
     def from_json(cls, data: Any) -> "Ledger":
-        if not isinstance(data, Mapping): return cls()
-        return cls({str(n): {"sessions": {str(s): int(v) for s, v in (e.get("sessions") or {}).items()},
-                             "version": int(e.get("version", -1)), "final": bool(e.get("final", False)),
-                             **({"refused": {str(s): int(v) for s, v in e["refused"].items()}} if e.get("refused") else {})}
-                    for n, e in data.items() if isinstance(e, Mapping)})
+        if not isinstance(data, Mapping):
+            return cls()
+        return cls(
+            {
+                str(n): {
+                    "sessions": {str(s): int(v) for s, v in (e.get("sessions") or {}).items()},
+                    "version": int(e.get("version", -1)),
+                    "final": bool(e.get("final", False)),
+                    **(
+                        {"refused": {str(s): int(v) for s, v in e["refused"].items()}}
+                        if e.get("refused")
+                        else {}
+                    ),
+                }
+                for n, e in data.items()
+                if isinstance(e, Mapping)
+            }
+        )
 
 # %% ../../nbs/12c_distributed_outer.ipynb #a87b7d24
 def other_master(extras: Mapping[str, Any], node_id: str) -> str | None:
     "The node id of the master that wrote a version file, when it is not `node_id`."
     master = extras.get("master") if isinstance(extras.get("master"), Mapping) else None
-    return None if not master or master.get("node_id") in (None, node_id) else str(master["node_id"])
+    return (
+        None if not master or master.get("node_id") in (None, node_id) else str(master["node_id"])
+    )
 
-def lease_holder(extras: Mapping[str, Any], node_id: str, lease_timeout: float, now: float | None = None) -> str | None:
+
+def lease_holder(
+    extras: Mapping[str, Any], node_id: str, lease_timeout: float, now: float | None = None
+) -> str | None:
     "The other master whose heartbeat is fresh by this host's clock (`now`), or None when the clocks cannot tell it is alive."
-    if other_master(extras, node_id) is None: return None
-    try: beat = datetime.fromisoformat(str(extras["master"].get("heartbeat"))).timestamp()
-    except ValueError: return None
+    if other_master(extras, node_id) is None:
+        return None
+    try:
+        beat = datetime.fromisoformat(str(extras["master"].get("heartbeat"))).timestamp()
+    except ValueError:
+        return None
     age = (time.time() if now is None else now) - beat
-    return f"{extras['master']['node_id']!r} (heartbeat {age:.0f} s ago)" if 0 <= age < lease_timeout else None
+    return (
+        f"{extras['master']['node_id']!r} (heartbeat {age:.0f} s ago)"
+        if 0 <= age < lease_timeout
+        else None
+    )
+
 
 def liveness(extras: Mapping[str, Any]) -> tuple:
     "What changes in the version file while its master is alive: its id, session, heartbeat and publication."
     master = extras.get("master") if isinstance(extras.get("master"), Mapping) else {}
-    return (master.get("node_id"), master.get("session"), master.get("heartbeat"), extras.get("publication"))
+    return (
+        master.get("node_id"),
+        master.get("session"),
+        master.get("heartbeat"),
+        extras.get("publication"),
+    )
 
 # %% ../../nbs/12c_distributed_outer.ipynb #65bea25a
 class DeltaSizes:
     "The norms per inner step of the folded deltas: each node's (per session) recent ones, the largest, and the count."
-    def __init__(self, recent: Mapping[tuple[str, str], Sequence[float]] | None = None, largest: float = 0.0, folded: int = 0):
+
+    def __init__(
+        self,
+        recent: Mapping[tuple[str, str], Sequence[float]] | None = None,
+        largest: float = 0.0,
+        folded: int = 0,
+    ):
         self.recent = {key: deque(norms, maxlen=8) for key, norms in (recent or {}).items()}
         self.largest, self.folded = float(largest), int(folded)
+
     def record(self, node_id: str, session: str, per_step: float) -> None:
         "Note a folded delta's norm per inner step."
         self.recent.setdefault((node_id, session), deque(maxlen=8)).append(float(per_step))
         self.largest, self.folded = max(self.largest, float(per_step)), self.folded + 1
+
     def reference(self, node_id: str, session: str) -> tuple[float, str] | None:
         "The norm a delta of `node_id` is judged against, and what it is; None while there is nothing to judge by."
         own = list(self.recent.get((node_id, session), ()))[-4:]
-        if len(own) >= 3: return statistics.median(own), f"the median {statistics.median(own):.3g} of the recent deltas of {node_id!r}"
-        if self.folded >= 3: return self.largest, f"the largest folded delta {self.largest:.3g} (a new node)"
+        if len(own) >= 3:
+            return statistics.median(
+                own
+            ), f"the median {statistics.median(own):.3g} of the recent deltas of {node_id!r}"
+        if self.folded >= 3:
+            return self.largest, f"the largest folded delta {self.largest:.3g} (a new node)"
         return None
-    def copy(self) -> "DeltaSizes": return DeltaSizes(self.recent, self.largest, self.folded)
+
+    def copy(self) -> "DeltaSizes":
+        return DeltaSizes(self.recent, self.largest, self.folded)
+
     def to_json(self) -> dict[str, Any]:
-        return {"recent": [[node, session, list(norms)] for (node, session), norms in self.recent.items()], "largest": self.largest, "folded": self.folded}
+        return {
+            "recent": [
+                [node, session, list(norms)] for (node, session), norms in self.recent.items()
+            ],
+            "largest": self.largest,
+            "folded": self.folded,
+        }
+
     @classmethod
     def from_json(cls, data: Any) -> "DeltaSizes":
         "The record `to_json` wrote; an empty one for a state written before it existed (or unreadable)."
-        try: return cls({(str(n), str(s)): [float(x) for x in norms] for n, s, norms in data["recent"]}, data["largest"], data["folded"])
-        except (TypeError, KeyError, ValueError): return cls()
-    def __eq__(self, other) -> bool: return isinstance(other, DeltaSizes) and self.to_json() == other.to_json()
+        try:
+            return cls(
+                {(str(n), str(s)): [float(x) for x in norms] for n, s, norms in data["recent"]},
+                data["largest"],
+                data["folded"],
+            )
+        except (TypeError, KeyError, ValueError):
+            return cls()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DeltaSizes) and self.to_json() == other.to_json()
 
 # %% ../../nbs/12c_distributed_outer.ipynb #f43b4185
 @dataclass(frozen=True)
 class MasterRules:
     "The settings the master's transitions follow."
+
     round_steps: int = 500  # distributed.inner_steps: a round's length in inner steps (a delta's share is steps covered / this)
     lr: float = 0.7
     momentum: float = 0.9
@@ -251,178 +472,336 @@ class MasterRules:
     round_wait: float = 0.0  # seconds a round waits for every node's delta before it is folded without them (0: never)
     lease_timeout: float = 600.0
 
+
 @dataclass(frozen=True)
 class MasterState:
     "Everything the master knows; transitions return a new value and never change this one."
+
     global_state: dict[str, torch.Tensor]
     outer: OuterBuffers
     outer_step: int = -1  # the published version (-1: none yet)
     publication: str = ""  # the id of the commit that published `outer_step`
     ledger: Ledger = field(default_factory=Ledger)
     sizes: "DeltaSizes" = field(default_factory=lambda: DeltaSizes())
-    punctual: frozenset[str] | None = None  # after a round's wait ran out: the nodes rounds wait for (None: every active node)
-    held: tuple[CheckedDelta, ...] = ()  # an incomplete round's accepted deltas (still in the repository: not persisted)
+    punctual: frozenset[str] | None = (
+        None  # after a round's wait ran out: the nodes rounds wait for (None: every active node)
+    )
+    held: tuple[
+        CheckedDelta, ...
+    ] = ()  # an incomplete round's accepted deltas (still in the repository: not persisted)
     held_since: float | None = None  # when the held round began, on this host's clock
-    drop: Mapping[str, str] = field(default_factory=dict)  # repository paths the next commit deletes -> why
-    refusals: Mapping[tuple[str, str], int] = field(default_factory=dict)  # content refusals of sessions the ledger learns at the next fold
+    drop: Mapping[str, str] = field(
+        default_factory=dict
+    )  # repository paths the next commit deletes -> why
+    refusals: Mapping[tuple[str, str], int] = field(
+        default_factory=dict
+    )  # content refusals of sessions the ledger learns at the next fold
     published_at: float = 0.0  # this host's clock at the last commit
     global_norm: float = -1.0  # the L2 norm of the global's floating tensors (-1: not computed yet)
+
 
 def master_state(state: Mapping[str, torch.Tensor]) -> MasterState:
     "A master that has published nothing, starting from the model `state` (CPU copies)."
     state = cpu_state_dict(state)
-    return MasterState(state, OuterBuffers.zeros(state), global_norm=delta_norm(floating_state(state)))
+    return MasterState(
+        state, OuterBuffers.zeros(state), global_norm=delta_norm(floating_state(state))
+    )
 
-def _with_global(state: MasterState, global_state: Mapping[str, torch.Tensor], **changes) -> MasterState:
+
+def _with_global(
+    state: MasterState, global_state: Mapping[str, torch.Tensor], **changes
+) -> MasterState:
     "`state` with another global (its norm recomputed) and other `changes`."
-    return replace(state, global_state=dict(global_state), global_norm=delta_norm(floating_state(global_state)), **changes)
+    return replace(
+        state,
+        global_state=dict(global_state),
+        global_norm=delta_norm(floating_state(global_state)),
+        **changes,
+    )
 
 # %% ../../nbs/12c_distributed_outer.ipynb #170bbf24
 RECORD_VERSION = 2  # the format of `state_record`'s info
 
+
 def _buffers_from_record(template: OuterBuffers, data: Mapping[str, Any]) -> OuterBuffers:
     "Buffers from `{momentum, pending, progress, momentum_steps, steps_at}` onto `template`'s keys and shapes (others ignored)."
+
     def fit(name: str) -> dict[str, torch.Tensor]:
         mine, given = getattr(template, name), data.get(name) or {}
-        return {k: (given[k].detach().float().cpu().clone() if k in given and tuple(given[k].shape) == tuple(v.shape) else v)
-                for k, v in mine.items()}
+        return {
+            k: (
+                given[k].detach().float().cpu().clone()
+                if k in given and tuple(given[k].shape) == tuple(v.shape)
+                else v
+            )
+            for k, v in mine.items()
+        }
+
     steps = int(data.get("momentum_steps", 0))
-    return OuterBuffers(fit("momentum"), fit("pending"), float(data.get("progress", 0.0)), steps,
-                        tuple(int(n) for n in data.get("steps_at") or [])[-VERSIONS_KEPT:] or (steps,))
+    return OuterBuffers(
+        fit("momentum"),
+        fit("pending"),
+        float(data.get("progress", 0.0)),
+        steps,
+        tuple(int(n) for n in data.get("steps_at") or [])[-VERSIONS_KEPT:] or (steps,),
+    )
+
 
 def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     "`(info, tensors)`: the one persisted form of `state`."
-    info = {"version": RECORD_VERSION, "outer_step": state.outer_step, "publication": state.publication,
-            "ledger": state.ledger.to_json(), "delta_sizes": state.sizes.to_json(),
-            "punctual": None if state.punctual is None else sorted(state.punctual),
-            "refusals": [[node, session, step] for (node, session), step in state.refusals.items()],
-            "progress": state.outer.progress, "momentum_steps": state.outer.momentum_steps, "steps_at": list(state.outer.steps_at)}
-    return info, _flat(global_=state.global_state, momentum=state.outer.momentum, pending=state.outer.pending)
+    info = {
+        "version": RECORD_VERSION,
+        "outer_step": state.outer_step,
+        "publication": state.publication,
+        "ledger": state.ledger.to_json(),
+        "delta_sizes": state.sizes.to_json(),
+        "punctual": None if state.punctual is None else sorted(state.punctual),
+        "refusals": [[node, session, step] for (node, session), step in state.refusals.items()],
+        "progress": state.outer.progress,
+        "momentum_steps": state.outer.momentum_steps,
+        "steps_at": list(state.outer.steps_at),
+    }
+    return info, _flat(
+        global_=state.global_state, momentum=state.outer.momentum, pending=state.outer.pending
+    )
+
 
 def _flat(**groups: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     "One flat dict of tensors: `group/key` for each of the `groups` (a trailing `_` dropped from its name)."
-    return {f"{g.rstrip('_')}/{k}": v for g, part in groups.items() for k, v in (part or {}).items()}
+    return {
+        f"{g.rstrip('_')}/{k}": v for g, part in groups.items() for k, v in (part or {}).items()
+    }
 
-def restored(template: MasterState, info: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> MasterState:
+
+def restored(
+    template: MasterState, info: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> MasterState:
     "The state `state_record` wrote, on `template`'s model (keys or shapes it lacks are ignored)."
-    group = lambda name: {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(name + "/")}
+    group = lambda name: {
+        k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(name + "/")
+    }
     mine = template.global_state
-    glob = {k: (v.to(mine[k].dtype) if tuple(v.shape) == tuple(mine[k].shape) else mine[k]) for k, v in group("global").items() if k in mine}
-    outer = _buffers_from_record(OuterBuffers.zeros(mine), {**info, "momentum": group("momentum"), "pending": group("pending")})
+    glob = {
+        k: (v.to(mine[k].dtype) if tuple(v.shape) == tuple(mine[k].shape) else mine[k])
+        for k, v in group("global").items()
+        if k in mine
+    }
+    outer = _buffers_from_record(
+        OuterBuffers.zeros(mine),
+        {**info, "momentum": group("momentum"), "pending": group("pending")},
+    )
     punctual = info.get("punctual")
-    return _with_global(template, {**mine, **glob}, outer=outer, outer_step=int(info["outer_step"]),
-                       publication=str(info.get("publication", "")), ledger=Ledger.from_json(info.get("ledger")),
-                       sizes=DeltaSizes.from_json(info.get("delta_sizes")),
-                       punctual=None if punctual is None else frozenset(map(str, punctual)), held=(), held_since=None, drop={},
-                       refusals={(str(n), str(s)): int(v) for n, s, v in info.get("refusals") or []})
+    return _with_global(
+        template,
+        {**mine, **glob},
+        outer=outer,
+        outer_step=int(info["outer_step"]),
+        publication=str(info.get("publication", "")),
+        ledger=Ledger.from_json(info.get("ledger")),
+        sizes=DeltaSizes.from_json(info.get("delta_sizes")),
+        punctual=None if punctual is None else frozenset(map(str, punctual)),
+        held=(),
+        held_since=None,
+        drop={},
+        refusals={(str(n), str(s)): int(v) for n, s, v in info.get("refusals") or []},
+    )
 
-def translated_record(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+
+def translated_record(
+    data: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
     "A checkpoint's outer state (this format or 2.0's) as `(info, tensors)`; None when it holds none."
-    if not isinstance(data, Mapping) or "outer_step" not in data: return None
-    if "version" in data: return {k: v for k, v in data.items() if k != "tensors"}, dict(data.get("tensors") or {})
+    if not isinstance(data, Mapping) or "outer_step" not in data:
+        return None
+    if "version" in data:
+        return {k: v for k, v in data.items() if k != "tensors"}, dict(data.get("tensors") or {})
     ledger = Ledger()
-    for entry in data.get("processed_deltas") or []:                # [[node, step, base], ...]
-        if isinstance(entry, (list, tuple)) and len(entry) == 3: ledger.record(str(entry[0]), "", int(entry[1]), int(data["outer_step"]))
-    info = {"version": RECORD_VERSION, "outer_step": int(data["outer_step"]), "ledger": ledger.to_json()}
+    for entry in data.get("processed_deltas") or []:  # [[node, step, base], ...]
+        if isinstance(entry, (list, tuple)) and len(entry) == 3:
+            ledger.record(str(entry[0]), "", int(entry[1]), int(data["outer_step"]))
+    info = {
+        "version": RECORD_VERSION,
+        "outer_step": int(data["outer_step"]),
+        "ledger": ledger.to_json(),
+    }
     return info, _flat(global_=data.get("global_state"), momentum=data.get("momentum"))
 
 # %% ../../nbs/12c_distributed_outer.ipynb #d195c6bd
-CONTENT_REASONS = ("too_large", "not_finite", "keys", "shape", "dtype")  # refusals of what a plausible delta held
+CONTENT_REASONS = (
+    "too_large",
+    "not_finite",
+    "keys",
+    "shape",
+    "dtype",
+)  # refusals of what a plausible delta held
+
 
 def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
     "The inner steps `d` covers (a 2.0 node does not say: one round)."
     return max(1, d.inner_steps or rules.round_steps)
 
-def _reachable(state: MasterState, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]) -> None:
+
+def _reachable(
+    state: MasterState, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]
+) -> None:
     "Refuse (`unreachable`) a delta of a known session that begins after the highest step that session has reached."
     node, step = parse_delta_path(path) or (None, None)
     session = str(header.get("session", ""))
-    try: covered = int(header["inner_steps"])
-    except (KeyError, TypeError, ValueError): return                # not said (2.0) or not a number: `check_delta` decides
+    try:
+        covered = int(header["inner_steps"])
+    except (KeyError, TypeError, ValueError):
+        return  # not said (2.0) or not a number: `check_delta` decides
     reach = state.ledger.reach(node, session)
-    if reach is None or state.ledger.folded(node, session, step): return   # a new session; a duplicate is dropped later
+    if reach is None or state.ledger.folded(node, session, step):
+        return  # a new session; a duplicate is dropped later
     reach = max(reach, reached.get((node, session), -1))
     if step - covered > reach:
-        raise DeltaRejected("unreachable", f"{path}: covers steps {step - covered + 1}..{step} of session {session!r}, whose deltas "
-                                           f"reached step {reach}; a node's deltas continue where its previous one ended, so "
-                                           f"{node!r} did not write this file in that session (a forged or stray file)")
+        raise DeltaRejected(
+            "unreachable",
+            f"{path}: covers steps {step - covered + 1}..{step} of session {session!r}, whose deltas "
+            f"reached step {reach}; a node's deltas continue where its previous one ended, so "
+            f"{node!r} did not write this file in that session (a forged or stray file)",
+        )
 
-def check(state: MasterState, rules: MasterRules, path: str, tensors: Mapping[str, torch.Tensor], header: Mapping[str, str],
-          reached: Mapping[tuple[str, str], int] = {}) -> CheckedDelta:
+
+def check(
+    state: MasterState,
+    rules: MasterRules,
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    header: Mapping[str, str],
+    reached: Mapping[tuple[str, str], int] = {},
+) -> CheckedDelta:
     "The delta at `path`, checked against `state`; `DeltaRejected` says why not."
     _reachable(state, path, header, reached)
-    d = check_delta(path, tensors, header, {k: tuple(v.shape) for k, v in state.outer.momentum.items()})
-    d.norm = delta_norm(d.delta)                                    # once: the size record and the events reuse it
-    if (ratio := rules.max_delta_norm_ratio) <= 0: return d
+    d = check_delta(
+        path, tensors, header, {k: tuple(v.shape) for k, v in state.outer.momentum.items()}
+    )
+    d.norm = delta_norm(d.delta)  # once: the size record and the events reuse it
+    if (ratio := rules.max_delta_norm_ratio) <= 0:
+        return d
     per_step, scale = d.norm / _steps_covered(d, rules), state.global_norm
     if scale > 0 and per_step > ratio * scale:
-        raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / scale:.3g}x the global "
-                                         f"model's own norm {scale:.3g} (limit distributed.max_delta_norm_ratio={ratio:g}): "
-                                         "no training step moves a model that far")
+        raise DeltaRejected(
+            "too_large",
+            f"{path}: norm per inner step {per_step:.3g} is {per_step / scale:.3g}x the global "
+            f"model's own norm {scale:.3g} (limit distributed.max_delta_norm_ratio={ratio:g}): "
+            "no training step moves a model that far",
+        )
     judged_by = state.sizes.reference(d.node_id, d.session)
     if judged_by is not None and per_step > ratio * judged_by[0]:
-        raise DeltaRejected("too_large", f"{path}: norm per inner step {per_step:.3g} is {per_step / judged_by[0]:.1f}x "
-                                         f"{judged_by[1]} (limit distributed.max_delta_norm_ratio={ratio:g})")
+        raise DeltaRejected(
+            "too_large",
+            f"{path}: norm per inner step {per_step:.3g} is {per_step / judged_by[0]:.1f}x "
+            f"{judged_by[1]} (limit distributed.max_delta_norm_ratio={ratio:g})",
+        )
     return d
+
 
 def rejected(state: MasterState, path: str, reason: str, session: str | None = None) -> MasterState:
     "`state` after refusing the file at `path` (or finding it a duplicate): deleted with the next commit."
     ledger = state.ledger
     node, step = parse_delta_path(path) or (None, None)
     refusals = state.refusals
-    if session is not None and reason in CONTENT_REASONS:           # its step was plausible: the node carries on from it
-        if ledger.reach(node, session) is not None: ledger = ledger.copy(); ledger.refuse(node, session, step)
-        else: refusals = {**refusals, (node, session): max(step, refusals.get((node, session), -1))}   # its session may be folded next
+    if (
+        session is not None and reason in CONTENT_REASONS
+    ):  # its step was plausible: the node carries on from it
+        if ledger.reach(node, session) is not None:
+            ledger = ledger.copy()
+            ledger.refuse(node, session, step)
+        else:
+            refusals = {
+                **refusals,
+                (node, session): max(step, refusals.get((node, session), -1)),
+            }  # its session may be folded next
     return replace(state, drop={**state.drop, path: reason}, ledger=ledger, refusals=refusals)
+
 
 def listed(state: MasterState, present: Collection[str]) -> MasterState:
     "`state` after a listing of the repository's deltas: files gone meanwhile are neither deleted nor held."
     present = set(present)
-    held = tuple(d for d in state.held if d.path in present and not state.ledger.folded(d.node_id, d.session, d.step))
-    return replace(state, drop={p: why for p, why in state.drop.items() if p in present}, held=held,
-                   held_since=state.held_since if held else None)
+    held = tuple(
+        d
+        for d in state.held
+        if d.path in present and not state.ledger.folded(d.node_id, d.session, d.step)
+    )
+    return replace(
+        state,
+        drop={p: why for p, why in state.drop.items() if p in present},
+        held=held,
+        held_since=state.held_since if held else None,
+    )
 
 # %% ../../nbs/12c_distributed_outer.ipynb #f03367a4
-def judge_newcomers(state: MasterState, rules: MasterRules,
-                    accepted: Sequence[CheckedDelta]) -> tuple[list[CheckedDelta], list[tuple[CheckedDelta, str, str]]]:
+def judge_newcomers(
+    state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta]
+) -> tuple[list[CheckedDelta], list[tuple[CheckedDelta, str, str]]]:
     "`(kept, refused)`: the deltas of nodes lacking a history that are far larger than the others' are refused `too_large`."
     ratio = rules.max_delta_norm_ratio
-    if ratio <= 0: return list(accepted), []
+    if ratio <= 0:
+        return list(accepted), []
     held = {d.path for d in state.held}
     per = {d.path: d.norm / _steps_covered(d, rules) for d in accepted}
     keep, refused = [], []
     for d in accepted:
         new = d.path not in held and len(state.sizes.recent.get((d.node_id, d.session), ())) < 3
-        others = [per[o.path] for o in accepted if o.node_id != d.node_id] + ([state.sizes.largest] if state.sizes.folded else [])
+        others = [per[o.path] for o in accepted if o.node_id != d.node_id] + (
+            [state.sizes.largest] if state.sizes.folded else []
+        )
         if new and others and per[d.path] > ratio * max(others):
-            refused.append((d, "too_large", f"norm per inner step {per[d.path]:.3g} is {per[d.path] / max(others):.1f}x the largest "
-                                            f"of the other nodes' deltas {max(others):.3g} (a new node; limit "
-                                            f"distributed.max_delta_norm_ratio={ratio:g})"))
-        else: keep.append(d)
+            refused.append(
+                (
+                    d,
+                    "too_large",
+                    f"norm per inner step {per[d.path]:.3g} is {per[d.path] / max(others):.1f}x the largest "
+                    f"of the other nodes' deltas {max(others):.3g} (a new node; limit "
+                    f"distributed.max_delta_norm_ratio={ratio:g})",
+                )
+            )
+        else:
+            keep.append(d)
     return keep, refused
 
 # %% ../../nbs/12c_distributed_outer.ipynb #003f79fa
-def active_nodes(state: MasterState, rules: MasterRules, extra: Collection[str] = frozenset()) -> int:
+def active_nodes(
+    state: MasterState, rules: MasterRules, extra: Collection[str] = frozenset()
+) -> int:
     "How many nodes make one outer step: `expected_nodes`, else the nodes folded in recently (and `extra`)."
-    if rules.expected_nodes: return int(rules.expected_nodes)
+    if rules.expected_nodes:
+        return int(rules.expected_nodes)
     known = len(state.ledger.nodes | dict.fromkeys(extra))
-    return max(1, len(state.ledger.active(state.outer_step, window=2 * max(1, known) + 1) | set(extra)))
+    return max(
+        1, len(state.ledger.active(state.outer_step, window=2 * max(1, known) + 1) | set(extra))
+    )
+
 
 def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
     "Whether the held round's wait is over at `now`."
-    return rules.round_wait > 0 and state.held_since is not None and now - state.held_since >= rules.round_wait
+    return (
+        rules.round_wait > 0
+        and state.held_since is not None
+        and now - state.held_since >= rules.round_wait
+    )
 
-def round_complete(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float) -> bool:
+
+def round_complete(
+    state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float
+) -> bool:
     "Whether `accepted` may be folded at `now`: no wait, a delta of every node the round waits for, or the wait is over."
-    if rules.round_wait <= 0: return True
+    if rules.round_wait <= 0:
+        return True
     present = {d.node_id for d in accepted}
-    if state.punctual is None and len(present) >= active_nodes(state, rules, present): return True
-    if state.punctual is not None and present >= state.punctual: return True
+    if state.punctual is None and len(present) >= active_nodes(state, rules, present):
+        return True
+    if state.punctual is not None and present >= state.punctual:
+        return True
     return wait_ran_out(state, rules, now)
+
 
 def round_due(state: MasterState, rules: MasterRules, now: float, full_rounds: bool = True) -> bool:
     "Whether the held round is to be folded now (the final round folds it at once)."
     return bool(state.held) and (not full_rounds or round_complete(state, rules, state.held, now))
+
 
 def heartbeat_due(state: MasterState, rules: MasterRules, now: float) -> bool:
     "Whether the master has been silent for a third of its lease."
@@ -432,132 +811,326 @@ def heartbeat_due(state: MasterState, rules: MasterRules, now: float) -> bool:
 @dataclass(frozen=True)
 class Publication:
     "One commit the master is to make: its state once the commit went through, the files deleted, and what the fold did."
+
     state: MasterState
     deletes: tuple[str, ...] = ()
-    weights: bool = True  # False: only the version file (a heartbeat, or deletions without a new version)
+    weights: bool = (
+        True  # False: only the version file (a heartbeat, or deletions without a new version)
+    )
     message: str = ""
     bootstrap: bool = False
     folded: tuple[CheckedDelta, ...] = ()
-    update: Mapping[str, torch.Tensor] = field(default_factory=dict)  # what the fold subtracted from the global
+    update: Mapping[str, torch.Tensor] = field(
+        default_factory=dict
+    )  # what the fold subtracted from the global
     nodes: int = 0
 
-def _next_punctual(state: MasterState, rules: MasterRules, present: set[str], nodes: int, now: float) -> frozenset[str] | None:
+
+def _next_punctual(
+    state: MasterState, rules: MasterRules, present: set[str], nodes: int, now: float
+) -> frozenset[str] | None:
     "Whom rounds wait for after this one: its nodes when its wait ran out short of some, else the waited-for set grows back."
-    if wait_ran_out(state, rules, now) and len(present) < nodes: return frozenset(present)
-    if state.punctual is None: return None
-    back = state.punctual | present                                 # a node that was missing is back: waited for again
+    if wait_ran_out(state, rules, now) and len(present) < nodes:
+        return frozenset(present)
+    if state.punctual is None:
+        return None
+    back = state.punctual | present  # a node that was missing is back: waited for again
     return None if len(back) >= nodes else back
 
-def fold(state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float,
-         full_rounds: bool = True) -> tuple[MasterState, Publication | None, list[tuple[CheckedDelta, str, str]]]:
+
+def fold(
+    state: MasterState,
+    rules: MasterRules,
+    accepted: Sequence[CheckedDelta],
+    now: float,
+    full_rounds: bool = True,
+) -> tuple[MasterState, Publication | None, list[tuple[CheckedDelta, str, str]]]:
     "`(state, publication, refused)` for one pass's accepted deltas (see above); `now` is this host's clock."
-    if not accepted: return state, None, []
+    if not accepted:
+        return state, None, []
     if full_rounds and not round_complete(state, rules, accepted, now):
-        return replace(state, held=tuple(accepted), held_since=now if state.held_since is None else state.held_since), None, []
+        return (
+            replace(
+                state,
+                held=tuple(accepted),
+                held_since=now if state.held_since is None else state.held_since,
+            ),
+            None,
+            [],
+        )
     present = {d.node_id for d in accepted}
     nodes, version = active_nodes(state, rules, present), state.outer_step + 1
-    contributions = [Contribution(d.delta, _steps_covered(d, rules) / rules.round_steps, max(0, state.outer_step - d.base_outer_step))
-                     for d in accepted]
-    outer, update = outer_update(state.outer, contributions, nodes, lr=rules.lr, momentum=rules.momentum, policy=rules.policy)
+    contributions = [
+        Contribution(
+            d.delta,
+            _steps_covered(d, rules) / rules.round_steps,
+            max(0, state.outer_step - d.base_outer_step),
+        )
+        for d in accepted
+    ]
+    outer, update = outer_update(
+        state.outer, contributions, nodes, lr=rules.lr, momentum=rules.momentum, policy=rules.policy
+    )
     new, problem = applied(state.global_state, update), None
-    bad = next((k for k, v in new.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
-    moved, scale, ratio = delta_norm(update) / max(_steps_covered(d, rules) for d in accepted), state.global_norm, rules.max_delta_norm_ratio
-    if bad is not None: problem = "not_finite", f"folding it would make the global model's {bad} NaN or infinite"
+    bad = next(
+        (k for k, v in new.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())),
+        None,
+    )
+    moved, scale, ratio = (
+        delta_norm(update) / max(_steps_covered(d, rules) for d in accepted),
+        state.global_norm,
+        rules.max_delta_norm_ratio,
+    )
+    if bad is not None:
+        problem = "not_finite", f"folding it would make the global model's {bad} NaN or infinite"
     elif ratio > 0 and scale > 0 and moved > ratio * scale:
-        problem = "too_large", (f"folding it would move the global model by {moved:.3g} per inner step, {moved / scale:.3g}x its own "
-                                f"norm {scale:.3g} (limit distributed.max_delta_norm_ratio={ratio:g})")
-    if problem is not None:                                         # nothing published; the round's deltas are refused
-        for d in accepted: state = rejected(state, d.path, problem[0], d.session)
+        problem = (
+            "too_large",
+            (
+                f"folding it would move the global model by {moved:.3g} per inner step, {moved / scale:.3g}x its own "
+                f"norm {scale:.3g} (limit distributed.max_delta_norm_ratio={ratio:g})"
+            ),
+        )
+    if problem is not None:  # nothing published; the round's deltas are refused
+        for d in accepted:
+            state = rejected(state, d.path, problem[0], d.session)
         return replace(state, held=(), held_since=None), None, [(d, *problem) for d in accepted]
     ledger, sizes = state.ledger.copy(), state.sizes.copy()
     for d in accepted:
         ledger.record(d.node_id, d.session, d.step, version, d.final)
         sizes.record(d.node_id, d.session, d.norm / _steps_covered(d, rules))
-    for (node, session), step in state.refusals.items(): ledger.refuse(node, session, step)   # a session it now knows
+    for (node, session), step in state.refusals.items():
+        ledger.refuse(node, session, step)  # a session it now knows
     deletes = tuple(dict.fromkeys([d.path for d in accepted] + list(state.drop)))
-    after = _with_global(state, new, outer=outer, outer_step=version, ledger=ledger, sizes=sizes, held=(), held_since=None, refusals={},
-                        punctual=_next_punctual(state, rules, present, nodes, now))
-    return state, Publication(after, deletes, message=f"global version {version}, folding {len(deletes)} file(s)",
-                              folded=tuple(accepted), update=update, nodes=nodes), []
+    after = _with_global(
+        state,
+        new,
+        outer=outer,
+        outer_step=version,
+        ledger=ledger,
+        sizes=sizes,
+        held=(),
+        held_since=None,
+        refusals={},
+        punctual=_next_punctual(state, rules, present, nodes, now),
+    )
+    return (
+        state,
+        Publication(
+            after,
+            deletes,
+            message=f"global version {version}, folding {len(deletes)} file(s)",
+            folded=tuple(accepted),
+            update=update,
+            nodes=nodes,
+        ),
+        [],
+    )
 
 # %% ../../nbs/12c_distributed_outer.ipynb #01fbf93c
 def on_published(prepared: MasterState, deletes: Collection[str], now: float) -> MasterState:
     "The master's state once the commit of `prepared` (deleting `deletes`) went through at `now`."
-    return replace(prepared, drop={p: why for p, why in prepared.drop.items() if p not in set(deletes)}, published_at=now)
+    return replace(
+        prepared,
+        drop={p: why for p, why in prepared.drop.items() if p not in set(deletes)},
+        published_at=now,
+    )
 
-def conflict_verdict(parent_step: int, node_id: str, publication: str, repo_outer_step: int, repo_extras: Mapping[str, Any]) -> str:
+
+def conflict_verdict(
+    parent_step: int,
+    node_id: str,
+    publication: str,
+    repo_outer_step: int,
+    repo_extras: Mapping[str, Any],
+) -> str:
     "After a refused commit of `publication` onto version `parent_step`: `published` (it went through), `retry` (only nodes committed) or `stop`."
-    if repo_extras.get("publication") == publication: return "published"
+    if repo_extras.get("publication") == publication:
+        return "published"
     master = repo_extras.get("master") if isinstance(repo_extras.get("master"), Mapping) else {}
     mine = repo_outer_step < 0 or master.get("node_id") == node_id
     return "retry" if mine and repo_outer_step == parent_step else "stop"
+
 
 def heartbeat(state: MasterState) -> Publication:
     "Renew the lease: the same version with a fresh heartbeat."
     return Publication(state, (), weights=False, message="heartbeat of the master")
 
+
 def cleanup(state: MasterState) -> Publication:
     "Delete the duplicate and rejected files (a commit without a new version)."
-    return Publication(state, tuple(state.drop), weights=False, message=f"remove {len(state.drop)} file(s) that will not be folded")
+    return Publication(
+        state,
+        tuple(state.drop),
+        weights=False,
+        message=f"remove {len(state.drop)} file(s) that will not be folded",
+    )
+
 
 def bootstrap(state: MasterState) -> Publication:
     "The first publication on an empty repository: the master's global as version 0 (or its local version, if it has one)."
-    return Publication(replace(state, outer_step=max(state.outer_step, 0)), (), bootstrap=state.outer_step < 0,
-                       message=f"global version {max(state.outer_step, 0)}")
+    return Publication(
+        replace(state, outer_step=max(state.outer_step, 0)),
+        (),
+        bootstrap=state.outer_step < 0,
+        message=f"global version {max(state.outer_step, 0)}",
+    )
 
 # %% ../../nbs/12c_distributed_outer.ipynb #da0e97de
-def resumed(local: MasterState | None, prepared: MasterState | None, repo_outer_step: int, repo_publication: str) -> MasterState | None:
+def resumed(
+    local: MasterState | None,
+    prepared: MasterState | None,
+    repo_outer_step: int,
+    repo_publication: str,
+) -> MasterState | None:
     "The local state the repository's version is (the prepared one first), or None when neither is."
     for state in (prepared, local):
-        if state is not None and state.outer_step == repo_outer_step and state.publication == repo_publication: return state
+        if (
+            state is not None
+            and state.outer_step == repo_outer_step
+            and state.publication == repo_publication
+        ):
+            return state
     return None
 
-def adopted(state: MasterState, remote: Mapping[str, torch.Tensor], outer_step: int, ledger: Ledger, publication: str) -> MasterState:
-    "`state` taking the repository's global, version and ledger (outer momentum restarts at zero)."
-    glob = {k: v.to(state.global_state[k].dtype) for k, v in remote.items() if k in state.global_state}
-    return _with_global(state, {**state.global_state, **glob}, outer=OuterBuffers.zeros(state.global_state), outer_step=outer_step,
-                       ledger=ledger, publication=publication, punctual=None, held=(), held_since=None)
 
-def still_waiting(state: MasterState, rules: MasterRules, final_step: int, own: str) -> tuple[set[str], bool]:
+def adopted(
+    state: MasterState,
+    remote: Mapping[str, torch.Tensor],
+    outer_step: int,
+    ledger: Ledger,
+    publication: str,
+) -> MasterState:
+    "`state` taking the repository's global, version and ledger (outer momentum restarts at zero)."
+    glob = {
+        k: v.to(state.global_state[k].dtype) for k, v in remote.items() if k in state.global_state
+    }
+    return _with_global(
+        state,
+        {**state.global_state, **glob},
+        outer=OuterBuffers.zeros(state.global_state),
+        outer_step=outer_step,
+        ledger=ledger,
+        publication=publication,
+        punctual=None,
+        held=(),
+        held_since=None,
+    )
+
+
+def still_waiting(
+    state: MasterState, rules: MasterRules, final_step: int, own: str
+) -> tuple[set[str], bool]:
     "`(nodes whose last delta is not in, whether enough nodes are done)` for the final round of master `own`."
     nodes = state.ledger.nodes
     waiting_for = state.ledger.active(state.outer_step, window=2 * max(1, len(nodes)) + 1) - {own}
-    done = {n for n, e in nodes.items() if n != own and (e.get("final") or max(e.get("sessions", {}).values(), default=-1) >= final_step)}
+    done = {
+        n
+        for n, e in nodes.items()
+        if n != own
+        and (e.get("final") or max(e.get("sessions", {}).values(), default=-1) >= final_step)
+    }
     return waiting_for - done, rules.expected_nodes is None or len(done) + 1 >= rules.expected_nodes
 
 # %% ../../nbs/12c_distributed_outer.ipynb #a8070367
 class MasterOuterLoop:
     "The master's outer loop: find, check and fold deltas, publish the global model (one commit), repeat."
-    def __init__(self, hub: Any, state: Mapping[str, torch.Tensor], *, node_state_dir: str | os.PathLike,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, poll_interval: float = 60.0,
-                 on_global_update: Callable[[dict, int], None] | None = None, logger: Any = None,
-                 node_id: str = "master", session: str = "", inner_steps: int = 500, staleness: str = "delayed_nesterov",
-                 expected_nodes: int | None = None, max_delta_norm_ratio: float = 10.0, lease_timeout: float = 600.0,
-                 round_wait: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time):
-        if staleness not in STALENESS_POLICIES: raise ValueError(f"unknown staleness policy {staleness!r}; use one of {', '.join(STALENESS_POLICIES)}")
-        self.transport, self.logger, self.on_global_update, self.clock, self.wall_clock = hub, logger, on_global_update, clock, wall_clock
-        self.dir, self.node_id, self.session, self.poll_interval = Path(node_state_dir), node_id, session or uuid.uuid4().hex[:12], float(poll_interval)
-        self.rules = MasterRules(int(inner_steps), float(outer_lr), float(outer_momentum), staleness, expected_nodes,
-                                 float(max_delta_norm_ratio), float(round_wait), float(lease_timeout))
+
+    def __init__(
+        self,
+        hub: Any,
+        state: Mapping[str, torch.Tensor],
+        *,
+        node_state_dir: str | os.PathLike,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        poll_interval: float = 60.0,
+        on_global_update: Callable[[dict, int], None] | None = None,
+        logger: Any = None,
+        node_id: str = "master",
+        session: str = "",
+        inner_steps: int = 500,
+        staleness: str = "delayed_nesterov",
+        expected_nodes: int | None = None,
+        max_delta_norm_ratio: float = 10.0,
+        lease_timeout: float = 600.0,
+        round_wait: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
+        if staleness not in STALENESS_POLICIES:
+            raise ValueError(
+                f"unknown staleness policy {staleness!r}; use one of {', '.join(STALENESS_POLICIES)}"
+            )
+        self.transport, self.logger, self.on_global_update, self.clock, self.wall_clock = (
+            hub,
+            logger,
+            on_global_update,
+            clock,
+            wall_clock,
+        )
+        self.dir, self.node_id, self.session, self.poll_interval = (
+            Path(node_state_dir),
+            node_id,
+            session or uuid.uuid4().hex[:12],
+            float(poll_interval),
+        )
+        self.rules = MasterRules(
+            int(inner_steps),
+            float(outer_lr),
+            float(outer_momentum),
+            staleness,
+            expected_nodes,
+            float(max_delta_norm_ratio),
+            float(round_wait),
+            float(lease_timeout),
+        )
         self.state = master_state(state)
         self.revision = None  # the revision this master last listed: an unchanged head means nothing new (never its own commit)
-        self.unfetched: set[str] = set()  # listed deltas that could not be fetched: tried again each pass, said once
-        self.error, self.lock, self._stop, self._wake, self._thread = None, threading.RLock(), threading.Event(), threading.Event(), None
+        self.unfetched: set[str] = (
+            set()
+        )  # listed deltas that could not be fetched: tried again each pass, said once
+        self.error, self.lock, self._stop, self._wake, self._thread = (
+            None,
+            threading.RLock(),
+            threading.Event(),
+            threading.Event(),
+            None,
+        )
         self.state = self._read_local() or self.state
-    outer_step = property(lambda self: self.state.outer_step, doc="The published version (-1 before the first).")
-    global_state = property(lambda self: self.state.global_state, doc="The published global model (CPU tensors).")
+
+    outer_step = property(
+        lambda self: self.state.outer_step, doc="The published version (-1 before the first)."
+    )
+    global_state = property(
+        lambda self: self.state.global_state, doc="The published global model (CPU tensors)."
+    )
     ledger = property(lambda self: self.state.ledger, doc="The deltas the global holds.")
-    punctual = property(lambda self: self.state.punctual, doc="The nodes rounds wait for after a wait ran out (None: all).")
-    held = property(lambda self: {d.path: d for d in self.state.held}, doc="The held round's deltas by path.")
-    def _local_files(self, suffix: str = "") -> tuple[Path, Path]: return self.dir / f"outer_state.json{suffix}", self.dir / f"outer_state.safetensors{suffix}"
+    punctual = property(
+        lambda self: self.state.punctual,
+        doc="The nodes rounds wait for after a wait ran out (None: all).",
+    )
+    held = property(
+        lambda self: {d.path: d for d in self.state.held}, doc="The held round's deltas by path."
+    )
+
+    def _local_files(self, suffix: str = "") -> tuple[Path, Path]:
+        return self.dir / f"outer_state.json{suffix}", self.dir / f"outer_state.safetensors{suffix}"
+
     def _log(self, level: str, message: str) -> None:
-        if self.logger is not None: getattr(self.logger, level)(message)
+        if self.logger is not None:
+            getattr(self.logger, level)(message)
+
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
-            with contextlib.suppress(RuntimeError): self.logger.emit(event, payload)   # a closed logger must not kill the loop
-    def _where(self) -> str: return describe_repository(self.transport)
-    def _received(self) -> int: return getattr(getattr(self.transport, "counts", None), "bytes_received", 0)
+            with contextlib.suppress(RuntimeError):
+                self.logger.emit(event, payload)  # a closed logger must not kill the loop
+
+    def _where(self) -> str:
+        return describe_repository(self.transport)
+
+    def _received(self) -> int:
+        return getattr(getattr(self.transport, "counts", None), "bytes_received", 0)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #82864fc9
 @patch
@@ -565,110 +1138,200 @@ def _save_local(self: MasterOuterLoop, state: MasterState, suffix: str = "") -> 
     js, st = self._local_files(suffix)
     info, tensors = state_record(state)
     save_safetensors(tensors, st)
-    atomic_write_text(json.dumps({**info, "session": self.session, "updated_at": utc_now()}, indent=2) + "\n", js)
+    atomic_write_text(
+        json.dumps({**info, "session": self.session, "updated_at": utc_now()}, indent=2) + "\n", js
+    )
+
 
 @patch
 def _read_local(self: MasterOuterLoop, suffix: str = "") -> MasterState | None:
     "The saved state, or None when absent or unreadable."
     js, st = self._local_files(suffix)
-    if not (js.exists() and st.exists()): return None
-    try: return restored(self.state, json.loads(js.read_text()), load_safetensors(st))
-    except Exception as e: return self._log("warning", f"ignoring unreadable outer state {js}: {e}")
+    if not (js.exists() and st.exists()):
+        return None
+    try:
+        return restored(self.state, json.loads(js.read_text()), load_safetensors(st))
+    except Exception as e:
+        return self._log("warning", f"ignoring unreadable outer state {js}: {e}")
+
 
 @patch
 def _promote(self: MasterOuterLoop) -> None:
-    for nxt, cur in zip(self._local_files(".next"), self._local_files()): os.replace(nxt, cur)
+    for nxt, cur in zip(self._local_files(".next"), self._local_files()):
+        os.replace(nxt, cur)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #323ad2fa
 PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
 
+
 @patch
-def _commit(self: MasterOuterLoop, files: dict, deletes: list[str], repo: RepoState, version: int, message: str) -> str:
+def _commit(
+    self: MasterOuterLoop,
+    files: dict,
+    deletes: list[str],
+    repo: RepoState,
+    version: int,
+    message: str,
+) -> str:
     "One guarded commit through the transport; the keywords a transport of the 2.0 contract lacks are left out."
-    extra, params = {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)}, inspect.signature(self.transport.publish).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()): extra = {k: v for k, v in extra.items() if k in params}
-    return self.transport.publish(files, deletes, parent=repo, owner=self.node_id, message=message, **extra)
+    extra, params = (
+        {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)},
+        inspect.signature(self.transport.publish).parameters,
+    )
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        extra = {k: v for k, v in extra.items() if k in params}
+    return self.transport.publish(
+        files, deletes, parent=repo, owner=self.node_id, message=message, **extra
+    )
+
 
 @patch
 def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoState:
     "Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns the new repository state."
     prepared = replace(pub.state, publication=uuid.uuid4().hex)
-    version, out, beat = prepared.outer_step, self.dir / "outgoing", datetime.fromtimestamp(self.wall_clock(), timezone.utc)
-    extras = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd", "staleness": self.rules.policy,
-              "ledger": prepared.ledger.to_json(), "publication": prepared.publication, **({"bootstrap": "true"} if pub.bootstrap else {}),
-              "master": {"node_id": self.node_id, "session": self.session, "heartbeat": beat.replace(microsecond=0).isoformat()}}
+    version, out, beat = (
+        prepared.outer_step,
+        self.dir / "outgoing",
+        datetime.fromtimestamp(self.wall_clock(), timezone.utc),
+    )
+    extras = {
+        "algorithm": "dumb_diloco",
+        "optimizer": "nesterov_sgd",
+        "staleness": self.rules.policy,
+        "ledger": prepared.ledger.to_json(),
+        "publication": prepared.publication,
+        **({"bootstrap": "true"} if pub.bootstrap else {}),
+        "master": {
+            "node_id": self.node_id,
+            "session": self.session,
+            "heartbeat": beat.replace(microsecond=0).isoformat(),
+        },
+    }
     meta = GlobalMetadata(version, utc_now())
     atomic_write_text(step_count_text(meta, extras), out / "step_count.json")
     files = {GLOBAL_METADATA_PATH: out / "step_count.json"}
-    if pub.weights: files = {GLOBAL_MODEL_PATH: save_safetensors(prepared.global_state, out / "latest.safetensors", {"outer_step": version}), **files}
+    if pub.weights:
+        files = {
+            GLOBAL_MODEL_PATH: save_safetensors(
+                prepared.global_state, out / "latest.safetensors", {"outer_step": version}
+            ),
+            **files,
+        }
     self._save_local(prepared, ".next")
     deadline, parent_step = time.monotonic() + PUBLISH_PATIENCE_S, repo.outer_step
     while True:
         try:
-            new = RepoState(self._commit(files, list(pub.deletes), repo, version, pub.message), meta, extras)
+            new = RepoState(
+                self._commit(files, list(pub.deletes), repo, version, pub.message), meta, extras
+            )
             break
         except PublishConflict as conflict:
-            repo = self.transport.state()                           # commits this master has not listed came in between
-            verdict = conflict_verdict(parent_step, self.node_id, prepared.publication, repo.outer_step, repo.extras)
-            if verdict == "published": new = repo; break
+            repo = self.transport.state()  # commits this master has not listed came in between
+            verdict = conflict_verdict(
+                parent_step, self.node_id, prepared.publication, repo.outer_step, repo.extras
+            )
+            if verdict == "published":
+                new = repo
+                break
             if verdict == "stop":
-                raise HubError(f"another master published version {repo.outer_step} to {self._where()} "
-                               f"while {self.node_id!r} was master; stopping this master") from conflict
+                raise HubError(
+                    f"another master published version {repo.outer_step} to {self._where()} "
+                    f"while {self.node_id!r} was master; stopping this master"
+                ) from conflict
             if time.monotonic() > deadline:
-                raise HubUnavailable(f"publishing version {version}: the repository kept changing underneath "
-                                     f"for {PUBLISH_PATIENCE_S:g} s") from conflict
+                raise HubUnavailable(
+                    f"publishing version {version}: the repository kept changing underneath "
+                    f"for {PUBLISH_PATIENCE_S:g} s"
+                ) from conflict
     self._promote()
-    with self.lock: self.state = on_published(prepared, pub.deletes, self.clock())
-    self.revision = None   # the next round lists again: the new head is this master's commit, which it never listed
+    with self.lock:
+        self.state = on_published(prepared, pub.deletes, self.clock())
+    self.revision = None  # the next round lists again: the new head is this master's commit, which it never listed
     return new
 
 # %% ../../nbs/12c_distributed_outer.ipynb #e2496e14
 @patch
 def start_master(self: MasterOuterLoop) -> RepoState:
     "Reconcile local state and repository; bootstrap or adopt. Returns the repository state afterwards."
-    if callable(getattr(self.transport, "open", None)): self.transport.open(create=True, private=True)
+    if callable(getattr(self.transport, "open", None)):
+        self.transport.open(create=True, private=True)
     repo = self.transport.state()
     prepared = self._read_local(".next")
     if repo.metadata is None:
         self._publish(repo, bootstrap(self.state))
         return self.transport.state()
-    holder = lease_holder(repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock())
-    if holder: raise HubError(f"{self._where()} belongs to master {holder}; only one master may publish. "
-                              f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it stopped")
-    if other_master(repo.extras, self.node_id): repo = self._outwait_lease(repo)
+    holder = lease_holder(
+        repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock()
+    )
+    if holder:
+        raise HubError(
+            f"{self._where()} belongs to master {holder}; only one master may publish. "
+            f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it stopped"
+        )
+    if other_master(repo.extras, self.node_id):
+        repo = self._outwait_lease(repo)
     chosen = resumed(self.state, prepared, repo.outer_step, str(repo.extras.get("publication", "")))
-    if prepared is not None and chosen is prepared: self._promote()
+    if prepared is not None and chosen is prepared:
+        self._promote()
     else:
-        for f in self._local_files(".next"): f.unlink(missing_ok=True)   # prepared, never published
-    if chosen is None:                                              # adopt the repository's global and ledger
+        for f in self._local_files(".next"):
+            f.unlink(missing_ok=True)  # prepared, never published
+    if chosen is None:  # adopt the repository's global and ledger
         if self.state.outer_step >= 0:
-            self._log("warning", f"local outer state is at version {self.state.outer_step}, {self._where()} at "
-                                 f"{repo.outer_step}; adopting the repository's global model and ledger (outer momentum restarts)")
-        self.transport.fetch(GLOBAL_MODEL_PATH, path := self.dir / "cache" / "global.safetensors", revision=repo.revision)
+            self._log(
+                "warning",
+                f"local outer state is at version {self.state.outer_step}, {self._where()} at "
+                f"{repo.outer_step}; adopting the repository's global model and ledger (outer momentum restarts)",
+            )
+        self.transport.fetch(
+            GLOBAL_MODEL_PATH,
+            path := self.dir / "cache" / "global.safetensors",
+            revision=repo.revision,
+        )
         remote = load_safetensors(path)
         path.unlink()
         if problem := state_misfit(self.state.global_state, remote):
-            raise HubError(f"the global model (version {repo.outer_step}) in {self._where()} does not fit this master's "
-                           f"model: {problem}; every node must train the same model (compare the model sections of the configs)")
-        chosen = adopted(self.state, remote, repo.outer_step, Ledger.from_json(repo.extras.get("ledger")), str(repo.extras.get("publication", "")))
+            raise HubError(
+                f"the global model (version {repo.outer_step}) in {self._where()} does not fit this master's "
+                f"model: {problem}; every node must train the same model (compare the model sections of the configs)"
+            )
+        chosen = adopted(
+            self.state,
+            remote,
+            repo.outer_step,
+            Ledger.from_json(repo.extras.get("ledger")),
+            str(repo.extras.get("publication", "")),
+        )
         self._save_local(chosen)
-    with self.lock: self.state = chosen
-    self.revision = None                                            # deltas already there are listed by the first round
+    with self.lock:
+        self.state = chosen
+    self.revision = None  # deltas already there are listed by the first round
     return repo
+
 
 @patch
 def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
     "Take over another master's repository only after its version file stayed unchanged for `lease_timeout` s here."
-    other, seen, start, lease = other_master(repo.extras, self.node_id), liveness(repo.extras), self.clock(), self.rules.lease_timeout
-    self._log("info", f"{self._where()} was last published by master {other!r}; watching it for "
-                      f"distributed.lease_timeout={lease:g} s before taking over")
+    other, seen, start, lease = (
+        other_master(repo.extras, self.node_id),
+        liveness(repo.extras),
+        self.clock(),
+        self.rules.lease_timeout,
+    )
+    self._log(
+        "info",
+        f"{self._where()} was last published by master {other!r}; watching it for "
+        f"distributed.lease_timeout={lease:g} s before taking over",
+    )
     while self.clock() - start < lease:
-        time.sleep(max(0.01, min(self.poll_interval, lease / 20)))   # a start: Ctrl-C ends it
+        time.sleep(max(0.01, min(self.poll_interval, lease / 20)))  # a start: Ctrl-C ends it
         repo = self.transport.state()
         if liveness(repo.extras) != seen:
-            raise HubError(f"{self._where()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
-                           f"it published while {self.node_id!r} watched; only one master may publish. Stop it, or wait "
-                           f"distributed.lease_timeout={lease:g} s after it stopped")
+            raise HubError(
+                f"{self._where()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
+                f"it published while {self.node_id!r} watched; only one master may publish. Stop it, or wait "
+                f"distributed.lease_timeout={lease:g} s after it stopped"
+            )
     return repo
 
 # %% ../../nbs/12c_distributed_outer.ipynb #24d8f318
@@ -679,183 +1342,358 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     self.state = listed(self.state, present)
     held = {d.path for d in self.state.held}
     listed_paths = [p for p in present if p not in self.state.drop]
-    accepted = list(self.state.held)                                # checked in an earlier pass, waiting for their round
-    paths, cache = sorted((p for p in listed_paths if p not in held), key=parse_delta_path), self.dir / "cache"   # in step order
+    accepted = list(self.state.held)  # checked in an earlier pass, waiting for their round
+    paths, cache = (
+        sorted((p for p in listed_paths if p not in held), key=parse_delta_path),
+        self.dir / "cache",
+    )  # in step order
     local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
-    def fetch(path: str) -> HubError | None:                       # the error when that one file cannot be had
-        try: self.transport.fetch(path, local_of[path], revision=repo.revision)
-        except HubUnavailable: raise                                # the repository being unreachable still raises
-        except HubError as e: return e
-    with ThreadPoolExecutor(max_workers=4) as pool:                 # downloads overlap; checks stay in order
+
+    def fetch(path: str) -> HubError | None:  # the error when that one file cannot be had
+        try:
+            self.transport.fetch(path, local_of[path], revision=repo.revision)
+        except HubUnavailable:
+            raise  # the repository being unreachable still raises
+        except HubError as e:
+            return e
+
+    with ThreadPoolExecutor(max_workers=4) as pool:  # downloads overlap; checks stay in order
         fetched = list(pool.map(fetch, paths))
     self.unfetched &= set(listed_paths)
     for path, problem in zip(paths, fetched):
         if problem is not None:
-            if path not in self.unfetched: self._log("warning", f"delta {path} could not be fetched; trying again next round: {problem}")
-            self.unfetched.add(path); continue
+            if path not in self.unfetched:
+                self._log(
+                    "warning",
+                    f"delta {path} could not be fetched; trying again next round: {problem}",
+                )
+            self.unfetched.add(path)
+            continue
         self.unfetched.discard(path)
         local, header = local_of[path], None
         try:
             tensors, header = load_delta(local)
-            reached = {(a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)}   # highest accepted
+            reached = {
+                (a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)
+            }  # highest accepted
             d = check(self.state, self.rules, path, tensors, header, reached)
-        except ValueError as e:                                     # DeltaRejected, or an unreadable file
-            self._quarantine(path, local, e if isinstance(e, DeltaRejected) else DeltaRejected("unreadable", str(e)), header); continue
-        finally: local.unlink(missing_ok=True)
+        except ValueError as e:  # DeltaRejected, or an unreadable file
+            self._quarantine(
+                path,
+                local,
+                e if isinstance(e, DeltaRejected) else DeltaRejected("unreadable", str(e)),
+                header,
+            )
+            continue
+        finally:
+            local.unlink(missing_ok=True)
         if self.state.ledger.folded(d.node_id, d.session, d.step):
             self.state = rejected(self.state, path, "duplicate")
-            self._emit("delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step}); continue
+            self._emit("delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step})
+            continue
         accepted.append(d)
     accepted, refused = judge_newcomers(self.state, self.rules, accepted)
-    for d, reason, why in refused: self._quarantine(d.path, local_of.get(d.path, cache / "-"), DeltaRejected(reason, f"{d.path}: {why}"), {"session": d.session})
+    for d, reason, why in refused:
+        self._quarantine(
+            d.path,
+            local_of.get(d.path, cache / "-"),
+            DeltaRejected(reason, f"{d.path}: {why}"),
+            {"session": d.session},
+        )
     return accepted, len(listed_paths)
 
+
 @patch
-def _quarantine(self: MasterOuterLoop, path: str, local: Path, error: DeltaRejected, header: Mapping[str, str] | None = None) -> None:
+def _quarantine(
+    self: MasterOuterLoop,
+    path: str,
+    local: Path,
+    error: DeltaRejected,
+    header: Mapping[str, str] | None = None,
+) -> None:
     "Refuse the delta at `path`: its file and reason kept in the quarantine (the newest 20), a warning and a `delta_rejected` event."
     quarantine = self.dir / "quarantine"
     name = path.replace("/", "__")
-    atomic_write_text(json.dumps({"path": path, "reason": error.reason, "message": str(error), "at": utc_now()}) + "\n",
-                      quarantine / (name + ".json"))                # makes the folder too
-    if local.exists(): os.replace(local, quarantine / name)
-    for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-40]: old.unlink(missing_ok=True)
-    self.state = rejected(self.state, path, error.reason, None if header is None else str(header.get("session", "")))
+    atomic_write_text(
+        json.dumps({"path": path, "reason": error.reason, "message": str(error), "at": utc_now()})
+        + "\n",
+        quarantine / (name + ".json"),
+    )  # makes the folder too
+    if local.exists():
+        os.replace(local, quarantine / name)
+    for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-40]:
+        old.unlink(missing_ok=True)
+    self.state = rejected(
+        self.state, path, error.reason, None if header is None else str(header.get("session", ""))
+    )
     node_step = parse_delta_path(path) or (None, None)
     self._log("warning", f"rejected delta {path}: {error}")
-    self._emit("delta_rejected", {"path": path, "node_id": node_step[0], "step": node_step[1], "reason": error.reason, "message": str(error)})
+    self._emit(
+        "delta_rejected",
+        {
+            "path": path,
+            "node_id": node_step[0],
+            "step": node_step[1],
+            "reason": error.reason,
+            "message": str(error),
+        },
+    )
 
 # %% ../../nbs/12c_distributed_outer.ipynb #e3ee59cc
 @patch
 def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
     "Raise `HubError` unless the repository is at this master's version (or one it published without hearing back)."
-    if repo.outer_step == self.state.outer_step and (repo.extras.get("publication") or "") == self.state.publication: return
-    if (prepared := resumed(None, self._read_local(".next"), repo.outer_step, str(repo.extras.get("publication", "")))) is not None:
+    if (
+        repo.outer_step == self.state.outer_step
+        and (repo.extras.get("publication") or "") == self.state.publication
+    ):
+        return
+    if (
+        prepared := resumed(
+            None,
+            self._read_local(".next"),
+            repo.outer_step,
+            str(repo.extras.get("publication", "")),
+        )
+    ) is not None:
         self._promote()
-        with self.lock: self.state = on_published(prepared, (), self.clock())
-        self._log("warning", f"version {repo.outer_step} was published although no answer came back; continuing from it")
-        if self.on_global_update is not None: self.on_global_update(self.state.global_state, self.state.outer_step)
+        with self.lock:
+            self.state = on_published(prepared, (), self.clock())
+        self._log(
+            "warning",
+            f"version {repo.outer_step} was published although no answer came back; continuing from it",
+        )
+        if self.on_global_update is not None:
+            self.on_global_update(self.state.global_state, self.state.outer_step)
         return
     who = (repo.extras.get("master") or {}).get("node_id")
-    raise HubError(f"{self._where()} is at version {repo.outer_step} by {who!r}, not this master's "
-                   f"version {self.state.outer_step}; another master is publishing, so {self.node_id!r} stops")
+    raise HubError(
+        f"{self._where()} is at version {repo.outer_step} by {who!r}, not this master's "
+        f"version {self.state.outer_step}; another master is publishing, so {self.node_id!r} stops"
+    )
+
 
 @patch
 def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     "One round: collect, fold and publish (with `round_wait`, only a full round unless `full_rounds` is False). Returns the outer step."
-    head = self.transport.head_revision() if callable(getattr(self.transport, "head_revision", None)) else None
+    head = (
+        self.transport.head_revision()
+        if callable(getattr(self.transport, "head_revision", None))
+        else None
+    )
     now = self.clock()
-    quiet = not (self.state.drop or heartbeat_due(self.state, self.rules, now) or round_due(self.state, self.rules, now, full_rounds))
-    if head is not None and head == self.revision and quiet: return self.state.outer_step
-    repo = self.transport.state() if head is None else self.transport.state(head)   # the head just read: one request fewer
-    if repo.metadata is None or self.state.outer_step < 0: return self.start_master().outer_step
+    quiet = not (
+        self.state.drop
+        or heartbeat_due(self.state, self.rules, now)
+        or round_due(self.state, self.rules, now, full_rounds)
+    )
+    if head is not None and head == self.revision and quiet:
+        return self.state.outer_step
+    repo = (
+        self.transport.state() if head is None else self.transport.state(head)
+    )  # the head just read: one request fewer
+    if repo.metadata is None or self.state.outer_step < 0:
+        return self.start_master().outer_step
     self._owned(repo)
     received = self._received()
     accepted, found = self._collect(repo)
     self.revision = repo.revision
     if not accepted:
-        if self.state.drop: self._publish(repo, cleanup(self.state))
-        elif heartbeat_due(self.state, self.rules, self.clock()): self._publish(repo, replace(heartbeat(self.state), message=f"heartbeat of master {self.node_id}"))
-        if found: self._emit("outer_step", {"outer_step": self.state.outer_step, "deltas_found": found, "deltas_included": 0})
+        if self.state.drop:
+            self._publish(repo, cleanup(self.state))
+        elif heartbeat_due(self.state, self.rules, self.clock()):
+            self._publish(
+                repo, replace(heartbeat(self.state), message=f"heartbeat of master {self.node_id}")
+            )
+        if found:
+            self._emit(
+                "outer_step",
+                {"outer_step": self.state.outer_step, "deltas_found": found, "deltas_included": 0},
+            )
         return self.state.outer_step
     now, before = self.clock(), self.state
     self.state, pub, refused = fold(before, self.rules, accepted, now, full_rounds)
-    for d, reason, why in refused: self._quarantine(d.path, self.dir / "cache" / "-", DeltaRejected(reason, f"{d.path}: {why}"), {"session": d.session})
-    if pub is None: return self.state.outer_step
+    for d, reason, why in refused:
+        self._quarantine(
+            d.path,
+            self.dir / "cache" / "-",
+            DeltaRejected(reason, f"{d.path}: {why}"),
+            {"session": d.session},
+        )
+    if pub is None:
+        return self.state.outer_step
     self._publish(repo, pub)
-    if wait_ran_out(before, self.rules, now) and len(pub.state.punctual or ()) < pub.nodes and pub.state.punctual:
-        self._log("info", f"outer step {self.state.outer_step}: folded {len(pub.state.punctual)} of {pub.nodes} nodes' deltas after waiting "
-                          f"{self.rules.round_wait:g} s for the rest; until the others send again, rounds wait only for {sorted(pub.state.punctual)}")
+    if (
+        wait_ran_out(before, self.rules, now)
+        and len(pub.state.punctual or ()) < pub.nodes
+        and pub.state.punctual
+    ):
+        self._log(
+            "info",
+            f"outer step {self.state.outer_step}: folded {len(pub.state.punctual)} of {pub.nodes} nodes' deltas after waiting "
+            f"{self.rules.round_wait:g} s for the rest; until the others send again, rounds wait only for {sorted(pub.state.punctual)}",
+        )
     self._after_round(pub, found, self._received() - received)
     return self.state.outer_step
+
 
 @patch
 def _after_round(self: MasterOuterLoop, pub: Publication, found: int, received: int) -> None:
     version = self.state.outer_step
     for d in pub.folded:
-        self._emit("delta_norms", {"outer_step": version, "node_id": d.node_id, "step": d.step, "inner_steps": _steps_covered(d, self.rules),
-                                   "base_outer_step": d.base_outer_step, "norm": d.norm, "layers": layer_norms(d.delta)})
-    self._emit("outer_update_norms", {"outer_step": version, "norm": delta_norm(pub.update), "layers": layer_norms(pub.update)})
-    self._emit("outer_step", {"outer_step": version, "deltas_found": found, "deltas_included": len(pub.folded), "nodes": pub.nodes,
-                              "folded": [[d.node_id, d.step] for d in pub.folded], "bytes_received": received,
-                              "delta_bytes": sum(d.wire_bytes for d in pub.folded)})
-    if self.on_global_update is not None: self.on_global_update(self.state.global_state, version)
+        self._emit(
+            "delta_norms",
+            {
+                "outer_step": version,
+                "node_id": d.node_id,
+                "step": d.step,
+                "inner_steps": _steps_covered(d, self.rules),
+                "base_outer_step": d.base_outer_step,
+                "norm": d.norm,
+                "layers": layer_norms(d.delta),
+            },
+        )
+    self._emit(
+        "outer_update_norms",
+        {"outer_step": version, "norm": delta_norm(pub.update), "layers": layer_norms(pub.update)},
+    )
+    self._emit(
+        "outer_step",
+        {
+            "outer_step": version,
+            "deltas_found": found,
+            "deltas_included": len(pub.folded),
+            "nodes": pub.nodes,
+            "folded": [[d.node_id, d.step] for d in pub.folded],
+            "bytes_received": received,
+            "delta_bytes": sum(d.wire_bytes for d in pub.folded),
+        },
+    )
+    if self.on_global_update is not None:
+        self.on_global_update(self.state.global_state, version)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #358b0c7a
 @patch
 def start(self: MasterOuterLoop) -> None:
     "Run rounds every `poll_interval` seconds on a daemon thread."
-    if self._thread is not None and self._thread.is_alive(): return
+    if self._thread is not None and self._thread.is_alive():
+        return
     self._stop.clear()
     self._thread = threading.Thread(target=self._run, name="speedtronic-diloco-master", daemon=True)
     self._thread.start()
+
 
 @patch
 def wake(self: MasterOuterLoop) -> None:
     "Look at the repository now rather than at the next poll (the master's own node has just sent a delta)."
     self._wake.set()
 
+
 @patch
 def _run(self: MasterOuterLoop) -> None:
     while not self._stop.is_set():
         before = self.state.outer_step
-        self._wake.clear()                                          # a wake from now on makes the next wait return at once
-        try: self.sync_once()
-        except HubUnavailable as e: self._log("warning", f"outer round postponed: {e}")
+        self._wake.clear()  # a wake from now on makes the next wait return at once
+        try:
+            self.sync_once()
+        except HubUnavailable as e:
+            self._log("warning", f"outer round postponed: {e}")
         except Exception as e:
             self.error = e
             self._log("error", f"master outer loop stopped: {type(e).__name__}: {e}")
             return
-        if self.state.outer_step == before: self._wake.wait(min(self.poll_interval, 0.25) if self.state.held else self.poll_interval)
+        if self.state.outer_step == before:
+            self._wake.wait(
+                min(self.poll_interval, 0.25) if self.state.held else self.poll_interval
+            )
+
 
 @patch
 def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
     "Stop the loop thread (waits for a running round up to `timeout`, default `max(1, min(poll_interval, 10))` s)."
-    self._stop.set(); self._wake.set()
+    self._stop.set()
+    self._wake.set()
     if self._thread is not None:
         self._thread.join(max(1.0, min(self.poll_interval, 10.0)) if timeout is None else timeout)
-        if self._thread.is_alive(): self._log("warning", "the master outer loop is still finishing a repository call")
+        if self._thread.is_alive():
+            self._log("warning", "the master outer loop is still finishing a repository call")
+
 
 @patch
-def finish(self: MasterOuterLoop, final_step: int, timeout: float, interval: float | None = None,
-           stop: threading.Event | None = None, # set (e.g. by SIGTERM): end the wait at once
-          ) -> int:
+def finish(
+    self: MasterOuterLoop,
+    final_step: int,
+    timeout: float,
+    interval: float | None = None,
+    stop: threading.Event | None = None,  # set (e.g. by SIGTERM): end the wait at once
+) -> int:
     "The final round: fold deltas until every active node's last one is in (or `timeout`, or `stop`); returns the final version."
     self.stop(timeout=max(timeout, 30.0))
-    deadline, interval = time.monotonic() + timeout, min(self.poll_interval, 2.0) if interval is None else interval
-    told = False                                                    # the wait is said once
+    deadline, interval = (
+        time.monotonic() + timeout,
+        min(self.poll_interval, 2.0) if interval is None else interval,
+    )
+    told = False  # the wait is said once
     while True:
         before = self.state.outer_step
-        try: self.sync_once(full_rounds=False)                      # the last deltas: folded as they come
-        except HubUnavailable as e: self._log("warning", f"final round postponed: {e}")
+        try:
+            self.sync_once(full_rounds=False)  # the last deltas: folded as they come
+        except HubUnavailable as e:
+            self._log("warning", f"final round postponed: {e}")
         missing, enough = still_waiting(self.state, self.rules, final_step, self.node_id)
-        if (not missing and enough) or time.monotonic() >= deadline or (stop is not None and stop.is_set()): break
-        if not told: told = self._log("info", f"final round: waiting up to {timeout:g} s for the last deltas of "
-                                              f"{sorted(missing) or 'the expected nodes'}") or True
-        if self.state.outer_step == before: (stop.wait if stop is not None else time.sleep)(interval)  # after a new version, look again at once
-    if stop is not None and stop.is_set(): return self.state.outer_step
+        if (
+            (not missing and enough)
+            or time.monotonic() >= deadline
+            or (stop is not None and stop.is_set())
+        ):
+            break
+        if not told:
+            told = (
+                self._log(
+                    "info",
+                    f"final round: waiting up to {timeout:g} s for the last deltas of "
+                    f"{sorted(missing) or 'the expected nodes'}",
+                )
+                or True
+            )
+        if self.state.outer_step == before:
+            (stop.wait if stop is not None else time.sleep)(
+                interval
+            )  # after a new version, look again at once
+    if stop is not None and stop.is_set():
+        return self.state.outer_step
     if missing or not enough:
-        self._log("warning", f"final round: no last delta from {sorted(missing) or 'some of the expected nodes'} within "
-                             f"distributed.final_round_timeout={timeout:g} s; their last steps are not in the final global model")
+        self._log(
+            "warning",
+            f"final round: no last delta from {sorted(missing) or 'some of the expected nodes'} within "
+            f"distributed.final_round_timeout={timeout:g} s; their last steps are not in the final global model",
+        )
     return self.state.outer_step
+
 
 @patch
 def snapshot(self: MasterOuterLoop) -> tuple[int, dict[str, torch.Tensor]]:
     "`(outer_step, a copy of the global state)`."
-    state = self.state                                              # one immutable value: no lock needed to read it
+    state = self.state  # one immutable value: no lock needed to read it
     return state.outer_step, {k: v.clone() for k, v in state.global_state.items()}
+
 
 @patch
 def state_dict(self: MasterOuterLoop) -> dict[str, Any]:
     "The master's state record for a checkpoint: its info, and its tensors under `tensors`."
-    with self.lock: info, tensors = state_record(self.state)
+    with self.lock:
+        info, tensors = state_record(self.state)
     return {**info, "tensors": {k: v.clone() for k, v in tensors.items()}}
+
 
 @patch
 def load_state_dict(self: MasterOuterLoop, state: Mapping[str, Any]) -> None:
     "Use a checkpoint's outer state (this format or 2.0's) when the state directory has none (it is reconciled with the repository at start)."
     record = translated_record(state) if self.state.outer_step < 0 and state else None
     if record is not None:
-        with self.lock: self.state = restored(self.state, *record)
+        with self.lock:
+            self.state = restored(self.state, *record)
 
 # %% ../../nbs/12c_distributed_outer.ipynb #d1ccd106
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

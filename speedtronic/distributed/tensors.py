@@ -32,76 +32,111 @@ def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
     "A detached, contiguous CPU clone of `t` (unties shared storage, safe to hand to another thread)."
     return t.detach().to("cpu", copy=True).contiguous()
 
+
 def cpu_state_dict(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     "Every tensor of `state` as a CPU clone, keys as strings."
     return {str(k): cpu_tensor(v) for k, v in state.items() if torch.is_tensor(v)}
+
 
 def floating_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     "The floating-point entries of `state`: the ones deltas and the outer optimizer touch."
     complex_keys = [k for k, v in state.items() if torch.is_tensor(v) and v.is_complex()]
     if complex_keys:
-        raise ValueError(f"DiLoCo deltas cannot carry complex tensors ({', '.join(complex_keys[:3])}); "
-                         "keep complex state out of the model's state_dict or train this model without distributed mode")
+        raise ValueError(
+            f"DiLoCo deltas cannot carry complex tensors ({', '.join(complex_keys[:3])}); "
+            "keep complex state out of the model's state_dict or train this model without distributed mode"
+        )
     return {k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
 
 # %% ../../nbs/12_distributed_tensors.ipynb #674f452c
-TENSOR_ALIASES = "tensor_aliases"  # header key: JSON {"<key not stored>": "<stored key with the same bits>"}
+TENSOR_ALIASES = (
+    "tensor_aliases"  # header key: JSON {"<key not stored>": "<stored key with the same bits>"}
+)
+
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
 
 def tensor_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     "The keys whose tensor is bit for bit an earlier key's (tied weights): `{alias: the earlier key}`."
     candidates: dict[tuple, list[str]] = {}
     aliases = {}
     for k, v in tensors.items():
-        if not v.numel(): continue
+        if not v.numel():
+            continue
         flat = v.detach().reshape(-1)
         probe = flat[torch.linspace(0, flat.numel() - 1, min(flat.numel(), 16)).long()]
         key = (v.dtype, tuple(v.shape), bytes(_bits(probe).numpy()))
-        same = next((o for o in candidates.get(key, []) if torch.equal(_bits(tensors[o]), _bits(v))), None)
-        if same is None: candidates.setdefault(key, []).append(k)
-        else: aliases[k] = same
+        same = next(
+            (o for o in candidates.get(key, []) if torch.equal(_bits(tensors[o]), _bits(v))), None
+        )
+        if same is None:
+            candidates.setdefault(key, []).append(k)
+        else:
+            aliases[k] = same
     return aliases
 
-def _stored(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None) -> tuple[dict, dict[str, str]]:
+
+def _stored(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None
+) -> tuple[dict, dict[str, str]]:
     "The CPU tensors a file stores (each distinct tensor once) and its string metadata, naming the aliases."
     cpu = cpu_state_dict(tensors)
     aliases = tensor_aliases(cpu)
     meta = {str(k): str(v) for k, v in (metadata or {}).items() if str(k) != TENSOR_ALIASES}
-    if aliases: meta[TENSOR_ALIASES] = json.dumps(aliases, sort_keys=True)
+    if aliases:
+        meta[TENSOR_ALIASES] = json.dumps(aliases, sort_keys=True)
     return {k: v for k, v in cpu.items() if k not in aliases}, meta
 
-def _expanded(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], where: Any) -> dict[str, torch.Tensor]:
+
+def _expanded(
+    tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], where: Any
+) -> dict[str, torch.Tensor]:
     "`tensors` with every alias the metadata names restored as its own copy; `ValueError` naming `where` if the list is wrong."
     raw = metadata.get(TENSOR_ALIASES)
-    if not raw: return tensors
-    try: aliases = json.loads(raw)
-    except ValueError: aliases = None
-    if not isinstance(aliases, dict) or not all(isinstance(a, str) and isinstance(k, str) and k in tensors and a not in tensors
-                                                for a, k in aliases.items()):
-        raise ValueError(f"{where}: header {TENSOR_ALIASES} must map keys not in the file to keys in it, got {raw[:200]!r}")
+    if not raw:
+        return tensors
+    try:
+        aliases = json.loads(raw)
+    except ValueError:
+        aliases = None
+    if not isinstance(aliases, dict) or not all(
+        isinstance(a, str) and isinstance(k, str) and k in tensors and a not in tensors
+        for a, k in aliases.items()
+    ):
+        raise ValueError(
+            f"{where}: header {TENSOR_ALIASES} must map keys not in the file to keys in it, got {raw[:200]!r}"
+        )
     return {**tensors, **{a: tensors[k].clone() for a, k in aliases.items()}}
 
 # %% ../../nbs/12_distributed_tensors.ipynb #4268e791
-def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | Path,
-                     metadata: Mapping[str, Any] | None = None) -> Path:
+def save_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, Any] | None = None
+) -> Path:
     "Write `tensors` (CPU copies, a tied tensor once) with string `metadata` to `path` atomically; returns the path."
     return atomic_write_bytes(safetensors_bytes(tensors, metadata), path)
 
-def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None) -> bytes:
+
+def safetensors_bytes(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None
+) -> bytes:
     "The safetensors encoding of `tensors` (a tied tensor once) with string `metadata`, in memory."
     stored, meta = _stored(tensors, metadata)
     return _st_save(stored, metadata=meta)
+
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     "All tensors of a safetensors file, on the CPU (aliases restored)."
     data = Path(path).read_bytes()
     return _expanded(_st_load(data), _header(data), path)
 
+
 def read_metadata(path: str | Path) -> dict[str, str]:
     "The header metadata of a safetensors file (empty when it has none)."
-    with safe_open(str(path), framework="pt", device="cpu") as f: return dict(f.metadata() or {})
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return dict(f.metadata() or {})
+
 
 def load_delta(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     "`(tensors, header)` of a delta file; `ValueError` naming the file when it is not readable safetensors."
@@ -110,18 +145,24 @@ def load_delta(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str
         header = _header(data)
         return _expanded(_st_load(data), header, path), header
     except Exception as e:
-        raise ValueError(f"unable to load safetensors file {path}: {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"unable to load safetensors file {path}: {type(e).__name__}: {e}"
+        ) from None
+
 
 def _header(data: bytes) -> dict[str, str]:
     n = int.from_bytes(data[:8], "little")
-    return dict(json.loads(data[8:8 + n]).get("__metadata__") or {})
+    return dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})
+
 
 def metadata_json(metadata: Mapping[str, str]) -> dict[str, Any]:
     "Header values JSON-decoded where they are JSON (`'12'` → 12), the rest kept as strings."
     out = {}
     for k, v in metadata.items():
-        try: out[k] = json.loads(v)
-        except (TypeError, ValueError): out[k] = v
+        try:
+            out[k] = json.loads(v)
+        except (TypeError, ValueError):
+            out[k] = v
     return out
 
 # %% ../../nbs/12_distributed_tensors.ipynb #23260e7e
@@ -129,20 +170,24 @@ GLOBAL_MODEL_PATH = "global/latest.safetensors"
 GLOBAL_METADATA_PATH = "global/step_count.json"
 _DELTA_PATH = re.compile(r"nodes/(?P<node>[^/\\]+)/delta_(?P<step>\d+)\.safetensors")
 
+
 def delta_path(node_id: str, step: int) -> str:
     "Repository path of the delta `node_id` sent at local step `step`."
     return f"nodes/{node_id}/delta_{int(step)}.safetensors"
 
+
 def parse_delta_path(path: str) -> tuple[str, int] | None:
     "`(node_id, step)` of a delta path, or `None` for anything else."
     m = _DELTA_PATH.fullmatch(str(path))
-    if m is None or m["node"] in (".", ".."): return None
+    if m is None or m["node"] in (".", ".."):
+        return None
     return m["node"], int(m["step"])
 
 # %% ../../nbs/12_distributed_tensors.ipynb #267035ab
 @dataclass(frozen=True)
 class GlobalMetadata:
     "What `global/step_count.json` says about the global model (the fields 2.0 reads)."
+
     outer_step: int
     updated_at: str = ""
     model_file: str = GLOBAL_MODEL_PATH
@@ -150,69 +195,112 @@ class GlobalMetadata:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GlobalMetadata":
         "Read 2.0's fields: `outer_step` (or the legacy `step`), `updated_at`, `model_file`."
-        return cls(int(data.get("outer_step", data.get("step", 0))), str(data.get("updated_at", "")),
-                   str(data.get("model_file") or GLOBAL_MODEL_PATH))
+        return cls(
+            int(data.get("outer_step", data.get("step", 0))),
+            str(data.get("updated_at", "")),
+            str(data.get("model_file") or GLOBAL_MODEL_PATH),
+        )
 
-    def to_dict(self) -> dict[str, Any]: return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
 
 def utc_now() -> str:
     "The current UTC time as ISO-8601 with offset, as `updated_at` stores it."
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
 
+
 def step_count_text(metadata: GlobalMetadata, extras: Mapping[str, Any] | None = None) -> str:
     "The text of `global/step_count.json`: 2.0's fields plus `extras`, keys sorted, 2-space indent."
     return json.dumps({**(extras or {}), **metadata.to_dict()}, indent=2, sort_keys=True) + "\n"
 
+
 def parse_step_count(text: str | bytes) -> tuple[GlobalMetadata, dict[str, Any]]:
     "`(GlobalMetadata, extras)` from the text of `global/step_count.json`; `ValueError` when it is not one."
-    try: data = json.loads(text)
-    except ValueError as e: raise ValueError(f"{GLOBAL_METADATA_PATH} is not JSON: {e}") from None
-    if not isinstance(data, dict): raise ValueError(f"{GLOBAL_METADATA_PATH} must hold a JSON object")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{GLOBAL_METADATA_PATH} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{GLOBAL_METADATA_PATH} must hold a JSON object")
     meta = GlobalMetadata.from_dict(data)
     if meta.model_file != GLOBAL_MODEL_PATH:
-        raise ValueError(f"{GLOBAL_METADATA_PATH} points at model_file {meta.model_file!r}; only {GLOBAL_MODEL_PATH} is followed")
-    return meta, {k: v for k, v in data.items() if k not in ("outer_step", "step", "updated_at", "model_file")}
+        raise ValueError(
+            f"{GLOBAL_METADATA_PATH} points at model_file {meta.model_file!r}; only {GLOBAL_MODEL_PATH} is followed"
+        )
+    return meta, {
+        k: v for k, v in data.items() if k not in ("outer_step", "step", "updated_at", "model_file")
+    }
 
 # %% ../../nbs/12_distributed_tensors.ipynb #1517c05c
-def compute_pseudo_gradient(baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def compute_pseudo_gradient(
+    baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     "`fp32(baseline) − fp32(current)` for every floating key; `ValueError` when keys or shapes differ."
     missing, extra = sorted(set(baseline) - set(current)), sorted(set(current) - set(baseline))
     if missing or extra:
-        raise ValueError(f"baseline and model differ: missing in the model {missing[:5]}, not in the baseline {extra[:5]}")
+        raise ValueError(
+            f"baseline and model differ: missing in the model {missing[:5]}, not in the baseline {extra[:5]}"
+        )
     floats = floating_state(baseline)
-    if (k := next((k for k, b in floats.items() if tuple(b.shape) != tuple(current[k].shape)), None)) is not None:
-        raise ValueError(f"{k}: baseline shape {tuple(floats[k].shape)} differs from the model's {tuple(current[k].shape)}")
-    return {k: b.detach().float().cpu() - current[k].detach().float().cpu() for k, b in floats.items()}
+    if (
+        k := next((k for k, b in floats.items() if tuple(b.shape) != tuple(current[k].shape)), None)
+    ) is not None:
+        raise ValueError(
+            f"{k}: baseline shape {tuple(floats[k].shape)} differs from the model's {tuple(current[k].shape)}"
+        )
+    return {
+        k: b.detach().float().cpu() - current[k].detach().float().cpu() for k, b in floats.items()
+    }
 
 # %% ../../nbs/12_distributed_tensors.ipynb #e39d7d0d
 DELTA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 INT8_SCALE = ".__int8_scale__"
 
-def encode_delta(delta: Mapping[str, torch.Tensor], dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+
+def encode_delta(
+    delta: Mapping[str, torch.Tensor], dtype: str = "bfloat16"
+) -> dict[str, torch.Tensor]:
     "The wire tensors of a float32 `delta` in `dtype` (`float32`, `bfloat16` or `int8`)."
-    if dtype in DELTA_DTYPES: return {k: v.to(DELTA_DTYPES[dtype]).contiguous() for k, v in delta.items()}
-    if dtype != "int8": raise ValueError(f"unknown delta dtype {dtype!r}; use float32, bfloat16 or int8")
+    if dtype in DELTA_DTYPES:
+        return {k: v.to(DELTA_DTYPES[dtype]).contiguous() for k, v in delta.items()}
+    if dtype != "int8":
+        raise ValueError(f"unknown delta dtype {dtype!r}; use float32, bfloat16 or int8")
     out = {}
     for k, v in delta.items():
-        rows = v.float().reshape(v.shape[0] if v.ndim else 1, -1) if v.numel() else v.float().reshape(1, 0)
-        scale = (rows.abs().amax(dim=1) / 127.0 if rows.shape[1] else torch.zeros(rows.shape[0])).clamp_min(1e-30)
-        out[k] = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8).reshape(v.shape)
+        rows = (
+            v.float().reshape(v.shape[0] if v.ndim else 1, -1)
+            if v.numel()
+            else v.float().reshape(1, 0)
+        )
+        scale = (
+            rows.abs().amax(dim=1) / 127.0 if rows.shape[1] else torch.zeros(rows.shape[0])
+        ).clamp_min(1e-30)
+        out[k] = (
+            torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8).reshape(v.shape)
+        )
         out[k + INT8_SCALE] = scale.float()
     return out
+
 
 def decode_delta(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     "The float32 delta that wire `tensors` stand for (any of the encodings; scales applied to int8)."
     out = {}
     for k, v in tensors.items():
-        if k.endswith(INT8_SCALE): continue
+        if k.endswith(INT8_SCALE):
+            continue
         if v.dtype == torch.int8:
             scale = tensors.get(k + INT8_SCALE)
-            if scale is None: raise ValueError(f"{k}: int8 tensor without its {k + INT8_SCALE} scale")
+            if scale is None:
+                raise ValueError(f"{k}: int8 tensor without its {k + INT8_SCALE} scale")
             rows = v.float().reshape(v.shape[0] if v.ndim else 1, -1)
-            if scale.numel() != rows.shape[0]: raise ValueError(f"{k}: {scale.numel()} scales for {rows.shape[0]} rows")
+            if scale.numel() != rows.shape[0]:
+                raise ValueError(f"{k}: {scale.numel()} scales for {rows.shape[0]} rows")
             out[k] = (rows * scale.float().reshape(-1, 1)).reshape(v.shape)
-        else: out[k] = v.float()
+        else:
+            out[k] = v.float()
     return out
+
 
 def wire_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     "Bytes of tensor data a file of `tensors` holds: each distinct tensor once (the file adds a small header)."
@@ -220,26 +308,47 @@ def wire_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in aliases)
 
 # %% ../../nbs/12_distributed_tensors.ipynb #a4ccb2ef
-def delta_header(*, node_id: str, local_step: int, base_outer_step: int, inner_steps: int, encoding: str,
-                 session: str = "", final: bool = False, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+def delta_header(
+    *,
+    node_id: str,
+    local_step: int,
+    base_outer_step: int,
+    inner_steps: int,
+    encoding: str,
+    session: str = "",
+    final: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
     "The safetensors header of a delta (all values strings)."
     header = {str(k): str(v) for k, v in (extra or {}).items()}
-    header.update({"algorithm": "dumb_diloco", "inner_steps": str(int(inner_steps)), "encoding": encoding,
-                   "session": str(session), "node_id": str(node_id), "local_step": str(int(local_step)),
-                   "base_outer_step": str(int(base_outer_step))})
-    if final: header["final"] = "true"
+    header.update(
+        {
+            "algorithm": "dumb_diloco",
+            "inner_steps": str(int(inner_steps)),
+            "encoding": encoding,
+            "session": str(session),
+            "node_id": str(node_id),
+            "local_step": str(int(local_step)),
+            "base_outer_step": str(int(base_outer_step)),
+        }
+    )
+    if final:
+        header["final"] = "true"
     return header
 
 # %% ../../nbs/12_distributed_tensors.ipynb #91f1df72
 class DeltaRejected(ValueError):
     "A delta file the master must not aggregate; `reason` is a short code, the message says why."
+
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
 
+
 @dataclass
 class CheckedDelta:
     "A delta that passed `check_delta`: its float32 tensors and the facts the master needs."
+
     path: str
     node_id: str
     step: int
@@ -251,86 +360,151 @@ class CheckedDelta:
     wire_bytes: int = 0
     norm: float | None = None  # the L2 norm of `delta`, computed once by the master's size check
 
-def _header_int(header: Mapping[str, str], key: str, path: str, default: int | None) -> int | None:
-    if key not in header: return default
-    try: return int(header[key])
-    except (TypeError, ValueError):
-        raise DeltaRejected("header", f"{path}: header {key}={header[key]!r} is not an integer") from None
 
-def check_delta(path: str, tensors: Mapping[str, torch.Tensor], header: Mapping[str, str],
-                shapes: Mapping[str, tuple[int, ...]]) -> CheckedDelta:
+def _header_int(header: Mapping[str, str], key: str, path: str, default: int | None) -> int | None:
+    if key not in header:
+        return default
+    try:
+        return int(header[key])
+    except (TypeError, ValueError):
+        raise DeltaRejected(
+            "header", f"{path}: header {key}={header[key]!r} is not an integer"
+        ) from None
+
+
+def check_delta(
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    header: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> CheckedDelta:
     "Validate delta `tensors`/`header` found at repository `path` against the global floating `shapes`."
     where = parse_delta_path(path)
-    if where is None: raise DeltaRejected("header", f"{path} is not a delta path nodes/<node>/delta_<step>.safetensors")
+    if where is None:
+        raise DeltaRejected(
+            "header", f"{path} is not a delta path nodes/<node>/delta_<step>.safetensors"
+        )
     node, step = where
     if header.get("node_id", node) != node or _header_int(header, "local_step", path, step) != step:
-        raise DeltaRejected("header", f"{path}: header says node {header.get('node_id')!r} step {header.get('local_step')!r}, "
-                                      f"the path says node {node!r} step {step}")
-    base, inner = _header_int(header, "base_outer_step", path, -1), _header_int(header, "inner_steps", path, None)
+        raise DeltaRejected(
+            "header",
+            f"{path}: header says node {header.get('node_id')!r} step {header.get('local_step')!r}, "
+            f"the path says node {node!r} step {step}",
+        )
+    base, inner = (
+        _header_int(header, "base_outer_step", path, -1),
+        _header_int(header, "inner_steps", path, None),
+    )
     if inner is not None and not 1 <= inner <= step:
-        raise DeltaRejected("header", f"{path}: inner_steps={inner} must be between 1 and the delta's step {step} "
-                                      "(a delta covers only steps its node took)")
+        raise DeltaRejected(
+            "header",
+            f"{path}: inner_steps={inner} must be between 1 and the delta's step {step} "
+            "(a delta covers only steps its node took)",
+        )
     session = str(header.get("session", ""))
     if session and inner is None:
-        raise DeltaRejected("header", f"{path}: header names session {session!r} without inner_steps; a node of this "
-                                      "version writes both, a 2.0 node neither")
+        raise DeltaRejected(
+            "header",
+            f"{path}: header names session {session!r} without inner_steps; a node of this "
+            "version writes both, a 2.0 node neither",
+        )
     keys = {k for k in tensors if not k.endswith(INT8_SCALE)}
     if keys != set(shapes):
-        raise DeltaRejected("keys", f"{path}: keys differ from the global model's floating tensors (missing "
-                                    f"{sorted(set(shapes) - keys)[:3]}, unexpected {sorted(keys - set(shapes))[:3]})")
+        raise DeltaRejected(
+            "keys",
+            f"{path}: keys differ from the global model's floating tensors (missing "
+            f"{sorted(set(shapes) - keys)[:3]}, unexpected {sorted(keys - set(shapes))[:3]})",
+        )
     for k in sorted(keys):
         t = tensors[k]
         if tuple(t.shape) != tuple(shapes[k]):
-            raise DeltaRejected("shape", f"{path}: {k} has shape {tuple(t.shape)}, the global model has {tuple(shapes[k])}")
+            raise DeltaRejected(
+                "shape",
+                f"{path}: {k} has shape {tuple(t.shape)}, the global model has {tuple(shapes[k])}",
+            )
         if not (t.is_floating_point() or t.dtype == torch.int8):
-            raise DeltaRejected("dtype", f"{path}: {k} has dtype {t.dtype}; a delta holds floating point or int8 tensors")
-    try: delta = decode_delta(tensors)
-    except ValueError as e: raise DeltaRejected("dtype", f"{path}: {e}") from None
+            raise DeltaRejected(
+                "dtype",
+                f"{path}: {k} has dtype {t.dtype}; a delta holds floating point or int8 tensors",
+            )
+    try:
+        delta = decode_delta(tensors)
+    except ValueError as e:
+        raise DeltaRejected("dtype", f"{path}: {e}") from None
     bad = [k for k, v in delta.items() if not bool(torch.isfinite(v).all())]
-    if bad: raise DeltaRejected("not_finite", f"{path}: {bad[0]} holds NaN or infinite values")
-    return CheckedDelta(path, node, step, base, inner, session, header.get("final") == "true",
-                        delta, wire_bytes(tensors))
+    if bad:
+        raise DeltaRejected("not_finite", f"{path}: {bad[0]} holds NaN or infinite values")
+    return CheckedDelta(
+        path,
+        node,
+        step,
+        base,
+        inner,
+        session,
+        header.get("final") == "true",
+        delta,
+        wire_bytes(tensors),
+    )
 
 # %% ../../nbs/12_distributed_tensors.ipynb #a619a1de
-def average_deltas(deltas: list[Mapping[str, torch.Tensor]], weights: list[float] | None = None) -> dict[str, torch.Tensor]:
+def average_deltas(
+    deltas: list[Mapping[str, torch.Tensor]], weights: list[float] | None = None
+) -> dict[str, torch.Tensor]:
     "Weighted (default: equal) per-key float32 mean of `deltas`, which must share keys and shapes."
-    if not deltas: raise ValueError("average_deltas needs at least one delta")
+    if not deltas:
+        raise ValueError("average_deltas needs at least one delta")
     weights = [1.0] * len(deltas) if weights is None else [float(w) for w in weights]
     if len(weights) != len(deltas) or sum(weights) <= 0 or min(weights) < 0:
-        raise ValueError(f"average_deltas needs one non-negative weight per delta with a positive sum, got {weights}")
+        raise ValueError(
+            f"average_deltas needs one non-negative weight per delta with a positive sum, got {weights}"
+        )
     first, total = deltas[0], sum(weights)
     for i, d in enumerate(deltas):
-        if set(d) != set(first): raise ValueError(f"delta {i} has different keys from delta 0")
+        if set(d) != set(first):
+            raise ValueError(f"delta {i} has different keys from delta 0")
         if (k := next((k for k, v in d.items() if v.shape != first[k].shape), None)) is not None:
-            raise ValueError(f"delta {i}: {k} has shape {tuple(d[k].shape)}, delta 0 {tuple(first[k].shape)}")
+            raise ValueError(
+                f"delta {i}: {k} has shape {tuple(d[k].shape)}, delta 0 {tuple(first[k].shape)}"
+            )
     return {k: sum(d[k].float() * (w / total) for d, w in zip(deltas, weights)) for k in first}
+
 
 def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
     "The L2 norm of all tensors of `delta` together."
     return math.sqrt(sum(float(v.float().pow(2).sum()) for v in delta.values()))
 
+
 def layer_of(key: str) -> str:
     "The layer a state key belongs to: up to its first numeric part, else its module (the key without its last part)."
     parts = key.split(".")
     for i, p in enumerate(parts[:-1]):
-        if p.isdigit(): return ".".join(parts[:i + 1])
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
     return ".".join(parts[:-1]) if len(parts) > 1 else key
+
 
 def layer_norms(delta: Mapping[str, torch.Tensor]) -> dict[str, float]:
     "L2 norm of `delta` per layer (`layer_of`), in first-seen key order."
     sq: dict[str, float] = {}
-    for k, v in delta.items(): sq[layer_of(k)] = sq.get(layer_of(k), 0.0) + float(v.float().pow(2).sum())
+    for k, v in delta.items():
+        sq[layer_of(k)] = sq.get(layer_of(k), 0.0) + float(v.float().pow(2).sum())
     return {k: math.sqrt(v) for k, v in sq.items()}
 
 # %% ../../nbs/12_distributed_tensors.ipynb #1790c7e6
 def state_misfit(live: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> str | None:
     "The first tensor where global `state` does not fit the model's `live` state, in words (None when it fits)."
     for k, v in live.items():
-        if k not in state: return f"tensor {k!r} {tuple(v.shape)} of this model is not in the global"
+        if k not in state:
+            return f"tensor {k!r} {tuple(v.shape)} of this model is not in the global"
         if tuple(state[k].shape) != tuple(v.shape):
             return f"tensor {k!r} has shape {tuple(v.shape)} here and {tuple(state[k].shape)} in the global"
     extra = next((k for k in state if k not in live), None)
-    return None if extra is None else f"the global has tensor {extra!r} {tuple(state[extra].shape)}, which this model lacks"
+    return (
+        None
+        if extra is None
+        else f"the global has tensor {extra!r} {tuple(state[extra].shape)}, which this model lacks"
+    )
 
 # %% ../../nbs/12_distributed_tensors.ipynb #3c903724
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)

@@ -20,8 +20,14 @@ from typing import Any, Callable, Iterable, Mapping
 from fastcore.basics import patch
 
 from ..errors import ExpectedError
-from .tensors import (GLOBAL_METADATA_PATH, GLOBAL_MODEL_PATH, GlobalMetadata, parse_delta_path,
-                                             parse_step_count, read_metadata)
+from speedtronic.distributed.tensors import (
+    GLOBAL_METADATA_PATH,
+    GLOBAL_MODEL_PATH,
+    GlobalMetadata,
+    parse_delta_path,
+    parse_step_count,
+    read_metadata,
+)
 from ..files import TEMP_NAME, atomic_write
 
 # %% auto #0
@@ -32,14 +38,18 @@ __all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavaila
 class HubError(ExpectedError, RuntimeError):
     "A repository problem retrying cannot fix (credentials, permissions, a missing repo): the run stops."
 
+
 class HubUnavailable(HubError):
     "The repository stayed unreachable through every retry; the caller tries again later."
+
 
 class PublishConflict(HubError):
     "The repository changed since the publisher read it (another commit, or another master)."
 
+
 class RepoMissing(HubError):
     "The repository does not exist (yet): a worker waits for its master to create it; for anyone else it is fatal."
+
 
 TRANSIENT, FATAL, CONFLICT, MISSING = "transient", "fatal", "conflict", "missing"
 
@@ -47,6 +57,7 @@ TRANSIENT, FATAL, CONFLICT, MISSING = "transient", "fatal", "conflict", "missing
 @dataclass
 class RetryPolicy:
     "Attempts and jittered exponential backoff for repository operations."
+
     initial: float = 1.0  # first backoff, seconds
     maximum: float = 60.0  # longest backoff, seconds
     attempts: int = 6  # tries per operation, the first included
@@ -55,31 +66,49 @@ class RetryPolicy:
 
     def delays(self) -> list[float]:
         "The sleeps between attempts (jittered: each in [d/2, d] for its nominal delay d)."
-        return [min(self.maximum, self.initial * 2 ** k) * (0.5 + 0.5 * self.rng()) for k in range(self.attempts - 1)]
+        return [
+            min(self.maximum, self.initial * 2**k) * (0.5 + 0.5 * self.rng())
+            for k in range(self.attempts - 1)
+        ]
 
-    def call(self, label: str, fn: Callable[[], Any], classify: Callable[[BaseException], str | None],
-             describe: Callable[[BaseException], str] = str) -> Any:
+    def call(
+        self,
+        label: str,
+        fn: Callable[[], Any],
+        classify: Callable[[BaseException], str | None],
+        describe: Callable[[BaseException], str] = str,
+    ) -> Any:
         "`fn()`, retried while `classify` calls its failure transient; `HubError`s say what failed."
         delays, last = self.delays(), None
         for attempt in range(self.attempts):
-            try: return fn()
+            try:
+                return fn()
             except Exception as exc:
                 kind = classify(exc)
-                if kind is None: raise
-                if kind == FATAL: raise HubError(f"{label}: {describe(exc)}") from None
-                if kind == CONFLICT: raise PublishConflict(f"{label}: {describe(exc)}") from exc
-                if kind == MISSING: raise RepoMissing(f"{label}: {describe(exc)}") from None
+                if kind is None:
+                    raise
+                if kind == FATAL:
+                    raise HubError(f"{label}: {describe(exc)}") from None
+                if kind == CONFLICT:
+                    raise PublishConflict(f"{label}: {describe(exc)}") from exc
+                if kind == MISSING:
+                    raise RepoMissing(f"{label}: {describe(exc)}") from None
                 last = exc
             if attempt < len(delays):
                 if self.stop is not None:
-                    if self.stop.wait(delays[attempt]): break
-                else: time.sleep(delays[attempt])
-        raise HubUnavailable(f"{label} failed after {attempt + 1} attempt{'s' if attempt else ''}: {describe(last)}") from last
+                    if self.stop.wait(delays[attempt]):
+                        break
+                else:
+                    time.sleep(delays[attempt])
+        raise HubUnavailable(
+            f"{label} failed after {attempt + 1} attempt{'s' if attempt else ''}: {describe(last)}"
+        ) from last
 
 # %% ../../nbs/12a_distributed_transport.ipynb #6d29bcdd
 @dataclass
 class RepoState:
     "A repository at one revision: what its version file says (None when there is no global yet)."
+
     revision: str
     metadata: GlobalMetadata | None = None
     extras: dict[str, Any] = field(default_factory=dict)
@@ -89,26 +118,40 @@ class RepoState:
         "The published version, -1 before the first publication."
         return -1 if self.metadata is None else self.metadata.outer_step
 
+
 @dataclass
 class TransferCounts:
     "What a transport moved so far."
+
     bytes_sent: int = 0
     bytes_received: int = 0
     commits: int = 0
 
+
 def describe_repository(transport: Any) -> str:
     "The repository in words: `transport.describe()`, or its `repo_id` for a transport without one (written for 2.0)."
     describe = getattr(transport, "describe", None)
-    return describe() if callable(describe) else f"repository {getattr(transport, 'repo_id', type(transport).__name__)}"
+    return (
+        describe()
+        if callable(describe)
+        else f"repository {getattr(transport, 'repo_id', type(transport).__name__)}"
+    )
 
 # %% ../../nbs/12a_distributed_transport.ipynb #affea04e
 _STALE_TEMP_S = 3600.0  # a temp file this old was left by a killed writer
 _STALE_CLAIM_S = 600.0  # a claim this old, for a version never published, was left by a dead master
 
+
 class SharedDirectory:
     "The repository as a directory (local disk or a network mount) with atomic renames."
-    def __init__(self, path: str | os.PathLike, *, retry: RetryPolicy | None = None,
-                 warn: Callable[[str], None] | None = None):  # says an entry was refused (default: `warnings.warn`)
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        retry: RetryPolicy | None = None,
+        warn: Callable[[str], None] | None = None,
+    ):  # says an entry was refused (default: `warnings.warn`)
         self.root = Path(path).expanduser().absolute()
         self.retry = retry or RetryPolicy()
         self.counts = TransferCounts()
@@ -116,37 +159,50 @@ class SharedDirectory:
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=3))
         self.refused: set[str] = set()  # entries refused by name, each said once
 
-    def describe(self) -> str: return f"shared directory {self.root}"
+    def describe(self) -> str:
+        return f"shared directory {self.root}"
 
     def _call(self, label: str, fn: Callable[[], Any]) -> Any:
         def run():
-            try: return fn()
+            try:
+                return fn()
             except OSError:
-                self._present()                                   # the directory itself is gone: that is the error to report
+                self._present()  # the directory itself is gone: that is the error to report
                 raise
+
         return self.retry.call(label, run, _classify_os_error, self._error_text)
 
     def _error_text(self, exc: BaseException) -> str:
         "An I/O error in words, its file named inside the repository (the label already names the repository)."
         name = getattr(exc, "filename", None)
-        if not isinstance(exc, OSError) or name is None: return f"{type(exc).__name__}: {exc}"
-        with contextlib.suppress(ValueError): name = Path(name).relative_to(self.root)
+        if not isinstance(exc, OSError) or name is None:
+            return f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(ValueError):
+            name = Path(name).relative_to(self.root)
         return f"{type(exc).__name__}: {exc.strerror or exc}: {name}"
 
     def open(self, *, create: bool = False, private: bool = True) -> None:
         "Check the directory is usable; `create` makes it (the master) unless this process used it before, else `RepoMissing` when it is not there."
+
         def run():
             if create and not self.used:
-                for folder in (self.root, self.root / "global", self.root / "nodes"): folder.mkdir(parents=True, exist_ok=True)
+                for folder in (self.root, self.root / "global", self.root / "nodes"):
+                    folder.mkdir(parents=True, exist_ok=True)
             self._present(write=True)
-            if create: (self.root / "nodes").mkdir(exist_ok=True)
-            if not os.access(self.root, os.W_OK | os.X_OK): raise PermissionError(errno.EACCES, "not writable", str(self.root))
+            if create:
+                (self.root / "nodes").mkdir(exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable", str(self.root))
+
         self._call(f"open {self.describe()}", run)
+
 
 def _classify_os_error(exc: BaseException) -> str | None:
     "Permissions and a missing file are fatal; other I/O errors (a flaky mount) are transient."
-    if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError)): return FATAL
-    if isinstance(exc, (OSError, ValueError)): return TRANSIENT
+    if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError)):
+        return FATAL
+    if isinstance(exc, (OSError, ValueError)):
+        return TRANSIENT
     return None
 
 # %% ../../nbs/12a_distributed_transport.ipynb #1f1317b7
@@ -159,75 +215,112 @@ def _present(self: SharedDirectory, write: bool = False) -> bool:
         self.used = True
         return True
     if self.used:
-        raise HubError(f"{self.describe()} has disappeared since this run used it (no global/ folder: an unmounted share?); "
-                       "it is not created again: mount or restore it, then resume the run")
-    if write: raise RepoMissing(f"{self.describe()} does not exist; its master creates it (distributed.role: master)")
+        raise HubError(
+            f"{self.describe()} has disappeared since this run used it (no global/ folder: an unmounted share?); "
+            "it is not created again: mount or restore it, then resume the run"
+        )
+    if write:
+        raise RepoMissing(
+            f"{self.describe()} does not exist; its master creates it (distributed.role: master)"
+        )
     return False
+
 
 @patch
 def _inside(self: SharedDirectory, path: str) -> Path:
     "`root/path`, refused (`HubError` naming it) when any part of it is a symbolic link."
     here = self.root
     for part in Path(path).parts:
-        if part in ("..", "") or os.path.isabs(part): raise HubError(f"{self.describe()}: refusing {path}: not a path inside the repository")
+        if part in ("..", "") or os.path.isabs(part):
+            raise HubError(f"{self.describe()}: refusing {path}: not a path inside the repository")
         here = here / part
         if here.is_symlink():
-            raise HubError(f"{self.describe()}: refusing {path}: {here.relative_to(self.root)} is a symbolic link "
-                           "(it may point outside the repository); delete it")
+            raise HubError(
+                f"{self.describe()}: refusing {path}: {here.relative_to(self.root)} is a symbolic link "
+                "(it may point outside the repository); delete it"
+            )
     return here
+
 
 @patch
 def _refuse(self: SharedDirectory, path: str, why: str) -> None:
     "Say once that entry `path` is left out of every listing."
-    if path in self.refused: return
+    if path in self.refused:
+        return
     self.refused.add(path)
-    self.warn(f"{self.describe()}: refusing {path}: {why} (it may point outside the repository); delete it")
+    self.warn(
+        f"{self.describe()}: refusing {path}: {why} (it may point outside the repository); delete it"
+    )
+
 
 def _weights_version(path: Path) -> int | None:
     "The `outer_step` a global weights file carries in its header, None when it has none (a 2.0 file)."
     value = read_metadata(path).get("outer_step")
     return None if value is None else int(value)
 
+
 @patch
 def state(self: SharedDirectory) -> RepoState:
     "The repository's version; a version file that disagrees with the weights' header is read again."
+
     def run():
-        if not self._present(): return RepoState("none")
+        if not self._present():
+            return RepoState("none")
         version = self._inside(GLOBAL_METADATA_PATH)
-        if not version.exists(): return RepoState("none")
+        if not version.exists():
+            return RepoState("none")
         meta, extras = parse_step_count(version.read_bytes())
         carried = _weights_version(self._inside(GLOBAL_MODEL_PATH))
         if carried is not None and carried != meta.outer_step:
-            raise ValueError(f"weights carry version {carried}, the version file says {meta.outer_step} (a publication in progress)")
+            raise ValueError(
+                f"weights carry version {carried}, the version file says {meta.outer_step} (a publication in progress)"
+            )
         return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras)
+
     return self._call(f"read {GLOBAL_METADATA_PATH} in {self.describe()}", run)
+
 
 @patch
 def version_tag(self: SharedDirectory) -> str | None:
     "A tag that changes when `global/step_count.json` is replaced (None when there is none): a cheap poll."
-    if not self._present(): return None
-    try: st = os.lstat(self.root / GLOBAL_METADATA_PATH)
-    except FileNotFoundError: return None
+    if not self._present():
+        return None
+    try:
+        st = os.lstat(self.root / GLOBAL_METADATA_PATH)
+    except FileNotFoundError:
+        return None
     return f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
+
 
 @patch
 def list_deltas(self: SharedDirectory, revision: str | None = None) -> list[str]:
     "Every delta path under `nodes/`, sorted; symbolic links are refused by name, never followed."
+
     def run():
         nodes, found = self.root / "nodes", []
-        if not self._present() or not nodes.exists(): return []
-        if nodes.is_symlink(): self._refuse("nodes", "a symbolic link"); return []
+        if not self._present() or not nodes.exists():
+            return []
+        if nodes.is_symlink():
+            self._refuse("nodes", "a symbolic link")
+            return []
         with os.scandir(nodes) as folders:
             for d in folders:
-                if d.is_symlink(): self._refuse(f"nodes/{d.name}", "a symbolic link"); continue
-                if not d.is_dir(follow_symlinks=False): continue
+                if d.is_symlink():
+                    self._refuse(f"nodes/{d.name}", "a symbolic link")
+                    continue
+                if not d.is_dir(follow_symlinks=False):
+                    continue
                 with os.scandir(d.path) as files:
                     for f in files:
                         path = f"nodes/{d.name}/{f.name}"
-                        if parse_delta_path(path) is None: continue
-                        if f.is_symlink(): self._refuse(path, "a symbolic link")
-                        elif f.is_file(follow_symlinks=False): found.append(path)
+                        if parse_delta_path(path) is None:
+                            continue
+                        if f.is_symlink():
+                            self._refuse(path, "a symbolic link")
+                        elif f.is_file(follow_symlinks=False):
+                            found.append(path)
         return sorted(found)
+
     return self._call(f"list deltas in {self.describe()}", run)
 
 # %% ../../nbs/12a_distributed_transport.ipynb #cccd5176
@@ -237,31 +330,45 @@ def _copy(src: Path, dest: Path) -> int:
         atomic_write(dest, lambda out: shutil.copyfileobj(f, out, 1 << 20))
     return dest.stat().st_size
 
+
 @patch
 def _target(self: SharedDirectory, path: str) -> Path:
     "Where a write of repository `path` goes: inside the directory, which must be there, never through a link."
     self._present(write=True)
     dest = self._inside(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)   # the directory itself exists: only folders inside it are made
+    dest.parent.mkdir(
+        parents=True, exist_ok=True
+    )  # the directory itself exists: only folders inside it are made
     return dest
 
+
 @patch
-def fetch(self: SharedDirectory, path: str, local: str | os.PathLike, revision: str | None = None) -> Path:
+def fetch(
+    self: SharedDirectory, path: str, local: str | os.PathLike, revision: str | None = None
+) -> Path:
     "Copy repository `path` to `local` atomically."
     local = Path(local)
+
     def run():
         self._present(write=True)
         n = _copy(self._inside(path), local)
         self.counts.bytes_received += n
         return local
+
     return self._call(f"fetch {path} from {self.describe()}", run)
 
+
 @patch
-def upload(self: SharedDirectory, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
+def upload(
+    self: SharedDirectory, files: Mapping[str, str | os.PathLike], message: str = ""
+) -> None:
     "Put `files` (repository path -> local file) into place, each with one atomic rename."
+
     def run():
-        for path, local in files.items(): self.counts.bytes_sent += _copy(Path(local), self._target(path))
+        for path, local in files.items():
+            self.counts.bytes_sent += _copy(Path(local), self._target(path))
         self.counts.commits += 1
+
     self._call(f"upload {', '.join(files)} to {self.describe()}", run)
 
 # %% ../../nbs/12a_distributed_transport.ipynb #0af732f4
@@ -270,45 +377,76 @@ def _claim(self: SharedDirectory, version: int, owner: str) -> None:
     claim = self.root / "global" / f".claim-{version}"
     try:
         fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "w") as f: f.write(owner)
+        with os.fdopen(fd, "w") as f:
+            f.write(owner)
     except FileExistsError:
         holder = claim.read_text().strip()
-        if holder != owner and time.time() - claim.stat().st_mtime > _STALE_CLAIM_S:   # its master died mid-publication
+        if (
+            holder != owner and time.time() - claim.stat().st_mtime > _STALE_CLAIM_S
+        ):  # its master died mid-publication
             claim.write_text(owner)
         elif holder != owner:
-            raise PublishConflict(f"version {version} in {self.describe()} was claimed by {holder!r}; another master is publishing") from None
+            raise PublishConflict(
+                f"version {version} in {self.describe()} was claimed by {holder!r}; another master is publishing"
+            ) from None
+
 
 @patch
-def publish(self: SharedDirectory, files: Mapping[str, str | os.PathLike], deletes: Iterable[str], *, parent: RepoState,
-             owner: str, version: int | None = None, message: str = "", description: str = "") -> str:
+def publish(
+    self: SharedDirectory,
+    files: Mapping[str, str | os.PathLike],
+    deletes: Iterable[str],
+    *,
+    parent: RepoState,
+    owner: str,
+    version: int | None = None,
+    message: str = "",
+    description: str = "",
+) -> str:
     "Publish `files` and delete `deletes` if the repository is still at `parent`; returns the new revision."
     current = self.state()
     if current.revision != parent.revision:
-        raise PublishConflict(f"{self.describe()} moved from revision {parent.revision} to {current.revision}")
+        raise PublishConflict(
+            f"{self.describe()} moved from revision {parent.revision} to {current.revision}"
+        )
     version = parent.outer_step + 1 if version is None else int(version)
-    if version > parent.outer_step: _claim(self, version, owner)   # a new version; a heartbeat keeps its version
+    if version > parent.outer_step:
+        _claim(self, version, owner)  # a new version; a heartbeat keeps its version
+
     def run():
-        for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):   # weights first, the version file last
+        for path in sorted(
+            files, key=lambda p: p == GLOBAL_METADATA_PATH
+        ):  # weights first, the version file last
             self.counts.bytes_sent += _copy(Path(files[path]), self._target(path))
         for path in deletes:
-            with contextlib.suppress(FileNotFoundError): self._inside(path).unlink()
+            with contextlib.suppress(FileNotFoundError):
+                self._inside(path).unlink()
         self.counts.commits += 1
         _sweep(self, version)
+
     self._call(f"publish version {version} to {self.describe()}", run)
     return self.state().revision
+
 
 def _sweep(self: SharedDirectory, version: int) -> None:
     "Delete claims older than the previous version and temp files a killed writer left an hour ago."
     now = time.time()
     for p in (self.root / "global").glob(".claim-*"):
         with contextlib.suppress(ValueError, OSError):
-            if int(p.name.split("-")[1]) < version - 1: p.unlink()
+            if int(p.name.split("-")[1]) < version - 1:
+                p.unlink()
     nodes = self.root / "nodes"
-    folders = [] if nodes.is_symlink() else [d for d in nodes.iterdir() if d.is_dir() and not d.is_symlink()]
+    folders = (
+        []
+        if nodes.is_symlink()
+        else [d for d in nodes.iterdir() if d.is_dir() and not d.is_symlink()]
+    )
     for folder in [self.root / "global", *folders]:
         for p in folder.iterdir():
             with contextlib.suppress(OSError):
-                if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S: p.unlink()
+                if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S:
+                    p.unlink()
 
 # %% ../../nbs/12a_distributed_transport.ipynb #c77062e9
-def __dir__() -> list[str]: return list(__all__)
+def __dir__() -> list[str]:
+    return list(__all__)
