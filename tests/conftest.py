@@ -7,6 +7,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The tests live in one folder per area of the package (tests/core, tests/train, tests/diloco, ...), the
+# same areas as the chapters. Helpers shared by every area are here and in hub_server.py (the loopback
+# Hub stand-in); a test module may also import another area's module (`from test_parallel import ...`),
+# so every area folder is importable by name, as the flat tests/ folder was.
+TESTS = Path(__file__).resolve().parent
+AREAS = sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+sys.path[:0] = [str(p) for p in [TESTS, *AREAS] if str(p) not in sys.path]
+
 
 @pytest.fixture(scope="session")
 def docs_site():

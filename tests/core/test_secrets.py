@@ -1,0 +1,62 @@
+"""No secret reaches any output of a training run: console, text log, JSONL, checkpoints, TensorBoard
+files, the saved config — whether it came from the config file or from the environment."""
+
+import os, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_TOKEN = "hf_configSECRETvalue0123456789"
+ENV_TOKEN = "hf_envSECRETvalue9876543210"
+
+
+def test_a_training_run_writes_no_secret_anywhere(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "out"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"""run: {{max_steps: 4, output_dir: {out}}}
+model: {{vocab_size: 64, max_seq_len: 16, n_layer: 1, n_head: 2, d_model: 16}}
+data: {{num_tokens: 64, micro_batch_size: 2, target_batch_size: 2}}
+checkpoint: {{every_steps: 2}}
+logging:
+  file: {out}/train.log
+  json_file: {out}/metrics.jsonl
+  tensorboard_dir: {out}/tb
+  progress: false
+distributed:
+  enabled: false
+  token: {CONFIG_TOKEN}
+""")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_TOKEN": ENV_TOKEN,
+        "HUGGING_FACE_HUB_TOKEN": ENV_TOKEN,
+    }
+    runs = [
+        subprocess.run(
+            [sys.executable, "-m", "speedtronic", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        for args in (
+            ["validate", "--config", str(cfg)],
+            ["validate", "--config", str(cfg), "--format", "json"],
+            ["train", "--config", str(cfg), "--device", "cpu"],
+        )
+    ]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".pt" for p in files) and any("tfevents" in p.name for p in files)
+    assert (out / "train.log").exists() and (out / "metrics.jsonl").exists()
+    for secret in (CONFIG_TOKEN, ENV_TOKEN):
+        for r in runs:
+            assert secret not in r.stdout and secret not in r.stderr
+        leaked = [p for p in files if secret.encode() in p.read_bytes()]
+        assert leaked == [], leaked
+    assert "<redacted>" in runs[0].stdout

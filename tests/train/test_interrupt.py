@@ -1,0 +1,294 @@
+"""Ctrl-C with real signals, in a child process: the last completed step is saved, a second Ctrl-C during
+that save waits for it, a third abandons it and the message says so, and the CLI keeps its exit code.
+
+The model of the child process is the reference transformer that sends its own process SIGINT in the
+forward pass of step 5 (the first Ctrl-C, at a known step: steps 1-4 are complete, step 3 has an interval
+checkpoint), and whose `state_dict()`, while the run is saving because of a Ctrl-C, says so on stderr and
+blocks reading a line from its stdin, which the test writes to let it go: a save that takes long enough to
+press Ctrl-C into, as a big model or a slow disk gives. No sleeps and no timing assertions: the test waits on
+the child's output lines (a condition its reader threads signal) and on the process; the timeouts only bound
+how long a condition may take to become true.
+"""
+
+import json, os, signal, subprocess, sys, threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SAVING = "slow_to_save: saving after a Ctrl-C"
+
+SLOW_MODEL = (
+    """
+import os, signal, sys
+import torch
+from speedtronic.model import ReferenceTransformer
+from speedtronic.registry import register_model
+
+class SlowToSave(ReferenceTransformer):
+    "The reference model: Ctrl-C in the forward pass of step 5; while a Ctrl-C is handled, state_dict() waits for the test."
+    calls = 0
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            type(self).calls += 1
+            if self.calls == 5: os.kill(os.getpid(), getattr(signal, os.environ.get('STOP_SIGNAL', 'SIGINT')))
+        return super().forward(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt):   # the save that a Ctrl-C started
+            print("%s", file=sys.stderr, flush=True)
+            sys.stdin.readline()                                 # the test's go (or its end: EOF)
+        return super().state_dict(*args, **kwargs)
+
+register_model("slow_to_save", SlowToSave)
+"""
+    % SAVING
+)
+
+CONFIG = """
+run: {max_steps: 100000, output_dir: out, seed: 0}
+model: {name: slow_to_save, imports: [slow_save_model], vocab_size: 64, max_seq_len: 16, n_layer: 1, n_head: 2, d_model: 16}
+data: {num_tokens: 64, micro_batch_size: 2, target_batch_size: 2}
+checkpoint: {every_steps: 3, keep_last: null}
+logging: {json_file: out/metrics.jsonl, progress: false, level: WARNING}
+"""
+
+CHILD = """
+import json, sys
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.runtime import train_from_config
+from speedtronic.trainer import TrainingInterrupted
+try: train_from_config(SpeedtronicConfig.load("run.yaml"), device="cpu")
+except TrainingInterrupted as stop:
+    print("RESULT " + json.dumps({"message": str(stop), "saved": stop.saved, "checkpoint": str(stop.checkpoint),
+                                  "steps": stop.result.steps, "records": len(stop.result.metrics)}), flush=True)
+    sys.exit(3)
+"""
+
+STARTED: list[subprocess.Popen] = []  # every child of the current test, ended by the `work` fixture
+
+
+class Child:
+    "A training process whose output lines are collected as they come; each new line (and each stream's end) is signalled."
+
+    def __init__(self, args: list[str], cwd: Path, stop_signal: str = "SIGINT"):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)]),
+            "OMP_NUM_THREADS": "1",
+            "STOP_SIGNAL": stop_signal,
+        }
+        self.proc = subprocess.Popen(
+            args,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        STARTED.append(self.proc)
+        self.out, self.err, self.ended = [], [], 0
+        self.changed = threading.Condition()
+        self.readers = [
+            threading.Thread(target=self._read, args=pair, daemon=True)
+            for pair in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, stream, sink: list[str]) -> None:
+        for line in iter(stream.readline, ""):
+            with self.changed:
+                sink.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.ended += 1
+            self.changed.notify_all()
+
+    def wait_for(self, condition, what: str, timeout: float = 240) -> None:
+        "Wait until `condition()` holds; fail at once if the child's output ends first."
+        with self.changed:
+            self.changed.wait_for(lambda: condition() or self.ended == 2, timeout)
+            if condition():
+                return
+            state = (
+                f"the child ended (rc={self.proc.wait(60)}) before"
+                if self.ended == 2
+                else f"within {timeout}s no"
+            )
+        raise AssertionError(f"{state} {what}:\n{''.join(self.err)[-3000:]}")
+
+    def saving(self) -> None:
+        "Wait until the child's save after the first Ctrl-C has begun (and is held)."
+        self.wait_for(lambda: f"{SAVING}\n" in self.err, "save after the first Ctrl-C")
+
+    def release(self) -> None:
+        "Let the held save go on (a line written now waits in the pipe for a save still to come)."
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def ctrl_c(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+
+    def finish(self) -> int:
+        "The exit code, once the child has exited and both reader threads have taken its last lines."
+        try:
+            rc = self.proc.wait(240)  # stdin stays open: its end would let a held save go on
+        finally:
+            self.proc.stdin.close()
+        for reader in self.readers:
+            reader.join(60)
+        assert not any(r.is_alive() for r in self.readers), (
+            "the output pipes stayed open after the child exited"
+        )
+        return rc
+
+    def result(self) -> dict:
+        line = next(l for l in self.out if l.startswith("RESULT "))
+        return json.loads(line[len("RESULT ") :])
+
+
+@pytest.fixture
+def work(tmp_path):
+    (tmp_path / "slow_save_model.py").write_text(SLOW_MODEL)
+    (tmp_path / "run.yaml").write_text(CONFIG)
+    (tmp_path / "child.py").write_text(CHILD)
+    yield tmp_path
+    while STARTED:  # a test that failed half way leaves no process behind
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(60)
+
+
+def _start_and_interrupt(work: Path) -> Child:
+    "Start training (Ctrl-C comes in step 5) and wait until the save of step 4 starts."
+    child = Child([sys.executable, "child.py"], work)
+    child.saving()
+    return child
+
+
+def _checkpoints(work: Path) -> list[str]:
+    return sorted(p.name for p in (work / "out" / "checkpoints").iterdir())
+
+
+def test_a_second_ctrl_c_waits_for_the_save(work):
+    child = _start_and_interrupt(work)
+    child.ctrl_c()  # pressed again while the step is being saved
+    child.wait_for(lambda: "still saving step" in "".join(child.err), "note that the save goes on")
+    child.release()
+    assert child.finish() == 3, "".join(child.err)[-3000:]
+    got = child.result()
+    step = got["steps"]
+    assert got["saved"] is True and step == 4 and got["records"] == step, got
+    assert f"step {step} is saved in" in got["message"] and "resume=True" in got["message"], got[
+        "message"
+    ]
+    assert f"step_{step:012d}.pt" in _checkpoints(work)
+    assert not [n for n in _checkpoints(work) if n.startswith(".")]  # no temp file left behind
+    from speedtronic.checkpoint import CheckpointManager
+
+    state = CheckpointManager(work / "out" / "checkpoints").load_latest()
+    assert state["step"] == step
+
+
+def test_a_third_ctrl_c_abandons_the_save_and_says_so(work):
+    child = _start_and_interrupt(work)
+    child.ctrl_c()
+    child.wait_for(lambda: "still saving step" in "".join(child.err), "note that the save goes on")
+    child.ctrl_c()  # a third press: give up the save
+    assert child.finish() == 3, "".join(child.err)[-3000:]
+    got = child.result()
+    step = got["steps"]
+    assert got["saved"] is False and step == 4, got
+    assert f"step {step} was NOT saved (interrupted again while saving)" in got["message"], got[
+        "message"
+    ]
+    newest = max(n for n in _checkpoints(work) if n.startswith("step_"))
+    assert (
+        newest == "step_000000000003.pt"
+        and f"the newest checkpoint is out/checkpoints/{newest}." in got["message"]
+    ), got["message"]
+    assert f"step_{step:012d}.pt" not in _checkpoints(work)
+    assert not [
+        n for n in _checkpoints(work) if n.startswith(".")
+    ]  # the abandoned save left no temp file
+    from speedtronic.checkpoint import CheckpointManager
+
+    assert CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 3
+
+
+def test_cli_ctrl_c_saves_and_exits_130(work):
+    "`speedtronic train` keeps its behaviour: the step is saved, one error line, exit code 130."
+    child = Child(
+        [sys.executable, "-m", "speedtronic", "train", "--config", "run.yaml", "--device", "cpu"],
+        work,
+    )
+    child.release()  # this save does not wait
+    assert child.finish() == 130
+    assert "".join(child.err).strip().splitlines()[-1] == "speedtronic: error: interrupted", (
+        "".join(child.err)[-2000:]
+    )
+    assert "Traceback" not in "".join(child.err)
+    from speedtronic.checkpoint import CheckpointManager
+
+    assert CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 4
+
+
+RESUME_CHILD = """
+import json, os
+from speedtronic.checkpoint import CheckpointError
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.paths import lock_holder
+from speedtronic.runtime import train_from_config
+from speedtronic.trainer import TrainingInterrupted
+config = SpeedtronicConfig.load("run.yaml")
+try: train_from_config(config, device="cpu")
+except TrainingInterrupted as stop: first = stop.result.steps
+holder = lock_holder("out") or os.path.exists("out/.speedtronic.lock") or None   # the interrupted run let go of its directory
+try: train_from_config(config, device="cpu", max_steps=first + 2); fresh = "trained"
+except CheckpointError as e: fresh = str(e)
+result = train_from_config(config, device="cpu", resume=True, max_steps=first + 2)
+print("RESULT " + json.dumps({"first": first, "holder": holder, "fresh": fresh, "steps": result.steps,
+                              "history": [m["step"] for m in result.metrics], "after": os.path.exists("out/.speedtronic.lock") or None}), flush=True)
+"""
+
+
+def test_an_interrupted_run_releases_its_directory_and_resumes_in_the_same_process(work):
+    "After the interrupt the lock is gone: a fresh run there is refused (another run's checkpoints), resume=True goes on."
+    (work / "resume_child.py").write_text(RESUME_CHILD)
+    child = Child([sys.executable, "resume_child.py"], work)
+    child.release()
+    assert child.finish() == 0, "".join(child.err)[-3000:]
+    got = child.result()
+    assert got["first"] == 4 and got["holder"] is None and got["after"] is None, got
+    assert (
+        "already holds checkpoints of run" in got["fresh"]
+        and "--resume (resume=True)" in got["fresh"]
+    ), got["fresh"]
+    assert got["steps"] == 6 and got["history"] == [1, 2, 3, 4, 5, 6], got
+    from speedtronic.checkpoint import CheckpointManager
+
+    assert CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 6
+
+
+def test_cli_sigterm_saves_and_exits_143(work):
+    "SIGTERM during `speedtronic train` (a scheduler stopping the job): the step is saved, one line, exit 143."
+    child = Child(
+        [sys.executable, "-m", "speedtronic", "train", "--config", "run.yaml", "--device", "cpu"],
+        work,
+        stop_signal="SIGTERM",
+    )
+    child.release()
+    assert child.finish() == 143, "".join(child.err)[-3000:]
+    assert (
+        "".join(child.err).strip().splitlines()[-1] == "speedtronic: error: terminated (SIGTERM)"
+    ), "".join(child.err)[-2000:]
+    assert "Traceback" not in "".join(child.err)
+    from speedtronic.checkpoint import CheckpointManager
+
+    assert (
+        CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 5
+    )  # the step in flight completes

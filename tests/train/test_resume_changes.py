@@ -1,0 +1,295 @@
+"""`--resume` with a changed YAML: a changed setting is applied and reported, or refused with the key, the saved and
+the new value; other data (another file, or the same path with new content) is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun".split()
+
+
+def corpus(path: Path, seed: int = 0) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    path.write_text(
+        "\n".join(" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(300)) + "\n"
+    )
+    return path
+
+
+def write(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
+    raw = {
+        "run": {"name": "tiny", "seed": 3, "max_steps": 2, "output_dir": str(tmp / "out")},
+        "model": {
+            "vocab_size": 256,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+        },
+        "data": {
+            "text_path": str(tmp / "a.txt"),
+            "block_size": 16,
+            "micro_batch_size": 2,
+            "target_batch_size": 2,
+        },
+        "optimizer": {"lr": 1e-3},
+        "scheduler": {"name": "constant", "warmup_steps": 0},
+        "precision": "fp32",
+        "checkpoint": {"every_steps": 2, "keep_last": 3},
+        "logging": {"progress": False, "loss_plot": False, "json_file": str(tmp / "metrics.jsonl")},
+    }
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    path = tmp / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "speedtronic", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def error_line(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def steps(jsonl: Path) -> list[dict]:
+    return [
+        r for r in map(json.loads, jsonl.read_text().splitlines()) if r["event"] == "train_step"
+    ]
+
+
+@pytest.fixture
+def first_run(tmp_path):
+    corpus(tmp_path / "a.txt")
+    ok(cli("train", "--config", str(write(tmp_path)), "--device", "cpu", cwd=tmp_path))
+    return tmp_path
+
+
+def test_a_new_learning_rate_is_applied_and_reported(first_run):
+    tmp = first_run
+    changed = write(tmp, "lr.yaml", optimizer={"lr": 2e-3, "grad_clip": 0.5}, run={"max_steps": 4})
+    proc = ok(cli("train", "--config", str(changed), "--device", "cpu", "--resume", cwd=tmp))
+    assert [r["lr"] for r in steps(tmp / "metrics.jsonl")] == [1e-3, 1e-3, 2e-3, 2e-3]
+    assert "settings changed since the checkpoint, applied from step 3" in proc.stdout
+    assert (
+        "optimizer.lr 0.001 -> 0.002" in proc.stdout
+        and "optimizer.grad_clip None -> 0.5" in proc.stdout
+    )
+    event = [
+        json.loads(l)
+        for l in (tmp / "metrics.jsonl").read_text().splitlines()
+        if '"settings_changed"' in l
+    ]
+    assert event and event[0]["changed"]["optimizer.lr"] == [1e-3, 2e-3]
+
+
+def test_a_new_schedule_is_applied_and_reported(first_run):
+    tmp = first_run
+    changed = write(
+        tmp,
+        "sched.yaml",
+        scheduler={"name": "cosine", "warmup_steps": 0, "max_steps": 4, "min_lr_ratio": 0.5},
+        run={"max_steps": 4},
+    )
+    proc = ok(cli("train", "--config", str(changed), "--device", "cpu", "--resume", cwd=tmp))
+    assert "scheduler.name 'constant' -> 'cosine'" in proc.stdout
+    lrs = [r["lr"] for r in steps(tmp / "metrics.jsonl")][2:]
+    assert lrs == pytest.approx(
+        [1e-3 * (0.5 + 0.5 * 0.5 * (1 + c)) for c in (0.0, -0.7071067811865476)]
+    )
+
+
+def test_another_data_file_is_refused(first_run):
+    tmp = first_run
+    corpus(tmp / "b.txt", seed=1)
+    line = error_line(
+        cli(
+            "train",
+            "--config",
+            str(write(tmp, "b.yaml", data={"text_path": str(tmp / "b.txt")}, run={"max_steps": 4})),
+            "--device",
+            "cpu",
+            "--resume",
+            cwd=tmp,
+        )
+    )
+    assert (
+        f"data.text_path: saved '{tmp / 'a.txt'}', now '{tmp / 'b.txt'}'" in line
+        and "content: saved" in line
+    ), line
+    assert sorted(p.name for p in (tmp / "out" / "checkpoints").glob("step_*.pt")) == [
+        "step_000000000002.pt"
+    ]
+
+
+def test_the_same_path_with_other_content_is_refused(first_run):
+    tmp = first_run
+    corpus(tmp / "a.txt", seed=7)  # same name, same size, new text
+    line = error_line(
+        cli(
+            "train",
+            "--config",
+            str(write(tmp, run={"max_steps": 4})),
+            "--device",
+            "cpu",
+            "--resume",
+            cwd=tmp,
+        )
+    )
+    assert "content: saved" in line and "data.text_path:" not in line, line
+
+
+def test_a_moved_data_file_is_fine(first_run):
+    tmp = first_run
+    (tmp / "a.txt").rename(tmp / "moved.txt")
+    ok(
+        cli(
+            "train",
+            "--config",
+            str(write(tmp, data={"text_path": str(tmp / "moved.txt")}, run={"max_steps": 4})),
+            "--device",
+            "cpu",
+            "--resume",
+            cwd=tmp,
+        )
+    )
+    assert [r["step"] for r in steps(tmp / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "section,key,value",
+    [("data", "block_size", 8), ("optimizer", "weight_decay_on", "all"), ("run", "seed", 4)],
+)
+def test_settings_the_saved_state_cannot_follow_are_refused(first_run, section, key, value):
+    tmp = first_run
+    over = {"run": {"max_steps": 4}}
+    over.setdefault(section, {})[key] = value
+    line = error_line(
+        cli(
+            "train",
+            "--config",
+            str(write(tmp, "x.yaml", **over)),
+            "--device",
+            "cpu",
+            "--resume",
+            cwd=tmp,
+        )
+    )
+    assert f"{section}.{key}: saved" in line and f"now {value!r}" in line, line
+
+
+def test_another_optimizer_family_is_refused_in_one_message(first_run):
+    tmp = first_run
+    line = error_line(
+        cli(
+            "train",
+            "--config",
+            str(write(tmp, "muon.yaml", optimizer={"name": "muon"}, run={"max_steps": 4})),
+            "--device",
+            "cpu",
+            "--resume",
+            cwd=tmp,
+        )
+    )
+    assert (
+        "optimizer.name: saved 'adamw', now 'muon'" in line
+        and "Muon keeps one momentum matrix per hidden weight" in line
+    ), line
+    assert sorted(p.name for p in (tmp / "out" / "checkpoints").glob("step_*.pt")) == [
+        "step_000000000002.pt"
+    ]
+
+
+def test_new_muon_settings_are_applied_and_reported(tmp_path):
+    corpus(tmp_path / "a.txt")
+    ok(
+        cli(
+            "train",
+            "--config",
+            str(write(tmp_path, optimizer={"name": "muon"})),
+            "--device",
+            "cpu",
+            cwd=tmp_path,
+        )
+    )
+    changed = write(
+        tmp_path,
+        "muon.yaml",
+        optimizer={"name": "muon", "muon_lr": 0.02, "muon_momentum": 0.9, "muon_scale": "original"},
+        run={"max_steps": 4},
+    )
+    proc = ok(cli("train", "--config", str(changed), "--device", "cpu", "--resume", cwd=tmp_path))
+    assert (
+        "optimizer.muon_lr None -> 0.02" in proc.stdout
+        and "optimizer.muon_momentum 0.95 -> 0.9" in proc.stdout
+    )
+    assert "optimizer.muon_scale 'match_rms_adamw' -> 'original'" in proc.stdout
+    assert "optimizer settings are kept" not in proc.stdout + proc.stderr
+    assert [r["lr"] for r in steps(tmp_path / "metrics.jsonl")] == [
+        1e-3,
+        1e-3,
+        0.02,
+        0.02,
+    ]  # the Muon group's rate is logged
+
+
+def test_a_resumed_runs_history_holds_only_its_own_records(first_run):
+    # Run A (2 steps, in out/) and then run B (3 steps, in other/) append to the same metrics file; A resumes to 4.
+    from speedtronic.runtime import train_from_config
+    from speedtronic.config import SpeedtronicConfig
+
+    jsonl = first_run / "metrics.jsonl"
+    a_steps = [(r["step"], r["loss"]) for r in steps(jsonl)]
+    ok(
+        cli(
+            "train",
+            "--config",
+            str(
+                write(
+                    first_run,
+                    "b.yaml",
+                    run={"seed": 9, "max_steps": 3, "output_dir": str(first_run / "other")},
+                    optimizer={"lr": 5e-3},
+                )
+            ),
+            "--device",
+            "cpu",
+            cwd=first_run,
+        )
+    )
+    assert len({r["run_id"] for r in steps(jsonl)}) == 2
+    config = SpeedtronicConfig.load(write(first_run, run={"max_steps": 4}))
+    result = train_from_config(config, resume=True, device="cpu")
+    assert [m["step"] for m in result.metrics] == [1, 2, 3, 4]
+    assert [
+        (m["step"], m["loss"]) for m in result.metrics[:2]
+    ] == a_steps  # A's own steps 1-2, not B's
