@@ -1130,10 +1130,10 @@ def _safe_index(path: Path) -> Any:
     return index
 
 
-def _sharded_state(path: Path) -> dict:
+def _sharded_state(path: Path, index: Any = None) -> dict:
     "The plain part of the sharded checkpoint `path`, its model as `meta` tensors of the saved shapes, and `sharded`: the folder."
     state = load_checkpoint(path / SHARDED_STATE)
-    index = _safe_index(path).state_dict_metadata
+    index = (_safe_index(path) if index is None else index).state_dict_metadata
     model = {
         k[len("model.") :]: torch.empty(v.size, dtype=v.properties.dtype, device="meta")
         for k, v in index.items()
@@ -1142,8 +1142,11 @@ def _sharded_state(path: Path) -> dict:
     return {**state, "model": model, "sharded": str(path)}
 
 # %% ../nbs/07_checkpoint.ipynb #7622af44
-def _safe_reading(path: Path) -> tuple:
+def _safe_reading(path: Path, index: Any) -> tuple:
     """A `torch.distributed.checkpoint` reader and planner classes for the folder `path` that unpickle nothing freely.
+
+    `index` is the folder's index as `_safe_index` checked it: the reader hands DCP that object, so the
+    `.metadata` file is read and checked once.
 
     DCP's own reader unpickles `.metadata` with a full unpickler, and its planners read each plain value with
     `torch.load(weights_only=False)`. Ours hand DCP the index `_safe_index` checked, and read values with
@@ -1157,7 +1160,6 @@ def _safe_reading(path: Path) -> tuple:
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
-            index = _safe_index(path)
             if getattr(index, "storage_meta", None) is None:
                 index.storage_meta = StorageMeta()
             index.storage_meta.load_id = self.load_id
@@ -1166,9 +1168,8 @@ def _safe_reading(path: Path) -> tuple:
     def load_bytes(self, read_item, value):
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import (
-                set_element,
-            )  # what DCP's planner does
+            # what DCP's planner does
+            from torch.distributed.checkpoint._traverse import set_element
 
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
@@ -1188,8 +1189,8 @@ def load_sharded(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = Path(path)
-    _safe_index(path)  # a clear error before any rank reads a shard
-    reader, planner, _ = _safe_reading(path)
+    index = _safe_index(path)  # a clear error before any rank reads a shard
+    reader, planner, _ = _safe_reading(path, index)
 
     def read(state: dict) -> None:
         with _dcp_errors(path, "has shards that cannot be read"):
@@ -1226,8 +1227,9 @@ def _full_sharded(path: Path) -> dict:
         _load_state_dict,
     )  # what dcp_to_torch_save calls
 
-    state = _sharded_state(path)
-    reader, _, gatherer = _safe_reading(path)
+    index = _safe_index(path)
+    state = _sharded_state(path, index)
+    reader, _, gatherer = _safe_reading(path, index)
     full: dict = {}
     with _dcp_errors(path, "has shards that cannot be read"):
         _load_state_dict(full, storage_reader=reader, planner=gatherer(), no_dist=True)
