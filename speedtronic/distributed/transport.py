@@ -166,7 +166,7 @@ class SharedDirectory:
         def run():
             try:
                 return fn()
-            except OSError:
+            except (OSError, RuntimeError):  # torch says a file gone mid-open as a RuntimeError
                 self._present()  # the directory itself is gone: that is the error to report
                 raise
 
