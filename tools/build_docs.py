@@ -12,8 +12,8 @@ rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
    hides the input, `output: false` the outputs), and Quarto-only markdown is turned into plain
    markdown (link attributes such as `{target="_blank" ...}` and `[text]{.class}` spans dropped,
    `::: {.callout-note}` blocks made quotes, shortcodes removed), so no page shows Quarto syntax as text;
-   links between notebooks (`11_trainer.ipynb`, which JupyterLab follows) become links to their pages
-   (`trainer.html`), and cells that only check (no output, only `test_*` calls and asserts) are left
+   links between notebooks (`../train/06_trainer.ipynb`, which JupyterLab follows) become links to their
+   pages (`../train/trainer.html`), and cells that only check (no output, only `test_*` calls and asserts) are left
    out: the notebook keeps its tests, the page keeps what a reader reads;
 3. an API index page (`api.html`) lists every public name of every module (its `__all__`, and the
    public methods of its classes) with a link to where it is documented;
@@ -43,65 +43,78 @@ _DIV_OPEN = re.compile(r"^\s*:{3,}\s*\{?\s*(?:\.callout-(\w+))?[^}]*\}?\s*$")
 _DIV_CLOSE = re.compile(r"^\s*:{3,}\s*$")
 _NB_LINK = re.compile(
     r"\]\((?![a-z]+:)([^)\s#]*?)([\w.-]+)\.ipynb(#[^)\s]*)?\)"
-)  # [text](11_trainer.ipynb#x)
+)  # [text](../train/06_trainer.ipynb#x)
 _CHECK = re.compile(r"^\s*(test_\w*\(|test\(|assert\b)")  # a line that checks
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
-# The site's navigation by notebook stem: (section, [entry, ...]); an entry is a stem or (subsection, [stems]).
+# The site's navigation by notebook, each named by its path under nbs/ without `.ipynb` (its area folder and
+# file: `train/06_trainer`): (section, [entry, ...]); an entry is a notebook or (subsection, [notebooks]).
 API_INDEX = "api"
 NAV = [
     (
         "User guide",
         [
-            "00_tutorial",
-            ("Training", ["13_runtime", "15_cli"]),
-            "00_config",
-            ("DiLoCo", ["12_distributed", "12e_distributed_norms"]),
-            ("torchrun", ["10p_parallel"]),
-            ("After training", ["00b_after_training", "07_checkpoint", "08_metrics"]),
-            "17_coming_from_2",
+            "guide/01_tutorial",
+            ("Training", ["app/01_runtime", "app/02_cli"]),
+            "core/01_config",
+            ("DiLoCo", ["diloco/01_distributed", "diloco/07_distributed_norms"]),
+            ("torchrun", ["torchrun/01_parallel"]),
+            (
+                "After training",
+                ["guide/02_after_training", "train/04_checkpoint", "observe/01_metrics"],
+            ),
+            "guide/03_coming_from_2",
         ],
     ),
     (
         "Reference",
         [
             API_INDEX,
-            "11_trainer",
-            "01_registry",
-            "02_model",
-            "02c_tokens",
-            "03_data",
-            "04_precision",
-            "05_optimizers",
-            "06_schedules",
-            "08a_hooks",
-            "08b_progress",
-            "08c_integrations",
-            "10_ooo",
-            "12d_distributed_diloco",
-            "12b_distributed_hub",
-            "14_widgets",
-            "16_package",
+            "train/06_trainer",
+            "core/06_registry",
+            "models/01_model",
+            "data/01_tokens",
+            "data/02_data",
+            "train/01_precision",
+            "train/02_optimizers",
+            "train/03_schedules",
+            "observe/02_hooks",
+            "observe/03_progress",
+            "observe/04_integrations",
+            "train/05_ooo",
+            "diloco/06_distributed_diloco",
+            "diloco/04_distributed_hub",
+            "observe/06_widgets",
+            "core/07_package",
         ],
     ),
     (
         "Internals",
         [
-            "00a_files",
-            "00b_optional",
-            "00c_paths",
-            "02b_module_utils",
-            "09_shapes",
-            "12_distributed_tensors",
-            "12a_distributed_transport",
-            "12c_distributed_outer",
-            "15b_main",
-            "16b_showdoc",
+            "core/04_files",
+            "core/05_optional",
+            "core/02_paths",
+            "models/02_module_utils",
+            "models/03_shapes",
+            "diloco/02_distributed_tensors",
+            "diloco/03_distributed_transport",
+            "diloco/05_distributed_outer",
+            "app/03_main",
+            "core/08_showdoc",
         ],
     ),
 ]
 
 SIDEBAR = ROOT / "nbs" / "sidebar.yml"
+
+
+def notebook_keys(folder: Path = ROOT / "nbs") -> list[str]:
+    "Every notebook under `folder` (its area folders too) by its path there without `.ipynb`: `train/06_trainer`."
+    return sorted(
+        p.relative_to(folder).with_suffix("").as_posix()
+        for p in folder.rglob("*.ipynb")
+        if not any(part.startswith((".", "_")) for part in p.relative_to(folder).parts)
+    )
 
 
 def sections(stems) -> list[tuple[str, list]]:
@@ -133,7 +146,7 @@ def quarto_sidebar() -> str:
     "The text of `nbs/sidebar.yml`: Quarto's sidebar with `NAV`'s sections, over the notebooks in `nbs/` (no API index: only this builder writes one)."
     import yaml
 
-    stems = [p.stem for p in sorted((ROOT / "nbs").glob("*.ipynb"))]
+    stems = notebook_keys()
     contents = [f"{s}.ipynb" for s in stems if s == "index"]
     for section, items in sections(stems):
         contents.append(
@@ -202,13 +215,11 @@ def plain_markdown(text: str) -> str:
 
 
 def page_links(text: str, pages: dict[str, str]) -> str:
-    "Links to notebooks (`11_trainer.ipynb#x`, as JupyterLab follows them) made links to their pages (`trainer.html#x`)."
+    "Links to notebooks (`../train/06_trainer.ipynb#x`, as JupyterLab follows them) made links to their pages (`../train/trainer.html#x`)."
 
-    def page(m):
-        name = pages.get(m.group(2))
-        return (
-            f"](" + (name if name else m.group(1) + m.group(2) + ".html") + (m.group(3) or "") + ")"
-        )
+    def page(m):  # the folder part stays: a page links to another area's page as its notebook does
+        name = pages.get(m.group(2)) or m.group(2) + ".html"
+        return "](" + m.group(1) + name + (m.group(3) or "") + ")"
 
     return _NB_LINK.sub(page, text)
 
@@ -223,11 +234,14 @@ def only_checks(cell) -> bool:
     )
 
 
-def _clean_text(text: str, site_url: str, pages: dict[str, str] | None = None) -> str:
-    return page_links(plain_markdown(text), pages or {}).replace(site_url, "")
+def _clean_text(
+    text: str, site_url: str, pages: dict[str, str] | None = None, to_root: str = ""
+) -> str:
+    "Plain markdown with page links; the site's own address made relative (`to_root`: `../` from an area folder)."
+    return page_links(plain_markdown(text), pages or {}).replace(site_url, to_root)
 
 
-def quarto_pass(nb, site_url: str, pages: dict[str, str] | None = None):
+def quarto_pass(nb, site_url: str, pages: dict[str, str] | None = None, to_root: str = ""):
     "Apply what Quarto would to one nbdev-processed notebook: title heading, directives, link attributes, page links."
     fm = _front_matter(nb)
     cells = nb.cells[1:] if fm else nb.cells
@@ -247,7 +261,7 @@ def quarto_pass(nb, site_url: str, pages: dict[str, str] | None = None):
         if cell.cell_type == "markdown":
             if cell.source.startswith("<!-- WARNING"):
                 continue
-            cell.source = _clean_text(cell.source, site_url, pages)
+            cell.source = _clean_text(cell.source, site_url, pages, to_root)
         elif cell.cell_type == "code":
             d, cell.source = _directives(cell.source)
             if "hide" in d or d.get("include") == "false" or only_checks(cell):
@@ -264,7 +278,7 @@ def quarto_pass(nb, site_url: str, pages: dict[str, str] | None = None):
                     del data[WIDGET_VIEW]  # a static page shows the view's picture
                 for mime in ("text/markdown", "text/html"):
                     if mime in data:
-                        data[mime] = _clean_text("".join(data[mime]), site_url, pages)
+                        data[mime] = _clean_text("".join(data[mime]), site_url, pages, to_root)
         out.append(cell)
     nb.cells = head + out
     nb.metadata.pop("widgets", None)  # no widget state: the page loads no widget scripts
@@ -282,14 +296,14 @@ def is_guide(nb_path: Path) -> bool:
 
 
 def page_names(proc: Path) -> dict[str, str]:
-    "Each processed notebook's page by notebook stem (`11_trainer` -> `trainer.html`), as nbdev names it (`output-file`)."
+    "Each processed notebook's page in its folder by file stem (`06_trainer` -> `trainer.html`), as nbdev names it (`output-file`)."
     import nbformat
 
     return {
         src.stem: _front_matter(nbformat.read(src, as_version=4)).get(
             "output-file", src.stem + ".html"
         )
-        for src in proc.glob("*.ipynb")
+        for src in proc.rglob("*.ipynb")
     }
 
 
@@ -308,11 +322,15 @@ def site_sources(proc: Path) -> dict[str, tuple[str, str]]:
         shutil.rmtree(SITE_SRC)
     SITE_SRC.mkdir()
     names, pages = page_names(proc), {}
-    for src in sorted(proc.glob("*.ipynb")):
-        nb, fm = quarto_pass(nbformat.read(src, as_version=4), site_url, names)
-        name = Path(names[src.stem]).stem + ".ipynb"
+    for key in notebook_keys(proc):
+        src = proc / f"{key}.ipynb"
+        folder = Path(key).parent  # the page stays in its area folder, where nbdev's links point
+        to_root = "../" * len(folder.parts)
+        nb, fm = quarto_pass(nbformat.read(src, as_version=4), site_url, names, to_root)
+        name = (folder / (Path(names[src.stem]).stem + ".ipynb")).as_posix()
+        (SITE_SRC / name).parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, SITE_SRC / name)
-        pages[src.stem] = ("Home" if src.stem == "index" else fm.get("title", src.stem), name)
+        pages[key] = ("Home" if key == "index" else fm.get("title", src.stem), name)
     return pages
 
 
@@ -477,7 +495,7 @@ def main() -> int:
         SIDEBAR.write_text(quarto_sidebar(), encoding="utf-8")
         return 0
     proc = process_notebooks()
-    missing = sorted(p.name for p in (ROOT / "nbs").glob("*.ipynb") if not (proc / p.name).exists())
+    missing = sorted(k for k in notebook_keys() if not (proc / f"{k}.ipynb").exists())
     if missing:
         print(f"nbdev could not process: {', '.join(missing)}", file=sys.stderr)
         return 1
@@ -485,7 +503,7 @@ def main() -> int:
     pages[API_INDEX] = ("API index", write_api_index(pages))
     site = render_site(site_config(pages))
     print(
-        f"docs site written to {site.relative_to(ROOT)}/ ({len(list(site.glob('*.html')))} pages)"
+        f"docs site written to {site.relative_to(ROOT)}/ ({len(list(site.rglob('*.html')))} pages)"
     )
     return 0
 

@@ -66,17 +66,19 @@ def title_cell_problem(nb_path: Path) -> str | None:
 
 def main() -> int:
     failed = False
-    for p in sorted((ROOT / "nbs").glob("*.ipynb")):
+    for p in sorted((ROOT / "nbs").rglob("*.ipynb")):
+        if any(part.startswith((".", "_")) for part in p.relative_to(ROOT / "nbs").parts):
+            continue
         if cells := mixed_import_cells(p):
             print(
-                f"{p.name}: cells {cells} mix imports with other code (put imports in a cell of their own)"
+                f"{p.relative_to(ROOT / 'nbs')}: cells {cells} mix imports with other code (put imports in a cell of their own)"
             )
             failed = True
         if why := title_cell_problem(p):
-            print(f"{p.name}: {why}")
+            print(f"{p.relative_to(ROOT / 'nbs')}: {why}")
             failed = True
         if why := metadata_problem(p):
-            print(f"{p.name}: {why}: run python tools/clean_notebooks.py")
+            print(f"{p.relative_to(ROOT / 'nbs')}: {why}: run python tools/clean_notebooks.py")
             failed = True
     return 1 if failed else 0
 

@@ -35,7 +35,12 @@ LANGUAGE_INFO = {
 
 
 def notebooks() -> list[Path]:
-    return sorted((ROOT / "nbs").glob("*.ipynb"))
+    nbs = ROOT / "nbs"
+    return sorted(
+        p
+        for p in nbs.rglob("*.ipynb")
+        if not any(part.startswith((".", "_")) for part in p.relative_to(nbs).parts)
+    )
 
 
 def metadata_problem(path: Path) -> str | None:
@@ -64,7 +69,11 @@ def set_metadata(path: Path) -> bool:
 
 def main(argv: list[str]) -> int:
     if "--check" in argv:
-        bad = [(p.name, why) for p in notebooks() if (why := metadata_problem(p))]
+        bad = [
+            (p.relative_to(ROOT / "nbs").as_posix(), why)
+            for p in notebooks()
+            if (why := metadata_problem(p))
+        ]
         for name, why in bad:
             print(f"{name}: {why}; run python tools/clean_notebooks.py", file=sys.stderr)
         return 1 if bad else 0

@@ -119,9 +119,11 @@ def main(argv=None) -> int:
     group.add_argument("--empty", action="store_true")
     group.add_argument("--all", action="store_true")
     args = ap.parse_args(argv)
-    paths = [Path(p).resolve() for p in args.notebooks] or sorted(NBS.glob("*.ipynb"))
-    os.chdir(NBS)
+    paths = [Path(p).resolve() for p in args.notebooks] or sorted(
+        p for p in NBS.rglob("*.ipynb") if not any(s.startswith((".", "_")) for s in p.parts)
+    )
     for path in paths:
+        os.chdir(path.parent)  # a notebook runs in its own folder, as nbdev_test runs it
         if args.show_doc:
             new = show_doc_outputs(path)
         else:

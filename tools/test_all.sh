@@ -70,7 +70,7 @@ python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/j
 
 echo "== not run"
 if [ -f "$report/junit.xml" ]; then skipped "$report/junit.xml"; else echo "pytest: wrote no report (exit $rc)"; fi
-slow=$(grep -l '#| *slow' nbs/*.ipynb 2>/dev/null | tr '\n' ' ' || true)
+slow=$(grep -rl --include='*.ipynb' '#| *slow' nbs 2>/dev/null | tr '\n' ' ' || true)
 if [ -n "$slow" ]; then
   echo "nbdev_test: cells marked '#| slow' were not run (in ${slow% }) -> to run: nbdev_test --flags slow"
 fi

@@ -56,7 +56,7 @@ def served_docs(docs_site):
 
 def test_config_page_renders_the_api(browser, served_docs, tmp_path):
     page = browser.new_page()
-    page.goto(f"{served_docs}/config.html")
+    page.goto(f"{served_docs}/core/config.html")
     text = page.inner_text("article")
     assert "SpeedtronicConfig" in text and "RunConfig" in text
     assert page.locator("article table").count() > 0  # show_doc parameter tables
@@ -72,12 +72,12 @@ def test_config_page_renders_the_api(browser, served_docs, tmp_path):
 
 OFFLINE_PAGES = [
     "index.html",
-    "tutorial.html",
-    "trainer.html",
-    "widgets.html",
-    "distributed_norms.html",
+    "guide/tutorial.html",
+    "train/trainer.html",
+    "observe/widgets.html",
+    "diloco/distributed_norms.html",
     "api.html",
-    "config.html",
+    "core/config.html",
 ]
 
 
@@ -129,14 +129,14 @@ def test_docs_navigation_is_grouped(browser, served_docs):
     page.goto(f"{served_docs}/api.html")
     link = page.locator("article a", has_text="Trainer.fit").first
     link.click()
-    page.wait_for_url("**/trainer.html#trainerfit")
+    page.wait_for_url("**/train/trainer.html#trainerfit")
     assert page.locator("#trainerfit").first.is_visible()
     page.close()
 
 
 def test_schedule_page_shows_the_static_plot(browser, served_docs):
     page = browser.new_page()
-    page.goto(f"{served_docs}/schedules.html")
+    page.goto(f"{served_docs}/train/schedules.html")
     imgs = page.locator("article img")
     assert imgs.count() >= 1
     assert imgs.first.evaluate("img => img.naturalWidth") > 100  # a real, decoded plot
@@ -190,12 +190,12 @@ PRECISION, SCHEDULE, BROKEN, TRAINING, NORMS, NO_NORMS = (
     7,
 )  # cell indices in NOTEBOOK
 SHIPPED = [
-    "00_tutorial.ipynb",
-    "14_widgets.ipynb",
-    "06_schedules.ipynb",
-    "04_precision.ipynb",
-    "11_trainer.ipynb",
-]  # opened as a user opens them
+    "guide/01_tutorial.ipynb",
+    "observe/06_widgets.ipynb",
+    "train/03_schedules.ipynb",
+    "train/01_precision.ipynb",
+    "train/06_trainer.ipynb",
+]  # opened as a user opens them, in their area folders as in nbs/
 
 TINY = (
     '{"model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
@@ -309,6 +309,7 @@ def jupyterlab(tmp_path_factory):
     _diloco_record(root / "diloco")
     (root / "shipped").mkdir()
     for name in SHIPPED:
+        (root / "shipped" / name).parent.mkdir(exist_ok=True)
         shutil.copy(ROOT / "nbs" / name, root / "shipped" / name)
     port = free_port()
     cmd = [
@@ -566,21 +567,21 @@ def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name
     assert not [t for t in texts if "{target=" in t or 'target="_blank"' in t or "#LNone" in t], (
         texts
     )  # show_doc, plain
-    if name != "04_precision.ipynb":
+    if name != "train/01_precision.ipynb":
         assert page.locator(".jp-OutputArea-output img").count() >= 1
-    _screenshot(page, f"shipped-{name}.png", tmp_path)
+    _screenshot(page, f"shipped-{name.replace('/', '-')}.png", tmp_path)
     page.close()
 
 
 def test_tutorial_links_open_the_chapters_in_jupyterlab(browser, jupyterlab):
     "The tutorial links to chapters as notebooks, so a click in JupyterLab opens the chapter (the docs site links the page)."
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    _open_notebook(page, f"{jupyterlab}/lab/tree/shipped/00_tutorial.ipynb")
+    _open_notebook(page, f"{jupyterlab}/lab/tree/shipped/guide/01_tutorial.ipynb")
     link = page.locator(".jp-RenderedMarkdown").get_by_role("link", name="Trainer", exact=True)
     link.scroll_into_view_if_needed()
     link.click()
     page.wait_for_function(
-        "window.jupyterapp.shell.currentWidget?.context?.path?.endsWith('shipped/11_trainer.ipynb')",
+        "window.jupyterapp.shell.currentWidget?.context?.path?.endsWith('shipped/train/06_trainer.ipynb')",
         timeout=60_000,
     )
     page.close()
@@ -767,8 +768,8 @@ def _upload(lab_url: str, path: str, source: Path) -> None:
 def test_after_training_chapter_samples_what_generate_writes(browser, jupyterlab, tmp_path):
     "The After training chapter runs in JupyterLab without an error; its sample box, moved to temperature 0, writes generate's greedy text."
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    _upload(jupyterlab, "after/00b_after_training.ipynb", ROOT / "nbs" / "00b_after_training.ipynb")
-    _open_notebook(page, f"{jupyterlab}/lab/tree/after/00b_after_training.ipynb")
+    _upload(jupyterlab, "after/02_after_training.ipynb", ROOT / "nbs/guide/02_after_training.ipynb")
+    _open_notebook(page, f"{jupyterlab}/lab/tree/after/02_after_training.ipynb")
     page.wait_for_function(
         "window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'",
         timeout=120_000,

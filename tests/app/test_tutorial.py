@@ -21,7 +21,7 @@ PRESS = "stop_pressed_at(60 if press_for_me else None,"
 def test_the_tutorial_runs_whenever_stop_is_pressed(tmp_path, step):
     from nbclient import NotebookClient
 
-    nb = nbformat.read(ROOT / "nbs" / "00_tutorial.ipynb", as_version=4)
+    nb = nbformat.read(ROOT / "nbs" / "guide" / "01_tutorial.ipynb", as_version=4)
     cells = [c for c in nb.cells if PRESS in c.source]
     assert len(cells) == 1, "the tutorial's training cell changed: update PRESS"
     cells[0].source = cells[0].source.replace(PRESS, f"stop_pressed_at({step},")

@@ -44,21 +44,30 @@ def site(docs_site):
 
 
 def pages(site: Path) -> list[Path]:
-    return sorted(p for p in site.glob("*.html") if p.name != "404.html")
+    "Every page of the site, its area folders' too."
+    return sorted(p for p in site.rglob("*.html") if p.name != "404.html")
+
+
+def notebooks() -> list[Path]:
+    "Every notebook of nbs/ (the index and one folder per area)."
+    return [ROOT / "nbs" / f"{k}.ipynb" for k in build_docs.notebook_keys()]
 
 
 def test_a_page_per_notebook(site):
     "A page per notebook, and the API index."
-    pages = {p.name for p in site.glob("*.html")} - {"404.html", "api.html"}
-    assert len(pages) == len(list((ROOT / "nbs").glob("*.ipynb"))), pages
+    pages = {p.relative_to(site).as_posix() for p in site.rglob("*.html")} - {
+        "404.html",
+        "api.html",
+    }
+    assert len(pages) == len(notebooks()), pages
     assert (site / "api.html").exists()
     for name in [
         "index.html",
-        "config.html",
-        "trainer.html",
-        "runtime.html",
-        "cli.html",
-        "data.html",
+        "core/config.html",
+        "train/trainer.html",
+        "app/runtime.html",
+        "app/cli.html",
+        "data/data.html",
     ]:
         assert name in pages
 
@@ -66,19 +75,19 @@ def test_a_page_per_notebook(site):
 def test_cross_links_resolve(site):
     "nbdev links every API name to its page; on this site those links are relative and all resolve."
     hrefs = [
-        (page.name, href)
-        for page in site.glob("*.html")
-        if page.name != "404.html"
+        (page, href)
+        for page in pages(site)
         for href in re.findall(
             r'href="([^"#:]+\.html)(?:#[^"]*)?"', page.read_text(encoding="utf-8")
         )
     ]
     assert len(hrefs) > 100
-    assert [h for h in hrefs if not (site / h[1]).exists()] == []
+    assert any(h.startswith("../") for _, h in hrefs)  # an area's page links to another area's
+    assert [(p.name, h) for p, h in hrefs if not (p.parent / h).exists()] == []
 
 
 def test_directives_and_quarto_attributes_do_not_leak(site):
-    text = page_text(site / "precision.html")
+    text = page_text(site / "train/precision.html")
     assert "#| echo" not in text and 'target="_blank"' not in text and "{target=" not in text
     assert (
         "Device and precision" in text
@@ -86,7 +95,7 @@ def test_directives_and_quarto_attributes_do_not_leak(site):
 
 
 def test_config_page_documents_the_config_api(site):
-    text = page_text(site / "config.html")
+    text = page_text(site / "core/config.html")
     for name in [
         "SpeedtronicConfig",
         "RunConfig",
@@ -102,7 +111,7 @@ def test_config_page_documents_the_config_api(site):
     ]:
         assert name in text, f"{name} is not documented on the config page"
     # show_doc tables were rendered into the page (parameter tables, not only the source code)
-    html = (site / "config.html").read_text(encoding="utf-8")
+    html = (site / "core/config.html").read_text(encoding="utf-8")
     assert "<table" in html
 
 
@@ -223,9 +232,7 @@ def test_navigation_is_a_guide_a_reference_and_the_internals(site):
     for page in ["Files", "Run paths", "Module utilities", "DiLoCo wire format", "API tables"]:
         assert page in internals, page
     every = _titles(nav)
-    assert len(every) == len(set(every)) == len(list((ROOT / "nbs").glob("*.ipynb"))) + 1, (
-        every
-    )  # each page once
+    assert len(every) == len(set(every)) == len(notebooks()) + 1, every  # each page once
 
 
 def _sidebar_tree(items, page) -> list:
@@ -328,29 +335,29 @@ def test_api_index_links_every_public_name(site):
                     re.findall(r'id="([^"]+)"', (site / page).read_text(encoding="utf-8"))
                 )
             assert anchor in ids[page], href
-    assert named["Trainer.fit"] == "trainer.html#trainerfit", named["Trainer.fit"]
-    assert named["SpeedtronicConfig"] == "config.html#speedtronicconfig"
+    assert named["Trainer.fit"] == "train/trainer.html#trainerfit", named["Trainer.fit"]
+    assert named["SpeedtronicConfig"] == "core/config.html#speedtronicconfig"
 
 
 def test_notebook_links_become_page_links(site):
-    "A chapter links to another as `11_trainer.ipynb` (JupyterLab follows that); on the site the link is the page."
-    html = (site / "tutorial.html").read_text(encoding="utf-8")
+    "A chapter links to another as `../train/06_trainer.ipynb` (JupyterLab follows that); on the site the link is the page."
+    html = (site / "guide/tutorial.html").read_text(encoding="utf-8")
     assert (
-        'href="trainer.html"' in html
-        and 'href="runtime.html"' in html
+        'href="../train/trainer.html"' in html
+        and 'href="../app/runtime.html"' in html
         and 'href="coming_from_2.html"' in html
     )
     leftover = {
-        p.name: re.findall(r'href="(\d\w*\.ipynb[^"]*)"', p.read_text(encoding="utf-8"))
+        p.name: re.findall(r'href="((?:[^"/]*/)*\d\w*\.ipynb[^"]*)"', p.read_text(encoding="utf-8"))
         for p in pages(site)
     }
     assert {k: v for k, v in leftover.items() if v} == {}
     assert (
         build_docs.page_links(
-            "[T](11_trainer.ipynb#fit) [x](https://a/b.ipynb) [C](../nbs/00_config.ipynb)",
-            {"11_trainer": "trainer.html", "00_config": "config.html"},
+            "[T](../train/06_trainer.ipynb#fit) [x](https://a/b.ipynb) [C](01_config.ipynb)",
+            {"06_trainer": "trainer.html", "01_config": "config.html"},
         )
-        == "[T](trainer.html#fit) [x](https://a/b.ipynb) [C](config.html)"
+        == "[T](../train/trainer.html#fit) [x](https://a/b.ipynb) [C](config.html)"
     )
 
 
@@ -362,11 +369,11 @@ def test_pages_show_no_check_only_cells(site):
         src.name: [
             c.source[:60] for c in nbf.read(src, as_version=4).cells if build_docs.only_checks(c)
         ]
-        for src in (ROOT / "_site_src").glob("*.ipynb")
+        for src in (ROOT / "_site_src").rglob("*.ipynb")
     }
     assert {k: v for k, v in left.items() if v} == {}
     assert (
-        page_text(site / "trainer.html").count("test_eq(") <= 30
+        page_text(site / "train/trainer.html").count("test_eq(") <= 30
     )  # about 120 before: test blocks between the design notes
     cell = lambda src, outputs=(): nbformat.v4.new_code_cell(src, outputs=list(outputs))
     assert build_docs.only_checks(cell("t = _trainer()\ntest_eq(t.fit().steps, 3)"))
@@ -395,8 +402,8 @@ def test_pages_ask_nothing_of_the_internet(site):
 def test_coming_from_2_page(site):
     "The page that gathers the differences from 2.0 links to the chapters it summarises."
     text, html = (
-        page_text(site / "coming_from_2.html"),
-        (site / "coming_from_2.html").read_text(encoding="utf-8"),
+        page_text(site / "guide/coming_from_2.html"),
+        (site / "guide/coming_from_2.html").read_text(encoding="utf-8"),
     )
     for topic in [
         "every trainable parameter",
@@ -411,20 +418,20 @@ def test_coming_from_2_page(site):
     ]:
         assert topic in text, topic
     for chapter in [
-        "optimizers.html",
-        "schedules.html",
-        "checkpoint.html",
-        "config.html",
-        "cli.html",
-        "widgets.html",
+        "../train/optimizers.html",
+        "../train/schedules.html",
+        "../train/checkpoint.html",
+        "../core/config.html",
+        "../app/cli.html",
+        "../observe/widgets.html",
     ]:
         assert f'href="{chapter}' in html, chapter
 
 
 def test_tutorial_page(site):
     "The tutorial renders with its pictures: the live view's last state, the results' loss curves, the schedule."
-    html = (site / "tutorial.html").read_text(encoding="utf-8")
-    text = page_text(site / "tutorial.html")
+    html = (site / "guide/tutorial.html").read_text(encoding="utf-8")
+    text = page_text(site / "guide/tutorial.html")
     for words in [
         "Train, watch, and press",
         "resume=True",
@@ -441,7 +448,7 @@ def test_tutorial_page(site):
 
 def test_show_doc_tables_are_plain_markdown(site):
     "API entries link to their source with a real line number and no Quarto attribute."
-    html = (site / "trainer.html").read_text(encoding="utf-8")
+    html = (site / "train/trainer.html").read_text(encoding="utf-8")
     links = re.findall(
         r'href="(https://github.com/speedtronic/speedtronic/blob/main/speedtronic/trainer.py[^"]*)"',
         html,
