@@ -18,15 +18,23 @@ sys.path[:0] = [str(p) for p in [TESTS, *AREAS] if str(p) not in sys.path]
 
 @pytest.fixture(scope="session")
 def docs_site():
-    "Build the docs site once per test session (tools/build_docs.py) and return its folder."
-    res = subprocess.run(
-        [sys.executable, "tools/build_docs.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    "Build the docs site once per test run (tools/build_docs.py) and return its folder; under pytest-xdist the first worker to ask builds it while the others wait, and all read that one build."
+    import fcntl
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"{os.getpid()}")
+    built = ROOT / "docs" / ".built-for-test-run"
+    with open(ROOT / "_proc.build-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        if not (built.exists() and built.read_text() == run):
+            res = subprocess.run(
+                [sys.executable, "tools/build_docs.py"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
+            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+            built.write_text(run)
     return ROOT / "docs"
 
 
