@@ -33,7 +33,9 @@ from speedtronic.tokens import (
     HFTokenizer,
     PreparedTokens,
     check_data_file,
+    check_tokenizer,
     encode_text,
+    file_tokenizer_record,
     load_tokenizer,
     prepare_token_file,
     read_text,
@@ -43,6 +45,7 @@ from speedtronic.tokens import (
     text_segments,
     token_dtype,
     token_sidecar,
+    tokenizer_record,
     tokenizer_spec,
 )
 
@@ -1123,6 +1126,8 @@ def state_dict(self: ResumableDataLoader) -> dict:
         "shuffle": self.shuffle,
         "source": self.source(),
     }
+    if getattr(self, "tokenizer_record", None) is not None:
+        state["tokenizer"] = self.tokenizer_record  # its file by content (Tokens chapter)
     if self._kind == "stream":
         state.update(unit=self._unit, index=self._index)
         if hasattr(self.dataset, "seed"):
@@ -1149,6 +1154,12 @@ def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
         raise DataError(
             f"data loader state must be a mapping from state_dict(), got {type(state).__name__}"
         )
+    check_tokenizer(
+        state.get("tokenizer"),
+        getattr(self, "tokenizer_record", None),
+        fix="put back the tokenizer.json the run was trained with, or start a fresh run "
+        "(--overwrite, or another --output-dir)",
+    )
     if isinstance(state.get("source"), Mapping) and (
         changed := identity_differences(state["source"], self.source())
     ):
@@ -1336,7 +1347,7 @@ def build_dataloader(
         shuffle=data.shuffle,
         world_size=world_size,
     )
-    return ResumableDataLoader(
+    loader = ResumableDataLoader(
         ds,
         batch_size=data.micro_batch_size,
         shuffle=data.shuffle,
@@ -1348,6 +1359,10 @@ def build_dataloader(
         rank=rank,
         world_size=world_size,
     )
+    loader.tokenizer_record = tokenizer_record(
+        getattr(ds, "tokenizer", None)
+    ) or file_tokenizer_record(data.tokenizer)  # recorded in its state: a resume checks it
+    return loader
 
 # %% ../nbs/data/02_data.ipynb #56e710d0
 def __dir__() -> list[str]:

@@ -5,8 +5,14 @@
 # %% ../nbs/interop/02_hf.ipynb #c51c110d
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import re
+import shutil
+import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +31,13 @@ from speedtronic.checkpoint import (
 from .config import ConfigError, SpeedtronicConfig
 from .precision import resolve_device
 from .registry import build_model
-from .tokens import load_tokenizer
+from .tokens import check_tokenizer, load_tokenizer, tokenizer_record
 
 # %% auto #0
-__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'Trained', 'load_trained', 'weight_names',
-           'llama_config', 'ExportWarning', 'byte_tokenizer_json', 'export_hf', 'export_run', 'read_llama_config',
-           'llama_problems', 'model_settings', 'read_llama_weights', 'load_llama', 'push_to_hub']
+__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'EXPORT_FILES', 'Trained', 'load_trained',
+           'weight_names', 'llama_config', 'ExportWarning', 'byte_tokenizer_json', 'export_owns', 'foreign_files',
+           'replace_folder', 'export_hf', 'export_run', 'read_llama_config', 'llama_problems', 'model_settings',
+           'read_llama_weights', 'load_llama', 'push_to_hub']
 
 # %% ../nbs/interop/02_hf.ipynb #55aec66d
 @dataclass
@@ -101,6 +108,12 @@ def load_trained(
             f"({str(e).splitlines()[0]}); check model.imports and the model's code"
         ) from None
     tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
+    data = state.get("data")
+    check_tokenizer(
+        data.get("tokenizer") if isinstance(data, dict) else None,
+        tokenizer_record(tokenizer),
+        fix=f"put back the tokenizer.json checkpoint {path} was trained with",
+    )
     step = state.get("step") if isinstance(state.get("step"), int) else None
     return Trained(model.to(resolve_device(device)).eval(), tokenizer, config, path, step)
 
@@ -236,7 +249,7 @@ def _tokenizer_files(tokenizer: Any, max_len: int) -> dict[str, bytes]:
     from speedtronic.tokens import CharTokenizer, HFTokenizer
 
     if isinstance(tokenizer, HFTokenizer):
-        data = Path(tokenizer.path).read_bytes()
+        data = tokenizer.file_bytes  # the file it read (and the run recorded), not the path's now
     elif isinstance(tokenizer, CharTokenizer) and tokenizer.vocab_size >= 256:
         data = json.dumps(byte_tokenizer_json()).encode()
     else:
@@ -260,6 +273,71 @@ def _tokenizer_files(tokenizer: Any, max_len: int) -> dict[str, bytes]:
     }
     return {"tokenizer.json": data, "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
+# %% ../nbs/interop/02_hf.ipynb #9968af17
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)  # with the shards `model-00001-of-00002.safetensors`: every name an export folder may hold
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def export_owns(name: str) -> bool:
+    "Whether a file called `name` belongs to an export (so a new export may replace or remove it)."
+    return name in EXPORT_FILES or _SHARD_NAME.fullmatch(name) is not None
+
+
+def foreign_files(folder: str | os.PathLike) -> list[str]:
+    "Names in `folder` that an export never writes (a user's files and folders); none if it is absent."
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if not (p.is_file() and not p.is_symlink() and export_owns(p.name))
+    )
+
+# %% ../nbs/interop/02_hf.ipynb #bce537ba
+def _exchange(a: Path, b: Path) -> bool:
+    "Swap the paths `a` and `b` in one step (Linux `renameat2` RENAME_EXCHANGE); `False` where it cannot."
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd, exchange = -100, 2
+    if fn(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False  # a file system (or kernel) without the exchange
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_folder(staged: str | os.PathLike, folder: str | os.PathLike) -> Path:
+    "Put the complete folder `staged` at `folder`; what `folder` held is removed only after the swap."
+    from speedtronic.files import _fsync_directory
+
+    staged, folder = Path(staged), Path(folder)
+    if folder.exists() and _exchange(staged, folder):
+        shutil.rmtree(staged)  # now the previous folder
+    elif folder.exists():
+        aside = folder.with_name(f".{folder.name}.previous-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.rename(folder, aside)
+        os.rename(staged, folder)
+        shutil.rmtree(aside)
+    else:
+        os.rename(staged, folder)
+    _fsync_directory(folder.parent)
+    return folder
+
 # %% ../nbs/interop/02_hf.ipynb #15a59dcc
 def _reference(model: nn.Module) -> Any:
     "`model` if it is the reference transformer, else one clear refusal."
@@ -276,12 +354,18 @@ def _reference(model: nn.Module) -> Any:
 def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = None) -> Path:
     "Write `model` (and `tokenizer`) to `folder` as a transformers `LlamaForCausalLM` folder; returns the folder."
     from safetensors.torch import save
-    from speedtronic.files import atomic_write_bytes, file_in_the_way
+    from speedtronic.files import atomic_write_bytes, file_in_the_way, stale_temps
 
     cfg, folder = _reference(model).config, Path(folder)
     if (blocker := file_in_the_way(folder)) is not None:
         raise ConfigError(
             f"cannot export to {folder}: {blocker} is a file, not a folder; give another folder"
+        )
+    if theirs := foreign_files(folder):
+        raise ConfigError(
+            f"cannot export to {folder}: it holds {', '.join(theirs[:3])}"
+            f"{f' and {len(theirs) - 3} more' if len(theirs) > 3 else ''}, which an export does not "
+            "write and would not delete; move them out of the folder or export to another folder"
         )
     sd = model.state_dict()
     tensors = {
@@ -296,8 +380,18 @@ def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = N
         ).encode(),
         "config.json": json.dumps(llama_config(cfg), indent=2).encode(),
     }
-    for name, data in files.items():
-        atomic_write_bytes(data, folder / name)
+    target = folder.resolve() if folder.is_symlink() else folder.absolute()  # a link: its folder
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for left in stale_temps(target):  # staged by an export that was killed
+        shutil.rmtree(left, ignore_errors=True)
+    staged = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staged.mkdir()
+    try:
+        for name, data in files.items():
+            atomic_write_bytes(data, staged / name)
+        replace_folder(staged, target)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)  # gone already when the swap happened
     return folder
 
 # %% ../nbs/interop/02_hf.ipynb #b9bc71ed
@@ -526,6 +620,15 @@ def load_llama(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
     return model
 
 # %% ../nbs/interop/02_hf.ipynb #920f4754
+def _upload_operations(folder: Path, add: Any) -> list:
+    "One `add` operation per file in `folder` (hidden files and folders left out), in name order."
+    return [
+        add(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    ]
+
+
 def push_to_hub(
     folder: str | os.PathLike,
     repo_id: str,
@@ -533,8 +636,8 @@ def push_to_hub(
     token: str | None = None,
     commit_message: str = "Upload model exported by speedtronic",
 ) -> str:
-    "Upload the exported `folder` to the Hub model repository `repo_id` in one commit; returns the commit URL."
-    from huggingface_hub import HfApi
+    "Upload the exported `folder` to the Hub model repository `repo_id` in one commit (stale export files deleted); returns the commit URL."
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 
     folder = Path(folder)
@@ -543,9 +646,18 @@ def push_to_hub(
     api = HfApi(token=token)
     try:
         api.create_repo(repo_id, private=True, exist_ok=True)
+        head = api.repo_info(repo_id).sha
+        adds = _upload_operations(folder, CommitOperationAdd)
+        sent = {op.path_in_repo for op in adds}
+        stale = [
+            name
+            for name in api.list_repo_files(repo_id, revision=head)
+            if export_owns(name) and name not in sent
+        ]
+        operations = adds + [CommitOperationDelete(path_in_repo=name) for name in stale]
         return str(
-            api.upload_folder(
-                folder_path=folder, repo_id=repo_id, commit_message=commit_message
+            api.create_commit(
+                repo_id, operations, commit_message=commit_message, parent_commit=head
             ).commit_url
         )
     except HFValidationError as e:

@@ -5,6 +5,7 @@
 # %% ../nbs/data/01_tokens.ipynb #5c945229
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -22,9 +23,10 @@ from .optional import optional_import
 
 # %% auto #0
 __all__ = ['UTF8_BOM', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning', 'check_data_file', 'CharTokenizer',
-           'HFTokenizer', 'load_tokenizer', 'encode_text', 'tokenizer_spec', 'text_segments', 'read_text',
-           'text_pieces', 'token_dtype', 'source_files', 'PreparedTokens', 'check_sidecar_free', 'prepare_token_file',
-           'token_sidecar', 'read_token_sidecar']
+           'HFTokenizer', 'load_tokenizer', 'encode_text', 'tokenizer_spec', 'tokenizer_record',
+           'file_tokenizer_record', 'check_tokenizer', 'text_segments', 'read_text', 'text_pieces', 'token_dtype',
+           'source_files', 'PreparedTokens', 'check_sidecar_free', 'prepare_token_file', 'token_sidecar',
+           'read_token_sidecar']
 
 # %% ../nbs/data/01_tokens.ipynb #c0a38fd4
 class DataError(ExpectedError, ValueError):
@@ -95,13 +97,15 @@ class HFTokenizer:
         tokenizers = optional_import(
             "tokenizers", extra="tokenizers", purpose=f"tokenizer {str(path)!r}"
         )
+        data = p.read_bytes()  # read once: the bytes hashed are the bytes used
         try:
-            self._tokenizer = tokenizers.Tokenizer.from_file(str(p))
+            self._tokenizer = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
         except Exception as e:
             raise DataError(
                 f"tokenizer {str(path)!r} is not a valid Hugging Face tokenizer.json ({e})"
             ) from None
         self.path, self.spec = p, str(p)
+        self.file_bytes, self.sha256 = data, hashlib.sha256(data).hexdigest()
         self.vocab_size = int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
@@ -150,6 +154,36 @@ def encode_text(tokenizer: Any, text: str) -> np.ndarray:
 def tokenizer_spec(tokenizer: Any) -> str:
     "The name of `tokenizer` recorded in sidecars: `'byte'`, a tokenizer.json path, or its class name."
     return str(getattr(tokenizer, "spec", None) or type(tokenizer).__name__)
+
+# %% ../nbs/data/01_tokens.ipynb #87b04cb8
+def tokenizer_record(tokenizer: Any) -> dict[str, str] | None:
+    "What a run records of its tokenizer file: `{'path', 'sha256'}`; `None` for one without a file."
+    sha = getattr(tokenizer, "sha256", None)
+    return None if sha is None else {"path": str(tokenizer.path), "sha256": str(sha)}
+
+
+def file_tokenizer_record(spec: Any) -> dict[str, str] | None:
+    "`tokenizer_record` of the `tokenizer.json` the setting `spec` names, hashed without loading it."
+    if not isinstance(spec, (str, os.PathLike)) or str(spec).strip().lower() in _BYTE_NAMES:
+        return None  # the byte tokenizer, or an object given in code
+    p = Path(spec).expanduser()
+    if not p.is_file():
+        return None
+    return {"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+
+
+_BYTE_NAMES = ("", "byte", "bytes", "char")  # the settings that name the byte tokenizer
+
+
+def check_tokenizer(saved: Any, now: Mapping | None, *, fix: str) -> None:
+    "Raise `DataError` when the tokenizer record `now` is not the one the run recorded (`saved`)."
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("sha256"), str) or now is None:
+        return  # recorded without a hash (2.0), or no tokenizer file now
+    if now["sha256"] != saved["sha256"]:
+        raise DataError(
+            f"tokenizer {now['path']} is not the one the run was trained with: the run recorded "
+            f"sha256 {saved['sha256']}, the file has sha256 {now['sha256']}; {fix}"
+        )
 
 # %% ../nbs/data/01_tokens.ipynb #79760d76
 def text_segments(
