@@ -992,6 +992,9 @@ class DistributedConfig(_Section):
         None  # data shards, usually the node count; null -> each node draws its own data seed
     )
     shard_index: int | None = None  # this node's shard, 0 <= shard_index < shard_count
+    hub_limits: str | dict = (
+        "free"  # the Hub account's tier (free, pro, team, enterprise) or its numbers
+    )
 
     def _rules(self):
         r = _Rules(self)
@@ -1038,6 +1041,7 @@ class DistributedConfig(_Section):
                 )
         if any(not c.strip() for c in self.collaborators):
             r.fail("collaborators", "must be a list of non-blank Hub usernames")
+        self._hub_limits_rule(r)
         r.positive(
             "inner_steps",
             "poll_interval",
@@ -1060,6 +1064,26 @@ class DistributedConfig(_Section):
         if self.repo_id is not None and not self.repo_id.strip():
             r.fail("repo_id", "must not be blank (e.g. org/run)")
         return r.problems
+
+    def _hub_limits_rule(self, r):
+        "hub_limits: a tier by name, or a mapping of the Hub's numbers (each positive)."
+        numbers = ("commits_per_hour", "api_calls_per_5min", "downloads_per_5min")
+        if isinstance(self.hub_limits, str):
+            self.hub_limits = self.hub_limits.strip().lower()
+            r.choice("hub_limits", ("free", "pro", "team", "enterprise"))
+            return
+        wrong = [k for k in self.hub_limits if k not in numbers]
+        bad = [
+            k
+            for k, v in self.hub_limits.items()
+            if k in numbers and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0)
+        ]
+        if wrong or bad:
+            r.fail(
+                "hub_limits",
+                f"a tier (free, pro, team, enterprise) or positive numbers for {', '.join(numbers)}; "
+                f"not {', '.join(repr(k) for k in wrong + bad)}",
+            )
 
 # %% ../nbs/core/01_config.ipynb #0373ec7d
 @_config_section("parallel")
