@@ -12,10 +12,7 @@ for o in expected:
     assert o in cfg, "missing expected setting: {}".format(o)
 setup_cfg = {o: cfg[o] for o in cfg_keys}
 
-licenses = {
-    "apache2": ("Apache Software License 2.0", "OSI Approved :: Apache Software License"),
-    "mit": ("MIT License", "OSI Approved :: MIT License"),
-}
+licenses = {"apache2": "Apache-2.0", "mit": "MIT"}  # settings.ini's name -> SPDX expression
 statuses = [
     "1 - Planning",
     "2 - Pre-Alpha",
@@ -31,7 +28,7 @@ requirements = shlex.split(cfg.get("requirements", ""))
 if cfg.get("pip_requirements"):
     requirements += shlex.split(cfg.get("pip_requirements", ""))
 min_python = cfg["min_python"]
-lic = licenses.get(cfg["license"].lower(), (cfg["license"], None))
+lic = licenses.get(cfg["license"].lower(), cfg["license"])
 dev_requirements = shlex.split(cfg.get("dev_requirements", ""))
 logging_requirements = shlex.split(cfg.get("logging_requirements", ""))
 plot_requirements = shlex.split(cfg.get("plot_requirements", ""))
@@ -47,7 +44,7 @@ package_dir = {cfg["lib_name"] + ".configs": "configs", cfg["lib_name"] + ".exam
 
 setuptools.setup(
     name=cfg["lib_name"],
-    license=lic[0],
+    license_expression=lic,  # SPDX; license classifiers are deprecated
     classifiers=[
         "Development Status :: " + statuses[int(cfg["status"])],
         "Intended Audience :: " + cfg["audience"].title(),
@@ -56,8 +53,7 @@ setuptools.setup(
     + [
         "Programming Language :: Python :: " + o
         for o in py_versions[py_versions.index(min_python) :]
-    ]
-    + (["License :: " + lic[1]] if lic[1] else []),
+    ],
     url=cfg["git_url"],
     packages=packages,
     package_dir=package_dir,

@@ -28,15 +28,25 @@ install_browser() {
 }
 [ -x .venv/bin/python ] || python3 -m venv .venv
 py=.venv/bin/python
-$py -m pip install -q --upgrade pip
+# pip's and setuptools' own chatter (index notes, build warnings) goes to a log, shown when a step fails
+log=.venv/setup.log
+: >"$log"
+quietly() {
+  "$@" >>"$log" 2>&1 && return 0
+  echo "setup failed: $* (the last lines of $log):" >&2
+  tail -n 25 "$log" >&2
+  return 1
+}
+echo "installing into .venv (pip's output: $log)"
+quietly $py -m pip install -q --upgrade pip
 if ! $py -c "import torch" >/dev/null 2>&1; then
-  $py -m pip install -q torch==2.13.0
+  quietly $py -m pip install -q torch==2.13.0
 fi
 if [ "${1:-}" = "dev" ]; then
-  $py -m pip install -q -e ".[dev,logging]"
+  quietly $py -m pip install -q -e ".[dev,logging]"
   install_browser
 else
-  $py -m pip install -q -e ".[plot]"
+  quietly $py -m pip install -q -e ".[plot]"
 fi
 # The notebooks name the kernel `python3` with display name `python3`, which is what `nbdev_clean` writes.
 # JupyterLab writes its kernel's display name into a notebook it opens, so this environment's python3
