@@ -157,3 +157,7 @@ def budget_from_config(
         global_bytes=int(parameters * 4),
         limits=hub_limits(getattr(d, "hub_limits", "free")),
     )
+
+# %% ../../nbs/diloco/08_distributed_budget.ipynb #2814c066
+def __dir__() -> list[str]:
+    return list(__all__)
