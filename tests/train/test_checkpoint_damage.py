@@ -133,7 +133,7 @@ def test_a_truncated_shard_falls_back_even_without_a_hash_record(tmp_path, refer
     sharded = {"parallel": {"strategy": "fsdp"}}
     stopped_at_step_4(tmp_path, **sharded)
     folder = step_file(tmp_path, 4, ".dcp")
-    (folder / ".sha256.json").unlink()
+    (folder / ".sha256.json").unlink(missing_ok=True)
     shard = folder / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-300])
     proc = train(tmp_path, "resumed", "--resume", max_steps=6, **sharded)
