@@ -1081,9 +1081,17 @@ def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
         destination = destination / source.name
     if is_sharded(source):
         return consolidate_checkpoint(source, destination.with_suffix(".pt"))
+    with contextlib.suppress(FileNotFoundError):
+        digest_path(destination).unlink()  # a record of what was there never vouches for the copy
     with open(source, "rb") as src:
         atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
     shutil.copystat(source, destination)
+    write_digest(destination)
+    check_digest(
+        source
+    )  # the source unchanged since it was checked: the copy holds what was written
+    if file_sha256(source) != file_sha256(destination):
+        raise _unusable(destination, f"is not the same as {source} after copying it", None)
     return destination
 
 # %% ../nbs/07_checkpoint.ipynb #df5504fa
@@ -1447,7 +1455,11 @@ def consolidate_checkpoint(
             "parallel.strategy: fsdp); give such a folder"
         )
     output = Path(output) if output is not None else path.with_suffix(".pt")
-    return atomic_torch_save(_full_sharded(path), output)
+    with contextlib.suppress(FileNotFoundError):
+        digest_path(output).unlink()
+    whole = atomic_torch_save(_full_sharded(path), output)
+    write_digest(whole)
+    return whole
 
 # %% ../nbs/07_checkpoint.ipynb #b17f517f
 def load_whole(

@@ -119,6 +119,17 @@ def test_a_flipped_byte_in_a_shard_of_the_newest_folder_falls_back(tmp_path, ref
     stopped_at_step_4(tmp_path, **sharded)
     shard = step_file(tmp_path, 4, ".dcp") / "__0_0.distcp"
     flip(shard)
+    whole = tmp_path / "whole.pt"
+    one_error_line(
+        run_cli("consolidate", str(shard.parent), "--output", str(whole), cwd=tmp_path),
+        "step_000000000004.dcp is damaged: its file __0_0.distcp",
+    )
+    ok(
+        run_cli(
+            "consolidate", str(step_file(tmp_path, 2, ".dcp")), "--output", str(whole), cwd=tmp_path
+        )
+    )
+    assert check_digest(whole)  # the file consolidate writes has its record too
     proc = train(tmp_path, "resumed", "--resume", max_steps=6, **sharded)
     ok(proc)
     damaged = [w for w in warnings_of(proc) if "step_000000000004.dcp" in w]
