@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -35,7 +36,8 @@ from speedtronic.files import (
 )
 
 # %% auto #0
-__all__ = ['SHARDED_STATE', 'CheckpointError', 'atomic_torch_save', 'atomic_json_dump', 'is_sharded', 'load_checkpoint',
+__all__ = ['SHARDED_STATE', 'DIGEST_NAME', 'CheckpointError', 'CheckpointWarning', 'atomic_torch_save', 'atomic_json_dump',
+           'is_sharded', 'digest_path', 'file_sha256', 'write_digest', 'check_digest', 'load_checkpoint',
            'capture_rng_state', 'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes',
            'checkpoint_step', 'checkpoint_files', 'read_pointer', 'stale_temp_files', 'redacted_state',
            'CheckpointManager', 'nonfinite_tensors', 'nonfinite_state', 'checkpoint_run_id', 'checked_checkpoint',
@@ -44,6 +46,10 @@ __all__ = ['SHARDED_STATE', 'CheckpointError', 'atomic_torch_save', 'atomic_json
 # %% ../nbs/train/04_checkpoint.ipynb #8fc616ec
 class CheckpointError(ExpectedError, RuntimeError):
     "A checkpoint file is missing, unreadable, unsafe or does not fit the current run."
+
+
+class CheckpointWarning(RuntimeWarning):
+    "A checkpoint skipped or a choice worth knowing about, when the manager has no logger to tell."
 
 # %% ../nbs/train/04_checkpoint.ipynb #3964e7ad
 def atomic_torch_save(state: Any, path: str | os.PathLike) -> Path:
@@ -95,8 +101,120 @@ def _remove(path: Path) -> None:
     "Delete a checkpoint file, or a sharded checkpoint folder with its shards."
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
-    else:
-        path.unlink()
+        return
+    path.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        digest_path(path).unlink()
+
+# %% ../nbs/train/04_checkpoint.ipynb #6c8e0719
+DIGEST_NAME = (
+    ".sha256.json"  # a record of content hashes: inside a sharded folder, or after a file's name
+)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_DIGESTS: dict[str, tuple] = {}  # resolved file -> (its stat signature, its sha256)
+
+
+def digest_path(path: str | os.PathLike) -> Path:
+    "Where checkpoint `path`'s content hash is recorded: in its folder, or beside the file."
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".dcp":
+        return path / DIGEST_NAME
+    return path.with_name(f".{path.name}{DIGEST_NAME}")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    "The sha256 of file `path` as hex; a file unchanged since the last call is not read again."
+    stat = os.stat(path)
+    signature = (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev)
+    key = str(Path(path).resolve())
+    if (known := _DIGESTS.get(key)) and known[0] == signature:
+        return known[1]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 20):
+            digest.update(piece)
+    _DIGESTS[key] = (signature, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def _hashed(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
+
+
+def write_digest(path: str | os.PathLike) -> Path:
+    "Record the sha256 and size of checkpoint `path` (a file, or each file of a folder) atomically."
+    path = Path(path)
+    if not path.is_dir():
+        return atomic_json_dump({"file": path.name, **_hashed(path)}, digest_path(path))
+    files = {
+        p.name: _hashed(p)
+        for p in sorted(path.iterdir())
+        if p.is_file() and p.name != DIGEST_NAME and not TEMP_NAME.fullmatch(p.name)
+    }
+    return atomic_json_dump({"files": files}, digest_path(path))
+
+# %% ../nbs/train/04_checkpoint.ipynb #c6ff8c07
+def _digest_entry(value: Any) -> bool:
+    "Is `value` a recorded size and sha256?"
+    return (
+        isinstance(value, dict)
+        and type(value.get("size")) is int
+        and value["size"] >= 0
+        and isinstance(value.get("sha256"), str)
+        and bool(_SHA256.fullmatch(value["sha256"]))
+    )
+
+
+def _read_digest(path: Path, record: Path) -> dict:
+    "The recorded `{file name: {size, sha256}}` of checkpoint `path`, checked to be well formed."
+    try:
+        value = json.loads(record.read_text(encoding="utf-8"))
+        files = value.get("files") if path.is_dir() else {path.name: value}
+        if not isinstance(files, dict) or not all(map(_digest_entry, files.values())):
+            raise ValueError("not a record of file sizes and sha256 hashes")
+        if any(n != Path(n).name or n in ("", ".", "..", DIGEST_NAME) for n in files):
+            raise ValueError("it names a file outside the folder")
+    except (OSError, ValueError, AttributeError) as e:
+        raise _unusable(
+            path,
+            f"has an unreadable content hash record {record.name} ({_first_sentence(e)})",
+            f"delete {record} to load it unchecked, or resume from an older checkpoint",
+        ) from None
+    return files
+
+
+def check_digest(path: str | os.PathLike) -> bool:
+    "Check checkpoint `path` against its recorded hash: `False` if it has none, else an error."
+    path = Path(path)
+    record = digest_path(path)
+    if not record.is_file():
+        return False
+    for name, want in _read_digest(path, record).items():
+        file = path / name if path.is_dir() else path
+        label = f"its file {name}" if path.is_dir() else "it"
+        try:
+            if file.is_symlink() or not file.is_file():
+                raise FileNotFoundError(2, "No such file or directory")
+            size = file.stat().st_size
+            if size == want["size"]:
+                same = file_sha256(file) == want["sha256"]
+        except OSError as e:
+            raise _unusable(
+                path, f"has shards that cannot be read ({name}: {e.strerror or e})"
+            ) from None
+        if size < want["size"]:
+            raise _unusable(
+                path, f"is truncated: {label} is {size} bytes of the {want['size']} written"
+            )
+        if size > want["size"] or not same:
+            raise _unusable(
+                path,
+                f"is damaged: {label} no longer has the content written "
+                f"(sha256 and size recorded in {record.name})",
+                "delete it, or resume from an older checkpoint "
+                "(speedtronic train --resume --checkpoint FILE)",
+            )
+    return True
 
 # %% ../nbs/train/04_checkpoint.ipynb #ff3181a4
 _UNSAFE = re.compile(
@@ -172,6 +290,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if is_sharded(path):
         return _full_sharded(path)
+    state = _load_file(path)
+    check_digest(path)
+    return state
+
+
+def _load_file(path: Path) -> dict:
+    "The state in the checkpoint file `path`, read without running pickle code; hash not checked."
     if problem := _not_a_file(path):
         raise _unusable(path, problem, None)
     try:
@@ -545,7 +670,10 @@ def stale_temp_files(directory: str | os.PathLike) -> list[Path]:
         m = TEMP_NAME.fullmatch(p.name)
         if (
             m
-            and (checkpoint_step(m["target"]) is not None or m["target"] == "latest.json")
+            and (
+                checkpoint_step(m["target"].removeprefix(".").removesuffix(DIGEST_NAME)) is not None
+                or m["target"] == "latest.json"
+            )
             and writer_gone(int(m["pid"]))
         ):
             stale.append(p)
@@ -603,7 +731,7 @@ class CheckpointManager:
         if self.logger is not None:
             self.logger.warning(message)
         else:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, CheckpointWarning, stacklevel=3)
 
     @property
     def pointer_path(self) -> Path:
@@ -712,7 +840,12 @@ def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
     if self.run_id is not None:
         state = {**state, "run_id": self.run_id}
     try:
+        with contextlib.suppress(FileNotFoundError):
+            digest_path(
+                self.path_for(step)
+            ).unlink()  # an older file's record never vouches for this one
         path = atomic_torch_save(redacted_state(state), self.path_for(step))
+        write_digest(path)
         written = [
             n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name
         ]
@@ -825,11 +958,13 @@ def checked_checkpoint(
             f"is a link to {target}, outside {path.parent}; a run resumes only its own checkpoints",
             "replace the link with a copy of the file to continue from it",
         )
-    state = _sharded_state(path) if is_sharded(path) else load_checkpoint(path)
+    state = _sharded_state(path) if is_sharded(path) else _load_file(path)
     if bad := nonfinite_state(state):
         raise _unusable(
             path, f"is unusable: {_nonfinite_reason(bad)}, written by a run that had diverged"
         )
+    if not is_sharded(path):
+        check_digest(path)  # a sharded folder's files were checked with its index
     step, named = state.get("step"), checkpoint_step(path.name)
     if named is not None and isinstance(step, int) and not isinstance(step, bool) and step != named:
         raise _unusable(
@@ -895,6 +1030,43 @@ def load_latest(self: CheckpointManager) -> dict | None:
     self.loaded_path, state = found
     return state
 
+# %% ../nbs/train/04_checkpoint.ipynb #d25d0efb
+@patch
+def load_named(self: CheckpointManager, name: str | os.PathLike) -> dict:
+    "The state of this run's checkpoint `name` (a name or path), checked as `load_latest` checks."
+    self.skipped, self.loaded_path = [], None
+    given = Path(name)
+    path = given if given.exists() or given.is_symlink() else self.directory / given.name
+    files = checkpoint_files(self.directory)
+    known = ", ".join(p.name for p in files) or "none"
+    if checkpoint_step(path.name) is None:
+        raise CheckpointError(
+            f"--checkpoint {name} is not a checkpoint name (step_<step>.pt or step_<step>.dcp); "
+            f"the checkpoints of this run in {self.directory}: {known}"
+        )
+    if not (path.exists() or path.is_symlink()):
+        raise CheckpointError(
+            f"--checkpoint {name} does not exist; the checkpoints of this run in "
+            f"{self.directory}: {known}"
+        )
+    if path.absolute().parent.resolve() != self.directory.resolve():
+        raise CheckpointError(
+            f"--checkpoint {name} is not in this run's checkpoint folder {self.directory}; "
+            "a run resumes only its own checkpoints: copy it there, or give the --output-dir of "
+            "its run"
+        )
+    pointer = read_pointer(self.pointer_path, self._warn)
+    owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
+    state = checked_checkpoint(self.directory / path.name, owner)
+    self.loaded_path = self.directory / path.name
+    newer = [p.name for p in files if checkpoint_step(p.name) > checkpoint_step(path.name)]
+    if newer:
+        self._warn(
+            f"resuming from {path.name} though newer checkpoints are kept in {self.directory} "
+            f"({', '.join(reversed(newer))}); this run writes over them as it reaches their steps"
+        )
+    return state
+
 # %% ../nbs/train/04_checkpoint.ipynb #5c39f826
 @patch
 def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
@@ -909,9 +1081,17 @@ def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
         destination = destination / source.name
     if is_sharded(source):
         return consolidate_checkpoint(source, destination.with_suffix(".pt"))
+    with contextlib.suppress(FileNotFoundError):
+        digest_path(destination).unlink()  # a record of what was there never vouches for the copy
     with open(source, "rb") as src:
         atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
     shutil.copystat(source, destination)
+    write_digest(destination)
+    check_digest(
+        source
+    )  # the source unchanged since it was checked: the copy holds what was written
+    if file_sha256(source) != file_sha256(destination):
+        raise _unusable(destination, f"is not the same as {source} after copying it", None)
     return destination
 
 # %% ../nbs/train/04_checkpoint.ipynb #df5504fa
@@ -1008,6 +1188,7 @@ def _publish(self: CheckpointManager, step: int, temp: Path, state: Mapping) -> 
         atomic_torch_save(
             redacted_state({**state, "model": None, "optimizer": None}), temp / SHARDED_STATE
         )
+        write_digest(temp)  # inside the folder, before it has its final name
         if final.exists():
             _remove(final)  # the same step saved again (after a resume): the new one replaces it
         os.replace(temp, final)
@@ -1100,6 +1281,7 @@ def _safe_index(path: Path) -> Any:
         raise _unusable(
             path, f"has an unreadable index (.metadata: {_first_sentence(e)})"
         ) from None
+    _check_shards(path, index)  # every file as written, before a value is read
     for key, where in (
         getattr(index, "storage_data", None) or {}
     ).items():  # the non-tensor values: plain data only
@@ -1128,6 +1310,31 @@ def _safe_index(path: Path) -> Any:
                 None,
             ) from None
     return index
+
+
+def _check_shards(path: Path, index: Any) -> None:
+    "Check folder `path` against its hash record, and each shard as long as its `index` needs."
+    recorded = check_digest(path)
+    listed = _read_digest(path, digest_path(path)) if recorded else {}
+    needs: dict[str, int] = {}
+    for where in (getattr(index, "storage_data", None) or {}).values():
+        name = str(where.relative_path)
+        needs[name] = max(needs.get(name, 0), int(where.offset) + int(where.length))
+    for name, end in sorted(needs.items()):
+        if recorded and name not in listed:
+            raise _unusable(
+                path, f"is damaged: its index reads {name}, which its hash record does not list"
+            )
+        try:
+            size = (path / name).stat().st_size
+        except OSError as e:
+            raise _unusable(
+                path, f"has shards that cannot be read ({name}: {e.strerror or e})"
+            ) from None
+        if size < end:
+            raise _unusable(
+                path, f"is truncated: its shard {name} is {size} bytes, its index reads {end}"
+            )
 
 
 def _sharded_state(path: Path, index: Any = None) -> dict:
@@ -1248,7 +1455,11 @@ def consolidate_checkpoint(
             "parallel.strategy: fsdp); give such a folder"
         )
     output = Path(output) if output is not None else path.with_suffix(".pt")
-    return atomic_torch_save(_full_sharded(path), output)
+    with contextlib.suppress(FileNotFoundError):
+        digest_path(output).unlink()
+    whole = atomic_torch_save(_full_sharded(path), output)
+    write_digest(whole)
+    return whole
 
 # %% ../nbs/train/04_checkpoint.ipynb #b17f517f
 def load_whole(

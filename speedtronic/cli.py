@@ -136,6 +136,14 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue from the latest valid checkpoint, if any"
     )
     t.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="with --resume: continue from this checkpoint of the run (a step_<N>.pt file or "
+        "step_<N>.dcp folder in its checkpoint folder, by name or path), not the newest; it is "
+        "checked as the newest would be, with no fallback",
+    )
+    t.add_argument(
         "--device",
         type=device_name,
         default=None,
@@ -447,7 +455,11 @@ def _train(args: argparse.Namespace) -> int:
     from speedtronic.runtime import train_from_config
 
     result = train_from_config(
-        config, resume=args.resume, device=args.device, overwrite=args.overwrite
+        config,
+        resume=args.resume,
+        device=args.device,
+        overwrite=args.overwrite,
+        checkpoint=args.checkpoint,
     )
     from speedtronic.progress import (
         is_tty,

@@ -395,10 +395,18 @@ def build_runtime(
     device: str | torch.device | None = None,  # overrides `run.device`
     max_steps: int | None = None,  # overrides `data.max_steps` / `run.max_steps`
     overwrite: bool = False,  # a fresh run deletes the checkpoints it finds (CLI `--overwrite`)
+    checkpoint: str
+    | os.PathLike
+    | None = None,  # resume this checkpoint of the run, not the newest
 ) -> tuple[Trainer, CheckpointManager]:
     "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
     config = load_runtime_config(config)
     resume = bool(resume or config.checkpoint.resume)
+    if checkpoint is not None and not resume:
+        raise ConfigError(
+            f"--checkpoint {checkpoint} (checkpoint=) names the checkpoint a resume continues "
+            "from; add --resume (resume=True)"
+        )
     world = world_from_env()  # a torchrun job, or one process
     if problems := job_problems(config, world):
         raise ConfigError(problems)
@@ -412,7 +420,13 @@ def build_runtime(
         claim = claim_job(config, world, resume=resume, overwrite=overwrite)
         try:
             trainer, manager = _build_components(
-                config, claim, world, resume=resume, device=dev, max_steps=max_steps
+                config,
+                claim,
+                world,
+                resume=resume,
+                device=dev,
+                max_steps=max_steps,
+                checkpoint=checkpoint,
             )
         except BaseException:
             claim.abandon()  # the folders it made go again when nothing was written there
@@ -472,6 +486,7 @@ def _build_components(
     resume: bool,
     device: Any,
     max_steps: int | None,
+    checkpoint: str | os.PathLike | None = None,
 ) -> tuple[Trainer, CheckpointManager]:
     "`build_runtime` after the directory is claimed."
     dev, logger = device, None
@@ -549,7 +564,11 @@ def _build_components(
             logger.info(split.describe())
         _watch_globals(trainer, config, split.held_out if split else None)
         if resume:
-            state = world.on_every_rank(manager.load_latest)
+            state = world.on_every_rank(
+                manager.load_latest
+                if checkpoint is None
+                else lambda: manager.load_named(checkpoint)
+            )
             world.agree_on_checkpoint(
                 None if state is None else state.get("step"), manager.directory
             )
@@ -695,10 +714,16 @@ def train_from_config(
     device: str | torch.device | None = None,
     max_steps: int | None = None,
     overwrite: bool = False,
+    checkpoint: str | os.PathLike | None = None,  # with `resume`: this checkpoint, not the newest
 ) -> TrainResult:
     "Build the runtime from `config`, train to the target and return the `TrainResult`."
     trainer, manager = build_runtime(
-        config, resume=resume, device=device, max_steps=max_steps, overwrite=overwrite
+        config,
+        resume=resume,
+        device=device,
+        max_steps=max_steps,
+        overwrite=overwrite,
+        checkpoint=checkpoint,
     )
     failed = True
     try:

@@ -126,10 +126,13 @@ def test_sharded_checkpoint_folders(fsdp_run):
     )  # no temp folder left
     assert sorted(p.name for p in folder(fsdp_run / "fsdp", 2).iterdir()) == [
         ".metadata",
+        ".sha256.json",  # every file's sha256 and size, both ranks' shards included
         "__0_0.distcp",
         "__1_0.distcp",
         "state.pt",
     ]
+    record = json.loads((folder(fsdp_run / "fsdp", 2) / ".sha256.json").read_text())
+    assert sorted(record["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
     pointer = json.loads((checkpoints / "latest.json").read_text())
     assert (pointer["file"], pointer["step"]) == (f"step_{STEPS:012d}.dcp", STEPS)
 

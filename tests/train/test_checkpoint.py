@@ -1,5 +1,6 @@
 "Checkpoint files on disk: corruption, fallback, unsafe pickle, 2.0 compatibility, retention, SIGKILL mid-write."
 
+import hashlib
 import io
 import json
 import os
@@ -40,7 +41,12 @@ class Warnings(list):
 
 
 def names(directory):
-    return sorted(p.name for p in Path(directory).iterdir())
+    "The files in `directory` but the hash records, each of which must sit beside its file."
+    found = sorted(p.name for p in Path(directory).iterdir())
+    records = [n for n in found if n.startswith(".step_") and n.endswith(".sha256.json")]
+    orphans = [r for r in records if r[1 : -len(".sha256.json")] not in found]
+    assert not orphans, f"hash records left without their checkpoint: {orphans}"
+    return [n for n in found if n not in records]
 
 
 def saved_manager(tmp_path, steps=(1, 2, 3), **kw):
@@ -570,3 +576,25 @@ def test_the_sharded_index_reader_reaches_no_callable_but_the_index_records():
     dtypes = sum(isinstance(v, torch.dtype) for v in vars(torch).values())
     expected = sum(m in modules for m, _ in _INDEX_GLOBALS) + dtypes
     assert tried > 10_000 and loaded == expected, (tried, loaded, expected)
+
+
+def test_each_checkpoint_has_its_hash_record_and_retention_removes_it(tmp_path):
+    "A saved file's sha256 and size sit beside it and go with it; a dead writer's temp goes."
+    dead = 2**22 + 12345  # above any pid this machine gives out
+    stale = tmp_path / f"..step_000000000001.pt.sha256.json.tmp-{dead}-abcdef12"
+    stale.write_text("{")
+    m = CheckpointManager(tmp_path, every_steps=1, keep_last=2)
+    for step in (1, 2, 3):
+        m.save(step, {"step": step, "w": torch.arange(100.0)})
+    assert names(tmp_path) == ["latest.json", "step_000000000002.pt", "step_000000000003.pt"]
+    assert not stale.exists()
+    record = json.loads((tmp_path / ".step_000000000003.pt.sha256.json").read_text())
+    data = m.path_for(3).read_bytes()
+    assert record == {
+        "file": "step_000000000003.pt",
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    assert not (tmp_path / ".step_000000000001.pt.sha256.json").exists()
+    m.clear()
+    assert names(tmp_path) == []

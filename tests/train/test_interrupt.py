@@ -187,7 +187,8 @@ def test_a_second_ctrl_c_waits_for_the_save(work):
         "message"
     ]
     assert f"step_{step:012d}.pt" in _checkpoints(work)
-    assert not [n for n in _checkpoints(work) if n.startswith(".")]  # no temp file left behind
+    assert not [n for n in _checkpoints(work) if ".tmp-" in n]  # no temp file left behind
+    assert f".step_{step:012d}.pt.sha256.json" in _checkpoints(work)  # its hash record is there
     from speedtronic.checkpoint import CheckpointManager
 
     state = CheckpointManager(work / "out" / "checkpoints").load_latest()
@@ -213,8 +214,8 @@ def test_a_third_ctrl_c_abandons_the_save_and_says_so(work):
     ), got["message"]
     assert f"step_{step:012d}.pt" not in _checkpoints(work)
     assert not [
-        n for n in _checkpoints(work) if n.startswith(".")
-    ]  # the abandoned save left no temp file
+        n for n in _checkpoints(work) if ".tmp-" in n or n.startswith(f".step_{step:012d}")
+    ]  # the abandoned save left no temp file, and no hash record of a file that is not there
     from speedtronic.checkpoint import CheckpointManager
 
     assert CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 3
