@@ -48,8 +48,9 @@ from .precision import autocast_context, resolve_precision
 from .trainer import call_model, move_batch, resolve_loss
 
 # %% auto #0
-__all__ = ['EVAL_RECORD_KEYS', 'EvalResult', 'evaluate', 'bytes_per_token', 'Holdout', 'holdout_split', 'StreamHoldout',
-           'Sampler', 'Evaluator', 'build_evaluator', 'GlobalEvaluator', 'holdout_note', 'earlier_evals']
+__all__ = ['SAMPLE_TOP_K', 'WHITESPACE_ONLY', 'EVAL_RECORD_KEYS', 'EvalResult', 'evaluate', 'bytes_per_token', 'Holdout',
+           'holdout_split', 'StreamHoldout', 'shown_sample', 'Sampler', 'Evaluator', 'build_evaluator',
+           'GlobalEvaluator', 'holdout_note', 'earlier_evals']
 
 # %% ../nbs/train/07_evaluation.ipynb #383bfe39
 @dataclass(frozen=True)
@@ -296,6 +297,17 @@ class StreamHoldout(BlockStream):
         }
 
 # %% ../nbs/train/07_evaluation.ipynb #dc97c733
+SAMPLE_TOP_K = 40  # training samples drawn at a temperature: among the 40 most likely tokens
+WHITESPACE_ONLY = "(the model emits only whitespace yet)"
+
+
+def shown_sample(index: int, prompt: str, text: str) -> dict[str, Any]:
+    "A `sample` event's payload: `text`, or what happened when the model wrote only whitespace."
+    if text.strip():
+        return {"index": index, "prompt": prompt, "text": text}
+    return {"index": index, "prompt": prompt, "text": WHITESPACE_ONLY, "whitespace_only": True}
+
+
 @dataclass
 class Sampler:
     "Continues each prompt with `generate`: one `{index, prompt, text}` per prompt."
@@ -305,6 +317,7 @@ class Sampler:
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     seed: int = 0  # the sampling generator's seed (a temperature above 0)
+    top_k: int | None = SAMPLE_TOP_K  # a draw is among this many most likely tokens (None: all)
 
     def __call__(self, model: nn.Module) -> list[dict[str, Any]]:
         "The text `model` writes after each prompt, leaving random generators and module modes as they were."
@@ -312,18 +325,19 @@ class Sampler:
         modes, rng = [(m, m.training) for m in model.modules()], capture_rng_state()
         try:
             return [
-                {
-                    "index": i,
-                    "prompt": p,
-                    "text": generate(
+                shown_sample(
+                    i,
+                    p,
+                    generate(
                         model,
                         self.tokenizer,
                         p,
                         max_new_tokens=self.max_new_tokens,
                         temperature=self.temperature,
+                        top_k=self.top_k,
                         seed=self.seed,
                     ),
-                }
+                )
                 for i, p in enumerate(self.prompts)
             ]
         finally:
@@ -502,6 +516,7 @@ def _sampler(config: SpeedtronicConfig, tokenizer: Any, vocab: int) -> Sampler:
         e.sample_tokens,
         e.sample_temperature,
         seed=config.run.seed or 0,
+        top_k=SAMPLE_TOP_K,
     )
 
 

@@ -193,7 +193,7 @@ def test_the_readme_demo_trains_and_a_moved_run_takes_every_output_along(tmp_pat
     first = ok(cli("train", "--config", str(DEMO), "--max-steps", "20", cwd=tmp_path))
     demo = tmp_path / "runs" / "demo"
     assert first.stdout.splitlines()[-1].startswith(
-        "completed steps=20 samples=320 tokens=20480 loss="
+        "completed steps=20 samples=640 tokens=40960 loss="
     )
     assert float(first.stdout.split("loss=")[-1]) < 5.0  # it learned something from the text
     assert [r["step"] for r in records(demo / "metrics.jsonl") if r["event"] == "train_step"] == [

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from conftest import ROOT, jsonl_records, ok, one_error_line, run_cli, tiny_config
+from speedtronic.generation import generate
 from speedtronic.profiling import MetricLogger
 from speedtronic.progress import ProgressBar
 from speedtronic.runtime import build_runtime
@@ -119,6 +120,59 @@ def test_samples_never_change_training_and_repeat_exactly(tmp_path):
             for e in acc.Tensors(f"samples/{i}/text_summary")
         ]
         assert shown == [(r["step"], prompt + r["text"]) for r in greedy if r["index"] == i]
+
+
+def test_samples_at_a_temperature_are_top_k_draws_seeded_by_the_run(tmp_path):
+    """At `eval.sample_temperature: 0.8` the run's last sample is what `generate` draws from the final model
+    at 0.8 among the 40 most likely tokens with the run's seed (not from all 128); the same seed repeats it,
+    another seed draws another text."""
+    texts = {}
+    for name, seed in (("hot", 7), ("again", 7), ("other", 8)):
+        raw = run_config(
+            tmp_path,
+            name,
+            sample_prompts=["the "],
+            sample_tokens=48,
+            sample_temperature=0.8,
+        )
+        raw["run"]["seed"] = seed
+        trainer, _ = build_runtime(raw)
+        try:
+            trainer.fit()
+        finally:
+            trainer.logger.close()
+            trainer.run_claim.release()
+        texts[name] = [r["text"] for r in jsonl_records(tmp_path / f"{name}.jsonl", "sample")]
+        if name == "hot":
+            drawn = generate(
+                trainer.model,
+                trainer.evaluator.sampler.tokenizer,
+                "the ",
+                max_new_tokens=48,
+                temperature=0.8,
+                top_k=40,
+                seed=7,
+            )
+            assert texts[name][-1] == drawn
+    assert texts["again"] == texts["hot"]
+    assert texts["other"] != texts["hot"]
+
+
+def test_a_sample_of_only_whitespace_says_so(tmp_path):
+    """A model that has learned only spaces and newlines (its text holds nothing else) is not shown as if it
+    wrote text: the console line and the JSONL say `(the model emits only whitespace yet)`."""
+    raw = run_config(tmp_path, "blank", sample_prompts=["  "], sample_tokens=16)
+    (tmp_path / "blank.txt").write_text(("   \n" * 3 + "    ") * 2000)
+    raw["data"]["text_path"] = str(tmp_path / "blank.txt")
+    raw["logging"]["level"] = "INFO"
+    (tmp_path / "blank.yaml").write_text(yaml.safe_dump(raw))
+    proc = ok(run_cli("train", "--config", "blank.yaml", cwd=tmp_path))
+    assert "text=(the model emits only whitespace yet)" in proc.stdout, proc.stdout[-3000:]
+    samples = jsonl_records(tmp_path / "blank.jsonl", "sample")
+    assert samples and all(
+        (r["text"], r["whitespace_only"]) == ("(the model emits only whitespace yet)", True)
+        for r in samples
+    ), samples
 
 
 def test_a_sample_with_newlines_stays_one_log_line(tmp_path):

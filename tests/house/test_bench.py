@@ -58,3 +58,37 @@ def test_bench_trainer_prints_the_ratio_the_overhead_and_its_breakdown():
     assert re.search(
         r"^peak RSS \(CPU, own process\): plain [\d.]+ MB  trainer [\d.]+ MB", out, re.M
     ), out
+
+
+def test_bench_recipe_prints_our_held_out_loss_and_cpu_seconds_beside_nanogpts(tmp_path):
+    """bench/bench_recipe.py, 4 steps of nanoGPT's CPU recipe on a small prose file (the last tenth held
+    out), prints the recipe's token count, our held-out loss and CPU-seconds, and the recorded reference;
+    a missing text file is one line and exit 2."""
+    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+    text = tmp_path / "prose.txt"
+    text.write_text(
+        "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(11)) for i in range(600))
+    )
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "bench/bench_recipe.py", *args],
+            cwd=ROOT,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    res = bench("--text", str(text), "--steps", "4")
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert re.search(r"^recipe: 4 steps x 12 x 64 = 3,072 tokens, adamw, 1 thread", out, re.M), out
+    loss = re.search(r"^speedtronic: held-out (\d+\.\d{3}) nats/char in [\d.]+ CPU-s", out, re.M)
+    assert loss and 0 < float(loss.group(1)) < 6.0, out  # below ln(256) = 5.55 plus noise
+    assert "nanoGPT (recorded): held-out 1.570 nats/char in 165-177 CPU-s" in out, out
+    missing = bench("--text", str(tmp_path / "nope.txt"), "--steps", "4")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        f"bench_recipe: --text {tmp_path / 'nope.txt'}: no such file; pass a text file"
+    ]
