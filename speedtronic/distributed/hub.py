@@ -147,6 +147,8 @@ class HubClient:
         self.retry = RetryPolicy(retry_initial, retry_max, retry_attempts, stop=stop)
         self.counts = TransferCounts()
         self._api = api
+        self._newest: str | None = None  # the newest head this client knows (read or committed)
+        self._doubt = False  # a publication met 412: the next head read is from the branch ref
         self._staged: dict = {}  # (path, sha256) -> an addition a publication's conflicting try uploaded, for its next try
 
     @property
@@ -343,13 +345,14 @@ def head_revision(self: HubClient) -> str | None:
 
 @patch
 def _head(self: HubClient) -> str:
-    "The head commit, read fresh: the branch's ref where the api offers it (inside a `_call`)."
-    if self._offers("list_repo_refs"):
+    "The head commit (inside a `_call`): `repo_info`'s, read again from the branch ref when in doubt."
+    sha = self.api.repo_info(self.repo_id, repo_type="model").sha
+    doubt = self._doubt or (self._newest is not None and sha != self._newest)
+    if doubt and self._offers("list_repo_refs"):  # repo_info may answer from a stale cache
         refs = self.api.list_repo_refs(self.repo_id, repo_type="model")
-        for branch in refs.branches:
-            if branch.name == "main":
-                return branch.target_commit
-    return self.api.repo_info(self.repo_id, repo_type="model").sha
+        sha = next((b.target_commit for b in refs.branches if b.name == "main"), sha)
+    self._doubt, self._newest = False, sha
+    return sha
 
 # %% ../../nbs/12b_distributed_hub.ipynb #0bc47cda
 def _scratch(parent: Path) -> tempfile.TemporaryDirectory:
@@ -401,11 +404,12 @@ def upload(self: HubClient, files: Mapping[str, str | os.PathLike], message: str
 
     def run():
         if self._offers("create_commit"):
-            self.api.create_commit(
+            info = self.api.create_commit(
                 self.repo_id,
                 _operations(files),
                 commit_message=message or f"add {', '.join(files)}",
             )
+            self._newest = getattr(info, "oid", None) or self._newest
         else:
             _upload_each(self, files)
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
@@ -442,9 +446,14 @@ def publish(
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
         self.counts.commits += 1
         self._staged.clear()
+        self._newest = info.oid
         return info.oid
 
-    return self._call(f"publish to {self.describe()}", run)
+    try:
+        return self._call(f"publish to {self.describe()}", run)
+    except PublishConflict:
+        self._doubt = True  # the head moved, or the parent was read from a stale cache
+        raise
 
 # %% ../../nbs/12b_distributed_hub.ipynb #42d32e28
 def _upload_each(self: HubClient, files: Mapping[str, str | os.PathLike]) -> None:
