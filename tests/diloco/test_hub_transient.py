@@ -222,13 +222,13 @@ STEPS, INNER = 30, 10
 
 
 def test_a_small_run_through_a_tight_commit_limit_folds_every_delta(tmp_path, corpus):
-    """Master + 2 workers, 30 steps in rounds of 10, through a stand-in where an hour lasts 2 s: 6 commits per
+    """Master + 2 workers, 30 steps in rounds of 10, through a stand-in where an hour lasts 4 s: 2 commits per
     repository per hour, one commit at a time (each takes 0.2 s), and repo_info an hour stale. Every node exits
-    0 and every delta a node uploaded is folded exactly once."""
+    0 and every delta a node uploaded is folded exactly once (distributed.expected_nodes: 3)."""
     hub = HubStandIn(
         tokens={TOKEN: "write"},
-        scale=1800.0,
-        commits_per_window=6,
+        scale=900.0,
+        commits_per_window=2,
         one_commit_at_a_time=True,
         commit_delay=0.2,
         head_lag=3600.0,
@@ -239,6 +239,9 @@ def test_a_small_run_through_a_tight_commit_limit_folds_every_delta(tmp_path, co
         for name, (raw, path) in configs.items():
             raw["run"]["max_steps"] = STEPS
             raw["distributed"]["inner_steps"] = INNER
+            # the master waits for all three: a worker whose first commit waits out the limit is
+            # not a worker that never came (the launch race itself is test_diloco_launch's)
+            raw["distributed"]["expected_nodes"] = len(NODES)
             path.write_text(yaml.safe_dump(raw, sort_keys=False))
         env = env_of(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN)
         finish({name: launch(configs[name][1], env) for name in NODES}, tmp_path)
