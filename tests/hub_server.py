@@ -13,6 +13,19 @@ downloads and lost commit responses. Point a client at it with
     ...
     server.stop()
 
+It can also answer as the real Hub does under load, each limit off unless asked for:
+
+    HubStandIn(scale=360.0,                 # an hour of the Hub passes in 10 s
+               commits_per_window=128,      # per repository, per `commit_window` Hub seconds (an hour):
+                                            #   429 "exceeded the rate limit for repository commits"
+               one_commit_at_a_time=True,   # a second concurrent commit on a repository: 409
+               api_per_window=1000,         # per token, per `token_window` Hub seconds (5 minutes):
+               resolve_per_window=5000,     #   429 on /api/ calls and /resolve/ downloads
+               head_lag=5.0)                # repo_info answers the head of 5 Hub seconds ago
+
+Every 429 carries `Retry-After` (real seconds, rounded up) and a `RateLimit` header (`t=` the
+seconds until the window resets), as the Hub sends them.
+
 `python tests/hub_server.py --port 8765` runs one in the foreground (Ctrl-C stops it).
 """
 
@@ -27,6 +40,8 @@ import socket
 import sys
 import threading
 import time
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -57,6 +72,7 @@ class Repo:
     files: dict[str, bytes] = field(default_factory=dict)
     snapshots: dict[str, dict[str, bytes]] = field(default_factory=dict)
     commits: list[Commit] = field(default_factory=list)
+    committing: bool = False  # a commit is being made (one at a time, when asked)
 
     def size(self) -> int:
         "Bytes of the files at the head revision."
@@ -77,10 +93,36 @@ class HubStandIn:
     "An in-memory Hub on 127.0.0.1 (a free port unless one is given), served from a background thread."
 
     def __init__(
-        self, *, tokens: dict[str, str] | None = None, port: int = 0, commit_delay: float = 0.0
+        self,
+        *,
+        tokens: dict[str, str] | None = None,
+        port: int = 0,
+        commit_delay: float = 0.0,
+        scale: float = 1.0,
+        commits_per_window: int | None = None,
+        commit_window: float = 3600.0,
+        one_commit_at_a_time: bool = False,
+        api_per_window: int | None = None,
+        resolve_per_window: int | None = None,
+        token_window: float = 300.0,
+        head_lag: float = 0.0,
     ):
         self.tokens = tokens  # None: no authentication; else token -> "read" | "write"
         self.port, self.commit_delay = port, commit_delay
+        if scale <= 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+        self.scale = (
+            scale  # Hub seconds per real second; the windows and the lag below are Hub seconds
+        )
+        self.commits_per_window, self.commit_window = commits_per_window, commit_window
+        self.one_commit_at_a_time = one_commit_at_a_time
+        self.per_token = {"api": api_per_window, "resolve": resolve_per_window}
+        self.token_window, self.head_lag = token_window, head_lag
+        self.used: Counter = Counter()  # (what, who, window index) -> answers given in that window
+        self.refusals: Counter = (
+            Counter()
+        )  # "commits" | "api" | "resolve" | "busy" -> 429s / 409s sent
+        self._t0 = time.monotonic()
         self.repos: dict[str, Repo] = {}
         self.faults: list[Fault] = []
         self.requests: list[
@@ -163,6 +205,52 @@ class HubStandIn:
         self._counter += 1
         return hashlib.sha1(f"commit-{self._counter}-{time.time()}".encode()).hexdigest()
 
+    # -- the Hub's limits ------------------------------------------------------------------------------
+    def _window(self, hub_seconds: float) -> tuple[int, float]:
+        "The current fixed window of `hub_seconds` (Hub time): its index and the real seconds left in it."
+        real = hub_seconds / self.scale
+        elapsed = time.monotonic() - self._t0
+        index = int(elapsed // real)
+        return index, (index + 1) * real - elapsed
+
+    def _limit(
+        self, what: str, who: str, limit: int | None, window: float, message: str, take=True
+    ) -> None:
+        "Count one `what` for `who` (unless not `take`); past `limit` in the window, the Hub's 429."
+        if limit is None:
+            return
+        with self.lock:
+            index, left = self._window(window)
+            key = (what, who, index)
+            if self.used[key] >= limit:
+                self.refusals[what] += 1
+                wait = max(1, math.ceil(left))
+                raise _HTTPError(
+                    429,
+                    message,
+                    headers={
+                        "Retry-After": str(wait),
+                        "RateLimit": f'"{what}";r=0;t={wait}',
+                        "RateLimit-Policy": f'"fixed window";"{what}";q={limit};w={round(window)}',
+                    },
+                )
+            self.used[key] += int(take)
+
+    def _took(self, what: str, who: str, window: float) -> None:
+        "Count one `what` for `who` after the fact (a commit counts once it is made)."
+        with self.lock:
+            self.used[(what, who, self._window(window)[0])] += 1
+
+    def lagged_head(self, repo: Repo) -> str:
+        "The head `repo_info` answers: the newest commit at least `head_lag` Hub seconds old (a cache)."
+        if not self.head_lag:
+            return repo.head
+        with self.lock:
+            cutoff = time.time() - self.head_lag / self.scale
+            kept = [c for c in repo.commits if c.oid in repo.snapshots]
+            old = [c for c in kept if c.time <= cutoff]
+            return (old or kept)[-1 if old else 0].oid if kept else repo.head
+
     def _take_fault(self, method: str, path: str) -> Fault | None:
         with self.lock:
             for f in self.faults:
@@ -227,13 +315,19 @@ class HubStandIn:
 
 
 class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.headers = status, message, code, headers or {}
+
+
+BUSY = "Another commit operation is in progress"  # the Hub's 409 for a second concurrent commit
 
 
 _ROUTES = [
     ("POST", re.compile(r"^/api/repos/create$"), "create"),
+    ("GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/refs$"), "refs"),
     (
         "GET",
         re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$"),
@@ -290,6 +384,7 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {"Content-Type": "application/json", "X-Error-Message": e.message}
             if e.code:
                 headers["X-Error-Code"] = e.code
+            headers.update(e.headers)
         with self.hub.lock:
             self.hub.requests.append((method, raw_path, status))
         if fault is not None and fault.kind == "lost_response":
@@ -340,9 +435,13 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(fault.delay)
             return self._drop()
         status = int(fault.kind)
-        body = json.dumps({"error": f"injected {status}"}).encode()
+        text = {409: BUSY, 429: "You have exceeded the rate limit"}.get(
+            status, f"injected {status}"
+        )
+        body = json.dumps({"error": text}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        self.send_header("X-Error-Message", text)
         if status == 429:
             self.send_header("Retry-After", "0")
         self.send_header("Content-Length", str(len(body)))
@@ -382,6 +481,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- endpoints -----------------------------------------------------------------------------------
     def _route(self, method: str, path: str, body: bytes):
+        what = "resolve" if "/resolve/" in path else "api" if path.startswith("/api/") else None
+        if what is not None:
+            auth = self.headers.get("Authorization", "")
+            who = auth[7:].strip() if auth.lower().startswith("bearer ") else "anonymous"
+            window = self.hub.token_window
+            self.hub._limit(
+                what,
+                who,
+                self.hub.per_token[what],
+                window,
+                f"Too Many Requests: you have reached your '{what}' rate limit "
+                f"({self.hub.per_token[what]} per {window / 60:g} minutes)",
+            )
         for m, pattern, name in _ROUTES:
             match = pattern.match(path) if m == method else None
             if match:
@@ -405,7 +517,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _info(self, body: bytes, repo: str, rev: str = "main"):
         r = self._repo(repo)
-        oid, files = self.hub.snapshot(r, rev)
+        oid, files = self.hub.snapshot(r, self.hub.lagged_head(r) if rev == "main" else rev)
         return self._json(
             {
                 "id": repo,
@@ -415,6 +527,11 @@ class _Handler(BaseHTTPRequestHandler):
                 "siblings": [{"rfilename": p} for p in sorted(files)],
             }
         )
+
+    def _refs(self, body: bytes, repo: str):
+        r = self._repo(repo)
+        main = {"name": "main", "ref": "refs/heads/main", "targetCommit": r.head}
+        return self._json({"branches": [main], "tags": [], "converts": []})
 
     def _tree(self, body: bytes, repo: str, rev: str, path: str = ""):
         r = self._repo(repo)
@@ -477,16 +594,36 @@ class _Handler(BaseHTTPRequestHandler):
                 deleted.append(value["path"])
             else:
                 raise _HTTPError(400, f"the stand-in does not support commit operation {key!r}")
-        if self.hub.commit_delay:
-            time.sleep(self.hub.commit_delay)
-        c = self.hub.commit(
-            r,
-            parent=header.get("parentCommit"),
-            message=header.get("summary", ""),
-            description=header.get("description", ""),
-            added=added,
-            deleted=deleted,
-        )
+        hub = self.hub
+        with hub.lock:
+            if hub.one_commit_at_a_time and r.committing:
+                hub.refusals["busy"] += 1
+                raise _HTTPError(409, BUSY)
+            hub._limit(
+                "commits",
+                repo,
+                hub.commits_per_window,
+                hub.commit_window,
+                "You have exceeded the rate limit for repository commits "
+                f"({hub.commits_per_window} per {_per(hub.commit_window)}). "
+                "Upload whole folders in one commit (upload_folder) rather than file by file.",
+                take=False,
+            )
+            r.committing = True
+        try:
+            if hub.commit_delay:
+                time.sleep(hub.commit_delay)
+            c = hub.commit(
+                r,
+                parent=header.get("parentCommit"),
+                message=header.get("summary", ""),
+                description=header.get("description", ""),
+                added=added,
+                deleted=deleted,
+            )
+        finally:
+            r.committing = False
+        hub._took("commits", repo, hub.commit_window)
         return self._json(
             {"commitUrl": f"{self.hub.url}/{repo}/commit/{c.oid}", "commitOid": c.oid}
         )
@@ -503,6 +640,15 @@ class _Handler(BaseHTTPRequestHandler):
             "ETag": f'"{git_blob_sha1(data)}"',
         }
         return 200, headers, data
+
+
+def _per(seconds: float) -> str:
+    "A window in the Hub's words: 'hour', '5 minutes', '20 seconds'."
+    if seconds == 3600:
+        return "hour"
+    if seconds % 60 == 0:
+        return f"{seconds / 60:g} minutes"
+    return f"{seconds:g} seconds"
 
 
 def main() -> None:

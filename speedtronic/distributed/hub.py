@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -34,7 +36,7 @@ from speedtronic.distributed.transport import (
 )
 
 # %% auto #0
-__all__ = ['HubTransport', 'token_source', 'classify_hub_error', 'HubClient']
+__all__ = ['HubTransport', 'token_source', 'classify_hub_error', 'server_wait', 'HubClient']
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #971b4d24
 def token_source(token: str | None) -> str:
@@ -69,7 +71,7 @@ def classify_hub_error(exc: BaseException) -> str | None:
             or exc.response.headers.get("X-Error-Code") == "RepoNotFound"
         ):
             return MISSING
-        if status in (408, 429) or status >= 500:
+        if status in (408, 409, 429) or status >= 500:  # 409: another commit is in progress
             return TRANSIENT
         return FATAL if status >= 400 else TRANSIENT
     name, module = type(exc).__name__, type(exc).__module__ or ""
@@ -80,6 +82,36 @@ def classify_hub_error(exc: BaseException) -> str | None:
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return TRANSIENT
     return None
+
+
+def server_wait(status: int | None, headers: Mapping[str, str]) -> float | None:
+    "Seconds a 429 or 503 answer asks the caller to wait (`Retry-After`, or `RateLimit`'s `t=`), else None."
+    if status not in (429, 503):
+        return None
+    lower = {str(k).lower(): str(v) for k, v in headers.items()}
+    waits = []
+    after = lower.get("retry-after", "").strip()
+    if after:
+        try:
+            waits.append(float(after))
+        except ValueError:
+            from email.utils import parsedate_to_datetime
+
+            try:  # an HTTP date
+                waits.append(parsedate_to_datetime(after).timestamp() - time.time())
+            except (TypeError, ValueError):
+                pass
+    reset = re.search(r"(?:^|;)\s*t\s*=\s*(\d+(?:\.\d+)?)", lower.get("ratelimit", ""))
+    if reset:
+        waits.append(float(reset.group(1)))
+    waits = [w for w in waits if w == w and w >= 0]  # no NaN, nothing negative
+    return max(waits) if waits else None
+
+
+def _told(exc: BaseException) -> float | None:
+    "The wait a Hub answer asked for (see `server_wait`)."
+    response = getattr(exc, "response", None)
+    return server_wait(_status(exc), getattr(response, "headers", None) or {})
 
 
 _HINTS = {
@@ -115,6 +147,8 @@ class HubClient:
         self.retry = RetryPolicy(retry_initial, retry_max, retry_attempts, stop=stop)
         self.counts = TransferCounts()
         self._api = api
+        self._newest: str | None = None  # the newest head this client knows (read or committed)
+        self._doubt = False  # a publication met 412: the next head read is from the branch ref
         self._staged: dict = {}  # (path, sha256) -> an addition a publication's conflicting try uploaded, for its next try
 
     @property
@@ -167,7 +201,7 @@ def _call(self: HubClient, label: str, fn: Callable[[], Any]) -> Any:
         _ensure_timeout(self.request_timeout)
         return fn()
 
-    return self.retry.call(label, run, classify_hub_error, self._describe_error)
+    return self.retry.call(label, run, classify_hub_error, self._describe_error, _told)
 
 
 @patch
@@ -244,11 +278,7 @@ def state(self: HubClient, revision: str | None = None) -> RepoState:
 
     def run():
         pinned = self._offers("repo_info")
-        sha = (
-            (revision or self.api.repo_info(self.repo_id, repo_type="model").sha)
-            if pinned
-            else None
-        )
+        sha = (revision or self._head()) if pinned else None
         if not pinned and GLOBAL_METADATA_PATH not in self._listing():
             return RepoState("none")
         with _scratch(Path(self.cache_dir or tempfile.gettempdir())) as tmp:
@@ -310,9 +340,19 @@ def head_revision(self: HubClient) -> str | None:
     "The head commit of the repository (changes with every commit); None when the api object cannot say."
     if not self._offers("repo_info"):
         return None
-    return self._call(
-        f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model").sha
-    )
+    return self._call(f"read {self.describe()}", self._head)
+
+
+@patch
+def _head(self: HubClient) -> str:
+    "The head commit (inside a `_call`): `repo_info`'s, read again from the branch ref when in doubt."
+    sha = self.api.repo_info(self.repo_id, repo_type="model").sha
+    doubt = self._doubt or (self._newest is not None and sha != self._newest)
+    if doubt and self._offers("list_repo_refs"):  # repo_info may answer from a stale cache
+        refs = self.api.list_repo_refs(self.repo_id, repo_type="model")
+        sha = next((b.target_commit for b in refs.branches if b.name == "main"), sha)
+    self._doubt, self._newest = False, sha
+    return sha
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #0bc47cda
 def _scratch(parent: Path) -> tempfile.TemporaryDirectory:
@@ -364,11 +404,12 @@ def upload(self: HubClient, files: Mapping[str, str | os.PathLike], message: str
 
     def run():
         if self._offers("create_commit"):
-            self.api.create_commit(
+            info = self.api.create_commit(
                 self.repo_id,
                 _operations(files),
                 commit_message=message or f"add {', '.join(files)}",
             )
+            self._newest = getattr(info, "oid", None) or self._newest
         else:
             _upload_each(self, files)
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
@@ -405,9 +446,14 @@ def publish(
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
         self.counts.commits += 1
         self._staged.clear()
+        self._newest = info.oid
         return info.oid
 
-    return self._call(f"publish to {self.describe()}", run)
+    try:
+        return self._call(f"publish to {self.describe()}", run)
+    except PublishConflict:
+        self._doubt = True  # the head moved, or the parent was read from a stale cache
+        raise
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #42d32e28
 def _upload_each(self: HubClient, files: Mapping[str, str | os.PathLike]) -> None:

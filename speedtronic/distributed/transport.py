@@ -63,6 +63,7 @@ class RetryPolicy:
     attempts: int = 6  # tries per operation, the first included
     stop: threading.Event | None = None  # set -> stop waiting and give up
     rng: Callable[[], float] = random.random
+    patience: float = 3600.0  # most seconds per operation spent waiting as a server asked (a 429)
 
     def delays(self) -> list[float]:
         "The sleeps between attempts (jittered: each in [d/2, d] for its nominal delay d)."
@@ -77,10 +78,11 @@ class RetryPolicy:
         fn: Callable[[], Any],
         classify: Callable[[BaseException], str | None],
         describe: Callable[[BaseException], str] = str,
+        told: Callable[[BaseException], float | None] | None = None,
     ) -> Any:
         "`fn()`, retried while `classify` calls its failure transient; `HubError`s say what failed."
-        delays, last = self.delays(), None
-        for attempt in range(self.attempts):
+        delays, last, attempt, waited = self.delays(), None, 0, 0.0
+        while True:
             try:
                 return fn()
             except Exception as exc:
@@ -93,16 +95,28 @@ class RetryPolicy:
                     raise PublishConflict(f"{label}: {describe(exc)}") from exc
                 if kind == MISSING:
                     raise RepoMissing(f"{label}: {describe(exc)}") from None
-                last = exc
-            if attempt < len(delays):
-                if self.stop is not None:
-                    if self.stop.wait(delays[attempt]):
-                        break
-                else:
-                    time.sleep(delays[attempt])
+                last, asked = exc, told(exc) if told is not None else None
+            if asked is not None and asked > 0 and waited < self.patience:
+                wait = min(asked * (1 + 0.1 * self.rng()), self.patience - waited)
+                waited += wait  # time passing as the server asked: not a failed attempt
+                if self._sleep(wait):
+                    break
+                continue
+            if attempt >= len(delays) or self._sleep(delays[attempt]):
+                break
+            attempt += 1
+        waits = f" and {waited:g} s waiting as asked" if waited else ""
         raise HubUnavailable(
-            f"{label} failed after {attempt + 1} attempt{'s' if attempt else ''}: {describe(last)}"
+            f"{label} failed after {attempt + 1} attempt{'s' if attempt else ''}{waits}: "
+            f"{describe(last)}"
         ) from last
+
+    def _sleep(self, seconds: float) -> bool:
+        "Sleep `seconds`; True when `stop` was set meanwhile (give up)."
+        if self.stop is not None:
+            return self.stop.wait(seconds)
+        time.sleep(seconds)
+        return False
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #6d29bcdd
 @dataclass
