@@ -66,7 +66,12 @@ echo "== pytest"
 report=$(mktemp -d)
 trap 'rm -rf "$report"' EXIT
 rc=0
-python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/junit.xml" tests || rc=$?
+# Two workers (pytest-xdist), each test file on one worker so its module fixtures (a JupyterLab, a
+# browser) start once; the docs site is built once for both (tests/conftest.py). One worker:
+# SPEEDTRONIC_TEST_WORKERS=0.
+workers=${SPEEDTRONIC_TEST_WORKERS:-2}
+python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/junit.xml" \
+  -n "$workers" --dist loadfile tests || rc=$?
 
 echo "== not run"
 if [ -f "$report/junit.xml" ]; then skipped "$report/junit.xml"; else echo "pytest: wrote no report (exit $rc)"; fi
