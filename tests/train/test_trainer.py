@@ -123,8 +123,9 @@ def test_gradient_clipping_bounds_the_update():
     assert 0 < moved.item() <= 1e-6 * 1.01
 
 
-LOGITS = torch.randn(2, 5, 7)
-LABELS = torch.randint(0, 7, (2, 5))
+_SEEDED = torch.Generator().manual_seed(0)  # the same table in every pytest-xdist worker
+LOGITS = torch.randn(2, 5, 7, generator=_SEEDED)
+LABELS = torch.randint(0, 7, (2, 5), generator=_SEEDED)
 CE_FULL = F.cross_entropy(LOGITS.reshape(-1, 7), LABELS.reshape(-1)).item()
 CE_SHORT = F.cross_entropy(LOGITS[:, :-1].reshape(-1, 7), LABELS[:, 1:].reshape(-1)).item()
 DICT = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": LABELS}
