@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from speedtronic.cli import VERDICT
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_13 = [
@@ -372,7 +373,10 @@ def test_deep_validation_uses_the_runtime(tmp_path):
     ok = cli(
         "validate", "--config", str(ROOT / "configs" / "smoke.yaml"), "--deep", "--device", "cpu"
     )
-    assert (ok.returncode, ok.stderr) == (0, ""), ok.stderr
+    assert (ok.returncode, ok.stderr.splitlines()) == (
+        0,
+        [f"speedtronic: {ROOT / 'configs' / 'smoke.yaml'}: {VERDICT}"],
+    ), ok.stderr  # the verdict, and nothing else
     missing = write(tmp_path, "missing.yaml", f"data: {{text_path: {tmp_path / 'nowhere.txt'}}}\n")
     proc = cli("validate", "--config", str(missing), "--deep", "--device", "cpu")
     assert_clean_error(proc, "nowhere.txt", lines=None)
