@@ -17,16 +17,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ExpectedError
-from .config import ConfigError, SpeedtronicConfig
+from .config import NODE_ID_RULE, ConfigError, SpeedtronicConfig, usable_node_id
 
 # %% auto #0
 __all__ = ['LOCK_NAME', 'node_id', 'RunPaths', 'run_paths', 'RunLocked', 'new_run_id', 'RunLock', 'lock_run', 'lock_holder']
 
 # %% ../nbs/core/02_paths.ipynb #f77e89c5
-def _unsafe_name(name: str) -> bool:
-    return name in ("", ".", "..") or "/" in name or "\\" in name
-
-
 def node_id(
     distributed: object,  # a `DistributedConfig`
     environ: Mapping[str, str] | None = None,  # the environment (default: `os.environ`)
@@ -39,10 +35,10 @@ def node_id(
         value = (env.get(var) or "").strip()
         if not value:
             continue
-        if _unsafe_name(value):
+        if not usable_node_id(value):
             raise ConfigError(
-                f"distributed.node_id: not set, and ${var}={value!r} is not usable as a node id "
-                "(no '/', '\\', '.' or '..'); set distributed.node_id"
+                f"distributed.node_id: not set, and ${var}={value[:40]!r} is not usable as a node id "
+                f"({NODE_ID_RULE}); set distributed.node_id"
             )
         return value
     return "local"

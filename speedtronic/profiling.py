@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ from .errors import ExpectedError
 # %% auto #0
 __all__ = ['Metric', 'Hook', 'LEVELS', 'CONSOLE_STYLES', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
            'memory_usage_bytes', 'resolve_level', 'level_name', 'format_value', 'format_event', 'format_asctime',
-           'text_line', 'json_line', 'scrub', 'LogWriteError', 'LineFile', 'HookDispatcher', 'TextSinks',
-           'MetricLogger']
+           'text_line', 'json_line', 'scrub', 'LogFileWarning', 'writer_elsewhere', 'torn_tail', 'newest_run_id',
+           'LogWriteError', 'LineFile', 'HookDispatcher', 'TextSinks', 'MetricLogger']
 
 # %% ../nbs/observe/01_metrics.ipynb #84f57f92
 Metric = dict[str, Any]
@@ -226,15 +227,82 @@ def scrub(value: Any) -> Any:
         return tuple(scrub(v) for v in value)
     return value
 
+# %% ../nbs/observe/01_metrics.ipynb #ff3369d5
+class LogFileWarning(RuntimeWarning):
+    "A log file another process is writing too, or whose last line a kill cut short."
+
+
+_open_here: dict[str, int] = {}  # absolute path -> `LineFile`s of this process open on it
+_open_guard = threading.Lock()
+
+
+def writer_elsewhere(fd: int) -> bool:
+    "Whether another process holds the `LineFile` lock (`flock`) of `fd`'s file; takes the lock when none does."
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): a second writer is not detected
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a filesystem without locks
+        return False
+    return False
+
+
+def torn_tail(path: Path, limit: int = 1 << 20) -> int:
+    "Bytes after the last newline of `path` (a line cut short); 0 for a whole or empty file."
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - limit)
+        f.seek(start)
+        tail = f.read()
+    if not tail or tail.endswith(b"\n"):
+        return 0
+    cut = tail.rfind(b"\n")
+    if cut < 0 and start > 0:
+        return -1  # a line longer than `limit`: not a cut record
+    return len(tail) - cut - 1
+
+
+def newest_run_id(path: Path, limit: int = 1 << 16) -> str | None:
+    "The `run_id` of the newest record in the last `limit` bytes of a JSONL file, if any."
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+        lines = f.read().decode("utf-8", "replace").splitlines()
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("run_id"), str):
+            return record["run_id"]
+    return None
+
 # %% ../nbs/observe/01_metrics.ipynb #a96c8442
 class LogWriteError(ExpectedError, OSError):
     "A log line could not be appended (disk full, size limit); the file still ends with a whole line."
 
 
+def _close_line_file(here: str, fd: int) -> None:
+    "Close a `LineFile`'s descriptor and forget it among this process's open ones."
+    with _open_guard:
+        _open_here[here] -= 1
+        if not _open_here[here]:
+            del _open_here[here]
+    os.close(fd)
+
+
 class LineFile:
     "An append-only text file; each line is one `os.write` on an `O_APPEND` descriptor kept open."
 
-    def __init__(self, path: str | os.PathLike, key: str = "logging.file"):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        key: str = "logging.file",
+        records: bool = False,  # JSONL: a last record cut short is removed (else: a new line)
+    ):
         self.path, self.key, self._lock = Path(path), key, threading.Lock()
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0)
         try:
@@ -245,9 +313,39 @@ class LineFile:
                 f"{key}: cannot open {str(self.path)!r} for appending ({e.strerror}); "
                 "choose a writable path"
             ) from None
+        self._here = os.path.abspath(self.path)
+        with _open_guard:
+            first = not _open_here.get(self._here)
+            _open_here[self._here] = _open_here.get(self._here, 0) + 1
         self._finalizer = weakref.finalize(
-            self, os.close, self.fd
+            self, _close_line_file, self._here, self.fd
         )  # an unclosed file is closed when dropped
+        if first:
+            self._start(records)
+
+    def _start(self, records: bool) -> None:
+        "Warn about another process writing the file; else mend a last line a kill cut short."
+        if writer_elsewhere(self.fd):
+            other = newest_run_id(self.path) if records else None
+            warnings.warn(
+                f"{self.key}: {self.path} is being written by another process too "
+                f"({f'run {other}' if other else 'another run'}); their lines and this run's "
+                "will be mixed: give each run its own file",
+                LogFileWarning,
+                stacklevel=4,
+            )
+            return
+        cut = torn_tail(self.path)
+        if cut > 0 and records:
+            os.truncate(self.path, os.path.getsize(self.path) - cut)
+            warnings.warn(
+                f"{self.key}: {self.path} ended in a record cut short ({cut} bytes, a write "
+                "interrupted by a kill); removed it, the whole records before it are kept",
+                LogFileWarning,
+                stacklevel=4,
+            )
+        elif cut:
+            os.write(self.fd, b"\n")  # a text log keeps its partial line; the next starts anew
 
     def write_line(self, text: str) -> None:
         "Append `text` and a newline in one write; a line that cannot be completed is removed again."
@@ -564,7 +662,11 @@ class MetricLogger:
             self.levelno, self.stream, self.file, console_level=console, style=self.console_style
         )
         try:
-            self._json = LineFile(self.json_file, "logging.json_file") if self.json_file else None
+            self._json = (
+                LineFile(self.json_file, "logging.json_file", records=True)
+                if self.json_file
+                else None
+            )
         except Exception:
             self._text.close()
             raise

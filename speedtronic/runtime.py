@@ -87,8 +87,8 @@ from .widgets import TrainingView
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
            'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
            'RunClaim', 'claim_run', 'claim_job', 'job_problems', 'build_runtime', 'sigterm_stops', 'earlier_records',
-           'train_from_config', 'write_loss_plot', 'training_memory', 'available_memory', 'startup_problems',
-           'check_runnable']
+           'train_from_config', 'LossPlotWarning', 'write_loss_plot', 'training_memory', 'available_memory',
+           'startup_problems', 'check_runnable']
 
 # %% ../nbs/app/01_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -772,6 +772,10 @@ run = train_from_config
 train = train_from_config
 
 # %% ../nbs/app/01_runtime.ipynb #1a61bb11
+class LossPlotWarning(RuntimeWarning):
+    "`loss_curve.png` could not be written; the run it draws is not affected."
+
+
 def write_loss_plot(
     metrics: Sequence[Mapping[str, Any]],
     path: str | os.PathLike,
@@ -786,7 +790,16 @@ def write_loss_plot(
         if logger is not None:
             logger.info(f"skipped {Path(path).name}: {e}")
         return None
-    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    except OSError as e:
+        warnings.warn(
+            f"{path}: the loss curve was not written ({e.strerror or e}); the run itself is "
+            "complete and its checkpoints and metrics are intact",
+            LossPlotWarning,
+            stacklevel=2,
+        )
+        return None
 
 # %% ../nbs/app/01_runtime.ipynb #9239109e
 def training_memory(model: torch.nn.Module, optimizer: str = "adamw") -> tuple[int, int]:
@@ -1052,28 +1065,46 @@ def _eval_problems(config: SpeedtronicConfig, vocab: int) -> list[str]:
     return []
 
 
+def _output_folders(config: SpeedtronicConfig) -> list[tuple[str, Path]]:
+    "(key, folder) of every place a run of `config` writes a file into, as `run_paths` puts them."
+    paths, lg = run_paths(config), config.logging
+    folders = [("run.output_dir", paths.output_dir)]
+    if config.checkpoint.enabled:
+        folders.append(("checkpoint.directory", paths.checkpoints))
+    for key, path in (("logging.file", paths.log_file), ("logging.json_file", paths.metrics)):
+        if path is not None:
+            folders.append((key, path.parent))
+    if paths.tensorboard is not None:
+        folders.append(("logging.tensorboard_dir", paths.tensorboard))
+    if lg.loss_plot:
+        folders.append(("logging.loss_plot", paths.loss_plot.parent))
+    return folders
+
+
+def _unwritable(directory: Path) -> Path | None:
+    "The folder that stops files being created in `directory` (itself or the nearest existing parent), else `None`."
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return None  # a file in the way is reported by `_logging_problems`
+    return None if os.access(existing, os.W_OK | os.X_OK) else existing
+
+
 def _directory_problems(config: SpeedtronicConfig) -> list[str]:
-    "Run directories another trainer holds now, or that cannot be created or written here."
-    paths, problems = run_paths(config), []
-    for key, directory in (
-        ("run.output_dir", paths.output_dir),
-        ("checkpoint.directory", paths.checkpoints),
-    ):
-        if key == "checkpoint.directory" and not config.checkpoint.enabled:
-            continue
-        if (holder := lock_holder(directory)) is not None:
+    "Run directories another trainer holds now, and output folders that cannot be created or written here."
+    problems, seen = [], set()
+    for key, directory in _output_folders(config):
+        if (
+            key in ("run.output_dir", "checkpoint.directory")
+            and (holder := lock_holder(directory)) is not None
+        ):
             problems.append(
                 f"{key}: {directory} is in use by another training process: run {holder.get('run_id', '?')} "
                 f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')})"
             )
-        existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
-        if (
-            existing is not None
-            and existing.is_dir()
-            and not os.access(existing, os.W_OK | os.X_OK)
-        ):
+        if (blocked := _unwritable(directory)) is not None and blocked not in seen:
+            seen.add(blocked)
             problems.append(
-                f"{key}: {directory} cannot be written here ({existing} is not writable); choose a writable directory"
+                f"{key}: {directory} cannot be written here ({blocked} is not writable); choose a writable directory"
             )
     return problems
 
