@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_diloco_node_faults import ended, error_line, launch, node_config
+from test_diloco_node_faults import ended, error_line, hub, hub_env, launch, node_config  # noqa: F401
 
 from conftest import jsonl_records
 
@@ -180,3 +180,36 @@ def test_a_second_worker_with_a_node_id_in_use_is_refused_at_start_naming_it(tmp
         assert master.poll() is None and first.poll() is None  # the first two train on
     finally:
         _stop(master, first)
+
+
+# -- a failed last delta is sent again while the run's bounds allow ------------------------------------------
+def test_a_last_delta_that_failed_during_an_outage_is_sent_again_and_reaches_the_final_global(
+    tmp_path, hub
+):
+    "Every commit fails for 12 s from the fold of w1's step-15 delta on: its last delta (step 20) fails first."
+    repo, env = "org/outage", hub_env(hub)
+    common = dict(repo=repo, transport="hub", steps=20, boundary_wait=5, retry_attempts=2)
+    master = launch(
+        node_config(
+            tmp_path, "master", "master", expected_nodes=2, final_round_timeout=60, **common
+        ),
+        env,
+    )
+    worker = launch(node_config(tmp_path, "w1", "worker", final_round_timeout=60, **common), env)
+    metrics = tmp_path / "w1" / "metrics.jsonl"
+    _wait_for(
+        lambda: any(r["step"] == 15 for r in jsonl_records(metrics, "delta_uploaded")),
+        [master, worker],
+        what="w1's delta of step 15",
+    )
+    hub.fault("503", method="POST", path=r"/commit/", count=10**9)
+    time.sleep(12)
+    hub.clear_faults()
+    rc, err, _ = ended(worker)
+    failed = [r["step"] for r in jsonl_records(metrics, "delta_upload_failed")]
+    assert 20 in failed, (failed, err[-3000:])  # the outage did take its last delta
+    assert rc == 0, err[-3000:]
+    ended(master)
+    files = hub.files(repo)
+    ledger = json.loads(files["global/step_count.json"])["ledger"]
+    assert max(ledger["w1"]["sessions"].values()) == 20, ledger
