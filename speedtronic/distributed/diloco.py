@@ -1138,13 +1138,7 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
     timeout = float(self.config.final_round_timeout)
     if self.outer is None:
         return self._deliver_last(step, timeout)
-    self._wait_uploads(timeout)
-    if step > self.state.base_step or self.state.carry_steps:
-        self._send(step, final=True)
-    if not self._wait_uploads(timeout):
-        self._log(
-            "warning", f"the final delta of step {step} is still uploading after {timeout:g} s"
-        )
+    self._send_last(step, time.monotonic() + timeout)
     self._raise_fatal()
     with self._sigterm_ends_wait():
         version = self.outer.finish(step, timeout, stop=self._woken)
@@ -1153,11 +1147,30 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
             "SIGTERM", message=f"SIGTERM during the master's final round in {self._where()}"
         )
     self._raise_fatal()
-    if (folded := self._folded_in(self.outer.ledger)) < 0:
-        raise self._unfolded(f"version {version} holds none of its deltas")
+    if (folded := self._folded_in(self.outer.ledger)) < step:
+        held = f"its steps up to {folded}" if folded >= 0 else "none of its deltas"
+        raise self._unfolded(f"the final version {version} holds {held}", folded + 1, step)
     self._install(version, self.outer.snapshot()[1], folded, keep_progress=False)
     if self.global_watcher is not None:
         self._watcher_caught_up(timeout)
+
+
+@patch
+def _send_last(self: DumbDiLoCoCoordinator, step: int, deadline: float) -> None:
+    "The master's last delta: sent after the one in flight, again after a failure, until `deadline`."
+    tries = 0
+    while True:
+        if not self._wait_uploads(max(0.0, deadline - time.monotonic())):
+            return self._log("warning", f"the final delta of step {step} is still uploading")
+        with self.lock:
+            state = self.state
+        if not (step > state.base_step or state.carry_steps) or time.monotonic() >= deadline:
+            return None  # sent and taken, or out of time
+        if tries:
+            time.sleep(min(self.poll_interval, 2.0))  # after a failed upload
+        tries += 1
+        if not self._send(step, final=True):
+            return None
 
 
 @patch
