@@ -60,10 +60,10 @@ from ..trainer import TrainingInterrupted
 # %% auto #0
 __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR', 'resolve_role',
            'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done', 'on_upload_failed',
-           'on_global', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator',
-           'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum', 'NodeShard',
-           'shard_loader', 'node_data_config', 'hub_commits_per_hour', 'commit_rate_warning', 'measure_step_time',
-           'warn_commit_rate']
+           'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint',
+           'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning', 'outer_momentum_warning',
+           'warn_outer_momentum', 'NodeShard', 'shard_loader', 'node_data_config', 'hub_commits_per_hour',
+           'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -148,6 +148,7 @@ class NodeState:
     folded_step: int = -1  # this session's newest delta in the installed global
     waits: bool = True  # boundary waits wait (False after one ran out, until a new fold)
     reset_due: bool = False  # a boundary passed since the last install
+    master: str = ""  # the node id of the master whose globals it installs ("": none yet)
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #9c1e006a
 def _plus(
@@ -261,6 +262,48 @@ def on_global(
         waits=state.waits or folded_step > state.folded_step,
         **rest,
     ), Install(int(version), new, state.reset_due)
+
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #79db2cbb
+def master_of(extras: Mapping[str, Any]) -> str:
+    'The node id of the master a version file names ("": none, as from a 2.0 master).'
+    master = extras.get("master")
+    return str(master.get("node_id") or "") if isinstance(master, Mapping) else ""
+
+
+def global_problem(
+    tensors: Mapping[str, torch.Tensor],
+    version: int,
+    extras: Mapping[str, Any],
+    header: Mapping[str, str],
+    state: NodeState,
+) -> str | None:
+    "Why global `version` (`tensors`, version file `extras`, weights `header`) is not installed."
+    if version <= state.version:
+        return f"its version does not come after version {state.version}, which this node holds"
+    master = master_of(extras)
+    if state.master and master and master != state.master:
+        return (
+            f"it was published by {master!r}, not by {state.master!r}, the master this node follows"
+        )
+    if header.get("outer_step") is not None and str(header["outer_step"]) != str(version):
+        return f"its weights carry version {header['outer_step']}, its version file {version}"
+    carried, listed = header.get("publication"), str(extras.get("publication") or "")
+    if carried is not None and carried != listed:
+        return f"its weights carry publication {carried!r}, its version file {listed or 'none'!r}"
+    for k, v in tensors.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            return f"its tensor {k!r} holds non-finite values (NaN or infinity)"
+    return None
+
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #e87f46b7
+def node_id_clash(ledger: Ledger, node: str, session: str, version: int) -> str | None:
+    "The session of another live node with id `node` in `ledger` at `version` (None: no clash)."
+    entry = ledger.nodes.get(node)
+    window = 2 * max(1, len(ledger.nodes)) + 1  # the master's window for an active node
+    if not entry or not entry["sessions"] or node not in ledger.active(version, window):
+        return None
+    newest = list(entry["sessions"])[-1]
+    return None if newest == session else newest
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7658d477
 def wait_target(state: NodeState) -> int | None:
@@ -419,6 +462,12 @@ class DumbDiLoCoCoordinator:
             None,
         )  # globals installed so far (a torchrun node broadcasts after each); the master's loop
         self.global_watcher: Any = None  # on a master: given `(version, state)` of each published global (see `_published`)
+        self._seen_repo: tuple[int, Mapping[str, Any]] | None = (
+            None  # (version, version-file extras) of the newest global it accepted
+        )
+        self._refused: set[tuple[int, str]] = (
+            set()
+        )  # (version, why) of globals it refused, said once
 
     @property
     def outer_step(self) -> int:
@@ -588,15 +637,37 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
         return None
     path = self.state_root / "global" / "latest.safetensors"
     self.transport.fetch(GLOBAL_MODEL_PATH, path, revision=repo.revision)
-    carried = read_metadata(path).get("outer_step")
-    if carried is not None and int(carried) != repo.outer_step:
+    header = read_metadata(path)
+    if header.get("outer_step") is not None and int(header["outer_step"]) != repo.outer_step:
         return None  # mid-publication; the next poll gets it
-    self._seen_tag = tag
+    tensors, self._seen_tag = load_safetensors(path), tag
+    with self.lock:
+        problem = global_problem(tensors, repo.outer_step, repo.extras, header, self.state)
+        if problem is None and not self.state.master:
+            self.state = replace(self.state, master=master_of(repo.extras))  # the one it follows
+    if problem is not None:
+        return self._refuse_global(repo.outer_step, problem)
+    self._seen_repo = (repo.outer_step, repo.extras)
     return (
         repo.outer_step,
-        load_safetensors(path),
+        tensors,
         self._folded_in(Ledger.from_json(repo.extras.get("ledger"))),
     )
+
+
+@patch
+def _refuse_global(self: DumbDiLoCoCoordinator, version: int, problem: str) -> None:
+    "Say once, in one line, that global `version` is not installed and why."
+    if (version, problem) in self._refused:
+        return None
+    self._refused.add((version, problem))
+    held = self.state.version
+    self._log(
+        "warning",
+        f"refused the global model version {version} in {self._where()}: {problem}; training on "
+        + (f"from global version {held}" if held >= 0 else "from this node's own weights"),
+    )
+    self._emit("global_refused", {"outer_step": int(version), "reason": problem})
 
 
 @patch
@@ -792,6 +863,7 @@ def start(self: DumbDiLoCoCoordinator) -> None:
         self._start_master(prepared)
     else:
         self._await_global()
+        self._refuse_shared_node_id()
     self._install_candidate()
     self._accepting, self.started, self._last_poll = True, True, time.monotonic()
     self._spawn()
@@ -799,6 +871,24 @@ def start(self: DumbDiLoCoCoordinator) -> None:
         "info",
         f"started as {self.role} (session {self.state.session}, global version {self.state.version})",
     )
+
+
+@patch
+def _refuse_shared_node_id(self: DumbDiLoCoCoordinator) -> None:
+    "Stop a worker at start whose `node_id` another live session uses (`node_id_clash`)."
+    if self._seen_repo is None:
+        return
+    version, extras = self._seen_repo
+    other = node_id_clash(
+        Ledger.from_json(extras.get("ledger")), self.node_id, self.state.session, version
+    )
+    if other is not None:
+        raise HubError(
+            f"distributed.node_id {self.node_id!r} is in use by another live node of this run in "
+            f"{self._where()} (its session {other} was folded into one of the last versions, up to "
+            f"{version}); two nodes with one node_id overwrite each other's deltas: give this node "
+            "its own node_id (a crashed node resumed with --resume keeps its session and is let in)"
+        )
 
 
 @patch
@@ -1046,16 +1136,10 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
         )
     self._raise_fatal()
     timeout = float(self.config.final_round_timeout)
-    self._wait_uploads(timeout)
-    if step > self.state.base_step or self.state.carry_steps:
-        self._send(step, final=True)
-    if not self._wait_uploads(timeout):
-        self._log(
-            "warning", f"the final delta of step {step} is still uploading after {timeout:g} s"
-        )
-    self._raise_fatal()
     if self.outer is None:
-        return self._await_own_fold(timeout)
+        return self._deliver_last(step, timeout)
+    self._send_last(step, time.monotonic() + timeout)
+    self._raise_fatal()
     with self._sigterm_ends_wait():
         version = self.outer.finish(step, timeout, stop=self._woken)
     if self._terminated:
@@ -1063,48 +1147,135 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
             "SIGTERM", message=f"SIGTERM during the master's final round in {self._where()}"
         )
     self._raise_fatal()
-    if (folded := self._folded_in(self.outer.ledger)) < 0:
-        raise self._unfolded(f"version {version} holds none of its deltas")
+    if (folded := self._folded_in(self.outer.ledger)) < step:
+        held = f"its steps up to {folded}" if folded >= 0 else "none of its deltas"
+        raise self._unfolded(f"the final version {version} holds {held}", folded + 1, step)
     self._install(version, self.outer.snapshot()[1], folded, keep_progress=False)
     if self.global_watcher is not None:
         self._watcher_caught_up(timeout)
 
 
 @patch
-def _unfolded(self: DumbDiLoCoCoordinator, why: str) -> HubError:
-    "The error of a node whose training never reached the global model."
+def _send_last(self: DumbDiLoCoCoordinator, step: int, deadline: float) -> None:
+    "The master's last delta: sent after the one in flight, again after a failure, until `deadline`."
+    tries = 0
+    while True:
+        if not self._wait_uploads(max(0.0, deadline - time.monotonic())):
+            return self._log("warning", f"the final delta of step {step} is still uploading")
+        with self.lock:
+            state = self.state
+        if not (step > state.base_step or state.carry_steps) or time.monotonic() >= deadline:
+            return None  # sent and taken, or out of time
+        if tries:
+            time.sleep(min(self.poll_interval, 2.0))  # after a failed upload
+        tries += 1
+        if not self._send(step, final=True):
+            return None
+
+
+@patch
+def _unfolded(
+    self: DumbDiLoCoCoordinator, why: str, first: int = 0, last: int | None = None
+) -> HubError:
+    "The error of a node whose steps `first`-`last` (default: all) reached no global model."
+    refused = self._refused_step()
+    advice = (
+        f"the master refused this node's deltas up to step {refused} (its log says why, e.g. a "
+        "diverging update): resume this node with a lower optimizer.lr"
+        if refused >= max(first, 0)
+        else "resume this node (speedtronic train --resume) while its master runs to send them "
+        "again; a master waits in its final round only for nodes it counts as active or its "
+        "distributed.expected_nodes names"
+    )
+    what = (
+        f"none of the training of node {self.node_id!r} reached the global model"
+        if first <= 0 or last is None
+        else f"steps {first}-{last} of node {self.node_id!r} did not reach a global model"
+    )
     return HubError(
-        f"none of the training of node {self.node_id!r} reached the global model in {self._where()}: {why} "
-        "(see the warnings above); its trained weights are only in its own checkpoint. A master ends once the nodes "
-        "it has heard from are done: set distributed.expected_nodes so that it waits for every node"
+        f"{what} in {self._where()}: {why} (see the warnings above); its trained weights are "
+        f"only in its own checkpoint: {advice}"
     )
 
 
 @patch
-def _await_own_fold(self: DumbDiLoCoCoordinator, timeout: float) -> None:
-    "A worker's end: wait up to `timeout` s for a published version whose ledger holds one of this session's deltas."
-    why = ["no version was published"]
+def _refused_step(self: DumbDiLoCoCoordinator) -> int:
+    "The newest step of this session's deltas the newest global's master refused (-1: none)."
+    ledger = (
+        self.outer.ledger
+        if self.outer is not None
+        else Ledger.from_json(self._seen_repo[1].get("ledger"))
+        if self._seen_repo is not None
+        else Ledger()
+    )
+    entry = ledger.nodes.get(self.node_id, {})
+    return (entry.get("refused") or {}).get(self.state.session, -1)
 
-    def folded() -> bool:
-        if self.state.folded_step >= 0:
+
+@patch
+def _deliver_last(self: DumbDiLoCoCoordinator, step: int, timeout: float) -> None:
+    "A worker's end: its last delta sent (again after a failure) and folded, within `timeout` s."
+    why, sending = ["no version was published"], [True]
+
+    def delivered() -> bool:
+        if self._holds(step, why):
             return True
-        try:
-            repo = self.transport.state()
-        except HubUnavailable as e:
-            why[0] = f"the repository is unreachable ({e})"
-            return False
-        if repo.metadata is None:
-            return False
-        if "ledger" not in repo.extras:
-            return True  # a 2.0 master: no ledger to check
-        why[0] = f"version {repo.outer_step} holds none of its deltas"
-        return self._folded_in(Ledger.from_json(repo.extras["ledger"])) >= 0
+        with self.lock:
+            state = self.state
+        if state.in_flight is None and (step > state.base_step or state.carry_steps):
+            if sending[0]:  # the last delta; sent again when its upload failed
+                sending[0] = self._send(step, final=True)
+        self._raise_fatal()
+        return False
 
     saying = lambda: (
-        f"waiting up to {timeout:g} s for a global model in {self._where()} that holds one of this node's deltas (none has so far)"
+        f"waiting up to {timeout:g} s for a global model in {self._where()} that holds this "
+        f"node's steps up to {step}"
     )
-    if not self._wait_until(folded, timeout, saying, "a global model holding this node's deltas"):
-        raise self._unfolded(why[0])
+    if not self._wait_until(delivered, timeout, saying, "a global model holding this node's steps"):
+        with self.lock:
+            first = self._reach() + 1
+        raise self._unfolded(why[0], first, step)
+
+
+@patch
+def _reach(self: DumbDiLoCoCoordinator) -> int:
+    "The newest step of this session in a global this node accepted (-1: none)."
+    offered = self._candidate[2] if self._candidate is not None else -1
+    return max(self.state.folded_step, offered)
+
+
+@patch
+def _holds(self: DumbDiLoCoCoordinator, step: int, why: list[str]) -> bool:
+    "Whether an accepted global holds this session's steps up to `step`; else `why[0]` says why."
+    with self.lock:
+        if self._reach() >= step:
+            return True
+    try:
+        found = self._fetch_global()
+    except HubUnavailable as e:
+        why[0] = f"the repository is unreachable ({e})"
+        return False
+    if found is not None:
+        self._offer(*found)
+    with self.lock:
+        if self._reach() >= step:
+            return True
+    if self._seen_repo is None:
+        if self._refused:
+            version, problem = max(self._refused)
+            why[0] = f"every global it found was refused (version {version}: {problem})"
+        return False
+    version, extras = self._seen_repo
+    if "ledger" not in extras:
+        return True  # a 2.0 master: no ledger to check
+    held = self._reach()
+    why[0] = (
+        f"the newest global it accepted (version {version}) holds "
+        + (f"its steps up to {held}" if held >= 0 else "none of its deltas")
+        + (f"; {len(self._refused)} newer one(s) refused" if self._refused else "")
+    )
+    return False
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #8aefbcbd
 @patch
