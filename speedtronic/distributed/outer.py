@@ -501,6 +501,7 @@ class MasterState:
     published_at: float = 0.0  # this host's clock at the last commit
     global_norm: float = -1.0  # the L2 norm of the global's floating tensors (-1: not computed yet)
     finished: bool = False  # the published version is the final round's (the run's end)
+    final_round: int = -1  # the last step of the run whose final round began (-1: none began)
 
 
 def master_state(state: Mapping[str, torch.Tensor]) -> MasterState:
@@ -564,6 +565,7 @@ def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Te
         "momentum_steps": state.outer.momentum_steps,
         "steps_at": list(state.outer.steps_at),
         "finished": state.finished,
+        "final_round": state.final_round,
     }
     return info, _flat(
         global_=state.global_state, momentum=state.outer.momentum, pending=state.outer.pending
@@ -609,6 +611,7 @@ def restored(
         drop={},
         refusals={(str(n), str(s)): int(v) for n, s, v in info.get("refusals") or []},
         finished=bool(info.get("finished", False)),
+        final_round=int(info.get("final_round", -1)),
     )
 
 
@@ -1713,6 +1716,9 @@ def finish(
     "The final round: fold deltas until every active node's last one is in (or `timeout`, or `stop`); returns the final version, or `HubError` naming the trained steps it lacks."
     self._final_tried = True
     self._halt(timeout=max(timeout, 30.0))
+    with self.lock:  # a restart after a kill from here on knows a final round is due
+        self.state = replace(self.state, final_round=int(final_step), finished=False)
+        self._save_local(self.state)
     deadline, interval = (
         time.monotonic() + timeout,
         min(self.poll_interval, 2.0) if interval is None else interval,
@@ -1776,11 +1782,9 @@ def _mark_finished(self: MasterOuterLoop) -> None:
 
 
 def _final_due(self: MasterOuterLoop) -> int | None:
-    "The last step of this master's node when its final delta is folded but its final round never ended (a killed run); else None."
-    entry = self.state.ledger.nodes.get(self.node_id) or {}
-    if self.state.finished or not entry.get("final"):
-        return None
-    return entry.get("sessions", {}).get(self.session)
+    "The last step of the run whose final round began and never ended (a killed run); else None."
+    state = self.state
+    return None if state.finished or state.final_round < 0 else state.final_round
 
 
 MasterOuterLoop.final_due = property(_final_due)

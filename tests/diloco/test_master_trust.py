@@ -6,12 +6,15 @@ run's exit status is the point); no mocks."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from conftest import ROOT, communicate_or_dump  # noqa: E402
 from test_diloco import launch, node_config, wait_for  # noqa: E402
 from test_diloco_master_faults import Run  # noqa: E402
 
-from speedtronic.distributed import HubUnavailable
+from speedtronic.distributed import HubUnavailable, SharedDirectory
 from speedtronic.distributed.tensors import (
     GLOBAL_METADATA_PATH,
     delta_header,
@@ -256,7 +259,9 @@ def test_a_master_restarted_after_dying_in_its_final_round_folds_what_is_waiting
     _commit(run, "m", 10, _small(run))
     assert run.master.sync_once() == 1
     _commit(run, "m", 20, _small(run), final=True)  # the master's own last delta
-    assert run.master.sync_once() == 2  # ... folded in its final round, which then died
+    ended = threading.Event()
+    ended.set()  # SIGTERM: the final round folds what is there and ends at once, unfinished
+    assert run.master.finish(20, timeout=5.0, stop=ended) == 2
     _commit(run, "w", 20, _small(run), final=True)  # the worker's last delta, still waiting
     restarted = run.new_master(session="s")
     restarted.final_round_timeout = 20.0
@@ -271,3 +276,61 @@ def test_a_master_restarted_after_dying_in_its_final_round_folds_what_is_waiting
     assert again.final_due is None  # finished: a further restart runs no final round
     again.stop()
     assert again.outer_step == 3 and run.transport().list_deltas() == [delta_path("w", 30)]
+
+
+def test_a_master_killed_in_its_final_round_and_resumed_folds_the_workers_last_delta(tmp_path):
+    "The real CLI: `train --resume` of a master whose checkpoint is at its target still runs the final round."
+    repo = tmp_path / "repo"
+    master_cfg, worker_cfg = (
+        node_config(
+            tmp_path,
+            name,
+            role,
+            repo=str(repo),
+            transport="directory",
+            index=i,
+            count=2,
+            steps=40,
+            final_round_timeout=90,
+        )
+        for i, (name, role) in enumerate([("master", "master"), ("w1", "worker")])
+    )
+    master = launch(master_cfg)
+
+    def ledger() -> dict:
+        try:
+            return json.loads((repo / GLOBAL_METADATA_PATH).read_text())["ledger"]
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    def own_steps_folded() -> bool:
+        if max(ledger().get("master", {}).get("sessions", {}).values(), default=0) >= 40:
+            return True
+        if master.poll() is not None:
+            raise AssertionError(f"the master ended first: {master.communicate()[1][-2000:]}")
+        return False
+
+    def in_final_round() -> bool:  # the master's local state says its final round began
+        for f in (tmp_path / "master").rglob("outer_state.json"):
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(f.read_text()).get("final_round") == 40:
+                    return True
+        return False
+
+    wait_for(own_steps_folded, what="the master's own 40 steps in a version")
+    with contextlib.suppress(AssertionError):  # it is in its final round (waiting for w1) by now
+        wait_for(in_final_round, timeout=20, what="the master's final round on record")
+    master.send_signal(signal.SIGKILL)  # killed while its final round waits for the second node
+    master.wait()
+    worker = launch(worker_cfg)
+    wait_for(
+        lambda: (repo / delta_path("w1", 40)).exists() or worker.poll() is not None,
+        what="w1's last delta",
+    )
+    assert (repo / delta_path("w1", 40)).exists()  # sent, not folded: its master is dead
+    resumed = launch(master_cfg, "--resume")
+    for proc in (resumed, worker):
+        out, err = communicate_or_dump(proc, 600)
+        assert proc.returncode == 0, (out[-2000:], err[-3000:])
+    assert max(ledger()["w1"]["sessions"].values()) == 40  # the worker's last steps are in
+    assert SharedDirectory(repo).list_deltas() == []
