@@ -652,7 +652,7 @@ def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
 def _reachable(
     state: MasterState, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]
 ) -> None:
-    "Refuse a delta of a known session that begins after the highest step that session has reached (`unreachable`) or before it (`overlap`)."
+    "Refuse a delta that begins after its session's reach (`unreachable`) or in steps folded (`overlap`)."
     node, step = parse_delta_path(path) or (None, None)
     session = str(header.get("session", ""))
     try:
@@ -1056,7 +1056,7 @@ def still_waiting(
 
 
 def final_gaps(state: MasterState, own: str, session: str, final_step: int) -> list[str]:
-    "What the published global of master `own` (its node's `session`) lacks at the end of its run, in words (empty: nothing)."
+    "What the published global lacks of master `own`'s (node `session`) and accepted steps, in words."
     gaps = []
     folded = state.ledger.nodes.get(own, {}).get("sessions", {}).get(session)
     if folded is not None and folded < final_step:  # its session reached the global, not to the end
@@ -1090,7 +1090,7 @@ class MasterOuterLoop:
         max_delta_norm_ratio: float = 10.0,
         lease_timeout: float = 600.0,
         round_wait: float = 0.0,
-        final_round_timeout: float = 300.0,  # how long a final round left unfinished by a killed run waits, run at `stop()`
+        final_round_timeout: float = 300.0,  # s a final round left by a killed run waits, at `stop()`
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ):
@@ -1460,7 +1460,7 @@ def _sha256(local: Path) -> str | None:
 def quarantine_record(
     path: str, local: Path, error: DeltaRejected, header: Mapping[str, str] | None, at: str
 ) -> dict[str, Any]:
-    "What the quarantine keeps of a refused delta: where it was, whose steps it claimed, why, and its hash and size."
+    "What the quarantine keeps of a refused delta: where, whose steps, why, its hash and size."
     node, step = parse_delta_path(path) or (None, None)
     try:
         covered = int((header or {}).get("inner_steps", ""))
@@ -1487,7 +1487,7 @@ def _quarantine(
     error: DeltaRejected,
     header: Mapping[str, str] | None = None,
 ) -> None:
-    "Refuse the delta at `path`: a record of it kept in the quarantine (the newest 20), a warning and a `delta_rejected` event."
+    "Refuse the delta at `path`: a record in the quarantine (the newest 20), a warning, an event."
     quarantine = self.dir / "quarantine"
     name = path.replace("/", "__")
     atomic_write_text(
@@ -1684,7 +1684,7 @@ def _run(self: MasterOuterLoop) -> None:
 
 @patch
 def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
-    "Stop the loop thread (waits for a running round up to `timeout`, default `max(1, min(poll_interval, 10))` s); a final round left unfinished by a killed run is run first."
+    "Stop the loop thread (a running round waited for up to `timeout` s); first a final round that is due."
     self._halt(timeout)
     if (due := self.final_due) is not None and not self._final_tried:
         self._log(
@@ -1713,7 +1713,7 @@ def finish(
     interval: float | None = None,
     stop: threading.Event | None = None,  # set (e.g. by SIGTERM): end the wait at once
 ) -> int:
-    "The final round: fold deltas until every active node's last one is in (or `timeout`, or `stop`); returns the final version, or `HubError` naming the trained steps it lacks."
+    "The final round: fold until every node's last delta is in; the final version, or `HubError` naming what it lacks."
     self._final_tried = True
     self._halt(timeout=max(timeout, 30.0))
     with self.lock:  # a restart after a kill from here on knows a final round is due
@@ -1775,7 +1775,7 @@ def finish(
 
 @patch
 def _mark_finished(self: MasterOuterLoop) -> None:
-    "Note that the published version is the final round's (kept in the local state, so a restart knows)."
+    "Note that the published version is the final round's (in the local state: a restart knows)."
     with self.lock:
         self.state = replace(self.state, finished=True)
         self._save_local(self.state)

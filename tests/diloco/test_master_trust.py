@@ -1,8 +1,9 @@
-"""The DiLoCo master trusts nothing it reads and never ends on a stale global (issue 24, "The Hub and peers, as
-they really behave"): replayed and mislabelled deltas, a delta header that lies about its size, a huge delta that
-does not fit the model, a full shared directory, a version file that turns unreadable before the end, and a master
-killed during its final round. Real masters over a real shared directory (one `speedtronic train` process where the
-run's exit status is the point); no mocks."""
+"""The DiLoCo master trusts nothing it reads and never ends on a stale global (issue 24, "The Hub
+and peers, as they really behave"): replayed and mislabelled deltas, a delta header that lies about
+its size, a huge delta that does not fit the model, a full shared directory, a version file that
+turns unreadable before the end, and a master killed during its final round. Real masters over a
+real shared directory (real `speedtronic train` processes where the run's exit status is the
+point); no mocks."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from speedtronic.distributed.tensors import (
 
 
 def _commit(run: Run, node: str, step: int, tensors: dict, **header) -> Path:
-    "Put a delta file of `node` at `step` with `tensors` and a header of this version (overridable) into the repository."
+    "Put `node`'s delta file at `step`: `tensors`, a header of this version (`header` overrides)."
     fields = dict(
         node_id=node,
         local_step=step,
@@ -61,7 +62,7 @@ def _global(run: Run) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in run.master.global_state.items()}
 
 
-# -- 1. replays and files that lie about their tensors ----------------------------------------------------------
+# -- 1. replays and files that lie about their tensors ---------------------------------------------
 def test_a_replayed_delta_restamped_one_step_later_is_refused_and_folded_once(tmp_path):
     run = Run(tmp_path)
     _commit(run, "w", 10, _small(run))
@@ -97,7 +98,7 @@ def test_a_header_saying_float32_over_float64_tensors_is_refused(tmp_path):
     assert run.master.sync_once() == 0 and len(run.seen("delta_rejected")) == 2
 
 
-# -- 2. huge or lying files cost the master neither memory nor disk ---------------------------------------------
+# -- 2. huge or lying files cost the master neither memory nor disk --------------------------------
 def test_a_header_claiming_a_terabyte_is_one_line_and_quarantined_as_a_record(tmp_path):
     run = Run(tmp_path)
     bad = tmp_path / "bad.safetensors"
@@ -152,7 +153,7 @@ HUGE_MASTER = textwrap.dedent(
 
 
 def test_a_huge_delta_that_does_not_fit_the_model_is_refused_from_its_header(tmp_path):
-    "200 MB of tensor data declared for a tensor the model lacks: the body is never read, nothing of it is kept."
+    "200 MB declared for a tensor the model lacks: the body is never read, nothing of it is kept."
     size = 200_000_000
     header = json.dumps(
         {
@@ -212,7 +213,7 @@ def test_a_full_shared_directory_is_retried_and_named_not_a_raw_os_error(tmp_pat
         subprocess.run(["umount", "-l", str(repo)], check=False)
 
 
-# -- 3. a run never ends on a stale global -----------------------------------------------------------------------
+# -- 3. a run never ends on a stale global ---------------------------------------------------------
 def test_a_master_whose_version_file_turns_unreadable_exits_2_naming_the_missing_steps(tmp_path):
     repo = tmp_path / "repo"
     cfg = node_config(
@@ -252,7 +253,7 @@ def test_a_master_whose_version_file_turns_unreadable_exits_2_naming_the_missing
     assert "..300" in last[0] and "--resume" in last[0], last
 
 
-# -- 4. a master killed during its final round runs it when restarted --------------------------------------------
+# -- 4. a master killed during its final round runs it when restarted ------------------------------
 def test_a_master_restarted_after_dying_in_its_final_round_folds_what_is_waiting(tmp_path):
     run = Run(tmp_path, session="s")
     _commit(run, "w", 10, _small(run))
@@ -279,7 +280,7 @@ def test_a_master_restarted_after_dying_in_its_final_round_folds_what_is_waiting
 
 
 def test_a_master_killed_in_its_final_round_and_resumed_folds_the_workers_last_delta(tmp_path):
-    "The real CLI: `train --resume` of a master whose checkpoint is at its target still runs the final round."
+    "The CLI: `train --resume` of a master with its checkpoint at its target runs the final round."
     repo = tmp_path / "repo"
     master_cfg, worker_cfg = (
         node_config(
