@@ -707,6 +707,18 @@ def _whole_run(
     return result
 
 
+def _final_round_left(trainer: Trainer) -> None:
+    "A DiLoCo master resumed at its target: start and stop its coordinator, whose master runs the final round a killed run left unfinished (nothing when it finished)."
+    node = getattr(trainer.coordinator, "inner", trainer.coordinator)
+    if getattr(node, "role", None) != "master":
+        return
+    trainer._start_coordinator()  # with the checkpoint's node state (its session)
+    outer = getattr(node, "outer", None)
+    if outer is not None:
+        outer.final_round_timeout = float(trainer.config.distributed.final_round_timeout)
+    trainer._stop_coordinator(None)  # the master's `stop()` runs a final round that is due
+
+
 def train_from_config(
     config: SpeedtronicConfig | Mapping[str, Any],
     *,
@@ -741,7 +753,10 @@ def train_from_config(
             )
         with sigterm_stops(trainer):
             try:
+                at_target = trainer.step >= trainer.max_steps
                 result = trainer.fit()
+                if at_target and resume:
+                    _final_round_left(trainer)
             except TrainingInterrupted as stop:
                 stop.resume_hint = RESUME_HINT
                 if stop.result is not None:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
 import os
@@ -38,6 +39,7 @@ from speedtronic.distributed.tensors import (
     load_delta,
     load_safetensors,
     parse_delta_path,
+    read_delta_header,
     save_safetensors,
     step_count_text,
     utc_now,
@@ -52,13 +54,13 @@ from speedtronic.distributed.transport import (
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'PUBLISH_PATIENCE_S', 'Contribution',
-           'OuterBuffers', 'momentum_steps', 'outer_update', 'applied', 'OuterUpdate', 'NesterovOuterOptimizer',
-           'OuterState', 'Ledger', 'other_master', 'lease_holder', 'liveness', 'DeltaSizes', 'MasterRules',
-           'MasterState', 'master_state', 'state_record', 'restored', 'translated_record', 'check', 'rejected',
-           'listed', 'judge_newcomers', 'active_nodes', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due',
-           'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed',
-           'adopted', 'still_waiting', 'MasterOuterLoop']
+__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'PUBLISH_PATIENCE_S', 'QUARANTINE_KEPT',
+           'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied', 'OuterUpdate',
+           'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder', 'liveness', 'DeltaSizes',
+           'MasterRules', 'MasterState', 'master_state', 'state_record', 'restored', 'translated_record', 'check',
+           'rejected', 'listed', 'judge_newcomers', 'active_nodes', 'wait_ran_out', 'round_complete', 'round_due',
+           'heartbeat_due', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup',
+           'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'MasterOuterLoop', 'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
@@ -498,6 +500,8 @@ class MasterState:
     )  # content refusals of sessions the ledger learns at the next fold
     published_at: float = 0.0  # this host's clock at the last commit
     global_norm: float = -1.0  # the L2 norm of the global's floating tensors (-1: not computed yet)
+    finished: bool = False  # the published version is the final round's (the run's end)
+    final_round: int = -1  # the last step of the run whose final round began (-1: none began)
 
 
 def master_state(state: Mapping[str, torch.Tensor]) -> MasterState:
@@ -560,6 +564,8 @@ def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Te
         "progress": state.outer.progress,
         "momentum_steps": state.outer.momentum_steps,
         "steps_at": list(state.outer.steps_at),
+        "finished": state.finished,
+        "final_round": state.final_round,
     }
     return info, _flat(
         global_=state.global_state, momentum=state.outer.momentum, pending=state.outer.pending
@@ -604,6 +610,8 @@ def restored(
         held_since=None,
         drop={},
         refusals={(str(n), str(s)): int(v) for n, s, v in info.get("refusals") or []},
+        finished=bool(info.get("finished", False)),
+        final_round=int(info.get("final_round", -1)),
     )
 
 
@@ -644,16 +652,29 @@ def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
 def _reachable(
     state: MasterState, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]
 ) -> None:
-    "Refuse (`unreachable`) a delta of a known session that begins after the highest step that session has reached."
+    "Refuse a delta that begins after its session's reach (`unreachable`) or in steps folded (`overlap`)."
     node, step = parse_delta_path(path) or (None, None)
     session = str(header.get("session", ""))
     try:
         covered = int(header["inner_steps"])
     except (KeyError, TypeError, ValueError):
         return  # not said (2.0) or not a number: `check_delta` decides
+    if state.ledger.folded(node, session, step):
+        return  # a duplicate is dropped later
+    taken = max(  # the last step already folded, or accepted in this pass
+        state.ledger.nodes.get(node, {}).get("sessions", {}).get(session, -1),
+        reached.get((node, session), -1),
+    )
+    if taken >= 0 and step - covered < taken:
+        raise DeltaRejected(
+            "overlap",
+            f"{path}: covers steps {step - covered + 1}..{step} of session {session!r}, but the "
+            f"global model already holds (or this round folds) its steps up to {taken}; steps "
+            f"{step - covered + 1}..{taken} would be folded twice (a replayed or re-stamped file)",
+        )
     reach = state.ledger.reach(node, session)
-    if reach is None or state.ledger.folded(node, session, step):
-        return  # a new session; a duplicate is dropped later
+    if reach is None:
+        return  # a new session
     reach = max(reach, reached.get((node, session), -1))
     if step - covered > reach:
         raise DeltaRejected(
@@ -913,6 +934,7 @@ def fold(
         held_since=None,
         refusals={},
         punctual=_next_punctual(state, rules, present, nodes, now),
+        finished=False,
     )
     return (
         state,
@@ -1032,6 +1054,19 @@ def still_waiting(
     }
     return waiting_for - done, rules.expected_nodes is None or len(done) + 1 >= rules.expected_nodes
 
+
+def final_gaps(state: MasterState, own: str, session: str, final_step: int) -> list[str]:
+    "What the published global lacks of master `own`'s (node `session`) and accepted steps, in words."
+    gaps = []
+    folded = state.ledger.nodes.get(own, {}).get("sessions", {}).get(session)
+    if folded is not None and folded < final_step:  # its session reached the global, not to the end
+        gaps.append(f"steps {folded + 1}..{final_step} of the master's own node {own!r}")
+    for d in state.held:  # accepted, never folded
+        first = d.step - d.inner_steps + 1 if d.inner_steps else None
+        steps = f"steps {first}..{d.step}" if first else f"step {d.step}"
+        gaps.append(f"{steps} of node {d.node_id!r} ({d.path})")
+    return gaps
+
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #a8070367
 class MasterOuterLoop:
     "The master's outer loop: find, check and fold deltas, publish the global model (one commit), repeat."
@@ -1055,6 +1090,7 @@ class MasterOuterLoop:
         max_delta_norm_ratio: float = 10.0,
         lease_timeout: float = 600.0,
         round_wait: float = 0.0,
+        final_round_timeout: float = 300.0,  # s a final round left by a killed run waits, at `stop()`
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ):
@@ -1098,6 +1134,7 @@ class MasterOuterLoop:
             None,
         )
         self.state = self._read_local() or self.state
+        self.final_round_timeout, self._final_tried = float(final_round_timeout), False
 
     outer_step = property(
         lambda self: self.state.outer_step, doc="The published version (-1 before the first)."
@@ -1348,6 +1385,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
         self.dir / "cache",
     )  # in step order
     local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
+    shapes = {k: tuple(v.shape) for k, v in self.state.outer.momentum.items()}
 
     def fetch(path: str) -> HubError | None:  # the error when that one file cannot be had
         try:
@@ -1372,6 +1410,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
         self.unfetched.discard(path)
         local, header = local_of[path], None
         try:
+            header = read_delta_header(path, local, shapes)  # before the body is read
             tensors, header = load_delta(local)
             reached = {
                 (a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)
@@ -1403,6 +1442,43 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
     return accepted, len(listed_paths)
 
 
+QUARANTINE_KEPT = 20  # records of refused deltas kept in `<state dir>/quarantine`
+
+
+def _sha256(local: Path) -> str | None:
+    "The SHA-256 of the file at `local`, read in pieces (None when it is not there)."
+    digest = hashlib.sha256()
+    try:
+        with local.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def quarantine_record(
+    path: str, local: Path, error: DeltaRejected, header: Mapping[str, str] | None, at: str
+) -> dict[str, Any]:
+    "What the quarantine keeps of a refused delta: where, whose steps, why, its hash and size."
+    node, step = parse_delta_path(path) or (None, None)
+    try:
+        covered = int((header or {}).get("inner_steps", ""))
+    except ValueError:
+        covered = None
+    exists = local.is_file()
+    return {
+        "path": path,
+        "node_id": node,
+        "steps": None if step is None else [step - covered + 1 if covered else None, step],
+        "reason": error.reason,
+        "message": str(error),
+        "sha256": _sha256(local) if exists else None,
+        "size": local.stat().st_size if exists else None,
+        "at": at,
+    }
+
+
 @patch
 def _quarantine(
     self: MasterOuterLoop,
@@ -1411,17 +1487,15 @@ def _quarantine(
     error: DeltaRejected,
     header: Mapping[str, str] | None = None,
 ) -> None:
-    "Refuse the delta at `path`: its file and reason kept in the quarantine (the newest 20), a warning and a `delta_rejected` event."
+    "Refuse the delta at `path`: a record in the quarantine (the newest 20), a warning, an event."
     quarantine = self.dir / "quarantine"
     name = path.replace("/", "__")
     atomic_write_text(
-        json.dumps({"path": path, "reason": error.reason, "message": str(error), "at": utc_now()})
-        + "\n",
+        json.dumps(quarantine_record(path, local, error, header, utc_now())) + "\n",
         quarantine / (name + ".json"),
-    )  # makes the folder too
-    if local.exists():
-        os.replace(local, quarantine / name)
-    for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-40]:
+    )  # makes the folder too; the file itself is not kept
+    local.unlink(missing_ok=True)
+    for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-QUARANTINE_KEPT]:
         old.unlink(missing_ok=True)
     self.state = rejected(
         self.state, path, error.reason, None if header is None else str(header.get("session", ""))
@@ -1610,7 +1684,19 @@ def _run(self: MasterOuterLoop) -> None:
 
 @patch
 def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
-    "Stop the loop thread (waits for a running round up to `timeout`, default `max(1, min(poll_interval, 10))` s)."
+    "Stop the loop thread (a running round waited for up to `timeout` s); first a final round that is due."
+    self._halt(timeout)
+    if (due := self.final_due) is not None and not self._final_tried:
+        self._log(
+            "warning",
+            f"the last publication (version {self.state.outer_step}) is not this master's final one: "
+            f"the run ended during its final round; running it now",
+        )
+        self.finish(due, self.final_round_timeout)
+
+
+@patch
+def _halt(self: MasterOuterLoop, timeout: float | None = None) -> None:
     self._stop.set()
     self._wake.set()
     if self._thread is not None:
@@ -1627,22 +1713,29 @@ def finish(
     interval: float | None = None,
     stop: threading.Event | None = None,  # set (e.g. by SIGTERM): end the wait at once
 ) -> int:
-    "The final round: fold deltas until every active node's last one is in (or `timeout`, or `stop`); returns the final version."
-    self.stop(timeout=max(timeout, 30.0))
+    "The final round: fold until every node's last delta is in; the final version, or `HubError` naming what it lacks."
+    self._final_tried = True
+    self._halt(timeout=max(timeout, 30.0))
+    with self.lock:  # a restart after a kill from here on knows a final round is due
+        self.state = replace(self.state, final_round=int(final_step), finished=False)
+        self._save_local(self.state)
     deadline, interval = (
         time.monotonic() + timeout,
         min(self.poll_interval, 2.0) if interval is None else interval,
     )
-    told = False  # the wait is said once
+    told, problem = False, None  # the wait is said once
     while True:
         before = self.state.outer_step
         try:
             self.sync_once(full_rounds=False)  # the last deltas: folded as they come
+            problem = None
         except HubUnavailable as e:
             self._log("warning", f"final round postponed: {e}")
+            problem = e
         missing, enough = still_waiting(self.state, self.rules, final_step, self.node_id)
+        gaps = final_gaps(self.state, self.node_id, self.session, final_step)
         if (
-            (not missing and enough)
+            (not missing and enough and not gaps)
             or time.monotonic() >= deadline
             or (stop is not None and stop.is_set())
         ):
@@ -1662,6 +1755,15 @@ def finish(
             )  # after a new version, look again at once
     if stop is not None and stop.is_set():
         return self.state.outer_step
+    if gaps:
+        raise HubError(
+            f"the final global model (version {self.state.outer_step} in {self._where()}) lacks "
+            f"{'; '.join(gaps)}: they were not published within distributed.final_round_timeout="
+            f"{timeout:g} s{f' ({problem})' if problem else ''}. The trained weights are in this "
+            "node's checkpoint; once the repository is writable again, run this master with "
+            "`speedtronic train --resume` to publish them"
+        )
+    self._mark_finished()
     if missing or not enough:
         self._log(
             "warning",
@@ -1669,6 +1771,23 @@ def finish(
             f"distributed.final_round_timeout={timeout:g} s; their last steps are not in the final global model",
         )
     return self.state.outer_step
+
+
+@patch
+def _mark_finished(self: MasterOuterLoop) -> None:
+    "Note that the published version is the final round's (in the local state: a restart knows)."
+    with self.lock:
+        self.state = replace(self.state, finished=True)
+        self._save_local(self.state)
+
+
+def _final_due(self: MasterOuterLoop) -> int | None:
+    "The last step of the run whose final round began and never ended (a killed run); else None."
+    state = self.state
+    return None if state.finished or state.final_round < 0 else state.final_round
+
+
+MasterOuterLoop.final_due = property(_final_due)
 
 
 @patch

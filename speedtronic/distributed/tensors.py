@@ -20,12 +20,13 @@ from safetensors.torch import load as _st_load, save as _st_save
 from ..files import atomic_write_bytes
 
 # %% auto #0
-__all__ = ['TENSOR_ALIASES', 'GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH', 'DELTA_DTYPES', 'INT8_SCALE', 'cpu_tensor',
-           'cpu_state_dict', 'floating_state', 'tensor_aliases', 'save_safetensors', 'safetensors_bytes',
-           'load_safetensors', 'read_metadata', 'load_delta', 'metadata_json', 'delta_path', 'parse_delta_path',
-           'GlobalMetadata', 'utc_now', 'step_count_text', 'parse_step_count', 'compute_pseudo_gradient',
-           'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta',
-           'average_deltas', 'delta_norm', 'layer_of', 'layer_norms', 'state_misfit']
+__all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH', 'DELTA_DTYPES', 'INT8_SCALE',
+           'WIRE_ENCODINGS', 'cpu_tensor', 'cpu_state_dict', 'floating_state', 'tensor_aliases', 'save_safetensors',
+           'safetensors_bytes', 'load_safetensors', 'read_metadata', 'load_delta', 'read_safetensors_header',
+           'tensor_layout', 'metadata_json', 'delta_path', 'parse_delta_path', 'GlobalMetadata', 'utc_now',
+           'step_count_text', 'parse_step_count', 'compute_pseudo_gradient', 'encode_delta', 'decode_delta',
+           'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta_wire', 'read_delta_header',
+           'check_delta', 'average_deltas', 'delta_norm', 'layer_of', 'layer_norms', 'state_misfit']
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,7 @@ def safetensors_bytes(
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     "All tensors of a safetensors file, on the CPU (aliases restored)."
     data = Path(path).read_bytes()
-    return _expanded(_st_load(data), _header(data), path)
+    return _expanded(_st_load(data), _header(data, path), path)
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
@@ -141,8 +142,9 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 def load_delta(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     "`(tensors, header)` of a delta file; `ValueError` naming the file when it is not readable safetensors."
     try:
+        read_safetensors_header(path)  # bounded: a lying length field never reaches the body
         data = Path(path).read_bytes()
-        header = _header(data)
+        header = _header(data, path)
         return _expanded(_st_load(data), header, path), header
     except Exception as e:
         raise ValueError(
@@ -150,9 +152,109 @@ def load_delta(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str
         ) from None
 
 
-def _header(data: bytes) -> dict[str, str]:
-    n = int.from_bytes(data[:8], "little")
-    return dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
+
+
+def _header_length(first: bytes, size: int, where: Any) -> int:
+    "The header length the first 8 bytes of a `size`-byte file give; `ValueError` when it cannot be true."
+    if len(first) < 8:
+        raise ValueError(f"{where}: {size} bytes, too short for a safetensors file")
+    n = int.from_bytes(first[:8], "little")
+    if n > min(MAX_HEADER_BYTES, size - 8):
+        raise ValueError(
+            f"{where}: its header length field says {n} bytes, but the file holds {size} bytes "
+            f"in all and a header is at most {MAX_HEADER_BYTES}: not a safetensors file, or a damaged one"
+        )
+    return n
+
+
+def _header_json(raw: bytes, where: Any) -> dict[str, Any]:
+    "The header's JSON object, its `__metadata__` strings checked; `ValueError` naming `where`."
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"{where}: the header is not JSON text ({type(e).__name__})") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or not (
+        meta is None or (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()))
+    ):
+        raise ValueError(
+            f"{where}: the header must be a JSON object whose __metadata__ maps names to strings"
+        )
+    return header
+
+
+def _header(data: bytes, where: Any = "safetensors bytes") -> dict[str, str]:
+    n = _header_length(data[:8], len(data), where)
+    return dict(_header_json(data[8 : 8 + n], where).get("__metadata__") or {})
+
+
+def read_safetensors_header(path: str | Path, where: Any = None) -> tuple[dict[str, Any], int]:
+    "`(header JSON, bytes of tensor data after it)` of a safetensors file, its body unread; `ValueError` naming `where` (default the path)."
+    where, path = where or path, Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        n = _header_length(f.read(8), size, where)
+        return _header_json(f.read(n), where), size - 8 - n
+
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _entry_fits(e: Any) -> bool:
+    whole = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return (
+        isinstance(e, dict)
+        and e.get("dtype") in _ST_DTYPES
+        and isinstance(e.get("shape"), list)
+        and all(map(whole, e["shape"]))
+        and isinstance(e.get("data_offsets"), list)
+        and len(e["data_offsets"]) == 2
+        and all(map(whole, e["data_offsets"]))
+    )
+
+
+def tensor_layout(
+    header: Mapping[str, Any], body_bytes: int, where: Any
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    "Each stored tensor's `(dtype, shape)` as `header` declares it; `ValueError` unless the entries tile the `body_bytes` exactly."
+    spans, out = [], {}
+    for k, e in header.items():
+        if k == "__metadata__":
+            continue
+        if not _entry_fits(e):
+            raise ValueError(f"{where}: header entry {k!r} is not a tensor entry: {str(e)[:120]}")
+        dtype, shape, (start, end) = _ST_DTYPES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+        need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - start != need:
+            raise ValueError(
+                f"{where}: tensor {k!r} ({e['dtype']} {shape}) needs {need} bytes, "
+                f"its data_offsets span {end - start}"
+            )
+        spans.append((start, end, k))
+        out[k] = (dtype, shape)
+    at = 0
+    for start, end, k in sorted(spans):
+        if start != at:
+            raise ValueError(f"{where}: tensor {k!r} starts at data byte {start}, not {at}")
+        at = end
+    if at != body_bytes:
+        raise ValueError(
+            f"{where}: the header declares {at} bytes of tensor data, the file holds {body_bytes} "
+            "(a truncated or padded file)"
+        )
+    return out
 
 
 def metadata_json(metadata: Mapping[str, str]) -> dict[str, Any]:
@@ -372,6 +474,91 @@ def _header_int(header: Mapping[str, str], key: str, path: str, default: int | N
         ) from None
 
 
+WIRE_ENCODINGS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def _int8_rows(shape: tuple[int, ...]) -> int:
+    "How many scales `encode_delta` writes for an int8 tensor of `shape`."
+    return (shape[0] if shape else 1) if math.prod(shape) else 1
+
+
+def check_delta_wire(
+    path: str,
+    tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    header: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> None:
+    "Refuse (`DeltaRejected`) a delta whose tensors `{name: (dtype, shape)}` are not the model's floating `shapes` in the header's `encoding`."
+    keys = {k for k in tensors if not k.endswith(INT8_SCALE)}
+    if keys != set(shapes):
+        raise DeltaRejected(
+            "keys",
+            f"{path}: keys differ from the global model's floating tensors (missing "
+            f"{sorted(set(shapes) - keys)[:3]}, unexpected {sorted(keys - set(shapes))[:3]})",
+        )
+    encoding = header.get("encoding")
+    if encoding is not None and encoding not in WIRE_ENCODINGS:
+        raise DeltaRejected(
+            "header",
+            f"{path}: header encoding={encoding!r} is not one of {', '.join(WIRE_ENCODINGS)}",
+        )
+    for k in sorted(keys):
+        dtype, shape = tensors[k]
+        if tuple(shape) != tuple(shapes[k]):
+            raise DeltaRejected(
+                "shape",
+                f"{path}: {k} has shape {tuple(shape)}, the global model has {tuple(shapes[k])}",
+            )
+        if not (dtype.is_floating_point or dtype == torch.int8):
+            raise DeltaRejected(
+                "dtype",
+                f"{path}: {k} has dtype {dtype}; a delta holds floating point or int8 tensors",
+            )
+        if encoding is not None and dtype != WIRE_ENCODINGS[encoding]:
+            raise DeltaRejected(
+                "dtype",
+                f"{path}: {k} is {dtype} but the header says encoding={encoding!r}; "
+                "the file does not hold what its header says",
+            )
+        scale = tensors.get(k + INT8_SCALE)
+        if dtype == torch.int8 and (
+            scale is None or scale[0] != torch.float32 or math.prod(scale[1]) != _int8_rows(shape)
+        ):
+            raise DeltaRejected(
+                "dtype",
+                f"{path}: int8 tensor {k} needs its float32 scales {k + INT8_SCALE} "
+                f"({_int8_rows(shape)} of them), the file has {scale}",
+            )
+    stray = [
+        k
+        for k in tensors
+        if k.endswith(INT8_SCALE) and tensors.get(k[: -len(INT8_SCALE)], (None,))[0] != torch.int8
+    ]
+    if stray:
+        raise DeltaRejected("keys", f"{path}: {stray[0]} is an int8 scale without its int8 tensor")
+
+
+def read_delta_header(
+    path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, str]:
+    "The header of the delta at repository `path` (stored at `local`), its tensors checked against `shapes` before the body is read."
+    try:
+        raw, body = read_safetensors_header(local, path)
+        layout = tensor_layout(raw, body, path)
+        header = dict(raw.get("__metadata__") or {})
+    except (OSError, ValueError) as e:
+        raise DeltaRejected("unreadable", str(e)) from None
+    try:
+        aliases = json.loads(header[TENSOR_ALIASES]) if header.get(TENSOR_ALIASES) else {}
+        layout.update({a: layout[k] for a, k in aliases.items() if a not in layout})
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise DeltaRejected(
+            "header", f"{path}: header {TENSOR_ALIASES} must map keys not in the file to keys in it"
+        ) from None
+    check_delta_wire(path, layout, header, shapes)
+    return header
+
+
 def check_delta(
     path: str,
     tensors: Mapping[str, torch.Tensor],
@@ -408,25 +595,9 @@ def check_delta(
             f"{path}: header names session {session!r} without inner_steps; a node of this "
             "version writes both, a 2.0 node neither",
         )
-    keys = {k for k in tensors if not k.endswith(INT8_SCALE)}
-    if keys != set(shapes):
-        raise DeltaRejected(
-            "keys",
-            f"{path}: keys differ from the global model's floating tensors (missing "
-            f"{sorted(set(shapes) - keys)[:3]}, unexpected {sorted(keys - set(shapes))[:3]})",
-        )
-    for k in sorted(keys):
-        t = tensors[k]
-        if tuple(t.shape) != tuple(shapes[k]):
-            raise DeltaRejected(
-                "shape",
-                f"{path}: {k} has shape {tuple(t.shape)}, the global model has {tuple(shapes[k])}",
-            )
-        if not (t.is_floating_point() or t.dtype == torch.int8):
-            raise DeltaRejected(
-                "dtype",
-                f"{path}: {k} has dtype {t.dtype}; a delta holds floating point or int8 tensors",
-            )
+    check_delta_wire(
+        path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, header, shapes
+    )
     try:
         delta = decode_delta(tensors)
     except ValueError as e:

@@ -391,8 +391,12 @@ def _claim(self: SharedDirectory, version: int, owner: str) -> None:
     claim = self.root / "global" / f".claim-{version}"
     try:
         fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(owner)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(owner)
+        except OSError:  # a full disk: no empty claim is left to block the retry
+            claim.unlink(missing_ok=True)
+            raise
     except FileExistsError:
         holder = claim.read_text().strip()
         if (
@@ -424,8 +428,11 @@ def publish(
             f"{self.describe()} moved from revision {parent.revision} to {current.revision}"
         )
     version = parent.outer_step + 1 if version is None else int(version)
-    if version > parent.outer_step:
-        _claim(self, version, owner)  # a new version; a heartbeat keeps its version
+    if version > parent.outer_step:  # a new version; a heartbeat keeps its version
+        self._call(
+            f"claim version {version} (global/.claim-{version}) in {self.describe()}",
+            lambda: _claim(self, version, owner),
+        )  # a full or flaky directory is retried and said with the file's name, as every write
 
     def run():
         for path in sorted(
