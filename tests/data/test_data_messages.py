@@ -39,3 +39,16 @@ def test_bytes_that_are_not_utf8_are_named_with_their_offset_and_the_fix(
         train(tmp_path, data, streaming), str(data), f"byte offset {offset}", "line 4"
     )
     assert "re-encode the file as UTF-8" in line
+
+
+def test_a_tiny_holdout_fraction_is_not_told_to_go_lower():
+    import numpy as np
+
+    from speedtronic.data import DataError, TokenArrayDataset
+    from speedtronic.evaluation import holdout_split
+
+    one_block = TokenArrayDataset(np.arange(17), 16, name="tokens")
+    with pytest.raises(DataError) as e:
+        holdout_split(one_block, 0.0001)
+    assert "lower eval.holdout_fraction" not in str(e.value)
+    assert "at least one block is held out" in str(e.value) and "use more data" in str(e.value)
