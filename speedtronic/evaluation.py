@@ -241,9 +241,15 @@ def holdout_split(dataset: Any, fraction: float) -> Holdout:
     blocks = len(tokens) // g + (len(tokens) % g >= 2)
     held = max(1, math.ceil(blocks * fraction))
     if held >= blocks:
+        fix = (
+            "lower eval.holdout_fraction or use more data"
+            if held > 1  # a lower fraction holds out fewer blocks; one block is the least it holds
+            else "at least one block is held out whatever the fraction, so use more data, a "
+            "smaller data.block_size, or give eval.text_path or eval.token_file instead"
+        )
         raise DataError(
-            f"eval.holdout_fraction {fraction} of {source} ({blocks} block(s) of {g} tokens) leaves no block to "
-            "train on; lower eval.holdout_fraction or use more data"
+            f"eval.holdout_fraction {fraction} of {source} ({blocks} block(s) of {g} tokens) "
+            f"holds out {held} and leaves no block to train on; {fix}"
         )
     cut = (blocks - held) * g
     train = TokenArrayDataset(

@@ -74,6 +74,41 @@ def _run_checkpoint(run: str | os.PathLike) -> tuple[Path, dict]:
     )
 
 # %% ../nbs/interop/02_hf.ipynb #aded77c3
+def _weights_misfit(found: dict, expected: dict, model_config: Any) -> str | None:
+    "How the tensors `found` first differ from those `model_config` builds (`expected`), by key."
+    missing = [k for k in expected if k not in found]
+    extra = [k for k in found if k not in expected]
+    if missing or extra:
+        parts = [f"{len(missing)} tensor(s) missing, first {missing[0]!r}"] if missing else []
+        parts += [f"{len(extra)} unexpected, first {extra[0]!r}"] if extra else []
+        return "; ".join(parts) + " (model.n_layer and model.tie_weights set which tensors exist)"
+    settings = {
+        k: v
+        for k, v in vars(model_config).items()
+        if isinstance(v, int) and not isinstance(v, bool)
+    }
+    for name, want in expected.items():
+        got = found[name]
+        shape = tuple(getattr(got, "shape", ()))
+        if shape == tuple(want.shape):
+            continue
+        keys = sorted(
+            {
+                f"model.{k}: {v}"
+                for w, g in zip(want.shape, shape)
+                if w != g
+                for k, v in settings.items()
+                if v == w
+            }
+        )
+        source = ", ".join(keys) if keys else "sizes the model section sets together"
+        return (
+            f"tensor {name!r} has shape {list(shape)} where the configuration gives "
+            f"{list(want.shape)} (from {source})"
+        )
+    return None
+
+
 def load_trained(
     run: str | os.PathLike | None = None,
     checkpoint: str | os.PathLike | None = None,
@@ -100,6 +135,13 @@ def load_trained(
             f"checkpoint {path} records a configuration that does not load: {e}"
         ) from None
     model = build_model(config.model)
+    misfit = _weights_misfit(state["model"], model.state_dict(), config.model)
+    if misfit:
+        raise CheckpointError(
+            f"checkpoint {path}: its weights do not fit the model its configuration describes: "
+            f"{misfit}; the checkpoint was altered, or the code of model.name "
+            f"{config.model.name!r} builds other shapes than the code that trained it"
+        )
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as e:
@@ -506,6 +548,47 @@ def model_settings(config: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 # %% ../nbs/interop/02_hf.ipynb #432d1fa1
+def _index_shards(index: Path) -> list[Path]:
+    "The shards a `model.safetensors.index.json` names, each checked to be a file beside it."
+    fix = "re-save the model with save_pretrained"
+    try:
+        data = json.loads(index.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"model.init_from: {index} is not valid JSON ({e}); {fix}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        what = (
+            "has no"
+            if not isinstance(data, dict) or "weight_map" not in data
+            else "has an empty or non-object"
+        )
+        raise CheckpointError(
+            f"model.init_from: {index} {what} 'weight_map' (tensor name -> shard file); {fix}"
+        )
+    folder, files = index.parent.resolve(), []
+    odd = [v for v in weight_map.values() if not isinstance(v, str) or not v]
+    if odd:
+        raise CheckpointError(
+            f"model.init_from: {index} maps a tensor to {odd[0]!r} in 'weight_map', "
+            f"not to a shard file name; {fix}"
+        )
+    for name in sorted(set(weight_map.values())):
+        shard = (folder / name).resolve()
+        if shard.parent != folder:
+            raise CheckpointError(
+                f"model.init_from: {index} names the shard {name!r}, which is not a file directly "
+                f"in {folder}; shards must sit beside the index ({fix})"
+            )
+        if not shard.is_file():
+            raise CheckpointError(
+                f"model.init_from: {index} names the shard {name!r}, which is absent from "
+                f"{folder}; "
+                "copy every shard beside the index"
+            )
+        files.append(shard)
+    return files
+
+
 def read_llama_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     "Every tensor of a transformers folder's `model.safetensors` (or the shards its index lists)."
     from safetensors.torch import load_file
@@ -515,9 +598,7 @@ def read_llama_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     if (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
     elif index.is_file():
-        files = [
-            folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        ]
+        files = _index_shards(index)
     else:
         found = (
             ", ".join(
@@ -629,6 +710,61 @@ def _upload_operations(folder: Path, add: Any) -> list:
     ]
 
 
+def _first_line(e: BaseException) -> str:
+    "The first line of `e`'s message, or its type name when it has none."
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _hub_answer(e: Any) -> str:
+    "What the Hub answered to the request that failed: status, its message, the method and path."
+    response = getattr(e, "response", None)
+    try:  # httpx raises rather than answer None for a response without its request
+        request = getattr(response, "request", None)
+    except RuntimeError:
+        request = None
+    status = getattr(response, "status_code", None)
+    said = getattr(e, "server_message", None) or _first_line(e)
+    said = " ".join(str(said).split())[:200]
+    where = ""
+    if request is not None:
+        url = str(getattr(request, "url", ""))
+        path = url.split("://", 1)[-1].partition("/")[2]
+        where = f" to {getattr(request, 'method', '?')} /{path}"
+    return f"the Hub answered HTTP {status} ({said}){where}"
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    "What the Hub client raises when a connection fails: `OSError` and its HTTP library's base."
+    import importlib
+
+    found: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx", "requests"):
+        try:
+            lib = importlib.import_module(name)
+        except ImportError:
+            continue
+        base = getattr(lib, "HTTPError", None) or getattr(lib, "RequestException", None)
+        if isinstance(base, type) and issubclass(base, BaseException):
+            found.append(base)
+    return tuple(found)
+
+
+def _drop_created_repo(api: Any, repo_id: str) -> str:
+    "Delete the repository `repo_id` this push created when it holds nothing; what became of it."
+    try:
+        held = [n for n in api.list_repo_files(repo_id) if n != ".gitattributes"]
+        if held:  # the commit landed though its answer was lost: the push's files stay
+            return f"; the repository {repo_id} holds {len(held)} file(s) of this push: check them"
+        api.delete_repo(repo_id)
+    except Exception as e:  # the push has failed already: say what is left instead
+        return (
+            f"; the empty repository {repo_id} this push created is left on the Hub (deleting it "
+            f"failed: {_first_line(e)}): delete it there or push again"
+        )
+    return f"; the empty repository {repo_id} this push created was deleted"
+
+
 def push_to_hub(
     folder: str | os.PathLike,
     repo_id: str,
@@ -643,9 +779,14 @@ def push_to_hub(
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} holds no exported model (config.json); export it first")
-    api = HfApi(token=token)
+    api, created = HfApi(token=token), False
     try:
-        api.create_repo(repo_id, private=True, exist_ok=True)
+        try:
+            api.create_repo(repo_id, private=True)
+            created = True
+        except HfHubHTTPError as e:
+            if getattr(e.response, "status_code", None) != 409:  # 409: it exists already
+                raise
         head = api.repo_info(repo_id).sha
         adds = _upload_operations(folder, CommitOperationAdd)
         sent = {op.path_in_repo for op in adds}
@@ -665,15 +806,23 @@ def push_to_hub(
             f"--push-to-hub {repo_id!r} is not a repository id like 'org/name' ({e})"
         ) from None
     except HfHubHTTPError as e:
-        status = getattr(e.response, "status_code", None)
-        hint = (
-            "set HF_TOKEN to a token with write access to it"
-            if status in (401, 403)
-            else "check the repository id and the network"
+        failure, status = _hub_answer(e), getattr(e.response, "status_code", None)
+        if status in (401, 403):
+            hint = "set HF_TOKEN to a token with write access to it"
+        elif status is not None and status >= 500:
+            hint = "the Hub failed on its side; push again later"
+        else:
+            hint = f"check the repository id {repo_id!r}"
+    except _transport_errors() as e:
+        failure = (
+            f"the Hub at {api.endpoint} could not be reached or dropped the connection "
+            f"({_first_line(e)})"
         )
-        raise ConfigError(
-            f"could not push {folder} to the Hub repository {repo_id} (HTTP {status}): {hint}"
-        ) from None
+        hint = "check the network and HF_ENDPOINT, then push again"
+    left = _drop_created_repo(api, repo_id) if created else ""
+    raise ConfigError(
+        f"could not push {folder} to the Hub repository {repo_id}: {failure}; {hint}{left}"
+    )
 
 # %% ../nbs/interop/02_hf.ipynb #94e95e78
 def __dir__() -> list[str]:

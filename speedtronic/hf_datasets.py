@@ -106,6 +106,47 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def _first_break(path: Path) -> str | None:
+    "Where a text or JSON-lines file first breaks: bytes not UTF-8 (offset, line) or a line not JSON."
+    offset, lines = 0, path.suffix.lower() == ".jsonl"
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (
+                    f"{path} has bytes that are not UTF-8 at byte offset {offset + e.start} "
+                    f"(line {n}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                )
+            offset += len(raw)
+            if lines and text.strip():
+                try:
+                    json.loads(text.lstrip("\ufeff") if n == 1 else text)
+                except ValueError as e:
+                    why = f"{e.msg} at column {e.colno}" if hasattr(e, "colno") else str(e)
+                    return f"{path} line {n} is not valid JSON ({why}); fix or remove that line"
+    return None
+
+
+def _file_problem(spec: Mapping) -> str | None:
+    "What breaks the local text or JSON-lines file(s) `spec` reads, naming file and line, or `None`."
+    try:
+        kind = dataset_kind(spec)
+    except DataError:
+        return None
+    path = Path(str(spec["path"])).expanduser()
+    if kind == "file":
+        files = [path]
+    elif kind == "folder":
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        return None
+    for f in files:
+        if f.suffix.lower() in (".jsonl", ".json", ".txt") and (problem := _first_break(f)):
+            return f"data.hf_dataset: {problem}"
+    return None
+
+
 def no_rows(spec: Mapping) -> str:
     "The message for a dataset split without rows."
     return f"{describe(spec)} holds no rows; set data.hf_dataset.split (or data_files) to data that has some"
@@ -161,6 +202,8 @@ def open_hf_dataset(spec: Mapping) -> Any:
     except Exception as e:
         if "corresponds to no data" in str(e):
             raise DataError(no_rows(spec)) from None  # an empty split
+        if problem := _file_problem(spec):  # a broken line or bytes: name the file and where
+            raise DataError(problem) from None
         raise DataError(
             f"{describe(spec)} cannot be loaded ({type(e).__name__}: {_first_line(e)}); check data.hf_dataset.path, "
             f"split and data_files" + (", and that the Hub can be reached" if kind == "hub" else "")
@@ -192,7 +235,16 @@ def text_rows(ds: Any, spec: Mapping, batch_size: int = 256) -> Iterator[str]:
         if problem := _column_problem(spec, ds.column_names, ds.features):
             raise DataError(problem)
         ds = ds.select_columns([field])
-    for batch in ds.iter(batch_size=batch_size):
+    batches = ds.iter(batch_size=batch_size)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception:  # a streamed file breaks where it is read: say where, else let it through
+            if problem := _file_problem(spec):
+                raise DataError(problem) from None
+            raise
         if problem := _column_problem(spec, batch):
             raise DataError(problem)
         for value in batch[field]:
