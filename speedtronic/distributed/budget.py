@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 # %% auto #0
-__all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'WORKER_POLL', 'WORKER_ROUND', 'MASTER_POLL', 'MASTER_ROUND',
+__all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_ROUND', 'MASTER_POLL', 'MASTER_PUBLICATION',
            'DELTA_BYTES_PER_PARAM', 'HubLimits', 'hub_limits', 'HubBudget', 'budget_from_config']
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #00021c60
@@ -45,10 +45,10 @@ def hub_limits(setting: str | Mapping[str, Any] | HubLimits | None = "free") -> 
 HEADROOM = (
     0.8  # a plan fits within this share of each limit: setup, heartbeats and retries use the rest
 )
-WORKER_POLL = {"api": 0, "downloads": 1}
-WORKER_ROUND = {"api": 3 + 1, "downloads": 2, "commits": 1}
-MASTER_POLL = {"api": 1, "downloads": 0}
-MASTER_ROUND = {"api": 4, "downloads": 1, "commits": 1}  # plus one download per delta folded
+NODE_POLL = {"api": 0, "downloads": 1}  # every node, the master's own included
+NODE_ROUND = {"api": 3 + 1, "downloads": 2}  # its delta's commit, then the new global
+MASTER_POLL = {"api": 1, "downloads": 0}  # on top: the listing of nodes/
+MASTER_PUBLICATION = {"api": 4, "downloads": 1}  # on top, plus one download per delta folded
 
 
 @dataclass(frozen=True)
@@ -61,27 +61,34 @@ class HubBudget:
     delta_bytes: int
     global_bytes: int
     limits: HubLimits
+    whole_rounds: bool = False  # distributed.boundary_wait > 0: one publication per round
 
     @property
     def rounds_per_hour(self) -> float:
         return 3600.0 / self.round_s
 
     @property
+    def publications_per_hour(self) -> float:
+        "The master's publications an hour: one a round, or what each poll finds (at most one a poll)."
+        if self.whole_rounds:
+            return self.rounds_per_hour
+        return min(self.nodes * self.rounds_per_hour, 3600.0 / self.poll_interval)
+
+    @property
     def commits_per_hour(self) -> float:
-        "Commits an hour on the run's repository: every worker's delta and the master's publication."
-        return self.nodes * self.rounds_per_hour
+        "Commits an hour on the run's repository: every node's delta and every publication."
+        return self.nodes * self.rounds_per_hour + self.publications_per_hour
 
     def per_window(self, role: str) -> dict[str, float]:
         "API calls and downloads one `role` (`master` or `worker`) spends in a five-minute window."
         polls, rounds = WINDOW_S / self.poll_interval, WINDOW_S / self.round_s
-        poll, each = (
-            (MASTER_POLL, MASTER_ROUND) if role == "master" else (WORKER_POLL, WORKER_ROUND)
-        )
-        extra = (self.nodes - 1) if role == "master" else 0  # the master downloads every delta
-        return {
-            k: polls * poll[k] + rounds * (each[k] + (extra if k == "downloads" else 0))
-            for k in ("api", "downloads")
-        }
+        spent = {k: polls * NODE_POLL[k] + rounds * NODE_ROUND[k] for k in ("api", "downloads")}
+        if role == "master":
+            pubs = self.publications_per_hour * WINDOW_S / 3600.0
+            for k in spent:
+                spent[k] += polls * MASTER_POLL[k] + pubs * MASTER_PUBLICATION[k]
+            spent["downloads"] += rounds * (self.nodes - 1)  # every other node's delta
+        return spent
 
     def bytes_per_round(self, role: str) -> tuple[int, int]:
         "(sent, received) bytes of one round for `role`."
@@ -93,14 +100,24 @@ class HubBudget:
         "What does not fit, each with what to change; empty when the plan fits."
         out, lim = [], self.limits
         if self.commits_per_hour > HEADROOM * lim.commits_per_hour:
-            fit_round = self.nodes * 3600.0 / (HEADROOM * lim.commits_per_hour)
-            fit_nodes = math.floor(HEADROOM * lim.commits_per_hour / self.rounds_per_hour)
+            fits = lambda b: b.commits_per_hour <= HEADROOM * lim.commits_per_hour
+            longer = (self.round_s * 1.05**k for k in range(1, 400))
+            fit_round = next(r for r in longer if fits(replace(self, round_s=r)))
+            fit_nodes = max(
+                [n for n in range(1, self.nodes) if fits(replace(self, nodes=n))], default=0
+            )
             out.append(
                 f"{self.nodes} nodes x {self.rounds_per_hour:.1f} rounds an hour need "
                 f"{self.commits_per_hour:.0f} commits an hour on the run's repository; the Hub "
                 f"allows {lim.commits_per_hour:.0f} (plan for {HEADROOM * lim.commits_per_hour:.0f}): "
-                f"make rounds at least {fit_round:.0f} s long (distributed.inner_steps), or run at "
-                f"most {fit_nodes} nodes at this round length"
+                f"make rounds at least {math.ceil(fit_round / 60) * 60:.0f} s long "
+                "(distributed.inner_steps)"
+                + (f", or run at most {fit_nodes} nodes at this round length" if fit_nodes else "")
+                + (
+                    ""
+                    if self.whole_rounds
+                    else ", or fold whole rounds (distributed.boundary_wait)"
+                )
             )
         for role in ("master", "worker"):
             spent = self.per_window(role)
@@ -156,6 +173,7 @@ def budget_from_config(
         delta_bytes=int(parameters * DELTA_BYTES_PER_PARAM.get(d.delta_dtype, 4)),
         global_bytes=int(parameters * 4),
         limits=hub_limits(getattr(d, "hub_limits", "free")),
+        whole_rounds=float(getattr(d, "boundary_wait", 0) or 0) > 0,
     )
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #2814c066

@@ -32,6 +32,7 @@ from speedtronic.config import (
 from .hub import HubClient
 from ..paths import node_id
 from .outer import Ledger, MasterOuterLoop
+from .budget import HUB_TIERS, HubBudget, budget_from_config, hub_limits
 from speedtronic.distributed.tensors import (
     GLOBAL_MODEL_PATH,
     state_misfit,
@@ -63,7 +64,7 @@ __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'SHORT_ROUND_STE
            'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint',
            'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning', 'outer_momentum_warning',
            'warn_outer_momentum', 'NodeShard', 'shard_loader', 'node_data_config', 'hub_commits_per_hour',
-           'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
+           'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -1382,33 +1383,41 @@ def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     return replace(data, seed=(int(data.seed or 0) + offset) % 2**31)
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #d25bc310
-HUB_COMMITS_PER_HOUR = (
-    100  # plan for this many; the Hub's limit is not published (its 429 message has said 128)
-)
+HUB_COMMITS_PER_HOUR = HUB_TIERS["free"].commits_per_hour  # the Hub's limit per repository
 
 
 def hub_commits_per_hour(
     nodes: int, inner_steps: int, step_time_s: float, poll_interval: float = 60.0
 ) -> float:
-    "Expected commits per hour to one repository: every node once per boundary, the master about once per round."
-    boundaries = 3600.0 / max(inner_steps * step_time_s, 1e-9)
-    return nodes * boundaries + min(nodes * boundaries, 3600.0 / poll_interval) + 3
+    "Expected commits per hour to one repository: every node's delta, and the master's publications."
+    round_s = max(inner_steps * step_time_s, 1e-9)
+    return HubBudget(nodes, round_s, poll_interval, 0, 0, hub_limits()).commits_per_hour
 
 
-def commit_rate_warning(config: SpeedtronicConfig, step_time_s: float) -> str | None:
-    "A warning when the run's estimated Hub commit rate comes near the limit, else None."
+def hub_budget_of(config: SpeedtronicConfig, step_time_s: float) -> HubBudget | None:
+    "The run's `HubBudget` for a measured step time (None unless it is a DiLoCo run through the Hub)."
     d = config.distributed
     if not d.enabled or d.transport != "hub":
         return None
-    nodes = d.expected_nodes or d.shard_count or 1
-    rate = hub_commits_per_hour(nodes, d.inner_steps, step_time_s, d.poll_interval)
-    if rate < 0.8 * HUB_COMMITS_PER_HOUR:
+    from speedtronic.registry import build_model
+
+    with torch.device("meta"):  # its size only: nothing is allocated
+        parameters = sum(p.numel() for p in build_model(config.model).parameters())
+    plan = budget_from_config(d, step_time_s, parameters)
+    return replace(plan, whole_rounds=d.boundary_wait > 0)
+
+
+def commit_rate_warning(config: SpeedtronicConfig, step_time_s: float) -> str | None:
+    "A warning when the run would need more of the Hub than its limits allow, else None."
+    plan = hub_budget_of(config, step_time_s)
+    if plan is None or not plan.problems():
         return None
-    need = math.ceil(2 * nodes * 3600.0 / (0.7 * HUB_COMMITS_PER_HOUR * step_time_s))
+    d = config.distributed
     return (
-        f"distributed: about {rate:.0f} Hub commits per hour expected ({nodes} node(s), inner_steps {d.inner_steps}, "
-        f"{step_time_s:.3g} s per step measured here); the Hub allows about {HUB_COMMITS_PER_HOUR} per repository per hour. "
-        f"Raise distributed.inner_steps to about {need}"
+        f"distributed: about {plan.commits_per_hour:.0f} Hub commits per hour expected "
+        f"({plan.nodes} node(s), inner_steps {d.inner_steps}, {step_time_s:.3g} s per step "
+        f"measured here): "
+        + "; ".join(plan.problems())
         + ("" if d.expected_nodes else " (set distributed.expected_nodes to the real node count)")
     )
 
