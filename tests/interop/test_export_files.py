@@ -65,7 +65,7 @@ def test_a_replaced_tokenizer_is_refused_by_resume_generate_and_export(tmp_path)
     now = sha256(tok)
     assert now != trained
     needles = (str(tok), f"sha256 {trained}", f"sha256 {now}", "put back the tokenizer.json")
-    resume = run_cli(
+    resume_args = (
         "train",
         "--config",
         str(config),
@@ -74,8 +74,8 @@ def test_a_replaced_tokenizer_is_refused_by_resume_generate_and_export(tmp_path)
         "--resume",
         "--max-steps",
         "6",
-        cwd=tmp_path,
     )
+    resume = run_cli(*resume_args, cwd=tmp_path)
     one_error_line(resume, *needles, "start a fresh run")
     run = tmp_path / "out"
     generate = run_cli(
@@ -87,19 +87,7 @@ def test_a_replaced_tokenizer_is_refused_by_resume_generate_and_export(tmp_path)
     tok.write_bytes(original)  # the file the run was trained with, put back: accepted
     ok(export(run, tmp_path / "llama", cwd=tmp_path))
     assert (tmp_path / "llama" / "tokenizer.json").read_bytes() == original
-    ok(
-        run_cli(
-            "train",
-            "--config",
-            str(config),
-            "--device",
-            "cpu",
-            "--resume",
-            "--max-steps",
-            "6",
-            cwd=tmp_path,
-        )
-    )
+    ok(run_cli(*resume_args, cwd=tmp_path))
 
 
 @pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures/v2.0 is not beside the checkout")
