@@ -10,7 +10,8 @@ from .cli import main
 
 # %% ../nbs/app/03_main.ipynb #4b97ec1e
 def _run_as_module() -> bool:
-    "True only when Python runs this file as `python -m speedtronic` (not when a notebook runs the cell)."
+    """True only when Python runs this file as `python -m speedtronic` (not when a notebook runs the
+    cell)."""
     spec = globals().get("__spec__")
     return __name__ == "__main__" and getattr(spec, "name", None) == "speedtronic.__main__"
 

@@ -74,7 +74,8 @@ def _numpy_safe_globals() -> list:
 
 
 def _torch_load_restricted(path: Path, mmap: bool = False) -> Any:
-    "`torch.load` with `weights_only=True`, also accepting plain numeric NumPy arrays (`mmap`: tensors not read)."
+    """`torch.load` with `weights_only=True`, also accepting plain numeric NumPy arrays (`mmap`:
+    tensors not read)."""
     safe_globals = getattr(torch.serialization, "safe_globals", None)
     context = safe_globals(_numpy_safe_globals()) if safe_globals else contextlib.nullcontext()
     with context, warnings.catch_warnings():
@@ -92,7 +93,8 @@ SHARDED_STATE = (
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    "Is `path` a sharded checkpoint folder (`step_<digits>.dcp` holding `torch.distributed.checkpoint`'s `.metadata`)?"
+    """Is `path` a sharded checkpoint folder (`step_<digits>.dcp` holding
+    `torch.distributed.checkpoint`'s `.metadata`)?"""
     path = Path(path)
     return path.is_dir() and (path / ".metadata").is_file()
 
@@ -223,7 +225,8 @@ _UNSAFE = re.compile(
 
 
 def _unsafe_what(message: str, path: Path) -> str | None:
-    "What the safe loader refused (a global's name, a pickle instruction), or `None` if it did not refuse anything."
+    """What the safe loader refused (a global's name, a pickle instruction), or `None` if it did not
+    refuse anything."""
     if "Weights only load failed" not in message and "Unsupported global" not in message:
         return None
     with open(path, "rb") as f:
@@ -243,7 +246,8 @@ def _unsafe_what(message: str, path: Path) -> str | None:
 
 
 def _not_a_file(path: Path) -> str | None:
-    "What `path` is when it is not a checkpoint file to read (missing, a folder, a broken link, a pipe), else `None`."
+    """What `path` is when it is not a checkpoint file to read (missing, a folder, a broken link, a
+    pipe), else `None`."""
     if path.is_dir():
         return "is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"
     if path.is_symlink() and not path.exists():
@@ -256,7 +260,8 @@ def _not_a_file(path: Path) -> str | None:
 
 
 def _zip_cut_short(path: Path) -> tuple[bool, int]:
-    "(is `path` a zip archive, as `torch.save` writes, whose end record is missing?, its size in bytes)."
+    """(is `path` a zip archive, as `torch.save` writes, whose end record is missing?, its size in
+    bytes)."""
     with open(path, "rb") as f:
         head, size = f.read(4), os.fstat(f.fileno()).st_size
         if head != b"PK\x03\x04":
@@ -279,14 +284,16 @@ _OLDER = "delete it or resume from an older checkpoint"
 
 
 def _unusable(path: Path, why: str, advice: str | None = _OLDER) -> CheckpointError:
-    "`checkpoint <path> <why>; <advice>` as a `CheckpointError` whose `.why` a list of several files shows alone."
+    """`checkpoint <path> <why>; <advice>` as a `CheckpointError` whose `.why` a list of several
+    files shows alone."""
     error = CheckpointError(f"checkpoint {path} {why}" + (f"; {advice}" if advice else ""))
     error.why = why
     return error
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    "Load the checkpoint at `path` (a file, or a sharded folder gathered whole) as tensors and plain data only; any problem is a `CheckpointError`."
+    """Load the checkpoint at `path` (a file, or a sharded folder gathered whole) as tensors and
+    plain data only; any problem is a `CheckpointError`."""
     path = Path(path)
     if is_sharded(path):
         return _full_sharded(path)
@@ -323,7 +330,8 @@ def _load_file(path: Path) -> dict:
                 path,
                 f"is unsafe to load: it holds Python objects other than tensors and plain data "
                 f"({unsafe}), and unpickling them could run code, so it was not loaded",
-                "if you trust the file, re-save it with only tensors, numbers, strings, lists and dicts",
+                "if you trust the file, re-save it with only tensors, numbers, strings, lists and "
+                "dicts",
             ) from None
         raise _unusable(path, "is corrupt (not a readable torch.save file)") from None
     except Exception as e:
@@ -358,7 +366,8 @@ def _numpy_rng_state() -> dict | None:
 
 
 def capture_rng_state() -> dict:
-    "Python, NumPy, torch CPU (+ CUDA, MPS when available) RNG states, loadable with `weights_only`."
+    """Python, NumPy, torch CPU (+ CUDA, MPS when available) RNG states, loadable with
+    `weights_only`."""
     state = {
         "python": random.getstate(),
         "numpy": _numpy_rng_state(),
@@ -464,7 +473,8 @@ def _plain(value):
 
 
 def _saved_model(state: Mapping) -> ModelConfig | None:
-    "The model section of the whole config the checkpoint recorded, or `None` when it has none that can be read."
+    """The model section of the whole config the checkpoint recorded, or `None` when it has none
+    that can be read."""
     saved = state.get("config")
     if not isinstance(saved, Mapping):
         return None
@@ -475,7 +485,8 @@ def _saved_model(state: Mapping) -> ModelConfig | None:
 
 
 def _config_differences(saved: ModelConfig | None, current: ModelConfig | None) -> list[str]:
-    "`model.<key>: saved .. vs current ..` for every weight-relevant value the checkpoint recorded that differs."
+    """`model.<key>: saved .. vs current ..` for every weight-relevant value the checkpoint recorded
+    that differs."""
     if saved is None or current is None:
         return []
     recorded = explicit_fields(saved) - _RUNTIME_ONLY
@@ -493,7 +504,8 @@ def compatibility_problems(
     config=None,
     limit: int = 8,  # most tensor-shape differences listed one by one
 ) -> list[str]:
-    "Every way checkpoint `state` does not fit `model`: `model.*` config differences first, then keys and shapes."
+    """Every way checkpoint `state` does not fit `model`: `model.*` config differences first, then
+    keys and shapes."""
     saved = state.get("model") if isinstance(state, Mapping) else None
     if not isinstance(saved, Mapping):
         return ["the checkpoint has no 'model' state dictionary"]
@@ -520,7 +532,8 @@ def compatibility_problems(
 
 
 def check_compatible(state: Mapping, *, model: torch.nn.Module, config=None, path=None) -> None:
-    "Raise a `CheckpointError` naming every difference between checkpoint `state` and `model`/`config`."
+    """Raise a `CheckpointError` naming every difference between checkpoint `state` and
+    `model`/`config`."""
     problems = compatibility_problems(state, model=model, config=config)
     if not problems:
         return
@@ -535,14 +548,16 @@ def check_compatible(state: Mapping, *, model: torch.nn.Module, config=None, pat
 # %% ../nbs/train/04_checkpoint.ipynb #bb65eec1
 _REFUSED_CHANGES = {
     "optimizer.name": (
-        "the saved optimizer state belongs to another optimizer: Muon keeps one momentum matrix per hidden "
+        "the saved optimizer state belongs to another optimizer: Muon keeps one momentum matrix "
+        "per hidden "
         "weight where AdamW keeps two moments per parameter"
     ),
     "optimizer.weight_decay_on": "the saved optimizer state has other parameter groups",
     "optimizer.cautious": "the saved optimizer state was written for another update rule",
     "optimizer.muon_plus": "the saved optimizer state was written for another update rule",
     "run.seed": "a resumed run continues the saved random streams, so a new seed would not apply",
-    "distributed.node_id": "the saved DiLoCo state (baseline, carry, unsent delta) is the saved node's",
+    "distributed.node_id": "the saved DiLoCo state (baseline, carry, unsent delta) is the saved "
+    "node's",
     "distributed.repo_id": "the saved DiLoCo state counts the saved repository's global versions",
     "distributed.transport": "distributed.repo_id would name another repository",
     "distributed.shard_index": "the saved data position is within the saved shard",
@@ -574,7 +589,8 @@ _WHERE_IT_LIVES = {
 
 
 def _checked_elsewhere(key: str) -> bool:
-    "Keys the model check and the data loader judge where they are loaded, and where the run's files now live."
+    """Keys the model check and the data loader judge where they are loaded, and where the run's
+    files now live."""
     return key.startswith("model.") or key in _LOADER_KEYS or key in _WHERE_IT_LIVES
 
 
@@ -611,13 +627,15 @@ _STEP_NAME = re.compile(r"step_(\d+)\.(?:pt|dcp)")
 
 
 def checkpoint_step(name: str) -> int | None:
-    "The step of a checkpoint name `step_<digits>.pt` (a file) or `step_<digits>.dcp` (a sharded folder), or `None` for any other name."
+    """The step of a checkpoint name `step_<digits>.pt` (a file) or `step_<digits>.dcp` (a sharded
+    folder), or `None` for any other name."""
     match = _STEP_NAME.fullmatch(str(name))
     return int(match.group(1)) if match else None
 
 # %% ../nbs/train/04_checkpoint.ipynb #be8942e2
 def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
-    "The `step_<digits>.pt` files and sharded `step_<digits>.dcp` folders in `directory`, highest step first."
+    """The `step_<digits>.pt` files and sharded `step_<digits>.dcp` folders in `directory`, highest
+    step first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -630,7 +648,8 @@ def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
 
 # %% ../nbs/train/04_checkpoint.ipynb #47787fdc
 def read_pointer(path: str | os.PathLike, warn=warnings.warn) -> dict:
-    "`latest.json` at `path` as a dict whose `file`/`written` are checkpoint names; problems go to `warn`."
+    """`latest.json` at `path` as a dict whose `file`/`written` are checkpoint names; problems go to
+    `warn`."""
     path = Path(path)
     if not path.exists():
         return {"written": []}
@@ -747,7 +766,8 @@ class CheckpointManager:
 
 # %% ../nbs/train/04_checkpoint.ipynb #7b25c2df
 def nonfinite_tensors(tensors: Mapping) -> list[str]:
-    "Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read per device, as a rule)."
+    """Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read
+    per device, as a rule)."""
     by_device: dict[torch.device, list] = {}
     for k, v in tensors.items():
         if (
@@ -796,7 +816,8 @@ def _tensor_leaves(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def nonfinite_state(state: Mapping) -> dict[str, list[str]]:
-    "`{part: tensors with NaN/inf}` for the parts of checkpoint `state` a resume restores: model, optimizer, DiLoCo state."
+    """`{part: tensors with NaN/inf}` for the parts of checkpoint `state` a resume restores: model,
+    optimizer, DiLoCo state."""
     found = {}
     for part in _CHECKED_PARTS:
         leaves = _tensor_leaves(state.get(part), "" if part == "model" else part)
@@ -809,11 +830,15 @@ def _nonfinite_reason(found: dict[str, list[str]]) -> str:
     "`the model weights hold NaN or infinity (in: w)` for what `nonfinite_state` found."
     what = " and ".join(_CHECKED_PARTS[p] for p in found)
     verb = "hold" if len(found) > 1 or "model" in found else "holds"
-    return f"{what} {verb} NaN or infinity ({_listing('in', [n for names in found.values() for n in names], 4)})"
+    return (
+        f"{what} {verb} NaN or infinity "
+        f"({_listing('in', [n for names in found.values() for n in names], 4)})"
+    )
 
 
 def checkpoint_run_id(path: str | os.PathLike) -> str | None:
-    "The run id a checkpoint file records, read without loading its tensors; `None` if it has none or does not load."
+    """The run id a checkpoint file records, read without loading its tensors; `None` if it has none
+    or does not load."""
     path = Path(path)
     if is_sharded(path):
         path = path / SHARDED_STATE
@@ -857,7 +882,8 @@ def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
 # %% ../nbs/train/04_checkpoint.ipynb #4c7d9ebf
 @patch
 def _own_unlisted(self: CheckpointManager, listed: list[str]) -> list[str]:
-    "Checkpoint files that carry this manager's run id but are not in `listed` (a kill before the pointer, a lost pointer)."
+    """Checkpoint files that carry this manager's run id but are not in `listed` (a kill before the
+    pointer, a lost pointer)."""
     if self.run_id is None:
         return []
     found = []
@@ -928,7 +954,8 @@ def _unwritable(self: CheckpointManager, what: str, error: OSError) -> Checkpoin
 
 @patch
 def check_writable(self: CheckpointManager) -> None:
-    "Create `directory` and write a probe file in it; a `CheckpointError` says why it cannot be used."
+    """Create `directory` and write a probe file in it; a `CheckpointError` says why it cannot be
+    used."""
     try:
         self.directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-check-"):
@@ -938,7 +965,8 @@ def check_writable(self: CheckpointManager) -> None:
 
 # %% ../nbs/train/04_checkpoint.ipynb #660e2b94
 def _outside(path: Path, directory: Path) -> Path | None:
-    "Where `path` leads when it is a link out of `directory` (to another run's checkpoint), else `None`."
+    """Where `path` leads when it is a link out of `directory` (to another run's checkpoint), else
+    `None`."""
     if not path.is_symlink():
         return None
     target = path.resolve()
@@ -948,9 +976,11 @@ def _outside(path: Path, directory: Path) -> Path | None:
 def checked_checkpoint(
     path: str | os.PathLike,
     owner: str
-    | None = None,  # the run the file must belong to; `None`: the run its folder's `latest.json` names
+    # the run the file must belong to; `None`: the run its folder's `latest.json` names
+    | None = None,
 ) -> dict:
-    "The state in checkpoint `path` if a run may continue from it: no link out of its folder, finite, of the step its name says, of run `owner`; else a `CheckpointError`."
+    """The state in checkpoint `path` if a run may continue from it: no link out of its folder,
+    finite, of the step its name says, of run `owner`; else a `CheckpointError`."""
     path = Path(path)
     if target := _outside(path, path.parent):
         raise _unusable(
@@ -969,7 +999,8 @@ def checked_checkpoint(
     if named is not None and isinstance(step, int) and not isinstance(step, bool) and step != named:
         raise _unusable(
             path,
-            f"holds step {step}, not step {named} as its name says (a file copied or renamed onto it)",
+            f"holds step {step}, not step {named} as its name says (a file copied or renamed onto "
+            "it)",
             "rename it step_<step>.pt (.dcp) for the step it holds, or delete it",
         )
     if owner is None:
@@ -1070,7 +1101,8 @@ def load_named(self: CheckpointManager, name: str | os.PathLike) -> dict:
 # %% ../nbs/train/04_checkpoint.ipynb #5c39f826
 @patch
 def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
-    "Copy the newest loadable checkpoint to `destination` (a file, or an existing folder); a sharded one as one `.pt` file."
+    """Copy the newest loadable checkpoint to `destination` (a file, or an existing folder); a
+    sharded one as one `.pt` file."""
     found = self._newest_loadable()
     if found is None:
         raise CheckpointError(f"no checkpoint is available to copy from {self.directory}")
@@ -1097,7 +1129,8 @@ def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
 # %% ../nbs/train/04_checkpoint.ipynb #df5504fa
 @patch
 def clear(self: CheckpointManager) -> list[Path]:
-    "Delete all checkpoint files, `latest.json` and dead temp files in `directory`; returns what was deleted."
+    """Delete all checkpoint files, `latest.json` and dead temp files in `directory`; returns what
+    was deleted."""
     removed = []
     for path in (
         checkpoint_files(self.directory) + [self.pointer_path] + stale_temp_files(self.directory)
@@ -1119,7 +1152,8 @@ def _local_tensors(tensors: Mapping) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def _dcp_errors(path: Path, doing: str):
-    "Within the block, a failure of `torch.distributed.checkpoint` (a `BaseException` there) is a `CheckpointError` naming `path`."
+    """Within the block, a failure of `torch.distributed.checkpoint` (a `BaseException` there) is a
+    `CheckpointError` naming `path`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -1130,7 +1164,8 @@ def _dcp_errors(path: Path, doing: str):
         error = _unusable(
             path,
             f"{doing} (rank {rank}: {_first_sentence(failure)})",
-            "resume from another checkpoint, or check the folder is complete and readable by every rank",
+            "resume from another checkpoint, or check the folder is complete and readable by "
+            "every rank",
         )
         raise error from None
 
@@ -1148,7 +1183,8 @@ def _sync_folder(path: Path) -> None:
 def save_sharded(
     self: CheckpointManager, step: int, tensors: Mapping, state: Mapping, world: Any
 ) -> Path | None:
-    "Every rank: write `tensors` (model, optimizer) sharded and rank 0's `state` as the folder of `step`; the folder on rank 0."
+    """Every rank: write `tensors` (model, optimizer) sharded and rank 0's `state` as the folder of
+    `step`; the folder on rank 0."""
     import torch.distributed.checkpoint as dcp
 
     final = self.directory / f"step_{int(step):012d}.dcp"
@@ -1156,9 +1192,12 @@ def save_sharded(
     def check():
         if bad := nonfinite_tensors(_local_tensors(tensors)):
             raise CheckpointError(
-                f"checkpoint {final} was not written: the model weights or optimizer state hold NaN or infinity "
-                f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already in {self.directory} "
-                "are kept. Resume from the last good one with a lower optimizer.lr or an optimizer.grad_clip"
+                f"checkpoint {final} was not written: the model weights or optimizer state hold "
+                "NaN or infinity "
+                f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already in "
+                f"{self.directory} "
+                "are kept. Resume from the last good one with a lower optimizer.lr or an "
+                "optimizer.grad_clip"
             )
 
     world.on_every_rank(check)
@@ -1180,7 +1219,8 @@ def save_sharded(
 
 @patch
 def _publish(self: CheckpointManager, step: int, temp: Path, state: Mapping) -> Path:
-    "Rank 0, once every shard is written: `state` into the temp folder, the folder renamed, `latest.json`, retention."
+    """Rank 0, once every shard is written: `state` into the temp folder, the folder renamed,
+    `latest.json`, retention."""
     final = self.directory / f"step_{int(step):012d}.dcp"
     if self.run_id is not None:
         state = {**state, "run_id": self.run_id}
@@ -1235,7 +1275,8 @@ _INDEX_GLOBALS = frozenset(
 
 
 def _index_global_allowed(module: str, name: str) -> bool:
-    "May a checkpoint index name `module`.`name`? Exact pairs and torch's dtypes only; never a dotted name."
+    """May a checkpoint index name `module`.`name`? Exact pairs and torch's dtypes only; never a
+    dotted name."""
     if "." in name:
         return False  # pickle 4 walks a dotted name attribute by attribute: `filesystem.os.system`
     if (module, name) in _INDEX_GLOBALS:
@@ -1244,7 +1285,8 @@ def _index_global_allowed(module: str, name: str) -> bool:
 
 
 class _IndexUnpickler(pickle.Unpickler):
-    "Unpickles a sharded checkpoint's `.metadata`: only the index's own records, torch sizes, dtypes and layouts, and paths."
+    """Unpickles a sharded checkpoint's `.metadata`: only the index's own records, torch sizes,
+    dtypes and layouts, and paths."""
 
     def find_class(self, module: str, name: str):
         if not _index_global_allowed(module, name):
@@ -1253,7 +1295,8 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 def _read_index(path: Path) -> Any:
-    "The `.metadata` of the sharded folder `path`, unpickled by `_IndexUnpickler`; one pickle and nothing after it."
+    """The `.metadata` of the sharded folder `path`, unpickled by `_IndexUnpickler`; one pickle and
+    nothing after it."""
     with open(path / ".metadata", "rb") as f:
         index = _IndexUnpickler(f).load()
         if f.read(1):
@@ -1262,7 +1305,8 @@ def _read_index(path: Path) -> Any:
 
 
 def _safe_index(path: Path) -> Any:
-    "The index of the sharded folder `path`, checked to hold no code and to name only tensors and plain data; else a `CheckpointError`."
+    """The index of the sharded folder `path`, checked to hold no code and to name only tensors and
+    plain data; else a `CheckpointError`."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
     try:
@@ -1273,7 +1317,8 @@ def _safe_index(path: Path) -> Any:
     except _Forbidden as e:
         raise _unusable(
             path,
-            f"is unsafe to load: its index (.metadata) holds Python objects other than the index's own ({e}), "
+            "is unsafe to load: its index (.metadata) holds Python objects other than the "
+            f"index's own ({e}), "
             "and unpickling them could run code, so it was not loaded",
             None,
         ) from None
@@ -1305,7 +1350,8 @@ def _safe_index(path: Path) -> Any:
         except pickle.UnpicklingError:
             raise _unusable(
                 path,
-                f"is unsafe to load: its value {key.fqn} holds Python objects other than plain data, "
+                f"is unsafe to load: its value {key.fqn} holds Python objects other than plain "
+                "data, "
                 "and unpickling them could run code, so it was not loaded",
                 None,
             ) from None
@@ -1338,7 +1384,8 @@ def _check_shards(path: Path, index: Any) -> None:
 
 
 def _sharded_state(path: Path, index: Any = None) -> dict:
-    "The plain part of the sharded checkpoint `path`, its model as `meta` tensors of the saved shapes, and `sharded`: the folder."
+    """The plain part of the sharded checkpoint `path`, its model as `meta` tensors of the saved
+    shapes, and `sharded`: the folder."""
     state = load_checkpoint(path / SHARDED_STATE)
     index = (_safe_index(path) if index is None else index).state_dict_metadata
     model = {
@@ -1390,7 +1437,8 @@ def _safe_reading(path: Path, index: Any) -> tuple:
 def load_sharded(
     path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
-    "Load the sharded checkpoint `path` into `model` (and `optimizer`) in place, on every rank together, whatever the world size that saved it."
+    """Load the sharded checkpoint `path` into `model` (and `optimizer`) in place, on every rank
+    together, whatever the world size that saved it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
@@ -1415,7 +1463,8 @@ def load_sharded(
 
 # %% ../nbs/train/04_checkpoint.ipynb #da9bdb7c
 def _by_position(moments: Mapping | None) -> dict | None:
-    "An optimizer state dict keyed by parameter name (as `get_state_dict` gives it) keyed by position instead, as `Optimizer.state_dict()`."
+    """An optimizer state dict keyed by parameter name (as `get_state_dict` gives it) keyed by
+    position instead, as `Optimizer.state_dict()`."""
     if not moments:
         return None
     names = [n for g in moments["param_groups"] for n in g["params"]]
@@ -1429,7 +1478,8 @@ def _by_position(moments: Mapping | None) -> dict | None:
 
 
 def _full_sharded(path: Path) -> dict:
-    "The sharded checkpoint `path` gathered in memory: the state a single-file checkpoint of the same step holds."
+    """The sharded checkpoint `path` gathered in memory: the state a single-file checkpoint of the
+    same step holds."""
     from torch.distributed.checkpoint.state_dict_loader import (
         _load_state_dict,
     )  # what dcp_to_torch_save calls
@@ -1447,11 +1497,13 @@ def _full_sharded(path: Path) -> dict:
 def consolidate_checkpoint(
     path: str | os.PathLike, output: str | os.PathLike | None = None
 ) -> Path:
-    "Write the sharded checkpoint folder `path` as one checkpoint file (default: `step_<step>.pt` beside it); returns the file."
+    """Write the sharded checkpoint folder `path` as one checkpoint file (default: `step_<step>.pt`
+    beside it); returns the file."""
     path = Path(path)
     if not is_sharded(path):
         raise CheckpointError(
-            f"{path} is not a sharded checkpoint (a step_<step>.dcp folder holding .metadata, written by "
+            f"{path} is not a sharded checkpoint (a step_<step>.dcp folder holding .metadata, "
+            "written by "
             "parallel.strategy: fsdp); give such a folder"
         )
     output = Path(output) if output is not None else path.with_suffix(".pt")
@@ -1465,7 +1517,8 @@ def consolidate_checkpoint(
 def load_whole(
     state: Mapping, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
-    "Load a single-file checkpoint `state` (whole tensors) into `model` and `optimizer`, sharded or not, on every rank together."
+    """Load a single-file checkpoint `state` (whole tensors) into `model` and `optimizer`, sharded
+    or not, on every rank together."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_state_dict,

@@ -113,7 +113,8 @@ def _unset(value: Any) -> bool:
 
 
 def redact(obj: Any) -> Any:
-    "Deep copy of `obj` (mapping, list or dataclass) with every credential-like key's value `'<redacted>'`."
+    """Deep copy of `obj` (mapping, list or dataclass) with every credential-like key's value
+    `'<redacted>'`."""
     return _redact(obj, set())
 
 # %% ../nbs/core/01_config.ipynb #9c66bbb6
@@ -367,7 +368,8 @@ def _check_fields(obj: Any) -> list[str]:
 
 # %% ../nbs/core/01_config.ipynb #532b1f11
 class _Section:
-    "Shared behaviour of config sections: type checks, rules, one `ConfigError`, explicit-field tracking."
+    """Shared behaviour of config sections: type checks, rules, one `ConfigError`, explicit-field
+    tracking."""
 
     _section = ""
 
@@ -384,18 +386,21 @@ class _Section:
         return problems + self._rules()
 
     def _normalise(self) -> None:
-        "Fill the values a section derives from its own fields (2.0's normalisation); checks nothing."
+        """Fill the values a section derives from its own fields (2.0's normalisation); checks
+        nothing."""
 
     def _rules(self) -> list[str]:
         return []
 
     def __repr__(self) -> str:
-        "Like a dataclass repr, with every credential shown as `<redacted>` (a notebook cell may print it)."
+        """Like a dataclass repr, with every credential shown as `<redacted>` (a notebook cell may
+        print it)."""
         return f"{type(self).__name__}({', '.join(f'{f.name}={_shown(f.name, getattr(self, f.name))}' for f in fields(self))})"
 
 
 def _shown(name: str, value: Any) -> str:
-    "repr of a field value for `_Section.__repr__`: secrets redacted, nested sections as their own repr."
+    """repr of a field value for `_Section.__repr__`: secrets redacted, nested sections as their own
+    repr."""
     if is_secret_key(name) and not _unset(value):
         return repr(REDACTED)
     if isinstance(value, _Section):
@@ -404,7 +409,8 @@ def _shown(name: str, value: Any) -> str:
 
 
 def _config_section(name: str):
-    "Class decorator: a `_Section` dataclass named `name` whose `__init__` records the fields it was given."
+    """Class decorator: a `_Section` dataclass named `name` whose `__init__` records the fields it
+    was given."""
 
     def decorate(cls):
         cls = dataclass(cls, repr=False)
@@ -466,7 +472,8 @@ class RunConfig(_Section):
 
     @property
     def written_output_dir(self) -> str:
-        "The `output_dir` this section was built with (what relative logging paths were written against)."
+        """The `output_dir` this section was built with (what relative logging paths were written
+        against)."""
         return self.__dict__.get("_written_output_dir", self.output_dir)
 
 # %% ../nbs/core/01_config.ipynb #a7cdb284
@@ -520,12 +527,14 @@ class ModelConfig(_Section):
         if heads_ok and self.n_head % self.n_kv_head:
             r.fail(
                 "n_kv_head",
-                f"must divide model.n_head (got n_head={_show(self.n_head)}, n_kv_head={_show(self.n_kv_head)})",
+                f"must divide model.n_head (got n_head={_show(self.n_head)}, "
+                f"n_kv_head={_show(self.n_kv_head)})",
             )
         if heads_ok and self.d_model > 0 and self.d_model % self.n_head:
             r.fail(
                 "d_model",
-                f"must be divisible by model.n_head (got d_model={_show(self.d_model)}, n_head={_show(self.n_head)})",
+                f"must be divisible by model.n_head (got d_model={_show(self.d_model)}, "
+                f"n_head={_show(self.n_head)})",
             )
         elif (
             heads_ok
@@ -535,8 +544,10 @@ class ModelConfig(_Section):
         ):
             r.fail(
                 "d_model",
-                f"head dimension d_model // n_head = {_show(self.d_model // self.n_head)} must be even for RoPE "
-                f"(pick d_model = {_show(self.n_head * (self.d_model // self.n_head + 1))} or another n_head)",
+                f"head dimension d_model // n_head = {_show(self.d_model // self.n_head)} must be "
+                "even for RoPE "
+                f"(pick d_model = {_show(self.n_head * (self.d_model // self.n_head + 1))} or "
+                "another n_head)",
             )
         for m in self.imports:
             if not _MODULE_NAME.fullmatch(m):
@@ -575,7 +586,8 @@ def _files_ok(v: Any) -> bool:
 
 
 def hf_dataset_spec(value: Any) -> tuple[dict | None, list[str]]:
-    "`data.hf_dataset` with every key filled in (a string is its `path`), and its `data.hf_dataset.<key>: ...` problems."
+    """`data.hf_dataset` with every key filled in (a string is its `path`), and its
+    `data.hf_dataset.<key>: ...` problems."""
     if value is None:
         return None, []
     spec, problems = dict(HF_DATASET_KEYS), []
@@ -602,7 +614,8 @@ def hf_dataset_spec(value: Any) -> tuple[dict | None, list[str]]:
     if spec["data_files"] is not None and not _files_ok(spec["data_files"]):
         bad(
             "data_files",
-            f"expected a path, a list of paths or a mapping of split names to paths, got {_show(spec['data_files'])}",
+            "expected a path, a list of paths or a mapping of split names to paths, got "
+            f"{_show(spec['data_files'])}",
         )
     return (None if problems else spec), problems
 
@@ -630,7 +643,9 @@ class DataConfig(_Section):
     tokenizer: str | None = None  # null/"byte" -> CharTokenizer, else a tokenizer.json path
     trust_pickle: bool = False  # opt in to unpickling a serialized data.dataset
     hf_dataset: str | dict | None = (
-        None  # a `datasets` dataset: a path or Hub name, or {path, name, data_files, split, text_field, streaming}
+        # a `datasets` dataset: a path or Hub name, or {path, name, data_files, split, text_field,
+        # streaming}
+        None
     )
 
     def _normalise(self):
@@ -644,7 +659,8 @@ class DataConfig(_Section):
 
     @property
     def source(self) -> str:
-        "What training reads: the first of `text_path`, `token_file`, `hf_dataset`, `dataset` that is set, else synthetic tokens (or nothing)."
+        """What training reads: the first of `text_path`, `token_file`, `hf_dataset`, `dataset` that
+        is set, else synthetic tokens (or nothing)."""
         if self.text_path:
             return "data.text_path"
         if self.token_file:
@@ -680,19 +696,22 @@ class DataConfig(_Section):
         if self.num_tokens >= 2**63:
             r.fail(
                 "num_tokens",
-                f"must be below 2**63 (a sample count a sequence can index), got {_show(self.num_tokens)}",
+                "must be below 2**63 (a sample count a sequence can index), got "
+                f"{_show(self.num_tokens)}",
             )
         if self.micro_batch_size > 0 and self.target_batch_size > 0:
             if self.target_batch_size < self.micro_batch_size:
                 r.fail(
                     "target_batch_size",
-                    f"must be >= data.micro_batch_size (got {_show(self.target_batch_size)} < {_show(self.micro_batch_size)})",
+                    f"must be >= data.micro_batch_size (got {_show(self.target_batch_size)} < "
+                    f"{_show(self.micro_batch_size)})",
                 )
             elif self.target_batch_size % self.micro_batch_size:
                 fit = self.target_batch_size // self.micro_batch_size * self.micro_batch_size
                 r.fail(
                     "target_batch_size",
-                    f"must be divisible by data.micro_batch_size (got {_show(self.target_batch_size)} and "
+                    "must be divisible by data.micro_batch_size (got "
+                    f"{_show(self.target_batch_size)} and "
                     f"{_show(self.micro_batch_size)}; try {_show(fit)})",
                 )
         return r.problems
@@ -888,7 +907,8 @@ class LoggingConfig(_Section):
         if isinstance(self.wandb, dict) and (n := _expanded_size(self.wandb)) > _MAX_FREE_VALUES:
             r.fail(
                 "wandb",
-                f"holds {n:,} values once YAML aliases (*name) are expanded, more than {_MAX_FREE_VALUES:,}; "
+                f"holds {n:,} values once YAML aliases (*name) are expanded, more than "
+                f"{_MAX_FREE_VALUES:,}; "
                 "write the wandb.init arguments out plainly",
             )
             self.wandb = None
@@ -971,7 +991,8 @@ class EvalConfig(_Section):
         if len(given) > 1:
             r.fail(
                 given[1],
-                f"choose one held-out source: {' and '.join(f'eval.{k}' for k in given)} are both set",
+                f"choose one held-out source: {' and '.join(f'eval.{k}' for k in given)} are both "
+                "set",
             )
         for name in (
             ("every_steps", "max_batches", "micro_batch_size", "sample_prompts")
@@ -981,7 +1002,8 @@ class EvalConfig(_Section):
             if getattr(self, name):
                 r.fail(
                     name,
-                    "is set but no held-out source is: set eval.text_path, eval.token_file or eval.holdout_fraction",
+                    "is set but no held-out source is: set eval.text_path, eval.token_file or "
+                    "eval.holdout_fraction",
                 )
         return r.problems
 
@@ -1028,19 +1050,25 @@ class DistributedConfig(_Section):
     transport: str = (
         "hub"  # hub: repo_id is a Hub model repo; directory: repo_id is a shared directory path
     )
-    delta_dtype: str = "bfloat16"  # wire dtype of deltas: float32 (as 2.0), bfloat16, or int8 (rounding kept and resent)
-    staleness: str = "delayed_nesterov"  # how the master applies late deltas: delayed_nesterov, weighted, or none (as 2.0)
+    # wire dtype of deltas: float32 (as 2.0), bfloat16, or int8 (rounding kept and resent)
+    delta_dtype: str = "bfloat16"
+    # how the master applies late deltas: delayed_nesterov, weighted, or none (as 2.0)
+    staleness: str = "delayed_nesterov"
     expected_nodes: int | None = (
         None  # nodes one outer step averages; null -> the nodes that sent deltas recently
     )
-    max_delta_norm_ratio: float = 10.0  # reject a delta whose norm per inner step exceeds this multiple of its node's recent median (0 = off)
+    # reject a delta whose norm per inner step exceeds this multiple of its node's recent median (0
+    # = off)
+    max_delta_norm_ratio: float = 10.0
     lease_timeout: float = (
         600.0  # seconds without a publication after which another node may take over as master
     )
     final_round_timeout: float = (
         300.0  # seconds the master waits at the end of its run for the other nodes' last deltas
     )
-    boundary_wait: float = 0.0  # seconds a node waits at each boundary for the global holding the delta it just sent (0: never); a master holds rounds for missing deltas half as long
+    # seconds a node waits at each boundary for the global holding the delta it just sent (0:
+    # never); a master holds rounds for missing deltas half as long
+    boundary_wait: float = 0.0
     request_timeout: float = (
         60.0  # seconds one Hub request may wait on the server before it is retried
     )
@@ -1083,7 +1111,8 @@ class DistributedConfig(_Section):
         ):
             r.fail(
                 "shard_index",
-                f"must be in [0, {self.shard_count}) for shard_count {self.shard_count}, got {_show(self.shard_index)}",
+                f"must be in [0, {self.shard_count}) for shard_count {self.shard_count}, got "
+                f"{_show(self.shard_index)}",
             )
         r.choice("mode", ("dumb_diloco", "single"), {"diloco": "dumb_diloco"})
         r.choice("role", ("single", "master", "worker"))
@@ -1111,7 +1140,8 @@ class DistributedConfig(_Section):
         if self.retry_max < self.retry_initial:
             r.fail(
                 "retry_max",
-                f"must be >= distributed.retry_initial (got {_show(self.retry_max)} < {_show(self.retry_initial)})",
+                f"must be >= distributed.retry_initial (got {_show(self.retry_max)} < "
+                f"{_show(self.retry_initial)})",
             )
         if self.delta_upload_queue_size != 1:
             r.fail(
@@ -1138,7 +1168,8 @@ class DistributedConfig(_Section):
         if wrong or bad:
             r.fail(
                 "hub_limits",
-                f"a tier (free, pro, team, enterprise) or positive numbers for {', '.join(numbers)}; "
+                "a tier (free, pro, team, enterprise) or positive numbers for "
+                f"{', '.join(numbers)}; "
                 f"not {', '.join(repr(k) for k in wrong + bad)}",
             )
 
@@ -1214,7 +1245,8 @@ class SpeedtronicConfig(_Section):
 
 # %% ../nbs/core/01_config.ipynb #567d17ae
 def run_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
-    "The absolute step a run trains to: `max_steps` if given, else `data.max_steps`, else `run.max_steps`."
+    """The absolute step a run trains to: `max_steps` if given, else `data.max_steps`, else
+    `run.max_steps`."""
     return (
         int(max_steps)
         if max_steps is not None
@@ -1270,20 +1302,23 @@ def _validation_problems(self: SpeedtronicConfig) -> list[str]:
         self.data.text_path or self.data.token_file or self.data.hf_dataset
     ):
         problems.append(
-            "eval.holdout_fraction: holds out part of data.text_path, data.token_file or data.hf_dataset, and none is set; "
+            "eval.holdout_fraction: holds out part of data.text_path, data.token_file or "
+            "data.hf_dataset, and none is set; "
             "set one of them, or give eval.text_path / eval.token_file"
         )
     d = self.distributed
     if d.enabled and not d.repo_id:
         problems.append(
-            "distributed.repo_id: is required for DumbDiLoCo when distributed.enabled is true (e.g. repo_id: org/run)"
+            "distributed.repo_id: is required for DumbDiLoCo when distributed.enabled is true "
+            "(e.g. repo_id: org/run)"
         )
     return problems
 
 
 @patch
 def validate(self: SpeedtronicConfig) -> SpeedtronicConfig:
-    "Check the whole configuration again; raise one `ConfigError` listing every problem. Returns `self`."
+    """Check the whole configuration again; raise one `ConfigError` listing every problem. Returns
+    `self`."""
     problems = _validation_problems(self)
     if problems:
         raise ConfigError(problems)
@@ -1292,7 +1327,8 @@ def validate(self: SpeedtronicConfig) -> SpeedtronicConfig:
 
 @patch
 def set_max_steps(self: SpeedtronicConfig, max_steps: int) -> SpeedtronicConfig:
-    "Set the run target to `max_steps` (CLI `--max-steps`), and the schedule horizon where one was written."
+    """Set the run target to `max_steps` (CLI `--max-steps`), and the schedule horizon where one was
+    written."""
     try:
         n = _as_int(max_steps)
     except _Mismatch:
@@ -1312,7 +1348,8 @@ _ROOT_SCALARS = ("gradient_checkpointing", "compile", "ooo_backprop", "ooo_strea
 _ROOT_KEYS = tuple(_SECTIONS) + _ROOT_SCALARS
 _OPTIMIZER_FLAGS = ("muon_plus", "cautious")
 _KEY_HINTS = {
-    "logging.hooks": "hooks are attached in Python; use logging.tensorboard_dir or logging.wandb from YAML"
+    "logging.hooks": "hooks are attached in Python; use logging.tensorboard_dir or logging.wandb "
+    "from YAML"
 }
 
 
@@ -1335,7 +1372,8 @@ def _unknown(section: str, keys: Iterable[Any], valid: Iterable[str]) -> list[st
 
 # %% ../nbs/core/01_config.ipynb #71cfc816
 def _as_mapping(value: Any, cls: type) -> dict | None:
-    "A section given as `None`, a `cls` instance or a mapping, as a plain dict; `None` for anything else."
+    """A section given as `None`, a `cls` instance or a mapping, as a plain dict; `None` for
+    anything else."""
     if value is None:
         return {}
     if isinstance(value, cls):
@@ -1358,7 +1396,8 @@ def _apply_run_aliases(root: dict, problems: list[str]):
 
 
 def _apply_optimizer_aliases(root: dict, problems: list[str]):
-    "`hub`/`diloco` → `distributed`; `optimizer: muon` → `{name: muon}`; root Muon flags → `optimizer`."
+    """`hub`/`diloco` → `distributed`; `optimizer: muon` → `{name: muon}`; root Muon flags →
+    `optimizer`."""
     for alias in ("hub", "diloco"):
         if alias in root and "distributed" not in root:
             root["distributed"] = root.pop(alias)
@@ -1370,13 +1409,15 @@ def _apply_optimizer_aliases(root: dict, problems: list[str]):
     opt = _as_mapping(root.get("optimizer"), OptimizerConfig)
     if opt is None:
         problems.append(
-            f"optimizer: must be a mapping or an optimizer name string, got {_show(root.get('optimizer'))}"
+            "optimizer: must be a mapping or an optimizer name string, got "
+            f"{_show(root.get('optimizer'))}"
         )
         return
     for k, v in flags.items():
         if k in opt and not (type(opt[k]) is type(v) and opt[k] == v):
             problems.append(
-                f"optimizer.{k}: conflicting values at the root ({_show(v)}) and in optimizer ({_show(opt[k])}); keep one"
+                f"optimizer.{k}: conflicting values at the root ({_show(v)}) and in optimizer "
+                f"({_show(opt[k])}); keep one"
             )
         opt[k] = v
     root["optimizer"] = opt
@@ -1438,7 +1479,8 @@ def from_dict(cls: SpeedtronicConfig, values: Mapping[str, Any] | None = None) -
 
 # %% ../nbs/core/01_config.ipynb #0c8a40fd
 def _yaml_loader() -> type:
-    "A `yaml.SafeLoader` that also records repeated keys of one mapping in `.duplicates` as (key, line)."
+    """A `yaml.SafeLoader` that also records repeated keys of one mapping in `.duplicates` as (key,
+    line)."""
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -1476,7 +1518,8 @@ def _warn_duplicates(where: str, duplicates: list[tuple[Any, int | None]]):
 
 
 def _parse_yaml(text: str, where: str) -> Any:
-    "YAML text → Python data; syntax errors become `ConfigError` with line and column; repeated keys warn."
+    """YAML text → Python data; syntax errors become `ConfigError` with line and column; repeated
+    keys warn."""
     import yaml
 
     loader = None
@@ -1505,7 +1548,8 @@ def _parse_yaml(text: str, where: str) -> Any:
 
 
 def _parse_json(text: str, where: str) -> Any:
-    "JSON text → Python data; syntax errors become `ConfigError` with line and column; repeated keys warn."
+    """JSON text → Python data; syntax errors become `ConfigError` with line and column; repeated
+    keys warn."""
     duplicates = []
 
     def pairs(items: list) -> dict:
@@ -1531,7 +1575,8 @@ def _parse_json(text: str, where: str) -> Any:
 
 
 def _read_config_file(path: Path, fmt: str | None = None) -> Any:
-    "Parse a config file as YAML or JSON (by `fmt` or suffix); unreadable files become `ConfigError`."
+    """Parse a config file as YAML or JSON (by `fmt` or suffix); unreadable files become
+    `ConfigError`."""
     try:
         text = path.read_text(
             encoding="utf-8-sig"
@@ -1550,7 +1595,8 @@ def _read_config_file(path: Path, fmt: str | None = None) -> Any:
     data = _parse_json(text, str(path)) if fmt == "json" else _parse_yaml(text, str(path))
     if data is not None and not isinstance(data, Mapping):
         raise ConfigError(
-            f"{path}: configuration root must be a mapping of sections (run:, model:, ...), got {_show(data)}"
+            f"{path}: configuration root must be a mapping of sections (run:, model:, ...), got "
+            f"{_show(data)}"
         )
     return data
 
@@ -1587,7 +1633,8 @@ def load(cls: SpeedtronicConfig, source: Mapping | str | os.PathLike) -> Speedtr
         return cls.from_dict(_read_config_file(Path(source)))
     if not isinstance(source, str):
         raise ConfigError(
-            f"config source must be a mapping, a file path or YAML/JSON text, got {type(source).__name__}"
+            "config source must be a mapping, a file path or YAML/JSON text, got "
+            f"{type(source).__name__}"
         )
     source = source.removeprefix(
         "\ufeff"
@@ -1598,7 +1645,8 @@ def load(cls: SpeedtronicConfig, source: Mapping | str | os.PathLike) -> Speedtr
 
 
 def load_config(source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
-    "Load a configuration from a mapping, a path or inline YAML/JSON text (`SpeedtronicConfig.load`)."
+    """Load a configuration from a mapping, a path or inline YAML/JSON text
+    (`SpeedtronicConfig.load`)."""
     return SpeedtronicConfig.load(source)
 
 
@@ -1651,7 +1699,8 @@ def to_yaml(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> str:
 
 @patch
 def save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
-    "Write the redacted configuration atomically: YAML for `.yaml`/`.yml`, else JSON. Returns the path."
+    """Write the redacted configuration atomically: YAML for `.yaml`/`.yml`, else JSON. Returns the
+    path."""
     path = Path(path)
     data = self.to_dict(redact_secrets=True)
     if path.suffix.lower() in (".yaml", ".yml"):
@@ -1664,7 +1713,8 @@ def save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
 
 # %% ../nbs/core/01_config.ipynb #295d7fc9
 def _section_from_mapping(cls: type, values: Mapping[str, Any]) -> Any:
-    "Build section `cls` from a mapping of its keys; one `ConfigError` lists unknown keys and bad values."
+    """Build section `cls` from a mapping of its keys; one `ConfigError` lists unknown keys and bad
+    values."""
     valid = [f.name for f in fields(cls)]
     problems = _unknown(cls._section, [k for k in values if k not in valid], valid)
     section, more = _construct(cls, {k: v for k, v in values.items() if k in valid})
@@ -1682,10 +1732,12 @@ def _is_root_mapping(values: Mapping[str, Any], cls: type) -> bool:
 
 
 def as_section(
-    value: Any,  # a `SpeedtronicConfig`, a section, a mapping (root or section keys), a namespace, or None
+    # a `SpeedtronicConfig`, a section, a mapping (root or section keys), a namespace, or None
+    value: Any,
     cls: type,  # the section class wanted, e.g. `OptimizerConfig`
 ) -> Any:
-    "The `cls` section of `value`, built and checked once (how a public 2.0 signature converts its argument)."
+    """The `cls` section of `value`, built and checked once (how a public 2.0 signature converts its
+    argument)."""
     if isinstance(value, cls):
         return value
     if value is None:

@@ -120,7 +120,8 @@ class SyntheticTokenDataset(Dataset):
 def cut_blocks(
     arrays: Iterable[np.ndarray], block_size: int, *, tail: bool = True
 ) -> Iterator[np.ndarray]:
-    "Non-overlapping groups of `block_size + 1` tokens from a stream of arrays; then a short tail (>= 2 tokens) if `tail`."
+    """Non-overlapping groups of `block_size + 1` tokens from a stream of arrays; then a short tail
+    (>= 2 tokens) if `tail`."""
     g, carry = block_size + 1, np.empty(0, dtype=np.int64)
     for arr in arrays:
         if len(arr) == 0:
@@ -148,7 +149,8 @@ def group_share(
     micro: int = 1,
     drop_last: bool = False,
 ) -> tuple[int, int, int]:
-    "`(offset, count, size)`: where rank `rank`'s part of the next group starts, how many samples it takes, and the group's size."
+    """`(offset, count, size)`: where rank `rank`'s part of the next group starts, how many samples
+    it takes, and the group's size."""
     size = micro * world
     if left >= size:
         return rank * micro, micro, size
@@ -174,7 +176,8 @@ class StreamStart:
 
 # %% ../nbs/data/02_data.ipynb #d5953952
 class BlockStream(IterableDataset):
-    "An iterable dataset made of fixed units read in order; every sample has a `(unit, index)` position."
+    """An iterable dataset made of fixed units read in order; every sample has a `(unit, index)`
+    position."""
 
     _loader_start: StreamStart | None = None
     _epoch: int = 0
@@ -234,7 +237,8 @@ def _take(self: BlockStream, epoch: int, unit: int, skip: int, count: int) -> It
 def _groups(
     self: BlockStream, start: StreamStart, mine: Callable[[int], bool]
 ) -> Iterator[tuple[tuple[int, int, int], list]]:
-    "`(position after, this rank's part)` of each group `j` of the pass from `start` for which `mine(j)`."
+    """`(position after, this rank's part)` of each group `j` of the pass from `start` for which
+    `mine(j)`."""
     e, full = start.epoch, start.micro * start.world
     share = functools.partial(
         group_share,
@@ -272,7 +276,8 @@ def _groups(
 
 @patch
 def _reader(self: BlockStream, start: StreamStart, wid: int, nw: int) -> Iterator:
-    "Reader `wid` of `nw`: this rank's part of groups `wid, wid + nw, …`, tagged with the position after each when `start.tagged`."
+    """Reader `wid` of `nw`: this rank's part of groups `wid, wid + nw, …`, tagged with the position
+    after each when `start.tagged`."""
     for after, part in self._groups(start, lambda j: j % nw == wid):
         for sample in part:
             yield (after, sample) if start.tagged else sample
@@ -289,7 +294,8 @@ def _direct(self: BlockStream, start: StreamStart) -> Iterator:
 
 @patch
 def locate(self: BlockStream, epoch: int, samples: int) -> tuple[int, int]:
-    "The `(unit, index)` of sample number `samples` of pass `epoch` (a stream read front to back reads up to it)."
+    """The `(unit, index)` of sample number `samples` of pass `epoch` (a stream read front to back
+    reads up to it)."""
     if self.random_access:
         return self._walk(epoch, 0, 0, samples)[:2]
     unit, index = 0, 0
@@ -341,7 +347,8 @@ class TextFileTokenDataset(BlockStream):
         self.known_blocks = n // g + (n % g >= 2) if whole and size <= self.segment_bytes else None
         if whole and n < g:
             raise DataError(
-                f"data.text_path {str(self.path)!r} holds {n} tokens, fewer than one block of block_size + 1 = "
+                f"data.text_path {str(self.path)!r} holds {n} tokens, fewer than one block of "
+                "block_size + 1 = "
                 f"{self.block_size + 1}; use a smaller data.block_size or a longer file"
             )
 
@@ -379,7 +386,8 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 # %% ../nbs/data/02_data.ipynb #65465b2e
 class TokenArrayDataset(BlockStream):
-    "A 1-D array of token ids as a stream of non-overlapping blocks, in order or shuffled per epoch."
+    """A 1-D array of token ids as a stream of non-overlapping blocks, in order or shuffled per
+    epoch."""
 
     vocab_limit: int | None = (
         None  # set by `check_vocab`: a block with an id >= this is an error, not an embedding crash
@@ -408,7 +416,8 @@ class TokenArrayDataset(BlockStream):
         self._tokens = None if tokens is None else np.asarray(tokens)
         if self.num_tokens < self.block_size + 1:
             raise DataError(
-                f"{name} holds {self.num_tokens} tokens, fewer than one block of block_size + 1 = {self.block_size + 1}; "
+                f"{name} holds {self.num_tokens} tokens, fewer than one block of block_size + 1 = "
+                f"{self.block_size + 1}; "
                 f"use a smaller data.block_size or more data"
             )
         self._orders: dict[int, np.ndarray] = {}
@@ -474,14 +483,17 @@ def unit_samples(self: TokenArrayDataset, epoch: int, unit: int, skip: int) -> I
         block = t[b * g : (b + 1) * g]
         if self.vocab_limit is not None and int(block.max()) >= self.vocab_limit:
             raise DataError(
-                f"{self.name} holds token id {int(block.max())} (in block {b}) but the model vocabulary is {self.vocab_limit}; "
-                f"the data does not match its declared vocabulary {self.vocab_size}: re-run `speedtronic prepare`, or raise model.vocab_size"
+                f"{self.name} holds token id {int(block.max())} (in block {b}) but the model "
+                f"vocabulary is {self.vocab_limit}; "
+                f"the data does not match its declared vocabulary {self.vocab_size}: re-run "
+                "`speedtronic prepare`, or raise model.vocab_size"
             )
         yield block_sample(block)
 
 # %% ../nbs/data/02_data.ipynb #a4bdd7c2
 class TokenFileDataset(TokenArrayDataset):
-    "A prepared token file (`prepare_token_file`), memory-mapped, as a stream of blocks in order or shuffled per epoch."
+    """A prepared token file (`prepare_token_file`), memory-mapped, as a stream of blocks in order
+    or shuffled per epoch."""
 
     def __init__(
         self,
@@ -529,7 +541,8 @@ class TokenFileDataset(TokenArrayDataset):
 
 # %% ../nbs/data/02_data.ipynb #d63dffea
 def check_vocab(dataset: Any, vocab_size: int) -> None:
-    "Raise `DataError` when `dataset` (or a tokenizer) holds token ids the model's `vocab_size` cannot embed."
+    """Raise `DataError` when `dataset` (or a tokenizer) holds token ids the model's `vocab_size`
+    cannot embed."""
     if isinstance(dataset, TokenArrayDataset):
         dataset.vocab_limit = int(vocab_size)
     declared = getattr(dataset, "vocab_size", None)
@@ -541,12 +554,15 @@ def check_vocab(dataset: Any, vocab_size: int) -> None:
         if top < vocab_size:
             return
         raise DataError(
-            f"{where} holds token id {top} (vocabulary {declared}) but the model vocabulary is {vocab_size}; "
-            f"raise model.vocab_size to at least {top + 1} or prepare the data with a smaller tokenizer"
+            f"{where} holds token id {top} (vocabulary {declared}) but the model vocabulary is "
+            f"{vocab_size}; "
+            f"raise model.vocab_size to at least {top + 1} or prepare the data with a smaller "
+            "tokenizer"
         )
     if isinstance(dataset, Dataset):  # rows of token ids (`TensorRowsDataset`)
         raise DataError(
-            f"{where} holds token id {declared - 1} (in input_ids or labels) but the model vocabulary is {vocab_size}; "
+            f"{where} holds token id {declared - 1} (in input_ids or labels) but the model "
+            f"vocabulary is {vocab_size}; "
             f"raise model.vocab_size to at least {declared} or fix the data"
         )
     raise DataError(
@@ -556,19 +572,22 @@ def check_vocab(dataset: Any, vocab_size: int) -> None:
 
 # %% ../nbs/data/02_data.ipynb #550b72f1
 class TensorRowsDataset(Dataset):
-    "Rows of tensors (a dict of `[N, ...]` tensors, or a `[N, T+1]` tensor of token ids) as causal-LM records."
+    """Rows of tensors (a dict of `[N, ...]` tensors, or a `[N, T+1]` tensor of token ids) as
+    causal-LM records."""
 
     def __init__(self, columns: Mapping[str, torch.Tensor], name: str = "tensor dataset"):
         self.columns, self.name = dict(columns), name
         sizes = {k: len(v) for k, v in self.columns.items()}
         if len(set(sizes.values())) != 1:
             raise DataError(
-                f"{name}: tensors have different first dimensions {sizes}; give one row per sample in every tensor"
+                f"{name}: tensors have different first dimensions {sizes}; give one row per "
+                "sample in every tensor"
             )
         labels, ids = self.columns.get("labels"), self.columns["input_ids"]
         if labels is not None and labels.shape != ids.shape:
             raise DataError(
-                f"{name}: labels {tuple(labels.shape)} and input_ids {tuple(ids.shape)} differ; give one label per input position"
+                f"{name}: labels {tuple(labels.shape)} and input_ids {tuple(ids.shape)} differ; "
+                "give one label per input position"
             )
         if labels is not None and (labels.is_floating_point() or labels.is_complex()):
             raise DataError(
@@ -577,7 +596,8 @@ class TensorRowsDataset(Dataset):
         if labels is not None and labels.numel() and bool(((labels < 0) & (labels != -100)).any()):
             bad = int(labels[(labels < 0) & (labels != -100)][0])
             raise DataError(
-                f"{name}: labels holds {bad}; a label is a token id >= 0, or -100 for a position without a target"
+                f"{name}: labels holds {bad}; a label is a token id >= 0, or -100 for a position "
+                "without a target"
             )
 
     def __len__(self) -> int:
@@ -591,7 +611,8 @@ class TensorRowsDataset(Dataset):
 
     @property
     def vocab_size(self) -> int:
-        "One more than the largest token id in `input_ids` and `labels` (ignored labels, -100, not counted)."
+        """One more than the largest token id in `input_ids` and `labels` (ignored labels, -100, not
+        counted)."""
         top = int(self.columns["input_ids"].max())
         labels = self.columns.get("labels")
         if labels is not None and bool((labels >= 0).any()):
@@ -600,14 +621,16 @@ class TensorRowsDataset(Dataset):
 
 # %% ../nbs/data/02_data.ipynb #a8d46fa7
 def dataset_from_object(obj: Any, block_size: int, name: str = "data.dataset") -> Any:
-    "A dataset from a loaded object: a `Dataset` as is, token-id tensors as streams or rows, else `DataError`."
+    """A dataset from a loaded object: a `Dataset` as is, token-id tensors as streams or rows, else
+    `DataError`."""
     if isinstance(obj, (Dataset, IterableDataset)):
         return obj
     if isinstance(obj, torch.Tensor):
         obj = {"input_ids": obj}
     if not isinstance(obj, Mapping) or not isinstance(obj.get("input_ids"), torch.Tensor):
         raise DataError(
-            f"{name} holds a {type(obj).__name__}, not a Dataset, a tensor of token ids or a dict with an 'input_ids' tensor"
+            f"{name} holds a {type(obj).__name__}, not a Dataset, a tensor of token ids or a dict "
+            "with an 'input_ids' tensor"
         )
     ids = obj["input_ids"]
     if ids.is_floating_point() or ids.is_complex():
@@ -622,7 +645,8 @@ def dataset_from_object(obj: Any, block_size: int, name: str = "data.dataset") -
         return TokenArrayDataset(ids.numpy(), block_size, name=name)
     if ids.ndim != 2:
         raise DataError(
-            f"{name}: input_ids has shape {tuple(ids.shape)}; give a 1-D token stream or 2-D [samples, tokens]"
+            f"{name}: input_ids has shape {tuple(ids.shape)}; give a 1-D token stream or 2-D "
+            "[samples, tokens]"
         )
     return TensorRowsDataset(
         {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}, name=name
@@ -636,19 +660,22 @@ def load_serialized_dataset(
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(
-            f"data.dataset must be a Dataset object or an existing local path: {str(path)!r} does not exist"
+            f"data.dataset must be a Dataset object or an existing local path: {str(path)!r} does "
+            "not exist"
         )
     p, name = check_data_file(p, "data.dataset"), f"data.dataset {str(p)!r}"
     if not trust_pickle and not zipfile.is_zipfile(p):
         raise DataError(
-            f"{name} is not a file written by torch.save; save the dataset (or its token-id tensor) with torch.save"
+            f"{name} is not a file written by torch.save; save the dataset (or its token-id "
+            "tensor) with torch.save"
         )
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
         if not trust_pickle and not isinstance(e, pickle.UnpicklingError):
             raise DataError(
-                f"{name} is damaged or not a torch.save file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); save it again with torch.save"
+                f"{name} is damaged or not a torch.save file ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); save it again with torch.save"
             ) from None
         if not trust_pickle:
             raise DataError(
@@ -662,8 +689,10 @@ def load_serialized_dataset(
             obj = torch.load(p, map_location="cpu", weights_only=False)
         except Exception as e:
             raise DataError(
-                f"{name} cannot be loaded even with data.trust_pickle ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                f"it must be written by torch.save, and the module defining its classes must be importable here"
+                f"{name} cannot be loaded even with data.trust_pickle ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); "
+                "it must be written by torch.save, and the module defining its classes must be "
+                "importable here"
             ) from None
     return dataset_from_object(obj, block_size, name=f"data.dataset {str(p)!r}")
 
@@ -677,7 +706,8 @@ def collate_causal(batch: Sequence[Mapping]) -> dict[str, torch.Tensor]:
     for i, (x, y) in enumerate(zip(ids, labels)):
         if x.shape != y.shape:
             raise ValueError(
-                f"batch item {i}: input_ids {tuple(x.shape)} and labels {tuple(y.shape)} differ; give one label per input position"
+                f"batch item {i}: input_ids {tuple(x.shape)} and labels {tuple(y.shape)} differ; "
+                "give one label per input position"
             )
     lengths = [len(x) for x in ids]
     if len(set(lengths)) == 1:
@@ -729,17 +759,22 @@ def infinite_batches(loader: Iterable) -> Iterator:
         one_shot = isinstance(loader, IteratorType)
         if first and one_shot:
             raise RuntimeError(
-                f"data loader produced no batches in its second pass: it is a one-shot {type(loader).__name__} that gave "
-                f"{first} batch{'es' if first != 1 else ''} and is used up. Pass something that can be iterated "
+                "data loader produced no batches in its second pass: it is a one-shot "
+                f"{type(loader).__name__} that gave "
+                f"{first} batch{'es' if first != 1 else ''} and is used up. Pass something that "
+                "can be iterated "
                 "again (a list, a DataLoader), or train for fewer steps"
             )
         if one_shot:
             raise RuntimeError(
-                f"data loader produced no batches: it is a {type(loader).__name__} (a one-shot iterator) that was already "
-                "used up, or is empty. Pass something that can be iterated again (a list, a DataLoader)"
+                f"data loader produced no batches: it is a {type(loader).__name__} (a one-shot "
+                "iterator) that was already "
+                "used up, or is empty. Pass something that can be iterated again (a list, a "
+                "DataLoader)"
             )
         raise RuntimeError(
-            "data loader produced no batches: the data is empty, or holds fewer samples than one batch "
+            "data loader produced no batches: the data is empty, or holds fewer samples than one "
+            "batch "
             "(data.micro_batch_size) with data.drop_last: true"
         )
 
@@ -753,7 +788,8 @@ def _mix64(x: int) -> int:
 
 
 def lazy_permutation(n: int, seed: int, start: int = 0) -> Iterator[int]:
-    "The indices `0..n-1` in an order fixed by `seed`, from position `start`, one at a time (no memory held)."
+    """The indices `0..n-1` in an order fixed by `seed`, from position `start`, one at a time (no
+    memory held)."""
     half = max(1, ((n - 1).bit_length() + 1) // 2)  # a Feistel network on 2*half bits covers [0, n)
     mask, keys = (1 << half) - 1, [_mix64(seed * 4 + r) for r in range(4)]
 
@@ -771,7 +807,8 @@ def lazy_permutation(n: int, seed: int, start: int = 0) -> Iterator[int]:
 
 
 class EpochSampler(Sampler):
-    "Indices of one pass, shuffled per epoch with its own seeded generator, starting `start` samples in; a rank's share of each group."
+    """Indices of one pass, shuffled per epoch with its own seeded generator, starting `start`
+    samples in; a rank's share of each group."""
 
     eager_limit = (
         1 << 24
@@ -845,16 +882,19 @@ class EpochSampler(Sampler):
 
 # %% ../nbs/data/02_data.ipynb #a2ff7b0d
 def _seed_worker(worker_id: int) -> None:
-    "Seed Python's and NumPy's RNGs in a worker from its torch seed (which the loader's generator sets); own process group."
+    """Seed Python's and NumPy's RNGs in a worker from its torch seed (which the loader's generator
+    sets); own process group."""
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
     if hasattr(os, "setpgrp"):
-        os.setpgrp()  # a signal to the trainer's group (torchrun's SIGTERM) is the trainer's to handle
+        # a signal to the trainer's group (torchrun's SIGTERM) is the trainer's to handle
+        os.setpgrp()
 
 
 def _worker_error_message(text: str) -> str:
-    "The message of a `DataError` raised in a loader worker, without the traceback the loader wraps around it."
+    """The message of a `DataError` raised in a loader worker, without the traceback the loader
+    wraps around it."""
     if "Original Traceback" not in text:
         return text
     last = text.rstrip().splitlines()[-1]
@@ -961,7 +1001,8 @@ def _begin_pass(self: ResumableDataLoader) -> None:
 
 @patch
 def _record(self: ResumableDataLoader, item: Any) -> Any:
-    "Move the position past the group of the batch `item` (a stream's batch carries it) and return the batch."
+    """Move the position past the group of the batch `item` (a stream's batch carries it) and return
+    the batch."""
     if self._kind == "stream":
         positions, item = item
         self._samples, self._unit, self._index = (int(x) for x in positions[-1])
@@ -1013,7 +1054,8 @@ def content_fingerprint(
     windows: int = 62,
     window: int = 1 << 16,
 ) -> str:
-    "`<size> bytes, sha256 <hex>` of data read by `read(offset, length)`: all of it, or head, tail and evenly spaced windows."
+    """`<size> bytes, sha256 <hex>` of data read by `read(offset, length)`: all of it, or head, tail
+    and evenly spaced windows."""
     h = hashlib.sha256(str(size).encode())
     if size <= whole_below:
         for at in range(0, size, 1 << 20):
@@ -1053,7 +1095,8 @@ _PATH_KEYS = (
 
 
 def source_identity(dataset: Any, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
-    "What a saved data position depends on: the source, its content and how it is cut and ordered (plain data)."
+    """What a saved data position depends on: the source, its content and how it is cut and ordered
+    (plain data)."""
     if callable(own := getattr(dataset, "source_identity", None)):
         return own(shuffle=shuffle, seed=seed)  # a source that says it itself
     order = {"data.shuffle": shuffle, "data.seed": seed} if shuffle else {"data.shuffle": False}
@@ -1107,7 +1150,8 @@ def source_identity(dataset: Any, *, shuffle: bool = False, seed: int = 0) -> di
 
 
 def identity_differences(saved: Mapping, now: Mapping) -> list[str]:
-    "`key: saved .., now ..` for every difference between two `source_identity` records (a moved file is none)."
+    """`key: saved .., now ..` for every difference between two `source_identity` records (a moved
+    file is none)."""
     keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)]
     if "content" in saved and "content" not in keys:
         keys = [k for k in keys if k not in _PATH_KEYS]
@@ -1116,7 +1160,8 @@ def identity_differences(saved: Mapping, now: Mapping) -> list[str]:
 # %% ../nbs/data/02_data.ipynb #53d97773
 @patch
 def state_dict(self: ResumableDataLoader) -> dict:
-    "The job's position of the next batch: epoch, samples of the job handed out in it, seed and (streams) the next `(unit, index)`."
+    """The job's position of the next batch: epoch, samples of the job handed out in it, seed and
+    (streams) the next `(unit, index)`."""
     state = {
         "version": 2,
         "kind": self._kind,
@@ -1145,7 +1190,8 @@ def source(self: ResumableDataLoader) -> dict[str, Any]:
 
 @patch
 def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
-    "Continue the next `iter()` exactly at the batch `state` describes (saved by a job of any size)."
+    """Continue the next `iter()` exactly at the batch `state` describes (saved by a job of any
+    size)."""
     if (
         not isinstance(state, Mapping)
         or "epoch" not in state
@@ -1164,7 +1210,8 @@ def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
         changed := identity_differences(state["source"], self.source())
     ):
         raise DataError(
-            "the data differs from the data the saved position belongs to, so the position would point into other "
+            "the data differs from the data the saved position belongs to, so the position would "
+            "point into other "
             "data:\n  - "
             + "\n  - ".join(changed)
             + "\nResume with the data the run was trained on, or start a fresh "
@@ -1172,14 +1219,17 @@ def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
         )
     if state.get("kind", self._kind) != self._kind:
         raise DataError(
-            f"data loader state was saved for a {state['kind']} dataset but this loader reads a {self._kind} dataset; resume with the same data source"
+            f"data loader state was saved for a {state['kind']} dataset but this loader reads a "
+            f"{self._kind} dataset; resume with the same data source"
         )
     if "samples" not in state:
         state = self._rank_position(state)
     if self._kind == "iterable" and int(state["samples"]) % self.batch_size:
         raise DataError(
-            f"data loader state is {state['samples']} samples into a plain iterable dataset, which resumes only at a "
-            f"whole number of micro batches and data.micro_batch_size is {self.batch_size}; resume with a "
+            f"data loader state is {state['samples']} samples into a plain iterable dataset, "
+            "which resumes only at a "
+            f"whole number of micro batches and data.micro_batch_size is {self.batch_size}; "
+            "resume with a "
             f"data.micro_batch_size that divides {state['samples']}"
         )
     self._epoch, self._samples, self.seed = (
@@ -1197,12 +1247,15 @@ def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
 # %% ../nbs/data/02_data.ipynb #5b1e7c42
 @patch
 def _rank_position(self: ResumableDataLoader, state: Mapping) -> dict:
-    "The job's position of a state an earlier version saved for one rank (`batches` of that rank, a position per worker)."
+    """The job's position of a state an earlier version saved for one rank (`batches` of that rank,
+    a position per worker)."""
     saved = (int(state.get("rank", 0)), int(state.get("world_size", 1)))
     if saved != (self.rank, self.world_size):
         raise DataError(
-            f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this loader is rank {self.rank} "
-            f"of {self.world_size}; a position written by an earlier version is one rank's, so resume with the same "
+            f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this "
+            f"loader is rank {self.rank} "
+            f"of {self.world_size}; a position written by an earlier version is one rank's, so "
+            "resume with the same "
             f"number of processes (torchrun --nproc_per_node/--nnodes)"
         )
     epoch, samples = (
@@ -1218,8 +1271,10 @@ def _rank_position(self: ResumableDataLoader, state: Mapping) -> dict:
     else:
         unit, index = self.dataset.locate(epoch, samples)
         warnings.warn(
-            f"the data position was saved by an earlier version that read this stream with {len(roles)} reader(s) "
-            f"in another order; the run continues at sample {samples} of pass {epoch} in the order every job now "
+            "the data position was saved by an earlier version that read this stream with "
+            f"{len(roles)} reader(s) "
+            f"in another order; the run continues at sample {samples} of pass {epoch} in the "
+            "order every job now "
             "shares, so some samples of this pass may be seen twice or not at all",
             DataWarning,
             stacklevel=3,
@@ -1228,11 +1283,13 @@ def _rank_position(self: ResumableDataLoader, state: Mapping) -> dict:
 
 # %% ../nbs/data/02_data.ipynb #619003a6
 def resolve_vocab_size(data: DataConfig, vocab_size: int | None = None) -> int:
-    "The vocabulary the data is read and checked with: a written `data.vocab_size` that fits `vocab_size`, else `vocab_size`."
+    """The vocabulary the data is read and checked with: a written `data.vocab_size` that fits
+    `vocab_size`, else `vocab_size`."""
     written = data.vocab_size if "vocab_size" in explicit_fields(data) else None
     if written is not None and vocab_size is not None and written > vocab_size:
         raise DataError(
-            f"data.vocab_size={written} is larger than the model vocabulary {vocab_size}; token ids >= {vocab_size} "
+            f"data.vocab_size={written} is larger than the model vocabulary {vocab_size}; token "
+            f"ids >= {vocab_size} "
             f"cannot be embedded. Lower data.vocab_size or raise model.vocab_size"
         )
     return int(written or vocab_size or data.vocab_size or ModelConfig().vocab_size)
@@ -1249,7 +1306,8 @@ def _seed(data: DataConfig) -> int:
 def select_dataset(
     data: DataConfig, *, dataset: Any = None, tokenizer: Any = None, vocab_size: int | None = None
 ) -> Any:
-    "The dataset `build_dataloader` reads: `dataset`, else `data.text_path`, `data.token_file`, `data.hf_dataset`, `data.dataset`, else synthetic tokens."
+    """The dataset `build_dataloader` reads: `dataset`, else `data.text_path`, `data.token_file`,
+    `data.hf_dataset`, `data.dataset`, else synthetic tokens."""
     block, vocab, seed = _block_size(data), resolve_vocab_size(data, vocab_size), _seed(data)
     if dataset is not None:
         return dataset
@@ -1271,7 +1329,8 @@ def select_dataset(
     if source is not None:
         if not isinstance(source, (str, os.PathLike)):
             raise DataError(
-                f"data.dataset must be a Dataset object or an existing local path, got {type(source).__name__}"
+                "data.dataset must be a Dataset object or an existing local path, got "
+                f"{type(source).__name__}"
             )
         ds = load_serialized_dataset(source, block, trust_pickle=data.trust_pickle)
         if isinstance(ds, TokenArrayDataset):
@@ -1281,7 +1340,8 @@ def select_dataset(
         return ds
     if not data.synthetic:
         raise DataError(
-            "data.synthetic=false requires data.text_path, data.token_file or data.dataset (or data.hf_dataset)"
+            "data.synthetic=false requires data.text_path, data.token_file or data.dataset (or "
+            "data.hf_dataset)"
         )
     return SyntheticTokenDataset(
         num_samples=data.num_tokens, block_size=block, vocab_size=vocab, seed=seed
@@ -1289,7 +1349,8 @@ def select_dataset(
 
 # %% ../nbs/data/02_data.ipynb #09f03f0c
 def known_samples(dataset: Any) -> int | None:
-    "Samples in one pass of `dataset` when known without reading it: `len()` of a map dataset, blocks of a token array or short text."
+    """Samples in one pass of `dataset` when known without reading it: `len()` of a map dataset,
+    blocks of a token array or short text."""
     if isinstance(dataset, TokenArrayDataset):
         return dataset.num_blocks
     if isinstance(dataset, IterableDataset):
@@ -1303,7 +1364,8 @@ def known_samples(dataset: Any) -> int | None:
 def check_loader_settings(
     dataset: Any, *, batch_size: int, drop_last: bool, shuffle: bool, world_size: int = 1
 ) -> None:  # processes of a torchrun job, each taking `batch_size`
-    "`DataError` when no batch could ever be produced; a `DataWarning` when `shuffle` cannot apply to a stream."
+    """`DataError` when no batch could ever be produced; a `DataWarning` when `shuffle` cannot apply
+    to a stream."""
     n = known_samples(dataset)
     if drop_last and n is not None and n < batch_size * world_size:
         what = f"data.micro_batch_size is {batch_size}" + (
@@ -1311,7 +1373,8 @@ def check_loader_settings(
         )
         raise DataError(
             f"the data holds {n} sample{'s' if n != 1 else ''} but {what}, and with "
-            f"data.drop_last: true no batch is ever produced; lower data.micro_batch_size, set data.drop_last: false, or use more data"
+            "data.drop_last: true no batch is ever produced; lower data.micro_batch_size, set "
+            "data.drop_last: false, or use more data"
         )
     if shuffle and isinstance(dataset, IterableDataset) and not getattr(dataset, "shuffle", False):
         what = (
@@ -1320,7 +1383,8 @@ def check_loader_settings(
             else type(dataset).__name__
         )
         warnings.warn(
-            f"data.shuffle is true but {what} is a stream read in order; it is not shuffled. To shuffle blocks, "
+            f"data.shuffle is true but {what} is a stream read in order; it is not shuffled. To "
+            "shuffle blocks, "
             f"run `speedtronic prepare` and set data.token_file; or set data.shuffle: false",
             DataWarning,
             stacklevel=3,
@@ -1337,7 +1401,8 @@ def build_dataloader(
     rank: int = 0,
     world_size: int = 1,  # this process's rank in a torchrun job of `world_size` processes
 ) -> ResumableDataLoader:
-    "A resumable loader over the configured data source; `config` is a `DataConfig` (or a whole config, mapping or namespace)."
+    """A resumable loader over the configured data source; `config` is a `DataConfig` (or a whole
+    config, mapping or namespace)."""
     data = as_section(config, DataConfig)
     ds = select_dataset(data, dataset=dataset, tokenizer=tokenizer, vocab_size=vocab_size)
     check_loader_settings(

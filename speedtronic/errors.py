@@ -24,7 +24,8 @@ def full_traceback(error: BaseException) -> list[str]:
 
 
 class ExpectedError(Exception):
-    "Base of the package's errors about something the user can fix; IPython shows the message, `%tb` the traceback."
+    """Base of the package's errors about something the user can fix; IPython shows the message,
+    `%tb` the traceback."""
 
     def _render_traceback_(self) -> list[str]:
         "The message (then the traceback when shown again, e.g. by `%tb`), as IPython's lines."

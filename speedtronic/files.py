@@ -27,7 +27,8 @@ def _temp_path(path: Path) -> Path:
 
 
 def writer_gone(pid: int) -> bool:
-    "True when no process `pid` runs on this machine (never for this process; unknown counts as alive)."
+    """True when no process `pid` runs on this machine (never for this process; unknown counts as
+    alive)."""
     if pid == os.getpid() or os.name == "nt":
         return False
     try:
@@ -55,7 +56,8 @@ def stale_temps(path: str | os.PathLike) -> list[Path]:
 
 # %% ../nbs/core/04_files.ipynb #f213d0d2
 def _fsync_directory(directory: Path) -> None:
-    "Make a rename inside `directory` durable (skipped on Windows and where the file system cannot)."
+    """Make a rename inside `directory` durable (skipped on Windows and where the file system
+    cannot)."""
     if os.name == "nt":
         return
     fd = os.open(directory, os.O_RDONLY)
@@ -119,12 +121,14 @@ def atomic_write_bytes(data: bytes, path: str | os.PathLike) -> Path:
 
 
 def atomic_write_text(text: str, path: str | os.PathLike, encoding: str = "utf-8") -> Path:
-    "Write `text` to `path` atomically, encoded with `encoding`, line ends as given; returns `path`."
+    """Write `text` to `path` atomically, encoded with `encoding`, line ends as given; returns
+    `path`."""
     return atomic_write(path, lambda f: f.write(text.encode(encoding)))
 
 # %% ../nbs/core/04_files.ipynb #4f70de85
 def file_in_the_way(directory: str | os.PathLike) -> Path | None:
-    "The existing non-directory at `directory` or at one of its parents (which blocks creating it), if any."
+    """The existing non-directory at `directory` or at one of its parents (which blocks creating
+    it), if any."""
     directory = Path(directory)
     for p in (directory, *directory.parents):
         if p.exists():

@@ -47,7 +47,8 @@ __all__ = ['hf_spec', 'describe', 'dataset_kind', 'no_rows', 'open_hf_dataset', 
 
 # %% ../nbs/data/03_hf_datasets.ipynb #2f849734
 def hf_spec(spec: str | Mapping) -> dict:
-    "The checked `data.hf_dataset` mapping of `spec` (a path or Hub name, or a mapping), every key filled in."
+    """The checked `data.hf_dataset` mapping of `spec` (a path or Hub name, or a mapping), every key
+    filled in."""
     if spec is None:
         raise DataError(
             "data.hf_dataset is not set; give a path, a Hub dataset name or a mapping with a path"
@@ -76,21 +77,24 @@ _SAVED_MARKS = ("state.json", "dataset_dict.json")  # what `save_to_disk` writes
 
 
 def dataset_kind(spec: Mapping) -> str:
-    "`file`, `saved` (a `save_to_disk` folder), `folder` (of data files) or `hub`: how `spec['path']` is read."
+    """`file`, `saved` (a `save_to_disk` folder), `folder` (of data files) or `hub`: how
+    `spec['path']` is read."""
     path = str(spec["path"])
     p = Path(path).expanduser()
     if p.is_file():
         if p.suffix.lower() in _BUILDERS:
             return "file"
         raise DataError(
-            f"data.hf_dataset.path {path!r} is a {p.suffix or 'suffix-less'} file; give a {', '.join(_BUILDERS)} file, "
+            f"data.hf_dataset.path {path!r} is a {p.suffix or 'suffix-less'} file; give a "
+            f"{', '.join(_BUILDERS)} file, "
             "a folder, or a Hub dataset name"
         )
     if p.is_dir():
         return "saved" if any((p / m).is_file() for m in _SAVED_MARKS) else "folder"
     if path.startswith((".", "/", "~")) or p.suffix.lower() in _BUILDERS or path.count("/") > 1:
         raise DataError(
-            f"data.hf_dataset.path {path!r} does not exist; check the path (relative paths start at the working "
+            f"data.hf_dataset.path {path!r} does not exist; check the path (relative paths start "
+            "at the working "
             f"directory {os.getcwd()})"
         )
     return "hub"
@@ -107,7 +111,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _first_break(path: Path) -> str | None:
-    "Where a text or JSON-lines file first breaks: bytes not UTF-8 (offset, line) or a line not JSON."
+    """Where a text or JSON-lines file first breaks: bytes not UTF-8 (offset, line) or a line not
+    JSON."""
     offset, lines = 0, path.suffix.lower() == ".jsonl"
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -129,7 +134,8 @@ def _first_break(path: Path) -> str | None:
 
 
 def _file_problem(spec: Mapping) -> str | None:
-    "What breaks the local text or JSON-lines file(s) `spec` reads, naming file and line, or `None`."
+    """What breaks the local text or JSON-lines file(s) `spec` reads, naming file and line, or
+    `None`."""
     try:
         kind = dataset_kind(spec)
     except DataError:
@@ -149,32 +155,40 @@ def _file_problem(spec: Mapping) -> str | None:
 
 def no_rows(spec: Mapping) -> str:
     "The message for a dataset split without rows."
-    return f"{describe(spec)} holds no rows; set data.hf_dataset.split (or data_files) to data that has some"
+    return (
+        f"{describe(spec)} holds no rows; set data.hf_dataset.split (or data_files) to data "
+        "that has some"
+    )
 
 
 def _saved_split(saved: Any, spec: Mapping) -> Any:
-    "The `split` of a loaded `save_to_disk` folder (a `DatasetDict`), or the folder's one `Dataset`."
+    """The `split` of a loaded `save_to_disk` folder (a `DatasetDict`), or the folder's one
+    `Dataset`."""
     if not isinstance(saved, Mapping):
         return saved
     if spec["split"] not in saved:
         raise DataError(
-            f"data.hf_dataset.split {spec['split']!r} is not a split of {spec['path']!r} (it has {', '.join(saved)}); "
+            f"data.hf_dataset.split {spec['split']!r} is not a split of {spec['path']!r} (it has "
+            f"{', '.join(saved)}); "
             "set data.hf_dataset.split to one of them"
         )
     return saved[spec["split"]]
 
 
 def open_hf_dataset(spec: Mapping) -> Any:
-    "The `datasets.Dataset` (an `IterableDataset` when `streaming`) that `spec` names; a `DataError` saying what to fix."
+    """The `datasets.Dataset` (an `IterableDataset` when `streaming`) that `spec` names; a
+    `DataError` saying what to fix."""
     kind, datasets = dataset_kind(spec), _datasets()
     path = str(Path(spec["path"]).expanduser()) if kind != "hub" else spec["path"]
     if spec["name"] is not None and kind != "hub":
         raise DataError(
-            f"data.hf_dataset.name {spec['name']!r} picks a configuration of a Hub dataset, but {spec['path']!r} is local; remove it"
+            f"data.hf_dataset.name {spec['name']!r} picks a configuration of a Hub dataset, but "
+            f"{spec['path']!r} is local; remove it"
         )
     if spec["data_files"] is not None and kind in ("file", "saved"):
         raise DataError(
-            f"data.hf_dataset.data_files picks files of a folder or a Hub dataset, but {spec['path']!r} is a "
+            "data.hf_dataset.data_files picks files of a folder or a Hub dataset, but "
+            f"{spec['path']!r} is a "
             f"{'file' if kind == 'file' else 'save_to_disk folder'}; remove it"
         )
     try:
@@ -205,31 +219,36 @@ def open_hf_dataset(spec: Mapping) -> Any:
         if problem := _file_problem(spec):  # a broken line or bytes: name the file and where
             raise DataError(problem) from None
         raise DataError(
-            f"{describe(spec)} cannot be loaded ({type(e).__name__}: {_first_line(e)}); check data.hf_dataset.path, "
+            f"{describe(spec)} cannot be loaded ({type(e).__name__}: {_first_line(e)}); check "
+            "data.hf_dataset.path, "
             f"split and data_files" + (", and that the Hub can be reached" if kind == "hub" else "")
         ) from None
 
 # %% ../nbs/data/03_hf_datasets.ipynb #25d7f600
 def _column_problem(spec: Mapping, columns: Iterable[str], features: Any = None) -> str | None:
-    "Why `spec['text_field']` is not a text column of a dataset with these columns and features, or `None`."
+    """Why `spec['text_field']` is not a text column of a dataset with these columns and features,
+    or `None`."""
     field, columns = spec["text_field"], list(columns)
     if field not in columns:
         return (
-            f"data.hf_dataset.text_field {field!r} is not a column of {describe(spec)} (columns: {', '.join(columns) or 'none'}); "
+            f"data.hf_dataset.text_field {field!r} is not a column of {describe(spec)} (columns: "
+            f"{', '.join(columns) or 'none'}); "
             "set data.hf_dataset.text_field to the column that holds the text"
         )
     feature = (features or {}).get(field)
     kind = getattr(feature, "dtype", type(feature).__name__) if feature is not None else None
     if kind is not None and kind not in ("string", "large_string"):
         return (
-            f"data.hf_dataset.text_field {field!r} of {describe(spec)} holds {kind} values, not text; set "
+            f"data.hf_dataset.text_field {field!r} of {describe(spec)} holds {kind} values, not "
+            "text; set "
             "data.hf_dataset.text_field to a column of strings"
         )
     return None
 
 
 def text_rows(ds: Any, spec: Mapping, batch_size: int = 256) -> Iterator[str]:
-    "The text of every row of `ds`, in order, read `batch_size` rows at a time (a `DataError` for a column that is not text)."
+    """The text of every row of `ds`, in order, read `batch_size` rows at a time (a `DataError` for
+    a column that is not text)."""
     field = spec["text_field"]
     if ds.column_names is not None:
         if problem := _column_problem(spec, ds.column_names, ds.features):
@@ -252,14 +271,16 @@ def text_rows(ds: Any, spec: Mapping, batch_size: int = 256) -> Iterator[str]:
                 continue
             if not isinstance(value, str):
                 raise DataError(
-                    f"data.hf_dataset.text_field {field!r} of {describe(spec)} holds a {type(value).__name__}, not text; "
+                    f"data.hf_dataset.text_field {field!r} of {describe(spec)} holds a "
+                    f"{type(value).__name__}, not text; "
                     "set data.hf_dataset.text_field to a column of strings"
                 )
             yield value
 
 # %% ../nbs/data/03_hf_datasets.ipynb #3ea9441a
 def row_tokens(rows: Iterable[str], tokenizer: Any, batch: int = 256) -> Iterator[np.ndarray]:
-    "Token arrays of `rows`, each row followed by a line break (the byte tokenizer: a batch of rows per array)."
+    """Token arrays of `rows`, each row followed by a line break (the byte tokenizer: a batch of
+    rows per array)."""
     lines = (r if r.endswith("\n") else r + "\n" for r in rows)
     if not isinstance(tokenizer, CharTokenizer):
         for line in lines:
@@ -270,7 +291,8 @@ def row_tokens(rows: Iterable[str], tokenizer: Any, batch: int = 256) -> Iterato
 
 # %% ../nbs/data/03_hf_datasets.ipynb #25b7106c
 class HFTokenDataset(TokenArrayDataset):
-    "The text column of a `datasets.Dataset`, tokenized once into a token array, as a stream of blocks in order or shuffled."
+    """The text column of a `datasets.Dataset`, tokenized once into a token array, as a stream of
+    blocks in order or shuffled."""
 
     def __init__(
         self,
@@ -307,7 +329,8 @@ class HFTokenDataset(TokenArrayDataset):
 
 # %% ../nbs/data/03_hf_datasets.ipynb #918acf1f
 class HFStreamDataset(BlockStream):
-    "A streamed `datasets.IterableDataset`: each shard a unit, tokenized as it is read and cut into blocks."
+    """A streamed `datasets.IterableDataset`: each shard a unit, tokenized as it is read and cut
+    into blocks."""
 
     shuffle = False  # read in order
     known_blocks = None  # not known before reading
@@ -348,7 +371,8 @@ def _spec_identity(spec: Mapping) -> dict[str, Any]:
 
 
 def local_fingerprint(path: str | os.PathLike) -> str:
-    "`file_fingerprint` of a file, or of every non-hidden file in a folder (names relative to it), in one line."
+    """`file_fingerprint` of a file, or of every non-hidden file in a folder (names relative to it),
+    in one line."""
     p = Path(path).expanduser()
     if p.is_file():
         return file_fingerprint(p)
@@ -367,7 +391,8 @@ def local_fingerprint(path: str | os.PathLike) -> str:
 def source_identity(
     self: HFTokenDataset, *, shuffle: bool = False, seed: int = 0
 ) -> dict[str, Any]:
-    "What a saved position in this dataset depends on: the spec, the tokens' fingerprint, block size, tokenizer and order."
+    """What a saved position in this dataset depends on: the spec, the tokens' fingerprint, block
+    size, tokenizer and order."""
     return {
         **_spec_identity(self.spec),
         "content": array_fingerprint(self.tokens),
@@ -382,7 +407,8 @@ def source_identity(
 def source_identity(
     self: HFStreamDataset, *, shuffle: bool = False, seed: int = 0
 ) -> dict[str, Any]:
-    "What a saved position in this stream depends on: the spec, the local files' fingerprint, block size and tokenizer."
+    """What a saved position in this stream depends on: the spec, the local files' fingerprint,
+    block size and tokenizer."""
     local = dataset_kind(self.spec) != "hub"
     return {
         **_spec_identity(self.spec),
@@ -397,7 +423,8 @@ def source_identity(
 def hf_dataset_source(
     data: DataConfig, block_size: int, *, tokenizer: Any = None, vocab_size: int, seed: int = 0
 ) -> BlockStream:
-    "The dataset `data.hf_dataset` names, tokenized with `tokenizer` (else `data.tokenizer`) and checked against `vocab_size`."
+    """The dataset `data.hf_dataset` names, tokenized with `tokenizer` (else `data.tokenizer`) and
+    checked against `vocab_size`."""
     tok = tokenizer if tokenizer is not None else load_tokenizer(data.tokenizer, vocab_size)
     check_vocab(tok, vocab_size)
     if data.hf_dataset["streaming"]:
@@ -414,13 +441,15 @@ def prepare_hf_dataset(
     tokenizer: Any = None,
     overwrite: bool = False,  # replace an existing `<output>.json` that is not a token sidecar
 ) -> PreparedTokens:
-    "Tokenize the text column of the dataset `spec` names into a token file `output` and its sidecar `<output>.json`."
+    """Tokenize the text column of the dataset `spec` names into a token file `output` and its
+    sidecar `<output>.json`."""
     check_sidecar_free(output, overwrite)
     spec, tok = hf_spec(spec), load_tokenizer(tokenizer)
     vocab = int(getattr(tok, "vocab_size", 0) or 0)
     if vocab <= 0:
         raise DataError(
-            f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute"
+            f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a "
+            "vocab_size attribute"
         )
     dtype, out, count = token_dtype(vocab), Path(output).expanduser(), 0
     ds = open_hf_dataset(spec)
@@ -430,7 +459,8 @@ def prepare_hf_dataset(
         for ids in row_tokens(text_rows(ds, spec), tok):
             if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
                 raise DataError(
-                    f"{describe(spec)}: tokenizer {tokenizer_spec(tok)} produced id {int(ids.max())} outside its vocabulary of {vocab}"
+                    f"{describe(spec)}: tokenizer {tokenizer_spec(tok)} produced id "
+                    f"{int(ids.max())} outside its vocabulary of {vocab}"
                 )
             f.write(ids.astype(dtype).tobytes())
             count += len(ids)

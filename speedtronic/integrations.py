@@ -23,7 +23,8 @@ __all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook'
 
 # %% ../nbs/observe/04_integrations.ipynb #b6d65fd6
 class IntegrationMissing(MissingExtra, RuntimeError):
-    "An integration's library is not installed (a `MissingExtra` naming the `logging` extra, and 2.0's `RuntimeError`)."
+    """An integration's library is not installed (a `MissingExtra` naming the `logging` extra, and
+    2.0's `RuntimeError`)."""
 
 
 def _import_for(
@@ -56,7 +57,8 @@ def scalar_items(payload: Mapping[str, Any]) -> list[tuple[str, float]]:
 
 # %% ../nbs/observe/04_integrations.ipynb #d359180a
 class TensorboardHook:
-    "Writes numeric event values as TensorBoard scalars `<event>/<key>`, samples as texts `samples/<i>`, at the training step."
+    """Writes numeric event values as TensorBoard scalars `<event>/<key>`, samples as texts
+    `samples/<i>`, at the training step."""
 
     def __init__(
         self,
@@ -99,7 +101,8 @@ class TensorboardHook:
 
 # %% ../nbs/observe/04_integrations.ipynb #8b8e87c8
 def _wandb_value(value: Any) -> Any:
-    "A payload value as W&B accepts it: numbers, strings, bools and None as they are, others as text."
+    """A payload value as W&B accepts it: numbers, strings, bools and None as they are, others as
+    text."""
     return value if value is None or isinstance(value, (int, float, str, bool)) else str(value)
 
 
@@ -109,13 +112,15 @@ class IntegrationError(ExpectedError, RuntimeError):
 
 _OFFLINE = ("offline", "disabled", "dryrun")
 _WAYS_OUT = (
-    "log in with `wandb login` (or set WANDB_API_KEY), or log offline with logging.wandb: {mode: offline} "
+    "log in with `wandb login` (or set WANDB_API_KEY), or log offline with logging.wandb: {mode: "
+    "offline} "
     "and upload later with `wandb sync`"
 )
 
 
 def _check_reachable(url: str, timeout: float = 5.0) -> None:
-    "Raise `IntegrationError` when nothing answers a TCP connection to `url`'s host within `timeout` seconds."
+    """Raise `IntegrationError` when nothing answers a TCP connection to `url`'s host within
+    `timeout` seconds."""
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return  # the proxy decides
     parts = urlsplit(url)
@@ -132,7 +137,8 @@ def _check_reachable(url: str, timeout: float = 5.0) -> None:
 
 
 def check_wandb(settings: Mapping[str, Any]) -> Any:
-    "The `wandb` module, once it is installed and — for an online run with `settings` — its server answers."
+    """The `wandb` module, once it is installed and — for an online run with `settings` — its server
+    answers."""
     wandb = _import_for("WandbHook", "wandb")
     mode = str(settings.get("mode") or os.environ.get("WANDB_MODE") or "online").lower()
     if mode not in _OFFLINE and not settings.get("offline"):
@@ -180,7 +186,8 @@ class WandbHook:
 
 # %% ../nbs/observe/04_integrations.ipynb #cb4da584
 def _tensorboard_hook(directory: str | os.PathLike) -> TensorboardHook:
-    "A `TensorboardHook` for `logging.tensorboard_dir`; a folder that cannot be used is a `ConfigError` naming the key."
+    """A `TensorboardHook` for `logging.tensorboard_dir`; a folder that cannot be used is a
+    `ConfigError` naming the key."""
     blocker = file_in_the_way(directory)
     if blocker is not None:
         where = (
@@ -189,13 +196,15 @@ def _tensorboard_hook(directory: str | os.PathLike) -> TensorboardHook:
             else f"cannot be created because {blocker} is a file"
         )
         raise ConfigError(
-            f"logging.tensorboard_dir: {directory} {where}, not a directory; choose a directory for the event files"
+            f"logging.tensorboard_dir: {directory} {where}, not a directory; choose a directory "
+            "for the event files"
         )
     try:
         return TensorboardHook(directory)
     except OSError as e:
         raise ConfigError(
-            f"logging.tensorboard_dir: cannot write event files to {directory} ({e.strerror or e}); "
+            f"logging.tensorboard_dir: cannot write event files to {directory} "
+            f"({e.strerror or e}); "
             "choose a writable directory"
         ) from None
 
@@ -206,9 +215,11 @@ def hooks_from_config(
     *,
     progress: bool = False,  # also add the bar `logging.progress` asks for
     progress_stream: Any = None,  # stream for the progress bar (default sys.stderr)
-    make_view: Any = None,  # makes the bar's notebook view (the runtime passes `speedtronic.widgets.TrainingView`)
+    # makes the bar's notebook view (the runtime passes `speedtronic.widgets.TrainingView`)
+    make_view: Any = None,
 ) -> list:
-    "The hooks that the `logging` section asks for: TensorBoard, W&B (and, on request, the progress bar)."
+    """The hooks that the `logging` section asks for: TensorBoard, W&B (and, on request, the
+    progress bar)."""
     from speedtronic.progress import ProgressBar
 
     lg = as_section(logging_config, LoggingConfig)

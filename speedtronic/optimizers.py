@@ -28,7 +28,8 @@ __all__ = ['WEIGHT_DECAY_MODES', 'FUSED_ERRORS', 'NS_COEFFICIENTS', 'POLAR_MODES
 
 # %% ../nbs/train/02_optimizers.ipynb #82018b22
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    "`(name, parameter)` for each trainable parameter of `model`, tied weights once (first name wins)."
+    """`(name, parameter)` for each trainable parameter of `model`, tied weights once (first name
+    wins)."""
     seen, out = set(), []
     for name, p in model.named_parameters(remove_duplicate=False):
         if not p.requires_grad or id(p) in seen:
@@ -50,7 +51,8 @@ def decay_groups(
     mode, params = str(mode).strip().lower(), list(params)
     if mode not in WEIGHT_DECAY_MODES:
         raise ConfigError(
-            f"optimizer.weight_decay_on must be one of {', '.join(WEIGHT_DECAY_MODES)}, got {mode!r}"
+            f"optimizer.weight_decay_on must be one of {', '.join(WEIGHT_DECAY_MODES)}, got "
+            f"{mode!r}"
         )
     if mode == "all":
         groups = [{"params": params, "weight_decay": weight_decay}]
@@ -68,8 +70,10 @@ def require_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     if not params:
         raise ValueError(
             f"model has no trainable parameters ({type(model).__name__} has "
-            f"{sum(1 for _ in model.parameters())} parameter tensor(s), none with requires_grad=True); "
-            "unfreeze the parameters to train (p.requires_grad_(True)) before building the optimizer"
+            f"{sum(1 for _ in model.parameters())} parameter tensor(s), none with "
+            "requires_grad=True); "
+            "unfreeze the parameters to train (p.requires_grad_(True)) before building the "
+            "optimizer"
         )
     return params
 
@@ -77,7 +81,8 @@ def require_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def weight_decay_groups(
     model: nn.Module, mode: str = "matrices", weight_decay: float = 0.1
 ) -> list[dict]:
-    "Optimizer parameter groups of `model`'s trainable parameters: decayed matrices, undecayed rest."
+    """Optimizer parameter groups of `model`'s trainable parameters: decayed matrices, undecayed
+    rest."""
     return decay_groups([p for _, p in require_trainable(model)], mode, weight_decay)
 
 # %% ../nbs/train/02_optimizers.ipynb #d90fc9ba
@@ -93,7 +98,8 @@ def resolve_fused(
             return True, f"optimizer.fused: null and {device} supports fused AdamW"
         return (
             False,
-            f"optimizer.fused: null and {device} does not support fused AdamW (fused is probed on CUDA only)",
+            f"optimizer.fused: null and {device} does not support fused AdamW (fused is probed on "
+            "CUDA only)",
         )
     if isinstance(requested, bool):
         return requested, f"optimizer.fused: {str(requested).lower()}"
@@ -119,7 +125,10 @@ def construct_adamw(
         try:
             return optimizer_class(groups, fused=True, **kwargs), True, fused_reason
         except FUSED_ERRORS as exc:
-            fused_reason = f"fused AdamW construction failed ({type(exc).__name__}: {exc}); using the standard AdamW"
+            fused_reason = (
+                f"fused AdamW construction failed ({type(exc).__name__}: {exc}); "
+                "using the standard AdamW"
+            )
     return optimizer_class(groups, **kwargs), False, fused_reason
 
 # %% ../nbs/train/02_optimizers.ipynb #63036b62
@@ -174,10 +183,12 @@ def orthogonalize(
 
 # %% ../nbs/train/02_optimizers.ipynb #f4750a5f
 def newton_schulz(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    "The approximate polar factor `U Vᵀ` of a 2-D floating `matrix` (quintic Newton–Schulz, `steps` iterations)."
+    """The approximate polar factor `U Vᵀ` of a 2-D floating `matrix` (quintic Newton–Schulz,
+    `steps` iterations)."""
     if not torch.is_tensor(matrix) or matrix.ndim != 2:
         raise ValueError(
-            f"newton_schulz needs a 2-D tensor, got {getattr(matrix, 'shape', type(matrix).__name__)}"
+            "newton_schulz needs a 2-D tensor, got "
+            f"{getattr(matrix, 'shape', type(matrix).__name__)}"
         )
     if not matrix.is_floating_point():
         raise TypeError(f"newton_schulz needs a floating-point tensor, got {matrix.dtype}")
@@ -192,7 +203,8 @@ POLAR_MODES = {"none": (), "row": (-1,), "col": (-2,), "row_col": (-1, -2), "col
 
 
 def _normalize_rows_cols(U: torch.Tensor, mode: str, eps: float) -> torch.Tensor:
-    "Divide rows (dim -1 sums) and/or columns (dim -2 sums) of a stack `(..., rows, cols)` by their norms, in `mode`'s order."
+    """Divide rows (dim -1 sums) and/or columns (dim -2 sums) of a stack `(..., rows, cols)` by
+    their norms, in `mode`'s order."""
     for dim in POLAR_MODES[mode]:
         U = U / torch.sqrt(U.square().sum(dim=dim, keepdim=True) + eps)
     return U
@@ -204,7 +216,8 @@ def post_polar_normalize(
     "Muon+: give the rows and/or columns of a 2-D `update` unit norm, in the order `mode` names."
     if not torch.is_tensor(update) or update.ndim != 2:
         raise ValueError(
-            f"post_polar_normalize needs a 2-D tensor, got {getattr(update, 'shape', type(update).__name__)}"
+            "post_polar_normalize needs a 2-D tensor, got "
+            f"{getattr(update, 'shape', type(update).__name__)}"
         )
     if mode not in POLAR_MODES:
         raise ValueError(
@@ -306,7 +319,8 @@ def _direction(self: Muon, p: torch.Tensor, group: dict) -> torch.Tensor:
     g = p.grad
     if g.is_sparse:
         raise RuntimeError(
-            f"Muon does not support sparse gradients (parameter of shape {tuple(p.shape)}); give it to AdamW"
+            f"Muon does not support sparse gradients (parameter of shape {tuple(p.shape)}); give "
+            "it to AdamW"
         )
     if g.is_complex():
         raise TypeError(
@@ -326,7 +340,8 @@ def _direction(self: Muon, p: torch.Tensor, group: dict) -> torch.Tensor:
 def _update(
     self: Muon, group: dict, params: list[torch.Tensor], directions: list[torch.Tensor]
 ) -> None:
-    "Orthogonalise the directions of same-shape `params` as one stack, then decay and step each parameter."
+    """Orthogonalise the directions of same-shape `params` as one stack, then decay and step each
+    parameter."""
     stack = torch.stack(directions)
     U = orthogonalize(
         stack, group["ns_steps"], group["eps"], self.ns_dtype or muon_ns_dtype(stack.device)
@@ -344,7 +359,8 @@ def _update(
 @patch
 @torch.no_grad()
 def step(self: Muon, closure: Callable | None = None) -> Any:
-    "One Muon update of every parameter that has a gradient; `closure` (optional) re-computes the loss."
+    """One Muon update of every parameter that has a gradient; `closure` (optional) re-computes the
+    loss."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
@@ -362,7 +378,8 @@ def step(self: Muon, closure: Callable | None = None) -> Any:
 
 # %% ../nbs/train/02_optimizers.ipynb #355c9bb1
 def _restore_fp32_momentum(optimizer: torch.optim.Optimizer, state_dict: Mapping) -> None:
-    "Put the saved fp32 Muon momentum back where loading cast it to a low-precision parameter's dtype."
+    """Put the saved fp32 Muon momentum back where loading cast it to a low-precision parameter's
+    dtype."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved = [i for g in state_dict["param_groups"] for i in g["params"]]
     for p, i in zip(params, saved):
@@ -425,7 +442,8 @@ def _wants_muon(module: nn.Module, pname: str, full: str, p: nn.Parameter) -> bo
     if role is not None:
         if role not in ("muon", "adamw"):
             raise ValueError(
-                f"{type(module).__name__}._speedtronic_optimizer_role must be 'muon', 'adamw' or None, got {role!r}"
+                f"{type(module).__name__}._speedtronic_optimizer_role must be 'muon', 'adamw' or "
+                f"None, got {role!r}"
             )
         return role == "muon" and eligible
     return (
@@ -468,7 +486,8 @@ _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def _adamw_groups(adamw_params: Iterable, weight_decay: float) -> list[dict]:
-    "AdamW groups from a list of parameters (one group) or of group dicts (each keeps its `weight_decay`)."
+    """AdamW groups from a list of parameters (one group) or of group dicts (each keeps its
+    `weight_decay`)."""
     items = list(adamw_params)
     if items and all(isinstance(g, Mapping) for g in items):
         groups = [
@@ -481,7 +500,8 @@ def _adamw_groups(adamw_params: Iterable, weight_decay: float) -> list[dict]:
 
 
 class HybridOptimizer(torch.optim.Optimizer):
-    "Muon for the hidden matrices and AdamW for the rest, behind one optimizer with one shared state."
+    """Muon for the hidden matrices and AdamW for the rest, behind one optimizer with one shared
+    state."""
 
     def __init__(
         self,
@@ -622,13 +642,15 @@ def add_param_group(self: HybridOptimizer, param_group: dict) -> None:
     "Parameter groups are fixed when the optimizer is built (routing decides them)."
     if getattr(self, "_built", False):
         raise NotImplementedError(
-            "HybridOptimizer routes its parameters when it is built; build a new one to add parameters"
+            "HybridOptimizer routes its parameters when it is built; build a new one to add "
+            "parameters"
         )
     torch.optim.Optimizer.add_param_group(self, param_group)
 
 # %% ../nbs/train/02_optimizers.ipynb #d82d64c3
 class CautiousOptimizer(torch.optim.Optimizer):
-    "Wraps an optimizer; keeps only the update entries that agree in sign with the current gradient."
+    """Wraps an optimizer; keeps only the update entries that agree in sign with the current
+    gradient."""
 
     _step_supports_amp_scaling = False  # a GradScaler unscales the gradients before `step`
 
@@ -652,7 +674,8 @@ class CautiousOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> Any:
-        "Step the base optimizer, then revert every entry whose change disagrees in sign with its gradient."
+        """Step the base optimizer, then revert every entry whose change disagrees in sign with its
+        gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -683,7 +706,8 @@ class CautiousOptimizer(torch.optim.Optimizer):
 def build_adamw(
     model: nn.Module, cfg: OptimizerConfig, fused: bool, reason: str
 ) -> tuple[torch.optim.Optimizer, bool, str]:
-    "AdamW over every trainable parameter of `model`, decay groups per `cfg.weight_decay_on`, groups tagged `adamw`."
+    """AdamW over every trainable parameter of `model`, decay groups per `cfg.weight_decay_on`,
+    groups tagged `adamw`."""
     groups = [
         {**g, "algorithm": "adamw"}
         for g in weight_decay_groups(model, cfg.weight_decay_on, cfg.weight_decay)
@@ -718,7 +742,8 @@ def build_hybrid(
 def fused_decision(
     cfg: OptimizerConfig, device: torch.device | str, adamw_tensors: int
 ) -> tuple[bool, str]:
-    "Whether to attempt fused AdamW, and why (cautious updates and runs without AdamW parameters never do)."
+    """Whether to attempt fused AdamW, and why (cautious updates and runs without AdamW parameters
+    never do)."""
     if cfg.cautious:
         return False, "optimizer.cautious: true uses the standard AdamW"
     if not adamw_tensors:
@@ -729,7 +754,8 @@ def fused_decision(
 def check_coverage(
     optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]
 ) -> None:
-    "Raise `RuntimeError` unless `optimizer`'s groups hold each of `params` (`(name, parameter)`) exactly once and nothing else."
+    """Raise `RuntimeError` unless `optimizer`'s groups hold each of `params` (`(name, parameter)`)
+    exactly once and nothing else."""
     held, names = (
         Counter(id(p) for g in optimizer.param_groups for p in g["params"]),
         {id(p): n for n, p in params},
@@ -739,8 +765,10 @@ def check_coverage(
     extra = sum(1 for i in held if i not in names)
     if missing or twice or extra:
         raise RuntimeError(
-            f"the optimizer does not cover the model's trainable parameters exactly once (never trained: "
-            f"{missing or 'none'}; in two groups: {twice or 'none'}; frozen or foreign tensors: {extra}); "
+            "the optimizer does not cover the model's trainable parameters exactly once (never "
+            "trained: "
+            f"{missing or 'none'}; in two groups: {twice or 'none'}; frozen or foreign tensors: "
+            f"{extra}); "
             "this is a bug in the routing, please report it with the model's parameter names"
         )
 
@@ -792,7 +820,8 @@ def build_optimizer(
     *,
     logger: Any = None,  # a `MetricLogger` (anything with `emit(event, payload)`)
 ) -> torch.optim.Optimizer:
-    "The optimizer the `optimizer` section of `config` asks for, over every trainable parameter of `model`."
+    """The optimizer the `optimizer` section of `config` asks for, over every trainable parameter of
+    `model`."""
     cfg = as_section(config, OptimizerConfig)
     params, routing = require_trainable(model), route_parameters(model)
     adamw_tensors = len(params) if cfg.name == "adamw" else len(routing.adamw)
@@ -816,12 +845,14 @@ build_v2_optimizer = build_optimizer
 
 # %% ../nbs/train/02_optimizers.ipynb #47a95597
 def check_optimizer_available(config: Any) -> str:
-    "The optimizer name `config` asks for (every name the config accepts can be built; a bad one raises `ConfigError`)."
+    """The optimizer name `config` asks for (every name the config accepts can be built; a bad one
+    raises `ConfigError`)."""
     return as_section(config, OptimizerConfig).name
 
 # %% ../nbs/train/02_optimizers.ipynb #0f00d514
 def group_algorithm(group: Mapping) -> str:
-    "`muon` or `adamw` for an optimizer parameter group (untagged groups are AdamW, as 2.0's default wrote them)."
+    """`muon` or `adamw` for an optimizer parameter group (untagged groups are AdamW, as 2.0's
+    default wrote them)."""
     return group.get("algorithm", "adamw")
 
 
@@ -843,9 +874,11 @@ def check_same_algorithm(saved_groups: list[Mapping], optimizer: torch.optim.Opt
         return
     raise ValueError(
         f"the checkpoint's optimizer state was written by {_describe(saved)} but this run uses "
-        f"{_describe(current)}; Muon keeps one momentum matrix per hidden weight where AdamW keeps two "
+        f"{_describe(current)}; Muon keeps one momentum matrix per hidden weight where AdamW "
+        "keeps two "
         "moments, so the state cannot carry over. Resume with optimizer.name: "
-        f"{'muon' if 'muon' in saved else 'adamw'}, or start a fresh run in another checkpoint.directory"
+        f"{'muon' if 'muon' in saved else 'adamw'}, or start a fresh run in another "
+        "checkpoint.directory"
     )
 
 
@@ -856,7 +889,8 @@ def v2_adamw_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def v2_parameters(model: nn.Module, saved_groups: list[Mapping]) -> list[nn.Parameter]:
-    "The parameter order of a 2.0 optimizer state: Muon's then AdamW's for a hybrid, else 2.0's default AdamW list."
+    """The parameter order of a 2.0 optimizer state: Muon's then AdamW's for a hybrid, else 2.0's
+    default AdamW list."""
     if any(group_algorithm(g) == "muon" for g in saved_groups):
         r = route_parameters(model)
         return [p for _, p in r.muon] + [p for _, p in r.adamw]
@@ -892,7 +926,8 @@ def _load_v2_state(
             continue
         if not _moments_fit(saved, p):
             raise ValueError(
-                f"the checkpoint's optimizer state for a parameter of shape {tuple(p.shape)} has other shapes: "
+                f"the checkpoint's optimizer state for a parameter of shape {tuple(p.shape)} has "
+                "other shapes: "
                 "resume with the model the checkpoint was written with"
             )
         moments[index[id(p)]] = saved
@@ -902,7 +937,8 @@ def _load_v2_state(
         g["lr"] = lr.get(group_algorithm(g), g["lr"])
     fresh = f", {len(index) - len(moments)} start fresh" if len(moments) < len(index) else ""
     return (
-        f"optimizer state written by 2.0 ({len(saved_ids)} parameters in {len(saved_groups)} group(s)) mapped onto "
+        f"optimizer state written by 2.0 ({len(saved_ids)} parameters in {len(saved_groups)} "
+        "group(s)) mapped onto "
         f"{len(index)} parameters: {len(moments)} keep their moments{fresh}"
     )
 
@@ -911,7 +947,8 @@ _NOT_SETTINGS = ("params", "lr", "initial_lr", "fused", "param_names")
 
 
 def _setting_changes(configured: list[Mapping], loaded: list[Mapping]) -> list[str]:
-    "`key: saved (config ...)` for each setting the loaded groups hold differently from the configured ones."
+    """`key: saved (config ...)` for each setting the loaded groups hold differently from the
+    configured ones."""
     out = []
     for before, after in zip(configured, loaded):
         for k, v in before.items():
@@ -932,7 +969,8 @@ def load_optimizer_state(
     *,
     report_settings: bool = True,  # note the saved settings that differ from the configured ones
 ) -> str | None:
-    "Load checkpoint `state` into `optimizer` (2.0's states mapped onto ours); returns a note when converted or changed."
+    """Load checkpoint `state` into `optimizer` (2.0's states mapped onto ours); returns a note when
+    converted or changed."""
     check_same_algorithm(state.get("param_groups", []), optimizer)
     configured = [dict(g) for g in optimizer.param_groups]
     try:

@@ -37,7 +37,8 @@ def node_id(
             continue
         if not usable_node_id(value):
             raise ConfigError(
-                f"distributed.node_id: not set, and ${var}={value[:40]!r} is not usable as a node id "
+                f"distributed.node_id: not set, and ${var}={value[:40]!r} is not usable as a node "
+                "id "
                 f"({NODE_ID_RULE}); set distributed.node_id"
             )
         return value
@@ -79,7 +80,8 @@ def _moved(path: str | None, written: str, out: Path) -> Path | None:
 
 
 def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = None) -> RunPaths:
-    "The paths `config`'s run writes to; relative ones resolved as 2.0 did, and moved with a moved run (see above)."
+    """The paths `config`'s run writes to; relative ones resolved as 2.0 did, and moved with a moved
+    run (see above)."""
     out, lg = Path(config.run.output_dir), config.logging
     follow = lambda path: _moved(path, config.run.written_output_dir, out)
     metrics = follow(lg.json_file)
@@ -134,7 +136,8 @@ _held_guard = threading.Lock()
 
 
 def _drop_inherited_locks() -> None:
-    "In a forked child: close the inherited lock descriptors (the parent keeps its locks; the child holds none)."
+    """In a forked child: close the inherited lock descriptors (the parent keeps its locks; the
+    child holds none)."""
     global _held_guard
     for fd, _ in list(_held.values()):
         try:
@@ -150,7 +153,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def _open_locked(path: Path, key: str) -> int:
-    "A descriptor of `path` holding its exclusive `flock`; `RunLocked` naming the holder if another process has it."
+    """A descriptor of `path` holding its exclusive `flock`; `RunLocked` naming the holder if
+    another process has it."""
     try:
         import fcntl
     except ImportError:
@@ -180,14 +184,16 @@ def _open_locked(path: Path, key: str) -> int:
 # %% ../nbs/core/02_paths.ipynb #1a7d6b0f
 @dataclass
 class RunLock:
-    "An exclusive claim on a run directory; `release()` (idempotent) gives it up and deletes the lock file."
+    """An exclusive claim on a run directory; `release()` (idempotent) gives it up and deletes the
+    lock file."""
 
     path: Path
     previous: dict | None = None  # what a holder that never released it (a killed run) had written
     released: bool = False
 
     def release(self) -> None:
-        "Give the directory up (the lock file is deleted when the last holder in this process releases it)."
+        """Give the directory up (the lock file is deleted when the last holder in this process
+        releases it)."""
         if self.released:
             return
         self.released = True
@@ -205,7 +211,8 @@ class RunLock:
 
 
 def lock_run(directory: str | os.PathLike, run_id: str, *, key: str = "run.output_dir") -> RunLock:
-    "Claim `directory` for run `run_id`: create it and lock its `.speedtronic.lock`, or raise `RunLocked`."
+    """Claim `directory` for run `run_id`: create it and lock its `.speedtronic.lock`, or raise
+    `RunLocked`."""
     path = Path(directory) / LOCK_NAME
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -239,7 +246,8 @@ def lock_run(directory: str | os.PathLike, run_id: str, *, key: str = "run.outpu
 
 
 def lock_holder(directory: str | os.PathLike) -> dict | None:
-    "What another running process wrote into `directory`'s lock while it holds it, or `None` (reads only, creates nothing)."
+    """What another running process wrote into `directory`'s lock while it holds it, or `None`
+    (reads only, creates nothing)."""
     path = Path(directory) / LOCK_NAME
     try:
         import fcntl

@@ -55,14 +55,16 @@ def _parse_device(requested: str | torch.device) -> torch.device:
         ) from None
     if device.type not in SUPPORTED_DEVICE_TYPES:
         raise DeviceError(
-            f"Device {str(requested)!r} has type {device.type!r}, which Speedtronic does not train on. "
+            f"Device {str(requested)!r} has type {device.type!r}, which Speedtronic does not "
+            "train on. "
             "Use 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'."
         )
     return device
 
 # %% ../nbs/train/01_precision.ipynb #fcf708ee
 def _check_available(device: torch.device, requested: Any) -> None:
-    "Raise `DeviceError` when `device` is not on this machine: no CUDA, an index past the last GPU, no MPS."
+    """Raise `DeviceError` when `device` is not on this machine: no CUDA, an index past the last
+    GPU, no MPS."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError(
@@ -133,7 +135,8 @@ class PrecisionPlan:
 
 # %% ../nbs/train/01_precision.ipynb #77245b99
 def _reference_probe_step() -> tuple[torch.Tensor, torch.Tensor]:
-    "A small layer run forward (under whatever autocast is active) and backward: (output, input grad)."
+    """A small layer run forward (under whatever autocast is active) and backward: (output, input
+    grad)."""
     x = torch.linspace(-1.0, 1.0, 4 * 16).reshape(4, 16).requires_grad_()
     w1 = torch.linspace(-0.5, 0.5, 16 * 32).reshape(32, 16)
     w2 = torch.linspace(0.5, -0.5, 32 * 16).reshape(16, 32)
@@ -148,7 +151,8 @@ _CPU_BF16_PROBE: tuple[bool, str | None] | None = None
 
 
 def probe_cpu_bf16_autocast(step: Callable[[], Any] | None = None) -> tuple[bool, str | None]:
-    "Run `step` (default: a small reference layer) under CPU bf16 autocast: `(works, error)`; default cached."
+    """Run `step` (default: a small reference layer) under CPU bf16 autocast: `(works, error)`;
+    default cached."""
     global _CPU_BF16_PROBE
     if step is None and _CPU_BF16_PROBE is not None:
         return _CPU_BF16_PROBE
@@ -206,7 +210,8 @@ class DeviceCapabilities:
     def __post_init__(self):
         if self.kind not in SUPPORTED_DEVICE_TYPES:
             raise ValueError(
-                f"DeviceCapabilities.kind must be one of {SUPPORTED_DEVICE_TYPES}, got {self.kind!r}."
+                f"DeviceCapabilities.kind must be one of {SUPPORTED_DEVICE_TYPES}, got "
+                f"{self.kind!r}."
             )
 
     @classmethod
@@ -265,7 +270,8 @@ def _decide(requested: str, caps: DeviceCapabilities) -> tuple[str, str | None]:
 
 # %% ../nbs/train/01_precision.ipynb #23c6a873
 def _requested_mode(config: Any) -> str:
-    "The mode a precision config asks for: `mode`, or `dtype` when the mode is `auto` and a dtype is set."
+    """The mode a precision config asks for: `mode`, or `dtype` when the mode is `auto` and a dtype
+    is set."""
     section = as_section({"mode": config} if isinstance(config, str) else config, PrecisionConfig)
     return section.dtype if section.mode == "auto" and section.dtype else section.mode
 

@@ -64,7 +64,8 @@ def factory_path(factory: Any) -> str | None:
 
 
 def same_factory(a: Any, b: Any) -> bool:
-    "True when `a` and `b` are one factory: the same object, or the same importable path (a reload)."
+    """True when `a` and `b` are one factory: the same object, or the same importable path (a
+    reload)."""
     return a is b or (factory_path(a) is not None and factory_path(a) == factory_path(b))
 
 # %% ../nbs/core/06_registry.ipynb #933aaae6
@@ -299,7 +300,8 @@ def build_model(config: Any = None, **overrides) -> Any:
     model = factory(**{**_accepted(factory, standard), **overrides})
     if model is None:
         raise TypeError(
-            f"model factory for '{section.name}' ({factory_path(factory) or repr(factory)}) returned None; "
+            f"model factory for '{section.name}' ({factory_path(factory) or repr(factory)}) "
+            "returned None; "
             "it must return the model (a missing `return`?)"
         )
     return model

@@ -85,7 +85,8 @@ def horizon_and_warmup(
 
 
 def _whole_config(config: Any) -> SpeedtronicConfig | None:
-    "`config` as a whole configuration when it is one (or a mapping of one); `None` for a scheduler section."
+    """`config` as a whole configuration when it is one (or a mapping of one); `None` for a
+    scheduler section."""
     if isinstance(config, SpeedtronicConfig):
         return config
     own = {f.name for f in fields(SchedulerConfig)}
@@ -99,7 +100,8 @@ def resolve_schedule(
     *,
     max_steps: int | None = None,  # the run's target (default: a whole config's own `run_target`)
 ) -> Schedule:
-    "The schedule a run uses: its kind, and the horizon and warmup resolved against the run's target."
+    """The schedule a run uses: its kind, and the horizon and warmup resolved against the run's
+    target."""
     whole = _whole_config(config)
     sched = whole.scheduler if whole is not None else as_section(config, SchedulerConfig)
     if max_steps is not None and (
@@ -115,7 +117,8 @@ def resolve_schedule(
             else "train for more steps (run.max_steps or --max-steps; the horizon follows them)"
         )
         raise ConfigError(
-            f"scheduler.warmup_steps: {warmup} is longer than the schedule horizon of {horizon} steps; "
+            f"scheduler.warmup_steps: {warmup} is longer than the schedule horizon of {horizon} "
+            "steps; "
             f"set scheduler.warmup_steps to at most {horizon} or {how}"
         )
     return Schedule(
@@ -124,7 +127,8 @@ def resolve_schedule(
 
 # %% ../nbs/train/03_schedules.ipynb #7ceb09c0
 def _multiplier_of(schedule: Schedule) -> Callable[[int], float]:
-    "The schedule as a plain function (so `LambdaLR` never saves it), carrying the `Schedule` it follows."
+    """The schedule as a plain function (so `LambdaLR` never saves it), carrying the `Schedule` it
+    follows."""
 
     def multiplier(step: int) -> float:
         return schedule.multiplier(step)
@@ -139,7 +143,8 @@ def build_scheduler(
     *,
     max_steps: int | None = None,  # the run's target (see `resolve_schedule`)
 ) -> Any:
-    "A `torch.optim.lr_scheduler.LambdaLR` applying `resolve_schedule(config, max_steps=...)` to every parameter group."
+    """A `torch.optim.lr_scheduler.LambdaLR` applying `resolve_schedule(config, max_steps=...)` to
+    every parameter group."""
     from torch.optim.lr_scheduler import LambdaLR
 
     return LambdaLR(
@@ -160,7 +165,8 @@ def lr_of_update(scheduler_or_optimizer: Any) -> float:
 
 # %% ../nbs/train/03_schedules.ipynb #4a33a29b
 def load_scheduler_state(scheduler: Any, state: dict) -> None:
-    "Restore a scheduler's position from `state`; a state written for other parameter groups keeps the position only."
+    """Restore a scheduler's position from `state`; a state written for other parameter groups keeps
+    the position only."""
     state = dict(state)
     if len(state.get("base_lrs", scheduler.base_lrs)) != len(scheduler.base_lrs):
         state = {k: v for k, v in state.items() if k not in ("base_lrs", "_last_lr")}

@@ -28,7 +28,8 @@ class StageInfo:
 
 
 def select_stages(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    "`(name, module)` of each stage of `model`: its `ooo_stage_names` if any are found, else every leaf module."
+    """`(name, module)` of each stage of `model`: its `ooo_stage_names` if any are found, else every
+    leaf module."""
     names = getattr(model, "ooo_stage_names", None)
     if names is not None:
         names = [str(n) for n in names]
@@ -69,7 +70,8 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 class ProducerLog:
-    "Which stream produced each recorded tensor during one forward pass (weak references, version-checked)."
+    """Which stream produced each recorded tensor during one forward pass (weak references,
+    version-checked)."""
 
     def __init__(self):
         self._records: dict[int, tuple[weakref.ref, int | None, Any]] = {}
@@ -94,14 +96,16 @@ class ProducerLog:
 
 # %% ../nbs/train/05_ooo.ipynb #cb72b393
 class StageStreamScheduler:
-    "Runs a model's module stages on several CUDA streams so independent forward/backward work can overlap."
+    """Runs a model's module stages on several CUDA streams so independent forward/backward work can
+    overlap."""
 
     def __init__(
         self,
         model: nn.Module,
         device: torch.device | str,
         *,
-        num_streams: int = 4,  # streams to spread stages over (clamped to 1..8 and to the stage count)
+        # streams to spread stages over (clamped to 1..8 and to the stage count)
+        num_streams: int = 4,
         logger: Any = None,
     ):  # gets a warning when setup fails
         self.model, self.device, self.logger = model, torch.device(device), logger
@@ -166,7 +170,8 @@ def as_dict(self: StageStreamScheduler) -> dict[str, Any]:
 # %% ../nbs/train/05_ooo.ipynb #46fb86a7
 @patch
 def _pre_hook(self: StageStreamScheduler, stream: torch.cuda.Stream):
-    "The forward pre-hook of a stage on `stream`: wait for each input's producer, then switch to `stream`."
+    """The forward pre-hook of a stage on `stream`: wait for each input's producer, then switch to
+    `stream`."""
 
     def hook(module, args, kwargs):
         if not self._active:
@@ -187,7 +192,8 @@ def _pre_hook(self: StageStreamScheduler, stream: torch.cuda.Stream):
 
 @patch
 def _post_hook(self: StageStreamScheduler, stream: torch.cuda.Stream):
-    "The forward hook of a stage on `stream`: back to the ambient stream, which waits for the stage; record outputs."
+    """The forward hook of a stage on `stream`: back to the ambient stream, which waits for the
+    stage; record outputs."""
 
     def hook(module, args, output):
         if not self._active or not self._entered:
@@ -217,7 +223,8 @@ def begin(self: StageStreamScheduler) -> None:
 
 @patch
 def finish(self: StageStreamScheduler) -> None:
-    "End a forward pass: the ambient stream waits for every stage stream; leave any unfinished stage; clear records."
+    """End a forward pass: the ambient stream waits for every stage stream; leave any unfinished
+    stage; clear records."""
     if not self.enabled or not self._active:
         return
     while self._entered:

@@ -35,12 +35,14 @@ class ShapeProfile:
 
 # %% ../nbs/models/03_shapes.ipynb #ae8b9622
 def _explicit_alignment(requested: Any) -> int | None:
-    "The integer in an explicit alignment request, None for auto/none; ConfigError for anything else."
+    """The integer in an explicit alignment request, None for auto/none; ConfigError for anything
+    else."""
     if requested is None:
         return None
     if isinstance(requested, bool) or not isinstance(requested, (int, str)):
         raise ConfigError(
-            f"shape_validation.alignment must be 'auto', 'none' or a positive integer; got {requested!r}."
+            "shape_validation.alignment must be 'auto', 'none' or a positive integer; got "
+            f"{requested!r}."
         )
     text = str(requested).strip().lower()
     if text in ("auto", "none"):
@@ -49,11 +51,13 @@ def _explicit_alignment(requested: Any) -> int | None:
         value = int(text)
     except ValueError:
         raise ConfigError(
-            f"shape_validation.alignment must be 'auto', 'none' or a positive integer; got {requested!r}."
+            "shape_validation.alignment must be 'auto', 'none' or a positive integer; got "
+            f"{requested!r}."
         ) from None
     if value <= 0:
         raise ConfigError(
-            f"shape_validation.alignment must be a positive integer; got {requested!r}. Use 'none' to disable."
+            f"shape_validation.alignment must be a positive integer; got {requested!r}. Use "
+            "'none' to disable."
         )
     return value
 
@@ -81,7 +85,8 @@ def resolve_shape_profile(
 class ShapeWarning:
     "One size that is not a multiple of the alignment, with a suggested replacement."
 
-    code: str  # batch_alignment, sequence_alignment, token_alignment, model_alignment, vocab_alignment
+    # batch_alignment, sequence_alignment, token_alignment, model_alignment, vocab_alignment
+    code: str
     field: str  # config key or model dimension, e.g. data.block_size, model.Linear.in_features
     value: int
     suggested: int | None  # value rounded up to the alignment; None when no good value exists
@@ -131,7 +136,8 @@ def round_up(value: int, multiple: int) -> int:
 
 # %% ../nbs/models/03_shapes.ipynb #f817a8e8
 def model_dimensions(model: nn.Module) -> list[tuple[str, int, str]]:
-    "(field, size, where) for every checked dimension of `model`, or its `speedtronic_shape_metadata()`."
+    """(field, size, where) for every checked dimension of `model`, or its
+    `speedtronic_shape_metadata()`."""
     meta = getattr(model, "speedtronic_shape_metadata", None)
     if callable(meta):
         out = []
@@ -162,7 +168,8 @@ def shape_findings(
     model: nn.Module | None,
     alignment: int,
 ) -> list[ShapeWarning]:
-    "All alignment findings for the data and model sections and `model`, de-duplicated, in check order."
+    """All alignment findings for the data and model sections and `model`, de-duplicated, in check
+    order."""
     micro, target = data.micro_batch_size, data.target_batch_size
     block = data.block_size or model_config.max_seq_len
     candidates: list[

@@ -19,7 +19,8 @@ _QUARTO_LINK = re.compile(r"(\]\([^)\s]+\))\{[^}\n]*\}")  # [text](url){target="
 
 
 class ShowDocRenderer(_showdoc.BasicMarkdownRenderer):
-    "nbdev's `show_doc` Markdown with plain links: the same heading, signature and table in any Markdown reader."
+    """nbdev's `show_doc` Markdown with plain links: the same heading, signature and table in any
+    Markdown reader."""
 
     def _repr_markdown_(self) -> str:
         text = _QUARTO_LINK.sub(r"\1", super()._repr_markdown_())

@@ -38,15 +38,18 @@ class DataWarning(UserWarning):
 
 # %% ../nbs/data/01_tokens.ipynb #13d8211e
 def check_data_file(path: str | os.PathLike, key: str = "data file") -> Path:
-    "Return `path` as a `Path` if it is an existing, readable, non-empty file; else raise `DataError`."
+    """Return `path` as a `Path` if it is an existing, readable, non-empty file; else raise
+    `DataError`."""
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(
-            f"{key} {str(path)!r} does not exist; check the path (relative paths start at the working directory {os.getcwd()})"
+            f"{key} {str(path)!r} does not exist; check the path (relative paths start at the "
+            f"working directory {os.getcwd()})"
         )
     if p.is_dir():
         hint = (
-            f"; to train on a directory of text files, run `speedtronic prepare {path} tokens.bin` and set data.token_file: tokens.bin"
+            f"; to train on a directory of text files, run `speedtronic prepare {path} "
+            "tokens.bin` and set data.token_file: tokens.bin"
             if key == "data.text_path"
             else "; give the path of a file"
         )
@@ -123,7 +126,8 @@ class HFTokenizer:
 
 # %% ../nbs/data/01_tokens.ipynb #80f2dba2
 def load_tokenizer(spec: Any = None, vocab_size: int | None = None) -> Any:
-    "The tokenizer named by `spec`: `None`/`'byte'` → `CharTokenizer`, a path → `HFTokenizer`, an object → itself."
+    """The tokenizer named by `spec`: `None`/`'byte'` → `CharTokenizer`, a path → `HFTokenizer`, an
+    object → itself."""
     if spec is None or (
         isinstance(spec, str) and spec.strip().lower() in ("", "byte", "bytes", "char")
     ):
@@ -133,7 +137,8 @@ def load_tokenizer(spec: Any = None, vocab_size: int | None = None) -> Any:
     tok = HFTokenizer(spec)
     if vocab_size and tok.vocab_size > vocab_size:
         raise DataError(
-            f"tokenizer {str(spec)!r} has {tok.vocab_size} tokens but the vocabulary is {vocab_size}; "
+            f"tokenizer {str(spec)!r} has {tok.vocab_size} tokens but the vocabulary is "
+            f"{vocab_size}; "
             f"raise model.vocab_size (and data.vocab_size) to at least {tok.vocab_size}"
         )
     return tok
@@ -152,7 +157,8 @@ def encode_text(tokenizer: Any, text: str) -> np.ndarray:
 
 
 def tokenizer_spec(tokenizer: Any) -> str:
-    "The name of `tokenizer` recorded in sidecars: `'byte'`, a tokenizer.json path, or its class name."
+    """The name of `tokenizer` recorded in sidecars: `'byte'`, a tokenizer.json path, or its class
+    name."""
     return str(getattr(tokenizer, "spec", None) or type(tokenizer).__name__)
 
 # %% ../nbs/data/01_tokens.ipynb #87b04cb8
@@ -163,7 +169,8 @@ def tokenizer_record(tokenizer: Any) -> dict[str, str] | None:
 
 
 def file_tokenizer_record(spec: Any) -> dict[str, str] | None:
-    "`tokenizer_record` of the `tokenizer.json` the setting `spec` names, hashed without loading it."
+    """`tokenizer_record` of the `tokenizer.json` the setting `spec` names, hashed without loading
+    it."""
     if not isinstance(spec, (str, os.PathLike)) or str(spec).strip().lower() in _BYTE_NAMES:
         return None  # the byte tokenizer, or an object given in code
     p = Path(spec).expanduser()
@@ -189,7 +196,8 @@ def check_tokenizer(saved: Any, now: Mapping | None, *, fix: str) -> None:
 def text_segments(
     path: str | os.PathLike, segment_bytes: int = 1 << 20, *, lookahead: int = 1 << 16
 ) -> list[tuple[int, int]]:
-    "Byte ranges `(start, end)` of about `segment_bytes` covering the file, each starting after a newline (else at a UTF-8 character start)."
+    """Byte ranges `(start, end)` of about `segment_bytes` covering the file, each starting after a
+    newline (else at a UTF-8 character start)."""
     size = os.path.getsize(path)
     cuts = [0]
     with open(path, "rb") as f:
@@ -217,7 +225,8 @@ UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def read_text(path: str | os.PathLike, start: int = 0, end: int | None = None) -> str:
-    "Decode bytes `[start, end)` of a file as UTF-8 (a byte-order mark at its start dropped); bytes that are not UTF-8 become U+FFFD, with one warning per file."
+    """Decode bytes `[start, end)` of a file as UTF-8 (a byte-order mark at its start dropped);
+    bytes that are not UTF-8 become U+FFFD, with one warning per file."""
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read(-1 if end is None else end - start)
@@ -229,7 +238,8 @@ def read_text(path: str | os.PathLike, start: int = 0, end: int | None = None) -
         if str(path) not in _warned_files:
             _warned_files.add(str(path))
             warnings.warn(
-                f"{path}: bytes that are not UTF-8 at byte offset {start + e.start}; they are read as U+FFFD "
+                f"{path}: bytes that are not UTF-8 at byte offset {start + e.start}; they are "
+                "read as U+FFFD "
                 f"(decoded with errors='replace'). Re-encode the file as UTF-8 to keep them.",
                 DataWarning,
                 stacklevel=2,
@@ -238,7 +248,8 @@ def read_text(path: str | os.PathLike, start: int = 0, end: int | None = None) -
 
 # %% ../nbs/data/01_tokens.ipynb #d2979c24
 def text_pieces(text: str, piece_chars: int) -> Iterator[str]:
-    "Cut `text` into pieces of about `piece_chars` characters that end at a line break when one is near."
+    """Cut `text` into pieces of about `piece_chars` characters that end at a line break when one is
+    near."""
     i, n = 0, len(text)
     while i < n:
         j = min(i + piece_chars, n)
@@ -254,12 +265,14 @@ TOKEN_FILE_FORMAT, TOKEN_FILE_VERSION = "speedtronic-tokens", 1
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
-    "The smallest unsigned dtype for token ids below `vocab_size`: uint16 up to 65,536, else uint32."
+    """The smallest unsigned dtype for token ids below `vocab_size`: uint16 up to 65,536, else
+    uint32."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 def source_files(source: str | os.PathLike) -> list[Path]:
-    "The text files of `source`: the file itself, or every non-hidden file under a directory, sorted."
+    """The text files of `source`: the file itself, or every non-hidden file under a directory,
+    sorted."""
     p = Path(source).expanduser()
     if p.is_file():
         return [check_data_file(p, "source")]
@@ -293,7 +306,8 @@ class PreparedTokens:
     def __str__(self) -> str:
         n = len(self.files)
         return (
-            f"prepared {n} file{'s' if n != 1 else ''}: {self.num_tokens:,} tokens ({self.dtype}, vocab {self.vocab_size}, "
+            f"prepared {n} file{'s' if n != 1 else ''}: {self.num_tokens:,} tokens ({self.dtype}, "
+            f"vocab {self.vocab_size}, "
             f"tokenizer {self.tokenizer}) -> {self.path}"
         )
 
@@ -314,7 +328,8 @@ class _Progress:
             return
         self.last = time.monotonic()
         self.stream.write(
-            f"\rprepare: {100 * done / self.total:5.1f}%  {done / 2**20:.1f}/{self.total / 2**20:.1f} MiB  {tokens:,} tokens"
+            f"\rprepare: {100 * done / self.total:5.1f}%  "
+            f"{done / 2**20:.1f}/{self.total / 2**20:.1f} MiB  {tokens:,} tokens"
         )
         self.stream.flush()
 
@@ -325,7 +340,8 @@ class _Progress:
 
 # %% ../nbs/data/01_tokens.ipynb #0308d1ab
 def _foreign_sidecar(out: Path) -> Path | None:
-    "`<out>.json` when it exists and is not a Speedtronic token sidecar (someone else's file), else `None`."
+    """`<out>.json` when it exists and is not a Speedtronic token sidecar (someone else's file),
+    else `None`."""
     side = token_sidecar(out)
     if not side.exists():
         return None
@@ -337,11 +353,14 @@ def _foreign_sidecar(out: Path) -> Path | None:
 
 
 def check_sidecar_free(output: str | os.PathLike, overwrite: bool = False) -> None:
-    "`DataError` when writing token file `output` would replace a `<output>.json` that is not a token sidecar (unless `overwrite`)."
+    """`DataError` when writing token file `output` would replace a `<output>.json` that is not a
+    token sidecar (unless `overwrite`)."""
     if not overwrite and (side := _foreign_sidecar(Path(output).expanduser())) is not None:
         raise DataError(
-            f"{str(side)!r} already exists and is not a Speedtronic token sidecar; preparing {str(output)!r} would "
-            f"replace it with the token file's metadata. Move it away, choose another output, or pass --overwrite "
+            f"{str(side)!r} already exists and is not a Speedtronic token sidecar; preparing "
+            f"{str(output)!r} would "
+            "replace it with the token file's metadata. Move it away, choose another output, or "
+            "pass --overwrite "
             "(overwrite=True) to replace it"
         )
 
@@ -354,13 +373,15 @@ def prepare_token_file(
     progress: bool = True,
     overwrite: bool = False,  # replace an existing `<output>.json` that is not a token sidecar
 ) -> PreparedTokens:
-    "Tokenize a text file or directory once into a flat token file `output` plus its JSON sidecar `<output>.json`."
+    """Tokenize a text file or directory once into a flat token file `output` plus its JSON sidecar
+    `<output>.json`."""
     check_sidecar_free(output, overwrite)
     tok = load_tokenizer(tokenizer)
     vocab = int(getattr(tok, "vocab_size", 0) or 0)
     if vocab <= 0:
         raise DataError(
-            f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a vocab_size attribute"
+            f"tokenizer {tokenizer_spec(tok)} has no vocab_size; give a tokenizer with a "
+            "vocab_size attribute"
         )
     dtype, files = token_dtype(vocab), source_files(source)
     out = Path(output).expanduser()
@@ -374,7 +395,8 @@ def prepare_token_file(
                 ids = encode_text(tok, read_text(path, start, end))
                 if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
                     raise DataError(
-                        f"{path}: tokenizer {tokenizer_spec(tok)} produced id {int(ids.max())} outside its vocabulary of {vocab}"
+                        f"{path}: tokenizer {tokenizer_spec(tok)} produced id {int(ids.max())} "
+                        f"outside its vocabulary of {vocab}"
                     )
                 f.write(ids.astype(dtype).tobytes())
                 count, done = count + len(ids), done + end - start
@@ -415,7 +437,8 @@ def read_token_sidecar(path: str | os.PathLike) -> dict:
     side = token_sidecar(p)
     if not side.is_file():
         raise DataError(
-            f"token file {str(p)!r} has no sidecar {side.name}; (re)create it with `speedtronic prepare SOURCE {p}`"
+            f"token file {str(p)!r} has no sidecar {side.name}; (re)create it with `speedtronic "
+            f"prepare SOURCE {p}`"
         )
     try:
         meta = json.loads(
@@ -432,26 +455,31 @@ def read_token_sidecar(path: str | os.PathLike) -> dict:
     ]
     if missing or meta.get("format") != TOKEN_FILE_FORMAT:
         raise DataError(
-            f"sidecar {str(side)!r} is not a Speedtronic token sidecar (missing {missing or 'format'})"
+            f"sidecar {str(side)!r} is not a Speedtronic token sidecar (missing "
+            f"{missing or 'format'})"
         )
     for k, least in (("version", 1), ("num_tokens", 0), ("vocab_size", 1)):
         v = meta[k]
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise DataError(
-                f"sidecar {str(side)!r}: {k} must be an integer >= {least}, got {v!r}; the sidecar was edited or damaged, "
+                f"sidecar {str(side)!r}: {k} must be an integer >= {least}, got {v!r}; the "
+                "sidecar was edited or damaged, "
                 f"re-run `speedtronic prepare SOURCE {p}`"
             )
     if meta["version"] > TOKEN_FILE_VERSION:
         raise DataError(
-            f"token file {str(p)!r} has format version {meta['version']}; this Speedtronic reads up to {TOKEN_FILE_VERSION}, upgrade it"
+            f"token file {str(p)!r} has format version {meta['version']}; this Speedtronic reads "
+            f"up to {TOKEN_FILE_VERSION}, upgrade it"
         )
     if meta["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"sidecar {str(side)!r}: unsupported dtype {meta['dtype']!r}")
     expected = int(meta["num_tokens"]) * np.dtype(meta["dtype"]).itemsize
     if p.stat().st_size != expected:
         raise DataError(
-            f"token file {str(p)!r} has {p.stat().st_size} bytes but its sidecar says {meta['num_tokens']} {meta['dtype']} tokens "
-            f"({expected} bytes); the file is truncated or not the one prepared, re-run `speedtronic prepare`"
+            f"token file {str(p)!r} has {p.stat().st_size} bytes but its sidecar says "
+            f"{meta['num_tokens']} {meta['dtype']} tokens "
+            f"({expected} bytes); the file is truncated or not the one prepared, re-run "
+            "`speedtronic prepare`"
         )
     return meta
 

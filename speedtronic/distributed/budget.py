@@ -16,7 +16,8 @@ __all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_ROUND', 'MAST
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #00021c60
 @dataclass(frozen=True)
 class HubLimits:
-    "What the Hub allows: commits per hour per repository; API calls and downloads per window per account."
+    """What the Hub allows: commits per hour per repository; API calls and downloads per window per
+    account."""
 
     name: str
     commits_per_hour: float = 128
@@ -53,7 +54,8 @@ MASTER_PUBLICATION = {"api": 4, "downloads": 1}  # on top, plus one download per
 
 @dataclass(frozen=True)
 class HubBudget:
-    "What a DiLoCo configuration asks of the Hub (the 2.0 layout): per hour, per five minutes, per round."
+    """What a DiLoCo configuration asks of the Hub (the 2.0 layout): per hour, per five minutes, per
+    round."""
 
     nodes: int
     round_s: float
@@ -69,7 +71,8 @@ class HubBudget:
 
     @property
     def publications_per_hour(self) -> float:
-        "The master's publications an hour: one a round, or what each poll finds (at most one a poll)."
+        """The master's publications an hour: one a round, or what each poll finds (at most one a
+        poll)."""
         if self.whole_rounds:
             return self.rounds_per_hour
         return min(self.nodes * self.rounds_per_hour, 3600.0 / self.poll_interval)
@@ -109,7 +112,8 @@ class HubBudget:
             out.append(
                 f"{self.nodes} nodes x {self.rounds_per_hour:.1f} rounds an hour need "
                 f"{self.commits_per_hour:.0f} commits an hour on the run's repository; the Hub "
-                f"allows {lim.commits_per_hour:.0f} (plan for {HEADROOM * lim.commits_per_hour:.0f}): "
+                f"allows {lim.commits_per_hour:.0f} (plan for "
+                f"{HEADROOM * lim.commits_per_hour:.0f}): "
                 f"make rounds at least {math.ceil(fit_round / 60) * 60:.0f} s long "
                 "(distributed.inner_steps)"
                 + (f", or run at most {fit_nodes} nodes at this round length" if fit_nodes else "")

@@ -82,7 +82,8 @@ def norm_records_from_jsonl(
     *paths: str | os.PathLike,
     run_id: str | None = None,  # the run to read; `None`: in each file, the newest run
 ) -> list[NormRecord]:
-    "Records from the `delta_norms` / `outer_update_norms` lines of one run in JSONL metrics files (a malformed one is named)."
+    """Records from the `delta_norms` / `outer_update_norms` lines of one run in JSONL metrics files
+    (a malformed one is named)."""
     out = []
     for p in paths:
         lines = _json_lines(p)
@@ -97,7 +98,8 @@ def norm_records_from_jsonl(
                 out += records_from_event(str(item.get("event")), item)
             except (TypeError, ValueError, AttributeError) as e:
                 raise ValueError(
-                    f"{p}, line {n}: a {item.get('event')} record that cannot be read ({type(e).__name__}: {e}); "
+                    f"{p}, line {n}: a {item.get('event')} record that cannot be read "
+                    f"({type(e).__name__}: {e}); "
                     "it is not what a DiLoCo master writes — fix or remove that line"
                 ) from None
     return out
@@ -153,7 +155,8 @@ def norm_choices(records: Iterable[NormRecord]) -> dict[str, list]:
 def norm_series(
     records: Iterable[NormRecord], layer: str = TOTAL, nodes: Iterable[str] | None = None
 ) -> dict[str, tuple[list[int], list[float]]]:
-    "Per node (and `update`): the outer steps and norms of `layer`; a node with two deltas in one version gets both."
+    """Per node (and `update`): the outer steps and norms of `layer`; a node with two deltas in one
+    version gets both."""
     wanted = None if nodes is None else set(nodes)
     series: dict[str, tuple[list[int], list[float]]] = {}
     for r in sorted(
@@ -171,7 +174,8 @@ def norm_series(
 def layer_profile(
     records: Iterable[NormRecord], outer_step: int, node: str | None = None
 ) -> dict[str, dict[str, float]]:
-    "Per-layer norms at `outer_step`: `{'update': {layer: norm}, '<node>': {layer: norm}}` (deltas of one version are summed in quadrature)."
+    """Per-layer norms at `outer_step`: `{'update': {layer: norm}, '<node>': {layer: norm}}` (deltas
+    of one version are summed in quadrature)."""
     out: dict[str, dict[str, float]] = {}
     for r in records:
         if r.outer_step != outer_step or r.layer == TOTAL:
@@ -189,7 +193,8 @@ def norm_records(
     run_id: str
     | None = None,  # of a metrics file: the run to read (`None`: the newest in each file)
 ) -> list[NormRecord]:
-    "Records from a JSONL file, a folder of them, a transport (pending deltas) or an iterable of `NormRecord`s."
+    """Records from a JSONL file, a folder of them, a transport (pending deltas) or an iterable of
+    `NormRecord`s."""
     if callable(getattr(source, "list_deltas", None)):
         return norm_records_from_repo(source)
     if isinstance(source, (str, os.PathLike)):
@@ -216,7 +221,8 @@ def plot_delta_norms(
     figsize: tuple[float, float] = (10.0, 3.6),
     figure: Any = None,
 ) -> Any:
-    "A two-panel figure: `layer`'s norm over outer steps per node and update, and the per-layer norms at `outer_step`."
+    """A two-panel figure: `layer`'s norm over outer steps per node and update, and the per-layer
+    norms at `outer_step`."""
     records, fig = list(records), figure
     if fig is None:
         Figure = optional_import(

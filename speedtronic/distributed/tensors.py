@@ -30,7 +30,8 @@ __all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_ME
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
-    "A detached, contiguous CPU clone of `t` (unties shared storage, safe to hand to another thread)."
+    """A detached, contiguous CPU clone of `t` (unties shared storage, safe to hand to another
+    thread)."""
     return t.detach().to("cpu", copy=True).contiguous()
 
 
@@ -45,7 +46,8 @@ def floating_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
     if complex_keys:
         raise ValueError(
             f"DiLoCo deltas cannot carry complex tensors ({', '.join(complex_keys[:3])}); "
-            "keep complex state out of the model's state_dict or train this model without distributed mode"
+            "keep complex state out of the model's state_dict or train this model without "
+            "distributed mode"
         )
     return {k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
 
@@ -60,7 +62,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    "The keys whose tensor is bit for bit an earlier key's (tied weights): `{alias: the earlier key}`."
+    """The keys whose tensor is bit for bit an earlier key's (tied weights): `{alias: the earlier
+    key}`."""
     candidates: dict[tuple, list[str]] = {}
     aliases = {}
     for k, v in tensors.items():
@@ -82,7 +85,8 @@ def tensor_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
 def _stored(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None
 ) -> tuple[dict, dict[str, str]]:
-    "The CPU tensors a file stores (each distinct tensor once) and its string metadata, naming the aliases."
+    """The CPU tensors a file stores (each distinct tensor once) and its string metadata, naming the
+    aliases."""
     cpu = cpu_state_dict(tensors)
     aliases = tensor_aliases(cpu)
     meta = {str(k): str(v) for k, v in (metadata or {}).items() if str(k) != TENSOR_ALIASES}
@@ -94,7 +98,8 @@ def _stored(
 def _expanded(
     tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], where: Any
 ) -> dict[str, torch.Tensor]:
-    "`tensors` with every alias the metadata names restored as its own copy; `ValueError` naming `where` if the list is wrong."
+    """`tensors` with every alias the metadata names restored as its own copy; `ValueError` naming
+    `where` if the list is wrong."""
     raw = metadata.get(TENSOR_ALIASES)
     if not raw:
         return tensors
@@ -107,7 +112,8 @@ def _expanded(
         for a, k in aliases.items()
     ):
         raise ValueError(
-            f"{where}: header {TENSOR_ALIASES} must map keys not in the file to keys in it, got {raw[:200]!r}"
+            f"{where}: header {TENSOR_ALIASES} must map keys not in the file to keys in it, got "
+            f"{raw[:200]!r}"
         )
     return {**tensors, **{a: tensors[k].clone() for a, k in aliases.items()}}
 
@@ -115,7 +121,8 @@ def _expanded(
 def save_safetensors(
     tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, Any] | None = None
 ) -> Path:
-    "Write `tensors` (CPU copies, a tied tensor once) with string `metadata` to `path` atomically; returns the path."
+    """Write `tensors` (CPU copies, a tied tensor once) with string `metadata` to `path` atomically;
+    returns the path."""
     return atomic_write_bytes(safetensors_bytes(tensors, metadata), path)
 
 
@@ -140,7 +147,8 @@ def read_metadata(path: str | Path) -> dict[str, str]:
 
 
 def load_delta(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    "`(tensors, header)` of a delta file; `ValueError` naming the file when it is not readable safetensors."
+    """`(tensors, header)` of a delta file; `ValueError` naming the file when it is not readable
+    safetensors."""
     try:
         read_safetensors_header(path)  # bounded: a lying length field never reaches the body
         data = Path(path).read_bytes()
@@ -156,14 +164,16 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 
 
 def _header_length(first: bytes, size: int, where: Any) -> int:
-    "The header length the first 8 bytes of a `size`-byte file give; `ValueError` when it cannot be true."
+    """The header length the first 8 bytes of a `size`-byte file give; `ValueError` when it cannot
+    be true."""
     if len(first) < 8:
         raise ValueError(f"{where}: {size} bytes, too short for a safetensors file")
     n = int.from_bytes(first[:8], "little")
     if n > min(MAX_HEADER_BYTES, size - 8):
         raise ValueError(
             f"{where}: its header length field says {n} bytes, but the file holds {size} bytes "
-            f"in all and a header is at most {MAX_HEADER_BYTES}: not a safetensors file, or a damaged one"
+            f"in all and a header is at most {MAX_HEADER_BYTES}: not a safetensors file, or a "
+            "damaged one"
         )
     return n
 
@@ -190,7 +200,8 @@ def _header(data: bytes, where: Any = "safetensors bytes") -> dict[str, str]:
 
 
 def read_safetensors_header(path: str | Path, where: Any = None) -> tuple[dict[str, Any], int]:
-    "`(header JSON, bytes of tensor data after it)` of a safetensors file, its body unread; `ValueError` naming `where` (default the path)."
+    """`(header JSON, bytes of tensor data after it)` of a safetensors file, its body unread;
+    `ValueError` naming `where` (default the path)."""
     where, path = where or path, Path(path)
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -228,7 +239,8 @@ def _entry_fits(e: Any) -> bool:
 def tensor_layout(
     header: Mapping[str, Any], body_bytes: int, where: Any
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    "Each stored tensor's `(dtype, shape)` as `header` declares it; `ValueError` unless the entries tile the `body_bytes` exactly."
+    """Each stored tensor's `(dtype, shape)` as `header` declares it; `ValueError` unless the
+    entries tile the `body_bytes` exactly."""
     spans, out = [], {}
     for k, e in header.items():
         if k == "__metadata__":
@@ -318,7 +330,8 @@ def step_count_text(metadata: GlobalMetadata, extras: Mapping[str, Any] | None =
 
 
 def parse_step_count(text: str | bytes) -> tuple[GlobalMetadata, dict[str, Any]]:
-    "`(GlobalMetadata, extras)` from the text of `global/step_count.json`; `ValueError` when it is not one."
+    """`(GlobalMetadata, extras)` from the text of `global/step_count.json`; `ValueError` when it is
+    not one."""
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -328,7 +341,8 @@ def parse_step_count(text: str | bytes) -> tuple[GlobalMetadata, dict[str, Any]]
     meta = GlobalMetadata.from_dict(data)
     if meta.model_file != GLOBAL_MODEL_PATH:
         raise ValueError(
-            f"{GLOBAL_METADATA_PATH} points at model_file {meta.model_file!r}; only {GLOBAL_MODEL_PATH} is followed"
+            f"{GLOBAL_METADATA_PATH} points at model_file {meta.model_file!r}; only "
+            f"{GLOBAL_MODEL_PATH} is followed"
         )
     return meta, {
         k: v for k, v in data.items() if k not in ("outer_step", "step", "updated_at", "model_file")
@@ -338,18 +352,21 @@ def parse_step_count(text: str | bytes) -> tuple[GlobalMetadata, dict[str, Any]]
 def compute_pseudo_gradient(
     baseline: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    "`fp32(baseline) − fp32(current)` for every floating key; `ValueError` when keys or shapes differ."
+    """`fp32(baseline) − fp32(current)` for every floating key; `ValueError` when keys or shapes
+    differ."""
     missing, extra = sorted(set(baseline) - set(current)), sorted(set(current) - set(baseline))
     if missing or extra:
         raise ValueError(
-            f"baseline and model differ: missing in the model {missing[:5]}, not in the baseline {extra[:5]}"
+            f"baseline and model differ: missing in the model {missing[:5]}, not in the baseline "
+            f"{extra[:5]}"
         )
     floats = floating_state(baseline)
     if (
         k := next((k for k, b in floats.items() if tuple(b.shape) != tuple(current[k].shape)), None)
     ) is not None:
         raise ValueError(
-            f"{k}: baseline shape {tuple(floats[k].shape)} differs from the model's {tuple(current[k].shape)}"
+            f"{k}: baseline shape {tuple(floats[k].shape)} differs from the model's "
+            f"{tuple(current[k].shape)}"
         )
     return {
         k: b.detach().float().cpu() - current[k].detach().float().cpu() for k, b in floats.items()
@@ -386,7 +403,8 @@ def encode_delta(
 
 
 def decode_delta(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    "The float32 delta that wire `tensors` stand for (any of the encodings; scales applied to int8)."
+    """The float32 delta that wire `tensors` stand for (any of the encodings; scales applied to
+    int8)."""
     out = {}
     for k, v in tensors.items():
         if k.endswith(INT8_SCALE):
@@ -405,7 +423,8 @@ def decode_delta(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def wire_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    "Bytes of tensor data a file of `tensors` holds: each distinct tensor once (the file adds a small header)."
+    """Bytes of tensor data a file of `tensors` holds: each distinct tensor once (the file adds a
+    small header)."""
     aliases = tensor_aliases(tensors)
     return sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in aliases)
 
@@ -488,7 +507,8 @@ def check_delta_wire(
     header: Mapping[str, str],
     shapes: Mapping[str, tuple[int, ...]],
 ) -> None:
-    "Refuse (`DeltaRejected`) a delta whose tensors `{name: (dtype, shape)}` are not the model's floating `shapes` in the header's `encoding`."
+    """Refuse (`DeltaRejected`) a delta whose tensors `{name: (dtype, shape)}` are not the model's
+    floating `shapes` in the header's `encoding`."""
     keys = {k for k in tensors if not k.endswith(INT8_SCALE)}
     if keys != set(shapes):
         raise DeltaRejected(
@@ -541,7 +561,8 @@ def check_delta_wire(
 def read_delta_header(
     path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
 ) -> dict[str, str]:
-    "The header of the delta at repository `path` (stored at `local`), its tensors checked against `shapes` before the body is read."
+    """The header of the delta at repository `path` (stored at `local`), its tensors checked against
+    `shapes` before the body is read."""
     try:
         raw, body = read_safetensors_header(local, path)
         layout = tensor_layout(raw, body, path)
@@ -565,7 +586,8 @@ def check_delta(
     header: Mapping[str, str],
     shapes: Mapping[str, tuple[int, ...]],
 ) -> CheckedDelta:
-    "Validate delta `tensors`/`header` found at repository `path` against the global floating `shapes`."
+    """Validate delta `tensors`/`header` found at repository `path` against the global floating
+    `shapes`."""
     where = parse_delta_path(path)
     if where is None:
         raise DeltaRejected(
@@ -575,7 +597,8 @@ def check_delta(
     if header.get("node_id", node) != node or _header_int(header, "local_step", path, step) != step:
         raise DeltaRejected(
             "header",
-            f"{path}: header says node {header.get('node_id')!r} step {header.get('local_step')!r}, "
+            f"{path}: header says node {header.get('node_id')!r} step "
+            f"{header.get('local_step')!r}, "
             f"the path says node {node!r} step {step}",
         )
     base, inner = (
@@ -627,7 +650,8 @@ def average_deltas(
     weights = [1.0] * len(deltas) if weights is None else [float(w) for w in weights]
     if len(weights) != len(deltas) or sum(weights) <= 0 or min(weights) < 0:
         raise ValueError(
-            f"average_deltas needs one non-negative weight per delta with a positive sum, got {weights}"
+            "average_deltas needs one non-negative weight per delta with a positive sum, got "
+            f"{weights}"
         )
     first, total = deltas[0], sum(weights)
     for i, d in enumerate(deltas):
@@ -646,7 +670,8 @@ def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
 
 
 def layer_of(key: str) -> str:
-    "The layer a state key belongs to: up to its first numeric part, else its module (the key without its last part)."
+    """The layer a state key belongs to: up to its first numeric part, else its module (the key
+    without its last part)."""
     parts = key.split(".")
     for i, p in enumerate(parts[:-1]):
         if p.isdigit():
@@ -663,12 +688,16 @@ def layer_norms(delta: Mapping[str, torch.Tensor]) -> dict[str, float]:
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #1790c7e6
 def state_misfit(live: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> str | None:
-    "The first tensor where global `state` does not fit the model's `live` state, in words (None when it fits)."
+    """The first tensor where global `state` does not fit the model's `live` state, in words (None
+    when it fits)."""
     for k, v in live.items():
         if k not in state:
             return f"tensor {k!r} {tuple(v.shape)} of this model is not in the global"
         if tuple(state[k].shape) != tuple(v.shape):
-            return f"tensor {k!r} has shape {tuple(v.shape)} here and {tuple(state[k].shape)} in the global"
+            return (
+                f"tensor {k!r} has shape {tuple(v.shape)} here and {tuple(state[k].shape)} in "
+                "the global"
+            )
     extra = next((k for k in state if k not in live), None)
     return (
         None
