@@ -1,26 +1,44 @@
 """DumbDiLoCo against synchronous training at equal tokens, on one machine.
 
-A master and 3 workers run as separate `speedtronic train` processes and meet in a repository — a shared
-directory, and the loopback Hub stand-in of tests/hub_server.py driven by the real `huggingface_hub` client.
-Each node reads its own quarter of real English text (the standard library's docstrings) in batches of B; the
-synchronous baseline is one process reading the same batches together (batch 4·B, the same tokens in the same
-order) for the same number of steps. A lockstep row runs DiLoCo synchronously in this process (the same nodes, shards
-and inner steps; every round folds all nodes' deltas, none stale): the gap between it and the baseline is the
-algorithm's, the gap between it and the DiLoCo runs is asynchrony's. Printed side by side: the held-out loss of the
-final global model and of the baseline, the deltas uploaded and folded, the versions published, bytes per delta and
-wall time. A "2.0 keys" row runs the nodes on the distributed keys a Speedtronic 2.0 user writes (outer lr 0.7, Nesterov
-momentum 0.9, every newer key at its default) with a contiguous part of the training text per node, as a 2.0 user
-shards. A whole-round row with float32 deltas (directory) beside the bfloat16 one shows what the smaller wire format
-costs. Wire rows give the bytes of one delta of this model in each delta dtype (the library's own encoding).
+A master and 3 workers run as separate `speedtronic train` processes and meet in a repository — a
+shared
+directory, and the loopback Hub stand-in of tests/hub_server.py driven by the real `huggingface_hub`
+client.
+Each node reads its own quarter of real English text (the standard library's docstrings) in batches
+of B; the
+synchronous baseline is one process reading the same batches together (batch 4·B, the same tokens in
+the same
+order) for the same number of steps. A lockstep row runs DiLoCo synchronously in this process (the
+same nodes, shards
+and inner steps; every round folds all nodes' deltas, none stale): the gap between it and the
+baseline is the
+algorithm's, the gap between it and the DiLoCo runs is asynchrony's. Printed side by side: the
+held-out loss of the
+final global model and of the baseline, the deltas uploaded and folded, the versions published,
+bytes per delta and
+wall time. A "2.0 keys" row runs the nodes on the distributed keys a Speedtronic 2.0 user writes
+(outer lr 0.7, Nesterov
+momentum 0.9, every newer key at its default) with a contiguous part of the training text per node,
+as a 2.0 user
+shards. A whole-round row with float32 deltas (directory) beside the bfloat16 one shows what the
+smaller wire format
+costs. Wire rows give the bytes of one delta of this model in each delta dtype (the library's own
+encoding).
 The one table printed at the end is the place the docs cite measured DiLoCo numbers from.
 
-    python bench/bench_diloco.py                  # baseline, directory and Hub runs, 3 seeds (tens of minutes on 2 cores)
-    python bench/bench_diloco.py --compare        # also staleness policies and delta dtypes (directory)
+    python bench/bench_diloco.py
+    # baseline, directory and Hub runs, 3 seeds (tens of minutes on 2 cores)
+    python bench/bench_diloco.py --compare
+    # also staleness policies and delta dtypes (directory)
     python bench/bench_diloco.py --steps 400 --inner-steps 25
-    python bench/bench_diloco.py --seeds 1,2,3,4,5    # every row once per seed: single runs of a tiny model vary by several %
+    python bench/bench_diloco.py --seeds 1,2,3,4,5
+    # every row once per seed: single runs of a tiny model vary by several %
+
     # the run 2.0 was measured on (master + 2 workers, 200 steps, inner_steps 10): plain averaging, whole rounds and 2.0's
+
     # keys on the Hub, one seed (about 5 minutes on 2 busy cores; add --transports directory,hub for the directory rows)
-    OMP_NUM_THREADS=1 python bench/bench_diloco.py --nodes 3 --steps 200 --inner-steps 10 --transports hub --seeds 1234
+    OMP_NUM_THREADS=1 python bench/bench_diloco.py --nodes 3 --steps 200 --inner-steps 10
+    --transports hub --seeds 1234
 """
 
 from __future__ import annotations
@@ -54,7 +72,8 @@ TOKEN = "hf_bench_token"
 
 
 def prepare_text(work: Path) -> tuple[Path, Path]:
-    "The demo corpus split into a training file (90%) and a held-out file (10%, cut at a paragraph)."
+    """The demo corpus split into a training file (90%) and a held-out file (10%, cut at a
+    paragraph)."""
     text = demo_corpus_text().encode("utf-8")
     cut = text.index(b"\n\n", int(len(text) * 0.9)) + 2
     train, held = work / "train.txt", work / "held_out.txt"
@@ -120,8 +139,10 @@ def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
         **(env or {}),
     }
     log = open(cfg.with_suffix(".log"), "w")
-    # training runs below the bench process, which serves the Hub stand-in: like the real Hub, the repository does not
-    # compete with the nodes for this machine's cores (every training process, the baseline too, gets the same priority)
+    # training runs below the bench process, which serves the Hub stand-in: like the real Hub, the
+    # repository does not
+    # compete with the nodes for this machine's cores (every training process, the baseline too,
+    # gets the same priority)
     proc = subprocess.Popen(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
         cwd=ROOT,
@@ -153,7 +174,8 @@ def wait_for_line(procs: list[subprocess.Popen], text: str, what: str) -> None:
             for p in procs:
                 p.kill()
             raise SystemExit(
-                f"{what} did not write {text!r} within 5 minutes; see {', '.join(str(p.log) for p in procs)}"
+                f"{what} did not write {text!r} within 5 minutes; see "
+                f"{', '.join(str(p.log) for p in procs)}"
             )
         time.sleep(0.05)
 
@@ -172,7 +194,8 @@ def events(path: Path, name: str) -> list[dict]:
 
 
 def held_out_loss(cfg: dict, state: dict, held: Path) -> float:
-    "The library's held-out evaluation (`speedtronic.evaluation`) of `state` on the held-out text file `held`."
+    """The library's held-out evaluation (`speedtronic.evaluation`) of `state` on the held-out text
+    file `held`."""
     from speedtronic.evaluation import build_evaluator
 
     config = SpeedtronicConfig.from_dict({**cfg, "eval": {"text_path": str(held)}})
@@ -198,7 +221,8 @@ def run_baseline(args, work: Path, train: Path, held: Path) -> dict:
 
 
 def run_lockstep(args, work: Path, train: Path, held: Path) -> dict:
-    "Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta folded at once, none stale."
+    """Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta
+    folded at once, none stale."""
     from speedtronic.distributed.diloco import NodeShard
     from speedtronic.distributed.outer import Contribution, OuterUpdate
     from speedtronic.distributed.tensors import compute_pseudo_gradient, cpu_state_dict
@@ -239,14 +263,17 @@ def run_lockstep(args, work: Path, train: Path, held: Path) -> dict:
             if args.reset_inner:
                 trainer.optimizer.state.clear()
     return {
-        "name": f"lockstep DiLoCo outer {args.outer_lr:g}/{args.outer_momentum:g}{' reset' if args.reset_inner else ''} (in-process)",
+        "name": "lockstep DiLoCo outer "
+        f"{args.outer_lr:g}/{args.outer_momentum:g}{' reset' if args.reset_inner else ''} "
+        "(in-process)",
         "loss": held_out_loss(cfg, state, held),
         "wall": time.perf_counter() - start,
     }
 
 
 def node_texts(train: Path, nodes: int) -> list[Path]:
-    "`train` cut at paragraphs into `nodes` contiguous files of about equal size: a 2.0 user's one file per node."
+    """`train` cut at paragraphs into `nodes` contiguous files of about equal size: a 2.0 user's one
+    file per node."""
     text, cuts = train.read_bytes(), [0]
     for i in range(1, nodes):
         cuts.append(text.index(b"\n\n", len(text) * i // nodes) + 2)
@@ -258,7 +285,8 @@ def node_texts(train: Path, nodes: int) -> list[Path]:
 
 
 def v2_distributed(args, name: str, role: str, repo: str) -> dict:
-    "The distributed section a 2.0 user writes (2.0's outer defaults 0.7 / 0.9 spelled out, as 2.0's docs do)."
+    """The distributed section a 2.0 user writes (2.0's outer defaults 0.7 / 0.9 spelled out, as
+    2.0's docs do)."""
     return {
         "enabled": True,
         "mode": "dumb_diloco",
@@ -339,7 +367,8 @@ def run_diloco(
         if hub:
             hub.create(repo, private=True)  # made on the website before the run
         start = time.perf_counter()
-        # the workers start first and wait for the master's first global: on a 10-second run, the seconds a process takes
+        # the workers start first and wait for the master's first global: on a 10-second run, the
+        # seconds a process takes
         # to start would otherwise let one node train alone for most of it
         procs = [launch(path, env) for _, path in configs[1:]]
         wait_for_line(procs, "waiting for the master", f"the {tag} workers")
@@ -383,7 +412,8 @@ def run_diloco(
     name = (
         f"{transport} 2.0 keys: outer 0.7/0.9 reset, a file per node"
         if v2_keys
-        else f"{transport} {staleness} {dtype} outer {outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}"
+        else f"{transport} {staleness} {dtype} outer "
+        f"{outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}"
         f"{f' wait {boundary_wait:g}s' if boundary_wait else ''}"
     )
     return {
@@ -402,7 +432,8 @@ def run_diloco(
 
 
 def wire_rows(cfg: dict, trained: dict) -> list[dict]:
-    "The bytes of one delta file of this model (init minus `trained`) in each delta dtype, as a node writes it."
+    """The bytes of one delta file of this model (init minus `trained`) in each delta dtype, as a
+    node writes it."""
     from speedtronic.distributed.tensors import (
         delta_header,
         encode_delta,
@@ -434,7 +465,8 @@ def wire_rows(cfg: dict, trained: dict) -> list[dict]:
 
 
 def load_safetensors_bytes(data: bytes) -> dict:
-    "The tensors of a global file's bytes, read by our own loader (it restores tied tensors stored once)."
+    """The tensors of a global file's bytes, read by our own loader (it restores tied tensors stored
+    once)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "global.safetensors"
         path.write_bytes(data)
@@ -460,7 +492,8 @@ def main(argv=None) -> None:
         "--boundary-wait",
         type=float,
         default=30.0,
-        help="distributed.boundary_wait of the extra waiting runs of each transport (0: no such runs)",
+        help="distributed.boundary_wait of the extra waiting runs of each transport (0: no such "
+        "runs)",
     )
     parser.add_argument(
         "--compare",
@@ -498,8 +531,10 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     train, held = prepare_text(work)
     print(
-        f"{args.nodes} nodes x {args.steps} steps, inner_steps {args.inner_steps}, node batch {args.batch} x {args.block} bytes; "
-        f"{train.stat().st_size / 1e3:.0f} kB training text, {held.stat().st_size / 1e3:.0f} kB held out; seeds {seeds}",
+        f"{args.nodes} nodes x {args.steps} steps, inner_steps {args.inner_steps}, node batch "
+        f"{args.batch} x {args.block} bytes; "
+        f"{train.stat().st_size / 1e3:.0f} kB training text, {held.stat().st_size / 1e3:.0f} kB "
+        f"held out; seeds {seeds}",
         flush=True,
     )
     plan = [dict(transport=t) for t in args.transports.split(",") if t]
@@ -530,7 +565,8 @@ def main(argv=None) -> None:
         base = run_baseline(args, here, train, held)
         lockstep = run_lockstep(args, here, train, held)
         print(
-            f"  seed {seed}: baseline {base['loss']:.4f} ({base['wall']:.0f} s), lockstep {lockstep['loss']:.4f}",
+            f"  seed {seed}: baseline {base['loss']:.4f} ({base['wall']:.0f} s), lockstep "
+            f"{lockstep['loss']:.4f}",
             flush=True,
         )
         for r in (base, lockstep):
@@ -543,7 +579,8 @@ def main(argv=None) -> None:
                 r["ratio"] = r["loss"] / base["loss"]
                 rows.setdefault(r["name"], []).append(r)
                 print(
-                    f"  seed {seed}: {r['name']} held-out loss {r['loss']:.4f} ({r['ratio']:.3f}x the baseline, {r['wall']:.0f} s)",
+                    f"  seed {seed}: {r['name']} held-out loss {r['loss']:.4f} ({r['ratio']:.3f}x "
+                    f"the baseline, {r['wall']:.0f} s)",
                     flush=True,
                 )
     for r in wire:
@@ -557,14 +594,16 @@ def print_table(rows: dict[str, list[dict]]) -> None:
     "The one table of measured numbers: a line per row, means over its runs (seeds x repeats)."
     print()
     print(
-        f"{'run':56s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'uploaded':>8s} {'folded':>6s} {'versions':>8s} "
+        f"{'run':56s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'uploaded':>8s} "
+        f"{'folded':>6s} {'versions':>8s} "
         f"{'commits/v':>9s} {'delta kB':>8s} {'global kB':>9s} {'wall s':>6s}"
     )
     for name, runs in rows.items():
         mean = lambda key: sum(r[key] for r in runs) / len(runs)
         if "loss" not in runs[0]:  # a wire row: bytes only
             print(
-                f"{name:56s} {'':8s} {'':7s} {'':13s} {'':8s} {'':6s} {'':8s} {'':9s} {mean('delta_kb'):8.1f}"
+                f"{name:56s} {'':8s} {'':7s} {'':13s} {'':8s} {'':6s} {'':8s} {'':9s} "
+                f"{mean('delta_kb'):8.1f}"
             )
             continue
         ratios = [r["ratio"] for r in runs]
@@ -573,19 +612,27 @@ def print_table(rows: dict[str, list[dict]]) -> None:
         if "versions" in runs[0]:
             per_version = (mean("node_commits") + mean("master_commits")) / max(1, mean("versions"))
             extra = (
-                f"{mean('uploaded'):8.1f} {mean('folded'):6.1f} {mean('versions'):8.1f} {per_version:9.2f} {mean('delta_kb'):8.1f} "
+                f"{mean('uploaded'):8.1f} {mean('folded'):6.1f} {mean('versions'):8.1f} "
+                f"{per_version:9.2f} {mean('delta_kb'):8.1f} "
                 f"{mean('global_kb'):9.1f}"
             )
         print(
-            f"{name:56s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):6.3f}x {spread:>13s} {extra} {mean('wall'):6.0f}"
+            f"{name:56s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):6.3f}x {spread:>13s} "
+            f"{extra} {mean('wall'):6.0f}"
         )
     print(
-        "\nvs sync = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) of held-out loss / the same "
-        "seed's synchronous baseline; range = the lowest and highest of them. uploaded = deltas the nodes uploaded; folded = "
-        "deltas the master folded into a published global; versions = published global versions; commits/v = (node deltas + "
-        "master publications) per version; delta kB = one delta on the wire; global kB = the weights published each version "
-        "(each node downloads it); outer a/b = outer_lr/outer_momentum; reset = reset_inner_optimizer; wait = "
-        "distributed.boundary_wait (whole rounds); 2.0 keys = only the distributed keys of a 2.0 config, the rest at defaults"
+        "\nvs sync = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) "
+        "of held-out loss / the same "
+        "seed's synchronous baseline; range = the lowest and highest of them. uploaded = deltas "
+        "the nodes uploaded; folded = "
+        "deltas the master folded into a published global; versions = published global versions; "
+        "commits/v = (node deltas + "
+        "master publications) per version; delta kB = one delta on the wire; global kB = the "
+        "weights published each version "
+        "(each node downloads it); outer a/b = outer_lr/outer_momentum; reset = "
+        "reset_inner_optimizer; wait = "
+        "distributed.boundary_wait (whole rounds); 2.0 keys = only the distributed keys of a 2.0 "
+        "config, the rest at defaults"
     )
 
 

@@ -1,10 +1,15 @@
 """Held-out evaluation's cost per training step: the same run with and without `eval`, side by side.
 
-Both runs train the README demo's model (configs/demo.yaml: its text, its tenth held out) for `--steps` steps;
-the one with `eval` evaluates every `--every` steps on `--batches` held-out batches (and once at the end). Runs
-alternate inside one process after a warm-up. The script prints the median seconds per training step of each,
-what evaluation adds per step in all (its batches included) and outside its own batches (the evaluator's
-set-up, the loader reset, the RNG save/restore: the total minus the `eval_s` the records report), and checks the
+Both runs train the README demo's model (configs/demo.yaml: its text, its tenth held out) for
+`--steps` steps;
+the one with `eval` evaluates every `--every` steps on `--batches` held-out batches (and once at the
+end). Runs
+alternate inside one process after a warm-up. The script prints the median seconds per training step
+of each,
+what evaluation adds per step in all (its batches included) and outside its own batches (the
+evaluator's
+set-up, the loader reset, the RNG save/restore: the total minus the `eval_s` the records report),
+and checks the
 two runs' training losses are bit-identical.
 
     OMP_NUM_THREADS=1 python bench/bench_eval.py                 # CPU, about a minute
@@ -31,7 +36,8 @@ from speedtronic.runtime import build_runtime  # noqa: E402
 
 
 def config(folder: Path, steps: int, every: int | None, batches: int) -> dict:
-    "The demo config in `folder`: `steps` steps, no checkpoints or log files; `eval` every `every` steps (None: no eval)."
+    """The demo config in `folder`: `steps` steps, no checkpoints or log files; `eval` every `every`
+    steps (None: no eval)."""
     raw = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     raw["run"].update(max_steps=steps, output_dir=str(folder / "run"))
     raw["data"]["text_path"] = str(folder / "stdlib_docs.txt")  # written once, on first use
@@ -72,8 +78,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print(
-        f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads (OMP_NUM_THREADS="
-        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}); demo model, {args.steps} steps, eval every {args.every} "
+        f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads "
+        "(OMP_NUM_THREADS="
+        f"{os.environ.get('OMP_NUM_THREADS', 'unset')}); demo model, {args.steps} steps, eval "
+        f"every {args.every} "
         f"steps on {args.batches} held-out batches of 16 x 64 tokens"
     )
     with tempfile.TemporaryDirectory() as d:
@@ -102,12 +110,15 @@ def main() -> None:
     print(f"{'run':10} {'s/step':>10}")
     print(f"{'no eval':10} {plain / n * 1e3:8.2f}ms")
     print(
-        f"{'eval':10} {with_eval / n * 1e3:8.2f}ms   ({n // args.every + (n % args.every != 0)} evaluations, "
+        f"{'eval':10} {with_eval / n * 1e3:8.2f}ms   ({n // args.every + (n % args.every != 0)} "
+        "evaluations, "
         f"{evals * 1e3:.1f} ms inside them in all)"
     )
     print(
-        f"evaluation adds {(with_eval - plain) / n * 1e3:.2f} ms per training step with its batches "
-        f"({(with_eval / plain - 1) * 100:.1f}%), {(with_eval - evals - plain) / n * 1e3:.3f} ms without them; "
+        f"evaluation adds {(with_eval - plain) / n * 1e3:.2f} ms per training step with its "
+        "batches "
+        f"({(with_eval / plain - 1) * 100:.1f}%), {(with_eval - evals - plain) / n * 1e3:.3f} ms "
+        "without them; "
         "training losses bit-identical"
     )
 

@@ -1,11 +1,15 @@
-"""Out-of-order backprop on a GPU: forward+backward time with and without the CUDA stream stage scheduler.
+"""Out-of-order backprop on a GPU: forward+backward time with and without the CUDA stream stage
+scheduler.
 
     python bench/bench_ooo.py                  # needs CUDA; prints a note and exits 0 elsewhere
     python bench/bench_ooo.py --rounds 5 --steps 30 --streams 2 4 8
 
-Models: the reference transformer (mostly a chain: little to overlap) and a four-branch MLP (independent branches
-fed by one input: the case stream scheduling is for), each in fp32 and bf16 autocast. Rounds alternate between the
-plain and the scheduled loop on the same model and batch; the ratio of their median step times is printed
+Models: the reference transformer (mostly a chain: little to overlap) and a four-branch MLP
+(independent branches
+fed by one input: the case stream scheduling is for), each in fp32 and bf16 autocast. Rounds
+alternate between the
+plain and the scheduled loop on the same model and batch; the ratio of their median step times is
+printed
 (>1 means the scheduler is faster). Gradients are checked equal before timing.
 """
 
@@ -93,7 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(
-            "bench_ooo: CUDA is not available here; the stream scheduler is a no-op off CUDA, nothing to measure"
+            "bench_ooo: CUDA is not available here; the stream scheduler is a no-op off CUDA, "
+            "nothing to measure"
         )
         return
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")

@@ -1,17 +1,27 @@
-"""Optimizers on real text: held-out loss at equal tokens, each at its best learning rate and at one shared rate,
+"""Optimizers on real text: held-out loss at equal tokens, each at its best learning rate and at one
+shared rate,
 plus the time per training step of each next to AdamW's.
 
-    python bench/bench_optimizers.py                          # default: about 10-15 minutes on 2 CPU cores
-    python bench/bench_optimizers.py --steps 60 --lrs 5e-3    # quicker: fewer steps, one learning rate
+    python bench/bench_optimizers.py
+    # default: about 10-15 minutes on 2 CPU cores
+    python bench/bench_optimizers.py --steps 60 --lrs 5e-3
+    # quicker: fewer steps, one learning rate
 
-Every run trains the README demo model (configs/demo.yaml: 3 layers, 96 wide, byte vocabulary, batches of
-16 x 64 tokens, warmup then cosine) through the real runtime (`speedtronic.runtime.build_runtime`) on the
-standard-library docstring corpus (`speedtronic.runtime.demo_corpus_text`), from the same initial weights and in
-the same data order, for the same number of steps. The last 10% of the corpus is held out; the loss reported is the
-mean cross-entropy (nats per byte) on fixed held-out windows after training. `--shared-lr` (default: the demo
-config's 5e-3) is the "one config lr for every optimizer" column; the sweep picks each optimizer's best lr. Muon
+Every run trains the README demo model (configs/demo.yaml: 3 layers, 96 wide, byte vocabulary,
+batches of
+16 x 64 tokens, warmup then cosine) through the real runtime (`speedtronic.runtime.build_runtime`)
+on the
+standard-library docstring corpus (`speedtronic.runtime.demo_corpus_text`), from the same initial
+weights and in
+the same data order, for the same number of steps. The last 10% of the corpus is held out; the loss
+reported is the
+mean cross-entropy (nats per byte) on fixed held-out windows after training. `--shared-lr` (default:
+the demo
+config's 5e-3) is the "one config lr for every optimizer" column; the sweep picks each optimizer's
+best lr. Muon
 with 2.0's update scale is run at the shared lr only, to show what 2.0's default did.
-Step times are measured side by side afterwards: the variants take turns, a few steps each, over several rounds,
+Step times are measured side by side afterwards: the variants take turns, a few steps each, over
+several rounds,
 and the median of each is divided by AdamW's.
 """
 
@@ -47,7 +57,8 @@ VARIANTS = {
 
 
 def demo_config(train_file: Path, out: Path, optimizer: dict, lr: float, steps: int) -> dict:
-    "configs/demo.yaml with the bench's corpus, optimizer, lr and step count; no checkpoints, quiet logging."
+    """configs/demo.yaml with the bench's corpus, optimizer, lr and step count; no checkpoints,
+    quiet logging."""
     raw = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     raw["run"].update(max_steps=steps, output_dir=str(out))
     raw["data"]["text_path"] = str(train_file)
@@ -100,7 +111,8 @@ def train(
 
 
 def step_times(train_file: Path, lr: float, rounds: int, steps: int) -> dict[str, float]:
-    "Median seconds per training step of each variant, measured in turns on the same model and batch."
+    """Median seconds per training step of each variant, measured in turns on the same model and
+    batch."""
     trainers = {}
     for name, optimizer in VARIANTS.items():
         trainer, _ = build_runtime(
@@ -156,8 +168,10 @@ def main() -> None:
     train_file.write_text(text[:cut], encoding="utf-8")
     windows = held_out_batches(text[cut:])
     print(
-        f"corpus: {len(text):,} characters ({cut:,} train, {len(text) - cut:,} held out); {args.steps} steps of "
-        f"16 x 64 tokens = {args.steps * 1024:,} tokens per run; lrs {lrs}; torch {torch.__version__}, "
+        f"corpus: {len(text):,} characters ({cut:,} train, {len(text) - cut:,} held out); "
+        f"{args.steps} steps of "
+        f"16 x 64 tokens = {args.steps * 1024:,} tokens per run; lrs {lrs}; torch "
+        f"{torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
     results: dict[str, dict[float, dict]] = {}
@@ -174,7 +188,8 @@ def main() -> None:
             )
             results[name][lr] = r
             print(
-                f"  {name:<18} lr {lr:<8g} held-out {r['held_out']:.4f}  train {r['train']:.4f}  ({r['seconds']:.0f} s)",
+                f"  {name:<18} lr {lr:<8g} held-out {r['held_out']:.4f}  train {r['train']:.4f}  "
+                f"({r['seconds']:.0f} s)",
                 flush=True,
             )
     times = (
@@ -187,7 +202,8 @@ def main() -> None:
     )
     print()
     header = (
-        f"| optimizer | best lr | held-out loss at best lr | held-out loss at lr {args.shared_lr:g} | "
+        "| optimizer | best lr | held-out loss at best lr | held-out loss at lr "
+        f"{args.shared_lr:g} | "
         f"step time (ms) | vs AdamW |"
     )
     print(header)

@@ -1,30 +1,51 @@
-"""Tokens/s and peak memory per rank of one process against torchrun jobs of N processes, ddp and fsdp side by side.
+"""Tokens/s and peak memory per rank of one process against torchrun jobs of N processes, ddp and
+fsdp side by side.
 
-    python bench/bench_parallel.py                           # CPU: 1 process vs 2 ranks, ddp and fsdp (gloo), a small model
-    python bench/bench_parallel.py --preset medium --steps 6 # CPU: a model whose state outweighs the interpreter (memory ratio)
-    python bench/bench_parallel.py --device cuda --nproc 8   # GPU machine: 1 vs 8 GPUs (NCCL), a bigger model
-    python bench/bench_parallel.py --device cuda --nproc 2 4 8 --preset large --steps 60 --strategy fsdp
+    python bench/bench_parallel.py
+    # CPU: 1 process vs 2 ranks, ddp and fsdp (gloo), a small model
+    python bench/bench_parallel.py --preset medium --steps 6 # CPU: a model whose state outweighs
+    the interpreter (memory ratio)
+    python bench/bench_parallel.py --device cuda --nproc 8
+    # GPU machine: 1 vs 8 GPUs (NCCL), a bigger model
+    python bench/bench_parallel.py --device cuda --nproc 2 4 8 --preset large --steps 60 --strategy
+    fsdp
 
-Every rank keeps the same micro batch and accumulation, so N processes train a global batch N times larger
-(weak scaling, how data parallelism is used). Each run trains the config through this script (`--worker`:
-`build_runtime` and `fit`, as `speedtronic train` does; the 1-process run without torchrun, the others under
-`python -m torch.distributed.run`), and every rank writes its memory numbers to a JSON file; a run's tokens/s is read from rank 0's JSONL, which holds the
-whole job's tokens, between the end of the warm-up steps and the last step (start-up, compile and the first
-steps are left out). The table shows each job's tokens/s, its speed-up over one process and the scaling
-efficiency `tokens/s(N) / (N x tokens/s(1))`, then the training state of its largest rank (weights, gradients and optimizer
-state: the shards under fsdp) and its peak memory, each also as a fraction of the ddp job's with the same
+Every rank keeps the same micro batch and accumulation, so N processes train a global batch N times
+larger
+(weak scaling, how data parallelism is used). Each run trains the config through this script
+(`--worker`:
+`build_runtime` and `fit`, as `speedtronic train` does; the 1-process run without torchrun, the
+others under
+`python -m torch.distributed.run`), and every rank writes its memory numbers to a JSON file; a run's
+tokens/s is read from rank 0's JSONL, which holds the
+whole job's tokens, between the end of the warm-up steps and the last step (start-up, compile and
+the first
+steps are left out). The table shows each job's tokens/s, its speed-up over one process and the
+scaling
+efficiency `tokens/s(N) / (N x tokens/s(1))`, then the training state of its largest rank (weights,
+gradients and optimizer
+state: the shards under fsdp) and its peak memory, each also as a fraction of the ddp job's with the
+same
 number of processes (`fsdp/ddp`). The peak is, on CUDA
-`torch.cuda.max_memory_allocated()` of the training (weights, gradients, optimizer state, activations); on CPU
-the rank's peak resident memory (`resource` max RSS) above what it held once its modules were imported, so
-the interpreter and torch's own libraries are left out (it also counts activations, communication buffers and
+`torch.cuda.max_memory_allocated()` of the training (weights, gradients, optimizer state,
+activations); on CPU
+the rank's peak resident memory (`resource` max RSS) above what it held once its modules were
+imported, so
+the interpreter and torch's own libraries are left out (it also counts activations, communication
+buffers and
 what the allocator keeps, so on CPU it says less than the state column).
 
 On CPU the processes share the machine's cores, so expect little: the one process gets every core as
-threads (OMP_NUM_THREADS = cores), each of N processes gets cores / N, so the jobs compute with the same cores
-and the N-process job adds the gradient all-reduce (`--threads 1` instead gives every process one thread, so
-the N-process job uses N times the cores; on a machine other jobs also load, OpenMP threads that wait for
-each other can make the multi-threaded single process far slower, which says nothing about the trainer). The
-runs alternate for `--rounds` rounds and the table shows the median, since a shared machine is noisy.
+threads (OMP_NUM_THREADS = cores), each of N processes gets cores / N, so the jobs compute with the
+same cores
+and the N-process job adds the gradient all-reduce (`--threads 1` instead gives every process one
+thread, so
+the N-process job uses N times the cores; on a machine other jobs also load, OpenMP threads that
+wait for
+each other can make the multi-threaded single process far slower, which says nothing about the
+trainer). The
+runs alternate for `--rounds` rounds and the table shows the median, since a shared machine is
+noisy.
 """
 
 from __future__ import annotations
@@ -169,7 +190,8 @@ def local_bytes(tensor) -> int:
 
 
 def training_state_bytes(model, optimizer) -> int:
-    "This rank's weights, gradients (one per weight, alive from the backward to the update) and optimizer state."
+    """This rank's weights, gradients (one per weight, alive from the backward to the update) and
+    optimizer state."""
     import torch
 
     params = sum(local_bytes(p) for p in model.parameters())
@@ -183,9 +205,12 @@ def training_state_bytes(model, optimizer) -> int:
 
 
 def worker(cfg: Path, device: str) -> None:
-    "One rank of a benchmark job: train `cfg`, then write this rank's training state and peak memory beside it."
+    """One rank of a benchmark job: train `cfg`, then write this rank's training state and peak
+    memory beside it."""
     import torch
-    import torch.distributed.checkpoint, torch.distributed.fsdp  # noqa: F401  (their code is not the run's memory)
+
+    # noqa: F401  (their code is not the run's memory)
+    import torch.distributed.checkpoint, torch.distributed.fsdp
     from speedtronic.config import load_config
     from speedtronic.parallel import end_process
     from speedtronic.runtime import build_runtime, close_logger
@@ -257,7 +282,8 @@ def main() -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads of every process (default: cores / processes, the same cores for every job)",
+        help="CPU threads of every process (default: cores / processes, the same cores for every "
+        "job)",
     )
     args = p.parse_args()
     if args.worker is not None:
@@ -291,7 +317,8 @@ def main() -> None:
     one = rates[(1, "ddp")]
     threads = "" if cuda else f", {args.threads or 'cores / processes'} thread(s) per process"
     print(
-        f"{args.device} {args.preset} model, {args.precision}, {args.steps} steps (first {args.warmup} left out), "
+        f"{args.device} {args.preset} model, {args.precision}, {args.steps} steps (first "
+        f"{args.warmup} left out), "
         f"same micro batch per rank{threads}, median of {args.rounds} round(s)"
     )
     what = "peak allocated" if cuda else "peak RSS"
@@ -304,15 +331,18 @@ def main() -> None:
         state_ratio = f"{states[(n, strategy)] / states[(n, 'ddp')]:>8.2f}" if fsdp else f"{'':>8}"
         peak_ratio = f"{memory[(n, strategy)] / memory[(n, 'ddp')]:>8.2f}" if fsdp else f"{'':>8}"
         print(
-            f"{n:>9} {strategy if n > 1 else '-':>8} {r:>10.0f} {r / one:>8.2f}x {r / (n * one):>9.0%} "
-            f"{states[(n, strategy)] / 2**20:>8.1f} MiB {state_ratio} {memory[(n, strategy)] / 2**20:>15.1f} MiB {peak_ratio}"
+            f"{n:>9} {strategy if n > 1 else '-':>8} {r:>10.0f} {r / one:>8.2f}x "
+            f"{r / (n * one):>9.0%} "
+            f"{states[(n, strategy)] / 2**20:>8.1f} MiB {state_ratio} "
+            f"{memory[(n, strategy)] / 2**20:>15.1f} MiB {peak_ratio}"
         )
     print(
         "state/rank: this rank's weights + gradients + optimizer state (its shards under fsdp); "
         + (
             "peak allocated: torch.cuda.max_memory_allocated() of the run"
             if cuda
-            else "peak RSS: the rank's peak resident memory above its start (after imports), which also counts activations, "
+            else "peak RSS: the rank's peak resident memory above its start (after imports), "
+            "which also counts activations, "
             "communication buffers and what the allocator keeps"
         )
     )

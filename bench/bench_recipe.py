@@ -1,16 +1,23 @@
 """nanoGPT's published CPU recipe, as numbers, run through our trainer on a text file.
 
-    python bench/bench_recipe.py --text prose.txt            # the whole recipe: 2,000 steps, one thread
-    python bench/bench_recipe.py --text prose.txt --steps 20 # a quick look (the schedule shrinks with it)
+    python bench/bench_recipe.py --text prose.txt
+    # the whole recipe: 2,000 steps, one thread
+    python bench/bench_recipe.py --text prose.txt --steps 20 # a quick look (the schedule shrinks
+    with it)
     python bench/bench_recipe.py --text prose.txt --optimizer muon
 
-The recipe: a byte-level model of 4 layers, 4 heads, 128 wide (an MLP of nanoGPT's 4 x 128 parameters:
-d_ff 512 gives a SwiGLU of the same size), context 64, batches of 12, 2,000 steps (1.536M tokens), AdamW
-at 1e-3 with beta2 0.99, weight decay 0.1 (nanoGPT's default), warm-up 100 steps, cosine down to 1e-4,
-gradient clipping at 1.0, no dropout. The last tenth of the file is held out: it is never trained on,
+The recipe: a byte-level model of 4 layers, 4 heads, 128 wide (an MLP of nanoGPT's 4 x 128
+parameters:
+d_ff 512 gives a SwiGLU of the same size), context 64, batches of 12, 2,000 steps (1.536M tokens),
+AdamW
+at 1e-3 with beta2 0.99, weight decay 0.1 (nanoGPT's default), warm-up 100 steps, cosine down to
+1e-4,
+gradient clipping at 1.0, no dropout. The last tenth of the file is held out: it is never trained
+on,
 and the loss printed at the end is over all of it, in nats per byte (per character for ASCII prose).
 
-Prints our held-out loss and the CPU-seconds the training took (this process's user + system time, so
+Prints our held-out loss and the CPU-seconds the training took (this process's user + system time,
+so
 other work on a shared machine does not count) beside the recorded nanoGPT reference: 1.570 nats per
 character in 165-177 CPU-seconds on 2 MiB of English prose, one thread (two runs).
 """
@@ -38,7 +45,8 @@ RECIPE_STEPS, RECIPE_WARMUP = 2000, 100
 
 
 def recipe(text: Path, out: Path, steps: int, optimizer: str, seed: int) -> dict:
-    "The run config of the recipe on `text` for `steps` steps (warm-up scaled when `steps` is short)."
+    """The run config of the recipe on `text` for `steps` steps (warm-up scaled when `steps` is
+    short)."""
     return {
         "run": {"name": "recipe", "seed": seed, "device": "cpu", "max_steps": steps},
         "model": {

@@ -1,13 +1,20 @@
-"""Trainer overhead against a plain PyTorch loop: same model, same batches, same AdamW, accumulation and clipping.
+"""Trainer overhead against a plain PyTorch loop: same model, same batches, same AdamW, accumulation
+and clipping.
 
-    python bench/bench_trainer.py                 # CPU fp32: alternating rounds + peak RSS of each loop
+    python bench/bench_trainer.py
+    # CPU fp32: alternating rounds + peak RSS of each loop
     python bench/bench_trainer.py --rounds 15 --steps 20
 
-CPU loops are timed by the process's CPU time, so other processes on a shared machine do not count; CUDA loops by
-wall time. Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.99, the median of the rounds),
-the microseconds the trainer adds per step on a model that costs almost nothing (target <= 25) with a breakdown of
-where they go (each piece timed on its own; the rest is Python calls and the loop's structure), and the peak resident
-memory of each loop measured in its own subprocess (target: trainer adds < 10%). Where CUDA is available it
+CPU loops are timed by the process's CPU time, so other processes on a shared machine do not count;
+CUDA loops by
+wall time. Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.99, the
+median of the rounds),
+the microseconds the trainer adds per step on a model that costs almost nothing (target <= 25) with
+a breakdown of
+where they go (each piece timed on its own; the rest is Python calls and the loop's structure), and
+the peak resident
+memory of each loop measured in its own subprocess (target: trainer adds < 10%). Where CUDA is
+available it
 also compares bf16 autocast with and without torch.compile.
 """
 
@@ -137,7 +144,8 @@ class TrainerLoop:
 
 
 def clock(device: torch.device):
-    """The clock a loop is timed with: on CPU the process's CPU time (other processes on a shared machine do not
+    """The clock a loop is timed with: on CPU the process's CPU time (other processes on a shared
+    machine do not
     count), on CUDA wall time (the GPU works while the process waits)."""
     return time.process_time if device.type == "cpu" else time.perf_counter
 
@@ -150,7 +158,8 @@ def sync(device: torch.device) -> None:
 def compare(
     device: torch.device, precision: str, compile_: bool, rounds: int, steps: int, warmup: int
 ) -> dict:
-    "Rounds of `steps` steps of each loop, back to back (who goes first alternates); the median of the per-round ratios."
+    """Rounds of `steps` steps of each loop, back to back (who goes first alternates); the median of
+    the per-round ratios."""
     batches = make_batches(64, device)
     loops = {
         "plain": PlainLoop(device, batches, precision, compile_),
@@ -196,7 +205,8 @@ class _Tiny(torch.nn.Module):
 
 
 def loop_overhead_us(steps: int = 500, rounds: int = 9) -> float:
-    "Extra microseconds per step of the Trainer over the plain loop, on a model that costs almost nothing."
+    """Extra microseconds per step of the Trainer over the plain loop, on a model that costs almost
+    nothing."""
     batches = [{"input_ids": torch.randn(4, 8), "labels": torch.randn(4)} for _ in range(16)]
     m1, m2 = _Tiny(), _Tiny()
     o1, o2 = torch.optim.AdamW(m1.parameters()), torch.optim.AdamW(m2.parameters())
@@ -240,7 +250,8 @@ def per_call_us(fn, n: int = 5000, rounds: int = 3) -> float:
 
 
 def overhead_parts() -> dict[str, float]:
-    "Microseconds per step of each piece the Trainer adds to the plain loop (tiny model, CPU, one microbatch)."
+    """Microseconds per step of each piece the Trainer adds to the plain loop (tiny model, CPU, one
+    microbatch)."""
     batch = {"input_ids": torch.randn(4, 8), "labels": torch.randn(4)}
     model = _Tiny()
     trainer = Trainer(
@@ -345,22 +356,27 @@ def main(argv=None) -> None:
     for device, precision, compile_ in cases:
         r = compare(device, precision, compile_, args.rounds, args.steps, args.warmup)
         print(
-            f"{r['device']:5} {r['precision']} compile={str(r['compile']):5}  plain {r['plain_tok_s']:9.0f} tok/s  "
-            f"trainer {r['trainer_tok_s']:9.0f} tok/s  ratio {r['ratio']:.3f} (median of {r['rounds']} rounds: "
+            f"{r['device']:5} {r['precision']} compile={str(r['compile']):5}  plain "
+            f"{r['plain_tok_s']:9.0f} tok/s  "
+            f"trainer {r['trainer_tok_s']:9.0f} tok/s  ratio {r['ratio']:.3f} (median of "
+            f"{r['rounds']} rounds: "
             f"{', '.join(f'{x:.3f}' for x in r['per_round_ratio'])})"
         )
     added, parts = loop_overhead_us(), overhead_parts()
     print(
-        f"loop overhead (tiny model, CPU): trainer adds {added:.0f} us per step over the plain loop; where it goes:"
+        f"loop overhead (tiny model, CPU): trainer adds {added:.0f} us per step over the plain "
+        "loop; where it goes:"
     )
     for name, us in parts.items():
         print(f"  {name:<42} {us:5.1f} us")
     print(
-        f"  {'the rest (calls, the step and fit structure)':<42} {added - sum(parts.values()):5.1f} us"
+        f"  {'the rest (calls, the step and fit structure)':<42} "
+        f"{added - sum(parts.values()):5.1f} us"
     )
     m = peak_rss(args.steps)
     print(
-        f"peak RSS (CPU, own process): plain {m['plain_mb']:.1f} MB  trainer {m['trainer_mb']:.1f} MB  "
+        f"peak RSS (CPU, own process): plain {m['plain_mb']:.1f} MB  trainer "
+        f"{m['trainer_mb']:.1f} MB  "
         f"(+{100 * m['increase']:.1f}%)"
     )
 

@@ -68,7 +68,8 @@ def main() -> int:
     device = resolve_device("auto")
     caps = DeviceCapabilities.detect(device)
     print(
-        f"device={device} name={torch.cuda.get_device_name(device)} torch={torch.__version__} caps={caps}"
+        f"device={device} name={torch.cuda.get_device_name(device)} torch={torch.__version__} "
+        f"caps={caps}"
     )
     check(device.type == "cuda", "auto device is CUDA")
     check(

@@ -1,17 +1,26 @@
-"""Every code path only a GPU exercises, in one go (a few minutes on one H200), printed as one table.
+"""Every code path only a GPU exercises, in one go (a few minutes on one H200), printed as one
+table.
 
     python bench/gpu_check.py                   # one GPU: every row
     python bench/gpu_check.py --only fsdp ddp   # some rows
-    python bench/gpu_check.py --peak-tflops 989 # the bf16 dense peak MFU divides by (default: from the device name)
+    python bench/gpu_check.py --peak-tflops 989 # the bf16 dense peak MFU divides by (default: from
+    the device name)
 
-Rows: bf16 autocast training, fp16 with the GradScaler, fused AdamW, `torch.compile`, the out-of-order backprop
-streams, NCCL DDP and NCCL FSDP with one GPU (a process group of world 1 through `speedtronic.parallel.World`,
-so DDP's and FSDP2's CUDA paths run, with a checkpoint written and loaded back; tests/test_fsdp.py runs the same
+Rows: bf16 autocast training, fp16 with the GradScaler, fused AdamW, `torch.compile`, the
+out-of-order backprop
+streams, NCCL DDP and NCCL FSDP with one GPU (a process group of world 1 through
+`speedtronic.parallel.World`,
+so DDP's and FSDP2's CUDA paths run, with a checkpoint written and loaded back; tests/test_fsdp.py
+runs the same
 function on the CPU with gloo), generation
-tokens/s with the KV cache, and the MFU of a bf16 training run (6 x parameters + attention FLOPs per token,
-over the GPU's dense bf16 peak). Each row trains through the real trainer (`train_from_config` or a `Trainer`
-on a `World`) and reads what the run logged. Without CUDA every row says `skipped: no CUDA` and the script
-exits 0 (CI runs it so); a row that fails prints `FAIL` with the reason, and the script then exits 1.
+tokens/s with the KV cache, and the MFU of a bf16 training run (6 x parameters + attention FLOPs per
+token,
+over the GPU's dense bf16 peak). Each row trains through the real trainer (`train_from_config` or a
+`Trainer`
+on a `World`) and reads what the run logged. Without CUDA every row says `skipped: no CUDA` and the
+script
+exits 0 (CI runs it so); a row that fails prints `FAIL` with the reason, and the script then exits
+1.
 """
 
 from __future__ import annotations
@@ -157,7 +166,8 @@ def check_ooo(tmp):
 
 
 def world_of_one(strategy: str, device: torch.device):
-    "A process group of world 1 (NCCL on CUDA, gloo on the CPU), as the `World` a torchrun job of one device would join."
+    """A process group of world 1 (NCCL on CUDA, gloo on the CPU), as the `World` a torchrun job of
+    one device would join."""
     import torch.distributed as dist
     from speedtronic.config import ParallelConfig
     from speedtronic.parallel import World, backend_for
@@ -177,7 +187,8 @@ def world_of_one(strategy: str, device: torch.device):
 
 
 def train_on_world(tmp: Path, name: str, strategy: str, device: str = "cuda:0") -> str:
-    "A few steps through `Trainer(world=...)` on an NCCL world of one, then a checkpoint saved and resumed."
+    """A few steps through `Trainer(world=...)` on an NCCL world of one, then a checkpoint saved and
+    resumed."""
     from speedtronic.checkpoint import CheckpointManager, load_sharded
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.data import build_dataloader
@@ -225,10 +236,14 @@ def train_on_world(tmp: Path, name: str, strategy: str, device: str = "cuda:0") 
         )
     if not same:
         raise RuntimeError(
-            f"the weights loaded from {again.checkpoint_manager.loaded_path} differ from the trained ones"
+            f"the weights loaded from {again.checkpoint_manager.loaded_path} differ from the "
+            "trained ones"
         )
     kind = type(next(first.model.parameters())).__name__
-    return f"{kind} params, {result.steps} steps, loss {result.final_loss:.3f}; {again.checkpoint_manager.loaded_path.name} loads back"
+    return (
+        f"{kind} params, {result.steps} steps, loss {result.final_loss:.3f}; "
+        f"{again.checkpoint_manager.loaded_path.name} loads back"
+    )
 
 
 def _whole(tensor):
@@ -258,7 +273,8 @@ def check_generate(tmp):
 
 
 def flops_per_token(model: dict) -> float:
-    "Training FLOPs per token: 6 x parameters of the blocks and head, plus attention's 12 x layers x width x sequence."
+    """Training FLOPs per token: 6 x parameters of the blocks and head, plus attention's 12 x layers
+    x width x sequence."""
     from speedtronic.config import ModelConfig
     from speedtronic.registry import build_model
 

@@ -7,9 +7,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The tests live in one folder per area of the package (tests/core, tests/train, tests/diloco, ...), the
-# same areas as the chapters. Helpers shared by every area are here and in hub_server.py (the loopback
-# Hub stand-in); a test module may also import another area's module (`from test_parallel import ...`),
+# The tests live in one folder per area of the package (tests/core, tests/train, tests/diloco, ...),
+# the
+# same areas as the chapters. Helpers shared by every area are here and in hub_server.py (the
+# loopback
+# Hub stand-in); a test module may also import another area's module (`from test_parallel import
+# ...`),
 # so every area folder is importable by name, as the flat tests/ folder was.
 TESTS = Path(__file__).resolve().parent
 AREAS = sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
@@ -18,7 +21,9 @@ sys.path[:0] = [str(p) for p in [TESTS, *AREAS] if str(p) not in sys.path]
 
 @pytest.fixture(scope="session")
 def docs_site():
-    "Build the docs site once per test run (tools/build_docs.py) and return its folder; under pytest-xdist the first worker to ask builds it while the others wait, and all read that one build."
+    """Build the docs site once per test run (tools/build_docs.py) and return its folder; under
+    pytest-xdist the first worker to ask builds it while the others wait, and all read that one
+    build."""
     import fcntl
 
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"{os.getpid()}")
@@ -48,7 +53,8 @@ def tiny_config(
     metrics: bool = True,
     **sections,
 ) -> Path:
-    "A one-layer CPU run on 64 synthetic tokens, written to `tmp/name`; each of `sections` is merged over its default section."
+    """A one-layer CPU run on 64 synthetic tokens, written to `tmp/name`; each of `sections` is
+    merged over its default section."""
     raw = {
         "run": {"name": "tiny", "seed": 3, "max_steps": max_steps, "output_dir": str(tmp / "out")},
         "model": {
@@ -75,14 +81,16 @@ def tiny_config(
     return path
 
 
-# The tests press Ctrl-C in their children: a suite started in the background, where the shell ignores SIGINT,
+# The tests press Ctrl-C in their children: a suite started in the background, where the shell
+# ignores SIGINT,
 # must not hand that on (a child that inherits SIG_IGN never raises KeyboardInterrupt).
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def cli_env(**extra: str) -> dict:
-    "The environment of a `speedtronic` subprocess: this checkout importable, one thread, and `extra`."
+    """The environment of a `speedtronic` subprocess: this checkout importable, one thread, and
+    `extra`."""
     return {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -93,7 +101,8 @@ def cli_env(**extra: str) -> dict:
 
 
 def descendants(pid: int) -> list[int]:
-    "Every process below `pid` (children first, then theirs), from /proc; empty where /proc is missing."
+    """Every process below `pid` (children first, then theirs), from /proc; empty where /proc is
+    missing."""
     found, todo = [], [pid]
     while todo:
         parent = todo.pop()
@@ -112,8 +121,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    """`proc.communicate(timeout)`; past the timeout every Python process below it prints its threads' stacks
-    (PYTHONFAULTHANDLER is set by `cli_env`: SIGABRT makes faulthandler write them) and the test fails showing them."""
+    """`proc.communicate(timeout)`; past the timeout every Python process below it prints its
+    threads' stacks
+    (PYTHONFAULTHANDLER is set by `cli_env`: SIGABRT makes faulthandler write them) and the test
+    fails showing them."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -126,7 +137,8 @@ def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, st
             proc.kill()
             out, err = proc.communicate()
         pytest.fail(
-            f"{proc.args} still ran after {timeout:g} s; its processes' stacks:\n{(err or '')[-12000:]}\n"
+            f"{proc.args} still ran after {timeout:g} s; its processes' "
+            f"stacks:\n{(err or '')[-12000:]}\n"
             f"last output:\n{(out or '')[-3000:]}",
             pytrace=False,
         )
@@ -135,7 +147,8 @@ def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, st
 def run_cli(
     *args: str, cwd: Path, env: dict | None = None, timeout: float = 300, **popen
 ) -> subprocess.CompletedProcess:
-    "`python -m speedtronic *args` in `cwd`, to the end; `env` entries are added to `cli_env()`, `popen` goes to `subprocess.run`."
+    """`python -m speedtronic *args` in `cwd`, to the end; `env` entries are added to `cli_env()`,
+    `popen` goes to `subprocess.run`."""
     return subprocess.run(
         [sys.executable, "-m", "speedtronic", *args],
         cwd=cwd,
@@ -154,7 +167,8 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    "The one `speedtronic: error:` line of a command that exited 2 without a traceback; it holds every one of `needles`."
+    """The one `speedtronic: error:` line of a command that exited 2 without a traceback; it holds
+    every one of `needles`."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error:")]
@@ -165,7 +179,8 @@ def one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def jsonl_records(path: Path, event: str = "train_step") -> list[dict]:
-    "Every `event` record of a JSONL metrics file, in order; a line cut by a kill is skipped, a missing file is empty."
+    """Every `event` record of a JSONL metrics file, in order; a line cut by a kill is skipped, a
+    missing file is empty."""
     out = []
     if not Path(path).exists():
         return out
@@ -199,7 +214,8 @@ CHROMIUM_ARGS = [
 
 @pytest.fixture(scope="session")
 def browser():
-    "Headless Debian Chromium driven by Playwright; skipped when either is missing unless CI requires it."
+    """Headless Debian Chromium driven by Playwright; skipped when either is missing unless CI
+    requires it."""
     exe = next(
         (
             shutil.which(n)
@@ -223,7 +239,8 @@ def browser():
 
 
 def bpe_tokenizer_file(tmp: Path, text: str, vocab_size: int = 300) -> tuple[Any, Path]:
-    "A byte-level BPE `tokenizers.Tokenizer` trained on `text`, and the `tokenizer.json` it is saved to in `tmp`."
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `text`, and the `tokenizer.json` it is
+    saved to in `tmp`."""
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -241,7 +258,8 @@ def bpe_tokenizer_file(tmp: Path, text: str, vocab_size: int = 300) -> tuple[Any
 
 
 def newton_schulz64(X, steps: int = 5, eps: float = 1e-7):
-    "Newton–Schulz orthogonalisation as torch.optim.Muon's documentation writes it, in float64 (a reference, not our code)."
+    """Newton–Schulz orthogonalisation as torch.optim.Muon's documentation writes it, in float64 (a
+    reference, not our code)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     tall = X.shape[0] > X.shape[1]
     X = X.T if tall else X

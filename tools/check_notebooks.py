@@ -3,9 +3,11 @@
 - A non-exported code cell that imports something must do nothing else: nbdev's docs processing
   executes every cell containing an import, so a test cell with an import in it would run (and fail)
   during the docs build.
-- The first cell holds only the `# Title` and an optional `> description`: nbdev turns that cell into
+- The first cell holds only the `# Title` and an optional `> description`: nbdev turns that cell
+into
   the page's front matter and drops anything else in it from the docs.
-- The notebook's metadata holds the kernel JupyterLab would write (tools/clean_notebooks.py), so it opens
+- The notebook's metadata holds the kernel JupyterLab would write (tools/clean_notebooks.py), so it
+opens
   without a "Select Kernel" dialog and without being marked modified.
 """
 
@@ -60,7 +62,10 @@ def title_cell_problem(nb_path: Path) -> str | None:
         return "the first cell must be a markdown `# Title` cell"
     extra = [l for l in cells[0].source.splitlines()[1:] if l.strip() and not l.startswith(">")]
     if extra:
-        return "the title cell holds more than `# Title` and `> description` (nbdev drops it from the docs)"
+        return (
+            "the title cell holds more than `# Title` and `> description` (nbdev drops it "
+            "from the docs)"
+        )
     return None
 
 
@@ -71,7 +76,8 @@ def main() -> int:
             continue
         if cells := mixed_import_cells(p):
             print(
-                f"{p.relative_to(ROOT / 'nbs')}: cells {cells} mix imports with other code (put imports in a cell of their own)"
+                f"{p.relative_to(ROOT / 'nbs')}: cells {cells} mix imports with other code (put "
+                "imports in a cell of their own)"
             )
             failed = True
         if why := title_cell_problem(p):

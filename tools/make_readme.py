@@ -1,4 +1,5 @@
-"""Write README.md from nbs/index.ipynb (Quarto, which `nbdev_readme` needs, is not available everywhere).
+"""Write README.md from nbs/index.ipynb (Quarto, which `nbdev_readme` needs, is not available
+everywhere).
 
 Markdown cells are copied as they are; code cells are shown as Python blocks with their text output,
 except cells marked `#| hide`. `--check` exits 1 when README.md is not what the notebook says.
@@ -9,7 +10,10 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADER = "<!-- Generated from nbs/index.ipynb by tools/make_readme.py; edit the notebook, not this file. -->\n\n"
+HEADER = (
+    "<!-- Generated from nbs/index.ipynb by tools/make_readme.py; edit the notebook, not "
+    "this file. -->\n\n"
+)
 
 
 def _hidden(cell) -> bool:

@@ -1,13 +1,21 @@
 """Refresh stored outputs of chosen cells without touching the others (small diffs, easy merges).
 
-    python tools/refresh_outputs.py --show-doc [NB ...]   re-render every `show_doc(...)` cell (after a renderer
-                                                           or docstring change); runs only exports, imports and
-                                                           show_doc cells, as nbdev's docs build does
-    python tools/refresh_outputs.py --cells ID,ID NB      re-run NB in a Jupyter kernel (as JupyterLab runs it) and
-                                                           keep the new outputs of the cells with those ids only
-    python tools/refresh_outputs.py --empty NB            the same for every code cell that has no outputs yet
-    python tools/refresh_outputs.py --all NB              the same for every code cell (a notebook run once, as
-                                                           DEVELOPING.md asks, without widget state in the file)
+    python tools/refresh_outputs.py --show-doc [NB ...]   re-render every `show_doc(...)` cell
+    (after a renderer
+                                                           or docstring change); runs only exports,
+                                                           imports and
+                                                           show_doc cells, as nbdev's docs build
+                                                           does
+    python tools/refresh_outputs.py --cells ID,ID NB      re-run NB in a Jupyter kernel (as
+    JupyterLab runs it) and
+                                                           keep the new outputs of the cells with
+                                                           those ids only
+    python tools/refresh_outputs.py --empty NB            the same for every code cell that has no
+    outputs yet
+    python tools/refresh_outputs.py --all NB              the same for every code cell (a notebook
+    run once, as
+                                                           DEVELOPING.md asks, without widget state
+                                                           in the file)
 
 NB defaults to every notebook in nbs/. Run tools/clean_notebooks.py afterwards.
 """
@@ -83,7 +91,8 @@ def kernel_outputs(path: Path) -> dict[str, list]:
 
 
 def _as_stored(outputs: list) -> list:
-    "Outputs in the form a notebook file keeps them (multi-line text as a list of lines, as nbformat writes)."
+    """Outputs in the form a notebook file keeps them (multi-line text as a list of lines, as
+    nbformat writes)."""
     from nbformat import from_dict
     from nbformat.v4.rwbase import split_lines
 

@@ -1,8 +1,12 @@
-"""Property tests: no input to the config loader raises anything but ConfigError / FileNotFoundError (spec §15.3).
+"""Property tests: no input to the config loader raises anything but ConfigError / FileNotFoundError
+(spec §15.3).
 
-Random YAML/JSON text (structured dumps with mutations, and raw noise), random nested dicts, and near-valid
-configs built from the real schema with mutated values, deleted and misspelled keys. Every config that does
-load must serialise, and load back from its own `to_dict()` to the same thing. Run with `-s` (or look at
+Random YAML/JSON text (structured dumps with mutations, and raw noise), random nested dicts, and
+near-valid
+configs built from the real schema with mutated values, deleted and misspelled keys. Every config
+that does
+load must serialise, and load back from its own `to_dict()` to the same thing. Run with `-s` (or
+look at
 the terminal summary line) to see how many inputs were tried.
 """
 
@@ -55,7 +59,8 @@ def count(kind: str):
     COUNTS[kind] = COUNTS.get(kind, 0) + 1
 
 
-# --- the schema, as the fuzzer sees it -------------------------------------------------------------------
+# --- the schema, as the fuzzer sees it
+# -------------------------------------------------------------------
 def _schema() -> dict[str, list[str]]:
     base = SpeedtronicConfig()
     out = {}
@@ -149,7 +154,8 @@ BASES = near_valid_bases()
 
 
 def plausible(current):
-    "Values of the same kind as `current`, mostly in range, so that many mutated configs still load."
+    """Values of the same kind as `current`, mostly in range, so that many mutated configs still
+    load."""
     if isinstance(current, bool):
         return st.booleans()
     if isinstance(current, int):
@@ -163,7 +169,8 @@ def plausible(current):
 
 @st.composite
 def near_valid(draw) -> dict:
-    "A real config (default or shipped) with a few values mutated, keys dropped, misspelled or aliased."
+    """A real config (default or shipped) with a few values mutated, keys dropped, misspelled or
+    aliased."""
     config = json.loads(json.dumps(draw(st.sampled_from(BASES))))
     for _ in range(draw(st.integers(1, 4))):
         section = draw(st.sampled_from(sorted(SCHEMA)))
@@ -229,7 +236,8 @@ def yaml_text(draw) -> str:
     return text
 
 
-# --- the property --------------------------------------------------------------------------------------------
+# --- the property
+# --------------------------------------------------------------------------------------------
 def check_loaded(config: SpeedtronicConfig):
     "A loaded config serialises, and reloading its own dict gives the same dict."
     first = config.to_dict()

@@ -1,10 +1,13 @@
 """What a 2.0 user already has on disk keeps working: real files written by Speedtronic 2.0.0.
 
 The fixtures (`shared/fixtures/v2.0`, README there) were written by the published 2.0.0, not by this
-project's code: two checkpoint runs (AdamW and 2.0's hybrid Muon, stopped at step 8 of a 12-step schedule)
+project's code: two checkpoint runs (AdamW and 2.0's hybrid Muon, stopped at step 8 of a 12-step
+schedule)
 and the final state of a 2.0 DiLoCo repository. Each test copies what it needs to a temporary folder
-and leaves the fixtures as they are. The expected values come from the fixture files themselves, read
-with plain `torch.load` / `safetensors` and checked against plain PyTorch, never from our own writers.
+and leaves the fixtures as they are. The expected values come from the fixture files themselves,
+read
+with plain `torch.load` / `safetensors` and checked against plain PyTorch, never from our own
+writers.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from speedtronic.runtime import build_runtime, close_logger, train_from_config
 
 
 def fixtures_dir() -> tuple[Path | None, str]:
-    "`$SPEEDTRONIC_FIXTURES` when set, else `shared/fixtures/v2.0` beside the clone (CI), else `/work/shared/fixtures/v2.0`."
+    """`$SPEEDTRONIC_FIXTURES` when set, else `shared/fixtures/v2.0` beside the clone (CI), else
+    `/work/shared/fixtures/v2.0`."""
     if os.environ.get("SPEEDTRONIC_FIXTURES"):
         named = Path(os.environ["SPEEDTRONIC_FIXTURES"])
         return (
@@ -96,14 +100,16 @@ def copy_fixture(name: str, tmp: Path) -> Path:
 
 
 def read_v2_checkpoint(path: Path) -> dict:
-    "A 2.0 `.pt` file read by plain torch with the allow-list of the NumPy globals its RNG state needs."
+    """A 2.0 `.pt` file read by plain torch with the allow-list of the NumPy globals its RNG state
+    needs."""
     allowed = [np.dtype, np.ndarray, np._core.multiarray._reconstruct, type(np.dtype(np.uint32))]
     with torch.serialization.safe_globals(allowed):
         return torch.load(path, weights_only=True)
 
 
 def with_max_steps(config: Path, steps: int) -> None:
-    "Set the run's top-level `max_steps` in a 2.0 config file (the schedule's own `max_steps: 12` is kept)."
+    """Set the run's top-level `max_steps` in a 2.0 config file (the schedule's own `max_steps: 12`
+    is kept)."""
     raw = yaml.safe_load(config.read_text())
     raw["max_steps"] = steps
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -112,7 +118,8 @@ def with_max_steps(config: Path, steps: int) -> None:
 def cosine_lr(
     step: int, *, lr: float = 0.003, warmup: int = 2, horizon: int = 12, floor: float = 0.1
 ) -> float:
-    "2.0's cosine schedule as its docs state it, the LR of the update after `step` completed updates."
+    """2.0's cosine schedule as its docs state it, the LR of the update after `step` completed
+    updates."""
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / (horizon - warmup))
@@ -120,7 +127,8 @@ def cosine_lr(
 
 
 def v2_parameter_order(model: torch.nn.Module, optimizer: str) -> list[str]:
-    """The parameter names, in 2.0's optimizer-state order: 2.0's Muon held the hidden matrices (group 0) then
+    """The parameter names, in 2.0's optimizer-state order: 2.0's Muon held the hidden matrices
+    (group 0) then
     the embeddings and norms (group 1); its default AdamW held only the embeddings and norms."""
     names = [n for n, _ in model.named_parameters()]
     hidden = [n for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
@@ -129,7 +137,8 @@ def v2_parameter_order(model: torch.nn.Module, optimizer: str) -> list[str]:
 
 
 def test_the_fixture_describes_what_2_0_trained():
-    "The premises the tests below rest on, read from the files: 2.0's AdamW moved only the 4 embedding/norm tensors."
+    """The premises the tests below rest on, read from the files: 2.0's AdamW moved only the 4
+    embedding/norm tensors."""
     s4, s8 = (
         read_v2_checkpoint(
             FIXTURES / "checkpoint-adamw/run/checkpoints" / f"step_00000000000{k}.pt"
@@ -166,7 +175,8 @@ def test_the_fixture_describes_what_2_0_trained():
 
 
 def test_the_reference_model_has_2_0_names_and_shapes():
-    "Our reference model and the table of what 2.0 writes (`reference_state_dict_shapes`) agree with 2.0's real files."
+    """Our reference model and the table of what 2.0 writes (`reference_state_dict_shapes`) agree
+    with 2.0's real files."""
     cases = [
         (
             SpeedtronicConfig.load(FIXTURES / "checkpoint-adamw/config.yaml").model,
@@ -194,8 +204,10 @@ def test_the_reference_model_has_2_0_names_and_shapes():
 
 @pytest.mark.parametrize("optimizer", RUNS)
 def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
-    """`speedtronic train --resume` with `max_steps: 12` goes on from 2.0's step 8: step 9 has the LR 2.0 would have
-    used next, the counters continue 2.0's, the 2.0 moments keep counting (step 12 in the final checkpoint), and
+    """`speedtronic train --resume` with `max_steps: 12` goes on from 2.0's step 8: step 9 has the
+    LR 2.0 would have
+    used next, the counters continue 2.0's, the 2.0 moments keep counting (step 12 in the final
+    checkpoint), and
     2.0's files and log lines are kept as they were."""
     folder, out = RUNS[optimizer]
     work = copy_fixture(folder, tmp_path)
@@ -271,8 +283,10 @@ def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
 def reference_step(
     w8: torch.Tensor, theirs: dict, mine: dict, group: dict, lr: float
 ) -> torch.Tensor:
-    """The weights after one plain-PyTorch update from 2.0's weights `w8` and 2.0's optimizer state `theirs` at LR `lr`,
-    with the gradient our state `mine` implies (our moment after the step minus 2.0's, decayed): data-free, and it holds only
+    """The weights after one plain-PyTorch update from 2.0's weights `w8` and 2.0's optimizer state
+    `theirs` at LR `lr`,
+    with the gradient our state `mine` implies (our moment after the step minus 2.0's, decayed):
+    data-free, and it holds only
     if our step 9 started from 2.0's weights and moments."""
     w = torch.nn.Parameter(w8.clone())
     if "exp_avg" in theirs:  # AdamW: torch.optim.AdamW itself
@@ -307,7 +321,8 @@ def reference_step(
 
 @pytest.mark.parametrize("optimizer", RUNS)
 def test_resuming_installs_2_0_weights_moments_and_schedule(tmp_path, monkeypatch, optimizer):
-    """Right after `resume`, before any step: the model holds 2.0's weights, the optimizer 2.0's moments, the schedule 2.0's
+    """Right after `resume`, before any step: the model holds 2.0's weights, the optimizer 2.0's
+    moments, the schedule 2.0's
     position; and step 9 is the update plain PyTorch makes from exactly those."""
     folder, out = RUNS[optimizer]
     work = copy_fixture(folder, tmp_path)
@@ -374,7 +389,8 @@ def test_the_2_0_metrics_file_is_read_into_the_resumed_result(tmp_path, monkeypa
     assert [r["lr"] for r in result.metrics[:8]] == [r["lr"] for r in v2_steps]
 
 
-# -- a 2.0 DiLoCo repository ---------------------------------------------------------------------------------
+# -- a 2.0 DiLoCo repository
+# ---------------------------------------------------------------------------------
 TOKEN = "hf_fixture_write_token_0123456789"
 REPO_FILES = [
     "global/latest.safetensors",
@@ -386,7 +402,8 @@ REPO_FILES = [
 
 
 def diloco_node_config(work: Path, transport: str, repo_id: str, name: str, steps: int) -> Path:
-    "2.0's worker1 config as it is, on `transport` at `repo_id`, with synthetic data (2.0's text is not included)."
+    """2.0's worker1 config as it is, on `transport` at `repo_id`, with synthetic data (2.0's text
+    is not included)."""
     raw = json.loads((FIXTURES / "diloco-repo" / "worker1-config.json").read_text())
     raw["run"].update(max_steps=steps, output_dir=str(work / name))
     raw["data"] = {
@@ -423,8 +440,10 @@ def hub():
 
 @pytest.mark.parametrize("transport", ["directory", "hub"])
 def test_a_node_starts_from_the_2_0_global_model(tmp_path, transport, request):
-    """A worker of ours installs 2.0's `global/latest.safetensors` (outer step 4) and sends a delta measured from it: from
-    the repository copied as a shared directory, and from a Hub repository holding 2.0's files (uploaded with the real
+    """A worker of ours installs 2.0's `global/latest.safetensors` (outer step 4) and sends a delta
+    measured from it: from
+    the repository copied as a shared directory, and from a Hub repository holding 2.0's files
+    (uploaded with the real
     `huggingface_hub` client to the loopback stand-in)."""
     v2_global = load_file(FIXTURES / "diloco-repo" / "global" / "latest.safetensors")
     env = cli_env()
@@ -478,7 +497,8 @@ def test_a_node_starts_from_the_2_0_global_model(tmp_path, transport, request):
 
 
 def hub_with_v2_repo(hub: HubStandIn, repo_id: str) -> None:
-    "Commit 2.0's repository files to `repo_id` on the stand-in, with the real huggingface_hub client."
+    """Commit 2.0's repository files to `repo_id` on the stand-in, with the real huggingface_hub
+    client."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(endpoint=hub.url, token=TOKEN)
@@ -495,9 +515,12 @@ def hub_with_v2_repo(hub: HubStandIn, repo_id: str) -> None:
     [("directory", "none"), ("directory", "delayed_nesterov"), ("hub", "none")],
 )
 def test_a_master_folds_the_2_0_deltas(tmp_path, transport, staleness, request):
-    """A master of ours over 2.0's repository (a copied directory, or 2.0's files on the Hub stand-in) adopts its global
-    (outer step 4) and folds the three 2.0 deltas into outer step 5 (2.0's deltas say nothing of their inner steps or
-    session); with 2.0's staleness rule (`none`) the result is plain PyTorch's Nesterov SGD step on their mean."""
+    """A master of ours over 2.0's repository (a copied directory, or 2.0's files on the Hub
+    stand-in) adopts its global
+    (outer step 4) and folds the three 2.0 deltas into outer step 5 (2.0's deltas say nothing of
+    their inner steps or
+    session); with 2.0's staleness rule (`none`) the result is plain PyTorch's Nesterov SGD step on
+    their mean."""
     if transport == "directory":
         repo = copy_fixture("diloco-repo", tmp_path)
         client, files = (

@@ -51,7 +51,8 @@ WORDS = [
 
 
 def write_corpus(path, target_bytes, seed=0, long_lines=False):
-    "A varied UTF-8 text file of about `target_bytes` with multi-byte characters and lines of many lengths."
+    """A varied UTF-8 text file of about `target_bytes` with multi-byte characters and lines of many
+    lengths."""
     rng = random.Random(seed)
     parts, size = [], 0
     while size < target_bytes:
@@ -79,7 +80,8 @@ def as_lists(items):
 
 
 def tagged_samples(dataset, num_workers, batch=512):
-    "Every sample of one pass through a real DataLoader with `num_workers`, in the order handed out, with its (samples, unit, index) tag."
+    """Every sample of one pass through a real DataLoader with `num_workers`, in the order handed
+    out, with its (samples, unit, index) tag."""
     dataset._loader_start = StreamStart(tagged=True, micro=batch)
     try:
         loader = DataLoader(dataset, batch_size=batch, num_workers=num_workers, collate_fn=as_lists)
@@ -109,7 +111,8 @@ def test_two_workers_yield_exactly_the_single_process_stream(big_text):
     assert [b for _, b in double] == [b for _, b in single]
     assert [t for t, _ in double] == [t for t, _ in single]
     assert [t[0] for t, _ in single[511::512]] == list(range(512, len(single) + 1, 512))
-    # and the blocks are the text's tokens: within a segment, consecutive blocks are consecutive tokens
+    # and the blocks are the text's tokens: within a segment, consecutive blocks are consecutive
+    # tokens
     raw = big_text.read_bytes()
     start, end = ds.segments[3]
     seg_blocks = [

@@ -1,4 +1,5 @@
-"""Bad data inputs through `speedtronic train` and `build_dataloader`: one clear error line, nothing lost.
+"""Bad data inputs through `speedtronic train` and `build_dataloader`: one clear error line, nothing
+lost.
 
 Real subprocesses, real files, real DataLoader workers; no mocks.
 """
@@ -43,7 +44,8 @@ def train(tmp_path: Path, *extra: str, **data) -> subprocess.CompletedProcess:
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     return run_py(
-        f"import sys; from speedtronic.cli import main; sys.exit(main({['train', '--config', str(cfg), '--device', 'cpu', *extra]!r}))",
+        "import sys; from speedtronic.cli import main; "
+        f"sys.exit(main({['train', '--config', str(cfg), '--device', 'cpu', *extra]!r}))",
         tmp_path,
     )
 
@@ -135,7 +137,8 @@ def test_shuffled_text_stream_warns_and_trains(tmp_path):
 
 
 def test_resume_with_other_batch_or_workers_continues(tmp_path):
-    "The data position is the job's place in one sample order: another micro batch or worker count continues from it."
+    """The data position is the job's place in one sample order: another micro batch or worker count
+    continues from it."""
     (tmp_path / "t.txt").write_text("".join(f"line {i} of some text\n" for i in range(2000)))
     text = str(tmp_path / "t.txt")
     assert train(tmp_path, text_path=text, num_workers=2).returncode == 0
@@ -180,7 +183,8 @@ print("children", len(multiprocessing.active_children()))
 
 
 def test_text_stream_memory_stays_bounded(tmp_path):
-    "Reading a 96 MiB text file (one line, no newlines) block by block keeps the process well under its size."
+    """Reading a 96 MiB text file (one line, no newlines) block by block keeps the process well
+    under its size."""
     path = tmp_path / "big.txt"
     with open(path, "wb") as f:
         for _ in range(96):

@@ -1,12 +1,19 @@
-"""One sample order for every job size: 2 ranks x micro batch 4 train exactly as 1 process x micro batch 8.
+"""One sample order for every job size: 2 ranks x micro batch 4 train exactly as 1 process x micro
+batch 8.
 
-Real processes under torchrun on CPU (gloo), the real CLI, for every kind of source: real English prose
-(a text stream read front to back), a prepared token file (random access, shuffled), synthetic tokens
-(map-style, shuffled), and a `datasets` dataset saved to disk, in memory and streamed. The 2-rank job
-reads with `data.num_workers` 0 and 2; the one process reads with none: the order depends on neither.
+Real processes under torchrun on CPU (gloo), the real CLI, for every kind of source: real English
+prose
+(a text stream read front to back), a prepared token file (random access, shuffled), synthetic
+tokens
+(map-style, shuffled), and a `datasets` dataset saved to disk, in memory and streamed. The 2-rank
+job
+reads with `data.num_workers` 0 and 2; the one process reads with none: the order depends on
+neither.
 
-Why a tolerance at all (see tests/test_parallel.py for the arithmetic): the ranks add the same gradient
-contributions in another order, so losses agree to rtol 1e-6 and the weights to atol 1e-6; one sample
+Why a tolerance at all (see tests/test_parallel.py for the arithmetic): the ranks add the same
+gradient
+contributions in another order, so losses agree to rtol 1e-6 and the weights to atol 1e-6; one
+sample
 given to the wrong step moves a loss by ~1e-3. The runs are tiny (one layer, 12 steps) and read less
 than one pass, so no microbatch holds a source's short last block: a padded microbatch's loss is the
 mean over its own tokens, which the ranks' equal-weight average does not reproduce.
@@ -103,7 +110,8 @@ def write_config(
             "dropout": 0.0,
         },
         "data": {"block_size": 16, "micro_batch_size": micro, "target_batch_size": target, **data},
-        # eps=1 keeps AdamW's update a smooth function of the gradient (tests/test_parallel.py says why)
+        # eps=1 keeps AdamW's update a smooth function of the gradient (tests/test_parallel.py says
+        # why)
         "optimizer": {"lr": 1e-2, "weight_decay": 0.0, "eps": 1.0, "grad_clip": 1.0},
         "scheduler": {"warmup_steps": 2, "max_steps": STEPS},
         "precision": {"mode": "fp32"},
@@ -155,11 +163,13 @@ def train(cfg: Path, *extra: str, nproc: int = 1) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    "The stderr of `proc`, which must exit 0 within `timeout` seconds (else it and its ranks are killed and the test fails)."
+    """The stderr of `proc`, which must exit 0 within `timeout` seconds (else it and its ranks are
+    killed and the test fails)."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.terminate()  # torchrun passes SIGTERM to its ranks (each in a session of its own), then kills them
+        # torchrun passes SIGTERM to its ranks (each in a session of its own), then kills them
+        proc.terminate()
         try:
             out, err = proc.communicate(timeout=90)
         except subprocess.TimeoutExpired:
@@ -191,7 +201,8 @@ def final_state(out: Path, step: int = STEPS) -> dict:
 def assert_same_training(
     tmp: Path, name: str, ref: str, steps: range = range(1, STEPS + 1)
 ) -> None:
-    "Run `name` took, step for step, the losses of run `ref` (rtol 1e-6) and ended on its weights (atol 1e-6)."
+    """Run `name` took, step for step, the losses of run `ref` (rtol 1e-6) and ended on its weights
+    (atol 1e-6)."""
     got, want = losses(tmp / f"{name}.jsonl"), losses(tmp / f"{ref}.jsonl")
     assert sorted(got) == list(steps), sorted(got)
     for step, values in got.items():
@@ -208,7 +219,8 @@ def assert_same_training(
 
 
 def token_file(tmp: Path, blocks: int = 400) -> Path:
-    "A prepared token file of `blocks` blocks of 17 ids below 256 (its sidecar says vocabulary 256)."
+    """A prepared token file of `blocks` blocks of 17 ids below 256 (its sidecar says vocabulary
+    256)."""
     ids = np.random.default_rng(0).integers(0, 256, size=blocks * 17).astype(np.uint16)
     path = tmp / "tokens.bin"
     path.write_bytes(ids.tobytes())
@@ -227,7 +239,8 @@ def token_file(tmp: Path, blocks: int = 400) -> Path:
 
 
 def saved_dataset(tmp: Path) -> Path:
-    "The prose as a `datasets` dataset of one row per paragraph, saved to disk in 2 shards (skips without `datasets`)."
+    """The prose as a `datasets` dataset of one row per paragraph, saved to disk in 2 shards (skips
+    without `datasets`)."""
     datasets = pytest.importorskip("datasets")
     path = tmp / "prose_dataset"
     rows = [p for p in PROSE.split("\n\n") if p.strip()]

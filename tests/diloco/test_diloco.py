@@ -1,5 +1,7 @@
-"""DumbDiLoCo end to end: master + workers as real `speedtronic train` processes over a shared directory and
-over the loopback Hub stand-in (the real `huggingface_hub` client), with faults, kill -9 and resume, bad deltas,
+"""DumbDiLoCo end to end: master + workers as real `speedtronic train` processes over a shared
+directory and
+over the loopback Hub stand-in (the real `huggingface_hub` client), with faults, kill -9 and resume,
+bad deltas,
 a bounded repository, and failures that must stop a run at once."""
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from speedtronic.profiling import MetricLogger
 TOKEN = "hf_test_write_token_0123456789"
 
 
-# -- running nodes ------------------------------------------------------------------------------------------
+# -- running nodes
+# ------------------------------------------------------------------------------------------
 def node_config(
     tmp: Path,
     name: str,
@@ -206,12 +209,14 @@ def check_exactly_once(tmp: Path, names, ledger: dict) -> None:
         assert uploaded and max(uploaded) == top, (name, sorted(uploaded), ledger[name])
 
 
-# -- both transports ----------------------------------------------------------------------------------------
+# -- both transports
+# ----------------------------------------------------------------------------------------
 def test_master_and_workers_over_a_shared_directory(tmp_path):
     repo = tmp_path / "repo"
     names = ("master", "w1", "w2")
     outputs = run_nodes(tmp_path, repo=str(repo), transport="directory", names=names)
-    # 5 inner steps with the default outer Nesterov: the master says it in its log, the workers (no outer step) do not
+    # 5 inner steps with the default outer Nesterov: the master says it in its log, the workers (no
+    # outer step) do not
     assert (
         "outer_momentum 0.9 with inner_steps 5" in outputs["master"]
         and "outer_momentum" not in outputs["w1"]
@@ -277,7 +282,8 @@ def test_boundary_wait_folds_whole_rounds_each_starting_from_a_global_holding_th
     assert len(later) == 10 and all(
         e["base_outer_step"] >= folded_in[(e["node_id"], e["step"] - 5)] for e in later
     ), later
-    # the master folds whole rounds: both nodes' deltas of a step in one version (the final round does not wait)
+    # the master folds whole rounds: both nodes' deltas of a step in one version (the final round
+    # does not wait)
     rounds = [
         sorted(map(tuple, e["folded"])) for e in events(master, "outer_step") if e.get("folded")
     ]
@@ -304,7 +310,8 @@ def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):
     assert sorted(files) == [GLOBAL_MODEL_PATH, GLOBAL_METADATA_PATH]
     meta, extras = parse_step_count(files[GLOBAL_METADATA_PATH])
     check_exactly_once(tmp_path, names, extras["ledger"])
-    # the commit history: each delta added once (one commit per boundary) and removed by exactly one publication
+    # the commit history: each delta added once (one commit per boundary) and removed by exactly one
+    # publication
     added = Counter(p for c in repo.commits for p in c.added if p.startswith("nodes/"))
     removed = Counter(p for c in repo.commits for p in c.deleted)
     assert added and all(n == 1 for n in removed.values()) and set(removed) == set(added)
@@ -312,7 +319,8 @@ def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):
         len(c.added) == 1 for c in repo.commits if any(p.startswith("nodes/") for p in c.added)
     )
     assert not [r for r in hub.faults], "every injected fault was hit"
-    # every uploaded delta was folded (none refused), and each version is one publication that folded some of them
+    # every uploaded delta was folded (none refused), and each version is one publication that
+    # folded some of them
     rounds = [
         e
         for e in events(tmp_path / "master" / "metrics.jsonl", "outer_step")
@@ -330,7 +338,8 @@ def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):
     assert meta.outer_step == len(rounds) == rounds[-1]["outer_step"]
 
 
-# -- kill -9 and resume -------------------------------------------------------------------------------------
+# -- kill -9 and resume
+# -------------------------------------------------------------------------------------
 def _kill_when(proc: subprocess.Popen, jsonl: Path, min_step: int) -> None:
     def ready():
         if proc.poll() is not None:
@@ -373,7 +382,8 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
     )
     procs["w1"] = launch(configs[1])
     _kill_when(procs[victim], tmp_path / victim / "metrics.jsonl", min_step=30)
-    # the committed version (a master killed while publishing leaves newer weights beside it, which state() refuses to read)
+    # the committed version (a master killed while publishing leaves newer weights beside it, which
+    # state() refuses to read)
     before = json.loads((repo / GLOBAL_METADATA_PATH).read_text())["outer_step"]
     procs[victim] = launch(configs[names.index(victim)], "--resume")
     for p in procs.values():
@@ -403,7 +413,8 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
     if (
         boundary_wait
     ):  # whole rounds again once the victim is back: a delta of each node in one version (the steps
-        # may differ: a worker whose master is down trains on without waiting, a resumed node restarts at its checkpoint)
+        # may differ: a worker whose master is down trains on without waiting, a resumed node
+        # restarts at its checkpoint)
         rounds = [
             sorted(map(tuple, e["folded"]))
             for e in events(tmp_path / "master" / "metrics.jsonl", "outer_step")
@@ -447,7 +458,8 @@ def test_a_second_master_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in res.stderr
 
 
-# -- what the master refuses ---------------------------------------------------------------------------------
+# -- what the master refuses
+# ---------------------------------------------------------------------------------
 def _master(tmp: Path, **kw) -> tuple[MasterOuterLoop, list, MetricLogger]:
     seen = []
     logger = MetricLogger(stream=False, hooks=[lambda e, p: seen.append((e, p))])
@@ -540,8 +552,10 @@ def test_bad_deltas_are_rejected_and_quarantined(tmp_path):
 
 
 def test_a_node_is_judged_by_its_own_deltas(tmp_path):
-    """A late node's first deltas are larger than the others' late ones (its early training): folded. A delta 100x larger
-    than the node's own history: refused and quarantined; so is a new node's delta 100x larger than any folded so far."""
+    """A late node's first deltas are larger than the others' late ones (its early training):
+    folded. A delta 100x larger
+    than the node's own history: refused and quarantined; so is a new node's delta 100x larger than
+    any folded so far."""
     m, seen, logger = _master(tmp_path)
     shapes = floating_state(m.global_state)
     sized = lambda scale: {k: torch.full(v.shape, scale) for k, v in shapes.items()}
@@ -661,7 +675,8 @@ def test_the_hub_repository_head_stays_bounded(tmp_path, hub):
 
 
 def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str, **master):
-    "A master of a small model on a new Hub repo (version 0 published), its transport, and `send(step)`: node w commits a delta."
+    """A master of a small model on a new Hub repo (version 0 published), its transport, and
+    `send(step)`: node w commits a delta."""
     client = lambda: HubClient(
         repo, token=TOKEN, endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3
     )
@@ -700,8 +715,10 @@ def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str, **master):
 
 
 def test_a_held_round_on_the_hub_is_folded_once_its_wait_runs_out(tmp_path, hub):
-    """Whole rounds where the transport tells its head: a round that lacks a node is folded when the wait runs out,
-    although nothing was committed since (the unchanged-head shortcut must not hide the held round)."""
+    """Whole rounds where the transport tells its head: a round that lacks a node is folded when the
+    wait runs out,
+    although nothing was committed since (the unchanged-head shortcut must not hide the held
+    round)."""
     now = [0.0]  # the master's clock: moved by the test, not slept
     t, m, send = hub_master_and_node(
         tmp_path, hub, "org/held", expected_nodes=2, round_wait=0.3, clock=lambda: now[0]
@@ -715,8 +732,10 @@ def test_a_held_round_on_the_hub_is_folded_once_its_wait_runs_out(tmp_path, hub)
 
 
 def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_path, hub):
-    """A worker commits between the master's listing and its publication: the publication is rebased onto the new head,
-    and the delta it did not list is still folded in the next round (not hidden behind the master's own revision)."""
+    """A worker commits between the master's listing and its publication: the publication is rebased
+    onto the new head,
+    and the delta it did not list is still folded in the next round (not hidden behind the master's
+    own revision)."""
     t, m, send = hub_master_and_node(tmp_path, hub, "org/race")
     publish = t.publish
 
@@ -736,8 +755,10 @@ def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_p
 
 
 def test_a_publication_outlasts_many_racing_commits_and_uploads_once(tmp_path, hub):
-    """A node commits before each of the master's first 12 tries (more than the 8 tries that used to postpone the
-    round): the publication still lands in this round, and only its first try asks the Hub how to upload the weights."""
+    """A node commits before each of the master's first 12 tries (more than the 8 tries that used to
+    postpone the
+    round): the publication still lands in this round, and only its first try asks the Hub how to
+    upload the weights."""
     t, m, send = hub_master_and_node(tmp_path, hub, "org/busy")
     publish, tries = t.publish, []
 
@@ -759,7 +780,8 @@ def test_a_publication_outlasts_many_racing_commits_and_uploads_once(tmp_path, h
     )  # the 12 deltas that raced it are folded in the next round
 
 
-# -- failures retrying cannot fix ----------------------------------------------------------------------------
+# -- failures retrying cannot fix
+# ----------------------------------------------------------------------------
 def test_hub_errors_are_classified(tmp_path, hub, monkeypatch):
     fast = dict(
         endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3, request_timeout=2
@@ -844,7 +866,8 @@ def test_validate_deep_warns_about_the_hub_commit_rate(tmp_path):
     ]
     assert res.returncode == 0 and len(warnings_) == 1, res.stderr[-2000:]
     assert "Hub commits per hour" in warnings_[0] and "distributed.inner_steps" in warnings_[0]
-    # a directory master: no commit limit; with 5 inner steps, the default outer momentum is worth a warning, averaging is not
+    # a directory master: no commit limit; with 5 inner steps, the default outer momentum is worth a
+    # warning, averaging is not
     for name, outer, expected in (
         ("nesterov", {}, 1),
         ("averaging", {"outer_lr": 1.0, "outer_momentum": 0.0}, 0),

@@ -1,6 +1,9 @@
-"""DiLoCo master faults: a delta that lands while the master commits, wild first deltas, forged steps, stray files at
-the end, a second master with a wrong clock, tied weights on the wire, and 2.0's own repository. Real files, the real
-`huggingface_hub` client against the loopback Hub stand-in, real masters; time is the master's injectable clock where
+"""DiLoCo master faults: a delta that lands while the master commits, wild first deltas, forged
+steps, stray files at
+the end, a second master with a wrong clock, tied weights on the wire, and 2.0's own repository.
+Real files, the real
+`huggingface_hub` client against the loopback Hub stand-in, real masters; time is the master's
+injectable clock where
 a test needs it, never a sleep."""
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def hub():
 
 
 class Run:
-    "A shared-directory repository, a master of a small model on it, and nodes that send deltas as a node does."
+    """A shared-directory repository, a master of a small model on it, and nodes that send deltas as
+    a node does."""
 
     def __init__(self, tmp: Path, **master):
         self.tmp, self.events, self.console = tmp, [], io.StringIO()
@@ -99,7 +103,8 @@ class Run:
         forged: bool = False,
         drop: tuple = (),
     ) -> None:
-        "Commit `node`'s delta at `step` (each delta covers the steps since the node's previous one, unless `inner` says)."
+        """Commit `node`'s delta at `step` (each delta covers the steps since the node's previous
+        one, unless `inner` says)."""
         inner = step - self.last.get((node, session), 0) if inner is None else inner
         if not forged:
             self.last[node, session] = step
@@ -138,9 +143,11 @@ class Run:
         )
 
 
-# -- 1. nothing waits on a timeout that a poll would end ------------------------------------------------------
+# -- 1. nothing waits on a timeout that a poll would end
+# ------------------------------------------------------
 def hub_master(tmp: Path, hub: HubStandIn, repo: str, start: bool = True, **master):
-    "A master of a small model on a new Hub repo, its transport, and `send(step)`: node w commits a delta."
+    """A master of a small model on a new Hub repo, its transport, and `send(step)`: node w commits
+    a delta."""
     client = lambda: HubClient(
         repo, token=TOKEN, endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3
     )
@@ -176,9 +183,12 @@ def hub_master(tmp: Path, hub: HubStandIn, repo: str, start: bool = True, **mast
 def test_a_delta_in_the_repository_before_the_masters_first_commit_is_folded_by_its_first_round(
     tmp_path, hub
 ):
-    """A node (resumed with a delta still to send) commits before the master bootstraps: the bootstrap's commit holds
-    that delta, which the master never listed. Its first round must list it (taking its own commit for what it had
-    seen hid the delta until the next commit came: at the end of a run, for the whole final_round_timeout)."""
+    """A node (resumed with a delta still to send) commits before the master bootstraps: the
+    bootstrap's commit holds
+    that delta, which the master never listed. Its first round must list it (taking its own commit
+    for what it had
+    seen hid the delta until the next commit came: at the end of a run, for the whole
+    final_round_timeout)."""
     t, m, send = hub_master(tmp_path, hub, "org/early", start=False, expected_nodes=1)
     send(10)
     assert m.start_master().outer_step == 0 and t.list_deltas() == [delta_path("w", 10)]
@@ -188,7 +198,8 @@ def test_a_delta_in_the_repository_before_the_masters_first_commit_is_folded_by_
 def test_a_delta_committed_while_the_master_bootstraps_is_folded_and_the_master_goes_on(
     tmp_path, hub
 ):
-    "A node commits between the master's first read and its bootstrap commit: the bootstrap is retried, not taken for another master."
+    """A node commits between the master's first read and its bootstrap commit: the bootstrap is
+    retried, not taken for another master."""
     t, m, send = hub_master(tmp_path, hub, "org/boot-race", start=False, expected_nodes=1)
     publish = t.publish
 
@@ -203,7 +214,8 @@ def test_a_delta_committed_while_the_master_bootstraps_is_folded_and_the_master_
 
 
 def test_the_final_round_folds_a_held_round_at_once(tmp_path, hub):
-    "Whole rounds: a round waiting for a node that has finished is folded by the final round, not after its wait runs out."
+    """Whole rounds: a round waiting for a node that has finished is folded by the final round, not
+    after its wait runs out."""
     now = [0.0]
     t, m, send = hub_master(
         tmp_path, hub, "org/held-final", expected_nodes=2, round_wait=1000.0, clock=lambda: now[0]
@@ -217,9 +229,12 @@ def test_the_final_round_folds_a_held_round_at_once(tmp_path, hub):
 
 
 def test_a_delta_that_lands_while_the_master_commits_is_folded_by_the_next_round(tmp_path, hub):
-    """The master's heartbeat commit goes through, its answer is lost, and a node commits a delta before the client
-    tries again. However the retry ends (here: the client retries with the additions it uploaded, and the Hub refuses
-    the stale parent), the head after a publication is not what the master listed: the next round lists it."""
+    """The master's heartbeat commit goes through, its answer is lost, and a node commits a delta
+    before the client
+    tries again. However the retry ends (here: the client retries with the additions it uploaded,
+    and the Hub refuses
+    the stale parent), the head after a publication is not what the master listed: the next round
+    lists it."""
     now = [0.0]
     t, m, send = hub_master(tmp_path, hub, "org/lost", expected_nodes=1, clock=lambda: now[0])
     send(10)
@@ -245,8 +260,10 @@ def test_a_delta_that_lands_while_the_master_commits_is_folded_by_the_next_round
 
 
 def test_a_publication_whose_answer_is_lost_in_an_outage_is_the_masters_own(tmp_path, hub):
-    """The master's publication goes through, its answer is lost, and the retries meet an outage: the round fails
-    (HubUnavailable). The next round finds a version it did not hear about, with its own publication id: it continues
+    """The master's publication goes through, its answer is lost, and the retries meet an outage:
+    the round fails
+    (HubUnavailable). The next round finds a version it did not hear about, with its own publication
+    id: it continues
     from it instead of stopping as if another master were publishing."""
     t, m, send = hub_master(tmp_path, hub, "org/outage", expected_nodes=1)
     send(10)
@@ -262,7 +279,8 @@ def test_a_publication_whose_answer_is_lost_in_an_outage_is_the_masters_own(tmp_
     assert t.state().extras["master"]["node_id"] == "m"
 
 
-# -- 2. a wild delta never becomes the global -----------------------------------------------------------------
+# -- 2. a wild delta never becomes the global
+# -----------------------------------------------------------------
 def test_a_wild_first_delta_is_refused_and_the_nodes_go_on(tmp_path):
     run = Run(tmp_path)
     m = run.master
@@ -289,7 +307,8 @@ def test_a_wild_first_delta_is_refused_and_the_nodes_go_on(tmp_path):
 
 
 def test_a_fold_that_would_publish_a_non_finite_global_publishes_nothing(tmp_path):
-    "With the size checks off, two finite deltas that overflow together: nothing is published, both are refused."
+    """With the size checks off, two finite deltas that overflow together: nothing is published,
+    both are refused."""
     run = Run(tmp_path, max_delta_norm_ratio=0.0)
     run.send("a", 10, 3e38)
     run.send("b", 10, 3e38)
@@ -307,7 +326,8 @@ def test_a_fold_that_would_publish_a_non_finite_global_publishes_nothing(tmp_pat
     assert run.master.sync_once() == 1
 
 
-# -- 3. steps a node could not have reached --------------------------------------------------------------------
+# -- 3. steps a node could not have reached
+# --------------------------------------------------------------------
 def test_a_forged_step_of_a_real_session_is_refused_and_the_session_goes_on(tmp_path):
     run = Run(tmp_path)
     m = run.master
@@ -354,8 +374,10 @@ def test_a_forged_step_of_a_real_session_is_refused_and_the_session_goes_on(tmp_
 def test_a_refused_delta_of_a_session_first_folded_in_the_same_round_still_counts_as_reached(
     tmp_path,
 ):
-    """A node's first delta and its next one (NaN) are listed in one pass: the refusal is of a session the ledger learns
-    only from that round's fold. The node carries on after the refused delta; its next one must not look unreachable."""
+    """A node's first delta and its next one (NaN) are listed in one pass: the refusal is of a
+    session the ledger learns
+    only from that round's fold. The node carries on after the refused delta; its next one must not
+    look unreachable."""
     run = Run(tmp_path)
     m = run.master
     run.send("worker", 10)
@@ -367,7 +389,8 @@ def test_a_refused_delta_of_a_session_first_folded_in_the_same_round_still_count
     assert run.folded() == [("worker", 10), ("worker", 30)] and len(run.rejected()) == 1
 
 
-# -- 4. the final round waits only for nodes in the global ----------------------------------------------------
+# -- 4. the final round waits only for nodes in the global
+# ----------------------------------------------------
 def test_the_final_round_does_not_wait_for_a_node_whose_only_file_was_refused(tmp_path):
     run = Run(tmp_path)
     m = run.master
@@ -388,7 +411,8 @@ def test_the_final_round_does_not_wait_for_a_node_whose_only_file_was_refused(tm
     )  # it did not wait out the 5 s for ghost
 
 
-# -- 5. the lease does not trust another host's clock ---------------------------------------------------------
+# -- 5. the lease does not trust another host's clock
+# ---------------------------------------------------------
 def test_a_master_whose_clock_is_off_by_an_hour_does_not_take_a_live_masters_lease(tmp_path):
     run = Run(tmp_path, node_id="m1", lease_timeout=5.0, poll_interval=0.05)
     live = run.master
@@ -422,7 +446,8 @@ def test_a_master_whose_clock_is_off_by_an_hour_does_not_take_a_live_masters_lea
     assert run.transport().state().extras["master"]["node_id"] == "m2"
 
 
-# -- 6. tied weights travel once ------------------------------------------------------------------------------
+# -- 6. tied weights travel once
+# ------------------------------------------------------------------------------
 def _tied_model() -> torch.nn.Module:
     cfg = SpeedtronicConfig.from_dict(
         {
@@ -489,7 +514,8 @@ def test_tied_weights_travel_once_and_every_reader_gets_every_key(tmp_path):
         tensors["lm_head.weight"], tensors["transformer.wte.weight"]
     )
     assert tensors["lm_head.weight"].data_ptr() != tensors["transformer.wte.weight"].data_ptr()
-    # the master folds it and publishes a global that stores the tied tensor once too, and a node reads every key
+    # the master folds it and publishes a global that stores the tied tensor once too, and a node
+    # reads every key
     t = SharedDirectory(tmp_path / "repo")
     t.open(create=True)
     rounds = []
@@ -578,9 +604,11 @@ def test_a_2_0_repository_is_read_and_its_deltas_are_folded(tmp_path):
     )
 
 
-# -- a delta that cannot be fetched -----------------------------------------------------------------------------------
+# -- a delta that cannot be fetched
+# -----------------------------------------------------------------------------------
 class VanishingDirectory(SharedDirectory):
-    "A shared directory where the listed deltas in `vanish` are removed the moment before the master fetches them."
+    """A shared directory where the listed deltas in `vanish` are removed the moment before the
+    master fetches them."""
 
     vanish: set[str] = set()
 
@@ -607,7 +635,8 @@ def test_a_delta_gone_before_its_fetch_leaves_the_others_folded_and_the_master_r
 
 
 def test_a_master_whose_model_does_not_fit_the_repositorys_global_stops_naming_the_tensor(tmp_path):
-    "Restarted elsewhere with another model, the master adopts nothing: it names the first tensor that differs."
+    """Restarted elsewhere with another model, the master adopts nothing: it names the first tensor
+    that differs."""
     run = Run(tmp_path)
     run.send("a", 10)
     run.master.sync_once()
@@ -628,9 +657,11 @@ def test_a_master_whose_model_does_not_fit_the_repositorys_global_stops_naming_t
     )
 
 
-# -- a transport of 2.0's contract, and 2.0's checkpoint ----------------------------------------------------------------
+# -- a transport of 2.0's contract, and 2.0's checkpoint
+# ----------------------------------------------------------------
 class ContractOnly:
-    "A transport written against 2.0's contract: state, list_deltas, fetch, upload, publish(files, deletes, parent, owner, message)."
+    """A transport written against 2.0's contract: state, list_deltas, fetch, upload, publish(files,
+    deletes, parent, owner, message)."""
 
     def __init__(self, root: Path):
         self.inner = SharedDirectory(root, retry=RetryPolicy(0.001, 0.01, 2))
@@ -652,7 +683,8 @@ class ContractOnly:
 
 
 def test_a_master_works_on_a_transport_of_2_0s_contract(tmp_path):
-    "No open, describe, head_revision, counts, nor publish's newer keywords: the master bootstraps, folds, deletes and resumes."
+    """No open, describe, head_revision, counts, nor publish's newer keywords: the master
+    bootstraps, folds, deletes and resumes."""
     run = Run(tmp_path)  # its nodes send the deltas; its master is replaced
     shutil.rmtree(tmp_path / "repo")
     SharedDirectory(tmp_path / "repo").open(create=True)
@@ -690,7 +722,8 @@ def test_a_master_works_on_a_transport_of_2_0s_contract(tmp_path):
 def test_a_2_0_checkpoints_outer_state_is_continued_and_its_processed_deltas_are_not_folded_again(
     tmp_path,
 ):
-    "2.0's checkpoint shape (processed_deltas as [node, step, base] triples, momentum, global_state) comes in through the translator."
+    """2.0's checkpoint shape (processed_deltas as [node, step, base] triples, momentum,
+    global_state) comes in through the translator."""
     repo, model = v2_repo(tmp_path)
     v2_global = load_safetensors(repo / GLOBAL_MODEL_PATH)
     momentum = {k: torch.full(v.shape, 1e-4) for k, v in floating_state(v2_global).items()}

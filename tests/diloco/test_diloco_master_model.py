@@ -1,16 +1,25 @@
 """A model-based test of the DiLoCo master's pure transitions (`speedtronic.distributed.outer`).
 
-A hypothesis `RuleBasedStateMachine` plays a repository (delta files, published versions with their ledger, a head that
-changes only by compare-and-swap), honest nodes, a corrupting node, a forger, a clock, and one or two masters made only
+A hypothesis `RuleBasedStateMachine` plays a repository (delta files, published versions with their
+ledger, a head that
+changes only by compare-and-swap), honest nodes, a corrupting node, a forger, a clock, and one or
+two masters made only
 of the pure transitions: `listed`, `check`, `rejected`, `judge_newcomers`, `fold`, `on_published`,
-`conflict_verdict`, `state_record`/`restored`, `resumed`, `adopted`, `lease_holder`. Masters are killed and restarted
-from what they persisted at any point (also between saving `.next` and committing, and between committing and
-promoting), a second master takes over once the lease ran out, and whole-round waits time out on the clock.
+`conflict_verdict`, `state_record`/`restored`, `resumed`, `adopted`, `lease_holder`. Masters are
+killed and restarted
+from what they persisted at any point (also between saving `.next` and committing, and between
+committing and
+promoting), a second master takes over once the lease ran out, and whole-round waits time out on the
+clock.
 
-After every rule: each accepted delta is folded exactly once; no honest delta is lost (it is in the repository or in a
-published version) or refused; published versions only grow; the head's global equals the outer update of exactly the
-deltas its ledger names, recomputed here independently (outer lr 1, momentum 0, two nodes per outer step: the global is
-the initial one minus the sum of those deltas over two); a whole round that did not time out holds every node it waits
+After every rule: each accepted delta is folded exactly once; no honest delta is lost (it is in the
+repository or in a
+published version) or refused; published versions only grow; the head's global equals the outer
+update of exactly the
+deltas its ledger names, recomputed here independently (outer lr 1, momentum 0, two nodes per outer
+step: the global is
+the initial one minus the sum of those deltas over two); a whole round that did not time out holds
+every node it waits
 for; the repository holds nothing the master has decided on but not yet deleted.
 
 Examples: `SPEEDTRONIC_MODEL_EXAMPLES` (default 2000, seconds; e.g. 20000 for a long run)."""
@@ -73,7 +82,8 @@ def delta_file(
 
 
 class Master:
-    "One master process: its state, what it persisted (promoted) and prepared (`.next`), and whether it still runs."
+    """One master process: its state, what it persisted (promoted) and prepared (`.next`), and
+    whether it still runs."""
 
     def __init__(self, node_id: str):
         self.node_id, self.state, self.saved, self.prepared, self.alive = (
@@ -104,7 +114,8 @@ class MasterModel(RuleBasedStateMachine):
         self.zombie: Master | None = None
         self.commit(self.master, bootstrap(self.master.state))
 
-    # -- the repository ------------------------------------------------------------------------------------------
+    # -- the repository
+    # ------------------------------------------------------------------------------------------
     def upload(self, path: str, tensors, header) -> None:
         self.repo[path] = (tensors, header)
         self.since_listing.add(path)
@@ -119,7 +130,8 @@ class MasterModel(RuleBasedStateMachine):
         full_rounds: bool = True,
         before=None,
     ) -> bool:
-        "`master` commits `pub` (compare-and-swap on the head's publication id); `crash`: killed before/after the commit."
+        """`master` commits `pub` (compare-and-swap on the head's publication id); `crash`: killed
+        before/after the commit."""
         prepared = replace(
             pub.state, publication=f"{master.node_id}-{self.revision}-{len(self.versions)}"
         )
@@ -172,7 +184,8 @@ class MasterModel(RuleBasedStateMachine):
         master.state = on_published(prepared, pub.deletes, self.now)
         return True
 
-    # -- honest and dishonest nodes ------------------------------------------------------------------------------
+    # -- honest and dishonest nodes
+    # ------------------------------------------------------------------------------
     @rule(
         node=st.sampled_from(HONEST),
         scale=st.floats(0.5, 2.0),
@@ -180,7 +193,8 @@ class MasterModel(RuleBasedStateMachine):
         skip=st.booleans(),
     )
     def send(self, node, scale, stale, skip):
-        "A node's next delta (covering the steps since its previous one; `skip`: a send failed, this one covers two rounds)."
+        """A node's next delta (covering the steps since its previous one; `skip`: a send failed,
+        this one covers two rounds)."""
         step = self.last[node] + (20 if skip else 10)
         base = max(0, self.head[0] - (2 if stale else 0))
         path, tensors, header = delta_file(
@@ -218,7 +232,8 @@ class MasterModel(RuleBasedStateMachine):
 
     @rule(node=st.sampled_from(HONEST))
     def send_broken_own(self, node):
-        "An honest node's delta that came out NaN: refused for its content; the node carries on after it."
+        """An honest node's delta that came out NaN: refused for its content; the node carries on
+        after it."""
         step = self.last[node] + 10
         path, tensors, header = delta_file(node, step, float("nan"), covered=10, base=self.head[0])
         self.last[node] = step
@@ -242,7 +257,8 @@ class MasterModel(RuleBasedStateMachine):
     @precondition(lambda self: not any(p.startswith("nodes/stranger/") for p in self.repo))
     @rule(step=st.integers(1, 50).map(lambda n: n * 10))
     def unknown_node(self, step):
-        "A node nobody has heard of joins with an honest delta of a new session (it may start anywhere)."
+        """A node nobody has heard of joins with an honest delta of a new session (it may start
+        anywhere)."""
         session = f"x{step}"
         if any(k[0] == "stranger" and k[1] == session for k in self.honest):
             return
@@ -253,9 +269,11 @@ class MasterModel(RuleBasedStateMachine):
         self.sent["stranger", session, step] = (path, tensors, header)
         self.upload(path, tensors, header)
 
-    # -- the master ------------------------------------------------------------------------------------------------
+    # -- the master
+    # ------------------------------------------------------------------------------------------------
     def owned(self, master: Master) -> bool:
-        "Whether the head is `master`'s (or its prepared publication, whose answer was lost); else it stops."
+        """Whether the head is `master`'s (or its prepared publication, whose answer was lost); else
+        it stops."""
         version, _, _, publication = self.head[:4]
         if (version, publication) == (master.state.outer_step, master.state.publication):
             return True
@@ -333,7 +351,8 @@ class MasterModel(RuleBasedStateMachine):
     @precondition(lambda self: self.master.alive)
     @rule(went_through=st.booleans())
     def killed_while_publishing(self, went_through):
-        "The master dies after saving `.next`, before its commit or after it (before promoting), and is restarted."
+        """The master dies after saving `.next`, before its commit or after it (before promoting),
+        and is restarted."""
         self.one_pass(self.master, True, crash="after" if went_through else "before")
         self.restart()
 
@@ -366,7 +385,8 @@ class MasterModel(RuleBasedStateMachine):
 
     @rule()
     def second_master(self):
-        "Another node starts as master: refused while the lease holds, else it takes over (the old one becomes a zombie)."
+        """Another node starts as master: refused while the lease holds, else it takes over (the old
+        one becomes a zombie)."""
         beat = datetime.fromtimestamp(self.head[5], timezone.utc).isoformat()
         extras = {
             "master": {"node_id": self.head[4], "heartbeat": beat},
@@ -385,7 +405,8 @@ class MasterModel(RuleBasedStateMachine):
     @precondition(lambda self: self.zombie is not None)
     @rule()
     def zombie_publishes(self):
-        "The master whose lease ran out wakes up and commits: the compare-and-swap refuses it and it stops."
+        """The master whose lease ran out wakes up and commits: the compare-and-swap refuses it and
+        it stops."""
         zombie, before = self.zombie, self.head
         if (
             self.head[4] != zombie.node_id and self.head[3] != zombie.state.publication
@@ -398,7 +419,8 @@ class MasterModel(RuleBasedStateMachine):
                 zombie, heartbeat(zombie.state)
             )  # it got there first: the new master stops at its next round
 
-    # -- invariants -----------------------------------------------------------------------------------------------
+    # -- invariants
+    # -----------------------------------------------------------------------------------------------
     @invariant()
     def folded_exactly_once(self):
         assert len(self.folded) == len(set(self.folded)), self.folded
@@ -416,7 +438,8 @@ class MasterModel(RuleBasedStateMachine):
     @invariant()
     def the_global_is_the_deltas_its_ledger_names(self):
         ledger = Ledger.from_json(self.head[2])
-        # the ledger keeps each node's newest sessions only (_SESSIONS_KEPT): it names exactly the folded deltas of those
+        # the ledger keeps each node's newest sessions only (_SESSIONS_KEPT): it names exactly the
+        # folded deltas of those
         kept = lambda k: k[1] in ledger.nodes.get(k[0], {}).get("sessions", {})
         assert set(k for k in self.honest if ledger.folded(*k)) == set(
             k for k in self.folded if k in self.honest and kept(k)

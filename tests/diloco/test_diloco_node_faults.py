@@ -1,5 +1,7 @@
-"""DiLoCo node faults, each as real `speedtronic train` processes: nodes launched together on a repository nobody
-created yet, a worker with another model, a run none of whose work reached the global model, SIGTERM while a
+"""DiLoCo node faults, each as real `speedtronic train` processes: nodes launched together on a
+repository nobody
+created yet, a worker with another model, a run none of whose work reached the global model, SIGTERM
+while a
 worker waits for the first global, and a shared directory that disappears mid-run."""
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def ended(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
 
 
 def error_line(rc: int, err: str, out: str, *needles: str) -> str:
-    "The one `speedtronic: error:` line of a node that exited 2 without a traceback; it holds every one of `needles`."
+    """The one `speedtronic: error:` line of a node that exited 2 without a traceback; it holds
+    every one of `needles`."""
     assert rc == 2, (rc, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("speedtronic: error:")]
@@ -127,7 +130,8 @@ def error_line(rc: int, err: str, out: str, *needles: str) -> str:
 
 
 class Lines:
-    "A process's stdout read on a thread: its lines, and an event set once `needle` shows up or the stream ends."
+    """A process's stdout read on a thread: its lines, and an event set once `needle` shows up or
+    the stream ends."""
 
     def __init__(self, proc: subprocess.Popen, needle: str):
         self.lines, self.needle, self.event = [], needle, threading.Event()
@@ -170,7 +174,8 @@ def hub():
 
 
 def repo_of(kind: str, tmp: Path, hub: HubStandIn | None) -> tuple[str, dict]:
-    "(repo_id, environment) of a fresh repository nobody has created, on the Hub stand-in or as a directory path."
+    """(repo_id, environment) of a fresh repository nobody has created, on the Hub stand-in or as a
+    directory path."""
     return (
         ("org/launched-together", hub_env(hub))
         if kind == "hub"
@@ -186,7 +191,8 @@ def transport_of(kind: str, repo: str, hub: HubStandIn | None):
     )
 
 
-# -- nodes launched together ----------------------------------------------------------------------------------
+# -- nodes launched together
+# ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["hub", "directory"])
 def test_nodes_launched_together_on_a_repository_nobody_created_all_finish_and_every_delta_is_folded(
     tmp_path, kind, request
@@ -240,7 +246,8 @@ def test_nodes_launched_together_on_a_repository_nobody_created_all_finish_and_e
 def test_a_worker_waits_for_a_hub_repository_that_does_not_exist_yet_and_says_so_once(
     tmp_path, hub
 ):
-    "The worker is started alone; the test creates the master only once the worker has said it is waiting."
+    """The worker is started alone; the test creates the master only once the worker has said it is
+    waiting."""
     worker = launch(
         node_config(
             tmp_path, "w1", "worker", repo="org/later", transport="hub", steps=10, expected_nodes=2
@@ -283,7 +290,8 @@ def test_a_worker_whose_repository_never_appears_stops_after_lease_timeout_namin
     error_line(*ended(worker), "org/typo", "HTTP 404", "lease_timeout=2")
 
 
-# -- a worker with another model ------------------------------------------------------------------------------
+# -- a worker with another model
+# ------------------------------------------------------------------------------
 def test_a_worker_with_another_model_shape_stops_at_the_first_global_naming_the_tensor(tmp_path):
     repo = str(tmp_path / "repo")
     rc, err, _ = ended(
@@ -319,12 +327,14 @@ def test_a_worker_with_another_model_shape_stops_at_the_first_global_naming_the_
     assert not jsonl_records(tmp_path / "w1" / "metrics.jsonl", "train_step")
 
 
-# -- a run none of whose work reached the global ----------------------------------------------------------------
+# -- a run none of whose work reached the global
+# ----------------------------------------------------------------
 @pytest.mark.parametrize("then", ["full", "gone"])
 def test_a_run_whose_hub_takes_nothing_after_version_0_ends_non_zero_on_every_node(
     tmp_path, hub, then
 ):
-    "The stand-in takes the master's first publication (version 0), then answers every commit 507 as a full disk would;"
+    """The stand-in takes the master's first publication (version 0), then answers every commit 507
+    as a full disk would;"""
     "with `gone` it also goes away for good once both nodes train."
     hub.fault("507", method="POST", path=r"/commit/", count=10**9, after=1)
     repo, env = "org/full", hub_env(hub)
@@ -378,7 +388,8 @@ def test_a_run_whose_hub_takes_nothing_after_version_0_ends_non_zero_on_every_no
         ), name
 
 
-# -- SIGTERM while waiting --------------------------------------------------------------------------------------
+# -- SIGTERM while waiting
+# --------------------------------------------------------------------------------------
 def _stops_on_sigterm(worker: subprocess.Popen, needle: str) -> None:
     "Once `worker` says `needle`, SIGTERM ends it promptly with exit 143 and the CLI's one line."
     waiting = Lines(worker, needle)
@@ -410,7 +421,8 @@ def test_sigterm_stops_a_worker_waiting_for_the_first_global(tmp_path, kind, req
 
 
 def test_sigterm_stops_a_worker_waiting_at_the_end_for_its_first_fold(tmp_path):
-    "The master has come and gone; the worker's only delta is its last, and it waits for a fold that will not come."
+    """The master has come and gone; the worker's only delta is its last, and it waits for a fold
+    that will not come."""
     repo = str(tmp_path / "repo")
     rc, err, _ = ended(
         launch(
@@ -444,7 +456,8 @@ def test_sigterm_stops_a_worker_waiting_at_the_end_for_its_first_fold(tmp_path):
 
 
 def test_sigterm_stops_a_master_waiting_in_its_final_round(tmp_path):
-    "The master expects a second node that never comes: SIGTERM ends its final round at once, its last step saved."
+    """The master expects a second node that never comes: SIGTERM ends its final round at once, its
+    last step saved."""
     repo = str(tmp_path / "repo")
     master = launch(
         node_config(
@@ -462,9 +475,11 @@ def test_sigterm_stops_a_master_waiting_in_its_final_round(tmp_path):
     assert sorted((tmp_path / "master" / "checkpoints").glob("step_*.pt"))[-1].name.endswith("5.pt")
 
 
-# -- a shared directory that disappears -------------------------------------------------------------------------
+# -- a shared directory that disappears
+# -------------------------------------------------------------------------
 def test_a_shared_directory_unmounted_mid_run_stops_every_node_and_is_not_recreated(tmp_path):
-    "The share goes away under the running nodes and leaves its empty mount point: nothing is published into that."
+    """The share goes away under the running nodes and leaves its empty mount point: nothing is
+    published into that."""
     repo = tmp_path / "share" / "repo"
     master = launch(
         node_config(
@@ -506,9 +521,11 @@ def test_a_shared_directory_unmounted_mid_run_stops_every_node_and_is_not_recrea
     assert list(repo.iterdir()) == []  # nothing was recreated in the mount point
 
 
-# -- symbolic links in the repository ---------------------------------------------------------------------------
+# -- symbolic links in the repository
+# ---------------------------------------------------------------------------
 def test_the_master_never_reads_a_delta_through_a_symbolic_link(tmp_path):
-    "A link named like a delta, and a node folder that is a link: neither is read, quarantined nor deleted; each is named once."
+    """A link named like a delta, and a node folder that is a link: neither is read, quarantined nor
+    deleted; each is named once."""
     import torch
     from speedtronic.distributed import MasterOuterLoop
     from speedtronic.distributed.tensors import (

@@ -1,20 +1,31 @@
-"""A model-based test of a DiLoCo node's pure transitions (`speedtronic.distributed.diloco`): hypothesis drives `NodeState`
-through random interleavings — training, boundaries (in float32, bfloat16 and int8), uploads that succeed, fail or are still
-running at the next boundary, globals that arrive newer, older or twice and hold this node's delta or not, boundary waits that end
-or run out, checkpoints written through `torch.save`, and the node killed and restarted from its last checkpoint — and checks
+"""A model-based test of a DiLoCo node's pure transitions (`speedtronic.distributed.diloco`):
+hypothesis drives `NodeState`
+through random interleavings — training, boundaries (in float32, bfloat16 and int8), uploads that
+succeed, fail or are still
+running at the next boundary, globals that arrive newer, older or twice and hold this node's delta
+or not, boundary waits that end
+or run out, checkpoints written through `torch.save`, and the node killed and restarted from its
+last checkpoint — and checks
 after every rule:
 
-- every step of training (across lives: a step number the repository holds counts once) is in exactly one delta that was
-  uploaded, is in flight, is carried, or is not sent yet (no step lost, none counted twice), by the step counts the deltas carry
+- every step of training (across lives: a step number the repository holds counts once) is in
+exactly one delta that was
+  uploaded, is in flight, is carried, or is not sent yet (no step lost, none counted twice), by the
+  step counts the deltas carry
   and by the progress their tensors hold;
-- the installed version and the folded step only grow (a restart goes back to the checkpoint's, with its weights);
+- the installed version and the folded step only grow (a restart goes back to the checkpoint's, with
+its weights);
 - a node never sends a delta against a version it did not install;
-- a node restarted from a checkpoint older than its deltas the repository kept (and the master folded) never delivers a step
-  number twice across its lives: the steps it retrains up to that fold are not new progress, and are never sent again;
+- a node restarted from a checkpoint older than its deltas the repository kept (and the master
+folded) never delivers a step
+  number twice across its lives: the steps it retrains up to that fold are not new progress, and are
+  never sent again;
 - a delta covers at most the steps trained, and never a step it does not hold;
-- a node stops waiting at boundaries only after a wait ran out, and waits again once a global holds one of its deltas.
+- a node stops waiting at boundaries only after a wait ran out, and waits again once a global holds
+one of its deltas.
 
-`SPEEDTRONIC_MODEL_EXAMPLES` sets the number of examples (default 2000, a few seconds; half as many start just after a restart
+`SPEEDTRONIC_MODEL_EXAMPLES` sets the number of examples (default 2000, a few seconds; half as many
+start just after a restart
 behind the node's own folds, which random rules reach rarely)."""
 
 from __future__ import annotations
@@ -53,7 +64,8 @@ def weights(w: list[float], n: int = 7) -> dict[str, torch.Tensor]:
 
 
 def spread(seed: int, span: int) -> list[int]:
-    "Three integers in [-span, span] from one drawn `seed` (one draw instead of three: hypothesis runs faster)."
+    """Three integers in [-span, span] from one drawn `seed` (one draw instead of three: hypothesis
+    runs faster)."""
     return [(seed >> shift) % (2 * span + 1) - span for shift in (0, 6, 12)]
 
 
@@ -68,7 +80,8 @@ def saved(entry: dict) -> bytes:
 
 
 def earlier_entry(state: NodeState) -> dict:
-    "The checkpoint entry our coordinator wrote before `NodeState` (2.0's keys plus `session`, `last_sent_step`, the carry)."
+    """The checkpoint entry our coordinator wrote before `NodeState` (2.0's keys plus `session`,
+    `last_sent_step`, the carry)."""
     job = state.in_flight
     return {
         "node_id": "n",
@@ -102,12 +115,14 @@ def earlier_entry(state: NodeState) -> dict:
 
 
 def loaded(data: bytes) -> dict:
-    "A checkpoint entry read back with the trainer's safe loader (`weights_only`: tensors and plain data only)."
+    """A checkpoint entry read back with the trainer's safe loader (`weights_only`: tensors and
+    plain data only)."""
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class Timeline:
-    "What the test knows of one run of the node, besides its state: a value a checkpoint copies and a restart brings back."
+    """What the test knows of one run of the node, besides its state: a value a checkpoint copies
+    and a restart brings back."""
 
     def __init__(self, live: dict[str, torch.Tensor]):
         self.live = live  # the model's weights
@@ -125,10 +140,12 @@ class Timeline:
         )  # the progress of steps the repository already held, trained again since the base
         self.installed = {-1}  # the versions installed (-1: the node's own starting weights)
         self.timed_out = False  # a boundary wait ran out since the last new fold
-        self.behind = False  # this run restarted behind its own folds (needs this code: no earlier checkpoint format)
+        # this run restarted behind its own folds (needs this code: no earlier checkpoint format)
+        self.behind = False
 
     def newest(self) -> int:
-        "The newest step the repository holds a delta of (0: none): a delta of a step not after it is a duplicate the master refuses."
+        """The newest step the repository holds a delta of (0: none): a delta of a step not after it
+        is a duplicate the master refuses."""
         return max([0] + [job.step for job, _ in self.uploaded])
 
     def copy(self) -> "Timeline":
@@ -152,10 +169,12 @@ class NodeMachine(RuleBasedStateMachine):
         self.saved: tuple[dict, Timeline] | None = None
         self.entry: dict | None = None  # the checkpoint's entry once read back
 
-    # -- training and boundaries --------------------------------------------------------------------------------
+    # -- training and boundaries
+    # --------------------------------------------------------------------------------
     @rule(steps=st.integers(1, 3 * ROUND), seed=SEEDS)
     def train(self, steps: int, seed: int) -> None:
-        "`steps` optimizer steps; each one moves the weights, and a step that ends a round is a boundary."
+        """`steps` optimizer steps; each one moves the weights, and a step that ends a round is a
+        boundary."""
         sizes = torch.tensor(spread(seed, 8), dtype=torch.float32) / 64
         for _ in range(steps):
             step = self.state.step + 1
@@ -210,7 +229,8 @@ class NodeMachine(RuleBasedStateMachine):
     def unsent(self) -> frozenset[int]:
         return frozenset(range(self.state.base_step + 1, self.state.step + 1))
 
-    # -- the repository's answers ---------------------------------------------------------------------------------
+    # -- the repository's answers
+    # ---------------------------------------------------------------------------------
     @precondition(lambda self: self.state.in_flight is not None)
     @rule()
     def upload_succeeds(self) -> None:
@@ -250,14 +270,16 @@ class NodeMachine(RuleBasedStateMachine):
 
     @rule(ahead=st.integers(-2, 2), holds=st.booleans(), seed=SEEDS)
     def global_arrives(self, ahead: int, holds: bool, seed: int) -> None:
-        "A global `ahead` versions from the installed one (older, the same, newer), holding one of this node's uploaded deltas or not."
+        """A global `ahead` versions from the installed one (older, the same, newer), holding one of
+        this node's uploaded deltas or not."""
         version = max(0, self.state.version + ahead)
         mine = [job.step for job, _ in self.t.uploaded] if holds else []
         folded = max(mine) if mine else -1
         self.install(version, weights([v / 8 for v in spread(seed, 16)], seed % 10), folded)
 
     def install(self, version: int, g: dict[str, torch.Tensor], folded: int) -> None:
-        "`on_global` of global `version` (`g`, holding this node's deltas up to `folded`) over the model, and what it must do."
+        """`on_global` of global `version` (`g`, holding this node's deltas up to `folded`) over the
+        model, and what it must do."""
         before, progress = self.state, self.state.base["w"] - self.t.live["w"]
         self.state, out = on_global(before, version, g, folded, self.t.live)
         if version <= before.version:
@@ -284,7 +306,8 @@ class NodeMachine(RuleBasedStateMachine):
             self.t.timed_out = False
         assert self.state.waits or self.t.timed_out
 
-    # -- boundary waits ------------------------------------------------------------------------------------------
+    # -- boundary waits
+    # ------------------------------------------------------------------------------------------
     @precondition(lambda self: wait_target(self.state) is not None)
     @rule(out_of_time=st.booleans(), stopped=st.booleans())
     def boundary_wait(self, out_of_time: bool, stopped: bool) -> None:
@@ -304,7 +327,8 @@ class NodeMachine(RuleBasedStateMachine):
         else:
             assert self.state is before
 
-    # -- checkpoints and restarts --------------------------------------------------------------------------------
+    # -- checkpoints and restarts
+    # --------------------------------------------------------------------------------
     @rule()
     def checkpoint(self) -> None:
         self.saved, self.entry = (
@@ -315,7 +339,8 @@ class NodeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.saved is not None)
     @rule(seed=SEEDS, earlier=st.booleans())
     def killed_and_restarted(self, seed: int, earlier: bool) -> None:
-        "The process dies; a new one builds its model (other weights), loads the checkpoint's weights and its coordinator entry."
+        """The process dies; a new one builds its model (other weights), loads the checkpoint's
+        weights and its coordinator entry."""
         entry, timeline = self.saved
         earlier = (
             earlier and not timeline.behind
@@ -343,7 +368,8 @@ class NodeMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.saved is not None and self.t.newest() > self.saved[0]["step"])
     @rule(seed=SEEDS)
     def killed_after_the_repository_kept_its_uploads(self, seed: int) -> None:
-        "The process dies after deltas it uploaded since its checkpoint; the master folded them, and the restart installs that global."
+        """The process dies after deltas it uploaded since its checkpoint; the master folded them,
+        and the restart installs that global."""
         entry, timeline = self.saved
         kept = self.t.uploaded[len(timeline.uploaded) :]  # the repository forgets nothing
         self.entry = entry = loaded(saved(entry))
@@ -366,7 +392,8 @@ class NodeMachine(RuleBasedStateMachine):
             self.t.live["w"], self.state.base["w"]
         )  # exactly the global: nothing of ours kept on top
 
-    # -- invariants ----------------------------------------------------------------------------------------------
+    # -- invariants
+    # ----------------------------------------------------------------------------------------------
     @invariant()
     def holds(self) -> None:
         "Every invariant, after every rule (one call: hypothesis's overhead is per invariant)."
@@ -430,7 +457,8 @@ test_node_transitions = NodeMachine.TestCase
 
 
 class BehindMachine(NodeMachine):
-    "The same machine started (mostly) just after a restart behind the node's own folds: a checkpoint, uploads, the kill."
+    """The same machine started (mostly) just after a restart behind the node's own folds: a
+    checkpoint, uploads, the kill."""
 
     @initialize(
         dtype=st.sampled_from(["float32", "bfloat16", "int8"]),

@@ -1,7 +1,11 @@
-"""The outer rule that keeps 2.0's DiLoCo config (outer lr 0.7, Nesterov momentum 0.9, no waiting at boundaries) from
-overshooting when deltas arrive late: delayed Nesterov, whose momentum is fed only the deltas computed from a global at least as
-new as the momentum's last step (a late delta is applied at the outer learning rate, without momentum). Pinned on a real master over a shared directory with real delta
-files, against plain PyTorch `SGD(nesterov=True)` over the pseudo-gradients, across a restart of the master."""
+"""The outer rule that keeps 2.0's DiLoCo config (outer lr 0.7, Nesterov momentum 0.9, no waiting at
+boundaries) from
+overshooting when deltas arrive late: delayed Nesterov, whose momentum is fed only the deltas
+computed from a global at least as
+new as the momentum's last step (a late delta is applied at the outer learning rate, without
+momentum). Pinned on a real master over a shared directory with real delta
+files, against plain PyTorch `SGD(nesterov=True)` over the pseudo-gradients, across a restart of the
+master."""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ LR, MU, NODES = 0.7, 0.9, 2
 
 
 def master(tmp: Path, model: torch.nn.Module) -> MasterOuterLoop:
-    "A master of `model` (2.0's outer defaults, two nodes) over the shared directory `tmp/repo`, its state in `tmp/state`."
+    """A master of `model` (2.0's outer defaults, two nodes) over the shared directory `tmp/repo`,
+    its state in `tmp/state`."""
     transport = SharedDirectory(tmp / "repo", retry=RetryPolicy(0.001, 0.01, 2))
     transport.open(create=True)
     loop = MasterOuterLoop(
@@ -76,20 +81,24 @@ def test_a_delta_older_than_the_last_momentum_step_does_not_feed_the_momentum(tm
     send(tmp_path, loop, "a", 10, 0, deltas["a", 10])
     send(tmp_path, loop, "b", 10, 0, deltas["b", 10])
     assert loop.sync_once() == 1
-    # round 2: a from version 1 (version 2), then b still from version 0, one outer step behind (version 3)
+    # round 2: a from version 1 (version 2), then b still from version 0, one outer step behind
+    # (version 3)
     send(tmp_path, loop, "a", 20, 1, deltas["a", 20])
     assert loop.sync_once() == 2
     send(tmp_path, loop, "b", 20, 0, deltas["b", 20])
     assert loop.sync_once() == 3
-    # the master restarts from its state directory; round 3: a from version 2 (one outer step behind), b from version 3
+    # the master restarts from its state directory; round 3: a from version 2 (one outer step
+    # behind), b from version 3
     loop = master(tmp_path, model)
     assert loop.outer_step == 3
     send(tmp_path, loop, "a", 30, 2, deltas["a", 30])
     send(tmp_path, loop, "b", 30, 3, deltas["b", 30])
     assert loop.sync_once() == 4
 
-    # plain PyTorch: per round, Nesterov SGD with the momentum's gradient (the round's deltas that were computed from the
-    # momentum's last step or later, summed / nodes); the rest of the round's average is applied at the outer lr alone
+    # plain PyTorch: per round, Nesterov SGD with the momentum's gradient (the round's deltas that
+    # were computed from the
+    # momentum's last step or later, summed / nodes); the rest of the round's average is applied at
+    # the outer lr alone
     weights = {k: torch.nn.Parameter(v.detach().clone().float()) for k, v in shapes.items()}
     sgd = torch.optim.SGD(weights.values(), lr=LR, momentum=MU, nesterov=True)
     rounds = [

@@ -1,17 +1,25 @@
 """A DiLoCo node that is an fsdp job: real processes on CPU (gloo), the shared-directory transport.
 
-A 2-rank master under `parallel.strategy: fsdp` next to a one-process worker trains four whole rounds
-(`boundary_wait`: each node waits at a boundary for the global holding its delta, so the run is deterministic):
+A 2-rank master under `parallel.strategy: fsdp` next to a one-process worker trains four whole
+rounds
+(`boundary_wait`: each node waits at a boundary for the global holding its delta, so the run is
+deterministic):
 
-- every process exits 0, every delta of both nodes is folded once (the master's `outer_step` events, the ledger);
+- every process exits 0, every delta of both nodes is folded once (the master's `outer_step` events,
+the ledger);
 - both ranks end on the final global (each rank's shards gathered whole and compared);
-- the final global equals what the same run gives with the master as a ddp job, to fp32 reduction order
+- the final global equals what the same run gives with the master as a ddp job, to fp32 reduction
+order
   (float32 deltas, so no bfloat16 rounding can turn a last-bit difference into a visible one).
 
-The checkpoints fall on round boundaries, where the inner optimizer was just reset: a sharded save must leave it
-fresh (`get_state_dict` gives an empty optimizer a state of one zero step), and a resume from such a save starts
-it fresh too; a tiny sync scheme that resets every 4 steps shows both without DiLoCo, and a master alone,
-stopped after round 2 and resumed (rank 0's coordinator gets its checkpointed state back), ends on the global the
+The checkpoints fall on round boundaries, where the inner optimizer was just reset: a sharded save
+must leave it
+fresh (`get_state_dict` gives an empty optimizer a state of one zero step), and a resume from such a
+save starts
+it fresh too; a tiny sync scheme that resets every 4 steps shows both without DiLoCo, and a master
+alone,
+stopped after round 2 and resumed (rank 0's coordinator gets its checkpointed state back), ends on
+the global the
 same ddp node ends on.
 """
 
@@ -84,7 +92,8 @@ def node(
 
 
 def run_nodes(tmp: Path, strategy: str) -> dict:
-    "The 2-rank master (`strategy`) and the one-process worker, started together; the final global and each rank's weights."
+    """The 2-rank master (`strategy`) and the one-process worker, started together; the final global
+    and each rank's weights."""
     from speedtronic.distributed.tensors import GLOBAL_MODEL_PATH, load_safetensors
 
     master = node(tmp, "master", "master", 0, micro=2, parallel={"strategy": strategy})
@@ -127,7 +136,8 @@ def runs(tmp_path_factory) -> dict:
 
 
 def test_fsdp_master_folds_every_delta(runs):
-    "Each node's deltas of steps 5, 10, 15, 20 are folded once, and the job really ran sharded on 2 ranks."
+    """Each node's deltas of steps 5, 10, 15, 20 are folded once, and the job really ran sharded on
+    2 ranks."""
     from speedtronic.distributed import SharedDirectory
 
     tmp, _ = runs["fsdp"]
@@ -164,7 +174,8 @@ def test_every_rank_ends_on_the_final_global(runs):
 
 
 def test_the_final_global_is_the_ddp_node_s(runs):
-    "Same data, same whole rounds: the fsdp master's deltas equal the ddp master's to fp32 reduction order, and so the globals."
+    """Same data, same whole rounds: the fsdp master's deltas equal the ddp master's to fp32
+    reduction order, and so the globals."""
     (_, fsdp), (_, ddp) = runs["fsdp"], runs["ddp"]
     assert fsdp["global"].keys() == ddp["global"].keys()
     for key, tensor in ddp["global"].items():
@@ -194,7 +205,8 @@ end_process(0)
 
 
 def resetting_job(tmp: Path, name: str, strategy: str, steps: int, resume: bool = False) -> Path:
-    "A 2-rank job of `steps` steps (the schedule's horizon 8 whatever `steps`), its optimizer reset every 4; its metrics file."
+    """A 2-rank job of `steps` steps (the schedule's horizon 8 whatever `steps`), its optimizer
+    reset every 4; its metrics file."""
     cfg = write_config(
         tmp,
         name,
@@ -233,7 +245,8 @@ def resetting_job(tmp: Path, name: str, strategy: str, steps: int, resume: bool 
 
 
 def test_a_reset_optimizer_stays_fresh_through_a_sharded_checkpoint(tmp_path):
-    "fsdp with a save at each reset trains the ddp job's losses, and a resume from the save at step 4 goes on with them."
+    """fsdp with a save at each reset trains the ddp job's losses, and a resume from the save at
+    step 4 goes on with them."""
     fsdp, ddp = (
         losses_by_step(resetting_job(tmp_path, "fsdp", "fsdp", 8)),
         losses_by_step(resetting_job(tmp_path, "ddp", "ddp", 8)),
@@ -249,7 +262,8 @@ def test_a_reset_optimizer_stays_fresh_through_a_sharded_checkpoint(tmp_path):
 
 
 def alone(tmp: Path, strategy: str, steps: int, resume: bool = False) -> None:
-    "A master with no other node (each round its own delta), `steps` steps of a schedule 20 long, as a 2-rank `strategy` job."
+    """A master with no other node (each round its own delta), `steps` steps of a schedule 20 long,
+    as a 2-rank `strategy` job."""
     cfg = node(
         tmp,
         "master",
@@ -288,7 +302,8 @@ def alone(tmp: Path, strategy: str, steps: int, resume: bool = False) -> None:
 
 
 def resumed_alone(tmp: Path, strategy: str) -> dict:
-    "The master alone, stopped at step 10 (a boundary: its inner optimizer just reset) and resumed to 20; its final global."
+    """The master alone, stopped at step 10 (a boundary: its inner optimizer just reset) and resumed
+    to 20; its final global."""
     from speedtronic.distributed.tensors import GLOBAL_MODEL_PATH, load_safetensors
 
     tmp.mkdir()
@@ -311,7 +326,8 @@ def resumed_alone(tmp: Path, strategy: str) -> dict:
 
 
 def test_a_resumed_fsdp_node_goes_on_as_a_ddp_one(tmp_path):
-    "Rank 0's coordinator gets its checkpointed state back, folds rounds 3 and 4, and ends where the ddp node ends."
+    """Rank 0's coordinator gets its checkpointed state back, folds rounds 3 and 4, and ends where
+    the ddp node ends."""
     fsdp, ddp = resumed_alone(tmp_path / "fsdp", "fsdp"), resumed_alone(tmp_path / "ddp", "ddp")
     for key, tensor in ddp.items():
         torch.testing.assert_close(fsdp[key], tensor, rtol=0, atol=1e-6, msg=key)

@@ -1,6 +1,9 @@
-"""The DiLoCo master's held-out loss of every global model it publishes: a master and a worker, each a real
-`speedtronic train` process over a shared directory, both with an `eval` source; the master writes one
-`global_eval` per published version, the last equal to `evaluate` on the published file loaded on its own,
+"""The DiLoCo master's held-out loss of every global model it publishes: a master and a worker, each
+a real
+`speedtronic train` process over a shared directory, both with an `eval` source; the master writes
+one
+`global_eval` per published version, the last equal to `evaluate` on the published file loaded on
+its own,
 and the worker writes none."""
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from speedtronic.registry import build_model
 
 
 def with_text(cfg, text, held) -> None:
-    "Train on the text `text`, evaluate every 5 steps on `held` (a text file, or the fraction of `text` held out; a byte vocabulary)."
+    """Train on the text `text`, evaluate every 5 steps on `held` (a text file, or the fraction of
+    `text` held out; a byte vocabulary)."""
     raw = yaml.safe_load(cfg.read_text())
     raw["model"]["vocab_size"] = 256
     raw["data"] = {
@@ -104,8 +108,10 @@ def test_master_evaluates_every_published_global_and_workers_do_not(tmp_path, so
 
 
 def test_the_global_evaluator_reads_its_own_copy_of_the_held_out_side(tmp_path):
-    """A loader keeps the start of its pass on the dataset it reads (`_loader_start`), and the master's global evaluator
-    reads on its own thread while training evaluates: the two loaders must not share one held-out dataset object
+    """A loader keeps the start of its pass on the dataset it reads (`_loader_start`), and the
+    master's global evaluator
+    reads on its own thread while training evaluates: the two loaders must not share one held-out
+    dataset object
     (they share its tokens)."""
     from speedtronic.runtime import build_runtime
 

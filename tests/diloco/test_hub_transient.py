@@ -1,7 +1,10 @@
-"""The Hub as it really behaves (issues 24 and 26): a repository takes one commit at a time (a second
-writer gets 409 "Another commit operation is in progress"), allows so many commits per hour (429 with
+"""The Hub as it really behaves (issues 24 and 26): a repository takes one commit at a time (a
+second
+writer gets 409 "Another commit operation is in progress"), allows so many commits per hour (429
+with
 `Retry-After` and `RateLimit`), and `repo_info` may answer a head a few seconds stale. None of these
-ends a node: it waits as told, reads the head afresh and tries again, and no delta is dropped. A token
+ends a node: it waits as told, reads the head afresh and tries again, and no delta is dropped. A
+token
 the Hub refuses (401, 403) still ends the node at once with one line.
 
 Everything goes through the real `huggingface_hub` client against the loopback stand-in
@@ -58,10 +61,13 @@ def files(tmp_path) -> dict[str, Path]:
     return out
 
 
-# -- a worker's delta commit ------------------------------------------------------------------------------------
+# -- a worker's delta commit
+# ------------------------------------------------------------------------------------
 def test_a_delta_commit_answered_409_then_429_is_sent_late_not_dropped(files):
-    "Two 409s (another commit in progress), then the repository's commit limit: the commit is made, once."
-    # 2 commits per Hub hour, an hour lasting 3 real seconds: the third commit must wait ~3 s for the next
+    """Two 409s (another commit in progress), then the repository's commit limit: the commit is
+    made, once."""
+    # 2 commits per Hub hour, an hour lasting 3 real seconds: the third commit must wait ~3 s for
+    # the next
     # window, far longer than the client's own backoff (two attempts, 0.01 s apart) would allow
     with HubStandIn(tokens={TOKEN: "write"}, scale=1200.0, commits_per_window=2) as hub:
         hub.create("org/run")
@@ -83,7 +89,8 @@ def test_a_delta_commit_answered_409_then_429_is_sent_late_not_dropped(files):
 
 
 def test_a_429_says_when_to_come_back_as_the_hub_does(files):
-    "The stand-in's 429: the Hub's text, `Retry-After` and `RateLimit`; the client reads the wait from them."
+    """The stand-in's 429: the Hub's text, `Retry-After` and `RateLimit`; the client reads the wait
+    from them."""
     from huggingface_hub.errors import HfHubHTTPError
 
     from speedtronic.distributed.hub import _told, classify_hub_error
@@ -150,9 +157,11 @@ def test_per_token_api_and_download_windows_answer_429(files):
         writer.list_repo_refs("org/run")  # another token has its own window
 
 
-# -- the master's publication -----------------------------------------------------------------------------------
+# -- the master's publication
+# -----------------------------------------------------------------------------------
 def test_a_publish_on_a_stale_head_retries_on_a_fresh_head(files):
-    "repo_info answers a head an hour (of Hub time) old: a 412 is followed by a fresh read, and the retry lands."
+    """repo_info answers a head an hour (of Hub time) old: a 412 is followed by a fresh read, and
+    the retry lands."""
     with HubStandIn(tokens={TOKEN: "write"}, head_lag=3600.0) as hub:
         hub.create("org/run")
         master, worker = client(hub, "org/run"), client(hub, "org/run")
@@ -184,9 +193,11 @@ def test_a_publish_on_a_stale_head_retries_on_a_fresh_head(files):
         assert stale != hub.repos["org/run"].head
 
 
-# -- refusals stay fatal ----------------------------------------------------------------------------------------
+# -- refusals stay fatal
+# ----------------------------------------------------------------------------------------
 def test_a_token_the_hub_refuses_still_ends_at_once_with_one_line(files):
-    "403 (a read token committing) and 401 (an unknown token) are fatal: no wait, one line, no token in it."
+    """403 (a read token committing) and 401 (an unknown token) are fatal: no wait, one line, no
+    token in it."""
     with HubStandIn(tokens={TOKEN: "write", READ: "read"}, commits_per_window=100) as hub:
         hub.create("org/run")
         reader = client(hub, "org/run", token=READ, retry_attempts=6, retry_initial=30.0)
@@ -217,13 +228,16 @@ def test_a_worker_with_an_unknown_token_exits_2_with_one_line(tmp_path, corpus):
         assert "hf_unknown_token_000" not in proc.stdout + proc.stderr
 
 
-# -- a whole run through the Hub's limits -----------------------------------------------------------------------
+# -- a whole run through the Hub's limits
+# -----------------------------------------------------------------------
 STEPS, INNER = 30, 10
 
 
 def test_a_small_run_through_a_tight_commit_limit_folds_every_delta(tmp_path, corpus):
-    """Master + 2 workers, 30 steps in rounds of 10, through a stand-in where an hour lasts 4 s: 2 commits per
-    repository per hour, one commit at a time (each takes 0.2 s), and repo_info an hour stale. Every node exits
+    """Master + 2 workers, 30 steps in rounds of 10, through a stand-in where an hour lasts 4 s: 2
+    commits per
+    repository per hour, one commit at a time (each takes 0.2 s), and repo_info an hour stale. Every
+    node exits
     0 and every delta a node uploaded is folded exactly once (distributed.expected_nodes: 3)."""
     hub = HubStandIn(
         tokens={TOKEN: "write"},

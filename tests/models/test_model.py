@@ -209,7 +209,8 @@ def test_cuda_padding_path_and_bf16():
 
 
 def test_padded_batch_compiles_without_a_graph_break():
-    "torch.compile(fullgraph=True) on CPU with a padding mask: no `Tensor.item()` graph break, same loss."
+    """torch.compile(fullgraph=True) on CPU with a padding mask: no `Tensor.item()` graph break,
+    same loss."""
     torch.manual_seed(0)
     m = ReferenceTransformer(vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16)
     x = torch.randint(0, 32, (2, 8))

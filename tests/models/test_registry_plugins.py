@@ -1,7 +1,10 @@
-"""Custom models outside the training process: entry points of installed packages and `model.imports`.
+"""Custom models outside the training process: entry points of installed packages and
+`model.imports`.
 
-Every test runs a fresh interpreter (the registry is process-local). Plugins are real files: a module
-plus a `*.dist-info` folder with `METADATA` and `entry_points.txt`, found through `PYTHONPATH` exactly
+Every test runs a fresh interpreter (the registry is process-local). Plugins are real files: a
+module
+plus a `*.dist-info` folder with `METADATA` and `entry_points.txt`, found through `PYTHONPATH`
+exactly
 as an installed distribution would be (no pip needed).
 """
 
@@ -158,8 +161,8 @@ def test_unknown_name_lists_installed_plugins(plugin_dir):
     out = run_python(code, plugin_dir)
     assert out.returncode == 0, out.stderr
     assert (
-        "registered models: gpt, plugin_broken, plugin_by_module, plugin_silent, plugin_tiny, reference_transformer"
-        in out.stdout
+        "registered models: gpt, plugin_broken, plugin_by_module, plugin_silent, plugin_tiny, "
+        "reference_transformer" in out.stdout
     )
     assert "model.imports" in out.stdout
 
@@ -188,7 +191,8 @@ def write_config(path: Path, model_name: str, imports: list[str], output_dir: Pa
 
 
 def test_model_imports_from_yaml_in_a_script(tmp_path):
-    # A script elsewhere on disk: the current directory is not on sys.path, as with the `speedtronic`
+    # A script elsewhere on disk: the current directory is not on sys.path, as with the
+    # `speedtronic`
     # console script; `import_model_modules` still finds `user_models.py` in the current directory
     # (the rule is the working directory, not the config's folder: here they are the same).
     (tmp_path / "user_models.py").write_text(USER_MODELS)
@@ -236,7 +240,8 @@ def test_cli_trains_a_custom_model_named_in_yaml(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1].startswith("completed steps=2 ")
-    # the model trained is the user's: 64x16 embedding + 16x64 head with bias (the reference model would be far larger)
+    # the model trained is the user's: 64x16 embedding + 16x64 head with bias (the reference model
+    # would be far larger)
     assert "parameters=2112 " in out.stdout + out.stderr, out.stderr[-3000:]
 
 
