@@ -316,7 +316,7 @@ def decode_topk(
             f"(missing {sorted(set(shapes) - set(declared))[:3]}, "
             f"unexpected {sorted(set(declared) - set(shapes))[:3]})",
         )
-    if k := next((k for k in shapes if declared[k] != tuple(shapes[k])), None):
+    if (k := next((k for k in shapes if declared[k] != tuple(shapes[k])), None)) is not None:
         raise DeltaRejected(
             "shape",
             f"{where}: {k} was encoded from shape {declared[k]}, the model has {tuple(shapes[k])}",
