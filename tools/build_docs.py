@@ -99,6 +99,7 @@ NAV = [
             "diloco/02_distributed_tensors",
             "diloco/03_distributed_transport",
             "diloco/05_distributed_outer",
+            "diloco/09_distributed_compression",
             "app/03_main",
             "core/08_showdoc",
         ],

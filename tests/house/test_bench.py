@@ -92,3 +92,48 @@ def test_bench_recipe_prints_our_held_out_loss_and_cpu_seconds_beside_nanogpts(t
     assert missing.stderr.strip().splitlines() == [
         f"bench_recipe: --text {tmp_path / 'nope.txt'}: no such file; pass a text file"
     ]
+
+
+def test_bench_compression_prints_bytes_per_round_and_the_summed_error_per_encoding():
+    """bench/bench_compression.py, 2 rounds of 1 step of a d_model 64 model, prints one row per
+    encoding: bytes of one round's delta file against float32's and the relative error of the summed
+    deltas without and with error feedback; a bad argument is one line and exit 2."""
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "bench/bench_compression.py", *args],
+            cwd=ROOT,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    res = bench("--rounds", "2", "--inner-steps", "1", "--d-model", "64")
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert re.search(
+        r"^deltas: 2 rounds of 1 AdamW steps \(batch 8 x 64 tokens\), seed 0", out, re.M
+    )
+    rows = {
+        m["name"]: (
+            int(m["bytes"].replace(",", "")),
+            float(m["of"]),
+            float(m["plain"]),
+            float(m["fed"]),
+        )
+        for m in re.finditer(
+            r"^(?P<name>float32|bfloat16|int8|topk [13]% [24]-bit) +(?P<bytes>[\d,]+)"
+            r" +1/(?P<of>[\d.]+) +(?P<plain>\d\.\de[+-]\d\d) +(?P<fed>\d\.\de[+-]\d\d)$",
+            out,
+            re.M,
+        )
+    }
+    names = ["float32", "bfloat16", "int8"] + [f"topk {d}% {b}-bit" for d in (3, 1) for b in (4, 2)]
+    assert list(rows) == names, out
+    assert rows["float32"][1:] == (1.0, 0.0, 0.0), out  # float32 is the unit and loses nothing
+    assert rows["bfloat16"][1] == 2.0, out  # half of float32's bytes (the header aside)
+    assert all(rows[n][0] < rows["int8"][0] for n in names[3:]), out
+    bad = bench("--rounds", "0")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == ["bench_compression: --rounds 0: must be at least 1"]
