@@ -413,10 +413,14 @@ def decode_delta(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
             scale = tensors.get(k + INT8_SCALE)
             if scale is None:
                 raise ValueError(f"{k}: int8 tensor without its {k + INT8_SCALE} scale")
-            rows = v.float().reshape(v.shape[0] if v.ndim else 1, -1)
-            if scale.numel() != rows.shape[0]:
-                raise ValueError(f"{k}: {scale.numel()} scales for {rows.shape[0]} rows")
-            out[k] = (rows * scale.float().reshape(-1, 1)).reshape(v.shape)
+            rows = (v.shape[0] if v.ndim else 1) if v.numel() else 1  # as encode_delta wrote them
+            if scale.numel() != rows:
+                raise ValueError(f"{k}: {scale.numel()} scales for {rows} rows")
+            if v.numel() == 0:
+                out[k] = torch.zeros(v.shape)
+                continue
+            grid = v.float().reshape(rows, -1)
+            out[k] = (grid * scale.float().reshape(-1, 1)).reshape(v.shape)
         else:
             out[k] = v.float()
     return out
