@@ -22,8 +22,16 @@ no global by the end).
     python bench/sim_diloco.py --nodes 64 --hours 2 --round-seconds 300 --tier free
     python bench/sim_diloco.py --nodes 256 --hours 1 --scale 120    # an hour in 30 s
 
-Only the layout the package has (every delta and every publication a commit on the run's one
-repository) is simulated; see the note printed at the end for what it spends.
+Two layouts. `--layout one-repo` (the default) is the package's: every delta and every publication
+is a commit on the run's one repository, N + 1 commits a round. `--layout per-node` is measured in
+the bench only, through two transports written here over the package's `HubClient`: each node
+commits its deltas to a repository of its own (`sim/run-<node>`, one commit a delta, deleting its
+deltas already folded in the same commit), the master lists every node's repository each poll (one
+API call each), fetches the deltas from there, and publishes the global in the run's repository.
+
+A second of this machine is `--scale` simulated seconds: the real cost of each Hub call (tens of
+milliseconds on two busy cores) is multiplied by it. When the master's rounds lag (many nodes, a
+loaded machine), run again with a smaller `--scale`; the line under the table says the load.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -38,6 +47,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -56,10 +66,15 @@ from speedtronic.distributed.budget import (  # noqa: E402
 )
 from speedtronic.distributed import outer  # noqa: E402
 from speedtronic.distributed.diloco import DumbDiLoCoCoordinator  # noqa: E402
-from speedtronic.distributed.hub import HubClient  # noqa: E402
+from speedtronic.distributed.hub import HubClient, _operations  # noqa: E402
+from speedtronic.distributed.tensors import parse_delta_path  # noqa: E402
 from speedtronic.distributed.transport import HubError  # noqa: E402
 
 REPO = "sim/run"
+LAYOUTS = {
+    "one-repo": "one repository",  # the package's: every delta and publication a commit there
+    "per-node": "a repository per node",  # the bench's alternative, see PerNodeMaster
+}
 HOUR = 3600.0
 # the stand-in keeps 64 revisions readable; the Hub keeps every one, and 64 nodes commit 64 times in
 # seconds of this clock: a node reading at a head it just listed must still find it
@@ -134,8 +149,75 @@ class Recorder:
         self._line("error", message)
 
 
+class OwnDeltaRepo(HubClient):
+    """The per-node layout, a node's side: the run's repository for the global, the node's deltas
+    in a repository of its own (`own`), one commit a delta, deleting those already folded."""
+
+    def __init__(self, repo_id: str, own: str, folded, **kw):
+        super().__init__(repo_id, **kw)
+        self.own, self.folded, self.sent = HubClient(own, **kw), folded, []
+
+    def upload(self, files, message: str = "") -> None:
+        done = self.folded()  # the node's newest step in a global it installed
+        old = [p for p in self.sent if parse_delta_path(p)[1] <= done and p not in files]
+        own = self.own
+
+        def run():
+            own.api.create_commit(
+                own.repo_id,
+                _operations(files, old),
+                commit_message=message or f"add {', '.join(files)}",
+            )
+
+        own._call(f"upload {', '.join(files)} to {own.describe()}", run)
+        self.sent = [p for p in self.sent if p not in old] + list(files)
+
+
+class PerNodeMaster(OwnDeltaRepo):
+    """The per-node layout, the master's side: every node's repository listed for deltas (one API
+    call each, a poll), deltas fetched from there, the global published in the run's repository;
+    folded deltas are not deleted by the master (each node deletes its own), nor listed again."""
+
+    def __init__(self, repo_id: str, own: str, folded, node_repos: list[str], **kw):
+        super().__init__(repo_id, own, folded, **kw)
+        self.readers = [HubClient(r, **kw) for r in node_repos]
+        self.where: dict[str, HubClient] = {}  # delta path -> the repository holding it
+        self.gone: set[str] = set()  # folded or refused: in its publications' deletes
+
+    def head_revision(self):
+        return None  # no one head tells whether any node's repository changed: read every poll
+
+    def list_deltas(self, revision=None) -> list[str]:
+        out = []
+        with ThreadPoolExecutor(max_workers=8) as pool:  # the listings overlap, as fetches do
+            listings = list(pool.map(lambda reader: reader.list_deltas(), self.readers))
+        for reader, paths in zip(self.readers, listings):
+            for path in paths:
+                if path not in self.gone:
+                    self.where[path] = reader
+                    out.append(path)
+        return sorted(out)
+
+    def fetch(self, path, local, revision=None):
+        reader = self.where.get(path)
+        if reader is None:
+            return super().fetch(path, local, revision)
+        return reader.fetch(path, local)  # at the node repository's head
+
+    def publish(self, files, deletes, **kw):
+        deletes = list(deletes)
+        oid = super().publish(files, [p for p in deletes if p not in self.where], **kw)
+        self.gone.update(p for p in deletes if p in self.where)
+        return oid
+
+
 def node_name(i: int) -> str:
     return "master" if i == 0 else f"node{i:03d}"
+
+
+def own_repo(i: int) -> str:
+    "Node `i`'s repository for its deltas (the per-node layout)."
+    return f"{REPO}-{node_name(i)}"
 
 
 def budget_of(args) -> HubBudget:
@@ -192,8 +274,7 @@ class Node:
         self.log = Recorder(self.name, hub.sim_now, args.verbose)
         self.model = Tiny(args.params)
         self.stop = threading.Event()
-        transport = HubClient(
-            REPO,
+        kw = dict(
             token=token,
             endpoint=hub.url,
             cache_dir=work / self.name / "cache",
@@ -202,6 +283,14 @@ class Node:
             retry_attempts=6,
             stop=self.stop,
         )
+        folded = lambda: self.coord.state.folded_step
+        if args.layout == "one-repo":
+            transport = HubClient(REPO, **kw)
+        elif i == 0:
+            repos = [own_repo(j) for j in range(args.nodes)]
+            transport = PerNodeMaster(REPO, own_repo(i), folded, repos, **kw)
+        else:
+            transport = OwnDeltaRepo(REPO, own_repo(i), folded, **kw)
         self.coord = DumbDiLoCoCoordinator(
             distributed_section(args, i, token, work),
             self.model,
@@ -258,6 +347,9 @@ def simulate(args) -> dict:
         head_lag=args.head_lag,
     ).start()
     hub.create(REPO)
+    if args.layout == "per-node":
+        for i in range(args.nodes):
+            hub.create(own_repo(i))  # as each node's owner made it
     work = Path(tempfile.mkdtemp(prefix="sim_diloco_"))
     names = list(tokens)
     nodes = [Node(args, i, hub, work, names[i]) for i in range(args.nodes)]
@@ -380,6 +472,12 @@ def table(run: dict, args) -> list[str]:
         f"{args.hours:g} h: {args.hours * HOUR / args.round_seconds:.0f} rounds); "
         f"wall {run['wall']:.0f} s",
     ]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    out.append(
+        f"time: a real second is {args.scale:g} simulated seconds, so what a Hub call costs this "
+        f"machine (load {load:.1f} on {os.cpu_count()} CPUs) is multiplied by it; a smaller "
+        "--scale when rounds lag"
+    )
     if run["hung"]:
         out.append(f"still running at the end (stopped): {', '.join(run['hung'])}")
     for text, who in kinds.items():
@@ -405,6 +503,7 @@ def parse(argv=None):
     p.add_argument("--boundary-wait", type=float, default=0.0, help="simulated s (whole rounds)")
     p.add_argument("--head-lag", type=float, default=5.0, help="repo_info's stale head, Hub s")
     p.add_argument("--delta-dtype", default="bfloat16", choices=sorted(DELTA_BYTES_PER_PARAM))
+    p.add_argument("--layout", default="one-repo", choices=("one-repo", "per-node"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="the nodes' log lines on stderr")
     p.add_argument("--json", type=Path, help="also write what the stand-in holds here (for tests)")
@@ -434,7 +533,7 @@ def main(argv=None) -> None:
     print(
         f"sim_diloco: {args.nodes} nodes (a master and {args.nodes - 1} workers), rounds of "
         f"{args.round_seconds:.0f} s, {args.hours:g} simulated hour(s) at {args.scale:g}x, "
-        f"{args.params} parameters, layout: one repository",
+        f"{args.params} parameters, layout: {LAYOUTS[args.layout]}",
         flush=True,
     )
     print("\n".join(budget.lines() + verdict_lines(budget)), flush=True)
