@@ -306,15 +306,13 @@ class Node:
             {},
         )  # made: step -> simulated time of its boundary
 
-    def run(self, start_sim: float, end_sim: float) -> None:
-        "Step on schedule from `start_sim` + phase until `end_sim` (simulated s), then finish."
+    def run(self, start_sim: float, steps: int) -> None:
+        "`steps` steps on schedule from `start_sim` + phase (simulated s), then finish."
         args, coord = self.args, self.coord
         step_s = args.round_seconds / args.steps_per_round
         try:
-            while True:
+            while self.step < steps:
                 due = start_sim + self.phase + (self.step + 1) * step_s
-                if due >= end_sim:
-                    break
                 wait = (due - self.hub.sim_now()) / args.scale
                 if wait > 0 and self.stop.wait(wait):
                     return
@@ -362,9 +360,11 @@ def simulate(args) -> dict:
         for t in starters:
             t.join()
         start_sim = hub.sim_now()
-        end_sim = start_sim + args.hours * HOUR
+        # every node runs the same steps (a run's max_steps), each from its own phase in a round
+        steps = max(1, round(args.hours * HOUR / args.round_seconds * args.steps_per_round))
+        end_sim = start_sim + args.round_seconds + args.hours * HOUR
         threads = [
-            threading.Thread(target=n.run, args=(start_sim, end_sim), daemon=True) for n in nodes
+            threading.Thread(target=n.run, args=(start_sim, steps), daemon=True) for n in nodes
         ]
         for t in threads[1:]:
             t.start()
