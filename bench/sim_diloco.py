@@ -537,6 +537,8 @@ def main(argv=None) -> None:
         flush=True,
     )
     print("\n".join(budget.lines() + verdict_lines(budget)), flush=True)
+    if args.layout != "one-repo":
+        print("(HubBudget plans the one-repository layout; the run below is the per-node one)")
     run = simulate(args)
     print("\n".join(table(run, args)), flush=True)
     if args.json is not None:
