@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -384,6 +385,7 @@ def simulate(args) -> dict:
         end = hub.sim_now()
     finally:
         hub.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the nodes' state and scratch files
     return {
         "hub": hub,
         "nodes": nodes,
