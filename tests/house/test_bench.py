@@ -137,3 +137,42 @@ def test_bench_compression_prints_bytes_per_round_and_the_summed_error_per_encod
     bad = bench("--rounds", "0")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == ["bench_compression: --rounds 0: must be at least 1"]
+
+
+def test_bench_sim_diloco_prints_the_budget_its_verdict_and_the_hourly_table():
+    """bench/sim_diloco.py, 3 simulated nodes for a quarter of a simulated hour, prints the run,
+    `HubBudget`'s plan and verdict, then the per-hour table and its totals; an unknown tier is one
+    line and exit 2."""
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "bench/sim_diloco.py", *args],
+            cwd=ROOT,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    res = bench("--nodes", "3", "--hours", "0.25", "--params", "256")
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert out.startswith(
+        "sim_diloco: 3 nodes (a master and 2 workers), rounds of 300 s, 0.25 simulated hour(s) at "
+        "360x, 256 parameters, layout: one repository\n"
+        "Hub budget (free tier, 3 nodes, rounds of 300 s, polls every 60 s):\n"
+    ), out
+    assert re.search(r"^verdict: (fits|refused)$", out, re.M), out
+    assert re.search(
+        r"^hour commits/repo +API/5min +dl/5min +429s +409s +rounds .* lost$", out, re.M
+    )
+    assert re.search(
+        r"^ +0 +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+ +\d+$", out, re.M
+    )
+    assert re.search(r"^deltas made \d+, sent \d+, folded \d+, folded twice 0, lost 0$", out, re.M)
+    assert re.search(r"^rounds completed \d+ in [\d.]+ simulated hours", out, re.M), out
+    unknown = bench("--tier", "gold")
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
+    assert unknown.stderr.strip().splitlines() == [
+        "sim_diloco: --tier gold: unknown tier; use one of free, pro, team, enterprise"
+    ]

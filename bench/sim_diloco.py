@@ -1,0 +1,557 @@
+"""DumbDiLoCo at scale, simulated: N nodes through the Hub stand-in with the Hub's limits on.
+
+The real node and master (`DumbDiLoCoCoordinator`, whose master runs the real `MasterOuterLoop`)
+talk to the loopback Hub stand-in of tests/hub_server.py through the real `huggingface_hub` client,
+each node with its own token (its own account), and the stand-in enforces the limits of the chosen
+tier: commits per hour per repository, one commit at a time per repository, API calls and
+`/resolve/` downloads per five-minute window per token. Nothing trains: each node holds a model of
+`--params` float32 parameters and, on a schedule, moves it by a small random step (`--steps-per-
+round` steps a round, each node at its own phase), so every boundary has a delta of the real size to
+send. Time is scaled: `--scale` simulated seconds pass per real second (360: an hour in 10 s); every
+duration the nodes and the stand-in are given (round length, polls, lease, retries, the Hub's
+windows) is scaled alike.
+
+Before the run it prints `HubBudget`'s plan and verdict for the same configuration; after it, one
+table: per simulated hour, commits on the busiest repository, API calls and downloads of the busiest
+token in its busiest five-minute window, the Hub's 429 and 409 answers, rounds completed (versions
+published with deltas folded), deltas folded and their age when folded (from the boundary that made
+the delta to the publication holding it, simulated seconds), and deltas lost (made that hour and in
+no global by the end).
+
+    python bench/sim_diloco.py --nodes 16 --hours 1
+    python bench/sim_diloco.py --nodes 64 --hours 2 --round-seconds 300 --tier free
+    python bench/sim_diloco.py --nodes 256 --hours 1 --scale 120    # an hour in 30 s
+
+Two layouts. `--layout one-repo` (the default) is the package's: every delta and every publication
+is a commit on the run's one repository, N + 1 commits a round. `--layout per-node` is measured in
+the bench only, through two transports written here over the package's `HubClient`: each node
+commits its deltas to a repository of its own (`sim/run-<node>`, one commit a delta, deleting its
+deltas already folded in the same commit), the master lists every node's repository each poll (one
+API call each), fetches the deltas from there, and publishes the global in the run's repository.
+
+A second of this machine is `--scale` simulated seconds: the real cost of each Hub call (tens of
+milliseconds on two busy cores) is multiplied by it. When the master's rounds lag (many nodes, a
+loaded machine), run again with a smaller `--scale`; the line under the table says the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import hub_server  # noqa: E402
+from hub_server import HubStandIn  # noqa: E402
+from speedtronic.distributed.budget import (  # noqa: E402
+    DELTA_BYTES_PER_PARAM,
+    HUB_TIERS,
+    HubBudget,
+    hub_limits,
+)
+from speedtronic.distributed import outer  # noqa: E402
+from speedtronic.distributed.diloco import DumbDiLoCoCoordinator  # noqa: E402
+from speedtronic.distributed.hub import HubClient, _operations  # noqa: E402
+from speedtronic.distributed.tensors import parse_delta_path  # noqa: E402
+from speedtronic.distributed.transport import HubError  # noqa: E402
+
+REPO = "sim/run"
+LAYOUTS = {
+    "one-repo": "one repository",  # the package's: every delta and publication a commit there
+    "per-node": "a repository per node",  # the bench's alternative, see PerNodeMaster
+}
+HOUR = 3600.0
+# the stand-in keeps 64 revisions readable; the Hub keeps every one, and 64 nodes commit 64 times in
+# seconds of this clock: a node reading at a head it just listed must still find it
+hub_server.KEEP_SNAPSHOTS = 1_000_000
+
+
+class Usage(Exception):
+    "A bad argument: one line, exit 2."
+
+
+class Tiny(torch.nn.Module):
+    "One vector of `n` parameters: deltas of the size asked for, and nothing to compute."
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+
+class TimedHub(HubStandIn):
+    "The stand-in, noting the simulated time of every answer it gives (for the per-hour table)."
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.answers: list[tuple[float, str, int]] = []  # (simulated s, path, status)
+        self.requests = _Noted(self)
+
+    def sim_now(self) -> float:
+        "Simulated seconds since the stand-in started (its windows start there too)."
+        return (time.monotonic() - self._t0) * self.scale
+
+
+class _Noted(list):
+    "The stand-in's request list; each entry is also noted with the simulated time it was answered."
+
+    def __init__(self, hub: TimedHub):
+        super().__init__()
+        self.hub = hub
+
+    def append(self, item) -> None:
+        method, path, status = item
+        self.hub.answers.append((self.hub.sim_now(), path, status))
+        super().append(item)
+
+
+class Recorder:
+    "A node's logger: its events with their simulated time, its warnings and errors as lines."
+
+    def __init__(self, name: str, clock, verbose: bool = False):
+        self.name, self.clock, self.verbose = name, clock, verbose
+        self.events: list[tuple[float, str, dict]] = []
+        self.lines: list[str] = []
+
+    def emit(self, event: str, payload: dict) -> None:
+        self.events.append((self.clock(), event, dict(payload)))
+
+    def _line(self, level: str, message: str) -> None:
+        self.lines.append(f"{level}: {message}")
+        if self.verbose:
+            print(f"[{self.clock():8.0f} s] {level} {message}", file=sys.stderr, flush=True)
+
+    def info(self, message: str) -> None:
+        if self.verbose:
+            self._line("info", message)
+
+    def debug(self, message: str) -> None:
+        pass
+
+    def warning(self, message: str) -> None:
+        self._line("warning", message)
+
+    def error(self, message: str) -> None:
+        self._line("error", message)
+
+
+class OwnDeltaRepo(HubClient):
+    """The per-node layout, a node's side: the run's repository for the global, the node's deltas
+    in a repository of its own (`own`), one commit a delta, deleting those already folded."""
+
+    def __init__(self, repo_id: str, own: str, folded, **kw):
+        super().__init__(repo_id, **kw)
+        self.own, self.folded, self.sent = HubClient(own, **kw), folded, []
+
+    def upload(self, files, message: str = "") -> None:
+        done = self.folded()  # the node's newest step in a global it installed
+        old = [p for p in self.sent if parse_delta_path(p)[1] <= done and p not in files]
+        own = self.own
+
+        def run():
+            own.api.create_commit(
+                own.repo_id,
+                _operations(files, old),
+                commit_message=message or f"add {', '.join(files)}",
+            )
+
+        own._call(f"upload {', '.join(files)} to {own.describe()}", run)
+        self.sent = [p for p in self.sent if p not in old] + list(files)
+
+
+class PerNodeMaster(OwnDeltaRepo):
+    """The per-node layout, the master's side: every node's repository listed for deltas (one API
+    call each, a poll), deltas fetched from there, the global published in the run's repository;
+    folded deltas are not deleted by the master (each node deletes its own), nor listed again."""
+
+    def __init__(self, repo_id: str, own: str, folded, node_repos: list[str], **kw):
+        super().__init__(repo_id, own, folded, **kw)
+        self.readers = [HubClient(r, **kw) for r in node_repos]
+        self.where: dict[str, HubClient] = {}  # delta path -> the repository holding it
+        self.gone: set[str] = set()  # folded or refused: in its publications' deletes
+
+    def head_revision(self):
+        return None  # no one head tells whether any node's repository changed: read every poll
+
+    def list_deltas(self, revision=None) -> list[str]:
+        out = []
+        with ThreadPoolExecutor(max_workers=8) as pool:  # the listings overlap, as fetches do
+            listings = list(pool.map(lambda reader: reader.list_deltas(), self.readers))
+        for reader, paths in zip(self.readers, listings):
+            for path in paths:
+                if path not in self.gone:
+                    self.where[path] = reader
+                    out.append(path)
+        return sorted(out)
+
+    def fetch(self, path, local, revision=None):
+        reader = self.where.get(path)
+        if reader is None:
+            return super().fetch(path, local, revision)
+        return reader.fetch(path, local)  # at the node repository's head
+
+    def publish(self, files, deletes, **kw):
+        deletes = list(deletes)
+        oid = super().publish(files, [p for p in deletes if p not in self.where], **kw)
+        self.gone.update(p for p in deletes if p in self.where)
+        return oid
+
+
+def node_name(i: int) -> str:
+    return "master" if i == 0 else f"node{i:03d}"
+
+
+def own_repo(i: int) -> str:
+    "Node `i`'s repository for its deltas (the per-node layout)."
+    return f"{REPO}-{node_name(i)}"
+
+
+def budget_of(args) -> HubBudget:
+    "`HubBudget` of the configuration simulated (the master trains too: it is one of the nodes)."
+    return HubBudget(
+        nodes=args.nodes,
+        round_s=args.round_seconds,
+        poll_interval=args.poll_seconds,
+        delta_bytes=args.params * DELTA_BYTES_PER_PARAM[args.delta_dtype],
+        global_bytes=args.params * 4,
+        limits=hub_limits(args.tier),
+        whole_rounds=args.boundary_wait > 0,
+    )
+
+
+def verdict_lines(budget: HubBudget) -> list[str]:
+    "`verdict: fits`, or `verdict: refused` and then each problem on a line of its own."
+    problems = budget.problems()
+    if not problems:
+        return ["verdict: fits"]
+    return ["verdict: refused"] + [f"  - {p}" for p in problems]
+
+
+def distributed_section(args, i: int, token: str, work: Path) -> dict:
+    "Node `i`'s `distributed` keys, every duration in real seconds (simulated seconds / scale)."
+    real = lambda sim_s: sim_s / args.scale
+    return {
+        "enabled": True,
+        "role": "master" if i == 0 else "worker",
+        "node_id": node_name(i),
+        "repo_id": REPO,
+        "token": token,
+        "inner_steps": args.steps_per_round,
+        "expected_nodes": args.nodes,  # the final round waits for every node's last delta
+        "poll_interval": real(args.poll_seconds),
+        "lease_timeout": real(args.lease_seconds),
+        "final_round_timeout": real(args.final_seconds),
+        "boundary_wait": real(args.boundary_wait),
+        "retry_initial": real(1.0),
+        "retry_max": real(60.0),
+        "retry_attempts": 6,
+        "delta_dtype": args.delta_dtype,
+        "delta_upload_shutdown_timeout": real(args.final_seconds),
+        "state_dir": str(work / "state"),
+        "hub_limits": args.tier,
+    }
+
+
+class Node:
+    "One simulated node: the real coordinator over a `Tiny` model, stepping on its own schedule."
+
+    def __init__(self, args, i: int, hub: TimedHub, work: Path, token: str):
+        self.i, self.name, self.hub, self.args = i, node_name(i), hub, args
+        self.log = Recorder(self.name, hub.sim_now, args.verbose)
+        self.model = Tiny(args.params)
+        self.stop = threading.Event()
+        kw = dict(
+            token=token,
+            endpoint=hub.url,
+            cache_dir=work / self.name / "cache",
+            retry_initial=1.0 / args.scale,
+            retry_max=60.0 / args.scale,
+            retry_attempts=6,
+            stop=self.stop,
+        )
+        folded = lambda: self.coord.state.folded_step
+        if args.layout == "one-repo":
+            transport = HubClient(REPO, **kw)
+        elif i == 0:
+            repos = [own_repo(j) for j in range(args.nodes)]
+            transport = PerNodeMaster(REPO, own_repo(i), folded, repos, **kw)
+        else:
+            transport = OwnDeltaRepo(REPO, own_repo(i), folded, **kw)
+        self.coord = DumbDiLoCoCoordinator(
+            distributed_section(args, i, token, work),
+            self.model,
+            hub=transport,
+            state_dir=work / self.name,
+            logger=self.log,
+        )
+        self.rng = torch.Generator().manual_seed(args.seed * 1000 + i)
+        self.phase = random.Random(args.seed * 7919 + i).uniform(0, args.round_seconds)
+        self.step, self.error, self.made = (
+            0,
+            None,
+            {},
+        )  # made: step -> simulated time of its boundary
+
+    def run(self, start_sim: float, steps: int) -> None:
+        "`steps` steps on schedule from `start_sim` + phase (simulated s), then finish."
+        args, coord = self.args, self.coord
+        step_s = args.round_seconds / args.steps_per_round
+        try:
+            while self.step < steps:
+                due = start_sim + self.phase + (self.step + 1) * step_s
+                wait = (due - self.hub.sim_now()) / args.scale
+                if wait > 0 and self.stop.wait(wait):
+                    return
+                with torch.no_grad():
+                    self.model.w.add_(torch.randn(args.params, generator=self.rng) * 1e-3)
+                self.step += 1
+                if self.step % args.steps_per_round == 0:
+                    self.made[self.step] = self.hub.sim_now()
+                coord.after_optimizer_step(self.model, self.step)
+            if self.step % args.steps_per_round:
+                self.made[self.step] = self.hub.sim_now()  # the last, partial round's delta
+            coord.finish(self.model, self.step)
+        except HubError as e:
+            self.error = str(e)
+        except Exception as e:  # a simulation that breaks says how, and the table still prints
+            self.error = f"{type(e).__name__}: {e}"
+
+
+def simulate(args) -> dict:
+    "Run the simulation; what the table is made from."
+    limits = hub_limits(args.tier)
+    tokens = {f"hf_sim_{node_name(i)}_token": "write" for i in range(args.nodes)}
+    hub = TimedHub(
+        tokens=tokens,
+        scale=args.scale,
+        commits_per_window=int(limits.commits_per_hour),
+        one_commit_at_a_time=True,
+        api_per_window=int(limits.api_calls_per_5min),
+        resolve_per_window=int(limits.downloads_per_5min),
+        head_lag=args.head_lag,
+    ).start()
+    hub.create(REPO)
+    if args.layout == "per-node":
+        for i in range(args.nodes):
+            hub.create(own_repo(i))  # as each node's owner made it
+    work = Path(tempfile.mkdtemp(prefix="sim_diloco_"))
+    names = list(tokens)
+    nodes = [Node(args, i, hub, work, names[i]) for i in range(args.nodes)]
+    t0 = time.monotonic()
+    try:
+        nodes[0].coord.start()  # the master publishes the first global; the workers start from it
+        starters = [threading.Thread(target=n.coord.start, daemon=True) for n in nodes[1:]]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        start_sim = hub.sim_now()
+        # every node runs the same steps (a run's max_steps), each from its own phase in a round
+        steps = max(1, round(args.hours * HOUR / args.round_seconds * args.steps_per_round))
+        end_sim = start_sim + args.round_seconds + args.hours * HOUR
+        threads = [
+            threading.Thread(target=n.run, args=(start_sim, steps), daemon=True) for n in nodes
+        ]
+        for t in threads[1:]:
+            t.start()
+        threads[0].start()
+        limit = (end_sim - hub.sim_now()) / args.scale + 3 * args.final_seconds / args.scale + 60
+        deadline = time.monotonic() + limit
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        hung = [n.name for n, t in zip(nodes, threads) if t.is_alive()]
+        for n in nodes:
+            n.stop.set()
+        for n in nodes:
+            try:
+                n.coord.stop()
+            except Exception as e:
+                n.error = n.error or f"stop: {type(e).__name__}: {e}"
+        end = hub.sim_now()
+    finally:
+        hub.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the nodes' state and scratch files
+    return {
+        "hub": hub,
+        "nodes": nodes,
+        "start": start_sim,
+        "end": end,
+        "hung": hung,
+        "wall": time.monotonic() - t0,
+    }
+
+
+def table(run: dict, args) -> list[str]:
+    "The per-hour table, and the lines under it."
+    hub, nodes = run["hub"], run["nodes"]
+    hours = max(1, math.ceil(run["end"] / HOUR))
+    hour_of = lambda sim_s: min(int(sim_s // HOUR), hours - 1)
+    commits = defaultdict(Counter)  # hour -> repository -> commits made
+    per_window = defaultdict(lambda: defaultdict(Counter))  # hour -> what -> (token, window) -> n
+    windows_per_hour = HOUR / hub.token_window
+    for (what, who, index), n in hub.used.items():
+        if what == "commits":
+            commits[min(index, hours - 1)][who] += n
+        else:
+            per_window[min(int(index // windows_per_hour), hours - 1)][what][(who, index)] += n
+    refused = defaultdict(Counter)  # hour -> status -> answers
+    for t, _, status in hub.answers:
+        if status in (409, 429):
+            refused[hour_of(t)][status] += 1
+    master = nodes[0].log.events
+    rounds, folded_at = (
+        Counter(),
+        {},
+    )  # (node, step) -> simulated time of the publication holding it
+    for t, event, p in master:
+        if event == "outer_step" and p.get("deltas_included"):
+            rounds[hour_of(t)] += 1
+            for node, step in p.get("folded", []):
+                folded_at.setdefault((node, int(step)), t)
+    twice = sum(len(p.get("folded", [])) for _, e, p in master if e == "outer_step") - len(
+        folded_at
+    )
+    covered = defaultdict(list)  # node -> [(step, simulated time)] of its folded deltas, by step
+    for (node, step), t in sorted(folded_at.items()):
+        covered[node].append((step, t))
+    ages, lost, made, sent = defaultdict(list), Counter(), Counter(), Counter()
+    for n in nodes:
+        for t, event, p in n.log.events:
+            if event == "delta_uploaded":
+                sent[hour_of(t)] += 1
+        for step, t in n.made.items():
+            made[hour_of(t)] += 1
+            # the work of this boundary reached the global with the first folded delta at or past it
+            # (a delta not sent, or refused for now, travels with the node's next one)
+            when = min((f for s, f in covered[n.name] if s >= step), default=None)
+            if when is None:
+                lost[hour_of(t)] += 1
+            else:
+                ages[hour_of(when)].append(when - t)
+    head = (
+        f"{'hour':>4} {'commits/repo':>12} {'API/5min':>8} {'dl/5min':>8} {'429s':>6} "
+        f"{'409s':>5} {'rounds':>6} {'made':>5} {'sent':>5} {'folded':>6} {'age med s':>9} "
+        f"{'age max s':>9} {'lost':>5}"
+    )
+    out = [head]
+    for h in range(hours):
+        a = ages[h]
+        folded_h = sum(1 for t in folded_at.values() if hour_of(t) == h)
+        out.append(
+            f"{h:>4} {max(commits[h].values(), default=0):>12} "
+            f"{max(per_window[h]['api'].values(), default=0):>8} "
+            f"{max(per_window[h]['resolve'].values(), default=0):>8} "
+            f"{refused[h][429]:>6} {refused[h][409]:>5} {rounds[h]:>6} {made[h]:>5} "
+            f"{sent[h]:>5} {folded_h:>6} {statistics.median(a) if a else 0:>9.0f} "
+            f"{max(a, default=0):>9.0f} {lost[h]:>5}"
+        )
+    kinds = defaultdict(list)  # an error's text with the node's name taken out -> the nodes
+    for n in nodes:
+        if n.error:
+            kinds[n.error.replace(repr(n.name), "<node>").replace(hub.url, "<hub>")].append(n.name)
+    out += [
+        f"setup (the master's first global, then every worker's start) took "
+        f"{run['start'] / 60:.0f} simulated minutes",
+        f"deltas made {sum(made.values())}, sent {sum(sent.values())}, folded {len(folded_at)}, "
+        f"folded twice {twice}, lost {sum(lost.values())}",
+        f"rounds completed {sum(rounds.values())} in {(run['end'] - run['start']) / HOUR:.2f} "
+        f"simulated hours (each node made a delta every {args.round_seconds:.0f} s for "
+        f"{args.hours:g} h: {args.hours * HOUR / args.round_seconds:.0f} rounds); "
+        f"wall {run['wall']:.0f} s",
+    ]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    out.append(
+        f"time: a real second is {args.scale:g} simulated seconds, so what a Hub call costs this "
+        f"machine (load {load:.1f} on {os.cpu_count()} CPUs) is multiplied by it; a smaller "
+        "--scale when rounds lag"
+    )
+    if run["hung"]:
+        out.append(f"still running at the end (stopped): {', '.join(run['hung'])}")
+    for text, who in kinds.items():
+        out.append(
+            f"{len(who)} node(s) ended with an error ({', '.join(who[:3])}"
+            f"{', ...' if len(who) > 3 else ''}): {text[:400]}"
+        )
+    return out
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=16, help="nodes, the master included")
+    p.add_argument("--round-seconds", type=float, default=300.0, help="simulated s per round")
+    p.add_argument("--tier", default="free", help=f"one of {', '.join(HUB_TIERS)}")
+    p.add_argument("--hours", type=float, default=1.0, help="simulated hours of training")
+    p.add_argument("--scale", type=float, default=360.0, help="simulated s per real s")
+    p.add_argument("--params", type=int, default=4096, help="model parameters (delta size)")
+    p.add_argument("--steps-per-round", type=int, default=5)
+    p.add_argument("--poll-seconds", type=float, default=60.0, help="simulated s between polls")
+    p.add_argument("--lease-seconds", type=float, default=600.0)
+    p.add_argument("--final-seconds", type=float, default=3600.0, help="final round's wait")
+    p.add_argument("--boundary-wait", type=float, default=0.0, help="simulated s (whole rounds)")
+    p.add_argument("--head-lag", type=float, default=5.0, help="repo_info's stale head, Hub s")
+    p.add_argument("--delta-dtype", default="bfloat16", choices=sorted(DELTA_BYTES_PER_PARAM))
+    p.add_argument("--layout", default="one-repo", choices=("one-repo", "per-node"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="the nodes' log lines on stderr")
+    p.add_argument("--json", type=Path, help="also write what the stand-in holds here (for tests)")
+    args = p.parse_args(argv)
+    if args.tier.strip().lower() not in HUB_TIERS:
+        raise Usage(f"--tier {args.tier}: unknown tier; use one of {', '.join(HUB_TIERS)}")
+    for name in ("nodes", "params", "steps_per_round"):
+        if getattr(args, name) < (2 if name == "nodes" else 1):
+            raise Usage(f"--{name.replace('_', '-')} {getattr(args, name)}: too small")
+    for name in ("round_seconds", "hours", "scale", "poll_seconds", "lease_seconds"):
+        if not getattr(args, name) > 0:
+            raise Usage(f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive")
+    return args
+
+
+def main(argv=None) -> None:
+    try:
+        args = parse(argv)
+    except Usage as e:
+        print(f"sim_diloco: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    torch.set_num_threads(1)
+    # the one duration the master takes from a module constant, not from its config: how long a
+    # publication retries while other commits move the head (60 s), scaled like every other
+    outer.PUBLISH_PATIENCE_S = outer.PUBLISH_PATIENCE_S / args.scale
+    budget = budget_of(args)
+    print(
+        f"sim_diloco: {args.nodes} nodes (a master and {args.nodes - 1} workers), rounds of "
+        f"{args.round_seconds:.0f} s, {args.hours:g} simulated hour(s) at {args.scale:g}x, "
+        f"{args.params} parameters, layout: {LAYOUTS[args.layout]}",
+        flush=True,
+    )
+    print("\n".join(budget.lines() + verdict_lines(budget)), flush=True)
+    if args.layout != "one-repo":
+        print("(HubBudget plans the one-repository layout; the run below is the per-node one)")
+    run = simulate(args)
+    print("\n".join(table(run, args)), flush=True)
+    if args.json is not None:
+        hub = run["hub"]
+        held = {
+            "commits": {r: len(repo.commits) - 1 for r, repo in hub.repos.items()},  # not the first
+            "refusals": dict(hub.refusals),
+            "files": sorted(hub.files(REPO)),
+        }
+        args.json.write_text(json.dumps(held, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

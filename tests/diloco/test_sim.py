@@ -1,0 +1,173 @@
+"""DiLoCo at scale, simulated (issue 26): bench/sim_diloco.py runs the real node and master shells
+for many nodes against the Hub stand-in with the free tier's limits on, time scaled so a
+simulated hour lasts seconds. What it prints is checked here: the verdict `HubBudget` gives for
+the same configuration, the commits per repository per hour (never past the Hub's 128, and adding
+up to the commits the stand-in holds), the 429s met, the rounds completed, and no delta lost.
+
+16 nodes in 20-minute rounds fit the free tier on the one-repository layout, and the run meets no
+429; 64 nodes in 5-minute rounds do not fit (N + 1 commits a round), the budget refuses them up
+front with the numbers, and the run shows why: the repository's commits at the Hub's limit, no
+more, 429s met, far fewer rounds than scheduled, and still no delta lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from conftest import ROOT, cli_env
+
+from speedtronic.distributed.budget import HUB_TIERS, HubBudget
+
+PARAMS = 2048  # a small model: the deltas are 4 KiB in bfloat16
+
+
+def run_bench(tmp_path, *args: str) -> tuple[str, dict]:
+    "bench/sim_diloco.py with `args`: its stdout and what the stand-in held at the end."
+    held = tmp_path / "held.json"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "bench/sim_diloco.py",
+            "--params",
+            str(PARAMS),
+            "--json",
+            str(held),
+            *args,
+        ],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout, json.loads(held.read_text())
+
+
+def rows(out: str) -> list[dict]:
+    "The per-hour table as dicts of ints (the age columns in simulated seconds)."
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("hour "))
+    names = [
+        "hour",
+        "commits",
+        "api",
+        "downloads",
+        "429",
+        "409",
+        "rounds",
+        "made",
+        "sent",
+        "folded",
+        "age_med",
+        "age_max",
+        "lost",
+    ]
+    table = []
+    for line in lines[head + 1 :]:
+        if not re.match(r"^ *\d+ ", line):
+            break
+        table.append(dict(zip(names, map(int, line.split()))))
+    return table
+
+
+def expected_verdict(nodes: int, round_s: float) -> list[str]:
+    "The verdict lines for the bench's configuration, from `HubBudget` itself."
+    budget = HubBudget(
+        nodes=nodes,
+        round_s=round_s,
+        poll_interval=60.0,
+        delta_bytes=PARAMS * 2,
+        global_bytes=PARAMS * 4,
+        limits=HUB_TIERS["free"],
+    )
+    problems = budget.problems()
+    lines = ["verdict: refused"] + [f"  - {p}" for p in problems] if problems else ["verdict: fits"]
+    return budget.lines() + lines
+
+
+def summary(out: str) -> dict:
+    m = re.search(
+        r"^deltas made (\d+), sent (\d+), folded (\d+), folded twice (\d+), lost (\d+)$", out, re.M
+    )
+    assert m, out
+    return dict(zip(["made", "sent", "folded", "twice", "lost"], map(int, m.groups())))
+
+
+def test_16_nodes_in_20_minute_rounds_fit_the_free_tier_and_lose_nothing(tmp_path):
+    "The budget says it fits; the run meets no 429, completes rounds and folds every delta once."
+    out, held = run_bench(
+        tmp_path, "--nodes", "16", "--round-seconds", "1200", "--hours", "1", "--scale", "240"
+    )
+    lines = out.splitlines()
+    plan = expected_verdict(16, 1200.0)
+    assert plan[-1] == "verdict: fits"
+    start = lines.index(plan[0])
+    assert lines[start : start + len(plan)] == plan, out
+    table = rows(out)
+    assert all(0 < r["commits"] <= 128 for r in table if r["rounds"]), table
+    assert sum(r["commits"] for r in table) == held["commits"]["sim/run"], (table, held)
+    assert all(r["429"] == 0 for r in table), table  # a plan that fits meets no refusal
+    assert held["refusals"].get("commits", 0) == 0, held
+    # rounds were completed (how many depends on how busy this machine is: a second of it is minutes
+    # of simulated time), and every delta sent is in one
+    assert sum(r["rounds"] for r in table) >= 1, table
+    s = summary(out)
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
+    assert all(r["lost"] == 0 for r in table), table
+    assert "ended with an error" not in out, out
+    assert [f for f in held["files"] if f.startswith("nodes/")] == [], held  # all folded
+
+
+def test_64_nodes_in_5_minute_rounds_are_refused_up_front_and_the_run_shows_why(tmp_path):
+    """The budget refuses 64 nodes x 12 rounds an hour with the numbers; the run spends the
+    repository's 128 commits an hour and no more, meets 429s, completes far fewer rounds than
+    scheduled, and loses no delta."""
+    out, held = run_bench(tmp_path, "--nodes", "64", "--round-seconds", "300", "--hours", "1")
+    lines = out.splitlines()
+    plan = expected_verdict(64, 300.0)
+    assert plan[-2:] == [
+        "verdict: refused",
+        "  - 64 nodes x 12.0 rounds an hour need 828 commits an hour on the run's repository; the "
+        "Hub allows 128 (plan for 102): make rounds at least 4620 s long "
+        "(distributed.inner_steps), or run at most 4 nodes at this round length, or fold whole "
+        "rounds (distributed.boundary_wait)",
+    ]
+    start = lines.index(plan[0])
+    assert lines[start : start + len(plan)] == plan, out
+    table = rows(out)
+    assert all(r["commits"] <= 128 for r in table), table  # the Hub's limit held every hour
+    # and an hour spent all of it (the first, unless setup took much of it on a busy machine)
+    assert any(r["commits"] == 128 for r in table), table
+    assert sum(r["commits"] for r in table) == held["commits"]["sim/run"], (table, held)
+    assert sum(r["429"] for r in table) > 0 and held["refusals"]["commits"] > 0, (table, held)
+    assert sum(r["rounds"] for r in table) < 12, table  # 12 scheduled in the hour
+    s = summary(out)
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
+    assert all(r["lost"] == 0 for r in table), table
+
+
+def test_the_per_node_layout_keeps_each_repository_to_a_commit_a_round(tmp_path):
+    """The alternative measured in the bench (`--layout per-node`): 8 nodes in 5-minute rounds, each
+    committing its deltas to a repository of its own, the master publishing in the run's. No
+    repository is refused a commit, each node's repository takes at most a commit a round (and one
+    for the last, partial round), and no delta is lost."""
+    out, held = run_bench(
+        tmp_path, "--nodes", "8", "--round-seconds", "300", "--hours", "0.5", "--layout", "per-node"
+    )
+    assert "layout: a repository per node" in out.splitlines()[0], out
+    commits = held["commits"]
+    own = {r: n for r, n in commits.items() if r != "sim/run"}
+    assert sorted(own) == ["sim/run-master"] + [f"sim/run-node{i:03d}" for i in range(1, 8)]
+    assert all(1 <= n <= 6 + 1 for n in own.values()), own  # 6 rounds in half an hour
+    assert held["refusals"].get("commits", 0) == 0, held
+    table = rows(out)
+    assert all(r["429"] == 0 for r in table), table
+    assert sum(r["rounds"] for r in table) >= 1, table
+    assert sum(r["commits"] for r in table) >= commits["sim/run"], (table, held)  # max per repo
+    s = summary(out)
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
+    assert "ended with an error" not in out, out
