@@ -176,6 +176,7 @@ def test_init_from_takes_the_architecture_from_the_folder(run_dir, tmp_path):
         assert got == [(256, 32, 1, 4, 2, want.d_ff)]
     finally:
         close_logger(trainer.logger)
+        trainer.run_claim.release()
     (tmp_path / "cli").mkdir()
     cfg = init_from_config(tmp_path / "cli", folder)
     ok(run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path))
