@@ -176,6 +176,8 @@ def load_trained(
     "Model, tokenizer and configuration of the newest checkpoint of `run`, or of the file `checkpoint`."
     if (run is None) == (checkpoint is None):
         raise ValueError("give either a run folder or a checkpoint file, not both")
+    if checkpoint is not None and Path(checkpoint).suffix == ".safetensors":
+        return _load_global(Path(checkpoint), None, device)  # a DiLoCo global (see `load`)
     if checkpoint is None:
         path, state = _run_checkpoint(run)
     else:

@@ -90,6 +90,7 @@ def test_a_diloco_global_loads_generates_and_exports(diloco, tmp_path):
         model = speedtronic.load(where)
         assert model.checkpoint == final and same_weights(model.model, master.model)
         assert model.config.model.d_model == 16 and not model.model.training
+    assert same_weights(load_trained(checkpoint=final).model, master.model)
     prompt = "\x01\x02\x03"  # byte ids inside the tiny model's 64-token vocabulary
     text = generate(master.model, master.tokenizer, prompt, **GREEDY)
     assert model.generate(prompt, **GREEDY) == text
