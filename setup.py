@@ -35,6 +35,7 @@ plot_requirements = shlex.split(cfg.get("plot_requirements", ""))
 widgets_requirements = shlex.split(cfg.get("widgets_requirements", ""))
 tokenizers_requirements = shlex.split(cfg.get("tokenizers_requirements", ""))
 datasets_requirements = shlex.split(cfg.get("datasets_requirements", ""))
+hf_requirements = shlex.split(cfg.get("hf_requirements", ""))  # export and load with transformers
 
 # The shipped configs live at the top level (configs/, examples/) and are installed
 # inside the package as speedtronic.configs / speedtronic.examples (2.0 shipped them only in the sdist).
@@ -70,6 +71,7 @@ setuptools.setup(
         "widgets": widgets_requirements,
         "tokenizers": tokenizers_requirements,
         "datasets": datasets_requirements,
+        "hf": hf_requirements,
     },
     dependency_links=cfg.get("dep_links", "").split(),
     python_requires=">=" + cfg["min_python"],

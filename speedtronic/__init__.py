@@ -6,8 +6,8 @@
 __all__ = ['CheckpointConfig', 'Config', 'ConfigError', 'DataConfig', 'DistributedConfig', 'GPT', 'GPTConfig', 'LoggingConfig',
            'ModelConfig', 'ModelRegistry', 'OptimizerConfig', 'PrecisionConfig', 'ReferenceTransformer', 'RunConfig',
            'SchedulerConfig', 'ShapeProfile', 'ShapeReport', 'ShapeValidationConfig', 'ShapeWarning',
-           'SpeedtronicConfig', 'TrainResult', 'Trainer', 'build_model', 'load_config', 'load_yaml_config',
-           'register_model', 'registry', 'resolve_shape_profile', 'set_gradient_checkpointing',
+           'SpeedtronicConfig', 'TrainResult', 'Trained', 'Trainer', 'build_model', 'load', 'load_config',
+           'load_yaml_config', 'register_model', 'registry', 'resolve_shape_profile', 'set_gradient_checkpointing',
            'validate_startup_shapes']
 
 # %% ../nbs/core/07_package.ipynb #ef147199
@@ -38,6 +38,7 @@ _LAZY_NAMES = {
     "speedtronic.module_utils": ["set_gradient_checkpointing"],
     "speedtronic.model": ["GPT", "GPTConfig", "ReferenceTransformer"],
     "speedtronic.trainer": ["Trainer", "TrainResult"],
+    "speedtronic.hf": ["Trained", "load"],  # the model after training, in one call
     "speedtronic.shapes": [
         "ShapeProfile",
         "ShapeReport",
@@ -69,8 +70,10 @@ _all_ = [
     "ShapeWarning",
     "SpeedtronicConfig",
     "TrainResult",
+    "Trained",
     "Trainer",
     "build_model",
+    "load",
     "load_config",
     "load_yaml_config",
     "register_model",

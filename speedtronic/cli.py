@@ -233,12 +233,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 # %% ../nbs/app/02_cli.ipynb #4d2cb8d0
-def _generate_arguments(g: argparse.ArgumentParser) -> None:
-    where = g.add_mutually_exclusive_group(required=True)
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    "Where `generate` and `export` read the model: what `speedtronic.load` accepts."
+    where = p.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint"
     )
-    where.add_argument("--checkpoint", metavar="FILE", help="one checkpoint file")
+    where.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="a checkpoint (.pt file or .dcp folder), a DiLoCo global model "
+        "(REPO/global/latest.safetensors) or an exported transformers folder",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the config of a node of the DiLoCo run, for a global model with no node's run "
+        "folder beside its repository",
+    )
+
+
+def _generate_arguments(g: argparse.ArgumentParser) -> None:
+    _model_arguments(g)
     g.add_argument("--prompt", required=True, help="the text to continue (printed first)")
     g.add_argument(
         "--max-new-tokens",
@@ -268,11 +284,7 @@ def _generate_arguments(g: argparse.ArgumentParser) -> None:
 
 
 def _export_arguments(e: argparse.ArgumentParser) -> None:
-    where = e.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--run", metavar="DIR", help="a run folder (run.output_dir): its newest checkpoint"
-    )
-    where.add_argument("--checkpoint", metavar="FILE", help="one checkpoint file")
+    _model_arguments(e)
     e.add_argument(
         "--to", required=True, type=output_dir, metavar="DIR", help="the folder to write"
     )
@@ -293,7 +305,8 @@ COMMAND_ARGUMENTS.update(
     export=(
         "write a trained model as a transformers (Llama) folder",
         "Write the model of a trained run and its tokenizer as a folder that "
-        "transformers.AutoModelForCausalLM.from_pretrained loads.",
+        "transformers.AutoModelForCausalLM.from_pretrained loads (pip install "
+        "'speedtronic[hf]' or bash tools/setup.sh hf installs transformers).",
         _export_arguments,
     ),
 )
@@ -519,9 +532,9 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
     )
     check_sampling(**sampling)
-    from speedtronic.hf import load_trained
+    from speedtronic.hf import load
 
-    trained = load_trained(args.run, args.checkpoint, device=args.device)
+    trained = load(args.run or args.checkpoint, config=args.config, device=args.device)
     prompt_ids(trained.model, trained.tokenizer, args.prompt)  # refused before anything is printed
 
     def show(piece: str) -> None:
@@ -538,9 +551,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     "`speedtronic export`: write the transformers folder (and push it to the Hub) and say where."
+    from importlib.util import find_spec
+
     from speedtronic.hf import export_run, push_to_hub
 
-    print(f"exported to {export_run(args.run, args.checkpoint, to=args.to)}")
+    folder = export_run(args.run, args.checkpoint, to=args.to, config=args.config)
+    print(f"exported to {folder}")
+    try:
+        have_transformers = find_spec("transformers") is not None
+    except ValueError:  # imported as None: blocked in this interpreter
+        have_transformers = False
+    if not have_transformers:
+        print(
+            f"transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) loads it; "
+            "transformers is not installed here: pip install 'speedtronic[hf]' "
+            "(or bash tools/setup.sh hf)"
+        )
     if args.push_to_hub:
         print(f"pushed to {push_to_hub(args.to, args.push_to_hub)}")
     return 0

@@ -5,6 +5,7 @@
 # %% ../nbs/interop/02_hf.ipynb #c51c110d
 from __future__ import annotations
 
+import copy
 import ctypes
 import errno
 import json
@@ -28,27 +29,50 @@ from speedtronic.checkpoint import (
     is_sharded,
     load_checkpoint,
 )
-from .config import ConfigError, SpeedtronicConfig
+from .config import ConfigError, SpeedtronicConfig, explicit_fields
 from .precision import resolve_device
 from .registry import build_model
 from .tokens import check_tokenizer, load_tokenizer, tokenizer_record
 
 # %% auto #0
-__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'EXPORT_FILES', 'Trained', 'load_trained',
-           'weight_names', 'llama_config', 'ExportWarning', 'byte_tokenizer_json', 'export_owns', 'foreign_files',
-           'replace_folder', 'export_hf', 'export_run', 'read_llama_config', 'llama_problems', 'model_settings',
-           'read_llama_weights', 'load_llama', 'push_to_hub']
+__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'EXPORT_FILES', 'GLOBAL_MODEL', 'Trained',
+           'load_trained', 'weight_names', 'llama_config', 'ExportWarning', 'byte_tokenizer_json', 'export_owns',
+           'foreign_files', 'replace_folder', 'export_hf', 'read_llama_config', 'llama_problems', 'model_settings',
+           'read_llama_weights', 'load_llama', 'with_init_from_settings', 'load', 'export_run', 'push_to_hub']
 
 # %% ../nbs/interop/02_hf.ipynb #55aec66d
 @dataclass
 class Trained:
-    "A model read back from a checkpoint, with the tokenizer and configuration of its run."
+    "A model read back (in eval mode) with its tokenizer and configuration; `generate` continues a prompt."
 
     model: nn.Module
-    tokenizer: Any
+    tokenizer: Any  # None for an exported folder that holds no tokenizer.json
     config: SpeedtronicConfig
-    checkpoint: Path
+    checkpoint: Path  # the file or folder the weights came from
     step: int | None
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int = 100,
+        temperature: float = 1.0,  # 0 = greedy
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,  # the same seed writes the same text
+    ) -> str:
+        "The text the model writes after `prompt` (`speedtronic.generation.generate`)."
+        from speedtronic.generation import generate
+
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{self.checkpoint} holds no tokenizer, so a prompt cannot be encoded; give token "
+                "ids to speedtronic.generation.generate_ids(trained.model, ids)"
+            )
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return generate(
+            self.model, self.tokenizer, prompt, max_new_tokens=max_new_tokens, **sampling
+        )
 
 
 def _gathered(path: Path, state: dict) -> dict:
@@ -109,6 +133,40 @@ def _weights_misfit(found: dict, expected: dict, model_config: Any) -> str | Non
     return None
 
 
+def _fitted_model(tensors: dict, config: SpeedtronicConfig, path: Path) -> nn.Module:
+    "The model `config` describes, holding `tensors` (read from `path`), or one clear refusal."
+    model = build_model(config.model)
+    misfit = _weights_misfit(tensors, model.state_dict(), config.model)
+    if misfit:
+        raise CheckpointError(
+            f"checkpoint {path}: its weights do not fit the model its configuration describes: "
+            f"{misfit}; the checkpoint was altered, or the code of model.name "
+            f"{config.model.name!r} builds other shapes than the code that trained it"
+        )
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(
+            f"checkpoint {path}: its weights do not fit the model its configuration describes "
+            f"({str(e).splitlines()[0]}); check model.imports and the model's code"
+        ) from None
+    return model
+
+
+def _with_tokenizer(
+    model: nn.Module, config: SpeedtronicConfig, path: Path, data: Any, step: Any, device: Any
+) -> Trained:
+    "`Trained` with the run's tokenizer, checked against the record `data` the run kept of it."
+    tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
+    check_tokenizer(
+        data.get("tokenizer") if isinstance(data, dict) else None,
+        tokenizer_record(tokenizer),
+        fix=f"put back the tokenizer.json checkpoint {path} was trained with",
+    )
+    step = step if isinstance(step, int) else None
+    return Trained(model.to(resolve_device(device)).eval(), tokenizer, config, path, step)
+
+
 def load_trained(
     run: str | os.PathLike | None = None,
     checkpoint: str | os.PathLike | None = None,
@@ -118,6 +176,8 @@ def load_trained(
     "Model, tokenizer and configuration of the newest checkpoint of `run`, or of the file `checkpoint`."
     if (run is None) == (checkpoint is None):
         raise ValueError("give either a run folder or a checkpoint file, not both")
+    if checkpoint is not None and Path(checkpoint).suffix == ".safetensors":
+        return _load_global(Path(checkpoint), None, device)  # a DiLoCo global (see `load`)
     if checkpoint is None:
         path, state = _run_checkpoint(run)
     else:
@@ -134,30 +194,8 @@ def load_trained(
         raise CheckpointError(
             f"checkpoint {path} records a configuration that does not load: {e}"
         ) from None
-    model = build_model(config.model)
-    misfit = _weights_misfit(state["model"], model.state_dict(), config.model)
-    if misfit:
-        raise CheckpointError(
-            f"checkpoint {path}: its weights do not fit the model its configuration describes: "
-            f"{misfit}; the checkpoint was altered, or the code of model.name "
-            f"{config.model.name!r} builds other shapes than the code that trained it"
-        )
-    try:
-        model.load_state_dict(state["model"], strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(
-            f"checkpoint {path}: its weights do not fit the model its configuration describes "
-            f"({str(e).splitlines()[0]}); check model.imports and the model's code"
-        ) from None
-    tokenizer = load_tokenizer(config.data.tokenizer, config.model.vocab_size)
-    data = state.get("data")
-    check_tokenizer(
-        data.get("tokenizer") if isinstance(data, dict) else None,
-        tokenizer_record(tokenizer),
-        fix=f"put back the tokenizer.json checkpoint {path} was trained with",
-    )
-    step = state.get("step") if isinstance(state.get("step"), int) else None
-    return Trained(model.to(resolve_device(device)).eval(), tokenizer, config, path, step)
+    model = _fitted_model(state["model"], config, path)
+    return _with_tokenizer(model, config, path, state.get("data"), state.get("step"), device)
 
 # %% ../nbs/interop/02_hf.ipynb #85792a59
 LLAMA_WEIGHTS: tuple[
@@ -436,17 +474,6 @@ def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = N
         shutil.rmtree(staged, ignore_errors=True)  # gone already when the swap happened
     return folder
 
-# %% ../nbs/interop/02_hf.ipynb #b9bc71ed
-def export_run(
-    run: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    *,
-    to: str | os.PathLike,
-) -> Path:
-    "Export the model of a trained run (or one checkpoint) and its tokenizer to the folder `to`."
-    trained = load_trained(run, checkpoint)
-    return export_hf(_reference(trained.model), to, tokenizer=trained.tokenizer)
-
 # %% ../nbs/interop/02_hf.ipynb #0070bce8
 def read_llama_config(folder: str | os.PathLike) -> dict[str, Any]:
     "The `config.json` of the transformers folder `folder`, as a dict."
@@ -699,6 +726,230 @@ def load_llama(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
         for ours, theirs in names:
             sd[ours].copy_(tensors[theirs])
     return model
+
+# %% ../nbs/interop/02_hf.ipynb #736c0fb6
+_REFERENCE_NAMES = ("reference_transformer", "gpt")
+
+
+def _conflict(key: str, mine: Any, theirs: dict, llama: dict, folder: Path) -> str | None:
+    "How the model section's `key: mine` differs from the folder's settings `theirs`, or `None`."
+    name = dict(LLAMA_CONFIG)[key]
+    if key == "d_ff":
+        width = _swiglu_width(mine, theirs["n_head"])
+        if width == llama["intermediate_size"]:
+            return None
+        return (
+            f"model.d_ff: {mine} in the config gives a SwiGLU width of {width}, but "
+            f"intermediate_size is {llama['intermediate_size']} in {folder / 'config.json'}"
+        )
+    if mine == theirs[key]:
+        return None
+    return (
+        f"model.{key}: {mine!r} in the config, but {name} is {theirs[key]!r} "
+        f"in {folder / 'config.json'}"
+    )
+
+
+def with_init_from_settings(config: SpeedtronicConfig) -> SpeedtronicConfig:
+    "`config` with the model settings it leaves unset read from its `model.init_from` folder; a set one that differs is refused."
+    m = config.model
+    folder = Path(m.init_from).expanduser() if m.init_from else None
+    if folder is None or m.name not in _REFERENCE_NAMES or not folder.is_dir():
+        return config  # a missing folder is named by the startup checks, another model refused
+    llama = read_llama_config(folder)
+    if problems := llama_problems(llama):
+        raise ConfigError(
+            f"model.init_from: {folder / 'config.json'} has what the reference transformer "
+            "cannot compute: " + "; ".join(problems)
+        )
+    theirs, given = model_settings(llama), explicit_fields(m)
+    conflicts = [
+        c
+        for k in theirs
+        if k in given and (c := _conflict(k, getattr(m, k), theirs, llama, folder))
+    ]
+    if conflicts:
+        raise ConfigError(
+            "model.init_from: "
+            + "; ".join(conflicts)
+            + f"; leave these keys out of the model section (the folder sets them) or set the "
+            f"folder's values"
+        )
+    fill = {k: v for k, v in theirs.items() if k not in given and getattr(m, k) != v}
+    if not fill:
+        return config
+    settled = copy.deepcopy(config)
+    for key, value in fill.items():
+        setattr(settled.model, key, value)
+    for key, source in (("block_size", "max_seq_len"), ("vocab_size", "vocab_size")):
+        if key not in explicit_fields(settled.data):
+            setattr(settled.data, key, getattr(settled.model, source))
+    return settled.validate()
+
+# %% ../nbs/interop/02_hf.ipynb #d0fe4049
+GLOBAL_MODEL = Path("global") / "latest.safetensors"  # a DiLoCo repository's global model
+
+
+def _kinds_hint() -> str:
+    return (
+        "give a run folder (run.output_dir), a checkpoint (.pt file or .dcp folder), a DiLoCo "
+        "global (global/latest.safetensors, or its repository folder) or an exported "
+        "transformers folder (config.json and model.safetensors)"
+    )
+
+
+def _is_transformers_folder(folder: Path) -> bool:
+    "Whether `folder` holds a transformers model: `config.json` and its safetensors weights."
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    return (folder / "config.json").is_file() and any((folder / w).is_file() for w in weights)
+
+
+def _repository_in(folder: Path) -> Path | None:
+    "The DiLoCo repository `folder` is, or the one repository among its subfolders; else `None`."
+    if (folder / GLOBAL_MODEL).is_file():
+        return folder
+    found = [p for p in sorted(folder.iterdir()) if p.is_dir() and (p / GLOBAL_MODEL).is_file()]
+    return found[0] if len(found) == 1 else None
+
+# %% ../nbs/interop/02_hf.ipynb #7a792a36
+def _names_repository(config: dict, repo: Path) -> bool:
+    "Whether the recorded run configuration `config` trained through the directory `repo`."
+    d = config.get("distributed") if isinstance(config, dict) else None
+    if not isinstance(d, dict) or not d.get("enabled") or d.get("transport") != "directory":
+        return False
+    named = Path(os.path.normpath(str(d.get("repo_id") or ""))).expanduser()
+    if not named.parts:
+        return False
+    if named.is_absolute():
+        return os.path.realpath(named) == os.path.realpath(repo)
+    return Path(os.path.realpath(repo)).parts[-len(named.parts) :] == named.parts
+
+
+def _node_run_of(repo: Path) -> tuple[Path, dict] | None:
+    "(checkpoint, state) of a run beside `repo` that trained through it (the master's first)."
+    found = []
+    for run in sorted(p for p in repo.parent.iterdir() if p.is_dir() and p != repo):
+        if not any(checkpoint_files(f) for f in (run / "checkpoints", run)):
+            continue
+        try:
+            path, state = _run_checkpoint(run)
+        except CheckpointError:
+            continue  # a run of something else, or an unusable one: not this repository's
+        if _names_repository(state.get("config"), repo):
+            master = state["config"]["distributed"].get("role") == "master"
+            found.append((not master, run.name, path, state))
+    return (found[0][2], found[0][3]) if found else None
+
+# %% ../nbs/interop/02_hf.ipynb #f5c23549
+def _global_config(path: Path, config: Any) -> tuple[SpeedtronicConfig, Any]:
+    "The configuration of the DiLoCo global `path` (`config`, or a node run's) and the tokenizer record."
+    if config is not None:
+        return SpeedtronicConfig.load(Path(config) if isinstance(config, str) else config), None
+    repo = path.parent.parent
+    node = _node_run_of(repo) if path.parent.name == "global" else None
+    if node is None:
+        raise CheckpointError(
+            f"{path} holds a model's tensors but not its settings, and no run folder beside "
+            f"{repo} trained through it; pass the config of a node of that run: --config "
+            f"NODE.yaml (in Python: load(path, config='NODE.yaml'))"
+        )
+    checkpoint, state = node
+    try:
+        return SpeedtronicConfig.from_dict(state["config"]), state.get("data")
+    except ConfigError as e:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} records a configuration that does not load: {e}"
+        ) from None
+
+
+def _load_global(path: Path, config: Any, device: Any) -> Trained:
+    "A DiLoCo global model with the configuration and tokenizer of its run."
+    from speedtronic.distributed.tensors import load_safetensors
+
+    try:
+        tensors = load_safetensors(path)  # tied weights stored once, as a DiLoCo master writes
+    except Exception as e:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({e}); " + _kinds_hint()
+        ) from None
+    settings, data = _global_config(path, config)
+    model = _fitted_model(tensors, settings, path)
+    return _with_tokenizer(model, settings, path, data, None, device)
+
+# %% ../nbs/interop/02_hf.ipynb #85728036
+def _folder_tokenizer(folder: Path, vocab_size: int) -> Any:
+    "The tokenizer an exported folder holds (the byte tokenizer when it is its export), or `None`."
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}); export the model again") from None
+    if data == byte_tokenizer_json():
+        return load_tokenizer("byte", vocab_size)
+    return load_tokenizer(str(file), vocab_size)
+
+
+def _load_transformers(folder: Path, device: Any) -> Trained:
+    "A transformers Llama folder read into the reference transformer, with its tokenizer."
+    try:
+        llama = read_llama_config(folder)
+        if problems := llama_problems(llama):
+            raise ConfigError(
+                f"{folder / 'config.json'} has what the reference transformer cannot compute: "
+                + "; ".join(problems)
+            )
+        config = SpeedtronicConfig.from_dict({"model": model_settings(llama)})
+        model = load_llama(build_model(config.model), folder)
+    except (ConfigError, CheckpointError) as e:
+        raise type(e)(
+            f"cannot load {folder}: " + str(e).removeprefix("model.init_from: ")
+        ) from None
+    tokenizer = _folder_tokenizer(folder, config.model.vocab_size)
+    return Trained(model.to(resolve_device(device)).eval(), tokenizer, config, folder, None)
+
+# %% ../nbs/interop/02_hf.ipynb #9e6c5d4b
+def load(
+    path: str
+    | os.PathLike,  # a run folder, checkpoint, DiLoCo global or exported transformers folder
+    *,
+    config: Any = None,  # a DiLoCo global's run config (YAML path or config) when none is beside it
+    device: str | torch.device = "cpu",
+) -> Trained:
+    "The trained model at `path` in eval mode, with its tokenizer, configuration and `generate`."
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; " + _kinds_hint())
+    if path.is_file() and path.suffix == ".safetensors":
+        return _load_global(path, config, device)
+    if path.is_file() or is_sharded(path):
+        return load_trained(checkpoint=path, device=device)
+    if _is_transformers_folder(path):
+        return _load_transformers(path, device)
+    if any(checkpoint_files(f) for f in (path / "checkpoints", path)):
+        return load_trained(path, device=device)
+    if (repo := _repository_in(path)) is not None:
+        return _load_global(repo / GLOBAL_MODEL, config, device)
+    raise CheckpointError(
+        f"no checkpoint in {path / 'checkpoints'} (or {path}), and {path} is not a DiLoCo "
+        "repository (global/latest.safetensors) or a transformers folder (config.json and "
+        "model.safetensors); train the run first, or give a checkpoint file with --checkpoint"
+    )
+
+# %% ../nbs/interop/02_hf.ipynb #b9bc71ed
+def export_run(
+    run: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    *,
+    to: str | os.PathLike,
+    config: Any = None,  # a DiLoCo global's model config, when `load` cannot find it
+) -> Path:
+    "Export the model of a trained run (or a checkpoint, a DiLoCo global: what `load` reads) and its tokenizer to `to`."
+    if (run is None) == (checkpoint is None):
+        raise ValueError("give either a run folder or a checkpoint file, not both")
+    trained = load(checkpoint if run is None else run, config=config)
+    return export_hf(_reference(trained.model), to, tokenizer=trained.tokenizer)
 
 # %% ../nbs/interop/02_hf.ipynb #920f4754
 def _upload_operations(folder: Path, add: Any) -> list:

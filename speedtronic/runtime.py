@@ -236,10 +236,15 @@ def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
 
 # %% ../nbs/app/01_runtime.ipynb #5decef8d
 def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> SpeedtronicConfig:
-    "A validated `SpeedtronicConfig` from a config object or a plain mapping."
+    "A validated `SpeedtronicConfig` from a config object or a plain mapping (the model settings it leaves unset taken from `model.init_from`)."
     if isinstance(config, Mapping):
         config = SpeedtronicConfig.from_dict(dict(config))
-    return config.validate()
+    config = config.validate()
+    if not config.model.init_from:
+        return config
+    from speedtronic.hf import with_init_from_settings
+
+    return with_init_from_settings(config)
 
 
 def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:

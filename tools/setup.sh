@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install Speedtronic into ./.venv (created when missing).
 #   bash tools/setup.sh        runtime + matplotlib (the demo writes a loss curve)
+#   bash tools/setup.sh hf     + transformers (what loads `speedtronic export`'s folder)
 #   bash tools/setup.sh dev    + notebook, test, docs and logging tools, and Debian's Chromium for the
 #                              browser tests (installed with apt-get where this user may: root, or
 #                              password-less sudo; elsewhere a note says how, and the test summary
@@ -45,6 +46,8 @@ fi
 if [ "${1:-}" = "dev" ]; then
   quietly $py -m pip install -q -e ".[dev,logging]"
   install_browser
+elif [ "${1:-}" = "hf" ]; then
+  quietly $py -m pip install -q -e ".[plot,hf]"
 else
   quietly $py -m pip install -q -e ".[plot]"
 fi

@@ -407,14 +407,18 @@ def test_the_cli_trains_from_a_llama_folder_and_exports_it_back(tmp_path, hf_env
         ({"head_dim": 16}, {}, ["head_dim 16"]),
         (
             {"rms_norm_eps": 1e-6},
-            {},
-            ["model.norm_eps: 1e-06", "rms_norm_eps 1e-06", "the model has 1e-05"],
+            {"norm_eps": 1e-5},
+            ["model.norm_eps: 1e-05 in the config", "rms_norm_eps is 1e-06"],
         ),
         ({"rms_norm_eps": -1.0}, {}, ["rms_norm_eps -1.0 (must be a positive number)"]),
-        ({"tie_word_embeddings": False}, {}, ["model.tie_weights: False", "tie_word_embeddings"]),
-        ({}, {"tie_weights": False}, ["model.tie_weights: True"]),
-        ({}, {"d_model": 64}, ["model.d_model: 32", "hidden_size"]),
-        ({}, {"d_ff": 256}, ["model.d_ff: 132", "intermediate_size 88"]),
+        (
+            {"tie_word_embeddings": False},
+            {},
+            ["model.tie_weights: True in the config", "tie_word_embeddings is False"],
+        ),
+        ({}, {"tie_weights": False}, ["model.tie_weights: False in the config", "is True"]),
+        ({}, {"d_model": 64}, ["model.d_model: 64 in the config", "hidden_size is 32"]),
+        ({}, {"d_ff": 256}, ["model.d_ff: 256 in the config", "intermediate_size is 88"]),
     ],
 )
 def test_what_the_reference_transformer_cannot_compute_is_refused_by_name(
