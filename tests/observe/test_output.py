@@ -136,7 +136,7 @@ def node_config(tmp: Path, name: str, index: int, text: Path) -> Path:
             "inner_steps": 5,
             "outer_momentum": 0.0,
             "poll_interval": 0.2,
-            "boundary_wait": 60,
+            "boundary_wait": 300,  # whole rounds, however slow a node is to start here
             "expected_nodes": 2,
             "shard_count": 2,
             "shard_index": index,
