@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'COMMAND_ARGUMENTS', 'VERDICT', 'error_lines', 'positive_int', 'output_dir', 'device_name',
-           'build_parser', 'shown_config', 'completed_line', 'main', 'Terminated']
+           'build_parser', 'shown_config', 'completed_line', 'final_lines', 'main', 'Terminated']
 
 # %% ../nbs/app/02_cli.ipynb #02264307
 import argparse
@@ -167,6 +167,12 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
         "--overwrite",
         action="store_true",
         help="start a fresh run even where another run left checkpoints (they are deleted)",
+    )
+    t.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print every event's full line (optimizer settings, DiLoCo rounds, ...), as the "
+        "metrics file records them",
     )
 
 
@@ -461,7 +467,7 @@ def completed_line(result) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    "`speedtronic train`: load, apply `--output-dir`/`--max-steps`, train, print the completed line."
+    "`speedtronic train`: load, apply `--output-dir`/`--max-steps`, train, print the final lines."
     config = SpeedtronicConfig.load(args.config)
     if args.output_dir is not None:
         config.run.output_dir = args.output_dir
@@ -478,14 +484,26 @@ def _train(args: argparse.Namespace) -> int:
         device=args.device,
         overwrite=args.overwrite,
         checkpoint=args.checkpoint,
+        verbose=args.verbose,
     )
-    from speedtronic.progress import (
-        is_tty,
-    )  # a person at a terminal gets the closing lines, a script the completed line
+    from speedtronic.progress import is_tty
 
     if _prints():
-        print(result.closing(run_paths(config)) if is_tty(sys.stdout) else completed_line(result))
+        print("\n".join(final_lines(result, config, is_tty(sys.stdout))))
     return 0
+
+
+def final_lines(result, config: SpeedtronicConfig, terminal: bool) -> list[str]:
+    "What `train` prints last: the closing lines and, on a pipe, the completed line; or a node's."
+    completed = [] if terminal or result.final_loss is None else [completed_line(result)]
+    if not config.distributed.enabled:
+        return [*result.closing(run_paths(config)).splitlines(), *completed]
+    from speedtronic.distributed.diloco import node_summary
+    from speedtronic.paths import node_id
+
+    return [f"[{node_id(config.distributed)}] {line}" for line in completed] + [
+        node_summary(config, result)
+    ]
 
 # %% ../nbs/app/02_cli.ipynb #2f92463f
 def _prepare(args: argparse.Namespace) -> int:

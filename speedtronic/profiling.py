@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_ch
 from fastcore.basics import patch
 
 from .config import REDACTED, ConfigError, is_secret_key
-from .progress import TERMINAL_WIDTH, TerminalLines, is_tty
+from .progress import TERMINAL_WIDTH, TerminalLines, clip_line, is_tty
 from .errors import ExpectedError
 
 # %% auto #0
@@ -497,7 +497,7 @@ def close(self: HookDispatcher, timeout: float | None = None) -> bool:
     return done
 
 # %% ../nbs/observe/01_metrics.ipynb #82cd1b6b
-CONSOLE_STYLES = ("auto", "full", "short")
+CONSOLE_STYLES = ("auto", "full", "short", "progress", "quiet")
 
 
 class TextSinks:
@@ -510,20 +510,21 @@ class TextSinks:
         file: str | os.PathLike | None = None,
         console_level: int
         | None = None,  # console lines below this are not printed (None: `level`)
-        style: str = "auto",
-    ):  # console lines: "full" (the file's), "short" (a terminal's), "auto" (short on a terminal)
+        style: str = "auto",  # console lines: "full", "short", "progress", "auto" or "quiet"
+        prefix: str = "",  # starts every console line (a DiLoCo node's name)
+    ):
         if style not in CONSOLE_STYLES:
             raise ConfigError(
                 f"console style must be one of {', '.join(CONSOLE_STYLES)}, got {style!r}"
             )
-        self.level, self.stream, self.style = level, stream, style
+        self.level, self.stream, self.style, self.prefix = level, stream, style, prefix
         self.console_level = level if console_level is None else max(level, console_level)
         self.file = LineFile(file, "logging.file") if file else None
         self._lock = threading.Lock()
         self.guard: Callable[[], Any] | None = (
             None  # a context manager around console writes (a progress bar's `cleared`)
         )
-        self.terminal, self._tty = TerminalLines(), (None, False)
+        self.terminal, self._tty = TerminalLines(others=style != "quiet"), (None, False)
 
     def console(self) -> Any:
         "The console: None = `sys.stdout` now (so redirection works), False = off, else the object."
@@ -531,13 +532,13 @@ class TextSinks:
             return None
         return sys.stdout if self.stream is None else self.stream
 
-    def short(self, console: Any) -> bool:
-        "Whether `console` gets the short terminal lines."
-        if self.style != "auto":
-            return self.style == "short"
+    def mode(self, console: Any) -> str:
+        "What `console` gets: `full` lines, a terminal's `short` ones or a pipe's `progress` lines."
+        if self.style in ("full", "short", "progress"):
+            return self.style
         if self._tty[0] is not console:
             self._tty = (console, is_tty(console))
-        return self._tty[1]
+        return "short" if self._tty[1] else "full" if self.style == "auto" else "progress"
 
     def _sinks(self, level: int) -> tuple[Any, LineFile | None]:
         "(console, file) that take a line at `level`; `None` for each that does not."
@@ -565,42 +566,54 @@ def _put(
 
 
 @patch
+def _prefixed(self: TextSinks, shown: str | None, width: int | None) -> str | None:
+    "`shown` with the prefix at the start of each of its lines, each cut to `width` when given."
+    if shown is None or not self.prefix:
+        return shown
+    lines = (self.prefix + part for part in shown.split("\n"))
+    return "\n".join(lines if width is None else map(clip_line, lines))
+
+
+@patch
 def write(self: TextSinks, level: int, message: str) -> None:
     "Write `message` as one line at `level` to the console and the file, unless below the level."
     console, file = self._sinks(level)
     if console is None and file is None:
         return  # nobody reads it: not even formatted
     line = text_line(level, message)
-    if console is not None and self.short(
-        console
-    ):  # wrapped to the terminal's width: a message is never cut
+    mode = None if console is None else self.mode(console)
+    if mode == "short":  # a terminal's lines are wrapped to its width: a message is never cut
         shown = message if level < 30 else f"{level_name(level).lower()}: {message}"
         shown = "\n".join(
-            textwrap.fill(part, TERMINAL_WIDTH, subsequent_indent="  ")
+            textwrap.fill(part, TERMINAL_WIDTH - len(self.prefix), subsequent_indent="  ")
             for part in shown.splitlines() or [""]
         )
-    else:
-        shown = line
-    self._put(console, shown, file, line)
+    else:  # a pipe's message is plain; its warnings and errors keep their time
+        shown = message if mode == "progress" and level < 30 else line
+    self._put(console, self._prefixed(shown, None), file, line)
 
 
 @patch
 def write_event(self: TextSinks, event: str, record: Mapping[str, Any], level: int = 20) -> None:
-    "Write one event: its full line to the file, and to the console the full line or, on a terminal, the short one."
+    "One event: its full line to the file; to the console that, a terminal's or a pipe's line."
     console, file = self._sinks(level)
     if console is None and file is None:
         return
+    mode = None if console is None else self.mode(console)
     line = (
         text_line(level, format_event(event, record))
-        if file is not None or not self.short(console)
+        if file is not None or mode == "full"
         else None
     )
-    shown = (
-        None
-        if console is None
-        else (self.terminal.line(event, record) if self.short(console) else line)
+    if mode == "short":
+        shown = self.terminal.line(event, record)
+    elif mode == "progress":
+        shown = self.terminal.progress_line(event, record)
+    else:
+        shown = line
+    self._put(
+        console, self._prefixed(shown, TERMINAL_WIDTH if mode == "short" else None), file, line
     )
-    self._put(console, shown, file, line)
 
 
 @patch
@@ -648,6 +661,7 @@ class MetricLogger:
     )
     run_id: str | None = None  # written into every JSONL record when set
     console_style: str = "auto"  # console lines: "auto" (short on a terminal), "full" (every field, as the file), "short"
+    console_prefix: str = ""  # starts every console line (a DiLoCo node's `[worker-1] `)
 
     def __post_init__(self):
         self.levelno = resolve_level(self.level)
@@ -659,7 +673,12 @@ class MetricLogger:
         self._t0 = time.perf_counter()
         console = None if self.console_level is None else resolve_level(self.console_level)
         self._text = TextSinks(
-            self.levelno, self.stream, self.file, console_level=console, style=self.console_style
+            self.levelno,
+            self.stream,
+            self.file,
+            console_level=console,
+            style=self.console_style,
+            prefix=self.console_prefix,
         )
         try:
             self._json = (

@@ -21,9 +21,9 @@ from .optional import MissingExtra
 from .plotting import figure_png, loss_figure, loss_points, plot_loss  # noqa: F401 (also importable from here)
 
 # %% auto #0
-__all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'format_duration', 'format_rate', 'format_progress', 'clip_line', 'format_step_line',
-           'format_setup_line', 'TerminalLines', 'format_closing', 'in_notebook', 'is_tty', 'resolve_progress',
-           'ProgressBar']
+__all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'ROUND_EVENTS', 'format_duration', 'format_rate', 'format_progress', 'clip_line',
+           'format_step_line', 'format_setup_line', 'round_note', 'TerminalLines', 'format_closing', 'in_notebook',
+           'is_tty', 'resolve_progress', 'ProgressBar']
 
 # %% ../nbs/observe/03_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:
@@ -101,6 +101,9 @@ def clip_line(text: str, width: int = TERMINAL_WIDTH) -> str:
 def format_step_line(
     payload: Mapping[str, Any],  # a `train_step` record
     target: int | None = None,  # the run's target step (for the ETA and the alignment)
+    *,
+    held_out: float | None = None,  # the newest held-out loss, when there is one
+    note: str = "",  # said at the end (a DiLoCo node's rounds)
 ) -> str:
     "`step  10/200  loss   4.1315  lr 2.43e-04   1.72k tok/s  ETA 00:07`: aligned from one line to the next."
     step, digits = payload.get("step"), len(str(target or payload.get("step") or 0))
@@ -109,13 +112,15 @@ def format_step_line(
         payload.get(k) for k in ("loss", "lr", "tokens_per_sec", "steps_per_sec")
     )
     parts.append(f"loss {loss:8.4f}" if isinstance(loss, (int, float)) else f"loss {'-':>8}")
-    if isinstance(lr, (int, float)):
+    if isinstance(lr, (int, float)) and not note:  # a node's rounds take the room of the rate
         parts.append(f"lr {lr:.2e}")
     if isinstance(rate, (int, float)):
         parts.append(f"{format_rate(rate):>6} tok/s")
     if target and isinstance(step, int) and isinstance(speed, (int, float)) and speed > 0:
         parts.append(f"ETA {format_duration(max(target - step, 0) / speed)}")
-    return clip_line("  ".join(parts))
+    if isinstance(held_out, (int, float)):
+        parts.append(f"held-out {held_out:.4f}")
+    return clip_line("  ".join([*parts, note] if note else parts))
 
 # %% ../nbs/observe/03_progress.ipynb #ae22c397
 def format_setup_line(
@@ -151,23 +156,75 @@ def format_setup_line(
     return clip_line(" | ".join(p for p in parts if p))
 
 
-class TerminalLines:
-    "Turns events into the short lines a terminal shows (`None`: the event stays in the files)."
+ROUND_EVENTS = frozenset(
+    {"delta_upload_queued", "global_installed"}
+)  # a DiLoCo node's rounds: said in its next step line
 
-    def __init__(self):
-        self.optimizer, self.target = {}, None
+
+def round_note(
+    sent: list[int],  # steps whose deltas were sent since the last step line
+    inner_steps: int | None,  # the round length (`None`: unknown)
+    installed: int | None,  # the newest global version installed since then
+) -> str:
+    "What a DiLoCo node's rounds did since its last step line: `round 3: delta sent, global v3`."
+    parts = []
+    if sent:
+        rounds = sorted({s // inner_steps for s in sent}) if inner_steps else []
+        label = ""
+        if rounds:
+            label = (
+                f"round {rounds[0]}: " if len(rounds) == 1 else f"rounds {rounds[0]}-{rounds[-1]}: "
+            )
+        parts.append(label + ("delta sent" if len(sent) == 1 else f"{len(sent)} deltas sent"))
+    if installed is not None:
+        parts.append(f"global v{installed}")
+    return ", ".join(parts)
+
+
+class TerminalLines:
+    "Turns events into a terminal's short lines or a pipe's progress lines (`None`: files only)."
+
+    def __init__(
+        self, others: bool = True
+    ):  # others: an event without a short form is shown as `event k=v …`
+        self.optimizer, self.target, self.others = {}, None, others
+        self.held_out: float | None = None  # the newest held-out loss
+        self.sent, self.inner_steps, self.installed = [], None, None  # a DiLoCo node's rounds
+
+    def follow(self, event: str, payload: Mapping[str, Any]) -> None:
+        "Keep what later lines say: optimizer, target, newest held-out loss, rounds."
+        if event == "optimizer":
+            self.optimizer = dict(payload)
+        elif event == "train_start":
+            self.target = payload.get("target_step")
+        elif event == "eval" and isinstance(payload.get("val_loss"), float):
+            self.held_out = payload["val_loss"]
+        elif event == "delta_upload_queued" and isinstance(payload.get("step"), int):
+            self.sent.append(payload["step"])
+            self.inner_steps = payload.get("inner_steps") or self.inner_steps
+        elif event == "global_installed" and isinstance(payload.get("outer_step"), int):
+            self.installed = payload["outer_step"]
+
+    def step_line(self, payload: Mapping[str, Any]) -> str:
+        "A `train_step`'s line, with the newest held-out loss and the rounds since the last."
+        note = round_note(self.sent, self.inner_steps, self.installed)
+        self.sent, self.installed = [], None
+        return format_step_line(payload, self.target, held_out=self.held_out, note=note)
+
+    def progress_line(self, event: str, payload: Mapping[str, Any]) -> str | None:
+        "What a pipe shows for one event: the step line of a `train_step`, else `None`."
+        self.follow(event, payload)
+        return self.step_line(payload) if event == "train_step" else None
 
     def line(self, event: str, payload: Mapping[str, Any]) -> str | None:
         "The terminal line for one event, or `None`."
-        if event == "optimizer":
-            self.optimizer = dict(payload)
-        if event in QUIET_EVENTS:
+        self.follow(event, payload)
+        if event in QUIET_EVENTS or event in ROUND_EVENTS:
             return None
         if event == "train_start":
-            self.target = payload.get("target_step")
             return format_setup_line(payload, self.optimizer)
         if event == "train_step":
-            return format_step_line(payload, self.target)
+            return self.step_line(payload)
         if event == "eval" and isinstance(payload.get("val_loss"), float):  # a held-out evaluation
             bpb = (
                 f"  bpb {payload['val_bpb']:.4f}"
@@ -187,6 +244,8 @@ class TerminalLines:
             return clip_line(
                 f"checkpoint  step {payload.get('step')}: {Path(str(payload.get('path'))).name}"
             )
+        if not self.others:
+            return None  # the internals: in the files (and on the console with `--verbose`)
         shown = {k: v for k, v in payload.items() if k not in ("elapsed_s", "memory_bytes")}
         return clip_line(
             " ".join(

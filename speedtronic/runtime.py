@@ -66,7 +66,7 @@ from speedtronic.parallel import (
     world_from_env,
     world_problems,
 )
-from .paths import RunLock, lock_holder, lock_run, new_run_id, run_paths
+from .paths import RunLock, lock_holder, lock_run, new_run_id, node_id, run_paths
 from .precision import resolve_precision
 from .profiling import MetricLogger
 from .progress import ProgressBar, in_notebook, loss_figure, loss_points
@@ -112,6 +112,7 @@ def build_logger(
     writes: bool = True,  # False for the ranks of a torchrun job other than rank 0
     *,
     run_id: str | None = None,  # written into every JSONL record
+    verbose: bool = False,  # the console gets every event's full line, as the files do
 ) -> MetricLogger:
     "A `MetricLogger` from `config.logging`, with its configured hooks and progress bar attached."
     lg, paths = config.logging, run_paths(config)
@@ -127,6 +128,8 @@ def build_logger(
         every_steps=lg.every_steps,
         console_level=console,
         run_id=run_id,
+        console_style="full" if verbose else "quiet",
+        console_prefix=f"[{node_id(config.distributed)}] " if config.distributed.enabled else "",
     )
     try:
         placed = copy.copy(
@@ -403,6 +406,7 @@ def build_runtime(
     checkpoint: str
     | os.PathLike
     | None = None,  # resume this checkpoint of the run, not the newest
+    verbose: bool = False,  # the console shows every event's full line (CLI `--verbose`)
 ) -> tuple[Trainer, CheckpointManager]:
     "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
     config = load_runtime_config(config)
@@ -432,6 +436,7 @@ def build_runtime(
                 device=dev,
                 max_steps=max_steps,
                 checkpoint=checkpoint,
+                verbose=verbose,
             )
         except BaseException:
             claim.abandon()  # the folders it made go again when nothing was written there
@@ -492,6 +497,7 @@ def _build_components(
     device: Any,
     max_steps: int | None,
     checkpoint: str | os.PathLike | None = None,
+    verbose: bool = False,
 ) -> tuple[Trainer, CheckpointManager]:
     "`build_runtime` after the directory is claimed."
     dev, logger = device, None
@@ -528,7 +534,7 @@ def _build_components(
             enabled=ck.enabled,
             run_id=claim.run_id,
         )
-        logger = build_logger(config, writes=world.writes, run_id=claim.run_id)
+        logger = build_logger(config, writes=world.writes, run_id=claim.run_id, verbose=verbose)
         manager.logger = logger
         for lock in claim.locks:
             if lock.previous:
@@ -732,6 +738,7 @@ def train_from_config(
     max_steps: int | None = None,
     overwrite: bool = False,
     checkpoint: str | os.PathLike | None = None,  # with `resume`: this checkpoint, not the newest
+    verbose: bool = False,  # the console shows every event's full line (CLI `--verbose`)
 ) -> TrainResult:
     "Build the runtime from `config`, train to the target and return the `TrainResult`."
     trainer, manager = build_runtime(
@@ -741,6 +748,7 @@ def train_from_config(
         max_steps=max_steps,
         overwrite=overwrite,
         checkpoint=checkpoint,
+        verbose=verbose,
     )
     failed = True
     try:

@@ -63,8 +63,8 @@ __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'SHORT_ROUND_STE
            'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done', 'on_upload_failed',
            'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint',
            'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning', 'outer_momentum_warning',
-           'warn_outer_momentum', 'NodeShard', 'shard_loader', 'node_data_config', 'hub_commits_per_hour',
-           'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
+           'warn_outer_momentum', 'final_global_model', 'node_summary', 'NodeShard', 'shard_loader', 'node_data_config',
+           'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -1277,6 +1277,40 @@ def _holds(self: DumbDiLoCoCoordinator, step: int, why: list[str]) -> bool:
         + (f"; {len(self._refused)} newer one(s) refused" if self._refused else "")
     )
     return False
+
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #d0327e31
+def final_global_model(config: SpeedtronicConfig) -> Path | None:
+    "The final global model's file as this node sees it (the shared one, else its copy), or `None`."
+    from speedtronic.paths import run_paths
+
+    d, state = config.distributed, run_paths(config).state_dir
+    found = (
+        [Path(d.repo_id) / GLOBAL_MODEL_PATH] if d.transport == "directory" and d.repo_id else []
+    )
+    if state is not None:
+        found += [
+            state / "global" / "latest.safetensors",
+            state / "outgoing" / "latest.safetensors",
+        ]
+    return next((p for p in found if p.is_file()), None)
+
+
+def node_summary(
+    config: SpeedtronicConfig,
+    result: Any,  # the node's `TrainResult` (its `steps`, `final_loss`, `val_loss`)
+) -> str:
+    "`[w1] done: step 200 | loss 2.4102 | held-out loss 2.4530 | final global model: <file>`."
+    loss, held = result.final_loss, getattr(result, "val_loss", None)
+    parts = [f"done: step {result.steps}", "no update made" if loss is None else f"loss {loss:.4f}"]
+    if held is not None:
+        parts.append(f"held-out loss {held:.4f}")
+    path = final_global_model(config)
+    if path is None:
+        parts.append("no final global model here")
+    else:
+        inside = Path(os.path.abspath(path)).is_relative_to(Path.cwd())
+        parts.append(f"final global model: {os.path.relpath(path) if inside else path}")
+    return f"[{node_id(config.distributed)}] " + " | ".join(parts)
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #8aefbcbd
 @patch

@@ -166,7 +166,7 @@ def test_a_sample_of_only_whitespace_says_so(tmp_path):
     raw["data"]["text_path"] = str(tmp_path / "blank.txt")
     raw["logging"]["level"] = "INFO"
     (tmp_path / "blank.yaml").write_text(yaml.safe_dump(raw))
-    proc = ok(run_cli("train", "--config", "blank.yaml", cwd=tmp_path))
+    proc = ok(run_cli("train", "--config", "blank.yaml", "--verbose", cwd=tmp_path))
     assert "text=(the model emits only whitespace yet)" in proc.stdout, proc.stdout[-3000:]
     samples = jsonl_records(tmp_path / "blank.jsonl", "sample")
     assert samples and all(
@@ -244,7 +244,9 @@ def test_bad_sample_settings_are_one_line(tmp_path, section, key):
 def test_demo_config_ends_with_a_held_out_loss_and_a_sample(tmp_path):
     "`speedtronic train --config configs/demo.yaml --max-steps 20` (in a copy) prints the held-out loss and the sample."
     shutil.copy(ROOT / "configs" / "demo.yaml", tmp_path / "demo.yaml")
-    proc = ok(run_cli("train", "--config", "demo.yaml", "--max-steps", "20", cwd=tmp_path))
+    proc = ok(  # --verbose: the console gets every event's line, the eval and sample ones too
+        run_cli("train", "--config", "demo.yaml", "--max-steps", "20", "--verbose", cwd=tmp_path)
+    )
     prompt = yaml.safe_load((tmp_path / "demo.yaml").read_text())["eval"]["sample_prompts"][0]
     assert "eval step=20 val_loss=" in proc.stdout, proc.stdout[-3000:]
     assert f"sample step=20 index=0 prompt={prompt} text=" in proc.stdout, proc.stdout[-3000:]

@@ -465,7 +465,9 @@ def test_readme_says_what_the_package_does(tmp_path):
     config = (ROOT / "configs" / "smoke.yaml").read_text().replace("name: adamw", "name: muon")
     assert "name: muon" in config
     (tmp_path / "muon.yaml").write_text(config)
-    proc = ok(run_cli("train", "--config", "muon.yaml", "--device", "cpu", cwd=tmp_path))
+    proc = ok(  # --verbose: the optimizer event's line is printed
+        run_cli("train", "--config", "muon.yaml", "--device", "cpu", "--verbose", cwd=tmp_path)
+    )
     assert (
         "optimizer name=muon" in proc.stderr + proc.stdout
         and "muon_tensors=0 " not in proc.stderr + proc.stdout

@@ -231,7 +231,7 @@ def test_cli_trains_a_custom_model_named_in_yaml(tmp_path):
     cfg = write_config(tmp_path / "run.yaml", "user_tiny", ["user_models"], tmp_path / "out")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
-        [*speedtronic_cli(), "train", "--config", str(cfg), "--device", "cpu"],
+        [*speedtronic_cli(), "train", "--config", str(cfg), "--device", "cpu", "--verbose"],
         capture_output=True,
         text=True,
         env=env,
@@ -240,8 +240,8 @@ def test_cli_trains_a_custom_model_named_in_yaml(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1].startswith("completed steps=2 ")
-    # the model trained is the user's: 64x16 embedding + 16x64 head with bias (the reference model
-    # would be far larger)
+    # (--verbose: train_start's fields are printed) the model trained is the user's: 64x16
+    # embedding + 16x64 head with bias (the reference model would be far larger)
     assert "parameters=2112 " in out.stdout + out.stderr, out.stderr[-3000:]
 
 

@@ -604,6 +604,7 @@ def test_v2_smoke_and_shorthand_configs_train_from_the_cli(tmp_path):
                 "cpu",
                 "--output-dir",
                 str(out),
+                "--verbose",  # the optimizer's and ooo_backprop's event lines are printed
             ],
             cwd=tmp_path,
             capture_output=True,
