@@ -348,14 +348,22 @@ def _prints() -> bool:
     return _job_rank() is None or os.environ.get("RANK", "0").strip() in ("", "0")
 
 
-def _record_for_torchrun(exc: BaseException) -> None:
-    "Write `exc` to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`), so its failure summary shows this error."
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+def _record_for_torchrun(exc: BaseException, said: str | None = None) -> None:
+    "Write how this rank ended to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`) for its failure summary: `said` for a handled error, else `exc` with its traceback."
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
     try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        if said is None:  # an unexpected error: its traceback helps whoever reads the summary
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-        ErrorHandler().record_exception(exc)
+            ErrorHandler().record_exception(exc)
+            return
+        import json, time
+
+        # a text message, which torchrun's summary shows as it is (no traceback)
+        record = {"message": said, "timestamp": str(int(time.time()))}
+        Path(path).write_text(json.dumps(record), encoding="utf-8")
     except Exception:
         pass  # the summary is a courtesy; the error line is already printed
 
@@ -685,14 +693,17 @@ def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         return 130
     except EXPECTED_ERRORS as exc:
         _hold_sigterm()
-        if _reported_elsewhere(exc):
-            return 2  # the same error on every rank: the reporting rank prints it
-        _record_for_torchrun(exc)
+        if _reported_elsewhere(exc):  # the same error on every rank: the reporting rank prints it
+            _record_for_torchrun(exc, f"the job's error, reported by rank {exc.reporting_rank}")
+            return 2
         if os.environ.get("SPEEDTRONIC_DEBUG"):
+            _record_for_torchrun(exc)
             raise
         sys.stdout.flush()
         where = _job_rank()  # torchrun: say which rank failed
-        for line in error_lines(exc, _config_secrets(argv)):
+        lines = error_lines(exc, _config_secrets(argv))
+        _record_for_torchrun(exc, "\n".join(l.removeprefix("speedtronic: error: ") for l in lines))
+        for line in lines:
             print(
                 line.replace("error: ", f"error: [{where}] ", 1) if where else line, file=sys.stderr
             )
