@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'COMMAND_ARGUMENTS', 'VERDICT', 'error_lines', 'positive_int', 'output_dir', 'device_name',
-           'build_parser', 'shown_config', 'completed_line', 'main', 'Terminated']
+           'build_parser', 'shown_config', 'completed_line', 'continue_command', 'main', 'Terminated']
 
 # %% ../nbs/app/02_cli.ipynb #02264307
 import argparse
@@ -466,21 +466,54 @@ def _train(args: argparse.Namespace) -> int:
     if problems:
         raise ConfigError(problems)
     from speedtronic.runtime import train_from_config
+    from speedtronic.trainer import TrainingInterrupted
 
-    result = train_from_config(
-        config,
-        resume=args.resume,
-        device=args.device,
-        overwrite=args.overwrite,
-        checkpoint=args.checkpoint,
-    )
+    try:
+        result = train_from_config(
+            config,
+            resume=args.resume,
+            device=args.device,
+            max_steps=args.max_steps,  # a target the command gives outranks a checkpoint's
+            overwrite=args.overwrite,
+            checkpoint=args.checkpoint,
+        )
+    except TrainingInterrupted as stop:
+        if _prints() and stop.checkpoint is not None:  # then the error line: how it ended
+            print(f"speedtronic: {stop.message or stop.reason}", file=sys.stderr)
+            print(f"speedtronic: to continue: {continue_command(args)}", file=sys.stderr)
+        raise
     from speedtronic.progress import (
         is_tty,
     )  # a person at a terminal gets the closing lines, a script the completed line
 
-    if _prints():
-        print(result.closing(run_paths(config)) if is_tty(sys.stdout) else completed_line(result))
+    if not _prints():
+        return 0
+    if not is_tty(sys.stdout):
+        print(completed_line(result))
+    elif (
+        result.final_loss is None
+    ):  # nothing trained: no loss, and no held-out loss of earlier steps
+        print(f"nothing trained: the run is at step {result.steps}, its target")
+    else:
+        print(result.closing(run_paths(config)))
     return 0
+
+
+def continue_command(args: argparse.Namespace) -> str:
+    "The command that continues an interrupted `train` as it was run: its config, output folder, device and target, with `--resume`."
+    import shlex
+
+    words = ["speedtronic", "train", "--config", str(args.config)]
+    for flag, value in (
+        ("--output-dir", args.output_dir),
+        ("--device", args.device),
+        ("--max-steps", args.max_steps),
+    ):
+        words += [] if value is None else [flag, str(value)]
+    command = shlex.join([*words, "--resume"])
+    if _job_rank() is not None:  # torchrun starts the ranks: its own options are not ours to know
+        return f"the same torchrun command, ending: -m {command}"
+    return command
 
 # %% ../nbs/app/02_cli.ipynb #2f92463f
 def _prepare(args: argparse.Namespace) -> int:
