@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'COMMAND_ARGUMENTS', 'VERDICT', 'error_lines', 'positive_int', 'output_dir', 'device_name',
-           'build_parser', 'shown_config', 'completed_line', 'final_lines', 'main', 'Terminated']
+           'build_parser', 'shown_config', 'completed_line', 'final_lines', 'continue_command', 'main', 'Terminated']
 
 # %% ../nbs/app/02_cli.ipynb #02264307
 import argparse
@@ -367,14 +367,22 @@ def _prints() -> bool:
     return _job_rank() is None or os.environ.get("RANK", "0").strip() in ("", "0")
 
 
-def _record_for_torchrun(exc: BaseException) -> None:
-    "Write `exc` to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`), so its failure summary shows this error."
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+def _record_for_torchrun(exc: BaseException, said: str | None = None) -> None:
+    "Write how this rank ended to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`) for its failure summary: `said` for a handled error, else `exc` with its traceback."
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
     try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        if said is None:  # an unexpected error: its traceback helps whoever reads the summary
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-        ErrorHandler().record_exception(exc)
+            ErrorHandler().record_exception(exc)
+            return
+        import json, time
+
+        # a text message, which torchrun's summary shows as it is (no traceback)
+        record = {"message": said, "timestamp": str(int(time.time()))}
+        Path(path).write_text(json.dumps(record), encoding="utf-8")
     except Exception:
         pass  # the summary is a courtesy; the error line is already printed
 
@@ -477,15 +485,23 @@ def _train(args: argparse.Namespace) -> int:
     if problems:
         raise ConfigError(problems)
     from speedtronic.runtime import train_from_config
+    from speedtronic.trainer import TrainingInterrupted
 
-    result = train_from_config(
-        config,
-        resume=args.resume,
-        device=args.device,
-        overwrite=args.overwrite,
-        checkpoint=args.checkpoint,
-        verbose=args.verbose,
-    )
+    try:
+        result = train_from_config(
+            config,
+            resume=args.resume,
+            device=args.device,
+            max_steps=args.max_steps,  # a target the command gives outranks a checkpoint's
+            overwrite=args.overwrite,
+            checkpoint=args.checkpoint,
+            verbose=args.verbose,
+        )
+    except TrainingInterrupted as stop:
+        if _prints() and stop.checkpoint is not None:  # then the error line: how it ended
+            print(f"speedtronic: {stop.message or stop.reason}", file=sys.stderr)
+            print(f"speedtronic: to continue: {continue_command(args)}", file=sys.stderr)
+        raise
     from speedtronic.progress import is_tty
 
     if _prints():
@@ -497,6 +513,8 @@ def final_lines(result, config: SpeedtronicConfig, terminal: bool) -> list[str]:
     "What `train` prints last: the closing lines and, on a pipe, the completed line; or a node's."
     completed = [] if terminal or result.final_loss is None else [completed_line(result)]
     if not config.distributed.enabled:
+        if terminal and result.final_loss is None:  # no loss, no held-out loss of earlier steps
+            return [f"nothing trained: the run is at step {result.steps}, its target"]
         return [*result.closing(run_paths(config)).splitlines(), *completed]
     from speedtronic.distributed.diloco import node_summary
     from speedtronic.paths import node_id
@@ -504,6 +522,23 @@ def final_lines(result, config: SpeedtronicConfig, terminal: bool) -> list[str]:
     return [f"[{node_id(config.distributed)}] {line}" for line in completed] + [
         node_summary(config, result)
     ]
+
+
+def continue_command(args: argparse.Namespace) -> str:
+    "The command that continues an interrupted `train` as it was run: its config, output folder, device and target, with `--resume`."
+    import shlex
+
+    words = ["speedtronic", "train", "--config", str(args.config)]
+    for flag, value in (
+        ("--output-dir", args.output_dir),
+        ("--device", args.device),
+        ("--max-steps", args.max_steps),
+    ):
+        words += [] if value is None else [flag, str(value)]
+    command = shlex.join([*words, "--resume"])
+    if _job_rank() is not None:  # torchrun starts the ranks: its own options are not ours to know
+        return f"the same torchrun command, ending: -m {command}"
+    return command
 
 # %% ../nbs/app/02_cli.ipynb #2f92463f
 def _prepare(args: argparse.Namespace) -> int:
@@ -729,14 +764,17 @@ def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         return 130
     except EXPECTED_ERRORS as exc:
         _hold_sigterm()
-        if _reported_elsewhere(exc):
-            return 2  # the same error on every rank: the reporting rank prints it
-        _record_for_torchrun(exc)
+        if _reported_elsewhere(exc):  # the same error on every rank: the reporting rank prints it
+            _record_for_torchrun(exc, f"the job's error, reported by rank {exc.reporting_rank}")
+            return 2
         if os.environ.get("SPEEDTRONIC_DEBUG"):
+            _record_for_torchrun(exc)
             raise
         sys.stdout.flush()
         where = _job_rank()  # torchrun: say which rank failed
-        for line in error_lines(exc, _config_secrets(argv)):
+        lines = error_lines(exc, _config_secrets(argv))
+        _record_for_torchrun(exc, "\n".join(l.removeprefix("speedtronic: error: ") for l in lines))
+        for line in lines:
             print(
                 line.replace("error: ", f"error: [{where}] ", 1) if where else line, file=sys.stderr
             )

@@ -86,9 +86,9 @@ from .widgets import TrainingView
 # %% auto #0
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
            'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
-           'RunClaim', 'claim_run', 'claim_job', 'job_problems', 'build_runtime', 'sigterm_stops', 'earlier_records',
-           'train_from_config', 'LossPlotWarning', 'write_loss_plot', 'training_memory', 'available_memory',
-           'startup_problems', 'check_runnable']
+           'RunClaim', 'claim_run', 'claim_job', 'resumed_target', 'schedule_note', 'job_problems', 'build_runtime',
+           'sigterm_stops', 'earlier_records', 'train_from_config', 'LossPlotWarning', 'write_loss_plot',
+           'training_memory', 'available_memory', 'startup_problems', 'check_runnable']
 
 # %% ../nbs/app/01_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -389,6 +389,59 @@ def claim_job(
     run_id = world.share(claim.run_id if claim is not None else None)
     return claim if claim is not None else RunClaim(run_id)
 
+# %% ../nbs/app/01_runtime.ipynb #4b2d5ae5
+def resumed_target(
+    config: SpeedtronicConfig,
+    state: Mapping[str, Any],  # the checkpoint the run resumes from
+    max_steps: int | None = None,  # the target the caller gives (`--max-steps`), which wins
+) -> int:
+    "The step a resumed run trains to: `max_steps` if given, else the config's or the checkpoint's recorded target, whichever is further."
+    configured, saved = run_target(config, max_steps), state.get("target")
+    if max_steps is not None or not isinstance(saved, int) or isinstance(saved, bool):
+        return configured
+    return max(configured, saved)
+
+
+def _keep_target(trainer: Trainer, state: Mapping[str, Any], max_steps: int | None) -> bool:
+    "Before `trainer.resume(state)`: give the trainer (and its schedule) the target `resumed_target` finds; whether it changed."
+    target = resumed_target(trainer.config, state, max_steps)
+    if target == trainer.max_steps:
+        return False
+    config = copy.copy(trainer.config)  # the caller's config stays as it was
+    config.run, config.data, config.scheduler = map(
+        copy.copy, (config.run, config.data, config.scheduler)
+    )
+    config.set_max_steps(target)  # the target and horizon the interrupted run had
+    trainer.config, trainer.max_steps = config, target
+    if trainer.scheduler is not None:
+        trainer.scheduler = build_scheduler(trainer.optimizer, config, max_steps=target)
+    return True
+
+
+def schedule_note(trainer: Trainer, state: Mapping[str, Any]) -> str | None:
+    "After `trainer.resume(state)`: one line when a new target moved the schedule, and so the learning rate at the resumed step, else `None`."
+    saved = state.get("scheduler") or {}
+    old, base = (saved.get("_last_lr") or [None])[0], (saved.get("base_lrs") or [None])[0]
+    saved_target = state.get("target")
+    if not isinstance(saved_target, int):  # written before checkpoints recorded it
+        saved_target = ((state.get("config") or {}).get("run") or {}).get("max_steps")
+    sched = trainer.scheduler
+    if sched is None or saved_target == trainer.max_steps or not isinstance(old, float):
+        return None
+    if not isinstance(base, float) or base <= 0 or not getattr(sched, "lr_lambdas", None):
+        return None
+    factor = float(sched.lr_lambdas[0](sched.last_epoch))  # the schedule's, not a new optimizer.lr
+    if abs(factor - old / base) <= 1e-9:
+        return None
+    new = float(trainer.optimizer.param_groups[0]["lr"])
+    horizon = resolve_schedule(trainer.config, max_steps=trainer.max_steps).max_steps
+    return (
+        f"resume: the target is step {trainer.max_steps}, not {saved_target} as when step "
+        f"{trainer.step} was saved, so the learning-rate schedule is stretched to end at step "
+        f"{horizon}: the rate goes from {old:.2e} to {new:.2e} at step {trainer.step + 1}, "
+        "and follows that schedule from there"
+    )
+
 # %% ../nbs/app/01_runtime.ipynb #721fb952
 def job_problems(config: SpeedtronicConfig, world: World) -> list[str]:
     "Why `config` cannot run as this torchrun job (the global batch, and what `parallel.strategy: fsdp` refuses); sets `world.parallel`."
@@ -588,6 +641,7 @@ def _build_components(
                     f"resume requested but no local checkpoint was found in {manager.directory}; starting fresh"
                 )
             else:
+                kept = _keep_target(trainer, state, max_steps)
                 world.on_every_rank(
                     lambda: trainer.resume(state, path=manager.loaded_path)
                 )  # one verdict for the job
@@ -596,7 +650,15 @@ def _build_components(
                 claim.run_id = manager.run_id = logger.run_id = world.share(claim.run_id)
                 logger.info(
                     f"resumed from {manager.loaded_path} at step {trainer.step} (run {claim.run_id})"
+                    + (
+                        f"; training on to step {trainer.max_steps}, the target the run was given "
+                        "(--max-steps N sets another)"
+                        if kept
+                        else ""
+                    )
                 )
+                if note := schedule_note(trainer, state):
+                    logger.warning(note)
     except BaseException:
         if logger is not None:
             close_logger(logger)

@@ -52,7 +52,7 @@ from .schedules import load_scheduler_state
 __all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
            'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
            'is_compile_failure', 'read_pending', 'scaler_step', 'whole', 'gradient_norm', 'update_is_finite',
-           'nonfinite_update', 'TrainerSettings', 'Trainer', 'signals_held']
+           'nonfinite_update', 'TrainerSettings', 'Trainer', 'nothing_to_train', 'signals_held']
 
 # %% ../nbs/train/06_trainer.ipynb #beb9dcd2
 class TrainingError(ExpectedError, RuntimeError):
@@ -501,6 +501,8 @@ class Trainer:
             None  # resumed state, applied by the next `fit`
         )
         self._coordinator_started, self._last_saved_step = False, -1
+        self._target = self.max_steps  # the absolute step the newest `fit` trains to
+        self._eval_owed: int | None = None  # a step whose due held-out eval has not run yet
         self._setup_gradient_checkpointing()
         self.synced_model = self.world.wrap(self.model)  # DDP in a torchrun job, else the model
         self.compiled_model = self._setup_compile()
@@ -590,6 +592,8 @@ def checkpoint_state(
         "step": self.step,
         "samples": self.samples,
         "tokens": self.tokens,
+        "target": max(self.step, self._target),  # where the run that saved was going
+        "eval_owed": self._eval_owed,  # this step's held-out eval, when the stop came before it
         "config": self.config.to_dict(redact_secrets=True) if self.config is not None else None,
         "rng": boundary["rng"],
         "data": boundary["data"],
@@ -755,6 +759,8 @@ def resume(
     self._deferred_scaler = state.get("scaler")
     self._deferred_coordinator = state.get("coordinator")
     self._last_saved_step = self.step
+    owed = state.get("eval_owed")
+    self._eval_owed = owed if isinstance(owed, int) and owed == self.step else None
     self._report_changed_settings(applied)
 
 # %% ../nbs/train/06_trainer.ipynb #8d435c8f
@@ -778,10 +784,21 @@ class _FitState:
     together: bool = False  # every rank leaves the loop at this same point (an agreed stop, an error raised by all), so all can join its save
     deferring: bool = False  # from an update until its step is counted and recorded: a Ctrl-C waits
     held: bool = False  # a Ctrl-C came while deferring; it is raised once the step is complete
+    stop_after_eval: bool = False  # a held Ctrl-C waits for this step's held-out eval too
     last_loss: float | None = None  # loss of the newest recorded step
     unwritten: dict | None = None  # the newest record, when the logging cadence skipped it
     evals: list = field(default_factory=list)  # this call's `eval` records
     t0: float = field(default_factory=time.perf_counter)  # when the loop started
+
+# %% ../nbs/train/06_trainer.ipynb #6c56d08e
+def nothing_to_train(step: int, target: int) -> str:
+    "The warning of a `fit` at `step` whose absolute `target` step is already reached, with how to train on."
+    more = target if target < step else step  # as many steps again as the target asked for
+    return (
+        f"nothing to train: the run is already at step {step} and its target is step {target} "
+        f"(an absolute step); to train on, pass a larger target: --max-steps {step + more} trains "
+        f"{more} more steps (max_steps={step + more} from Python)"
+    )
 
 # %% ../nbs/train/06_trainer.ipynb #719b47ec
 @patch
@@ -812,12 +829,9 @@ def _begin_fit(self: Trainer, limit: int) -> _FitState:
     "Check the target, prepare model, shapes, checkpoint directory, scaler and optimizer; the call's state."
     if limit <= 0:
         raise ValueError(f"max_steps must be positive, got {limit}")
-    target = max(self.step, limit)
-    if limit < self.step:
-        self.logger.warning(
-            f"max_steps={limit} is an absolute target step and the trainer is already at step "
-            f"{self.step}: nothing to train (for {limit} more steps pass max_steps={self.step + limit})"
-        )
+    target = self._target = max(self.step, limit)
+    if 0 < limit <= self.step:
+        self.logger.warning(nothing_to_train(self.step, limit))
     params = tuple(self.model.parameters())
     if not self.world.fsdp and any(
         t.device != self.device for t in (*params, *self.model.buffers())
@@ -984,6 +998,13 @@ def _ctrl_c_after_update(self: Trainer, run: _FitState) -> Iterator[None]:
 
 # %% ../nbs/train/06_trainer.ipynb #673ae880
 @patch
+def _eval_due(self: Trainer, run: _FitState) -> bool:
+    "Whether the step just completed gets a held-out eval: the cadence asks, or it is the target."
+    e = self.evaluator
+    return e is not None and (e.due(self.step) or self.step == run.target)
+
+
+@patch
 def _train_one_step(self: Trainer, run: _FitState) -> None:
     "Run microbatches until one update is applied, then advance step, schedule, coordinator and records."
     skipped = 0
@@ -1000,6 +1021,7 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
                 samples * self.world.size
             )  # every rank takes an equal share of each microbatch
             self.step += 1
+            self._eval_owed = self.step if self._eval_due(run) else None
             if self.scheduler is not None:
                 self.scheduler.step()
             run.updating = False
@@ -1030,7 +1052,10 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
         self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
     if run.held:
         run.held = False
-        raise KeyboardInterrupt  # the Ctrl-C that waited for this step
+        if self._eval_owed == self.step < run.target and self.world.size == 1:
+            run.stop_after_eval = True  # the step's held-out eval runs first, then the stop
+        else:
+            raise KeyboardInterrupt  # the Ctrl-C that waited for this step
 
 # %% ../nbs/train/06_trainer.ipynb #ac0aaca8
 @patch
@@ -1127,6 +1152,7 @@ def _evaluate(self: Trainer, run: _FitState) -> None:
         self.model
     ):  # texts the model writes now
         self.logger.emit("sample", {"step": self.step, **sample})
+    self._eval_owed = None
 
 # %% ../nbs/train/06_trainer.ipynb #49b4ceb7
 @patch
@@ -1194,6 +1220,8 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
     )
     if self._batches is None:
         self._batches = infinite_batches(self.dataloader)
+    if self._eval_owed == self.step and self.evaluator is not None:
+        self._evaluate(run)  # the eval an interrupted run left for this step, before any new step
     if run.keep_boundary:
         run.boundary = self._boundary_state()
     while self.step < run.target:
@@ -1206,9 +1234,11 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
             self._flush(run)
         if self.evaluator is not None and self.evaluator.due(self.step) and self.step < run.target:
             self._evaluate(run)
+        if run.stop_after_eval:
+            raise KeyboardInterrupt  # the Ctrl-C that waited for this step and its eval
         if run.keep_boundary:
             run.boundary = self._boundary_state()
-        if due:
+        if due and self.step < run.target:  # the target's checkpoint comes after its eval, below
             self.save_checkpoint(run.boundary)
         if stop:
             run.together = True

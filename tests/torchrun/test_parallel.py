@@ -588,6 +588,34 @@ def test_global_batch_that_does_not_divide(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr() == ("", "")  # rank 0 speaks for the job
 
 
+def summary_of(err: str) -> str:
+    "torchrun's failure summary: from its `... FAILED` title to the end of stderr."
+    start = err.find(" FAILED\n")
+    assert start >= 0, err[-4000:]
+    return err[start:]
+
+
+def test_a_batch_that_does_not_divide_under_torchrun_says_so_once_per_rank(tmp_path):
+    "Real torchrun, 2 ranks: each rank says the error in one line at most, exits 2, and torchrun's summary holds no traceback of ours."
+    cfg = write_config(
+        tmp_path, "odd", micro=3, data={"synthetic": True, "num_tokens": 40, "target_batch_size": 9}
+    )
+    job = torchrun(cfg)
+    _, err = communicate_or_dump(job, 120)
+    assert job.returncode != 0 and set(exit_codes(err).values()) == {"2"}, err[-4000:]
+    lines = job_errors(err)  # the check comes before the ranks meet: each rank finds it alone
+    ranks = [re.match(r"speedtronic: error: \[rank (\d) of 2\] ", l) for l in lines]
+    assert all(ranks) and len({m[1] for m in ranks}) == len(lines) >= 1, lines
+    assert all("data.target_batch_size (9) is the global batch" in l for l in lines), lines
+    summary = summary_of(err)
+    assert summary.count("data.target_batch_size (9) is the global batch") == len(
+        exit_codes(err)
+    ), summary  # each failed rank's entry: its message, once
+    ours = str(ROOT / "speedtronic")
+    assert ours not in err and "ConfigError" not in err, summary  # no frame or type name of ours
+    assert not (tmp_path / "odd").exists()
+
+
 DRIVER = """
 import os, sys, torch, yaml
 from speedtronic.runtime import build_runtime, close_logger

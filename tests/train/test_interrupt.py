@@ -72,12 +72,15 @@ STARTED: list[subprocess.Popen] = []  # every child of the current test, ended b
 class Child:
     "A training process whose output lines are collected as they come; each new line (and each stream's end) is signalled."
 
-    def __init__(self, args: list[str], cwd: Path, stop_signal: str = "SIGINT"):
+    def __init__(
+        self, args: list[str], cwd: Path, stop_signal: str = "SIGINT", env: dict | None = None
+    ):
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)]),
             "OMP_NUM_THREADS": "1",
             "STOP_SIGNAL": stop_signal,
+            **(env or {}),
         }
         self.proc = subprocess.Popen(
             args,
@@ -293,3 +296,110 @@ def test_cli_sigterm_saves_and_exits_143(work):
     assert (
         CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 5
     )  # the step in flight completes
+
+
+# ---------------------------------------------------------------- a Ctrl-C in a step that owes a held-out eval
+
+EVALUATING = "stops_in_eval: evaluating"
+
+EVAL_MODEL = (
+    """
+import os, signal, sys
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from speedtronic.model import ReferenceTransformer
+from speedtronic.registry import register_model
+
+class StopsInEval(ReferenceTransformer):
+    "The reference model, pressed Ctrl-C on by its optimizer (UPDATE_PRESS) or the test (HOLD_EVAL) at step 4."
+    held = False
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled() and os.environ.get("HOLD_EVAL") and not StopsInEval.held:
+            StopsInEval.held = True                              # the first held-out batch of step 4
+            print("%s", file=sys.stderr, flush=True)
+            sys.stdin.readline()                                 # the test presses Ctrl-C now
+        return super().forward(*args, **kwargs)
+
+updates = 0
+def press_in_update(optimizer, args, kwargs):
+    "Ctrl-C inside the optimizer update of step 4, where the trainer holds it until the step is complete."
+    global updates
+    updates += 1
+    if updates == 4 and os.environ.get("UPDATE_PRESS"):
+        os.kill(os.getpid(), signal.SIGINT)
+
+register_optimizer_step_pre_hook(press_in_update)
+register_model("stops_in_eval", StopsInEval)
+"""
+    % EVALUATING
+)
+
+EVAL_CONFIG = """
+run: {max_steps: 8, output_dir: out, seed: 0}
+model: {name: stops_in_eval, imports: [stops_in_eval_model], vocab_size: 256, max_seq_len: 16, n_layer: 1, n_head: 2, d_model: 16}
+data: {text_path: text.txt, block_size: 16, micro_batch_size: 2, target_batch_size: 2}
+eval: {holdout_fraction: 0.25, every_steps: 4, max_batches: 2, sample_prompts: ["the "], sample_tokens: 4}
+checkpoint: {every_steps: 100, keep_last: null}
+logging: {json_file: out/metrics.jsonl, progress: false, level: WARNING}
+"""
+
+TRAIN = [sys.executable, "-m", "speedtronic", "train", "--config", "run.yaml", "--device", "cpu"]
+
+
+@pytest.fixture
+def eval_work(tmp_path):
+    (tmp_path / "stops_in_eval_model.py").write_text(EVAL_MODEL)
+    (tmp_path / "run.yaml").write_text(EVAL_CONFIG)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran"]
+    (tmp_path / "text.txt").write_text(" ".join(words[(i * 7) % 9] for i in range(3000)))
+    yield tmp_path
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(60)
+
+
+def _events(work: Path, event: str) -> list[dict]:
+    lines = (work / "out" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def _saved(work: Path) -> dict:
+    from speedtronic.checkpoint import CheckpointManager
+
+    return CheckpointManager(work / "out" / "checkpoints").load_latest()
+
+
+def test_ctrl_c_in_the_update_of_an_eval_step_runs_its_eval_first(eval_work):
+    "A Ctrl-C held through step 4's update: step 4's eval and sample run, then the run stops at step 4."
+    child = Child(TRAIN, eval_work, env={"UPDATE_PRESS": "1"})
+    assert child.finish() == 130, "".join(child.err)[-3000:]
+    assert [r["step"] for r in _events(eval_work, "eval")] == [4], "".join(child.err)[-3000:]
+    assert [r["step"] for r in _events(eval_work, "sample")] == [4]
+    state = _saved(eval_work)
+    assert state["step"] == 4 and state["eval_owed"] is None and state["target"] == 8
+
+
+@pytest.mark.parametrize("first", ["in the update", "in the eval"])
+def test_ctrl_c_during_an_eval_leaves_it_owed_and_resume_runs_it_first(eval_work, first):
+    "Ctrl-C while step 4's eval runs (the first press, or a second after one held in the update) stops at once."
+    extra = {"HOLD_EVAL": "1", **({"UPDATE_PRESS": "1"} if first == "in the update" else {})}
+    child = Child(TRAIN, eval_work, env=extra)
+    child.wait_for(lambda: f"{EVALUATING}\n" in child.err, "the eval of step 4")
+    child.ctrl_c()  # stops now: the eval it cuts short is owed
+    assert child.finish() == 130, "".join(child.err)[-3000:]
+    assert "Traceback" not in "".join(child.err)
+    assert _events(eval_work, "eval") == [] and _events(eval_work, "sample") == []
+    state = _saved(eval_work)
+    assert state["step"] == 4 and state["eval_owed"] == 4, (state["step"], state["eval_owed"])
+
+    resumed = Child([*TRAIN, "--resume"], eval_work)
+    assert resumed.finish() == 0, "".join(resumed.err)[-3000:]
+    lines = (eval_work / "out" / "metrics.jsonl").read_text().splitlines()
+    order = [(r["event"], r.get("step")) for r in map(json.loads, lines)]
+    order = [e for e in order if e[0] in ("eval", "sample", "train_step") and e[1] >= 4]
+    assert order[:3] == [("train_step", 4), ("eval", 4), ("sample", 4)], order
+    assert order[3] == ("train_step", 5) and order[-2:] == [("eval", 8), ("sample", 8)], order
+    assert [r["step"] for r in _events(eval_work, "eval")] == [4, 8]
+    assert _saved(eval_work)["eval_owed"] is None

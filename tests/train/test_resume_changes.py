@@ -293,3 +293,152 @@ def test_a_resumed_runs_history_holds_only_its_own_records(first_run):
     assert [
         (m["step"], m["loss"]) for m in result.metrics[:2]
     ] == a_steps  # A's own steps 1-2, not B's
+
+
+# ---------------------------------------------------------------- a resume keeps the target it was given
+
+PRESS = """
+import os, signal
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+updates = 0
+def press(optimizer, args, kwargs):
+    "Ctrl-C inside this process's update number $PRESS_AT_UPDATE (held by the trainer until the step is complete)."
+    global updates
+    updates += 1
+    if str(updates) == os.environ.get("PRESS_AT_UPDATE"):
+        os.kill(os.getpid(), signal.SIGINT)
+
+register_optimizer_step_pre_hook(press)
+"""
+
+
+def run_in(tmp: Path, *args: str, press_at: int | None = None) -> subprocess.CompletedProcess:
+    "`speedtronic train --config cfg.yaml --device cpu ARGS` in `tmp`, as a user types it there."
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)]),
+        "OMP_NUM_THREADS": "1",
+    }
+    if press_at is not None:
+        env["PRESS_AT_UPDATE"] = str(press_at)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "speedtronic",
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--device",
+            "cpu",
+            *args,
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def cosine_run(tmp_path):
+    "A finished 4-step run with a cosine schedule (warmup 1, horizon = target) and a Ctrl-C hook."
+    corpus(tmp_path / "a.txt")
+    (tmp_path / "press_hook.py").write_text(PRESS)
+    write(
+        tmp_path,
+        model={"imports": ["press_hook"]},
+        run={"max_steps": 4},
+        scheduler={"name": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1},
+        eval={"holdout_fraction": 0.1, "max_batches": 2},  # a held-out loss at the end of each run
+    )
+    ok(run_in(tmp_path))
+    return tmp_path
+
+
+def test_a_plain_resume_trains_on_to_the_target_it_was_given(cosine_run):
+    "--resume --max-steps 10 stopped at 6, then a plain --resume: on to 10 on the 10-step schedule."
+    from speedtronic.schedules import lr_multiplier
+
+    tmp = cosine_run
+    stopped = run_in(tmp, "--resume", "--max-steps", "10", press_at=2)  # Ctrl-C in step 6
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    said = stopped.stderr.strip().splitlines()
+    assert said[-1] == "speedtronic: error: interrupted" and "Traceback" not in stopped.stderr
+    assert said[-2] == (
+        "speedtronic: to continue: speedtronic train --config cfg.yaml --device cpu "
+        "--max-steps 10 --resume"
+    ), said[-3:]
+    assert said[-3].startswith("speedtronic: Training stopped after step 6 of 10"), said[-3:]
+    stretched = [l for l in stopped.stdout.splitlines() + said if "is stretched" in l]
+    record = {r["step"]: r["lr"] for r in steps(tmp / "metrics.jsonl")}
+    assert len(stretched) == 1 and f"to {record[5]:.2e} at step 5" in stretched[0], stretched
+    assert "schedule is stretched to end at step 10" in stretched[0], stretched
+
+    resumed = ok(run_in(tmp, "--resume"))
+    assert "nothing to train" not in resumed.stdout + resumed.stderr, resumed.stderr[-2000:]
+    assert resumed.stdout.strip().splitlines()[-1].startswith("completed steps=10 ")
+    assert "training on to step 10, the target the run was given" in resumed.stdout
+    lrs = {r["step"]: r["lr"] for r in steps(tmp / "metrics.jsonl")}
+    assert sorted(lrs) == list(range(1, 11)), sorted(lrs)
+    for step in range(5, 11):  # one 10-step cosine from step 5 on, across the stop
+        want = 1e-3 * lr_multiplier(step - 1, warmup_steps=1, max_steps=10, min_lr_ratio=0.1)
+        assert abs(lrs[step] - want) < 1e-12, (step, lrs[step], want)
+
+
+def in_a_terminal(tmp: Path, *args: str) -> str:
+    "What a terminal shows of `speedtronic train --config cfg.yaml --device cpu ARGS` run in `tmp`."
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "speedtronic",
+            "train",
+            "--config",
+            "cfg.yaml",
+            "--device",
+            "cpu",
+            *args,
+        ],
+        cwd=tmp,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)])},
+        close_fds=True,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, b"".join(chunks)[-2000:]
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_nothing_to_train_names_the_flag(cosine_run):
+    "A plain --resume of a finished run: the warning names --max-steps N; no YAML key, no old held-out loss."
+    proc = ok(run_in(cosine_run, "--resume"))
+    said = proc.stdout + proc.stderr
+    assert "nothing to train: the run is already at step 4 and its target is step 4" in said, said
+    assert "--max-steps 8 trains 4 more steps" in said and "max_steps: " not in said, said
+    assert (
+        proc.stdout.strip().splitlines()[-1] == "completed steps=4 samples=8 tokens=128 loss=None"
+    )
+    shown = in_a_terminal(
+        cosine_run, "--resume"
+    )  # a person: no loss and no held-out loss of step 4
+    assert "--max-steps 8 trains 4 more steps" in shown, shown
+    assert "nothing trained: the run is at step 4, its target" in shown, shown
+    assert "held-out loss" not in shown and "loss=None" not in shown, shown
