@@ -104,7 +104,7 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def run_curve(
-    records: Iterable[Mapping[str, Any]],  # a metrics file's records, in the order they were written
+    records: Iterable[Mapping[str, Any]],  # a metrics file's records, in the order written
     run_id: str | None = None,  # the run to draw (None: the newest run in `records`)
 ) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     "(step, training loss) and (step, held-out loss) of one run, its resumes continuing the curve."
