@@ -39,7 +39,7 @@ def plot_loss(
     *,
     title: str = LOSS_TITLE,
 ) -> None:
-    "Draw the training loss as a line and the evaluation loss as dots against the step, under `title`."
+    "The training loss as a line and the evaluation loss as dots against the step, under `title`."
     from matplotlib.ticker import MaxNLocator
 
     ax.clear()
@@ -90,7 +90,7 @@ def loss_figure(
 
 # %% ../nbs/observe/05_plotting.ipynb #ea4bf312
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    "The records of a JSONL metrics file, in order; a line a kill cut short, or one that is not a record, is skipped."
+    "The records of a JSONL metrics file, in order; a line cut short by a kill is skipped."
     out = []
     with open(path, encoding="utf-8", errors="replace") as lines:
         for line in lines:

@@ -692,7 +692,7 @@ def reload(self: DeltaNormView) -> None:
 
 # %% ../nbs/observe/06_widgets.ipynb #0f4dfa46
 def per_outer_step(records: Iterable[Any]) -> list[Any]:
-    "The `NormRecord`s with one per kind, node, outer step and layer: norms of one step summed in quadrature."
+    "One `NormRecord` per kind, node, outer step and layer: norms of one step summed in quadrature."
     from speedtronic.distributed.norms import NormRecord
 
     merged: dict[tuple, NormRecord] = {}
@@ -711,7 +711,8 @@ def per_outer_step(records: Iterable[Any]) -> list[Any]:
 # %% ../nbs/observe/06_widgets.ipynb #3be71700
 @patch
 def plot(self: DeltaNormView, values: dict[str, Any]) -> None:
-    "The chapter's `plot_delta_norms` on this view's figure: the chosen node, layer and outer steps, one point per node and step."
+    """The chapter's `plot_delta_norms` on this view's figure: the chosen node, layer and outer steps,
+    one point per node and step."""
     from speedtronic.distributed.norms import plot_delta_norms
 
     if self.load_error is not None:

@@ -352,9 +352,9 @@ def navigation(pages: dict[str, tuple[str, str]]) -> list:
 
 
 STYLESHEET = """\
-/* Written by tools/build_docs.py. A command in the prose (a markdown cell's code block) wraps at the
-   page's edge instead of hiding its end behind a horizontal scroll bar: the first command a reader
-   copies is seen whole at any width. Code cells keep their lines. */
+/* Written by tools/build_docs.py. A command in the prose (a markdown cell's code block) wraps at
+   the page's edge instead of hiding its end behind a horizontal scroll bar: the first command a
+   reader copies is seen whole at any width. Code cells keep their lines. */
 .jupyter-wrapper .jp-RenderedMarkdown .highlight pre,
 .jupyter-wrapper .jp-RenderedMarkdown .highlight pre code {
   white-space: pre-wrap;
@@ -437,7 +437,8 @@ def public_names() -> dict[str, list[str]]:
 
 
 def summary(module: str, name: str) -> str:
-    "What `name` (`Class.method` too) of `module` is, in one line: its docstring's first line; for a constant, the comment on its line, else its value."
+    """What `name` (`Class.method` too) of `module` is, in one line: its docstring's first line; for
+    a constant, the comment on its line, else its value."""
     import importlib, inspect
 
     obj, owner = importlib.import_module(module), None
@@ -463,7 +464,8 @@ def summary(module: str, name: str) -> str:
 
 
 def api_modules(pages: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
-    "The public modules, each with its page's (title, file): a module the user guide or the reference documents; the internals' are left out."
+    """The public modules, each with its page's (title, file): the modules the user guide and the
+    reference document; the internals' are left out."""
     import nbformat
 
     public = {
@@ -496,17 +498,18 @@ def _cell(text: str) -> str:
 
 
 def write_api_index(pages: dict[str, tuple[str, str]]) -> str:
-    """Write `api.md`: each public module's public names (its `__all__` and its classes' public methods), each
-    linked to the page (and heading) that documents it, with the first line of its docstring; returns its file name.
-    The internals' modules are not the public API: their pages document them, the index does not list them."""
+    """Write `api.md`: each public module's public names (its `__all__` and its classes' public
+    methods), each linked to the page (and heading) that documents it, with the first line of its
+    docstring; returns its file name. The internals' modules are not the public API: their pages
+    document them, the index does not list them."""
     by_module = api_modules(pages)
     ids = {name: _headings(SITE_SRC / name) for _, name in pages.values()}
     lines = [
         "# API index",
         "",
-        "> Every public name of the package by module, what it is in one line, linked to where it is"
-        " documented. The internals (file writing, wire formats, path rules) are documented on their"
-        " own pages.",
+        "> Every public name of the package by module, what it is in one line, linked to where"
+        " it is documented. The internals (file writing, wire formats, path rules) are"
+        " documented on their own pages.",
         "",
     ]
     html = lambda n: n.removesuffix(".ipynb") + ".html"
@@ -546,13 +549,14 @@ def heading_text(inner_html: str) -> str:
 
 
 def unique_heading_ids(page_html: str) -> tuple[str, list[dict]]:
-    """Each heading of `page_html` with an id of its own, and the table of contents that links to them.
+    """Each heading of `page_html` with an id of its own, and the table of contents linking to them.
 
-    The page's headings are rendered by nbconvert and its table of contents by Python-Markdown, which
-    name a heading that holds code differently (`run-what-...` against `what-...`, `_1` for a heading of
-    code alone), and nbconvert gives two headings of one name one id. Here the rendered headings are the
-    one source: a repeated id gets `_1`, `_2`, ... (as Python-Markdown numbers them), the heading's `¶`
-    link follows it, and each table-of-contents entry is the heading's id and its whole text."""
+    The page's headings are rendered by nbconvert and its table of contents by Python-Markdown,
+    which name a heading that holds code differently (`run-what-...` against `what-...`, `_1` for a
+    heading of code alone), and nbconvert gives two headings of one name one id. Here the rendered
+    headings are the one source: a repeated id gets `_1`, `_2`, ... (as Python-Markdown numbers
+    them), the heading's `¶` link follows it, and each table-of-contents entry is the heading's id
+    and its whole text."""
     seen: dict[str, int] = {}
     flat: list[dict] = []
 
@@ -582,7 +586,8 @@ def unique_heading_ids(page_html: str) -> tuple[str, list[dict]]:
 
 
 def on_page_content(html: str, page, config, files) -> str:
-    "MkDocs hook (this file is named in `hooks`): the page's heading ids made unique and its table of contents built from them."
+    """MkDocs hook (this file is named in `hooks`): the page's heading ids made unique and its
+    table of contents built from them."""
     from mkdocs.structure.toc import get_toc
 
     body, tokens = unique_heading_ids(html)

@@ -1,10 +1,11 @@
-"""Every config shipped in configs/ validates, and runs as shipped or says in its first comment what it needs.
+"""Every config shipped in configs/ validates, and runs as shipped or says on its first line what it
+needs.
 
 A config that runs as shipped is started from an empty folder, as a newcomer would start it: it must
 finish, or train at least one step (it is then stopped with Ctrl-C, which keeps the step in a
-checkpoint). A config that needs something it cannot ship (your own text, a GPU) says so on its first
-line, `# Needs: ...`; as shipped it is refused with one error line naming what is missing, and that
-is named on the first line too.
+checkpoint). A config that needs something it cannot ship (your own text, a GPU) says so on its
+first line, `# Needs: ...`; as shipped it is refused with one error line naming what is missing,
+and that is named on the first line too.
 """
 
 import re, signal, subprocess, sys, time
@@ -20,7 +21,7 @@ STEP_DONE = re.compile(r"\bstep[ =]+[1-9]")  # a line about a finished step, in 
 
 
 def needs(path: Path) -> str | None:
-    "What the config says it needs on its first comment line (`# Needs: ...`), or None: it runs as shipped."
+    "What the config says it needs on its first line (`# Needs: ...`); None: it runs as shipped."
     first = next((l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()), "")
     m = re.match(r"#\s*Needs:\s*(.+)", first)
     return m.group(1) if m else None
@@ -44,7 +45,7 @@ def test_every_shipped_config_validates(path, tmp_path):
 
 
 def start(path: Path, cwd: Path, timeout: float = 600) -> tuple[int, str, list[int]]:
-    """Train `path` as shipped from `cwd` (its output under `cwd/out`) until it ends or has finished a
+    """Train `path` as shipped from `cwd` (output under `cwd/out`) until it ends or has finished a
     step, then press Ctrl-C; (exit status, output, the steps of its checkpoints)."""
     out_file = cwd / "output.txt"
     with open(out_file, "w") as sink:
@@ -69,7 +70,8 @@ def start(path: Path, cwd: Path, timeout: float = 600) -> tuple[int, str, list[i
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_runs_or_says_what_it_needs(path, tmp_path):
-    "Started from an empty folder, a config trains a step; or its first line names what it needs and the refusal names it too."
+    """Started from an empty folder, a config trains a step; or its first line names what it needs
+    and the refusal names it too."""
     said = needs(path)
     if said is None:
         code, output, steps = start(path, tmp_path)

@@ -1,8 +1,10 @@
-"""The tutorial works for whatever its reader does with ■: pressed before the first step, early, late, or never.
+"""The tutorial works for whatever its reader does with ■: pressed before the first step, early,
+late, or never.
 
-The shipped notebook is run top to bottom in a real kernel (nbclient), its own hidden checks included; only the step at
-which its hidden helper presses ■ is changed (the line `press_at = 60`). What a reader sees of the training is the one
-call, `train_from_config(config)`: the helper is a hidden cell.
+The shipped notebook is run top to bottom in a real kernel (nbclient), its own hidden checks
+included; only the step at which its hidden helper presses ■ is changed (the line
+`press_at = 60`). What a reader sees of the training is the one call,
+`train_from_config(config)`: the helper is a hidden cell.
 """
 
 import os
@@ -28,9 +30,10 @@ def test_the_tutorial_runs_whenever_stop_is_pressed(tmp_path, step):
     assert len(cells) == 1, "the tutorial's hidden helper changed: update PRESS"
     cells[0].source = cells[0].source.replace(PRESS, f"press_at = {step}")
     cells = [c for c in nb.cells if c.source == TRAIN]
-    # torch imports torch._dynamo (and sympy) the first time it builds an optimizer; a KeyboardInterrupt inside that import
-    # leaves sympy half-initialised for the rest of the kernel, whatever the tutorial does. Imported first, as any earlier
-    # run in a reader's kernel would have, so ■ during setup tests the tutorial, not that import.
+    # torch imports torch._dynamo (and sympy) the first time it builds an optimizer; a
+    # KeyboardInterrupt inside that import leaves sympy half-initialised for the rest of the
+    # kernel, whatever the tutorial does. Imported first, as any earlier run in a reader's kernel
+    # would have, so ■ during setup tests the tutorial, not that import.
     nb.cells.insert(0, nbformat.v4.new_code_cell("import torch._dynamo"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     client = NotebookClient(
@@ -57,7 +60,8 @@ def _shown(cell) -> bool:
 
 
 def test_the_training_cell_a_reader_sees_is_the_call():
-    "The first training cell is `train_from_config(config)` alone; the ■-press helper and its signals are hidden cells."
+    """The first training cell is `train_from_config(config)` alone; the ■-press helper and its
+    signals are hidden cells."""
     nb = nbformat.read(ROOT / "nbs" / "guide" / "01_tutorial.ipynb", as_version=4)
     shown = [c for c in nb.cells if c.cell_type == "code" and _shown(c)]
     training = [c.source for c in shown if "train_from_config(" in c.source]

@@ -534,7 +534,8 @@ def _words(fragment: str) -> str:
 
 
 def contents_problems(page: Path) -> list[str]:
-    "Where the table of contents of `page` and its headings disagree: a link to no heading, a blank or wrong entry, an id twice, a heading left out."
+    """Where the table of contents of `page` and its headings disagree: a link to no heading, a
+    blank or wrong entry, an id used twice, a heading left out."""
     html = page.read_text(encoding="utf-8")
     article = html[html.find("<article") : html.find("</article>")]
     headings = [(int(m[0]), m[1], _words(m[2])) for m in _HEADING.findall(article)]
@@ -558,17 +559,20 @@ def contents_problems(page: Path) -> list[str]:
 
 
 def test_headings_and_contents_agree_on_every_page(site):
-    "Every page's table of contents links to its headings by their ids, with their words (code too), and no id is used twice."
+    """Every page's table of contents links to its headings by their ids, with their words (code
+    too), and no id is used twice."""
     found = {p.relative_to(site).as_posix(): contents_problems(p) for p in pages(site)}
     assert {k: v[:5] for k, v in found.items() if v} == {}
     assert len(_TOC_LINK.findall((site / "core/config.html").read_text(encoding="utf-8"))) > 20
 
 
 def test_the_site_makes_headings_and_contents_agree():
-    "The build's own step: a heading of code keeps its words in the contents, a repeated heading gets an id of its own."
+    """The build's own step: a heading of code keeps its words in the contents, a repeated heading
+    gets an id of its own."""
     page = (
         '<h1 id="t">T<a class="anchor-link" href="#t">¶</a></h1>'
-        '<h2 id="run-what"><code>run</code> — what<a class="anchor-link" href="#run-what">¶</a></h2>'
+        '<h2 id="run-what"><code>run</code> — what'
+        '<a class="anchor-link" href="#run-what">¶</a></h2>'
         '<h3 id="main">main</h3><h3 id="main">main</h3><h2 id="main_1">main_1</h2>'
     )
     body, tokens = build_docs.unique_heading_ids(page)
@@ -596,7 +600,8 @@ def _api_rows(site: Path) -> dict[str, tuple[str, str]]:
 
 
 def test_api_index_says_what_each_name_is_and_lists_only_the_public_api(site):
-    "Each row has the first line of the name's docstring; the internals' modules (wire format, files) are not listed."
+    """Each row has the first line of the name's docstring; the internals' modules (wire format,
+    files) are not listed."""
     import inspect
 
     from speedtronic.config import SpeedtronicConfig
@@ -621,7 +626,8 @@ def test_api_index_says_what_each_name_is_and_lists_only_the_public_api(site):
 
 
 def test_first_command_fits_the_page(browser, site):
-    "The index page's first command is seen whole, with no horizontal scroll, at 800 and 1280 pixels wide."
+    """The index page's first command is seen whole, with no horizontal scroll, at 800 and 1280
+    pixels wide."""
     for width in (800, 1280):
         page = browser.new_page(viewport={"width": width, "height": 900})
         page.goto((site / "index.html").as_uri())

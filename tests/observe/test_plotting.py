@@ -1,4 +1,4 @@
-"""The loss chart of a real run that was resumed, drawn from its metrics file (speedtronic.plotting, Agg).
+"""The loss chart of a real resumed run, drawn from its metrics file (speedtronic.plotting, Agg).
 
 `speedtronic train` writes the file: six steps, then `--resume` to ten, then the same folder started
 over with `--overwrite`. The chart is one titled curve of one run: the resumed run's ten steps once,
