@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import io
+import json
+import os
 from typing import Any, Iterable, Mapping, Sequence
 
 from .optional import optional_import
 
 # %% auto #0
-__all__ = ['loss_points', 'plot_loss', 'loss_figure', 'figure_png']
+__all__ = ['WAITING', 'LOSS_TITLE', 'loss_points', 'plot_loss', 'loss_figure', 'read_records', 'run_curve', 'metrics_figure',
+           'figure_png']
 
 # %% ../nbs/observe/05_plotting.ipynb #ca716c29
 def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
@@ -25,17 +28,37 @@ def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]
     ]
 
 # %% ../nbs/observe/05_plotting.ipynb #fbf63680
+WAITING = "waiting for the first step"  # what a chart says before it has a loss to draw
+LOSS_TITLE = "training loss"  # the title of a loss chart when none is given
+
+
 def plot_loss(
     ax: Any,  # matplotlib axes to draw on (cleared first)
     train: Sequence[tuple[int, float]],  # (step, training loss)
     evals: Sequence[tuple[int, float]] = (),  # (step, evaluation loss), drawn as dots
+    *,
+    title: str = LOSS_TITLE,
 ) -> None:
-    "Draw the training loss as a line and the evaluation loss as dots against the step."
+    "The training loss as a line and the evaluation loss as dots against the step, under `title`."
     from matplotlib.ticker import MaxNLocator
 
     ax.clear()
+    ax.set_title(title)
+    if not train and not evals:
+        ax.set_axis_off()  # no frame and no ticks: nothing to read yet
+        ax.text(0.5, 0.5, WAITING, ha="center", va="center", color="0.4", transform=ax.transAxes)
+        return
+    ax.set_axis_on()
     if train:
-        ax.plot([s for s, _ in train], [v for _, v in train], lw=1.2, color="C0", label="train")
+        ax.plot(
+            [s for s, _ in train],
+            [v for _, v in train],
+            lw=1.2,
+            color="C0",
+            label="train",
+            marker="o" if len(train) == 1 else None,
+            ms=3,
+        )
     if evals:
         ax.plot(
             [s for s, _ in evals], [v for _, v in evals], "o-", ms=3, lw=1, color="C1", label="eval"
@@ -44,6 +67,8 @@ def plot_loss(
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    if len(steps := {s for s, _ in (*train, *evals)}) == 1:  # one step: a whole step either side
+        ax.set_xlim(min(steps) - 1, min(steps) + 1)
     if evals:
         ax.legend(loc="upper right", fontsize="small")
 
@@ -53,18 +78,68 @@ def loss_figure(
     evals: Sequence[tuple[int, float]] = (),
     *,
     size: tuple[float, float] = (6.0, 3.5),  # inches; 100 pixels each at dpi 100
-    title: str | None = "training loss",
+    title: str | None = None,  # the chart's title (None: `LOSS_TITLE`)
 ) -> Any:
     "A matplotlib `Figure` of the loss curve with its own Agg canvas (pyplot is never used)."
     figure = optional_import("matplotlib.figure", extra="plot", purpose="the loss plot")
     agg = optional_import("matplotlib.backends.backend_agg", extra="plot", purpose="the loss plot")
     fig = figure.Figure(figsize=size, layout="constrained")
     agg.FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    plot_loss(ax, train, evals)
-    if title:
-        ax.set_title(title)
+    plot_loss(fig.add_subplot(), train, evals, title=title or LOSS_TITLE)
     return fig
+
+# %% ../nbs/observe/05_plotting.ipynb #ea4bf312
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    "The records of a JSONL metrics file, in order; a line cut short by a kill is skipped."
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+    return out
+
+
+def run_curve(
+    records: Iterable[Mapping[str, Any]],  # a metrics file's records, in the order written
+    run_id: str | None = None,  # the run to draw (None: the newest run in `records`)
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    "(step, training loss) and (step, held-out loss) of one run, its resumes continuing the curve."
+    records = list(records)
+    if run_id is None:
+        run_id = next(
+            (r["run_id"] for r in reversed(records) if isinstance(r.get("run_id"), str)), None
+        )
+    train: list[tuple[int, float]] = []
+    evals: list[tuple[int, float]] = []
+    for r in records:
+        if r.get("run_id", run_id) != run_id:
+            continue  # another run's record
+        event = r.get("event")
+        if event == "train_start" and isinstance(r.get("start_step"), int):
+            start = r["start_step"]  # this invocation retrains whatever followed `start`
+            train = [p for p in train if p[0] <= start]
+            evals = [p for p in evals if p[0] <= start]
+        elif event == "train_step":
+            train += loss_points([r])
+        elif event == "eval":
+            evals += loss_points([{"step": r.get("step"), "loss": r.get("val_loss")}])
+    return train, evals
+
+
+def metrics_figure(
+    path: str | os.PathLike,  # a run's metrics file (`logging.json_file`)
+    run_id: str | None = None,  # the run to draw (None: the newest in the file)
+    *,
+    size: tuple[float, float] = (6.0, 3.5),  # inches
+    title: str | None = None,  # the chart's title (None: `LOSS_TITLE`)
+) -> Any:
+    "The loss chart of one run of a metrics file: one curve across its resumes (see `run_curve`)."
+    train, evals = run_curve(read_records(path), run_id)
+    return loss_figure(train, evals, size=size, title=title)
 
 # %% ../nbs/observe/05_plotting.ipynb #30efa2c1
 def figure_png(

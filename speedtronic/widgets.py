@@ -10,7 +10,7 @@ import functools
 import html
 import re
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from fastcore.basics import patch
 
@@ -22,7 +22,7 @@ from .schedules import SCHEDULE_NAMES, plot_schedule, resolve_schedule, schedule
 # %% auto #0
 __all__ = ['PIXEL_RATIO', 'DTYPE_CHOICES', 'error_html', 'View', 'FigureView', 'lr_notches', 'ScheduleExplorer',
            'schedule_explorer', 'PrecisionExplorer', 'precision_explorer', 'TrainingView', 'SampleBox', 'sample_box',
-           'DeltaNormView', 'delta_norm_view']
+           'DeltaNormView', 'per_outer_step', 'delta_norm_view']
 
 # %% ../nbs/observe/06_widgets.ipynb #6ec08084
 def _ipywidgets():
@@ -690,10 +690,29 @@ def reload(self: DeltaNormView) -> None:
         self._loading = False
     self.update()
 
+# %% ../nbs/observe/06_widgets.ipynb #0f4dfa46
+def per_outer_step(records: Iterable[Any]) -> list[Any]:
+    "One `NormRecord` per kind, node, outer step and layer: norms of one step summed in quadrature."
+    from speedtronic.distributed.norms import NormRecord
+
+    merged: dict[tuple, NormRecord] = {}
+    for r in records:
+        key = (r.kind, r.node_id, r.outer_step, r.layer)
+        if key in merged:
+            was = merged[key]
+            step = max((s for s in (was.step, r.step) if s is not None), default=None)
+            merged[key] = NormRecord(
+                r.kind, r.outer_step, r.node_id, step, r.layer, (was.norm**2 + r.norm**2) ** 0.5
+            )
+        else:
+            merged[key] = r
+    return list(merged.values())
+
 # %% ../nbs/observe/06_widgets.ipynb #3be71700
 @patch
 def plot(self: DeltaNormView, values: dict[str, Any]) -> None:
-    "The chapter's `plot_delta_norms` on this view's figure, for the chosen node, layer and outer steps."
+    """The chapter's `plot_delta_norms` on this view's figure: the chosen node, layer and outer steps,
+    one point per node and step."""
     from speedtronic.distributed.norms import plot_delta_norms
 
     if self.load_error is not None:
@@ -704,7 +723,7 @@ def plot(self: DeltaNormView, values: dict[str, Any]) -> None:
             "(logging.json_file) each time it folds deltas into the global model"
         )
     lo, hi = values["rounds"]
-    shown = [r for r in self.records if lo <= r.outer_step <= hi]
+    shown = per_outer_step(r for r in self.records if lo <= r.outer_step <= hi)
     plot_delta_norms(
         shown, node=values["node"] or None, layer=values["layer"], outer_step=hi, figure=self.figure
     )

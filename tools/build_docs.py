@@ -29,6 +29,7 @@ settings.ini has `custom_sidebar = True` so nbdev leaves it alone) is written fr
 so where Quarto exists `nbdev_docs` renders the same user guide, reference and internals.
 """
 
+import html as html_lib
 import os, re, shutil, subprocess, sys
 from pathlib import Path
 
@@ -351,6 +352,26 @@ def navigation(pages: dict[str, tuple[str, str]]) -> list:
     return nav
 
 
+STYLESHEET = """\
+/* Written by tools/build_docs.py. A command in the prose (a markdown cell's code block) wraps at
+   the page's edge instead of hiding its end behind a horizontal scroll bar: the first command a
+   reader copies is seen whole at any width. Code cells keep their lines. */
+.jupyter-wrapper .jp-RenderedMarkdown .highlight pre,
+.jupyter-wrapper .jp-RenderedMarkdown .highlight pre code {
+  white-space: pre-wrap;
+  overflow-wrap: anywhere;
+}
+"""
+
+
+def write_stylesheet() -> str:
+    "Write the site's own stylesheet into the pages' sources; returns its path there."
+    path = SITE_SRC / "stylesheets" / "speedtronic.css"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(STYLESHEET, encoding="utf-8")
+    return path.relative_to(SITE_SRC).as_posix()
+
+
 def site_config(pages: dict[str, tuple[str, str]]) -> Path:
     "`mkdocs.yml` plus the navigation (`navigation`); written to `_mkdocs.yml`."
     import yaml
@@ -358,6 +379,8 @@ def site_config(pages: dict[str, tuple[str, str]]) -> Path:
     cfg = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     cfg["docs_dir"] = SITE_SRC.name
     cfg["nav"] = navigation(pages)
+    cfg["hooks"] = [str(Path(__file__).resolve())]  # `on_page_content`: headings and contents agree
+    cfg["extra_css"] = [write_stylesheet()]
     out = ROOT / "_mkdocs.yml"
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
@@ -414,44 +437,93 @@ def public_names() -> dict[str, list[str]]:
     return out
 
 
-def write_api_index(pages: dict[str, tuple[str, str]]) -> str:
-    "Write `api.md`: every public name, by module, linked to the page (and heading) that documents it; returns its file name."
+def summary(module: str, name: str) -> str:
+    """What `name` (`Class.method` too) of `module` is, in one line: its docstring's first line; for
+    a constant, the comment on its line, else its value."""
+    import importlib, inspect
+
+    obj, owner = importlib.import_module(module), None
+    try:
+        for part in name.split("."):
+            owner, obj = obj, getattr(obj, part)
+    except AttributeError:
+        return ""
+    if inspect.isclass(owner) and isinstance(inspect.getattr_static(owner, part, None), property):
+        obj = inspect.getattr_static(owner, part)
+    if inspect.isclass(obj) or inspect.isroutine(obj) or isinstance(obj, property):
+        doc = (inspect.getdoc(obj) or "").strip()
+        return doc.splitlines()[0].strip() if doc else ""
+    try:
+        source = inspect.getsource(importlib.import_module(module))
+    except (OSError, TypeError):
+        source = ""
+    m = re.search(rf"^{re.escape(name)}\b[^\n=]*=[^\n]*#\s*(.+)$", source, flags=re.M)
+    if m:
+        return m.group(1).strip()
+    value = repr(obj)
+    return f"`{value if len(value) <= 60 else value[:59] + '…'}`" if "`" not in value else ""
+
+
+def api_modules(pages: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """The public modules, each with its page's (title, file): the modules the user guide and the
+    reference document; the internals' are left out."""
     import nbformat
 
+    public = {
+        s
+        for section, entries in sections(pages)
+        if section != "Internals"
+        for e in entries
+        for s in ([e] if isinstance(e, str) else e[1])
+    }
     by_module = {}
     for stem, (title, name) in pages.items():
         nb = ROOT / "nbs" / f"{stem}.ipynb"
-        exp = (
-            [
-                l.split(None, 2)[-1]
-                for c in nbformat.read(nb, as_version=4).cells
-                if c.cell_type == "code"
-                for l in c.source.splitlines()
-                if l.startswith("#| default_exp")
-            ]
-            if nb.exists()
-            else []
-        )
+        if stem not in public or not nb.exists():
+            continue
+        exp = [
+            l.split(None, 2)[-1]
+            for c in nbformat.read(nb, as_version=4).cells
+            if c.cell_type == "code"
+            for l in c.source.splitlines()
+            if l.startswith("#| default_exp")
+        ]
         if exp:
             by_module[".".join(("speedtronic", exp[0])).removesuffix(".__init__")] = (title, name)
+    return by_module
+
+
+def _cell(text: str) -> str:
+    "`text` safe in a markdown table cell."
+    return text.replace("\\", "\\\\").replace("|", "\\|")
+
+
+def write_api_index(pages: dict[str, tuple[str, str]]) -> str:
+    """Write `api.md`: each public module's public names (its `__all__` and its classes' public
+    methods), each linked to the page (and heading) that documents it, with the first line of its
+    docstring; returns its file name. The internals' modules are not the public API: their pages
+    document them, the index does not list them."""
+    by_module = api_modules(pages)
     ids = {name: _headings(SITE_SRC / name) for _, name in pages.values()}
     lines = [
         "# API index",
         "",
-        "> Every public name of the package by module, each linked to where it is documented.",
+        "> Every public name of the package by module, what it is in one line, linked to where"
+        " it is documented. The internals (file writing, wire formats, path rules) are"
+        " documented on their own pages.",
         "",
     ]
+    html = lambda n: n.removesuffix(".ipynb") + ".html"
     for module, names in public_names().items():
         title, home = by_module.get(module, (None, None))
         if home is None:
             continue
-        html = lambda n: n.removesuffix(".ipynb") + ".html"
         lines += [
             f"## `{module}`",
             "",
             f"[{title}]({html(home)})",
             "",
-            "| name | documented in |",
+            "| name | what it is |",
             "|---|---|",
         ]
         for n in names:
@@ -461,11 +533,67 @@ def write_api_index(pages: dict[str, tuple[str, str]]) -> str:
                 else next((p for p, i in ids.items() if slug(n) in i), home)
             )
             anchor = f"#{slug(n)}" if slug(n) in ids[where] else ""
-            page_title = next(t for t, p in pages.values() if p == where)
-            lines.append(f"| [`{n}`]({html(where)}{anchor}) | {page_title} |")
+            lines.append(f"| [`{n}`]({html(where)}{anchor}) | {_cell(summary(module, n))} |")
         lines.append("")
     (SITE_SRC / "api.md").write_text("\n".join(lines), encoding="utf-8")
     return "api.md"
+
+
+_HEADING = re.compile(r'<h([1-6])\b([^>]*?)\bid="([^"]*)"([^>]*)>(.*?)</h\1>', re.S)
+_ANCHOR_LINK = re.compile(r'<a class="anchor-link" href="#[^"]*">.*?</a>', re.S)
+
+
+def heading_text(inner_html: str) -> str:
+    "The words a heading shows (its code too), without its `¶` link and its tags."
+    text = re.sub(r"<[^>]+>", "", _ANCHOR_LINK.sub("", inner_html))
+    return re.sub(r"\s+", " ", html_lib.unescape(text)).strip()
+
+
+def unique_heading_ids(page_html: str) -> tuple[str, list[dict]]:
+    """Each heading of `page_html` with an id of its own, and the table of contents linking to them.
+
+    The page's headings are rendered by nbconvert and its table of contents by Python-Markdown,
+    which name a heading that holds code differently (`run-what-...` against `what-...`, `_1` for a
+    heading of code alone), and nbconvert gives two headings of one name one id. Here the rendered
+    headings are the one source: a repeated id gets `_1`, `_2`, ... (as Python-Markdown numbers
+    them), the heading's `¶` link follows it, and each table-of-contents entry is the heading's id
+    and its whole text."""
+    seen: dict[str, int] = {}
+    flat: list[dict] = []
+
+    def one(m: re.Match) -> str:
+        level, before, wanted, after, inner = m.groups()
+        base = wanted or "section"
+        n = seen.get(base, 0)
+        ident = base if n == 0 else f"{base}_{n}"
+        while ident in seen:  # a heading already called `x_1`
+            n += 1
+            ident = f"{base}_{n}"
+        seen[base], seen[ident] = n + 1, seen.get(ident, 1)
+        inner = _ANCHOR_LINK.sub(f'<a class="anchor-link" href="#{ident}">&#182;</a>', inner)
+        name = html_lib.escape(heading_text(inner), quote=False)
+        flat.append({"level": int(level), "id": ident, "name": name, "children": []})
+        return f'<h{level}{before}id="{ident}"{after}>{inner}</h{level}>'
+
+    body = _HEADING.sub(one, page_html)
+    roots: list[dict] = []
+    stack: list[dict] = []
+    for token in flat:
+        while stack and stack[-1]["level"] >= token["level"]:
+            stack.pop()
+        (stack[-1]["children"] if stack else roots).append(token)
+        stack.append(token)
+    return body, roots
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """MkDocs hook (this file is named in `hooks`): the page's heading ids made unique and its
+    table of contents built from them."""
+    from mkdocs.structure.toc import get_toc
+
+    body, tokens = unique_heading_ids(html)
+    page.toc = get_toc(tokens)
+    return body
 
 
 def render_site(config: Path) -> Path:

@@ -521,3 +521,121 @@ def test_readme_diloco_example_runs_as_written(tmp_path):
         "--resume",
         "--overwrite",
     )
+
+
+_HEADING = re.compile(r'<h([1-6])\b[^>]*\bid="([^"]*)"[^>]*>(.*?)</h\1>', re.S)
+_TOC_LINK = re.compile(r'<a href="#([^"]*)" class="md-nav__link">(.*?)</a>', re.S)
+
+
+def _words(fragment: str) -> str:
+    "The text an HTML fragment shows, its `¶` link left out."
+    from html import unescape
+
+    fragment = re.sub(r'<a class="anchor-link".*?</a>', "", fragment, flags=re.S)
+    return re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", "", fragment))).strip()
+
+
+def contents_problems(page: Path) -> list[str]:
+    """Where the table of contents of `page` and its headings disagree: a link to no heading, a
+    blank or wrong entry, an id used twice, a heading left out."""
+    html = page.read_text(encoding="utf-8")
+    article = html[html.find("<article") : html.find("</article>")]
+    headings = [(int(m[0]), m[1], _words(m[2])) for m in _HEADING.findall(article)]
+    ids = re.findall(r'\bid="([^"]*)"', html)
+    by_id = {ident: text for _, ident, text in headings}
+    problems = [f"id {i!r} used {ids.count(i)} times" for i in sorted(set(ids)) if ids.count(i) > 1]
+    listed = set()
+    for target, inner in _TOC_LINK.findall(html):
+        listed.add(target)
+        if target not in by_id:
+            problems.append(f"contents link #{target} ({_words(inner)!r}) has no heading")
+        elif _words(inner) != by_id[target] or not by_id[target]:
+            problems.append(f"contents entry {_words(inner)!r} for heading {by_id[target]!r}")
+    if listed:  # a page with a table of contents lists every heading below its title
+        problems += [
+            f"heading #{i} is not in the contents"
+            for lv, i, _ in headings
+            if lv > 1 and i not in listed
+        ]
+    return problems
+
+
+def test_headings_and_contents_agree_on_every_page(site):
+    """Every page's table of contents links to its headings by their ids, with their words (code
+    too), and no id is used twice."""
+    found = {p.relative_to(site).as_posix(): contents_problems(p) for p in pages(site)}
+    assert {k: v[:5] for k, v in found.items() if v} == {}
+    assert len(_TOC_LINK.findall((site / "core/config.html").read_text(encoding="utf-8"))) > 20
+
+
+def test_the_site_makes_headings_and_contents_agree():
+    """The build's own step: a heading of code keeps its words in the contents, a repeated heading
+    gets an id of its own."""
+    page = (
+        '<h1 id="t">T<a class="anchor-link" href="#t">¶</a></h1>'
+        '<h2 id="run-what"><code>run</code> — what'
+        '<a class="anchor-link" href="#run-what">¶</a></h2>'
+        '<h3 id="main">main</h3><h3 id="main">main</h3><h2 id="main_1">main_1</h2>'
+    )
+    body, tokens = build_docs.unique_heading_ids(page)
+    assert re.findall(r'<h\d id="([^"]*)"', body) == ["t", "run-what", "main", "main_1", "main_1_1"]
+    assert 'href="#run-what">' in body
+    flat = lambda ts: [
+        t2 for t in ts for t2 in [(t["level"], t["id"], t["name"])] + flat(t["children"])
+    ]
+    assert flat(tokens) == [
+        (1, "t", "T"),
+        (2, "run-what", "run — what"),
+        (3, "main", "main"),
+        (3, "main_1", "main"),
+        (2, "main_1_1", "main_1"),
+    ]
+
+
+def _api_rows(site: Path) -> dict[str, tuple[str, str]]:
+    "The API index's rows: name -> (link, summary text)."
+    html = (site / "api.html").read_text(encoding="utf-8")
+    rows = re.findall(
+        r'<td><a href="([^"]+)"><code>([^<]+)</code></a></td>\s*<td>(.*?)</td>', html, re.S
+    )
+    return {name: (href, _words(text)) for href, name, text in rows}
+
+
+def test_api_index_says_what_each_name_is_and_lists_only_the_public_api(site):
+    """Each row has the first line of the name's docstring; the internals' modules (wire format,
+    files) are not listed."""
+    import inspect
+
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.runtime import train_from_config
+    from speedtronic.trainer import Trainer
+
+    rows = _api_rows(site)
+    for name, obj in [
+        ("SpeedtronicConfig", SpeedtronicConfig),
+        ("train_from_config", train_from_config),
+        ("Trainer.fit", Trainer.fit),
+        ("SpeedtronicConfig.load", SpeedtronicConfig.load),
+    ]:
+        first = inspect.getdoc(obj).splitlines()[0]
+        assert rows[name][1] == _words(__import__("markdown").markdown(first)), (name, rows[name])
+    for internal in ["INT8_SCALE", "parse_step_count", "atomic_write", "encode_delta"]:
+        assert internal not in rows, internal
+    html = (site / "api.html").read_text(encoding="utf-8")
+    assert "speedtronic.distributed.tensors" not in html and "speedtronic.files" not in html
+    described = [n for n, (_, text) in rows.items() if text]
+    assert len(described) >= 0.85 * len(rows), sorted(set(rows) - set(described))
+
+
+def test_first_command_fits_the_page(browser, site):
+    """The index page's first command is seen whole, with no horizontal scroll, at 800 and 1280
+    pixels wide."""
+    for width in (800, 1280):
+        page = browser.new_page(viewport={"width": width, "height": 900})
+        page.goto((site / "index.html").as_uri())
+        block = page.locator("article pre").first
+        text = block.inner_text()
+        assert "speedtronic train --config configs/demo.yaml" in text, text
+        scroll, client = block.evaluate("e => [e.scrollWidth, e.clientWidth]")
+        assert scroll <= client, (width, scroll, client)
+        page.close()
