@@ -55,6 +55,7 @@ def format_progress(
     *,
     start_step: int = 0,  # step this invocation started from (resume)
     width: int = 20,  # characters of the bar; 0 leaves the bar out (a widget draws it)
+    pace: tuple[float, int] | None = None,  # (seconds, steps) since this invocation's first step
 ) -> str:
     "The progress line: `step 50/100 [####....]  50% | loss 2.35 | 12.3k tok/s | 00:05<00:05`."
     if target:
@@ -70,7 +71,8 @@ def format_progress(
         parts.append(f"{format_rate(tokens_per_sec)} tok/s")
     if elapsed_s is not None:
         done, left = step - start_step, (target - step) if target else None
-        eta = "?" if not left or done <= 0 else format_duration(elapsed_s / done * left)
+        seconds, steps = pace if pace is not None else (elapsed_s, done)  # the ETA's rate
+        eta = "?" if not left or steps <= 0 else format_duration(seconds / steps * left)
         parts.append(
             f"{format_duration(elapsed_s)}<{eta if left else '00:00'}"
             if target
@@ -360,6 +362,7 @@ class ProgressBar:
         self.enabled = resolve_progress(enabled, self._stream(), self.notebook)
         self.start_step, self.target, self.step = 0, total, 0
         self.loss = self.tokens_per_sec = self._t0 = self._handle = None
+        self._first: tuple[float, int] | None = None  # (time, step) of the first step shown
         self.view: Any = None  # the notebook's widget (a `speedtronic.widgets.TrainingView`), from the first redraw
         self.earlier: list[
             tuple[int, float]
@@ -385,7 +388,13 @@ def line(self: ProgressBar) -> str:
     "The current progress line."
     elapsed = None if self._t0 is None else time.monotonic() - self._t0
     return format_progress(
-        self.step, self.target, self.loss, self.tokens_per_sec, elapsed, start_step=self.start_step
+        self.step,
+        self.target,
+        self.loss,
+        self.tokens_per_sec,
+        elapsed,
+        start_step=self.start_step,
+        pace=self._pace(),
     ) + (f" | val {self.val_loss:.4g}" if self.val_loss is not None else "")
 
 
@@ -427,6 +436,7 @@ def _render_notebook(self: ProgressBar, chart: bool) -> None:
             elapsed,
             start_step=self.start_step,
             width=0,
+            pace=self._pace(),
         ),
         state,
     )
@@ -455,6 +465,14 @@ def render(
         stream.flush()
         self._width, self._open, self._text = len(text), True, text
 
+
+@patch
+def _pace(self: ProgressBar) -> tuple[float, int] | None:
+    "(seconds, steps) since the first step of this invocation: what the ETA extrapolates."
+    if self._first is None:
+        return None
+    return time.monotonic() - self._first[0], self.step - self._first[1]
+
 # %% ../nbs/observe/03_progress.ipynb #ecf6ac2c
 @patch
 def _add_point(self: ProgressBar, kind: str, payload: Mapping[str, Any]) -> None:
@@ -475,7 +493,7 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         self.start_step = self.step = int(payload.get("start_step", 0) or 0)
         self.target = self.total or payload.get("target_step")
         self.loss = self.tokens_per_sec = None
-        self._t0, self.finished = time.monotonic(), False
+        self._t0, self._first, self.finished = time.monotonic(), None, False
         self.render()
         earlier = [("train", *p) for p in self.earlier] + [("eval", *p) for p in self.earlier_evals]
         for kind, step, loss in earlier if self.view is not None else ():
@@ -486,6 +504,8 @@ def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
         if self._t0 is None:
             self._t0 = time.monotonic()
         self.step = payload.get("step", self.step + 1)
+        if self._first is None:  # the ETA's pace counts from here: set-up and warm-up are not steps
+            self._first = (time.monotonic(), self.step)
         self.loss = payload.get("loss", self.loss)
         self.tokens_per_sec = payload.get("tokens_per_sec", self.tokens_per_sec)
         self._add_point("train", payload)

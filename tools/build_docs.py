@@ -438,8 +438,9 @@ def public_names() -> dict[str, list[str]]:
 
 
 def summary(module: str, name: str) -> str:
-    """What `name` (`Class.method` too) of `module` is, in one line: its docstring's first line; for
-    a constant, the comment on its line, else its value."""
+    """What `name` (`Class.method` too) of `module` is, in one line: its docstring's first paragraph
+    (a docstring wrapped to fit 100 columns is joined); for a constant, the comment on its line, else
+    its value."""
     import importlib, inspect
 
     obj, owner = importlib.import_module(module), None
@@ -452,7 +453,7 @@ def summary(module: str, name: str) -> str:
         obj = inspect.getattr_static(owner, part)
     if inspect.isclass(obj) or inspect.isroutine(obj) or isinstance(obj, property):
         doc = (inspect.getdoc(obj) or "").strip()
-        return doc.splitlines()[0].strip() if doc else ""
+        return " ".join(doc.split("\n\n")[0].split())
     try:
         source = inspect.getsource(importlib.import_module(module))
     except (OSError, TypeError):

@@ -602,8 +602,8 @@ def _api_rows(site: Path) -> dict[str, tuple[str, str]]:
 
 
 def test_api_index_says_what_each_name_is_and_lists_only_the_public_api(site):
-    """Each row has the first line of the name's docstring; the internals' modules (wire format,
-    files) are not listed."""
+    """Each row has the first paragraph of the name's docstring (wrapped lines joined); the
+    internals' modules (wire format, files) are not listed."""
     import inspect
 
     from speedtronic.config import SpeedtronicConfig
@@ -617,7 +617,7 @@ def test_api_index_says_what_each_name_is_and_lists_only_the_public_api(site):
         ("Trainer.fit", Trainer.fit),
         ("SpeedtronicConfig.load", SpeedtronicConfig.load),
     ]:
-        first = inspect.getdoc(obj).splitlines()[0]
+        first = " ".join(inspect.getdoc(obj).split("\n\n")[0].split())
         assert rows[name][1] == _words(__import__("markdown").markdown(first)), (name, rows[name])
     for internal in ["INT8_SCALE", "parse_step_count", "atomic_write", "encode_delta"]:
         assert internal not in rows, internal
