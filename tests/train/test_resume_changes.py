@@ -433,9 +433,8 @@ def test_nothing_to_train_names_the_flag(cosine_run):
     said = proc.stdout + proc.stderr
     assert "nothing to train: the run is already at step 4 and its target is step 4" in said, said
     assert "--max-steps 8 trains 4 more steps" in said and "max_steps: " not in said, said
-    assert (
-        proc.stdout.strip().splitlines()[-1] == "completed steps=4 samples=8 tokens=128 loss=None"
-    )
+    # a pipe gets the closing lines (no update made), never a `loss=None`
+    assert "no update made" in proc.stdout and "loss=None" not in proc.stdout, proc.stdout
     shown = in_a_terminal(
         cosine_run, "--resume"
     )  # a person: no loss and no held-out loss of step 4
