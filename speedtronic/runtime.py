@@ -262,7 +262,12 @@ def distributed_problem(config: SpeedtronicConfig) -> str | None:
 
 
 def _coordinator(
-    config: SpeedtronicConfig, model: torch.nn.Module, logger: Any, world: World | None = None
+    config: SpeedtronicConfig,
+    model: torch.nn.Module,
+    logger: Any,
+    world: World | None = None,
+    resume: bool | None = None,  # False: a new DiLoCo run; True: one continued (`--resume`)
+    overwrite: bool = False,  # a new run that deletes the earlier run's records (`--overwrite`)
 ) -> Any:
     "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`; in a torchrun job rank 0's."
     if not config.distributed.enabled:
@@ -272,7 +277,12 @@ def _coordinator(
     from speedtronic.distributed import DumbDiLoCoCoordinator
 
     build = lambda module: DumbDiLoCoCoordinator(
-        config.distributed, module, state_dir=run_paths(config).state_dir, logger=logger
+        config.distributed,
+        module,
+        state_dir=run_paths(config).state_dir,
+        logger=logger,
+        resume=resume,
+        overwrite=overwrite,
     )
     if world is None or world.size == 1:
         return build(model)
@@ -367,6 +377,8 @@ def claim_run(
             )
         if not resume and (overwrite or config.checkpoint.enabled):
             _others_checkpoints(paths.checkpoints, overwrite)
+        if overwrite and paths.metrics is not None:  # its metrics file holds one run: this one
+            paths.metrics.unlink(missing_ok=True)
     except BaseException:
         claim.abandon()
         raise
@@ -427,6 +439,7 @@ def build_runtime(
                 device=dev,
                 max_steps=max_steps,
                 checkpoint=checkpoint,
+                overwrite=overwrite,
             )
         except BaseException:
             claim.abandon()  # the folders it made go again when nothing was written there
@@ -487,6 +500,7 @@ def _build_components(
     device: Any,
     max_steps: int | None,
     checkpoint: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> tuple[Trainer, CheckpointManager]:
     "`build_runtime` after the directory is claimed."
     dev, logger = device, None
@@ -543,7 +557,7 @@ def _build_components(
         optimizer = build_optimizer(model, config, dev, logger=logger)
         target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
-        coordinator = _coordinator(config, model, logger, world)
+        coordinator = _coordinator(config, model, logger, world, resume, overwrite)
         trainer = Trainer(
             model,
             optimizer,

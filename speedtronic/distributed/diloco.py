@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -57,14 +58,15 @@ from speedtronic.distributed.transport import (
     describe_repository,
 )
 from ..trainer import TrainingInterrupted
+from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR', 'resolve_role',
-           'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done', 'on_upload_failed',
-           'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint',
-           'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning', 'outer_momentum_warning',
-           'warn_outer_momentum', 'NodeShard', 'shard_loader', 'node_data_config', 'hub_commits_per_hour',
-           'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
+__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR',
+           'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done',
+           'on_upload_failed', 'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait',
+           'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning',
+           'outer_momentum_warning', 'warn_outer_momentum', 'NodeShard', 'shard_loader', 'node_data_config',
+           'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -150,6 +152,7 @@ class NodeState:
     waits: bool = True  # boundary waits wait (False after one ran out, until a new fold)
     reset_due: bool = False  # a boundary passed since the last install
     master: str = ""  # the node id of the master whose globals it installs ("": none yet)
+    run_id: str = ""  # the run it joined (its first global's; "": none yet, or a 2.0 run)
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #9c1e006a
 def _plus(
@@ -279,6 +282,14 @@ def global_problem(
     state: NodeState,
 ) -> str | None:
     "Why global `version` (`tensors`, version file `extras`, weights `header`) is not installed."
+    theirs = str(extras.get("run_id") or "")
+    if state.version >= 0 and theirs != state.run_id:  # it joined a run: only that run's globals
+        return (
+            f"it belongs to run {theirs or '(none: a 2.0 master)'}, not run "
+            f"{state.run_id or '(none: a 2.0 master)'} that this node joined; its master started a "
+            f"new run there (--overwrite): restart this worker with --overwrite to join run "
+            f"{theirs or 'there'} (this node's progress in its own run does not carry over)"
+        )
     if version <= state.version:
         return f"its version does not come after version {state.version}, which this node holds"
     master = master_of(extras)
@@ -288,7 +299,12 @@ def global_problem(
         )
     if header.get("outer_step") is not None and str(header["outer_step"]) != str(version):
         return f"its weights carry version {header['outer_step']}, its version file {version}"
-    carried, listed = header.get("publication"), str(extras.get("publication") or "")
+    if theirs and header.get("run_id") != theirs:  # a run with an id writes it into the weights
+        return (
+            f"its weights carry run {header.get('run_id') or 'none'}, its version file run {theirs}"
+        )
+    carried = header.get("publication")
+    listed = str(extras.get("global_publication") or extras.get("publication") or "")
     if carried is not None and carried != listed:
         return f"its weights carry publication {carried!r}, its version file {listed or 'none'!r}"
     for k, v in tensors.items():
@@ -408,6 +424,8 @@ class DumbDiLoCoCoordinator:
         hub: Any = None,
         state_dir: str | os.PathLike | None = None,
         logger: Any = None,
+        resume: bool | None = None,  # False: a new run (CLI without --resume); None: not said (2.0)
+        overwrite: bool = False,  # a new run that deletes the earlier run's records (CLI --overwrite)
     ):
         self.config = cfg = as_section(config, DistributedConfig)
         self.model, self.logger = model, logger
@@ -420,6 +438,8 @@ class DumbDiLoCoCoordinator:
             Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
         )
         self.state_root.mkdir(parents=True, exist_ok=True)
+        self.fresh, self.overwrite = resume is False, bool(overwrite) and resume is not True
+        self._left_run = self._clear_records() if self.overwrite else ""  # the run it leaves
         self.lock, self._stop, self._poll_due = (
             threading.RLock(),
             threading.Event(),
@@ -490,6 +510,21 @@ class DumbDiLoCoCoordinator:
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #968d48c3
+RUN_RECORD = "run.json"  # in a node's state directory: the run it joined
+
+
+@patch
+def _clear_records(self: DumbDiLoCoCoordinator) -> str:
+    '`--overwrite`: delete this node\'s state directory; returns the id of the run it had joined ("": none).'
+    try:
+        left = json.loads((self.state_root / RUN_RECORD).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        left = None
+    shutil.rmtree(self.state_root, ignore_errors=True)
+    self.state_root.mkdir(parents=True, exist_ok=True)
+    return str(left or "")
+
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #108c8cbf
 @patch
 def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
@@ -548,6 +583,8 @@ def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
         session=self.state.session,
         final=job.final,
     )
+    if self.state.run_id:
+        header = {**header, "run_id": self.state.run_id}  # a master of another run refuses it
     try:
         self._ensure_open()
         save_safetensors(job.delta, local, header)
@@ -632,9 +669,18 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
     if tag is not None and tag == self._seen_tag:
         return None  # the version file has not changed: nothing new
     repo = self.transport.state()
+    theirs = str(repo.extras.get("run_id") or "")
     with self.lock:
         newest = max(self.state.version, self._candidate[0] if self._candidate else -1)
-    if repo.metadata is None or repo.outer_step <= newest:
+        joined, other_run = self.state.version >= 0, theirs != self.state.run_id
+    if repo.metadata is None or (not joined and self._left_run and theirs == self._left_run):
+        return None  # nothing yet, or the run this node left with --overwrite: the new one comes
+    if joined and other_run:  # said without downloading weights it will not install
+        self._seen_tag = tag
+        return self._refuse_global(
+            repo.outer_step, global_problem({}, repo.outer_step, repo.extras, {}, self.state)
+        )
+    if repo.outer_step <= newest:
         return None
     path = self.state_root / "global" / "latest.safetensors"
     self.transport.fetch(GLOBAL_MODEL_PATH, path, revision=repo.revision)
@@ -646,6 +692,9 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
         problem = global_problem(tensors, repo.outer_step, repo.extras, header, self.state)
         if problem is None and not self.state.master:
             self.state = replace(self.state, master=master_of(repo.extras))  # the one it follows
+        if problem is None and not joined and self.state.run_id != theirs:
+            self.state = replace(self.state, run_id=theirs)  # the run it joins
+            atomic_write_text(json.dumps({"run_id": theirs}) + "\n", self.state_root / RUN_RECORD)
     if problem is not None:
         return self._refuse_global(repo.outer_step, problem)
     self._seen_repo = (repo.outer_step, repo.extras)
@@ -659,9 +708,10 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
 @patch
 def _refuse_global(self: DumbDiLoCoCoordinator, version: int, problem: str) -> None:
     "Say once, in one line, that global `version` is not installed and why."
-    if (version, problem) in self._refused:
+    key = (-1, problem) if problem.startswith("it belongs to run") else (version, problem)
+    if key in self._refused:  # another run's globals: said once for the run, not per version
         return None
-    self._refused.add((version, problem))
+    self._refused.add(key)
     held = self.state.version
     self._log(
         "warning",
@@ -1035,6 +1085,8 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
         logger=self.logger,
         node_id=self.node_id,
         session=self.state.session,
+        fresh=self.fresh,
+        overwrite=self.overwrite,
         inner_steps=cfg.inner_steps,
         staleness=cfg.staleness,
         expected_nodes=cfg.expected_nodes,
