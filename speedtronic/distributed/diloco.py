@@ -175,12 +175,17 @@ def at_boundary(
     step: int,
     dtype: str = "bfloat16",
     final: bool = False,
+    replay: bool = False,  # the delta of `step` was folded before a resume: not sent again
 ) -> tuple[NodeState, Upload | str]:
     "The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and the upload, or why none is sent."
     state = replace(state, step=int(step), reset_due=True)
     if step <= state.folded_step:
-        return replace(
-            state, base=dict(weights), base_step=int(step), carry=None, carry_steps=0
+        carry = None
+        if replay and dtype != "float32":
+            total = _plus(compute_pseudo_gradient(state.base, weights), state.carry)
+            carry = {k: total[k] - v for k, v in decode_delta(encode_delta(total, dtype)).items()}
+        return replace(  # a replayed delta keeps the rounding residual its first sending left
+            state, base=dict(weights), base_step=int(step), carry=carry, carry_steps=0
         ), "already_folded"
     if state.in_flight is not None:
         return state, "upload_in_flight"
@@ -470,6 +475,7 @@ class DumbDiLoCoCoordinator:
         self._candidate: tuple[int, dict, int] | None = (
             None  # the poll's newest global: (version, tensors, folded step)
         )
+        self._rebase: tuple[int, dict, int] | None = None  # a global held until the step it holds
         self._threads, self._uploading = (
             [],
             None,
@@ -534,7 +540,10 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
         if not self._accepting:
             return False
         try:
-            self.state, out = at_boundary(self.state, weights, step, self.config.delta_dtype, final)
+            replay = self._rebase is not None and self._rebase[2] == step  # see `_install_rebase`
+            self.state, out = at_boundary(
+                self.state, weights, step, self.config.delta_dtype, final, replay
+            )
         except ValueError as e:
             return (
                 self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}") or False
@@ -655,10 +664,26 @@ def _install(
 
 @patch
 def _install_candidate(self: DumbDiLoCoCoordinator) -> Install | None:
-    "Install the newest global the poll (or the master's loop) offered, if it is newer than the installed one."
+    "Install the newest global the poll (or the master's loop) offered, if it is newer than the installed one (one holding steps this node trains again is held: `_install_rebase`)."
     with self.lock:
         candidate, self._candidate = self._candidate, None
+        if candidate is not None and candidate[2] > self.state.step:  # resumed behind its folds
+            if self._rebase is None or candidate[0] > self._rebase[0]:
+                self._rebase = candidate
+            self.state = replace(self.state, folded_step=max(self.state.folded_step, candidate[2]))
+            return None
     return None if candidate is None else self._install(*candidate)
+
+
+@patch
+def _install_rebase(self: DumbDiLoCoCoordinator, boundary: bool = False) -> Install | None:
+    "The global held by `_install_candidate`, installed whole once the node is back at the step it holds."
+    with self.lock:
+        due = self._rebase
+        if due is None or self.state.step < due[2]:
+            return None
+        self._rebase = None
+    return self._install(*due, keep_progress=boundary)  # after `at_boundary`: nothing unsent
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #182989d0
 @patch
@@ -671,7 +696,10 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
     repo = self.transport.state()
     theirs = str(repo.extras.get("run_id") or "")
     with self.lock:
-        newest = max(self.state.version, self._candidate[0] if self._candidate else -1)
+        newest = max(
+            [self.state.version]
+            + [held[0] for held in (self._candidate, self._rebase) if held is not None]
+        )
         joined, other_run = self.state.version >= 0, theirs != self.state.run_id
     if repo.metadata is None or (not joined and self._left_run and theirs == self._left_run):
         return None  # nothing yet, or the run this node left with --overwrite: the new one comes
@@ -805,11 +833,12 @@ def after_optimizer_step(
     self._raise_fatal()
     with self.lock:
         self.state = replace(self.state, step=int(step))
-    boundary, pushed, installed = step % self.inner_steps == 0, False, []
+    boundary, pushed = step % self.inner_steps == 0, False
     if boundary:
-        pushed = self._send(step)
-        if self.config.boundary_wait > 0:
-            installed += self._await_fold()
+        pushed = self._send(step)  # a step a held global holds: no delta (`already_folded`)
+    installed = [self._install_rebase(boundary)]
+    if boundary and self.config.boundary_wait > 0:
+        installed += self._await_fold()
     installed.append(self._install_candidate())
     if not any(installed):
         installed.append(self._maybe_poll(force=boundary))
