@@ -310,7 +310,7 @@ def global_problem(
         )
     carried = header.get("publication")
     listed = str(extras.get("global_publication") or extras.get("publication") or "")
-    if carried is not None and carried != listed:
+    if (carried is not None or theirs) and carried != listed:  # a run with an id names both
         return f"its weights carry publication {carried!r}, its version file {listed or 'none'!r}"
     for k, v in tensors.items():
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
