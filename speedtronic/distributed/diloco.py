@@ -430,7 +430,7 @@ class DumbDiLoCoCoordinator:
         state_dir: str | os.PathLike | None = None,
         logger: Any = None,
         resume: bool | None = None,  # False: a new run (CLI without --resume); None: not said (2.0)
-        overwrite: bool = False,  # a new run that deletes the earlier run's records (CLI --overwrite)
+        overwrite: bool = False,  # a new run deleting the earlier run's records (--overwrite)
     ):
         self.config = cfg = as_section(config, DistributedConfig)
         self.model, self.logger = model, logger
@@ -522,7 +522,7 @@ RUN_RECORD = "run.json"  # in a node's state directory: the run it joined
 
 @patch
 def _clear_records(self: DumbDiLoCoCoordinator) -> str:
-    '`--overwrite`: delete this node\'s state directory; returns the id of the run it had joined ("": none).'
+    '`--overwrite`: delete the node\'s state directory; the id of the run it had joined ("": none).'
     try:
         left = json.loads((self.state_root / RUN_RECORD).read_text()).get("run_id")
     except (OSError, ValueError, AttributeError):
@@ -664,7 +664,7 @@ def _install(
 
 @patch
 def _install_candidate(self: DumbDiLoCoCoordinator) -> Install | None:
-    "Install the newest global the poll (or the master's loop) offered, if it is newer than the installed one (one holding steps this node trains again is held: `_install_rebase`)."
+    "Install the newest global offered if it is newer (one holding steps trained again is held)."
     with self.lock:
         candidate, self._candidate = self._candidate, None
         if candidate is not None and candidate[2] > self.state.step:  # resumed behind its folds
@@ -677,7 +677,7 @@ def _install_candidate(self: DumbDiLoCoCoordinator) -> Install | None:
 
 @patch
 def _install_rebase(self: DumbDiLoCoCoordinator, boundary: bool = False) -> Install | None:
-    "The global held by `_install_candidate`, installed whole once the node is back at the step it holds."
+    "The global `_install_candidate` held, installed once the node is back at the step it holds."
     with self.lock:
         due = self._rebase
         if due is None or self.state.step < due[2]:

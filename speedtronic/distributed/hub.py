@@ -212,7 +212,7 @@ def _offers(self: HubClient, name: str) -> bool:
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #4865153a
 @patch
 def open(self: HubClient, *, create: bool = False, private: bool = True) -> None:
-    "Check the repository is usable and the token may write to it; `create` makes it (private) when missing."
+    "Check the repository is usable and writable; `create` makes it (private) when missing."
     self.check_write_access()
     if create:
         self._call(
@@ -244,7 +244,7 @@ def create_repo(self: HubClient, private: bool = True) -> None:
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #961f4824
 def write_problem(who: Mapping[str, Any], repo_id: str) -> str | None:
-    "Why the token `whoami` described as `who` cannot write to `repo_id` (None: it can, or the answer does not say)."
+    "Why the token `whoami` described as `who` cannot write to `repo_id` (None: it can, or unsaid)."
     token = ((who or {}).get("auth") or {}).get("accessToken") or {}
     role = token.get("role")
     if role == "read":

@@ -1034,7 +1034,7 @@ def adopted(
     publication: str,
     run_id: str = "",
 ) -> MasterState:
-    "`state` taking the repository's global, version, ledger and run (outer momentum restarts at zero)."
+    "`state` taking the repository's global, version, ledger and run (outer momentum from zero)."
     glob = {
         k: v.to(state.global_state[k].dtype) for k, v in remote.items() if k in state.global_state
     }
@@ -1113,7 +1113,7 @@ def run_conflict(ours: str, theirs: str, version: int, fresh: bool, overwrite: b
 
 
 def run_file(path: str) -> bool:
-    "Whether repository `path` belongs to the run (what `--overwrite` deletes): under `global/` or `nodes/`."
+    "Whether repository `path` is the run's (`--overwrite` deletes it): under `global/` or `nodes/`."
     return path.startswith(("global/", "nodes/"))
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #a8070367
@@ -1447,7 +1447,7 @@ def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #1862a230
 @patch
 def _start_over(self: MasterOuterLoop, repo: RepoState) -> RepoState:
-    "`--overwrite`: this run's version 0 replaces the run `repo` holds, whose files go in the same commit."
+    "`--overwrite`: this run's version 0 replaces the run `repo` holds, its files deleted with it."
     listing = (
         self.transport.list_files()
         if callable(getattr(self.transport, "list_files", None))

@@ -340,7 +340,7 @@ def list_deltas(self: SharedDirectory, revision: str | None = None) -> list[str]
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #4f62dc79
 @patch
 def list_files(self: SharedDirectory) -> list[str]:
-    "Every regular file in the repository (hidden claims and temp files too), as sorted repository paths."
+    "Every regular file in the repository (claims and temp files too), sorted repository paths."
 
     def run():
         if not self._present():

@@ -216,7 +216,7 @@ def test_a_last_delta_that_failed_during_an_outage_is_sent_again_and_reaches_the
         assert max(ledger[name]["sessions"].values()) == 20, ledger
 
 
-# -- a token that can only read is found at start ---------------------------------------------------
+# -- a token that can only read is found at start -----------------------------------------------
 READ_TOKEN = "hf_test_read_token_0123456789"
 
 

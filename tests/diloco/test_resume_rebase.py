@@ -1,7 +1,7 @@
 """A DiLoCo worker killed after its delta was folded, resumed from an older checkpoint (issue 24):
-it trains the folded steps again, and its next round starts from the global that holds them, so the
-final global is the uninterrupted run's, tensor for tensor. Real `speedtronic train` processes over a
-shared directory, whole rounds (`boundary_wait`, `expected_nodes: 2`), one thread each."""
+it trains the folded steps again, and its next round starts from the global that holds them, so
+the final global is the uninterrupted run's, tensor for tensor. Real `speedtronic train` processes
+over a shared directory, whole rounds (`boundary_wait`, `expected_nodes: 2`), one thread each."""
 
 from __future__ import annotations
 
