@@ -270,7 +270,12 @@ def distributed_problem(config: SpeedtronicConfig) -> str | None:
 
 
 def _coordinator(
-    config: SpeedtronicConfig, model: torch.nn.Module, logger: Any, world: World | None = None
+    config: SpeedtronicConfig,
+    model: torch.nn.Module,
+    logger: Any,
+    world: World | None = None,
+    resume: bool | None = None,  # False: a new DiLoCo run; True: one continued (`--resume`)
+    overwrite: bool = False,  # a new run that deletes the earlier run's records (`--overwrite`)
 ) -> Any:
     "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`; in a torchrun job rank 0's."
     if not config.distributed.enabled:
@@ -280,7 +285,12 @@ def _coordinator(
     from speedtronic.distributed import DumbDiLoCoCoordinator
 
     build = lambda module: DumbDiLoCoCoordinator(
-        config.distributed, module, state_dir=run_paths(config).state_dir, logger=logger
+        config.distributed,
+        module,
+        state_dir=run_paths(config).state_dir,
+        logger=logger,
+        resume=resume,
+        overwrite=overwrite,
     )
     if world is None or world.size == 1:
         return build(model)
@@ -375,6 +385,8 @@ def claim_run(
             )
         if not resume and (overwrite or config.checkpoint.enabled):
             _others_checkpoints(paths.checkpoints, overwrite)
+        if overwrite and paths.metrics is not None:  # its metrics file holds one run: this one
+            paths.metrics.unlink(missing_ok=True)
     except BaseException:
         claim.abandon()
         raise
@@ -490,6 +502,7 @@ def build_runtime(
                 max_steps=max_steps,
                 checkpoint=checkpoint,
                 verbose=verbose,
+                overwrite=overwrite,
             )
         except BaseException:
             claim.abandon()  # the folders it made go again when nothing was written there
@@ -551,6 +564,7 @@ def _build_components(
     max_steps: int | None,
     checkpoint: str | os.PathLike | None = None,
     verbose: bool = False,
+    overwrite: bool = False,
 ) -> tuple[Trainer, CheckpointManager]:
     "`build_runtime` after the directory is claimed."
     dev, logger = device, None
@@ -607,7 +621,7 @@ def _build_components(
         optimizer = build_optimizer(model, config, dev, logger=logger)
         target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
-        coordinator = _coordinator(config, model, logger, world)
+        coordinator = _coordinator(config, model, logger, world, resume, overwrite)
         trainer = Trainer(
             model,
             optimizer,

@@ -1,6 +1,7 @@
 """A loopback stand-in for the Hugging Face Hub, for tests and benchmarks.
 
 It speaks the HTTP endpoints the real `huggingface_hub` client (2.x) calls for what Speedtronic uses —
+`whoami` (each token's role, `read` or `write`),
 repo create/info (with the private flag), tree listing, preupload, NDJSON commits with a
 `parentCommit` check (412 on conflict) and file deletions, and `resolve` downloads at a revision —
 and it can inject faults: status codes (5xx, 429, ...), timeouts, dropped connections, truncated
@@ -326,6 +327,7 @@ BUSY = "Another commit operation is in progress"  # the Hub's 409 for a second c
 
 
 _ROUTES = [
+    ("GET", re.compile(r"^/api/whoami-v2$"), "whoami"),
     ("POST", re.compile(r"^/api/repos/create$"), "create"),
     ("GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/refs$"), "refs"),
     (
@@ -500,6 +502,16 @@ class _Handler(BaseHTTPRequestHandler):
                 args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
                 return getattr(self, f"_{name}")(body=body, **args)
         raise _HTTPError(404, f"no route for {method} {path}")
+
+    def _whoami(self, body: bytes):
+        "Who the token is and its role (`read` or `write`), as the Hub's `/api/whoami-v2` says it."
+        access = self._access()
+        if access is None:
+            raise _HTTPError(401, "Invalid user token.")
+        token = {"displayName": "stand-in", "role": access}
+        return self._json(
+            {"type": "user", "name": "user", "auth": {"type": "access_token", "accessToken": token}}
+        )
 
     def _create(self, body: bytes):
         if self._access() != "write":

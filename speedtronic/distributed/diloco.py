@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -57,14 +58,16 @@ from speedtronic.distributed.transport import (
     describe_repository,
 )
 from ..trainer import TrainingInterrupted
+from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR', 'resolve_role',
-           'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done', 'on_upload_failed',
-           'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint',
-           'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning', 'outer_momentum_warning',
-           'warn_outer_momentum', 'final_global_model', 'node_summary', 'NodeShard', 'shard_loader', 'node_data_config',
-           'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
+__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR',
+           'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done',
+           'on_upload_failed', 'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait',
+           'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning',
+           'outer_momentum_warning', 'warn_outer_momentum', 'final_global_model', 'node_summary', 'NodeShard',
+           'shard_loader', 'node_data_config', 'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning',
+           'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -150,6 +153,7 @@ class NodeState:
     waits: bool = True  # boundary waits wait (False after one ran out, until a new fold)
     reset_due: bool = False  # a boundary passed since the last install
     master: str = ""  # the node id of the master whose globals it installs ("": none yet)
+    run_id: str = ""  # the run it joined (its first global's; "": none yet, or a 2.0 run)
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #9c1e006a
 def _plus(
@@ -172,12 +176,17 @@ def at_boundary(
     step: int,
     dtype: str = "bfloat16",
     final: bool = False,
+    replay: bool = False,  # the delta of `step` was folded before a resume: not sent again
 ) -> tuple[NodeState, Upload | str]:
     "The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and the upload, or why none is sent."
     state = replace(state, step=int(step), reset_due=True)
     if step <= state.folded_step:
-        return replace(
-            state, base=dict(weights), base_step=int(step), carry=None, carry_steps=0
+        carry = None
+        if replay and dtype != "float32":
+            total = _plus(compute_pseudo_gradient(state.base, weights), state.carry)
+            carry = {k: total[k] - v for k, v in decode_delta(encode_delta(total, dtype)).items()}
+        return replace(  # a replayed delta keeps the rounding residual its first sending left
+            state, base=dict(weights), base_step=int(step), carry=carry, carry_steps=0
         ), "already_folded"
     if state.in_flight is not None:
         return state, "upload_in_flight"
@@ -279,6 +288,14 @@ def global_problem(
     state: NodeState,
 ) -> str | None:
     "Why global `version` (`tensors`, version file `extras`, weights `header`) is not installed."
+    theirs = str(extras.get("run_id") or "")
+    if state.version >= 0 and theirs != state.run_id:  # it joined a run: only that run's globals
+        return (
+            f"it belongs to run {theirs or '(none: a 2.0 master)'}, not run "
+            f"{state.run_id or '(none: a 2.0 master)'} that this node joined; its master started a "
+            f"new run there (--overwrite): restart this worker with --overwrite to join run "
+            f"{theirs or 'there'} (this node's progress in its own run does not carry over)"
+        )
     if version <= state.version:
         return f"its version does not come after version {state.version}, which this node holds"
     master = master_of(extras)
@@ -288,8 +305,13 @@ def global_problem(
         )
     if header.get("outer_step") is not None and str(header["outer_step"]) != str(version):
         return f"its weights carry version {header['outer_step']}, its version file {version}"
-    carried, listed = header.get("publication"), str(extras.get("publication") or "")
-    if carried is not None and carried != listed:
+    if theirs and header.get("run_id") != theirs:  # a run with an id writes it into the weights
+        return (
+            f"its weights carry run {header.get('run_id') or 'none'}, its version file run {theirs}"
+        )
+    carried = header.get("publication")
+    listed = str(extras.get("global_publication") or extras.get("publication") or "")
+    if (carried is not None or theirs) and carried != listed:  # a run with an id names both
         return f"its weights carry publication {carried!r}, its version file {listed or 'none'!r}"
     for k, v in tensors.items():
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
@@ -408,6 +430,8 @@ class DumbDiLoCoCoordinator:
         hub: Any = None,
         state_dir: str | os.PathLike | None = None,
         logger: Any = None,
+        resume: bool | None = None,  # False: a new run (CLI without --resume); None: not said (2.0)
+        overwrite: bool = False,  # a new run deleting the earlier run's records (--overwrite)
     ):
         self.config = cfg = as_section(config, DistributedConfig)
         self.model, self.logger = model, logger
@@ -420,6 +444,8 @@ class DumbDiLoCoCoordinator:
             Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
         )
         self.state_root.mkdir(parents=True, exist_ok=True)
+        self.fresh, self.overwrite = resume is False, bool(overwrite) and resume is not True
+        self._left_run = self._clear_records() if self.overwrite else ""  # the run it leaves
         self.lock, self._stop, self._poll_due = (
             threading.RLock(),
             threading.Event(),
@@ -450,6 +476,7 @@ class DumbDiLoCoCoordinator:
         self._candidate: tuple[int, dict, int] | None = (
             None  # the poll's newest global: (version, tensors, folded step)
         )
+        self._rebase: tuple[int, dict, int] | None = None  # a global held until the step it holds
         self._threads, self._uploading = (
             [],
             None,
@@ -490,6 +517,21 @@ class DumbDiLoCoCoordinator:
 
 DumbDiLoCo = DumbDiLoCoCoordinator
 
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #968d48c3
+RUN_RECORD = "run.json"  # in a node's state directory: the run it joined
+
+
+@patch
+def _clear_records(self: DumbDiLoCoCoordinator) -> str:
+    '`--overwrite`: delete the node\'s state directory; the id of the run it had joined ("": none).'
+    try:
+        left = json.loads((self.state_root / RUN_RECORD).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        left = None
+    shutil.rmtree(self.state_root, ignore_errors=True)
+    self.state_root.mkdir(parents=True, exist_ok=True)
+    return str(left or "")
+
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #108c8cbf
 @patch
 def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
@@ -499,7 +541,10 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
         if not self._accepting:
             return False
         try:
-            self.state, out = at_boundary(self.state, weights, step, self.config.delta_dtype, final)
+            replay = self._rebase is not None and self._rebase[2] == step  # see `_install_rebase`
+            self.state, out = at_boundary(
+                self.state, weights, step, self.config.delta_dtype, final, replay
+            )
         except ValueError as e:
             return (
                 self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}") or False
@@ -548,6 +593,8 @@ def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
         session=self.state.session,
         final=job.final,
     )
+    if self.state.run_id:
+        header = {**header, "run_id": self.state.run_id}  # a master of another run refuses it
     try:
         self._ensure_open()
         save_safetensors(job.delta, local, header)
@@ -618,10 +665,26 @@ def _install(
 
 @patch
 def _install_candidate(self: DumbDiLoCoCoordinator) -> Install | None:
-    "Install the newest global the poll (or the master's loop) offered, if it is newer than the installed one."
+    "Install the newest global offered if it is newer (one holding steps trained again is held)."
     with self.lock:
         candidate, self._candidate = self._candidate, None
+        if candidate is not None and candidate[2] > self.state.step:  # resumed behind its folds
+            if self._rebase is None or candidate[0] > self._rebase[0]:
+                self._rebase = candidate
+            self.state = replace(self.state, folded_step=max(self.state.folded_step, candidate[2]))
+            return None
     return None if candidate is None else self._install(*candidate)
+
+
+@patch
+def _install_rebase(self: DumbDiLoCoCoordinator, boundary: bool = False) -> Install | None:
+    "The global `_install_candidate` held, installed once the node is back at the step it holds."
+    with self.lock:
+        due = self._rebase
+        if due is None or self.state.step < due[2]:
+            return None
+        self._rebase = None
+    return self._install(*due, keep_progress=boundary)  # after `at_boundary`: nothing unsent
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #182989d0
 @patch
@@ -632,9 +695,21 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
     if tag is not None and tag == self._seen_tag:
         return None  # the version file has not changed: nothing new
     repo = self.transport.state()
+    theirs = str(repo.extras.get("run_id") or "")
     with self.lock:
-        newest = max(self.state.version, self._candidate[0] if self._candidate else -1)
-    if repo.metadata is None or repo.outer_step <= newest:
+        newest = max(
+            [self.state.version]
+            + [held[0] for held in (self._candidate, self._rebase) if held is not None]
+        )
+        joined, other_run = self.state.version >= 0, theirs != self.state.run_id
+    if repo.metadata is None or (not joined and self._left_run and theirs == self._left_run):
+        return None  # nothing yet, or the run this node left with --overwrite: the new one comes
+    if joined and other_run:  # said without downloading weights it will not install
+        self._seen_tag = tag
+        return self._refuse_global(
+            repo.outer_step, global_problem({}, repo.outer_step, repo.extras, {}, self.state)
+        )
+    if repo.outer_step <= newest:
         return None
     path = self.state_root / "global" / "latest.safetensors"
     self.transport.fetch(GLOBAL_MODEL_PATH, path, revision=repo.revision)
@@ -646,6 +721,9 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
         problem = global_problem(tensors, repo.outer_step, repo.extras, header, self.state)
         if problem is None and not self.state.master:
             self.state = replace(self.state, master=master_of(repo.extras))  # the one it follows
+        if problem is None and not joined and self.state.run_id != theirs:
+            self.state = replace(self.state, run_id=theirs)  # the run it joins
+            atomic_write_text(json.dumps({"run_id": theirs}) + "\n", self.state_root / RUN_RECORD)
     if problem is not None:
         return self._refuse_global(repo.outer_step, problem)
     self._seen_repo = (repo.outer_step, repo.extras)
@@ -659,9 +737,10 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
 @patch
 def _refuse_global(self: DumbDiLoCoCoordinator, version: int, problem: str) -> None:
     "Say once, in one line, that global `version` is not installed and why."
-    if (version, problem) in self._refused:
+    key = (-1, problem) if problem.startswith("it belongs to run") else (version, problem)
+    if key in self._refused:  # another run's globals: said once for the run, not per version
         return None
-    self._refused.add((version, problem))
+    self._refused.add(key)
     held = self.state.version
     self._log(
         "warning",
@@ -755,11 +834,12 @@ def after_optimizer_step(
     self._raise_fatal()
     with self.lock:
         self.state = replace(self.state, step=int(step))
-    boundary, pushed, installed = step % self.inner_steps == 0, False, []
+    boundary, pushed = step % self.inner_steps == 0, False
     if boundary:
-        pushed = self._send(step)
-        if self.config.boundary_wait > 0:
-            installed += self._await_fold()
+        pushed = self._send(step)  # a step a held global holds: no delta (`already_folded`)
+    installed = [self._install_rebase(boundary)]
+    if boundary and self.config.boundary_wait > 0:
+        installed += self._await_fold()
     installed.append(self._install_candidate())
     if not any(installed):
         installed.append(self._maybe_poll(force=boundary))
@@ -1035,6 +1115,8 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
         logger=self.logger,
         node_id=self.node_id,
         session=self.state.session,
+        fresh=self.fresh,
+        overwrite=self.overwrite,
         inner_steps=cfg.inner_steps,
         staleness=cfg.staleness,
         expected_nodes=cfg.expected_nodes,

@@ -36,7 +36,7 @@ from speedtronic.distributed.transport import (
 )
 
 # %% auto #0
-__all__ = ['HubTransport', 'token_source', 'classify_hub_error', 'server_wait', 'HubClient']
+__all__ = ['HubTransport', 'token_source', 'classify_hub_error', 'server_wait', 'HubClient', 'write_problem']
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #971b4d24
 def token_source(token: str | None) -> str:
@@ -212,7 +212,8 @@ def _offers(self: HubClient, name: str) -> bool:
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #4865153a
 @patch
 def open(self: HubClient, *, create: bool = False, private: bool = True) -> None:
-    "Check the repository is usable; `create` makes it (private) when missing."
+    "Check the repository is usable and writable; `create` makes it (private) when missing."
+    self.check_write_access()
     if create:
         self._call(
             f"create {self.describe()}",
@@ -240,6 +241,42 @@ def open(self: HubClient, *, create: bool = False, private: bool = True) -> None
 def create_repo(self: HubClient, private: bool = True) -> None:
     "Create the repository if it is missing (2.0's name for `open(create=True)`)."
     self.open(create=True, private=private)
+
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #961f4824
+def write_problem(who: Mapping[str, Any], repo_id: str) -> str | None:
+    "Why the token `whoami` described as `who` cannot write to `repo_id` (None: it can, or unsaid)."
+    token = ((who or {}).get("auth") or {}).get("accessToken") or {}
+    role = token.get("role")
+    if role == "read":
+        return "it is a read-only token"
+    grants = (token.get("fineGrained") or {}).get("scoped")
+    if role != "fineGrained" or not isinstance(grants, list):
+        return None
+    owner = repo_id.split("/")[0] if "/" in repo_id else str(who.get("name") or "")
+    for grant in grants:
+        entity = (grant.get("entity") or {}) if isinstance(grant, Mapping) else {}
+        if entity.get("name") in (owner, repo_id) and "repo.write" in (
+            grant.get("permissions") or []
+        ):
+            return None
+    return f"its fine-grained permissions do not include repo.write on {owner} or {repo_id}"
+
+
+@patch
+def check_write_access(self: HubClient) -> None:
+    "`HubError` now when the token cannot write to the repository (a node finds out at its start)."
+    if not self._offers("whoami"):
+        return
+    try:
+        who = self.api.whoami()
+    except Exception:
+        return  # no token, or no answer now: the first commit says what is wrong
+    if problem := write_problem(who, self.repo_id):
+        raise HubError(
+            f"the token (from {token_source(self.token)}) cannot write to {self.describe()}: "
+            f"{problem}; every DiLoCo node commits to it: use a token with write access "
+            "(a write token, or a fine-grained one with repo.write on the repository)"
+        )
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #c490b88c
 def _missing(exc: BaseException) -> bool:

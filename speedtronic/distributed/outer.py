@@ -60,7 +60,8 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
            'MasterRules', 'MasterState', 'master_state', 'state_record', 'restored', 'translated_record', 'check',
            'rejected', 'listed', 'judge_newcomers', 'active_nodes', 'wait_ran_out', 'round_complete', 'round_due',
            'heartbeat_due', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup',
-           'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'MasterOuterLoop', 'quarantine_record']
+           'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata',
+           'run_conflict', 'run_file', 'MasterOuterLoop', 'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
@@ -483,6 +484,7 @@ class MasterState:
     outer: OuterBuffers
     outer_step: int = -1  # the published version (-1: none yet)
     publication: str = ""  # the id of the commit that published `outer_step`
+    run_id: str = ""  # the run's identity in the repository ("": a 2.0-style run, which has none)
     ledger: Ledger = field(default_factory=Ledger)
     sizes: "DeltaSizes" = field(default_factory=lambda: DeltaSizes())
     punctual: frozenset[str] | None = (
@@ -557,6 +559,7 @@ def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Te
         "version": RECORD_VERSION,
         "outer_step": state.outer_step,
         "publication": state.publication,
+        "run_id": state.run_id,
         "ledger": state.ledger.to_json(),
         "delta_sizes": state.sizes.to_json(),
         "punctual": None if state.punctual is None else sorted(state.punctual),
@@ -603,6 +606,7 @@ def restored(
         outer=outer,
         outer_step=int(info["outer_step"]),
         publication=str(info.get("publication", "")),
+        run_id=str(info.get("run_id") or ""),
         ledger=Ledger.from_json(info.get("ledger")),
         sizes=DeltaSizes.from_json(info.get("delta_sizes")),
         punctual=None if punctual is None else frozenset(map(str, punctual)),
@@ -694,6 +698,12 @@ def check(
     reached: Mapping[tuple[str, str], int] = {},
 ) -> CheckedDelta:
     "The delta at `path`, checked against `state`; `DeltaRejected` says why not."
+    if (run := str(header.get("run_id") or "")) and state.run_id and run != state.run_id:
+        raise DeltaRejected(
+            "other_run",
+            f"{path}: written for run {run}, not run {state.run_id} that the repository holds "
+            "(a node of an earlier run: restart it with --overwrite to join this one)",
+        )
     _reachable(state, path, header, reached)
     d = check_delta(
         path, tensors, header, {k: tuple(v.shape) for k, v in state.outer.momentum.items()}
@@ -1022,8 +1032,9 @@ def adopted(
     outer_step: int,
     ledger: Ledger,
     publication: str,
+    run_id: str = "",
 ) -> MasterState:
-    "`state` taking the repository's global, version and ledger (outer momentum restarts at zero)."
+    "`state` taking the repository's global, version, ledger and run (outer momentum from zero)."
     glob = {
         k: v.to(state.global_state[k].dtype) for k, v in remote.items() if k in state.global_state
     }
@@ -1034,6 +1045,7 @@ def adopted(
         outer_step=outer_step,
         ledger=ledger,
         publication=publication,
+        run_id=run_id,
         punctual=None,
         held=(),
         held_since=None,
@@ -1067,6 +1079,43 @@ def final_gaps(state: MasterState, own: str, session: str, final_step: int) -> l
         gaps.append(f"{steps} of node {d.node_id!r} ({d.path})")
     return gaps
 
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #179f7aa1
+def new_run_identity() -> str:
+    "A fresh DiLoCo run id (random)."
+    return uuid.uuid4().hex[:16]
+
+
+def weights_metadata(state: MasterState) -> dict[str, str]:
+    "The safetensors header of the global `state` publishes: its version, publication and run."
+    return {
+        "outer_step": str(state.outer_step),
+        "publication": state.publication,
+        **({"run_id": state.run_id} if state.run_id else {}),
+    }
+
+
+def run_conflict(ours: str, theirs: str, version: int, fresh: bool, overwrite: bool) -> str | None:
+    "Why a master of run `ours` (`fresh`: a new run) may not start on a repository of run `theirs`."
+    if fresh and not overwrite and theirs:
+        return (
+            f"holds run {theirs} (global version {version}); a new run there would mix with it: "
+            "continue that run with --resume, start a new run there with --overwrite (which "
+            "deletes its global model, deltas and ledger), or use another distributed.repo_id"
+        )
+    if not fresh and ours and theirs and ours != theirs:
+        return (
+            f"holds run {theirs} (global version {version}), not run {ours} that this master "
+            "continues: another master started a new run there with --overwrite. Start a new run "
+            f"with --overwrite (which deletes run {theirs}'s files), or use another "
+            "distributed.repo_id"
+        )
+    return None
+
+
+def run_file(path: str) -> bool:
+    "Whether repository `path` is the run's (`--overwrite` deletes it): under `global/` or `nodes/`."
+    return path.startswith(("global/", "nodes/"))
+
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #a8070367
 class MasterOuterLoop:
     "The master's outer loop: find, check and fold deltas, publish the global model (one commit), repeat."
@@ -1091,6 +1140,8 @@ class MasterOuterLoop:
         lease_timeout: float = 600.0,
         round_wait: float = 0.0,
         final_round_timeout: float = 300.0,  # s a final round left by a killed run waits, at `stop()`
+        fresh: bool = False,  # a new run: a new run id, the local records of an earlier run deleted
+        overwrite: bool = False,  # a fresh master deletes the files of the run a repository holds
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ):
@@ -1133,7 +1184,11 @@ class MasterOuterLoop:
             threading.Event(),
             None,
         )
-        self.state = self._read_local() or self.state
+        self.fresh, self.overwrite = bool(fresh), bool(overwrite)
+        if self.fresh:  # a new run continues nothing of an earlier one (its files are replaced)
+            self.state = replace(self.state, run_id=new_run_identity())
+        else:
+            self.state = self._read_local() or self.state
         self.final_round_timeout, self._final_tried = float(final_round_timeout), False
 
     outer_step = property(
@@ -1237,6 +1292,10 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
         "staleness": self.rules.policy,
         "ledger": prepared.ledger.to_json(),
         "publication": prepared.publication,
+        "global_publication": prepared.publication  # the commit that wrote the weights
+        if pub.weights
+        else str(repo.extras.get("global_publication") or ""),
+        **({"run_id": prepared.run_id} if prepared.run_id else {}),
         **({"bootstrap": "true"} if pub.bootstrap else {}),
         "master": {
             "node_id": self.node_id,
@@ -1250,7 +1309,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
     if pub.weights:
         files = {
             GLOBAL_MODEL_PATH: save_safetensors(
-                prepared.global_state, out / "latest.safetensors", {"outer_step": version}
+                prepared.global_state, out / "latest.safetensors", weights_metadata(prepared)
             ),
             **files,
         }
@@ -1293,8 +1352,10 @@ def start_master(self: MasterOuterLoop) -> RepoState:
     if callable(getattr(self.transport, "open", None)):
         self.transport.open(create=True, private=True)
     repo = self.transport.state()
-    prepared = self._read_local(".next")
+    prepared = None if self.fresh else self._read_local(".next")
     if repo.metadata is None:
+        if not self.state.run_id:
+            self.state = replace(self.state, run_id=new_run_identity())
         self._publish(repo, bootstrap(self.state))
         return self.transport.state()
     holder = lease_holder(
@@ -1307,6 +1368,15 @@ def start_master(self: MasterOuterLoop) -> RepoState:
         )
     if other_master(repo.extras, self.node_id):
         repo = self._outwait_lease(repo)
+    theirs = str(repo.extras.get("run_id") or "")
+    if problem := run_conflict(
+        self.state.run_id, theirs, repo.outer_step, self.fresh, self.overwrite
+    ):
+        raise HubError(f"{self._where()} {problem}")
+    if self.fresh and self.overwrite:
+        return self._start_over(repo)
+    if self.fresh:
+        self.state = replace(self.state, run_id="")  # a 2.0-style repository: its run has no id
     chosen = resumed(self.state, prepared, repo.outer_step, str(repo.extras.get("publication", "")))
     if prepared is not None and chosen is prepared:
         self._promote()
@@ -1338,8 +1408,11 @@ def start_master(self: MasterOuterLoop) -> RepoState:
             repo.outer_step,
             Ledger.from_json(repo.extras.get("ledger")),
             str(repo.extras.get("publication", "")),
+            theirs,
         )
         self._save_local(chosen)
+    elif theirs and not chosen.run_id:
+        chosen = replace(chosen, run_id=theirs)  # local state written before runs had ids
     with self.lock:
         self.state = chosen
     self.revision = None  # deltas already there are listed by the first round
@@ -1370,6 +1443,27 @@ def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
                 f"distributed.lease_timeout={lease:g} s after it stopped"
             )
     return repo
+
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #1862a230
+@patch
+def _start_over(self: MasterOuterLoop, repo: RepoState) -> RepoState:
+    "`--overwrite`: this run's version 0 replaces the run `repo` holds, its files deleted with it."
+    listing = (
+        self.transport.list_files()
+        if callable(getattr(self.transport, "list_files", None))
+        else self.transport.list_deltas()
+    )
+    kept = (GLOBAL_MODEL_PATH, GLOBAL_METADATA_PATH)  # replaced by the publication itself
+    old = tuple(p for p in listing if run_file(p) and p not in kept)
+    theirs = str(repo.extras.get("run_id") or "") or "(a 2.0 run without an id)"
+    self._log(
+        "warning",
+        f"--overwrite: {self._where()} held run {theirs} at global version {repo.outer_step}; "
+        f"its files ({len(old) + 2}) are deleted and run {self.state.run_id} starts at version 0",
+    )
+    start = replace(self.state, outer_step=-1)
+    self._publish(repo, replace(bootstrap(start), deletes=old))
+    return self.transport.state()
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #24d8f318
 @patch

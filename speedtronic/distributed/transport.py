@@ -337,6 +337,26 @@ def list_deltas(self: SharedDirectory, revision: str | None = None) -> list[str]
 
     return self._call(f"list deltas in {self.describe()}", run)
 
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #4f62dc79
+@patch
+def list_files(self: SharedDirectory) -> list[str]:
+    "Every regular file in the repository (claims and temp files too), sorted repository paths."
+
+    def run():
+        if not self._present():
+            return []
+        found = []
+        for folder, dirs, files in os.walk(self.root):  # never into a linked folder
+            here = Path(folder)
+            found += [
+                (here / f).relative_to(self.root).as_posix()
+                for f in files
+                if not (here / f).is_symlink()
+            ]
+        return sorted(found)
+
+    return self._call(f"list {self.describe()}", run)
+
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #cccd5176
 def _copy(src: Path, dest: Path) -> int:
     "Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename), never through a link at `src`; returns the bytes copied."

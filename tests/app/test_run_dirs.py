@@ -79,7 +79,7 @@ def test_overwrite_starts_over_and_resume_continues_the_new_run(tmp_path):
     by_run = {}
     for r in records(tmp_path / "metrics.jsonl"):
         by_run.setdefault(r["run_id"], []).append(r)  # every record has one
-    assert set(by_run) == {run_a, run_b}
+    assert set(by_run) == {run_b}  # --overwrite started the metrics file over: one run (issue 27)
     assert [r["step"] for r in by_run[run_b] if r["event"] == "train_step"] == [1, 2, 3, 4]
     line = error_line(
         cli("train", "--config", str(b), "--device", "cpu", "--resume", "--overwrite", cwd=tmp_path)

@@ -214,3 +214,27 @@ def test_a_last_delta_that_failed_during_an_outage_is_sent_again_and_reaches_the
     ledger = json.loads(hub.files(repo)["global/step_count.json"])["ledger"]
     for name in ("master", "w1"):  # every trained step of both nodes is in the final global
         assert max(ledger[name]["sessions"].values()) == 20, ledger
+
+
+# -- a token that can only read is found at start -----------------------------------------------
+READ_TOKEN = "hf_test_read_token_0123456789"
+
+
+@pytest.mark.parametrize("role", ["worker", "master"])
+def test_a_node_with_a_read_only_token_stops_at_start_in_one_line_before_training(tmp_path, role):
+    from hub_server import HubStandIn
+
+    server = HubStandIn(tokens={READ_TOKEN: "read"}).start()
+    try:
+        server.create("org/ro")
+        node = launch(
+            node_config(
+                tmp_path, "n1", role, repo="org/ro", transport="hub", steps=20, lease_timeout=3
+            ),
+            {**hub_env(server), "HF_TOKEN": READ_TOKEN},
+        )
+        rc, err, out = ended(node)
+    finally:
+        server.stop()
+    error_line(rc, err, out, "read-only token", "org/ro", "HF_TOKEN", "write access")
+    assert not jsonl_records(tmp_path / "n1" / "metrics.jsonl")  # not one step trained
