@@ -102,7 +102,8 @@ def output_dir(text: str) -> str:
 
 
 def device_name(text: str) -> str:
-    "argparse type: a non-empty device name (an unset shell variable must not silently mean run.device)."
+    """argparse type: a non-empty device name (an unset shell variable must not silently mean
+    run.device)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty (use auto, cpu, cuda, cuda:N or mps)")
     return text.strip()
@@ -161,7 +162,8 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
         type=output_dir,
         default=None,
         metavar="DIR",
-        help="replaces run.output_dir; the run's checkpoints, metrics, loss curve and logs all go there",
+        help="replaces run.output_dir; the run's checkpoints, metrics, loss curve and logs all go "
+        "there",
     )
     t.add_argument(
         "--overwrite",
@@ -205,11 +207,13 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hf-dataset",
         action="store_true",
-        help="SOURCE names a `datasets` dataset (a data.hf_dataset path or Hub name: its train split, text column)",
+        help="SOURCE names a `datasets` dataset (a data.hf_dataset path or Hub name: its train "
+        "split, text column)",
     )
 
 
-# name -> (help, description, the function that adds its arguments); `build_parser` adds them in this order
+# name -> (help, description, the function that adds its arguments); `build_parser` adds them in
+# this order
 COMMAND_ARGUMENTS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
     "validate": (
         "load, check and print a configuration (secrets redacted)",
@@ -319,7 +323,8 @@ COMMAND_ARGUMENTS.update(
 
 # %% ../nbs/app/02_cli.ipynb #b4c4fdb5
 def _output_dir_problems(config: SpeedtronicConfig, key: str = "run.output_dir") -> list[str]:
-    "A file where the run's output or checkpoint directory must go (found before training, not at the first save)."
+    """A file where the run's output or checkpoint directory must go (found before training, not at
+    the first save)."""
     paths = run_paths(config)
     for name, d in [(key, paths.output_dir), ("checkpoint.directory", paths.checkpoints)]:
         blocker = file_in_the_way(d)
@@ -327,31 +332,37 @@ def _output_dir_problems(config: SpeedtronicConfig, key: str = "run.output_dir")
             return [f"{name}: {d} is a file, not a directory; choose another directory"]
         if blocker:
             return [
-                f"{name}: {d} cannot be created because {blocker} is a file; choose another directory"
+                f"{name}: {d} cannot be created because {blocker} is a file; choose another "
+                "directory"
             ]
     return []
 
 
 def _prepare_problems(source: str, output: str) -> list[str]:
-    "Why writing token file `output` from `source` would fail or overwrite the text (empty when fine)."
+    """Why writing token file `output` from `source` would fail or overwrite the text (empty when
+    fine)."""
     src, out = Path(source).expanduser(), Path(output).expanduser()
     if out.is_dir():
         return [
-            f"output {output!r} is a directory; give a file path such as {str(out / 'tokens.bin')!r}"
+            f"output {output!r} is a directory; give a file path such as "
+            f"{str(out / 'tokens.bin')!r}"
         ]
     blocker = file_in_the_way(out.parent)
     if blocker:
         return [
-            f"output {output!r} cannot be created because {str(blocker)!r} is a file, not a directory"
+            f"output {output!r} cannot be created because {str(blocker)!r} is a file, not a "
+            "directory"
         ]
     targets = (out.resolve(), Path(str(out) + ".json").resolve())
     if src.is_file() and src.resolve() in targets:
         return [
-            f"output {output!r} (or its sidecar {targets[1].name}) would overwrite the source {source!r}; give another output path"
+            f"output {output!r} (or its sidecar {targets[1].name}) would overwrite the source "
+            f"{source!r}; give another output path"
         ]
     if src.is_dir() and targets[0].is_relative_to(src.resolve()):
         return [
-            f"output {output!r} is inside the source directory {source!r} and would be read as text next time; write it elsewhere"
+            f"output {output!r} is inside the source directory {source!r} and would be read as "
+            "text next time; write it elsewhere"
         ]
     return []
 
@@ -363,12 +374,14 @@ def _job_rank() -> str | None:
 
 
 def _prints() -> bool:
-    "Does this process print results? One process does; in a torchrun job only rank 0 (others print errors only)."
+    """Does this process print results? One process does; in a torchrun job only rank 0 (others
+    print errors only)."""
     return _job_rank() is None or os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def _record_for_torchrun(exc: BaseException, said: str | None = None) -> None:
-    "Write how this rank ended to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`) for its failure summary: `said` for a handled error, else `exc` with its traceback."
+    """Write how this rank ended to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`) for its
+    failure summary: `said` for a handled error, else `exc` with its traceback."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -398,7 +411,8 @@ def _reported_elsewhere(exc: BaseException) -> bool:
 
 
 def _hold_sigterm() -> None:
-    "In a torchrun worker, ignore SIGTERM until the process exits: it is reporting how it ended while torchrun ends the job."
+    """In a torchrun worker, ignore SIGTERM until the process exits: it is reporting how it ended
+    while torchrun ends the job."""
     if (
         os.environ.get("TORCHELASTIC_RUN_ID")
         and threading.current_thread() is threading.main_thread()
@@ -415,7 +429,8 @@ def _sigterm_held() -> bool:
 
 # %% ../nbs/app/02_cli.ipynb #28d013e7
 def shown_config(config: SpeedtronicConfig) -> dict:
-    "The redacted configuration as `validate` prints it: as written, with the schedule the run will use."
+    """The redacted configuration as `validate` prints it: as written, with the schedule the run
+    will use."""
     from speedtronic.schedules import (
         resolve_schedule,
     )  # the one owner of the horizon; loads no torch
@@ -426,14 +441,16 @@ def shown_config(config: SpeedtronicConfig) -> dict:
 
 
 def _fitted(line: str, stream: object) -> str:
-    "`line` wrapped to the terminal's width when `stream` is a terminal (continuation lines indented); a pipe keeps one line."
+    """`line` wrapped to the terminal's width when `stream` is a terminal (continuation lines
+    indented); a pipe keeps one line."""
     from speedtronic.progress import TERMINAL_WIDTH, is_tty  # torch-free
 
     return textwrap.fill(line, TERMINAL_WIDTH, subsequent_indent="  ") if is_tty(stream) else line
 
 
 def _validate(args: argparse.Namespace) -> int:
-    "`speedtronic validate`: print the normalised, redacted configuration; `--deep` checks it can run."
+    """`speedtronic validate`: print the normalised, redacted configuration; `--deep` checks it can
+    run."""
     config = SpeedtronicConfig.load(args.config)
     shown = shown_config(config)
     if not _prints():
@@ -471,7 +488,10 @@ VERDICT = "can run here: device, model, data, first step and outputs checked"
 def completed_line(result) -> str:
     "The line `train` prints: cumulative counters and the last loss (or `None`)."
     loss = None if result.final_loss is None else float(result.final_loss)
-    return f"completed steps={int(result.steps)} samples={int(result.samples)} tokens={int(result.tokens)} loss={loss!r}"
+    return (
+        f"completed steps={int(result.steps)} samples={int(result.samples)} "
+        f"tokens={int(result.tokens)} loss={loss!r}"
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -525,7 +545,8 @@ def final_lines(result, config: SpeedtronicConfig, terminal: bool) -> list[str]:
 
 
 def continue_command(args: argparse.Namespace) -> str:
-    "The command that continues an interrupted `train` as it was run: its config, output folder, device and target, with `--resume`."
+    """The command that continues an interrupted `train` as it was run: its config, output folder,
+    device and target, with `--resume`."""
     import shlex
 
     words = ["speedtronic", "train", "--config", str(args.config)]
@@ -638,7 +659,8 @@ def _consolidate_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    "`speedtronic consolidate`: a sharded checkpoint folder written as one checkpoint file; says where."
+    """`speedtronic consolidate`: a sharded checkpoint folder written as one checkpoint file; says
+    where."""
     from speedtronic.checkpoint import consolidate_checkpoint
 
     print(f"wrote {consolidate_checkpoint(args.folder, args.output)}")
@@ -683,7 +705,8 @@ def _config_secrets(argv: Sequence[str] | None) -> list[str]:
 
 
 def _warning_printer(fallback: Callable) -> Callable:
-    "A `warnings.showwarning` that prints Speedtronic's own warnings as one `speedtronic: warning: …` line."
+    """A `warnings.showwarning` that prints Speedtronic's own warnings as one `speedtronic: warning:
+    …` line."""
 
     def show(message, category, filename, lineno, file=None, line=None):
         if not category.__module__.startswith("speedtronic"):
@@ -699,7 +722,8 @@ def _warning_printer(fallback: Callable) -> Callable:
 
 # %% ../nbs/app/02_cli.ipynb #35d01b9e
 def main(argv: Sequence[str] | None = None) -> int:
-    "Run the `speedtronic` command line with `argv` (default `sys.argv[1:]`); returns the exit code."
+    """Run the `speedtronic` command line with `argv` (default `sys.argv[1:]`); returns the exit
+    code."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -712,7 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _end_process(code: int) -> int:
-    "`code`; a torchrun worker that joined the job's process group exits here instead (`parallel.end_process`)."
+    """`code`; a torchrun worker that joined the job's process group exits here instead
+    (`parallel.end_process`)."""
     parallel = sys.modules.get("speedtronic.parallel")  # not imported: no process group was started
     return code if parallel is None else parallel.end_process(code)
 
@@ -723,7 +748,8 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def _sigterm_interrupts():
-    "Within the block, SIGTERM raises `Terminated` (the trainer installs its own graceful handler while it fits)."
+    """Within the block, SIGTERM raises `Terminated` (the trainer installs its own graceful handler
+    while it fits)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -740,7 +766,8 @@ def _sigterm_interrupts():
 
 
 def _by_sigterm(stop: KeyboardInterrupt) -> bool:
-    "Whether SIGTERM ended the command: outside training (`Terminated`) or a run it stopped (`TrainingInterrupted`'s reason)."
+    """Whether SIGTERM ended the command: outside training (`Terminated`) or a run it stopped
+    (`TrainingInterrupted`'s reason)."""
     return isinstance(stop, Terminated) or str(getattr(stop, "reason", "")).startswith("SIGTERM")
 
 

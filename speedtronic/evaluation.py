@@ -76,7 +76,8 @@ class EvalResult:
         return self.loss / math.log(2) / self.bytes_per_token
 
     def record(self) -> dict[str, Any]:
-        "The `eval` event's values: `val_loss`, `val_ppl`, `val_bpb`, `val_tokens`, `val_batches`, `eval_s`."
+        """The `eval` event's values: `val_loss`, `val_ppl`, `val_bpb`, `val_tokens`, `val_batches`,
+        `eval_s`."""
         return {
             "val_loss": self.loss,
             "val_ppl": self.ppl,
@@ -153,7 +154,8 @@ def evaluate(
     loss_sum, tokens, batches = total.cpu().tolist()
     if not batches:
         raise DataError(
-            "the held-out data gave no batch to evaluate on; give eval more data (or data.drop_last: false)"
+            "the held-out data gave no batch to evaluate on; give eval more data (or "
+            "data.drop_last: false)"
         )
     return EvalResult(
         loss_sum / max(tokens, 1.0),
@@ -168,7 +170,8 @@ def bytes_per_token(
     tokenizer: Any,
     tokens: Any = None,  # held-out token ids to measure the ratio on
 ) -> float | None:
-    "Bytes of UTF-8 text per token: 1 for the byte tokenizer, measured on `tokens` for another, `None` if unknown."
+    """Bytes of UTF-8 text per token: 1 for the byte tokenizer, measured on `tokens` for another,
+    `None` if unknown."""
     if isinstance(tokenizer, CharTokenizer):
         return 1.0
     decode = getattr(tokenizer, "decode", None)
@@ -187,22 +190,28 @@ class Holdout:
     source: str  # what was split, e.g. "data.token_file 'x.bin'"
 
     def describe(self) -> str:
-        "One line: how many blocks and tokens each side gets (a stream: which blocks, its size is not known before reading)."
+        """One line: how many blocks and tokens each side gets (a stream: which blocks, its size is
+        not known before reading)."""
         t, h = self.train, self.held_out
         if getattr(h, "share", None) is not None:  # a `StreamHoldout` (below)
             return (
-                f"eval.holdout_fraction: {self.source} is streamed, so the tokens each side gets are not known before it is read: "
-                f"of each shard's blocks of {t.block_size + 1} tokens, {h.share} spread evenly are held out "
-                f"({h.share.denominator - h.share.numerator} trained on, then {h.share.numerator} held out, in every {h.share.denominator})"
+                f"eval.holdout_fraction: {self.source} is streamed, so the tokens each side gets "
+                "are not known before it is read: "
+                f"of each shard's blocks of {t.block_size + 1} tokens, {h.share} spread evenly "
+                "are held out "
+                f"({h.share.denominator - h.share.numerator} trained on, then {h.share.numerator} "
+                f"held out, in every {h.share.denominator})"
             )
         return (
-            f"eval.holdout_fraction: {self.source} split into {t.num_blocks:,} training blocks ({t.num_tokens:,} tokens) "
+            f"eval.holdout_fraction: {self.source} split into {t.num_blocks:,} training blocks "
+            f"({t.num_tokens:,} tokens) "
             f"and {h.num_blocks:,} held-out blocks ({h.num_tokens:,} tokens)"
         )
 
 
 def _text_tokens(dataset: TextFileTokenDataset) -> np.ndarray:
-    "Every block of a text dataset, in reading order, as one token array (each block's `block_size + 1` tokens)."
+    """Every block of a text dataset, in reading order, as one token array (each block's `block_size
+    + 1` tokens)."""
     direct = TextFileTokenDataset(
         dataset.path, dataset.block_size, dataset.tokenizer, dataset.vocab_size
     )
@@ -215,7 +224,8 @@ def _text_tokens(dataset: TextFileTokenDataset) -> np.ndarray:
 
 # %% ../nbs/train/07_evaluation.ipynb #9c5bd118
 def holdout_split(dataset: Any, fraction: float) -> Holdout:
-    "Split a text or token dataset: its last `fraction` of blocks (at least one) held out, the rest trained on; a stream block by block."
+    """Split a text or token dataset: its last `fraction` of blocks (at least one) held out, the
+    rest trained on; a stream block by block."""
     if isinstance(dataset, TextFileTokenDataset):
         tokens, source, shuffle, seed = (
             _text_tokens(dataset),
@@ -234,7 +244,8 @@ def holdout_split(dataset: Any, fraction: float) -> Holdout:
         )
     else:
         raise DataError(
-            f"eval.holdout_fraction splits data.text_path, data.token_file or data.hf_dataset, not a "
+            "eval.holdout_fraction splits data.text_path, data.token_file or data.hf_dataset, "
+            "not a "
             f"{type(dataset).__name__}; give eval.text_path or eval.token_file instead"
         )
     block, g = dataset.block_size, dataset.block_size + 1
@@ -272,7 +283,8 @@ def _is_held(i: int, share: Fraction) -> bool:
 
 
 class StreamHoldout(BlockStream):
-    "One side of a streamed source split block by block: `fraction` of each unit's blocks, spread evenly, are held out."
+    """One side of a streamed source split block by block: `fraction` of each unit's blocks, spread
+    evenly, are held out."""
 
     shuffle, known_blocks = False, None
 
@@ -280,13 +292,17 @@ class StreamHoldout(BlockStream):
         self.source, self.held_out = source, bool(held_out)
         self.share = Fraction(fraction).limit_denominator(1 << 20)
         self.block_size, self.vocab_size = source.block_size, getattr(source, "vocab_size", None)
-        self.name = f"{getattr(source, 'name', None) or type(source).__name__} {'held-out' if held_out else 'training'} blocks"
+        self.name = (
+            f"{getattr(source, 'name', None) or type(source).__name__} "
+            f"{'held-out' if held_out else 'training'} blocks"
+        )
 
     def num_units(self, epoch: int) -> int:
         return self.source.num_units(epoch)
 
     def unit_samples(self, epoch: int, unit: int, skip: int) -> Iterator[dict]:
-        "This side's samples of `unit`, after its first `skip` (the source's unit read from its start)."
+        """This side's samples of `unit`, after its first `skip` (the source's unit read from its
+        start)."""
         mine = (
             s
             for i, s in enumerate(self.source.unit_samples(epoch, unit, 0))
@@ -295,7 +311,8 @@ class StreamHoldout(BlockStream):
         return itertools.islice(mine, skip, None)
 
     def source_identity(self, **order: Any) -> dict[str, Any]:
-        "The source's identity, the fraction and the side: a position of one side is not one of the other."
+        """The source's identity, the fraction and the side: a position of one side is not one of
+        the other."""
         return {
             **source_identity(self.source, **order),
             "eval.holdout_fraction": float(self.share),
@@ -326,7 +343,8 @@ class Sampler:
     top_k: int | None = SAMPLE_TOP_K  # a draw is among this many most likely tokens (None: all)
 
     def __call__(self, model: nn.Module) -> list[dict[str, Any]]:
-        "The text `model` writes after each prompt, leaving random generators and module modes as they were."
+        """The text `model` writes after each prompt, leaving random generators and module modes as
+        they were."""
         model = getattr(model, "module", model)
         modes, rng = [(m, m.training) for m in model.modules()], capture_rng_state()
         try:
@@ -353,7 +371,8 @@ class Sampler:
 
 # %% ../nbs/train/07_evaluation.ipynb #681176e0
 class Evaluator:
-    "The held-out loader and how often and how much of it to read; called with the model, returns an `EvalResult`."
+    """The held-out loader and how often and how much of it to read; called with the model, returns
+    an `EvalResult`."""
 
     def __init__(
         self,
@@ -405,7 +424,8 @@ class Evaluator:
             restore_rng_state(rng)
 
     def samples(self, model: nn.Module) -> list[dict[str, Any]]:
-        "The sampler's texts for `model` (none without prompts, and none on a rank that does not write)."
+        """The sampler's texts for `model` (none without prompts, and none on a rank that does not
+        write)."""
         if self.sampler is None or (self.world is not None and not self.world.writes):
             return []
         return self.sampler(model)
@@ -502,7 +522,8 @@ def build_evaluator(
 
 
 def _sampler(config: SpeedtronicConfig, tokenizer: Any, vocab: int) -> Sampler:
-    "The `Sampler` of `eval.sample_*`, each prompt checked against the run's tokenizer and vocabulary first."
+    """The `Sampler` of `eval.sample_*`, each prompt checked against the run's tokenizer and
+    vocabulary first."""
     e = config.eval
     for i, prompt in enumerate(e.sample_prompts):
         ids = encode_text(tokenizer, prompt)
@@ -536,11 +557,14 @@ def _sidecar_tokenizer(path: str, vocab: int) -> Any:
 
 # %% ../nbs/train/07_evaluation.ipynb #778be876
 class GlobalEvaluator:
-    "Evaluates each published global model in its own CPU model instance, on its own thread: one `global_eval` event per version."
+    """Evaluates each published global model in its own CPU model instance, on its own thread: one
+    `global_eval` event per version."""
 
     def __init__(
         self,
-        model: nn.Module,  # a second instance of the trained model (not the one training): each version's weights go in it
+        # a second instance of the trained model (not the one training): each version's weights go
+        # in it
+        model: nn.Module,
         evaluator: Evaluator,
         *,
         logger: Any = None,
@@ -566,7 +590,8 @@ class GlobalEvaluator:
         )
 
     def wait(self, timeout: float | None = None) -> bool:
-        "Wait until every queued version is evaluated; whether that happened within `timeout` seconds."
+        """Wait until every queued version is evaluated; whether that happened within `timeout`
+        seconds."""
         with self._done:
             return self._done.wait_for(lambda: self._pending == 0, timeout)
 
@@ -597,7 +622,8 @@ def _evaluate_version(
     except Exception as err:
         if self.logger is not None:
             self.logger.warning(
-                f"global model version {version}: held-out evaluation failed: {type(err).__name__}: {err}"
+                f"global model version {version}: held-out evaluation failed: "
+                f"{type(err).__name__}: {err}"
             )
         return
     self.results[version] = result
@@ -630,7 +656,8 @@ def _run(self: GlobalEvaluator) -> None:
 
 # %% ../nbs/train/07_evaluation.ipynb #a32dc610
 def holdout_note(config: SpeedtronicConfig) -> str | None:
-    "How `eval.holdout_fraction` splits the training source (blocks and tokens each side), or `None` without a split."
+    """How `eval.holdout_fraction` splits the training source (blocks and tokens each side), or
+    `None` without a split."""
     if not config.eval.holdout_fraction:
         return None
     dataset = select_dataset(config.data, vocab_size=resolve_vocab_size(config.data))
@@ -654,7 +681,8 @@ def earlier_evals(
     *,
     run_id: str | None = None,  # the resumed run: records of other runs in the file are skipped
 ) -> list[dict[str, Any]]:
-    "The `eval` records of run `run_id` up to step `up_to` that led to it, from a metrics file (empty if it is missing)."
+    """The `eval` records of run `run_id` up to step `up_to` that led to it, from a metrics file
+    (empty if it is missing)."""
     if path is None or not Path(path).is_file() or up_to <= 0:
         return []
     kept: list[dict[str, Any]] = []

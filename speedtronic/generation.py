@@ -67,7 +67,8 @@ def next_token(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> int:
-    "The next token id from last-position `logits` `(V,)`: argmax at temperature 0, else a filtered draw."
+    """The next token id from last-position `logits` `(V,)`: argmax at temperature 0, else a
+    filtered draw."""
     if temperature == 0:
         return int(logits.argmax())
     probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
@@ -75,7 +76,8 @@ def next_token(
 
 # %% ../nbs/interop/01_generation.ipynb #07ed1685
 def context_window(model: nn.Module) -> int | None:
-    "The longest sequence `model` takes: its `config.block_size`/`max_seq_len` or `max_seq_len`; `None` if it says none."
+    """The longest sequence `model` takes: its `config.block_size`/`max_seq_len` or `max_seq_len`;
+    `None` if it says none."""
     for owner in (getattr(model, "config", None), model):
         for name in ("block_size", "max_seq_len", "max_position_embeddings"):
             value = getattr(owner, name, None)
@@ -85,11 +87,13 @@ def context_window(model: nn.Module) -> int | None:
 
 
 def _last_logits(output: Any) -> torch.Tensor:
-    "Last-position logits `(V,)` of the first sequence, from a dict, an object with `.logits`, or a tensor."
+    """Last-position logits `(V,)` of the first sequence, from a dict, an object with `.logits`, or
+    a tensor."""
     logits = output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", output)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise TypeError(
-            f"the model must return logits (batch, seq, vocab) (a tensor, or a dict with 'logits'); "
+            "the model must return logits (batch, seq, vocab) (a tensor, or a dict with "
+            "'logits'); "
             f"got {type(logits).__name__}"
         )
     return logits[0, -1]
@@ -128,7 +132,8 @@ def generate_ids(
     seed: int | None = None,
     stop_ids: Sequence[int] = (),
 ) -> Iterator[int]:
-    "Yield up to `max_new_tokens` new token ids after `prompt_ids`, stopping after any of `stop_ids`."
+    """Yield up to `max_new_tokens` new token ids after `prompt_ids`, stopping after any of
+    `stop_ids`."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     ids = [int(i) for i in prompt_ids]
     if not ids:
@@ -227,7 +232,8 @@ def generate(
     stop_ids: Sequence[int] = (),
     on_text: Callable[[str], Any] | None = None,
 ) -> str:
-    "The text `model` writes after `prompt` (greedy at temperature 0); `on_text` gets each piece as it comes."
+    """The text `model` writes after `prompt` (greedy at temperature 0); `on_text` gets each piece
+    as it comes."""
     pieces = []
     for piece in generate_stream(
         model,

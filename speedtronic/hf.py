@@ -43,7 +43,8 @@ __all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'E
 # %% ../nbs/interop/02_hf.ipynb #55aec66d
 @dataclass
 class Trained:
-    "A model read back (in eval mode) with its tokenizer and configuration; `generate` continues a prompt."
+    """A model read back (in eval mode) with its tokenizer and configuration; `generate` continues a
+    prompt."""
 
     model: nn.Module
     tokenizer: Any  # None for an exported folder that holds no tokenizer.json
@@ -76,7 +77,8 @@ class Trained:
 
 
 def _gathered(path: Path, state: dict) -> dict:
-    "`state`, loaded from checkpoint `path`, with a sharded folder's tensors (left for a job to fill in) gathered whole."
+    """`state`, loaded from checkpoint `path`, with a sharded folder's tensors (left for a job to
+    fill in) gathered whole."""
     return load_checkpoint(path) if is_sharded(path) else state
 
 
@@ -173,7 +175,8 @@ def load_trained(
     *,
     device: str | torch.device = "cpu",
 ) -> Trained:
-    "Model, tokenizer and configuration of the newest checkpoint of `run`, or of the file `checkpoint`."
+    """Model, tokenizer and configuration of the newest checkpoint of `run`, or of the file
+    `checkpoint`."""
     if (run is None) == (checkpoint is None):
         raise ValueError("give either a run folder or a checkpoint file, not both")
     if checkpoint is not None and Path(checkpoint).suffix == ".safetensors":
@@ -248,7 +251,8 @@ def _swiglu_width(d_ff: int, n_head: int) -> int:
 
 
 def llama_config(section: Any) -> dict[str, Any]:
-    "The transformers `config.json` of a reference transformer with these settings (a `GPTConfig` or model section)."
+    """The transformers `config.json` of a reference transformer with these settings (a `GPTConfig`
+    or model section)."""
     value = lambda key: getattr(
         section, "block_size" if key == "max_seq_len" and not hasattr(section, key) else key
     )
@@ -277,7 +281,8 @@ def llama_config(section: Any) -> dict[str, Any]:
 
 # %% ../nbs/interop/02_hf.ipynb #94ca278c
 class ExportWarning(UserWarning):
-    "An export that is complete for the model but leaves something out (e.g. a tokenizer with no transformers form)."
+    """An export that is complete for the model but leaves something out (e.g. a tokenizer with no
+    transformers form)."""
 
 
 def _byte_alphabet() -> list[str]:
@@ -325,7 +330,8 @@ def byte_tokenizer_json() -> dict[str, Any]:
 
 # %% ../nbs/interop/02_hf.ipynb #931c2f0a
 def _tokenizer_files(tokenizer: Any, max_len: int) -> dict[str, bytes]:
-    "File name -> contents of `tokenizer` in transformers' form; empty (with a warning) when it has none."
+    """File name -> contents of `tokenizer` in transformers' form; empty (with a warning) when it
+    has none."""
     from speedtronic.tokens import CharTokenizer, HFTokenizer
 
     if isinstance(tokenizer, HFTokenizer):
@@ -341,7 +347,8 @@ def _tokenizer_files(tokenizer: Any, max_len: int) -> dict[str, bytes]:
             else f"{type(tokenizer).__name__} is not a tokenizers tokenizer"
         )
         warnings.warn(
-            f"no tokenizer exported: {why} and has no transformers equivalent; the model is exported alone",
+            f"no tokenizer exported: {why} and has no transformers equivalent; the model is "
+            "exported alone",
             ExportWarning,
             stacklevel=3,
         )
@@ -372,7 +379,8 @@ def export_owns(name: str) -> bool:
 
 
 def foreign_files(folder: str | os.PathLike) -> list[str]:
-    "Names in `folder` that an export never writes (a user's files and folders); none if it is absent."
+    """Names in `folder` that an export never writes (a user's files and folders); none if it is
+    absent."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -384,7 +392,8 @@ def foreign_files(folder: str | os.PathLike) -> list[str]:
 
 # %% ../nbs/interop/02_hf.ipynb #bce537ba
 def _exchange(a: Path, b: Path) -> bool:
-    "Swap the paths `a` and `b` in one step (Linux `renameat2` RENAME_EXCHANGE); `False` where it cannot."
+    """Swap the paths `a` and `b` in one step (Linux `renameat2` RENAME_EXCHANGE); `False` where it
+    cannot."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -402,7 +411,8 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def replace_folder(staged: str | os.PathLike, folder: str | os.PathLike) -> Path:
-    "Put the complete folder `staged` at `folder`; what `folder` held is removed only after the swap."
+    """Put the complete folder `staged` at `folder`; what `folder` held is removed only after the
+    swap."""
     from speedtronic.files import _fsync_directory
 
     staged, folder = Path(staged), Path(folder)
@@ -425,14 +435,17 @@ def _reference(model: nn.Module) -> Any:
 
     if type(model) is not ReferenceTransformer:
         raise ConfigError(
-            f"only the reference transformer (model.name reference_transformer or gpt) can be exported as "
-            f"a transformers Llama model; this model is {type(model).__module__}.{type(model).__qualname__}"
+            "only the reference transformer (model.name reference_transformer or gpt) can be "
+            "exported as "
+            "a transformers Llama model; this model is "
+            f"{type(model).__module__}.{type(model).__qualname__}"
         )
     return model
 
 
 def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = None) -> Path:
-    "Write `model` (and `tokenizer`) to `folder` as a transformers `LlamaForCausalLM` folder; returns the folder."
+    """Write `model` (and `tokenizer`) to `folder` as a transformers `LlamaForCausalLM` folder;
+    returns the folder."""
     from safetensors.torch import save
     from speedtronic.files import atomic_write_bytes, file_in_the_way, stale_temps
 
@@ -444,7 +457,8 @@ def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = N
     if theirs := foreign_files(folder):
         raise ConfigError(
             f"cannot export to {folder}: it holds {', '.join(theirs[:3])}"
-            f"{f' and {len(theirs) - 3} more' if len(theirs) > 3 else ''}, which an export does not "
+            f"{f' and {len(theirs) - 3} more' if len(theirs) > 3 else ''}, which an export does "
+            "not "
             "write and would not delete; move them out of the folder or export to another folder"
         )
     sd = model.state_dict()
@@ -530,12 +544,14 @@ def llama_problems(config: dict[str, Any]) -> list[str]:
         ]
     if config.get("head_dim") not in (None, hidden // heads) or hidden % heads:
         problems.append(
-            f"head_dim {config.get('head_dim', hidden / heads)} (must be hidden_size / num_attention_heads = "
+            f"head_dim {config.get('head_dim', hidden / heads)} (must be hidden_size / "
+            "num_attention_heads = "
             f"{hidden / heads:g})"
         )
     if config["intermediate_size"] % heads:
         problems.append(
-            f"intermediate_size {config['intermediate_size']} (must be a multiple of num_attention_heads {heads})"
+            f"intermediate_size {config['intermediate_size']} (must be a multiple of "
+            f"num_attention_heads {heads})"
         )
     eps = config.get("rms_norm_eps", LLAMA_NORM_EPS)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
@@ -552,7 +568,8 @@ def _d_ff_for(width: int, n_head: int) -> int:
 
 
 def model_settings(config: dict[str, Any]) -> dict[str, Any]:
-    "The model section (`vocab_size`, `d_model`, ...) a representable Llama `config.json` describes."
+    """The model section (`vocab_size`, `d_model`, ...) a representable Llama `config.json`
+    describes."""
     theirs = {
         "num_key_value_heads": config["num_attention_heads"],
         "max_position_embeddings": 2048,
@@ -635,7 +652,8 @@ def read_llama_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         )
         raise CheckpointError(
             f"model.init_from: {folder} has no model.safetensors (weight files found: {found}); "
-            "pickled weights are not read: save the model with safetensors (save_pretrained does by default)"
+            "pickled weights are not read: save the model with safetensors (save_pretrained does "
+            "by default)"
         )
     tensors = {}
     for f in files:
@@ -649,7 +667,8 @@ def read_llama_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 # %% ../nbs/interop/02_hf.ipynb #d9fdf253
 def _settings_mismatch(model: nn.Module, settings: dict[str, Any], folder: Path) -> list[str]:
-    "`model.<key> is X but config.json has Y` for every model setting that differs from the folder's."
+    """`model.<key> is X but config.json has Y` for every model setting that differs from the
+    folder's."""
     config, out = model.config, []
     for key, theirs in LLAMA_CONFIG:
         mine, want = getattr(config, "block_size" if key == "max_seq_len" else key), settings[key]
@@ -698,20 +717,22 @@ def _weight_problems(
 
 # %% ../nbs/interop/02_hf.ipynb #5553c97b
 def load_llama(model: nn.Module, folder: str | os.PathLike) -> nn.Module:
-    "Copy the weights of the transformers Llama folder `folder` into the reference transformer `model`."
+    """Copy the weights of the transformers Llama folder `folder` into the reference transformer
+    `model`."""
     from speedtronic.model import ReferenceTransformer
 
     folder = Path(folder)
     if type(model) is not ReferenceTransformer:
         raise ConfigError(
-            f"model.init_from needs the reference transformer (model.name reference_transformer or gpt); "
+            "model.init_from needs the reference transformer (model.name reference_transformer "
+            "or gpt); "
             f"this model is {type(model).__module__}.{type(model).__qualname__}"
         )
     config = read_llama_config(folder)
     if problems := llama_problems(config):
         raise ConfigError(
-            f"model.init_from: {folder / 'config.json'} has what the reference transformer cannot compute: "
-            + "; ".join(problems)
+            f"model.init_from: {folder / 'config.json'} has what the reference transformer cannot "
+            "compute: " + "; ".join(problems)
         )
     if mismatch := _settings_mismatch(model, model_settings(config), folder):
         raise ConfigError("model.init_from: set " + "; ".join(mismatch))
@@ -751,7 +772,8 @@ def _conflict(key: str, mine: Any, theirs: dict, llama: dict, folder: Path) -> s
 
 
 def with_init_from_settings(config: SpeedtronicConfig) -> SpeedtronicConfig:
-    "`config` with the model settings it leaves unset read from its `model.init_from` folder; a set one that differs is refused."
+    """`config` with the model settings it leaves unset read from its `model.init_from` folder; a
+    set one that differs is refused."""
     m = config.model
     folder = Path(m.init_from).expanduser() if m.init_from else None
     if folder is None or m.name not in _REFERENCE_NAMES or not folder.is_dir():
@@ -842,7 +864,8 @@ def _node_run_of(repo: Path) -> tuple[Path, dict] | None:
 
 # %% ../nbs/interop/02_hf.ipynb #f5c23549
 def _global_config(path: Path, config: Any) -> tuple[SpeedtronicConfig, Any]:
-    "The configuration of the DiLoCo global `path` (`config`, or a node run's) and the tokenizer record."
+    """The configuration of the DiLoCo global `path` (`config`, or a node run's) and the tokenizer
+    record."""
     if config is not None:
         return SpeedtronicConfig.load(Path(config) if isinstance(config, str) else config), None
     repo = path.parent.parent
@@ -945,7 +968,8 @@ def export_run(
     to: str | os.PathLike,
     config: Any = None,  # a DiLoCo global's model config, when `load` cannot find it
 ) -> Path:
-    "Export the model of a trained run (or a checkpoint, a DiLoCo global: what `load` reads) and its tokenizer to `to`."
+    """Export the model of a trained run (or a checkpoint, a DiLoCo global: what `load` reads) and
+    its tokenizer to `to`."""
     if (run is None) == (checkpoint is None):
         raise ValueError("give either a run folder or a checkpoint file, not both")
     trained = load(checkpoint if run is None else run, config=config)
@@ -1023,7 +1047,8 @@ def push_to_hub(
     token: str | None = None,
     commit_message: str = "Upload model exported by speedtronic",
 ) -> str:
-    "Upload the exported `folder` to the Hub model repository `repo_id` in one commit (stale export files deleted); returns the commit URL."
+    """Upload the exported `folder` to the Hub model repository `repo_id` in one commit (stale
+    export files deleted); returns the commit URL."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
     from huggingface_hub.errors import HFValidationError, HfHubHTTPError
 

@@ -41,7 +41,8 @@ CONNECT_TIMEOUT_S = 120.0
 
 @dataclass
 class World:
-    "This process's place in a torchrun job; one process is a world of one, where every method does nothing."
+    """This process's place in a torchrun job; one process is a world of one, where every method
+    does nothing."""
 
     size: int = 1  # processes in the job (`$WORLD_SIZE`)
     rank: int = 0  # this process (`$RANK`); rank 0 writes the run's files
@@ -70,7 +71,8 @@ class World:
 
     @property
     def writes(self) -> bool:
-        "Does this rank write the run's files (checkpoints, logs, metrics, plots, progress bar)? Rank 0 only."
+        """Does this rank write the run's files (checkpoints, logs, metrics, plots, progress bar)?
+        Rank 0 only."""
         return self.rank == 0
 
 # %% ../nbs/torchrun/01_parallel.ipynb #518638ce
@@ -79,7 +81,8 @@ _JOB_VARIABLES = _TORCHRUN + ("MASTER_ADDR", "MASTER_PORT")
 
 
 def world_from_env(environ: Mapping[str, str] | None = None) -> World:
-    "The `World` torchrun describes in the environment (default `os.environ`); `World()` when it is not set."
+    """The `World` torchrun describes in the environment (default `os.environ`); `World()` when it
+    is not set."""
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" not in env:
         return World()
@@ -90,7 +93,8 @@ def world_from_env(environ: Mapping[str, str] | None = None) -> World:
             values[name] = int(text)
         except (TypeError, ValueError):
             raise ConfigError(
-                f"${name}={text!r} is not a whole number; start the job with torchrun, which sets it"
+                f"${name}={text!r} is not a whole number; start the job with torchrun, which sets "
+                "it"
             ) from None
     size, rank, local_rank, local_size = (values[n] for n in _TORCHRUN)
     if size < 1 or not 0 <= rank < size or not 0 <= local_rank < local_size <= size:
@@ -112,7 +116,8 @@ def _connect_timeout(env: Mapping[str, str]) -> float:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
         raise ConfigError(
-            f"$SPEEDTRONIC_CONNECT_TIMEOUT={text!r} must be a positive number of seconds; set it to e.g. 120 or unset it"
+            f"$SPEEDTRONIC_CONNECT_TIMEOUT={text!r} must be a positive number of seconds; set it "
+            "to e.g. 120 or unset it"
         )
     return seconds
 
@@ -124,21 +129,25 @@ def _batch_problem(data: DataConfig, world_size: int) -> str | None:
         return None
     near = max(group, round(data.target_batch_size / group) * group)
     return (
-        f"data.target_batch_size ({data.target_batch_size}) is the global batch and must be a multiple of "
+        f"data.target_batch_size ({data.target_batch_size}) is the global batch and must be a "
+        "multiple of "
         f"data.micro_batch_size × processes ({data.micro_batch_size} × {world_size} = {group}); "
-        f"set data.target_batch_size to {near}, or change data.micro_batch_size or the number of processes"
+        f"set data.target_batch_size to {near}, or change data.micro_batch_size or the number of "
+        "processes"
     )
 
 
 def accumulation_per_rank(data: DataConfig, world_size: int = 1) -> int:
-    "Microbatches each of `world_size` processes runs per optimizer update: `target / (micro × world)`."
+    """Microbatches each of `world_size` processes runs per optimizer update: `target / (micro ×
+    world)`."""
     if problem := _batch_problem(data, world_size):
         raise ConfigError(problem)
     return data.target_batch_size // (data.micro_batch_size * world_size)
 
 
 def _unset_advice() -> str:
-    "`if no torchrun job is meant here, unset WORLD_SIZE, RANK, ... (left in this environment)`, naming those that are set."
+    """`if no torchrun job is meant here, unset WORLD_SIZE, RANK, ... (left in this environment)`,
+    naming those that are set."""
     present = [n for n in _JOB_VARIABLES if n in os.environ]
     return (
         f"if no torchrun job is meant here, unset {', '.join(present)} (left in this environment)"
@@ -146,20 +155,23 @@ def _unset_advice() -> str:
 
 
 def world_problems(config: SpeedtronicConfig, world: World) -> list[str]:
-    "Why `config` cannot run as this torchrun job (empty for one process); without torchrun's agent, what to unset if no job is meant."
+    """Why `config` cannot run as this torchrun job (empty for one process); without torchrun's
+    agent, what to unset if no job is meant."""
     if world.size == 1:
         return []
     problems = [p for p in [_batch_problem(config.data, world.size)] if p]
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return problems
     return [
-        f"{p}; $WORLD_SIZE={os.environ.get('WORLD_SIZE', world.size)} was not set by torchrun: {_unset_advice()}"
+        f"{p}; $WORLD_SIZE={os.environ.get('WORLD_SIZE', world.size)} was not set by torchrun: "
+        f"{_unset_advice()}"
         for p in problems
     ]
 
 # %% ../nbs/torchrun/01_parallel.ipynb #a255c042
 def world_device(world: World, requested: str | torch.device | None = "auto") -> torch.device:
-    "The device this rank trains on: `auto`/`cuda` → `cuda:LOCAL_RANK` under torchrun; as `resolve_device` for one process."
+    """The device this rank trains on: `auto`/`cuda` → `cuda:LOCAL_RANK` under torchrun; as
+    `resolve_device` for one process."""
     if world.size == 1:
         return resolve_device(requested)
     name = "auto" if requested is None else str(requested).strip().lower()
@@ -168,17 +180,20 @@ def world_device(world: World, requested: str | torch.device | None = "auto") ->
     device = resolve_device(f"cuda:{world.local_rank}" if name == "cuda" else name)
     if device.type == "mps":
         raise ConfigError(
-            "device mps cannot be shared by the processes of a torchrun job (no collective backend); use --device cpu"
+            "device mps cannot be shared by the processes of a torchrun job (no collective "
+            "backend); use --device cpu"
         )
     if device.type == "cuda":
         if world.local_size > torch.cuda.device_count():
             raise ConfigError(
-                f"torchrun starts {world.local_size} processes on this machine but it has {torch.cuda.device_count()} "
+                f"torchrun starts {world.local_size} processes on this machine but it has "
+                f"{torch.cuda.device_count()} "
                 f"GPU(s); start at most {torch.cuda.device_count()} (--nproc_per_node), one per GPU"
             )
         if world.local_size > 1 and device.index != world.local_rank:
             raise ConfigError(
-                f"device {requested} names one GPU for all {world.local_size} processes of this machine; use "
+                f"device {requested} names one GPU for all {world.local_size} processes of this "
+                "machine; use "
                 "--device cuda (or auto): each process takes cuda:LOCAL_RANK"
             )
     return device
@@ -193,7 +208,8 @@ TEARDOWN_S = 30.0  # seconds leaving the process group may take before the proce
 
 
 def _within(fn: Callable[[], Any], seconds: float, what: str) -> bool:
-    "Run `fn` on a daemon thread; True if it returned within `seconds` (else say so on stderr and leave it behind)."
+    """Run `fn` on a daemon thread; True if it returned within `seconds` (else say so on stderr and
+    leave it behind)."""
     done = threading.Event()
 
     def run():
@@ -217,7 +233,8 @@ _NOTICE_AFTER_S = 3.0  # a rendezvous that takes longer than this is said once
 
 
 def _listener(world: World) -> tuple[str, int] | None:
-    "The address this rank connects to before it joins (rank 0's, or torchrun's agent's); `None` when it hosts or it is unset."
+    """The address this rank connects to before it joins (rank 0's, or torchrun's agent's); `None`
+    when it hosts or it is unset."""
     if world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     try:
@@ -236,7 +253,8 @@ def _answers(address: tuple[str, int], wait_s: float) -> bool:
 
 
 def _join_store(world: World) -> Any:
-    "The job's `env://` rendezvous store, reached within `connect_timeout_s`; Ctrl-C and SIGTERM stop the wait."
+    """The job's `env://` rendezvous store, reached within `connect_timeout_s`; Ctrl-C and SIGTERM
+    stop the wait."""
     from torch.distributed.rendezvous import rendezvous
 
     start = time.monotonic()
@@ -248,7 +266,8 @@ def _join_store(world: World) -> Any:
             return
         said.append(True)
         print(
-            f"speedtronic: {_waiting_for(world)}, for up to {world.connect_timeout_s:g} s (Ctrl-C stops)",
+            f"speedtronic: {_waiting_for(world)}, for up to {world.connect_timeout_s:g} s (Ctrl-C "
+            "stops)",
             file=sys.stderr,
             flush=True,
         )
@@ -284,11 +303,14 @@ def _join_store(world: World) -> Any:
 _STARTED_GROUPS: list[
     str
 ] = []  # the backends of the process groups this process started (read by `end_process`)
-_LEFT_GROUPS: list = []  # groups left by `close`, never freed: gloo's destructor joins a thread that may wait for the GIL it holds
+# groups left by `close`, never freed: gloo's destructor joins a thread that may wait for the GIL it
+# holds
+_LEFT_GROUPS: list = []
 
 
 def start_world(world: World, device: torch.device) -> World:
-    "Join the torchrun job on `device`: the process group (NCCL on CUDA, gloo on CPU) and a gloo group for agreements."
+    """Join the torchrun job on `device`: the process group (NCCL on CUDA, gloo on CPU) and a gloo
+    group for agreements."""
     world.device = torch.device(device)
     if world.size == 1:
         return world
@@ -328,9 +350,11 @@ def start_world(world: World, device: torch.device) -> World:
 def close(
     self: World,
     failed: bool = False,
-    together: bool = False,  # the failure was raised by every rank at once (`raised_together`): all are here
+    # the failure was raised by every rank at once (`raised_together`): all are here
+    together: bool = False,
 ) -> None:
-    "Leave the process group (after a lone failure only when it is gloo: an NCCL group with a dead peer may not end cleanly)."
+    """Leave the process group (after a lone failure only when it is gloo: an NCCL group with a dead
+    peer may not end cleanly)."""
     if self.backend is None:
         return
     import torch.distributed as dist
@@ -339,7 +363,9 @@ def close(
     if not (self.owns_group and dist.is_initialized()):
         return
     meet = not failed or together
-    if meet:  # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a collective
+    # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a
+    # collective
+    if meet:
         try:
             dist.barrier(group=control)
         except Exception:
@@ -354,7 +380,8 @@ def _rendezvous_address() -> str:
 
 
 def _waiting_for(world: World) -> str:
-    "What a joining rank waits for, e.g. `rank 1 of 2 is waiting for rank 0 at 10.0.0.5:29500 ($MASTER_ADDR:$MASTER_PORT)`."
+    """What a joining rank waits for, e.g. `rank 1 of 2 is waiting for rank 0 at 10.0.0.5:29500
+    ($MASTER_ADDR:$MASTER_PORT)`."""
     hosts = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     who = (
         f"waiting at {_rendezvous_address()} for the other {world.size - 1} rank(s) to join"
@@ -365,9 +392,13 @@ def _waiting_for(world: World) -> str:
 
 
 def _join_failure(world: World, error: BaseException) -> ConfigError:
-    "One message for a rendezvous that failed: what was missing or who did not come, and the variables to unset."
+    """One message for a rendezvous that failed: what was missing or who did not come, and the
+    variables to unset."""
     text = " ".join(str(error).split())
-    fix = f"{_unset_advice()}; otherwise start every rank with torchrun, with the same --master-addr/--master-port"
+    fix = (
+        f"{_unset_advice()}; otherwise start every rank with torchrun, with the same "
+        "--master-addr/--master-port"
+    )
     if missing := re.search(r"environment variable (\w+) expected, but not set", text):
         return ConfigError(
             f"${missing.group(1)} is not set, but $WORLD_SIZE={world.size} makes this process rank "
@@ -375,13 +406,16 @@ def _join_failure(world: World, error: BaseException) -> ConfigError:
         )
     if joined := re.search(r"(\d+)/(\d+) clients joined", text):
         return ConfigError(
-            f"rank 0 waited {world.connect_timeout_s:g} s at {_rendezvous_address()} and {int(joined.group(1)) - 1} of "
+            f"rank 0 waited {world.connect_timeout_s:g} s at {_rendezvous_address()} and "
+            f"{int(joined.group(1)) - 1} of "
             f"the other {world.size - 1} rank(s) joined; {fix}"
         )
     if "failed to listen" in text:
         return ConfigError(
-            f"rank 0 cannot listen at {_rendezvous_address()} ($MASTER_ADDR:$MASTER_PORT): the port is in use "
-            f"or the address is not this machine's; {fix} (torchrun --master-port picks a free port)"
+            f"rank 0 cannot listen at {_rendezvous_address()} ($MASTER_ADDR:$MASTER_PORT): the "
+            "port is in use "
+            f"or the address is not this machine's; {fix} (torchrun --master-port picks a free "
+            "port)"
         )
     if "timed out" in text.lower():
         return ConfigError(
@@ -390,13 +424,15 @@ def _join_failure(world: World, error: BaseException) -> ConfigError:
         )
     first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
     return ConfigError(
-        f"rank {world.rank} of {world.size} could not join the torchrun job at {_rendezvous_address()} "
+        f"rank {world.rank} of {world.size} could not join the torchrun job at "
+        f"{_rendezvous_address()} "
         f"({type(error).__name__}: {first}); {fix}"
     )
 
 # %% ../nbs/torchrun/01_parallel.ipynb #63cd6c0f
 def end_process(code: int) -> int:
-    "`code` in a process that never started a process group; one that did ends here with exit status `code`."
+    """`code` in a process that never started a process group; one that did ends here with exit
+    status `code`."""
     if not _STARTED_GROUPS:
         return code
     for thread in (
@@ -414,16 +450,19 @@ def end_process(code: int) -> int:
 
 # %% ../nbs/torchrun/01_parallel.ipynb #0b6d0b71
 class PeerLost(ExpectedError, RuntimeError):
-    "Another rank of the job died, or its connection broke, during a collective; this rank stops too."
+    """Another rank of the job died, or its connection broke, during a collective; this rank stops
+    too."""
 
 
 _PEER_GONE = re.compile(
-    r"Connection reset by peer|Connection closed by peer|Broken pipe|ncclRemoteError|remote process exited"
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|ncclRemoteError|remote "
+    r"process exited"
 )
 
 
 def peer_lost(error: BaseException, world: World) -> PeerLost | None:
-    "The `PeerLost` for a collective's `error` that says a peer vanished (naming the rank when it is known), else `None`."
+    """The `PeerLost` for a collective's `error` that says a peer vanished (naming the rank when it
+    is known), else `None`."""
     text = " ".join(str(error).split())
     if hasattr(error, "reporting_rank") or not (gone := _PEER_GONE.search(text)):
         return None  # a job-wide verdict: as it is
@@ -431,8 +470,10 @@ def peer_lost(error: BaseException, world: World) -> PeerLost | None:
     where = f" at {at.group(1)}:{at.group(2)}" if at else ""
     who = f"rank {1 - world.rank}" if world.size == 2 else f"another rank{where}"
     return PeerLost(
-        f"{who} of this torchrun job died or lost its connection ({gone.group(0)}{where}), so rank {world.rank} "
-        "stops too; see that rank's output (torchrun's summary names the rank that failed) for why, then start "
+        f"{who} of this torchrun job died or lost its connection ({gone.group(0)}{where}), so "
+        f"rank {world.rank} "
+        "stops too; see that rank's output (torchrun's summary names the rank that failed) for "
+        "why, then start "
         "the job again (--resume continues from the last checkpoint)"
     )
 
@@ -463,7 +504,8 @@ def watch_peers(method: Callable) -> Callable:
 @patch
 @watch_peers
 def wrap(self: World, model: nn.Module) -> nn.Module:
-    "The module training runs forward on: `DistributedDataParallel(model)` in a torchrun job (`model`, sharded, under fsdp), else `model`."
+    """The module training runs forward on: `DistributedDataParallel(model)` in a torchrun job
+    (`model`, sharded, under fsdp), else `model`."""
     if self.backend is None:
         return model
     if self.fsdp:
@@ -478,7 +520,8 @@ def wrap(self: World, model: nn.Module) -> nn.Module:
 
 @patch
 def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    "The context of one microbatch's forward and backward: gradients are averaged over the ranks only when `sync`."
+    """The context of one microbatch's forward and backward: gradients are averaged over the ranks
+    only when `sync`."""
     if self.backend is None:
         return contextlib.nullcontext()
     if self.fsdp:
@@ -492,7 +535,8 @@ def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.Abst
 
 # %% ../nbs/torchrun/01_parallel.ipynb #b07f32e4
 def block_modules(model: nn.Module) -> list[nn.Module]:
-    "The modules fsdp shards one by one: those of a class named in `model._no_split_modules`, else the largest group of same-type siblings."
+    """The modules fsdp shards one by one: those of a class named in `model._no_split_modules`, else
+    the largest group of same-type siblings."""
     names = getattr(model, "_no_split_modules", None)
     if names:
         return [m for m in model.modules() if m is not model and type(m).__name__ in set(names)]
@@ -509,18 +553,21 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
 
 # %% ../nbs/torchrun/01_parallel.ipynb #53de2969
 def fsdp_problems(config: SpeedtronicConfig, precision: Any = None) -> list[str]:
-    "Why `config` cannot train with `parallel.strategy: fsdp` (empty under ddp); `precision` is the resolved plan, when known."
+    """Why `config` cannot train with `parallel.strategy: fsdp` (empty under ddp); `precision` is
+    the resolved plan, when known."""
     if config.parallel.strategy != "fsdp":
         return []
     why, out = "under parallel.strategy: fsdp each rank holds only a shard of every weight", []
     if config.optimizer.name == "muon":
         out.append(
-            f"optimizer.name: muon orthogonalises each whole weight matrix, and {why}; use optimizer.name: adamw "
+            f"optimizer.name: muon orthogonalises each whole weight matrix, and {why}; use "
+            "optimizer.name: adamw "
             "with fsdp, or parallel.strategy: ddp for Muon"
         )
     if config.optimizer.cautious:
         out.append(
-            f"optimizer.cautious: the cautious update rescales by the agreeing share of a whole tensor, and {why}; "
+            "optimizer.cautious: the cautious update rescales by the agreeing share of a whole "
+            f"tensor, and {why}; "
             "set optimizer.cautious: false, or parallel.strategy: ddp"
         )
     if (
@@ -529,13 +576,17 @@ def fsdp_problems(config: SpeedtronicConfig, precision: Any = None) -> list[str]
         or config.precision.mode == "fp16"
     ):
         out.append(
-            "precision: fp16 needs a GradScaler, whose overflow check would see only this rank's shard of the "
-            "gradients under parallel.strategy: fsdp; use precision: bf16 (or fp32), or parallel.strategy: ddp"
+            "precision: fp16 needs a GradScaler, whose overflow check would see only this rank's "
+            "shard of the "
+            "gradients under parallel.strategy: fsdp; use precision: bf16 (or fp32), or "
+            "parallel.strategy: ddp"
         )
     if config.eval.sample_prompts:
         out.append(
-            "eval.sample_prompts: samples are written by rank 0 alone, and under parallel.strategy: fsdp every forward needs "
-            "every rank; leave eval.sample_prompts empty with fsdp (speedtronic generate reads its checkpoints), or use ddp"
+            "eval.sample_prompts: samples are written by rank 0 alone, and under "
+            "parallel.strategy: fsdp every forward needs "
+            "every rank; leave eval.sample_prompts empty with fsdp (speedtronic generate reads "
+            "its checkpoints), or use ddp"
         )
     return out
 
@@ -562,7 +613,8 @@ def _sharded(model: nn.Module) -> nn.Module:
     if isinstance(model, FSDPModule):
         return model
     raise ConfigError(
-        "parallel.strategy: fsdp shards the model before its optimizer is built: call world.shard(model, plan), "
+        "parallel.strategy: fsdp shards the model before its optimizer is built: call "
+        "world.shard(model, plan), "
         "then build the optimizer from the sharded model (build_runtime does), then the Trainer"
     )
 
@@ -570,7 +622,8 @@ def _sharded(model: nn.Module) -> nn.Module:
 @patch
 @watch_peers
 def shard(self: World, model: nn.Module, precision: Any = None) -> nn.Module:
-    "Under `parallel.strategy: fsdp` in a job: every block, then `model`, `fully_shard`ed in place (rank 0's weights); else `model`."
+    """Under `parallel.strategy: fsdp` in a job: every block, then `model`, `fully_shard`ed in place
+    (rank 0's weights); else `model`."""
     if self.backend is None or not self.fsdp:
         return model
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -584,7 +637,8 @@ def shard(self: World, model: nn.Module, precision: Any = None) -> nn.Module:
     ):  # every rank decides it alike: one of them reports it
         raise job_wide(
             ConfigError(
-                f"parallel.cpu_offload: moves a GPU's shards to the CPU, and this job trains on {self.device.type}; "
+                "parallel.cpu_offload: moves a GPU's shards to the CPU, and this job trains on "
+                f"{self.device.type}; "
                 "set parallel.cpu_offload: false (or train on CUDA)"
             )
         )
@@ -612,7 +666,8 @@ def all_sum(self: World, tensor: torch.Tensor) -> torch.Tensor:
 @patch
 @watch_peers
 def agree_stop(self: World, reason: str | None) -> str | None:
-    "The reason every rank stops after this step, or None: one rank asked to stop stops them all at the same step."
+    """The reason every rank stops after this step, or None: one rank asked to stop stops them all
+    at the same step."""
     if self.backend is None:
         return reason
     import torch.distributed as dist
@@ -623,7 +678,8 @@ def agree_stop(self: World, reason: str | None) -> str | None:
 
 # %% ../nbs/torchrun/01_parallel.ipynb #8463093f
 class JobError(ExpectedError, RuntimeError):
-    "Another rank's error, raised on this rank too so that the whole job stops at the same point; that rank reports it."
+    """Another rank's error, raised on this rank too so that the whole job stops at the same point;
+    that rank reports it."""
 
     def __init__(self, message: str, reporting_rank: int = 0):
         super().__init__(message)
@@ -631,20 +687,23 @@ class JobError(ExpectedError, RuntimeError):
 
 
 def job_wide(error: BaseException, reporting_rank: int = 0) -> BaseException:
-    "Mark `error` as raised by every rank at the same point, reported by `reporting_rank`; returns `error`."
+    """Mark `error` as raised by every rank at the same point, reported by `reporting_rank`; returns
+    `error`."""
     error.reporting_rank = reporting_rank
     return error
 
 
 def raised_together(error: BaseException) -> bool:
-    "Was `error` raised by every rank at the same point (so the ranks can still meet in a collective)?"
+    """Was `error` raised by every rank at the same point (so the ranks can still meet in a
+    collective)?"""
     return isinstance(getattr(error, "reporting_rank", None), int)
 
 
 @patch
 @watch_peers
 def raise_together(self: World, error: BaseException | None) -> None:
-    "Raise on every rank if any rank has an `error`: the lowest such rank its own (it reports it), the others a `JobError`."
+    """Raise on every rank if any rank has an `error`: the lowest such rank its own (it reports it),
+    the others a `JobError`."""
     if self.backend is None:
         if error is not None:
             raise error
@@ -663,7 +722,8 @@ def raise_together(self: World, error: BaseException | None) -> None:
 # %% ../nbs/torchrun/01_parallel.ipynb #346cd77b
 @patch
 def on_writer(self: World, fn: Callable[[], Any]) -> Any:
-    "`fn()` on rank 0 (its result there, `None` on the other ranks); if it raises, every rank raises (rank 0 reports it)."
+    """`fn()` on rank 0 (its result there, `None` on the other ranks); if it raises, every rank
+    raises (rank 0 reports it)."""
     result = error = None
     if self.writes:
         try:
@@ -676,7 +736,8 @@ def on_writer(self: World, fn: Callable[[], Any]) -> Any:
 
 @patch
 def on_every_rank(self: World, fn: Callable[[], Any]) -> Any:
-    "`fn()` on every rank; if it raises on any, every rank raises (the lowest failing rank reports it)."
+    """`fn()` on every rank; if it raises on any, every rank raises (the lowest failing rank reports
+    it)."""
     result = error = None
     try:
         result = fn()
@@ -689,7 +750,8 @@ def on_every_rank(self: World, fn: Callable[[], Any]) -> Any:
 @patch
 @watch_peers
 def share(self: World, value: Any) -> Any:
-    "Rank 0's `value` (small and picklable: a run id) on every rank; `value` itself for one process."
+    """Rank 0's `value` (small and picklable: a run id) on every rank; `value` itself for one
+    process."""
     if self.backend is None:
         return value
     import torch.distributed as dist
@@ -700,7 +762,8 @@ def share(self: World, value: Any) -> Any:
 
 # %% ../nbs/torchrun/01_parallel.ipynb #ab136e13
 def merge_boundaries(parts: list[Mapping]) -> dict:
-    "One boundary for the whole job from each rank's `{'rng': ..., 'data': ...}`, in rank order: every RNG, the job's data position."
+    """One boundary for the whole job from each rank's `{'rng': ..., 'data': ...}`, in rank order:
+    every RNG, the job's data position."""
     return {
         "rng": {"world_size": len(parts), "ranks": [p.get("rng") for p in parts]},
         "data": parts[0].get("data"),
@@ -714,12 +777,14 @@ def saved_world_size(state: Mapping) -> int:
 
 
 def _per_rank(value: Any) -> bool:
-    "Is `value` one entry per rank, `{'world_size': n, 'ranks': [...]}` (a job's RNG, an earlier version's data position)?"
+    """Is `value` one entry per rank, `{'world_size': n, 'ranks': [...]}` (a job's RNG, an earlier
+    version's data position)?"""
     return isinstance(value, Mapping) and "ranks" in value and "world_size" in value
 
 
 def derived_rng(seed: int, step: int, rank: int) -> dict:
-    "A torch RNG state (CPU and each CUDA device) fixed by the run seed, the step and the rank: a rank's RNG after a resize."
+    """A torch RNG state (CPU and each CUDA device) fixed by the run seed, the step and the rank: a
+    rank's RNG after a resize."""
     s = (
         int(seed) * 0x9E3779B97F4A7C15
         + int(step) * 0xBF58476D1CE4E5B9
@@ -737,15 +802,19 @@ def derived_rng(seed: int, step: int, rank: int) -> dict:
 
 @patch
 def local_state(self: World, state: Mapping, path: Any = None) -> Mapping:
-    "Checkpoint `state` as this rank resumes it: the job's data position and this rank's RNG (derived on a job of another size)."
+    """Checkpoint `state` as this rank resumes it: the job's data position and this rank's RNG
+    (derived on a job of another size)."""
     saved, data, rng = saved_world_size(state), state.get("data"), state.get("rng")
     if _per_rank(data):  # an earlier version's job: one data position per rank
         if saved != self.size:
             who = lambda n: "one process" if n == 1 else f"a torchrun job of {n} processes"
             raise CheckpointError(
-                f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} and this run is "
-                f"{who(self.size)}; it was written by an earlier version, whose data position is each rank's, so "
-                f"resume it with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or start without --resume"
+                f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} "
+                "and this run is "
+                f"{who(self.size)}; it was written by an earlier version, whose data position is "
+                "each rank's, so "
+                f"resume it with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or "
+                "start without --resume"
             )
         data = data["ranks"][self.rank]
     if saved == self.size:
@@ -762,7 +831,8 @@ def local_state(self: World, state: Mapping, path: Any = None) -> Mapping:
 @patch
 @watch_peers
 def gather_boundary(self: World, boundary: Mapping) -> Mapping:
-    "The job's boundary (every rank's RNG and data position); all ranks call it together. One process: `boundary`."
+    """The job's boundary (every rank's RNG and data position); all ranks call it together. One
+    process: `boundary`."""
     if self.backend is None:
         return boundary
     import torch.distributed as dist
@@ -775,7 +845,8 @@ def gather_boundary(self: World, boundary: Mapping) -> Mapping:
 @patch
 @watch_peers
 def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None:
-    "Raise a `CheckpointError` on every rank unless all ranks are resuming the same step (`None`: none found)."
+    """Raise a `CheckpointError` on every rank unless all ranks are resuming the same step (`None`:
+    none found)."""
     if self.backend is None:
         return
     import torch.distributed as dist
@@ -789,21 +860,24 @@ def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None
         raise job_wide(
             CheckpointError(
                 f"the ranks found different checkpoints to resume ({seen}); every process must see "
-                f"the same checkpoint directory{f' {path}' if path else ''} (on several machines, a shared filesystem)"
+                f"the same checkpoint directory{f' {path}' if path else ''} (on several machines, "
+                "a shared filesystem)"
             )
         )
 
 
 @patch
 def writer_first(self: World, write: Callable[[], Any]) -> None:
-    "Run `write` on rank 0 while the other ranks wait for it (a file they all read next); if it fails, every rank raises."
+    """Run `write` on rank 0 while the other ranks wait for it (a file they all read next); if it
+    fails, every rank raises."""
     self.on_writer(write)  # its verdict is the meeting point: no rank reads before rank 0 is done
 
 # %% ../nbs/torchrun/01_parallel.ipynb #ae68bf90
 @patch
 @watch_peers
 def from_writer(self: World, fn: Callable[[], Any]) -> Any:
-    "`fn()` run on rank 0 and its (small, picklable) result on every rank in one broadcast; if it raises, every rank raises."
+    """`fn()` run on rank 0 and its (small, picklable) result on every rank in one broadcast; if it
+    raises, every rank raises."""
     if self.backend is None:
         return fn()
     import torch.distributed as dist
@@ -826,7 +900,8 @@ def from_writer(self: World, fn: Callable[[], Any]) -> Any:
 @patch
 @watch_peers
 def share_weights(self: World, module: nn.Module) -> None:
-    "Rank 0's parameters and buffers of `module` copied, in place, into every rank's (one broadcast per tensor)."
+    """Rank 0's parameters and buffers of `module` copied, in place, into every rank's (one
+    broadcast per tensor)."""
     if self.backend is None:
         return
     import torch.distributed as dist
@@ -837,7 +912,8 @@ def share_weights(self: World, module: nn.Module) -> None:
 
 # %% ../nbs/torchrun/01_parallel.ipynb #c0732a16
 class GroupCoordinator:
-    "A DiLoCo node that is a torchrun job: `inner` (built on rank 0 only, `None` elsewhere) runs there; its weights reach every rank."
+    """A DiLoCo node that is a torchrun job: `inner` (built on rank 0 only, `None` elsewhere) runs
+    there; its weights reach every rank."""
 
     def __init__(
         self,
@@ -858,7 +934,8 @@ class GroupCoordinator:
         )  # fsdp: rank 0's whole copy `inner` works on; the round, on every rank
         if self.sharded and inner is not None and replica is None:
             raise ConfigError(
-                "under parallel.strategy: fsdp a DiLoCo node's coordinator works on a whole copy of the model: "
+                "under parallel.strategy: fsdp a DiLoCo node's coordinator works on a whole copy "
+                "of the model: "
                 "build it with GroupCoordinator.build(build, world, model)"
             )
 
@@ -866,7 +943,8 @@ class GroupCoordinator:
     def build(
         cls, build: Callable[[nn.Module], Any], world: World, model: nn.Module
     ) -> GroupCoordinator:
-        "`build(module)` on rank 0 (`model`, or under fsdp a `StateReplica` of its gathered weights), wrapped for the job."
+        """`build(module)` on rank 0 (`model`, or under fsdp a `StateReplica` of its gathered
+        weights), wrapped for the job."""
         if world.backend is None or not world.fsdp:
             return cls(world.on_writer(lambda: build(model)), world, model)
         whole = world.gather_whole(model)
@@ -881,7 +959,8 @@ class GroupCoordinator:
     def _then_share(
         self, fn: Callable[[nn.Module], Any], model: nn.Module, always: bool = False
     ) -> Any:
-        "Rank 0's `fn(module)` → (answer, changed) on every rank; the weights reach every rank when they changed."
+        """Rank 0's `fn(module)` → (answer, changed) on every rank; the weights reach every rank
+        when they changed."""
         if self.sharded:
             whole = self.world.gather_whole(
                 self.model
@@ -932,7 +1011,8 @@ class GroupCoordinator:
             self.inner.load_state_dict(state)
 
     def prepare_state(self, state: dict | None) -> None:
-        "Give a checkpoint's coordinator state to rank 0's coordinator before `start` (when it can take it so)."
+        """Give a checkpoint's coordinator state to rank 0's coordinator before `start` (when it can
+        take it so)."""
         prepare = getattr(self.inner, "prepare_state", None)
         if callable(prepare):
             prepare(state)
@@ -941,7 +1021,8 @@ class GroupCoordinator:
 
 # %% ../nbs/torchrun/01_parallel.ipynb #ae828bb8
 class StateReplica(nn.Module):
-    "A plain CPU module whose state dict has a whole model's keys and tensors: what rank 0's DiLoCo coordinator works on under fsdp."
+    """A plain CPU module whose state dict has a whole model's keys and tensors: what rank 0's
+    DiLoCo coordinator works on under fsdp."""
 
     def __init__(self, state: Mapping[str, torch.Tensor]):
         super().__init__()
@@ -963,7 +1044,8 @@ class StateReplica(nn.Module):
         "Take `state`'s tensors as the replica's own (no copy); it must have the replica's keys."
         if (got := set(state)) != (want := set(self.state_dict())):
             raise ValueError(
-                f"the gathered state does not fit the replica: missing {sorted(want - got)[:4]}, extra {sorted(got - want)[:4]}"
+                f"the gathered state does not fit the replica: missing {sorted(want - got)[:4]}, "
+                f"extra {sorted(got - want)[:4]}"
             )
         for key, tensor in state.items():
             owner, name = self._owner(key)
@@ -973,7 +1055,8 @@ class StateReplica(nn.Module):
 @patch
 @watch_peers
 def gather_whole(self: World, model: nn.Module) -> dict[str, torch.Tensor]:
-    "Every rank: the whole state of sharded `model`, in rank 0's CPU memory (`{}` on the other ranks); a CPU copy of a plain model's."
+    """Every rank: the whole state of sharded `model`, in rank 0's CPU memory (`{}` on the other
+    ranks); a CPU copy of a plain model's."""
     if self.backend is None or not self.fsdp:
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -986,7 +1069,8 @@ def gather_whole(self: World, model: nn.Module) -> dict[str, torch.Tensor]:
 @patch
 @watch_peers
 def scatter_whole(self: World, model: nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:
-    "Every rank: rank 0's whole `state` loaded into `model` (into each rank's shards under fsdp); `state` is not read elsewhere."
+    """Every rank: rank 0's whole `state` loaded into `model` (into each rank's shards under fsdp);
+    `state` is not read elsewhere."""
     if self.backend is None or not self.fsdp:
         with torch.no_grad():
             model.load_state_dict(state)

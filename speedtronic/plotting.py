@@ -145,7 +145,8 @@ def metrics_figure(
 def figure_png(
     figure: Any,  # a matplotlib `Figure`
     dpi: float,  # image pixels per inch
-    colors: int = 64,  # palette size: a plot has few colours, and a palette PNG is a quarter of the bytes
+    # palette size: a plot has few colours, and a palette PNG is a quarter of the bytes
+    colors: int = 64,
 ) -> bytes:
     "`figure` as a PNG with a palette of `colors`."
     Image = optional_import("PIL.Image", extra="plot", purpose="the loss plot")

@@ -102,7 +102,8 @@ class CallbackList:
 
 # %% ../nbs/observe/01_metrics.ipynb #0e8166b6
 def memory_usage_bytes(device: Any = None) -> int | None:
-    "Bytes allocated by PyTorch on `device` (CUDA/MPS; `None` = the current accelerator); `None` on CPU."
+    """Bytes allocated by PyTorch on `device` (CUDA/MPS; `None` = the current accelerator); `None`
+    on CPU."""
     if getattr(device, "type", None) == "cpu":
         return None  # a `torch.device("cpu")`: asked at every event
     try:
@@ -154,7 +155,8 @@ def level_name(level: int) -> str:
 
 # %% ../nbs/observe/01_metrics.ipynb #2b4c2c15
 def format_value(value: Any) -> str:
-    "A payload value as printed in a text line: floats with 6 significant digits, text with newlines escaped."
+    """A payload value as printed in a text line: floats with 6 significant digits, text with
+    newlines escaped."""
     if isinstance(value, str) and not value.isprintable():
         return repr(value)  # a newline would end the line: escaped
     return f"{value:.6g}" if isinstance(value, float) else str(value)
@@ -177,7 +179,8 @@ def text_line(level: int, message: str, t: float | None = None) -> str:
 
 
 def _json_safe(value: Any) -> Any:
-    "`value` with NaN/inf floats as `null` and non-JSON dict keys as text, nested containers included."
+    """`value` with NaN/inf floats as `null` and non-JSON dict keys as text, nested containers
+    included."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
@@ -197,7 +200,8 @@ def json_line(event: str, payload: Mapping[str, Any]) -> str:
 # %% ../nbs/observe/01_metrics.ipynb #e74ef3cb
 @functools.lru_cache(maxsize=4096)
 def _is_secret(key: str) -> bool:
-    "`speedtronic.config.is_secret_key` (the one rule), cached per key: payload keys repeat every step."
+    """`speedtronic.config.is_secret_key` (the one rule), cached per key: payload keys repeat every
+    step."""
     return bool(is_secret_key(key))
 
 
@@ -237,7 +241,8 @@ _open_guard = threading.Lock()
 
 
 def writer_elsewhere(fd: int) -> bool:
-    "Whether another process holds the `LineFile` lock (`flock`) of `fd`'s file; takes the lock when none does."
+    """Whether another process holds the `LineFile` lock (`flock`) of `fd`'s file; takes the lock
+    when none does."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): a second writer is not detected
@@ -282,7 +287,8 @@ def newest_run_id(path: Path, limit: int = 1 << 16) -> str | None:
 
 # %% ../nbs/observe/01_metrics.ipynb #a96c8442
 class LogWriteError(ExpectedError, OSError):
-    "A log line could not be appended (disk full, size limit); the file still ends with a whole line."
+    """A log line could not be appended (disk full, size limit); the file still ends with a whole
+    line."""
 
 
 def _close_line_file(here: str, fd: int) -> None:
@@ -348,7 +354,8 @@ class LineFile:
             os.write(self.fd, b"\n")  # a text log keeps its partial line; the next starts anew
 
     def write_line(self, text: str) -> None:
-        "Append `text` and a newline in one write; a line that cannot be completed is removed again."
+        """Append `text` and a newline in one write; a line that cannot be completed is removed
+        again."""
         data = (text + "\n").encode("utf-8")
         with self._lock:
             if self.fd is None:
@@ -435,7 +442,8 @@ def submit(self: HookDispatcher, hooks: tuple, event: str, payload: Metric) -> b
 # %% ../nbs/observe/01_metrics.ipynb #b99a4bcc
 @patch
 def _deliver(self: HookDispatcher, hook: Any, event: str, payload: Metric) -> None:
-    "Call one hook with its own copy of the payload; a failure is counted and reported, never raised."
+    """Call one hook with its own copy of the payload; a failure is counted and reported, never
+    raised."""
     try:
         call_hook(hook, event, scrub(payload))
     except Exception as exc:
@@ -450,7 +458,8 @@ def _deliver(self: HookDispatcher, hook: Any, event: str, payload: Metric) -> No
 
 @patch
 def _run(self: HookDispatcher) -> None:
-    "The hook thread: deliver queued events until `None` arrives or the queue stays empty for `idle_s`."
+    """The hook thread: deliver queued events until `None` arrives or the queue stays empty for
+    `idle_s`."""
     while True:
         try:
             item = self._queue.get(timeout=self.idle_s)
@@ -636,7 +645,8 @@ def _check_every_steps(value: Any) -> int:
 
 
 def _on_cadence(payload: Mapping[str, Any], every_steps: int) -> bool:
-    "Whether a `train_step` payload falls on the cadence (a payload without an int step always does)."
+    """Whether a `train_step` payload falls on the cadence (a payload without an int step always
+    does)."""
     step = payload.get("step")
     return every_steps == 1 or not isinstance(step, int) or step % every_steps == 0
 
@@ -660,7 +670,8 @@ class MetricLogger:
         None  # console lines below this level are not printed (the file still gets them)
     )
     run_id: str | None = None  # written into every JSONL record when set
-    console_style: str = "auto"  # console lines: "auto" (short on a terminal), "full" (every field, as the file), "short"
+    # console lines: "auto" (short on a terminal), "full" (every field, as the file), "short"
+    console_style: str = "auto"
     console_prefix: str = ""  # starts every console line (a DiLoCo node's `[worker-1] `)
 
     def __post_init__(self):
@@ -730,7 +741,8 @@ def emit(
     payload = {} if payload is None else payload
     if not isinstance(payload, Mapping):
         raise TypeError(
-            f"emit({event!r}, ...): the payload must be a dict of metrics, got {type(payload).__name__}"
+            f"emit({event!r}, ...): the payload must be a dict of metrics, got "
+            f"{type(payload).__name__}"
         )
     if event == "train_step" and not force and not _on_cadence(payload, self.every_steps):
         return False
@@ -792,7 +804,8 @@ def flush(self: MetricLogger, timeout: float | None = None) -> bool:
 
 @patch
 def guard_console(self: MetricLogger, guard: Callable[[], Any] | None) -> None:
-    "Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above the bar)."
+    """Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above the
+    bar)."""
     self._text.guard = guard
 
 # %% ../nbs/observe/01_metrics.ipynb #e5d7d6ca

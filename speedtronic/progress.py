@@ -18,7 +18,9 @@ from fastcore.basics import patch
 
 from .config import ConfigError
 from .optional import MissingExtra
-from .plotting import figure_png, loss_figure, loss_points, plot_loss  # noqa: F401 (also importable from here)
+
+# noqa: F401 (also importable from here)
+from .plotting import figure_png, loss_figure, loss_points, plot_loss
 
 # %% auto #0
 __all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'ROUND_EVENTS', 'format_duration', 'format_rate', 'format_progress', 'clip_line',
@@ -107,7 +109,8 @@ def format_step_line(
     held_out: float | None = None,  # the newest held-out loss, when there is one
     note: str = "",  # said at the end (a DiLoCo node's rounds)
 ) -> str:
-    "`step  10/200  loss   4.1315  lr 2.43e-04   1.72k tok/s  ETA 00:07`: aligned from one line to the next."
+    """`step  10/200  loss   4.1315  lr 2.43e-04   1.72k tok/s  ETA 00:07`: aligned from one line to
+    the next."""
     step, digits = payload.get("step"), len(str(target or payload.get("step") or 0))
     parts = [f"step {step:>{digits}}/{target}" if target else f"step {step:>{digits}}"]
     loss, lr, rate, speed = (
@@ -234,13 +237,15 @@ class TerminalLines:
                 else ""
             )
             return clip_line(
-                f"eval  step {payload.get('step')}  val_loss {payload['val_loss']:8.4f}  ppl {payload.get('val_ppl', math.nan):.4g}{bpb}"
+                f"eval  step {payload.get('step')}  val_loss {payload['val_loss']:8.4f}  ppl "
+                f"{payload.get('val_ppl', math.nan):.4g}{bpb}"
             )
         if (
             event == "sample"
         ):  # a text the model wrote: the prompt, then its continuation, on one line
             return clip_line(
-                f"sample  step {payload.get('step')}  {payload.get('prompt', '')!r} -> {payload.get('text', '')!r}"
+                f"sample  step {payload.get('step')}  {payload.get('prompt', '')!r} -> "
+                f"{payload.get('text', '')!r}"
             )
         if event == "checkpoint":
             return clip_line(
@@ -278,7 +283,8 @@ def format_closing(
         str, str | os.PathLike | None
     ] = {},  # what was written: label -> path (missing ones are left out)
 ) -> str:
-    "The lines a run ends with: `done: step 25 in 00:03 | loss 4.1745`, then one `  label  path` line per file written."
+    """The lines a run ends with: `done: step 25 in 00:03 | loss 4.1745`, then one `  label  path`
+    line per file written."""
     head = [
         f"done: step {steps}"
         + (f" in {format_duration(elapsed_s)}" if elapsed_s is not None else ""),
@@ -363,7 +369,8 @@ class ProgressBar:
         self.start_step, self.target, self.step = 0, total, 0
         self.loss = self.tokens_per_sec = self._t0 = self._handle = None
         self._first: tuple[float, int] | None = None  # (time, step) of the first step shown
-        self.view: Any = None  # the notebook's widget (a `speedtronic.widgets.TrainingView`), from the first redraw
+        # the notebook's widget (a `speedtronic.widgets.TrainingView`), from the first redraw
+        self.view: Any = None
         self.earlier: list[
             tuple[int, float]
         ] = []  # (step, loss) before this run's start (a resumed run), drawn first
@@ -400,7 +407,8 @@ def line(self: ProgressBar) -> str:
 
 @patch
 def _notebook_view(self: ProgressBar) -> Any:
-    "A new view from `make_view`, or `None` without one or when ipywidgets or matplotlib is missing."
+    """A new view from `make_view`, or `None` without one or when ipywidgets or matplotlib is
+    missing."""
     if self.make_view is None:
         return None
     try:
@@ -411,7 +419,8 @@ def _notebook_view(self: ProgressBar) -> Any:
 
 @patch
 def _render_notebook(self: ProgressBar, chart: bool) -> None:
-    "Show the state in the notebook: the widget (bar, text, and the chart when `chart`), or a text output."
+    """Show the state in the notebook: the widget (bar, text, and the chart when `chart`), or a text
+    output."""
     from IPython.display import display
 
     if self._handle is None:
@@ -555,7 +564,8 @@ def cleared(self: ProgressBar) -> Iterator[None]:
 
 @patch
 def close(self: ProgressBar) -> None:
-    "End the terminal line; in a notebook draw the last state, marked stopped unless training finished (idempotent)."
+    """End the terminal line; in a notebook draw the last state, marked stopped unless training
+    finished (idempotent)."""
     with self._lock:
         if self._open:
             stream = self._stream()

@@ -239,7 +239,8 @@ def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
 
 # %% ../nbs/app/01_runtime.ipynb #5decef8d
 def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> SpeedtronicConfig:
-    "A validated `SpeedtronicConfig` from a config object or a plain mapping (the model settings it leaves unset taken from `model.init_from`)."
+    """A validated `SpeedtronicConfig` from a config object or a plain mapping (the model settings
+    it leaves unset taken from `model.init_from`)."""
     if isinstance(config, Mapping):
         config = SpeedtronicConfig.from_dict(dict(config))
     config = config.validate()
@@ -266,7 +267,10 @@ def distributed_problem(config: SpeedtronicConfig) -> str | None:
         or importlib.util.find_spec("speedtronic.distributed") is not None
     ):
         return None
-    return "distributed.enabled: true needs speedtronic.distributed, which is missing from this installation; reinstall speedtronic"
+    return (
+        "distributed.enabled: true needs speedtronic.distributed, which is missing from this "
+        "installation; reinstall speedtronic"
+    )
 
 
 def _coordinator(
@@ -277,7 +281,8 @@ def _coordinator(
     resume: bool | None = None,  # False: a new DiLoCo run; True: one continued (`--resume`)
     overwrite: bool = False,  # a new run that deletes the earlier run's records (`--overwrite`)
 ) -> Any:
-    "The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it), or `None`; in a torchrun job rank 0's."
+    """The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it),
+    or `None`; in a torchrun job rank 0's."""
     if not config.distributed.enabled:
         return None
     if problem := distributed_problem(config):
@@ -313,7 +318,8 @@ class RunClaim:
             lock.release()
 
     def abandon(self) -> None:
-        "Release, and remove the folders claiming made that are still empty: a run that could not start leaves nothing."
+        """Release, and remove the folders claiming made that are still empty: a run that could not
+        start leaves nothing."""
         self.release()
         for folder in self.created:
             try:
@@ -323,7 +329,8 @@ class RunClaim:
 
 
 def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
-    "Refuse (or, with `overwrite`, delete) the checkpoints a fresh run finds in its checkpoint directory."
+    """Refuse (or, with `overwrite`, delete) the checkpoints a fresh run finds in its checkpoint
+    directory."""
     files = checkpoint_files(checkpoints)
     if not files:
         return
@@ -334,9 +341,12 @@ def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
         checkpoints / CheckpointManager.pointer_name, warn=lambda message: None
     ).get("run_id")
     raise CheckpointError(
-        f"{checkpoints} already holds checkpoints of {'run ' + owner if owner else 'an earlier run'} "
-        f"(newest: {files[0].name}); a new run there would mix its checkpoints with them. Continue that run "
-        "with --resume (resume=True), start over with --overwrite (overwrite=True), which deletes them, or "
+        f"{checkpoints} already holds checkpoints of "
+        f"{'run ' + owner if owner else 'an earlier run'} "
+        f"(newest: {files[0].name}); a new run there would mix its checkpoints with them. "
+        "Continue that run "
+        "with --resume (resume=True), start over with --overwrite (overwrite=True), which deletes "
+        "them, or "
         "train into another --output-dir (run.output_dir)"
     )
 
@@ -354,7 +364,8 @@ def _missing_folders(folders: Sequence[Path]) -> list[Path]:
 def claim_run(
     config: SpeedtronicConfig, *, resume: bool = False, overwrite: bool = False
 ) -> RunClaim:
-    "Lock the run's directories and choose its run id; a fresh run refuses (or `overwrite`s) another run's checkpoints."
+    """Lock the run's directories and choose its run id; a fresh run refuses (or `overwrite`s)
+    another run's checkpoints."""
     if resume and overwrite:
         raise ConfigError(
             "--resume and --overwrite (resume=True, overwrite=True) cannot be combined: "
@@ -396,7 +407,8 @@ def claim_run(
 def claim_job(
     config: SpeedtronicConfig, world: World, *, resume: bool = False, overwrite: bool = False
 ) -> RunClaim:
-    "`claim_run` on rank 0 of a torchrun job, its run id shared with every rank (rank 0's refusal stops them all)."
+    """`claim_run` on rank 0 of a torchrun job, its run id shared with every rank (rank 0's refusal
+    stops them all)."""
     claim = world.on_writer(lambda: claim_run(config, resume=resume, overwrite=overwrite))
     run_id = world.share(claim.run_id if claim is not None else None)
     return claim if claim is not None else RunClaim(run_id)
@@ -407,7 +419,8 @@ def resumed_target(
     state: Mapping[str, Any],  # the checkpoint the run resumes from
     max_steps: int | None = None,  # the target the caller gives (`--max-steps`), which wins
 ) -> int:
-    "The step a resumed run trains to: `max_steps` if given, else the config's or the checkpoint's recorded target, whichever is further."
+    """The step a resumed run trains to: `max_steps` if given, else the config's or the checkpoint's
+    recorded target, whichever is further."""
     configured, saved = run_target(config, max_steps), state.get("target")
     if max_steps is not None or not isinstance(saved, int) or isinstance(saved, bool):
         return configured
@@ -415,7 +428,8 @@ def resumed_target(
 
 
 def _keep_target(trainer: Trainer, state: Mapping[str, Any], max_steps: int | None) -> bool:
-    "Before `trainer.resume(state)`: give the trainer (and its schedule) the target `resumed_target` finds; whether it changed."
+    """Before `trainer.resume(state)`: give the trainer (and its schedule) the target
+    `resumed_target` finds; whether it changed."""
     target = resumed_target(trainer.config, state, max_steps)
     if target == trainer.max_steps:
         return False
@@ -431,7 +445,8 @@ def _keep_target(trainer: Trainer, state: Mapping[str, Any], max_steps: int | No
 
 
 def schedule_note(trainer: Trainer, state: Mapping[str, Any]) -> str | None:
-    "After `trainer.resume(state)`: one line when a new target moved the schedule, and so the learning rate at the resumed step, else `None`."
+    """After `trainer.resume(state)`: one line when a new target moved the schedule, and so the
+    learning rate at the resumed step, else `None`."""
     saved = state.get("scheduler") or {}
     old, base = (saved.get("_last_lr") or [None])[0], (saved.get("base_lrs") or [None])[0]
     saved_target = state.get("target")
@@ -456,7 +471,8 @@ def schedule_note(trainer: Trainer, state: Mapping[str, Any]) -> str | None:
 
 # %% ../nbs/app/01_runtime.ipynb #721fb952
 def job_problems(config: SpeedtronicConfig, world: World) -> list[str]:
-    "Why `config` cannot run as this torchrun job (the global batch, and what `parallel.strategy: fsdp` refuses); sets `world.parallel`."
+    """Why `config` cannot run as this torchrun job (the global batch, and what `parallel.strategy:
+    fsdp` refuses); sets `world.parallel`."""
     world.parallel = config.parallel
     return world_problems(config, world) + (fsdp_problems(config) if world.size > 1 else [])
 
@@ -473,7 +489,8 @@ def build_runtime(
     | None = None,  # resume this checkpoint of the run, not the newest
     verbose: bool = False,  # the console shows every event's full line (CLI `--verbose`)
 ) -> tuple[Trainer, CheckpointManager]:
-    "Build every component a config describes and return the ready `Trainer` and its `CheckpointManager`."
+    """Build every component a config describes and return the ready `Trainer` and its
+    `CheckpointManager`."""
     config = load_runtime_config(config)
     resume = bool(resume or config.checkpoint.resume)
     if checkpoint is not None and not resume:
@@ -522,7 +539,8 @@ def _loader(
     world: World,
     dataset: Any = None,
 ) -> Any:  # the training side of an `eval.holdout_fraction` split
-    "The data loader: a torchrun rank reads its share of each global batch; a DiLoCo node its own shard (or data seed)."
+    """The data loader: a torchrun rank reads its share of each global batch; a DiLoCo node its own
+    shard (or data seed)."""
     data, distributed = config.data, config.distributed.enabled
     if distributed:
         from speedtronic.distributed import node_data_config, shard_loader
@@ -542,12 +560,15 @@ def _loader(
 
 
 def _warn_random_tokens(config: SpeedtronicConfig) -> None:
-    "One `DataWarning` when the run reads random tokens that `data.synthetic: true` did not ask for."
+    """One `DataWarning` when the run reads random tokens that `data.synthetic: true` did not ask
+    for."""
     d = config.data
     if d.source == "synthetic tokens" and "synthetic" not in explicit_fields(d):
         warnings.warn(
-            f"no data source is set (data.text_path, data.token_file, data.hf_dataset or data.dataset): training on "
-            f"{d.num_tokens:,} samples of random tokens; set a source, or write data.synthetic: true "
+            "no data source is set (data.text_path, data.token_file, data.hf_dataset or "
+            "data.dataset): training on "
+            f"{d.num_tokens:,} samples of random tokens; set a source, or write data.synthetic: "
+            "true "
             "to train on random tokens on purpose",
             DataWarning,
             stacklevel=3,
@@ -606,8 +627,10 @@ def _build_components(
         for lock in claim.locks:
             if lock.previous:
                 logger.warning(
-                    f"{lock.path.parent} was last claimed by run {lock.previous.get('run_id', '?')} (pid "
-                    f"{lock.previous.get('pid', '?')} on {lock.previous.get('host', '?')}), which ended without "
+                    f"{lock.path.parent} was last claimed by run "
+                    f"{lock.previous.get('run_id', '?')} (pid "
+                    f"{lock.previous.get('pid', '?')} on {lock.previous.get('host', '?')}), which "
+                    "ended without "
                     "releasing it (killed?); this run takes it over"
                 )
         if getattr(logger, "device", "absent") is None:
@@ -652,7 +675,8 @@ def _build_components(
             )
             if state is None:
                 logger.warning(
-                    f"resume requested but no local checkpoint was found in {manager.directory}; starting fresh"
+                    f"resume requested but no local checkpoint was found in {manager.directory}; "
+                    "starting fresh"
                 )
             else:
                 kept = _keep_target(trainer, state, max_steps)
@@ -663,7 +687,8 @@ def _build_components(
                     claim.run_id = state["run_id"]
                 claim.run_id = manager.run_id = logger.run_id = world.share(claim.run_id)
                 logger.info(
-                    f"resumed from {manager.loaded_path} at step {trainer.step} (run {claim.run_id})"
+                    f"resumed from {manager.loaded_path} at step {trainer.step} (run "
+                    f"{claim.run_id})"
                     + (
                         f"; training on to step {trainer.max_steps}, the target the run was given "
                         "(--max-steps N sets another)"
@@ -681,7 +706,8 @@ def _build_components(
 
 # %% ../nbs/app/01_runtime.ipynb #c6821550
 def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
-    "The training source split by `eval.holdout_fraction`, or `None` when the run holds nothing out."
+    """The training source split by `eval.holdout_fraction`, or `None` when the run holds nothing
+    out."""
     if not config.eval.holdout_fraction:
         return None
     return holdout_split(
@@ -690,7 +716,8 @@ def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
 
 # %% ../nbs/app/01_runtime.ipynb #6b46ea79
 def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = None) -> None:
-    "On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU) for every global it publishes."
+    """On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU)
+    for every global it publishes."""
     node = getattr(
         trainer.coordinator, "inner", trainer.coordinator
     )  # a torchrun node: rank 0's coordinator
@@ -729,7 +756,8 @@ def sigterm_stops(trainer: Trainer) -> Iterator[None]:
 
 # %% ../nbs/app/01_runtime.ipynb #1c0c4b40
 def _step_record(line: str) -> tuple[str, dict] | None:
-    "(event, record) of a `train_step` or `train_start` line of a metrics file; `None` for others and torn lines."
+    """(event, record) of a `train_step` or `train_start` line of a metrics file; `None` for others
+    and torn lines."""
     if '"train_step"' not in line and '"train_start"' not in line:
         return None
     try:
@@ -748,7 +776,8 @@ def earlier_records(
     *,
     run_id: str | None = None,  # the resumed run: records of other runs in the file are skipped
 ) -> list[dict[str, Any]]:
-    "The `train_step` records of run `run_id`'s steps up to `up_to` that led to it, from a metrics file (empty if it is missing)."
+    """The `train_step` records of run `run_id`'s steps up to `up_to` that led to it, from a metrics
+    file (empty if it is missing)."""
     if path is None or not Path(path).is_file() or up_to <= 0:
         return []
     records: deque = deque(maxlen=keep)
@@ -784,7 +813,8 @@ def _whole_run(
     keep: int | None,
     evals: Sequence[Mapping[str, Any]] = (),
 ) -> TrainResult:  # the resumed run's earlier `eval` records
-    "`result` with `earlier` records (a resumed run's history) in front, at most `keep` in all, and the earlier `evals` too."
+    """`result` with `earlier` records (a resumed run's history) in front, at most `keep` in all,
+    and the earlier `evals` too."""
     if earlier:
         result.metrics = (earlier + result.metrics)[-keep:] if keep else earlier + result.metrics
     if evals := [dict(r) for r in evals if not result.evals or r["step"] < result.evals[0]["step"]]:
@@ -795,7 +825,8 @@ def _whole_run(
 
 
 def _final_round_left(trainer: Trainer) -> None:
-    "A DiLoCo master resumed at its target: start and stop its coordinator, whose master runs the final round a killed run left unfinished (nothing when it finished)."
+    """A DiLoCo master resumed at its target: start and stop its coordinator, whose master runs the
+    final round a killed run left unfinished (nothing when it finished)."""
     node = getattr(trainer.coordinator, "inner", trainer.coordinator)
     if getattr(node, "role", None) != "master":
         return
@@ -907,7 +938,8 @@ def write_loss_plot(
 
 # %% ../nbs/app/01_runtime.ipynb #9239109e
 def training_memory(model: torch.nn.Module, optimizer: str = "adamw") -> tuple[int, int]:
-    "(parameters, bytes) to train `model`: float32 weights, gradients and optimizer state (activations not counted)."
+    """(parameters, bytes) to train `model`: float32 weights, gradients and optimizer state
+    (activations not counted)."""
     params = list(model.parameters())  # a tied weight is one parameter
     total = sum(p.numel() for p in params)
     trained = [p for p in params if p.requires_grad]
@@ -916,7 +948,8 @@ def training_memory(model: torch.nn.Module, optimizer: str = "adamw") -> tuple[i
 
 
 def available_memory(device: torch.device | str) -> int | None:
-    "Bytes free for a run on `device`: a CUDA device's free memory, else the machine's available memory (None if unknown)."
+    """Bytes free for a run on `device`: a CUDA device's free memory, else the machine's available
+    memory (None if unknown)."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
@@ -941,8 +974,10 @@ def _memory_problems(model: torch.nn.Module, config: SpeedtronicConfig, device: 
         return []
     m = config.model
     what = (
-        f"the model has {params:,} parameters (model.vocab_size {m.vocab_size}, d_model {m.d_model}, n_layer {m.n_layer}): "
-        f"training needs about {need / 2**30:,.1f} GiB for weights, gradients and {config.optimizer.name} state"
+        f"the model has {params:,} parameters (model.vocab_size {m.vocab_size}, d_model "
+        f"{m.d_model}, n_layer {m.n_layer}): "
+        f"training needs about {need / 2**30:,.1f} GiB for weights, gradients and "
+        f"{config.optimizer.name} state"
     )
     where = f"{torch.device(device).type} has {free / 2**30:,.1f} GiB available"
     if need > free:
@@ -961,12 +996,16 @@ def _memory_problems(model: torch.nn.Module, config: SpeedtronicConfig, device: 
 def _missing_file(key: str, value: Any, what: str = "file") -> str | None:
     "The problem of a setting `key` naming a file (or folder) that does not exist, or `None`."
     if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
-        return f"{key}: {what} not found: {value} (create it, or fix the path relative to {os.getcwd()})"
+        return (
+            f"{key}: {what} not found: {value} (create it, or fix the path relative to "
+            f"{os.getcwd()})"
+        )
     return None
 
 
 def _tokenizer_file(spec: Any) -> str | None:
-    "The file a `data.tokenizer` value names, or `None` for the byte tokenizer (`null`, `byte`, `bytes`, `char`)."
+    """The file a `data.tokenizer` value names, or `None` for the byte tokenizer (`null`, `byte`,
+    `bytes`, `char`)."""
     return (
         None
         if not isinstance(spec, str) or spec.strip().lower() in ("", "byte", "bytes", "char")
@@ -987,7 +1026,8 @@ def _logging_problems(config: SpeedtronicConfig) -> list[str]:
             problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
     if paths.tensorboard and (blocker := file_in_the_way(paths.tensorboard)):
         problems.append(
-            f"logging.tensorboard_dir: {paths.tensorboard} cannot be a directory because {blocker} is a file"
+            f"logging.tensorboard_dir: {paths.tensorboard} cannot be a directory because "
+            f"{blocker} is a file"
         )
     return problems
 
@@ -1059,8 +1099,10 @@ def startup_problems(
     max_steps: int | None = None,  # the run's target, as `build_runtime` gets it
     device: str | torch.device | None = None,  # the device whose memory the model must fit
 ) -> list[str]:
-    "What would stop `config` from training that can be seen before any directory is created or data is read."
-    # an unknown model or a failed model.imports is final; a model the meta device cannot build is left to the real build
+    """What would stop `config` from training that can be seen before any directory is created or
+    data is read."""
+    # an unknown model or a failed model.imports is final; a model the meta device cannot build is
+    # left to the real build
     return _startup(
         load_runtime_config(config),
         max_steps=max_steps,
@@ -1111,7 +1153,8 @@ def _on_meta(batch: Any) -> Any:
 def _first_step_problems(
     config: SpeedtronicConfig, model: torch.nn.Module, vocab: int
 ) -> list[str]:
-    "What the first step would meet: the data opened as training opens it, and the model's loss on the first sample (meta)."
+    """What the first step would meet: the data opened as training opens it, and the model's loss on
+    the first sample (meta)."""
     d = config.data
     try:
         dataset = select_dataset(d, vocab_size=vocab)
@@ -1147,14 +1190,16 @@ def _first_step_problems(
         return [f"model {config.model.name!r}: {e}"]
     if not loss.requires_grad:
         return [
-            f"model {config.model.name!r}: its loss does not depend on any trainable parameter (no gradient); "
+            f"model {config.model.name!r}: its loss does not depend on any trainable parameter "
+            "(no gradient); "
             "compute it from the model's outputs without .detach(), .item() or torch.no_grad()"
         ]
     return []
 
 
 def _eval_problems(config: SpeedtronicConfig, vocab: int) -> list[str]:
-    "What the held-out evaluation meets when it is built: a source too small, unreadable, or a split that leaves nothing to train on."
+    """What the held-out evaluation meets when it is built: a source too small, unreadable, or a
+    split that leaves nothing to train on."""
     if not config.eval.enabled:
         return []
     try:
@@ -1186,7 +1231,8 @@ def _output_folders(config: SpeedtronicConfig) -> list[tuple[str, Path]]:
 
 
 def _unwritable(directory: Path) -> Path | None:
-    "The folder that stops files being created in `directory` (itself or the nearest existing parent), else `None`."
+    """The folder that stops files being created in `directory` (itself or the nearest existing
+    parent), else `None`."""
     existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
     if existing is None or not existing.is_dir():
         return None  # a file in the way is reported by `_logging_problems`
@@ -1194,7 +1240,8 @@ def _unwritable(directory: Path) -> Path | None:
 
 
 def _directory_problems(config: SpeedtronicConfig) -> list[str]:
-    "Run directories another trainer holds now, and output folders that cannot be created or written here."
+    """Run directories another trainer holds now, and output folders that cannot be created or
+    written here."""
     problems, seen = [], set()
     for key, directory in _output_folders(config):
         if (
@@ -1202,13 +1249,15 @@ def _directory_problems(config: SpeedtronicConfig) -> list[str]:
             and (holder := lock_holder(directory)) is not None
         ):
             problems.append(
-                f"{key}: {directory} is in use by another training process: run {holder.get('run_id', '?')} "
+                f"{key}: {directory} is in use by another training process: run "
+                f"{holder.get('run_id', '?')} "
                 f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')})"
             )
         if (blocked := _unwritable(directory)) is not None and blocked not in seen:
             seen.add(blocked)
             problems.append(
-                f"{key}: {directory} cannot be written here ({blocked} is not writable); choose a writable directory"
+                f"{key}: {directory} cannot be written here ({blocked} is not writable); choose a "
+                "writable directory"
             )
     return problems
 

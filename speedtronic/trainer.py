@@ -60,10 +60,13 @@ class TrainingError(ExpectedError, RuntimeError):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped early by Ctrl-C (JupyterLab's ■), SIGTERM or `request_stop`, after saving its last completed step.
+    """Training stopped early by Ctrl-C (JupyterLab's ■), SIGTERM or `request_stop`, after saving
+    its last completed step.
 
-    `result` is the `TrainResult` of the steps done so far, `checkpoint` the newest checkpoint file after the stop
-    (or `None`) and `saved` whether it holds the last completed step; `resume_hint` says how to go on."""
+    `result` is the `TrainResult` of the steps done so far, `checkpoint` the newest checkpoint file
+    after the stop
+    (or `None`) and `saved` whether it holds the last completed step; `resume_hint` says how to go
+    on."""
 
     def __init__(
         self,
@@ -86,7 +89,8 @@ class TrainingInterrupted(KeyboardInterrupt):
         )
 
     def _render_traceback_(self) -> list[str]:
-        "What IPython shows in place of a traceback: the message, and where the steps done so far are."
+        """What IPython shows in place of a traceback: the message, and where the steps done so far
+        are."""
         first, *rest = str(self).splitlines() or [""]
         if self.result is not None:
             rest.append("The steps done so far: sys.last_value.result")
@@ -97,13 +101,20 @@ class TrainingInterrupted(KeyboardInterrupt):
 class SyncCoordinator(Protocol):
     """What the trainer calls around training; DiLoCo and other sync schemes implement it.
 
-    `start()` runs when a `fit` has work to do and `stop()` always when it ends. `after_optimizer_step(model, step)`
-    runs after each applied update and its scheduler step; a truthy return tells the trainer to clear the inner
-    optimizer's state (`optimizer.state`). The coordinator decides when that is wanted: the DiLoCo coordinator
-    returns True after it pushed or installed weights, and only when its `reset_inner_optimizer` setting is on.
-    `state_dict()` is saved in every checkpoint and given back through `load_state_dict` (or, when the
-    coordinator has one, `prepare_state` before `start()`) on resume. An optional `finish(model, step)` runs once
-    after the last step of a `fit` that made updates, before the final checkpoint (DiLoCo's final round)."""
+    `start()` runs when a `fit` has work to do and `stop()` always when it ends.
+    `after_optimizer_step(model, step)`
+    runs after each applied update and its scheduler step; a truthy return tells the trainer to
+    clear the inner
+    optimizer's state (`optimizer.state`). The coordinator decides when that is wanted: the DiLoCo
+    coordinator
+    returns True after it pushed or installed weights, and only when its `reset_inner_optimizer`
+    setting is on.
+    `state_dict()` is saved in every checkpoint and given back through `load_state_dict` (or, when
+    the
+    coordinator has one, `prepare_state` before `start()`) on resume. An optional `finish(model,
+    step)` runs once
+    after the last step of a `fit` that made updates, before the final checkpoint (DiLoCo's final
+    round)."""
 
     def start(self) -> None: ...
     def after_optimizer_step(self, model: Any, step: int) -> bool | None: ...
@@ -134,7 +145,8 @@ class TrainResult:
 
 # %% ../nbs/train/06_trainer.ipynb #8d283c61
 def causal_lm_loss(logits: Any, labels: Any) -> torch.Tensor | None:
-    "Causal cross-entropy of `(B,T,V)` logits against `(B,T)` or `(B,T-1)` labels; `None` if the shapes do not fit."
+    """Causal cross-entropy of `(B,T,V)` logits against `(B,T)` or `(B,T-1)` labels; `None` if the
+    shapes do not fit."""
     if not (torch.is_tensor(logits) and torch.is_tensor(labels)):
         return None
     if logits.ndim != 3 or labels.ndim != 2 or labels.shape[0] != logits.shape[0]:
@@ -166,10 +178,12 @@ def _labels_of(batch: Any) -> Any:
 
 
 def _scalar(loss: Any, what: str = "loss") -> torch.Tensor:
-    "`loss` as a 0-d tensor (mean-reduced); a `TypeError` saying what to return when it is not a tensor."
+    """`loss` as a 0-d tensor (mean-reduced); a `TypeError` saying what to return when it is not a
+    tensor."""
     if not torch.is_tensor(loss):
         raise TypeError(
-            f"the model's {what} is a {type(loss).__name__}, not a tensor: return the loss tensor computed from "
+            f"the model's {what} is a {type(loss).__name__}, not a tensor: return the loss tensor "
+            "computed from "
             "the model's outputs (e.g. F.cross_entropy(...)), not loss.item() or a Python number"
         )
     return loss if loss.ndim == 0 else loss.mean()
@@ -226,7 +240,8 @@ def move_batch(batch: Any, device: torch.device) -> Any:
 
 
 def batch_size_and_tokens(batch: Any) -> tuple[int, int | torch.Tensor]:
-    "Samples and tokens in `batch`; tokens may be a 0-d device tensor (attention-mask sum) to avoid a sync."
+    """Samples and tokens in `batch`; tokens may be a 0-d device tensor (attention-mask sum) to
+    avoid a sync."""
     mapping = type(batch) is dict or isinstance(batch, Mapping)
     if mapping:
         cand = batch.get("input_ids", batch.get("inputs"))
@@ -256,7 +271,8 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 
 
 def is_compile_failure(exc: BaseException) -> bool:
-    "True when `exc` comes from torch.compile's machinery (dynamo, inductor, a backend), not from the model."
+    """True when `exc` comes from torch.compile's machinery (dynamo, inductor, a backend), not from
+    the model."""
     for e in (exc, exc.__cause__):
         if e is None:
             continue
@@ -289,7 +305,8 @@ def read_pending(
     world: World
     | None = None,  # a torchrun job: the whole job's numbers (every rank calls together)
 ) -> list[tuple[float, int]]:
-    "(loss, tokens) of every pending step, read from the device in one transfer; in a job, mean loss and total tokens of the ranks."
+    """(loss, tokens) of every pending step, read from the device in one transfer; in a job, mean
+    loss and total tokens of the ranks."""
     if not pending:
         return []
     size = 1 if world is None else world.size
@@ -334,12 +351,14 @@ def scaler_step(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
 
 # %% ../nbs/train/06_trainer.ipynb #504d5754
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    "`tensor` as a plain tensor: a sharded `DTensor` (a norm over fsdp's shards) gathered whole, anything else as it is."
+    """`tensor` as a plain tensor: a sharded `DTensor` (a norm over fsdp's shards) gathered whole,
+    anything else as it is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def gradient_norm(parameters: Any) -> torch.Tensor:
-    "The global L2 norm of the gradients of `parameters` (a 0-d tensor; 0 when there are none), without a host sync."
+    """The global L2 norm of the gradients of `parameters` (a 0-d tensor; 0 when there are none),
+    without a host sync."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -357,7 +376,8 @@ def gradient_norm(parameters: Any) -> torch.Tensor:
 
 
 def update_is_finite(loss: torch.Tensor, norm: torch.Tensor) -> bool:
-    "Whether both `loss` and the gradient `norm` are finite, from one scalar read (`norm + 0·loss`)."
+    """Whether both `loss` and the gradient `norm` are finite, from one scalar read (`norm +
+    0·loss`)."""
     zeroed = loss * 0.0  # 0 for a finite loss, NaN for an infinite or NaN one
     return math.isfinite(
         (norm + (zeroed if zeroed.device == norm.device else zeroed.to(norm.device))).item()
@@ -365,7 +385,8 @@ def update_is_finite(loss: torch.Tensor, norm: torch.Tensor) -> bool:
 
 
 def nonfinite_update(loss: torch.Tensor, norm: torch.Tensor) -> tuple[str | None, float, float]:
-    "(why the update must not be applied — `nonfinite_loss`, `nonfinite_gradient` — or `None`, loss, norm) in one read."
+    """(why the update must not be applied — `nonfinite_loss`, `nonfinite_gradient` — or `None`,
+    loss, norm) in one read."""
     loss_value, norm_value = torch.stack(
         [loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]
     ).tolist()
@@ -382,12 +403,14 @@ class TrainerSettings:
     "What the trainer takes from a configuration, read once when it is built."
 
     max_steps: int  # `run.max_steps`: the target when `Trainer(max_steps=...)` is not given
-    accumulation_steps: int  # microbatches per optimizer update of this process: `data.accumulation_steps` / processes
+    # microbatches per optimizer update of this process: `data.accumulation_steps` / processes
+    accumulation_steps: int
     grad_clip: float | None  # `optimizer.grad_clip`: global L2-norm clip, `None` for none
     max_skipped_steps: (
         int  # `precision.max_skipped_steps`: GradScaler skips in a row before the run stops
     )
-    max_nonfinite_skips: int  # `optimizer.max_nonfinite_skips`: NaN/inf updates skipped in a row before the run stops
+    # `optimizer.max_nonfinite_skips`: NaN/inf updates skipped in a row before the run stops
+    max_nonfinite_skips: int
     metrics_history: (
         int | None
     )  # `logging.metrics_history`: records kept in `TrainResult.metrics`; `None` keeps all
@@ -396,7 +419,8 @@ class TrainerSettings:
     ooo_backprop: bool  # `ooo_backprop`: out-of-order backprop on CUDA streams
     ooo_streams: int  # `ooo_streams`: how many streams it uses
     batch_size: int | None = (
-        None  # `data.target_batch_size`: samples per update, reported at the start (`None`: not known)
+        # `data.target_batch_size`: samples per update, reported at the start (`None`: not known)
+        None
     )
     sequence_length: int | None = (
         None  # `data.block_size` (or `model.max_seq_len`): tokens per sample, reported likewise
@@ -408,9 +432,11 @@ class TrainerSettings:
         config: SpeedtronicConfig,
         world_size: int = 1,  # processes of a torchrun job sharing `data.target_batch_size`
         *,
-        geometry: bool = True,  # the batch geometry is the loader's (False: a trainer built without a config)
+        # the batch geometry is the loader's (False: a trainer built without a config)
+        geometry: bool = True,
     ) -> TrainerSettings:
-        "The trainer's settings in `config` (`SpeedtronicConfig()` gives a trainer built without one)."
+        """The trainer's settings in `config` (`SpeedtronicConfig()` gives a trainer built without
+        one)."""
         return cls(
             max_steps=config.run.max_steps,
             accumulation_steps=accumulation_per_rank(config.data, world_size),
@@ -436,7 +462,8 @@ def _as_config(config: SpeedtronicConfig | Mapping | None) -> SpeedtronicConfig 
     if isinstance(config, Mapping):
         return SpeedtronicConfig.from_dict(config)
     raise TypeError(
-        f"Trainer(config=...) takes a SpeedtronicConfig, a mapping or None, got {type(config).__name__}"
+        "Trainer(config=...) takes a SpeedtronicConfig, a mapping or None, got "
+        f"{type(config).__name__}"
     )
 
 # %% ../nbs/train/06_trainer.ipynb #6d30d448
@@ -447,7 +474,8 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        dataloader: Any,  # any re-iterable of batches; `state_dict()`/`load_state_dict()` make resume exact
+        # any re-iterable of batches; `state_dict()`/`load_state_dict()` make resume exact
+        dataloader: Any,
         *,
         device: str | torch.device,
         config: SpeedtronicConfig | Mapping | None = None,
@@ -531,7 +559,8 @@ def metrics_history(self: Trainer) -> int | None:
 # %% ../nbs/train/06_trainer.ipynb #7acf274f
 @patch
 def _setup_gradient_checkpointing(self: Trainer) -> None:
-    "Turn on the model's gradient checkpointing when the config asks; a model without the hook only warns."
+    """Turn on the model's gradient checkpointing when the config asks; a model without the hook
+    only warns."""
     if not self.settings.gradient_checkpointing:
         return
     try:
@@ -544,7 +573,8 @@ def _setup_gradient_checkpointing(self: Trainer) -> None:
 
 @patch
 def _setup_compile(self: Trainer) -> nn.Module | None:
-    "The `torch.compile`d model when the config asks for it (a `compile` event says whether it worked)."
+    """The `torch.compile`d model when the config asks for it (a `compile` event says whether it
+    worked)."""
     if not self.settings.compile:
         return None
     try:
@@ -579,9 +609,11 @@ def _boundary_state(self: Trainer) -> dict:
 def checkpoint_state(
     self: Trainer,
     boundary: dict | None = None,
-    tensors: bool = True,  # False: model and optimizer left out (a sharded checkpoint writes them itself)
+    # False: model and optimizer left out (a sharded checkpoint writes them itself)
+    tensors: bool = True,
 ) -> dict[str, Any]:
-    "The checkpoint payload of the last completed step (model, optimizer, counters, RNG, data position...)."
+    """The checkpoint payload of the last completed step (model, optimizer, counters, RNG, data
+    position...)."""
     boundary = boundary or self._boundary_state()
     plan = self.precision
     return {
@@ -608,7 +640,8 @@ def checkpoint_state(
 
 @patch
 def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
-    "Save the last completed step through the checkpoint manager and emit `checkpoint` (in a job: every rank calls, rank 0 writes)."
+    """Save the last completed step through the checkpoint manager and emit `checkpoint` (in a job:
+    every rank calls, rank 0 writes)."""
     boundary = self.world.gather_boundary(boundary or self._boundary_state())
     if self.world.fsdp:
         path = self._save_sharded(boundary)
@@ -624,7 +657,8 @@ def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
 
 @patch
 def _save_sharded(self: Trainer, boundary: dict) -> Any:
-    "`parallel.strategy: fsdp`: every rank writes its shards of the model and optimizer, rank 0 the rest (a `step_<N>.dcp` folder)."
+    """`parallel.strategy: fsdp`: every rank writes its shards of the model and optimizer, rank 0
+    the rest (a `step_<N>.dcp` folder)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     fresh = (
@@ -632,7 +666,8 @@ def _save_sharded(self: Trainer, boundary: dict) -> Any:
     )  # get_state_dict gives an empty optimizer a state (a step of zero gradients), which
     weights, moments = get_state_dict(self.model, self.optimizer)
     if fresh:
-        self.optimizer.state.clear()  # must not change training: a reset inner optimizer stays fresh, here and on resume
+        # must not change training: a reset inner optimizer stays fresh, here and on resume
+        self.optimizer.state.clear()
     plain = (
         {
             **self.checkpoint_state(boundary, tensors=False),
@@ -656,7 +691,8 @@ _MUON_SETTINGS = {
 
 @patch
 def _apply_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
-    "Put changed optimizer settings back into the parameter groups (the loaded state held the saved ones)."
+    """Put changed optimizer settings back into the parameter groups (the loaded state held the
+    saved ones)."""
     keys, opt = {k for k, *_ in applied}, self.config.optimizer
     new_rate = bool(keys & {"optimizer.lr", "optimizer.muon_lr"})
     for group in self.optimizer.param_groups:
@@ -688,7 +724,8 @@ def _report_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]])
         return
     listed = "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in applied)
     self.logger.warning(
-        f"resume: settings changed since the checkpoint, applied from step {self.step + 1}: {listed}"
+        f"resume: settings changed since the checkpoint, applied from step {self.step + 1}: "
+        f"{listed}"
     )
     self.logger.emit(
         "settings_changed",
@@ -704,12 +741,14 @@ def resume(
     | os.PathLike,  # a checkpoint state, or the path of a checkpoint file
     path: Any = None,  # the checkpoint file `state` came from, named in error messages
 ) -> None:
-    "Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint `state` (or file)."
+    """Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint
+    `state` (or file)."""
     if isinstance(state, (str, os.PathLike)):
         state, path = checked_checkpoint(state), state  # what `load_latest` checks
     if not isinstance(state, Mapping):
         raise TypeError(
-            f"resume takes a checkpoint state (a dict) or the path of a checkpoint file, got {type(state).__name__}"
+            "resume takes a checkpoint state (a dict) or the path of a checkpoint file, got "
+            f"{type(state).__name__}"
         )
     state = self.world.local_state(state, path)  # in a job: this rank's RNG and data position
     check_compatible(state, model=self.model, config=self.config, path=path)
@@ -719,11 +758,14 @@ def resume(
         raise CheckpointError(
             f"{where} cannot continue with the current settings:\n  - "
             + "\n  - ".join(refused)
-            + "\nResume with the saved values, or start a fresh run (--overwrite, or another --output-dir)"
+            + "\nResume with the saved values, or start a fresh run (--overwrite, or another "
+            "--output-dir)"
         )
     data = state.get(
         "data"
-    )  # a loader that refuses the position (other data, micro_batch_size) fails before anything changed
+        # a loader that refuses the position (other data, micro_batch_size) fails before anything
+        # changed
+    )
     if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
         self.dataloader.load_state_dict(data)
     if state.get("sharded"):
@@ -772,7 +814,8 @@ class _FitState:
     target: int  # the absolute step this call trains to
     start: tuple[int, int, int]  # step, samples and tokens when the call began (for the rates)
     records: deque  # the newest `train_step` records, at most `metrics_history`
-    params: tuple = ()  # the model's parameters (clipped and checked every update), listed once per call
+    # the model's parameters (clipped and checked every update), listed once per call
+    params: tuple = ()
     ooo: Any = None  # this call's out-of-order backprop scheduler, disposed of at the end
     keep_boundary: bool = (
         False  # a checkpoint manager is on: remember each step's RNG and data position
@@ -781,7 +824,9 @@ class _FitState:
     updating: bool = (
         False  # inside an optimizer update, which an interruption must not save half-done
     )
-    together: bool = False  # every rank leaves the loop at this same point (an agreed stop, an error raised by all), so all can join its save
+    # every rank leaves the loop at this same point (an agreed stop, an error raised by all), so all
+    # can join its save
+    together: bool = False
     deferring: bool = False  # from an update until its step is counted and recorded: a Ctrl-C waits
     held: bool = False  # a Ctrl-C came while deferring; it is raised once the step is complete
     stop_after_eval: bool = False  # a held Ctrl-C waits for this step's held-out eval too
@@ -792,7 +837,8 @@ class _FitState:
 
 # %% ../nbs/train/06_trainer.ipynb #6c56d08e
 def nothing_to_train(step: int, target: int) -> str:
-    "The warning of a `fit` at `step` whose absolute `target` step is already reached, with how to train on."
+    """The warning of a `fit` at `step` whose absolute `target` step is already reached, with how to
+    train on."""
     more = target if target < step else step  # as many steps again as the target asked for
     return (
         f"nothing to train: the run is already at step {step} and its target is step {target} "
@@ -803,7 +849,8 @@ def nothing_to_train(step: int, target: int) -> str:
 # %% ../nbs/train/06_trainer.ipynb #719b47ec
 @patch
 def _start_ooo(self: Trainer) -> Any:
-    "The out-of-order backprop scheduler `ooo_backprop` asks for, or `None`; an `ooo_backprop` event says which."
+    """The out-of-order backprop scheduler `ooo_backprop` asks for, or `None`; an `ooo_backprop`
+    event says which."""
     if not self.settings.ooo_backprop:
         return None
     if self.compiled_model is not None:
@@ -826,7 +873,8 @@ def _start_ooo(self: Trainer) -> Any:
 
 @patch
 def _begin_fit(self: Trainer, limit: int) -> _FitState:
-    "Check the target, prepare model, shapes, checkpoint directory, scaler and optimizer; the call's state."
+    """Check the target, prepare model, shapes, checkpoint directory, scaler and optimizer; the
+    call's state."""
     if limit <= 0:
         raise ValueError(f"max_steps must be positive, got {limit}")
     target = self._target = max(self.step, limit)
@@ -872,7 +920,8 @@ def _begin_fit(self: Trainer, limit: int) -> _FitState:
 # %% ../nbs/train/06_trainer.ipynb #6726dd3c
 @patch
 def _forward(self: Trainer, run: _FitState, batch: Any) -> torch.Tensor:
-    "The loss of one microbatch; a compile failure switches this and later calls to the eager model."
+    """The loss of one microbatch; a compile failure switches this and later calls to the eager
+    model."""
     with autocast_context(self.precision, self.device):
         if run.model is self.compiled_model:
             try:
@@ -913,8 +962,10 @@ def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torc
                 run.ooo.finish()
             if not loss.requires_grad:
                 raise TrainingError(
-                    "the model's loss does not depend on any trainable parameter (it has no gradient): compute "
-                    "it from the model's outputs without .detach(), .item() or torch.no_grad(), and check the "
+                    "the model's loss does not depend on any trainable parameter (it has no "
+                    "gradient): compute "
+                    "it from the model's outputs without .detach(), .item() or torch.no_grad(), "
+                    "and check the "
                     "parameters have requires_grad=True"
                 )
             detached = loss.detach().float()
@@ -930,7 +981,8 @@ def _apply_update(
     loss: torch.Tensor,
     params: Any = None,  # the parameters (default: the model's)
 ) -> tuple[str | None, float, float]:
-    "Clip, check and step the optimizer: (why it was skipped or `None` when applied, loss, gradient norm)."
+    """Clip, check and step the optimizer: (why it was skipped or `None` when applied, loss,
+    gradient norm)."""
     clip = self.settings.grad_clip
     params = list(self.model.parameters()) if params is None else params
     if self.scaler is not None:
@@ -962,7 +1014,8 @@ def _apply_update(
 def _job_values(
     self: Trainer, loss: torch.Tensor, norm: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    "The loss and gradient norm the update is judged on: in a job the ranks' mean of both (one all-reduce), equal on every rank."
+    """The loss and gradient norm the update is judged on: in a job the ranks' mean of both (one
+    all-reduce), equal on every rank."""
     if self.world.size == 1:
         return loss, norm
     both = torch.stack(
@@ -975,7 +1028,8 @@ def _job_values(
 @patch
 @contextlib.contextmanager
 def _ctrl_c_after_update(self: Trainer, run: _FitState) -> Iterator[None]:
-    "Within the block, a Ctrl-C during an optimizer update is raised once the step is complete; elsewhere at once."
+    """Within the block, a Ctrl-C during an optimizer update is raised once the step is complete;
+    elsewhere at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -1006,7 +1060,8 @@ def _eval_due(self: Trainer, run: _FitState) -> bool:
 
 @patch
 def _train_one_step(self: Trainer, run: _FitState) -> None:
-    "Run microbatches until one update is applied, then advance step, schedule, coordinator and records."
+    """Run microbatches until one update is applied, then advance step, schedule, coordinator and
+    records."""
     skipped = 0
     while True:
         loss, tokens, samples, micro = self._accumulate(run)
@@ -1040,7 +1095,8 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
             raise job_wide(
                 TrainingError(
                     f"the GradScaler skipped {skipped} updates in a row at step {self.step + 1} "
-                    "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use precision "
+                    "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use "
+                    "precision "
                     "bf16/fp32, or raise precision.max_skipped_steps"
                 )
             )
@@ -1062,7 +1118,8 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
 def _nonfinite_error(
     self: Trainer, reason: str, loss: float, norm: float, skipped: int, lr: float
 ) -> TrainingError:
-    "The `TrainingError` that stops a run at a NaN/inf loss or gradient: the step, the value, what to try."
+    """The `TrainingError` that stops a run at a NaN/inf loss or gradient: the step, the value, what
+    to try."""
     what = (
         f"the loss is {loss}"
         if reason == "nonfinite_loss"
@@ -1075,10 +1132,13 @@ def _nonfinite_error(
         else ""
     )
     return TrainingError(
-        f"step {self.step + 1}: {what}{row}, so the update was not applied and training stopped; the "
+        f"step {self.step + 1}: {what}{row}, so the update was not applied and training stopped; "
+        "the "
         f"weights are those of step {self.step}. Lower optimizer.lr (this update used {lr:g}), set "
-        "optimizer.grad_clip (e.g. 1.0), use precision fp32, or look for inf/NaN in the data and the model; "
-        f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of stopping"
+        "optimizer.grad_clip (e.g. 1.0), use precision fp32, or look for inf/NaN in the data and "
+        "the model; "
+        f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of "
+        "stopping"
     )
 
 # %% ../nbs/train/06_trainer.ipynb #cf2ea3d8
@@ -1133,7 +1193,8 @@ def _takes_force(emit: Any) -> bool:
 
 @patch
 def _flush_last(self: Trainer, run: _FitState) -> None:
-    "Flush, then write the newest record even if the logging cadence skipped it (where the logger can)."
+    """Flush, then write the newest record even if the logging cadence skipped it (where the logger
+    can)."""
     self._flush(run)
     record, run.unwritten = run.unwritten, None
     if record is not None and _takes_force(self.logger.emit):
@@ -1142,7 +1203,8 @@ def _flush_last(self: Trainer, run: _FitState) -> None:
 # %% ../nbs/train/06_trainer.ipynb #bbead597
 @patch
 def _evaluate(self: Trainer, run: _FitState) -> None:
-    "Measure the held-out loss now: one `eval` event and record, after the step's `train_step` record, then its `sample` events."
+    """Measure the held-out loss now: one `eval` event and record, after the step's `train_step`
+    record, then its `sample` events."""
     self._flush(run)
     result = self.evaluator(self.model)
     record = {"step": self.step, **result.record()}
@@ -1157,7 +1219,8 @@ def _evaluate(self: Trainer, run: _FitState) -> None:
 # %% ../nbs/train/06_trainer.ipynb #49b4ceb7
 @patch
 def _start_coordinator(self: Trainer) -> None:
-    "Start the coordinator once, giving it resumed state (staged before `start()` when it can take it so)."
+    """Start the coordinator once, giving it resumed state (staged before `start()` when it can take
+    it so)."""
     if self.coordinator is None or self._coordinator_started:
         return
     state, self._deferred_coordinator = self._deferred_coordinator, None
@@ -1173,7 +1236,8 @@ def _start_coordinator(self: Trainer) -> None:
 
 @patch
 def _stop_coordinator(self: Trainer, failed: BaseException | None) -> None:
-    "Stop a started coordinator; if the loop already failed, a failing `stop()` is a warning, not a new error."
+    """Stop a started coordinator; if the loop already failed, a failing `stop()` is a warning, not
+    a new error."""
     if self.coordinator is None or not self._coordinator_started:
         return
     self._coordinator_started = False
@@ -1213,7 +1277,8 @@ def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
 # %% ../nbs/train/06_trainer.ipynb #4bfaeebb
 @patch
 def _train_to_target(self: Trainer, run: _FitState) -> None:
-    "Steps until the target: records flushed on the logging cadence, interval checkpoints, a final one."
+    """Steps until the target: records flushed on the logging cadence, interval checkpoints, a final
+    one."""
     manager, every = (
         self.checkpoint_manager,
         max(1, int(getattr(self.logger, "every_steps", 1) or 1)),
@@ -1260,7 +1325,8 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
 def signals_held(
     note: str | None = None,  # printed when a signal is held
 ) -> Iterator[list[str]]:
-    "Within the block the first Ctrl-C or SIGTERM is held (printing `note`) and a second raises `KeyboardInterrupt`."
+    """Within the block the first Ctrl-C or SIGTERM is held (printing `note`) and a second raises
+    `KeyboardInterrupt`."""
     held: list[str] = []
     if threading.current_thread() is not threading.main_thread():
         yield held
@@ -1296,7 +1362,8 @@ def _newest_checkpoint(self: Trainer) -> Path | None:
 def _save_on_interrupt(
     self: Trainer, run: _FitState, exc: BaseException
 ) -> tuple[Path | None, bool, str]:
-    "Save the last completed step unless saved or torn; (newest checkpoint, whether it holds that step, what happened)."
+    """Save the last completed step unless saved or torn; (newest checkpoint, whether it holds that
+    step, what happened)."""
     manager, step, problem = self.checkpoint_manager, self.step, None
     if manager is None or not getattr(manager, "enabled", True):
         return None, False, "checkpoints are off, so nothing was saved"
@@ -1305,9 +1372,15 @@ def _save_on_interrupt(
     if (
         step != self._last_saved_step and self.world.size > 1 and not run.together
     ):  # the other ranks cannot join a save
-        problem = f"step {step} was not saved: rank {self.world.rank} stopped alone (the other ranks are not at this step)"
+        problem = (
+            f"step {step} was not saved: rank {self.world.rank} stopped alone (the other "
+            "ranks are not at this step)"
+        )
     elif step != self._last_saved_step and run.updating:
-        problem = f"step {step} was not saved: the stop came inside the optimizer update of step {step + 1}"
+        problem = (
+            f"step {step} was not saved: the stop came inside the optimizer update of step "
+            f"{step + 1}"
+        )
     elif step != self._last_saved_step:
         try:
             self.save_checkpoint(run.boundary or self._boundary_state())
@@ -1352,7 +1425,8 @@ def _result(self: Trainer, run: _FitState) -> TrainResult:
 
 @patch
 def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInterrupted | None:
-    "After the loop ended on `exc`: keep the records, save the last step; for an interrupt, the `TrainingInterrupted` to raise."
+    """After the loop ended on `exc`: keep the records, save the last step; for an interrupt, the
+    `TrainingInterrupted` to raise."""
     try:
         with signals_held(
             f"speedtronic: still saving step {self.step}; press Ctrl-C again to abandon the save"
@@ -1395,7 +1469,8 @@ def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInter
 # %% ../nbs/train/06_trainer.ipynb #0a26718e
 @patch
 def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
-    "Train until the absolute step `max(self.step, max_steps or self.max_steps)`; returns a `TrainResult`."
+    """Train until the absolute step `max(self.step, max_steps or self.max_steps)`; returns a
+    `TrainResult`."""
     run = self._begin_fit(self.max_steps if max_steps is None else int(max_steps))
     failed = None
     try:
@@ -1437,7 +1512,8 @@ def __repr__(self: TrainResult) -> str:
     where = f", checkpoint_dir='{self.checkpoint_dir}'" if self.checkpoint_dir is not None else ""
     held = f", val_loss={self.val_loss:.4g}" if self.val_loss is not None else ""
     return (
-        f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, final_loss={loss}{held}, "
+        f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, "
+        f"final_loss={loss}{held}, "
         f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})"
     )
 
@@ -1445,11 +1521,13 @@ def __repr__(self: TrainResult) -> str:
 @patch
 def closing(
     self: TrainResult,
-    paths: Any = None,  # the run's `RunPaths` (its `metrics` and `loss_plot` are listed when written)
+    # the run's `RunPaths` (its `metrics` and `loss_plot` are listed when written)
+    paths: Any = None,
     *,
     eval_loss: float | None = None,  # the held-out loss; default `val_loss`
 ) -> str:
-    "What a terminal shows at the end: the step, time and loss, then the checkpoint folder, metrics file and loss curve."
+    """What a terminal shows at the end: the step, time and loss, then the checkpoint folder,
+    metrics file and loss curve."""
     files = {
         "checkpoints": self.checkpoint_dir,
         "metrics": None if paths is None else paths.metrics,
@@ -1465,7 +1543,8 @@ def loss_png(
     size: tuple[float, float] = (5.0, 2.6),  # inches, 100 screen pixels each
     dpi: int = 200,
 ) -> bytes | None:
-    "The loss curve of `metrics` (and the held-out loss of `evals`) as a PNG; `None` without records or without matplotlib."
+    """The loss curve of `metrics` (and the held-out loss of `evals`) as a PNG; `None` without
+    records or without matplotlib."""
     points = loss_points(self.metrics)
     if not points:
         return None
@@ -1478,11 +1557,13 @@ def loss_png(
 
 @patch
 def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str, str]:
-    "In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line repr elsewhere."
+    """In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line repr
+    elsewhere."""
     loss = "none" if self.final_loss is None else f"{self.final_loss:.4g}"
     held = f" · held-out loss {self.val_loss:.4g}" if self.val_loss is not None else ""
     line = (
-        f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss}{held} · {self.elapsed_s:.1f} s"
+        f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss}{held} · "
+        f"{self.elapsed_s:.1f} s"
         + (
             f" · checkpoints in <code>{html.escape(str(self.checkpoint_dir))}</code>"
             if self.checkpoint_dir
@@ -1492,7 +1573,8 @@ def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str
     png = self.loss_png()
     picture = (
         (
-            f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" height="260" '
+            f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" '
+            'height="260" '
             'alt="loss curve">'
         )
         if png

@@ -31,13 +31,18 @@ def _ipywidgets():
 
 
 def error_html(exc: BaseException) -> str:
-    "The message a view shows for `exc`: a configuration error in the configuration's words, anything else with its type."
+    """The message a view shows for `exc`: a configuration error in the configuration's words,
+    anything else with its type."""
     text = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-    return f'<div class="speedtronic-error" style="color:#b3261e; white-space:pre-wrap">⚠ {html.escape(text)}</div>'
+    return (
+        '<div class="speedtronic-error" style="color:#b3261e; white-space:pre-wrap">⚠ '
+        f"{html.escape(text)}</div>"
+    )
 
 # %% ../nbs/observe/06_widgets.ipynb #81135de3
 class View:
-    "Named controls, a result and a message line; a subclass draws the result for the controls' values."
+    """Named controls, a result and a message line; a subclass draws the result for the controls'
+    values."""
 
     def __init__(
         self,
@@ -97,7 +102,8 @@ def fail(self: View, exc: Exception) -> None:
 # %% ../nbs/observe/06_widgets.ipynb #b4c2ddc1
 @patch
 def guarded(self: View, callback: Callable) -> Callable:
-    "`callback` for `observe`: whatever it raises is shown in the widget (not only in JupyterLab's log console)."
+    """`callback` for `observe`: whatever it raises is shown in the widget (not only in JupyterLab's
+    log console)."""
 
     @functools.wraps(callback)
     def run(*args, **kwargs):
@@ -111,13 +117,15 @@ def guarded(self: View, callback: Callable) -> Callable:
 # %% ../nbs/observe/06_widgets.ipynb #ccc40823
 @patch
 def snapshot(self: View) -> tuple[dict, dict]:
-    "A static picture of the current result as (mime data, metadata); the error message while there is one."
+    """A static picture of the current result as (mime data, metadata); the error message while
+    there is one."""
     return ({"text/html": self.message.value}, {}) if self.error else ({}, {})
 
 
 @patch
 def _repr_mimebundle_(self: View, **kwargs) -> tuple[dict, dict]:
-    "The live widget, a static picture and a one-line summary: each front end shows the richest it can."
+    """The live widget, a static picture and a one-line summary: each front end shows the richest it
+    can."""
     data, metadata = self.snapshot()
     return {**data, **self.widget._repr_mimebundle_(**kwargs), "text/plain": repr(self)}, metadata
 
@@ -126,7 +134,8 @@ PIXEL_RATIO = 2  # image pixels per displayed pixel
 
 
 class FigureView(View):
-    "A `View` whose result is a matplotlib `Figure`, shown as a PNG of `width` × `height` screen pixels."
+    """A `View` whose result is a matplotlib `Figure`, shown as a PNG of `width` × `height` screen
+    pixels."""
 
     def __init__(
         self,
@@ -166,7 +175,8 @@ class FigureView(View):
 
 # %% ../nbs/observe/06_widgets.ipynb #005ac448
 def lr_notches(rate: float | None = None) -> list[float]:
-    "The log slider's rates: 1, 2, 3 and 5 in each decade from 1e-6 to 1, and `rate` (a positive number) if it is another."
+    """The log slider's rates: 1, 2, 3 and 5 in each decade from 1e-6 to 1, and `rate` (a positive
+    number) if it is another."""
     notches = [float(f"{m}e{e}") for e in range(-6, 0) for m in (1, 2, 3, 5)] + [1.0]
     return sorted(set(notches) | ({float(rate)} if rate is not None and rate > 0 else set()))
 
@@ -238,7 +248,8 @@ class ScheduleExplorer(FigureView):
 # %% ../nbs/observe/06_widgets.ipynb #0be67c53
 @patch
 def plot(self: ScheduleExplorer, values: dict[str, Any]) -> None:
-    "Check the settings as a configuration would (the base rate as `optimizer.lr`), then draw the schedule they resolve to."
+    """Check the settings as a configuration would (the base rate as `optimizer.lr`), then draw the
+    schedule they resolve to."""
     from speedtronic.config import OptimizerConfig
 
     self.schedule = None
@@ -260,7 +271,8 @@ def _lr_from_slider(self: ScheduleExplorer, change: dict) -> None:
 
 @patch
 def _lr_to_slider(self: ScheduleExplorer, change: dict) -> None:
-    "A positive rate typed in the box moves the slider to it, made a notch if it is not one; another rate leaves the slider."
+    """A positive rate typed in the box moves the slider to it, made a notch if it is not one;
+    another rate leaves the slider."""
     rate = change["new"]
     if not rate > 0 or rate == self.lr_slider.value:
         return
@@ -284,7 +296,10 @@ def _warmup_range(self: ScheduleExplorer, change: dict) -> None:
 def summary(self: ScheduleExplorer) -> str:
     "Kind, warmup, horizon, floor and base rate, or the refusal."
     v = self.values()
-    text = f"{v['name']}, warmup {v['warmup_steps']}, horizon {v['max_steps']}, floor {v['min_lr_ratio']:g}, base lr {v['base_lr']:g}"
+    text = (
+        f"{v['name']}, warmup {v['warmup_steps']}, horizon {v['max_steps']}, floor "
+        f"{v['min_lr_ratio']:g}, base lr {v['base_lr']:g}"
+    )
     return text + (f"; {self.error}" if self.error else "")
 
 # %% ../nbs/observe/06_widgets.ipynb #9900f805
@@ -315,7 +330,8 @@ DTYPE_CHOICES = (
 
 
 class PrecisionExplorer(View):
-    "A device description and a precision request, and the `PrecisionPlan` a run would use for them."
+    """A device description and a precision request, and the `PrecisionPlan` a run would use for
+    them."""
 
     def __init__(
         self,
@@ -394,7 +410,8 @@ def precision_explorer(
 
 # %% ../nbs/observe/06_widgets.ipynb #3818d21e
 class TrainingView(FigureView):
-    "A progress bar, a line of numbers, a loss chart and the newest sample that follow a training run in JupyterLab."
+    """A progress bar, a line of numbers, a loss chart and the newest sample that follow a training
+    run in JupyterLab."""
 
     STYLES = {"running": "", "done": "success", "stopped": "warning"}  # bar colour for each state
 
@@ -469,7 +486,8 @@ def refresh(self: TrainingView) -> None:
 
 @patch
 def sample(self: TrainingView, step: int, prompt: str, text: str) -> None:
-    "Show the newest sample under the chart: the prompt in bold, then what the model wrote after it."
+    """Show the newest sample under the chart: the prompt in bold, then what the model wrote after
+    it."""
     self.newest_sample.value = (
         f'<pre class="speedtronic-sample" style="white-space:pre-wrap;margin:4px 0">step {step}: '
         f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
@@ -485,7 +503,8 @@ def summary(self: TrainingView) -> str:
 
 @patch
 def snapshot(self: TrainingView) -> tuple[dict, dict]:
-    "The line of numbers and the chart as HTML, for a notebook opened without a kernel and for the docs."
+    """The line of numbers and the chart as HTML, for a notebook opened without a kernel and for the
+    docs."""
     width, height = self.size
     picture = (
         (
@@ -497,12 +516,14 @@ def snapshot(self: TrainingView) -> tuple[dict, dict]:
     )
     bar = f'<progress value="{self.bar.value}" max="{self.bar.max}" style="width:220px"></progress>'
     return {
-        "text/html": f"<div>{bar} <code>{html.escape(self.summary())}</code></div>{picture}{self.newest_sample.value}"
+        "text/html": f"<div>{bar} "
+        f"<code>{html.escape(self.summary())}</code></div>{picture}{self.newest_sample.value}"
     }, {}
 
 # %% ../nbs/observe/06_widgets.ipynb #2fa8128a
 class SampleBox(View):
-    "A prompt box, a temperature slider, max new tokens and a Generate button; the text `generate` writes, below."
+    """A prompt box, a temperature slider, max new tokens and a Generate button; the text `generate`
+    writes, below."""
 
     def __init__(
         self,
@@ -556,7 +577,8 @@ class SampleBox(View):
         self.button.on_click(lambda _: View.update(self))
 
     def update(self, change: Any = None) -> None:
-        "A control that moves leaves the text alone; `Generate` (or a call without a change) writes new text."
+        """A control that moves leaves the text alone; `Generate` (or a call without a change)
+        writes new text."""
         if change is None:
             View.update(self)
 
@@ -623,16 +645,19 @@ def snapshot(self: SampleBox) -> tuple[dict, dict]:
 
 
 def sample_box(
-    model: Any,  # a model `generate` takes (the reference transformer, or any causal LM returning logits)
+    # a model `generate` takes (the reference transformer, or any causal LM returning logits)
+    model: Any,
     tokenizer: Any,  # the tokenizer it was trained with
     **settings,  # prompt, temperature, max_new_tokens, seed: the controls' starting values
 ) -> SampleBox:
-    "A prompt box, a temperature slider and a Generate button writing text with `model`; see `SampleBox`."
+    """A prompt box, a temperature slider and a Generate button writing text with `model`; see
+    `SampleBox`."""
     return SampleBox(model, tokenizer, **settings)
 
 # %% ../nbs/observe/06_widgets.ipynb #7dc960f6
 class DeltaNormView(FigureView):
-    "A DiLoCo run's per-layer delta norms: pick the node, the layer and the outer steps; reload while the run goes on."
+    """A DiLoCo run's per-layer delta norms: pick the node, the layer and the outer steps; reload
+    while the run goes on."""
 
     def __init__(self, source: Any, *, node: str | None = None, layer: str = "total"):
         W, style = _ipywidgets(), {"description_width": "initial"}
@@ -711,7 +736,8 @@ def per_outer_step(records: Iterable[Any]) -> list[Any]:
 # %% ../nbs/observe/06_widgets.ipynb #3be71700
 @patch
 def plot(self: DeltaNormView, values: dict[str, Any]) -> None:
-    """The chapter's `plot_delta_norms` on this view's figure: the chosen node, layer and outer steps,
+    """The chapter's `plot_delta_norms` on this view's figure: the chosen node, layer and outer
+    steps,
     one point per node and step."""
     from speedtronic.distributed.norms import plot_delta_norms
 
@@ -719,7 +745,8 @@ def plot(self: DeltaNormView, values: dict[str, Any]) -> None:
         raise self.load_error
     if not self.records:
         raise ValueError(
-            f"{self.source}: no delta-norm records yet; a DiLoCo master writes them to its metrics file "
+            f"{self.source}: no delta-norm records yet; a DiLoCo master writes them to its "
+            "metrics file "
             "(logging.json_file) each time it folds deltas into the global model"
         )
     lo, hi = values["rounds"]
@@ -740,7 +767,8 @@ def summary(self: DeltaNormView) -> str:
 
 # %% ../nbs/observe/06_widgets.ipynb #778987d8
 def delta_norm_view(
-    source: Any,  # a master's JSONL metrics file, a run folder, a repository transport or `NormRecord`s
+    # a master's JSONL metrics file, a run folder, a repository transport or `NormRecord`s
+    source: Any,
     *,
     node: str | None = None,  # the node shown first (None: all)
     layer: str = "total",  # the layer shown first

@@ -1,6 +1,7 @@
 """A loopback stand-in for the Hugging Face Hub, for tests and benchmarks.
 
-It speaks the HTTP endpoints the real `huggingface_hub` client (2.x) calls for what Speedtronic uses —
+It speaks the HTTP endpoints the real `huggingface_hub` client (2.x) calls for what Speedtronic uses
+—
 `whoami` (each token's role, `read` or `write`),
 repo create/info (with the private flag), tree listing, preupload, NDJSON commits with a
 `parentCommit` check (412 on conflict) and file deletions, and `resolve` downloads at a revision —
@@ -10,14 +11,16 @@ downloads and lost commit responses. Point a client at it with
 
     server = HubStandIn(tokens={"tok-write": "write"}).start()
     server.fault("503", method="POST", path=r"/commit/", count=2)
-    server.fault("507", method="POST", path=r"/commit/", count=10**9, after=1)   # every commit after the first: a full disk
+    server.fault("507", method="POST", path=r"/commit/", count=10**9, after=1)
+    # every commit after the first: a full disk
     ...
     server.stop()
 
 It can also answer as the real Hub does under load, each limit off unless asked for:
 
     HubStandIn(scale=360.0,                 # an hour of the Hub passes in 10 s
-               commits_per_window=128,      # per repository, per `commit_window` Hub seconds (an hour):
+               commits_per_window=128,
+               # per repository, per `commit_window` Hub seconds (an hour):
                                             #   429 "exceeded the rate limit for repository commits"
                one_commit_at_a_time=True,   # a second concurrent commit on a repository: 409
                api_per_window=1000,         # per token, per `token_window` Hub seconds (5 minutes):
@@ -91,7 +94,8 @@ class Fault:
 
 
 class HubStandIn:
-    "An in-memory Hub on 127.0.0.1 (a free port unless one is given), served from a background thread."
+    """An in-memory Hub on 127.0.0.1 (a free port unless one is given), served from a background
+    thread."""
 
     def __init__(
         self,
@@ -173,7 +177,8 @@ class HubStandIn:
         delay: float = 30.0,
         after: int = 0,
     ) -> None:
-        "Make the next `count` matching requests fail with `kind`, once `after` matching requests have gone through."
+        """Make the next `count` matching requests fail with `kind`, once `after` matching requests
+        have gone through."""
         with self.lock:
             self.faults.append(
                 Fault(str(kind), method, re.compile(path) if path else None, count, delay, after)
@@ -206,9 +211,11 @@ class HubStandIn:
         self._counter += 1
         return hashlib.sha1(f"commit-{self._counter}-{time.time()}".encode()).hexdigest()
 
-    # -- the Hub's limits ------------------------------------------------------------------------------
+    # -- the Hub's limits
+    # ------------------------------------------------------------------------------
     def _window(self, hub_seconds: float) -> tuple[int, float]:
-        "The current fixed window of `hub_seconds` (Hub time): its index and the real seconds left in it."
+        """The current fixed window of `hub_seconds` (Hub time): its index and the real seconds left
+        in it."""
         real = hub_seconds / self.scale
         elapsed = time.monotonic() - self._t0
         index = int(elapsed // real)
@@ -243,7 +250,8 @@ class HubStandIn:
             self.used[(what, who, self._window(window)[0])] += 1
 
     def lagged_head(self, repo: Repo) -> str:
-        "The head `repo_info` answers: the newest commit at least `head_lag` Hub seconds old (a cache)."
+        """The head `repo_info` answers: the newest commit at least `head_lag` Hub seconds old (a
+        cache)."""
         if not self.head_lag:
             return repo.head
         with self.lock:
@@ -267,7 +275,8 @@ class HubStandIn:
                     return f
         return None
 
-    # -- repository operations -----------------------------------------------------------------------
+    # -- repository operations
+    # -----------------------------------------------------------------------
     def commit(
         self,
         repo: Repo,
@@ -358,7 +367,8 @@ _ROUTES = [
 class _Handler(BaseHTTPRequestHandler):
     hub: HubStandIn
     protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # a response's header and body are separate writes: with Nagle, the body waits ~40 ms for an ACK
+    # a response's header and body are separate writes: with Nagle, the body waits ~40 ms for an ACK
+    disable_nagle_algorithm = True
 
     def log_message(self, *args):
         pass
@@ -372,7 +382,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self._serve("POST")
 
-    # -- plumbing ------------------------------------------------------------------------------------
+    # -- plumbing
+    # ------------------------------------------------------------------------------------
     def _serve(self, method: str) -> None:
         raw_path = urlsplit(self.path).path
         body = self._body()
@@ -458,7 +469,8 @@ class _Handler(BaseHTTPRequestHandler):
             json.dumps(value).encode(),
         )
 
-    # -- authentication ------------------------------------------------------------------------------
+    # -- authentication
+    # ------------------------------------------------------------------------------
     def _access(self) -> str | None:
         "The caller's access: None (anonymous), 'read' or 'write'; 401 for an unknown token."
         hub = self.hub
@@ -481,7 +493,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HTTPError(403, "You don't have the rights to create a commit in this repository")
         return repo
 
-    # -- endpoints -----------------------------------------------------------------------------------
+    # -- endpoints
+    # -----------------------------------------------------------------------------------
     def _route(self, method: str, path: str, body: bytes):
         what = "resolve" if "/resolve/" in path else "api" if path.startswith("/api/") else None
         if what is not None:

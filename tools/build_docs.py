@@ -1,31 +1,39 @@
 """Build the documentation site offline into docs/ (a page per notebook, with show_doc API tables).
 
-Quarto is not installable everywhere, so this does nbdev's part of `nbdev_docs` by hand and hands the
+Quarto is not installable everywhere, so this does nbdev's part of `nbdev_docs` by hand and hands
+the
 rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
 
 1. nbdev's own preprocessing (`proc_nbs`) writes the notebooks to `_proc/` with `show_doc` cells
    executed into markdown API tables and directives applied (we call it directly because
    `nbdev_proc_nbs` first tries to download Quarto and `pip install` the project);
 2. what Quarto would do with nbdev's output is done here: each page is named as nbdev names it
-   (`output-file`, e.g. `config.html`, so nbdev's cross-links work), gets its title back as a heading,
+   (`output-file`, e.g. `config.html`, so nbdev's cross-links work), gets its title back as a
+   heading,
    `#|` directives are applied and removed (`hide` and `include: false` drop the cell, `echo: false`
    hides the input, `output: false` the outputs), and Quarto-only markdown is turned into plain
    markdown (link attributes such as `{target="_blank" ...}` and `[text]{.class}` spans dropped,
-   `::: {.callout-note}` blocks made quotes, shortcodes removed), so no page shows Quarto syntax as text;
-   links between notebooks (`../train/06_trainer.ipynb`, which JupyterLab follows) become links to their
-   pages (`../train/trainer.html`), and cells that only check (no output, only `test_*` calls and asserts) are left
+   `::: {.callout-note}` blocks made quotes, shortcodes removed), so no page shows Quarto syntax as
+   text;
+   links between notebooks (`../train/06_trainer.ipynb`, which JupyterLab follows) become links to
+   their
+   pages (`../train/trainer.html`), and cells that only check (no output, only `test_*` calls and
+   asserts) are left
    out: the notebook keeps its tests, the page keeps what a reader reads;
 3. an API index page (`api.html`) lists every public name of every module (its `__all__`, and the
    public methods of its classes) with a link to where it is documented;
 4. `mkdocs build` renders the result to `docs/` without re-executing anything (`mkdocs.yml`; no web
    fonts, no widget scripts from a CDN: a page read offline asks nothing of the internet). The
    navigation (`NAV`) is a user guide, a reference (the API index and a page per public module) and
-   the internals; a notebook `NAV` does not name goes to the guide when it exports no module, else to
+   the internals; a notebook `NAV` does not name goes to the guide when it exports no module, else
+   to
    the reference.
 
-`NAV` is the one source of the grouping: Quarto's sidebar (`nbs/sidebar.yml`, which `nbdev_docs` reads;
+`NAV` is the one source of the grouping: Quarto's sidebar (`nbs/sidebar.yml`, which `nbdev_docs`
+reads;
 settings.ini has `custom_sidebar = True` so nbdev leaves it alone) is written from it too
-(`python tools/build_docs.py --sidebar` writes only that file, `--check-sidebar` exits 1 when it is stale),
+(`python tools/build_docs.py --sidebar` writes only that file, `--check-sidebar` exits 1 when it is
+stale),
 so where Quarto exists `nbdev_docs` renders the same user guide, reference and internals.
 """
 
@@ -48,8 +56,10 @@ _NB_LINK = re.compile(
 _CHECK = re.compile(r"^\s*(test_\w*\(|test\(|assert\b)")  # a line that checks
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
-# The site's navigation by notebook, each named by its path under nbs/ without `.ipynb` (its area folder and
-# file: `train/06_trainer`): (section, [entry, ...]); an entry is a notebook or (subsection, [notebooks]).
+# The site's navigation by notebook, each named by its path under nbs/ without `.ipynb` (its area
+# folder and
+# file: `train/06_trainer`): (section, [entry, ...]); an entry is a notebook or (subsection,
+# [notebooks]).
 API_INDEX = "api"
 NAV = [
     (
@@ -111,7 +121,8 @@ SIDEBAR = ROOT / "nbs" / "sidebar.yml"
 
 
 def notebook_keys(folder: Path = ROOT / "nbs") -> list[str]:
-    "Every notebook under `folder` (its area folders too) by its path there without `.ipynb`: `train/06_trainer`."
+    """Every notebook under `folder` (its area folders too) by its path there without `.ipynb`:
+    `train/06_trainer`."""
     return sorted(
         p.relative_to(folder).with_suffix("").as_posix()
         for p in folder.rglob("*.ipynb")
@@ -120,7 +131,8 @@ def notebook_keys(folder: Path = ROOT / "nbs") -> list[str]:
 
 
 def sections(stems) -> list[tuple[str, list]]:
-    "`NAV` over the pages there are (`stems`): (section, [stem or (subsection, [stems])]); a stem `NAV` does not name joins the guide or the reference."
+    """`NAV` over the pages there are (`stems`): (section, [stem or (subsection, [stems])]); a stem
+    `NAV` does not name joins the guide or the reference."""
     stems = set(stems)
     named = {
         s for _, entries in NAV for e in entries for s in ([e] if isinstance(e, str) else e[1])
@@ -145,7 +157,8 @@ def sections(stems) -> list[tuple[str, list]]:
 
 
 def quarto_sidebar() -> str:
-    "The text of `nbs/sidebar.yml`: Quarto's sidebar with `NAV`'s sections, over the notebooks in `nbs/` (no API index: only this builder writes one)."
+    """The text of `nbs/sidebar.yml`: Quarto's sidebar with `NAV`'s sections, over the notebooks in
+    `nbs/` (no API index: only this builder writes one)."""
     import yaml
 
     stems = notebook_keys()
@@ -162,12 +175,16 @@ def quarto_sidebar() -> str:
                 ],
             }
         )
-    head = "# Written by tools/build_docs.py from its NAV (the docs site's grouping); edit NAV, not this file.\n"
+    head = (
+        "# Written by tools/build_docs.py from its NAV (the docs site's grouping); edit NAV, "
+        "not this file.\n"
+    )
     return head + yaml.safe_dump({"website": {"sidebar": {"contents": contents}}}, sort_keys=False)
 
 
 def process_notebooks(n_workers: int = 2) -> Path:
-    "Run nbdev's docs preprocessing of `nbs/` into `_proc/` (the sidebar written from `NAV`, not nbdev's flat list)."
+    """Run nbdev's docs preprocessing of `nbs/` into `_proc/` (the sidebar written from `NAV`, not
+    nbdev's flat list)."""
     import nbdev.doclinks
     from nbdev.quarto import refresh_quarto_yml
     from nbdev.serve import proc_nbs
@@ -196,7 +213,8 @@ def _directives(source: str) -> tuple[dict, str]:
 
 
 def _fenced_divs(text: str) -> str:
-    "Quarto's `::: {.callout-note}` ... `:::` as a quote headed by the callout's kind; other `:::` fences dropped."
+    """Quarto's `::: {.callout-note}` ... `:::` as a quote headed by the callout's kind; other `:::`
+    fences dropped."""
     out, divs = [], []  # one entry per open div: True for a callout, whose lines become a quote
     for line in text.split("\n"):
         if _DIV_CLOSE.match(line):
@@ -212,12 +230,14 @@ def _fenced_divs(text: str) -> str:
 
 
 def plain_markdown(text: str) -> str:
-    "Markdown with the Quarto-only syntax nbdev writes (link attributes, spans, callouts, shortcodes) made plain."
+    """Markdown with the Quarto-only syntax nbdev writes (link attributes, spans, callouts,
+    shortcodes) made plain."""
     return _fenced_divs(_SHORTCODE.sub("", _SPAN.sub(r"\1", _LINK_ATTRS.sub(r"\1", text))))
 
 
 def page_links(text: str, pages: dict[str, str]) -> str:
-    "Links to notebooks (`../train/06_trainer.ipynb#x`, as JupyterLab follows them) made links to their pages (`../train/trainer.html#x`)."
+    """Links to notebooks (`../train/06_trainer.ipynb#x`, as JupyterLab follows them) made links to
+    their pages (`../train/trainer.html#x`)."""
 
     def page(m):  # the folder part stays: a page links to another area's page as its notebook does
         name = pages.get(m.group(2)) or m.group(2) + ".html"
@@ -227,7 +247,8 @@ def page_links(text: str, pages: dict[str, str]) -> str:
 
 
 def only_checks(cell) -> bool:
-    "A code cell that shows nothing and checks: no output, a line starting `test_*(`/`assert`, and no public `def`/`class`."
+    """A code cell that shows nothing and checks: no output, a line starting `test_*(`/`assert`, and
+    no public `def`/`class`."""
     if cell.cell_type != "code" or cell.get("outputs"):
         return False
     lines = cell.source.splitlines()
@@ -239,12 +260,14 @@ def only_checks(cell) -> bool:
 def _clean_text(
     text: str, site_url: str, pages: dict[str, str] | None = None, to_root: str = ""
 ) -> str:
-    "Plain markdown with page links; the site's own address made relative (`to_root`: `../` from an area folder)."
+    """Plain markdown with page links; the site's own address made relative (`to_root`: `../` from
+    an area folder)."""
     return page_links(plain_markdown(text), pages or {}).replace(site_url, to_root)
 
 
 def quarto_pass(nb, site_url: str, pages: dict[str, str] | None = None, to_root: str = ""):
-    "Apply what Quarto would to one nbdev-processed notebook: title heading, directives, link attributes, page links."
+    """Apply what Quarto would to one nbdev-processed notebook: title heading, directives, link
+    attributes, page links."""
     fm = _front_matter(nb)
     cells = nb.cells[1:] if fm else nb.cells
     import nbformat
@@ -288,7 +311,8 @@ def quarto_pass(nb, site_url: str, pages: dict[str, str] | None = None, to_root:
 
 
 def is_guide(nb_path: Path) -> bool:
-    'A notebook that exports no module (a guide such as "Coming from Speedtronic 2.0"), rather than a chapter.'
+    """A notebook that exports no module (a guide such as "Coming from Speedtronic 2.0"), rather
+    than a chapter."""
     import nbformat
 
     if not nb_path.exists() or nb_path.stem == "index":
@@ -298,7 +322,8 @@ def is_guide(nb_path: Path) -> bool:
 
 
 def page_names(proc: Path) -> dict[str, str]:
-    "Each processed notebook's page in its folder by file stem (`06_trainer` -> `trainer.html`), as nbdev names it (`output-file`)."
+    """Each processed notebook's page in its folder by file stem (`06_trainer` -> `trainer.html`),
+    as nbdev names it (`output-file`)."""
     import nbformat
 
     return {
@@ -337,7 +362,8 @@ def site_sources(proc: Path) -> dict[str, tuple[str, str]]:
 
 
 def navigation(pages: dict[str, tuple[str, str]]) -> list:
-    "MkDocs' `nav`: Home, then each of `sections` (the API index is a page here, unlike in Quarto's sidebar)."
+    """MkDocs' `nav`: Home, then each of `sections` (the API index is a page here, unlike in
+    Quarto's sidebar)."""
     entry = lambda stem: {pages[stem][0]: pages[stem][1]}
     nav = [entry("index")] if "index" in pages else []
     for section, items in sections(pages):
@@ -405,7 +431,8 @@ def _headings(nb_file: Path) -> set[str]:
 
 
 def public_names() -> dict[str, list[str]]:
-    "Every public name by module: its `__all__` (read from the source, nothing imported) and the public methods of its classes."
+    """Every public name by module: its `__all__` (read from the source, nothing imported) and the
+    public methods of its classes."""
     import ast
     from speedtronic._modidx import d
 
@@ -439,7 +466,8 @@ def public_names() -> dict[str, list[str]]:
 
 def summary(module: str, name: str) -> str:
     """What `name` (`Class.method` too) of `module` is, in one line: its docstring's first paragraph
-    (a docstring wrapped to fit 100 columns is joined); for a constant, the comment on its line, else
+    (a docstring wrapped to fit 100 columns is joined); for a constant, the comment on its line,
+    else
     its value."""
     import importlib, inspect
 

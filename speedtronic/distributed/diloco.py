@@ -86,7 +86,8 @@ def build_transport(
     scratch: str | os.PathLike | None = None,
     warn: Any = None,
 ) -> Any:
-    "The repository transport `config` describes (`HubClient` or `SharedDirectory`); `scratch` holds Hub downloads in flight."
+    """The repository transport `config` describes (`HubClient` or `SharedDirectory`); `scratch`
+    holds Hub downloads in flight."""
     if not config.repo_id:
         raise ConfigError(
             "distributed.repo_id: is required for DumbDiLoCo (a Hub repo such as org/run, "
@@ -114,7 +115,8 @@ def build_transport(
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #98cabdfe
 @dataclass(frozen=True)
 class Upload:
-    "A delta on its way to the repository: taken at `step` against global `base_outer_step`, covering `steps` optimizer steps."
+    """A delta on its way to the repository: taken at `step` against global `base_outer_step`,
+    covering `steps` optimizer steps."""
 
     step: int
     base_outer_step: int
@@ -128,7 +130,8 @@ DeltaUploadJob = Upload  # 2.0's name for it
 
 @dataclass(frozen=True)
 class Install:
-    "The weights to copy into the model for global `version`; `reset`: the first install after a boundary."
+    """The weights to copy into the model for global `version`; `reset`: the first install after a
+    boundary."""
 
     version: int
     weights: Mapping[str, torch.Tensor]
@@ -137,7 +140,8 @@ class Install:
 
 @dataclass(frozen=True)
 class NodeState:
-    "What a node knows: one value, replaced (never changed) by each transition, saved whole in checkpoints."
+    """What a node knows: one value, replaced (never changed) by each transition, saved whole in
+    checkpoints."""
 
     session: str  # this run of the node (kept across a resume)
     base: Mapping[str, torch.Tensor]  # the weights its unsent progress is counted from
@@ -178,7 +182,8 @@ def at_boundary(
     final: bool = False,
     replay: bool = False,  # the delta of `step` was folded before a resume: not sent again
 ) -> tuple[NodeState, Upload | str]:
-    "The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and the upload, or why none is sent."
+    """The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and
+    the upload, or why none is sent."""
     state = replace(state, step=int(step), reset_due=True)
     if step <= state.folded_step:
         carry = None
@@ -221,7 +226,8 @@ def on_upload_done(state: NodeState, upload: Upload) -> NodeState:
 
 
 def on_upload_failed(state: NodeState, upload: Upload) -> NodeState:
-    "The repository refused `upload` for now: its delta and the steps it covers go back into the carry (dropped if the global holds its step)."
+    """The repository refused `upload` for now: its delta and the steps it covers go back into the
+    carry (dropped if the global holds its step)."""
     if state.in_flight is not upload:
         return state
     if upload.step <= state.folded_step:
@@ -242,7 +248,8 @@ def on_global(
     weights: Mapping[str, torch.Tensor],
     keep_progress: bool = True,
 ) -> tuple[NodeState, Install | None]:
-    "Global `version` (holding this session's deltas up to `folded_step`) over the model's `weights`: what to install, or None."
+    """Global `version` (holding this session's deltas up to `folded_step`) over the model's
+    `weights`: what to install, or None."""
     if keep_progress and version <= state.version:
         return state, None
     if problem := state_misfit(weights, tensors):
@@ -330,14 +337,16 @@ def node_id_clash(ledger: Ledger, node: str, session: str, version: int) -> str 
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7658d477
 def wait_target(state: NodeState) -> int | None:
-    "The step whose fold a boundary wait waits for; None when it does not wait (nothing sent, or a wait ran out since the last fold)."
+    """The step whose fold a boundary wait waits for; None when it does not wait (nothing sent, or a
+    wait ran out since the last fold)."""
     return state.sent_step if state.waits else None
 
 
 def after_wait(
     state: NodeState, target: int, *, out_of_time: bool, stopped: bool
 ) -> tuple[NodeState, str | None]:
-    "Why a wait for the fold of `target` ends now (`folded`, `lost`, `stopped`, `timeout`; None: wait on); a timeout stops later waits."
+    """Why a wait for the fold of `target` ends now (`folded`, `lost`, `stopped`, `timeout`; None:
+    wait on); a timeout stops later waits."""
     if state.folded_step >= target:
         return state, "folded"
     if state.in_flight is None and (state.uploaded_step is None or state.uploaded_step < target):
@@ -351,7 +360,8 @@ NODE_STATE_FORMAT = 1  # the version of the checkpoint entry `node_checkpoint` w
 
 
 def node_checkpoint(state: NodeState) -> dict[str, Any]:
-    "`state` as the plain data and tensors of a checkpoint entry (transitions never change a tensor in place: nothing is copied)."
+    """`state` as the plain data and tensors of a checkpoint entry (transitions never change a
+    tensor in place: nothing is copied)."""
     job = state.in_flight
     return {
         **{f.name: getattr(state, f.name) for f in fields(NodeState)},
@@ -365,7 +375,8 @@ def node_checkpoint(state: NodeState) -> dict[str, Any]:
 def node_state_from(
     entry: Mapping[str, Any], base: Mapping[str, torch.Tensor], session: str, round_length: int
 ) -> NodeState:
-    "A checkpoint entry (ours, or 2.0's keys) as a `NodeState` over the model's `base`; `round_length` counts a 2.0 pending delta."
+    """A checkpoint entry (ours, or 2.0's keys) as a `NodeState` over the model's `base`;
+    `round_length` counts a 2.0 pending delta."""
     saved = entry.get("base", entry.get("baseline")) or {}
     merged = {k: saved[k].detach().cpu().clone() if k in saved else v for k, v in base.items()}
     carry = (
@@ -420,7 +431,8 @@ def node_state_from(
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #4b6e218b
 class DumbDiLoCoCoordinator:
-    "DiLoCo for one node: the shell around its `NodeState` (threads, transport calls, signals, files); on the master the outer loop too."
+    """DiLoCo for one node: the shell around its `NodeState` (threads, transport calls, signals,
+    files); on the master the outer loop too."""
 
     def __init__(
         self,
@@ -489,7 +501,8 @@ class DumbDiLoCoCoordinator:
             0,
             None,
         )  # globals installed so far (a torchrun node broadcasts after each); the master's loop
-        self.global_watcher: Any = None  # on a master: given `(version, state)` of each published global (see `_published`)
+        # on a master: given `(version, state)` of each published global (see `_published`)
+        self.global_watcher: Any = None
         self._seen_repo: tuple[int, Mapping[str, Any]] | None = (
             None  # (version, version-file extras) of the newest global it accepted
         )
@@ -535,7 +548,8 @@ def _clear_records(self: DumbDiLoCoCoordinator) -> str:
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #108c8cbf
 @patch
 def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
-    "`at_boundary` on the model's weights at `step`, and the upload dispatched; False when nothing was sent."
+    """`at_boundary` on the model's weights at `step`, and the upload dispatched; False when nothing
+    was sent."""
     weights = cpu_state_dict(self.model.state_dict())
     with self.lock:
         if not self._accepting:
@@ -578,7 +592,8 @@ def _dispatch(self: DumbDiLoCoCoordinator, job: Upload) -> None:
 
 @patch
 def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
-    "Write `job` as a delta file and commit it; then `on_upload_done`, or `on_upload_failed` when the repository cannot be reached."
+    """Write `job` as a delta file and commit it; then `on_upload_done`, or `on_upload_failed` when
+    the repository cannot be reached."""
     local = self.state_root / "outgoing" / f"delta_{job.step}.safetensors"
     dtypes = {t.dtype for t in job.delta.values()}
     encoding = (
@@ -646,7 +661,8 @@ def _install(
             self.state, out = on_global(self.state, version, tensors, folded, live, keep_progress)
         except ValueError as e:
             raise HubError(
-                f"the global model (version {version}) in {self._where()} does not fit this node's model: {e}; every node "
+                f"the global model (version {version}) in {self._where()} does not fit this "
+                f"node's model: {e}; every node "
                 "must train the same model (compare the model sections of the nodes' configs)"
             ) from None
         if out is None:
@@ -689,7 +705,8 @@ def _install_rebase(self: DumbDiLoCoCoordinator, boundary: bool = False) -> Inst
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #182989d0
 @patch
 def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
-    "`(version, state, folded step)` of the repository's global when newer than what this node has, else None."
+    """`(version, state, folded step)` of the repository's global when newer than what this node
+    has, else None."""
     self._ensure_open()
     tag = self.transport.version_tag() if hasattr(self.transport, "version_tag") else None
     if tag is not None and tag == self._seen_tag:
@@ -768,7 +785,8 @@ def _offer(
 
 @patch
 def _poll_loop(self: DumbDiLoCoCoordinator) -> None:
-    "The poll thread: one `_fetch_global` each time `_poll_due` is set, until the coordinator stops."
+    """The poll thread: one `_fetch_global` each time `_poll_due` is set, until the coordinator
+    stops."""
     while True:
         self._poll_due.wait()
         if self._stop.is_set():
@@ -783,7 +801,8 @@ def _poll_loop(self: DumbDiLoCoCoordinator) -> None:
 
 @patch
 def _poll_once(self: DumbDiLoCoCoordinator, what: str = "global poll") -> None:
-    "Read the repository and offer a newer global; an unreachable repository is a warning (the next poll tries again)."
+    """Read the repository and offer a newer global; an unreachable repository is a warning (the
+    next poll tries again)."""
     try:
         found = self._fetch_global()
     except HubUnavailable as e:
@@ -794,7 +813,8 @@ def _poll_once(self: DumbDiLoCoCoordinator, what: str = "global poll") -> None:
 
 @patch
 def _maybe_poll(self: DumbDiLoCoCoordinator, force: bool) -> Install | None:
-    "Ask for a new global (a worker, at most every `poll_interval` unless `force`); what was installed now, if anything."
+    """Ask for a new global (a worker, at most every `poll_interval` unless `force`); what was
+    installed now, if anything."""
     if self.role == "master":
         return None
     now = time.monotonic()
@@ -809,7 +829,8 @@ def _maybe_poll(self: DumbDiLoCoCoordinator, force: bool) -> Install | None:
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #08458975
 @dataclass
 class SyncResult:
-    "What one `after_optimizer_step` did (2.0's record); true when the trainer should clear the inner optimizer's state."
+    """What one `after_optimizer_step` did (2.0's record); true when the trainer should clear the
+    inner optimizer's state."""
 
     pushed: bool = False  # a delta was dispatched
     loaded_global: bool = False  # a global was installed
@@ -826,10 +847,12 @@ class SyncResult:
 def after_optimizer_step(
     self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int
 ) -> SyncResult:
-    "Send at a boundary (and wait for its fold with `boundary_wait`), install a newer global; true when the trainer should clear the inner optimizer."
+    """Send at a boundary (and wait for its fold with `boundary_wait`), install a newer global; true
+    when the trainer should clear the inner optimizer."""
     if model is not self.model:
         raise ValueError(
-            "DumbDiLoCoCoordinator.after_optimizer_step got a different model than the one it was built with"
+            "DumbDiLoCoCoordinator.after_optimizer_step got a different model than the one it was "
+            "built with"
         )
     self._raise_fatal()
     with self.lock:
@@ -866,7 +889,8 @@ def _raise_fatal(self: DumbDiLoCoCoordinator) -> None:
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #53471164
 @patch
 def _await_fold(self: DumbDiLoCoCoordinator) -> list[Install]:
-    "Wait up to `boundary_wait` s until a global holding the last dispatched delta is installed; the installs made meanwhile."
+    """Wait up to `boundary_wait` s until a global holding the last dispatched delta is installed;
+    the installs made meanwhile."""
     with self.lock:
         target = wait_target(self.state)
     if target is None:
@@ -893,7 +917,8 @@ def _await_fold(self: DumbDiLoCoCoordinator) -> list[Install]:
     if ended == "timeout":  # out of time: the master is slow or gone
         self._log(
             "warning",
-            f"boundary_wait: the delta of step {target} was not folded within {self.config.boundary_wait:g} s; "
+            f"boundary_wait: the delta of step {target} was not folded within "
+            f"{self.config.boundary_wait:g} s; "
             "not waiting again until one of this node's deltas is folded",
         )
     self._emit(
@@ -910,7 +935,8 @@ def _await_fold(self: DumbDiLoCoCoordinator) -> list[Install]:
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #bfacdca9
 @patch
 def start(self: DumbDiLoCoCoordinator) -> None:
-    "Open the repository, restore prepared state, start the outer loop (master) and the background threads."
+    """Open the repository, restore prepared state, start the outer loop (master) and the background
+    threads."""
     if self.started:
         return
     self._stop.clear()
@@ -950,7 +976,8 @@ def start(self: DumbDiLoCoCoordinator) -> None:
     self._spawn()
     self._log(
         "info",
-        f"started as {self.role} (session {self.state.session}, global version {self.state.version})",
+        f"started as {self.role} (session {self.state.session}, global version "
+        f"{self.state.version})",
     )
 
 
@@ -974,7 +1001,8 @@ def _refuse_shared_node_id(self: DumbDiLoCoCoordinator) -> None:
 
 @patch
 def _ensure_open(self: DumbDiLoCoCoordinator) -> None:
-    "Check the repository (a public or missing one is fatal) once, before the first exchange; a transport without `open` is not checked."
+    """Check the repository (a public or missing one is fatal) once, before the first exchange; a
+    transport without `open` is not checked."""
     if not self._opened:
         if callable(getattr(self.transport, "open", None)):
             self.transport.open(create=False, private=True)
@@ -990,7 +1018,8 @@ def _wait_until(
     waiting_for: str,
     stop_retries: bool = False,
 ) -> bool:
-    "Ask `done()` every poll (2 s at most) until it is True (True), the coordinator stops (True) or `timeout` s passed (False)."
+    """Ask `done()` every poll (2 s at most) until it is True (True), the coordinator stops (True)
+    or `timeout` s passed (False)."""
     deadline, told = time.monotonic() + timeout, False
     with self._sigterm_ends_wait(stop_retries):
         while not (self._stop.is_set() or self._terminated):
@@ -1010,7 +1039,8 @@ def _wait_until(
 
 @patch
 def _await_global(self: DumbDiLoCoCoordinator) -> None:
-    "A worker's first global: wait (up to `lease_timeout`) until the master has created the repository and published one; offer it."
+    """A worker's first global: wait (up to `lease_timeout`) until the master has created the
+    repository and published one; offer it."""
     missing, limit = [None], self.config.lease_timeout
 
     def arrived() -> bool:
@@ -1029,7 +1059,8 @@ def _await_global(self: DumbDiLoCoCoordinator) -> None:
         )  # resumed: newer globals come with the polls
 
     saying = lambda: (
-        f"waiting for the master to {'create' if missing[0] else 'publish the first global model in'} {self._where()} "
+        "waiting for the master to "
+        f"{'create' if missing[0] else 'publish the first global model in'} {self._where()} "
         f"(up to {limit:g} s)"
     )
     if self._wait_until(arrived, limit, saying, "the first global model", stop_retries=True):
@@ -1048,7 +1079,8 @@ def _await_global(self: DumbDiLoCoCoordinator) -> None:
 @patch
 @contextlib.contextmanager
 def _sigterm_ends_wait(self: DumbDiLoCoCoordinator, stop_retries: bool = False):
-    "Within the block (on the main thread), SIGTERM ends the coordinator's wait (`stop_retries`: the retries of its calls too), then goes to the handler before."
+    """Within the block (on the main thread), SIGTERM ends the coordinator's wait (`stop_retries`:
+    the retries of its calls too), then goes to the handler before."""
     self._terminated = False
     self._woken.clear()
     if threading.current_thread() is not threading.main_thread():
@@ -1085,14 +1117,18 @@ def outer_momentum_warning(config: DistributedConfig) -> str | None:
     if not config.outer_momentum or config.inner_steps >= SHORT_ROUND_STEPS:
         return None
     return (
-        f"distributed.outer_momentum {config.outer_momentum:g} with inner_steps {config.inner_steps}: outer Nesterov is "
-        f"tuned for hundreds of inner steps per round and was measured far behind plain averaging with rounds under "
-        f"{SHORT_ROUND_STEPS} steps (diverging on long runs); set outer_lr: 1.0 and outer_momentum: 0.0 for short rounds"
+        f"distributed.outer_momentum {config.outer_momentum:g} with inner_steps "
+        f"{config.inner_steps}: outer Nesterov is "
+        "tuned for hundreds of inner steps per round and was measured far behind plain averaging "
+        "with rounds under "
+        f"{SHORT_ROUND_STEPS} steps (diverging on long runs); set outer_lr: 1.0 and "
+        "outer_momentum: 0.0 for short rounds"
     )
 
 
 def warn_outer_momentum(config: DistributedConfig) -> str | None:
-    "For the master (`speedtronic validate --deep`): warn (`DistributedWarning`) with `outer_momentum_warning`'s message."
+    """For the master (`speedtronic validate --deep`): warn (`DistributedWarning`) with
+    `outer_momentum_warning`'s message."""
     message = outer_momentum_warning(config) if resolve_role(config) == "master" else None
     if message:
         warnings.warn(message, DistributedWarning, stacklevel=2)
@@ -1140,7 +1176,8 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
 
 @patch
 def _spawn(self: DumbDiLoCoCoordinator) -> None:
-    "Start the poll thread (a worker with `async_global_poll`) and the master's loop; send a delta a checkpoint held in flight."
+    """Start the poll thread (a worker with `async_global_poll`) and the master's loop; send a delta
+    a checkpoint held in flight."""
     self._threads = []
     if self.role != "master" and self.config.async_global_poll:
         self._threads.append(
@@ -1159,7 +1196,8 @@ def _spawn(self: DumbDiLoCoCoordinator) -> None:
 def _published(
     self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor]
 ) -> None:
-    "A new global on the master: the candidate for this node's training, and `global_watcher(version, state)` when set."
+    """A new global on the master: the candidate for this node's training, and
+    `global_watcher(version, state)` when set."""
     self._offer(
         version, {k: v.clone() for k, v in state.items()}, self._folded_in(self.outer.ledger)
     )
@@ -1180,13 +1218,15 @@ def _watcher_caught_up(self: DumbDiLoCoCoordinator, timeout: float) -> None:
     if callable(wait) and not wait(timeout):
         self._log(
             "warning",
-            f"the held-out evaluation of the newest global is still running after {timeout:g} s; it is not waited for",
+            f"the held-out evaluation of the newest global is still running after {timeout:g} s; "
+            "it is not waited for",
         )
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #f61fbdae
 @patch
 def stop(self: DumbDiLoCoCoordinator) -> None:
-    "Stop uploads, polling and the master's loop (bounded waits; an upload in flight is kept for the checkpoint)."
+    """Stop uploads, polling and the master's loop (bounded waits; an upload in flight is kept for
+    the checkpoint)."""
     if not self.started:
         return
     with self.lock:
@@ -1212,7 +1252,8 @@ def stop(self: DumbDiLoCoCoordinator) -> None:
 
 @patch
 def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> None:
-    "End of the run: send the last delta; the master folds everyone's last deltas and installs the final global."
+    """End of the run: send the last delta; the master folds everyone's last deltas and installs the
+    final global."""
     if model is not self.model:
         raise ValueError(
             "DumbDiLoCoCoordinator.finish got a different model than the one it was built with"
@@ -1240,7 +1281,8 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
 
 @patch
 def _send_last(self: DumbDiLoCoCoordinator, step: int, deadline: float) -> None:
-    "The master's last delta: sent after the one in flight, again after a failure, until `deadline`."
+    """The master's last delta: sent after the one in flight, again after a failure, until
+    `deadline`."""
     tries = 0
     while True:
         if not self._wait_uploads(max(0.0, deadline - time.monotonic())):
@@ -1397,7 +1439,8 @@ def node_summary(
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #8aefbcbd
 @patch
 def state_dict(self: DumbDiLoCoCoordinator) -> dict[str, Any]:
-    "The coordinator's checkpoint entry: its `NodeState` (`node_checkpoint`), who wrote it, and on the master the outer state."
+    """The coordinator's checkpoint entry: its `NodeState` (`node_checkpoint`), who wrote it, and on
+    the master the outer state."""
     with self.lock:
         entry = node_checkpoint(self.state)
     return {
@@ -1416,14 +1459,16 @@ def prepare_state(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) 
 
 @patch
 def load_state_dict(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) -> None:
-    "Restore a checkpoint entry now (before `start()`: like `prepare_state`; after: all but the base weights)."
+    """Restore a checkpoint entry now (before `start()`: like `prepare_state`; after: all but the
+    base weights)."""
     if not state:
         return
     if not self.started:
         return self.prepare_state(state)
     self._log(
         "warning",
-        "coordinator state restored after start(): keeping the current baseline so no bogus delta is sent",
+        "coordinator state restored after start(): keeping the current baseline so no bogus delta "
+        "is sent",
     )
     with self.lock:
         self.state = replace(
@@ -1455,8 +1500,10 @@ class NodeShard:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if list(state.get("shard", [])) != [self.index, self.count]:
             raise ConfigError(
-                f"the checkpoint's data position is for shard {state.get('shard')}, this node reads shard "
-                f"[{self.index}, {self.count}]; resume with the same distributed.shard_index/shard_count"
+                f"the checkpoint's data position is for shard {state.get('shard')}, this node "
+                "reads shard "
+                f"[{self.index}, {self.count}]; resume with the same "
+                "distributed.shard_index/shard_count"
             )
         if state.get("loader") is not None:
             self.loader.load_state_dict(state["loader"])
@@ -1489,8 +1536,10 @@ def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     )
     if in_file_order:  # unshuffled: every node reads it in one order
         warnings.warn(
-            f"distributed: this node reads {in_file_order[0]} in file order, whatever its seed: nodes reading the same file train "
-            "on the same data in the same order; give each node its own file, or set distributed.shard_count and "
+            f"distributed: this node reads {in_file_order[0]} in file order, whatever its seed: "
+            "nodes reading the same file train "
+            "on the same data in the same order; give each node its own file, or set "
+            "distributed.shard_count and "
             "distributed.shard_index per node, or data.shuffle: true",
             DistributedWarning,
             stacklevel=2,
@@ -1505,13 +1554,15 @@ HUB_COMMITS_PER_HOUR = HUB_TIERS["free"].commits_per_hour  # the Hub's limit per
 def hub_commits_per_hour(
     nodes: int, inner_steps: int, step_time_s: float, poll_interval: float = 60.0
 ) -> float:
-    "Expected commits per hour to one repository: every node's delta, and the master's publications."
+    """Expected commits per hour to one repository: every node's delta, and the master's
+    publications."""
     round_s = max(inner_steps * step_time_s, 1e-9)
     return HubBudget(nodes, round_s, poll_interval, 0, 0, hub_limits()).commits_per_hour
 
 
 def hub_budget_of(config: SpeedtronicConfig, step_time_s: float) -> HubBudget | None:
-    "The run's `HubBudget` for a measured step time (None unless it is a DiLoCo run through the Hub)."
+    """The run's `HubBudget` for a measured step time (None unless it is a DiLoCo run through the
+    Hub)."""
     d = config.distributed
     if not d.enabled or d.transport != "hub":
         return None
@@ -1576,7 +1627,8 @@ def measure_step_time(config: SpeedtronicConfig, device: Any = None, steps: int 
 
 
 def warn_commit_rate(config: SpeedtronicConfig, *, device: Any = None) -> str | None:
-    "Measure the step time and warn (`DistributedWarning`) when the Hub commit rate would come near the limit."
+    """Measure the step time and warn (`DistributedWarning`) when the Hub commit rate would come
+    near the limit."""
     d = config.distributed
     if not d.enabled or d.transport != "hub":
         return None

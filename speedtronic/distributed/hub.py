@@ -61,7 +61,8 @@ def _status(exc: BaseException) -> int | None:
 
 
 def classify_hub_error(exc: BaseException) -> str | None:
-    "`conflict`, `transient`, `missing`, `fatal`, or None (not a Hub failure) for an exception of a Hub call."
+    """`conflict`, `transient`, `missing`, `fatal`, or None (not a Hub failure) for an exception of
+    a Hub call."""
     status = _status(exc)
     if status is not None:
         if status == 412:
@@ -85,7 +86,8 @@ def classify_hub_error(exc: BaseException) -> str | None:
 
 
 def server_wait(status: int | None, headers: Mapping[str, str]) -> float | None:
-    "Seconds a 429 or 503 answer asks the caller to wait (`Retry-After`, or `RateLimit`'s `t=`), else None."
+    """Seconds a 429 or 503 answer asks the caller to wait (`Retry-After`, or `RateLimit`'s `t=`),
+    else None."""
     if status not in (429, 503):
         return None
     lower = {str(k).lower(): str(v) for k, v in headers.items()}
@@ -149,7 +151,8 @@ class HubClient:
         self._api = api
         self._newest: str | None = None  # the newest head this client knows (read or committed)
         self._doubt = False  # a publication met 412: the next head read is from the branch ref
-        self._staged: dict = {}  # (path, sha256) -> an addition a publication's conflicting try uploaded, for its next try
+        # (path, sha256) -> an addition a publication's conflicting try uploaded, for its next try
+        self._staged: dict = {}
 
     @property
     def api(self) -> Any:
@@ -163,7 +166,10 @@ class HubClient:
         return self._api
 
     def describe(self) -> str:
-        return f"Hub repo {self.repo_id} at {getattr(self._api, 'endpoint', None) or self.endpoint or 'https://huggingface.co'}"
+        return (
+            f"Hub repo {self.repo_id} at "
+            f"{getattr(self._api, 'endpoint', None) or self.endpoint or 'https://huggingface.co'}"
+        )
 
 
 HubTransport = HubClient
@@ -206,7 +212,8 @@ def _call(self: HubClient, label: str, fn: Callable[[], Any]) -> Any:
 
 @patch
 def _offers(self: HubClient, name: str) -> bool:
-    "Whether the api object has call `name` (an `HfApi`-like object may offer only the calls 2.0 made)."
+    """Whether the api object has call `name` (an `HfApi`-like object may offer only the calls 2.0
+    made)."""
     return callable(getattr(self.api, name, None))
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #4865153a
@@ -294,7 +301,8 @@ def _listing(self: HubClient) -> list[str]:
 
 @patch
 def _download(self: HubClient, path: str, revision: str | None, local_dir: Path) -> str:
-    "Download `path` into `local_dir` with the call the api object offers (pinned to `revision` where it has commits)."
+    """Download `path` into `local_dir` with the call the api object offers (pinned to `revision`
+    where it has commits)."""
     pin = {"revision": revision} if revision and self._offers("repo_info") else {}
     if self._offers("hf_hub_download"):
         return self.api.hf_hub_download(self.repo_id, path, local_dir=local_dir, **pin)
@@ -374,7 +382,8 @@ def version_tag(self: HubClient) -> str | None:
 
 @patch
 def head_revision(self: HubClient) -> str | None:
-    "The head commit of the repository (changes with every commit); None when the api object cannot say."
+    """The head commit of the repository (changes with every commit); None when the api object
+    cannot say."""
     if not self._offers("repo_info"):
         return None
     return self._call(f"read {self.describe()}", self._head)
@@ -382,7 +391,8 @@ def head_revision(self: HubClient) -> str | None:
 
 @patch
 def _head(self: HubClient) -> str:
-    "The head commit (inside a `_call`): `repo_info`'s, read again from the branch ref when in doubt."
+    """The head commit (inside a `_call`): `repo_info`'s, read again from the branch ref when in
+    doubt."""
     sha = self.api.repo_info(self.repo_id, repo_type="model").sha
     doubt = self._doubt or (self._newest is not None and sha != self._newest)
     if doubt and self._offers("list_repo_refs"):  # repo_info may answer from a stale cache
@@ -420,7 +430,8 @@ def fetch(
 def _operations(
     files: Mapping[str, str | os.PathLike], deletes: Iterable[str] = (), staged: dict | None = None
 ) -> list:
-    "Commit operations for `files` and `deletes`; an addition with the same path and content is taken from `staged`, uploaded already."
+    """Commit operations for `files` and `deletes`; an addition with the same path and content is
+    taken from `staged`, uploaded already."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     adds = []
@@ -467,7 +478,8 @@ def publish(
     message: str = "",
     description: str = "",
 ) -> str:
-    "Commit `files` and delete `deletes` only if the head is still `parent`; returns the new revision."
+    """Commit `files` and delete `deletes` only if the head is still `parent`; returns the new
+    revision."""
     deletes = list(deletes)
     if not self._offers("create_commit"):
         return _publish_each(self, files, deletes, parent, message)
@@ -494,7 +506,8 @@ def publish(
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #42d32e28
 def _upload_each(self: HubClient, files: Mapping[str, str | os.PathLike]) -> None:
-    "Upload `files` one `upload_file` each, the version file last (2.0's call, its local path positional where asked)."
+    """Upload `files` one `upload_file` each, the version file last (2.0's call, its local path
+    positional where asked)."""
     for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
         kw = {"path_in_repo": path, "repo_id": self.repo_id, "repo_type": "model"}
         try:
@@ -510,7 +523,8 @@ def _publish_each(
     parent: RepoState,
     message: str,
 ) -> str:
-    "`publish` through `upload_file`: refused (`PublishConflict`) when the version file changed since `parent`."
+    """`publish` through `upload_file`: refused (`PublishConflict`) when the version file changed
+    since `parent`."""
     current = self.state()
     if current.revision != parent.revision:
         raise PublishConflict(

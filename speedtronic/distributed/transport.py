@@ -36,7 +36,8 @@ __all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavaila
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #358d078b
 class HubError(ExpectedError, RuntimeError):
-    "A repository problem retrying cannot fix (credentials, permissions, a missing repo): the run stops."
+    """A repository problem retrying cannot fix (credentials, permissions, a missing repo): the run
+    stops."""
 
 
 class HubUnavailable(HubError):
@@ -48,7 +49,8 @@ class PublishConflict(HubError):
 
 
 class RepoMissing(HubError):
-    "The repository does not exist (yet): a worker waits for its master to create it; for anyone else it is fatal."
+    """The repository does not exist (yet): a worker waits for its master to create it; for anyone
+    else it is fatal."""
 
 
 TRANSIENT, FATAL, CONFLICT, MISSING = "transient", "fatal", "conflict", "missing"
@@ -143,7 +145,8 @@ class TransferCounts:
 
 
 def describe_repository(transport: Any) -> str:
-    "The repository in words: `transport.describe()`, or its `repo_id` for a transport without one (written for 2.0)."
+    """The repository in words: `transport.describe()`, or its `repo_id` for a transport without one
+    (written for 2.0)."""
     describe = getattr(transport, "describe", None)
     return (
         describe()
@@ -169,7 +172,8 @@ class SharedDirectory:
         self.root = Path(path).expanduser().absolute()
         self.retry = retry or RetryPolicy()
         self.counts = TransferCounts()
-        self.used = False  # True once this process has seen the directory: from then on it is never created again
+        # True once this process has seen the directory: from then on it is never created again
+        self.used = False
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=3))
         self.refused: set[str] = set()  # entries refused by name, each said once
 
@@ -187,7 +191,8 @@ class SharedDirectory:
         return self.retry.call(label, run, _classify_os_error, self._error_text)
 
     def _error_text(self, exc: BaseException) -> str:
-        "An I/O error in words, its file named inside the repository (the label already names the repository)."
+        """An I/O error in words, its file named inside the repository (the label already names the
+        repository)."""
         name = getattr(exc, "filename", None)
         if not isinstance(exc, OSError) or name is None:
             return f"{type(exc).__name__}: {exc}"
@@ -196,7 +201,8 @@ class SharedDirectory:
         return f"{type(exc).__name__}: {exc.strerror or exc}: {name}"
 
     def open(self, *, create: bool = False, private: bool = True) -> None:
-        "Check the directory is usable; `create` makes it (the master) unless this process used it before, else `RepoMissing` when it is not there."
+        """Check the directory is usable; `create` makes it (the master) unless this process used it
+        before, else `RepoMissing` when it is not there."""
 
         def run():
             if create and not self.used:
@@ -222,7 +228,8 @@ def _classify_os_error(exc: BaseException) -> str | None:
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #1f1317b7
 @patch
 def _present(self: SharedDirectory, write: bool = False) -> bool:
-    "Whether the repository is there (its `global/` folder); `RepoMissing` for a write before it was made, `HubError` once it disappeared after use."
+    """Whether the repository is there (its `global/` folder); `RepoMissing` for a write before it
+    was made, `HubError` once it disappeared after use."""
     if os.path.exists(self.root) and not os.path.isdir(self.root):
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
     if os.path.isdir(self.root / "global"):
@@ -230,7 +237,8 @@ def _present(self: SharedDirectory, write: bool = False) -> bool:
         return True
     if self.used:
         raise HubError(
-            f"{self.describe()} has disappeared since this run used it (no global/ folder: an unmounted share?); "
+            f"{self.describe()} has disappeared since this run used it (no global/ folder: an "
+            "unmounted share?); "
             "it is not created again: mount or restore it, then resume the run"
         )
     if write:
@@ -250,7 +258,8 @@ def _inside(self: SharedDirectory, path: str) -> Path:
         here = here / part
         if here.is_symlink():
             raise HubError(
-                f"{self.describe()}: refusing {path}: {here.relative_to(self.root)} is a symbolic link "
+                f"{self.describe()}: refusing {path}: {here.relative_to(self.root)} is a symbolic "
+                "link "
                 "(it may point outside the repository); delete it"
             )
     return here
@@ -263,19 +272,22 @@ def _refuse(self: SharedDirectory, path: str, why: str) -> None:
         return
     self.refused.add(path)
     self.warn(
-        f"{self.describe()}: refusing {path}: {why} (it may point outside the repository); delete it"
+        f"{self.describe()}: refusing {path}: {why} (it may point outside the repository); delete "
+        "it"
     )
 
 
 def _weights_version(path: Path) -> int | None:
-    "The `outer_step` a global weights file carries in its header, None when it has none (a 2.0 file)."
+    """The `outer_step` a global weights file carries in its header, None when it has none (a 2.0
+    file)."""
     value = read_metadata(path).get("outer_step")
     return None if value is None else int(value)
 
 
 @patch
 def state(self: SharedDirectory) -> RepoState:
-    "The repository's version; a version file that disagrees with the weights' header is read again."
+    """The repository's version; a version file that disagrees with the weights' header is read
+    again."""
 
     def run():
         if not self._present():
@@ -287,7 +299,8 @@ def state(self: SharedDirectory) -> RepoState:
         carried = _weights_version(self._inside(GLOBAL_MODEL_PATH))
         if carried is not None and carried != meta.outer_step:
             raise ValueError(
-                f"weights carry version {carried}, the version file says {meta.outer_step} (a publication in progress)"
+                f"weights carry version {carried}, the version file says {meta.outer_step} (a "
+                "publication in progress)"
             )
         return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras)
 
@@ -296,7 +309,8 @@ def state(self: SharedDirectory) -> RepoState:
 
 @patch
 def version_tag(self: SharedDirectory) -> str | None:
-    "A tag that changes when `global/step_count.json` is replaced (None when there is none): a cheap poll."
+    """A tag that changes when `global/step_count.json` is replaced (None when there is none): a
+    cheap poll."""
     if not self._present():
         return None
     try:
@@ -359,7 +373,8 @@ def list_files(self: SharedDirectory) -> list[str]:
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #cccd5176
 def _copy(src: Path, dest: Path) -> int:
-    "Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename), never through a link at `src`; returns the bytes copied."
+    """Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename), never through
+    a link at `src`; returns the bytes copied."""
     with os.fdopen(os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
         atomic_write(dest, lambda out: shutil.copyfileobj(f, out, 1 << 20))
     return dest.stat().st_size
@@ -367,7 +382,8 @@ def _copy(src: Path, dest: Path) -> int:
 
 @patch
 def _target(self: SharedDirectory, path: str) -> Path:
-    "Where a write of repository `path` goes: inside the directory, which must be there, never through a link."
+    """Where a write of repository `path` goes: inside the directory, which must be there, never
+    through a link."""
     self._present(write=True)
     dest = self._inside(path)
     dest.parent.mkdir(
@@ -425,7 +441,8 @@ def _claim(self: SharedDirectory, version: int, owner: str) -> None:
             claim.write_text(owner)
         elif holder != owner:
             raise PublishConflict(
-                f"version {version} in {self.describe()} was claimed by {holder!r}; another master is publishing"
+                f"version {version} in {self.describe()} was claimed by {holder!r}; another "
+                "master is publishing"
             ) from None
 
 
@@ -441,7 +458,8 @@ def publish(
     message: str = "",
     description: str = "",
 ) -> str:
-    "Publish `files` and delete `deletes` if the repository is still at `parent`; returns the new revision."
+    """Publish `files` and delete `deletes` if the repository is still at `parent`; returns the new
+    revision."""
     current = self.state()
     if current.revision != parent.revision:
         raise PublishConflict(

@@ -1,4 +1,5 @@
-"""What a person sees: the docs site and the notebook widgets in headless Chromium (JupyterLab for the widgets).
+"""What a person sees: the docs site and the notebook widgets in headless Chromium (JupyterLab for
+the widgets).
 
 No timing assertions: waits only bound how long a condition may take to become true.
 """
@@ -82,7 +83,8 @@ OFFLINE_PAGES = [
 
 
 def _remote_requests(browser, base: str, names: list[str]) -> tuple[list[str], list[str]]:
-    "Every request the pages `names` under `base` make once loaded (network idle), and those that leave the site."
+    """Every request the pages `names` under `base` make once loaded (network idle), and those that
+    leave the site."""
     page = browser.new_page()
     requests = []
     page.on("request", lambda r: requests.append(r.url))
@@ -95,18 +97,22 @@ def _remote_requests(browser, base: str, names: list[str]) -> tuple[list[str], l
 
 
 def test_pages_request_nothing_from_the_internet(browser, served_docs):
-    "Read offline, a page loads only what the site holds: every request (fonts, scripts, styles, images) goes to its server."
+    """Read offline, a page loads only what the site holds: every request (fonts, scripts, styles,
+    images) goes to its server."""
     requests, remote = _remote_requests(browser, served_docs, OFFLINE_PAGES)
     assert len(requests) > len(OFFLINE_PAGES)
     assert remote == []
 
 
 def test_the_offline_check_sees_a_web_font_and_a_cdn_script(browser, tmp_path):
-    "The check above would fail for a page like mkdocs-material's default (Google Fonts) or one with widget state (a CDN script)."
+    """The check above would fail for a page like mkdocs-material's default (Google Fonts) or one
+    with widget state (a CDN script)."""
     (tmp_path / "page.html").write_text(
         '<html><head><link rel="stylesheet" href="https://fonts.googleapis.com/css?family=Roboto">'
-        '<script src="https://cdn.jsdelivr.net/npm/@jupyter-widgets/html-manager@1/dist/embed-amd.js"></script>'
-        "<style>@font-face { font-family: x; src: url(https://fonts.gstatic.com/x.woff2) }</style></head>"
+        "<script "
+        'src="https://cdn.jsdelivr.net/npm/@jupyter-widgets/html-manager@1/dist/embed-amd.js"></script>'
+        "<style>@font-face { font-family: x; src: url(https://fonts.gstatic.com/x.woff2) "
+        "}</style></head>"
         '<body style="font-family: x">text</body></html>'
     )
     with _served(tmp_path) as base:
@@ -159,19 +165,24 @@ NOTEBOOK = {
         _cell("view = precision_explorer()\nview"),
         _cell("schedule_explorer()"),
         _cell(
-            'broken = precision_explorer(kind="cpu")\nbroken.controls["mode"].options = ["auto", "fp8"]\nbroken'
+            'broken = precision_explorer(kind="cpu")\nbroken.controls["mode"].options = ["auto", '
+            '"fp8"]\nbroken'
         ),
         _cell("from speedtronic.runtime import train_from_config"),
         _cell(
-            'cfg = {"run": {"max_steps": 6, "output_dir": "tiny-run"}, "checkpoint": {"enabled": False},\n'
-            '       "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
-            '       "data": {"synthetic": True, "num_tokens": 64, "micro_batch_size": 2, "target_batch_size": 2},\n'
+            'cfg = {"run": {"max_steps": 6, "output_dir": "tiny-run"}, "checkpoint": {"enabled": '
+            "False},\n"
+            '       "model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, '
+            '"d_model": 16},\n'
+            '       "data": {"synthetic": True, "num_tokens": 64, "micro_batch_size": 2, '
+            '"target_batch_size": 2},\n'
             '       "logging": {"level": "WARNING", "progress": "auto", "loss_plot": False}}\n'
             'result = train_from_config(cfg, device="cpu")\n'
             'print("finished at", result.steps)'
         ),
         _cell(
-            'from speedtronic.widgets import delta_norm_view\nnorms = delta_norm_view("diloco/master.jsonl")\nnorms'
+            "from speedtronic.widgets import delta_norm_view\nnorms = "
+            'delta_norm_view("diloco/master.jsonl")\nnorms'
         ),
         _cell('delta_norm_view("diloco/empty.jsonl")'),
     ],
@@ -204,17 +215,22 @@ TINY = (
 TRAINING_CELLS = [
     "import sys\nimport matplotlib\nfrom speedtronic.runtime import train_from_config",
     f"tiny = {TINY}\nbefore = matplotlib.get_backend()\n"
-    'cfg = {**tiny, "run": {"max_steps": 40, "output_dir": "short"}, "checkpoint": {"every_steps": 20},\n'
+    'cfg = {**tiny, "run": {"max_steps": 40, "output_dir": "short"}, "checkpoint": '
+    '{"every_steps": 20},\n'
     '       "logging": {"json_file": "short/metrics.jsonl", "file": "short/run.log"}}\n'
-    'result = train_from_config(cfg, device="cpu", resume=True)   # nothing to resume yet: a warning\nresult',
-    'print("backend", before == matplotlib.get_backend(), matplotlib.get_backend())\nprint("repr", len(repr(result)), repr(result))\n'
+    'result = train_from_config(cfg, device="cpu", resume=True)   # nothing to resume yet: a '
+    "warning\nresult",
+    'print("backend", before == matplotlib.get_backend(), '
+    'matplotlib.get_backend())\nprint("repr", len(repr(result)), repr(result))\n'
     'print("log", open("short/run.log").read().count("| INFO |"))',
     "import matplotlib.pyplot as plt",
     'plt.plot([1, 3, 2]); plt.title("pyplot after training"); plt.show()',
-    'long = {**tiny, "run": {"max_steps": 100000, "output_dir": "long"}, "checkpoint": {"every_steps": 1000},\n'
+    'long = {**tiny, "run": {"max_steps": 100000, "output_dir": "long"}, "checkpoint": '
+    '{"every_steps": 1000},\n'
     '        "logging": {"json_file": "long/metrics.jsonl"}}\n'
     'train_from_config(long, device="cpu")',
-    'partial = sys.last_value.result\nprint("partial", partial.steps, len(partial.metrics), partial.checkpoint_dir)\npartial',
+    'partial = sys.last_value.result\nprint("partial", partial.steps, len(partial.metrics), '
+    "partial.checkpoint_dir)\npartial",
     'resumed = train_from_config(long, device="cpu", resume=True, max_steps=partial.steps + 3)\n'
     'print("resumed", resumed.steps, resumed.metrics[0]["step"], len(resumed.metrics))',
 ]
@@ -222,7 +238,8 @@ RESULT, BACKEND, PYPLOT, LONG, PARTIAL, RESUMED = 1, 2, 4, 5, 6, 7  # cell indic
 
 
 def _diloco_record(folder: Path) -> None:
-    "A real delta-norm record: a master and a worker train 24 steps through a shared directory (folder/master.jsonl)."
+    """A real delta-norm record: a master and a worker train 24 steps through a shared directory
+    (folder/master.jsonl)."""
     import threading, torch
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.data import build_dataloader
@@ -286,7 +303,8 @@ def _diloco_record(folder: Path) -> None:
     nodes = [node("master", "master", 0), node("worker", "worker", 1)]
     nodes[0][
         0
-    ].coordinator.start()  # the master publishes the first global model before the worker looks for it
+        # the master publishes the first global model before the worker looks for it
+    ].coordinator.start()
     threads = [threading.Thread(target=trainer.fit) for trainer, _ in nodes]
     for t in threads:
         t.start()
@@ -326,7 +344,8 @@ def jupyterlab(tmp_path_factory):
         "--LabApp.expose_app_in_browser=True",
         "--ServerApp.disable_check_xsrf=True",
     ]
-    # every cell rendered, not only those in view (JupyterLab's windowing), so a check sees the whole notebook
+    # every cell rendered, not only those in view (JupyterLab's windowing), so a check sees the
+    # whole notebook
     settings = root / ".settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
@@ -337,8 +356,11 @@ def jupyterlab(tmp_path_factory):
         "JUPYTERLAB_SETTINGS_DIR": str(root / ".settings"),
     }
     env.pop(
-        "MPLBACKEND", None
-    )  # a user's JupyterLab: the kernel picks matplotlib's inline backend (CI sets Agg for nbdev_test)
+        "MPLBACKEND",
+        None,
+        # a user's JupyterLab: the kernel picks matplotlib's inline backend (CI sets Agg for
+        # nbdev_test)
+    )
     log = open(root / "lab.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
     try:
@@ -354,7 +376,8 @@ def jupyterlab(tmp_path_factory):
 
 
 def _open_notebook(page, url: str) -> None:
-    "Open a notebook as the only tab (`?reset`: no notebook restored from an earlier page of this server)."
+    """Open a notebook as the only tab (`?reset`: no notebook restored from an earlier page of this
+    server)."""
     page.goto(url + "?reset")
     page.wait_for_function(
         'window.jupyterapp && document.querySelector(".jp-Notebook")', timeout=120_000
@@ -363,18 +386,21 @@ def _open_notebook(page, url: str) -> None:
 
 @pytest.fixture(scope="module")
 def lab(browser, jupyterlab):
-    "The test notebook run once in JupyterLab, on a 2x (HiDPI) screen, as a user runs it; each test reads it."
+    """The test notebook run once in JupyterLab, on a 2x (HiDPI) screen, as a user runs it; each
+    test reads it."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000}, device_scale_factor=2)
     _open_notebook(page, f"{jupyterlab}/lab/tree/widgets.ipynb")
     page.wait_for_function(
-        "window.jupyterapp.shell.currentWidget && window.jupyterapp.shell.currentWidget.sessionContext "
+        "window.jupyterapp.shell.currentWidget && "
+        "window.jupyterapp.shell.currentWidget.sessionContext "
         "&& window.jupyterapp.shell.currentWidget.sessionContext.session "
         "&& window.jupyterapp.shell.currentWidget.sessionContext.session.kernel",
         timeout=120_000,
     )
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     page.wait_for_function(
-        "[...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('finished at'))",
+        "[...document.querySelectorAll('.jp-OutputArea-output')].some(e => "
+        "e.innerText.includes('finished at'))",
         timeout=180_000,
     )
     for i in (PRECISION, SCHEDULE, BROKEN, NORMS, NO_NORMS):
@@ -388,7 +414,8 @@ def _cell_of(page, i: int):
 
 
 def expect(locator):
-    "Playwright's retrying assertions (imported here: the module must load where playwright is missing)."
+    """Playwright's retrying assertions (imported here: the module must load where playwright is
+    missing)."""
     from playwright.sync_api import expect as _expect
 
     return _expect(locator.first)
@@ -474,7 +501,8 @@ def test_lr_slider_is_labelled_and_writes_short_rates(lab):
 
 
 def test_a_rate_the_config_refuses_is_refused_in_the_widget(lab):
-    "A negative base lr typed in the box stays as typed and is refused with the configuration's message (not turned into 1e-6)."
+    """A negative base lr typed in the box stays as typed and is refused with the configuration's
+    message (not turned into 1e-6)."""
     cell = _cell_of(lab, SCHEDULE)
     box = (
         cell.locator(".widget-text", has=lab.locator("label", has_text="base lr"))
@@ -511,7 +539,8 @@ def test_jupyterlab_shows_widgets_not_their_text(lab):
 
 
 def test_training_shows_one_progress_line(lab):
-    "A training run in the notebook shows one progress line, updated in place, ending at the target."
+    """A training run in the notebook shows one progress line, updated in place, ending at the
+    target."""
     bars = [
         t
         for t in _cell_of(lab, TRAINING).locator(".jp-OutputArea-output").all_inner_texts()
@@ -536,7 +565,8 @@ def _panel(page, expression: str):
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name, tmp_path):
-    "Opened before it runs, a shipped notebook starts its kernel without asking, stays unmodified, and shows pictures, not text."
+    """Opened before it runs, a shipped notebook starts its kernel without asking, stays unmodified,
+    and shows pictures, not text."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     _open_notebook(page, f"{jupyterlab}/lab/tree/shipped/{name}")
     cells = len(json.loads((ROOT / "nbs" / name).read_text())["cells"])
@@ -544,11 +574,14 @@ def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name
         f"document.querySelectorAll('.jp-Notebook .jp-Cell').length === {cells}", timeout=60_000
     )
     page.wait_for_function(
-        "![...document.querySelectorAll('.jp-OutputArea-output')].some(e => e.innerText.includes('Loading widget'))",
+        "![...document.querySelectorAll('.jp-OutputArea-output')].some(e => "
+        "e.innerText.includes('Loading widget'))",
         timeout=60_000,
     )
-    # the kernel named in the notebook starts by itself (no "Select Kernel" dialog) and, once it is idle, the
-    # notebook is still unmodified (its metadata already holds what JupyterLab writes for that kernel)
+    # the kernel named in the notebook starts by itself (no "Select Kernel" dialog) and, once it is
+    # idle, the
+    # notebook is still unmodified (its metadata already holds what JupyterLab writes for that
+    # kernel)
     page.wait_for_function(
         "window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle' "
         "|| document.querySelector('.jp-Dialog')",
@@ -574,7 +607,8 @@ def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name
 
 
 def test_tutorial_links_open_the_chapters_in_jupyterlab(browser, jupyterlab):
-    "The tutorial links to chapters as notebooks, so a click in JupyterLab opens the chapter (the docs site links the page)."
+    """The tutorial links to chapters as notebooks, so a click in JupyterLab opens the chapter (the
+    docs site links the page)."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     _open_notebook(page, f"{jupyterlab}/lab/tree/shipped/guide/01_tutorial.ipynb")
     link = page.locator(".jp-RenderedMarkdown").get_by_role("link", name="Trainer", exact=True)
@@ -603,13 +637,15 @@ def training(browser, jupyterlab):
 def _run(page, i: int, wait: bool = True) -> None:
     "Run cell `i` (without waiting for it to finish when `wait` is false)."
     page.evaluate(
-        f"() => {{ const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = {i}; "
+        f"() => {{ const nb = window.jupyterapp.shell.currentWidget.content; nb.activeCellIndex = "
+        f"{i}; "
         "window.jupyterapp.commands.execute('notebook:run-cell'); }"
     )
     if wait:
         page.wait_for_function(
             f"() => {{ const c = window.jupyterapp.shell.currentWidget.content.widgets[{i}]; "
-            'return c.model.executionCount !== null && !c.node.querySelector(".jp-InputPrompt").innerText.includes("*"); }',
+            "return c.model.executionCount !== null && "
+            '!c.node.querySelector(".jp-InputPrompt").innerText.includes("*"); }',
             timeout=300_000,
         )
 
@@ -625,7 +661,8 @@ def _cell_texts(page, i: int) -> list[str]:
 
 
 def test_a_finished_run_in_a_notebook(training, tmp_path):
-    "The live view ends full, no INFO lines reach the cell, the result is a short line and a loss curve, matplotlib is untouched."
+    """The live view ends full, no INFO lines reach the cell, the result is a short line and a loss
+    curve, matplotlib is untouched."""
     page = training
     for i in range(RESULT + 1):
         _run(page, i)
@@ -660,7 +697,8 @@ def test_a_finished_run_in_a_notebook(training, tmp_path):
 
 
 def test_live_chart_then_interrupt(training, tmp_path):
-    "While a run trains the chart redraws; ■ stops it with one short message, and the partial result is there."
+    """While a run trains the chart redraws; ■ stops it with one short message, and the partial
+    result is there."""
     page = training
     _run(page, LONG, wait=False)
     cell = _cell_of(page, LONG)
@@ -699,7 +737,8 @@ def test_live_chart_then_interrupt(training, tmp_path):
 
 
 def test_resume_after_the_interrupt_in_the_same_notebook(training):
-    "The interrupted run let go of its directory: resume=True in the same kernel goes on, its history from step 1."
+    """The interrupted run let go of its directory: resume=True in the same kernel goes on, its
+    history from step 1."""
     page = training
     partial = int(_cell_texts(page, PARTIAL)[0].split()[1])
     _run(page, RESUMED)
@@ -750,7 +789,8 @@ def test_delta_norm_view_redraws_when_a_control_changes(lab, tmp_path):
 
 
 def _upload(lab_url: str, path: str, source: Path) -> None:
-    "Put the notebook `source` at `path` in the running JupyterLab (its contents API), as a user's own copy."
+    """Put the notebook `source` at `path` in the running JupyterLab (its contents API), as a user's
+    own copy."""
     for folder, body in [
         (path.rsplit("/", 1)[0], {"type": "directory"}),
         (path, {"type": "notebook", "format": "json", "content": json.loads(source.read_text())}),
@@ -766,7 +806,8 @@ def _upload(lab_url: str, path: str, source: Path) -> None:
 
 
 def test_after_training_chapter_samples_what_generate_writes(browser, jupyterlab, tmp_path):
-    "The After training chapter runs in JupyterLab without an error; its sample box, moved to temperature 0, writes generate's greedy text."
+    """The After training chapter runs in JupyterLab without an error; its sample box, moved to
+    temperature 0, writes generate's greedy text."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     _upload(jupyterlab, "after/02_after_training.ipynb", ROOT / "nbs/guide/02_after_training.ipynb")
     _open_notebook(page, f"{jupyterlab}/lab/tree/after/02_after_training.ipynb")
@@ -780,10 +821,14 @@ def test_after_training_chapter_samples_what_generate_writes(browser, jupyterlab
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     # the last code cell has run, or a cell failed (Run All stops there): whichever comes first
     page.wait_for_function(
-        "() => { const cells = window.jupyterapp.shell.currentWidget.content.widgets.filter(c => c.model.type === 'code');"
+        "() => { const cells = window.jupyterapp.shell.currentWidget.content.widgets.filter(c => "
+        "c.model.type === 'code');"
         " const last = cells[cells.length - 1];"
-        " return (last.model.executionCount !== null && !last.node.querySelector('.jp-InputPrompt').innerText.includes('*'))"
-        " || document.querySelector('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]'); }",
+        " return (last.model.executionCount !== null && "
+        "!last.node.querySelector('.jp-InputPrompt').innerText.includes('*'))"
+        " || "
+        "document.querySelector('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]'); "
+        "}",
         timeout=400_000,
     )
     errors = page.locator(
@@ -821,7 +866,8 @@ def test_after_training_chapter_samples_what_generate_writes(browser, jupyterlab
     )
     cell.locator("button", has_text="Generate").click()
     page.wait_for_function(
-        '([cell, prompt, note]) => cell.querySelector(".speedtronic-prompt")?.textContent === prompt '
+        '([cell, prompt, note]) => cell.querySelector(".speedtronic-prompt")?.textContent === '
+        "prompt "
         '&& cell.querySelector(".speedtronic-sample-note")?.textContent === note',
         arg=[cell.element_handle(), prompt, f"greedy, up to {new_tokens} new tokens"],
         timeout=120_000,

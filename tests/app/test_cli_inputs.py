@@ -209,7 +209,8 @@ def test_prepare_refuses_to_replace_a_json_file_it_was_not_given(tmp_path):
 
 
 def test_a_text_file_saved_with_a_byte_order_mark_trains_on_its_text_only(tmp_path):
-    # The mark names the encoding; it is not text: neither prepare nor a text_path dataset makes tokens of it.
+    # The mark names the encoding; it is not text: neither prepare nor a text_path dataset makes
+    # tokens of it.
     import json
 
     import numpy as np

@@ -35,7 +35,8 @@ CONSOLE = Path(sys.executable).parent / "speedtronic"
 
 
 def _env() -> dict[str, str]:
-    # PYTHONPATH makes the checkout importable even where the editable install predates the package files.
+    # PYTHONPATH makes the checkout importable even where the editable install predates the package
+    # files.
     return {**os.environ, "PYTHONPATH": str(ROOT), "HF_TOKEN": HF_SECRET, "PYTHONUNBUFFERED": "1"}
 
 
@@ -65,7 +66,8 @@ def cli(
 def assert_clean_error(
     proc: subprocess.CompletedProcess, *needles: str, lines: int | None = 1
 ) -> list[str]:
-    "Exit 2, no traceback, only `speedtronic: error:` lines on stderr, each needle present, no secret."
+    """Exit 2, no traceback, only `speedtronic: error:` lines on stderr, each needle present, no
+    secret."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr
     errors = proc.stderr.splitlines()
@@ -232,7 +234,8 @@ def test_typo_is_one_line_with_a_suggestion(entry, tmp_path):
     typo = write(tmp_path, "typo.yaml", "data:\n  micro_batchsize: 2\n")
     assert_clean_error(
         cli("validate", "--config", str(typo), entry=entry),
-        "speedtronic: error: data.micro_batchsize: unknown key (did you mean data.micro_batch_size?)",
+        "speedtronic: error: data.micro_batchsize: unknown key (did you mean "
+        "data.micro_batch_size?)",
     )
 
 
@@ -311,7 +314,8 @@ def test_validate_and_import_load_no_torch():
         "import sys, runpy\n"
         "import speedtronic.cli\n"
         "assert 'torch' not in sys.modules, 'import speedtronic.cli loaded torch'\n"
-        "sys.argv = ['speedtronic', 'validate', '--config', 'configs/diloco.yaml', '--format', 'json']\n"
+        "sys.argv = ['speedtronic', 'validate', '--config', 'configs/diloco.yaml', '--format', "
+        "'json']\n"
         "try: runpy.run_module('speedtronic', run_name='__main__')\n"
         "except SystemExit as e: assert e.code == 0, e.code\n"
         "assert 'torch' not in sys.modules, 'validate loaded torch'\n"
@@ -404,7 +408,8 @@ def test_train_finds_what_it_can_before_creating_the_run_directory(tmp_path):
     late = write(
         tmp_path,
         "late.yaml",
-        f"run: {{output_dir: {out}}}\nmodel: {{max_seq_len: 16}}\ndata: {{block_size: 32, synthetic: true}}\n",
+        f"run: {{output_dir: {out}}}\nmodel: {{max_seq_len: 16}}\ndata: {{block_size: 32, "
+        f"synthetic: true}}\n",
     )
     assert_clean_error(
         cli("train", "--config", str(late), "--device", "cpu"),
@@ -416,7 +421,8 @@ def test_train_finds_what_it_can_before_creating_the_run_directory(tmp_path):
 def test_random_tokens_not_asked_for_come_with_one_warning(tmp_path):
     base = (
         f"run: {{output_dir: {tmp_path / 'out'}, max_steps: 1}}\n"
-        "model: {vocab_size: 64, max_seq_len: 16, n_layer: 1, n_head: 2, n_kv_head: 2, d_model: 32, d_ff: 64}\n"
+        "model: {vocab_size: 64, max_seq_len: 16, n_layer: 1, n_head: 2, n_kv_head: 2, d_model: "
+        "32, d_ff: 64}\n"
         "checkpoint: {enabled: false}\nlogging: {progress: false, loss_plot: false}\n"
     )
     quiet = cli(

@@ -52,21 +52,25 @@ def test_refused_runs_show_their_message_and_tb_shows_the_traceback(tmp_path):
     cfg = tiny_config(tmp_path, max_steps=2, every_steps=2)
     locked = tmp_path / "locked"
     holder = (
-        f"import sys; from speedtronic.paths import lock_run; lock = lock_run({str(locked)!r}, 'other-run'); "
+        f"import sys; from speedtronic.paths import lock_run; lock = lock_run({str(locked)!r}, "
+        "'other-run'); "
         "print('held', flush=True); sys.stdin.read()"
     )
     out = run_cells(
         [
-            "from speedtronic.runtime import train_from_config\nfrom speedtronic.config import SpeedtronicConfig\n"
+            "from speedtronic.runtime import train_from_config\nfrom speedtronic.config import "
+            "SpeedtronicConfig\n"
             f"config = SpeedtronicConfig.load({str(cfg)!r})",
             "result = train_from_config(config, device='cpu')",
             "result = train_from_config(config, device='cpu')",  # the training cell run again
             "%tb",
             "SpeedtronicConfig.from_dict({'optimizer': {'lr': -1}})",
             "import subprocess, sys\n"
-            f"holder = subprocess.Popen([sys.executable, '-c', {holder!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
+            f"holder = subprocess.Popen([sys.executable, '-c', {holder!r}], "
+            "stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
             "assert holder.stdout.readline() == 'held\\n'",
-            f"train_from_config({{**config.to_dict(), 'run': {{'output_dir': {str(locked)!r}}}}}, device='cpu')",
+            f"train_from_config({{**config.to_dict(), 'run': {{'output_dir': {str(locked)!r}}}}}, "
+            "device='cpu')",
             "holder.stdin.close(); holder.wait()",
             "[1][2]",  # a bug keeps its traceback
         ],
@@ -87,7 +91,8 @@ def test_refused_runs_show_their_message_and_tb_shows_the_traceback(tmp_path):
 
 
 def test_jupyterlab_receives_the_message_alone(tmp_path):
-    "What a real kernel sends JupyterLab for an expected error: the message and the hint; `%tb` then sends the traceback."
+    """What a real kernel sends JupyterLab for an expected error: the message and the hint; `%tb`
+    then sends the traceback."""
     from jupyter_client.manager import KernelManager
 
     km = KernelManager(kernel_name="python3")
@@ -110,7 +115,8 @@ def test_jupyterlab_receives_the_message_alone(tmp_path):
             )
 
         run(
-            "from speedtronic.config import SpeedtronicConfig\nSpeedtronicConfig.from_dict({'optimizer': {'lr': -1}})"
+            "from speedtronic.config import "
+            "SpeedtronicConfig\nSpeedtronicConfig.from_dict({'optimizer': {'lr': -1}})"
         )
         run("%tb")
     finally:

@@ -1,4 +1,5 @@
-"""One run per output directory: a fresh run does not take over another run's checkpoints, two trainers do not
+"""One run per output directory: a fresh run does not take over another run's checkpoints, two
+trainers do not
 share a directory, every run has an id that survives resumes and is in every JSONL record."""
 
 from __future__ import annotations
@@ -189,7 +190,8 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
 def test_the_readme_demo_trains_and_a_moved_run_takes_every_output_along(tmp_path):
-    # The README's first command, shortened with --max-steps (its 20-update warmup then spans the whole run).
+    # The README's first command, shortened with --max-steps (its 20-update warmup then spans the
+    # whole run).
     first = ok(cli("train", "--config", str(DEMO), "--max-steps", "20", cwd=tmp_path))
     demo = tmp_path / "runs" / "demo"
     assert first.stdout.splitlines()[-1].startswith(
@@ -287,7 +289,8 @@ def test_a_missing_tokenizer_or_init_from_folder_is_found_before_the_run_directo
 def test_a_run_refused_while_its_components_are_built_leaves_no_folder_and_validate_deep_finds_it(
     tmp_path,
 ):
-    # A held-out source too small, or a split that leaves nothing to train on: found after the claim, which made the folder.
+    # A held-out source too small, or a split that leaves nothing to train on: found after the
+    # claim, which made the folder.
     (tmp_path / "short.txt").write_text("ab\n")
     (tmp_path / "a.txt").write_text("x" * 40)
     for key, data, evaluation in [

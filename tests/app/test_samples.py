@@ -1,6 +1,9 @@
-"""Samples during training: `eval.sample_prompts` are continued with `generate` at every evaluation and at the
-end, written as `sample` events (JSONL, TensorBoard text, the console), without changing training by a bit;
-bad `eval.sample_*` settings give one clear line; the README demo ends with a held-out loss and a sample."""
+"""Samples during training: `eval.sample_prompts` are continued with `generate` at every evaluation
+and at the
+end, written as `sample` events (JSONL, TensorBoard text, the console), without changing training by
+a bit;
+bad `eval.sample_*` settings give one clear line; the README demo ends with a held-out loss and a
+sample."""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ STEPS = 20
 
 
 def run_config(tmp, name: str, **eval_section) -> dict:
-    "A 20-step text run with dropout (a used random generator or a model left in eval mode would show)."
+    """A 20-step text run with dropout (a used random generator or a model left in eval mode would
+    show)."""
     return {
         "run": {
             "name": name,
@@ -78,9 +82,12 @@ def train(raw: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def test_samples_never_change_training_and_repeat_exactly(tmp_path):
-    """The same run without samples, with greedy samples and with sampled ones (temperature 1) has the same
-    losses and final weights to the bit; each evaluation (steps 5, 10, 15 and the end) writes one `sample`
-    event per prompt, the same text in a second run, and TensorBoard gets each as the text `samples/<i>`."""
+    """The same run without samples, with greedy samples and with sampled ones (temperature 1) has
+    the same
+    losses and final weights to the bit; each evaluation (steps 5, 10, 15 and the end) writes one
+    `sample`
+    event per prompt, the same text in a second run, and TensorBoard gets each as the text
+    `samples/<i>`."""
     plain_losses, plain_weights = train(run_config(tmp_path, "plain"))
     prompts = ["the ", "a"]
     for name, temperature in (("greedy", 0.0), ("hot", 1.0)):
@@ -123,8 +130,10 @@ def test_samples_never_change_training_and_repeat_exactly(tmp_path):
 
 
 def test_samples_at_a_temperature_are_top_k_draws_seeded_by_the_run(tmp_path):
-    """At `eval.sample_temperature: 0.8` the run's last sample is what `generate` draws from the final model
-    at 0.8 among the 40 most likely tokens with the run's seed (not from all 128); the same seed repeats it,
+    """At `eval.sample_temperature: 0.8` the run's last sample is what `generate` draws from the
+    final model
+    at 0.8 among the 40 most likely tokens with the run's seed (not from all 128); the same seed
+    repeats it,
     another seed draws another text."""
     texts = {}
     for name, seed in (("hot", 7), ("again", 7), ("other", 8)):
@@ -159,7 +168,8 @@ def test_samples_at_a_temperature_are_top_k_draws_seeded_by_the_run(tmp_path):
 
 
 def test_a_sample_of_only_whitespace_says_so(tmp_path):
-    """A model that has learned only spaces and newlines (its text holds nothing else) is not shown as if it
+    """A model that has learned only spaces and newlines (its text holds nothing else) is not shown
+    as if it
     wrote text: the console line and the JSONL say `(the model emits only whitespace yet)`."""
     raw = run_config(tmp_path, "blank", sample_prompts=["  "], sample_tokens=16)
     (tmp_path / "blank.txt").write_text(("   \n" * 3 + "    ") * 2000)
@@ -176,7 +186,8 @@ def test_a_sample_of_only_whitespace_says_so(tmp_path):
 
 
 def test_a_sample_with_newlines_stays_one_log_line(tmp_path):
-    "The text log keeps one line per event: a newline in a sample is written escaped (the JSONL keeps the text)."
+    """The text log keeps one line per event: a newline in a sample is written escaped (the JSONL
+    keeps the text)."""
     with MetricLogger(
         file=tmp_path / "run.log", json_file=tmp_path / "run.jsonl", stream=False
     ) as log:
@@ -192,7 +203,8 @@ def test_a_sample_with_newlines_stays_one_log_line(tmp_path):
 
 
 def test_the_notebook_view_shows_the_newest_sample():
-    "A `sample` event reaches the live notebook view: the newest text under the chart, prompt in bold."
+    """A `sample` event reaches the live notebook view: the newest text under the chart, prompt in
+    bold."""
     pytest.importorskip("ipywidgets")
     pytest.importorskip("matplotlib")  # the `widgets` extra, not our module
     from speedtronic import widgets
@@ -229,7 +241,8 @@ def test_the_notebook_view_shows_the_newest_sample():
     ],
 )
 def test_bad_sample_settings_are_one_line(tmp_path, section, key):
-    "A bad `eval.sample_*` value stops `speedtronic train` before anything is written: exit 2, one line naming the key."
+    """A bad `eval.sample_*` value stops `speedtronic train` before anything is written: exit 2, one
+    line naming the key."""
     text = corpus(tmp_path / "corpus.txt")
     cfg = tiny_config(
         tmp_path,
@@ -242,7 +255,8 @@ def test_bad_sample_settings_are_one_line(tmp_path, section, key):
 
 
 def test_demo_config_ends_with_a_held_out_loss_and_a_sample(tmp_path):
-    "`speedtronic train --config configs/demo.yaml --max-steps 20` (in a copy) prints the held-out loss and the sample."
+    """`speedtronic train --config configs/demo.yaml --max-steps 20` (in a copy) prints the held-out
+    loss and the sample."""
     shutil.copy(ROOT / "configs" / "demo.yaml", tmp_path / "demo.yaml")
     proc = ok(  # --verbose: the console gets every event's line, the eval and sample ones too
         run_cli("train", "--config", "demo.yaml", "--max-steps", "20", "--verbose", cwd=tmp_path)
@@ -255,7 +269,8 @@ def test_demo_config_ends_with_a_held_out_loss_and_a_sample(tmp_path):
 
 
 def test_the_exported_demo_model_loads_where_only_torch_and_transformers_are_installed(tmp_path):
-    "The README's demo run (20 steps, in a copy), exported: transformers computes its logits and greedy text in a Python of torch and transformers alone."
+    """The README's demo run (20 steps, in a copy), exported: transformers computes its logits and
+    greedy text in a Python of torch and transformers alone."""
     pytest.importorskip("transformers")
     from speedtronic.hf import load_trained
     from test_hf import hf_side, only_torch_and_transformers, our_answers

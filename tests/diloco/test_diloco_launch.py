@@ -1,10 +1,17 @@
-"""A DumbDiLoCo run launched the way clusters launch it: a master and two workers started at the same moment (three
-`speedtronic train` processes in a row, no waits between them), on a repository nobody created, with the distributed
-keys a Speedtronic 2.0 user writes and 2.0's defaults (outer lr 0.7, Nesterov momentum 0.9), each node on its own
-text file. Over the loopback Hub stand-in (the real `huggingface_hub` client) and over a shared directory, with the
-workers or the master launched first. Every node must finish, every delta any node uploaded must be folded into
-the final global exactly once, and the final global's held-out loss (the library's own evaluation, on text no node
-trained on) must be within 2.0's measured ratio of a synchronous single-process run on the same tokens."""
+"""A DumbDiLoCo run launched the way clusters launch it: a master and two workers started at the
+same moment (three
+`speedtronic train` processes in a row, no waits between them), on a repository nobody created, with
+the distributed
+keys a Speedtronic 2.0 user writes and 2.0's defaults (outer lr 0.7, Nesterov momentum 0.9), each
+node on its own
+text file. Over the loopback Hub stand-in (the real `huggingface_hub` client) and over a shared
+directory, with the
+workers or the master launched first. Every node must finish, every delta any node uploaded must be
+folded into
+the final global exactly once, and the final global's held-out loss (the library's own evaluation,
+on text no node
+trained on) must be within 2.0's measured ratio of a synchronous single-process run on the same
+tokens."""
 
 from __future__ import annotations
 
@@ -40,10 +47,12 @@ RATIO = 1.15  # 2.0's final global against the synchronous run, measured on this
 WAIT = 900  # the most seconds a node may take here (a bound on a hang, not a timing check)
 
 
-# -- the data: one text file per node, a synchronous run over all of them, and text nobody trains on -----------
+# -- the data: one text file per node, a synchronous run over all of them, and text nobody trains on
+# -----------
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict[str, Path]:
-    "Real English (the standard library's docstrings): a file per node, their concatenation, and a held-out tail."
+    """Real English (the standard library's docstrings): a file per node, their concatenation, and a
+    held-out tail."""
     text = demo_corpus_text().encode("utf-8")
     folder = tmp_path_factory.mktemp("corpus")
     cuts = [0] + [
@@ -58,7 +67,8 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
 
 
 def base_config(out: Path, name: str, text: Path, *, batch: int) -> dict:
-    "The run 2.0 was measured on (2 layers of width 64, batches of 8 x 64 bytes), on `text`: only keys 2.0 has."
+    """The run 2.0 was measured on (2 layers of width 64, batches of 8 x 64 bytes), on `text`: only
+    keys 2.0 has."""
     return {
         "run": {
             "name": name,
@@ -108,7 +118,8 @@ def env_of(**extra: str) -> dict:
 
 
 def launch(cfg: Path, env: dict) -> subprocess.Popen:
-    "`speedtronic train --config cfg`, its output in `cfg`.log (a file: three chatty nodes cannot fill a pipe and stall)."
+    """`speedtronic train --config cfg`, its output in `cfg`.log (a file: three chatty nodes cannot
+    fill a pipe and stall)."""
     with open(cfg.with_suffix(".log"), "w") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
@@ -121,7 +132,8 @@ def launch(cfg: Path, env: dict) -> subprocess.Popen:
 
 
 def finish(procs: dict[str, subprocess.Popen], work: Path) -> None:
-    "Wait for every node; each must exit 0 (its log's tail otherwise). A node still running after the others is killed."
+    """Wait for every node; each must exit 0 (its log's tail otherwise). A node still running after
+    the others is killed."""
     codes = {}
     try:
         for name, proc in procs.items():
@@ -149,11 +161,13 @@ def synchronous_loss(corpus, tmp_path_factory) -> float:
     return held_out_loss(raw, ckpt["model"], corpus["held_out"])
 
 
-# -- the launch ------------------------------------------------------------------------------------------------
+# -- the launch
+# ------------------------------------------------------------------------------------------------
 def node_configs(
     work: Path, corpus: dict[str, Path], repo: str, transport: str | None
 ) -> dict[str, tuple[dict, Path]]:
-    "Each node's config: 2.0's distributed keys (`transport` is ours, for the shared directory) and its own text file."
+    """Each node's config: 2.0's distributed keys (`transport` is ours, for the shared directory)
+    and its own text file."""
     out = {}
     for name in NODES:
         raw = base_config(work, name, corpus[name], batch=8)
@@ -177,7 +191,8 @@ def node_configs(
 
 
 def test_the_nodes_write_the_distributed_keys_of_a_2_0_config(tmp_path):
-    "The launch below runs what 2.0 ran: its nodes' distributed keys and values and its model are those of 2.0's own configs."
+    """The launch below runs what 2.0 ran: its nodes' distributed keys and values and its model are
+    those of 2.0's own configs."""
     fixtures = ROOT.parent / "shared" / "fixtures" / "v2.0" / "diloco-repo"
     if not fixtures.is_dir():
         pytest.skip("needs ../shared/fixtures/v2.0 beside the checkout")
@@ -205,7 +220,8 @@ def uploaded_deltas(work: Path) -> set[tuple[str, int]]:
 
 
 def check_folded_exactly_once(work: Path, extras: dict) -> None:
-    "The master folded each uploaded delta in exactly one version, nothing else, and the global's ledger holds each node's last."
+    """The master folded each uploaded delta in exactly one version, nothing else, and the global's
+    ledger holds each node's last."""
     uploaded = uploaded_deltas(work)
     folded = Counter(
         tuple(x)
@@ -258,7 +274,8 @@ def test_three_nodes_launched_together_on_a_hub_repo_nobody_created(
     ]  # every delta was removed by a publication
     extras = json.loads(files[GLOBAL_METADATA_PATH])
     check_folded_exactly_once(tmp_path, extras)
-    # the repository's history: each uploaded delta committed once, and deleted once (by the publication that folded it)
+    # the repository's history: each uploaded delta committed once, and deleted once (by the
+    # publication that folded it)
     commits = hub.repos[repo].commits
     added = Counter(p for c in commits for p in c.added if p.startswith("nodes/"))
     deleted = Counter(p for c in commits for p in c.deleted)
@@ -268,7 +285,8 @@ def test_three_nodes_launched_together_on_a_hub_repo_nobody_created(
     final.write_bytes(files[GLOBAL_MODEL_PATH])
     loss = held_out_loss(configs["master"][0], load_safetensors(final), corpus["held_out"])
     print(
-        f"hub {order}: held-out loss {loss:.4f}, synchronous {synchronous_loss:.4f}, ratio {loss / synchronous_loss:.3f}"
+        f"hub {order}: held-out loss {loss:.4f}, synchronous {synchronous_loss:.4f}, ratio "
+        f"{loss / synchronous_loss:.3f}"
     )
     assert loss <= RATIO * synchronous_loss, (loss, synchronous_loss, loss / synchronous_loss)
 
@@ -289,6 +307,7 @@ def test_three_nodes_launched_together_on_a_shared_directory_nobody_created(
         configs["master"][0], load_safetensors(repo / GLOBAL_MODEL_PATH), corpus["held_out"]
     )
     print(
-        f"directory {order}: held-out loss {loss:.4f}, synchronous {synchronous_loss:.4f}, ratio {loss / synchronous_loss:.3f}"
+        f"directory {order}: held-out loss {loss:.4f}, synchronous {synchronous_loss:.4f}, ratio "
+        f"{loss / synchronous_loss:.3f}"
     )
     assert loss <= RATIO * synchronous_loss, (loss, synchronous_loss, loss / synchronous_loss)

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_diloco_node_faults import ended, error_line, hub, hub_env, launch, node_config  # noqa: F401
+
+# noqa: F401
+from test_diloco_node_faults import ended, error_line, hub, hub_env, launch, node_config
 
 from conftest import jsonl_records
 
@@ -182,11 +184,13 @@ def test_a_second_worker_with_a_node_id_in_use_is_refused_at_start_naming_it(tmp
         _stop(master, first)
 
 
-# -- a failed last delta is sent again while the run's bounds allow ------------------------------------------
+# -- a failed last delta is sent again while the run's bounds allow
+# ------------------------------------------
 def test_a_last_delta_that_failed_during_an_outage_is_sent_again_and_reaches_the_final_global(
     tmp_path, hub
 ):
-    "Every commit fails for 12 s from the fold of w1's step-15 delta on: its last delta (step 20) fails first."
+    """Every commit fails for 12 s from the fold of w1's step-15 delta on: its last delta (step 20)
+    fails first."""
     repo, env = "org/outage", hub_env(hub)
     common = dict(repo=repo, transport="hub", steps=20, boundary_wait=5, retry_attempts=2)
     master = launch(

@@ -1,4 +1,5 @@
-"""bench/bench_trainer.py runs and says where the trainer's microseconds per step go (its figures are not checked:
+"""bench/bench_trainer.py runs and says where the trainer's microseconds per step go (its figures
+are not checked:
 they are measurements, and this machine is shared)."""
 
 import re, subprocess, sys
@@ -38,7 +39,8 @@ def test_bench_trainer_prints_the_ratio_the_overhead_and_its_breakdown():
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert re.search(
-        r"^cpu   fp32 compile=False  plain +\d+ tok/s  trainer +\d+ tok/s  ratio \d\.\d{3} \(median of 1 rounds",
+        r"^cpu   fp32 compile=False  plain +\d+ tok/s  trainer +\d+ tok/s  ratio \d\.\d{3} "
+        r"\(median of 1 rounds",
         out,
         re.M,
     ), out
@@ -61,8 +63,10 @@ def test_bench_trainer_prints_the_ratio_the_overhead_and_its_breakdown():
 
 
 def test_bench_recipe_prints_our_held_out_loss_and_cpu_seconds_beside_nanogpts(tmp_path):
-    """bench/bench_recipe.py, 4 steps of nanoGPT's CPU recipe on a small prose file (the last tenth held
-    out), prints the recipe's token count, our held-out loss and CPU-seconds, and the recorded reference;
+    """bench/bench_recipe.py, 4 steps of nanoGPT's CPU recipe on a small prose file (the last tenth
+    held
+    out), prints the recipe's token count, our held-out loss and CPU-seconds, and the recorded
+    reference;
     a missing text file is one line and exit 2."""
     words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
     text = tmp_path / "prose.txt"

@@ -140,7 +140,8 @@ def test_no_page_shows_the_test_imports(site):
 
 
 def test_no_page_shows_quarto_syntax(site):
-    "show_doc's `[source](...){target=...}` links, callouts, spans and directives never appear as text."
+    """show_doc's `[source](...){target=...}` links, callouts, spans and directives never appear as
+    text."""
     shown = {
         page.name: [bit for bit in QUARTO_TEXT if bit in page_text(page)] for page in pages(site)
     }
@@ -161,7 +162,8 @@ def test_plain_markdown():
 
 
 def test_directives_applied_to_cells():
-    "`hide` and `include: false` drop a cell, `echo: false` hides its input, `output: false` its outputs."
+    """`hide` and `include: false` drop a cell, `echo: false` hides its input, `output: false` its
+    outputs."""
     code = lambda src, out="shown": nbformat.v4.new_code_cell(
         src, outputs=[nbformat.v4.new_output("stream", text=out)]
     )
@@ -203,7 +205,8 @@ def _titles(items) -> list[str]:
 
 
 def test_navigation_is_a_guide_a_reference_and_the_internals(site):
-    "Home, a user guide starting with the tutorial, a reference starting with the API index, and the internals last."
+    """Home, a user guide starting with the tutorial, a reference starting with the API index, and
+    the internals last."""
     nav = _nav()
     sections = [next(iter(item)) for item in nav]
     assert sections == ["Home", "User guide", "Reference", "Internals"], sections
@@ -236,7 +239,8 @@ def test_navigation_is_a_guide_a_reference_and_the_internals(site):
 
 
 def _sidebar_tree(items, page) -> list:
-    "Quarto's sidebar contents as nested (section, [page, ...]) lists, each notebook as the site page `page` names."
+    """Quarto's sidebar contents as nested (section, [page, ...]) lists, each notebook as the site
+    page `page` names."""
     return [
         page(Path(i).stem)
         if isinstance(i, str)
@@ -255,7 +259,8 @@ def _nav_tree(items) -> list:
 
 
 def test_quarto_sidebar_is_written_from_the_same_grouping(site):
-    "nbs/sidebar.yml (what `nbdev_docs` renders with Quarto) has the site's sections and pages in the site's order."
+    """nbs/sidebar.yml (what `nbdev_docs` renders with Quarto) has the site's sections and pages in
+    the site's order."""
     import yaml
 
     names = build_docs.page_names(ROOT / "_proc")  # notebook stem -> page, as the site names it
@@ -277,7 +282,8 @@ def test_quarto_sidebar_is_written_from_the_same_grouping(site):
 
 
 def test_nbdev_leaves_the_grouped_sidebar_alone():
-    "The sidebar in the repository is the one `NAV` gives, and nbdev's own sidebar step (part of `nbdev_docs`) keeps it."
+    """The sidebar in the repository is the one `NAV` gives, and nbdev's own sidebar step (part of
+    `nbdev_docs`) keeps it."""
     from nbdev.quarto import nbdev_sidebar
 
     before = (ROOT / "nbs" / "sidebar.yml").read_text(encoding="utf-8")
@@ -308,7 +314,8 @@ def _public_names(module_file: Path) -> list[str]:
 
 
 def test_api_index_links_every_public_name(site):
-    "The API index lists each module's `__all__`, each name linked to a page of the site, and to its heading where it has one."
+    """The API index lists each module's `__all__`, each name linked to a page of the site, and to
+    its heading where it has one."""
     html = (site / "api.html").read_text(encoding="utf-8")
     named = {
         name: href for href, name in re.findall(r'<a href="([^"]+)"><code>([^<]+)</code></a>', html)
@@ -340,7 +347,8 @@ def test_api_index_links_every_public_name(site):
 
 
 def test_notebook_links_become_page_links(site):
-    "A chapter links to another as `../train/06_trainer.ipynb` (JupyterLab follows that); on the site the link is the page."
+    """A chapter links to another as `../train/06_trainer.ipynb` (JupyterLab follows that); on the
+    site the link is the page."""
     html = (site / "guide/tutorial.html").read_text(encoding="utf-8")
     assert (
         'href="../train/trainer.html"' in html
@@ -362,7 +370,8 @@ def test_notebook_links_become_page_links(site):
 
 
 def test_pages_show_no_check_only_cells(site):
-    "Cells that only check (no output, `test_*` calls, asserts) stay in the notebooks and out of the pages."
+    """Cells that only check (no output, `test_*` calls, asserts) stay in the notebooks and out of
+    the pages."""
     import nbformat as nbf
 
     left = {
@@ -386,7 +395,8 @@ def test_pages_show_no_check_only_cells(site):
 
 
 def test_pages_ask_nothing_of_the_internet(site):
-    "No web fonts, no widget or MathJax scripts from a CDN: every stylesheet, script, font and image a page loads is local."
+    """No web fonts, no widget or MathJax scripts from a CDN: every stylesheet, script, font and
+    image a page loads is local."""
     for page in pages(site):
         html = page.read_text(encoding="utf-8")
         remote = re.findall(
@@ -429,7 +439,8 @@ def test_coming_from_2_page(site):
 
 
 def test_tutorial_page(site):
-    "The tutorial renders with its pictures: the live view's last state, the results' loss curves, the schedule."
+    """The tutorial renders with its pictures: the live view's last state, the results' loss curves,
+    the schedule."""
     html = (site / "guide/tutorial.html").read_text(encoding="utf-8")
     text = page_text(site / "guide/tutorial.html")
     for words in [
@@ -457,7 +468,8 @@ def test_show_doc_tables_are_plain_markdown(site):
 
 
 def test_readme_says_what_the_package_does(tmp_path):
-    "The README's claims that are easy to get stale: Muon trains (it is not 'the next chapter'), and the docs it describes exist."
+    """The README's claims that are easy to get stale: Muon trains (it is not 'the next chapter'),
+    and the docs it describes exist."""
     from conftest import ok, run_cli
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -476,7 +488,8 @@ def test_readme_says_what_the_package_does(tmp_path):
 
 
 def test_readme_diloco_example_runs_as_written(tmp_path):
-    "The README's two-process DiLoCo example, in a copy: both finish, the master's last checkpoint holds the final global, a rerun is refused."
+    """The README's two-process DiLoCo example, in a copy: both finish, the master's last checkpoint
+    holds the final global, a rerun is refused."""
     import shutil, torch
     from conftest import cli_env, ok, one_error_line, run_cli
     from speedtronic.checkpoint import load_checkpoint

@@ -1,4 +1,5 @@
-"""The package's import graph, read from the source (every `import`, also those inside functions): no module
+"""The package's import graph, read from the source (every `import`, also those inside functions):
+no module
 imports one of a higher layer (DESIGN.md's table), and no import circle."""
 
 import ast
@@ -27,11 +28,14 @@ LAYERS = {  # a module imports only modules of its own layer or below
     4: {"runtime", "widgets"},
     5: {"cli", "__main__", "__init__", "showdoc"},
 }
-# Imports that break the rules and are being removed elsewhere; each one still present is allowed, one that is
+# Imports that break the rules and are being removed elsewhere; each one still present is allowed,
+# one that is
 # gone must leave this tuple (so it cannot come back unnoticed).
 KNOWN_EXCEPTIONS: tuple[tuple[str, str], ...] = ()
-# A module's optional part, split out so that its third-party library loads only when it is used: the part imports its
-# parent, and the parent imports the part only inside the one function that needs it (checked below).
+# A module's optional part, split out so that its third-party library loads only when it is used:
+# the part imports its
+# parent, and the parent imports the part only inside the one function that needs it (checked
+# below).
 OPTIONAL_PARTS = {("data", "hf_datasets")}
 
 
@@ -71,7 +75,8 @@ def imported_modules(path: Path, package: Path) -> set[str]:
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
-    "module -> modules of the package it imports (a name that is no module, `from . import x` of a function, is dropped)."
+    """module -> modules of the package it imports (a name that is no module, `from . import x` of a
+    function, is dropped)."""
     modules = {module_name(p, package): p for p in package.rglob("*.py") if p.name != "_modidx.py"}
     graph = {}
     for name, path in modules.items():
@@ -91,7 +96,8 @@ def layer_of(module: str) -> int:
         if top in names:
             return layer
     raise AssertionError(
-        f"speedtronic.{module} has no layer: add it to LAYERS in {Path(__file__).name} (and DESIGN.md)"
+        f"speedtronic.{module} has no layer: add it to LAYERS in {Path(__file__).name} (and "
+        "DESIGN.md)"
     )
 
 
@@ -187,7 +193,8 @@ def test_a_circle_is_found():
 
 
 def test_an_optional_part_is_imported_by_its_parent_only_inside_functions():
-    "`data` reaches `hf_datasets` (and with it `datasets`) only when a run asks for that source, never at import."
+    """`data` reaches `hf_datasets` (and with it `datasets`) only when a run asks for that source,
+    never at import."""
     for parent, part in OPTIONAL_PARTS:
         tree = ast.parse((PACKAGE / f"{parent}.py").read_text(encoding="utf-8"))
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]

@@ -42,7 +42,8 @@ def test_wheel_contents(wheel):
     assert "speedtronic/config.py" in names and "speedtronic/cli.py" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "speedtronic = speedtronic.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
-    # one version everywhere: the wheel's metadata, settings.ini and speedtronic.__version__ (2.1.0: improves on 2.0, compatible)
+    # one version everywhere: the wheel's metadata, settings.ini and speedtronic.__version__ (2.1.0:
+    # improves on 2.0, compatible)
     metadata = (
         zipfile.ZipFile(wheel)
         .read(next(n for n in names if n.endswith(".dist-info/METADATA")))
@@ -58,7 +59,8 @@ def test_wheel_contents(wheel):
 
 
 def test_installed_configs_are_readable(wheel, tmp_path):
-    "Installed from the wheel (not this checkout or an editable install), the package reads the configs it ships."
+    """Installed from the wheel (not this checkout or an editable install), the package reads the
+    configs it ships."""
     target = tmp_path / "site"
     res = subprocess.run(
         [
@@ -81,7 +83,9 @@ def test_installed_configs_are_readable(wheel, tmp_path):
     shipped = ["configs/smoke.yaml", "configs/demo.yaml", "examples/diloco_master.yaml"]
     code = (
         "import json, sys, speedtronic\nfrom importlib.resources import files\n"
-        "print(json.dumps([[speedtronic.__file__, str(files('speedtronic.configs')), str(files('speedtronic.examples'))], {p: files('speedtronic.' + p.split('/')[0]).joinpath(p.split('/')[1]).read_text()"
+        "print(json.dumps([[speedtronic.__file__, str(files('speedtronic.configs')), "
+        "str(files('speedtronic.examples'))], {p: files('speedtronic.' + "
+        "p.split('/')[0]).joinpath(p.split('/')[1]).read_text()"
         " for p in sys.argv[1:]}]))"
     )
     res = subprocess.run(
@@ -135,7 +139,8 @@ def test_runs(): pass
 
 
 def test_the_suite_ends_with_what_it_skipped_and_how_to_run_it(tmp_path):
-    "`tools/test_all.sh` reads pytest's own skip reasons (its junit file) and names each with its count and the fix."
+    """`tools/test_all.sh` reads pytest's own skip reasons (its junit file) and names each with its
+    count and the fix."""
     (tmp_path / "test_skipping.py").write_text(SKIPPING)
     junit = tmp_path / "junit.xml"
     res = subprocess.run(
@@ -164,7 +169,8 @@ def test_the_suite_ends_with_what_it_skipped_and_how_to_run_it(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
-        "pytest: 2 tests skipped: needs Debian chromium and the playwright package -> to run: install Debian's chromium "
+        "pytest: 2 tests skipped: needs Debian chromium and the playwright package -> to run: "
+        "install Debian's chromium "
         "(bash tools/setup.sh dev does, as root or with sudo; .ci/run requires it)",
         "pytest: 1 test skipped: needs CUDA -> to run: run on a machine with a CUDA GPU",
     ]

@@ -99,7 +99,8 @@ def test_a_2_0_checkpoint_without_a_tokenizer_hash_still_exports(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    "A run with a tokenizer.json (vocab 320) and a byte-tokenizer run of vocab 64 (exported without one)."
+    """A run with a tokenizer.json (vocab 320) and a byte-tokenizer run of vocab 64 (exported
+    without one)."""
     with_tok, byte64 = tmp_path_factory.mktemp("tok"), tmp_path_factory.mktemp("byte64")
     text_run(with_tok)
     text_run(byte64, tokenizer=False, vocab=64)

@@ -1,4 +1,5 @@
-"""`speedtronic generate` end to end: a run trained by the CLI continues a prompt, in a fresh process.
+"""`speedtronic generate` end to end: a run trained by the CLI continues a prompt, in a fresh
+process.
 
 The text the command prints is the prompt followed by exactly what `speedtronic.generation.generate`
 writes in process from the same checkpoint; bad input is one `speedtronic: error:` line and exit 2.
@@ -21,7 +22,8 @@ TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 
 
 def trained_run(tmp: Path, **sections) -> Path:
-    "A byte-level reference run trained 4 steps by `speedtronic train` on a small text; returns its output folder."
+    """A byte-level reference run trained 4 steps by `speedtronic train` on a small text; returns
+    its output folder."""
     (tmp / "text.txt").write_text(TEXT)
     model = {"vocab_size": 256, "n_head": 4, "n_kv_head": 2, **sections.pop("model", {})}
     data = {"text_path": str(tmp / "text.txt"), "synthetic": False, **sections.pop("data", {})}
@@ -51,7 +53,8 @@ def test_greedy_text_of_a_run_and_of_its_checkpoint(run_dir):
 
 
 def test_the_text_streams_while_the_model_is_still_writing(run_dir):
-    "Asked for 200,000 tokens (minutes of work), the command has printed the prompt and the first 30 generated ones (generate's) while it still runs."
+    """Asked for 200,000 tokens (minutes of work), the command has printed the prompt and the first
+    30 generated ones (generate's) while it still runs."""
     first = (
         expected({"run": run_dir}, "the qu", max_new_tokens=30, temperature=0)
         .removesuffix("\n")
@@ -250,7 +253,8 @@ def test_a_checkpoint_written_by_2_0_generates(tmp_path):
 def test_generate_and_export_refuse_a_checkpoint_no_run_would_continue_from(
     run_dir, tmp_path, fault, needles
 ):
-    "`--checkpoint FILE` gets the checks a resume makes: a file with NaN weights, or one holding another step than its name."
+    """`--checkpoint FILE` gets the checks a resume makes: a file with NaN weights, or one holding
+    another step than its name."""
     files = sorted(
         (run_dir / "checkpoints").glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1])
     )

@@ -1,5 +1,7 @@
-"""transformers interop end to end: `speedtronic export` folders load in transformers (also in a process that
-cannot import speedtronic) and compute our logits; `model.init_from` starts a run from a Llama folder.
+"""transformers interop end to end: `speedtronic export` folders load in transformers (also in a
+process that
+cannot import speedtronic) and compute our logits; `model.init_from` starts a run from a Llama
+folder.
 
 Every comparison is between our reference transformer and the real `transformers` LlamaForCausalLM.
 """
@@ -27,7 +29,8 @@ IDS = [list(b"the quick brown"), list(b"jumps over the ")]
 
 
 def trained_run(tmp: Path, **sections) -> Path:
-    "A reference run trained 4 steps by `speedtronic train` on a small text; returns its output folder."
+    """A reference run trained 4 steps by `speedtronic train` on a small text; returns its output
+    folder."""
     (tmp / "text.txt").write_text(TEXT)
     model = {
         "vocab_size": 256,
@@ -85,7 +88,8 @@ print(json.dumps({"class": type(model).__name__, "logits": logits.tolist(), "gre
 
 
 def only_torch_and_transformers(folder: Path) -> Path:
-    "`folder` holding links to torch, transformers and what they require (their metadata too): a Python environment of those alone."
+    """`folder` holding links to torch, transformers and what they require (their metadata too): a
+    Python environment of those alone."""
     seen, todo = set(), ["torch", "transformers"]
     while todo:
         name = todo.pop()
@@ -110,7 +114,8 @@ def hf_env(tmp_path_factory) -> Path:
 
 
 def hf_side(folder: Path, ids=IDS, new=10, *, env: Path) -> dict:
-    "What transformers computes from `folder`, in a Python whose only packages are torch, transformers and their requirements."
+    """What transformers computes from `folder`, in a Python whose only packages are torch,
+    transformers and their requirements."""
     code = (
         f"import sys; sys.path.append({str(env)!r})\n" + HF_SIDE
     )  # -I -S: no site-packages, no .pth, no PYTHONPATH
@@ -160,10 +165,13 @@ def test_an_exported_run_is_a_llama_that_computes_our_logits(run_dir, tmp_path, 
 
 
 def test_the_environment_transformers_loads_the_export_in_has_only_torch_and_transformers(hf_env):
-    "The Python of `hf_side`: torch and transformers import there; speedtronic, fastcore, nbdev, pytest and datasets do not."
+    """The Python of `hf_side`: torch and transformers import there; speedtronic, fastcore, nbdev,
+    pytest and datasets do not."""
     code = (
-        f"import sys; sys.path.append({str(hf_env)!r})\nimport importlib.util as u, torch, transformers\n"
-        "print([n for n in ('speedtronic', 'fastcore', 'nbdev', 'pytest', 'datasets') if u.find_spec(n)])"
+        f"import sys; sys.path.append({str(hf_env)!r})\nimport importlib.util as u, torch, "
+        "transformers\n"
+        "print([n for n in ('speedtronic', 'fastcore', 'nbdev', 'pytest', 'datasets') if "
+        "u.find_spec(n)])"
     )
     proc = subprocess.run(
         [sys.executable, "-I", "-S", "-c", code],
@@ -275,11 +283,13 @@ def test_a_checkpoint_written_by_2_0_exports(tmp_path):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-# -- import: model.init_from --------------------------------------------------------------------------
+# -- import: model.init_from
+# --------------------------------------------------------------------------
 
 
 def llama_folder(folder: Path, *, tied: bool = True, n_kv: int = 2, **settings) -> Path:
-    "A random tiny LlamaForCausalLM saved by transformers to `folder` (weights wide enough that greedy text varies; norm gains random too)."
+    """A random tiny LlamaForCausalLM saved by transformers to `folder` (weights wide enough that
+    greedy text varies; norm gains random too)."""
     config = transformers.LlamaConfig(
         **{
             "vocab_size": 256,
@@ -435,7 +445,8 @@ def test_what_the_reference_transformer_cannot_compute_is_refused_by_name(
     assert not list((tmp_path / "out").glob("**/step_*.pt"))
 
 
-# -- publishing: --push-to-hub ------------------------------------------------------------------------
+# -- publishing: --push-to-hub
+# ------------------------------------------------------------------------
 
 TOKEN = "hf_export_write_token_0123456789"
 READ_ONLY = "hf_export_read_token_0123456789"
@@ -569,7 +580,8 @@ def test_a_resumed_run_reads_its_checkpoint_not_the_llama_folder(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_torchrun_run_exports_and_generates_from_its_checkpoint(tmp_path, strategy, hf_env):
-    "A 2-rank torchrun run (fsdp: sharded step_<N>.dcp folders) exports a Llama folder transformers agrees with, and generates."
+    """A 2-rank torchrun run (fsdp: sharded step_<N>.dcp folders) exports a Llama folder
+    transformers agrees with, and generates."""
     from test_parallel import finish, torchrun, write_config
 
     cfg = write_config(

@@ -117,7 +117,8 @@ def losses(jsonl: Path) -> dict[int, list[float]]:
 
 
 def kill_at(proc: subprocess.Popen, jsonl: Path, step: int) -> None:
-    "SIGKILL `proc` once its metrics file shows `step`; the file is read as lines are appended (no fixed sleeps)."
+    """SIGKILL `proc` once its metrics file shows `step`; the file is read as lines are appended (no
+    fixed sleeps)."""
     import time
 
     while proc.poll() is None:
@@ -237,7 +238,8 @@ def test_validate_deep_reports_the_column(tmp_path, data_dir):
 
 @pytest.mark.parametrize("command", ["train", "validate --deep"])
 def test_without_datasets_installed_the_error_names_the_extra(tmp_path, data_dir, command):
-    "`datasets` made unimportable the way a missing package is (`sys.modules[name] = None`), then the real CLI."
+    """`datasets` made unimportable the way a missing package is (`sys.modules[name] = None`), then
+    the real CLI."""
     cfg = write_config(tmp_path, "run", str(data_dir / "rows.parquet"))
     code = (
         "import sys; sys.modules['datasets'] = None; from speedtronic.cli import main; "
@@ -255,7 +257,10 @@ def test_without_datasets_installed_the_error_names_the_extra(tmp_path, data_dir
 
 
 def test_import_speedtronic_data_does_not_import_datasets():
-    code = "import sys, speedtronic, speedtronic.data, speedtronic.cli, speedtronic.runtime; print('datasets' in sys.modules)"
+    code = (
+        "import sys, speedtronic, speedtronic.data, speedtronic.cli, speedtronic.runtime; "
+        "print('datasets' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -270,8 +275,13 @@ def test_import_speedtronic_data_does_not_import_datasets():
 def one_process_and_two_ranks_agree(
     tmp_path: Path, one: Path, two: Path, *, eval_micro: bool = False
 ) -> None:
-    "Train `one` in one process and `two` under 2 torchrun ranks (8 steps, no dropout, AdamW eps 1 without weight decay;"
-    "`eval_micro`: the held-out micro batch as the training one) and check their per-step losses agree."
+    """Train `one` in one process and `two` under 2 torchrun ranks (8 steps, no dropout, AdamW eps 1
+    without weight decay;"""
+    (
+        "`eval_micro`: the held-out micro batch as the training one) and check their per-step "
+        "losses "
+        "agree."
+    )
     from conftest import free_port
 
     for cfg in (one, two):
@@ -316,7 +326,8 @@ def one_process_and_two_ranks_agree(
 
 
 def test_two_torchrun_ranks_read_what_one_process_reads(tmp_path, data_dir):
-    "Two ranks with micro batches of 4 against one process with 8: the same per-step losses (see test_parallel for the tolerance)."
+    """Two ranks with micro batches of 4 against one process with 8: the same per-step losses (see
+    test_parallel for the tolerance)."""
     spec = str(data_dir / "rows.parquet")
     one = write_config(
         tmp_path, "one", spec, every=STEPS, shuffle=True, micro_batch_size=8, target_batch_size=8
@@ -328,7 +339,8 @@ def test_two_torchrun_ranks_read_what_one_process_reads(tmp_path, data_dir):
 
 
 def test_diloco_node_shards_split_the_batches_and_resume(tmp_path, data_dir, monkeypatch):
-    "Two DiLoCo nodes' shards of one dataset take alternate batches; a shard restored from its state goes on exactly."
+    """Two DiLoCo nodes' shards of one dataset take alternate batches; a shard restored from its
+    state goes on exactly."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     from speedtronic.config import DataConfig, DistributedConfig
     from speedtronic.data import build_dataloader
@@ -367,7 +379,8 @@ def test_diloco_node_shards_split_the_batches_and_resume(tmp_path, data_dir, mon
 
 
 def test_validate_deep_reports_a_missing_tokenizers_package_too(tmp_path):
-    "The same class: `data.tokenizer` needs `tokenizers`; `validate --deep` names the extra instead of passing."
+    """The same class: `data.tokenizer` needs `tokenizers`; `validate --deep` names the extra
+    instead of passing."""
     (tmp_path / "corpus.txt").write_text("some text to read\n" * 50)
     (tmp_path / "tokenizer.json").write_text("{}")
     cfg = write_config(
@@ -393,7 +406,8 @@ def test_validate_deep_reports_a_missing_tokenizers_package_too(tmp_path):
 
 
 def test_prepare_reads_a_dataset_and_keeps_an_unrelated_json(tmp_path, data_dir):
-    "`speedtronic prepare --hf-dataset` writes the tokens the in-memory source reads, and refuses to replace a JSON it was not given."
+    """`speedtronic prepare --hf-dataset` writes the tokens the in-memory source reads, and refuses
+    to replace a JSON it was not given."""
     from speedtronic.hf_datasets import prepare_hf_dataset
 
     out = tmp_path / "tok.bin"
@@ -439,7 +453,8 @@ def with_holdout(cfg: Path, fraction: float = 0.1, every: int = 5) -> Path:
 def test_a_held_out_fraction_of_a_dataset_is_never_trained_on(
     tmp_path, data_dir, monkeypatch, kind
 ):
-    "The training and held-out sides of a dataset (in memory or streamed) are disjoint and together every block."
+    """The training and held-out sides of a dataset (in memory or streamed) are disjoint and
+    together every block."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.data import select_dataset
@@ -504,7 +519,8 @@ def test_validate_deep_says_what_each_side_of_a_dataset_gets(tmp_path, data_dir,
 def test_two_torchrun_ranks_split_a_streamed_held_out_side_as_one_process_reads_it(
     tmp_path, data_dir
 ):
-    "A streamed dataset with a held-out fraction: 2 ranks x 4 give one process's (x 8) losses and held-out losses, each rank its share."
+    """A streamed dataset with a held-out fraction: 2 ranks x 4 give one process's (x 8) losses and
+    held-out losses, each rank its share."""
     spec = {"path": str(data_dir / "parts"), "streaming": True}
     one = with_holdout(
         write_config(tmp_path, "one", spec, every=STEPS, micro_batch_size=8, target_batch_size=8),
@@ -528,7 +544,8 @@ def test_two_torchrun_ranks_split_a_streamed_held_out_side_as_one_process_reads_
 def test_an_arrow_file_and_a_save_to_disk_folder_train_as_the_parquet_of_the_same_rows(
     tmp_path, data_dir
 ):
-    "The same 300 rows as parquet, as the arrow file of a saved Dataset, and as a saved DatasetDict's split: the same losses."
+    """The same 300 rows as parquet, as the arrow file of a saved Dataset, and as a saved
+    DatasetDict's split: the same losses."""
     table = datasets.Dataset.from_parquet(
         str(data_dir / "rows.parquet"), cache_dir=str(tmp_path / "hf-cache")
     )

@@ -2,7 +2,8 @@
 exported transformers folder; `generate`/`export` read a DiLoCo global; `model.init_from` takes the
 architecture from the folder; `speedtronic[hf]` brings transformers.
 
-Every model here was trained by real `speedtronic train` processes (a DiLoCo master and worker over a
+Every model here was trained by real `speedtronic train` processes (a DiLoCo master and worker over
+a
 shared directory for the global), or written by Speedtronic 2.0 (the shared fixtures).
 """
 

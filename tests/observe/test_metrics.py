@@ -153,7 +153,8 @@ def test_memory_bytes_reports_the_trainer_device():
 
 
 def test_jsonl_is_strict_json_with_nan_loss_unicode_and_long_values(tmp_path):
-    "A diverging run's NaN/inf values, unicode and a 100 kB value: every JSONL line parses as strict JSON."
+    """A diverging run's NaN/inf values, unicode and a 100 kB value: every JSONL line parses as
+    strict JSON."""
     from speedtronic.profiling import MetricLogger
 
     path = tmp_path / "new" / "dir" / "m.jsonl"

@@ -1,5 +1,7 @@
-"""A run's own files around the training — the JSONL metrics, the loss plot, the folders they go to — as real
-runs of the CLI meet them: a record cut short by a kill, a second run on the same file, a plot that cannot
+"""A run's own files around the training — the JSONL metrics, the loss plot, the folders they go to
+— as real
+runs of the CLI meet them: a record cut short by a kill, a second run on the same file, a plot that
+cannot
 be written, a log folder on a read-only filesystem."""
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def test_a_second_run_on_the_same_json_file_is_warned_naming_the_first(tmp_path)
 
 
 def parsed_prefix(path: Path) -> list[dict]:
-    "The records of a JSONL file another process is still appending to (its last line may be in flight)."
+    """The records of a JSONL file another process is still appending to (its last line may be in
+    flight)."""
     out = []
     for line in path.read_text().splitlines():
         with contextlib.suppress(ValueError):
@@ -84,7 +87,8 @@ def parsed_prefix(path: Path) -> list[dict]:
 
 
 def test_a_loss_plot_that_cannot_be_written_is_a_warning_and_the_run_succeeds(tmp_path):
-    # No full disk here: a directory where loss_curve.png should go makes the write fail the same way.
+    # No full disk here: a directory where loss_curve.png should go makes the write fail the same
+    # way.
     cfg = tiny_config(tmp_path, logging={"loss_plot": True})
     (tmp_path / "loss_curve.png").mkdir()
     proc = ok(run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path))

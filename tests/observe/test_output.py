@@ -1,7 +1,10 @@
-"""One voice on every output: what `speedtronic train` prints piped to a file (`| tee`, nohup, CI), with
-`--verbose`, in a real terminal (a pseudo-terminal 100 columns wide), and from the two nodes of a DiLoCo run.
+"""One voice on every output: what `speedtronic train` prints piped to a file (`| tee`, nohup, CI),
+with
+`--verbose`, in a real terminal (a pseudo-terminal 100 columns wide), and from the two nodes of a
+DiLoCo run.
 A pipe gets one progress line per `logging.every_steps` and the closing summary; the internals (the
-optimizer's settings, a DiLoCo round's events) stay in the metrics file unless `--verbose` asks for them."""
+optimizer's settings, a DiLoCo round's events) stay in the metrics file unless `--verbose` asks for
+them."""
 
 from __future__ import annotations
 
@@ -17,14 +20,16 @@ from conftest import ROOT, cli_env, communicate_or_dump, jsonl_records, ok, run_
 from test_terminal import COLUMNS, run_in_terminal
 
 STEP = re.compile(
-    r"step +(\d+)/(\d+)  loss +\d+\.\d{4}  lr \S+ +\S+ tok/s  ETA \d\d:\d\d(  held-out (\d+\.\d{4}))?"
+    r"step +(\d+)/(\d+)  loss +\d+\.\d{4}  lr \S+ +\S+ tok/s  ETA \d\d:\d\d(  held-out "
+    r"(\d+\.\d{4}))?"
 )
 COMPLETED = re.compile(r"completed steps=\d+ samples=\d+ tokens=\d+ loss=\d\S*")
 INTERNALS = ("| INFO |", "optimizer name=", "fused_reason", "train_start", "elapsed_s=", "sample")
 
 
 def demo_copy(tmp: Path, *, log_every: int = 5, eval_every: int = 10) -> Path:
-    "The README's demo config in `tmp`, logging every `log_every` steps and evaluating every `eval_every`."
+    """The README's demo config in `tmp`, logging every `log_every` steps and evaluating every
+    `eval_every`."""
     raw = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     raw["logging"]["every_steps"] = log_every
     raw["eval"]["every_steps"] = eval_every
@@ -111,7 +116,8 @@ def test_a_terminal_gets_the_live_line_and_short_lines_within_100_columns(tmp_pa
     assert [s.split("  ")[0] for s in segments if s.startswith("sample")] == ["sample"] * 2
 
 
-# -- a DiLoCo run: a master and a worker over a shared directory, their output piped ------------------------
+# -- a DiLoCo run: a master and a worker over a shared directory, their output piped
+# ------------------------
 NODES = ("master", "worker-1")
 
 
@@ -195,7 +201,8 @@ def test_diloco_nodes_say_one_line_a_round_under_their_name_and_end_with_the_glo
             for raw in ("delta_upload_queued", "outer_update_norms", "layers=", "| INFO |")
         )
         last = re.fullmatch(
-            r"done: step 20 \| loss \d+\.\d{4} \| held-out loss \d+\.\d{4} \| final global model: (\S+)",
+            r"done: step 20 \| loss \d+\.\d{4} \| held-out loss \d+\.\d{4} \| final global model: "
+            r"(\S+)",
             said[-1],
         )
         assert last, said[-1]

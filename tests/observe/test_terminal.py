@@ -1,5 +1,7 @@
-"""`speedtronic train` in a real terminal (a pseudo-terminal 100 columns wide): the progress bar, a setup line, one
-short aligned line per logged step and the closing lines, none wider than the terminal, and log lines never run into
+"""`speedtronic train` in a real terminal (a pseudo-terminal 100 columns wide): the progress bar, a
+setup line, one
+short aligned line per logged step and the closing lines, none wider than the terminal, and log
+lines never run into
 the bar; the files keep every field."""
 
 import fcntl, json, os, pty, re, struct, subprocess, sys, termios, time
@@ -46,7 +48,8 @@ def test_what_a_terminal_shows(tmp_path):
         "model: {vocab_size: 64, max_seq_len: 16, n_layer: 1, n_head: 2, d_model: 16}\n"
         "data: {num_tokens: 64, micro_batch_size: 2, target_batch_size: 2}\n"
         "checkpoint: {every_steps: 5}\n"
-        "logging: {progress: auto, every_steps: 4, json_file: out/metrics.jsonl, file: out/train.log}\n"
+        "logging: {progress: auto, every_steps: 4, json_file: out/metrics.jsonl, file: "
+        "out/train.log}\n"
     )
     out = run_in_terminal(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"],
@@ -98,7 +101,8 @@ def test_validate_deep_fits_its_lines_to_the_terminal(tmp_path):
     cfg.write_text(
         "run: {output_dir: out}\n"
         "model: {vocab_size: 256, max_seq_len: 16, n_layer: 1, n_head: 2, d_model: 16}\n"
-        f"data: {{text_path: {tmp_path / 'a.txt'}, block_size: 16}}\neval: {{holdout_fraction: 0.1}}\n"
+        f"data: {{text_path: {tmp_path / 'a.txt'}, block_size: 16}}\neval: {{holdout_fraction: "
+        f"0.1}}\n"
     )
     out = run_in_terminal(
         [

@@ -1,18 +1,28 @@
-"""`parallel.strategy: fsdp` under torchrun: real processes on CPU (gloo), started with `python -m torch.distributed.run`.
+"""`parallel.strategy: fsdp` under torchrun: real processes on CPU (gloo), started with `python -m
+torch.distributed.run`.
 
-- 2 fsdp ranks reproduce 2 ddp ranks on the same config (per-step losses, held-out losses, final weights), with
-  clipping and accumulation (2 microbatches per update: FSDP's `set_requires_gradient_sync(False)` for the first);
+- 2 fsdp ranks reproduce 2 ddp ranks on the same config (per-step losses, held-out losses, final
+weights), with
+  clipping and accumulation (2 microbatches per update: FSDP's `set_requires_gradient_sync(False)`
+  for the first);
   `reshard_after_forward: false` trains the same losses;
-- SIGTERM saves the agreed step once and a NaN loss on one rank stops every rank with one message, as under ddp;
-- checkpoints are `step_<N>.dcp` folders written by every rank, `latest.json` pointing at the newest only
-  once it is complete; kill -9 of one rank, then `--resume`, reproduces the uninterrupted run exactly;
+- SIGTERM saves the agreed step once and a NaN loss on one rank stops every rank with one message,
+as under ddp;
+- checkpoints are `step_<N>.dcp` folders written by every rank, `latest.json` pointing at the newest
+only
+  once it is complete; kill -9 of one rank, then `--resume`, reproduces the uninterrupted run
+  exactly;
 - a sharded checkpoint converts to one file (`speedtronic consolidate`) that `load_checkpoint` and
   `speedtronic export` read, and `export` reads the folder itself;
-- a ddp job's checkpoint file resumes as fsdp and a fsdp folder as ddp (the losses go on as the ddp run's);
-- a sharded checkpoint of 2 ranks loads into 1 process, and one of 1 process (sharded or a single file) into
+- a ddp job's checkpoint file resumes as fsdp and a fsdp folder as ddp (the losses go on as the ddp
+run's);
+- a sharded checkpoint of 2 ranks loads into 1 process, and one of 1 process (sharded or a single
+file) into
   2 sharded ranks: model and optimizer state equal the saved ones;
-- what a shard cannot do (Muon) is refused before the job joins, and cpu_offload on the CPU, in one line naming the key;
-- bench/gpu_check.py runs on the CPU (every row skipped) and its world-of-one DDP/FSDP code runs with gloo.
+- what a shard cannot do (Muon) is refused before the job joins, and cpu_offload on the CPU, in one
+line naming the key;
+- bench/gpu_check.py runs on the CPU (every row skipped) and its world-of-one DDP/FSDP code runs
+with gloo.
 """
 
 from __future__ import annotations
@@ -67,7 +77,8 @@ def assert_state_equal(got: dict, want: dict, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    "The uninterrupted 2-rank fsdp run (a checkpoint every 2 steps) and the same config under ddp, both evaluated every 4 steps."
+    """The uninterrupted 2-rank fsdp run (a checkpoint every 2 steps) and the same config under ddp,
+    both evaluated every 4 steps."""
     tmp = tmp_path_factory.mktemp("fsdp")
     held_out = {"every_steps": 4, "max_batches": 3, "token_file": str(token_file(tmp, blocks=40))}
     cfg = write_config(
@@ -90,7 +101,8 @@ def fsdp_run(tmp_path_factory):
 
 
 def test_fsdp_matches_ddp(fsdp_run):
-    """Same gradients, averaged the same way: FSDP reduce-scatters what DDP all-reduces, so the losses and
+    """Same gradients, averaged the same way: FSDP reduce-scatters what DDP all-reduces, so the
+    losses and
     weights agree to fp32 reduction order (the tolerance argued in test_parallel's 2-vs-1 test)."""
     tmp = fsdp_run
     got, want = losses_by_step(tmp / "fsdp.jsonl"), losses_by_step(tmp / "ddp.jsonl")
@@ -138,7 +150,8 @@ def test_sharded_checkpoint_folders(fsdp_run):
 
 
 def test_kill_one_rank_then_resume(fsdp_run, tmp_path):
-    "kill -9 of rank 1 mid-run; `--resume` continues from the last complete folder and reproduces the uninterrupted run."
+    """kill -9 of rank 1 mid-run; `--resume` continues from the last complete folder and reproduces
+    the uninterrupted run."""
     cfg = write_config(
         tmp_path, "fsdp", micro=4, data=DATA, steps=STEPS, every=2, model=MODEL, parallel=FSDP
     )
@@ -173,7 +186,8 @@ def test_kill_one_rank_then_resume(fsdp_run, tmp_path):
 
 
 def test_sigterm_saves_once_then_resume(fsdp_run, tmp_path):
-    "SIGTERM to the job: every rank stops after the same step, which the job saves once (a folder); --resume reproduces the run."
+    """SIGTERM to the job: every rank stops after the same step, which the job saves once (a
+    folder); --resume reproduces the run."""
     cfg = write_config(
         tmp_path, "fsdp", micro=4, data=DATA, steps=STEPS, every=100, model=MODEL, parallel=FSDP
     )
@@ -195,7 +209,8 @@ def test_sigterm_saves_once_then_resume(fsdp_run, tmp_path):
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path):
-    "The non-finite rule on the job's loss under fsdp: rank 1's NaN stops both ranks at step 3 with one message; step 2 is saved."
+    """The non-finite rule on the job's loss under fsdp: rank 1's NaN stops both ranks at step 3
+    with one message; step 2 is saved."""
     (tmp_path / "nan_models.py").write_text(
         NAN_MODEL
     )  # a model without repeated blocks: sharded as a whole
@@ -242,7 +257,8 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path):
 
 @pytest.mark.parametrize("first,then", [("ddp", "fsdp"), ("fsdp", "ddp")])
 def test_resume_with_the_other_strategy(fsdp_run, tmp_path, first, then):
-    "A ddp job's checkpoint file resumes as fsdp (each rank keeps its shards of it), a fsdp folder as ddp: the run goes on as before."
+    """A ddp job's checkpoint file resumes as fsdp (each rank keeps its shards of it), a fsdp folder
+    as ddp: the run goes on as before."""
     cfg = write_config(
         tmp_path,
         "switch",
@@ -331,7 +347,8 @@ def test_consolidate_and_export(fsdp_run, tmp_path):
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert [l for l in bad.stderr.splitlines() if l.startswith("speedtronic: error:")] == [
-        f"speedtronic: error: {out} is not a sharded checkpoint (a step_<step>.dcp folder holding .metadata, written by "
+        f"speedtronic: error: {out} is not a sharded checkpoint (a step_<step>.dcp folder holding "
+        ".metadata, written by "
         "parallel.strategy: fsdp); give such a folder"
     ]
 
@@ -350,7 +367,8 @@ def _model_and_optimizer(cfg: Path):
 
 
 def test_two_ranks_load_into_one_process(fsdp_run):
-    "DCP reshards: the 2-rank folder loads into one unsharded process, model and optimizer equal to the gathered file."
+    """DCP reshards: the 2-rank folder loads into one unsharded process, model and optimizer equal
+    to the gathered file."""
     model, optimizer = _model_and_optimizer(fsdp_run / "fsdp.yaml")
     load_sharded(folder(fsdp_run / "fsdp", 4), model, optimizer)
     saved = load_checkpoint(folder(fsdp_run / "fsdp", 4))
@@ -385,7 +403,8 @@ world.close()
 
 @pytest.mark.parametrize("kind", ["sharded", "file"])
 def test_one_process_loads_into_two_sharded_ranks(tmp_path, kind):
-    "A one-process checkpoint (an fsdp folder, or a single file) loads into a 2-rank sharded job: same weights and moments."
+    """A one-process checkpoint (an fsdp folder, or a single file) loads into a 2-rank sharded job:
+    same weights and moments."""
     parallel = FSDP if kind == "sharded" else {"strategy": "ddp"}
     cfg = write_config(
         tmp_path, "one", micro=8, data=DATA, steps=2, every=2, model=MODEL, parallel=parallel
@@ -426,7 +445,8 @@ def test_one_process_loads_into_two_sharded_ranks(tmp_path, kind):
 
 
 def test_reshard_after_forward_false_trains_the_same(fsdp_run, tmp_path):
-    "Keeping each block's gathered weights from forward to backward changes memory and traffic, not the numbers."
+    """Keeping each block's gathered weights from forward to backward changes memory and traffic,
+    not the numbers."""
     cfg = write_config(
         tmp_path,
         "kept",
@@ -455,7 +475,8 @@ def test_cpu_offload_on_the_cpu_is_refused_once(tmp_path):
     )
     line = refused(torchrun(cfg))
     assert line.startswith(
-        "speedtronic: error: [rank 0 of 2] parallel.cpu_offload: moves a GPU's shards to the CPU, and this "
+        "speedtronic: error: [rank 0 of 2] parallel.cpu_offload: moves a GPU's shards to the CPU, "
+        "and this "
         "job trains on cpu; set parallel.cpu_offload: false"
     ), line
 
@@ -474,7 +495,8 @@ def test_muon_is_refused_before_the_job_joins(tmp_path):
     assert not (tmp_path / "muon" / "checkpoints").exists()
 
 
-# ---------------------------------------------------------------- bench/gpu_check.py: ready for a GPU, smoke-tested here
+# ---------------------------------------------------------------- bench/gpu_check.py: ready for a
+# GPU, smoke-tested here
 
 
 def test_gpu_check_skips_every_row_without_cuda():
@@ -497,7 +519,8 @@ def test_gpu_check_skips_every_row_without_cuda():
 
 
 def test_gpu_check_world_of_one_runs_on_the_cpu(tmp_path):
-    "The DDP/FSDP rows' code (a process group of world 1, Trainer on it, checkpoint written and loaded back) with gloo."
+    """The DDP/FSDP rows' code (a process group of world 1, Trainer on it, checkpoint written and
+    loaded back) with gloo."""
     code = (
         "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; import gpu_check\n"
         f"print(gpu_check.train_on_world(Path({str(tmp_path)!r}), 'fsdp', 'fsdp', 'cpu'))\n"
@@ -524,7 +547,8 @@ def test_gpu_check_world_of_one_runs_on_the_cpu(tmp_path):
 
 
 def dotted_payload(index_bytes: bytes, command: str) -> bytes:
-    "A `.metadata` that runs `command` through `torch.distributed.checkpoint.filesystem.os.system`, then holds the real index."
+    """A `.metadata` that runs `command` through
+    `torch.distributed.checkpoint.filesystem.os.system`, then holds the real index."""
     text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()
     call = (
         text("torch.distributed.checkpoint.filesystem")
@@ -538,7 +562,8 @@ def dotted_payload(index_bytes: bytes, command: str) -> bytes:
 
 
 def test_a_sharded_index_that_runs_code_is_refused_by_every_reader(fsdp_run, tmp_path):
-    "A crafted `.metadata` (a dotted global, then the real index): resume on 2 ranks, generate, export, consolidate never run it."
+    """A crafted `.metadata` (a dotted global, then the real index): resume on 2 ranks, generate,
+    export, consolidate never run it."""
     import shutil
 
     out = tmp_path / "fsdp"

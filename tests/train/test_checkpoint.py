@@ -1,4 +1,5 @@
-"Checkpoint files on disk: corruption, fallback, unsafe pickle, 2.0 compatibility, retention, SIGKILL mid-write."
+"""Checkpoint files on disk: corruption, fallback, unsafe pickle, 2.0 compatibility, retention,
+SIGKILL mid-write."""
 
 import hashlib
 import io
@@ -165,7 +166,8 @@ V2 = (
     reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here",
 )
 def test_checkpoint_written_by_2_0_resumes(tmp_path):
-    "A checkpoint folder 2.0.0 wrote loads, fits its model, restores its RNG, and its files are never pruned by our retention."
+    """A checkpoint folder 2.0.0 wrote loads, fits its model, restores its RNG, and its files are
+    never pruned by our retention."""
     import shutil, yaml
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.registry import build_model
@@ -284,7 +286,8 @@ def test_rng_restore_failures_are_reported():
     )
 
 
-# ---------------------------------------------------------------- retention (C11) and idempotent saves
+# ---------------------------------------------------------------- retention (C11) and idempotent
+# saves
 
 
 def test_retention_counts_only_own_files(tmp_path):
@@ -401,7 +404,8 @@ def test_sigkill_during_save_keeps_older_checkpoint(tmp_path):
 
 
 def test_nothing_loadable_names_each_file_once_without_pointless_advice(tmp_path):
-    "The CLI's one line for a run whose every checkpoint is cut short: each file once, its whole reason, no 'older checkpoint'."
+    """The CLI's one line for a run whose every checkpoint is cut short: each file once, its whole
+    reason, no 'older checkpoint'."""
     cfg = tiny_config(tmp_path, max_steps=4, every_steps=2, keep_last=None)
     assert run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path).returncode == 0
     files = checkpoint_files(tmp_path / "out" / "checkpoints")
@@ -422,11 +426,13 @@ def test_a_folder_given_as_the_checkpoint_says_so(tmp_path):
         load_checkpoint(tmp_path)
     assert (
         str(e.value)
-        == f"checkpoint {tmp_path} is a folder, not a checkpoint file; name one of the step_<step>.pt files in it"
+        == f"checkpoint {tmp_path} is a folder, not a checkpoint file; name one of the "
+        "step_<step>.pt files in it"
     )
 
 
-# ---------------------------------------------------------------- a file named by hand: the same checks as load_latest
+# ---------------------------------------------------------------- a file named by hand: the same
+# checks as load_latest
 
 
 class Regressor(torch.nn.Module):
@@ -511,7 +517,8 @@ def _reachable_names(module, depth: int = 2):
 
 
 def _globals_a_real_index_names() -> set:
-    "The (module, name) pairs in the `.metadata` torch.distributed.checkpoint writes for a model and its AdamW."
+    """The (module, name) pairs in the `.metadata` torch.distributed.checkpoint writes for a model
+    and its AdamW."""
     import pickle
     import tempfile
     import torch.distributed.checkpoint as dcp
@@ -538,8 +545,10 @@ def _globals_a_real_index_names() -> set:
 
 
 def test_the_sharded_index_reader_reaches_no_callable_but_the_index_records():
-    """The corpus: every global reachable by a dotted path from each module the index reader allows, and
-    each such global through the real unpickler. Only the exact records, sizes, dtypes and paths load."""
+    """The corpus: every global reachable by a dotted path from each module the index reader allows,
+    and
+    each such global through the real unpickler. Only the exact records, sizes, dtypes and paths
+    load."""
     import importlib
     import pickle
     from speedtronic.checkpoint import _INDEX_GLOBALS, _Forbidden, _IndexUnpickler

@@ -124,7 +124,8 @@ def test_nan_weights_are_never_written_and_the_good_checkpoint_stays(tmp_path):
 
 
 def test_nan_optimizer_moments_in_the_newest_checkpoint_fall_back_to_the_good_one(tmp_path):
-    "A newest checkpoint whose optimizer state holds NaN (weights finite) is skipped with its reason; the run resumes the older one."
+    """A newest checkpoint whose optimizer state holds NaN (weights finite) is skipped with its
+    reason; the run resumes the older one."""
     cfg = tiny_config(tmp_path, max_steps=4, every_steps=2, keep_last=None)
     ck = tmp_path / "out" / "checkpoints"
     assert cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path).returncode == 0
@@ -170,7 +171,8 @@ def test_nan_optimizer_moments_are_never_written(tmp_path):
     }
     with pytest.raises(
         CheckpointError,
-        match=r"not written: the optimizer state holds NaN or infinity \(in: optimizer.state.0.exp_avg\)",
+        match=r"not written: the optimizer state holds NaN or infinity \(in: "
+        r"optimizer.state.0.exp_avg\)",
     ):
         m.save(2, {"model": {"w": torch.ones(3)}, "optimizer": sick, "step": 2})
     assert [p.name for p in checkpoint_files(tmp_path)] == ["step_000000000001.pt"]

@@ -1,5 +1,7 @@
-"""Held-out evaluation in real runs: it never changes training (bit for bit, also across kill -9 and resume),
-the held-out blocks are never trained on, a torchrun job splits the held-out batches and reduces them once,
+"""Held-out evaluation in real runs: it never changes training (bit for bit, also across kill -9 and
+resume),
+the held-out blocks are never trained on, a torchrun job splits the held-out batches and reduces
+them once,
 and bad `eval` settings give one clear line."""
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ def held_text(path):
 
 
 def test_eval_with_kill9_and_resume_trains_bit_identically_to_no_eval(tmp_path, tmp_path_factory):
-    """A run with evaluation every 3 steps (dropout 0.1, so a model left in eval mode or a used random
-    generator would show), killed with SIGKILL and resumed, has the losses and final weights of a run without
+    """A run with evaluation every 3 steps (dropout 0.1, so a model left in eval mode or a used
+    random
+    generator would show), killed with SIGKILL and resumed, has the losses and final weights of a
+    run without
     evaluation, to the bit."""
     ref_dir = tmp_path_factory.mktemp("no-eval")
     ref = resume_config(ref_dir, "ref", workers=0, text=True, every=STEPS)
@@ -82,7 +86,8 @@ def test_eval_with_kill9_and_resume_trains_bit_identically_to_no_eval(tmp_path, 
 
 
 def test_holdout_blocks_are_never_trained_on(tmp_path):
-    "The training loader reads the first blocks of the token file, the evaluator the last ones; together the file."
+    """The training loader reads the first blocks of the token file, the evaluator the last ones;
+    together the file."""
     path = token_file(tmp_path, blocks=200)
     cfg = job_config(
         tmp_path,
@@ -118,7 +123,8 @@ def test_holdout_blocks_are_never_trained_on(tmp_path):
 
 
 def test_text_holdout_end_to_end(tmp_path):
-    "`holdout_fraction` of a text file: a run's result, JSONL and closing line carry the held-out loss."
+    """`holdout_fraction` of a text file: a run's result, JSONL and closing line carry the held-out
+    loss."""
     text = corpus(tmp_path / "corpus.txt")
     cfg = tiny_config(
         tmp_path,
@@ -137,7 +143,8 @@ def test_text_holdout_end_to_end(tmp_path):
 
 
 def test_eval_records_reach_the_live_chart_and_the_terminal():
-    "The notebook chart gets the held-out loss as an `eval` point; a terminal shows one short `eval` line."
+    """The notebook chart gets the held-out loss as an `eval` point; a terminal shows one short
+    `eval` line."""
     pytest.importorskip("ipywidgets")
     pytest.importorskip("matplotlib")  # the `widgets` extra, not our module
     from speedtronic import widgets
@@ -161,7 +168,8 @@ def test_eval_records_reach_the_live_chart_and_the_terminal():
 
 
 def test_the_terminal_progress_line_ends_with_the_newest_held_out_loss(tmp_path):
-    "`speedtronic train` with the progress bar on: after an evaluation the bar's line shows `val <loss>` (here: the final one's)."
+    """`speedtronic train` with the progress bar on: after an evaluation the bar's line shows `val
+    <loss>` (here: the final one's)."""
     cfg = tiny_config(
         tmp_path,
         max_steps=4,
@@ -185,7 +193,8 @@ def test_the_terminal_progress_line_ends_with_the_newest_held_out_loss(tmp_path)
 
 
 def test_a_resumed_run_shows_the_held_out_curve_of_the_whole_run(tmp_path):
-    "A run stopped at step 4 and resumed to 8: the result and the loss plot carry evaluations 2, 4, 6, 8, equal to the uninterrupted run's."
+    """A run stopped at step 4 and resumed to 8: the result and the loss plot carry evaluations 2,
+    4, 6, 8, equal to the uninterrupted run's."""
     text = corpus(tmp_path / "corpus.txt")
     sections = dict(
         max_steps=8,
@@ -230,9 +239,11 @@ def test_a_resumed_runs_earlier_evaluations_reach_the_live_chart():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_path, strategy):
-    """2 ranks x eval batch 4 read the held-out blocks one process reads in batches of 8: the same targets in
+    """2 ranks x eval batch 4 read the held-out blocks one process reads in batches of 8: the same
+    targets in
     all, and the same loss up to fp32 reduction order (the weights themselves agree to ~1e-7, see
-    test_parallel.test_two_ranks_reproduce_one_process). Under fsdp every rank runs the sharded forward on its share."""
+    test_parallel.test_two_ranks_reproduce_one_process). Under fsdp every rank runs the sharded
+    forward on its share."""
     data = {"token_file": str(token_file(tmp_path, blocks=120))}
     held = {"holdout_fraction": 0.2, "every_steps": 4}
     one = job_config(tmp_path, "one", micro=8, data=data, steps=8, eval=held)
@@ -307,7 +318,8 @@ def test_missing_or_too_small_held_out_data_is_one_line(tmp_path):
 
 
 def test_a_diloco_node_shuffles_its_training_side_with_its_own_seed(tmp_path):
-    "Without shards each DiLoCo node reads the data in its own order; a held-out split keeps that order per node."
+    """Without shards each DiLoCo node reads the data in its own order; a held-out split keeps that
+    order per node."""
     from speedtronic.parallel import World
     from speedtronic.runtime import _holdout, _loader
     from speedtronic.config import SpeedtronicConfig
@@ -354,7 +366,8 @@ def test_validate_deep_says_how_many_tokens_each_side_gets(tmp_path):
 
 
 def test_bits_per_byte_with_a_tokenizer_json(tmp_path):
-    "With a `tokenizer.json` each token stands for the bytes it decodes to: here a word and its space, 4 bytes."
+    """With a `tokenizer.json` each token stands for the bytes it decodes to: here a word and its
+    space, 4 bytes."""
     tokenizers = pytest.importorskip("tokenizers")
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.evaluation import build_evaluator
@@ -391,7 +404,8 @@ def test_bits_per_byte_with_a_tokenizer_json(tmp_path):
 
 
 def test_tensorboard_gets_the_held_out_scalars(tmp_path):
-    "A run's `eval` events reach TensorBoard as `eval/val_loss`, `eval/val_ppl`, `eval/val_bpb` at their steps."
+    """A run's `eval` events reach TensorBoard as `eval/val_loss`, `eval/val_ppl`, `eval/val_bpb` at
+    their steps."""
     pytest.importorskip("tensorboard")  # the optional `logging` extra
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -415,7 +429,8 @@ def test_tensorboard_gets_the_held_out_scalars(tmp_path):
 
 
 def wandb_rows(folder):
-    "The logged rows of the one offline W&B run under `folder`, read from its `.wandb` file (a record log of protobuf records)."
+    """The logged rows of the one offline W&B run under `folder`, read from its `.wandb` file (a
+    record log of protobuf records)."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
@@ -450,7 +465,8 @@ def wandb_rows(folder):
 
 
 def test_wandb_gets_the_held_out_metrics_and_the_samples(tmp_path):
-    "An offline W&B run of `speedtronic train` holds each `eval` (val_loss, val_ppl, val_bpb at its step) and each `sample` text."
+    """An offline W&B run of `speedtronic train` holds each `eval` (val_loss, val_ppl, val_bpb at
+    its step) and each `sample` text."""
     pytest.importorskip("wandb")
     cfg = tiny_config(
         tmp_path,

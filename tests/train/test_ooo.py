@@ -1,6 +1,8 @@
-"""Out-of-order backprop (speedtronic.scheduling): the same gradients with and without the CUDA stream scheduler.
+"""Out-of-order backprop (speedtronic.scheduling): the same gradients with and without the CUDA
+stream scheduler.
 
-The GPU tests run wherever CUDA exists and skip cleanly elsewhere; the CPU tests check that the scheduler is an
+The GPU tests run wherever CUDA exists and skip cleanly elsewhere; the CPU tests check that the
+scheduler is an
 honest no-op off CUDA, through the real trainer.
 """
 

@@ -48,7 +48,8 @@ def test_cuda_request_fails_cleanly_without_cuda():
 
 
 def test_uncaught_device_error_is_one_readable_line():
-    "An uncaught bad device string ends with a DeviceError line that names the string and the choices."
+    """An uncaught bad device string ends with a DeviceError line that names the string and the
+    choices."""
     res = run_py("from speedtronic.precision import resolve_device; resolve_device('gpu:0')")
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
@@ -57,7 +58,8 @@ def test_uncaught_device_error_is_one_readable_line():
 
 
 def test_cpu_bf16_probe_matches_real_training():
-    "The probe's verdict agrees with running a reference-like block forward/backward/step in CPU bf16."
+    """The probe's verdict agrees with running a reference-like block forward/backward/step in CPU
+    bf16."""
     res = run_py("""
         import sys
         import torch
@@ -118,7 +120,8 @@ def test_fp32_on_cpu_does_not_run_the_probe():
 
 
 def test_cpu_plan_trains_with_trainer_calls():
-    "A CPU bf16 plan (when the probe passes) trains a few steps through autocast_context; no scaler."
+    """A CPU bf16 plan (when the probe passes) trains a few steps through autocast_context; no
+    scaler."""
     from speedtronic.precision import (
         autocast_context,
         make_grad_scaler,

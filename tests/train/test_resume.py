@@ -202,7 +202,8 @@ def test_sigterm_saves_the_last_completed_step(tmp_path):
 
 
 def _tiny_run(tmp: Path, name: str, max_steps: int) -> Path:
-    "Train the tiny run `name` in `tmp/name` to `max_steps` (a checkpoint every 2 steps, all kept); its config."
+    """Train the tiny run `name` in `tmp/name` to `max_steps` (a checkpoint every 2 steps, all
+    kept); its config."""
     cfg = tiny_config(
         tmp,
         f"{name}.yaml",
@@ -217,7 +218,8 @@ def _tiny_run(tmp: Path, name: str, max_steps: int) -> Path:
 
 
 def test_another_runs_checkpoint_linked_in_is_not_adopted(tmp_path):
-    "A step file that is a link to another run's checkpoint, or holds another step, is skipped; the run resumes its own."
+    """A step file that is a link to another run's checkpoint, or holds another step, is skipped;
+    the run resumes its own."""
     _tiny_run(tmp_path, "a", 6)
     cfg = _tiny_run(tmp_path, "b", 2)
     own = tmp_path / "b" / "checkpoints"

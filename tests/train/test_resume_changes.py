@@ -1,4 +1,5 @@
-"""`--resume` with a changed YAML: a changed setting is applied and reported, or refused with the key, the saved and
+"""`--resume` with a changed YAML: a changed setting is applied and reported, or refused with the
+key, the saved and
 the new value; other data (another file, or the same path with new content) is refused."""
 
 from __future__ import annotations
@@ -263,7 +264,8 @@ def test_new_muon_settings_are_applied_and_reported(tmp_path):
 
 
 def test_a_resumed_runs_history_holds_only_its_own_records(first_run):
-    # Run A (2 steps, in out/) and then run B (3 steps, in other/) append to the same metrics file; A resumes to 4.
+    # Run A (2 steps, in out/) and then run B (3 steps, in other/) append to the same metrics file;
+    # A resumes to 4.
     from speedtronic.runtime import train_from_config
     from speedtronic.config import SpeedtronicConfig
 
@@ -295,7 +297,8 @@ def test_a_resumed_runs_history_holds_only_its_own_records(first_run):
     ] == a_steps  # A's own steps 1-2, not B's
 
 
-# ---------------------------------------------------------------- a resume keeps the target it was given
+# ---------------------------------------------------------------- a resume keeps the target it was
+# given
 
 PRESS = """
 import os, signal
@@ -428,7 +431,8 @@ def in_a_terminal(tmp: Path, *args: str) -> str:
 
 
 def test_nothing_to_train_names_the_flag(cosine_run):
-    "A plain --resume of a finished run: the warning names --max-steps N; no YAML key, no old held-out loss."
+    """A plain --resume of a finished run: the warning names --max-steps N; no YAML key, no old
+    held-out loss."""
     proc = ok(run_in(cosine_run, "--resume"))
     said = proc.stdout + proc.stderr
     assert "nothing to train: the run is already at step 4 and its target is step 4" in said, said
