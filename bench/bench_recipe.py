@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from speedtronic.runtime import build_runtime  # noqa: E402
+from speedtronic.tokens import prepare_token_file  # noqa: E402
 
 REFERENCE = (
     "nanoGPT (recorded): held-out 1.570 nats/char in 165-177 CPU-s (2 MiB of prose, 1 thread)"
@@ -44,9 +45,17 @@ REFERENCE = (
 RECIPE_STEPS, RECIPE_WARMUP = 2000, 100
 
 
-def recipe(text: Path, out: Path, steps: int, optimizer: str, seed: int) -> dict:
+def recipe(
+    text: Path, out: Path, steps: int, optimizer: str, seed: int, order: str = "shuffled"
+) -> dict:
     """The run config of the recipe on `text` for `steps` steps (warm-up scaled when `steps` is
-    short)."""
+    short). `order="shuffled"` reads the text as a prepared token file whose training blocks are
+    shuffled (as the recipe draws random windows); `"file"` streams the text in file order."""
+    source = (
+        {"token_file": str(prepared(text, out)), "shuffle": True}
+        if order == "shuffled"
+        else {"text_path": str(text)}
+    )
     return {
         "run": {"name": "recipe", "seed": seed, "device": "cpu", "max_steps": steps},
         "model": {
@@ -61,7 +70,7 @@ def recipe(text: Path, out: Path, steps: int, optimizer: str, seed: int) -> dict
             "dropout": 0.0,
         },
         "data": {
-            "text_path": str(text),
+            **source,
             "block_size": 64,
             "micro_batch_size": 12,
             "target_batch_size": 12,
@@ -92,6 +101,13 @@ def recipe(text: Path, out: Path, steps: int, optimizer: str, seed: int) -> dict
     }
 
 
+def prepared(text: Path, out: Path) -> Path:
+    "`text` tokenized once by the byte tokenizer into a token file under `out` (not timed)."
+    path = out / "recipe.tokens"
+    prepare_token_file(text, path, progress=False)
+    return path
+
+
 def cpu_seconds() -> float:
     "User + system CPU time of this process so far."
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -105,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1, as recorded)")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument(
+        "--order",
+        choices=("shuffled", "file"),
+        default="shuffled",
+        help="shuffled training blocks (default, as the recipe's random windows) or file order",
+    )
     args = p.parse_args(argv)
     if not args.text.is_file():
         print(f"bench_recipe: --text {args.text}: no such file; pass a text file", file=sys.stderr)
@@ -114,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        raw = recipe(args.text.resolve(), Path(tmp), args.steps, args.optimizer, args.seed)
+        raw = recipe(
+            args.text.resolve(), Path(tmp), args.steps, args.optimizer, args.seed, args.order
+        )
         raw["run"]["output_dir"] = tmp
         trainer, _ = build_runtime(raw)
         try:
@@ -131,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.steps * 12 * 64
     print(
         f"recipe: {args.steps} steps x 12 x 64 = {tokens:,} tokens, {args.optimizer}, "
-        f"{args.threads} thread(s), {args.text.name}"
+        f"{args.threads} thread(s), {args.order} blocks, {args.text.name}"
     )
     print(
         f"speedtronic: held-out {held[-1]:.3f} nats/char in {cpu:.1f} CPU-s ({wall:.1f} s wall, "
