@@ -16,6 +16,11 @@ gradient clipping at 1.0, no dropout. The last tenth of the file is held out: it
 on,
 and the loss printed at the end is over all of it, in nats per byte (per character for ASCII prose).
 
+The training blocks (64 + 1 tokens each) are read in a shuffled order from a token file prepared
+from the text (the preparation is not timed), as the recipe draws random windows; `--order file`
+streams the text in file order instead (on the Vim manual that held out 1.941 nats/char against
+1.672 shuffled, 2,000 steps).
+
 Prints our held-out loss and the CPU-seconds the training took (this process's user + system time,
 so
 other work on a shared machine does not count) beside the recorded nanoGPT reference: 1.570 nats per
