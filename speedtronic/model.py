@@ -112,8 +112,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    "Rotate `x` shaped `(B, H, T, D)` by the angles whose cos/sin are `(T, D)`."
-    return x * cos + rotate_half(x) * sin
+    """Rotate `x` shaped `(B, H, T, D)` by the angles whose cos/sin are `(T, D)`:
+    `x * cos + rotate_half(x) * sin`, computed half by half (no negated copy, one `cat`)."""
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]
+    return torch.cat((a * cos[..., :h] - b * sin[..., :h], b * cos[..., h:] + a * sin[..., h:]), -1)
 
 # %% ../nbs/models/01_model.ipynb #635b157c
 class RotaryEmbedding(nn.Module):
