@@ -223,15 +223,21 @@ def _text_tokens(dataset: TextFileTokenDataset) -> np.ndarray:
     )
 
 # %% ../nbs/train/07_evaluation.ipynb #9c5bd118
-def holdout_split(dataset: Any, fraction: float) -> Holdout:
+def holdout_split(
+    dataset: Any,
+    fraction: float,
+    *,
+    shuffle: bool = False,  # a text file's training blocks shuffled per epoch (`data.shuffle`)
+    seed: int = 0,  # the shuffle's seed (`data.seed`)
+) -> Holdout:
     """Split a text or token dataset: its last `fraction` of blocks (at least one) held out, the
-    rest trained on; a stream block by block."""
+    rest trained on; a stream block by block. A token file keeps its own shuffle and seed."""
     if isinstance(dataset, TextFileTokenDataset):
         tokens, source, shuffle, seed = (
             _text_tokens(dataset),
             f"data.text_path {str(dataset.path)!r}",
-            False,
-            0,
+            shuffle,
+            seed,
         )
     elif isinstance(dataset, TokenArrayDataset):
         tokens, source, shuffle, seed = dataset.tokens, dataset.name, dataset.shuffle, dataset.seed
@@ -661,7 +667,13 @@ def holdout_note(config: SpeedtronicConfig) -> str | None:
     if not config.eval.holdout_fraction:
         return None
     dataset = select_dataset(config.data, vocab_size=resolve_vocab_size(config.data))
-    return holdout_split(dataset, config.eval.holdout_fraction).describe()
+    split = holdout_split(
+        dataset,
+        config.eval.holdout_fraction,
+        shuffle=config.data.shuffle,
+        seed=config.data.seed or 0,
+    )
+    return split.describe()
 
 # %% ../nbs/train/07_evaluation.ipynb #93684c03
 EVAL_RECORD_KEYS = (

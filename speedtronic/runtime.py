@@ -711,7 +711,10 @@ def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
     if not config.eval.holdout_fraction:
         return None
     return holdout_split(
-        select_dataset(config.data, vocab_size=vocab), config.eval.holdout_fraction
+        select_dataset(config.data, vocab_size=vocab),
+        config.eval.holdout_fraction,
+        shuffle=config.data.shuffle,
+        seed=config.data.seed or 0,
     )
 
 # %% ../nbs/app/01_runtime.ipynb #6b46ea79
