@@ -1603,7 +1603,13 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
         )
     if pub is None:
         return self.state.outer_step
-    self._publish(repo, pub)
+    try:
+        self._publish(repo, pub)
+    except HubUnavailable:  # e.g. 429s until the window's end: the checked deltas stay held, and
+        self.state = replace(  # the next pass fetches only newer ones, all folded in one commit
+            self.state, held=tuple(accepted), held_since=self.state.held_since or now
+        )
+        raise
     if (
         wait_ran_out(before, self.rules, now)
         and len(pub.state.punctual or ()) < pub.nodes

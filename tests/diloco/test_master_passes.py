@@ -9,8 +9,10 @@ waits for the pass). No sleeps decide an outcome."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 
 from speedtronic.distributed import MasterOuterLoop, SharedDirectory
@@ -21,7 +23,7 @@ from speedtronic.distributed.tensors import (
     floating_state,
     save_safetensors,
 )
-from speedtronic.distributed.transport import RetryPolicy
+from speedtronic.distributed.transport import HubUnavailable, RetryPolicy
 
 
 class Lines:
@@ -166,3 +168,39 @@ def test_final_round_names_a_worker_whose_final_delta_never_came(tmp_path):
     assert m.finish(10, timeout=0.5, interval=0.01) == 1
     warned = [x for x in log.lines if "not in the final global" in x]
     assert len(warned) == 1 and "'a'" in warned[0] and "after step 10" in warned[0], log.lines
+
+
+class RateLimited(SharedDirectory):
+    "A shared directory that answers the next `refuse` commits as a 429 does; it counts downloads."
+
+    def __init__(self, root: Path):
+        super().__init__(root, retry=RetryPolicy(0.001, 0.01, 2))
+        self.refuse, self.fetched = 0, Counter()
+
+    def fetch(self, path, local, revision=None):
+        self.fetched[path] += 1
+        return super().fetch(path, local, revision=revision)
+
+    def publish(self, *args, **kw):
+        if self.refuse:
+            self.refuse -= 1
+            raise HubUnavailable("429 Too Many Requests: the repository's commits for this hour")
+        return super().publish(*args, **kw)
+
+
+def test_a_refused_publication_keeps_its_deltas_checked(tmp_path):
+    """While its commit is refused (429), the master keeps what it checked: the next pass downloads
+    only the new delta and publishes both in one version."""
+    repo, log = tmp_path / "repo", Lines()
+    transport = RateLimited(repo)
+    m = master(tmp_path, transport, log)
+    send(repo, "a", 10, inner=10, base=0)
+    transport.refuse = 1
+    with pytest.raises(HubUnavailable):
+        m.sync_once()
+    assert m.outer_step == 0 and set(m.held) == {delta_path("a", 10)}
+    send(repo, "b", 10, inner=10, base=0)
+    assert m.sync_once() == 1  # the window opened: one commit
+    assert sorted(log.folded()) == [("a", 10), ("b", 10)]
+    assert transport.fetched == {delta_path("a", 10): 1, delta_path("b", 10): 1}
+    assert SharedDirectory(repo).list_deltas() == []  # both folded and removed
