@@ -1058,11 +1058,17 @@ def still_waiting(
     "`(nodes whose last delta is not in, whether enough nodes are done)` for the final round of master `own`."
     nodes = state.ledger.nodes
     waiting_for = state.ledger.active(state.outer_step, window=2 * max(1, len(nodes)) + 1) - {own}
-    done = {
+    done = {  # a node's final delta says it is done; a 2.0 node (no sessions) says nothing
         n
         for n, e in nodes.items()
         if n != own
-        and (e.get("final") or max(e.get("sessions", {}).values(), default=-1) >= final_step)
+        and (
+            e.get("final")
+            or (
+                set(e.get("sessions", {})) <= {""}
+                and max(e.get("sessions", {}).values(), default=-1) >= final_step
+            )
+        )
     }
     return waiting_for - done, rules.expected_nodes is None or len(done) + 1 >= rules.expected_nodes
 
@@ -1190,6 +1196,7 @@ class MasterOuterLoop:
         else:
             self.state = self._read_local() or self.state
         self.final_round_timeout, self._final_tried = float(final_round_timeout), False
+        self._pass = threading.Lock()  # held through each pass: one pass of this master at a time
 
     outer_step = property(
         lambda self: self.state.outer_step, doc="The published version (-1 before the first)."
@@ -1690,7 +1697,13 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
         )
     if pub is None:
         return self.state.outer_step
-    self._publish(repo, pub)
+    try:
+        self._publish(repo, pub)
+    except HubUnavailable:  # e.g. 429s until the window's end: the checked deltas stay held, and
+        self.state = replace(  # the next pass fetches only newer ones, all folded in one commit
+            self.state, held=tuple(accepted), held_since=self.state.held_since or now
+        )
+        raise
     if (
         wait_ran_out(before, self.rules, now)
         and len(pub.state.punctual or ()) < pub.nodes
@@ -1763,7 +1776,8 @@ def _run(self: MasterOuterLoop) -> None:
         before = self.state.outer_step
         self._wake.clear()  # a wake from now on makes the next wait return at once
         try:
-            self.sync_once()
+            with self._pass:
+                self.sync_once()
         except HubUnavailable as e:
             self._log("warning", f"outer round postponed: {e}")
         except Exception as e:
@@ -1809,7 +1823,22 @@ def finish(
 ) -> int:
     "The final round: fold until every node's last delta is in; the final version, or `HubError` naming what it lacks."
     self._final_tried = True
-    self._halt(timeout=max(timeout, 30.0))
+    self._stop.set()
+    self._wake.set()
+    if self._thread is not None:
+        self._thread.join(1.0)
+    if self._thread is not None and self._thread.is_alive():  # a pass outlived the wait
+        self._log(
+            "info",
+            "final round: the loop thread is still in a pass; waiting for that pass to end "
+            "before the final round begins (one pass at a time)",
+        )
+    while (
+        self._thread is not None
+        and self._thread.is_alive()
+        and not (stop is not None and stop.is_set())
+    ):
+        self._thread.join(0.5)
     with self.lock:  # a restart after a kill from here on knows a final round is due
         self.state = replace(self.state, final_round=int(final_step), finished=False)
         self._save_local(self.state)
@@ -1821,7 +1850,8 @@ def finish(
     while True:
         before = self.state.outer_step
         try:
-            self.sync_once(full_rounds=False)  # the last deltas: folded as they come
+            with self._pass:
+                self.sync_once(full_rounds=False)  # the last deltas: folded as they come
             problem = None
         except HubUnavailable as e:
             self._log("warning", f"final round postponed: {e}")
@@ -1859,10 +1889,12 @@ def finish(
         )
     self._mark_finished()
     if missing or not enough:
+        folded = lambda n: max(self.state.ledger.nodes[n]["sessions"].values(), default=-1)
+        names = ", ".join(f"{n!r} (its steps after step {folded(n)})" for n in sorted(missing))
         self._log(
             "warning",
-            f"final round: no last delta from {sorted(missing) or 'some of the expected nodes'} within "
-            f"distributed.final_round_timeout={timeout:g} s; their last steps are not in the final global model",
+            f"final round: no final delta from {names or 'some of the expected nodes'} within "
+            f"distributed.final_round_timeout={timeout:g} s; those steps are not in the final global model",
         )
     return self.state.outer_step
 
