@@ -163,7 +163,8 @@ class RotaryEmbedding(nn.Module):
 
 # %% ../nbs/models/01_model.ipynb #2692182e
 class AttentionMask(NamedTuple):
-    "A boolean `(B, 1, T, T)` mask for SDPA and the `(B, 1, T, 1)` rows that have any key to attend to."
+    """A boolean `(B, 1, T, T)` mask for SDPA and the `(B, 1, T, 1)` rows that have any key to
+    attend to."""
 
     allowed: torch.Tensor
     has_key: torch.Tensor
@@ -172,7 +173,8 @@ class AttentionMask(NamedTuple):
 def prepare_attention_mask(
     attention_mask: torch.Tensor | AttentionMask | None, batch: int, length: int
 ) -> AttentionMask | None:
-    "Turn a `(B, T)` padding mask (1 = token) into an `AttentionMask`, or `None` for the causal path."
+    """Turn a `(B, T)` padding mask (1 = token) into an `AttentionMask`, or `None` for the causal
+    path."""
     if attention_mask is None or isinstance(attention_mask, AttentionMask):
         return attention_mask
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
@@ -190,7 +192,8 @@ def prepare_attention_mask(
 
 # %% ../nbs/models/01_model.ipynb #44413c23
 class LayerCache:
-    "One layer's keys and values `(B, n_kv_head, max_len, head_dim)`; the first `length` positions are filled."
+    """One layer's keys and values `(B, n_kv_head, max_len, head_dim)`; the first `length` positions
+    are filled."""
 
     def __init__(self, max_len: int):
         self.max_len, self.length = int(max_len), 0
@@ -208,7 +211,8 @@ class LayerCache:
         ):
             if self.length:
                 raise ValueError(
-                    f"the cache holds {self.length} positions of a batch of {tuple(self.k.shape[:2])} "
+                    f"the cache holds {self.length} positions of a batch of "
+                    f"{tuple(self.k.shape[:2])} "
                     f"{self.k.dtype}; start a new cache for a batch of {(B, H)} {k.dtype}"
                 )
             self.k = k.new_zeros(B, H, self.max_len, D)
@@ -246,7 +250,8 @@ class KVCache:
             )
         if self.length + new > self.max_len:
             raise ValueError(
-                f"the KV cache holds {self.length} of {self.max_len} positions and cannot take {new} more; "
+                f"the KV cache holds {self.length} of {self.max_len} positions and cannot take "
+                f"{new} more; "
                 f"crop it (cache.crop(n)) or start a new one"
             )
 
@@ -382,7 +387,8 @@ class TransformerBlock(nn.Module):
 
 # %% ../nbs/models/01_model.ipynb #f09a493d
 def init_weights(module: nn.Module) -> None:
-    "2.0's initialisation for one module: N(0, 0.02) linear/embedding weights, zero biases, unit norms."
+    """2.0's initialisation for one module: N(0, 0.02) linear/embedding weights, zero biases, unit
+    norms."""
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if module.bias is not None:
@@ -450,7 +456,8 @@ def forward(
     cache: KVCache | None = None,
     **_,
 ) -> dict[str, torch.Tensor]:
-    "Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given; `cache` continues a sequence."
+    """Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given; `cache`
+    continues a sequence."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}")
     B, T = input_ids.shape
@@ -474,7 +481,8 @@ def forward(
 def causal_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
 ) -> torch.Tensor:
-    "Mean next-token cross-entropy of `logits (B, T, V)` against aligned `(B, T)` or `(B, T-1)` labels."
+    """Mean next-token cross-entropy of `logits (B, T, V)` against aligned `(B, T)` or `(B, T-1)`
+    labels."""
     B, T, V = logits.shape
     if labels.dim() != 2 or labels.shape[0] != B:
         raise ValueError(f"labels must be 2-D with batch size {B}, got shape {tuple(labels.shape)}")

@@ -65,7 +65,8 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
-VERSIONS_KEPT = 64  # versions whose momentum step count the buffers remember (a delta's staleness in outer steps)
+# versions whose momentum step count the buffers remember (a delta's staleness in outer steps)
+VERSIONS_KEPT = 64
 
 
 @dataclass
@@ -79,7 +80,8 @@ class Contribution:
 
 @dataclass(frozen=True)
 class OuterBuffers:
-    "What the outer optimizer remembers between folds (float32 CPU tensors; never changed in place)."
+    """What the outer optimizer remembers between folds (float32 CPU tensors; never changed in
+    place)."""
 
     momentum: dict[str, torch.Tensor]
     pending: dict[
@@ -98,7 +100,8 @@ class OuterBuffers:
         return cls(z, {k: v.clone() for k, v in z.items()})
 
     def rounds_behind(self, staleness: int) -> int:
-        "Outer steps the momentum took since the version `staleness` versions back (as far back as the record reaches)."
+        """Outer steps the momentum took since the version `staleness` versions back (as far back as
+        the record reaches)."""
         return (
             self.steps_at[-1]
             - self.steps_at[max(0, len(self.steps_at) - 1 - max(0, int(staleness)))]
@@ -106,7 +109,8 @@ class OuterBuffers:
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #34956eb6
 def momentum_steps(m: torch.Tensor, g: torch.Tensor, mu: float, n: int) -> torch.Tensor:
-    "Apply `m ← μ·m + g` `n` times to `m` in place; returns the sum of the `n` new values (in closed form)."
+    """Apply `m ← μ·m + g` `n` times to `m` in place; returns the sum of the `n` new values (in
+    closed form)."""
     if mu == 1.0:
         total = m * n + g * (n * (n + 1) / 2)
         m.add_(g * n)
@@ -185,7 +189,8 @@ def outer_update(
     momentum: float = 0.9,
     policy: str = "delayed_nesterov",
 ) -> tuple[OuterBuffers, dict[str, torch.Tensor]]:
-    "The outer optimizer: the new buffers and the float32 update to subtract from the global for one round's `contributions`."
+    """The outer optimizer: the new buffers and the float32 update to subtract from the global for
+    one round's `contributions`."""
     if policy not in STALENESS_POLICIES:
         raise ValueError(
             f"unknown staleness policy {policy!r}; use one of {', '.join(STALENESS_POLICIES)}"
@@ -208,14 +213,16 @@ def outer_update(
 def applied(
     state: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    "A new global: `state` minus `update` (computed in float32, stored in each tensor's dtype); `state` is not changed."
+    """A new global: `state` minus `update` (computed in float32, stored in each tensor's dtype);
+    `state` is not changed."""
     return {
         k: ((v.float() - update[k]).to(v.dtype) if k in update else v) for k, v in state.items()
     }
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #7c6ac270
 class OuterUpdate:
-    "The outer optimizer as an object that updates a state in place: `outer_update` with its buffers kept."
+    """The outer optimizer as an object that updates a state in place: `outer_update` with its
+    buffers kept."""
 
     def __init__(
         self,
@@ -238,7 +245,8 @@ class OuterUpdate:
     def step(
         self, state: dict[str, torch.Tensor], contributions: list[Contribution], nodes: int
     ) -> dict[str, torch.Tensor]:
-        "Fold `contributions` into `state` in place; returns the update applied (`old − new`, float32)."
+        """Fold `contributions` into `state` in place; returns the update applied (`old − new`,
+        float32)."""
         self.buffers, update = outer_update(
             self.buffers,
             contributions,
@@ -259,7 +267,8 @@ class OuterUpdate:
 
 
 class NesterovOuterOptimizer(OuterUpdate):
-    "SGD with Nesterov momentum over a state dict's floating tensors (DiLoCo's synchronous outer step): policy `none`, one delta."
+    """SGD with Nesterov momentum over a state dict's floating tensors (DiLoCo's synchronous outer
+    step): policy `none`, one delta."""
 
     def __init__(self, state: Mapping[str, torch.Tensor], lr: float, momentum: float = 0.9):
         super().__init__(state, lr, momentum, "none")
@@ -300,7 +309,8 @@ _SESSIONS_KEPT = 8
 
 @dataclass
 class Ledger:
-    "Which deltas the global model already holds: per node, the highest folded step of each session."
+    """Which deltas the global model already holds: per node, the highest folded step of each
+    session."""
 
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -320,14 +330,16 @@ class Ledger:
         entry["version"], entry["final"] = version, bool(final)
 
     def refuse(self, node: str, session: str, step: int) -> None:
-        "Note that a delta of a known session reached `step` although it was refused (its content, not its step)."
+        """Note that a delta of a known session reached `step` although it was refused (its content,
+        not its step)."""
         if self.reach(node, session) is None:
             return
         refused = self.nodes[node].setdefault("refused", {})
         refused[session] = max(step, refused.get(session, -1))
 
     def reach(self, node: str, session: str) -> int | None:
-        "The highest step a known session's deltas reached (folded or refused); None for a session not in the ledger."
+        """The highest step a known session's deltas reached (folded or refused); None for a session
+        not in the ledger."""
         entry = self.nodes.get(node, {})
         if session not in entry.get("sessions", {}):
             return None
@@ -380,7 +392,8 @@ def other_master(extras: Mapping[str, Any], node_id: str) -> str | None:
 def lease_holder(
     extras: Mapping[str, Any], node_id: str, lease_timeout: float, now: float | None = None
 ) -> str | None:
-    "The other master whose heartbeat is fresh by this host's clock (`now`), or None when the clocks cannot tell it is alive."
+    """The other master whose heartbeat is fresh by this host's clock (`now`), or None when the
+    clocks cannot tell it is alive."""
     if other_master(extras, node_id) is None:
         return None
     try:
@@ -396,7 +409,8 @@ def lease_holder(
 
 
 def liveness(extras: Mapping[str, Any]) -> tuple:
-    "What changes in the version file while its master is alive: its id, session, heartbeat and publication."
+    """What changes in the version file while its master is alive: its id, session, heartbeat and
+    publication."""
     master = extras.get("master") if isinstance(extras.get("master"), Mapping) else {}
     return (
         master.get("node_id"),
@@ -407,7 +421,8 @@ def liveness(extras: Mapping[str, Any]) -> tuple:
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #65bea25a
 class DeltaSizes:
-    "The norms per inner step of the folded deltas: each node's (per session) recent ones, the largest, and the count."
+    """The norms per inner step of the folded deltas: each node's (per session) recent ones, the
+    largest, and the count."""
 
     def __init__(
         self,
@@ -424,7 +439,8 @@ class DeltaSizes:
         self.largest, self.folded = max(self.largest, float(per_step)), self.folded + 1
 
     def reference(self, node_id: str, session: str) -> tuple[float, str] | None:
-        "The norm a delta of `node_id` is judged against, and what it is; None while there is nothing to judge by."
+        """The norm a delta of `node_id` is judged against, and what it is; None while there is
+        nothing to judge by."""
         own = list(self.recent.get((node_id, session), ()))[-4:]
         if len(own) >= 3:
             return statistics.median(
@@ -448,7 +464,8 @@ class DeltaSizes:
 
     @classmethod
     def from_json(cls, data: Any) -> "DeltaSizes":
-        "The record `to_json` wrote; an empty one for a state written before it existed (or unreadable)."
+        """The record `to_json` wrote; an empty one for a state written before it existed (or
+        unreadable)."""
         try:
             return cls(
                 {(str(n), str(s)): [float(x) for x in norms] for n, s, norms in data["recent"]},
@@ -466,13 +483,16 @@ class DeltaSizes:
 class MasterRules:
     "The settings the master's transitions follow."
 
-    round_steps: int = 500  # distributed.inner_steps: a round's length in inner steps (a delta's share is steps covered / this)
+    # distributed.inner_steps: a round's length in inner steps (a delta's share is steps covered /
+    # this)
+    round_steps: int = 500
     lr: float = 0.7
     momentum: float = 0.9
     policy: str = "delayed_nesterov"
     expected_nodes: int | None = None
     max_delta_norm_ratio: float = 10.0
-    round_wait: float = 0.0  # seconds a round waits for every node's delta before it is folded without them (0: never)
+    # seconds a round waits for every node's delta before it is folded without them (0: never)
+    round_wait: float = 0.0
     lease_timeout: float = 600.0
 
 
@@ -530,7 +550,8 @@ RECORD_VERSION = 2  # the format of `state_record`'s info
 
 
 def _buffers_from_record(template: OuterBuffers, data: Mapping[str, Any]) -> OuterBuffers:
-    "Buffers from `{momentum, pending, progress, momentum_steps, steps_at}` onto `template`'s keys and shapes (others ignored)."
+    """Buffers from `{momentum, pending, progress, momentum_steps, steps_at}` onto `template`'s keys
+    and shapes (others ignored)."""
 
     def fit(name: str) -> dict[str, torch.Tensor]:
         mine, given = getattr(template, name), data.get(name) or {}
@@ -576,7 +597,8 @@ def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Te
 
 
 def _flat(**groups: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    "One flat dict of tensors: `group/key` for each of the `groups` (a trailing `_` dropped from its name)."
+    """One flat dict of tensors: `group/key` for each of the `groups` (a trailing `_` dropped from
+    its name)."""
     return {
         f"{g.rstrip('_')}/{k}": v for g, part in groups.items() for k, v in (part or {}).items()
     }
@@ -622,7 +644,8 @@ def restored(
 def translated_record(
     data: Mapping[str, Any],
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-    "A checkpoint's outer state (this format or 2.0's) as `(info, tensors)`; None when it holds none."
+    """A checkpoint's outer state (this format or 2.0's) as `(info, tensors)`; None when it holds
+    none."""
     if not isinstance(data, Mapping) or "outer_step" not in data:
         return None
     if "version" in data:
@@ -656,7 +679,8 @@ def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
 def _reachable(
     state: MasterState, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]
 ) -> None:
-    "Refuse a delta that begins after its session's reach (`unreachable`) or in steps folded (`overlap`)."
+    """Refuse a delta that begins after its session's reach (`unreachable`) or in steps folded
+    (`overlap`)."""
     node, step = parse_delta_path(path) or (None, None)
     session = str(header.get("session", ""))
     try:
@@ -683,7 +707,8 @@ def _reachable(
     if step - covered > reach:
         raise DeltaRejected(
             "unreachable",
-            f"{path}: covers steps {step - covered + 1}..{step} of session {session!r}, whose deltas "
+            f"{path}: covers steps {step - covered + 1}..{step} of session {session!r}, whose "
+            "deltas "
             f"reached step {reach}; a node's deltas continue where its previous one ended, so "
             f"{node!r} did not write this file in that session (a forged or stray file)",
         )
@@ -730,7 +755,8 @@ def check(
 
 
 def rejected(state: MasterState, path: str, reason: str, session: str | None = None) -> MasterState:
-    "`state` after refusing the file at `path` (or finding it a duplicate): deleted with the next commit."
+    """`state` after refusing the file at `path` (or finding it a duplicate): deleted with the next
+    commit."""
     ledger = state.ledger
     node, step = parse_delta_path(path) or (None, None)
     refusals = state.refusals
@@ -749,7 +775,8 @@ def rejected(state: MasterState, path: str, reason: str, session: str | None = N
 
 
 def listed(state: MasterState, present: Collection[str]) -> MasterState:
-    "`state` after a listing of the repository's deltas: files gone meanwhile are neither deleted nor held."
+    """`state` after a listing of the repository's deltas: files gone meanwhile are neither deleted
+    nor held."""
     present = set(present)
     held = tuple(
         d
@@ -767,7 +794,8 @@ def listed(state: MasterState, present: Collection[str]) -> MasterState:
 def judge_newcomers(
     state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta]
 ) -> tuple[list[CheckedDelta], list[tuple[CheckedDelta, str, str]]]:
-    "`(kept, refused)`: the deltas of nodes lacking a history that are far larger than the others' are refused `too_large`."
+    """`(kept, refused)`: the deltas of nodes lacking a history that are far larger than the others'
+    are refused `too_large`."""
     ratio = rules.max_delta_norm_ratio
     if ratio <= 0:
         return list(accepted), []
@@ -784,7 +812,8 @@ def judge_newcomers(
                 (
                     d,
                     "too_large",
-                    f"norm per inner step {per[d.path]:.3g} is {per[d.path] / max(others):.1f}x the largest "
+                    f"norm per inner step {per[d.path]:.3g} is {per[d.path] / max(others):.1f}x "
+                    "the largest "
                     f"of the other nodes' deltas {max(others):.3g} (a new node; limit "
                     f"distributed.max_delta_norm_ratio={ratio:g})",
                 )
@@ -797,7 +826,8 @@ def judge_newcomers(
 def active_nodes(
     state: MasterState, rules: MasterRules, extra: Collection[str] = frozenset()
 ) -> int:
-    "How many nodes make one outer step: `expected_nodes`, else the nodes folded in recently (and `extra`)."
+    """How many nodes make one outer step: `expected_nodes`, else the nodes folded in recently (and
+    `extra`)."""
     if rules.expected_nodes:
         return int(rules.expected_nodes)
     known = len(state.ledger.nodes | dict.fromkeys(extra))
@@ -818,7 +848,8 @@ def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
 def round_complete(
     state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float
 ) -> bool:
-    "Whether `accepted` may be folded at `now`: no wait, a delta of every node the round waits for, or the wait is over."
+    """Whether `accepted` may be folded at `now`: no wait, a delta of every node the round waits
+    for, or the wait is over."""
     if rules.round_wait <= 0:
         return True
     present = {d.node_id for d in accepted}
@@ -841,7 +872,8 @@ def heartbeat_due(state: MasterState, rules: MasterRules, now: float) -> bool:
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #d95f4aaa
 @dataclass(frozen=True)
 class Publication:
-    "One commit the master is to make: its state once the commit went through, the files deleted, and what the fold did."
+    """One commit the master is to make: its state once the commit went through, the files deleted,
+    and what the fold did."""
 
     state: MasterState
     deletes: tuple[str, ...] = ()
@@ -860,7 +892,8 @@ class Publication:
 def _next_punctual(
     state: MasterState, rules: MasterRules, present: set[str], nodes: int, now: float
 ) -> frozenset[str] | None:
-    "Whom rounds wait for after this one: its nodes when its wait ran out short of some, else the waited-for set grows back."
+    """Whom rounds wait for after this one: its nodes when its wait ran out short of some, else the
+    waited-for set grows back."""
     if wait_ran_out(state, rules, now) and len(present) < nodes:
         return frozenset(present)
     if state.punctual is None:
@@ -876,7 +909,8 @@ def fold(
     now: float,
     full_rounds: bool = True,
 ) -> tuple[MasterState, Publication | None, list[tuple[CheckedDelta, str, str]]]:
-    "`(state, publication, refused)` for one pass's accepted deltas (see above); `now` is this host's clock."
+    """`(state, publication, refused)` for one pass's accepted deltas (see above); `now` is this
+    host's clock."""
     if not accepted:
         return state, None, []
     if full_rounds and not round_complete(state, rules, accepted, now):
@@ -918,7 +952,8 @@ def fold(
         problem = (
             "too_large",
             (
-                f"folding it would move the global model by {moved:.3g} per inner step, {moved / scale:.3g}x its own "
+                f"folding it would move the global model by {moved:.3g} per inner step, "
+                f"{moved / scale:.3g}x its own "
                 f"norm {scale:.3g} (limit distributed.max_delta_norm_ratio={ratio:g})"
             ),
         )
@@ -976,7 +1011,8 @@ def conflict_verdict(
     repo_outer_step: int,
     repo_extras: Mapping[str, Any],
 ) -> str:
-    "After a refused commit of `publication` onto version `parent_step`: `published` (it went through), `retry` (only nodes committed) or `stop`."
+    """After a refused commit of `publication` onto version `parent_step`: `published` (it went
+    through), `retry` (only nodes committed) or `stop`."""
     if repo_extras.get("publication") == publication:
         return "published"
     master = repo_extras.get("master") if isinstance(repo_extras.get("master"), Mapping) else {}
@@ -1000,7 +1036,8 @@ def cleanup(state: MasterState) -> Publication:
 
 
 def bootstrap(state: MasterState) -> Publication:
-    "The first publication on an empty repository: the master's global as version 0 (or its local version, if it has one)."
+    """The first publication on an empty repository: the master's global as version 0 (or its local
+    version, if it has one)."""
     return Publication(
         replace(state, outer_step=max(state.outer_step, 0)),
         (),
@@ -1055,7 +1092,8 @@ def adopted(
 def still_waiting(
     state: MasterState, rules: MasterRules, final_step: int, own: str
 ) -> tuple[set[str], bool]:
-    "`(nodes whose last delta is not in, whether enough nodes are done)` for the final round of master `own`."
+    """`(nodes whose last delta is not in, whether enough nodes are done)` for the final round of
+    master `own`."""
     nodes = state.ledger.nodes
     waiting_for = state.ledger.active(state.outer_step, window=2 * max(1, len(nodes)) + 1) - {own}
     done = {  # a node's final delta says it is done; a 2.0 node (no sessions) says nothing
@@ -1074,7 +1112,8 @@ def still_waiting(
 
 
 def final_gaps(state: MasterState, own: str, session: str, final_step: int) -> list[str]:
-    "What the published global lacks of master `own`'s (node `session`) and accepted steps, in words."
+    """What the published global lacks of master `own`'s (node `session`) and accepted steps, in
+    words."""
     gaps = []
     folded = state.ledger.nodes.get(own, {}).get("sessions", {}).get(session)
     if folded is not None and folded < final_step:  # its session reached the global, not to the end
@@ -1119,12 +1158,14 @@ def run_conflict(ours: str, theirs: str, version: int, fresh: bool, overwrite: b
 
 
 def run_file(path: str) -> bool:
-    "Whether repository `path` is the run's (`--overwrite` deletes it): under `global/` or `nodes/`."
+    """Whether repository `path` is the run's (`--overwrite` deletes it): under `global/` or
+    `nodes/`."""
     return path.startswith(("global/", "nodes/"))
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #a8070367
 class MasterOuterLoop:
-    "The master's outer loop: find, check and fold deltas, publish the global model (one commit), repeat."
+    """The master's outer loop: find, check and fold deltas, publish the global model (one commit),
+    repeat."""
 
     def __init__(
         self,
@@ -1145,7 +1186,8 @@ class MasterOuterLoop:
         max_delta_norm_ratio: float = 10.0,
         lease_timeout: float = 600.0,
         round_wait: float = 0.0,
-        final_round_timeout: float = 300.0,  # s a final round left by a killed run waits, at `stop()`
+        # s a final round left by a killed run waits, at `stop()`
+        final_round_timeout: float = 300.0,
         fresh: bool = False,  # a new run: a new run id, the local records of an earlier run deleted
         overwrite: bool = False,  # a fresh master deletes the files of the run a repository holds
         clock: Callable[[], float] = time.monotonic,
@@ -1153,7 +1195,8 @@ class MasterOuterLoop:
     ):
         if staleness not in STALENESS_POLICIES:
             raise ValueError(
-                f"unknown staleness policy {staleness!r}; use one of {', '.join(STALENESS_POLICIES)}"
+                f"unknown staleness policy {staleness!r}; use one of "
+                f"{', '.join(STALENESS_POLICIES)}"
             )
         self.transport, self.logger, self.on_global_update, self.clock, self.wall_clock = (
             hub,
@@ -1179,7 +1222,9 @@ class MasterOuterLoop:
             float(lease_timeout),
         )
         self.state = master_state(state)
-        self.revision = None  # the revision this master last listed: an unchanged head means nothing new (never its own commit)
+        # the revision this master last listed: an unchanged head means nothing new (never its own
+        # commit)
+        self.revision = None
         self.unfetched: set[str] = (
             set()
         )  # listed deltas that could not be fetched: tried again each pass, said once
@@ -1260,7 +1305,9 @@ def _promote(self: MasterOuterLoop) -> None:
         os.replace(nxt, cur)
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #323ad2fa
-PUBLISH_PATIENCE_S = 60.0  # how long a publication keeps retrying while nodes' commits move the head (then the round is postponed)
+# how long a publication keeps retrying while nodes' commits move the head (then the round is
+# postponed)
+PUBLISH_PATIENCE_S = 60.0
 
 
 @patch
@@ -1272,7 +1319,8 @@ def _commit(
     version: int,
     message: str,
 ) -> str:
-    "One guarded commit through the transport; the keywords a transport of the 2.0 contract lacks are left out."
+    """One guarded commit through the transport; the keywords a transport of the 2.0 contract lacks
+    are left out."""
     extra, params = (
         {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)},
         inspect.signature(self.transport.publish).parameters,
@@ -1286,7 +1334,8 @@ def _commit(
 
 @patch
 def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoState:
-    "Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns the new repository state."
+    """Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns
+    the new repository state."""
     prepared = replace(pub.state, publication=uuid.uuid4().hex)
     version, out, beat = (
         prepared.outer_step,
@@ -1349,13 +1398,15 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
     self._promote()
     with self.lock:
         self.state = on_published(prepared, pub.deletes, self.clock())
-    self.revision = None  # the next round lists again: the new head is this master's commit, which it never listed
+    # the next round lists again: the new head is this master's commit, which it never listed
+    self.revision = None
     return new
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #e2496e14
 @patch
 def start_master(self: MasterOuterLoop) -> RepoState:
-    "Reconcile local state and repository; bootstrap or adopt. Returns the repository state afterwards."
+    """Reconcile local state and repository; bootstrap or adopt. Returns the repository state
+    afterwards."""
     if callable(getattr(self.transport, "open", None)):
         self.transport.open(create=True, private=True)
     repo = self.transport.state()
@@ -1371,7 +1422,8 @@ def start_master(self: MasterOuterLoop) -> RepoState:
     if holder:
         raise HubError(
             f"{self._where()} belongs to master {holder}; only one master may publish. "
-            f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it stopped"
+            f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it "
+            "stopped"
         )
     if other_master(repo.extras, self.node_id):
         repo = self._outwait_lease(repo)
@@ -1395,7 +1447,8 @@ def start_master(self: MasterOuterLoop) -> RepoState:
             self._log(
                 "warning",
                 f"local outer state is at version {self.state.outer_step}, {self._where()} at "
-                f"{repo.outer_step}; adopting the repository's global model and ledger (outer momentum restarts)",
+                f"{repo.outer_step}; adopting the repository's global model and ledger (outer "
+                "momentum restarts)",
             )
         self.transport.fetch(
             GLOBAL_MODEL_PATH,
@@ -1406,8 +1459,10 @@ def start_master(self: MasterOuterLoop) -> RepoState:
         path.unlink()
         if problem := state_misfit(self.state.global_state, remote):
             raise HubError(
-                f"the global model (version {repo.outer_step}) in {self._where()} does not fit this master's "
-                f"model: {problem}; every node must train the same model (compare the model sections of the configs)"
+                f"the global model (version {repo.outer_step}) in {self._where()} does not fit "
+                "this master's "
+                f"model: {problem}; every node must train the same model (compare the model "
+                "sections of the configs)"
             )
         chosen = adopted(
             self.state,
@@ -1428,7 +1483,8 @@ def start_master(self: MasterOuterLoop) -> RepoState:
 
 @patch
 def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
-    "Take over another master's repository only after its version file stayed unchanged for `lease_timeout` s here."
+    """Take over another master's repository only after its version file stayed unchanged for
+    `lease_timeout` s here."""
     other, seen, start, lease = (
         other_master(repo.extras, self.node_id),
         liveness(repo.extras),
@@ -1445,8 +1501,10 @@ def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
         repo = self.transport.state()
         if liveness(repo.extras) != seen:
             raise HubError(
-                f"{self._where()} belongs to master {other_master(repo.extras, self.node_id) or other!r}: "
-                f"it published while {self.node_id!r} watched; only one master may publish. Stop it, or wait "
+                f"{self._where()} belongs to master "
+                f"{other_master(repo.extras, self.node_id) or other!r}: "
+                f"it published while {self.node_id!r} watched; only one master may publish. Stop "
+                "it, or wait "
                 f"distributed.lease_timeout={lease:g} s after it stopped"
             )
     return repo
@@ -1617,7 +1675,8 @@ def _quarantine(
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #e3ee59cc
 @patch
 def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
-    "Raise `HubError` unless the repository is at this master's version (or one it published without hearing back)."
+    """Raise `HubError` unless the repository is at this master's version (or one it published
+    without hearing back)."""
     if (
         repo.outer_step == self.state.outer_step
         and (repo.extras.get("publication") or "") == self.state.publication
@@ -1636,7 +1695,8 @@ def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
             self.state = on_published(prepared, (), self.clock())
         self._log(
             "warning",
-            f"version {repo.outer_step} was published although no answer came back; continuing from it",
+            f"version {repo.outer_step} was published although no answer came back; continuing "
+            "from it",
         )
         if self.on_global_update is not None:
             self.on_global_update(self.state.global_state, self.state.outer_step)
@@ -1650,7 +1710,8 @@ def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
 
 @patch
 def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
-    "One round: collect, fold and publish (with `round_wait`, only a full round unless `full_rounds` is False). Returns the outer step."
+    """One round: collect, fold and publish (with `round_wait`, only a full round unless
+    `full_rounds` is False). Returns the outer step."""
     head = (
         self.transport.head_revision()
         if callable(getattr(self.transport, "head_revision", None))
@@ -1711,8 +1772,10 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     ):
         self._log(
             "info",
-            f"outer step {self.state.outer_step}: folded {len(pub.state.punctual)} of {pub.nodes} nodes' deltas after waiting "
-            f"{self.rules.round_wait:g} s for the rest; until the others send again, rounds wait only for {sorted(pub.state.punctual)}",
+            f"outer step {self.state.outer_step}: folded {len(pub.state.punctual)} of {pub.nodes} "
+            "nodes' deltas after waiting "
+            f"{self.rules.round_wait:g} s for the rest; until the others send again, rounds wait "
+            f"only for {sorted(pub.state.punctual)}",
         )
     self._after_round(pub, found, self._received() - received)
     return self.state.outer_step
@@ -1766,7 +1829,8 @@ def start(self: MasterOuterLoop) -> None:
 
 @patch
 def wake(self: MasterOuterLoop) -> None:
-    "Look at the repository now rather than at the next poll (the master's own node has just sent a delta)."
+    """Look at the repository now rather than at the next poll (the master's own node has just sent
+    a delta)."""
     self._wake.set()
 
 
@@ -1792,12 +1856,14 @@ def _run(self: MasterOuterLoop) -> None:
 
 @patch
 def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
-    "Stop the loop thread (a running round waited for up to `timeout` s); first a final round that is due."
+    """Stop the loop thread (a running round waited for up to `timeout` s); first a final round that
+    is due."""
     self._halt(timeout)
     if (due := self.final_due) is not None and not self._final_tried:
         self._log(
             "warning",
-            f"the last publication (version {self.state.outer_step}) is not this master's final one: "
+            f"the last publication (version {self.state.outer_step}) is not this master's final "
+            "one: "
             f"the run ended during its final round; running it now",
         )
         self.finish(due, self.final_round_timeout)
@@ -1821,7 +1887,8 @@ def finish(
     interval: float | None = None,
     stop: threading.Event | None = None,  # set (e.g. by SIGTERM): end the wait at once
 ) -> int:
-    "The final round: fold until every node's last delta is in; the final version, or `HubError` naming what it lacks."
+    """The final round: fold until every node's last delta is in; the final version, or `HubError`
+    naming what it lacks."""
     self._final_tried = True
     self._stop.set()
     self._wake.set()
@@ -1894,7 +1961,8 @@ def finish(
         self._log(
             "warning",
             f"final round: no final delta from {names or 'some of the expected nodes'} within "
-            f"distributed.final_round_timeout={timeout:g} s; those steps are not in the final global model",
+            f"distributed.final_round_timeout={timeout:g} s; those steps are not in the final "
+            "global model",
         )
     return self.state.outer_step
 
@@ -1933,7 +2001,8 @@ def state_dict(self: MasterOuterLoop) -> dict[str, Any]:
 
 @patch
 def load_state_dict(self: MasterOuterLoop, state: Mapping[str, Any]) -> None:
-    "Use a checkpoint's outer state (this format or 2.0's) when the state directory has none (it is reconciled with the repository at start)."
+    """Use a checkpoint's outer state (this format or 2.0's) when the state directory has none (it
+    is reconciled with the repository at start)."""
     record = translated_record(state) if self.state.outer_step < 0 and state else None
     if record is not None:
         with self.lock:

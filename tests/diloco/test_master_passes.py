@@ -160,7 +160,8 @@ def test_final_round_waits_for_a_longer_workers_final_delta(tmp_path):
 
 
 def test_final_round_names_a_worker_whose_final_delta_never_came(tmp_path):
-    "The round's deadline passes without a worker's final delta: one warning names it and its steps."
+    """The round's deadline passes without a worker's final delta: one warning names it and its
+    steps."""
     repo, log = tmp_path / "repo", Lines()
     m = master(tmp_path, SharedDirectory(repo, retry=RetryPolicy(0.001, 0.01, 2)), log)
     send(repo, "a", 10, inner=10, base=0)

@@ -1,5 +1,7 @@
-"""Optimizer builder and LR schedule: resume through real files, parity with plain PyTorch (AdamW and
-torch.optim.Muon), Newton–Schulz properties, routing, Muon+, cautious masking, GradScaler, lazy optional
+"""Optimizer builder and LR schedule: resume through real files, parity with plain PyTorch (AdamW
+and
+torch.optim.Muon), Newton–Schulz properties, routing, Muon+, cautious masking, GradScaler, lazy
+optional
 imports (subprocesses), shipped configs and the reference model."""
 
 import copy
@@ -57,7 +59,8 @@ class TinyLM(nn.Module):
 
 
 def config(**optimizer) -> SpeedtronicConfig:
-    "A real config: AdamW at 1e-2 (plus `optimizer`), a cosine schedule of 6 steps with 2 of warmup."
+    """A real config: AdamW at 1e-2 (plus `optimizer`), a cosine schedule of 6 steps with 2 of
+    warmup."""
     return SpeedtronicConfig.from_dict(
         {
             "optimizer": {
@@ -286,7 +289,8 @@ def reference(n_layer=1):
 @pytest.mark.parametrize("scale", ["original", "match_rms_adamw"])
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24), (20, 20), (1, 9), (9, 1)])
 def test_muon_matches_torch_muon(scale, shape):
-    "Same gradients into our Muon and torch.optim.Muon: the weights agree to bf16 Newton–Schulz noise."
+    """Same gradients into our Muon and torch.optim.Muon: the weights agree to bf16 Newton–Schulz
+    noise."""
     torch.manual_seed(2)
     ours, theirs = nn.Parameter(torch.randn(*shape)), nn.Parameter(torch.zeros(*shape))
     with torch.no_grad():
@@ -311,9 +315,12 @@ def test_muon_matches_torch_muon(scale, shape):
 
 
 def test_muon_matches_torch_muon_on_a_model():
-    """A model's hidden matrices and real (low-rank) gradients, several steps. Against torch.optim.Muon's documented
-    update (sum momentum, Nesterov g + mu*B) computed in float64 ours agrees to 1e-3; against torch.optim.Muon itself,
-    whose Newton–Schulz runs in bf16, to its bf16 noise (larger on the faint directions of a low-rank gradient)."""
+    """A model's hidden matrices and real (low-rank) gradients, several steps. Against
+    torch.optim.Muon's documented
+    update (sum momentum, Nesterov g + mu*B) computed in float64 ours agrees to 1e-3; against
+    torch.optim.Muon itself,
+    whose Newton–Schulz runs in bf16, to its bf16 noise (larger on the faint directions of a
+    low-rank gradient)."""
     ours_model, theirs_model = reference(2), reference(2)
     ours = [p for _, p in route_parameters(ours_model).muon]
     theirs = [p for _, p in route_parameters(theirs_model).muon]
@@ -513,7 +520,8 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("variant", OPTIMIZERS)
 def test_grad_scaler_step_equals_plain_step_and_skips_inf(variant):
-    "A GradScaler (power-of-two scale) gives bit-identical updates, and skips an update with an inf gradient."
+    """A GradScaler (power-of-two scale) gives bit-identical updates, and skips an update with an
+    inf gradient."""
     x = torch.randint(0, 64, (2, 16))
     plain_model, scaled_model = reference(), reference()
     plain = build_optimizer(plain_model, {**OPTIMIZERS[variant], "lr": 1e-2}, "cpu")
