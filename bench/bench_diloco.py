@@ -23,8 +23,7 @@ as a 2.0 user
 shards. A whole-round row with float32 deltas (directory) beside the bfloat16 one shows what the
 smaller wire format
 costs. Wire rows give the bytes of one delta of this model in each delta dtype (the library's own
-encoding).
-The one table printed at the end is the place the docs cite measured DiLoCo numbers from.
+encoding). The one table printed at the end is the place the docs cite measured DiLoCo numbers from.
 
     python bench/bench_diloco.py
     # baseline, directory and Hub runs, 3 seeds (tens of minutes on 2 cores)

@@ -1,6 +1,5 @@
 """Optimizers on real text: held-out loss at equal tokens, each at its best learning rate and at one
-shared rate,
-plus the time per training step of each next to AdamW's.
+shared rate, plus the time per training step of each next to AdamW's.
 
     python bench/bench_optimizers.py
     # default: about 10-15 minutes on 2 CPU cores
@@ -21,8 +20,7 @@ config's 5e-3) is the "one config lr for every optimizer" column; the sweep pick
 best lr. Muon
 with 2.0's update scale is run at the shared lr only, to show what 2.0's default did.
 Step times are measured side by side afterwards: the variants take turns, a few steps each, over
-several rounds,
-and the median of each is divided by AdamW's.
+several rounds, and the median of each is divided by AdamW's.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ fsdp side by side.
     fsdp
 
 Every rank keeps the same micro batch and accumulation, so N processes train a global batch N times
-larger
-(weak scaling, how data parallelism is used). Each run trains the config through this script
+larger (weak scaling, how data parallelism is used). Each run trains the config through this script
 (`--worker`:
 `build_runtime` and `fit`, as `speedtronic train` does; the 1-process run without torchrun, the
 others under
@@ -25,15 +24,13 @@ scaling
 efficiency `tokens/s(N) / (N x tokens/s(1))`, then the training state of its largest rank (weights,
 gradients and optimizer
 state: the shards under fsdp) and its peak memory, each also as a fraction of the ddp job's with the
-same
-number of processes (`fsdp/ddp`). The peak is, on CUDA
+same number of processes (`fsdp/ddp`). The peak is, on CUDA
 `torch.cuda.max_memory_allocated()` of the training (weights, gradients, optimizer state,
 activations); on CPU
 the rank's peak resident memory (`resource` max RSS) above what it held once its modules were
 imported, so
 the interpreter and torch's own libraries are left out (it also counts activations, communication
-buffers and
-what the allocator keeps, so on CPU it says less than the state column).
+buffers and what the allocator keeps, so on CPU it says less than the state column).
 
 On CPU the processes share the machine's cores, so expect little: the one process gets every core as
 threads (OMP_NUM_THREADS = cores), each of N processes gets cores / N, so the jobs compute with the

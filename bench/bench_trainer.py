@@ -14,8 +14,7 @@ a breakdown of
 where they go (each piece timed on its own; the rest is Python calls and the loop's structure), and
 the peak resident
 memory of each loop measured in its own subprocess (target: trainer adds < 10%). Where CUDA is
-available it
-also compares bf16 autocast with and without torch.compile.
+available it also compares bf16 autocast with and without torch.compile.
 """
 
 from __future__ import annotations

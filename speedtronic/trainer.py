@@ -110,8 +110,7 @@ class SyncCoordinator(Protocol):
     returns True after it pushed or installed weights, and only when its `reset_inner_optimizer`
     setting is on.
     `state_dict()` is saved in every checkpoint and given back through `load_state_dict` (or, when
-    the
-    coordinator has one, `prepare_state` before `start()`) on resume. An optional `finish(model,
+    the coordinator has one, `prepare_state` before `start()`) on resume. An optional `finish(model,
     step)` runs once
     after the last step of a `fit` that made updates, before the final checkpoint (DiLoCo's final
     round)."""

@@ -737,8 +737,7 @@ def per_outer_step(records: Iterable[Any]) -> list[Any]:
 @patch
 def plot(self: DeltaNormView, values: dict[str, Any]) -> None:
     """The chapter's `plot_delta_norms` on this view's figure: the chosen node, layer and outer
-    steps,
-    one point per node and step."""
+    steps, one point per node and step."""
     from speedtronic.distributed.norms import plot_delta_norms
 
     if self.load_error is not None:

@@ -1,8 +1,7 @@
 """A loopback stand-in for the Hugging Face Hub, for tests and benchmarks.
 
 It speaks the HTTP endpoints the real `huggingface_hub` client (2.x) calls for what Speedtronic uses
-—
-`whoami` (each token's role, `read` or `write`),
+— `whoami` (each token's role, `read` or `write`),
 repo create/info (with the private flag), tree listing, preupload, NDJSON commits with a
 `parentCommit` check (412 on conflict) and file deletions, and `resolve` downloads at a revision —
 and it can inject faults: status codes (5xx, 429, ...), timeouts, dropped connections, truncated

@@ -1,8 +1,7 @@
 """Build the documentation site offline into docs/ (a page per notebook, with show_doc API tables).
 
 Quarto is not installable everywhere, so this does nbdev's part of `nbdev_docs` by hand and hands
-the
-rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
+the rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
 
 1. nbdev's own preprocessing (`proc_nbs`) writes the notebooks to `_proc/` with `show_doc` cells
    executed into markdown API tables and directives applied (we call it directly because
@@ -30,11 +29,9 @@ rendering to MkDocs (mkdocs-material + mkdocs-jupyter):
    the reference.
 
 `NAV` is the one source of the grouping: Quarto's sidebar (`nbs/sidebar.yml`, which `nbdev_docs`
-reads;
-settings.ini has `custom_sidebar = True` so nbdev leaves it alone) is written from it too
+reads; settings.ini has `custom_sidebar = True` so nbdev leaves it alone) is written from it too
 (`python tools/build_docs.py --sidebar` writes only that file, `--check-sidebar` exits 1 when it is
-stale),
-so where Quarto exists `nbdev_docs` renders the same user guide, reference and internals.
+stale), so where Quarto exists `nbdev_docs` renders the same user guide, reference and internals.
 """
 
 import html as html_lib
@@ -467,8 +464,7 @@ def public_names() -> dict[str, list[str]]:
 def summary(module: str, name: str) -> str:
     """What `name` (`Class.method` too) of `module` is, in one line: its docstring's first paragraph
     (a docstring wrapped to fit 100 columns is joined); for a constant, the comment on its line,
-    else
-    its value."""
+    else its value."""
     import importlib, inspect
 
     obj, owner = importlib.import_module(module), None

@@ -85,8 +85,7 @@ def test_samples_never_change_training_and_repeat_exactly(tmp_path):
     """The same run without samples, with greedy samples and with sampled ones (temperature 1) has
     the same
     losses and final weights to the bit; each evaluation (steps 5, 10, 15 and the end) writes one
-    `sample`
-    event per prompt, the same text in a second run, and TensorBoard gets each as the text
+    `sample` event per prompt, the same text in a second run, and TensorBoard gets each as the text
     `samples/<i>`."""
     plain_losses, plain_weights = train(run_config(tmp_path, "plain"))
     prompts = ["the ", "a"]
@@ -133,8 +132,7 @@ def test_samples_at_a_temperature_are_top_k_draws_seeded_by_the_run(tmp_path):
     """At `eval.sample_temperature: 0.8` the run's last sample is what `generate` draws from the
     final model
     at 0.8 among the 40 most likely tokens with the run's seed (not from all 128); the same seed
-    repeats it,
-    another seed draws another text."""
+    repeats it, another seed draws another text."""
     texts = {}
     for name, seed in (("hot", 7), ("again", 7), ("other", 8)):
         raw = run_config(

@@ -5,8 +5,7 @@ project's code: two checkpoint runs (AdamW and 2.0's hybrid Muon, stopped at ste
 schedule)
 and the final state of a 2.0 DiLoCo repository. Each test copies what it needs to a temporary folder
 and leaves the fixtures as they are. The expected values come from the fixture files themselves,
-read
-with plain `torch.load` / `safetensors` and checked against plain PyTorch, never from our own
+read with plain `torch.load` / `safetensors` and checked against plain PyTorch, never from our own
 writers.
 """
 
@@ -207,8 +206,7 @@ def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
     """`speedtronic train --resume` with `max_steps: 12` goes on from 2.0's step 8: step 9 has the
     LR 2.0 would have
     used next, the counters continue 2.0's, the 2.0 moments keep counting (step 12 in the final
-    checkpoint), and
-    2.0's files and log lines are kept as they were."""
+    checkpoint), and 2.0's files and log lines are kept as they were."""
     folder, out = RUNS[optimizer]
     work = copy_fixture(folder, tmp_path)
     with_max_steps(work / "config.yaml", 12)

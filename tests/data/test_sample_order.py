@@ -2,12 +2,10 @@
 batch 8.
 
 Real processes under torchrun on CPU (gloo), the real CLI, for every kind of source: real English
-prose
-(a text stream read front to back), a prepared token file (random access, shuffled), synthetic
+prose (a text stream read front to back), a prepared token file (random access, shuffled), synthetic
 tokens
 (map-style, shuffled), and a `datasets` dataset saved to disk, in memory and streamed. The 2-rank
-job
-reads with `data.num_workers` 0 and 2; the one process reads with none: the order depends on
+job reads with `data.num_workers` 0 and 2; the one process reads with none: the order depends on
 neither.
 
 Why a tolerance at all (see tests/test_parallel.py for the arithmetic): the ranks add the same

@@ -1,8 +1,7 @@
 """DumbDiLoCo end to end: master + workers as real `speedtronic train` processes over a shared
 directory and
 over the loopback Hub stand-in (the real `huggingface_hub` client), with faults, kill -9 and resume,
-bad deltas,
-a bounded repository, and failures that must stop a run at once."""
+bad deltas, a bounded repository, and failures that must stop a run at once."""
 
 from __future__ import annotations
 

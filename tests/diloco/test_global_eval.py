@@ -3,8 +3,7 @@ a real
 `speedtronic train` process over a shared directory, both with an `eval` source; the master writes
 one
 `global_eval` per published version, the last equal to `evaluate` on the published file loaded on
-its own,
-and the worker writes none."""
+its own, and the worker writes none."""
 
 from __future__ import annotations
 
@@ -111,8 +110,7 @@ def test_the_global_evaluator_reads_its_own_copy_of_the_held_out_side(tmp_path):
     """A loader keeps the start of its pass on the dataset it reads (`_loader_start`), and the
     master's global evaluator
     reads on its own thread while training evaluates: the two loaders must not share one held-out
-    dataset object
-    (they share its tokens)."""
+    dataset object (they share its tokens)."""
     from speedtronic.runtime import build_runtime
 
     cfg = node_config(

@@ -4,8 +4,7 @@ writer gets 409 "Another commit operation is in progress"), allows so many commi
 with
 `Retry-After` and `RateLimit`), and `repo_info` may answer a head a few seconds stale. None of these
 ends a node: it waits as told, reads the head afresh and tries again, and no delta is dropped. A
-token
-the Hub refuses (401, 403) still ends the node at once with one line.
+token the Hub refuses (401, 403) still ends the node at once with one line.
 
 Everything goes through the real `huggingface_hub` client against the loopback stand-in
 (tests/hub_server.py) with its limits turned on, and the run below is three real `speedtronic train`

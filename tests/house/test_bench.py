@@ -64,10 +64,8 @@ def test_bench_trainer_prints_the_ratio_the_overhead_and_its_breakdown():
 
 def test_bench_recipe_prints_our_held_out_loss_and_cpu_seconds_beside_nanogpts(tmp_path):
     """bench/bench_recipe.py, 4 steps of nanoGPT's CPU recipe on a small prose file (the last tenth
-    held
-    out), prints the recipe's token count, our held-out loss and CPU-seconds, and the recorded
-    reference;
-    a missing text file is one line and exit 2."""
+    held out), prints the recipe's token count, our held-out loss and CPU-seconds, and the recorded
+    reference; a missing text file is one line and exit 2."""
     words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
     text = tmp_path / "prose.txt"
     text.write_text(

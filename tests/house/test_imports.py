@@ -1,6 +1,5 @@
 """The package's import graph, read from the source (every `import`, also those inside functions):
-no module
-imports one of a higher layer (DESIGN.md's table), and no import circle."""
+no module imports one of a higher layer (DESIGN.md's table), and no import circle."""
 
 import ast
 from pathlib import Path

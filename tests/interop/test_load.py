@@ -3,8 +3,7 @@ exported transformers folder; `generate`/`export` read a DiLoCo global; `model.i
 architecture from the folder; `speedtronic[hf]` brings transformers.
 
 Every model here was trained by real `speedtronic train` processes (a DiLoCo master and worker over
-a
-shared directory for the global), or written by Speedtronic 2.0 (the shared fixtures).
+a shared directory for the global), or written by Speedtronic 2.0 (the shared fixtures).
 """
 
 import shutil

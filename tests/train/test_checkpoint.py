@@ -546,8 +546,7 @@ def _globals_a_real_index_names() -> set:
 
 def test_the_sharded_index_reader_reaches_no_callable_but_the_index_records():
     """The corpus: every global reachable by a dotted path from each module the index reader allows,
-    and
-    each such global through the real unpickler. Only the exact records, sizes, dtypes and paths
+    and each such global through the real unpickler. Only the exact records, sizes, dtypes and paths
     load."""
     import importlib
     import pickle

@@ -1,8 +1,7 @@
 """Held-out evaluation in real runs: it never changes training (bit for bit, also across kill -9 and
 resume),
 the held-out blocks are never trained on, a torchrun job splits the held-out batches and reduces
-them once,
-and bad `eval` settings give one clear line."""
+them once, and bad `eval` settings give one clear line."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def test_eval_with_kill9_and_resume_trains_bit_identically_to_no_eval(tmp_path, 
     """A run with evaluation every 3 steps (dropout 0.1, so a model left in eval mode or a used
     random
     generator would show), killed with SIGKILL and resumed, has the losses and final weights of a
-    run without
-    evaluation, to the bit."""
+    run without evaluation, to the bit."""
     ref_dir = tmp_path_factory.mktemp("no-eval")
     ref = resume_config(ref_dir, "ref", workers=0, text=True, every=STEPS)
     finish(start(ref))

@@ -1,8 +1,6 @@
 """Optimizer builder and LR schedule: resume through real files, parity with plain PyTorch (AdamW
-and
-torch.optim.Muon), Newton–Schulz properties, routing, Muon+, cautious masking, GradScaler, lazy
-optional
-imports (subprocesses), shipped configs and the reference model."""
+and torch.optim.Muon), Newton–Schulz properties, routing, Muon+, cautious masking, GradScaler, lazy
+optional imports (subprocesses), shipped configs and the reference model."""
 
 import copy
 import os
