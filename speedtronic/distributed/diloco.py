@@ -1170,8 +1170,27 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
         self._log(
             "warning", f"master cannot reach the repository now, retrying in the background: {e}"
         )
+    self._grant_collaborators()
     if self.outer.outer_step >= 0:
         self._published(*self.outer.snapshot())
+
+
+@patch
+def _grant_collaborators(self: DumbDiLoCoCoordinator) -> None:
+    """Give each `distributed.collaborators` name write access (2.0's master start); what cannot
+    be granted is one warning, and the run goes on."""
+    failed: list[tuple[str, BaseException]] = []
+    for user in self.config.collaborators:
+        try:
+            grant = getattr(self.transport, "add_collaborator", None)
+            if not callable(grant):
+                raise HubError(f"{self._where()} grants nothing: share it by its own permissions")
+            grant(user, permission="write")
+        except Exception as e:
+            failed.append((user, e))
+    if failed:
+        users = ", ".join(user for user, _ in failed)
+        self._log("warning", f"distributed.collaborators: {users} not granted: {failed[0][1]}")
 
 
 @patch

@@ -36,7 +36,8 @@ from speedtronic.distributed.transport import (
 )
 
 # %% auto #0
-__all__ = ['HubTransport', 'token_source', 'classify_hub_error', 'server_wait', 'HubClient', 'write_problem']
+__all__ = ['HubTransport', 'COLLABORATOR_PERMISSIONS', 'token_source', 'classify_hub_error', 'server_wait', 'HubClient',
+           'write_problem']
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #971b4d24
 def token_source(token: str | None) -> str:
@@ -564,6 +565,32 @@ def delta_paths(self: HubClient) -> list[str]:
 def global_metadata(self: HubClient) -> GlobalMetadata | None:
     "What `global/step_count.json` says, or None before the first publication."
     return self.state().metadata
+
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #grant0ex
+COLLABORATOR_PERMISSIONS = ("read", "write", "admin")
+
+
+@patch
+def add_collaborator(self: HubClient, user: str, permission: str = "write") -> None:
+    "Give `user` `permission` on the repository through the api's `add_collaborator` (2.0's call)."
+    if permission not in COLLABORATOR_PERMISSIONS:
+        raise ValueError(
+            f"permission must be one of {', '.join(COLLABORATOR_PERMISSIONS)}, got {permission!r}"
+        )
+    if not self._offers("add_collaborator"):
+        raise HubError(
+            f"cannot add {user} to {self.describe()}: huggingface_hub's HfApi has no "
+            "add_collaborator; add them on the Hub (the repository's Settings) or through an "
+            "organisation"
+        )
+    grant = self.api.add_collaborator
+    try:
+        grant(user, repo_id=self.repo_id, repo_type="model", permission=permission)
+    except TypeError as first:
+        try:
+            grant(user, self.repo_id, permission)
+        except Exception:
+            raise first from None
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #b451a4b6
 def __dir__() -> list[str]:

@@ -242,3 +242,26 @@ def test_a_node_with_a_read_only_token_stops_at_start_in_one_line_before_trainin
         server.stop()
     error_line(rc, err, out, "read-only token", "org/ro", "HF_TOKEN", "write access")
     assert not jsonl_records(tmp_path / "n1" / "metrics.jsonl")  # not one step trained
+
+
+# -- distributed.collaborators: 2.0's grant at the master's start ---------------------------------
+def test_a_master_that_cannot_grant_its_collaborators_warns_once_and_trains_on(tmp_path, hub):
+    "huggingface_hub's HfApi has no add_collaborator: one warning names the users and the way out."
+    master = launch(
+        node_config(
+            tmp_path,
+            "m",
+            "master",
+            repo="org/collab",
+            transport="hub",
+            steps=10,
+            collaborators=["ana", "bo"],
+        ),
+        hub_env(hub),
+    )
+    rc, err, out = ended(master)
+    assert rc == 0, err[-3000:]
+    said = [line for line in (out + err).splitlines() if "distributed.collaborators" in line]
+    assert len(said) == 1, said
+    assert "ana, bo not granted" in said[0] and "has no add_collaborator" in said[0], said
+    assert "Traceback" not in err
