@@ -12,13 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from safetensors import safe_open
 from test_diloco_node_faults import ended, node_config  # noqa: F401
 
 from conftest import ROOT, cli_env, jsonl_records, ok, run_cli
+from test_node_trust import _wait_for
 
 
 def _launch(cfg: Path, *extra: str) -> subprocess.Popen:
@@ -43,15 +43,6 @@ def _version_file(repo: Path) -> dict:
 def _header(repo: Path) -> dict:
     with safe_open(str(repo / "global" / "latest.safetensors"), "pt") as f:
         return dict(f.metadata() or {})
-
-
-def _wait_for(predicate, procs, timeout: float = 300, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for p in procs:
-            assert p.poll() is None, f"{what}: a node ended early: {p.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.2)
 
 
 def _kill(*procs: subprocess.Popen) -> list[str]:
