@@ -1010,6 +1010,12 @@ class GroupCoordinator:
         if self.inner is not None and state:
             self.inner.load_state_dict(state)
 
+    def set_target(self, step: int) -> None:
+        "The step the fit trains to, for rank 0's coordinator (the delta of that step is its last)."
+        set_target = getattr(self.inner, "set_target", None)
+        if callable(set_target):
+            set_target(step)
+
     def prepare_state(self, state: dict | None) -> None:
         """Give a checkpoint's coordinator state to rank 0's coordinator before `start` (when it can
         take it so)."""

@@ -833,7 +833,7 @@ def _final_round_left(trainer: Trainer) -> None:
     node = getattr(trainer.coordinator, "inner", trainer.coordinator)
     if getattr(node, "role", None) != "master":
         return
-    trainer._start_coordinator()  # with the checkpoint's node state (its session)
+    trainer._start_coordinator(trainer.step)  # with the checkpoint's node state (its session)
     outer = getattr(node, "outer", None)
     if outer is not None:
         outer.final_round_timeout = float(trainer.config.distributed.final_round_timeout)

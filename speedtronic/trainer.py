@@ -110,10 +110,12 @@ class SyncCoordinator(Protocol):
     returns True after it pushed or installed weights, and only when its `reset_inner_optimizer`
     setting is on.
     `state_dict()` is saved in every checkpoint and given back through `load_state_dict` (or, when
-    the coordinator has one, `prepare_state` before `start()`) on resume. An optional `finish(model,
-    step)` runs once
-    after the last step of a `fit` that made updates, before the final checkpoint (DiLoCo's final
-    round)."""
+    the coordinator has one, `prepare_state` before `start()`) on resume.
+
+    Optional methods, called when the coordinator has them: `set_target(step)` before `start()`,
+    with the step this `fit` trains to (a DiLoCo node marks the delta of that step as its last);
+    `finish(model, step)` once after the last step of a `fit` that made updates, before the final
+    checkpoint (DiLoCo's final round)."""
 
     def start(self) -> None: ...
     def after_optimizer_step(self, model: Any, step: int) -> bool | None: ...
@@ -1217,13 +1219,16 @@ def _evaluate(self: Trainer, run: _FitState) -> None:
 
 # %% ../nbs/train/06_trainer.ipynb #49b4ceb7
 @patch
-def _start_coordinator(self: Trainer) -> None:
+def _start_coordinator(self: Trainer, target: int) -> None:
     """Start the coordinator once, giving it resumed state (staged before `start()` when it can take
     it so)."""
     if self.coordinator is None or self._coordinator_started:
         return
     state, self._deferred_coordinator = self._deferred_coordinator, None
     prepare = getattr(self.coordinator, "prepare_state", None)
+    set_target = getattr(self.coordinator, "set_target", None)  # optional (see `SyncCoordinator`)
+    if callable(set_target):
+        set_target(target)
     if state is not None and callable(prepare):
         prepare(state)
         state = None
@@ -1474,7 +1479,7 @@ def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
     failed = None
     try:
         if self.step < run.target:
-            self._start_coordinator()
+            self._start_coordinator(run.target)
         self.logger.emit("train_start", self._train_start_payload(run))
         with self._ctrl_c_after_update(run):
             self._train_to_target(run)

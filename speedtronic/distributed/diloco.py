@@ -489,6 +489,7 @@ class DumbDiLoCoCoordinator:
             None  # the poll's newest global: (version, tensors, folded step)
         )
         self._rebase: tuple[int, dict, int] | None = None  # a global held until the step it holds
+        self.target_step: int | None = None  # the step the fit trains to (`set_target`)
         self._threads, self._uploading = (
             [],
             None,
@@ -844,6 +845,13 @@ class SyncResult:
 
 
 @patch
+def set_target(self: DumbDiLoCoCoordinator, step: int) -> None:
+    """The step the trainer's `fit` trains to: the delta sent at that step is marked as this node's
+    last, so a master's final round need not wait for another."""
+    self.target_step = int(step)
+
+
+@patch
 def after_optimizer_step(
     self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int
 ) -> SyncResult:
@@ -859,7 +867,8 @@ def after_optimizer_step(
         self.state = replace(self.state, step=int(step))
     boundary, pushed = step % self.inner_steps == 0, False
     if boundary:
-        pushed = self._send(step)  # a step a held global holds: no delta (`already_folded`)
+        last = self.target_step is not None and step >= self.target_step
+        pushed = self._send(step, final=last)  # a step a held global holds: no delta
     installed = [self._install_rebase(boundary)]
     if boundary and self.config.boundary_wait > 0:
         installed += self._await_fold()

@@ -205,3 +205,50 @@ def test_a_refused_publication_keeps_its_deltas_checked(tmp_path):
     assert sorted(log.folded()) == [("a", 10), ("b", 10)]
     assert transport.fetched == {delta_path("a", 10): 1, delta_path("b", 10): 1}
     assert SharedDirectory(repo).list_deltas() == []  # both folded and removed
+
+
+def test_a_worker_whose_last_step_ends_a_round_sends_that_delta_as_its_last(tmp_path):
+    """A worker trained to a step that ends a round sends the delta of that step marked final (the
+    trainer gives the coordinator its target), so the master's final round ends at once instead of
+    waiting `final_round_timeout` for a final delta that would never come."""
+    from speedtronic.config import DistributedConfig
+    from speedtronic.distributed import DumbDiLoCoCoordinator
+    from speedtronic.distributed.tensors import read_metadata
+
+    repo, log = tmp_path / "repo", Lines()
+    m = master(tmp_path, SharedDirectory(repo, retry=RetryPolicy(0.001, 0.01, 2)), log)
+    m.start()
+    model = torch.nn.Linear(4, 3)
+    worker = DumbDiLoCoCoordinator(
+        DistributedConfig(
+            enabled=True,
+            role="worker",
+            node_id="w",
+            transport="directory",
+            repo_id=str(repo),
+            inner_steps=2,
+            poll_interval=0.05,
+            async_delta_upload=False,
+            delta_dtype="float32",
+        ),
+        model,
+        state_dir=tmp_path / "w-state",
+    )
+    worker.set_target(4)
+    worker.start()
+    try:
+        for step in range(1, 5):
+            with torch.no_grad():
+                model.weight.add_(1e-3)
+            worker.after_optimizer_step(model, step)
+        assert read_metadata(repo / delta_path("w", 4)).get("final") == "true"
+        assert read_metadata(repo / delta_path("w", 2)).get("final") != "true"
+        assert m.finish(4, timeout=60.0, interval=0.01) >= 1
+    finally:
+        worker.stop()
+        m.stop()
+    assert not [x for x in log.lines if "final round: waiting" in x], log.lines
+    assert not [x for x in log.lines if "not in the final global" in x], log.lines
+    assert m.ledger.nodes["w"]["final"] and m.ledger.nodes["w"]["sessions"] == {
+        worker.state.session: 4
+    }
