@@ -49,7 +49,8 @@ def _stop(*procs: subprocess.Popen) -> None:
 def test_a_worker_that_trains_on_after_its_master_ended_exits_2_naming_the_steps_no_global_holds(
     tmp_path,
 ):
-    "The master trains 10 steps and ends; the worker trains 40: its last deltas reach no global."
+    """The master trains 10 steps and waits half a second in its final round (a worker's final delta
+    is waited for only that long); the worker trains 40: its last deltas reach no global."""
     repo = _share(tmp_path)
     master = launch(
         node_config(
@@ -61,7 +62,7 @@ def test_a_worker_that_trains_on_after_its_master_ended_exits_2_naming_the_steps
             steps=10,
             expected_nodes=2,
             boundary_wait=20,
-            final_round_timeout=20,
+            final_round_timeout=0.5,
         )
     )
     worker = launch(
@@ -72,7 +73,7 @@ def test_a_worker_that_trains_on_after_its_master_ended_exits_2_naming_the_steps
             repo=repo,
             transport="directory",
             steps=40,
-            boundary_wait=20,
+            boundary_wait=2,
             final_round_timeout=3,
         )
     )
