@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -545,9 +546,11 @@ def _globals_a_real_index_names() -> set:
 
 
 def test_the_sharded_index_reader_reaches_no_callable_but_the_index_records():
-    """The corpus: every global reachable by a dotted path from each module the index reader allows,
-    and each such global through the real unpickler. Only the exact records, sizes, dtypes and paths
-    load."""
+    """The corpus: every global reachable by a dotted path from each module the index reader allows
+    (every module of its allowed pairs, torch for its dtypes, and every module a real index names),
+    each through the real unpickler by both opcodes that name a global (protocol 4's STACK_GLOBAL
+    and protocol 0's GLOBAL, whose names Python 2 compatibility maps). Only the exact records,
+    sizes, dtypes and paths load."""
     import importlib
     import pickle
     from speedtronic.checkpoint import _INDEX_GLOBALS, _Forbidden, _IndexUnpickler
@@ -557,33 +560,42 @@ def test_the_sharded_index_reader_reaches_no_callable_but_the_index_records():
         if len(s.encode()) < 256
         else b"\x8d" + len(s.encode()).to_bytes(8, "little") + s.encode()
     )
+    opcodes = {
+        "STACK_GLOBAL": lambda m, n: b"\x80\x04" + text(m) + text(n) + b"\x93.",
+        "GLOBAL": lambda m, n: b"c" + m.encode() + b"\n" + n.encode() + b"\n.",
+    }
     allowed_objects = {id(getattr(importlib.import_module(m), n)) for m, n in _INDEX_GLOBALS}
+    allowed_modules = {m for m, _ in _INDEX_GLOBALS} | {"torch"}
     modules = sorted(
-        {m for m, _ in _globals_a_real_index_names()} | {"torch.distributed.checkpoint"}
+        allowed_modules
+        | {m for m, _ in _globals_a_real_index_names()}
+        | {"torch.distributed.checkpoint"}
     )
-    tried = loaded = 0
+    tried, loaded = 0, Counter()
     for module_name in modules:
         module = importlib.import_module(module_name)
         for dotted, _ in _reachable_names(module):
-            data = b"\x80\x04" + text(module_name) + text(dotted) + b"\x93."
-            tried += 1
-            try:
-                got = _IndexUnpickler(io.BytesIO(data)).load()
-            except _Forbidden:
-                continue
-            loaded += 1
-            assert id(got) in allowed_objects or isinstance(got, torch.dtype), (
-                module_name,
-                dotted,
-                got,
-            )
-            assert "." not in dotted and not (callable(got) and id(got) not in allowed_objects), (
-                module_name,
-                dotted,
-            )
+            for opcode, payload in opcodes.items():
+                if opcode == "GLOBAL" and "\n" in dotted:
+                    continue  # a GLOBAL's name ends at its newline
+                tried += 1
+                try:
+                    got = _IndexUnpickler(io.BytesIO(payload(module_name, dotted))).load()
+                except _Forbidden:
+                    continue
+                loaded[opcode] += 1
+                assert id(got) in allowed_objects or isinstance(got, torch.dtype), (
+                    opcode,
+                    module_name,
+                    dotted,
+                    got,
+                )
+                assert "." not in dotted and not (
+                    callable(got) and id(got) not in allowed_objects
+                ), (opcode, module_name, dotted)
     dtypes = sum(isinstance(v, torch.dtype) for v in vars(torch).values())
-    expected = sum(m in modules for m, _ in _INDEX_GLOBALS) + dtypes
-    assert tried > 10_000 and loaded == expected, (tried, loaded, expected)
+    expected = len(_INDEX_GLOBALS) + dtypes  # every allowed pair loads, by either opcode
+    assert tried > 20_000 and loaded == {o: expected for o in opcodes}, (tried, loaded, expected)
 
 
 def test_each_checkpoint_has_its_hash_record_and_retention_removes_it(tmp_path):
