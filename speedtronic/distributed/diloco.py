@@ -56,6 +56,7 @@ from speedtronic.distributed.transport import (
     RetryPolicy,
     SharedDirectory,
     describe_repository,
+    node_transport,
 )
 from ..trainer import TrainingInterrupted
 from ..files import atomic_write_text
@@ -464,7 +465,7 @@ class DumbDiLoCoCoordinator:
             threading.Event(),
         )
         self.transport = (
-            hub
+            node_transport(hub)  # one offering only 2.0's calls: a node's calls over them
             if hub is not None
             else build_transport(
                 cfg,

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import random
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -24,6 +26,7 @@ from speedtronic.distributed.tensors import (
     GLOBAL_METADATA_PATH,
     GLOBAL_MODEL_PATH,
     GlobalMetadata,
+    load_safetensors,
     parse_delta_path,
     parse_step_count,
     read_metadata,
@@ -32,7 +35,7 @@ from ..files import TEMP_NAME, atomic_write
 
 # %% auto #0
 __all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavailable', 'PublishConflict', 'RepoMissing',
-           'RetryPolicy', 'RepoState', 'TransferCounts', 'describe_repository', 'SharedDirectory']
+           'RetryPolicy', 'RepoState', 'TransferCounts', 'describe_repository', 'node_transport', 'SharedDirectory']
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #358d078b
 class HubError(ExpectedError, RuntimeError):
@@ -153,6 +156,66 @@ def describe_repository(transport: Any) -> str:
         if callable(describe)
         else f"repository {getattr(transport, 'repo_id', type(transport).__name__)}"
     )
+
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #095eac2b
+class _V2Calls:
+    "A node's `state`, `fetch` and `upload` over a transport offering only 2.0's calls."
+
+    def __init__(self, transport: Any):
+        self.transport, self._seen = transport, None  # _seen: the metadata `state()` last read
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("transport", "_seen"):
+            raise AttributeError(name)
+        return getattr(self.transport, name)
+
+    def describe(self) -> str:
+        return describe_repository(self.transport)
+
+    def state(self, revision: str | None = None) -> RepoState:
+        read = getattr(self.transport, "read_json", None)
+        if callable(read):
+            data = read(GLOBAL_METADATA_PATH)
+            meta, extras = (None, {}) if data is None else parse_step_count(json.dumps(data))
+        else:
+            meta, extras = self.transport.global_metadata(), {}
+        self._seen = meta
+        if meta is None:
+            return RepoState("none")
+        return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras)
+
+    def fetch(self, path: str, local: str | os.PathLike, revision: str | None = None) -> Path:
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        if path == GLOBAL_MODEL_PATH and callable(getattr(self.transport, "download_global", None)):
+            self.transport.download_global(local, self._seen)
+        else:
+            self.transport.download(path, local)
+        return local
+
+    def upload(self, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
+        send = getattr(self.transport, "upload_delta", None)
+        for path, local in files.items():
+            delta = parse_delta_path(path)
+            if delta is None or not callable(send):
+                self.transport.upload(local, path)
+                continue
+            header = read_metadata(local)
+            with tempfile.TemporaryDirectory(dir=Path(local).parent) as work:
+                send(
+                    load_safetensors(local),
+                    node_id=delta[0],
+                    local_step=delta[1],
+                    base_outer_step=int(header.get("base_outer_step", -1)),
+                    work_dir=work,
+                    metadata=header,
+                )
+
+
+def node_transport(transport: Any) -> Any:
+    """`transport` when its `state` is a call, else `transport` behind a node's calls made of 2.0's
+    (`read_json`/`global_metadata`, `download_global`/`download`, `upload_delta`/`upload`)."""
+    return transport if callable(getattr(transport, "state", None)) else _V2Calls(transport)
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #affea04e
 _STALE_TEMP_S = 3600.0  # a temp file this old was left by a killed writer
