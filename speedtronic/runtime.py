@@ -462,11 +462,25 @@ def schedule_note(trainer: Trainer, state: Mapping[str, Any]) -> str | None:
         return None
     new = float(trainer.optimizer.param_groups[0]["lr"])
     horizon = resolve_schedule(trainer.config, max_steps=trainer.max_steps).max_steps
-    return (
+    note = (
         f"resume: the target is step {trainer.max_steps}, not {saved_target} as when step "
         f"{trainer.step} was saved, so the learning-rate schedule is stretched to end at step "
         f"{horizon}: the rate goes from {old:.2e} to {new:.2e} at step {trainer.step + 1}, "
         "and follows that schedule from there"
+    )
+    if not isinstance(saved_target, int):
+        return note
+    try:  # the schedule the run had, to name its horizon
+        before = resolve_schedule(trainer.config, max_steps=saved_target)
+    except ConfigError:  # a warmup written since that the old horizon cannot hold
+        return note
+    if before.name != "cosine":
+        return note
+    floor = float(sched.base_lrs[0]) * before.min_lr_ratio
+    return (  # --max-steps sets the horizon too, so the config says both
+        f"{note}; to keep the old horizon instead, resume without --max-steps from a config with "
+        f"run.max_steps: {trainer.max_steps} and scheduler.max_steps: {before.max_steps} (the "
+        f"rate then stays at its floor, {floor:.2e}, after step {before.max_steps})"
     )
 
 # %% ../nbs/app/01_runtime.ipynb #721fb952

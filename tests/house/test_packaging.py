@@ -30,6 +30,7 @@ def wheel(tmp_path_factory) -> Path:
         timeout=300,
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    (out / "build.log").write_text(res.stdout + res.stderr)  # what the build printed
     (built,) = out.glob("speedtronic-*.whl")
     return built
 
@@ -56,6 +57,22 @@ def test_wheel_contents(wheel):
         wheel.name.startswith(f"speedtronic-{speedtronic.__version__}-")
         and speedtronic.__version__ == "2.1.0"
     )
+
+
+def test_the_license_is_an_spdx_expression_and_the_build_prints_no_warning(wheel):
+    """The metadata declares `License-Expression: Apache-2.0` and no license classifier, so the
+    build (and every install, which builds it) prints no setuptools deprecation warning."""
+    names = zipfile.ZipFile(wheel).namelist()
+    metadata = (
+        zipfile.ZipFile(wheel)
+        .read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+        .decode()
+        .splitlines()
+    )
+    assert "License-Expression: Apache-2.0" in metadata, metadata[:30]
+    assert not [line for line in metadata if line.startswith("Classifier: License ::")], metadata
+    said = (wheel.parent / "build.log").read_text()
+    assert "deprecated" not in said.lower() and "Warning" not in said, said[-3000:]
 
 
 def test_installed_configs_are_readable(wheel, tmp_path):

@@ -391,6 +391,40 @@ def test_a_plain_resume_trains_on_to_the_target_it_was_given(cosine_run):
         assert abs(lrs[step] - want) < 1e-12, (step, lrs[step], want)
 
 
+def test_a_stretched_schedule_says_how_to_keep_the_old_horizon(tmp_path):
+    """A finished 4-step cosine extended with --max-steps 10: the note names the stretch and
+    the config that keeps the old horizon (run.max_steps: 10, scheduler.max_steps: 4, no
+    --max-steps, which sets both); a run resumed so trains steps 5-10 at the floor (1e-3 x 0.1)
+    and gets no note."""
+    runs = {}
+    for name in ("stretched", "kept"):
+        tmp = tmp_path / name
+        tmp.mkdir()
+        corpus(tmp / "a.txt")
+        (tmp / "press_hook.py").write_text(PRESS)
+        cosine = {"name": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}
+        write(tmp, model={"imports": ["press_hook"]}, run={"max_steps": 4}, scheduler=cosine)
+        ok(run_in(tmp))
+        runs[name] = tmp
+    proc = ok(run_in(runs["stretched"], "--resume", "--max-steps", "10"))
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "is stretched" in line]
+    assert len(said) == 1, proc.stdout + proc.stderr
+    assert said[0].endswith(
+        "to keep the old horizon instead, resume without --max-steps from a config with "
+        "run.max_steps: 10 and scheduler.max_steps: 4 (the rate then stays at its floor, "
+        "1.00e-04, after step 4)"
+    ), said
+
+    tmp = runs["kept"]
+    kept = {"name": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1, "max_steps": 4}
+    write(tmp, model={"imports": ["press_hook"]}, run={"max_steps": 10}, scheduler=kept)
+    proc = ok(run_in(tmp, "--resume"))  # as the note says
+    assert "is stretched" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    lrs = {r["step"]: r["lr"] for r in steps(tmp / "metrics.jsonl")}
+    assert sorted(lrs) == list(range(1, 11)), sorted(lrs)
+    assert all(abs(lrs[s] - 1e-4) < 1e-12 for s in range(5, 11)), lrs
+
+
 def in_a_terminal(tmp: Path, *args: str) -> str:
     "What a terminal shows of `speedtronic train --config cfg.yaml --device cpu ARGS` run in `tmp`."
     import pty
