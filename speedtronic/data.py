@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import itertools
 import os
 import pickle
@@ -50,15 +51,16 @@ from speedtronic.tokens import (
 )
 
 # %% auto #0
-__all__ = ['SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'group_share', 'StreamStart', 'BlockStream',
+__all__ = ['SOURCE_READERS', 'SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'group_share', 'StreamStart', 'BlockStream',
            'TextFileTokenDataset', 'epoch_seed', 'TokenArrayDataset', 'TokenFileDataset', 'check_vocab',
            'TensorRowsDataset', 'dataset_from_object', 'load_serialized_dataset', 'collate_causal', 'collate_batch',
            'infinite_batches', 'lazy_permutation', 'EpochSampler', 'ResumableDataLoader', 'content_fingerprint',
            'file_fingerprint', 'array_fingerprint', 'source_identity', 'identity_differences', 'resolve_vocab_size',
-           'select_dataset', 'known_samples', 'check_loader_settings', 'build_dataloader', 'TOKEN_FILE_FORMAT',
-           'TOKEN_FILE_VERSION', 'CharTokenizer', 'DataError', 'DataWarning', 'HFTokenizer', 'PreparedTokens',
-           'check_data_file', 'encode_text', 'load_tokenizer', 'prepare_token_file', 'read_text', 'read_token_sidecar',
-           'source_files', 'text_pieces', 'text_segments', 'token_dtype', 'token_sidecar', 'tokenizer_spec']
+           'source_reader', 'select_dataset', 'known_samples', 'check_loader_settings', 'build_dataloader',
+           'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'CharTokenizer', 'DataError', 'DataWarning', 'HFTokenizer',
+           'PreparedTokens', 'check_data_file', 'encode_text', 'load_tokenizer', 'prepare_token_file', 'read_text',
+           'read_token_sidecar', 'source_files', 'text_pieces', 'text_segments', 'token_dtype', 'token_sidecar',
+           'tokenizer_spec']
 
 # %% ../nbs/data/02_data.ipynb #b9778730
 _all_ = [
@@ -1294,6 +1296,18 @@ def resolve_vocab_size(data: DataConfig, vocab_size: int | None = None) -> int:
         )
     return int(written or vocab_size or data.vocab_size or ModelConfig().vocab_size)
 
+# %% ../nbs/data/02_data.ipynb #b7d43f90
+SOURCE_READERS: dict[str, str] = {  # data.<key> -> the reader of that source, `module:function`
+    "hf_dataset": "speedtronic.hf_datasets:hf_dataset_source",
+}
+
+
+def source_reader(key: str) -> Callable[..., Any]:
+    """The reader of the source `data.<key>` names: called as `read(data, block_size, *,
+    tokenizer, vocab_size, seed)`, it returns the dataset."""
+    module, _, name = SOURCE_READERS[key].partition(":")
+    return getattr(importlib.import_module(module), name)
+
 # %% ../nbs/data/02_data.ipynb #e0a1fb64
 def _block_size(data: DataConfig) -> int:
     return data.block_size or ModelConfig().max_seq_len
@@ -1319,10 +1333,9 @@ def select_dataset(
         return TokenFileDataset(
             data.token_file, block, shuffle=data.shuffle, seed=seed, vocab_size=vocab
         )
-    if data.hf_dataset:  # the Hugging Face datasets chapter; `datasets` is imported only here
-        from speedtronic.hf_datasets import hf_dataset_source
-
-        return hf_dataset_source(data, block, tokenizer=tokenizer, vocab_size=vocab, seed=seed)
+    if data.hf_dataset:  # read by the Hugging Face datasets chapter, above this one
+        read = source_reader("hf_dataset")
+        return read(data, block, tokenizer=tokenizer, vocab_size=vocab, seed=seed)
     source = data.dataset
     if isinstance(source, (Dataset, IterableDataset)):
         return source

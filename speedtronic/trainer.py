@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import enum
 import html
 import inspect
 import math
@@ -807,6 +808,15 @@ def resume(
     self._report_changed_settings(applied)
 
 # %% ../nbs/train/06_trainer.ipynb #8d435c8f
+class _CtrlCPhase(enum.Enum):
+    "What the SIGINT handler of one `fit` call does with a Ctrl-C now."
+
+    ACTS = "acts"  # raised at once
+    WAITS = "waits"  # from an update until its step is counted and recorded: one is held
+    HELD = "held"  # one came while waiting; it is raised once the step is complete
+    AFTER_EVAL = "after_eval"  # the held one waits for this step's held-out eval too
+
+
 @dataclass
 class _FitState:
     "What one `fit` call keeps while it runs."
@@ -828,9 +838,7 @@ class _FitState:
     # every rank leaves the loop at this same point (an agreed stop, an error raised by all), so all
     # can join its save
     together: bool = False
-    deferring: bool = False  # from an update until its step is counted and recorded: a Ctrl-C waits
-    held: bool = False  # a Ctrl-C came while deferring; it is raised once the step is complete
-    stop_after_eval: bool = False  # a held Ctrl-C waits for this step's held-out eval too
+    ctrl_c: _CtrlCPhase = _CtrlCPhase.ACTS  # what a Ctrl-C does now
     last_loss: float | None = None  # loss of the newest recorded step
     unwritten: dict | None = None  # the newest record, when the logging cadence skipped it
     evals: list = field(default_factory=list)  # this call's `eval` records
@@ -1037,8 +1045,8 @@ def _ctrl_c_after_update(self: Trainer, run: _FitState) -> Iterator[None]:
     previous = signal.getsignal(signal.SIGINT)
 
     def handler(signum, frame):
-        if run.deferring and not run.held:
-            run.held = True
+        if run.ctrl_c is _CtrlCPhase.WAITS:
+            run.ctrl_c = _CtrlCPhase.HELD
             return
         if callable(previous):
             return previous(signum, frame)
@@ -1067,9 +1075,9 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
     while True:
         loss, tokens, samples, micro = self._accumulate(run)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        run.deferring = run.updating = (
-            True  # until the step is counted and recorded, a Ctrl-C waits
-        )
+        if run.ctrl_c is _CtrlCPhase.ACTS:
+            run.ctrl_c = _CtrlCPhase.WAITS  # until the step is counted and recorded, a Ctrl-C waits
+        run.updating = True
         reason, loss_value, norm = self._apply_update(loss, run.params)
         if reason is None:
             run.boundary = None  # the RNG/data position of this step is taken once it completes
@@ -1084,9 +1092,11 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
             self._pending.append(
                 _PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter())
             )
-        run.deferring = run.updating = False
-        if run.held and reason is not None:
-            run.held = False
+        if run.ctrl_c is _CtrlCPhase.WAITS:
+            run.ctrl_c = _CtrlCPhase.ACTS
+        run.updating = False
+        if run.ctrl_c is _CtrlCPhase.HELD and reason is not None:
+            run.ctrl_c = _CtrlCPhase.ACTS
             raise KeyboardInterrupt
         if reason is None:
             break
@@ -1107,10 +1117,12 @@ def _train_one_step(self: Trainer, run: _FitState) -> None:
         self.model, self.step
     ):
         self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
-    if run.held:
-        run.held = False
+    if run.ctrl_c is _CtrlCPhase.HELD:
+        run.ctrl_c = _CtrlCPhase.ACTS
         if self._eval_owed == self.step < run.target and self.world.size == 1:
-            run.stop_after_eval = True  # the step's held-out eval runs first, then the stop
+            run.ctrl_c = (
+                _CtrlCPhase.AFTER_EVAL
+            )  # the step's held-out eval runs first, then the stop
         else:
             raise KeyboardInterrupt  # the Ctrl-C that waited for this step
 
@@ -1303,7 +1315,7 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
             self._flush(run)
         if self.evaluator is not None and self.evaluator.due(self.step) and self.step < run.target:
             self._evaluate(run)
-        if run.stop_after_eval:
+        if run.ctrl_c is _CtrlCPhase.AFTER_EVAL:
             raise KeyboardInterrupt  # the Ctrl-C that waited for this step and its eval
         if run.keep_boundary:
             run.boundary = self._boundary_state()

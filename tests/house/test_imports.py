@@ -2,6 +2,9 @@
 no module imports one of a higher layer (DESIGN.md's table), and no import circle."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,11 +34,6 @@ LAYERS = {  # a module imports only modules of its own layer or below
 # one that is
 # gone must leave this tuple (so it cannot come back unnoticed).
 KNOWN_EXCEPTIONS: tuple[tuple[str, str], ...] = ()
-# A module's optional part, split out so that its third-party library loads only when it is used:
-# the part imports its
-# parent, and the parent imports the part only inside the one function that needs it (checked
-# below).
-OPTIONAL_PARTS = {("data", "hf_datasets")}
 
 
 def module_name(path: Path, package: Path) -> str:
@@ -116,10 +114,7 @@ def upward_imports(graph: dict[str, set[str]], allowed=KNOWN_EXCEPTIONS) -> list
 def circles(graph: dict[str, set[str]], allowed=KNOWN_EXCEPTIONS) -> list[list[str]]:
     "The import circles (strongly connected groups of more than one module), Tarjan's algorithm."
     edges = {
-        a: {
-            b for b in targets if (_top(a), _top(b)) not in allowed and (a, b) not in OPTIONAL_PARTS
-        }
-        for a, targets in graph.items()
+        a: {b for b in targets if (_top(a), _top(b)) not in allowed} for a, targets in graph.items()
     }
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
@@ -191,15 +186,29 @@ def test_a_circle_is_found():
     assert upward_imports(graph) == ["progress (layer 2) imports widgets (layer 4)"]
 
 
-def test_an_optional_part_is_imported_by_its_parent_only_inside_functions():
-    """`data` reaches `hf_datasets` (and with it `datasets`) only when a run asks for that source,
-    never at import."""
-    for parent, part in OPTIONAL_PARTS:
-        tree = ast.parse((PACKAGE / f"{parent}.py").read_text(encoding="utf-8"))
-        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        assert not [n for n in top if part in ast.unparse(n)], (
-            f"{parent} imports {part} at module level"
-        )
-        assert part in import_graph()[parent], (
-            f"{parent} no longer imports {part}: remove it from OPTIONAL_PARTS"
-        )
+def test_data_imports_no_datasets_chapter():
+    """`data` imports `hf_datasets` nowhere, not even inside a function: `hf_datasets` builds on
+    `data`, and `data` reaches its reader only by the name in `SOURCE_READERS`."""
+    tree = ast.parse((PACKAGE / "data.py").read_text(encoding="utf-8"))
+    found = [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and "hf_datasets" in ast.unparse(n)
+    ]
+    assert found == []
+    assert "hf_datasets" not in import_graph()["data"]
+    assert "data" in import_graph()["hf_datasets"]
+
+
+def test_importing_data_loads_no_datasets_library():
+    "`datasets` (and the chapter that reads it) load only when a run asks for `data.hf_dataset`."
+    code = (
+        "import sys, speedtronic.data as d; "
+        "print(sorted(m for m in ('datasets', 'speedtronic.hf_datasets') if m in sys.modules)); "
+        "d.source_reader('hf_dataset'); print('speedtronic.hf_datasets' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["[]", "True"]
