@@ -280,6 +280,7 @@ def _coordinator(
     world: World | None = None,
     resume: bool | None = None,  # False: a new DiLoCo run; True: one continued (`--resume`)
     overwrite: bool = False,  # a new run that deletes the earlier run's records (`--overwrite`)
+    loader: Any = None,  # the node's data loader: what it reads in file order goes in its deltas
 ) -> Any:
     """The DiLoCo coordinator `distributed.enabled` asks for (its state where `run_paths` puts it),
     or `None`; in a torchrun job rank 0's."""
@@ -288,6 +289,7 @@ def _coordinator(
     if problem := distributed_problem(config):
         raise ConfigError(problem)
     from speedtronic.distributed import DumbDiLoCoCoordinator
+    from speedtronic.distributed.diloco import data_fingerprint
 
     build = lambda module: DumbDiLoCoCoordinator(
         config.distributed,
@@ -296,6 +298,7 @@ def _coordinator(
         logger=logger,
         resume=resume,
         overwrite=overwrite,
+        data_fingerprint=None if loader is None else data_fingerprint(loader),
     )
     if world is None or world.size == 1:
         return build(model)
@@ -658,7 +661,7 @@ def _build_components(
         optimizer = build_optimizer(model, config, dev, logger=logger)
         target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
-        coordinator = _coordinator(config, model, logger, world, resume, overwrite)
+        coordinator = _coordinator(config, model, logger, world, resume, overwrite, loader)
         trainer = Trainer(
             model,
             optimizer,

@@ -32,7 +32,7 @@ from speedtronic.config import (
 )
 from .hub import HubClient
 from ..paths import node_id
-from .outer import Ledger, MasterOuterLoop
+from .outer import DATA_HEADER, Ledger, MasterOuterLoop
 from .budget import HUB_TIERS, HubBudget, budget_from_config, hub_limits
 from speedtronic.distributed.tensors import (
     GLOBAL_MODEL_PATH,
@@ -67,8 +67,8 @@ __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'S
            'on_upload_failed', 'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait',
            'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning',
            'outer_momentum_warning', 'warn_outer_momentum', 'final_global_model', 'node_summary', 'NodeShard',
-           'shard_loader', 'node_data_config', 'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning',
-           'measure_step_time', 'warn_commit_rate']
+           'shard_loader', 'node_data_config', 'data_fingerprint', 'hub_commits_per_hour', 'hub_budget_of',
+           'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -445,9 +445,10 @@ class DumbDiLoCoCoordinator:
         logger: Any = None,
         resume: bool | None = None,  # False: a new run (CLI without --resume); None: not said (2.0)
         overwrite: bool = False,  # a new run deleting the earlier run's records (--overwrite)
+        data_fingerprint: str | None = None,  # what it reads in file order (`data_fingerprint`)
     ):
         self.config = cfg = as_section(config, DistributedConfig)
-        self.model, self.logger = model, logger
+        self.model, self.logger, self.data_fingerprint = model, logger, data_fingerprint
         self.node_id, self.role = node_id(cfg), resolve_role(cfg)
         self.inner_steps, self.poll_interval = (
             int(cfg.inner_steps),
@@ -612,6 +613,8 @@ def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
     )
     if self.state.run_id:
         header = {**header, "run_id": self.state.run_id}  # a master of another run refuses it
+    if self.data_fingerprint:
+        header = {**header, DATA_HEADER: self.data_fingerprint}  # the master compares the nodes'
     try:
         self._ensure_open()
         save_safetensors(job.delta, local, header)
@@ -1554,27 +1557,19 @@ def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     d, data = config.distributed, config.data
     if not d.enabled or d.shard_count:
         return data
-    in_file_order = (
-        []
-        if data.shuffle
-        else [
-            f"data.{k} {str(v)!r}"
-            for k in ("text_path", "token_file", "dataset")
-            if isinstance(v := getattr(data, k), (str, os.PathLike)) and str(v)
-        ]
-    )
-    if in_file_order:  # unshuffled: every node reads it in one order
-        warnings.warn(
-            f"distributed: this node reads {in_file_order[0]} in file order, whatever its seed: "
-            "nodes reading the same file train "
-            "on the same data in the same order; give each node its own file, or set "
-            "distributed.shard_count and "
-            "distributed.shard_index per node, or data.shuffle: true",
-            DistributedWarning,
-            stacklevel=2,
-        )
     offset = int(hashlib.sha256(node_id(d).encode()).hexdigest()[:8], 16)
     return replace(data, seed=(int(data.seed or 0) + offset) % 2**31)
+
+
+def data_fingerprint(loader: Any) -> str | None:
+    """What a node's `loader` reads in file order (`<sha256 prefix>:file-order`, for its deltas'
+    headers); None when it shuffles, reads a shard or holds no fixed content."""
+    if isinstance(loader, NodeShard) or getattr(loader, "shuffle", False):
+        return None
+    identity = loader.source() if callable(getattr(loader, "source", None)) else {}
+    if identity.get("data.shuffle") or not identity.get("content"):
+        return None
+    return f"{hashlib.sha256(str(identity['content']).encode()).hexdigest()[:16]}:file-order"
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #d25bc310
 HUB_COMMITS_PER_HOUR = HUB_TIERS["free"].commits_per_hour  # the Hub's limit per repository

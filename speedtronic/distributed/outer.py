@@ -54,14 +54,14 @@ from speedtronic.distributed.transport import (
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'PUBLISH_PATIENCE_S', 'QUARANTINE_KEPT',
-           'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied', 'OuterUpdate',
-           'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder', 'liveness', 'DeltaSizes',
-           'MasterRules', 'MasterState', 'master_state', 'state_record', 'restored', 'translated_record', 'check',
-           'rejected', 'listed', 'judge_newcomers', 'active_nodes', 'wait_ran_out', 'round_complete', 'round_due',
-           'heartbeat_due', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup',
-           'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata',
-           'run_conflict', 'run_file', 'MasterOuterLoop', 'quarantine_record']
+__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'PUBLISH_PATIENCE_S', 'DATA_HEADER',
+           'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied',
+           'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder', 'liveness',
+           'DeltaSizes', 'MasterRules', 'MasterState', 'master_state', 'state_record', 'restored', 'translated_record',
+           'check', 'rejected', 'listed', 'judge_newcomers', 'active_nodes', 'wait_ran_out', 'round_complete',
+           'round_due', 'heartbeat_due', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat',
+           'cleanup', 'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity',
+           'weights_metadata', 'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data', 'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
@@ -1242,6 +1242,7 @@ class MasterOuterLoop:
             self.state = self._read_local() or self.state
         self.final_round_timeout, self._final_tried = float(final_round_timeout), False
         self._pass = threading.Lock()  # held through each pass: one pass of this master at a time
+        self.data_of, self._same_data_said = {}, False  # each node's `data` header (`_note_data`)
 
     outer_step = property(
         lambda self: self.state.outer_step, doc="The published version (-1 before the first)."
@@ -1530,6 +1531,34 @@ def _start_over(self: MasterOuterLoop, repo: RepoState) -> RepoState:
     self._publish(repo, replace(bootstrap(start), deletes=old))
     return self.transport.state()
 
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #21beab4d
+DATA_HEADER = "data"  # a delta header's key: what its node reads in file order (absent: no order)
+
+
+def same_data(seen: Mapping[str, str], node: str, data: str) -> str | None:
+    "The other node in `seen` (`{node: its data fingerprint}`) that reads `data` too, else None."
+    if not data:
+        return None
+    return next((n for n, theirs in seen.items() if n != node and theirs == data), None)
+
+
+@patch
+def _note_data(self: MasterOuterLoop, node: str, header: Mapping[str, str]) -> None:
+    "Keep what `node` reads (its delta `header`'s `data`); warn once when another node reads it too."
+    data = str(header.get(DATA_HEADER) or "")
+    if not data or self._same_data_said:
+        return
+    other, self.data_of = same_data(self.data_of, node, data), {**self.data_of, node: data}
+    if other is not None:
+        self._same_data_said = True
+        self._log(
+            "warning",
+            f"distributed: nodes {other!r} and {node!r} read the same data in the same order "
+            f"({data}): they train on the same batches, the work of one node; give each node its "
+            "own file, or set distributed.shard_count and distributed.shard_index per node, or "
+            "data.shuffle: true",
+        )
+
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #24d8f318
 @patch
 def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta], int]:
@@ -1585,6 +1614,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
             continue
         finally:
             local.unlink(missing_ok=True)
+        self._note_data(d.node_id, header)
         if self.state.ledger.folded(d.node_id, d.session, d.step):
             self.state = rejected(self.state, path, "duplicate")
             self._emit("delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step})
