@@ -64,10 +64,10 @@ from ..files import atomic_write_text
 # %% auto #0
 __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR',
            'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done',
-           'on_upload_failed', 'on_global', 'master_of', 'global_problem', 'node_id_clash', 'wait_target', 'after_wait',
-           'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning',
-           'outer_momentum_warning', 'warn_outer_momentum', 'final_global_model', 'node_summary', 'NodeShard',
-           'shard_loader', 'node_data_config', 'data_fingerprint', 'hub_commits_per_hour', 'hub_budget_of',
+           'on_upload_failed', 'on_global', 'master_of', 'predecessors', 'global_problem', 'node_id_clash',
+           'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult',
+           'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum', 'final_global_model', 'node_summary',
+           'NodeShard', 'shard_loader', 'node_data_config', 'data_fingerprint', 'hub_commits_per_hour', 'hub_budget_of',
            'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
@@ -288,6 +288,13 @@ def master_of(extras: Mapping[str, Any]) -> str:
     return str(master.get("node_id") or "") if isinstance(master, Mapping) else ""
 
 
+def predecessors(extras: Mapping[str, Any]) -> list[str]:
+    "The masters that the master a version file names took over from (`master.succeeds`)."
+    master = extras.get("master")
+    before = master.get("succeeds") if isinstance(master, Mapping) else None
+    return [str(n) for n in before if n] if isinstance(before, list) else []
+
+
 def global_problem(
     tensors: Mapping[str, torch.Tensor],
     version: int,
@@ -308,9 +315,11 @@ def global_problem(
         return f"its version does not come after version {state.version}, which this node holds"
     master = master_of(extras)
     if state.master and master and master != state.master:
-        return (
-            f"it was published by {master!r}, not by {state.master!r}, the master this node follows"
-        )
+        if state.master not in predecessors(extras):
+            return (
+                f"it was published by {master!r}, not by {state.master!r}, the master this node "
+                f"follows, and {master!r} did not take over from {state.master!r}"
+            )
     if header.get("outer_step") is not None and str(header["outer_step"]) != str(version):
         return f"its weights carry version {header['outer_step']}, its version file {version}"
     if theirs and header.get("run_id") != theirs:  # a run with an id writes it into the weights
@@ -741,13 +750,18 @@ def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
     tensors, self._seen_tag = load_safetensors(path), tag
     with self.lock:
         problem = global_problem(tensors, repo.outer_step, repo.extras, header, self.state)
-        if problem is None and not self.state.master:
-            self.state = replace(self.state, master=master_of(repo.extras))  # the one it follows
+        new, followed = master_of(repo.extras), self.state.master
+        if problem is None and new and new != followed:
+            self.state = replace(self.state, master=new)  # the one it follows from now on
         if problem is None and not joined and self.state.run_id != theirs:
             self.state = replace(self.state, run_id=theirs)  # the run it joins
             atomic_write_text(json.dumps({"run_id": theirs}) + "\n", self.state_root / RUN_RECORD)
     if problem is not None:
         return self._refuse_global(repo.outer_step, problem)
+    if followed and new and new != followed:  # a master that took over from the one it followed
+        self._log(
+            "info", f"master {new!r} took over {self._where()} from {followed!r}; following it"
+        )
     self._seen_repo = (repo.outer_step, repo.extras)
     return (
         repo.outer_step,

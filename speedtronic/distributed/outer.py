@@ -56,12 +56,13 @@ from ..files import atomic_write_text
 # %% auto #0
 __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'PUBLISH_PATIENCE_S', 'DATA_HEADER',
            'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied',
-           'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder', 'liveness',
-           'DeltaSizes', 'MasterRules', 'MasterState', 'master_state', 'state_record', 'restored', 'translated_record',
-           'check', 'rejected', 'listed', 'judge_newcomers', 'active_nodes', 'wait_ran_out', 'round_complete',
-           'round_due', 'heartbeat_due', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat',
-           'cleanup', 'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity',
-           'weights_metadata', 'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data', 'quarantine_record']
+           'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
+           'succession', 'liveness', 'DeltaSizes', 'MasterRules', 'MasterState', 'master_state', 'state_record',
+           'restored', 'translated_record', 'check', 'rejected', 'listed', 'judge_newcomers', 'active_nodes',
+           'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due', 'Publication', 'fold', 'on_published',
+           'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps',
+           'new_run_identity', 'weights_metadata', 'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data',
+           'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
@@ -406,6 +407,16 @@ def lease_holder(
         if 0 <= age < lease_timeout
         else None
     )
+
+
+def succession(extras: Mapping[str, Any], node_id: str) -> list[str]:
+    """The masters that master `node_id`, publishing onto version file `extras`, succeeds: the one
+    that wrote it when that is another master, and the ones that master succeeded."""
+    master = extras.get("master") if isinstance(extras.get("master"), Mapping) else {}
+    before = master.get("succeeds")
+    names = [str(n) for n in before if n] if isinstance(before, list) else []
+    names += [str(master["node_id"])] if master.get("node_id") else []
+    return list(dict.fromkeys(n for n in names if n != node_id))
 
 
 def liveness(extras: Mapping[str, Any]) -> tuple:
@@ -1338,10 +1349,11 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
     """Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns
     the new repository state."""
     prepared = replace(pub.state, publication=uuid.uuid4().hex)
-    version, out, beat = (
+    version, out, beat, succeeds = (
         prepared.outer_step,
         self.dir / "outgoing",
         datetime.fromtimestamp(self.wall_clock(), timezone.utc),
+        succession(repo.extras, self.node_id),
     )
     extras = {
         "algorithm": "dumb_diloco",
@@ -1358,6 +1370,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
             "node_id": self.node_id,
             "session": self.session,
             "heartbeat": beat.replace(microsecond=0).isoformat(),
+            **({"succeeds": succeeds} if succeeds else {}),
         },
     }
     meta = GlobalMetadata(version, utc_now())

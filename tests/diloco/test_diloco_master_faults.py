@@ -443,7 +443,8 @@ def test_a_master_whose_clock_is_off_by_an_hour_does_not_take_a_live_masters_lea
     assert successor.start_master().outer_step == 0 and "watching it" in run.console.getvalue()
     run.send("w", 10)
     assert successor.sync_once() == 1
-    assert run.transport().state().extras["master"]["node_id"] == "m2"
+    took = run.transport().state().extras["master"]
+    assert took["node_id"] == "m2" and took["succeeds"] == ["m1"]  # its workers follow it
 
 
 # -- 6. tied weights travel once

@@ -5,10 +5,13 @@ global before installing it, and a second node with a node_id in use is refused 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from safetensors.torch import save_file
 # noqa: F401
 from test_diloco_node_faults import ended, error_line, hub, hub_env, launch, node_config
 
-from conftest import jsonl_records
+from conftest import ROOT, jsonl_records
 
 
 def _share(tmp: Path) -> str:
@@ -85,6 +88,74 @@ def test_a_worker_that_trains_on_after_its_master_ended_exits_2_naming_the_steps
     line = error_line(rc, err, out, "of node 'w1' did not reach a global model", repo, "--resume")
     assert f"steps {max(folded.values()) + 1}-40" in line, line
     assert "expected_nodes" not in line.split("resume")[0], line
+
+
+def test_a_worker_trains_on_across_a_master_takeover_and_exits_0_with_every_step_folded(
+    tmp_path,
+):
+    """The master trains 10 steps and ends; the worker trains on to 40 and waits for its steps to
+    be folded. A second master takes the run over once the first one's lease ran out: the worker
+    follows it (its version file names the master it took over from) and ends with every step in a
+    global."""
+    repo = _share(tmp_path)
+    first = launch(
+        node_config(
+            tmp_path,
+            "m1",
+            "master",
+            repo=repo,
+            transport="directory",
+            steps=10,
+            final_round_timeout=0.5,
+            lease_timeout=2,
+        )
+    )
+    worker = launch(
+        node_config(
+            tmp_path,
+            "w1",
+            "worker",
+            repo=repo,
+            transport="directory",
+            steps=40,
+            final_round_timeout=120,
+            lease_timeout=60,
+        )
+    )
+    rc, err, _ = ended(first)
+    assert rc == 0, err[-3000:]
+    beat = datetime.fromisoformat(_version_file(repo)["master"]["heartbeat"]).timestamp()
+    _wait_for(lambda: time.time() - beat > 3, [worker], what="the first master's lease to run out")
+    cfg = node_config(
+        tmp_path,
+        "m2",
+        "master",
+        repo=repo,
+        transport="directory",
+        steps=10,
+        final_round_timeout=60,
+        lease_timeout=2,
+    )
+    second = subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--resume"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        rc, err, out = ended(second)
+        assert rc == 0, err[-3000:]
+        rc, err, out = ended(worker)
+        assert rc == 0, (err + out)[-3000:]
+    finally:
+        _stop(second, worker)
+    assert "refused the global model version" not in err + out, (err + out)[-3000:]
+    assert "master 'm2' took over" in err + out, (err + out)[-3000:]
+    version = _version_file(repo)
+    assert version["master"]["node_id"] == "m2" and version["master"]["succeeds"] == ["m1"]
+    assert max(version["ledger"]["w1"]["sessions"].values()) == 40, version["ledger"]
 
 
 # -- a global is checked before it is installed ---------------------------------------------
