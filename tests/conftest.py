@@ -100,6 +100,25 @@ def cli_env(**extra: str) -> dict:
     }
 
 
+HUB_TOKEN = "hf_test_write_token_0123456789"
+
+
+@pytest.fixture
+def hub_tokens() -> dict[str, str]:
+    """The tokens the `hub` fixture accepts (token -> "read" | "write"); a test module overrides this
+    fixture to give its own."""
+    return {HUB_TOKEN: "write"}
+
+
+@pytest.fixture
+def hub(hub_tokens):
+    "A loopback Hub stand-in (tests/hub_server.py) accepting `hub_tokens`, stopped after the test."
+    from hub_server import HubStandIn
+
+    with HubStandIn(tokens=hub_tokens) as server:
+        yield server
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (children first, then theirs), from /proc; empty where /proc is
     missing."""

@@ -239,10 +239,8 @@ def test_master_and_workers_over_a_shared_directory(tmp_path):
 
 
 @pytest.fixture
-def hub():
-    server = HubStandIn(tokens={TOKEN: "write", "hf_read_only_token_000": "read"}).start()
-    yield server
-    server.stop()
+def hub_tokens():
+    return {TOKEN: "write", "hf_read_only_token_000": "read"}
 
 
 def hub_env(hub: HubStandIn, token: str = TOKEN) -> dict:

@@ -27,7 +27,6 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, jsonl_records  # noqa: E402
-from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.config import SpeedtronicConfig
@@ -249,10 +248,8 @@ def check_folded_exactly_once(work: Path, extras: dict) -> None:
 
 
 @pytest.fixture
-def hub():
-    server = HubStandIn(tokens={TOKEN: "write"}).start()
-    yield server
-    server.stop()
+def hub_tokens():
+    return {TOKEN: "write"}
 
 
 @pytest.mark.parametrize("order", ORDERS)

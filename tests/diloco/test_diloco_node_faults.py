@@ -18,12 +18,13 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, jsonl_records  # noqa: E402
+from conftest import HUB_TOKEN, ROOT, jsonl_records  # noqa: E402
+from conftest import hub  # noqa: E402,F401  (test_node_trust imports it from here)
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.distributed import HubClient, SharedDirectory
 
-TOKEN = "hf_test_write_token_0123456789"
+TOKEN = HUB_TOKEN  # what the `hub` fixture accepts
 
 
 def node_config(
@@ -163,13 +164,6 @@ def hub_env(hub: HubStandIn) -> dict:
         "HF_HUB_DOWNLOAD_TIMEOUT": "5",
         "HF_HUB_ETAG_TIMEOUT": "5",
     }
-
-
-@pytest.fixture
-def hub():
-    server = HubStandIn(tokens={TOKEN: "write"}).start()
-    yield server
-    server.stop()
 
 
 def repo_of(kind: str, tmp: Path, hub: HubStandIn | None) -> tuple[str, dict]:
