@@ -1,4 +1,4 @@
-import contextlib, json, os, shutil, signal, socket, subprocess, sys
+import contextlib, json, os, shutil, signal, socket, subprocess, sys, textwrap
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,32 @@ def run_cli(
         text=True,
         timeout=timeout,
         **popen,
+    )
+
+
+def run_python(
+    code: str,
+    *args: str,
+    env: dict | None = None,
+    paths: list | None = None,
+    cwd: Path = ROOT,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
+    """`python -c code *args` in `cwd`, to the end, its output captured; `code` is dedented. `env` is
+    the child's whole environment (None: this process's); with `paths` (a list, even empty) its
+    PYTHONPATH becomes `paths` followed by this checkout."""
+    if paths is not None:
+        env = {
+            **(os.environ if env is None else env),
+            "PYTHONPATH": os.pathsep.join([*map(str, paths), str(ROOT)]),
+        }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
 
 
