@@ -88,14 +88,15 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def cli_env(**extra: str) -> dict:
-    """The environment of a `speedtronic` subprocess: this checkout importable, one thread, and
-    `extra`."""
+def cli_env(*, faulthandler: bool = True, **extra: str) -> dict:
+    """The environment of a `speedtronic` subprocess: this checkout importable, one thread, stacks
+    printed on a fatal signal (PYTHONFAULTHANDLER, unless `faulthandler` is false: then it is this
+    process's), and `extra`."""
     return {
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
-        "PYTHONFAULTHANDLER": "1",
+        **({"PYTHONFAULTHANDLER": "1"} if faulthandler else {}),
         **extra,
     }
 

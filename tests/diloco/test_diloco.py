@@ -19,7 +19,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, communicate_or_dump, jsonl_records  # noqa: E402
+from conftest import ROOT, cli_env, communicate_or_dump, jsonl_records  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
@@ -122,13 +122,7 @@ def node_config(
 
 
 def launch(cfg: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    full = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        **(env or {}),
-    }
+    full = cli_env(faulthandler=False, HF_HUB_DISABLE_PROGRESS_BARS="1", **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), *extra],
         cwd=ROOT,

@@ -16,7 +16,6 @@ tokens."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -26,7 +25,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, jsonl_records  # noqa: E402
+from conftest import ROOT, cli_env, jsonl_records  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.config import SpeedtronicConfig
@@ -107,13 +106,7 @@ def held_out_loss(raw: dict, state: dict, held_out: Path) -> float:
 
 
 def env_of(**extra: str) -> dict:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        **extra,
-    }
+    return cli_env(faulthandler=False, HF_HUB_DISABLE_PROGRESS_BARS="1", **extra)
 
 
 def launch(cfg: Path, env: dict) -> subprocess.Popen:

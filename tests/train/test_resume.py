@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 
-from conftest import ROOT, communicate_or_dump, jsonl_records, ok, run_cli, tiny_config
+from conftest import ROOT, cli_env, communicate_or_dump, jsonl_records, ok, run_cli, tiny_config
 
 STEPS = 60
 WORDS = (
@@ -72,7 +71,7 @@ def write_config(
 
 
 def start(cfg: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = cli_env(faulthandler=False)
     return subprocess.Popen(
         [
             sys.executable,
