@@ -206,6 +206,20 @@ def run_python(
     )
 
 
+def start_cli(
+    *args: str, cwd: Path = ROOT, env: dict | None = None, faulthandler: bool = True, **popen
+) -> subprocess.Popen:
+    """`python -m speedtronic *args` started in `cwd`, in text mode; `env` entries are added to
+    `cli_env(faulthandler=faulthandler)`, `popen` (stdout, stderr, ...) goes to `subprocess.Popen`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", *args],
+        cwd=cwd,
+        env=cli_env(faulthandler=faulthandler, **(env or {})),
+        text=True,
+        **popen,
+    )
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     "`proc`, which must have exited 0."
     assert proc.returncode == 0, proc.stderr[-3000:]

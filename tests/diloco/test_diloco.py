@@ -19,7 +19,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, cli_env, communicate_or_dump, jsonl_records  # noqa: E402
+from conftest import ROOT, communicate_or_dump, jsonl_records, start_cli  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
@@ -122,14 +122,15 @@ def node_config(
 
 
 def launch(cfg: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    full = cli_env(faulthandler=False, HF_HUB_DISABLE_PROGRESS_BARS="1", **(env or {}))
-    return subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), *extra],
-        cwd=ROOT,
-        env=full,
+    return start_cli(
+        "train",
+        "--config",
+        str(cfg),
+        *extra,
+        env={"HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})},
+        faulthandler=False,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, cli_env, jsonl_records  # noqa: E402
+from conftest import ROOT, cli_env, jsonl_records, start_cli  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.config import SpeedtronicConfig
@@ -113,13 +113,15 @@ def launch(cfg: Path, env: dict) -> subprocess.Popen:
     """`speedtronic train --config cfg`, its output in `cfg`.log (a file: three chatty nodes cannot
     fill a pipe and stall)."""
     with open(cfg.with_suffix(".log"), "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
-            cwd=ROOT,
+        # `env` is a whole environment (env_of's): over cli_env(faulthandler=False) it is itself
+        return start_cli(
+            "train",
+            "--config",
+            str(cfg),
             env=env,
+            faulthandler=False,
             stdout=log,
             stderr=subprocess.STDOUT,
-            text=True,
         )
 
 

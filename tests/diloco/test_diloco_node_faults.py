@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import HUB_TOKEN, ROOT, cli_env, jsonl_records  # noqa: E402
+from conftest import HUB_TOKEN, ROOT, jsonl_records, start_cli  # noqa: E402
 from conftest import hub  # noqa: E402,F401  (test_node_trust imports it from here)
 from hub_server import HubStandIn  # noqa: E402
 
@@ -94,14 +94,14 @@ def node_config(
 
 
 def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
-    full = cli_env(faulthandler=False, HF_HUB_DISABLE_PROGRESS_BARS="1", **(env or {}))
-    return subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
-        cwd=ROOT,
-        env=full,
+    return start_cli(
+        "train",
+        "--config",
+        str(cfg),
+        env={"HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})},
+        faulthandler=False,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 

@@ -6,7 +6,6 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 
-from conftest import ROOT, cli_env, communicate_or_dump, jsonl_records, ok, run_cli, tiny_config
+from conftest import ROOT, communicate_or_dump, start_cli, jsonl_records, ok, run_cli, tiny_config
 
 STEPS = 60
 WORDS = (
@@ -71,24 +70,16 @@ def write_config(
 
 
 def start(cfg: Path, *extra: str) -> subprocess.Popen:
-    env = cli_env(faulthandler=False)
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "speedtronic",
-            "train",
-            "--config",
-            str(cfg),
-            "--device",
-            "cpu",
-            *extra,
-        ],
-        cwd=ROOT,
-        env=env,
+    return start_cli(
+        "train",
+        "--config",
+        str(cfg),
+        "--device",
+        "cpu",
+        *extra,
+        faulthandler=False,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 
