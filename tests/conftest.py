@@ -1,4 +1,4 @@
-import contextlib, json, os, shutil, signal, socket, subprocess, sys
+import contextlib, json, os, shutil, signal, socket, subprocess, sys, textwrap
 from pathlib import Path
 from typing import Any
 
@@ -88,16 +88,36 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def cli_env(**extra: str) -> dict:
-    """The environment of a `speedtronic` subprocess: this checkout importable, one thread, and
-    `extra`."""
+def cli_env(*, faulthandler: bool = True, **extra: str) -> dict:
+    """The environment of a `speedtronic` subprocess: this checkout importable, one thread, stacks
+    printed on a fatal signal (PYTHONFAULTHANDLER, unless `faulthandler` is false: then it is this
+    process's), and `extra`."""
     return {
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",
-        "PYTHONFAULTHANDLER": "1",
+        **({"PYTHONFAULTHANDLER": "1"} if faulthandler else {}),
         **extra,
     }
+
+
+HUB_TOKEN = "hf_test_write_token_0123456789"
+
+
+@pytest.fixture
+def hub_tokens() -> dict[str, str]:
+    """The tokens the `hub` fixture accepts (token -> "read" | "write"); a test module overrides this
+    fixture to give its own."""
+    return {HUB_TOKEN: "write"}
+
+
+@pytest.fixture
+def hub(hub_tokens):
+    "A loopback Hub stand-in (tests/hub_server.py) accepting `hub_tokens`, stopped after the test."
+    from hub_server import HubStandIn
+
+    with HubStandIn(tokens=hub_tokens) as server:
+        yield server
 
 
 def descendants(pid: int) -> list[int]:
@@ -156,6 +176,46 @@ def run_cli(
         capture_output=True,
         text=True,
         timeout=timeout,
+        **popen,
+    )
+
+
+def run_python(
+    code: str,
+    *args: str,
+    env: dict | None = None,
+    paths: list | None = None,
+    cwd: Path = ROOT,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
+    """`python -c code *args` in `cwd`, to the end, its output captured; `code` is dedented. `env` is
+    the child's whole environment (None: this process's); with `paths` (a list, even empty) its
+    PYTHONPATH becomes `paths` followed by this checkout."""
+    if paths is not None:
+        env = {
+            **(os.environ if env is None else env),
+            "PYTHONPATH": os.pathsep.join([*map(str, paths), str(ROOT)]),
+        }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def start_cli(
+    *args: str, cwd: Path = ROOT, env: dict | None = None, faulthandler: bool = True, **popen
+) -> subprocess.Popen:
+    """`python -m speedtronic *args` started in `cwd`, in text mode; `env` entries are added to
+    `cli_env(faulthandler=faulthandler)`, `popen` (stdout, stderr, ...) goes to `subprocess.Popen`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", *args],
+        cwd=cwd,
+        env=cli_env(faulthandler=faulthandler, **(env or {})),
+        text=True,
         **popen,
     )
 

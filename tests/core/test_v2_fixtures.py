@@ -430,10 +430,8 @@ def diloco_node_config(work: Path, transport: str, repo_id: str, name: str, step
 
 
 @pytest.fixture
-def hub():
-    server = HubStandIn(tokens={TOKEN: "write"}).start()
-    yield server
-    server.stop()
+def hub_tokens():
+    return {TOKEN: "write"}
 
 
 @pytest.mark.parametrize("transport", ["directory", "hub"])

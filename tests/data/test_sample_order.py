@@ -31,7 +31,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, free_port, jsonl_records
+from conftest import ROOT, cli_env, free_port, jsonl_records
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.tokens import TOKEN_FILE_FORMAT
 
@@ -82,7 +82,7 @@ it is the last thing many people in the town hear before they sleep.
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    return cli_env(faulthandler=False, PYTHONHASHSEED="0")
 
 
 def write_config(

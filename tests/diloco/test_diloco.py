@@ -19,7 +19,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, communicate_or_dump, jsonl_records  # noqa: E402
+from conftest import ROOT, communicate_or_dump, jsonl_records, start_cli  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
@@ -122,20 +122,15 @@ def node_config(
 
 
 def launch(cfg: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    full = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        **(env or {}),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), *extra],
-        cwd=ROOT,
-        env=full,
+    return start_cli(
+        "train",
+        "--config",
+        str(cfg),
+        *extra,
+        env={"HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})},
+        faulthandler=False,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 
@@ -239,10 +234,8 @@ def test_master_and_workers_over_a_shared_directory(tmp_path):
 
 
 @pytest.fixture
-def hub():
-    server = HubStandIn(tokens={TOKEN: "write", "hf_read_only_token_000": "read"}).start()
-    yield server
-    server.stop()
+def hub_tokens():
+    return {TOKEN: "write", "hf_read_only_token_000": "read"}
 
 
 def hub_env(hub: HubStandIn, token: str = TOKEN) -> dict:

@@ -16,7 +16,6 @@ tokens."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -26,8 +25,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, jsonl_records  # noqa: E402
-from hub_server import HubStandIn  # noqa: E402
+from conftest import ROOT, cli_env, jsonl_records, start_cli  # noqa: E402
 
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.config import SpeedtronicConfig
@@ -108,26 +106,22 @@ def held_out_loss(raw: dict, state: dict, held_out: Path) -> float:
 
 
 def env_of(**extra: str) -> dict:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        **extra,
-    }
+    return cli_env(faulthandler=False, HF_HUB_DISABLE_PROGRESS_BARS="1", **extra)
 
 
 def launch(cfg: Path, env: dict) -> subprocess.Popen:
     """`speedtronic train --config cfg`, its output in `cfg`.log (a file: three chatty nodes cannot
     fill a pipe and stall)."""
     with open(cfg.with_suffix(".log"), "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
-            cwd=ROOT,
+        # `env` is a whole environment (env_of's): over cli_env(faulthandler=False) it is itself
+        return start_cli(
+            "train",
+            "--config",
+            str(cfg),
             env=env,
+            faulthandler=False,
             stdout=log,
             stderr=subprocess.STDOUT,
-            text=True,
         )
 
 
@@ -249,10 +243,8 @@ def check_folded_exactly_once(work: Path, extras: dict) -> None:
 
 
 @pytest.fixture
-def hub():
-    server = HubStandIn(tokens={TOKEN: "write"}).start()
-    yield server
-    server.stop()
+def hub_tokens():
+    return {TOKEN: "write"}
 
 
 @pytest.mark.parametrize("order", ORDERS)

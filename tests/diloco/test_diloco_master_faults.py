@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT  # noqa: E402
+from conftest import HUB_TOKEN, ROOT  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.config import SpeedtronicConfig
@@ -49,15 +49,8 @@ from speedtronic.distributed.transport import RetryPolicy
 from speedtronic.profiling import MetricLogger
 from speedtronic.registry import build_model
 
-TOKEN = "hf_test_write_token_0123456789"
+TOKEN = HUB_TOKEN  # what the `hub` fixture accepts
 V2 = ROOT.parent / "shared" / "fixtures" / "v2.0"
-
-
-@pytest.fixture
-def hub():
-    server = HubStandIn(tokens={TOKEN: "write"}).start()
-    yield server
-    server.stop()
 
 
 class Run:

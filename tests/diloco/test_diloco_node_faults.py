@@ -18,12 +18,13 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, jsonl_records  # noqa: E402
+from conftest import HUB_TOKEN, ROOT, jsonl_records, start_cli  # noqa: E402
+from conftest import hub  # noqa: E402,F401  (test_node_trust imports it from here)
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.distributed import HubClient, SharedDirectory
 
-TOKEN = "hf_test_write_token_0123456789"
+TOKEN = HUB_TOKEN  # what the `hub` fixture accepts
 
 
 def node_config(
@@ -93,20 +94,14 @@ def node_config(
 
 
 def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
-    full = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        **(env or {}),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
-        cwd=ROOT,
-        env=full,
+    return start_cli(
+        "train",
+        "--config",
+        str(cfg),
+        env={"HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})},
+        faulthandler=False,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 
@@ -163,13 +158,6 @@ def hub_env(hub: HubStandIn) -> dict:
         "HF_HUB_DOWNLOAD_TIMEOUT": "5",
         "HF_HUB_ETAG_TIMEOUT": "5",
     }
-
-
-@pytest.fixture
-def hub():
-    server = HubStandIn(tokens={TOKEN: "write"}).start()
-    yield server
-    server.stop()
 
 
 def repo_of(kind: str, tmp: Path, hub: HubStandIn | None) -> tuple[str, dict]:

@@ -453,13 +453,8 @@ READ_ONLY = "hf_export_read_token_0123456789"
 
 
 @pytest.fixture
-def hub():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hub_server import HubStandIn
-
-    server = HubStandIn(tokens={TOKEN: "write", READ_ONLY: "read"}).start()
-    yield server
-    server.stop()
+def hub_tokens():
+    return {TOKEN: "write", READ_ONLY: "read"}
 
 
 def test_push_to_hub_uploads_the_export_in_one_commit(run_dir, tmp_path, hub, hf_env):

@@ -13,7 +13,7 @@ import yaml
 
 datasets = pytest.importorskip("datasets")
 
-from conftest import ROOT, cli_env, jsonl_records, one_error_line, run_cli
+from conftest import ROOT, cli_env, jsonl_records, one_error_line, run_cli, start_cli
 
 STEPS = 30
 WORDS = (
@@ -84,23 +84,16 @@ def write_config(
 
 
 def start(cfg: Path, tmp: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "speedtronic",
-            "train",
-            "--config",
-            str(cfg),
-            "--device",
-            "cpu",
-            *extra,
-        ],
-        cwd=ROOT,
-        env=cli_env(**env(tmp)),
+    return start_cli(
+        "train",
+        "--config",
+        str(cfg),
+        "--device",
+        "cpu",
+        *extra,
+        env=env(tmp),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 

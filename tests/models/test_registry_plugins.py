@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import one_error_line  # noqa: E402
+from conftest import one_error_line, run_python  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,19 +67,6 @@ def make_distribution(root: Path, entry_points: str) -> Path:
     return root
 
 
-def run_python(code: str, *paths: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    "Run `code` in a fresh interpreter with `paths` and the repository on PYTHONPATH."
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), str(REPO)])}
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd or REPO,
-        timeout=120,
-    )
-
-
 ENTRY_POINTS = """
     [speedtronic.models]
     plugin_tiny = demo_plugin_models:tiny_factory
@@ -103,7 +90,7 @@ def test_entry_point_factory_is_found_lazily(plugin_dir):
         m = build_model({"name": "plugin_tiny", "vocab_size": 32, "d_model": 8})
         print(type(m).__name__, tuple(m.emb.weight.shape))
     """)
-    out = run_python(code, plugin_dir)
+    out = run_python(code, paths=[plugin_dir])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["TinyLM", "(32,", "8)"]
 
@@ -114,7 +101,7 @@ def test_entry_point_module_registers_its_models(plugin_dir):
         print(type(build_model({"name": "plugin_by_module", "d_model": 4, "n_head": 2})).__name__)
         print(type(ModelRegistry().build("plugin_by_module")).__name__)   # a fresh registry finds it too
     """)
-    out = run_python(code, plugin_dir)
+    out = run_python(code, paths=[plugin_dir])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["TinyLM", "TinyLM"]
 
@@ -127,7 +114,7 @@ def test_entry_points_can_be_switched_off(plugin_dir):
         try: r.get("plugin_tiny")
         except KeyError as e: print("KeyError", e)
     """)
-    out = run_python(code, plugin_dir)
+    out = run_python(code, paths=[plugin_dir])
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "gpt,reference_transformer"
@@ -143,7 +130,7 @@ def test_broken_entry_point_names_itself(plugin_dir):
             try: build_model({"name": name})
             except Exception as e: print(type(e).__name__, "|", e)
     """)
-    out = run_python(code, plugin_dir)
+    out = run_python(code, paths=[plugin_dir])
     assert out.returncode == 0, out.stderr
     broken, silent = out.stdout.splitlines()
     assert broken.startswith("ImportError |") and "demo_plugin_missing_module:factory" in broken
@@ -157,7 +144,7 @@ def test_unknown_name_lists_installed_plugins(plugin_dir):
         try: build_model({"name": "nope"})
         except KeyError as e: print(e)
     """)
-    out = run_python(code, plugin_dir)
+    out = run_python(code, paths=[plugin_dir])
     assert out.returncode == 0, out.stderr
     assert (
         "registered models: gpt, plugin_broken, plugin_by_module, plugin_silent, plugin_tiny, "

@@ -2,13 +2,11 @@
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from conftest import run_python
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.integrations import hooks_from_config
 from speedtronic.profiling import MetricLogger
@@ -16,22 +14,14 @@ from speedtronic.profiling import MetricLogger
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_python(code, *args, env=None, timeout=180):
-    "Run `code` in a fresh interpreter with the repository on the path."
-    full_env = {
+def run_bare(code, *args, env=None, timeout=180):
+    "Run `code` in a fresh interpreter whose environment is the repository's path, PATH, HOME and `env`."
+    bare = {
         "PYTHONPATH": str(ROOT),
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/tmp"),
-        **(env or {}),
     }
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-    )
+    return run_python(code, *args, env={**bare, **(env or {})}, timeout=timeout)
 
 
 def test_tensorboard_event_files_have_tags_steps_and_values(tmp_path):
@@ -78,7 +68,7 @@ def test_tensorboard_event_files_have_tags_steps_and_values(tmp_path):
 
 def test_wandb_offline_run_is_written_and_finished(tmp_path):
     pytest.importorskip("wandb")  # the optional `logging` extra
-    result = run_python(
+    result = run_bare(
         """
         from speedtronic.integrations import hooks_from_config
         from speedtronic.profiling import MetricLogger
@@ -110,7 +100,7 @@ def test_wandb_offline_run_is_written_and_finished(tmp_path):
     "blocked,hook", [("wandb", "WandbHook()"), ("torch.utils.tensorboard", "TensorboardHook('x')")]
 )
 def test_missing_library_names_the_extra(blocked, hook):
-    result = run_python(f"""
+    result = run_bare(f"""
         import sys
         sys.modules[{blocked!r}] = None          # makes `import {blocked}` fail as if not installed
         from speedtronic.integrations import WandbHook, TensorboardHook

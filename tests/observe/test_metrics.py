@@ -3,24 +3,16 @@
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from conftest import run_python
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    "Run `code` in a fresh interpreter with the repository on the path."
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-    )
+BARE_ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}  # a child's whole environment
 
 
 WRITER = """
@@ -45,7 +37,7 @@ def test_jsonl_and_text_lines_stay_whole_across_processes_and_threads(tmp_path):
         subprocess.Popen(
             [sys.executable, "-c", WRITER, str(p), str(jsonl), str(text)],
             cwd=ROOT,
-            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            env=BARE_ENV,
         )
         for p in range(2)
     ]
@@ -81,6 +73,7 @@ def test_unclosed_logger_flushes_hooks_at_exit(tmp_path):
         # no close(): the atexit handler must let the hook see every event
     """,
         str(out),
+        env=BARE_ENV,
     )
     assert result.returncode == 0, result.stderr
     assert out.read_text().split() == [str(s) for s in range(40)]
@@ -97,6 +90,7 @@ def test_console_and_file_both_get_lines_and_hook_failures_are_reported(tmp_path
             for s in range(1, 4): log.emit("train_step", {"step": s, "loss": 0.5})
     """,
         str(log_file),
+        env=BARE_ENV,
     )
     assert result.returncode == 0, result.stderr
     stdout = result.stdout.splitlines()
@@ -125,6 +119,7 @@ def test_loggers_in_one_process_never_share_files(tmp_path):
             del log; gc.collect()
     """,
         str(tmp_path),
+        env=BARE_ENV,
     )
     assert result.returncode == 0, result.stderr
     for i in range(20):

@@ -32,6 +32,7 @@ import yaml
 
 from conftest import (
     ROOT,
+    cli_env,
     communicate_or_dump,
     free_port,
     jsonl_records,
@@ -46,13 +47,7 @@ STEPS = 12
 
 
 def env() -> dict:
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONHASHSEED": "0",
-        "PYTHONFAULTHANDLER": "1",
-    }
+    return cli_env(PYTHONHASHSEED="0")
 
 
 def write_config(

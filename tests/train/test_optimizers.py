@@ -14,7 +14,7 @@ import yaml
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from conftest import newton_schulz64
+from conftest import newton_schulz64, run_python
 from speedtronic.config import ConfigError, SpeedtronicConfig, load_config
 from speedtronic.model import ReferenceTransformer
 from speedtronic.optimizers import (
@@ -190,12 +190,6 @@ def test_scheduler_multiplies_every_group_by_the_pure_function():
         )
         opt.step()
         sched.step()
-
-
-def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
 
 
 def test_optional_plotting_dependencies_are_not_imported():

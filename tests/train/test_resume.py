@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 
-from conftest import ROOT, communicate_or_dump, jsonl_records, ok, run_cli, tiny_config
+from conftest import ROOT, communicate_or_dump, start_cli, jsonl_records, ok, run_cli, tiny_config
 
 STEPS = 60
 WORDS = (
@@ -72,24 +70,16 @@ def write_config(
 
 
 def start(cfg: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "speedtronic",
-            "train",
-            "--config",
-            str(cfg),
-            "--device",
-            "cpu",
-            *extra,
-        ],
-        cwd=ROOT,
-        env=env,
+    return start_cli(
+        "train",
+        "--config",
+        str(cfg),
+        "--device",
+        "cpu",
+        *extra,
+        faulthandler=False,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
     )
 
 
