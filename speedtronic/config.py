@@ -1243,6 +1243,12 @@ class SpeedtronicConfig(_Section):
         "Micro-batches per optimizer step (`data.accumulation_steps`)."
         return self.data.accumulation_steps
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on: `data.target_batch_size` × `data.block_size` (the
+        global batch, which the processes of a torchrun job share; a DiLoCo node's own)."""
+        return self.data.target_batch_size * (self.data.block_size or self.model.max_seq_len)
+
 # %% ../nbs/core/01_config.ipynb #567d17ae
 def run_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
     """The absolute step a run trains to: `max_steps` if given, else `data.max_steps`, else

@@ -14,6 +14,7 @@ import random
 import signal
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -40,6 +41,7 @@ from speedtronic.config import (
 from speedtronic.data import (
     DataError,
     DataWarning,
+    block_sample,
     build_dataloader,
     check_loader_settings,
     collate_batch,
@@ -59,6 +61,7 @@ from .optional import MissingExtra
 from speedtronic.parallel import (
     GroupCoordinator,
     World,
+    accumulation_per_rank,
     fsdp_problems,
     raised_together,
     start_world,
@@ -67,9 +70,9 @@ from speedtronic.parallel import (
     world_problems,
 )
 from .paths import RunLock, lock_holder, lock_run, new_run_id, node_id, run_paths
-from .precision import resolve_precision
+from .precision import autocast_context, resolve_precision
 from .profiling import MetricLogger
-from .progress import ProgressBar, in_notebook, loss_figure, loss_points
+from .progress import ProgressBar, format_rate, in_notebook, loss_figure, loss_points
 from .registry import build_model
 from .schedules import build_scheduler, resolve_schedule
 from .shapes import validate_startup_shapes
@@ -79,16 +82,18 @@ from speedtronic.trainer import (
     TrainResult,
     TrainingInterrupted,
     call_model,
+    move_batch,
     resolve_loss,
 )
 from .widgets import TrainingView
 
 # %% auto #0
-__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'seed_everything', 'build_logger', 'close_logger',
-           'demo_corpus_text', 'ensure_demo_corpus', 'load_runtime_config', 'model_vocab_size', 'distributed_problem',
-           'RunClaim', 'claim_run', 'claim_job', 'resumed_target', 'schedule_note', 'job_problems', 'build_runtime',
+__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'TIMING_BOUNDS', 'TIMING_MAX_PARAMETERS',
+           'seed_everything', 'build_logger', 'close_logger', 'demo_corpus_text', 'ensure_demo_corpus',
+           'demo_corpus_pending', 'load_runtime_config', 'model_vocab_size', 'distributed_problem', 'RunClaim',
+           'claim_run', 'claim_job', 'resumed_target', 'schedule_note', 'job_problems', 'build_runtime',
            'sigterm_stops', 'earlier_records', 'train_from_config', 'LossPlotWarning', 'write_loss_plot',
-           'training_memory', 'available_memory', 'startup_problems', 'check_runnable']
+           'training_memory', 'available_memory', 'startup_problems', 'Runnable', 'runnable_report', 'check_runnable']
 
 # %% ../nbs/app/01_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -231,6 +236,12 @@ def ensure_demo_corpus(path: str | os.PathLike) -> Path:
 def _is_demo_corpus(path: str | None) -> bool:
     "Is `path` a demo corpus, written on first use?"
     return bool(path) and Path(path).name == DEMO_CORPUS_NAME
+
+
+def demo_corpus_pending(config: SpeedtronicConfig) -> bool:
+    "Does `config` train on a demo corpus not written yet (the first `train` writes it)?"
+    path = config.data.text_path
+    return _is_demo_corpus(path) and not Path(path).exists()
 
 
 def _maybe_demo_corpus(config: SpeedtronicConfig) -> None:
@@ -1131,10 +1142,49 @@ def startup_problems(
     )[0]
 
 # %% ../nbs/app/01_runtime.ipynb #ac143b86
-def check_runnable(
-    config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None
-) -> list[str]:
-    "Problems that would stop `config` from training here (empty when it can run)."
+TIMING_BOUNDS = {"cpu": 2e11, "cuda": 1e14}  # operations one timed micro-batch may cost, by device
+TIMING_MAX_PARAMETERS = 1_000_000_000  # a bigger model is not built for real to time it
+
+
+@dataclass
+class Runnable:
+    "What `validate --deep` found: the problems, and for a config that can run, its size and pace."
+
+    problems: list[str]
+    parameters: int | None = None  # the model's parameters (a tied weight counted once)
+    tokens_per_step: int | None = None  # `config.tokens_per_step`
+    step_seconds: float | None = None  # one micro-batch's forward+backward × accumulation steps
+    not_measured: str | None = None  # why `step_seconds` is None
+
+    @property
+    def verdict(self) -> str:
+        "The line that ends `validate --deep` on a config that can run."
+        size = (
+            f"ok: this config can run: {format_rate(self.parameters)} parameters, "
+            f"{format_rate(self.tokens_per_step)} tokens per step"
+        )
+        if self.step_seconds is None:
+            return f"{size}; time per step not measured: {self.not_measured}"
+        return f"{size}, ~{_per_step(self.step_seconds)} per step on this machine"
+
+
+def _per_step(seconds: float) -> str:
+    "A step's duration, short: `25 ms`, `1.4 s`, `2.5 min`, `1.2 h`."
+    if seconds < 1:
+        return f"{seconds * 1000:.2g} ms" if seconds < 0.01 else f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+    return f"{seconds / 60:.2g} min" if seconds < 3600 else f"{seconds / 3600:.2g} h"
+
+
+def runnable_report(
+    config: SpeedtronicConfig | Mapping[str, Any],
+    *,
+    device: str | torch.device | None = None,
+    measure: bool = True,  # time one micro-batch on the device (skipped for a model too large)
+) -> Runnable:
+    """What would stop `config` from training here, and, when nothing does, its parameters, tokens
+    per step and (with `measure`) the time of a step on this machine."""
     config = load_runtime_config(config)
     world, problems = world_from_env(), []
     problems += job_problems(config, world)
@@ -1146,17 +1196,33 @@ def check_runnable(
     found, model = _startup(config, device=dev)
     problems += found
     if model is None:
-        return problems
-    d = config.data
-    if not problems and not (_is_demo_corpus(d.text_path) and not Path(d.text_path).exists()):
-        problems += _first_step_problems(config, model, model_vocab_size(model, config))
-        problems += [] if problems else _eval_problems(config, model_vocab_size(model, config))
+        return Runnable(problems)
+    d, vocab, sample = config.data, model_vocab_size(model, config), None
+    if not problems and not demo_corpus_pending(config):
+        sample, found = _first_sample(config, vocab)
+        problems += found or _first_step_problems(config, model, sample)
+        problems += [] if problems else _eval_problems(config, vocab)
+    elif not problems:  # the demo corpus is written on first use: its samples look like this
+        sample = block_sample(torch.arange(d.block_size + 1).numpy() % vocab)
     problems += _directory_problems(config) + _wandb_problems(config)
     if config.distributed.enabled and not problems:
         distributed = importlib.import_module("speedtronic.distributed")
         distributed.warn_commit_rate(config, device=device)
         distributed.warn_outer_momentum(config.distributed)
-    return problems
+    report = Runnable(problems, training_memory(model)[0], config.tokens_per_step)
+    if problems or not measure:
+        return report
+    micro, report.not_measured = _micro_batch_seconds(config, model, sample, dev)
+    if micro is not None:
+        report.step_seconds = micro * accumulation_per_rank(d, world.size)
+    return report
+
+
+def check_runnable(
+    config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None
+) -> list[str]:
+    "Problems that would stop `config` from training here (empty when it can run)."
+    return runnable_report(config, device=device, measure=False).problems
 
 # %% ../nbs/app/01_runtime.ipynb #fbc52282
 def _on_meta(batch: Any) -> Any:
@@ -1170,11 +1236,9 @@ def _on_meta(batch: Any) -> Any:
     return batch
 
 
-def _first_step_problems(
-    config: SpeedtronicConfig, model: torch.nn.Module, vocab: int
-) -> list[str]:
-    """What the first step would meet: the data opened as training opens it, and the model's loss on
-    the first sample (meta)."""
+def _first_sample(config: SpeedtronicConfig, vocab: int) -> tuple[Any, list[str]]:
+    """(the first training sample, what stops the data): the data opened as training opens it; the
+    sample is None for a custom dataset the check cannot open like this (training will tell)."""
     d = config.data
     try:
         dataset = select_dataset(d, vocab_size=vocab)
@@ -1186,12 +1250,22 @@ def _first_step_problems(
             if isinstance(dataset, torch.utils.data.IterableDataset)
             else dataset[0]
         )
-        batch = _on_meta(collate_batch([sample]))
+        collate_batch([sample])
     except (DataError, ValueError, OSError, MissingExtra) as e:
-        return [str(e)]  # MissingExtra: the data needs an extra
+        return None, [str(e)]  # MissingExtra: the data needs an extra
     except Exception:
-        return []  # a custom dataset the check cannot open like this: training will tell
+        return None, []
+    return sample, []
+
+
+def _first_step_problems(
+    config: SpeedtronicConfig, model: torch.nn.Module, sample: Any
+) -> list[str]:
+    "What the first step would meet: the model's loss on the first `sample` (meta)."
+    if sample is None:
+        return []
     try:
+        batch = _on_meta(collate_batch([sample]))
         output = call_model(model.train(), batch)
     except Exception:  # the meta device cannot run this model: run a small one for real
         if sum(p.numel() for p in model.parameters()) > 50_000_000:
@@ -1215,6 +1289,49 @@ def _first_step_problems(
             "compute it from the model's outputs without .detach(), .item() or torch.no_grad()"
         ]
     return []
+
+
+def _micro_batch_seconds(
+    config: SpeedtronicConfig, meta_model: torch.nn.Module, sample: Any, device: torch.device
+) -> tuple[float | None, str | None]:
+    """(seconds, None) for one forward+backward of one micro-batch of `sample` with the real model
+    on `device` (the fastest of three after one untimed warm-up), or (None, why not measured)."""
+    d, dev = config.data, torch.device(device)
+    parameters = training_memory(meta_model)[0]
+    work = 6 * parameters * d.micro_batch_size * d.block_size  # a transformer's forward+backward
+    bound = TIMING_BOUNDS.get(dev.type, TIMING_BOUNDS["cpu"])
+    if sample is None:
+        return None, "the check cannot open this dataset to build a batch"
+    if parameters > TIMING_MAX_PARAMETERS:
+        return None, f"over {format_rate(TIMING_MAX_PARAMETERS)} parameters, too slow to build"
+    if work > bound:
+        many = f"{work:.1e}".replace("e+", "e")
+        return None, f"a micro-batch is ~{many} operations, over {bound:.0e} on {dev.type}"
+    model = None
+    try:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            model = build_model(config.model).to(dev).train()
+        plan = resolve_precision(config.precision, dev)
+        batch = move_batch(collate_batch([sample] * d.micro_batch_size), dev)
+
+        def once() -> float:
+            start = time.perf_counter()
+            with autocast_context(plan, dev):
+                loss = resolve_loss(call_model(model, batch), batch)
+            loss.backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            return time.perf_counter() - start
+
+        once()  # the first call pays one-off costs (kernels, allocations)
+        return min(once() for _ in range(3)), None  # the fastest: other load only adds time
+    except Exception as e:  # a micro-batch's activations beyond the device's memory, say
+        first = (str(e).strip().splitlines() or [""])[0][:60]
+        return None, f"one micro-batch failed: {type(e).__name__}: {first}"
+    finally:
+        model = None  # freed before the check goes on
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _eval_problems(config: SpeedtronicConfig, vocab: int) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from speedtronic.cli import VERDICT
+from speedtronic.cli import CHECKED
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_13 = [
@@ -32,6 +33,10 @@ HF_SECRET = "hf_ENVIRONMENT_SECRET_value_123"
 FILE_SECRET = "hf_FILE_SECRET_value_456"
 WANDB_SECRET = "wb_FILE_SECRET_value_789"
 CONSOLE = Path(sys.executable).parent / "speedtronic"
+VERDICT = re.compile(  # the last line of `validate --deep` on a config that can run
+    r"ok: this config can run: (\S+) parameters, (\S+) tokens per step, "
+    r"~(\S+ (?:ms|s|min|h)) per step on this machine"
+)
 
 
 def _env() -> dict[str, str]:
@@ -377,14 +382,63 @@ def test_deep_validation_uses_the_runtime(tmp_path):
     ok = cli(
         "validate", "--config", str(ROOT / "configs" / "smoke.yaml"), "--deep", "--device", "cpu"
     )
-    assert (ok.returncode, ok.stderr.splitlines()) == (
+    assert (ok.returncode, ok.stderr.splitlines()[:-1]) == (
         0,
-        [f"speedtronic: {ROOT / 'configs' / 'smoke.yaml'}: {VERDICT}"],
-    ), ok.stderr  # the verdict, and nothing else
+        [f"speedtronic: {ROOT / 'configs' / 'smoke.yaml'}: {CHECKED}"],
+    ), ok.stderr  # what was checked, then the verdict, and nothing else
+    assert VERDICT.fullmatch(ok.stderr.splitlines()[-1]), ok.stderr
     missing = write(tmp_path, "missing.yaml", f"data: {{text_path: {tmp_path / 'nowhere.txt'}}}\n")
     proc = cli("validate", "--config", str(missing), "--deep", "--device", "cpu")
     assert_clean_error(proc, "nowhere.txt", lines=None)
     assert proc.stdout.startswith("run:")
+
+
+def test_deep_validation_ends_with_the_numbers_of_the_run(tmp_path):
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.progress import format_rate
+    from speedtronic.registry import build_model
+
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    demo["run"]["output_dir"] = str(tmp_path / "out")
+    demo["data"]["text_path"] = str(tmp_path / "out" / "stdlib_docs.txt")  # the demo corpus
+    demo["logging"]["json_file"] = str(tmp_path / "out" / "metrics.jsonl")
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(demo))
+    proc = cli("validate", "--config", str(path), "--deep", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    found = VERDICT.fullmatch(last)
+    assert found and len(last) <= 100, proc.stderr
+    config = SpeedtronicConfig.load(path)
+    real = sum(p.numel() for p in build_model(config.model).parameters())
+    d = config.data
+    assert found.group(1, 2) == (format_rate(real), format_rate(d.target_batch_size * d.block_size))
+    assert not (tmp_path / "out").exists()  # no corpus, checkpoint or metrics file written
+    accumulating = tmp_path / "accumulating.yaml"
+    demo["data"]["target_batch_size"] = 128  # four micro-batches per step
+    accumulating.write_text(yaml.safe_dump(demo))
+    proc = cli("validate", "--config", str(accumulating), "--deep", "--device", "cpu")
+    assert VERDICT.fullmatch(proc.stderr.splitlines()[-1]).group(2) == format_rate(128 * 64)
+
+
+def test_deep_validation_says_why_a_step_was_not_timed(tmp_path):
+    big = write(
+        tmp_path,
+        "big.yaml",
+        "model: {vocab_size: 256, max_seq_len: 1024, d_model: 512, n_layer: 8, n_head: 8, "
+        "n_kv_head: 8, d_ff: 2048}\n"
+        "data: {synthetic: true, block_size: 1024, micro_batch_size: 16, target_batch_size: 16}\n"
+        f"run: {{output_dir: {tmp_path / 'out'}}}\n",
+    )
+    proc = cli("validate", "--config", str(big), "--deep", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert re.fullmatch(
+        r"ok: this config can run: \S+ parameters, 16.4k tokens per step; time per step not "
+        r"measured: a micro-batch is ~\S+ operations, over 2e\+11 on cpu",
+        last,
+    ), proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_deep_validation_refuses_a_model_that_cannot_fit_in_memory(tmp_path):
