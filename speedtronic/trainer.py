@@ -1315,6 +1315,7 @@ def _train_to_target(self: Trainer, run: _FitState) -> None:
             self._flush(run)
         if self.evaluator is not None and self.evaluator.due(self.step) and self.step < run.target:
             self._evaluate(run)
+            stop = stop or self.world.agree_stop(self.stop_requested)  # asked during the eval
         if run.ctrl_c is _CtrlCPhase.AFTER_EVAL:
             raise KeyboardInterrupt  # the Ctrl-C that waited for this step and its eval
         if run.keep_boundary:

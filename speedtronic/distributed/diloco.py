@@ -1350,13 +1350,19 @@ def _unfolded(
 ) -> HubError:
     "The error of a node whose steps `first`-`last` (default: all) reached no global model."
     refused = self._refused_step()
+    waits = (  # why a master ended without them; expected_nodes is no advice where it is set
+        "a master waits in its final round at most its distributed.final_round_timeout for the "
+        "last deltas"
+        if self.config.expected_nodes
+        else "a master waits in its final round only for nodes it counts as active or its "
+        "distributed.expected_nodes names"
+    )
     advice = (
         f"the master refused this node's deltas up to step {refused} (its log says why, e.g. a "
         "diverging update): resume this node with a lower optimizer.lr"
         if refused >= max(first, 0)
         else "resume this node (speedtronic train --resume) while its master runs to send them "
-        "again; a master waits in its final round only for nodes it counts as active or its "
-        "distributed.expected_nodes names"
+        f"again; {waits}"
     )
     what = (
         f"none of the training of node {self.node_id!r} reached the global model"

@@ -49,11 +49,14 @@ def _stop(*procs: subprocess.Popen) -> None:
 
 
 # -- every trained step reaches a global, or the worker says which did not ---------------------
+@pytest.mark.parametrize("counted", [False, True], ids=["worker-unset", "worker-expected_nodes"])
 def test_a_worker_that_trains_on_after_its_master_ended_exits_2_naming_the_steps_no_global_holds(
-    tmp_path,
+    tmp_path, counted
 ):
     """The master trains 10 steps and waits half a second in its final round (a worker's final delta
-    is waited for only that long); the worker trains 40: its last deltas reach no global."""
+    is waited for only that long); the worker trains 40: its last deltas reach no global. A worker
+    whose own config sets distributed.expected_nodes is not pointed at that key, but at the bound
+    of the master's wait (final_round_timeout)."""
     repo = _share(tmp_path)
     master = launch(
         node_config(
@@ -78,6 +81,7 @@ def test_a_worker_that_trains_on_after_its_master_ended_exits_2_naming_the_steps
             steps=40,
             boundary_wait=2,
             final_round_timeout=3,
+            **({"expected_nodes": 2} if counted else {}),
         )
     )
     rc, err, out = ended(master)
@@ -88,6 +92,8 @@ def test_a_worker_that_trains_on_after_its_master_ended_exits_2_naming_the_steps
     line = error_line(rc, err, out, "of node 'w1' did not reach a global model", repo, "--resume")
     assert f"steps {max(folded.values()) + 1}-40" in line, line
     assert "expected_nodes" not in line.split("resume")[0], line
+    if counted:
+        assert "expected_nodes" not in line and "distributed.final_round_timeout" in line, line
 
 
 def test_a_worker_trains_on_across_a_master_takeover_and_exits_0_with_every_step_folded(

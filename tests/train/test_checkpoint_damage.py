@@ -7,7 +7,10 @@
 - `generate --run` on a damaged newest checkpoint uses the previous one (with the warning), and
   `generate --checkpoint` on the damaged file exits 2 naming it;
 - `train --resume --checkpoint FILE` continues from a named older checkpoint, and refuses (exit 2,
-  one line) a damaged, missing or foreign one, or one given without `--resume`.
+  one line) a damaged, missing or foreign one, or one given without `--resume`;
+- a newest `step_N.dcp` whose `.metadata` would run code (its hash record stale, removed or
+  rewritten to fit) is never run by a one-process `train --resume`: skipped as unsafe with one
+  warning (the resume falls back), and refused with one line when `--checkpoint` names it.
 """
 
 from __future__ import annotations
@@ -217,3 +220,64 @@ def test_a_named_checkpoint_is_checked_with_no_fallback(tmp_path):
         "add --resume",
     )
     assert "--checkpoint PATH" in ok(run_cli("train", "--help", cwd=tmp_path)).stdout
+
+
+def dotted_payload(index_bytes: bytes, command: str) -> bytes:
+    """A `.metadata` that runs `command` through
+    `torch.distributed.checkpoint.filesystem.os.system`, then holds the real index."""
+    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()
+    call = (
+        text("torch.distributed.checkpoint.filesystem")
+        + text("os.system")
+        + b"\x93"
+        + text(command)
+        + b"\x85R0"
+    )
+    assert index_bytes[:2] == b"\x80\x04", "DCP wrote its index with pickle protocol 4"
+    return b"\x80\x04" + call + index_bytes[2:]
+
+
+@pytest.mark.parametrize("record", ["stale", "removed", "rewritten"])
+def test_a_sharded_index_that_runs_code_is_never_run_by_a_one_process_resume(
+    tmp_path, reference, record
+):
+    """The newest `step_N.dcp` of a one-process run gets a `.metadata` that runs code, then holds
+    the real index; its hash record is left stale, removed (an older run's folder) or rewritten to
+    fit. `train --resume` skips it with one warning naming it as unsafe and resumes from the
+    previous checkpoint, as from any unusable newest one; `--resume --checkpoint` naming it exits
+    2 with one line naming it. The payload never runs (its marker file is never created)."""
+    import hashlib, pickle
+
+    sharded = {"parallel": {"strategy": "fsdp"}}
+    stopped_at_step_4(tmp_path, **sharded)
+    folder = step_file(tmp_path, 4, ".dcp")
+    marker = tmp_path / "marker"
+    index = folder / ".metadata"
+    crafted = dotted_payload(index.read_bytes(), f"touch {marker}")
+    index.write_bytes(crafted)
+    digests = folder / ".sha256.json"
+    if record == "removed":
+        digests.unlink()
+    elif record == "rewritten":
+        saved = json.loads(digests.read_text())
+        digest = hashlib.sha256(crafted).hexdigest()
+        saved["files"][".metadata"] = {"size": len(crafted), "sha256": digest}
+        digests.write_text(json.dumps(saved))
+    one_error_line(
+        train(tmp_path, "named", "--resume", "--checkpoint", str(folder), max_steps=6, **sharded),
+        folder.name,
+        "is unsafe to load",
+        "os.system",
+    )
+    assert not marker.exists()
+    proc = ok(train(tmp_path, "resumed", "--resume", max_steps=6, **sharded))
+    assert not marker.exists()
+    unsafe = [w for w in warnings_of(proc) if folder.name in w]
+    assert len(unsafe) == 1 and "is unsafe to load: its index (.metadata)" in unsafe[0], (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    )
+    assert "step_000000000002.dcp at step 2" in proc.stdout, proc.stdout[-3000:]
+    got = losses(tmp_path / "resumed.jsonl")
+    assert got == {s: reference["dcp"][s] for s in (3, 4, 5, 6)}, got
+    pickle.loads(crafted)  # control: the payload is live, plain unpickling runs it
+    assert marker.exists()

@@ -301,9 +301,9 @@ def test_cli_sigterm_saves_and_exits_143(work):
 # ---------------------------------------------------------------- a Ctrl-C in a step that owes a held-out eval
 
 EVALUATING = "stops_in_eval: evaluating"
+TERM_NOTED = "stops_in_eval: SIGTERM reached the run's handler"
 
-EVAL_MODEL = (
-    """
+EVAL_MODEL = """
 import os, signal, sys
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -316,23 +316,26 @@ class StopsInEval(ReferenceTransformer):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled() and os.environ.get("HOLD_EVAL") and not StopsInEval.held:
             StopsInEval.held = True                              # the first held-out batch of step 4
+            handler = signal.getsignal(signal.SIGTERM)           # the run's: says so, then acts
+            def noted(signum, frame):
+                print("%s", file=sys.stderr, flush=True)
+                return handler(signum, frame)
+            if callable(handler): signal.signal(signal.SIGTERM, noted)
             print("%s", file=sys.stderr, flush=True)
             sys.stdin.readline()                                 # the test presses Ctrl-C now
         return super().forward(*args, **kwargs)
 
 updates = 0
 def press_in_update(optimizer, args, kwargs):
-    "Ctrl-C inside the optimizer update of step 4, where the trainer holds it until the step is complete."
+    "Ctrl-C (or STOP_SIGNAL) inside the optimizer update of step 4, where the trainer holds it until the step is complete."
     global updates
     updates += 1
     if updates == 4 and os.environ.get("UPDATE_PRESS"):
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(getattr(signal, os.environ.get("STOP_SIGNAL", "SIGINT")))
 
 register_optimizer_step_pre_hook(press_in_update)
 register_model("stops_in_eval", StopsInEval)
-"""
-    % EVALUATING
-)
+""" % (TERM_NOTED, EVALUATING)
 
 EVAL_CONFIG = """
 run: {max_steps: 8, output_dir: out, seed: 0}
@@ -403,3 +406,74 @@ def test_ctrl_c_during_an_eval_leaves_it_owed_and_resume_runs_it_first(eval_work
     assert order[3] == ("train_step", 5) and order[-2:] == [("eval", 8), ("sample", 8)], order
     assert [r["step"] for r in _events(eval_work, "eval")] == [4, 8]
     assert _saved(eval_work)["eval_owed"] is None
+
+
+# ---------------------------------------------------------------- SIGTERM in a step that owes a held-out eval
+
+
+def _held_out_order(work: Path) -> list[tuple[str, int]]:
+    "The run's train_step, eval and sample events from step 4 on, in the order the metrics file has them."
+    lines = (work / "out" / "metrics.jsonl").read_text().splitlines()
+    order = [(r["event"], r.get("step")) for r in map(json.loads, lines)]
+    return [e for e in order if e[0] in ("eval", "sample", "train_step") and e[1] >= 4]
+
+
+def _resume_leaves_no_hole(work: Path) -> None:
+    "`train --resume` to step 8: step 4's eval and sample come before step 5, every due eval once."
+    resumed = Child([*TRAIN, "--resume"], work)
+    assert resumed.finish() == 0, "".join(resumed.err)[-3000:]
+    order = _held_out_order(work)
+    assert order[:4] == [("train_step", 4), ("eval", 4), ("sample", 4), ("train_step", 5)], order
+    assert order[-2:] == [("eval", 8), ("sample", 8)], order
+    assert [r["step"] for r in _events(work, "eval")] == [4, 8]
+    assert [r["step"] for r in _events(work, "sample")] == [4, 8]
+    assert _saved(work)["step"] == 8 and _saved(work)["eval_owed"] is None
+
+
+def test_sigterm_in_the_update_of_an_eval_step_runs_its_eval_first(eval_work):
+    "SIGTERM during step 4's update: step 4 completes, its eval and sample run, it is saved, exit 143."
+    child = Child(TRAIN, eval_work, stop_signal="SIGTERM", env={"UPDATE_PRESS": "1"})
+    assert child.finish() == 143, "".join(child.err)[-3000:]
+    err = "".join(child.err)
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "speedtronic: error: terminated (SIGTERM)"
+    ), err[-2000:]
+    assert [r["step"] for r in _events(eval_work, "eval")] == [4], err[-3000:]
+    assert [r["step"] for r in _events(eval_work, "sample")] == [4]
+    state = _saved(eval_work)
+    assert state["step"] == 4 and state["eval_owed"] is None and state["target"] == 8
+    _resume_leaves_no_hole(eval_work)
+
+
+def test_sigterm_during_an_eval_lets_it_finish_then_stops(eval_work):
+    "One SIGTERM while step 4's eval runs: that eval and its sample end, step 4 is saved, exit 143."
+    child = Child(TRAIN, eval_work, stop_signal="SIGTERM", env={"HOLD_EVAL": "1"})
+    child.wait_for(lambda: f"{EVALUATING}\n" in child.err, "the eval of step 4")
+    child.proc.send_signal(signal.SIGTERM)
+    child.wait_for(lambda: f"{TERM_NOTED}\n" in child.err, "the run taking the SIGTERM")
+    child.release()  # the run's handler has asked for the stop: let the eval go on
+    assert child.finish() == 143, "".join(child.err)[-3000:]
+    assert "Traceback" not in "".join(child.err)
+    assert [r["step"] for r in _events(eval_work, "eval")] == [4]
+    assert [r["step"] for r in _events(eval_work, "sample")] == [4]
+    state = _saved(eval_work)
+    assert state["step"] == 4 and state["eval_owed"] is None, (state["step"], state["eval_owed"])
+    _resume_leaves_no_hole(eval_work)
+
+
+def test_a_second_sigterm_during_an_eval_leaves_it_owed_and_resume_runs_it_first(eval_work):
+    "SIGTERM in step 4's update, a second while its eval runs: the stop is at once, the eval owed."
+    child = Child(
+        TRAIN, eval_work, stop_signal="SIGTERM", env={"UPDATE_PRESS": "1", "HOLD_EVAL": "1"}
+    )
+    child.wait_for(lambda: f"{EVALUATING}\n" in child.err, "the eval of step 4")
+    child.proc.send_signal(signal.SIGTERM)  # the second: the run stops inside the eval
+    assert child.finish() == 143, "".join(child.err)[-3000:]
+    err = "".join(child.err)
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "speedtronic: error: terminated (SIGTERM)"
+    ), err[-2000:]
+    assert _events(eval_work, "eval") == [] and _events(eval_work, "sample") == []
+    state = _saved(eval_work)
+    assert state["step"] == 4 and state["eval_owed"] == 4, (state["step"], state["eval_owed"])
+    _resume_leaves_no_hole(eval_work)
