@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import json
 import math
@@ -488,8 +489,9 @@ class DumbDiLoCoCoordinator:
             model.state_dict()
         )  # complex parameters: refuse now, not at the first boundary
         self.state = NodeState(uuid.uuid4().hex[:12], cpu_state_dict(model.state_dict()))
-        self._accepting = self._opened = self.started = self._terminated = (
-            False  # _terminated: SIGTERM came in a wait
+        self._phase = _CoordinatorPhase.CREATED  # where it is in its life (`started`)
+        self._opened = self._terminated = (
+            False  # _opened: the repository was checked; _terminated: SIGTERM came in a wait
         )
         self._woken, self._last_poll, self._seen_tag = (
             threading.Event(),
@@ -523,6 +525,11 @@ class DumbDiLoCoCoordinator:
         )  # (version, why) of globals it refused, said once
 
     @property
+    def started(self) -> bool:
+        "True from the end of `start()` until `stop()` has ended (running or stopping)."
+        return self._phase in (_CoordinatorPhase.RUNNING, _CoordinatorPhase.STOPPING)
+
+    @property
     def outer_step(self) -> int:
         "The global version: the master's outer step, else the installed version (0 before any)."
         return self.outer.outer_step if self.outer is not None else max(self.state.version, 0)
@@ -541,6 +548,15 @@ class DumbDiLoCoCoordinator:
 
 
 DumbDiLoCo = DumbDiLoCoCoordinator
+
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #514d03ad
+class _CoordinatorPhase(enum.Enum):
+    "Where a `DumbDiLoCoCoordinator` is in its life: `start()` runs it, `stop()` ends it."
+
+    CREATED = "created"  # built; nothing has talked to the repository yet
+    RUNNING = "running"  # started: deltas are sent, the background threads run
+    STOPPING = "stopping"  # in `stop()`: no delta is sent; uploads and threads are ending
+    STOPPED = "stopped"  # stopped; `start()` runs it again
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #968d48c3
 RUN_RECORD = "run.json"  # in a node's state directory: the run it joined
@@ -564,7 +580,7 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
     was sent."""
     weights = cpu_state_dict(self.model.state_dict())
     with self.lock:
-        if not self._accepting:
+        if self._phase is not _CoordinatorPhase.RUNNING:  # only a running node sends
             return False
         try:
             replay = self._rebase is not None and self._rebase[2] == step  # see `_install_rebase`
@@ -999,7 +1015,7 @@ def start(self: DumbDiLoCoCoordinator) -> None:
         self._await_global()
         self._refuse_shared_node_id()
     self._install_candidate()
-    self._accepting, self.started, self._last_poll = True, True, time.monotonic()
+    self._phase, self._last_poll = _CoordinatorPhase.RUNNING, time.monotonic()
     self._spawn()
     self._log(
         "info",
@@ -1276,7 +1292,7 @@ def stop(self: DumbDiLoCoCoordinator) -> None:
     if not self.started:
         return
     with self.lock:
-        self._accepting = False
+        self._phase = _CoordinatorPhase.STOPPING  # no delta is sent from now on
     timeout = float(self.config.delta_upload_shutdown_timeout)
     if not self._wait_uploads(timeout):
         self._log(
@@ -1293,7 +1309,7 @@ def stop(self: DumbDiLoCoCoordinator) -> None:
         self.outer.stop()
     if self.global_watcher is not None:
         self._watcher_caught_up(timeout)
-    self.started = False
+    self._phase = _CoordinatorPhase.STOPPED
 
 
 @patch
