@@ -1397,14 +1397,15 @@ def _sharded_state(path: Path, index: Any = None) -> dict:
 
 # %% ../nbs/train/04_checkpoint.ipynb #7622af44
 def _safe_reading(path: Path, index: Any) -> tuple:
-    """A `torch.distributed.checkpoint` reader and planner classes for the folder `path` that unpickle nothing freely.
+    """A `torch.distributed.checkpoint` reader and planner classes for the folder `path` that
+    unpickle nothing freely.
 
-    `index` is the folder's index as `_safe_index` checked it: the reader hands DCP that object, so the
-    `.metadata` file is read and checked once.
+    `index` is the folder's index as `_safe_index` checked it: the reader hands DCP that object, so
+    the `.metadata` file is read and checked once.
 
-    DCP's own reader unpickles `.metadata` with a full unpickler, and its planners read each plain value with
-    `torch.load(weights_only=False)`. Ours hand DCP the index `_safe_index` checked, and read values with
-    `weights_only=True`, so a file changed after the check still runs nothing."""
+    DCP's own reader unpickles `.metadata` with a full unpickler, and its planners read each plain
+    value with `torch.load(weights_only=False)`. Ours hand DCP the index `_safe_index` checked, and
+    read values with `weights_only=True`, so a file changed after the check still runs nothing."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import (
         DefaultLoadPlanner,

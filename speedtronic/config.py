@@ -395,7 +395,8 @@ class _Section:
     def __repr__(self) -> str:
         """Like a dataclass repr, with every credential shown as `<redacted>` (a notebook cell may
         print it)."""
-        return f"{type(self).__name__}({', '.join(f'{f.name}={_shown(f.name, getattr(self, f.name))}' for f in fields(self))})"
+        shown = (f"{f.name}={_shown(f.name, getattr(self, f.name))}" for f in fields(self))
+        return f"{type(self).__name__}({', '.join(shown)})"
 
 
 def _shown(name: str, value: Any) -> str:

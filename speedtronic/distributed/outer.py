@@ -1557,7 +1557,8 @@ def same_data(seen: Mapping[str, str], node: str, data: str) -> str | None:
 
 @patch
 def _note_data(self: MasterOuterLoop, node: str, header: Mapping[str, str]) -> None:
-    "Keep what `node` reads (its delta `header`'s `data`); warn once when another node reads it too."
+    """Keep what `node` reads (its delta `header`'s `data`); warn once when another node reads it
+    too."""
     data = str(header.get(DATA_HEADER) or "")
     if not data or self._same_data_said:
         return
