@@ -32,13 +32,16 @@ def _version_file(repo: str) -> dict:
     return json.loads((Path(repo) / "global" / "step_count.json").read_text())
 
 
-def _wait_for(predicate, procs, timeout: float = 300, what: str = "condition") -> None:
+def _wait_for(
+    predicate, procs, timeout: float = 300, what: str = "condition", poll: float = 0.2
+) -> None:
+    "Ask `predicate` every `poll` s until it holds; fail when a node ends first or time runs out."
     deadline = time.monotonic() + timeout
     while not predicate():
         for p in procs:
             assert p.poll() is None, f"{what}: a node ended early: {p.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.2)
+        time.sleep(poll)
 
 
 def _stop(*procs: subprocess.Popen) -> None:

@@ -12,19 +12,11 @@ from pathlib import Path
 import pytest
 
 from test_diloco_node_faults import TOKEN, ended, hub_env, launch, node_config
+from test_master_trust import _mount_tmpfs
+from test_node_trust import _wait_for
 
 from conftest import jsonl_records
 from hub_server import HubStandIn
-
-
-def _wait_for(predicate, procs, timeout: float = 300, what: str = "condition") -> None:
-    "Poll `predicate` every 10 ms (a trigger, not a delay): fail when a node ends first."
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for p in procs:
-            assert p.poll() is None, f"{what}: a node ended early: {p.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.01)
 
 
 def _steps(metrics: Path, event: str) -> list[int]:
@@ -44,15 +36,6 @@ def _folded_once(master_metrics: Path, ledger: dict, names, steps: int) -> None:
         ]
         assert sorted(covered) == list(range(1, steps + 1)), (name, sorted(covered))
         assert max(ledger[name]["sessions"].values()) == steps, ledger
-
-
-def _mount_tmpfs(where: Path, size: str) -> None:
-    where.mkdir(parents=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode()[-200:]}")
 
 
 def _remount(where: Path, mode: str) -> None:
@@ -86,6 +69,7 @@ def test_a_last_delta_that_failed_on_a_read_only_share_is_sent_again_and_reaches
             lambda: 30 in _steps(metrics, "delta_uploaded"),
             [master, worker],
             what="w1's delta of step 30",
+            poll=0.01,  # a trigger: the share goes read-only right after that upload
         )
         _remount(share, "ro")
         try:
@@ -93,6 +77,7 @@ def test_a_last_delta_that_failed_on_a_read_only_share_is_sent_again_and_reaches
                 lambda: 40 in _steps(metrics, "delta_upload_failed"),
                 [master, worker],
                 what="a failed upload of w1's last delta",
+                poll=0.01,
             )
             time.sleep(3)  # the outage lasts on a while: the nodes keep retrying
         finally:
