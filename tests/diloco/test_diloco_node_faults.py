@@ -18,9 +18,10 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import HUB_TOKEN, ROOT, jsonl_records, start_cli  # noqa: E402
+from conftest import HUB_TOKEN, jsonl_records  # noqa: E402
 from conftest import hub  # noqa: E402,F401  (test_node_trust imports it from here)
 from hub_server import HubStandIn  # noqa: E402
+from test_diloco import launch as launch_with  # noqa: E402
 
 from speedtronic.distributed import HubClient, SharedDirectory
 
@@ -94,15 +95,8 @@ def node_config(
 
 
 def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
-    return start_cli(
-        "train",
-        "--config",
-        str(cfg),
-        env={"HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})},
-        faulthandler=False,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    "test_diloco's `launch`, with the `env` this module's callers give positionally."
+    return launch_with(cfg, env=env)
 
 
 def ended(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:

@@ -207,33 +207,40 @@ def test_a_refused_publication_keeps_its_deltas_checked(tmp_path):
     assert SharedDirectory(repo).list_deltas() == []  # both folded and removed
 
 
+def worker_node(repo: Path, state_dir: Path, model: torch.nn.Module, hub=None, **config):
+    """Worker `w` of the run in `repo`: 2 inner steps, float32 deltas uploaded on the caller's
+    thread; `config` adds or replaces `distributed` settings, `hub` is the transport (else the
+    directory `repo`)."""
+    from speedtronic.config import DistributedConfig
+    from speedtronic.distributed import DumbDiLoCoCoordinator
+
+    settings = dict(
+        enabled=True,
+        role="worker",
+        node_id="w",
+        transport="directory",
+        repo_id=str(repo),
+        inner_steps=2,
+        poll_interval=0.05,
+        async_delta_upload=False,
+        delta_dtype="float32",
+    )
+    return DumbDiLoCoCoordinator(
+        DistributedConfig(**{**settings, **config}), model, hub=hub, state_dir=state_dir
+    )
+
+
 def test_a_worker_whose_last_step_ends_a_round_sends_that_delta_as_its_last(tmp_path):
     """A worker trained to a step that ends a round sends the delta of that step marked final (the
     trainer gives the coordinator its target), so the master's final round ends at once instead of
     waiting `final_round_timeout` for a final delta that would never come."""
-    from speedtronic.config import DistributedConfig
-    from speedtronic.distributed import DumbDiLoCoCoordinator
     from speedtronic.distributed.tensors import read_metadata
 
     repo, log = tmp_path / "repo", Lines()
     m = master(tmp_path, SharedDirectory(repo, retry=RetryPolicy(0.001, 0.01, 2)), log)
     m.start()
     model = torch.nn.Linear(4, 3)
-    worker = DumbDiLoCoCoordinator(
-        DistributedConfig(
-            enabled=True,
-            role="worker",
-            node_id="w",
-            transport="directory",
-            repo_id=str(repo),
-            inner_steps=2,
-            poll_interval=0.05,
-            async_delta_upload=False,
-            delta_dtype="float32",
-        ),
-        model,
-        state_dir=tmp_path / "w-state",
-    )
+    worker = worker_node(repo, tmp_path / "w-state", model)
     worker.set_target(4)
     worker.start()
     try:

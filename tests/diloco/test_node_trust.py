@@ -5,11 +5,9 @@ global before installing it, and a second node with a node_id in use is refused 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -20,8 +18,9 @@ from safetensors.torch import save_file
 
 # noqa: F401
 from test_diloco_node_faults import ended, error_line, hub, hub_env, launch, node_config
+from test_diloco import launch as launch_with
 
-from conftest import ROOT, jsonl_records
+from conftest import jsonl_records
 
 
 def _share(tmp: Path) -> str:
@@ -145,14 +144,7 @@ def test_a_worker_trains_on_across_a_master_takeover_and_exits_0_with_every_step
         final_round_timeout=60,
         lease_timeout=2,
     )
-    second = subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--resume"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    second = launch_with(cfg, "--resume")
     try:
         rc, err, out = ended(second)
         assert rc == 0, err[-3000:]

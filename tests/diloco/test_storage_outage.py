@@ -9,8 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from test_diloco_node_faults import TOKEN, ended, hub_env, launch, node_config
 from test_master_trust import _mount_tmpfs
 from test_node_trust import _wait_for

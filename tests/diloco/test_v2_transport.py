@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speedtronic.config import DistributedConfig
-from speedtronic.distributed import DumbDiLoCoCoordinator, MasterOuterLoop, SharedDirectory
+from speedtronic.distributed import MasterOuterLoop, SharedDirectory
 from speedtronic.distributed.tensors import GlobalMetadata, read_metadata
 from speedtronic.distributed.transport import RetryPolicy
+from test_master_passes import worker_node
 
 STEP_COUNT, WEIGHTS = "global/step_count.json", "global/latest.safetensors"
 
@@ -135,23 +135,7 @@ def test_a_worker_on_a_transport_of_2_0s_calls_joins_sends_and_installs(tmp_path
     )
     assert m.start_master().outer_step == 0
     hub = V2Folder(repo, state_attribute)
-    worker = DumbDiLoCoCoordinator(
-        DistributedConfig(
-            enabled=True,
-            role="worker",
-            node_id="w",
-            transport="directory",
-            repo_id=str(repo),
-            inner_steps=2,
-            poll_interval=0.05,
-            async_delta_upload=False,
-            async_global_poll=False,
-            delta_dtype="float32",
-        ),
-        model,
-        hub=hub,
-        state_dir=tmp_path / "w-state",
-    )
+    worker = worker_node(repo, tmp_path / "w-state", model, hub=hub, async_global_poll=False)
     worker.set_target(4)
     worker.start()
     try:
