@@ -76,7 +76,11 @@ def test_every_shipped_config_runs_or_says_what_it_needs(path, tmp_path):
     if said is None:
         code, output, steps = start(path, tmp_path)
         assert "Traceback" not in output, output[-3000:]
-        assert code in (0, 130) and steps and steps[-1] >= 1, (code, steps, output[-3000:])
+        # 130: the CLI caught the Ctrl-C; -SIGINT: it came after the run had ended, while Python
+        # was shutting down with the default handler back (a shell shows both as 130)
+        assert code in (0, 130, -signal.SIGINT), (code, output[-3000:])
+        assert code != -signal.SIGINT or "completed steps=" in output, output[-3000:]
+        assert steps and steps[-1] >= 1, (code, steps, output[-3000:])
     else:
         line = one_error_line(
             run_cli("train", "--config", str(path), "--device", "cpu", cwd=tmp_path)

@@ -136,7 +136,12 @@ def launch(cfg: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
     out, err = communicate_or_dump(proc, timeout)
-    assert proc.returncode == 0, (out[-2000:], err[-3000:])
+    if proc.returncode != 0:  # in full: an assertion's repr would cut the middle of the log out
+        pytest.fail(
+            f"{proc.args[-3:]} exited {proc.returncode}\n--- its stderr, last 8000 characters:\n"
+            f"{err[-8000:]}\n--- its stdout, last 2000 characters:\n{out[-2000:]}",
+            pytrace=False,
+        )
     return out
 
 
