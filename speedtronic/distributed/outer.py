@@ -1416,6 +1416,48 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
     self.revision = None
     return new
 
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #abbe8aad
+@patch
+def _repair_torn(self: MasterOuterLoop) -> bool:
+    """Put back the weights of the version a torn publication's version file still names, from this
+    master's state of it; True when put back, `HubError` when this master has none."""
+    torn = getattr(self.transport, "torn_publication", None)
+    found = torn() if callable(torn) else None
+    if found is None:
+        return False
+    repo, carried = found
+    local = self._read_local()
+    if not (
+        local is not None
+        and local.outer_step == repo.outer_step
+        and local.publication == str(repo.extras.get("publication", ""))
+    ):
+        raise HubError(
+            f"{self._where()} holds the weights of version {carried} beside the version file of "
+            f"version {repo.outer_step}: a master stopped while publishing, and this master has no "
+            f"state of version {repo.outer_step} to put back. Resume the master that published "
+            f"version {repo.outer_step} (speedtronic train --resume with its run folder)"
+        )
+    header = {
+        **weights_metadata(local),
+        "publication": str(repo.extras.get("global_publication") or local.publication),
+    }
+    (self.dir / "outgoing").mkdir(parents=True, exist_ok=True)
+    weights = save_safetensors(
+        local.global_state, self.dir / "outgoing" / "restore.safetensors", header
+    )
+    try:
+        self.transport.restore_weights(weights, repo)
+    finally:
+        weights.unlink(missing_ok=True)
+    self._log(
+        "warning",
+        f"{self._where()} held the weights of version {carried} without their version file (a "
+        f"master stopped while publishing): put version {repo.outer_step}'s weights back; that "
+        "round's deltas are folded again",
+    )
+    return True
+
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #e2496e14
 @patch
 def start_master(self: MasterOuterLoop) -> RepoState:
@@ -1423,6 +1465,8 @@ def start_master(self: MasterOuterLoop) -> RepoState:
     afterwards."""
     if callable(getattr(self.transport, "open", None)):
         self.transport.open(create=True, private=True)
+    if self._repair_torn():
+        self.state = self._read_local()  # the version put back, its momentum included
     repo = self.transport.state()
     prepared = None if self.fresh else self._read_local(".next")
     if repo.metadata is None:
@@ -1885,6 +1929,7 @@ def _run(self: MasterOuterLoop) -> None:
         self._wake.clear()  # a wake from now on makes the next wait return at once
         try:
             with self._pass:
+                self._repair_torn()  # a publication of its own cut in half: put back first
                 self.sync_once()
         except HubUnavailable as e:
             self._log("warning", f"outer round postponed: {e}")
@@ -1962,6 +2007,7 @@ def finish(
         before = self.state.outer_step
         try:
             with self._pass:
+                self._repair_torn()
                 self.sync_once(full_rounds=False)  # the last deltas: folded as they come
             problem = None
         except HubUnavailable as e:

@@ -569,6 +569,41 @@ def _sweep(self: SharedDirectory, version: int) -> None:
                 if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S:
                     p.unlink()
 
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #0a758721
+@patch
+def torn_publication(self: SharedDirectory) -> tuple[RepoState, int] | None:
+    """`(the version file's state, the newer version the weights carry)` when a publication stopped
+    between its two renames; None otherwise."""
+
+    def run():
+        version, weights = self._inside(GLOBAL_METADATA_PATH), self._inside(GLOBAL_MODEL_PATH)
+        if not (self._present() and version.exists() and weights.exists()):
+            return None
+        meta, extras = parse_step_count(version.read_bytes())
+        carried = _weights_version(weights)
+        if carried is None or carried <= meta.outer_step:
+            return None
+        return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras), carried
+
+    return self._call(f"read {GLOBAL_METADATA_PATH} in {self.describe()}", run)
+
+
+@patch
+def restore_weights(self: SharedDirectory, weights: str | os.PathLike, parent: RepoState) -> None:
+    """Put `weights` (carrying `parent`'s version) back over a torn publication's; `PublishConflict`
+    unless the repository is torn at `parent`."""
+    found = self.torn_publication()
+    if found is None or found[0].revision != parent.revision:
+        raise PublishConflict(
+            f"{self.describe()} is no longer torn at revision {parent.revision}: nothing restored"
+        )
+    if _weights_version(Path(weights)) != parent.outer_step:
+        raise ValueError(f"{weights} does not carry version {parent.outer_step}")
+    self._call(
+        f"restore {GLOBAL_MODEL_PATH} in {self.describe()}",
+        lambda: _copy(Path(weights), self._target(GLOBAL_MODEL_PATH)),
+    )
+
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #c77062e9
 def __dir__() -> list[str]:
     return list(__all__)
