@@ -348,24 +348,31 @@ def _weights_version(path: Path) -> int | None:
 
 
 @patch
+def _version_pair(self: SharedDirectory) -> tuple[RepoState, int | None]:
+    "`(the version file's state, the version the weights carry)`, read once, without retries."
+    if not self._present():
+        return RepoState("none"), None
+    version, weights = self._inside(GLOBAL_METADATA_PATH), self._inside(GLOBAL_MODEL_PATH)
+    if not version.exists():
+        return RepoState("none"), None
+    meta, extras = parse_step_count(version.read_bytes())
+    carried = _weights_version(weights)
+    return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras), carried
+
+
+@patch
 def state(self: SharedDirectory) -> RepoState:
     """The repository's version; a version file that disagrees with the weights' header is read
     again."""
 
     def run():
-        if not self._present():
-            return RepoState("none")
-        version = self._inside(GLOBAL_METADATA_PATH)
-        if not version.exists():
-            return RepoState("none")
-        meta, extras = parse_step_count(version.read_bytes())
-        carried = _weights_version(self._inside(GLOBAL_MODEL_PATH))
-        if carried is not None and carried != meta.outer_step:
+        repo, carried = self._version_pair()
+        if carried is not None and carried != repo.outer_step:
             raise ValueError(
-                f"weights carry version {carried}, the version file says {meta.outer_step} (a "
+                f"weights carry version {carried}, the version file says {repo.outer_step} (a "
                 "publication in progress)"
             )
-        return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras)
+        return repo
 
     return self._call(f"read {GLOBAL_METADATA_PATH} in {self.describe()}", run)
 
@@ -576,14 +583,8 @@ def torn_publication(self: SharedDirectory) -> tuple[RepoState, int] | None:
     between its two renames; None otherwise."""
 
     def run():
-        version, weights = self._inside(GLOBAL_METADATA_PATH), self._inside(GLOBAL_MODEL_PATH)
-        if not (self._present() and version.exists() and weights.exists()):
-            return None
-        meta, extras = parse_step_count(version.read_bytes())
-        carried = _weights_version(weights)
-        if carried is None or carried <= meta.outer_step:
-            return None
-        return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras), carried
+        repo, carried = self._version_pair()
+        return None if carried is None or carried <= repo.outer_step else (repo, carried)
 
     return self._call(f"read {GLOBAL_METADATA_PATH} in {self.describe()}", run)
 

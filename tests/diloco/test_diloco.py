@@ -352,15 +352,13 @@ def _kill_when(proc: subprocess.Popen, jsonl: Path, min_step: int) -> None:
     proc.wait()
 
 
-@pytest.mark.parametrize(
-    "victim,boundary_wait", [("w1", 0), ("master", 0), ("w1", 10), ("master", 10)]
-)
-def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, victim, boundary_wait):
-    repo = tmp_path / "repo"
-    names = ("master", "w1")
+def start_master_and_worker(tmp: Path, **distributed) -> tuple[Path, tuple, list, dict]:
+    """A master and worker `w1` over a shared directory, 200 steps each, the worker started once
+    the master trains: `(repo, names, configs, processes)`."""
+    repo, names = tmp / "repo", ("master", "w1")
     configs = [
         node_config(
-            tmp_path,
+            tmp,
             n,
             "master" if i == 0 else "worker",
             repo=str(repo),
@@ -369,15 +367,21 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
             count=2,
             steps=200,
             bigger=True,
-            boundary_wait=boundary_wait,
+            **distributed,
         )
         for i, n in enumerate(names)
     ]
     procs = {"master": launch(configs[0])}
-    wait_for(
-        lambda: events(tmp_path / "master" / "metrics.jsonl", "train_start"), what="the master"
-    )
+    wait_for(lambda: events(tmp / "master" / "metrics.jsonl", "train_start"), what="the master")
     procs["w1"] = launch(configs[1])
+    return repo, names, configs, procs
+
+
+@pytest.mark.parametrize(
+    "victim,boundary_wait", [("w1", 0), ("master", 0), ("w1", 10), ("master", 10)]
+)
+def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, victim, boundary_wait):
+    repo, names, configs, procs = start_master_and_worker(tmp_path, boundary_wait=boundary_wait)
     _kill_when(procs[victim], tmp_path / victim / "metrics.jsonl", min_step=30)
     # the committed version (a master killed while publishing leaves newer weights beside it, which
     # state() refuses to read)
@@ -426,28 +430,7 @@ def test_a_master_killed_between_the_weights_and_the_version_file_puts_its_versi
     next version's weights beside the last version file, which every reader refuses. Resumed, the
     master puts that version's weights back and the run ends with each step folded once (before:
     it waited out its final round on the unreadable repository and exited 2)."""
-    repo = tmp_path / "repo"
-    names = ("master", "w1")
-    configs = [
-        node_config(
-            tmp_path,
-            n,
-            "master" if i == 0 else "worker",
-            repo=str(repo),
-            transport="directory",
-            index=i,
-            count=2,
-            steps=200,
-            bigger=True,
-            final_round_timeout=60,
-        )
-        for i, n in enumerate(names)
-    ]
-    procs = {"master": launch(configs[0])}
-    wait_for(
-        lambda: events(tmp_path / "master" / "metrics.jsonl", "train_start"), what="the master"
-    )
-    procs["w1"] = launch(configs[1])
+    repo, names, configs, procs = start_master_and_worker(tmp_path, final_round_timeout=60)
     checkpoints = lambda: events(tmp_path / "master" / "metrics.jsonl", "checkpoint")
     wait_for(lambda: any(e["step"] >= 30 for e in checkpoints()), what="a checkpoint past 30")
     weights, version_file = repo / GLOBAL_MODEL_PATH, repo / GLOBAL_METADATA_PATH
