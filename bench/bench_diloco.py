@@ -219,12 +219,30 @@ def run_baseline(args, work: Path, train: Path, held: Path) -> dict:
     }
 
 
-def run_lockstep(args, work: Path, train: Path, held: Path) -> dict:
+def run_lockstep(
+    args,
+    work: Path,
+    train: Path,
+    held: Path,
+    encoding: str | None = None,
+    topk: tuple[float, int] | None = None,
+    optimizer: str = "adamw",
+    feedback: bool = True,
+) -> dict:
     """Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta
-    folded at once, none stale."""
+    folded at once, none stale. With an `encoding`, each node's delta travels as a node sends it
+    (`send_with_feedback`: its residual added, encoded, what the encoding lost kept for the next
+    round, unless not `feedback`) and the fold gets what the master decodes; `topk` is (density,
+    bits)."""
+    from speedtronic.distributed.compression import TopK, decode_wire, send_with_feedback
     from speedtronic.distributed.diloco import NodeShard
     from speedtronic.distributed.outer import Contribution, OuterUpdate
-    from speedtronic.distributed.tensors import compute_pseudo_gradient, cpu_state_dict
+    from speedtronic.distributed.tensors import (
+        compute_pseudo_gradient,
+        cpu_state_dict,
+        delta_header,
+        safetensors_bytes,
+    )
     from speedtronic.runtime import build_runtime
 
     start, nodes = time.perf_counter(), []
@@ -239,6 +257,8 @@ def run_lockstep(args, work: Path, train: Path, held: Path) -> dict:
             "progress": False,
         }
         cfg["checkpoint"] = {"enabled": False}
+        if optimizer == "muon":
+            cfg["optimizer"] = {"name": "muon", "lr": args.muon_lr, "grad_clip": 1.0}
         trainer, _ = build_runtime(cfg)
         trainer.dataloader = NodeShard(
             trainer.dataloader, i, args.nodes
@@ -246,28 +266,120 @@ def run_lockstep(args, work: Path, train: Path, held: Path) -> dict:
         nodes.append(trainer)
     state = cpu_state_dict(nodes[0].model.state_dict())
     update = OuterUpdate(state, args.outer_lr, args.outer_momentum)
+    spec = TopK(*topk) if topk else TopK()
+    residuals, sizes = [None] * len(nodes), []
     for end in range(args.inner_steps, args.steps + args.inner_steps, args.inner_steps):
-        for trainer in nodes:
+        contributions = []
+        for i, trainer in enumerate(nodes):
             trainer.fit(max_steps=min(end, args.steps))
-        update.step(
-            state,
-            [
-                Contribution(compute_pseudo_gradient(state, cpu_state_dict(t.model.state_dict())))
-                for t in nodes
-            ],
-            args.nodes,
-        )
+            delta = compute_pseudo_gradient(state, cpu_state_dict(trainer.model.state_dict()))
+            if encoding is not None:
+                wire, header, residuals[i] = send_with_feedback(delta, residuals[i], encoding, spec)
+                sizes.append(
+                    len(
+                        safetensors_bytes(
+                            wire,
+                            delta_header(
+                                node_id=f"node{i}",
+                                local_step=end,
+                                base_outer_step=0,
+                                inner_steps=args.inner_steps,
+                                encoding=encoding,
+                                extra=header,
+                            ),
+                        )
+                    )
+                )
+                delta = decode_wire(wire, header, {k: tuple(v.shape) for k, v in delta.items()})
+                residuals[i] = residuals[i] if feedback else None
+            contributions.append(Contribution(delta))
+        update.step(state, contributions, args.nodes)
         for trainer in nodes:
             trainer.model.load_state_dict(state)
             if args.reset_inner:
                 trainer.optimizer.state.clear()
-    return {
-        "name": "lockstep DiLoCo outer "
+    name = (
+        "lockstep DiLoCo outer "
         f"{args.outer_lr:g}/{args.outer_momentum:g}{' reset' if args.reset_inner else ''} "
-        "(in-process)",
+        "(in-process)"
+    )
+    if encoding is not None:
+        name = f"lockstep {encoding_name(encoding, topk, feedback)}, {optimizer} inner"
+    return {
+        "name": name,
         "loss": held_out_loss(cfg, state, held),
         "wall": time.perf_counter() - start,
+        **({"delta_kb": sum(sizes) / len(sizes) / 1024} if sizes else {}),
     }
+
+
+def encoding_name(encoding: str, topk: tuple[float, int] | None, feedback: bool = True) -> str:
+    "A row's name for a delta encoding: `topk 3% 2-bit + feedback`, `bfloat16`, ..."
+    name = encoding if encoding != "topk" else f"topk {topk[0] * 100:g}% {topk[1]}-bit"
+    return name + (" + feedback" if feedback and encoding != "float32" else "")
+
+
+ENCODING_ROWS = [  # (encoding, topk (density, bits), feedback): the --encodings table's rows
+    ("float32", None, True),
+    ("bfloat16", None, False),
+    ("bfloat16", None, True),
+    ("int8", None, True),
+    ("topk", (0.03, 2), True),
+    ("topk", (0.01, 2), True),
+]
+
+
+def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
+    """The encodings table: per seed the synchronous baseline, then lockstep DiLoCo with each
+    row's delta encoding, and Muon as the inner optimizer with the sparsest top-k."""
+    rows: dict[str, list[dict]] = {}
+    for seed in seeds:
+        args.seed, here = seed, work / f"seed{seed}"
+        base = run_baseline(args, here, train, held)
+        runs = [
+            run_lockstep(args, here / f"enc{i}", train, held, e, k, feedback=f)
+            for i, (e, k, f) in enumerate(ENCODING_ROWS)
+        ]
+        runs.append(run_lockstep(args, here / "muon", train, held, "topk", (0.01, 2), "muon"))
+        runs.append(run_lockstep(args, here / "muon32", train, held, "float32", None, "muon"))
+        exact = runs[0]["loss"]
+        for r in [base] + runs:
+            rows.setdefault(r["name"], []).append(
+                {**r, "ratio": r["loss"] / base["loss"], "vs_f32": r["loss"] / exact}
+            )
+            print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
+    print_encodings(rows)
+
+
+def print_encodings(rows: dict[str, list[dict]]) -> None:
+    "The encodings table: a line per row, means (and ranges) over the seeds."
+    float32 = rows[next(n for n in rows if "float32, adamw" in n)][0]["delta_kb"]
+    print()
+    print(
+        f"{'run':44s} {'delta kB':>8s} {'vs f32':>7s} {'held-out':>8s} {'vs sync':>7s} "
+        f"{'vs f32 run':>10s} {'range':>13s} {'wall s':>6s}"
+    )
+    for name, runs in rows.items():
+        mean = lambda key: sum(r[key] for r in runs) / len(runs)
+        ratios = [r["vs_f32"] for r in runs]
+        spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
+        kb = (
+            f"{mean('delta_kb'):8.1f} {float32 / mean('delta_kb'):6.1f}x"
+            if "delta_kb" in runs[0]
+            else f"{'':8s} {'':7s}"
+        )
+        print(
+            f"{name:44s} {kb} {mean('loss'):8.4f} {mean('ratio'):6.3f}x "
+            f"{mean('vs_f32'):9.3f}x {spread:>13s} {mean('wall'):6.0f}"
+        )
+    print(
+        "\ndelta kB = one node's delta file per round (safetensors with its header); vs f32 = how "
+        "many times smaller than float32's; held-out = the final global's loss; vs sync = against "
+        "the same seed's synchronous baseline; vs f32 run = against the same seed's float32 "
+        "lockstep run, range over the seeds; feedback = the node's residual (what its encoding "
+        "lost) added to its next delta. Every delta is one whole round of inner steps; lockstep = "
+        "every round folds every node's delta (whole rounds, in one process)."
+    )
 
 
 def node_texts(train: Path, nodes: int) -> list[Path]:
@@ -523,6 +635,12 @@ def main(argv=None) -> None:
         help="comma-separated run.seed values: every row runs once per seed (init and "
         "data order), each DiLoCo run compared with the baseline of its own seed",
     )
+    parser.add_argument(
+        "--encodings",
+        action="store_true",
+        help="only the delta-encodings table (lockstep whole rounds, every seed)",
+    )
+    parser.add_argument("--muon-lr", type=float, default=8e-3, help="lr of the Muon rows")
     parser.add_argument("--keep", default=None, help="keep the runs in this folder")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -536,6 +654,11 @@ def main(argv=None) -> None:
         f"held out; seeds {seeds}",
         flush=True,
     )
+    if args.encodings:
+        run_encodings(args, work, train, held, seeds)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     plan = [dict(transport=t) for t in args.transports.split(",") if t]
     if args.boundary_wait:
         plan += [

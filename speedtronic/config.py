@@ -1051,8 +1051,14 @@ class DistributedConfig(_Section):
     transport: str = (
         "hub"  # hub: repo_id is a Hub model repo; directory: repo_id is a shared directory path
     )
-    # wire dtype of deltas: float32 (as 2.0), bfloat16, or int8 (rounding kept and resent)
+    # wire dtype of deltas: float32 (as 2.0), bfloat16, int8, or topk; what a lossy one loses is
+    # carried into the node's next delta (error feedback)
     delta_dtype: str = "bfloat16"
+    # delta_dtype topk: of each chunk of topk_chunk entries, the topk_density largest by magnitude,
+    # in topk_bits bits (2 or 4) with one scale per chunk
+    topk_density: float = 0.03
+    topk_bits: int = 2
+    topk_chunk: int = 4096
     # how the master applies late deltas: delayed_nesterov, weighted, or none (as 2.0)
     staleness: str = "delayed_nesterov"
     expected_nodes: int | None = (
@@ -1092,7 +1098,16 @@ class DistributedConfig(_Section):
                 setattr(self, name, aliases.get(value.strip().lower(), value))
         r.choice("transport", ("hub", "directory"))
         r.paths("cache_dir", "state_dir", *(("repo_id",) if self.transport == "directory" else ()))
-        r.choice("delta_dtype", ("float32", "bfloat16", "int8"))
+        r.choice("delta_dtype", ("float32", "bfloat16", "int8", "topk"))
+        r.positive("topk_density", "topk_chunk")
+        if self.topk_density > 1:
+            r.fail(
+                "topk_density", f"is the share of entries sent, at most 1, got {self.topk_density}"
+            )
+        if self.topk_bits not in (2, 4):
+            r.fail("topk_bits", f"must be 2 or 4, got {_show(self.topk_bits)}")
+        if self.topk_chunk > 32768:
+            r.fail("topk_chunk", f"must be at most 32768 entries, got {_show(self.topk_chunk)}")
         r.choice(
             "staleness",
             ("delayed_nesterov", "weighted", "none"),

@@ -11,7 +11,8 @@ from typing import Any, Mapping
 
 # %% auto #0
 __all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_ROUND', 'MASTER_POLL', 'MASTER_PUBLICATION',
-           'DELTA_BYTES_PER_PARAM', 'HubLimits', 'hub_limits', 'HubBudget', 'budget_from_config']
+           'DELTA_BYTES_PER_PARAM', 'HubLimits', 'hub_limits', 'HubBudget', 'delta_bytes_per_parameter',
+           'budget_from_config']
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #00021c60
 @dataclass(frozen=True)
@@ -161,6 +162,15 @@ class HubBudget:
 DELTA_BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
+def delta_bytes_per_parameter(distributed: Any) -> float:
+    """Bytes a delta spends per parameter in the section's `delta_dtype`; top-k: an int16 offset and
+    `topk_bits` per kept entry, one float32 scale per chunk."""
+    d = distributed
+    if d.delta_dtype == "topk":
+        return d.topk_density * (2 + d.topk_bits / 8) + 4 / d.topk_chunk
+    return DELTA_BYTES_PER_PARAM.get(d.delta_dtype, 4)
+
+
 def budget_from_config(
     distributed: Any,  # the `distributed` section of a `SpeedtronicConfig`
     step_s: float,  # seconds per optimizer step (measured: `measure_step_time`)
@@ -174,7 +184,7 @@ def budget_from_config(
         nodes=int(n),
         round_s=max(d.inner_steps * step_s, 1e-3),
         poll_interval=float(d.poll_interval),
-        delta_bytes=int(parameters * DELTA_BYTES_PER_PARAM.get(d.delta_dtype, 4)),
+        delta_bytes=int(parameters * delta_bytes_per_parameter(d)),
         global_bytes=int(parameters * 4),
         limits=hub_limits(getattr(d, "hub_limits", "free")),
         whole_rounds=float(getattr(d, "boundary_wait", 0) or 0) > 0,

@@ -14,9 +14,12 @@ from typing import Mapping
 import torch
 
 from speedtronic.distributed.tensors import (
+    CheckedDelta,
     DeltaRejected,
+    check_delta,
     check_delta_wire,
-    decode_delta,
+    declared_layout,
+    decode_dense_wire,
     encode_delta,
     load_safetensors,
     read_safetensors_header,
@@ -26,8 +29,8 @@ from speedtronic.distributed.tensors import (
 # %% auto #0
 __all__ = ['TOPK_INDEX', 'TOPK_CODE', 'TOPK_SCALE', 'TOPK_PARTS', 'TOPK_BITS', 'MAX_TOPK_CHUNK', 'ENCODINGS', 'with_residual',
            'residual_after', 'TopK', 'pack_codes', 'unpack_codes', 'quantize', 'dequantize', 'encode_topk',
-           'topk_from_header', 'topk_shapes', 'decode_topk', 'load_topk_delta', 'encode_wire', 'decode_wire',
-           'send_with_feedback']
+           'topk_from_header', 'topk_shapes', 'topk_header_fits', 'decode_topk', 'load_topk_delta', 'encode_wire',
+           'decode_wire', 'send_with_feedback', 'topk_layout', 'read_wire_header', 'check_wire_delta']
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #e2dd4696
 def with_residual(
@@ -299,14 +302,13 @@ def _decode_tensor(
     return dense.reshape(shape)
 
 
-def decode_topk(
-    tensors: Mapping[str, torch.Tensor],
+def topk_header_fits(
     header: Mapping[str, str],
     shapes: Mapping[str, tuple[int, ...]],
     where: str = "delta",
     max_density: float | None = None,
-) -> dict[str, torch.Tensor]:
-    "The dense float32 delta top-k `tensors` stand for; refused unless it fits `shapes`."
+) -> tuple[TopK, int]:
+    "`(TopK, entries claimed)` of a top-k `header` that names exactly the tensors of `shapes`."
     spec, claimed = topk_from_header(header, where, max_density)
     declared = topk_shapes(header, where)
     if set(declared) != set(shapes):
@@ -321,6 +323,18 @@ def decode_topk(
             "shape",
             f"{where}: {k} was encoded from shape {declared[k]}, the model has {tuple(shapes[k])}",
         )
+    return spec, claimed
+
+
+def decode_topk(
+    tensors: Mapping[str, torch.Tensor],
+    header: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+    where: str = "delta",
+    max_density: float | None = None,
+) -> dict[str, torch.Tensor]:
+    "The dense float32 delta top-k `tensors` stand for; refused unless it fits `shapes`."
+    spec, claimed = topk_header_fits(header, shapes, where, max_density)
     want = {k + part for k in shapes for part in TOPK_PARTS}
     if set(tensors) != want:
         raise DeltaRejected(
@@ -384,13 +398,7 @@ def decode_wire(
     "The dense float32 delta wire `tensors` stand for; refused unless it fits `shapes`."
     if header.get("encoding") == "topk":
         return decode_topk(tensors, header, shapes, where, max_density)
-    check_delta_wire(
-        where, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, header, shapes
-    )
-    try:
-        return decode_delta(tensors)
-    except ValueError as e:
-        raise DeltaRejected("dtype", f"{where}: {e}") from None
+    return decode_dense_wire(where, tensors, header, shapes)
 
 
 def send_with_feedback(
@@ -404,6 +412,65 @@ def send_with_feedback(
     tensors, header = encode_wire(intended, encoding, topk)
     shapes = {k: tuple(v.shape) for k, v in intended.items()}
     return tensors, header, residual_after(decode_wire(tensors, header, shapes), intended)
+
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #bf3765ba
+def topk_layout(
+    spec: TopK, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    "The dtype and shape of every part a top-k delta of tensors of `shapes` holds under `spec`."
+    layout = {}
+    for k, shape in shapes.items():
+        counts = spec.counts(math.prod(shape))
+        entries = sum(counts)
+        layout[k + TOPK_INDEX] = (torch.int16, (entries,))
+        layout[k + TOPK_CODE] = (torch.uint8, (-(-entries * spec.bits // 8),))
+        layout[k + TOPK_SCALE] = (torch.float32, (len(counts),))
+    return layout
+
+
+def read_wire_header(
+    path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, str]:
+    """The header of the delta at repository `path` (stored at `local`) in any encoding, the parts it
+    declares checked against the model's `shapes` before the body is read."""
+    header, layout = declared_layout(path, local)
+    if header.get("encoding") != "topk":
+        check_delta_wire(path, layout, header, shapes)
+        return header
+    spec, claimed = topk_header_fits(header, shapes, path)
+    want = topk_layout(spec, shapes)
+    if set(layout) != set(want):
+        raise DeltaRejected(
+            "keys",
+            f"{path}: top-k parts do not match the model's floating tensors (missing "
+            f"{sorted(set(want) - set(layout))[:3]}, unexpected {sorted(set(layout) - set(want))[:3]})",
+        )
+    for name, (dtype, shape) in want.items():
+        if tuple(layout[name]) != (dtype, shape):
+            raise DeltaRejected(
+                "shape",
+                f"{path}: {name} is declared {layout[name][0]} of shape {tuple(layout[name][1])}; "
+                f"density {spec.density:g} in chunks of {spec.chunk} at {spec.bits} bits needs "
+                f"{dtype} of shape {shape}",
+            )
+    held = sum(want[k + TOPK_INDEX][1][0] for k in shapes)
+    if held != claimed:
+        raise DeltaRejected(
+            "header", f"{path}: header topk_entries={claimed}, the tensors hold {held} entries"
+        )
+    return header
+
+
+def check_wire_delta(
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    header: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> CheckedDelta:
+    "`check_delta` for a delta in any encoding, top-k included: checked and decoded to float32."
+    return check_delta(
+        path, tensors, header, shapes, lambda p, t, h, s: decode_wire(t, h, s, where=p)
+    )
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #888f8283
 def __dir__() -> list[str]:

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -43,13 +43,13 @@ from speedtronic.distributed.tensors import (
     decode_delta,
     delta_header,
     delta_path,
-    encode_delta,
     floating_state,
     load_safetensors,
     read_metadata,
     save_safetensors,
     wire_bytes,
 )
+from .compression import TopK, decode_topk, send_with_feedback, topk_shapes
 from speedtronic.distributed.transport import (
     HubError,
     HubUnavailable,
@@ -64,12 +64,12 @@ from ..files import atomic_write_text
 
 # %% auto #0
 __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR',
-           'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'at_boundary', 'on_upload_done',
-           'on_upload_failed', 'on_global', 'master_of', 'predecessors', 'global_problem', 'node_id_clash',
-           'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator', 'SyncResult',
-           'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum', 'final_global_model', 'node_summary',
-           'NodeShard', 'shard_loader', 'node_data_config', 'data_fingerprint', 'hub_commits_per_hour', 'hub_budget_of',
-           'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
+           'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'upload_delta', 'at_boundary',
+           'on_upload_done', 'on_upload_failed', 'on_global', 'master_of', 'predecessors', 'global_problem',
+           'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator',
+           'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum', 'final_global_model',
+           'node_summary', 'NodeShard', 'shard_loader', 'node_data_config', 'data_fingerprint', 'hub_commits_per_hour',
+           'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -125,6 +125,7 @@ class Upload:
     delta: Mapping[str, torch.Tensor]  # the wire tensors
     steps: int
     final: bool = False  # the node's last delta of the run
+    header: Mapping[str, str] = field(default_factory=dict)  # its encoding's header strings
 
 
 DeltaUploadJob = Upload  # 2.0's name for it
@@ -176,6 +177,13 @@ def _plus(
     )
 
 
+def upload_delta(upload: Upload) -> dict[str, torch.Tensor]:
+    "The float32 delta an `upload`'s wire tensors stand for (dense, or top-k)."
+    if upload.header.get("encoding") == "topk":
+        return decode_topk(upload.delta, upload.header, topk_shapes(upload.header))
+    return decode_delta(upload.delta)
+
+
 def at_boundary(
     state: NodeState,
     weights: Mapping[str, torch.Tensor],
@@ -183,6 +191,7 @@ def at_boundary(
     dtype: str = "bfloat16",
     final: bool = False,
     replay: bool = False,  # the delta of `step` was folded before a resume: not sent again
+    topk: TopK = TopK(),  # the top-k settings when `dtype` is "topk"
 ) -> tuple[NodeState, Upload | str]:
     """The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and
     the upload, or why none is sent."""
@@ -190,8 +199,8 @@ def at_boundary(
     if step <= state.folded_step:
         carry = None
         if replay and dtype != "float32":
-            total = _plus(compute_pseudo_gradient(state.base, weights), state.carry)
-            carry = {k: total[k] - v for k, v in decode_delta(encode_delta(total, dtype)).items()}
+            raw = compute_pseudo_gradient(state.base, weights)
+            carry = send_with_feedback(raw, state.carry, dtype, topk)[2]
         return replace(  # a replayed delta keeps the rounding residual its first sending left
             state, base=dict(weights), base_step=int(step), carry=carry, carry_steps=0
         ), "already_folded"
@@ -200,10 +209,14 @@ def at_boundary(
     raw = compute_pseudo_gradient(state.base, weights)
     if not all(bool(torch.isfinite(v).all()) for v in raw.values()):
         return state, "not_finite"
-    total = _plus(raw, state.carry)
-    wire = encode_delta(total, dtype)
+    wire, header, residual = send_with_feedback(raw, state.carry, dtype, topk)
     upload = Upload(
-        int(step), state.version, wire, max(1, step - state.base_step + state.carry_steps), final
+        int(step),
+        state.version,
+        wire,
+        max(1, step - state.base_step + state.carry_steps),
+        final,
+        header,
     )
     return replace(
         state,
@@ -212,9 +225,7 @@ def at_boundary(
         carry_steps=0,
         in_flight=upload,
         sent_step=int(step),
-        carry=None
-        if dtype == "float32"
-        else {k: total[k] - v for k, v in decode_delta(wire).items()},
+        carry=None if dtype == "float32" else residual,
     ), upload
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #b3074f96
@@ -237,7 +248,7 @@ def on_upload_failed(state: NodeState, upload: Upload) -> NodeState:
     return replace(
         state,
         in_flight=None,
-        carry=_plus(state.carry, decode_delta(upload.delta)),
+        carry=_plus(state.carry, upload_delta(upload)),
         carry_steps=state.carry_steps + upload.steps,
     )
 
@@ -464,6 +475,7 @@ class DumbDiLoCoCoordinator:
             int(cfg.inner_steps),
             float(cfg.poll_interval),
         )  # the round length; seconds between polls
+        self.topk = TopK(cfg.topk_density, cfg.topk_bits, cfg.topk_chunk)  # delta_dtype: topk
         self.state_root = (
             Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
         )
@@ -585,7 +597,7 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
         try:
             replay = self._rebase is not None and self._rebase[2] == step  # see `_install_rebase`
             self.state, out = at_boundary(
-                self.state, weights, step, self.config.delta_dtype, final, replay
+                self.state, weights, step, self.config.delta_dtype, final, replay, self.topk
             )
         except ValueError as e:
             return (
@@ -624,7 +636,7 @@ def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
     the repository cannot be reached."""
     local = self.state_root / "outgoing" / f"delta_{job.step}.safetensors"
     dtypes = {t.dtype for t in job.delta.values()}
-    encoding = (
+    encoding = job.header.get("encoding") or (  # a job saved before uploads kept their header
         "int8" if torch.int8 in dtypes else "bfloat16" if torch.bfloat16 in dtypes else "float32"
     )
     header = delta_header(
@@ -635,6 +647,7 @@ def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
         encoding=encoding,
         session=self.state.session,
         final=job.final,
+        extra=job.header,
     )
     if self.state.run_id:
         header = {**header, "run_id": self.state.run_id}  # a master of another run refuses it

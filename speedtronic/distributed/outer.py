@@ -31,7 +31,6 @@ from speedtronic.distributed.tensors import (
     CheckedDelta,
     DeltaRejected,
     GlobalMetadata,
-    check_delta,
     cpu_state_dict,
     delta_norm,
     floating_state,
@@ -39,11 +38,11 @@ from speedtronic.distributed.tensors import (
     load_delta,
     load_safetensors,
     parse_delta_path,
-    read_delta_header,
     save_safetensors,
     step_count_text,
     utc_now,
 )
+from .compression import check_wire_delta, read_wire_header
 from speedtronic.distributed.transport import (
     HubError,
     HubUnavailable,
@@ -741,7 +740,7 @@ def check(
             "(a node of an earlier run: restart it with --overwrite to join this one)",
         )
     _reachable(state, path, header, reached)
-    d = check_delta(
+    d = check_wire_delta(
         path, tensors, header, {k: tuple(v.shape) for k, v in state.outer.momentum.items()}
     )
     d.norm = delta_norm(d.delta)  # once: the size record and the events reuse it
@@ -1656,7 +1655,7 @@ def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta]
         self.unfetched.discard(path)
         local, header = local_of[path], None
         try:
-            header = read_delta_header(path, local, shapes)  # before the body is read
+            header = read_wire_header(path, local, shapes)  # before the body is read
             tensors, header = load_delta(local)
             reached = {
                 (a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)

@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -25,8 +25,9 @@ __all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_ME
            'safetensors_bytes', 'load_safetensors', 'read_metadata', 'load_delta', 'read_safetensors_header',
            'tensor_layout', 'metadata_json', 'delta_path', 'parse_delta_path', 'GlobalMetadata', 'utc_now',
            'step_count_text', 'parse_step_count', 'compute_pseudo_gradient', 'encode_delta', 'decode_delta',
-           'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta_wire', 'read_delta_header',
-           'check_delta', 'average_deltas', 'delta_norm', 'layer_of', 'layer_norms', 'state_misfit']
+           'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta_wire', 'declared_layout',
+           'read_delta_header', 'decode_dense_wire', 'check_delta', 'average_deltas', 'delta_norm', 'layer_of',
+           'layer_norms', 'state_misfit']
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -562,11 +563,9 @@ def check_delta_wire(
         raise DeltaRejected("keys", f"{path}: {stray[0]} is an int8 scale without its int8 tensor")
 
 
-def read_delta_header(
-    path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, str]:
-    """The header of the delta at repository `path` (stored at `local`), its tensors checked against
-    `shapes` before the body is read."""
+def declared_layout(path: str, local: str | Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """`(header strings, name -> (dtype, shape))` the delta at repository `path` (stored at `local`)
+    declares, a tensor stored once for several names listed under each; the body is not read."""
     try:
         raw, body = read_safetensors_header(local, path)
         layout = tensor_layout(raw, body, path)
@@ -580,8 +579,33 @@ def read_delta_header(
         raise DeltaRejected(
             "header", f"{path}: header {TENSOR_ALIASES} must map keys not in the file to keys in it"
         ) from None
+    return header, layout
+
+
+def read_delta_header(
+    path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, str]:
+    """The header of the delta at repository `path` (stored at `local`), its tensors checked against
+    `shapes` before the body is read."""
+    header, layout = declared_layout(path, local)
     check_delta_wire(path, layout, header, shapes)
     return header
+
+
+def decode_dense_wire(
+    path: str,
+    tensors: Mapping[str, torch.Tensor],
+    header: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, torch.Tensor]:
+    "The float32 delta of dense wire `tensors` (float32, bfloat16, int8) that fit `shapes`."
+    check_delta_wire(
+        path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, header, shapes
+    )
+    try:
+        return decode_delta(tensors)
+    except ValueError as e:
+        raise DeltaRejected("dtype", f"{path}: {e}") from None
 
 
 def check_delta(
@@ -589,9 +613,10 @@ def check_delta(
     tensors: Mapping[str, torch.Tensor],
     header: Mapping[str, str],
     shapes: Mapping[str, tuple[int, ...]],
+    decode: Callable[..., dict[str, torch.Tensor]] = decode_dense_wire,
 ) -> CheckedDelta:
     """Validate delta `tensors`/`header` found at repository `path` against the global floating
-    `shapes`."""
+    `shapes`; `decode(path, tensors, header, shapes)` checks and decodes the wire tensors."""
     where = parse_delta_path(path)
     if where is None:
         raise DeltaRejected(
@@ -622,13 +647,7 @@ def check_delta(
             f"{path}: header names session {session!r} without inner_steps; a node of this "
             "version writes both, a 2.0 node neither",
         )
-    check_delta_wire(
-        path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, header, shapes
-    )
-    try:
-        delta = decode_delta(tensors)
-    except ValueError as e:
-        raise DeltaRejected("dtype", f"{path}: {e}") from None
+    delta = decode(path, tensors, header, shapes)
     bad = [k for k, v in delta.items() if not bool(torch.isfinite(v).all())]
     if bad:
         raise DeltaRejected("not_finite", f"{path}: {bad[0]} holds NaN or infinite values")
