@@ -470,6 +470,8 @@ def _validate(args: argparse.Namespace) -> int:
 
     report = runnable_report(config, device=args.device)
     problems = report.problems + _output_dir_problems(config)
+    for line in report.hub_plan if _prints() else []:  # what the run asks of the Hub
+        print(_fitted(line, sys.stderr), file=sys.stderr)
     for line in error_lines(ConfigError(problems)) if problems and _prints() else []:
         print(line, file=sys.stderr)
     from speedtronic.evaluation import (

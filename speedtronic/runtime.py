@@ -1155,6 +1155,7 @@ class Runnable:
     tokens_per_step: int | None = None  # `config.tokens_per_step`
     step_seconds: float | None = None  # one micro-batch's forward+backward × accumulation steps
     not_measured: str | None = None  # why `step_seconds` is None
+    hub_plan: list[str] = field(default_factory=list)  # a Hub DiLoCo run's budget, in lines
 
     @property
     def verdict(self) -> str:
@@ -1205,11 +1206,13 @@ def runnable_report(
     elif not problems:  # the demo corpus is written on first use: its samples look like this
         sample = block_sample(torch.arange(d.block_size + 1).numpy() % vocab)
     problems += _directory_problems(config) + _wandb_problems(config)
+    plan = []
     if config.distributed.enabled and not problems:
-        distributed = importlib.import_module("speedtronic.distributed")
-        distributed.warn_commit_rate(config, device=device)
-        distributed.warn_outer_momentum(config.distributed)
-    report = Runnable(problems, training_memory(model)[0], config.tokens_per_step)
+        diloco = importlib.import_module("speedtronic.distributed.diloco")
+        plan, refused = diloco.hub_plan_check(config, device=device)
+        problems += refused
+        diloco.warn_outer_momentum(config.distributed)
+    report = Runnable(problems, training_memory(model)[0], config.tokens_per_step, hub_plan=plan)
     if problems or not measure:
         return report
     micro, report.not_measured = _micro_batch_seconds(config, model, sample, dev)

@@ -65,10 +65,22 @@ class HubBudget:
     global_bytes: int
     limits: HubLimits
     whole_rounds: bool = False  # distributed.boundary_wait > 0: one publication per round
+    run_rounds: float | None = None  # rounds the whole run holds (None: open-ended)
 
     @property
     def rounds_per_hour(self) -> float:
         return 3600.0 / self.round_s
+
+    def busy_share(self, window_s: float) -> float:
+        "The share of a window of `window_s` seconds the run fills (1 unless the run is shorter)."
+        return (
+            1.0 if self.run_rounds is None else min(1.0, self.run_rounds * self.round_s / window_s)
+        )
+
+    @property
+    def commits_in_an_hour(self) -> float:
+        "Commits the run's repository gets in its busiest hour: a run shorter than an hour, all."
+        return self.commits_per_hour * self.busy_share(3600.0)
 
     @property
     def publications_per_hour(self) -> float:
@@ -92,7 +104,7 @@ class HubBudget:
             for k in spent:
                 spent[k] += polls * MASTER_POLL[k] + pubs * MASTER_PUBLICATION[k]
             spent["downloads"] += rounds * (self.nodes - 1)  # every other node's delta
-        return spent
+        return {k: v * self.busy_share(WINDOW_S) for k, v in spent.items()}
 
     def bytes_per_round(self, role: str) -> tuple[int, int]:
         "(sent, received) bytes of one round for `role`."
@@ -103,8 +115,8 @@ class HubBudget:
     def problems(self) -> list[str]:
         "What does not fit, each with what to change; empty when the plan fits."
         out, lim = [], self.limits
-        if self.commits_per_hour > HEADROOM * lim.commits_per_hour:
-            fits = lambda b: b.commits_per_hour <= HEADROOM * lim.commits_per_hour
+        if self.commits_in_an_hour > HEADROOM * lim.commits_per_hour:
+            fits = lambda b: b.commits_in_an_hour <= HEADROOM * lim.commits_per_hour
             longer = (self.round_s * 1.05**k for k in range(1, 400))
             fit_round = next(r for r in longer if fits(replace(self, round_s=r)))
             fit_nodes = max(
@@ -112,7 +124,7 @@ class HubBudget:
             )
             out.append(
                 f"{self.nodes} nodes x {self.rounds_per_hour:.1f} rounds an hour need "
-                f"{self.commits_per_hour:.0f} commits an hour on the run's repository; the Hub "
+                f"{self.commits_in_an_hour:.0f} commits an hour on the run's repository; the Hub "
                 f"allows {lim.commits_per_hour:.0f} (plan for "
                 f"{HEADROOM * lim.commits_per_hour:.0f}): "
                 f"make rounds at least {math.ceil(fit_round / 60) * 60:.0f} s long "
@@ -143,12 +155,12 @@ class HubBudget:
     def lines(self) -> list[str]:
         "The plan in words, one line each (what `validate --deep` and the master print)."
         m, w = self.per_window("master"), self.per_window("worker")
-        mb = lambda n: f"{n / 2**20:.1f} MiB"
+        mb = lambda n: f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} kB"
         return [
             f"Hub budget ({self.limits.name} tier, {self.nodes} nodes, rounds of "
-            f"{self.round_s:.0f} s, polls every {self.poll_interval:.0f} s):",
-            f"  commits per hour on the run's repository: {self.commits_per_hour:.0f} "
-            f"of {self.limits.commits_per_hour:.0f}",
+            f"{self.round_s:.3g} s, polls every {self.poll_interval:g} s):",
+            f"  commits in its busiest hour on the run's repository: "
+            f"{self.commits_in_an_hour:.0f} of {self.limits.commits_per_hour:.0f}",
             f"  master per 5 min: {m['api']:.0f} API calls of "
             f"{self.limits.api_calls_per_5min:.0f}, {m['downloads']:.0f} downloads of "
             f"{self.limits.downloads_per_5min:.0f}",
@@ -176,6 +188,7 @@ def budget_from_config(
     step_s: float,  # seconds per optimizer step (measured: `measure_step_time`)
     parameters: int,  # the model's parameter count
     nodes: int | None = None,  # default: distributed.expected_nodes, else shard_count, else 1
+    max_steps: int | None = None,  # the run's length (run.max_steps; None: open-ended)
 ) -> HubBudget:
     "The `HubBudget` of a configuration, for a step time and a model size."
     d = distributed
@@ -188,6 +201,7 @@ def budget_from_config(
         global_bytes=int(parameters * 4),
         limits=hub_limits(getattr(d, "hub_limits", "free")),
         whole_rounds=float(getattr(d, "boundary_wait", 0) or 0) > 0,
+        run_rounds=None if not max_steps else math.ceil(max_steps / d.inner_steps),
     )
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #2814c066

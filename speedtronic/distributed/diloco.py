@@ -54,6 +54,7 @@ from speedtronic.distributed.transport import (
     HubError,
     HubUnavailable,
     RepoMissing,
+    TransferCounts,
     RetryPolicy,
     SharedDirectory,
     describe_repository,
@@ -69,7 +70,8 @@ __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'S
            'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator',
            'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum', 'final_global_model',
            'node_summary', 'NodeShard', 'shard_loader', 'node_data_config', 'data_fingerprint', 'hub_commits_per_hour',
-           'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'warn_commit_rate']
+           'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'hub_plan_check', 'warn_commit_rate',
+           'HubReport']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -535,6 +537,7 @@ class DumbDiLoCoCoordinator:
         self._refused: set[tuple[int, str]] = (
             set()
         )  # (version, why) of globals it refused, said once
+        self.hub_report: HubReport | None = None  # a master through the Hub: what it says of it
 
     @property
     def started(self) -> bool:
@@ -552,6 +555,10 @@ class DumbDiLoCoCoordinator:
 
     def _where(self) -> str:
         return describe_repository(self.transport)
+
+    def _counts(self) -> TransferCounts:
+        "What the transport moved so far (nothing counted for one that does not count)."
+        return getattr(self.transport, "counts", None) or TransferCounts()
 
     def _emit(self, event: str, payload: dict) -> None:
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
@@ -615,6 +622,9 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
         },
     )
     self._dispatch(out)
+    if self.hub_report is not None:  # a master through the Hub: its plan, then its spend
+        for level, line in self.hub_report.at_boundary(step, time.monotonic(), self._counts()):
+            self._log(level, line)
     return True
 
 
@@ -1029,6 +1039,11 @@ def start(self: DumbDiLoCoCoordinator) -> None:
         self._refuse_shared_node_id()
     self._install_candidate()
     self._phase, self._last_poll = _CoordinatorPhase.RUNNING, time.monotonic()
+    if self.role == "master" and self.config.transport == "hub":
+        parameters = sum(v.numel() for v in self.state.base.values() if v.is_floating_point())
+        self.hub_report = HubReport(
+            self.config, parameters, self.target_step, self.state.step, self._last_poll
+        )
     self._spawn()
     self._log(
         "info",
@@ -1350,6 +1365,8 @@ def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> No
         held = f"its steps up to {folded}" if folded >= 0 else "none of its deltas"
         raise self._unfolded(f"the final version {version} holds {held}", folded + 1, step)
     self._install(version, self.outer.snapshot()[1], folded, keep_progress=False)
+    if self.hub_report is not None:
+        self._log("info", self.hub_report.spent(time.monotonic(), self._counts()))
     if self.global_watcher is not None:
         self._watcher_caught_up(timeout)
 
@@ -1643,7 +1660,7 @@ def hub_budget_of(config: SpeedtronicConfig, step_time_s: float) -> HubBudget | 
 
     with torch.device("meta"):  # its size only: nothing is allocated
         parameters = sum(p.numel() for p in build_model(config.model).parameters())
-    plan = budget_from_config(d, step_time_s, parameters)
+    plan = budget_from_config(d, step_time_s, parameters, max_steps=config.run.max_steps)
     return replace(plan, whole_rounds=d.boundary_wait > 0)
 
 
@@ -1654,7 +1671,7 @@ def commit_rate_warning(config: SpeedtronicConfig, step_time_s: float) -> str | 
         return None
     d = config.distributed
     return (
-        f"distributed: about {plan.commits_per_hour:.0f} Hub commits per hour expected "
+        f"distributed: about {plan.commits_in_an_hour:.0f} Hub commits per hour expected "
         f"({plan.nodes} node(s), inner_steps {d.inner_steps}, {step_time_s:.3g} s per step "
         f"measured here): "
         + "; ".join(plan.problems())
@@ -1699,6 +1716,20 @@ def measure_step_time(config: SpeedtronicConfig, device: Any = None, steps: int 
     return (time.perf_counter() - start) / steps
 
 
+def hub_plan_check(config: SpeedtronicConfig, *, device: Any = None) -> tuple[list[str], list[str]]:
+    """`(the plan's lines, problems)` of a DiLoCo run through the Hub at the step time measured
+    here (both empty for other runs); a master's problems refuse it, a worker's are warned."""
+    d = config.distributed
+    if not d.enabled or d.transport != "hub":
+        return [], []
+    step_s = measure_step_time(config, device)
+    plan, message = hub_budget_of(config, step_s), commit_rate_warning(config, step_s)
+    if message and resolve_role(d) != "master":
+        warnings.warn(message, DistributedWarning, stacklevel=2)
+        message = None
+    return plan.lines(), [message] if message else []
+
+
 def warn_commit_rate(config: SpeedtronicConfig, *, device: Any = None) -> str | None:
     """Measure the step time and warn (`DistributedWarning`) when the Hub commit rate would come
     near the limit."""
@@ -1709,6 +1740,56 @@ def warn_commit_rate(config: SpeedtronicConfig, *, device: Any = None) -> str | 
     if message:
         warnings.warn(message, DistributedWarning, stacklevel=2)
     return message
+
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #e42862a4
+class HubReport:
+    """A master's words about the Hub: the plan its first round measures, and what it spent, every
+    `every_s` seconds and at the end."""
+
+    def __init__(
+        self,
+        distributed: Any,  # the run's `distributed` section
+        parameters: int,  # the model's floating parameters
+        target_step: int | None,  # the step the run trains to (None: open-ended)
+        step: int,  # the step it starts from
+        now: float,  # `time.monotonic()` at the start
+        every_s: float = 3600.0,
+    ):
+        self.distributed, self.parameters, self.target_step = distributed, parameters, target_step
+        self.start, self.planned, self.every_s = (now, step), False, every_s
+        self.said_at = now
+
+    def plan(self, step: int, now: float) -> HubBudget:
+        "The run's `HubBudget` at the pace since the start (`step` reached at `now`)."
+        t0, s0 = self.start
+        steps_left = None if self.target_step is None else self.target_step - s0
+        return budget_from_config(
+            self.distributed, (now - t0) / max(1, step - s0), self.parameters, max_steps=steps_left
+        )
+
+    def at_boundary(self, step: int, now: float, counts: Any) -> list[tuple[str, str]]:
+        "`(level, line)`s to say at a boundary: the plan at the first one, then spend every hour."
+        if not self.planned and step > self.start[1]:
+            self.planned, plan = True, self.plan(step, now)
+            return [("info", line) for line in plan.lines()] + [
+                ("warning", f"the Hub plan at the pace of the first round: {problem}")
+                for problem in plan.problems()
+            ]
+        if now - self.said_at >= self.every_s:
+            return [("info", self.spent(now, counts))]
+        return []
+
+    def spent(self, now: float, counts: Any) -> str:
+        "What the repository client spent since the start, in one line."
+        self.said_at = now
+        minutes, limit = (now - self.start[0]) / 60, hub_limits(self.distributed.hub_limits)
+        per_hour = counts.commits / max(minutes, 1e-9) * 60 if minutes >= 60 else counts.commits
+        return (
+            f"Hub spent in {minutes:.1f} min: {counts.commits} commits by this node, "
+            f"{counts.bytes_sent / 2**20:.1f} MiB sent, {counts.bytes_received / 2**20:.1f} MiB "
+            f"received; {per_hour:.0f} commits an hour by this node of the "
+            f"{limit.commits_per_hour:.0f} the repository takes"
+        )
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #9b618c34
 def __dir__() -> list[str]:

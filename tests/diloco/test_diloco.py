@@ -300,7 +300,14 @@ def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):
         ("lost_response", "POST", r"/commit/", 1),
     ]:
         hub.fault(kind, method=method, path=path, count=count)
-    run_nodes(tmp_path, repo="org/diloco-test", transport="hub", names=names, env=hub_env(hub))
+    outputs = run_nodes(
+        tmp_path, repo="org/diloco-test", transport="hub", names=names, env=hub_env(hub)
+    )
+    # the master says the plan its first round measures, and at its end what it spent
+    assert "Hub budget (free tier, 3 nodes" in outputs["master"], outputs["master"][-3000:]
+    spent = [l for l in outputs["master"].splitlines() if "Hub spent in" in l]
+    assert len(spent) == 1 and "commits by this node" in spent[0], outputs["master"][-3000:]
+    assert "Hub budget" not in outputs["w1"]
     repo = hub.repos["org/diloco-test"]
     assert repo.private
     files = hub.files("org/diloco-test")
@@ -882,25 +889,38 @@ def test_a_wrong_token_stops_the_cli_with_one_line(tmp_path, hub):
     )
 
 
-def test_validate_deep_warns_about_the_hub_commit_rate(tmp_path):
-    cfg = node_config(
-        tmp_path, "master", "master", repo="org/run", transport="hub", index=0, count=4, steps=100
-    )
-    res = subprocess.run(
-        [sys.executable, "-m", "speedtronic", "validate", "--config", str(cfg), "--deep"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_validate_deep_prints_the_hub_plan_and_refuses_a_master_past_the_commit_limit(tmp_path):
+    def validate(name: str, role: str, steps: int) -> subprocess.CompletedProcess:
+        cfg = node_config(
+            tmp_path, name, role, repo="org/run", transport="hub", index=0, count=4, steps=steps
+        )
+        return subprocess.run(
+            [sys.executable, "-m", "speedtronic", "validate", "--config", str(cfg), "--deep"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    # 200 rounds of 5 quick steps, 4 nodes: about a thousand commits within the hour
+    res = validate("master", "master", 1000)
+    errors = [l for l in res.stderr.splitlines() if l.startswith("speedtronic: error:")]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
+    assert "Hub commits per hour" in errors[0] and "distributed.inner_steps" in errors[0]
+    assert "Hub budget (free tier, 4 nodes" in res.stderr and "Traceback" not in res.stderr
+    # the same config on a worker: its master decides, the worker is told
+    res = validate("worker", "worker", 1000)
     warnings_ = [
         l
         for l in res.stderr.splitlines()
         if l.startswith("speedtronic: warning: distributed: about")
     ]
     assert res.returncode == 0 and len(warnings_) == 1, res.stderr[-2000:]
-    assert "Hub commits per hour" in warnings_[0] and "distributed.inner_steps" in warnings_[0]
+    # 20 rounds end within the hour: 100 commits in all fit the Hub's 128, at any pace
+    res = validate("short", "master", 100)
+    assert res.returncode == 0 and "commits in its busiest hour" in res.stderr, res.stderr[-2000:]
+    assert "Hub commits per hour" not in res.stderr
     # a directory master: no commit limit; with 5 inner steps, the default outer momentum is worth a
     # warning, averaging is not
     for name, outer, expected in (
