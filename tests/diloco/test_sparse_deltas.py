@@ -8,14 +8,26 @@ processes for the run; no mocks."""
 from __future__ import annotations
 
 import json
+import random
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_diloco import check_exactly_once, events, run_nodes  # noqa: E402
+from test_diloco import (  # noqa: E402
+    check_exactly_once,
+    events,
+    finish,
+    launch,
+    node_config,
+    run_nodes,
+    wait_for,
+)
 from test_diloco_master_faults import Run  # noqa: E402
 from test_master_trust import _global  # noqa: E402
 
@@ -186,3 +198,58 @@ def test_a_master_and_a_worker_with_top_k_deltas_fold_every_delta_once(tmp_path)
     ]
     assert sent and max(sent) < float32 / 6, (sent, float32)  # 5%: under a sixth of float32's bytes
     assert not events(tmp_path / "master" / "metrics.jsonl", "delta_rejected")
+
+
+def _lone_master(tmp: Path, name: str) -> Path:
+    "A master training alone with top-k deltas in whole rounds, a checkpoint at every boundary."
+    cfg = node_config(
+        tmp,
+        name,
+        "master",
+        repo=str(tmp / f"{name}-repo"),
+        transport="directory",
+        index=0,
+        count=1,
+        steps=100,
+        bigger=True,  # tens of ms a step: kills land while it trains
+        delta_dtype="topk",
+        topk_density=0.05,
+        boundary_wait=20.0,
+        final_round_timeout=30,
+    )
+    raw = yaml.safe_load(cfg.read_text())
+    raw["checkpoint"] = {"every_steps": 5, "keep_last": 2}
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return cfg
+
+
+def test_a_node_killed_ten_times_sends_the_deltas_of_one_never_killed(tmp_path):
+    """kill -9 at random moments, `--resume` each time: the residual top-k leaves behind, restored
+    from the checkpoint with the rest of the node's state, makes the same deltas as an uninterrupted
+    node's, so both runs end on the same global model, bit for bit."""
+    calm = _lone_master(tmp_path, "calm")
+    finish(launch(calm))
+    killed, rng, kills = _lone_master(tmp_path, "killed"), random.Random(7), 0
+    proc = launch(killed)
+    jsonl = tmp_path / "killed" / "metrics.jsonl"
+    while kills < 10:
+        wait_for(  # training again (or done), then a kill at a random moment
+            lambda: len(events(jsonl, "train_start")) > kills or proc.poll() is not None,
+            what="the node training",
+        )
+        time.sleep(rng.uniform(0.05, 1.0))
+        if proc.poll() is not None:  # it finished before this kill
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        proc = launch(killed, "--resume")
+    finish(proc)
+    assert kills >= 3, kills  # a run too quick to kill proves nothing
+    starts = [e["start_step"] for e in events(jsonl, "train_start")]
+    assert len(starts) == kills + 1 and max(starts) > 0, starts  # resumed from checkpoints
+    calm_global = load_safetensors(tmp_path / "calm-repo" / GLOBAL_MODEL_PATH)
+    killed_global = load_safetensors(tmp_path / "killed-repo" / GLOBAL_MODEL_PATH)
+    assert calm_global.keys() == killed_global.keys()
+    different = [k for k in calm_global if not torch.equal(calm_global[k], killed_global[k])]
+    assert not different, different
