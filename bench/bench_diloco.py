@@ -43,6 +43,8 @@ encoding). The one table printed at the end is the place the docs cite measured 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -349,11 +351,29 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
                 {**r, "ratio": r["loss"] / base["loss"], "vs_f32": r["loss"] / own}
             )
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
-    print_encodings(rows)
+    heading = (
+        f"python bench/bench_diloco.py --encodings --seeds {','.join(map(str, seeds))} --steps "
+        f"{args.steps} --inner-steps {args.inner_steps} --width {args.width}: {args.nodes} nodes, "
+        f"node batch {args.batch} x {args.block} bytes, outer lr {args.outer_lr:g} momentum "
+        f"{args.outer_momentum:g}\n"
+    )
+    print_encodings(rows, Path(args.save) if args.save else None, heading)
 
 
-def print_encodings(rows: dict[str, list[dict]]) -> None:
-    "The encodings table: a line per row, means (and ranges) over the seeds."
+def print_encodings(
+    rows: dict[str, list[dict]], save: Path | None = None, heading: str = ""
+) -> None:
+    """The encodings table: a line per row, means (and ranges) over the seeds; also written to
+    `save` under `heading` (the DiLoCo chapter prints that file)."""
+    with contextlib.redirect_stdout(io.StringIO()) as table:
+        _encodings_table(rows)
+    print(table.getvalue(), end="")
+    if save is not None:
+        save.parent.mkdir(parents=True, exist_ok=True)
+        save.write_text(heading + table.getvalue().lstrip("\n"))
+
+
+def _encodings_table(rows: dict[str, list[dict]]) -> None:
     float32 = rows[next(n for n in rows if "float32, adamw" in n)][0]["delta_kb"]
     print()
     print(
@@ -642,6 +662,9 @@ def main(argv=None) -> None:
         help="only the delta-encodings table (lockstep whole rounds, every seed)",
     )
     parser.add_argument("--muon-lr", type=float, default=8e-3, help="lr of the Muon rows")
+    parser.add_argument(
+        "--save", default=None, help="--encodings: also write the table to this file"
+    )
     parser.add_argument("--keep", default=None, help="keep the runs in this folder")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]

@@ -178,3 +178,44 @@ def test_bench_sim_diloco_prints_the_budget_its_verdict_and_the_hourly_table():
     assert unknown.stderr.strip().splitlines() == [
         "sim_diloco: --tier gold: unknown tier; use one of free, pro, team, enterprise"
     ]
+
+
+def test_bench_diloco_encodings_prints_and_saves_one_row_per_encoding(tmp_path):
+    """bench/bench_diloco.py --encodings, 2 nodes x 20 steps of lockstep rounds: a row per delta
+    encoding (and Muon's two), each delta's bytes and how many times smaller than float32's, the
+    same table written to --save under the command that made it."""
+    save = tmp_path / "encodings.txt"
+    res = subprocess.run(
+        [sys.executable, "bench/bench_diloco.py", "--encodings", "--seeds", "1", "--steps", "20"]
+        + ["--inner-steps", "10", "--nodes", "2", "--save", str(save)],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [
+        (m["name"], m["inner"], float(m["kb"]))
+        for m in re.finditer(
+            r"^lockstep (?P<name>.+?), (?P<inner>adamw|muon) inner +(?P<kb>[\d.]+) +[\d.]+x +\d",
+            res.stdout,
+            re.M,
+        )
+    ]
+    assert [(name, inner) for name, inner, _ in rows] == [
+        ("float32", "adamw"),
+        ("bfloat16", "adamw"),
+        ("bfloat16 + feedback", "adamw"),
+        ("int8 + feedback", "adamw"),
+        ("topk 3% 2-bit + feedback", "adamw"),
+        ("topk 1% 2-bit + feedback", "adamw"),
+        ("float32", "muon"),
+        ("topk 3% 2-bit + feedback", "muon"),
+    ], res.stdout
+    kb = [k for _, _, k in rows]
+    assert kb[5] < kb[4] < kb[3] < kb[1] < kb[0], res.stdout  # sparser, smaller
+    assert kb[1] == kb[2] and kb[6] == kb[0] and kb[7] == kb[4], res.stdout
+    saved = save.read_text()
+    assert saved.startswith("python bench/bench_diloco.py --encodings --seeds 1 --steps 20 ")
+    assert saved.split("\n", 1)[1] in res.stdout
