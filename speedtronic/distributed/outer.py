@@ -1417,6 +1417,16 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #abbe8aad
 @patch
+def _held_by(self: MasterOuterLoop, holder: str) -> HubError:
+    "The error of a master that finds the repository's lease held by the live master `holder`."
+    return HubError(
+        f"{self._where()} belongs to master {holder}; only one master may publish. "
+        f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it "
+        "stopped"
+    )
+
+
+@patch
 def _repair_torn(self: MasterOuterLoop) -> bool:
     """Put back the weights of the version a torn publication's version file still names, from this
     master's state of it; True when put back, `HubError` when this master has none."""
@@ -1425,6 +1435,10 @@ def _repair_torn(self: MasterOuterLoop) -> bool:
     if found is None:
         return False
     repo, carried = found
+    if holder := lease_holder(
+        repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock()
+    ):  # another master is live, between its own two renames: not torn, and not ours
+        raise self._held_by(holder)
     local = self._read_local()
     if not (
         local is not None
@@ -1477,11 +1491,7 @@ def start_master(self: MasterOuterLoop) -> RepoState:
         repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock()
     )
     if holder:
-        raise HubError(
-            f"{self._where()} belongs to master {holder}; only one master may publish. "
-            f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it "
-            "stopped"
-        )
+        raise self._held_by(holder)
     if other_master(repo.extras, self.node_id):
         repo = self._outwait_lease(repo)
     theirs = str(repo.extras.get("run_id") or "")
