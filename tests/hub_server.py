@@ -337,6 +337,7 @@ BUSY = "Another commit operation is in progress"  # the Hub's 409 for a second c
 _ROUTES = [
     ("GET", re.compile(r"^/api/whoami-v2$"), "whoami"),
     ("POST", re.compile(r"^/api/repos/create$"), "create"),
+    ("GET", re.compile(r"^/api/models$"), "models"),
     ("GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/refs$"), "refs"),
     (
         "GET",
@@ -551,6 +552,29 @@ class _Handler(BaseHTTPRequestHandler):
                 "siblings": [{"rfilename": p} for p in sorted(files)],
             }
         )
+
+    def _models(self, body: bytes):
+        """`list_models(author=, search=)`: the repositories of `author` whose name holds `search`,
+        each with its head as `repo_info` would answer it (the same cache), one page."""
+        access = self._access()
+        query = parse_qs(urlsplit(self.path).query)
+        author = query.get("author", [""])[0]
+        search = query.get("search", [""])[0]
+        with self.hub.lock:
+            repos = sorted(self.hub.repos.items())
+        found = [
+            {
+                "id": repo_id,
+                "modelId": repo_id,
+                "private": r.private,
+                "sha": self.hub.lagged_head(r),
+            }
+            for repo_id, r in repos
+            if (not author or repo_id.split("/")[0] == author)
+            and search in repo_id.split("/")[1]
+            and (access is not None or not r.private)
+        ]
+        return self._json(found)
 
     def _refs(self, body: bytes, repo: str):
         r = self._repo(repo)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 # %% auto #0
-__all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_ROUND', 'MASTER_POLL', 'MASTER_PUBLICATION',
-           'DELTA_BYTES_PER_PARAM', 'HubLimits', 'hub_limits', 'HubBudget', 'delta_bytes_per_parameter',
-           'budget_from_config']
+__all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_ROUND', 'MASTER_POLL', 'MASTER_PUBLICATION', 'PER_NODE_POLL',
+           'PER_NODE_DELTA', 'DELTA_BYTES_PER_PARAM', 'HubLimits', 'hub_limits', 'HubBudget',
+           'delta_bytes_per_parameter', 'budget_from_config']
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #00021c60
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ NODE_POLL = {"api": 0, "downloads": 1}  # every node, the master's own included
 NODE_ROUND = {"api": 3 + 1, "downloads": 2}  # its delta's commit, then the new global
 MASTER_POLL = {"api": 1, "downloads": 0}  # on top: the listing of nodes/
 MASTER_PUBLICATION = {"api": 4, "downloads": 1}  # on top, plus one download per delta folded
+# the per-node layout: a poll lists every node's repository at once; a new delta costs the listing
+# of its node's repository on top of its download
+PER_NODE_POLL = {"api": 1, "downloads": 0}
+PER_NODE_DELTA = {"api": 1, "downloads": 0}
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class HubBudget:
     limits: HubLimits
     whole_rounds: bool = False  # distributed.boundary_wait > 0: one publication per round
     run_rounds: float | None = None  # rounds the whole run holds (None: open-ended)
+    per_node: bool = False  # distributed.hub_layout per-node: each node's deltas in its own repo
 
     @property
     def rounds_per_hour(self) -> float:
@@ -79,7 +84,7 @@ class HubBudget:
 
     @property
     def commits_in_an_hour(self) -> float:
-        "Commits the run's repository gets in its busiest hour: a run shorter than an hour, all."
+        "Commits the busiest repository gets in its busiest hour: a run shorter than an hour, all."
         return self.commits_per_hour * self.busy_share(3600.0)
 
     @property
@@ -92,7 +97,10 @@ class HubBudget:
 
     @property
     def commits_per_hour(self) -> float:
-        "Commits an hour on the run's repository: every node's delta and every publication."
+        """Commits an hour on the busiest repository: on the run's, every node's delta and every
+        publication; per node, the publications or one node's deltas."""
+        if self.per_node:
+            return max(self.publications_per_hour, self.rounds_per_hour)
         return self.nodes * self.rounds_per_hour + self.publications_per_hour
 
     def per_window(self, role: str) -> dict[str, float]:
@@ -103,6 +111,8 @@ class HubBudget:
             pubs = self.publications_per_hour * WINDOW_S / 3600.0
             for k in spent:
                 spent[k] += polls * MASTER_POLL[k] + pubs * MASTER_PUBLICATION[k]
+                if self.per_node:
+                    spent[k] += polls * PER_NODE_POLL[k] + rounds * self.nodes * PER_NODE_DELTA[k]
             spent["downloads"] += rounds * (self.nodes - 1)  # every other node's delta
         return {k: v * self.busy_share(WINDOW_S) for k, v in spent.items()}
 
@@ -117,6 +127,7 @@ class HubBudget:
         out, lim = [], self.limits
         if self.commits_in_an_hour > HEADROOM * lim.commits_per_hour:
             fits = lambda b: b.commits_in_an_hour <= HEADROOM * lim.commits_per_hour
+            where = "the busiest repository" if self.per_node else "the run's repository"
             longer = (self.round_s * 1.05**k for k in range(1, 400))
             fit_round = next(r for r in longer if fits(replace(self, round_s=r)))
             fit_nodes = max(
@@ -124,12 +135,17 @@ class HubBudget:
             )
             out.append(
                 f"{self.nodes} nodes x {self.rounds_per_hour:.1f} rounds an hour need "
-                f"{self.commits_in_an_hour:.0f} commits an hour on the run's repository; the Hub "
+                f"{self.commits_in_an_hour:.0f} commits an hour on {where}; the Hub "
                 f"allows {lim.commits_per_hour:.0f} (plan for "
                 f"{HEADROOM * lim.commits_per_hour:.0f}): "
                 f"make rounds at least {math.ceil(fit_round / 60) * 60:.0f} s long "
                 "(distributed.inner_steps)"
                 + (f", or run at most {fit_nodes} nodes at this round length" if fit_nodes else "")
+                + (
+                    ", or give each node a repository of its own (distributed.hub_layout: per-node)"
+                    if not self.per_node and fits(replace(self, per_node=True))
+                    else ""
+                )
                 + (
                     ""
                     if self.whole_rounds
@@ -159,8 +175,13 @@ class HubBudget:
         return [
             f"Hub budget ({self.limits.name} tier, {self.nodes} nodes, rounds of "
             f"{self.round_s:.3g} s, polls every {self.poll_interval:g} s):",
-            f"  commits in its busiest hour on the run's repository: "
-            f"{self.commits_in_an_hour:.0f} of {self.limits.commits_per_hour:.0f}",
+            f"  commits in its busiest hour on "
+            + (
+                "the busiest repository (one per node): "
+                if self.per_node
+                else "the run's repository: "
+            )
+            + f"{self.commits_in_an_hour:.0f} of {self.limits.commits_per_hour:.0f}",
             f"  master per 5 min: {m['api']:.0f} API calls of "
             f"{self.limits.api_calls_per_5min:.0f}, {m['downloads']:.0f} downloads of "
             f"{self.limits.downloads_per_5min:.0f}",
@@ -202,6 +223,7 @@ def budget_from_config(
         limits=hub_limits(getattr(d, "hub_limits", "free")),
         whole_rounds=float(getattr(d, "boundary_wait", 0) or 0) > 0,
         run_rounds=None if not max_steps else math.ceil(max_steps / d.inner_steps),
+        per_node=getattr(d, "hub_layout", "one-repo") == "per-node",
     )
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #2814c066

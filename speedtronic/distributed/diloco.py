@@ -31,7 +31,7 @@ from speedtronic.config import (
     SpeedtronicConfig,
     as_section,
 )
-from .hub import HubClient
+from .hub import HubClient, PerNodeHub
 from ..paths import node_id
 from .outer import DATA_HEADER, Ledger, MasterOuterLoop
 from .budget import HUB_TIERS, HubBudget, budget_from_config, hub_limits
@@ -89,9 +89,11 @@ def build_transport(
     stop: threading.Event | None = None,
     scratch: str | os.PathLike | None = None,
     warn: Any = None,
+    node: str | None = None,  # the node's id (per-node layout: names its repository)
+    folded: Callable[[], int] | None = None,  # the node's newest step in the installed global
 ) -> Any:
-    """The repository transport `config` describes (`HubClient` or `SharedDirectory`); `scratch`
-    holds Hub downloads in flight."""
+    """The repository transport `config` describes (`HubClient`, `PerNodeHub` or
+    `SharedDirectory`); `scratch` holds Hub downloads in flight."""
     if not config.repo_id:
         raise ConfigError(
             "distributed.repo_id: is required for DumbDiLoCo (a Hub repo such as org/run, "
@@ -105,8 +107,7 @@ def build_transport(
             ),
             warn=warn,
         )
-    return HubClient(
-        config.repo_id,
+    hub = dict(
         token=config.token,
         cache_dir=scratch or config.cache_dir,
         retry_initial=config.retry_initial,
@@ -115,6 +116,11 @@ def build_transport(
         request_timeout=config.request_timeout,
         stop=stop,
     )
+    if config.hub_layout == "per-node":
+        return PerNodeHub(
+            config.repo_id, node_id=node or node_id(config), folded=folded or (lambda: -1), **hub
+        )
+    return HubClient(config.repo_id, **hub)
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #98cabdfe
 @dataclass(frozen=True)
@@ -497,6 +503,8 @@ class DumbDiLoCoCoordinator:
                 stop=self._stop,
                 scratch=self.state_root / "cache",
                 warn=lambda message: self._log("warning", message),
+                node=self.node_id,
+                folded=lambda: self.state.folded_step,
             )
         )
         floating_state(

@@ -11,6 +11,7 @@ import re
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -37,7 +38,7 @@ from speedtronic.distributed.transport import (
 
 # %% auto #0
 __all__ = ['HubTransport', 'COLLABORATOR_PERMISSIONS', 'token_source', 'classify_hub_error', 'server_wait', 'HubClient',
-           'write_problem']
+           'write_problem', 'node_repo_id', 'PerNodeHub']
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #971b4d24
 def token_source(token: str | None) -> str:
@@ -395,7 +396,8 @@ def _head(self: HubClient) -> str:
     """The head commit (inside a `_call`): `repo_info`'s, read again from the branch ref when in
     doubt."""
     sha = self.api.repo_info(self.repo_id, repo_type="model").sha
-    doubt = self._doubt or (self._newest is not None and sha != self._newest)
+    # with no head known yet, any answer may be a cache's (a client started just after a commit)
+    doubt = self._doubt or self._newest is None or sha != self._newest
     if doubt and self._offers("list_repo_refs"):  # repo_info may answer from a stale cache
         refs = self.api.list_repo_refs(self.repo_id, repo_type="model")
         sha = next((b.target_commit for b in refs.branches if b.name == "main"), sha)
@@ -591,6 +593,177 @@ def add_collaborator(self: HubClient, user: str, permission: str = "write") -> N
             grant(user, self.repo_id, permission)
         except Exception:
             raise first from None
+
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #f5d71ef4
+def node_repo_id(repo_id: str, node_id: str) -> str:
+    """The repository of `node_id`'s deltas in the per-node layout: beside the run's `repo_id`, its
+    name followed by the node id (a character a repository name cannot hold becomes `_`)."""
+    return f"{repo_id}-{re.sub(r'[^A-Za-z0-9_]', '_', node_id)}"
+
+
+_VIEWS_KEPT = 8  # listings of the node repositories a master may still ask about
+
+
+class PerNodeHub(HubClient):
+    """The per-node layout: the global in the run's repository `repo_id` (one commit a
+    publication); each node's deltas in a repository of its own (`node_repo_id`, one commit a
+    delta, which also deletes the node's deltas the global holds already). A master finds what is
+    new with one listing of every node repository (`list_models`) a poll; a worker sends to its own
+    repository once the master's publications say `delta_layout: per-node`, to the run's before."""
+
+    layout = "per-node"
+
+    def __init__(self, repo_id: str, *, node_id: str, folded: Callable[[], int] = lambda: -1, **kw):
+        super().__init__(repo_id, **kw)
+        self.node_id, self.folded, self._kw, self._readers = node_id, folded, kw, {}
+        self.own = self._client(node_repo_id(self.repo_id, node_id))
+        self.published_layout = "one-repo"  # what the newest global read says
+        self.sent: list[str] | None = None  # this node's deltas in its repository (None: unread)
+        self._listed: dict[str, tuple[str, list[tuple[str, str]]]] = {}  # repo -> (sha, deltas)
+        self._where: dict[str, tuple[HubClient, str, str]] = {}  # delta -> (its repo, sha, blob)
+        self._views: dict[str, dict[str, str]] = {}  # a revision's digest -> {node repo: sha}
+        self.gone: set[tuple[str, str]] = set()  # (delta, blob) folded or refused: not listed again
+
+    def _client(self, repo_id: str) -> HubClient:
+        "A client of another repository, on this one's account, retries and tally (kept)."
+        if repo_id not in self._readers:
+            self._readers[repo_id] = HubClient(repo_id, **self._kw)
+            self._readers[repo_id].counts = self.counts
+        return self._readers[repo_id]
+
+    def open(self, *, create: bool = False, private: bool = True) -> None:
+        "Check the run's repository (`create`: make it), then make this node's own."
+        if not self._offers("list_models"):
+            raise HubError(
+                f"distributed.hub_layout: per-node needs huggingface_hub's list_models, which the "
+                f"client of {self.describe()} lacks: upgrade huggingface_hub or use one-repo"
+            )
+        super().open(create=create, private=private)
+        self.own.open(create=True, private=private)
+
+    # -- the node's side
+    def state(self, revision: str | None = None) -> RepoState:
+        "The run's state at `revision` (a master's revision also names its node listing)."
+        run, view = self._split(revision)
+        repo = super().state(run)
+        if repo.metadata is not None:
+            self.published_layout = str(repo.extras.get("delta_layout") or "one-repo")
+        return repo if view is None else replace(repo, revision=revision)
+
+    def upload(self, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
+        """This node's delta: in its own repository (deleting those the global holds) once the run
+        is per-node, else in the run's."""
+        if self.published_layout != "per-node":
+            return super().upload(files, message)
+        own = self.own
+        if self.sent is None:  # what an earlier session of this node left there
+            self.sent = [p for p in own.list_deltas() if p not in files]
+        done = self.folded()
+        old = [p for p in self.sent if parse_delta_path(p)[1] <= done and p not in files]
+
+        def run():
+            info = own.api.create_commit(
+                own.repo_id,
+                _operations(files, old),
+                commit_message=message or f"add {', '.join(files)}",
+            )
+            own._newest = getattr(info, "oid", None) or own._newest
+            self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
+            self.counts.commits += 1
+
+        own._call(f"upload {', '.join(files)} to {own.describe()}", run)
+        self.sent = [p for p in self.sent if p not in old and p not in files] + list(files)
+
+    # -- the master's side
+    def _node_heads(self) -> dict[str, str]:
+        "Every node repository of the run and its head: one listing call for them all."
+        owner, _, name = self.repo_id.rpartition("/")
+
+        def run():
+            found = self.api.list_models(author=owner or None, search=f"{name}-", expand=["sha"])
+            return {m.id: m.sha for m in found if m.id.startswith(f"{self.repo_id}-") and m.sha}
+
+        return self._call(f"list the node repositories of {self.describe()}", run)
+
+    def head_revision(self) -> str | None:
+        "The run's head and a digest of every node repository's head: changes when any commits."
+        run = super().head_revision()
+        if run is None:
+            return None
+        view = self._node_heads()
+        digest = hashlib.sha256(repr(sorted(view.items())).encode()).hexdigest()[:16]
+        self._views[digest] = view
+        while len(self._views) > _VIEWS_KEPT:
+            self._views.pop(next(iter(self._views)))
+        return f"{run}+{digest}"
+
+    def _split(self, revision: str | None) -> tuple[str | None, dict[str, str] | None]:
+        "(the run's revision, the node listing it names, None for a plain one)."
+        if revision is None or "+" not in revision:
+            return revision, None
+        run, digest = revision.split("+", 1)
+        return run, self._views.get(digest)
+
+    def _deltas_of(self, repo_id: str, sha: str) -> list[tuple[str, str]]:
+        """(delta, blob) pairs of node repository `repo_id` at `sha` (listed once per head), only
+        those of the node the repository is named after."""
+        if self._listed.get(repo_id, ("",))[0] != sha:
+            reader = self._client(repo_id)
+
+            def run():
+                try:
+                    entries = list(
+                        reader.api.list_repo_tree(repo_id, "nodes", recursive=True, revision=sha)
+                    )
+                except Exception as e:
+                    if _missing(e):
+                        return []
+                    raise
+                return [
+                    (e.path, str(getattr(e, "blob_id", "") or ""))
+                    for e in entries
+                    if (parsed := parse_delta_path(e.path)) is not None
+                    and node_repo_id(self.repo_id, parsed[0]) == repo_id
+                ]
+
+            self._listed[repo_id] = (sha, reader._call(f"list deltas of {reader.describe()}", run))
+        return self._listed[repo_id][1]
+
+    def list_deltas(self, revision: str | None = None) -> list[str]:
+        """Every delta: in the run's repository at `revision` (a node on the one-repository layout
+        sends there) and in the node repositories (as `revision` listed them, or as now)."""
+        run, view = self._split(revision)
+        found = dict.fromkeys(super().list_deltas(run))
+        for repo_id, sha in sorted((self._node_heads() if view is None else view).items()):
+            for path, blob in self._deltas_of(repo_id, sha):
+                if (path, blob) not in self.gone and path not in found:
+                    found[path] = None
+                    self._where[path] = (self._client(repo_id), sha, blob)
+        return sorted(found)
+
+    def fetch(self, path: str, local: str | os.PathLike, revision: str | None = None) -> Path:
+        "Download `path` from the repository that listed it (a node's, or the run's at `revision`)."
+        if path in self._where:
+            reader, sha, _ = self._where[path]
+            return reader.fetch(path, local, sha)
+        return super().fetch(path, local, self._split(revision)[0])
+
+    def publish(
+        self,
+        files: Mapping[str, str | os.PathLike],
+        deletes: Iterable[str],
+        *,
+        parent: RepoState,
+        **kw,
+    ) -> str:
+        """Publish in the run's repository; the deltas of node repositories in `deletes` are left to
+        their nodes (each deletes its own) and not listed again."""
+        deletes = list(deletes)
+        run = replace(parent, revision=self._split(parent.revision)[0])
+        oid = super().publish(files, [p for p in deletes if p not in self._where], parent=run, **kw)
+        for path in (p for p in deletes if p in self._where):
+            self.gone.add((path, self._where.pop(path)[2]))
+        return oid
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #b451a4b6
 def __dir__() -> list[str]:

@@ -1232,6 +1232,8 @@ class MasterOuterLoop:
             float(lease_timeout),
         )
         self.state = master_state(state)
+        # its transport puts each node's deltas in a repository of the node's own (`PerNodeHub`)
+        self.per_node = getattr(hub, "layout", "one-repo") == "per-node"
         # the revision this master last listed: an unchanged head means nothing new (never its own
         # commit)
         self.revision = None
@@ -1365,6 +1367,8 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
         else str(repo.extras.get("global_publication") or ""),
         **({"run_id": prepared.run_id} if prepared.run_id else {}),
         **({"bootstrap": "true"} if pub.bootstrap else {}),
+        # the per-node layout: workers send their deltas to repositories of their own
+        **({"delta_layout": "per-node"} if self.per_node else {}),
         "master": {
             "node_id": self.node_id,
             "session": self.session,
