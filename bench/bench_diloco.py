@@ -446,6 +446,10 @@ def run_diloco(
     reset: bool | None = None,
     boundary_wait: float = 0.0,
     v2_keys: bool = False,
+    layout: str = "one-repo",
+    limit: tuple[int, float] | None = None,
+    slow: float = 1.0,  # the last worker runs at 1/slow of its speed, slow times fewer steps
+    leave_out_last: bool = False,  # the last worker does not run (its shard unread)
 ) -> dict:
     outer = (
         (0.7, 0.9) if v2_keys else (args.outer_lr, args.outer_momentum) if outer is None else outer
@@ -455,16 +459,29 @@ def run_diloco(
         f"{transport}-2.0-keys"
         if v2_keys
         else f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}-{boundary_wait:g}"
+        f"-{layout}{f'-{limit[0]}per{limit[1]:g}' if limit else ''}"
+        f"-slow{slow:g}-{int(leave_out_last)}"
     )
+    count = args.nodes - 1 if leave_out_last else args.nodes  # the nodes that run
     run = work / tag
     texts = node_texts(train, args.nodes) if v2_keys else [train] * args.nodes
-    hub = HubStandIn(tokens={TOKEN: "write"}).start() if transport == "hub" else None
+    hub = (
+        HubStandIn(tokens={TOKEN: "write"}, **hub_limits(limit)).start()
+        if transport == "hub"
+        else None
+    )
     repo = "bench/diloco" if hub else str(run / "repo")
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN} if hub else None
     configs = []
-    for i in range(args.nodes):
+    for i in range(count):
         name = "master" if i == 0 else f"worker{i}"
         cfg = base_config(args, run, name, texts[i], batch=args.batch, target=args.batch)
+        if slow > 1 and i == args.nodes - 1:  # as many rounds' time, a slow-th of the steps
+            steps = max(
+                args.inner_steps, round(args.steps / slow / args.inner_steps) * args.inner_steps
+            )
+            cfg["run"]["max_steps"] = steps
+            cfg["scheduler"]["warmup_steps"] = max(1, steps // 10)
         if v2_keys:
             if transport != "hub":
                 raise SystemExit(
@@ -481,7 +498,7 @@ def run_diloco(
             "repo_id": repo,
             "inner_steps": args.inner_steps,
             "poll_interval": args.poll,
-            "expected_nodes": args.nodes,
+            "expected_nodes": count,
             "shard_count": args.nodes,
             "shard_index": i,
             "delta_dtype": dtype,
@@ -493,6 +510,7 @@ def run_diloco(
             "outer_lr": outer[0],
             "outer_momentum": outer[1],
             "boundary_wait": boundary_wait,
+            "hub_layout": layout,
         }
         configs.append((cfg, write(cfg, run / f"{name}.yaml")))
     try:
@@ -505,14 +523,20 @@ def run_diloco(
         procs = [launch(path, env) for _, path in configs[1:]]
         wait_for_line(procs, "waiting for the master", f"the {tag} workers")
         procs.insert(0, launch(configs[0][1], env))
+        if slow > 1:
+            throttle(procs[-1], slow)
         wait(procs, f"the {tag} run")
         wall = time.perf_counter() - start
         if hub:
             weights = hub.files(repo)[GLOBAL_MODEL_PATH]
-            commits = len(hub.repos[repo].commits) - 1
+            ours = [
+                r for name, r in hub.repos.items() if name == repo or name.startswith(repo + "-")
+            ]
+            commits = sum(len(r.commits) - 1 for r in ours)  # each repository's first is its own
+            refused = hub.refusals["commits"] + hub.refusals["busy"]
         else:
             weights = (Path(repo) / GLOBAL_MODEL_PATH).read_bytes()
-            commits = None
+            commits, refused = None, 0
         final = load_safetensors_bytes(weights)
     finally:
         if hub:
@@ -521,7 +545,7 @@ def run_diloco(
     rounds = [e for e in events(master, "outer_step") if e.get("deltas_included")]
     uploads = [
         e
-        for i in range(args.nodes)
+        for i in range(count)
         for e in events(
             run / ("master" if i == 0 else f"worker{i}") / "metrics.jsonl", "delta_uploaded"
         )
@@ -533,7 +557,7 @@ def run_diloco(
                 "delta_upload_skipped",
             )
         )
-        for i in range(args.nodes)
+        for i in range(count)
     )
     versions = max((e["outer_step"] for e in rounds), default=0)
     node_commits, master_commits = (
@@ -547,9 +571,15 @@ def run_diloco(
         else f"{transport} {staleness} {dtype} outer "
         f"{outer[0]:g}/{outer[1]:g}{' reset' if reset else ''}"
         f"{f' wait {boundary_wait:g}s' if boundary_wait else ''}"
+        f"{' per-node' if layout == 'per-node' else ''}"
+        f"{f' limit {limit[0]}/{limit[1]:g}s' if limit else ''}"
     )
+    times = [e["elapsed_s"] for e in rounds]
+    gaps = [b - a for a, b in zip(times, times[1:-1])]  # the final round waits: not counted
     return {
         "name": name,
+        "round_s": sum(gaps) / len(gaps) if gaps else float("nan"),
+        "longest_s": max(gaps, default=float("nan")),
         "loss": held_out_loss(configs[0][0], final, held),
         "wall": wall,
         "versions": versions,
@@ -560,7 +590,188 @@ def run_diloco(
         "skipped": skipped,
         "folded": sum(e["deltas_included"] for e in rounds),
         "global_kb": global_bytes / 1024,
+        "refused": refused,
     }
+
+
+def throttle(proc: subprocess.Popen, slow: float, period: float = 0.06) -> None:
+    """Run `proc` at 1/`slow` of its speed: stopped (SIGSTOP) for all but a slow-th of every
+    `period` seconds, until it exits (a machine that slow, as far as its rounds can tell)."""
+    import signal
+    import threading
+
+    def cycle():
+        while proc.poll() is None:
+            time.sleep(period / slow)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(period * (1 - 1 / slow))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+
+    threading.Thread(target=cycle, daemon=True).start()
+
+
+def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
+    """`--straggler F`: whole rounds on the shared directory with every node at full speed, with
+    the last worker at 1/F of its speed (and F times fewer steps: it ends when the others do), and
+    without it; the median round's time and the final global's held-out loss side by side."""
+    plan = [
+        ("every node at full speed", dict()),
+        (f"the last worker at 1/{args.straggler:g} speed", dict(slow=args.straggler)),
+        ("the last worker left out", dict(leave_out_last=True)),
+    ]
+    rows: dict[str, list[dict]] = {}
+    for seed in seeds:
+        args.seed, here = seed, work / f"seed{seed}"
+        base = run_baseline(args, here, train, held)
+        first = None
+        for label, spec in plan:
+            r = run_diloco(
+                args,
+                here,
+                train,
+                held,
+                transport="directory",
+                boundary_wait=args.boundary_wait,
+                **spec,
+            )
+            r["name"], r["ratio"] = label, r["loss"] / base["loss"]
+            first = first or r
+            r["round_vs"] = r["round_s"] / first["round_s"]
+            rows.setdefault(label, []).append(r)
+            print(
+                f"  seed {seed}: {label}: held-out {r['loss']:.4f} ({r['ratio']:.3f}x sync), "
+                f"rounds {r['round_s']:.2f} s ({r['round_vs']:.2f}x, longest {r['longest_s']:.1f} s)"
+                f", {r['wall']:.0f} s",
+                flush=True,
+            )
+    heading = (
+        f"python bench/bench_diloco.py --straggler {args.straggler:g} --nodes {args.nodes} "
+        f"--seeds {','.join(map(str, seeds))} --steps {args.steps} --inner-steps "
+        f"{args.inner_steps}: whole rounds (boundary_wait {args.boundary_wait:g} s) on a shared "
+        f"directory, node batch {args.batch} x {args.block} bytes\n"
+    )
+    with contextlib.redirect_stdout(io.StringIO()) as table:
+        print()
+        print(
+            f"{'run':44s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'folded':>6s} "
+            f"{'versions':>8s} {'round s':>7s} {'vs full':>7s} {'longest':>7s} {'wall s':>6s}"
+        )
+        for name, runs in rows.items():
+            mean = lambda key: sum(r[key] for r in runs) / len(runs)
+            ratios = [r["ratio"] for r in runs]
+            spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
+            print(
+                f"{name:44s} {mean('loss'):8.4f} {mean('ratio'):6.3f}x {spread:>13s} "
+                f"{mean('folded'):6.1f} {mean('versions'):8.1f} {mean('round_s'):7.2f} "
+                f"{mean('round_vs'):6.2f}x {mean('longest_s'):7.2f} {mean('wall'):6.0f}"
+            )
+        print(
+            "\nround s = the mean time between two of the master's publications, longest = the "
+            "longest (the final round, which waits for every node's last delta, not counted); "
+            "vs full = over the "
+            "run with every node at full speed, same seed; vs sync = held-out loss over the same "
+            "seed's synchronous baseline of all the nodes' batches; the slow worker does a "
+            "slow-th of the steps, so it ends when the others do"
+        )
+    print(table.getvalue(), end="")
+    if args.save:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(heading + table.getvalue().lstrip("\n"))
+
+
+def hub_limits(limit: tuple[int, float] | None) -> dict:
+    """The stand-in's keywords for `limit` (commits, seconds): that many commits per repository per
+    window, one commit at a time, repo_info's cache lag shrunk as the hour is; none for None."""
+    if limit is None:
+        return {}
+    commits, seconds = limit
+    return dict(
+        commits_per_window=commits,
+        commit_window=seconds,
+        one_commit_at_a_time=True,
+        head_lag=2.0 * seconds / 3600.0,
+    )
+
+
+def parse_limit(text: str) -> tuple[int, float]:
+    "`--hub-limit 12/20`: 12 commits per repository per 20 s."
+    commits, _, seconds = text.partition("/")
+    try:
+        return int(commits), float(seconds.rstrip("s"))
+    except ValueError:
+        raise SystemExit(f"--hub-limit: {text!r} is not COMMITS/SECONDS, such as 12/20") from None
+
+
+def run_layouts(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
+    """`--hub-limit`: whole rounds on the Hub without a limit, then under it on each layout; the
+    table's last column is each run's wall time over the unlimited one-repository run of its seed."""
+    limit = parse_limit(args.hub_limit)
+    plan = [dict(layout="one-repo", limit=None)]
+    plan += [dict(layout=layout, limit=limit) for layout in ("one-repo", "per-node")]
+    plan += [dict(layout="per-node", limit=None)]
+    rows: dict[str, list[dict]] = {}
+    for seed in seeds:
+        args.seed, here = seed, work / f"seed{seed}"
+        base = run_baseline(args, here, train, held)
+        rows.setdefault(base["name"], []).append({**base, "ratio": 1.0})
+        unlimited = None
+        for spec in plan:
+            r = run_diloco(
+                args, here, train, held, transport="hub", boundary_wait=args.boundary_wait, **spec
+            )
+            r["ratio"] = r["loss"] / base["loss"]
+            unlimited = unlimited or r["wall"]
+            r["slowdown"] = r["wall"] / unlimited
+            rows.setdefault(r["name"], []).append(r)
+            print(
+                f"  seed {seed}: {r['name']} held-out {r['loss']:.4f} ({r['ratio']:.3f}x sync), "
+                f"{r['wall']:.0f} s ({r['slowdown']:.2f}x unlimited), {r['refused']} refusals",
+                flush=True,
+            )
+    heading = (
+        f"python bench/bench_diloco.py --hub-limit {args.hub_limit} --nodes {args.nodes} --seeds "
+        f"{','.join(map(str, seeds))} --steps {args.steps} --inner-steps {args.inner_steps}: "
+        f"whole rounds (boundary_wait {args.boundary_wait:g} s), node batch {args.batch} x "
+        f"{args.block} bytes\n"
+    )
+    with contextlib.redirect_stdout(io.StringIO()) as table:
+        _layouts_table(rows, limit)
+    print(table.getvalue(), end="")
+    if args.save:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(heading + table.getvalue().lstrip("\n"))
+
+
+def _layouts_table(rows: dict[str, list[dict]], limit: tuple[int, float]) -> None:
+    print()
+    print(
+        f"{'run':72s} {'held-out':>8s} {'vs sync':>7s} {'folded':>6s} {'uploaded':>8s} "
+        f"{'commits':>7s} {'429/409':>7s} {'wall s':>6s} {'vs unlimited':>12s}"
+    )
+    for name, runs in rows.items():
+        mean = lambda key: sum(r.get(key, 0) for r in runs) / len(runs)
+        if "slowdown" not in runs[0]:
+            print(
+                f"{name:72s} {mean('loss'):8.4f} {1.0:6.3f}x {'':6s} {'':8s} {'':7s} {'':7s} "
+                f"{mean('wall'):6.0f}"
+            )
+            continue
+        commits = mean("node_commits") + mean("master_commits")
+        print(
+            f"{name:72s} {mean('loss'):8.4f} {mean('ratio'):6.3f}x {mean('folded'):6.1f} "
+            f"{mean('uploaded'):8.1f} {commits:7.0f} {mean('refused'):7.0f} {mean('wall'):6.0f} "
+            f"{mean('slowdown'):11.2f}x"
+        )
+    print(
+        f"\nlimit {limit[0]}/{limit[1]:g}s = the stand-in answers 429 past {limit[0]} commits per "
+        f"repository per {limit[1]:g} s (the Hub's 128 an hour, scaled) and 409 to a second "
+        "concurrent commit; per-node = distributed.hub_layout: per-node; vs unlimited = wall time "
+        "over the unlimited one-repository run of the same seed; 429/409 = the refusals the nodes "
+        "met; commits = on the run's repository and the nodes' (a node's deltas, the master's "
+        "publications)"
+    )
 
 
 def wire_rows(cfg: dict, trained: dict) -> list[dict]:
@@ -663,7 +874,19 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--muon-lr", type=float, default=8e-3, help="lr of the Muon rows")
     parser.add_argument(
-        "--save", default=None, help="--encodings: also write the table to this file"
+        "--save", default=None, help="--encodings, --hub-limit: also write the table to this file"
+    )
+    parser.add_argument(
+        "--hub-limit",
+        default=None,
+        help="COMMITS/SECONDS: only the layouts table, whole rounds on the Hub unlimited and "
+        "under this per-repository commit limit, one repository and one per node",
+    )
+    parser.add_argument(
+        "--straggler",
+        type=float,
+        default=0.0,
+        help="F: only the stragglers table, whole rounds with the last worker at 1/F speed",
     )
     parser.add_argument("--keep", default=None, help="keep the runs in this folder")
     args = parser.parse_args(argv)
@@ -678,6 +901,16 @@ def main(argv=None) -> None:
         f"held out; seeds {seeds}",
         flush=True,
     )
+    if args.straggler:
+        run_stragglers(args, work, train, held, seeds)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    if args.hub_limit:
+        run_layouts(args, work, train, held, seeds)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     if args.encodings:
         run_encodings(args, work, train, held, seeds)
         if not args.keep:

@@ -22,12 +22,12 @@ no global by the end).
     python bench/sim_diloco.py --nodes 64 --hours 2 --round-seconds 300 --tier free
     python bench/sim_diloco.py --nodes 256 --hours 1 --scale 120    # an hour in 30 s
 
-Two layouts. `--layout one-repo` (the default) is the package's: every delta and every publication
-is a commit on the run's one repository, N + 1 commits a round. `--layout per-node` is measured in
-the bench only, through two transports written here over the package's `HubClient`: each node
-commits its deltas to a repository of its own (`sim/run-<node>`, one commit a delta, deleting its
-deltas already folded in the same commit), the master lists every node's repository each poll (one
-API call each), fetches the deltas from there, and publishes the global in the run's repository.
+Two layouts, both the package's (`distributed.hub_layout`). `--layout one-repo` (the default, 2.0's):
+every delta and every publication is a commit on the run's one repository, N + 1 commits a round.
+`--layout per-node` (`PerNodeHub`): each node commits its deltas to a repository of its own
+(`sim/run-<node>`, made by the node at its start; one commit a delta, deleting its deltas already
+folded in the same commit), the master finds what changed with one listing of all of them a poll,
+fetches the deltas from there, and publishes the global in the run's repository.
 
 A second of this machine is `--scale` simulated seconds: the real cost of each Hub call (tens of
 milliseconds on two busy cores) is multiplied by it. When the master's rounds lag (many nodes, a
@@ -48,7 +48,6 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -67,14 +66,13 @@ from speedtronic.distributed.budget import (  # noqa: E402
 )
 from speedtronic.distributed import outer  # noqa: E402
 from speedtronic.distributed.diloco import DumbDiLoCoCoordinator  # noqa: E402
-from speedtronic.distributed.hub import HubClient, _operations  # noqa: E402
-from speedtronic.distributed.tensors import parse_delta_path  # noqa: E402
+from speedtronic.distributed.hub import HubClient, PerNodeHub  # noqa: E402
 from speedtronic.distributed.transport import HubError  # noqa: E402
 
 REPO = "sim/run"
 LAYOUTS = {
     "one-repo": "one repository",  # the package's: every delta and publication a commit there
-    "per-node": "a repository per node",  # the bench's alternative, see PerNodeMaster
+    "per-node": "a repository per node",  # PerNodeHub: each node's deltas in its own repository
 }
 HOUR = 3600.0
 # the stand-in keeps 64 revisions readable; the Hub keeps every one, and 64 nodes commit 64 times in
@@ -150,75 +148,8 @@ class Recorder:
         self._line("error", message)
 
 
-class OwnDeltaRepo(HubClient):
-    """The per-node layout, a node's side: the run's repository for the global, the node's deltas
-    in a repository of its own (`own`), one commit a delta, deleting those already folded."""
-
-    def __init__(self, repo_id: str, own: str, folded, **kw):
-        super().__init__(repo_id, **kw)
-        self.own, self.folded, self.sent = HubClient(own, **kw), folded, []
-
-    def upload(self, files, message: str = "") -> None:
-        done = self.folded()  # the node's newest step in a global it installed
-        old = [p for p in self.sent if parse_delta_path(p)[1] <= done and p not in files]
-        own = self.own
-
-        def run():
-            own.api.create_commit(
-                own.repo_id,
-                _operations(files, old),
-                commit_message=message or f"add {', '.join(files)}",
-            )
-
-        own._call(f"upload {', '.join(files)} to {own.describe()}", run)
-        self.sent = [p for p in self.sent if p not in old] + list(files)
-
-
-class PerNodeMaster(OwnDeltaRepo):
-    """The per-node layout, the master's side: every node's repository listed for deltas (one API
-    call each, a poll), deltas fetched from there, the global published in the run's repository;
-    folded deltas are not deleted by the master (each node deletes its own), nor listed again."""
-
-    def __init__(self, repo_id: str, own: str, folded, node_repos: list[str], **kw):
-        super().__init__(repo_id, own, folded, **kw)
-        self.readers = [HubClient(r, **kw) for r in node_repos]
-        self.where: dict[str, HubClient] = {}  # delta path -> the repository holding it
-        self.gone: set[str] = set()  # folded or refused: in its publications' deletes
-
-    def head_revision(self):
-        return None  # no one head tells whether any node's repository changed: read every poll
-
-    def list_deltas(self, revision=None) -> list[str]:
-        out = []
-        with ThreadPoolExecutor(max_workers=8) as pool:  # the listings overlap, as fetches do
-            listings = list(pool.map(lambda reader: reader.list_deltas(), self.readers))
-        for reader, paths in zip(self.readers, listings):
-            for path in paths:
-                if path not in self.gone:
-                    self.where[path] = reader
-                    out.append(path)
-        return sorted(out)
-
-    def fetch(self, path, local, revision=None):
-        reader = self.where.get(path)
-        if reader is None:
-            return super().fetch(path, local, revision)
-        return reader.fetch(path, local)  # at the node repository's head
-
-    def publish(self, files, deletes, **kw):
-        deletes = list(deletes)
-        oid = super().publish(files, [p for p in deletes if p not in self.where], **kw)
-        self.gone.update(p for p in deletes if p in self.where)
-        return oid
-
-
 def node_name(i: int) -> str:
     return "master" if i == 0 else f"node{i:03d}"
-
-
-def own_repo(i: int) -> str:
-    "Node `i`'s repository for its deltas (the per-node layout)."
-    return f"{REPO}-{node_name(i)}"
 
 
 def budget_of(args) -> HubBudget:
@@ -231,6 +162,7 @@ def budget_of(args) -> HubBudget:
         global_bytes=args.params * 4,
         limits=hub_limits(args.tier),
         whole_rounds=args.boundary_wait > 0,
+        per_node=args.layout == "per-node",
     )
 
 
@@ -264,6 +196,7 @@ def distributed_section(args, i: int, token: str, work: Path) -> dict:
         "delta_upload_shutdown_timeout": real(args.final_seconds),
         "state_dir": str(work / "state"),
         "hub_limits": args.tier,
+        "hub_layout": args.layout,
     }
 
 
@@ -287,11 +220,8 @@ class Node:
         folded = lambda: self.coord.state.folded_step
         if args.layout == "one-repo":
             transport = HubClient(REPO, **kw)
-        elif i == 0:
-            repos = [own_repo(j) for j in range(args.nodes)]
-            transport = PerNodeMaster(REPO, own_repo(i), folded, repos, **kw)
         else:
-            transport = OwnDeltaRepo(REPO, own_repo(i), folded, **kw)
+            transport = PerNodeHub(REPO, node_id=self.name, folded=folded, **kw)
         self.coord = DumbDiLoCoCoordinator(
             distributed_section(args, i, token, work),
             self.model,
@@ -345,10 +275,7 @@ def simulate(args) -> dict:
         resolve_per_window=int(limits.downloads_per_5min),
         head_lag=args.head_lag,
     ).start()
-    hub.create(REPO)
-    if args.layout == "per-node":
-        for i in range(args.nodes):
-            hub.create(own_repo(i))  # as each node's owner made it
+    hub.create(REPO)  # each node of the per-node layout makes its own at its start
     work = Path(tempfile.mkdtemp(prefix="sim_diloco_"))
     names = list(tokens)
     nodes = [Node(args, i, hub, work, names[i]) for i in range(args.nodes)]
@@ -509,6 +436,7 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="the nodes' log lines on stderr")
     p.add_argument("--json", type=Path, help="also write what the stand-in holds here (for tests)")
+    p.add_argument("--save", type=Path, help="also append the plan and the table to this file")
     args = p.parse_args(argv)
     if args.tier.strip().lower() not in HUB_TIERS:
         raise Usage(f"--tier {args.tier}: unknown tier; use one of {', '.join(HUB_TIERS)}")
@@ -532,17 +460,24 @@ def main(argv=None) -> None:
     # publication retries while other commits move the head (60 s), scaled like every other
     outer.PUBLISH_PATIENCE_S = outer.PUBLISH_PATIENCE_S / args.scale
     budget = budget_of(args)
-    print(
+    said = [
         f"sim_diloco: {args.nodes} nodes (a master and {args.nodes - 1} workers), rounds of "
         f"{args.round_seconds:.0f} s, {args.hours:g} simulated hour(s) at {args.scale:g}x, "
         f"{args.params} parameters, layout: {LAYOUTS[args.layout]}",
-        flush=True,
-    )
-    print("\n".join(budget.lines() + verdict_lines(budget)), flush=True)
-    if args.layout != "one-repo":
-        print("(HubBudget plans the one-repository layout; the run below is the per-node one)")
+        *budget.lines(),
+        *verdict_lines(budget),
+    ]
+    print("\n".join(said), flush=True)
     run = simulate(args)
-    print("\n".join(table(run, args)), flush=True)
+    lines = table(run, args)
+    said += lines
+    print("\n".join(lines), flush=True)
+    if args.save is not None:  # appended: one file holds the runs of several sizes
+        with open(args.save, "a") as f:
+            f.write(
+                "\n".join(["$ python bench/sim_diloco.py " + " ".join(argv or sys.argv[1:])] + said)
+                + "\n\n"
+            )
     if args.json is not None:
         hub = run["hub"]
         held = {

@@ -11,6 +11,7 @@ import re
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -734,8 +735,11 @@ class PerNodeHub(HubClient):
         sends there) and in the node repositories (as `revision` listed them, or as now)."""
         run, view = self._split(revision)
         found = dict.fromkeys(super().list_deltas(run))
-        for repo_id, sha in sorted((self._node_heads() if view is None else view).items()):
-            for path, blob in self._deltas_of(repo_id, sha):
+        heads = sorted((self._node_heads() if view is None else view).items())
+        with ThreadPoolExecutor(max_workers=8) as pool:  # the repositories that moved, at once
+            listings = list(pool.map(lambda head: self._deltas_of(*head), heads))
+        for (repo_id, sha), listing in zip(heads, listings):
+            for path, blob in listing:
                 if (path, blob) not in self.gone and path not in found:
                     found[path] = None
                     self._where[path] = (self._client(repo_id), sha, blob)

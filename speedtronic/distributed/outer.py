@@ -53,15 +53,15 @@ from speedtronic.distributed.transport import (
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'PUBLISH_PATIENCE_S', 'DATA_HEADER',
-           'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied',
-           'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
+__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'ROUND_LATE_SHARE', 'PUBLISH_PATIENCE_S',
+           'DATA_HEADER', 'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update',
+           'applied', 'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
            'succession', 'liveness', 'DeltaSizes', 'MasterRules', 'MasterState', 'master_state', 'state_record',
            'restored', 'translated_record', 'check', 'rejected', 'listed', 'judge_newcomers', 'active_nodes',
-           'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due', 'Publication', 'fold', 'on_published',
-           'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps',
-           'new_run_identity', 'weights_metadata', 'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data',
-           'quarantine_record']
+           'round_deadline', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due', 'Publication', 'fold',
+           'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed', 'adopted',
+           'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata', 'run_conflict', 'run_file',
+           'MasterOuterLoop', 'same_data', 'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
@@ -504,6 +504,11 @@ class MasterRules:
     # seconds a round waits for every node's delta before it is folded without them (0: never)
     round_wait: float = 0.0
     lease_timeout: float = 600.0
+    # whole rounds: the wait after a round's first delta is also at most this share of the round's
+    # own length (from the last publication to that delta; None: round_wait only), and at least
+    # round_floor seconds
+    late_share: float | None = None
+    round_floor: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -846,12 +851,26 @@ def active_nodes(
     )
 
 
+ROUND_LATE_SHARE = 0.25  # the master's rounds wait a quarter of their length for a missing node
+
+
+def round_deadline(state: MasterState, rules: MasterRules) -> float:
+    """Seconds the held round waits after its first delta: `round_wait` while some node was never
+    folded (it may be starting), else `late_share` of the round's own length (at least
+    `round_floor`, at most `round_wait`): a missing node stalls a round by a share of it."""
+    starting = len(state.ledger.nodes) < active_nodes(state, rules)
+    if rules.late_share is None or state.held_since is None or starting:
+        return rules.round_wait
+    length = max(0.0, state.held_since - state.published_at)
+    return min(rules.round_wait, max(rules.round_floor, rules.late_share * length))
+
+
 def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
     "Whether the held round's wait is over at `now`."
     return (
         rules.round_wait > 0
         and state.held_since is not None
-        and now - state.held_since >= rules.round_wait
+        and now - state.held_since >= round_deadline(state, rules)
     )
 
 
@@ -900,15 +919,19 @@ class Publication:
 
 
 def _next_punctual(
-    state: MasterState, rules: MasterRules, present: set[str], nodes: int, now: float
+    state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], nodes: int, now: float
 ) -> frozenset[str] | None:
-    """Whom rounds wait for after this one: its nodes when its wait ran out short of some, else the
-    waited-for set grows back."""
-    if wait_ran_out(state, rules, now) and len(present) < nodes:
-        return frozenset(present)
+    """Whom rounds wait for after this one: its nodes in step when its wait ran out short of some,
+    else the waited-for set grows back with the nodes in step (their delta trained from one of the
+    two newest globals); a later delta is folded, its node not waited for."""
+    present = {d.node_id for d in accepted}
+    # in step: trained from the newest global or the one before (a node three rounds slow is not)
+    on_time = {d.node_id for d in accepted if d.base_outer_step >= state.outer_step - 1} or present
+    if wait_ran_out(state, rules, now) and len(on_time) < nodes:
+        return frozenset(on_time)
     if state.punctual is None:
         return None
-    back = state.punctual | present  # a node that was missing is back: waited for again
+    back = state.punctual | on_time  # a node that was missing is back in step: waited for again
     return None if len(back) >= nodes else back
 
 
@@ -988,7 +1011,7 @@ def fold(
         held=(),
         held_since=None,
         refusals={},
-        punctual=_next_punctual(state, rules, present, nodes, now),
+        punctual=_next_punctual(state, rules, accepted, nodes, now),
         finished=False,
     )
     return (
@@ -1230,6 +1253,9 @@ class MasterOuterLoop:
             float(max_delta_norm_ratio),
             float(round_wait),
             float(lease_timeout),
+            late_share=ROUND_LATE_SHARE,
+            # a node sees a global a poll late, the master its delta a poll late: four polls at least
+            round_floor=4 * float(poll_interval),
         )
         self.state = master_state(state)
         # its transport puts each node's deltas in a repository of the node's own (`PerNodeHub`)
