@@ -111,12 +111,26 @@ def hub_tokens() -> dict[str, str]:
     return {HUB_TOKEN: "write"}
 
 
-@pytest.fixture
-def hub(hub_tokens):
-    "A loopback Hub stand-in (tests/hub_server.py) accepting `hub_tokens`, stopped after the test."
-    from hub_server import HubStandIn
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "hub_limits(**limits): the `hub` fixture's stand-in with these of HUB_LIMITS replaced "
+        "(say why beside it)",
+    )
 
-    with HubStandIn(tokens=hub_tokens) as server:
+
+@pytest.fixture
+def hub(request, hub_tokens):
+    """A loopback Hub stand-in (tests/hub_server.py) accepting `hub_tokens`, with the Hub's limits
+    (`HUB_LIMITS`; a test's `@pytest.mark.hub_limits(name=value)` replaces one by name), stopped
+    after the test."""
+    from hub_server import HUB_LIMITS, HubStandIn
+
+    marker = request.node.get_closest_marker("hub_limits")
+    changed = marker.kwargs if marker else {}
+    unknown = set(changed) - set(HUB_LIMITS)
+    assert not unknown, f"hub_limits names no limit {sorted(unknown)}"
+    with HubStandIn(**{**HUB_LIMITS, **changed}, tokens=hub_tokens) as server:
         yield server
 
 

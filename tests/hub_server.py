@@ -26,6 +26,8 @@ It can also answer as the real Hub does under load, each limit off unless asked 
                resolve_per_window=5000,     #   429 on /api/ calls and /resolve/ downloads
                head_lag=5.0)                # repo_info answers the head of 5 Hub seconds ago
 
+`HUB_LIMITS` holds the Hub's own numbers (scale 1.0); the tests' `hub` fixture starts with them.
+
 Every 429 carries `Retry-After` (real seconds, rounded up) and a `RateLimit` header (`t=` the
 seconds until the window resets), as the Hub sends them.
 
@@ -50,6 +52,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 KEEP_SNAPSHOTS = 64  # revisions kept readable (older commits keep their log entry only)
+
+# The Hub's free-tier limits, in real time (scale 1.0): what every test that uses the stand-in for
+# DiLoCo meets (`HubStandIn(**HUB_LIMITS, tokens=...)`; tests/conftest.py's `hub` fixture has them).
+# A test of one limit with other numbers passes its own; a test that cannot run with one limit
+# replaces that one by name, with a comment saying why.
+HUB_LIMITS = dict(
+    commits_per_window=128,  # commits per repository per hour
+    commit_window=3600.0,
+    one_commit_at_a_time=True,  # a second concurrent commit on a repository: 409
+    api_per_window=1000,  # /api/ calls per token per 5 minutes
+    resolve_per_window=5000,  # /resolve/ downloads per token per 5 minutes
+    token_window=300.0,
+    head_lag=2.0,  # repo_info answers the head of 2 seconds ago (the Hub's cache)
+)
 
 
 def git_blob_sha1(data: bytes) -> str:

@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, cli_env, jsonl_records, one_error_line  # noqa: E402
-from hub_server import BUSY, HubStandIn  # noqa: E402
+from conftest import HUB_TOKEN, ROOT, cli_env, jsonl_records, one_error_line  # noqa: E402
+from hub_server import BUSY, HUB_LIMITS, HubStandIn  # noqa: E402
 from test_diloco_launch import (  # noqa: E402,F401  (corpus is a fixture)
     NODES,
     corpus,
@@ -156,6 +156,51 @@ def test_per_token_api_and_download_windows_answer_429(files):
         writer.list_repo_refs("org/run")  # another token has its own window
 
 
+# -- the tests' stand-in
+# ----------------------------------------------------------------------------------------
+def test_the_hub_fixture_answers_with_the_hubs_limits_on(hub, files):
+    """The `hub` fixture every Hub test uses is the Hub under its limits: a commit while another is
+    in progress gets 409, and the 129th commit on a repository within the hour gets 429 with the
+    Hub's text and a wait until the hour ends."""
+    import threading
+
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    hub.create("org/run")
+    api = HfApi(endpoint=hub.url, token=HUB_TOKEN)
+
+    def commit(name: str, results: list) -> None:
+        try:
+            api.create_commit("org/run", [CommitOperationAdd(name, b"x")], commit_message=name)
+            results.append(200)
+        except HfHubHTTPError as e:
+            results.append(e.response.status_code)
+
+    hub.commit_delay = 0.5  # a commit as slow as the Hub's: the second one comes during it
+    slow, second = [], []
+    first = threading.Thread(target=commit, args=("a.bin", slow))
+    first.start()
+    while first.is_alive() and not hub.repos["org/run"].committing:
+        threading.Event().wait(0.01)
+    commit("b.bin", second)
+    first.join()
+    assert (slow, second) == ([200], [409]), (slow, second)
+    assert hub.refusals["busy"] == 1
+    hub.commit_delay = 0.0
+    made = [200]
+    for n in range(127):  # 128 commits in all
+        commit(f"c{n}.bin", made)
+    assert made == [200] * 128, Counter(made)
+    with pytest.raises(HfHubHTTPError) as caught:
+        api.create_commit("org/run", [CommitOperationAdd("late.bin", b"x")], commit_message="late")
+    answer = caught.value.response
+    assert answer.status_code == 429 and hub.refusals["commits"] == 1
+    assert "exceeded the rate limit for repository commits (128 per hour)" in str(caught.value)
+    assert 3000 <= int(answer.headers["Retry-After"]) <= 3600
+    assert len(hub.repos["org/run"].commits) == 1 + 128  # the initial commit and the 128
+
+
 # -- the master's publication
 # -----------------------------------------------------------------------------------
 def test_a_publish_on_a_stale_head_retries_on_a_fresh_head(files):
@@ -197,7 +242,7 @@ def test_a_publish_on_a_stale_head_retries_on_a_fresh_head(files):
 def test_a_token_the_hub_refuses_still_ends_at_once_with_one_line(files):
     """403 (a read token committing) and 401 (an unknown token) are fatal: no wait, one line, no
     token in it."""
-    with HubStandIn(tokens={TOKEN: "write", READ: "read"}, commits_per_window=100) as hub:
+    with HubStandIn(**HUB_LIMITS, tokens={TOKEN: "write", READ: "read"}) as hub:
         hub.create("org/run")
         reader = client(hub, "org/run", token=READ, retry_attempts=6, retry_initial=30.0)
         with pytest.raises(HubError) as caught:
@@ -212,7 +257,7 @@ def test_a_token_the_hub_refuses_still_ends_at_once_with_one_line(files):
 
 def test_a_worker_with_an_unknown_token_exits_2_with_one_line(tmp_path, corpus):
     "The CLI: a worker whose token the Hub does not know stops with exit 2 and one error line."
-    with HubStandIn(tokens={TOKEN: "write"}, commits_per_window=100) as hub:
+    with HubStandIn(**HUB_LIMITS, tokens={TOKEN: "write"}) as hub:
         hub.create("org/run")
         _, cfg = node_configs(tmp_path, corpus, "org/run", None)["worker1"]
         proc = subprocess.run(

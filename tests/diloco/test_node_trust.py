@@ -299,9 +299,9 @@ READ_TOKEN = "hf_test_read_token_0123456789"
 
 @pytest.mark.parametrize("role", ["worker", "master"])
 def test_a_node_with_a_read_only_token_stops_at_start_in_one_line_before_training(tmp_path, role):
-    from hub_server import HubStandIn
+    from hub_server import HUB_LIMITS, HubStandIn
 
-    server = HubStandIn(tokens={READ_TOKEN: "read"}).start()
+    server = HubStandIn(**HUB_LIMITS, tokens={READ_TOKEN: "read"}).start()
     try:
         server.create("org/ro")
         node = launch(

@@ -14,7 +14,7 @@ from test_master_trust import _mount_tmpfs
 from test_node_trust import _wait_for
 
 from conftest import jsonl_records
-from hub_server import HubStandIn
+from hub_server import HUB_LIMITS, HubStandIn
 
 
 def _steps(metrics: Path, event: str) -> list[int]:
@@ -102,9 +102,18 @@ def test_a_last_delta_due_while_the_previous_upload_is_in_flight_is_sent_after_i
     """Every commit takes 2 s and w1 trains 23 steps (5 per round): its last delta, due at step 23,
     comes while an earlier one is still uploading. It is sent once that upload has ended, and w1
     exits 0 only with step 23 in the final global."""
-    with HubStandIn(tokens={TOKEN: "write"}, commit_delay=2.0) as hub:
+    with HubStandIn(**HUB_LIMITS, tokens={TOKEN: "write"}, commit_delay=2.0) as hub:
         repo, env = "org/slow", hub_env(hub)
-        common = dict(repo=repo, transport="hub", steps=23, final_round_timeout=60)
+        # one commit at a time, each 2 s: a node's retries must outlast another's commit (the
+        # module's 0.05-0.5 s backoff gives up on a 409 within ~3 s)
+        common = dict(
+            repo=repo,
+            transport="hub",
+            steps=23,
+            final_round_timeout=60,
+            retry_max=2.5,
+            retry_attempts=10,
+        )
         master = launch(node_config(tmp_path, "master", "master", expected_nodes=2, **common), env)
         worker = launch(node_config(tmp_path, "w1", "worker", **common), env)
         rc, err, _ = ended(worker)

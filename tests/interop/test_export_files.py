@@ -174,10 +174,10 @@ TOKEN = "hf_export_write_token_0123456789"
 
 def test_a_second_push_deletes_the_files_of_the_first_in_its_commit(two_runs, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hub_server import HubStandIn
+    from hub_server import HUB_LIMITS, HubStandIn
 
     first, second = two_runs
-    with HubStandIn(tokens={TOKEN: "write"}) as hub:
+    with HubStandIn(**HUB_LIMITS, tokens={TOKEN: "write"}) as hub:
         env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
         push = ("--push-to-hub", "org/tiny-llama")
         ok(export(first, tmp_path / "a", *push, cwd=first.parent, env=env))

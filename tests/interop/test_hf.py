@@ -485,8 +485,14 @@ def test_push_to_hub_uploads_the_export_in_one_commit(run_dir, tmp_path, hub, hf
     # what was pushed loads from the Hub with transformers
     from huggingface_hub import snapshot_download
 
+    # at the commit the push printed (the Hub's repo_info may still answer the head before it)
+    pushed = proc.stdout.splitlines()[-1].rsplit("/", 1)[1]
     got = snapshot_download(
-        "org/tiny-llama", endpoint=hub.url, token=TOKEN, cache_dir=tmp_path / "cache"
+        "org/tiny-llama",
+        endpoint=hub.url,
+        token=TOKEN,
+        cache_dir=tmp_path / "cache",
+        revision=pushed,
     )
     assert hf_side(Path(got), env=hf_env)["greedy"] == our_answers(load_trained(run_dir).model)[1]
     # pushing the same export again finds the repository and leaves it as it is

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, free_port, one_error_line, run_cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hub_server import HubStandIn, _Handler  # noqa: E402
+from hub_server import HUB_LIMITS, HubStandIn, _Handler  # noqa: E402
 
 SHARED = [p / "shared" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()]
 FIXTURES = (SHARED or [ROOT.parent / "shared"])[0] / "fixtures" / "v2.0"  # beside the checkout
@@ -67,7 +67,7 @@ def test_a_push_to_an_unreachable_hub_is_one_line(tmp_path):
 
 @needs_fixture
 def test_a_dropped_connection_is_one_line_and_the_repo_it_made_is_deleted(tmp_path):
-    with Hub(tokens={TOKEN: "write"}) as hub:
+    with Hub(**HUB_LIMITS, tokens={TOKEN: "write"}) as hub:
         hub.fault("drop", method="POST", path=r"/commit/", count=10**9)
         line = one_error_line(push(tmp_path, hub.url), "org/tiny", "dropped the connection")
         assert "was deleted" in line and "org/tiny" not in hub.repos
@@ -75,7 +75,7 @@ def test_a_dropped_connection_is_one_line_and_the_repo_it_made_is_deleted(tmp_pa
 
 @needs_fixture
 def test_a_5xx_says_what_the_hub_answered_and_deletes_the_empty_repo(tmp_path):
-    with Hub(tokens={TOKEN: "write"}) as hub:
+    with Hub(**HUB_LIMITS, tokens={TOKEN: "write"}) as hub:
         hub.fault("503", method="POST", path=r"/commit/", count=10**9)
         line = one_error_line(push(tmp_path, hub.url), "HTTP 503", "injected 503", "/commit/")
         assert "network" not in line and "was deleted" in line
@@ -84,7 +84,7 @@ def test_a_5xx_says_what_the_hub_answered_and_deletes_the_empty_repo(tmp_path):
 
 @needs_fixture
 def test_a_failed_push_to_an_existing_repo_leaves_it_alone(tmp_path):
-    with Hub(tokens={TOKEN: "write"}) as hub:
+    with Hub(**HUB_LIMITS, tokens={TOKEN: "write"}) as hub:
         repo = hub.create("org/tiny")
         hub.commit(
             repo, parent=None, message="mine", description="", added={"README.md": b"x"}, deleted=[]
