@@ -534,9 +534,11 @@ def run_diloco(
             ]
             commits = sum(len(r.commits) - 1 for r in ours)  # each repository's first is its own
             refused = hub.refusals["commits"] + hub.refusals["busy"]
+            api = sum(1 for _, path, _ in hub.requests if path.startswith("/api/"))
+            downloads = sum(1 for _, path, _ in hub.requests if "/resolve/" in path)
         else:
             weights = (Path(repo) / GLOBAL_MODEL_PATH).read_bytes()
-            commits, refused = None, 0
+            commits, refused, api, downloads = None, 0, 0, 0
         final = load_safetensors_bytes(weights)
     finally:
         if hub:
@@ -591,6 +593,8 @@ def run_diloco(
         "folded": sum(e["deltas_included"] for e in rounds),
         "global_kb": global_bytes / 1024,
         "refused": refused,
+        "api": api,
+        "downloads": downloads,
     }
 
 
@@ -634,6 +638,7 @@ def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) 
                 held,
                 transport="directory",
                 boundary_wait=args.boundary_wait,
+                staleness=args.staleness,
                 **spec,
             )
             r["name"], r["ratio"] = label, r["loss"] / base["loss"]
@@ -647,7 +652,8 @@ def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) 
                 flush=True,
             )
     heading = (
-        f"python bench/bench_diloco.py --straggler {args.straggler:g} --nodes {args.nodes} "
+        f"python bench/bench_diloco.py --straggler {args.straggler:g} --staleness "
+        f"{args.staleness} --nodes {args.nodes} "
         f"--seeds {','.join(map(str, seeds))} --steps {args.steps} --inner-steps "
         f"{args.inner_steps}: whole rounds (boundary_wait {args.boundary_wait:g} s) on a shared "
         f"directory, node batch {args.batch} x {args.block} bytes\n"
@@ -706,11 +712,19 @@ def parse_limit(text: str) -> tuple[int, float]:
 
 def run_layouts(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
     """`--hub-limit`: whole rounds on the Hub without a limit, then under it on each layout; the
-    table's last column is each run's wall time over the unlimited one-repository run of its seed."""
+    table's last column is each run's wall time over the first row's run of its seed (the unlimited
+    one-repository run unless --layout-rows says otherwise)."""
     limit = parse_limit(args.hub_limit)
-    plan = [dict(layout="one-repo", limit=None)]
-    plan += [dict(layout=layout, limit=limit) for layout in ("one-repo", "per-node")]
-    plan += [dict(layout="per-node", limit=None)]
+    rows_of = {
+        "unlimited": dict(layout="one-repo", limit=None),
+        "one-repo": dict(layout="one-repo", limit=limit),
+        "per-node": dict(layout="per-node", limit=limit),
+        "per-node-unlimited": dict(layout="per-node", limit=None),
+    }
+    asked = [r.strip() for r in args.layout_rows.split(",") if r.strip()]
+    if unknown := [r for r in asked if r not in rows_of]:
+        raise SystemExit(f"--layout-rows: {unknown[0]!r} is not one of {', '.join(rows_of)}")
+    plan = [rows_of[r] for r in asked]
     rows: dict[str, list[dict]] = {}
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
@@ -748,29 +762,30 @@ def _layouts_table(rows: dict[str, list[dict]], limit: tuple[int, float]) -> Non
     print()
     print(
         f"{'run':72s} {'held-out':>8s} {'vs sync':>7s} {'folded':>6s} {'uploaded':>8s} "
-        f"{'commits':>7s} {'429/409':>7s} {'wall s':>6s} {'vs unlimited':>12s}"
+        f"{'commits':>7s} {'429/409':>7s} {'API':>6s} {'dl':>6s} {'wall s':>6s} {'vs first':>8s}"
     )
     for name, runs in rows.items():
         mean = lambda key: sum(r.get(key, 0) for r in runs) / len(runs)
         if "slowdown" not in runs[0]:
             print(
                 f"{name:72s} {mean('loss'):8.4f} {1.0:6.3f}x {'':6s} {'':8s} {'':7s} {'':7s} "
-                f"{mean('wall'):6.0f}"
+                f"{'':6s} {'':6s} {mean('wall'):6.0f}"
             )
             continue
         commits = mean("node_commits") + mean("master_commits")
         print(
             f"{name:72s} {mean('loss'):8.4f} {mean('ratio'):6.3f}x {mean('folded'):6.1f} "
-            f"{mean('uploaded'):8.1f} {commits:7.0f} {mean('refused'):7.0f} {mean('wall'):6.0f} "
-            f"{mean('slowdown'):11.2f}x"
+            f"{mean('uploaded'):8.1f} {commits:7.0f} {mean('refused'):7.0f} {mean('api'):6.0f} "
+            f"{mean('downloads'):6.0f} {mean('wall'):6.0f} {mean('slowdown'):7.2f}x"
         )
     print(
         f"\nlimit {limit[0]}/{limit[1]:g}s = the stand-in answers 429 past {limit[0]} commits per "
         f"repository per {limit[1]:g} s (the Hub's 128 an hour, scaled) and 409 to a second "
-        "concurrent commit; per-node = distributed.hub_layout: per-node; vs unlimited = wall time "
-        "over the unlimited one-repository run of the same seed; 429/409 = the refusals the nodes "
+        "concurrent commit; per-node = distributed.hub_layout: per-node; vs first = wall time "
+        "over the first DiLoCo row's run of the same seed; 429/409 = the refusals the nodes "
         "met; commits = on the run's repository and the nodes' (a node's deltas, the master's "
-        "publications)"
+        "publications); API, dl = the /api/ calls and /resolve/ downloads the stand-in answered, "
+        "all nodes together"
     )
 
 
@@ -881,6 +896,16 @@ def main(argv=None) -> None:
         default=None,
         help="COMMITS/SECONDS: only the layouts table, whole rounds on the Hub unlimited and "
         "under this per-repository commit limit, one repository and one per node",
+    )
+    parser.add_argument(
+        "--staleness",
+        default="delayed_nesterov",
+        help="--straggler: distributed.staleness of its runs",
+    )
+    parser.add_argument(
+        "--layout-rows",
+        default="unlimited,one-repo,per-node,per-node-unlimited",
+        help="--hub-limit: the rows to run (vs unlimited is over the first)",
     )
     parser.add_argument(
         "--straggler",

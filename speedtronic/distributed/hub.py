@@ -661,11 +661,19 @@ class PerNodeHub(HubClient):
             self.sent = [p for p in own.list_deltas() if p not in files]
         done = self.folded()
         old = [p for p in self.sent if parse_delta_path(p)[1] <= done and p not in files]
+        tries = []
 
         def run():
+            deletes = old
+            if tries:  # an earlier try may have gone through unseen: delete only what is there
+                there = {
+                    e.path for e in own.api.list_repo_tree(own.repo_id, "nodes", recursive=True)
+                }
+                deletes = [p for p in old if p in there]
+            tries.append(1)
             info = own.api.create_commit(
                 own.repo_id,
-                _operations(files, old),
+                _operations(files, deletes),
                 commit_message=message or f"add {', '.join(files)}",
             )
             own._newest = getattr(info, "oid", None) or own._newest

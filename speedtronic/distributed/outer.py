@@ -1901,8 +1901,8 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
             "info",
             f"outer step {self.state.outer_step}: folded {len(pub.state.punctual)} of {pub.nodes} "
             "nodes' deltas after waiting "
-            f"{self.rules.round_wait:g} s for the rest; until the others send again, rounds wait "
-            f"only for {sorted(pub.state.punctual)}",
+            f"{round_deadline(before, self.rules):.3g} s for the rest; until the others send in "
+            f"step again, rounds wait only for {sorted(pub.state.punctual)}",
         )
     self._after_round(pub, found, self._received() - received)
     return self.state.outer_step

@@ -1,10 +1,11 @@
 """The per-node layout (`distributed.hub_layout: per-node`) through real processes and the real
-`huggingface_hub` client, against the loopback Hub stand-in with the Hub's limits on: each node's
-deltas in a repository of its own, the run's repository holding only the master's publications."""
+`huggingface_hub` client, against the loopback Hub stand-in with the Hub's limits on
+(`HUB_LIMITS`): each node's deltas in a repository of its own, the run's repository holding only
+the master's publications."""
 
 from collections import Counter
 
-from hub_server import HubStandIn
+from hub_server import HUB_LIMITS, HubStandIn
 from test_diloco import (
     TOKEN,
     check_exactly_once,
@@ -20,25 +21,15 @@ from test_diloco import (
 from speedtronic.distributed.hub import node_repo_id
 from speedtronic.distributed.tensors import GLOBAL_METADATA_PATH, parse_step_count
 
-# the Hub's own numbers (late 2026): 128 commits per repository an hour, one commit at a time, 1000
-# API calls and 5000 downloads per token per five minutes, repo_info (and the listing of repositories)
-# answering from a cache two seconds old
-LIMITS = dict(
-    commits_per_window=128,
-    commit_window=3600.0,
-    one_commit_at_a_time=True,
-    api_per_window=1000,
-    resolve_per_window=5000,
-    token_window=300.0,
-    head_lag=2.0,
-)
-
 
 def test_per_node_nodes_fold_every_delta_once_and_commit_once_a_round_each(tmp_path):
     names = ("master", "w1", "w2")
     run = "org/spread"
-    with HubStandIn(tokens={TOKEN: "write"}, **LIMITS) as hub:
+    with HubStandIn(tokens={TOKEN: "write"}, **HUB_LIMITS) as hub:
         hub.create(run, private=True)  # made on the website; each node makes its own repository
+        # two of w1's commits go through and their answers are lost: the retry must not delete what
+        # the first try deleted already
+        hub.fault("lost_response", method="POST", path=r"/org/spread-w1/commit/", count=2, after=2)
         outputs = run_nodes(
             tmp_path,
             repo=run,
@@ -53,6 +44,7 @@ def test_per_node_nodes_fold_every_delta_once_and_commit_once_a_round_each(tmp_p
         files = hub.files(run)
         run_commits = list(hub.repos[run].commits)
         node_files = {n: hub.files(r) for n, r in ((n, node_repo_id(run, n)) for n in names)}
+        faults = list(hub.faults)
     meta, extras = parse_step_count(files[GLOBAL_METADATA_PATH])
     assert extras["delta_layout"] == "per-node"
     check_exactly_once(tmp_path, names, extras["ledger"])
@@ -73,13 +65,14 @@ def test_per_node_nodes_fold_every_delta_once_and_commit_once_a_round_each(tmp_p
     ]
     assert sum(len(e["folded"]) for e in rounds) == 3 * 6 and meta.outer_step >= len(rounds)
     assert "Hub budget" in outputs["master"] and "one per node" in outputs["master"]
+    assert not faults, "both lost answers were hit"
 
 
 def test_a_worker_on_the_one_repository_layout_still_reaches_a_per_node_master(tmp_path):
     "A 2.0 worker (no hub_layout) sends to the run's repository, which the master still lists."
     names = ("master", "w1")
     run = "org/mixed"
-    with HubStandIn(tokens={TOKEN: "write"}, **LIMITS) as hub:
+    with HubStandIn(tokens={TOKEN: "write"}, **HUB_LIMITS) as hub:
         hub.create(run, private=True)
         configs_layout = {"master": "per-node", "w1": "one-repo"}
         paths = [

@@ -219,3 +219,69 @@ def test_bench_diloco_encodings_prints_and_saves_one_row_per_encoding(tmp_path):
     saved = save.read_text()
     assert saved.startswith("python bench/bench_diloco.py --encodings --seeds 1 --steps 20 ")
     assert saved.split("\n", 1)[1] in res.stdout
+
+
+def test_bench_diloco_hub_limit_compares_the_layouts_under_a_commit_limit(tmp_path):
+    """bench/bench_diloco.py --hub-limit, 3 nodes x 20 steps of whole rounds on the Hub stand-in:
+    a row per layout asked for, each folding every delta its nodes uploaded, the per-node one under
+    the limit meeting no refusal; the table written to --save under the command that made it."""
+    save = tmp_path / "layouts.txt"
+    res = subprocess.run(
+        [sys.executable, "bench/bench_diloco.py", "--hub-limit", "12/20", "--seeds", "1"]
+        + ["--steps", "20", "--inner-steps", "5", "--nodes", "3", "--save", str(save)]
+        + ["--layout-rows", "one-repo,per-node"],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    rows = {
+        m["name"].strip(): [float(x.rstrip("x")) for x in m["numbers"].split()[:7]]
+        for m in re.finditer(
+            r"^(?P<name>hub .+? limit 12/20s) +(?P<numbers>[\d. x]+)$", res.stdout, re.M
+        )
+    }
+    assert len(rows) == 2, res.stdout
+    (one_name, one), (node_name, node) = rows.items()
+    assert "per-node" not in one_name and "per-node" in node_name, rows
+    for loss, ratio, folded, uploaded, commits, refused, api in rows.values():
+        assert folded == uploaded > 0 and loss > 0, rows  # every uploaded delta folded once
+    assert node[5] == 0, rows  # a repository per node: no 429 or 409
+    saved = save.read_text()
+    assert saved.startswith("python bench/bench_diloco.py --hub-limit 12/20 --nodes 3 ")
+    assert saved.split("\n", 1)[1] in res.stdout
+
+
+def test_bench_diloco_straggler_prints_the_rounds_with_a_throttled_node(tmp_path):
+    """bench/bench_diloco.py --straggler 3, 3 nodes x 40 steps of whole rounds on a shared
+    directory: the three rows (every node at full speed, the last worker throttled to a third, left
+    out), each with its mean and longest round; the throttled worker's fewer deltas folded."""
+    res = subprocess.run(
+        [sys.executable, "bench/bench_diloco.py", "--straggler", "3", "--seeds", "1"]
+        + ["--steps", "40", "--inner-steps", "5", "--nodes", "3"],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    found = {
+        m["name"]: float(m["folded"])
+        for m in re.finditer(
+            r"^(?P<name>every node at full speed|the last worker at 1/3 speed|the last worker left "
+            r"out) +[\d.]+ +[\d.]+x +(?P<folded>[\d.]+) ",
+            res.stdout,
+            re.M,
+        )
+    }
+    assert list(found) == [
+        "every node at full speed",
+        "the last worker at 1/3 speed",
+        "the last worker left out",
+    ], res.stdout
+    full, slow, without = found.values()
+    assert full == 3 * 8 and without == 2 * 8, found  # 8 rounds of 5 steps, every delta folded
+    assert without < slow < full, found  # the throttled worker's 40/3 steps: its fewer deltas
