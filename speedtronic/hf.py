@@ -1063,7 +1063,11 @@ def push_to_hub(
         except HfHubHTTPError as e:
             if getattr(e.response, "status_code", None) != 409:  # 409: it exists already
                 raise
-        head = api.repo_info(repo_id).sha
+        # the branch's ref, fresh: repo_info may answer a head seconds old (the Hub's cache), and a
+        # parent_commit that old is refused with 412
+        refs = api.list_repo_refs(repo_id).branches
+        head = next((b.target_commit for b in refs if b.name == "main"), None)
+        head = head or api.repo_info(repo_id).sha
         adds = _upload_operations(folder, CommitOperationAdd)
         sent = {op.path_in_repo for op in adds}
         stale = [
@@ -1087,6 +1091,8 @@ def push_to_hub(
             hint = "set HF_TOKEN to a token with write access to it"
         elif status is not None and status >= 500:
             hint = "the Hub failed on its side; push again later"
+        elif status == 412:
+            hint = "another commit landed on it during this push; push again"
         else:
             hint = f"check the repository id {repo_id!r}"
     except _transport_errors() as e:

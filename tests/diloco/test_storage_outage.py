@@ -104,15 +104,18 @@ def test_a_last_delta_due_while_the_previous_upload_is_in_flight_is_sent_after_i
     exits 0 only with step 23 in the final global."""
     with HubStandIn(**HUB_LIMITS, tokens={TOKEN: "write"}, commit_delay=2.0) as hub:
         repo, env = "org/slow", hub_env(hub)
-        # one commit at a time, each 2 s: a node's retries must outlast another's commit (the
-        # module's 0.05-0.5 s backoff gives up on a 409 within ~3 s)
+        # one commit at a time, each 2 s: a node's retries must outlast the other node's run of
+        # back-to-back commits (the master's two deltas and first two publications, ~8 s of 409s
+        # for w1). The module's 0.05-0.5 s backoff gives up within ~3 s, 10 attempts up to 2.5 s
+        # apart within ~7.7 s (seen: w1's step-5 delta failed "after 10 attempts: HTTP 409");
+        # 30 attempts wait out ~70 s, as the product's default backoff (1-60 s, 6 attempts) ~31 s
         common = dict(
             repo=repo,
             transport="hub",
             steps=23,
             final_round_timeout=60,
             retry_max=2.5,
-            retry_attempts=10,
+            retry_attempts=30,
         )
         master = launch(node_config(tmp_path, "master", "master", expected_nodes=2, **common), env)
         worker = launch(node_config(tmp_path, "w1", "worker", **common), env)
