@@ -647,7 +647,8 @@ def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) 
             rows.setdefault(label, []).append(r)
             print(
                 f"  seed {seed}: {label}: held-out {r['loss']:.4f} ({r['ratio']:.3f}x sync), "
-                f"rounds {r['round_s']:.2f} s ({r['round_vs']:.2f}x, longest {r['longest_s']:.1f} s)"
+                f"rounds {r['round_s']:.2f} s ({r['round_vs']:.2f}x, longest "
+                f"{r['longest_s']:.1f} s)"
                 f", {r['wall']:.0f} s",
                 flush=True,
             )

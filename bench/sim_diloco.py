@@ -21,9 +21,12 @@ no global by the end).
     python bench/sim_diloco.py --nodes 16 --hours 1
     python bench/sim_diloco.py --nodes 64 --hours 2 --round-seconds 300 --tier free
     python bench/sim_diloco.py --nodes 256 --hours 1 --scale 120    # an hour in 30 s
+    python bench/sim_diloco.py --nodes 6 --layout per-node --boundary-wait 600 --join-round 4 \
+        --pause-rounds 5:8    # whole rounds; the last worker joins at round 4, another is gone 5-8
 
-Two layouts, both the package's (`distributed.hub_layout`). `--layout one-repo` (the default, 2.0's):
-every delta and every publication is a commit on the run's one repository, N + 1 commits a round.
+Two layouts, both the package's (`distributed.hub_layout`). `--layout one-repo` (the default,
+2.0's): every delta and every publication is a commit on the run's one repository, N + 1 commits a
+round.
 `--layout per-node` (`PerNodeHub`): each node commits its deltas to a repository of its own
 (`sim/run-<node>`, made by the node at its start; one commit a delta, deleting its deltas already
 folded in the same commit), the master finds what changed with one listing of all of them a poll,
@@ -37,6 +40,7 @@ loaded machine), run again with a smaller `--scale`; the line under the table sa
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
@@ -125,18 +129,21 @@ class Recorder:
         self.name, self.clock, self.verbose = name, clock, verbose
         self.events: list[tuple[float, str, dict]] = []
         self.lines: list[str] = []
+        self.said: list[tuple[float, str]] = []  # (simulated s, line) of every line
 
     def emit(self, event: str, payload: dict) -> None:
         self.events.append((self.clock(), event, dict(payload)))
 
     def _line(self, level: str, message: str) -> None:
         self.lines.append(f"{level}: {message}")
+        self.said.append((self.clock(), message))
         if self.verbose:
             print(f"[{self.clock():8.0f} s] {level} {message}", file=sys.stderr, flush=True)
 
     def info(self, message: str) -> None:
+        self.said.append((self.clock(), message))  # kept: the master's words on rounds are counted
         if self.verbose:
-            self._line("info", message)
+            print(f"[{self.clock():8.0f} s] info {message}", file=sys.stderr, flush=True)
 
     def debug(self, message: str) -> None:
         pass
@@ -236,6 +243,9 @@ class Node:
             None,
             {},
         )  # made: step -> simulated time of its boundary
+        self.pause: tuple[float, float] | None = None  # (from, to) simulated s: it leaves, is back
+        self.left: tuple[float, float] | None = None  # the pause it had
+        self.joined: tuple[float, int] | None = None  # (simulated s, the master's version then)
 
     def run(self, start_sim: float, steps: int) -> None:
         "`steps` steps on schedule from `start_sim` + phase (simulated s), then finish."
@@ -243,6 +253,12 @@ class Node:
         step_s = args.round_seconds / args.steps_per_round
         try:
             while self.step < steps:
+                if self.pause and self.hub.sim_now() >= self.pause[0]:  # gone, then back
+                    (left, back), self.pause = self.pause, None
+                    self.left = (left, back)
+                    if self.stop.wait(max(0.0, back - self.hub.sim_now()) / args.scale):
+                        return
+                    start_sim += back - left  # its schedule resumes where it stopped
                 due = start_sim + self.phase + (self.step + 1) * step_s
                 wait = (due - self.hub.sim_now()) / args.scale
                 if wait > 0 and self.stop.wait(wait):
@@ -282,7 +298,12 @@ def simulate(args) -> dict:
     t0 = time.monotonic()
     try:
         nodes[0].coord.start()  # the master publishes the first global; the workers start from it
-        starters = [threading.Thread(target=n.coord.start, daemon=True) for n in nodes[1:]]
+        joiner = nodes[-1] if args.join_round else None
+        starters = [
+            threading.Thread(target=n.coord.start, daemon=True)
+            for n in nodes[1:]
+            if n is not joiner
+        ]
         for t in starters:
             t.start()
         for t in starters:
@@ -291,9 +312,27 @@ def simulate(args) -> dict:
         # every node runs the same steps (a run's max_steps), each from its own phase in a round
         steps = max(1, round(args.hours * HOUR / args.round_seconds * args.steps_per_round))
         end_sim = start_sim + args.round_seconds + args.hours * HOUR
+        if args.pause_rounds:
+            leaver = nodes[-2] if joiner else nodes[-1]
+            a, b = args.pause_rounds
+            leaver.pause = (start_sim + a * args.round_seconds, start_sim + b * args.round_seconds)
         threads = [
-            threading.Thread(target=n.run, args=(start_sim, steps), daemon=True) for n in nodes
+            threading.Thread(target=n.run, args=(start_sim, steps), daemon=True)
+            for n in nodes
+            if n is not joiner
         ]
+        if joiner is not None:
+            joined_at = start_sim + args.join_round * args.round_seconds
+
+            def join():  # starts from the global of its time, trains what is left of the run
+                if joiner.stop.wait(max(0.0, joined_at - hub.sim_now()) / args.scale):
+                    return
+                joiner.joined = (hub.sim_now(), nodes[0].coord.state.version)
+                joiner.coord.start()
+                left = steps - args.join_round * args.steps_per_round
+                joiner.run(joined_at, max(1, left))
+
+            threads.append(threading.Thread(target=join, daemon=True))
         for t in threads[1:]:
             t.start()
         threads[0].start()
@@ -301,7 +340,7 @@ def simulate(args) -> dict:
         deadline = time.monotonic() + limit
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        hung = [n.name for n, t in zip(nodes, threads) if t.is_alive()]
+        hung = [t.name for t in threads if t.is_alive()]
         for n in nodes:
             n.stop.set()
         for n in nodes:
@@ -407,6 +446,7 @@ def table(run: dict, args) -> list[str]:
         f"machine (load {load:.1f} on {os.cpu_count()} CPUs) is multiplied by it; a smaller "
         "--scale when rounds lag"
     )
+    out += comings_and_goings(nodes, master)
     if run["hung"]:
         out.append(f"still running at the end (stopped): {', '.join(run['hung'])}")
     for text, who in kinds.items():
@@ -414,6 +454,50 @@ def table(run: dict, args) -> list[str]:
             f"{len(who)} node(s) ended with an error ({', '.join(who[:3])}"
             f"{', ...' if len(who) > 3 else ''}): {text[:400]}"
         )
+    return out
+
+
+def waited_for(line: str) -> set[str] | None:
+    "The nodes a master's 'rounds wait only for [...]' line names (None for any other line)."
+    head, _, names = line.partition("rounds wait only for ")
+    try:
+        return set(ast.literal_eval(names)) if head and names else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+def comings_and_goings(nodes: list, master: list) -> list[str]:
+    """A line for the node that joined late (the version it started from, the version its first
+    folded delta was trained from, its deltas refused) and one for the node that left and came back
+    (the master's lines saying rounds go on without it, and its deltas folded after it was back)."""
+    out, words = [], nodes[0].log.said
+    norms = [p for _, e, p in master if e == "delta_norms"]
+    for n in nodes:
+        mine = [p for p in norms if p["node_id"] == n.name]
+        refused = sum(
+            1 for _, e, p in master if e == "delta_rejected" and p.get("node_id") == n.name
+        )
+        if n.joined is not None:
+            first = min(mine, key=lambda p: p["step"])["base_outer_step"] if mine else None
+            out.append(
+                f"joined: {n.name} at {n.joined[0]:.0f} s, the global at version {n.joined[1]}; "
+                f"its first folded delta trained from version {first}; {len(mine)} folded, "
+                f"{refused} refused"
+            )
+        if n.left is not None:
+            left, back = n.left
+            others = {m.name for m in nodes if m is not n}
+            said = [w for t, w in words if left <= t and waited_for(w) == others]
+            after = [
+                p
+                for t, e, p in master
+                if e == "delta_norms" and p["node_id"] == n.name and t > back
+            ]
+            out.append(
+                f"left: {n.name} from {left:.0f} s to {back:.0f} s; the master said {len(said)} "
+                f"time(s) since that rounds go on without it; {len(after)} of its deltas folded "
+                f"after it was back, {refused} refused"
+            )
     return out
 
 
@@ -434,6 +518,18 @@ def parse(argv=None):
     p.add_argument("--delta-dtype", default="bfloat16", choices=sorted(DELTA_BYTES_PER_PARAM))
     p.add_argument("--layout", default="one-repo", choices=("one-repo", "per-node"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--join-round",
+        type=int,
+        default=0,
+        help="the last worker starts at this round (0: at once)",
+    )
+    p.add_argument(
+        "--pause-rounds",
+        type=lambda t: tuple(int(x) for x in t.split(":")),
+        default=None,
+        help="A:B: a worker leaves at round A and is back at round B (whole rounds drop it)",
+    )
     p.add_argument("--verbose", action="store_true", help="the nodes' log lines on stderr")
     p.add_argument("--json", type=Path, help="also write what the stand-in holds here (for tests)")
     p.add_argument("--save", type=Path, help="also append the plan and the table to this file")

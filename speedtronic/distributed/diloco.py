@@ -1797,6 +1797,12 @@ class HubReport:
             f"{counts.bytes_sent / 2**20:.1f} MiB sent, {counts.bytes_received / 2**20:.1f} MiB "
             f"received; {per_hour:.0f} commits an hour by this node of the "
             f"{limit.commits_per_hour:.0f} the repository takes"
+            + (
+                " (its publications and its deltas go to two: the run's and its own, each taking "
+                "as many)"
+                if getattr(self.distributed, "hub_layout", "one-repo") == "per-node"
+                else ""
+            )
         )
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #9b618c34

@@ -186,3 +186,36 @@ def test_64_nodes_in_5_minute_rounds_fit_the_free_tier_with_a_repository_per_nod
     s = summary(out)
     assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
     assert "ended with an error" not in out, out
+
+
+def test_a_node_that_joins_late_and_one_that_leaves_and_comes_back_in_whole_rounds(tmp_path):
+    """6 per-node nodes in whole rounds: the last worker starts at round 4 and its first delta is
+    trained from a global at least as new as the one of its time, none refused; another is gone
+    from round 5 to round 8, the master says once that rounds go on without it, and its deltas after
+    it is back are folded. No delta is lost or folded twice."""
+    out, _ = run_bench(
+        tmp_path,
+        *("--nodes", "6", "--hours", "1", "--layout", "per-node", "--scale", "120"),
+        *("--boundary-wait", "600", "--join-round", "4", "--pause-rounds", "5:8"),
+    )
+    joined = re.search(
+        r"^joined: node005 at \d+ s, the global at version (\d+); its first folded delta trained "
+        r"from version (\d+); (\d+) folded, (\d+) refused$",
+        out,
+        re.M,
+    )
+    assert joined, out
+    version, first, folded, refused = map(int, joined.groups())
+    assert first >= version and folded > 0 and refused == 0, joined.group(0)
+    left = re.search(
+        r"^left: node004 from \d+ s to \d+ s; the master said (\d+) time\(s\) since that rounds go "
+        r"on without it; (\d+) of its deltas folded after it was back, (\d+) refused$",
+        out,
+        re.M,
+    )
+    assert left, out
+    said, after, refused = map(int, left.groups())
+    assert said == 1 and after > 0 and refused == 0, left.group(0)
+    s = summary(out)
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
+    assert "ended with an error" not in out, out
