@@ -31,7 +31,7 @@ from speedtronic.config import (
     SpeedtronicConfig,
     as_section,
 )
-from .hub import HubClient, PerNodeHub
+from .hub import HUB_REQUESTS, HubClient, PerNodeHub
 from ..paths import node_id
 from .outer import DATA_HEADER, Ledger, MasterOuterLoop
 from .budget import HUB_TIERS, HubBudget, budget_from_config, hub_limits
@@ -1803,6 +1803,10 @@ class HubReport:
                 if getattr(self.distributed, "hub_layout", "one-repo") == "per-node"
                 else ""
             )
+            + f"; {HUB_REQUESTS.total['api']} API calls and {HUB_REQUESTS.total['resolve']} "
+            f"downloads by this process, at most {HUB_REQUESTS.busiest('api')} and "
+            f"{HUB_REQUESTS.busiest('resolve')} in five minutes, of the "
+            f"{limit.api_calls_per_5min:.0f} and {limit.downloads_per_5min:.0f} the tier allows"
         )
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #9b618c34

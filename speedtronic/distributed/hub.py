@@ -11,6 +11,7 @@ import re
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -38,8 +39,8 @@ from speedtronic.distributed.transport import (
 )
 
 # %% auto #0
-__all__ = ['HubTransport', 'COLLABORATOR_PERMISSIONS', 'token_source', 'classify_hub_error', 'server_wait', 'HubClient',
-           'write_problem', 'node_repo_id', 'PerNodeHub']
+__all__ = ['HubTransport', 'HUB_REQUESTS', 'COLLABORATOR_PERMISSIONS', 'token_source', 'classify_hub_error', 'server_wait',
+           'HubClient', 'HubRequests', 'write_problem', 'node_repo_id', 'PerNodeHub']
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #971b4d24
 def token_source(token: str | None) -> str:
@@ -177,12 +178,44 @@ class HubClient:
 
 HubTransport = HubClient
 
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #77c55489
+class HubRequests:
+    """The Hub requests this process made, by kind (`api`: under `/api/`; `resolve`: a file's
+    download) and by five-minute window: what the Hub's per-account limits count."""
+
+    def __init__(self, window_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
+        self.window_s, self.clock, self.lock = window_s, clock, threading.Lock()
+        self.total: Counter = Counter()  # kind -> requests
+        self.by_window: Counter = Counter()  # (kind, window index) -> requests
+
+    def note(self, path: str) -> None:
+        "Count one request to URL path `path` (anything but an API call or a download: nothing)."
+        kind = "resolve" if "/resolve/" in path else "api" if path.startswith("/api/") else None
+        if kind is not None:
+            with self.lock:
+                self.total[kind] += 1
+                self.by_window[(kind, int(self.clock() // self.window_s))] += 1
+
+    def busiest(self, kind: str) -> int:
+        "The most requests of `kind` in one window so far."
+        return max((n for (k, _), n in self.by_window.items() if k == kind), default=0)
+
+    def hook(self, request: Any) -> None:
+        "`httpx`'s request event hook."
+        self.note(request.url.path)
+
+
+HUB_REQUESTS = HubRequests()  # this process's
+
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #2d2e79a0
 def _ensure_timeout(seconds: float) -> None:
     "Give `huggingface_hub`'s shared HTTP session a request timeout when it has none."
     from huggingface_hub import get_session
 
     session = get_session()
+    hooks = getattr(session, "event_hooks", {}).get("request")
+    if hooks is not None and HUB_REQUESTS.hook not in hooks:  # a new session: count its requests
+        hooks.append(HUB_REQUESTS.hook)
     timeout = getattr(session, "timeout", None)
     if timeout is not None and all(
         getattr(timeout, k, None) is None for k in ("connect", "read", "write", "pool")

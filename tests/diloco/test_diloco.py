@@ -6,6 +6,7 @@ bad deltas, a bounded repository, and failures that must stop a run at once."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -307,6 +308,10 @@ def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):
     assert "Hub budget (free tier, 3 nodes" in outputs["master"], outputs["master"][-3000:]
     spent = [l for l in outputs["master"].splitlines() if "Hub spent in" in l]
     assert len(spent) == 1 and "commits by this node" in spent[0], outputs["master"][-3000:]
+    api, downloads = map(
+        int, re.search(r"; (\d+) API calls and (\d+) downloads", spent[0]).groups()
+    )
+    assert api > 0 and downloads > 0, spent[0]  # what the Hub's per-account windows count
     assert "Hub budget" not in outputs["w1"]
     repo = hub.repos["org/diloco-test"]
     assert repo.private
