@@ -449,6 +449,7 @@ def run_diloco(
     layout: str = "one-repo",
     limit: tuple[int, float] | None = None,
     slow: float = 1.0,  # the last worker runs at 1/slow of its speed, slow times fewer steps
+    late_share: float | None = None,  # distributed.late_share
     leave_out_last: bool = False,  # the last worker does not run (its shard unread)
 ) -> dict:
     outer = (
@@ -511,6 +512,7 @@ def run_diloco(
             "outer_momentum": outer[1],
             "boundary_wait": boundary_wait,
             "hub_layout": layout,
+            "late_share": late_share,
         }
         configs.append((cfg, write(cfg, run / f"{name}.yaml")))
     try:
@@ -639,6 +641,7 @@ def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) 
                 transport="directory",
                 boundary_wait=args.boundary_wait,
                 staleness=args.staleness,
+                late_share=args.late_share,
                 **spec,
             )
             r["name"], r["ratio"] = label, r["loss"] / base["loss"]
@@ -654,7 +657,7 @@ def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) 
             )
     heading = (
         f"python bench/bench_diloco.py --straggler {args.straggler:g} --staleness "
-        f"{args.staleness} --nodes {args.nodes} "
+        f"{args.staleness} --late-share {args.late_share:g} --nodes {args.nodes} "
         f"--seeds {','.join(map(str, seeds))} --steps {args.steps} --inner-steps "
         f"{args.inner_steps}: whole rounds (boundary_wait {args.boundary_wait:g} s) on a shared "
         f"directory, node batch {args.batch} x {args.block} bytes\n"
@@ -902,6 +905,12 @@ def main(argv=None) -> None:
         "--staleness",
         default="delayed_nesterov",
         help="--straggler: distributed.staleness of its runs",
+    )
+    parser.add_argument(
+        "--late-share",
+        type=float,
+        default=0.25,
+        help="--straggler: distributed.late_share of its runs",
     )
     parser.add_argument(
         "--layout-rows",

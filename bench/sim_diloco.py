@@ -204,6 +204,7 @@ def distributed_section(args, i: int, token: str, work: Path) -> dict:
         "state_dir": str(work / "state"),
         "hub_limits": args.tier,
         "hub_layout": args.layout,
+        "late_share": args.late_share,
     }
 
 
@@ -518,6 +519,9 @@ def parse(argv=None):
     p.add_argument("--delta-dtype", default="bfloat16", choices=sorted(DELTA_BYTES_PER_PARAM))
     p.add_argument("--layout", default="one-repo", choices=("one-repo", "per-node"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--late-share", type=float, default=None, help="distributed.late_share (whole rounds)"
+    )
     p.add_argument(
         "--join-round",
         type=int,

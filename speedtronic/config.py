@@ -1076,6 +1076,9 @@ class DistributedConfig(_Section):
     # seconds a node waits at each boundary for the global holding the delta it just sent (0:
     # never); a master holds rounds for missing deltas half as long
     boundary_wait: float = 0.0
+    # whole rounds: a master waits for a missing node at most this share of the round's own length
+    # (at least four polls); null: boundary_wait / 2 for every node (a slow node stalls each round)
+    late_share: float | None = None
     request_timeout: float = (
         60.0  # seconds one Hub request may wait on the server before it is retried
     )
@@ -1120,6 +1123,8 @@ class DistributedConfig(_Section):
         )
         r.positive("expected_nodes", "lease_timeout", "request_timeout", "shard_count")
         r.non_negative("max_delta_norm_ratio", "final_round_timeout", "boundary_wait")
+        if self.late_share is not None and not 0 < self.late_share <= 1:
+            r.fail("late_share", f"is a share of a round, in (0, 1], got {_show(self.late_share)}")
         if (self.shard_count is None) != (self.shard_index is None):
             r.fail(
                 "shard_index" if self.shard_index is None else "shard_count",

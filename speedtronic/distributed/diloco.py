@@ -1238,6 +1238,7 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
         max_delta_norm_ratio=cfg.max_delta_norm_ratio,
         lease_timeout=cfg.lease_timeout,
         round_wait=cfg.boundary_wait / 2,
+        late_share=cfg.late_share,
     )
     if prepared is not None and prepared.get("outer"):
         self.outer.load_state_dict(prepared["outer"])

@@ -53,9 +53,9 @@ from speedtronic.distributed.transport import (
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'ROUND_LATE_SHARE', 'PUBLISH_PATIENCE_S',
-           'DATA_HEADER', 'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update',
-           'applied', 'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
+__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'PUBLISH_PATIENCE_S', 'DATA_HEADER',
+           'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied',
+           'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
            'succession', 'liveness', 'DeltaSizes', 'MasterRules', 'MasterState', 'master_state', 'state_record',
            'restored', 'translated_record', 'check', 'rejected', 'listed', 'judge_newcomers', 'active_nodes',
            'round_deadline', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due', 'Publication', 'fold',
@@ -851,9 +851,6 @@ def active_nodes(
     )
 
 
-ROUND_LATE_SHARE = 0.25  # the master's rounds wait a quarter of their length for a missing node
-
-
 def round_deadline(state: MasterState, rules: MasterRules) -> float:
     """Seconds the held round waits after its first delta: `round_wait` while some node was never
     folded (it may be starting), else `late_share` of the round's own length (at least
@@ -921,12 +918,18 @@ class Publication:
 def _next_punctual(
     state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], nodes: int, now: float
 ) -> frozenset[str] | None:
-    """Whom rounds wait for after this one: its nodes in step when its wait ran out short of some,
-    else the waited-for set grows back with the nodes in step (their delta trained from one of the
-    two newest globals); a later delta is folded, its node not waited for."""
+    """Whom rounds wait for after this one: its nodes when its wait ran out short of some, else the
+    waited-for set grows back with them; with `late_share`, only its nodes in step (their delta
+    trained from one of the two newest globals): a later delta is folded, its node not waited
+    for."""
     present = {d.node_id for d in accepted}
-    # in step: trained from the newest global or the one before (a node three rounds slow is not)
-    on_time = {d.node_id for d in accepted if d.base_outer_step >= state.outer_step - 1} or present
+    # with late_share, only the nodes in step: trained from the newest global or the one before (a
+    # node three rounds slow is not); without, every node that sent
+    on_time = present
+    if rules.late_share is not None:
+        on_time = {
+            d.node_id for d in accepted if d.base_outer_step >= state.outer_step - 1
+        } or present
     if wait_ran_out(state, rules, now) and len(on_time) < nodes:
         return frozenset(on_time)
     if state.punctual is None:
@@ -1219,6 +1222,9 @@ class MasterOuterLoop:
         max_delta_norm_ratio: float = 10.0,
         lease_timeout: float = 600.0,
         round_wait: float = 0.0,
+        # whole rounds wait for a missing node at most this share of their own length (None: the
+        # full round_wait for every node)
+        late_share: float | None = None,
         # s a final round left by a killed run waits, at `stop()`
         final_round_timeout: float = 300.0,
         fresh: bool = False,  # a new run: a new run id, the local records of an earlier run deleted
@@ -1253,7 +1259,7 @@ class MasterOuterLoop:
             float(max_delta_norm_ratio),
             float(round_wait),
             float(lease_timeout),
-            late_share=ROUND_LATE_SHARE,
+            late_share=late_share,
             # a node sees a global a poll late, the master its delta a poll late: four polls at least
             round_floor=4 * float(poll_interval),
         )
