@@ -377,23 +377,32 @@ def state(self: HubClient, revision: str | None = None) -> RepoState:
 
 
 @patch
+def _tree_deltas(self: HubClient, revision: str | None = None) -> list[tuple[str, str]]:
+    "(path, blob id) of every delta under `nodes/` at `revision` (inside a `_call`)."
+    if not self._offers("list_repo_tree"):
+        return [(p, "") for p in self._listing() if parse_delta_path(p) is not None]
+    try:
+        entries = list(
+            self.api.list_repo_tree(self.repo_id, "nodes", recursive=True, revision=revision)
+        )
+    except Exception as e:
+        if _missing(e):
+            return []
+        raise
+    return [
+        (e.path, str(getattr(e, "blob_id", "") or ""))
+        for e in entries
+        if parse_delta_path(e.path) is not None
+    ]
+
+
+@patch
 def list_deltas(self: HubClient, revision: str | None = None) -> list[str]:
     "Every delta path under `nodes/` at `revision` (default: the head), sorted."
-
-    def run():
-        if not self._offers("list_repo_tree"):
-            return sorted(p for p in self._listing() if parse_delta_path(p) is not None)
-        try:
-            entries = list(
-                self.api.list_repo_tree(self.repo_id, "nodes", recursive=True, revision=revision)
-            )
-        except Exception as e:
-            if _missing(e):
-                return []
-            raise
-        return sorted(e.path for e in entries if parse_delta_path(e.path) is not None)
-
-    return self._call(f"list deltas of {self.describe()}", run)
+    return self._call(
+        f"list deltas of {self.describe()}",
+        lambda: sorted(path for path, _ in self._tree_deltas(revision)),
+    )
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #7b42d3ea
 @patch
@@ -484,19 +493,33 @@ def _operations(
 
 
 @patch
-def upload(self: HubClient, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
-    "Add `files` (repository path -> local file) in one commit."
+def upload(
+    self: HubClient,
+    files: Mapping[str, str | os.PathLike],
+    message: str = "",
+    deletes: Iterable[str] = (),
+) -> None:
+    """Add `files` (repository path -> local file) in one commit, deleting the deltas `deletes`
+    (a retry deletes only those still there: an earlier try may have gone through unseen)."""
+    deletes, tries = list(deletes), []
 
     def run():
+        gone = deletes
+        if tries and deletes:
+            there = {path for path, _ in self._tree_deltas()}
+            gone = [p for p in deletes if p in there]
+        tries.append(1)
         if self._offers("create_commit"):
             info = self.api.create_commit(
                 self.repo_id,
-                _operations(files),
+                _operations(files, gone),
                 commit_message=message or f"add {', '.join(files)}",
             )
             self._newest = getattr(info, "oid", None) or self._newest
         else:
             _upload_each(self, files)
+            for path in gone:
+                self.api.delete_file(path, repo_id=self.repo_id, repo_type="model")
         self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
         self.counts.commits += 1
 
@@ -689,31 +712,11 @@ class PerNodeHub(HubClient):
         is per-node, else in the run's."""
         if self.published_layout != "per-node":
             return super().upload(files, message)
-        own = self.own
         if self.sent is None:  # what an earlier session of this node left there
-            self.sent = [p for p in own.list_deltas() if p not in files]
+            self.sent = [p for p in self.own.list_deltas() if p not in files]
         done = self.folded()
         old = [p for p in self.sent if parse_delta_path(p)[1] <= done and p not in files]
-        tries = []
-
-        def run():
-            deletes = old
-            if tries:  # an earlier try may have gone through unseen: delete only what is there
-                there = {
-                    e.path for e in own.api.list_repo_tree(own.repo_id, "nodes", recursive=True)
-                }
-                deletes = [p for p in old if p in there]
-            tries.append(1)
-            info = own.api.create_commit(
-                own.repo_id,
-                _operations(files, deletes),
-                commit_message=message or f"add {', '.join(files)}",
-            )
-            own._newest = getattr(info, "oid", None) or own._newest
-            self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
-            self.counts.commits += 1
-
-        own._call(f"upload {', '.join(files)} to {own.describe()}", run)
+        self.own.upload(files, message, deletes=old)  # its tally is this client's
         self.sent = [p for p in self.sent if p not in old and p not in files] + list(files)
 
     # -- the master's side
@@ -751,24 +754,12 @@ class PerNodeHub(HubClient):
         those of the node the repository is named after."""
         if self._listed.get(repo_id, ("",))[0] != sha:
             reader = self._client(repo_id)
-
-            def run():
-                try:
-                    entries = list(
-                        reader.api.list_repo_tree(repo_id, "nodes", recursive=True, revision=sha)
-                    )
-                except Exception as e:
-                    if _missing(e):
-                        return []
-                    raise
-                return [
-                    (e.path, str(getattr(e, "blob_id", "") or ""))
-                    for e in entries
-                    if (parsed := parse_delta_path(e.path)) is not None
-                    and node_repo_id(self.repo_id, parsed[0]) == repo_id
-                ]
-
-            self._listed[repo_id] = (sha, reader._call(f"list deltas of {reader.describe()}", run))
+            ours = lambda path: node_repo_id(self.repo_id, parse_delta_path(path)[0]) == repo_id
+            listed = reader._call(
+                f"list deltas of {reader.describe()}",
+                lambda: [(p, blob) for p, blob in reader._tree_deltas(sha) if ours(p)],
+            )
+            self._listed[repo_id] = (sha, listed)
         return self._listed[repo_id][1]
 
     def list_deltas(self, revision: str | None = None) -> list[str]:
