@@ -357,20 +357,18 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
         f"node batch {args.batch} x {args.block} bytes, outer lr {args.outer_lr:g} momentum "
         f"{args.outer_momentum:g}\n"
     )
-    print_encodings(rows, Path(args.save) if args.save else None, heading)
+    show_table(lambda: _encodings_table(rows), args.save, heading)
 
 
-def print_encodings(
-    rows: dict[str, list[dict]], save: Path | None = None, heading: str = ""
-) -> None:
-    """The encodings table: a line per row, means (and ranges) over the seeds; also written to
-    `save` under `heading` (the DiLoCo chapter prints that file)."""
+def show_table(print_table, save: str | None, heading: str) -> None:
+    """Print the table `print_table()` prints; with `save`, also write it to that file under
+    `heading` (the command that made it: the DiLoCo chapters print those files)."""
     with contextlib.redirect_stdout(io.StringIO()) as table:
-        _encodings_table(rows)
+        print_table()
     print(table.getvalue(), end="")
-    if save is not None:
-        save.parent.mkdir(parents=True, exist_ok=True)
-        save.write_text(heading + table.getvalue().lstrip("\n"))
+    if save:
+        Path(save).parent.mkdir(parents=True, exist_ok=True)
+        Path(save).write_text(heading + table.getvalue().lstrip("\n"))
 
 
 def _encodings_table(rows: dict[str, list[dict]]) -> None:
@@ -662,33 +660,31 @@ def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) 
         f"{args.inner_steps}: whole rounds (boundary_wait {args.boundary_wait:g} s) on a shared "
         f"directory, node batch {args.batch} x {args.block} bytes\n"
     )
-    with contextlib.redirect_stdout(io.StringIO()) as table:
-        print()
+    show_table(lambda: _stragglers_table(rows), args.save, heading)
+
+
+def _stragglers_table(rows: dict[str, list[dict]]) -> None:
+    print()
+    print(
+        f"{'run':44s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'folded':>6s} "
+        f"{'versions':>8s} {'round s':>7s} {'vs full':>7s} {'longest':>7s} {'wall s':>6s}"
+    )
+    for name, runs in rows.items():
+        mean = lambda key: sum(r[key] for r in runs) / len(runs)
+        ratios = [r["ratio"] for r in runs]
+        spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
         print(
-            f"{'run':44s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'folded':>6s} "
-            f"{'versions':>8s} {'round s':>7s} {'vs full':>7s} {'longest':>7s} {'wall s':>6s}"
+            f"{name:44s} {mean('loss'):8.4f} {mean('ratio'):6.3f}x {spread:>13s} "
+            f"{mean('folded'):6.1f} {mean('versions'):8.1f} {mean('round_s'):7.2f} "
+            f"{mean('round_vs'):6.2f}x {mean('longest_s'):7.2f} {mean('wall'):6.0f}"
         )
-        for name, runs in rows.items():
-            mean = lambda key: sum(r[key] for r in runs) / len(runs)
-            ratios = [r["ratio"] for r in runs]
-            spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
-            print(
-                f"{name:44s} {mean('loss'):8.4f} {mean('ratio'):6.3f}x {spread:>13s} "
-                f"{mean('folded'):6.1f} {mean('versions'):8.1f} {mean('round_s'):7.2f} "
-                f"{mean('round_vs'):6.2f}x {mean('longest_s'):7.2f} {mean('wall'):6.0f}"
-            )
-        print(
-            "\nround s = the mean time between two of the master's publications, longest = the "
-            "longest (the final round, which waits for every node's last delta, not counted); "
-            "vs full = over the "
-            "run with every node at full speed, same seed; vs sync = held-out loss over the same "
-            "seed's synchronous baseline of all the nodes' batches; the slow worker does a "
-            "slow-th of the steps, so it ends when the others do"
-        )
-    print(table.getvalue(), end="")
-    if args.save:
-        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save).write_text(heading + table.getvalue().lstrip("\n"))
+    print(
+        "\nround s = the mean time between two of the master's publications, longest = the "
+        "longest (the final round, which waits for every node's last delta, not counted); "
+        "vs full = over the run with every node at full speed, same seed; vs sync = held-out loss "
+        "over the same seed's synchronous baseline of all the nodes' batches; the slow worker "
+        "does a slow-th of the steps, so it ends when the others do"
+    )
 
 
 def hub_limits(limit: tuple[int, float] | None) -> dict:
@@ -754,12 +750,7 @@ def run_layouts(args, work: Path, train: Path, held: Path, seeds: list[int]) -> 
         f"whole rounds (boundary_wait {args.boundary_wait:g} s), node batch {args.batch} x "
         f"{args.block} bytes\n"
     )
-    with contextlib.redirect_stdout(io.StringIO()) as table:
-        _layouts_table(rows, limit)
-    print(table.getvalue(), end="")
-    if args.save:
-        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save).write_text(heading + table.getvalue().lstrip("\n"))
+    show_table(lambda: _layouts_table(rows, limit), args.save, heading)
 
 
 def _layouts_table(rows: dict[str, list[dict]], limit: tuple[int, float]) -> None:
