@@ -105,6 +105,19 @@ HUB_TOKEN = "hf_test_write_token_0123456789"
 
 
 @pytest.fixture
+def cpu_to_itself(tmp_path_factory):
+    """Hold the test run's one CPU lock while the test runs: a test whose outcome depends on the
+    nodes keeping pace (a held-out loss after asynchronous rounds, a simulation at 60x) never runs
+    beside another that holds it. Under pytest-xdist the other worker runs any other test
+    meanwhile; its workers' temporary folders share a parent, where the lock file is."""
+    import fcntl
+
+    with open(tmp_path_factory.getbasetemp().parent / "cpu-to-itself.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        yield
+
+
+@pytest.fixture
 def hub_tokens() -> dict[str, str]:
     """The tokens the `hub` fixture accepts (token -> "read" | "write"); a test module overrides this
     fixture to give its own."""

@@ -57,10 +57,10 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
            'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied',
            'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
            'succession', 'liveness', 'DeltaSizes', 'MasterRules', 'MasterState', 'master_state', 'state_record',
-           'restored', 'translated_record', 'check', 'rejected', 'listed', 'judge_newcomers', 'active_nodes',
-           'round_deadline', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due', 'Publication', 'fold',
-           'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed', 'adopted',
-           'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata', 'run_conflict', 'run_file',
+           'restored', 'translated_record', 'norm_scale', 'check', 'rejected', 'listed', 'judge_newcomers',
+           'active_nodes', 'round_deadline', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due',
+           'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed',
+           'adopted', 'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata', 'run_conflict', 'run_file',
            'MasterOuterLoop', 'same_data', 'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
@@ -729,6 +729,16 @@ def _reachable(
         )
 
 
+def norm_scale(state: MasterState) -> tuple[float, str]:
+    """The norm that a delta's (or a fold's) norm per inner step may exceed at most
+    `max_delta_norm_ratio` times, and what it is: the global model's own norm, or the largest
+    folded delta once that is larger (a model whose weights start at or near zero: a global made
+    of one small fold must not bar every later delta as too large). A non-positive scale: no bound."""
+    if state.sizes.largest > state.global_norm:
+        return state.sizes.largest, f"the largest folded delta {state.sizes.largest:.3g}"
+    return state.global_norm, f"the global model's own norm {state.global_norm:.3g}"
+
+
 def check(
     state: MasterState,
     rules: MasterRules,
@@ -751,13 +761,13 @@ def check(
     d.norm = delta_norm(d.delta)  # once: the size record and the events reuse it
     if (ratio := rules.max_delta_norm_ratio) <= 0:
         return d
-    per_step, scale = d.norm / _steps_covered(d, rules), state.global_norm
+    per_step, (scale, what) = d.norm / _steps_covered(d, rules), norm_scale(state)
     if scale > 0 and per_step > ratio * scale:
         raise DeltaRejected(
             "too_large",
-            f"{path}: norm per inner step {per_step:.3g} is {per_step / scale:.3g}x the global "
-            f"model's own norm {scale:.3g} (limit distributed.max_delta_norm_ratio={ratio:g}): "
-            "no training step moves a model that far",
+            f"{path}: norm per inner step {per_step:.3g} is {per_step / scale:.3g}x {what} "
+            f"(limit distributed.max_delta_norm_ratio={ratio:g}): no training step moves a model "
+            "that far",
         )
     judged_by = state.sizes.reference(d.node_id, d.session)
     if judged_by is not None and per_step > ratio * judged_by[0]:
@@ -977,9 +987,9 @@ def fold(
         (k for k, v in new.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())),
         None,
     )
-    moved, scale, ratio = (
+    moved, (scale, what), ratio = (
         delta_norm(update) / max(_steps_covered(d, rules) for d in accepted),
-        state.global_norm,
+        norm_scale(state),
         rules.max_delta_norm_ratio,
     )
     if bad is not None:
@@ -989,8 +999,7 @@ def fold(
             "too_large",
             (
                 f"folding it would move the global model by {moved:.3g} per inner step, "
-                f"{moved / scale:.3g}x its own "
-                f"norm {scale:.3g} (limit distributed.max_delta_norm_ratio={ratio:g})"
+                f"{moved / scale:.3g}x {what} (limit distributed.max_delta_norm_ratio={ratio:g})"
             ),
         )
     if problem is not None:  # nothing published; the round's deltas are refused

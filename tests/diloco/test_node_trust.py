@@ -104,7 +104,9 @@ def test_a_worker_trains_on_across_a_master_takeover_and_exits_0_with_every_step
     """The master trains 10 steps and ends; the worker trains on to 40 and waits for its steps to
     be folded. A second master takes the run over once the first one's lease ran out: the worker
     follows it (its version file names the master it took over from) and ends with every step in a
-    global."""
+    global. The worker is held (SIGSTOP) from its first delta until the first master has ended: on a
+    busy machine a master slow to train its 10 steps could otherwise fold all 40 of the worker's,
+    and there would be nothing left to take over."""
     repo = _share(tmp_path)
     first = launch(
         node_config(
@@ -130,7 +132,18 @@ def test_a_worker_trains_on_across_a_master_takeover_and_exits_0_with_every_step
             lease_timeout=60,
         )
     )
-    rc, err, _ = ended(first)
+    sent = tmp_path / "w1" / "metrics.jsonl"
+    _wait_for(
+        lambda: jsonl_records(sent, "delta_uploaded") or first.poll() is not None,
+        [worker],
+        what="the worker's first delta",
+        poll=0.05,
+    )
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        rc, err, _ = ended(first)
+    finally:
+        worker.send_signal(signal.SIGCONT)
     assert rc == 0, err[-3000:]
     beat = datetime.fromisoformat(_version_file(repo)["master"]["heartbeat"]).timestamp()
     _wait_for(lambda: time.time() - beat > 3, [worker], what="the first master's lease to run out")

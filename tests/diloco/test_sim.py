@@ -18,11 +18,14 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, cli_env
 
 from speedtronic.distributed.budget import HUB_TIERS, HubBudget
 
 PARAMS = 2048  # a small model: the deltas are 4 KiB in bfloat16
+# a simulated minute a real second (or more): no other such test beside one (conftest)
+pytestmark = pytest.mark.usefixtures("cpu_to_itself")
 
 
 def run_bench(tmp_path, *args: str) -> tuple[str, dict]:
@@ -118,7 +121,7 @@ def test_16_nodes_in_20_minute_rounds_fit_the_free_tier_and_lose_nothing(tmp_pat
     # of simulated time), and every delta sent is in one
     assert sum(r["rounds"] for r in table) >= 1, table
     s = summary(out)
-    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, out[-4000:]
     assert all(r["lost"] == 0 for r in table), table
     assert "ended with an error" not in out, out
     assert [f for f in held["files"] if f.startswith("nodes/")] == [], held  # all folded
@@ -149,7 +152,7 @@ def test_64_nodes_in_5_minute_rounds_are_refused_up_front_and_the_run_shows_why(
     assert sum(r["429"] for r in table) > 0 and held["refusals"]["commits"] > 0, (table, held)
     assert sum(r["rounds"] for r in table) < 12, table  # 12 scheduled in the hour
     s = summary(out)
-    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, out[-4000:]
     assert all(r["lost"] == 0 for r in table), table
 
 
@@ -184,7 +187,7 @@ def test_64_nodes_in_5_minute_rounds_fit_the_free_tier_with_a_repository_per_nod
     assert all(r["api"] <= 1000 and r["downloads"] <= 5000 for r in table), table
     assert sum(r["rounds"] for r in table) >= 1, table
     s = summary(out)
-    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, out[-4000:]
     assert "ended with an error" not in out, out
 
 
@@ -217,5 +220,5 @@ def test_a_node_that_joins_late_and_one_that_leaves_and_comes_back_in_whole_roun
     said, after, refused = map(int, left.groups())
     assert said == 1 and after > 0 and refused == 0, left.group(0)
     s = summary(out)
-    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, s
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, out[-4000:]
     assert "ended with an error" not in out, out
