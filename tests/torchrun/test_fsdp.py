@@ -382,7 +382,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from speedtronic.checkpoint import is_sharded, load_checkpoint, load_sharded, load_whole
 from speedtronic.config import load_config
 from speedtronic.optimizers import build_optimizer
-from speedtronic.parallel import start_world, world_from_env
+from speedtronic.parallel import end_process, start_world, world_from_env
 from speedtronic.registry import build_model
 from speedtronic.schedules import build_scheduler
 cfg, source, out = sys.argv[1:]
@@ -398,6 +398,7 @@ shards = [type(p).__name__ for p in model.parameters()]
 weights, moments = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if world.writes: torch.save({"model": weights, "optimizer": moments, "shards": shards}, out)
 world.close()
+end_process(0)  # a process that started a gloo group ends without C++ teardown (see the Parallel chapter)
 """
 
 
