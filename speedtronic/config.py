@@ -1089,10 +1089,11 @@ class DistributedConfig(_Section):
     hub_limits: str | dict = (
         "free"  # the Hub account's tier (free, pro, team, enterprise) or its numbers
     )
-    # where deltas travel on the Hub: one-repo (as 2.0: every delta a commit in repo_id) or
-    # per-node (each node's deltas in a repository of its own beside repo_id; the master's setting
-    # decides, workers follow what it publishes)
-    hub_layout: str = "one-repo"
+    # where deltas travel on the Hub: one-repo (as 2.0: every delta a commit in repo_id), per-node
+    # (each node's deltas in a repository of its own beside repo_id), or auto: one-repo while the
+    # master's plan at the pace of its first round fits the Hub's commit limit, else per-node. The
+    # master's setting decides; workers follow what it publishes
+    hub_layout: str = "auto"
 
     def _rules(self):
         r = _Rules(self)
@@ -1106,7 +1107,11 @@ class DistributedConfig(_Section):
         r.choice("transport", ("hub", "directory"))
         r.paths("cache_dir", "state_dir", *(("repo_id",) if self.transport == "directory" else ()))
         r.choice("delta_dtype", ("float32", "bfloat16", "int8", "topk"))
-        r.choice("hub_layout", ("one-repo", "per-node"), {"one": "one-repo", "node": "per-node"})
+        r.choice(
+            "hub_layout",
+            ("auto", "one-repo", "per-node"),
+            {"one": "one-repo", "node": "per-node"},
+        )
         r.positive("topk_density", "topk_chunk")
         if self.topk_density > 1:
             r.fail(

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 # %% auto #0
 __all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_ROUND', 'MASTER_POLL', 'MASTER_PUBLICATION', 'PER_NODE_POLL',
            'PER_NODE_DELTA', 'DELTA_BYTES_PER_PARAM', 'HubLimits', 'hub_limits', 'HubBudget',
-           'delta_bytes_per_parameter', 'budget_from_config']
+           'delta_bytes_per_parameter', 'budget_from_config', 'auto_layout']
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #00021c60
 @dataclass(frozen=True)
@@ -103,6 +103,10 @@ class HubBudget:
             return max(self.publications_per_hour, self.rounds_per_hour)
         return self.nodes * self.rounds_per_hour + self.publications_per_hour
 
+    def commits_fit(self) -> bool:
+        "Whether the busiest repository's commits in its busiest hour stay inside the headroom."
+        return self.commits_in_an_hour <= HEADROOM * self.limits.commits_per_hour
+
     def per_window(self, role: str) -> dict[str, float]:
         "API calls and downloads one `role` (`master` or `worker`) spends in a five-minute window."
         polls, rounds = WINDOW_S / self.poll_interval, WINDOW_S / self.round_s
@@ -126,7 +130,7 @@ class HubBudget:
         "What does not fit, each with what to change; empty when the plan fits."
         out, lim = [], self.limits
         if self.commits_in_an_hour > HEADROOM * lim.commits_per_hour:
-            fits = lambda b: b.commits_in_an_hour <= HEADROOM * lim.commits_per_hour
+            fits = HubBudget.commits_fit
             where = "the busiest repository" if self.per_node else "the run's repository"
             longer = (self.round_s * 1.05**k for k in range(1, 400))
             fit_round = next(r for r in longer if fits(replace(self, round_s=r)))
@@ -214,7 +218,7 @@ def budget_from_config(
     "The `HubBudget` of a configuration, for a step time and a model size."
     d = distributed
     n = nodes or d.expected_nodes or d.shard_count or 1
-    return HubBudget(
+    plan = HubBudget(
         nodes=int(n),
         round_s=max(d.inner_steps * step_s, 1e-3),
         poll_interval=float(d.poll_interval),
@@ -225,6 +229,16 @@ def budget_from_config(
         run_rounds=None if not max_steps else math.ceil(max_steps / d.inner_steps),
         per_node=getattr(d, "hub_layout", "one-repo") == "per-node",
     )
+    return auto_layout(plan) if getattr(d, "hub_layout", "one-repo") == "auto" else plan
+
+
+def auto_layout(plan: HubBudget) -> HubBudget:
+    """`distributed.hub_layout: auto`: the one-repository `plan` while its commits fit the Hub,
+    else the per-node plan when its commits do (else `plan`, whose problems say what to change)."""
+    if plan.per_node or plan.commits_fit():
+        return plan
+    spread = replace(plan, per_node=True)
+    return spread if spread.commits_fit() else plan
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #2814c066
 def __dir__() -> list[str]:

@@ -31,7 +31,7 @@ from speedtronic.config import (
     SpeedtronicConfig,
     as_section,
 )
-from .hub import HUB_REQUESTS, HubClient, PerNodeHub
+from .hub import HUB_REQUESTS, HubClient, PerNodeHub, node_repo_id
 from ..paths import node_id
 from .outer import DATA_HEADER, Ledger, MasterOuterLoop
 from .budget import HUB_TIERS, HubBudget, budget_from_config, hub_limits
@@ -116,9 +116,13 @@ def build_transport(
         request_timeout=config.request_timeout,
         stop=stop,
     )
-    if config.hub_layout == "per-node":
+    if config.hub_layout in ("per-node", "auto"):  # auto: one repository until the master splits
         return PerNodeHub(
-            config.repo_id, node_id=node or node_id(config), folded=folded or (lambda: -1), **hub
+            config.repo_id,
+            node_id=node or node_id(config),
+            folded=folded or (lambda: -1),
+            split=config.hub_layout == "per-node",
+            **hub,
         )
     return HubClient(config.repo_id, **hub)
 
@@ -633,6 +637,14 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
     if self.hub_report is not None:  # a master through the Hub: its plan, then its spend
         for level, line in self.hub_report.at_boundary(step, time.monotonic(), self._counts()):
             self._log(level, line)
+        if self.hub_report.split_due:  # hub_layout auto, and one repository would not do
+            self.hub_report.split_due = False
+            if not (isinstance(self.transport, PerNodeHub) and self.transport.split_now()):
+                self._log(
+                    "warning",
+                    "Hub layout auto: staying on the run's repository: its client cannot list "
+                    "the node repositories (huggingface_hub's list_models); upgrade it",
+                )
     return True
 
 
@@ -1767,6 +1779,7 @@ class HubReport:
         self.distributed, self.parameters, self.target_step = distributed, parameters, target_step
         self.start, self.planned, self.every_s = (now, step), False, every_s
         self.said_at = now
+        self.split_due = False  # hub_layout auto: the first round's plan asks a repository per node
 
     def plan(self, step: int, now: float) -> HubBudget:
         "The run's `HubBudget` at the pace since the start (`step` reached at `now`)."
@@ -1780,7 +1793,17 @@ class HubReport:
         "`(level, line)`s to say at a boundary: the plan at the first one, then spend every hour."
         if not self.planned and step > self.start[1]:
             self.planned, plan = True, self.plan(step, now)
-            return [("info", line) for line in plan.lines()] + [
+            layout = getattr(self.distributed, "hub_layout", "one-repo")
+            self.split_due = layout == "auto" and plan.per_node
+            one = replace(plan, per_node=False)
+            split = [
+                f"Hub layout auto: the run's repository alone would get "
+                f"{one.commits_in_an_hour:.0f} commits an hour of the "
+                f"{plan.limits.commits_per_hour:.0f} the Hub takes, so from the next publication "
+                f"every node sends its deltas to a repository of its own "
+                f"({node_repo_id(self.distributed.repo_id, '<node_id>')})"
+            ]
+            return [("info", line) for line in plan.lines() + (split if self.split_due else [])] + [
                 ("warning", f"the Hub plan at the pace of the first round: {problem}")
                 for problem in plan.problems()
             ]

@@ -666,13 +666,22 @@ class PerNodeHub(HubClient):
     publication); each node's deltas in a repository of its own (`node_repo_id`, one commit a
     delta, which also deletes the node's deltas the global holds already). A master finds what is
     new with one listing of every node repository (`list_models`) a poll; a worker sends to its own
-    repository once the master's publications say `delta_layout: per-node`, to the run's before."""
+    repository once the master's publications say `delta_layout: per-node`, to the run's before.
+    Not `split` (`hub_layout: auto`), it is the one-repository layout until `split_now()` or a
+    publication saying per-node; a node's own repository is made when it first sends there."""
 
-    layout = "per-node"
-
-    def __init__(self, repo_id: str, *, node_id: str, folded: Callable[[], int] = lambda: -1, **kw):
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        node_id: str,
+        folded: Callable[[], int] = lambda: -1,
+        split: bool = True,  # per node from the start (hub_layout: per-node), not only once chosen
+        **kw,
+    ):
         super().__init__(repo_id, **kw)
         self.node_id, self.folded, self._kw, self._readers = node_id, folded, kw, {}
+        self.split, self._private, self._own_open = split, True, False
         self.own = self._client(node_repo_id(self.repo_id, node_id))
         self.published_layout = "one-repo"  # what the newest global read says
         self.sent: list[str] | None = None  # this node's deltas in its repository (None: unread)
@@ -688,15 +697,36 @@ class PerNodeHub(HubClient):
             self._readers[repo_id].counts = self.counts
         return self._readers[repo_id]
 
+    @property
+    def layout(self) -> str:
+        "`per-node` once deltas travel per node (set, chosen or published), else `one-repo`."
+        return "per-node" if self.split else "one-repo"
+
     def open(self, *, create: bool = False, private: bool = True) -> None:
-        "Check the run's repository (`create`: make it), then make this node's own."
-        if not self._offers("list_models"):
+        "Check the run's repository (`create`: make it), then (`split`) make this node's own."
+        if self.split and not self._offers("list_models"):
             raise HubError(
                 f"distributed.hub_layout: per-node needs huggingface_hub's list_models, which the "
                 f"client of {self.describe()} lacks: upgrade huggingface_hub or use one-repo"
             )
         super().open(create=create, private=private)
-        self.own.open(create=True, private=private)
+        self._private = private
+        if self.split:
+            self._open_own()
+
+    def _open_own(self) -> None:
+        "Make this node's own repository (once)."
+        if not self._own_open:
+            self.own.open(create=True, private=self._private)
+            self._own_open = True
+
+    def split_now(self) -> bool:
+        """A master on `hub_layout: auto` takes the per-node layout from now on (its next publication
+        says so); False when its client cannot list the node repositories."""
+        if not self._offers("list_models"):
+            return False
+        self.split = True
+        return True
 
     # -- the node's side
     def state(self, revision: str | None = None) -> RepoState:
@@ -705,6 +735,7 @@ class PerNodeHub(HubClient):
         repo = super().state(run)
         if repo.metadata is not None:
             self.published_layout = str(repo.extras.get("delta_layout") or "one-repo")
+            self.split = self.split or self.published_layout == "per-node"  # a master taking over
         return repo if view is None else replace(repo, revision=revision)
 
     def upload(self, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
@@ -713,6 +744,7 @@ class PerNodeHub(HubClient):
         if self.published_layout != "per-node":
             return super().upload(files, message)
         if self.sent is None:  # what an earlier session of this node left there
+            self._open_own()
             self.sent = [p for p in self.own.list_deltas() if p not in files]
         done = self.folded()
         old = [p for p in self.sent if parse_delta_path(p)[1] <= done and p not in files]
@@ -733,8 +765,8 @@ class PerNodeHub(HubClient):
     def head_revision(self) -> str | None:
         "The run's head and a digest of every node repository's head: changes when any commits."
         run = super().head_revision()
-        if run is None:
-            return None
+        if run is None or not self.split:  # one repository: the run's head says it all
+            return run
         view = self._node_heads()
         digest = hashlib.sha256(repr(sorted(view.items())).encode()).hexdigest()[:16]
         self._views[digest] = view
@@ -767,6 +799,8 @@ class PerNodeHub(HubClient):
         sends there) and in the node repositories (as `revision` listed them, or as now)."""
         run, view = self._split(revision)
         found = dict.fromkeys(super().list_deltas(run))
+        if view is None and not self.split:
+            return sorted(found)
         heads = sorted((self._node_heads() if view is None else view).items())
         with ThreadPoolExecutor(max_workers=8) as pool:  # the repositories that moved, at once
             listings = list(pool.map(lambda head: self._deltas_of(*head), heads))

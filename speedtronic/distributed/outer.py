@@ -1273,8 +1273,6 @@ class MasterOuterLoop:
             round_floor=4 * float(poll_interval),
         )
         self.state = master_state(state)
-        # its transport puts each node's deltas in a repository of the node's own (`PerNodeHub`)
-        self.per_node = getattr(hub, "layout", "one-repo") == "per-node"
         # the revision this master last listed: an unchanged head means nothing new (never its own
         # commit)
         self.revision = None
@@ -1310,6 +1308,10 @@ class MasterOuterLoop:
     )
     held = property(
         lambda self: {d.path: d for d in self.state.held}, doc="The held round's deltas by path."
+    )
+    per_node = property(
+        lambda self: getattr(self.transport, "layout", "one-repo") == "per-node",
+        doc="Whether nodes send their deltas to repositories of their own (`PerNodeHub`).",
     )
 
     def _local_files(self, suffix: str = "") -> tuple[Path, Path]:
@@ -1409,6 +1411,7 @@ def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoSt
         **({"run_id": prepared.run_id} if prepared.run_id else {}),
         **({"bootstrap": "true"} if pub.bootstrap else {}),
         # the per-node layout: workers send their deltas to repositories of their own
+        # (`PerNodeHub`, per node from the start or since `hub_layout: auto` chose it)
         **({"delta_layout": "per-node"} if self.per_node else {}),
         "master": {
             "node_id": self.node_id,

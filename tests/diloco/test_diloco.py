@@ -328,6 +328,8 @@ def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):
         len(c.added) == 1 for c in repo.commits if any(p.startswith("nodes/") for p in c.added)
     )
     assert not [r for r in hub.faults], "every injected fault was hit"
+    # hub_layout auto (the default) and a plan that fits: 2.0's one repository, no other made
+    assert sorted(hub.repos) == ["org/diloco-test"] and "delta_layout" not in extras
     # every uploaded delta was folded (none refused), and each version is one publication that
     # folded some of them
     rounds = [

@@ -19,7 +19,7 @@ from test_diloco import (
 )
 
 from speedtronic.distributed.hub import node_repo_id
-from speedtronic.distributed.tensors import GLOBAL_METADATA_PATH, parse_step_count
+from speedtronic.distributed.tensors import GLOBAL_METADATA_PATH, parse_delta_path, parse_step_count
 
 
 def test_per_node_nodes_fold_every_delta_once_and_commit_once_a_round_each(tmp_path):
@@ -108,3 +108,60 @@ def test_a_worker_on_the_one_repository_layout_still_reaches_a_per_node_master(t
     check_exactly_once(tmp_path, names, extras["ledger"])
     assert added and all(p.startswith("nodes/w1/") for p in added)
     assert worker_repo is None  # a one-repo node makes no repository of its own
+
+
+def test_an_auto_master_moves_a_run_past_one_repository_to_a_repository_per_node(tmp_path):
+    """`hub_layout: auto` (the default): the first round's plan, for the 256 nodes the run expects
+    and its 6 rounds, needs 257 commits a round of one repository (1542 in all) and 6 of each
+    repository per node; under the limit the config gives (100 an hour, planned to 80) only the
+    per-node plan fits, whatever the pace, so the master says so and its next publication moves
+    every node's deltas to a repository of its own. The workers are waiting when the master starts,
+    so the first round (which waits its 10 s for the nodes that never come) holds all three, and
+    later rounds wait for those three."""
+    names = ("master", "w1", "w2")
+    run = "org/grows"
+    with HubStandIn(tokens={TOKEN: "write"}, **HUB_LIMITS) as hub:
+        hub.create(run, private=True)
+        paths = [
+            node_config(
+                tmp_path,
+                n,
+                "master" if i == 0 else "worker",
+                repo=run,
+                transport="hub",
+                index=i,
+                count=3,
+                steps=30,
+                boundary_wait=20,
+                expected_nodes=256,  # the run's plan; three of them come
+                hub_limits={"commits_per_hour": 100},
+                final_round_timeout=10,  # the final round waits this long for the 253 missing
+            )
+            for i, n in enumerate(names)
+        ]
+        procs = [launch(p, env=hub_env(hub)) for p in paths[1:]] + [
+            launch(paths[0], env=hub_env(hub))
+        ]
+        outputs = dict(zip(names[1:] + names[:1], (finish(p) for p in procs)))
+        run_added = [p for c in hub.repos[run].commits for p in c.added if p.startswith("nodes/")]
+        own = {n: hub.repos.get(node_repo_id(run, n)) for n in names}
+        own_added = {
+            n: [p for c in r.commits for p in c.added if p.startswith("nodes/")]
+            for n, r in own.items()
+            if r is not None
+        }
+        files = hub.files(run)
+    said = [l for l in outputs["master"].splitlines() if "Hub layout auto:" in l]
+    assert len(said) == 1 and "a repository of its own" in said[0], outputs["master"][-3000:]
+    _, extras = parse_step_count(files[GLOBAL_METADATA_PATH])
+    assert extras["delta_layout"] == "per-node"
+    check_exactly_once(tmp_path, names, extras["ledger"])
+    # the first round's deltas went to the run's repository, every later one to its node's own
+    assert run_added, "before the move, deltas travel as on 2.0's layout"
+    for name in ("w1", "w2"):
+        assert own_added.get(name), (name, sorted(own_added))
+        uploaded = [e["step"] for e in events(tmp_path / name / "metrics.jsonl", "delta_uploaded")]
+        mine = [p for p in run_added if p.startswith(f"nodes/{name}/")] + own_added[name]
+        assert sorted(mine) == sorted(f"nodes/{name}/delta_{s}.safetensors" for s in uploaded)
+        first_own = min(parse_delta_path(p)[1] for p in own_added[name])
+        assert all(parse_delta_path(p)[1] < first_own for p in run_added if f"/{name}/" in p)
