@@ -229,13 +229,13 @@ def run_lockstep(
     encoding: str | None = None,
     topk: tuple[float, int] | None = None,
     optimizer: str = "adamw",
-    feedback: bool = True,
+    decay: float | None = 1.0,
 ) -> dict:
     """Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta
     folded at once, none stale. With an `encoding`, each node's delta travels as a node sends it
     (`send_with_feedback`: its residual added, encoded, what the encoding lost kept for the next
-    round, unless not `feedback`) and the fold gets what the master decodes; `topk` is (density,
-    bits)."""
+    round, faded by `decay` (distributed.feedback_decay; None: no feedback)) and the fold gets what
+    the master decodes; `topk` is (density, bits)."""
     from speedtronic.distributed.compression import TopK, decode_wire, send_with_feedback
     from speedtronic.distributed.diloco import NodeShard
     from speedtronic.distributed.outer import Contribution, OuterUpdate
@@ -276,7 +276,9 @@ def run_lockstep(
             trainer.fit(max_steps=min(end, args.steps))
             delta = compute_pseudo_gradient(state, cpu_state_dict(trainer.model.state_dict()))
             if encoding is not None:
-                wire, header, residuals[i] = send_with_feedback(delta, residuals[i], encoding, spec)
+                wire, header, residuals[i] = send_with_feedback(
+                    delta, residuals[i], encoding, spec, 1.0 if decay is None else decay
+                )
                 sizes.append(
                     len(
                         safetensors_bytes(
@@ -293,7 +295,7 @@ def run_lockstep(
                     )
                 )
                 delta = decode_wire(wire, header, {k: tuple(v.shape) for k, v in delta.items()})
-                residuals[i] = residuals[i] if feedback else None
+                residuals[i] = residuals[i] if decay is not None else None
             contributions.append(Contribution(delta))
         update.step(state, contributions, args.nodes)
         for trainer in nodes:
@@ -306,7 +308,7 @@ def run_lockstep(
         "(in-process)"
     )
     if encoding is not None:
-        name = f"lockstep {encoding_name(encoding, topk, feedback)}, {optimizer} inner"
+        name = f"lockstep {encoding_name(encoding, topk, decay)}, {optimizer} inner"
     return {
         "name": name,
         "loss": held_out_loss(cfg, state, held),
@@ -315,35 +317,43 @@ def run_lockstep(
     }
 
 
-def encoding_name(encoding: str, topk: tuple[float, int] | None, feedback: bool = True) -> str:
-    "A row's name for a delta encoding: `topk 3% 2-bit + feedback`, `bfloat16`, ..."
+def encoding_name(encoding: str, topk: tuple[float, int] | None, decay: float | None = 1.0) -> str:
+    "A row's name for a delta encoding: `topk 3% 2-bit + feedback 0.9`, `bfloat16`, ..."
     name = encoding if encoding != "topk" else f"topk {topk[0] * 100:g}% {topk[1]}-bit"
-    return name + (" + feedback" if feedback and encoding != "float32" else "")
+    if decay is None or encoding == "float32":
+        return name
+    return name + " + feedback" + (f" {decay:g}" if decay != 1.0 else "")
 
 
-ENCODING_ROWS = [  # (encoding, topk (density, bits), feedback): the --encodings table's rows
-    ("float32", None, True),
-    ("bfloat16", None, False),
-    ("bfloat16", None, True),
-    ("int8", None, True),
-    ("topk", (0.03, 2), True),
-    ("topk", (0.01, 2), True),
+# (encoding, topk (density, bits), feedback decay or None for none): the --encodings table's rows
+ENCODING_ROWS = [
+    ("float32", None, 1.0),
+    ("bfloat16", None, None),
+    ("bfloat16", None, 1.0),
+    ("int8", None, 1.0),
+    ("topk", (0.03, 2), 1.0),
+    ("topk", (0.01, 2), 1.0),
+    ("topk", (0.03, 2), 0.9),  # SparseLoCo's fading accumulator (distributed.feedback_decay)
+    ("topk", (0.01, 2), 0.9),
 ]
 
 
 def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
     """The encodings table: per seed the synchronous baseline, then lockstep DiLoCo with each
-    row's delta encoding; then Muon as the inner optimizer, in float32 and in top-k 3%."""
+    row's delta encoding; then Muon as the inner optimizer, in float32 and in top-k 3% with feedback
+    fading by 0.9."""
     rows: dict[str, list[dict]] = {}
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
         runs = [
-            run_lockstep(args, here / f"enc{i}", train, held, e, k, feedback=f)
+            run_lockstep(args, here / f"enc{i}", train, held, e, k, decay=f)
             for i, (e, k, f) in enumerate(ENCODING_ROWS)
         ]
         runs.append(run_lockstep(args, here / "muon32", train, held, "float32", None, "muon"))
-        runs.append(run_lockstep(args, here / "muon", train, held, "topk", (0.03, 2), "muon"))
+        runs.append(  # with the best adamw encoding
+            run_lockstep(args, here / "muon", train, held, "topk", (0.03, 2), "muon", decay=0.9)
+        )
         exact = {"adamw": runs[0]["loss"], "muon": runs[-2]["loss"]}  # each optimizer's float32
         for r in [base] + runs:
             own = exact["muon" if "muon" in r["name"] else "adamw"]
@@ -375,7 +385,7 @@ def _encodings_table(rows: dict[str, list[dict]]) -> None:
     float32 = rows[next(n for n in rows if "float32, adamw" in n)][0]["delta_kb"]
     print()
     print(
-        f"{'run':44s} {'delta kB':>8s} {'vs f32':>7s} {'held-out':>8s} {'vs sync':>7s} "
+        f"{'run':52s} {'delta kB':>8s} {'vs f32':>7s} {'held-out':>8s} {'vs sync':>7s} "
         f"{'vs f32 run':>10s} {'range':>13s} {'wall s':>6s}"
     )
     for name, runs in rows.items():
@@ -388,15 +398,16 @@ def _encodings_table(rows: dict[str, list[dict]]) -> None:
             else f"{'':8s} {'':7s}"
         )
         print(
-            f"{name:44s} {kb} {mean('loss'):8.4f} {mean('ratio'):6.3f}x "
+            f"{name:52s} {kb} {mean('loss'):8.4f} {mean('ratio'):6.3f}x "
             f"{mean('vs_f32'):9.3f}x {spread:>13s} {mean('wall'):6.0f}"
         )
     print(
         "\ndelta kB = one node's delta file per round (safetensors with its header); vs f32 = how "
         "many times smaller than float32's; held-out = the final global's loss; vs sync = against "
         "the same seed's synchronous baseline; vs f32 run = against the same seed's float32 "
-        "lockstep run with the same inner optimizer, range over the seeds; feedback = the node's residual (what its encoding "
-        "lost) added to its next delta. Every delta is one whole round of inner steps; lockstep = "
+        "lockstep run with the same inner optimizer, range over the seeds; feedback = the node's "
+        "residual (what its encoding lost) added to its next delta, feedback 0.9 = faded by 0.9 "
+        "a round first (distributed.feedback_decay, SparseLoCo's accumulator). Every delta is one whole round of inner steps; lockstep = "
         "every round folds every node's delta (whole rounds, in one process)."
     )
 

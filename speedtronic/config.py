@@ -1059,6 +1059,9 @@ class DistributedConfig(_Section):
     topk_density: float = 0.03
     topk_bits: int = 2
     topk_chunk: int = 4096
+    # error feedback: the share of a node's residual (what its encoding has not sent yet) carried
+    # into its next delta; 1 keeps it whole, below 1 it fades as SparseLoCo's accumulator (0.9)
+    feedback_decay: float = 1.0
     # how the master applies late deltas: delayed_nesterov, weighted, or none (as 2.0)
     staleness: str = "delayed_nesterov"
     expected_nodes: int | None = (
@@ -1121,6 +1124,13 @@ class DistributedConfig(_Section):
             r.fail("topk_bits", f"must be 2 or 4, got {_show(self.topk_bits)}")
         if self.topk_chunk > 32768:
             r.fail("topk_chunk", f"must be at most 32768 entries, got {_show(self.topk_chunk)}")
+        decay = self.feedback_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
+            r.fail(
+                "feedback_decay",
+                f"is the share of the residual carried on, from 0 to 1, got "
+                f"{_show(self.feedback_decay)}",
+            )
         r.choice(
             "staleness",
             ("delayed_nesterov", "weighted", "none"),

@@ -406,8 +406,12 @@ def send_with_feedback(
     residual: Mapping[str, torch.Tensor] | None,
     encoding: str = "bfloat16",
     topk: TopK = TopK(),
+    decay: float = 1.0,  # distributed.feedback_decay: the share of the residual carried on
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, torch.Tensor]]:
-    "`(wire tensors, header, new residual)`: `delta` + `residual` encoded, and what it lost."
+    """`(wire tensors, header, new residual)`: `delta` + `decay` × `residual` encoded, and what it
+    lost."""
+    if residual is not None and decay != 1.0:
+        residual = {k: v.float() * decay for k, v in residual.items()}
     intended = with_residual(delta, residual)
     tensors, header = encode_wire(intended, encoding, topk)
     shapes = {k: tuple(v.shape) for k, v in intended.items()}

@@ -204,6 +204,7 @@ def at_boundary(
     final: bool = False,
     replay: bool = False,  # the delta of `step` was folded before a resume: not sent again
     topk: TopK = TopK(),  # the top-k settings when `dtype` is "topk"
+    decay: float = 1.0,  # distributed.feedback_decay: the share of the carry sent on
 ) -> tuple[NodeState, Upload | str]:
     """The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and
     the upload, or why none is sent."""
@@ -212,7 +213,7 @@ def at_boundary(
         carry = None
         if replay and dtype != "float32":
             raw = compute_pseudo_gradient(state.base, weights)
-            carry = send_with_feedback(raw, state.carry, dtype, topk)[2]
+            carry = send_with_feedback(raw, state.carry, dtype, topk, decay)[2]
         return replace(  # a replayed delta keeps the rounding residual its first sending left
             state, base=dict(weights), base_step=int(step), carry=carry, carry_steps=0
         ), "already_folded"
@@ -221,7 +222,7 @@ def at_boundary(
     raw = compute_pseudo_gradient(state.base, weights)
     if not all(bool(torch.isfinite(v).all()) for v in raw.values()):
         return state, "not_finite"
-    wire, header, residual = send_with_feedback(raw, state.carry, dtype, topk)
+    wire, header, residual = send_with_feedback(raw, state.carry, dtype, topk, decay)
     upload = Upload(
         int(step),
         state.version,
@@ -616,7 +617,14 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
         try:
             replay = self._rebase is not None and self._rebase[2] == step  # see `_install_rebase`
             self.state, out = at_boundary(
-                self.state, weights, step, self.config.delta_dtype, final, replay, self.topk
+                self.state,
+                weights,
+                step,
+                self.config.delta_dtype,
+                final,
+                replay,
+                self.topk,
+                self.config.feedback_decay,
             )
         except ValueError as e:
             return (
