@@ -2,11 +2,10 @@
 
 The fixtures (`shared/fixtures/v2.0`, README there) were written by the published 2.0.0, not by this
 project's code: two checkpoint runs (AdamW and 2.0's hybrid Muon, stopped at step 8 of a 12-step
-schedule)
-and the final state of a 2.0 DiLoCo repository. Each test copies what it needs to a temporary folder
-and leaves the fixtures as they are. The expected values come from the fixture files themselves,
-read with plain `torch.load` / `safetensors` and checked against plain PyTorch, never from our own
-writers.
+schedule) and the final state of a 2.0 DiLoCo repository. Each test copies what it needs to a
+temporary folder and leaves the fixtures as they are. The expected values come from the fixture
+files themselves, read with plain `torch.load` / `safetensors` and checked against plain PyTorch,
+never from our own writers.
 """
 
 from __future__ import annotations
@@ -29,7 +28,14 @@ from safetensors import safe_open
 from safetensors.torch import load as safetensors_load, load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, cli_env, jsonl_records, newton_schulz64  # noqa: E402
+from conftest import (  # noqa: E402
+    ROOT,
+    V2_FIXTURES,
+    cli_env,
+    jsonl_records,
+    needs_v2_fixtures,
+    newton_schulz64,
+)
 from hub_server import HubStandIn  # noqa: E402
 
 from speedtronic.config import SpeedtronicConfig
@@ -46,28 +52,8 @@ from speedtronic.registry import build_model
 from speedtronic.runtime import build_runtime, close_logger, train_from_config
 
 
-def fixtures_dir() -> tuple[Path | None, str]:
-    """`$SPEEDTRONIC_FIXTURES` when set, else `shared/fixtures/v2.0` beside the clone (CI), else
-    `/work/shared/fixtures/v2.0`."""
-    if os.environ.get("SPEEDTRONIC_FIXTURES"):
-        named = Path(os.environ["SPEEDTRONIC_FIXTURES"])
-        return (
-            (named, "")
-            if named.is_dir()
-            else (None, f"SPEEDTRONIC_FIXTURES={named} is not a folder")
-        )
-    candidates = [ROOT.parent / "shared" / "fixtures" / "v2.0", Path("/work/shared/fixtures/v2.0")]
-    found = next((c for c in candidates if c.is_dir()), None)
-    return found, (
-        ""
-        if found
-        else f"the 2.0 fixtures are missing (looked in {', '.join(map(str, candidates))}): "
-        "put shared/ beside the clone or set SPEEDTRONIC_FIXTURES to shared/fixtures/v2.0"
-    )
-
-
-FIXTURES, MISSING = fixtures_dir()
-pytestmark = pytest.mark.skipif(FIXTURES is None, reason=MISSING)
+FIXTURES = V2_FIXTURES
+pytestmark = needs_v2_fixtures
 
 RUNS = {"adamw": ("checkpoint-adamw", "run"), "muon": ("checkpoint-muon", "run-muon")}
 
@@ -127,8 +113,8 @@ def cosine_lr(
 
 def v2_parameter_order(model: torch.nn.Module, optimizer: str) -> list[str]:
     """The parameter names, in 2.0's optimizer-state order: 2.0's Muon held the hidden matrices
-    (group 0) then
-    the embeddings and norms (group 1); its default AdamW held only the embeddings and norms."""
+    (group 0) then the embeddings and norms (group 1); its default AdamW held only the embeddings
+    and norms."""
     names = [n for n, _ in model.named_parameters()]
     hidden = [n for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
     rest = [n for n in names if n not in hidden]
@@ -204,9 +190,8 @@ def test_the_reference_model_has_2_0_names_and_shapes():
 @pytest.mark.parametrize("optimizer", RUNS)
 def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
     """`speedtronic train --resume` with `max_steps: 12` goes on from 2.0's step 8: step 9 has the
-    LR 2.0 would have
-    used next, the counters continue 2.0's, the 2.0 moments keep counting (step 12 in the final
-    checkpoint), and 2.0's files and log lines are kept as they were."""
+    LR 2.0 would have used next, the counters continue 2.0's, the 2.0 moments keep counting (step 12
+    in the final checkpoint), and 2.0's files and log lines are kept as they were."""
     folder, out = RUNS[optimizer]
     work = copy_fixture(folder, tmp_path)
     with_max_steps(work / "config.yaml", 12)
@@ -282,10 +267,9 @@ def reference_step(
     w8: torch.Tensor, theirs: dict, mine: dict, group: dict, lr: float
 ) -> torch.Tensor:
     """The weights after one plain-PyTorch update from 2.0's weights `w8` and 2.0's optimizer state
-    `theirs` at LR `lr`,
-    with the gradient our state `mine` implies (our moment after the step minus 2.0's, decayed):
-    data-free, and it holds only
-    if our step 9 started from 2.0's weights and moments."""
+    `theirs` at LR `lr`, with the gradient our state `mine` implies (our moment after the step minus
+    2.0's, decayed): data-free, and it holds only if our step 9 started from 2.0's weights and
+    moments."""
     w = torch.nn.Parameter(w8.clone())
     if "exp_avg" in theirs:  # AdamW: torch.optim.AdamW itself
         b1, b2 = group["betas"]
@@ -320,8 +304,8 @@ def reference_step(
 @pytest.mark.parametrize("optimizer", RUNS)
 def test_resuming_installs_2_0_weights_moments_and_schedule(tmp_path, monkeypatch, optimizer):
     """Right after `resume`, before any step: the model holds 2.0's weights, the optimizer 2.0's
-    moments, the schedule 2.0's
-    position; and step 9 is the update plain PyTorch makes from exactly those."""
+    moments, the schedule 2.0's position; and step 9 is the update plain PyTorch makes from exactly
+    those."""
     folder, out = RUNS[optimizer]
     work = copy_fixture(folder, tmp_path)
     with_max_steps(work / "config.yaml", 12)
@@ -437,10 +421,9 @@ def hub_tokens():
 @pytest.mark.parametrize("transport", ["directory", "hub"])
 def test_a_node_starts_from_the_2_0_global_model(tmp_path, transport, request):
     """A worker of ours installs 2.0's `global/latest.safetensors` (outer step 4) and sends a delta
-    measured from it: from
-    the repository copied as a shared directory, and from a Hub repository holding 2.0's files
-    (uploaded with the real
-    `huggingface_hub` client to the loopback stand-in)."""
+    measured from it: from the repository copied as a shared directory, and from a Hub repository
+    holding 2.0's files (uploaded with the real `huggingface_hub` client to the loopback stand-in).
+    """
     v2_global = load_file(FIXTURES / "diloco-repo" / "global" / "latest.safetensors")
     env = cli_env()
     if transport == "directory":
@@ -512,11 +495,9 @@ def hub_with_v2_repo(hub: HubStandIn, repo_id: str) -> None:
 )
 def test_a_master_folds_the_2_0_deltas(tmp_path, transport, staleness, request):
     """A master of ours over 2.0's repository (a copied directory, or 2.0's files on the Hub
-    stand-in) adopts its global
-    (outer step 4) and folds the three 2.0 deltas into outer step 5 (2.0's deltas say nothing of
-    their inner steps or
-    session); with 2.0's staleness rule (`none`) the result is plain PyTorch's Nesterov SGD step on
-    their mean."""
+    stand-in) adopts its global (outer step 4) and folds the three 2.0 deltas into outer step 5
+    (2.0's deltas say nothing of their inner steps or session); with 2.0's staleness rule (`none`)
+    the result is plain PyTorch's Nesterov SGD step on their mean."""
     if transport == "directory":
         repo = copy_fixture("diloco-repo", tmp_path)
         client, files = (

@@ -17,11 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, bpe_tokenizer_file, cli_env, ok, one_error_line, run_cli, tiny_config
+from conftest import (
+    ROOT,
+    V2_FIXTURES,
+    bpe_tokenizer_file,
+    cli_env,
+    needs_v2_fixtures,
+    ok,
+    one_error_line,
+    run_cli,
+    tiny_config,
+)
 
 pytest.importorskip("tokenizers")
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "v2.0"
+FIXTURES = V2_FIXTURES
 
 
 def text_run(tmp: Path, *, tokenizer: bool = True, vocab: int = 320, steps: int = 4) -> Path:
@@ -90,7 +100,7 @@ def test_a_replaced_tokenizer_is_refused_by_resume_generate_and_export(tmp_path)
     ok(run_cli(*resume_args, cwd=tmp_path))
 
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures/v2.0 is not beside the checkout")
+@needs_v2_fixtures
 def test_a_2_0_checkpoint_without_a_tokenizer_hash_still_exports(tmp_path):
     newest = FIXTURES / "checkpoint-adamw" / "run" / "checkpoints" / "step_000000000008.pt"
     ok(run_cli("export", "--checkpoint", str(newest), "--to", str(tmp_path / "x"), cwd=tmp_path))

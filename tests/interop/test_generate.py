@@ -13,11 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, bpe_tokenizer_file, cli_env, ok, one_error_line, run_cli, tiny_config
+from conftest import (
+    ROOT,
+    V2_FIXTURES,
+    bpe_tokenizer_file,
+    cli_env,
+    needs_v2_fixtures,
+    ok,
+    one_error_line,
+    run_cli,
+    tiny_config,
+)
 from speedtronic.generation import generate
 from speedtronic.hf import load_trained
 
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "v2.0"
+FIXTURES = V2_FIXTURES
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 
 
@@ -221,7 +231,7 @@ def test_a_model_without_a_cache_generates_past_its_window(tmp_path):
     assert out == text
 
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures/v2.0 is not beside the checkout")
+@needs_v2_fixtures
 def test_a_checkpoint_written_by_2_0_generates(tmp_path):
     newest = FIXTURES / "checkpoint-adamw" / "run" / "checkpoints" / "step_000000000008.pt"
     out = ok(

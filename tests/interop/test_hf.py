@@ -1,7 +1,6 @@
 """transformers interop end to end: `speedtronic export` folders load in transformers (also in a
-process that
-cannot import speedtronic) and compute our logits; `model.init_from` starts a run from a Llama
-folder.
+process that cannot import speedtronic) and compute our logits; `model.init_from` starts a run from
+a Llama folder.
 
 Every comparison is between our reference transformer and the real `transformers` LlamaForCausalLM.
 """
@@ -18,12 +17,21 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from conftest import ROOT, bpe_tokenizer_file, ok, one_error_line, run_cli, tiny_config
+from conftest import (
+    ROOT,
+    V2_FIXTURES,
+    bpe_tokenizer_file,
+    needs_v2_fixtures,
+    ok,
+    one_error_line,
+    run_cli,
+    tiny_config,
+)
 from speedtronic.generation import generate_ids
 from speedtronic.hf import load_trained
 
 transformers = pytest.importorskip("transformers")
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "v2.0"
+FIXTURES = V2_FIXTURES
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 IDS = [list(b"the quick brown"), list(b"jumps over the ")]
 
@@ -261,7 +269,7 @@ def test_export_onto_a_file_is_one_error_line_and_the_file_is_kept(run_dir, tmp_
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures/v2.0 is not beside the checkout")
+@needs_v2_fixtures
 def test_a_checkpoint_written_by_2_0_exports(tmp_path):
     newest = FIXTURES / "checkpoint-adamw" / "run" / "checkpoints" / "step_000000000008.pt"
     proc = ok(

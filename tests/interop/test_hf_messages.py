@@ -8,16 +8,22 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, one_error_line, run_cli
+from conftest import (
+    ROOT,
+    V2_FIXTURES,
+    free_port,
+    needs_v2_fixtures,
+    one_error_line,
+    run_cli,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hub_server import HUB_LIMITS, HubStandIn, _Handler  # noqa: E402
 
-SHARED = [p / "shared" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()]
-FIXTURES = (SHARED or [ROOT.parent / "shared"])[0] / "fixtures" / "v2.0"  # beside the checkout
+FIXTURES = V2_FIXTURES or Path("shared/fixtures/v2.0")  # a path that is missing when they are
 CHECKPOINT = FIXTURES / "checkpoint-adamw" / "run" / "checkpoints" / "step_000000000008.pt"
 TOKEN = "hf_messages_write_token_0123456789"
-needs_fixture = pytest.mark.skipif(not CHECKPOINT.is_file(), reason="no shared/fixtures/v2.0")
+needs_fixture = needs_v2_fixtures
 
 
 class _DeletingHandler(_Handler):

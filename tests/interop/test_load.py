@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ROOT, cli_env, ok, one_error_line, run_cli
+from conftest import ROOT, V2_FIXTURES, cli_env, needs_v2_fixtures, ok, one_error_line, run_cli
 from test_diloco import run_nodes
 from test_generate import trained_run
 
@@ -23,7 +23,7 @@ import speedtronic
 from speedtronic.generation import generate
 from speedtronic.hf import load_trained
 
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "v2.0"
+FIXTURES = V2_FIXTURES
 GREEDY = dict(max_new_tokens=12, temperature=0)
 
 
@@ -116,7 +116,7 @@ def test_a_diloco_global_loads_generates_and_exports(diloco, tmp_path):
     assert ok(again).stdout == out
 
 
-@pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared/fixtures/v2.0 is not beside the checkout")
+@needs_v2_fixtures
 def test_the_global_of_a_2_0_diloco_repository_loads_with_its_nodes_config(tmp_path):
     repo = FIXTURES / "diloco-repo"
     final = repo / "global" / "latest.safetensors"
