@@ -226,8 +226,7 @@ class HubStandIn:
         self._counter += 1
         return hashlib.sha1(f"commit-{self._counter}-{time.time()}".encode()).hexdigest()
 
-    # -- the Hub's limits
-    # ------------------------------------------------------------------------------
+    # -- the Hub's limits --------------------------------------------------------------------------
     def _window(self, hub_seconds: float) -> tuple[int, float]:
         """The current fixed window of `hub_seconds` (Hub time): its index and the real seconds left
         in it."""
@@ -290,8 +289,7 @@ class HubStandIn:
                     return f
         return None
 
-    # -- repository operations
-    # -----------------------------------------------------------------------
+    # -- repository operations ---------------------------------------------------------------------
     def commit(
         self,
         repo: Repo,
@@ -398,8 +396,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self._serve("POST")
 
-    # -- plumbing
-    # ------------------------------------------------------------------------------------
+    # -- plumbing ----------------------------------------------------------------------------------
     def _serve(self, method: str) -> None:
         raw_path = urlsplit(self.path).path
         body = self._body()
@@ -485,8 +482,7 @@ class _Handler(BaseHTTPRequestHandler):
             json.dumps(value).encode(),
         )
 
-    # -- authentication
-    # ------------------------------------------------------------------------------
+    # -- authentication ----------------------------------------------------------------------------
     def _access(self) -> str | None:
         "The caller's access: None (anonymous), 'read' or 'write'; 401 for an unknown token."
         hub = self.hub
@@ -509,8 +505,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HTTPError(403, "You don't have the rights to create a commit in this repository")
         return repo
 
-    # -- endpoints
-    # -----------------------------------------------------------------------------------
+    # -- endpoints ---------------------------------------------------------------------------------
     def _route(self, method: str, path: str, body: bytes):
         what = "resolve" if "/resolve/" in path else "api" if path.startswith("/api/") else None
         if what is not None:

@@ -371,8 +371,7 @@ def test_the_2_0_metrics_file_is_read_into_the_resumed_result(tmp_path, monkeypa
     assert [r["lr"] for r in result.metrics[:8]] == [r["lr"] for r in v2_steps]
 
 
-# -- a 2.0 DiLoCo repository
-# ---------------------------------------------------------------------------------
+# -- a 2.0 DiLoCo repository -----------------------------------------------------------------------
 TOKEN = "hf_fixture_write_token_0123456789"
 REPO_FILES = [
     "global/latest.safetensors",

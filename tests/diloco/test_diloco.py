@@ -48,8 +48,7 @@ from speedtronic.profiling import MetricLogger
 TOKEN = "hf_test_write_token_0123456789"
 
 
-# -- running nodes
-# ------------------------------------------------------------------------------------------
+# -- running nodes ---------------------------------------------------------------------------------
 def node_config(
     tmp: Path,
     name: str,
@@ -209,8 +208,7 @@ def check_exactly_once(tmp: Path, names, ledger: dict) -> None:
         assert uploaded and max(uploaded) == top, (name, sorted(uploaded), ledger[name])
 
 
-# -- both transports
-# ----------------------------------------------------------------------------------------
+# -- both transports -------------------------------------------------------------------------------
 def test_master_and_workers_over_a_shared_directory(tmp_path):
     repo = tmp_path / "repo"
     names = ("master", "w1", "w2")
@@ -349,8 +347,7 @@ def test_master_and_workers_over_the_hub_with_faults(tmp_path, hub):
     assert meta.outer_step == len(rounds) == rounds[-1]["outer_step"]
 
 
-# -- kill -9 and resume
-# -------------------------------------------------------------------------------------
+# -- kill -9 and resume ----------------------------------------------------------------------------
 def _kill_when(proc: subprocess.Popen, jsonl: Path, min_step: int) -> None:
     def ready():
         if proc.poll() is not None:
@@ -507,8 +504,7 @@ def test_a_second_master_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in res.stderr
 
 
-# -- what the master refuses
-# ---------------------------------------------------------------------------------
+# -- what the master refuses -----------------------------------------------------------------------
 def _master(tmp: Path, **kw) -> tuple[MasterOuterLoop, list, MetricLogger]:
     seen = []
     logger = MetricLogger(stream=False, hooks=[lambda e, p: seen.append((e, p))])
@@ -832,8 +828,7 @@ def test_a_publication_outlasts_many_racing_commits_and_uploads_once(tmp_path, h
     )  # the 12 deltas that raced it are folded in the next round
 
 
-# -- failures retrying cannot fix
-# ----------------------------------------------------------------------------
+# -- failures retrying cannot fix ------------------------------------------------------------------
 def test_hub_errors_are_classified(tmp_path, hub, monkeypatch):
     fast = dict(
         endpoint=hub.url, retry_initial=0.01, retry_max=0.05, retry_attempts=3, request_timeout=2

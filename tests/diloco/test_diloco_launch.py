@@ -49,7 +49,6 @@ WAIT = 900  # the most seconds a node may take here (a bound on a hang, not a ti
 
 
 # -- the data: one text file per node, a synchronous run over all of them, and text nobody trains on
-# -----------
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict[str, Path]:
     """Real English (the standard library's docstrings): a file per node, their concatenation, and a
@@ -158,8 +157,7 @@ def synchronous_loss(corpus, tmp_path_factory) -> float:
     return held_out_loss(raw, ckpt["model"], corpus["held_out"])
 
 
-# -- the launch
-# ------------------------------------------------------------------------------------------------
+# -- the launch ------------------------------------------------------------------------------------
 def node_configs(
     work: Path, corpus: dict[str, Path], repo: str, transport: str | None
 ) -> dict[str, tuple[dict, Path]]:

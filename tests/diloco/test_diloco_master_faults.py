@@ -136,8 +136,7 @@ class Run:
         )
 
 
-# -- 1. nothing waits on a timeout that a poll would end
-# ------------------------------------------------------
+# -- 1. nothing waits on a timeout that a poll would end -------------------------------------------
 def hub_master(tmp: Path, hub: HubStandIn, repo: str, start: bool = True, **master):
     """A master of a small model on a new Hub repo, its transport, and `send(step)`: node w commits
     a delta."""
@@ -272,8 +271,7 @@ def test_a_publication_whose_answer_is_lost_in_an_outage_is_the_masters_own(tmp_
     assert t.state().extras["master"]["node_id"] == "m"
 
 
-# -- 2. a wild delta never becomes the global
-# -----------------------------------------------------------------
+# -- 2. a wild delta never becomes the global ------------------------------------------------------
 def test_a_wild_first_delta_is_refused_and_the_nodes_go_on(tmp_path):
     run = Run(tmp_path)
     m = run.master
@@ -319,8 +317,7 @@ def test_a_fold_that_would_publish_a_non_finite_global_publishes_nothing(tmp_pat
     assert run.master.sync_once() == 1
 
 
-# -- 3. steps a node could not have reached
-# --------------------------------------------------------------------
+# -- 3. steps a node could not have reached --------------------------------------------------------
 def test_a_forged_step_of_a_real_session_is_refused_and_the_session_goes_on(tmp_path):
     run = Run(tmp_path)
     m = run.master
@@ -382,8 +379,7 @@ def test_a_refused_delta_of_a_session_first_folded_in_the_same_round_still_count
     assert run.folded() == [("worker", 10), ("worker", 30)] and len(run.rejected()) == 1
 
 
-# -- 4. the final round waits only for nodes in the global
-# ----------------------------------------------------
+# -- 4. the final round waits only for nodes in the global -----------------------------------------
 def test_the_final_round_does_not_wait_for_a_node_whose_only_file_was_refused(tmp_path):
     run = Run(tmp_path)
     m = run.master
@@ -404,8 +400,7 @@ def test_the_final_round_does_not_wait_for_a_node_whose_only_file_was_refused(tm
     )  # it did not wait out the 5 s for ghost
 
 
-# -- 5. the lease does not trust another host's clock
-# ---------------------------------------------------------
+# -- 5. the lease does not trust another host's clock ----------------------------------------------
 def test_a_master_whose_clock_is_off_by_an_hour_does_not_take_a_live_masters_lease(tmp_path):
     run = Run(tmp_path, node_id="m1", lease_timeout=5.0, poll_interval=0.05)
     live = run.master
@@ -440,8 +435,7 @@ def test_a_master_whose_clock_is_off_by_an_hour_does_not_take_a_live_masters_lea
     assert took["node_id"] == "m2" and took["succeeds"] == ["m1"]  # its workers follow it
 
 
-# -- 6. tied weights travel once
-# ------------------------------------------------------------------------------
+# -- 6. tied weights travel once -------------------------------------------------------------------
 def _tied_model() -> torch.nn.Module:
     cfg = SpeedtronicConfig.from_dict(
         {
@@ -598,8 +592,7 @@ def test_a_2_0_repository_is_read_and_its_deltas_are_folded(tmp_path):
     )
 
 
-# -- a delta that cannot be fetched
-# -----------------------------------------------------------------------------------
+# -- a delta that cannot be fetched ----------------------------------------------------------------
 class VanishingDirectory(SharedDirectory):
     """A shared directory where the listed deltas in `vanish` are removed the moment before the
     master fetches them."""
@@ -651,8 +644,7 @@ def test_a_master_whose_model_does_not_fit_the_repositorys_global_stops_naming_t
     )
 
 
-# -- a transport of 2.0's contract, and 2.0's checkpoint
-# ----------------------------------------------------------------
+# -- a transport of 2.0's contract, and 2.0's checkpoint -------------------------------------------
 class ContractOnly:
     """A transport written against 2.0's contract: state, list_deltas, fetch, upload, publish(files,
     deletes, parent, owner, message)."""

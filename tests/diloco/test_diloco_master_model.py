@@ -114,8 +114,7 @@ class MasterModel(RuleBasedStateMachine):
         self.zombie: Master | None = None
         self.commit(self.master, bootstrap(self.master.state))
 
-    # -- the repository
-    # ------------------------------------------------------------------------------------------
+    # -- the repository ----------------------------------------------------------------------------
     def upload(self, path: str, tensors, header) -> None:
         self.repo[path] = (tensors, header)
         self.since_listing.add(path)
@@ -184,8 +183,7 @@ class MasterModel(RuleBasedStateMachine):
         master.state = on_published(prepared, pub.deletes, self.now)
         return True
 
-    # -- honest and dishonest nodes
-    # ------------------------------------------------------------------------------
+    # -- honest and dishonest nodes ----------------------------------------------------------------
     @rule(
         node=st.sampled_from(HONEST),
         scale=st.floats(0.5, 2.0),
@@ -269,8 +267,7 @@ class MasterModel(RuleBasedStateMachine):
         self.sent["stranger", session, step] = (path, tensors, header)
         self.upload(path, tensors, header)
 
-    # -- the master
-    # ------------------------------------------------------------------------------------------------
+    # -- the master --------------------------------------------------------------------------------
     def owned(self, master: Master) -> bool:
         """Whether the head is `master`'s (or its prepared publication, whose answer was lost); else
         it stops."""
@@ -419,8 +416,7 @@ class MasterModel(RuleBasedStateMachine):
                 zombie, heartbeat(zombie.state)
             )  # it got there first: the new master stops at its next round
 
-    # -- invariants
-    # -----------------------------------------------------------------------------------------------
+    # -- invariants --------------------------------------------------------------------------------
     @invariant()
     def folded_exactly_once(self):
         assert len(self.folded) == len(set(self.folded)), self.folded

@@ -172,8 +172,7 @@ def transport_of(kind: str, repo: str, hub: HubStandIn | None):
     )
 
 
-# -- nodes launched together
-# ----------------------------------------------------------------------------------
+# -- nodes launched together -----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["hub", "directory"])
 def test_nodes_launched_together_on_a_repository_nobody_created_all_finish_and_every_delta_is_folded(
     tmp_path, kind, request
@@ -271,8 +270,7 @@ def test_a_worker_whose_repository_never_appears_stops_after_lease_timeout_namin
     error_line(*ended(worker), "org/typo", "HTTP 404", "lease_timeout=2")
 
 
-# -- a worker with another model
-# ------------------------------------------------------------------------------
+# -- a worker with another model -------------------------------------------------------------------
 def test_a_worker_with_another_model_shape_stops_at_the_first_global_naming_the_tensor(tmp_path):
     repo = str(tmp_path / "repo")
     rc, err, _ = ended(
@@ -308,15 +306,13 @@ def test_a_worker_with_another_model_shape_stops_at_the_first_global_naming_the_
     assert not jsonl_records(tmp_path / "w1" / "metrics.jsonl", "train_step")
 
 
-# -- a run none of whose work reached the global
-# ----------------------------------------------------------------
+# -- a run none of whose work reached the global ---------------------------------------------------
 @pytest.mark.parametrize("then", ["full", "gone"])
 def test_a_run_whose_hub_takes_nothing_after_version_0_ends_non_zero_on_every_node(
     tmp_path, hub, then
 ):
     """The stand-in takes the master's first publication (version 0), then answers every commit 507
-    as a full disk would;"""
-    "with `gone` it also goes away for good once both nodes train."
+    as a full disk would; with `gone` it also goes away for good once both nodes train."""
     hub.fault("507", method="POST", path=r"/commit/", count=10**9, after=1)
     repo, env = "org/full", hub_env(hub)
     master = launch(
@@ -369,8 +365,7 @@ def test_a_run_whose_hub_takes_nothing_after_version_0_ends_non_zero_on_every_no
         ), name
 
 
-# -- SIGTERM while waiting
-# --------------------------------------------------------------------------------------
+# -- SIGTERM while waiting -------------------------------------------------------------------------
 def _stops_on_sigterm(worker: subprocess.Popen, needle: str) -> None:
     "Once `worker` says `needle`, SIGTERM ends it promptly with exit 143 and the CLI's one line."
     waiting = Lines(worker, needle)
@@ -456,8 +451,7 @@ def test_sigterm_stops_a_master_waiting_in_its_final_round(tmp_path):
     assert sorted((tmp_path / "master" / "checkpoints").glob("step_*.pt"))[-1].name.endswith("5.pt")
 
 
-# -- a shared directory that disappears
-# -------------------------------------------------------------------------
+# -- a shared directory that disappears ------------------------------------------------------------
 def test_a_shared_directory_unmounted_mid_run_stops_every_node_and_is_not_recreated(tmp_path):
     """The share goes away under the running nodes and leaves its empty mount point: nothing is
     published into that."""
@@ -502,8 +496,7 @@ def test_a_shared_directory_unmounted_mid_run_stops_every_node_and_is_not_recrea
     assert list(repo.iterdir()) == []  # nothing was recreated in the mount point
 
 
-# -- symbolic links in the repository
-# ---------------------------------------------------------------------------
+# -- symbolic links in the repository --------------------------------------------------------------
 def test_the_master_never_reads_a_delta_through_a_symbolic_link(tmp_path):
     """A link named like a delta, and a node folder that is a link: neither is read, quarantined nor
     deleted; each is named once."""

@@ -169,8 +169,7 @@ class NodeMachine(RuleBasedStateMachine):
         self.saved: tuple[dict, Timeline] | None = None
         self.entry: dict | None = None  # the checkpoint's entry once read back
 
-    # -- training and boundaries
-    # --------------------------------------------------------------------------------
+    # -- training and boundaries -------------------------------------------------------------------
     @rule(steps=st.integers(1, 3 * ROUND), seed=SEEDS)
     def train(self, steps: int, seed: int) -> None:
         """`steps` optimizer steps; each one moves the weights, and a step that ends a round is a
@@ -229,8 +228,7 @@ class NodeMachine(RuleBasedStateMachine):
     def unsent(self) -> frozenset[int]:
         return frozenset(range(self.state.base_step + 1, self.state.step + 1))
 
-    # -- the repository's answers
-    # ---------------------------------------------------------------------------------
+    # -- the repository's answers ------------------------------------------------------------------
     @precondition(lambda self: self.state.in_flight is not None)
     @rule()
     def upload_succeeds(self) -> None:
@@ -306,8 +304,7 @@ class NodeMachine(RuleBasedStateMachine):
             self.t.timed_out = False
         assert self.state.waits or self.t.timed_out
 
-    # -- boundary waits
-    # ------------------------------------------------------------------------------------------
+    # -- boundary waits ----------------------------------------------------------------------------
     @precondition(lambda self: wait_target(self.state) is not None)
     @rule(out_of_time=st.booleans(), stopped=st.booleans())
     def boundary_wait(self, out_of_time: bool, stopped: bool) -> None:
@@ -327,8 +324,7 @@ class NodeMachine(RuleBasedStateMachine):
         else:
             assert self.state is before
 
-    # -- checkpoints and restarts
-    # --------------------------------------------------------------------------------
+    # -- checkpoints and restarts ------------------------------------------------------------------
     @rule()
     def checkpoint(self) -> None:
         self.saved, self.entry = (
@@ -392,8 +388,7 @@ class NodeMachine(RuleBasedStateMachine):
             self.t.live["w"], self.state.base["w"]
         )  # exactly the global: nothing of ours kept on top
 
-    # -- invariants
-    # ----------------------------------------------------------------------------------------------
+    # -- invariants --------------------------------------------------------------------------------
     @invariant()
     def holds(self) -> None:
         "Every invariant, after every rule (one call: hypothesis's overhead is per invariant)."

@@ -60,8 +60,7 @@ def files(tmp_path) -> dict[str, Path]:
     return out
 
 
-# -- a worker's delta commit
-# ------------------------------------------------------------------------------------
+# -- a worker's delta commit -----------------------------------------------------------------------
 def test_a_delta_commit_answered_409_then_429_is_sent_late_not_dropped(files):
     """Two 409s (another commit in progress), then the repository's commit limit: the commit is
     made, once."""
@@ -156,8 +155,7 @@ def test_per_token_api_and_download_windows_answer_429(files):
         writer.list_repo_refs("org/run")  # another token has its own window
 
 
-# -- the tests' stand-in
-# ----------------------------------------------------------------------------------------
+# -- the tests' stand-in ---------------------------------------------------------------------------
 def test_the_hub_fixture_answers_with_the_hubs_limits_on(hub, files):
     """The `hub` fixture every Hub test uses is the Hub under its limits: a commit while another is
     in progress gets 409, and the 129th commit on a repository within the hour gets 429 with the
@@ -201,8 +199,7 @@ def test_the_hub_fixture_answers_with_the_hubs_limits_on(hub, files):
     assert len(hub.repos["org/run"].commits) == 1 + 128  # the initial commit and the 128
 
 
-# -- the master's publication
-# -----------------------------------------------------------------------------------
+# -- the master's publication ----------------------------------------------------------------------
 def test_a_publish_on_a_stale_head_retries_on_a_fresh_head(files):
     """repo_info answers a head an hour (of Hub time) old: a 412 is followed by a fresh read, and
     the retry lands."""
@@ -237,8 +234,7 @@ def test_a_publish_on_a_stale_head_retries_on_a_fresh_head(files):
         assert stale != hub.repos["org/run"].head
 
 
-# -- refusals stay fatal
-# ----------------------------------------------------------------------------------------
+# -- refusals stay fatal ---------------------------------------------------------------------------
 def test_a_token_the_hub_refuses_still_ends_at_once_with_one_line(files):
     """403 (a read token committing) and 401 (an unknown token) are fatal: no wait, one line, no
     token in it."""
@@ -272,8 +268,7 @@ def test_a_worker_with_an_unknown_token_exits_2_with_one_line(tmp_path, corpus):
         assert "hf_unknown_token_000" not in proc.stdout + proc.stderr
 
 
-# -- a whole run through the Hub's limits
-# -----------------------------------------------------------------------
+# -- a whole run through the Hub's limits ----------------------------------------------------------
 STEPS, INNER = 30, 10
 
 

@@ -270,8 +270,7 @@ def test_a_second_worker_with_a_node_id_in_use_is_refused_at_start_naming_it(tmp
         _stop(master, first)
 
 
-# -- a failed last delta is sent again while the run's bounds allow
-# ------------------------------------------
+# -- a failed last delta is sent again while the run's bounds allow --------------------------------
 def test_a_last_delta_that_failed_during_an_outage_is_sent_again_and_reaches_the_final_global(
     tmp_path, hub
 ):

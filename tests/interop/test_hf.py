@@ -291,8 +291,7 @@ def test_a_checkpoint_written_by_2_0_exports(tmp_path):
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
-# -- import: model.init_from
-# --------------------------------------------------------------------------
+# -- import: model.init_from -----------------------------------------------------------------------
 
 
 def llama_folder(folder: Path, *, tied: bool = True, n_kv: int = 2, **settings) -> Path:
@@ -453,8 +452,7 @@ def test_what_the_reference_transformer_cannot_compute_is_refused_by_name(
     assert not list((tmp_path / "out").glob("**/step_*.pt"))
 
 
-# -- publishing: --push-to-hub
-# ------------------------------------------------------------------------
+# -- publishing: --push-to-hub ---------------------------------------------------------------------
 
 TOKEN = "hf_export_write_token_0123456789"
 READ_ONLY = "hf_export_read_token_0123456789"

@@ -269,12 +269,8 @@ def one_process_and_two_ranks_agree(
     tmp_path: Path, one: Path, two: Path, *, eval_micro: bool = False
 ) -> None:
     """Train `one` in one process and `two` under 2 torchrun ranks (8 steps, no dropout, AdamW eps 1
-    without weight decay;"""
-    (
-        "`eval_micro`: the held-out micro batch as the training one) and check their per-step "
-        "losses "
-        "agree."
-    )
+    without weight decay; `eval_micro`: the held-out micro batch as the training one) and check
+    their per-step losses agree."""
     from conftest import free_port
 
     for cfg in (one, two):

@@ -116,8 +116,7 @@ def test_a_terminal_gets_the_live_line_and_short_lines_within_100_columns(tmp_pa
     assert [s.split("  ")[0] for s in segments if s.startswith("sample")] == ["sample"] * 2
 
 
-# -- a DiLoCo run: a master and a worker over a shared directory, their output piped
-# ------------------------
+# -- a DiLoCo run: a master and a worker over a shared directory, their output piped ---------------
 NODES = ("master", "worker-1")
 
 
