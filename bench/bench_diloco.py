@@ -1,29 +1,21 @@
 """DumbDiLoCo against synchronous training at equal tokens, on one machine.
 
 A master and 3 workers run as separate `speedtronic train` processes and meet in a repository — a
-shared
-directory, and the loopback Hub stand-in of tests/hub_server.py driven by the real `huggingface_hub`
-client.
-Each node reads its own quarter of real English text (the standard library's docstrings) in batches
-of B; the
-synchronous baseline is one process reading the same batches together (batch 4·B, the same tokens in
-the same
-order) for the same number of steps. A lockstep row runs DiLoCo synchronously in this process (the
-same nodes, shards
-and inner steps; every round folds all nodes' deltas, none stale): the gap between it and the
-baseline is the
+shared directory, and the loopback Hub stand-in of tests/hub_server.py driven by the real
+`huggingface_hub` client. Each node reads its own quarter of real English text (the standard
+library's docstrings) in batches of B; the synchronous baseline is one process reading the same
+batches together (batch 4·B, the same tokens in the same order) for the same number of steps. A
+lockstep row runs DiLoCo synchronously in this process (the same nodes, shards and inner steps;
+every round folds all nodes' deltas, none stale): the gap between it and the baseline is the
 algorithm's, the gap between it and the DiLoCo runs is asynchrony's. Printed side by side: the
-held-out loss of the
-final global model and of the baseline, the deltas uploaded and folded, the versions published,
-bytes per delta and
-wall time. A "2.0 keys" row runs the nodes on the distributed keys a Speedtronic 2.0 user writes
-(outer lr 0.7, Nesterov
-momentum 0.9, every newer key at its default) with a contiguous part of the training text per node,
-as a 2.0 user
-shards. A whole-round row with float32 deltas (directory) beside the bfloat16 one shows what the
-smaller wire format
-costs. Wire rows give the bytes of one delta of this model in each delta dtype (the library's own
-encoding). The one table printed at the end is the place the docs cite measured DiLoCo numbers from.
+held-out loss of the final global model and of the baseline, the deltas uploaded and folded, the
+versions published, bytes per delta and wall time. A "2.0 keys" row runs the nodes on the
+distributed keys a Speedtronic 2.0 user writes (outer lr 0.7, Nesterov momentum 0.9, every newer key
+at its default) with a contiguous part of the training text per node, as a 2.0 user shards. A
+whole-round row with float32 deltas (directory) beside the bfloat16 one shows what the smaller wire
+format costs. Wire rows give the bytes of one delta of this model in each delta dtype (the library's
+own encoding). The one table printed at the end is the place the docs cite measured DiLoCo numbers
+from.
 
     python bench/bench_diloco.py
     # baseline, directory and Hub runs, 3 seeds (tens of minutes on 2 cores)
@@ -141,9 +133,8 @@ def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
     }
     log = open(cfg.with_suffix(".log"), "w")
     # training runs below the bench process, which serves the Hub stand-in: like the real Hub, the
-    # repository does not
-    # compete with the nodes for this machine's cores (every training process, the baseline too,
-    # gets the same priority)
+    # repository does not compete with the nodes for this machine's cores (every training process,
+    # the baseline too, gets the same priority)
     proc = subprocess.Popen(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
         cwd=ROOT,
@@ -529,8 +520,7 @@ def run_diloco(
             hub.create(repo, private=True)  # made on the website before the run
         start = time.perf_counter()
         # the workers start first and wait for the master's first global: on a 10-second run, the
-        # seconds a process takes
-        # to start would otherwise let one node train alone for most of it
+        # seconds a process takes to start would otherwise let one node train alone for most of it
         procs = [launch(path, env) for _, path in configs[1:]]
         wait_for_line(procs, "waiting for the master", f"the {tag} workers")
         procs.insert(0, launch(configs[0][1], env))

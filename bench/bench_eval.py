@@ -1,16 +1,12 @@
 """Held-out evaluation's cost per training step: the same run with and without `eval`, side by side.
 
 Both runs train the README demo's model (configs/demo.yaml: its text, its tenth held out) for
-`--steps` steps;
-the one with `eval` evaluates every `--every` steps on `--batches` held-out batches (and once at the
-end). Runs
-alternate inside one process after a warm-up. The script prints the median seconds per training step
-of each,
-what evaluation adds per step in all (its batches included) and outside its own batches (the
-evaluator's
-set-up, the loader reset, the RNG save/restore: the total minus the `eval_s` the records report),
-and checks the
-two runs' training losses are bit-identical.
+`--steps` steps; the one with `eval` evaluates every `--every` steps on `--batches` held-out batches
+(and once at the end). Runs alternate inside one process after a warm-up. The script prints the
+median seconds per training step of each, what evaluation adds per step in all (its batches
+included) and outside its own batches (the evaluator's set-up, the loader reset, the RNG
+save/restore: the total minus the `eval_s` the records report), and checks the two runs' training
+losses are bit-identical.
 
     OMP_NUM_THREADS=1 python bench/bench_eval.py                 # CPU, about a minute
     python bench/bench_eval.py --device cuda --steps 200

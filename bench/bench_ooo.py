@@ -5,11 +5,10 @@ scheduler.
     python bench/bench_ooo.py --rounds 5 --steps 30 --streams 2 4 8
 
 Models: the reference transformer (mostly a chain: little to overlap) and a four-branch MLP
-(independent branches
-fed by one input: the case stream scheduling is for), each in fp32 and bf16 autocast. Rounds
-alternate between the
-plain and the scheduled loop on the same model and batch; the ratio of their median step times is
-printed (>1 means the scheduler is faster). Gradients are checked equal before timing.
+(independent branches fed by one input: the case stream scheduling is for), each in fp32 and bf16
+autocast. Rounds alternate between the plain and the scheduled loop on the same model and batch; the
+ratio of their median step times is printed (>1 means the scheduler is faster). Gradients are
+checked equal before timing.
 """
 
 from __future__ import annotations

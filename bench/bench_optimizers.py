@@ -7,20 +7,15 @@ shared rate, plus the time per training step of each next to AdamW's.
     # quicker: fewer steps, one learning rate
 
 Every run trains the README demo model (configs/demo.yaml: 3 layers, 96 wide, byte vocabulary,
-batches of
-16 x 64 tokens, warmup then cosine) through the real runtime (`speedtronic.runtime.build_runtime`)
-on the
-standard-library docstring corpus (`speedtronic.runtime.demo_corpus_text`), from the same initial
-weights and in
-the same data order, for the same number of steps. The last 10% of the corpus is held out; the loss
-reported is the
-mean cross-entropy (nats per byte) on fixed held-out windows after training. `--shared-lr` (default:
-the demo
-config's 5e-3) is the "one config lr for every optimizer" column; the sweep picks each optimizer's
-best lr. Muon
-with 2.0's update scale is run at the shared lr only, to show what 2.0's default did.
-Step times are measured side by side afterwards: the variants take turns, a few steps each, over
-several rounds, and the median of each is divided by AdamW's.
+batches of 16 x 64 tokens, warmup then cosine) through the real runtime
+(`speedtronic.runtime.build_runtime`) on the standard-library docstring corpus
+(`speedtronic.runtime.demo_corpus_text`), from the same initial weights and in the same data order,
+for the same number of steps. The last 10% of the corpus is held out; the loss reported is the mean
+cross-entropy (nats per byte) on fixed held-out windows after training. `--shared-lr` (default: the
+demo config's 5e-3) is the "one config lr for every optimizer" column; the sweep picks each
+optimizer's best lr. Muon with 2.0's update scale is run at the shared lr only, to show what 2.0's
+default did. Step times are measured side by side afterwards: the variants take turns, a few steps
+each, over several rounds, and the median of each is divided by AdamW's.
 """
 
 from __future__ import annotations

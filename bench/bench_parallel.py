@@ -12,37 +12,27 @@ fsdp side by side.
 
 Every rank keeps the same micro batch and accumulation, so N processes train a global batch N times
 larger (weak scaling, how data parallelism is used). Each run trains the config through this script
-(`--worker`:
-`build_runtime` and `fit`, as `speedtronic train` does; the 1-process run without torchrun, the
-others under
-`python -m torch.distributed.run`), and every rank writes its memory numbers to a JSON file; a run's
-tokens/s is read from rank 0's JSONL, which holds the
-whole job's tokens, between the end of the warm-up steps and the last step (start-up, compile and
-the first
+(`--worker`: `build_runtime` and `fit`, as `speedtronic train` does; the 1-process run without
+torchrun, the others under `python -m torch.distributed.run`), and every rank writes its memory
+numbers to a JSON file; a run's tokens/s is read from rank 0's JSONL, which holds the whole job's
+tokens, between the end of the warm-up steps and the last step (start-up, compile and the first
 steps are left out). The table shows each job's tokens/s, its speed-up over one process and the
-scaling
-efficiency `tokens/s(N) / (N x tokens/s(1))`, then the training state of its largest rank (weights,
-gradients and optimizer
-state: the shards under fsdp) and its peak memory, each also as a fraction of the ddp job's with the
-same number of processes (`fsdp/ddp`). The peak is, on CUDA
+scaling efficiency `tokens/s(N) / (N x tokens/s(1))`, then the training state of its largest rank
+(weights, gradients and optimizer state: the shards under fsdp) and its peak memory, each also as a
+fraction of the ddp job's with the same number of processes (`fsdp/ddp`). The peak is, on CUDA
 `torch.cuda.max_memory_allocated()` of the training (weights, gradients, optimizer state,
-activations); on CPU
-the rank's peak resident memory (`resource` max RSS) above what it held once its modules were
-imported, so
-the interpreter and torch's own libraries are left out (it also counts activations, communication
-buffers and what the allocator keeps, so on CPU it says less than the state column).
+activations); on CPU the rank's peak resident memory (`resource` max RSS) above what it held once
+its modules were imported, so the interpreter and torch's own libraries are left out (it also counts
+activations, communication buffers and what the allocator keeps, so on CPU it says less than the
+state column).
 
 On CPU the processes share the machine's cores, so expect little: the one process gets every core as
 threads (OMP_NUM_THREADS = cores), each of N processes gets cores / N, so the jobs compute with the
-same cores
-and the N-process job adds the gradient all-reduce (`--threads 1` instead gives every process one
-thread, so
-the N-process job uses N times the cores; on a machine other jobs also load, OpenMP threads that
-wait for
-each other can make the multi-threaded single process far slower, which says nothing about the
-trainer). The
-runs alternate for `--rounds` rounds and the table shows the median, since a shared machine is
-noisy.
+same cores and the N-process job adds the gradient all-reduce (`--threads 1` instead gives every
+process one thread, so the N-process job uses N times the cores; on a machine other jobs also load,
+OpenMP threads that wait for each other can make the multi-threaded single process far slower, which
+says nothing about the trainer). The runs alternate for `--rounds` rounds and the table shows the
+median, since a shared machine is noisy.
 """
 
 from __future__ import annotations

@@ -6,15 +6,12 @@ and clipping.
     python bench/bench_trainer.py --rounds 15 --steps 20
 
 CPU loops are timed by the process's CPU time, so other processes on a shared machine do not count;
-CUDA loops by
-wall time. Prints tokens/s of each loop per round, their ratio (trainer / plain; target >= 0.99, the
-median of the rounds),
-the microseconds the trainer adds per step on a model that costs almost nothing (target <= 25) with
-a breakdown of
-where they go (each piece timed on its own; the rest is Python calls and the loop's structure), and
-the peak resident
-memory of each loop measured in its own subprocess (target: trainer adds < 10%). Where CUDA is
-available it also compares bf16 autocast with and without torch.compile.
+CUDA loops by wall time. Prints tokens/s of each loop per round, their ratio (trainer / plain;
+target >= 0.99, the median of the rounds), the microseconds the trainer adds per step on a model
+that costs almost nothing (target <= 25) with a breakdown of where they go (each piece timed on its
+own; the rest is Python calls and the loop's structure), and the peak resident memory of each loop
+measured in its own subprocess (target: trainer adds < 10%). Where CUDA is available it also
+compares bf16 autocast with and without torch.compile.
 """
 
 from __future__ import annotations
@@ -144,8 +141,7 @@ class TrainerLoop:
 
 def clock(device: torch.device):
     """The clock a loop is timed with: on CPU the process's CPU time (other processes on a shared
-    machine do not
-    count), on CUDA wall time (the GPU works while the process waits)."""
+    machine do not count), on CUDA wall time (the GPU works while the process waits)."""
     return time.process_time if device.type == "cpu" else time.perf_counter
 
 

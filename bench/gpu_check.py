@@ -7,20 +7,14 @@ table.
     the device name)
 
 Rows: bf16 autocast training, fp16 with the GradScaler, fused AdamW, `torch.compile`, the
-out-of-order backprop
-streams, NCCL DDP and NCCL FSDP with one GPU (a process group of world 1 through
-`speedtronic.parallel.World`,
-so DDP's and FSDP2's CUDA paths run, with a checkpoint written and loaded back; tests/test_fsdp.py
-runs the same
-function on the CPU with gloo), generation
+out-of-order backprop streams, NCCL DDP and NCCL FSDP with one GPU (a process group of world 1
+through `speedtronic.parallel.World`, so DDP's and FSDP2's CUDA paths run, with a checkpoint written
+and loaded back; tests/test_fsdp.py runs the same function on the CPU with gloo), generation
 tokens/s with the KV cache, and the MFU of a bf16 training run (6 x parameters + attention FLOPs per
-token,
-over the GPU's dense bf16 peak). Each row trains through the real trainer (`train_from_config` or a
-`Trainer`
-on a `World`) and reads what the run logged. Without CUDA every row says `skipped: no CUDA` and the
-script
-exits 0 (CI runs it so); a row that fails prints `FAIL` with the reason, and the script then exits
-1.
+token, over the GPU's dense bf16 peak). Each row trains through the real trainer
+(`train_from_config` or a `Trainer` on a `World`) and reads what the run logged. Without CUDA every
+row says `skipped: no CUDA` and the script exits 0 (CI runs it so); a row that fails prints `FAIL`
+with the reason, and the script then exits 1.
 """
 
 from __future__ import annotations

@@ -26,8 +26,7 @@ no global by the end).
 
 Two layouts, both the package's (`distributed.hub_layout`). `--layout one-repo` (the default,
 2.0's): every delta and every publication is a commit on the run's one repository, N + 1 commits a
-round.
-`--layout per-node` (`PerNodeHub`): each node commits its deltas to a repository of its own
+round. `--layout per-node` (`PerNodeHub`): each node commits its deltas to a repository of its own
 (`sim/run-<node>`, made by the node at its start; one commit a delta, deleting its deltas already
 folded in the same commit), the master finds what changed with one listing of all of them a poll,
 fetches the deltas from there, and publishes the global in the run's repository.

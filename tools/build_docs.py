@@ -54,9 +54,8 @@ _CHECK = re.compile(r"^\s*(test_\w*\(|test\(|assert\b)")  # a line that checks
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 # The site's navigation by notebook, each named by its path under nbs/ without `.ipynb` (its area
-# folder and
-# file: `train/06_trainer`): (section, [entry, ...]); an entry is a notebook or (subsection,
-# [notebooks]).
+# folder and file: `train/06_trainer`): (section, [entry, ...]); an entry is a notebook or
+# (subsection, [notebooks]).
 API_INDEX = "api"
 NAV = [
     (

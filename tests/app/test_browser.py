@@ -579,9 +579,8 @@ def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name
         timeout=60_000,
     )
     # the kernel named in the notebook starts by itself (no "Select Kernel" dialog) and, once it is
-    # idle, the
-    # notebook is still unmodified (its metadata already holds what JupyterLab writes for that
-    # kernel)
+    # idle, the notebook is still unmodified (its metadata already holds what JupyterLab writes for
+    # that kernel)
     page.wait_for_function(
         "window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle' "
         "|| document.querySelector('.jp-Dialog')",

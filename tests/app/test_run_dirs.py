@@ -1,6 +1,6 @@
 """One run per output directory: a fresh run does not take over another run's checkpoints, two
-trainers do not
-share a directory, every run has an id that survives resumes and is in every JSONL record."""
+trainers do not share a directory, every run has an id that survives resumes and is in every JSONL
+record."""
 
 from __future__ import annotations
 

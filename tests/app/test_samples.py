@@ -82,10 +82,9 @@ def train(raw: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def test_samples_never_change_training_and_repeat_exactly(tmp_path):
     """The same run without samples, with greedy samples and with sampled ones (temperature 1) has
-    the same
-    losses and final weights to the bit; each evaluation (steps 5, 10, 15 and the end) writes one
-    `sample` event per prompt, the same text in a second run, and TensorBoard gets each as the text
-    `samples/<i>`."""
+    the same losses and final weights to the bit; each evaluation (steps 5, 10, 15 and the end)
+    writes one `sample` event per prompt, the same text in a second run, and TensorBoard gets each
+    as the text `samples/<i>`."""
     plain_losses, plain_weights = train(run_config(tmp_path, "plain"))
     prompts = ["the ", "a"]
     for name, temperature in (("greedy", 0.0), ("hot", 1.0)):
@@ -129,9 +128,8 @@ def test_samples_never_change_training_and_repeat_exactly(tmp_path):
 
 def test_samples_at_a_temperature_are_top_k_draws_seeded_by_the_run(tmp_path):
     """At `eval.sample_temperature: 0.8` the run's last sample is what `generate` draws from the
-    final model
-    at 0.8 among the 40 most likely tokens with the run's seed (not from all 128); the same seed
-    repeats it, another seed draws another text."""
+    final model at 0.8 among the 40 most likely tokens with the run's seed (not from all 128); the
+    same seed repeats it, another seed draws another text."""
     texts = {}
     for name, seed in (("hot", 7), ("again", 7), ("other", 8)):
         raw = run_config(
@@ -166,8 +164,8 @@ def test_samples_at_a_temperature_are_top_k_draws_seeded_by_the_run(tmp_path):
 
 def test_a_sample_of_only_whitespace_says_so(tmp_path):
     """A model that has learned only spaces and newlines (its text holds nothing else) is not shown
-    as if it
-    wrote text: the console line and the JSONL say `(the model emits only whitespace yet)`."""
+    as if it wrote text: the console line and the JSONL say `(the model emits only whitespace yet)`.
+    """
     raw = run_config(tmp_path, "blank", sample_prompts=["  "], sample_tokens=16)
     (tmp_path / "blank.txt").write_text(("   \n" * 3 + "    ") * 2000)
     raw["data"]["text_path"] = str(tmp_path / "blank.txt")

@@ -2,11 +2,9 @@
 (spec §15.3).
 
 Random YAML/JSON text (structured dumps with mutations, and raw noise), random nested dicts, and
-near-valid
-configs built from the real schema with mutated values, deleted and misspelled keys. Every config
-that does
-load must serialise, and load back from its own `to_dict()` to the same thing. Run with `-s` (or
-look at the terminal summary line) to see how many inputs were tried.
+near-valid configs built from the real schema with mutated values, deleted and misspelled keys.
+Every config that does load must serialise, and load back from its own `to_dict()` to the same
+thing. Run with `-s` (or look at the terminal summary line) to see how many inputs were tried.
 """
 
 from __future__ import annotations

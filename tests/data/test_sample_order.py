@@ -3,18 +3,16 @@ batch 8.
 
 Real processes under torchrun on CPU (gloo), the real CLI, for every kind of source: real English
 prose (a text stream read front to back), a prepared token file (random access, shuffled), synthetic
-tokens
-(map-style, shuffled), and a `datasets` dataset saved to disk, in memory and streamed. The 2-rank
-job reads with `data.num_workers` 0 and 2; the one process reads with none: the order depends on
-neither.
+tokens (map-style, shuffled), and a `datasets` dataset saved to disk, in memory and streamed. The
+2-rank job reads with `data.num_workers` 0 and 2; the one process reads with none: the order depends
+on neither.
 
 Why a tolerance at all (see tests/test_parallel.py for the arithmetic): the ranks add the same
-gradient
-contributions in another order, so losses agree to rtol 1e-6 and the weights to atol 1e-6; one
-sample
-given to the wrong step moves a loss by ~1e-3. The runs are tiny (one layer, 12 steps) and read less
-than one pass, so no microbatch holds a source's short last block: a padded microbatch's loss is the
-mean over its own tokens, which the ranks' equal-weight average does not reproduce.
+gradient contributions in another order, so losses agree to rtol 1e-6 and the weights to atol 1e-6;
+one sample given to the wrong step moves a loss by ~1e-3. The runs are tiny (one layer, 12 steps)
+and read less than one pass, so no microbatch holds a source's short last block: a padded
+microbatch's loss is the mean over its own tokens, which the ranks' equal-weight average does not
+reproduce.
 """
 
 from __future__ import annotations

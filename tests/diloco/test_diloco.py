@@ -1,7 +1,6 @@
 """DumbDiLoCo end to end: master + workers as real `speedtronic train` processes over a shared
-directory and
-over the loopback Hub stand-in (the real `huggingface_hub` client), with faults, kill -9 and resume,
-bad deltas, a bounded repository, and failures that must stop a run at once."""
+directory and over the loopback Hub stand-in (the real `huggingface_hub` client), with faults, kill
+-9 and resume, bad deltas, a bounded repository, and failures that must stop a run at once."""
 
 from __future__ import annotations
 
@@ -764,9 +763,8 @@ def hub_master_and_node(tmp: Path, hub: HubStandIn, repo: str, **master):
 
 def test_a_held_round_on_the_hub_is_folded_once_its_wait_runs_out(tmp_path, hub):
     """Whole rounds where the transport tells its head: a round that lacks a node is folded when the
-    wait runs out,
-    although nothing was committed since (the unchanged-head shortcut must not hide the held
-    round)."""
+    wait runs out, although nothing was committed since (the unchanged-head shortcut must not hide
+    the held round)."""
     now = [0.0]  # the master's clock: moved by the test, not slept
     t, m, send = hub_master_and_node(
         tmp_path, hub, "org/held", expected_nodes=2, round_wait=0.3, clock=lambda: now[0]
@@ -781,9 +779,8 @@ def test_a_held_round_on_the_hub_is_folded_once_its_wait_runs_out(tmp_path, hub)
 
 def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_path, hub):
     """A worker commits between the master's listing and its publication: the publication is rebased
-    onto the new head,
-    and the delta it did not list is still folded in the next round (not hidden behind the master's
-    own revision)."""
+    onto the new head, and the delta it did not list is still folded in the next round (not hidden
+    behind the master's own revision)."""
     t, m, send = hub_master_and_node(tmp_path, hub, "org/race")
     publish = t.publish
 
@@ -804,9 +801,8 @@ def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_p
 
 def test_a_publication_outlasts_many_racing_commits_and_uploads_once(tmp_path, hub):
     """A node commits before each of the master's first 12 tries (more than the 8 tries that used to
-    postpone the
-    round): the publication still lands in this round, and only its first try asks the Hub how to
-    upload the weights."""
+    postpone the round): the publication still lands in this round, and only its first try asks the
+    Hub how to upload the weights."""
     t, m, send = hub_master_and_node(tmp_path, hub, "org/busy")
     publish, tries = t.publish, []
 

@@ -1,15 +1,10 @@
 """A DumbDiLoCo run launched the way clusters launch it: a master and two workers started at the
-same moment (three
-`speedtronic train` processes in a row, no waits between them), on a repository nobody created, with
-the distributed
-keys a Speedtronic 2.0 user writes and 2.0's defaults (outer lr 0.7, Nesterov momentum 0.9), each
-node on its own
-text file. Over the loopback Hub stand-in (the real `huggingface_hub` client) and over a shared
-directory, with the
-workers or the master launched first. Every node must finish, every delta any node uploaded must be
-folded into
-the final global exactly once, and the final global's held-out loss (the library's own evaluation,
-on text no node
+same moment (three `speedtronic train` processes in a row, no waits between them), on a repository
+nobody created, with the distributed keys a Speedtronic 2.0 user writes and 2.0's defaults (outer lr
+0.7, Nesterov momentum 0.9), each node on its own text file. Over the loopback Hub stand-in (the
+real `huggingface_hub` client) and over a shared directory, with the workers or the master launched
+first. Every node must finish, every delta any node uploaded must be folded into the final global
+exactly once, and the final global's held-out loss (the library's own evaluation, on text no node
 trained on) must be within 2.0's measured ratio of a synchronous single-process run on the same
 tokens."""
 

@@ -1,10 +1,8 @@
 """DiLoCo master faults: a delta that lands while the master commits, wild first deltas, forged
-steps, stray files at
-the end, a second master with a wrong clock, tied weights on the wire, and 2.0's own repository.
-Real files, the real
-`huggingface_hub` client against the loopback Hub stand-in, real masters; time is the master's
-injectable clock where
-a test needs it, never a sleep."""
+steps, stray files at the end, a second master with a wrong clock, tied weights on the wire, and
+2.0's own repository. Real files, the real `huggingface_hub` client against the loopback Hub
+stand-in, real masters; time is the master's injectable clock where a test needs it, never a sleep.
+"""
 
 from __future__ import annotations
 
@@ -176,11 +174,9 @@ def test_a_delta_in_the_repository_before_the_masters_first_commit_is_folded_by_
     tmp_path, hub
 ):
     """A node (resumed with a delta still to send) commits before the master bootstraps: the
-    bootstrap's commit holds
-    that delta, which the master never listed. Its first round must list it (taking its own commit
-    for what it had
-    seen hid the delta until the next commit came: at the end of a run, for the whole
-    final_round_timeout)."""
+    bootstrap's commit holds that delta, which the master never listed. Its first round must list it
+    (taking its own commit for what it had seen hid the delta until the next commit came: at the end
+    of a run, for the whole final_round_timeout)."""
     t, m, send = hub_master(tmp_path, hub, "org/early", start=False, expected_nodes=1)
     send(10)
     assert m.start_master().outer_step == 0 and t.list_deltas() == [delta_path("w", 10)]
@@ -222,11 +218,9 @@ def test_the_final_round_folds_a_held_round_at_once(tmp_path, hub):
 
 def test_a_delta_that_lands_while_the_master_commits_is_folded_by_the_next_round(tmp_path, hub):
     """The master's heartbeat commit goes through, its answer is lost, and a node commits a delta
-    before the client
-    tries again. However the retry ends (here: the client retries with the additions it uploaded,
-    and the Hub refuses
-    the stale parent), the head after a publication is not what the master listed: the next round
-    lists it."""
+    before the client tries again. However the retry ends (here: the client retries with the
+    additions it uploaded, and the Hub refuses the stale parent), the head after a publication is
+    not what the master listed: the next round lists it."""
     now = [0.0]
     t, m, send = hub_master(tmp_path, hub, "org/lost", expected_nodes=1, clock=lambda: now[0])
     send(10)
@@ -253,10 +247,9 @@ def test_a_delta_that_lands_while_the_master_commits_is_folded_by_the_next_round
 
 def test_a_publication_whose_answer_is_lost_in_an_outage_is_the_masters_own(tmp_path, hub):
     """The master's publication goes through, its answer is lost, and the retries meet an outage:
-    the round fails
-    (HubUnavailable). The next round finds a version it did not hear about, with its own publication
-    id: it continues
-    from it instead of stopping as if another master were publishing."""
+    the round fails (HubUnavailable). The next round finds a version it did not hear about, with its
+    own publication id: it continues from it instead of stopping as if another master were
+    publishing."""
     t, m, send = hub_master(tmp_path, hub, "org/outage", expected_nodes=1)
     send(10)
     hub.fault("lost_response", method="POST", path=r"/commit/")

@@ -1,26 +1,19 @@
 """A model-based test of the DiLoCo master's pure transitions (`speedtronic.distributed.outer`).
 
 A hypothesis `RuleBasedStateMachine` plays a repository (delta files, published versions with their
-ledger, a head that
-changes only by compare-and-swap), honest nodes, a corrupting node, a forger, a clock, and one or
-two masters made only
-of the pure transitions: `listed`, `check`, `rejected`, `judge_newcomers`, `fold`, `on_published`,
-`conflict_verdict`, `state_record`/`restored`, `resumed`, `adopted`, `lease_holder`. Masters are
-killed and restarted
-from what they persisted at any point (also between saving `.next` and committing, and between
-committing and
-promoting), a second master takes over once the lease ran out, and whole-round waits time out on the
-clock.
+ledger, a head that changes only by compare-and-swap), honest nodes, a corrupting node, a forger, a
+clock, and one or two masters made only of the pure transitions: `listed`, `check`, `rejected`,
+`judge_newcomers`, `fold`, `on_published`, `conflict_verdict`, `state_record`/`restored`, `resumed`,
+`adopted`, `lease_holder`. Masters are killed and restarted from what they persisted at any point
+(also between saving `.next` and committing, and between committing and promoting), a second master
+takes over once the lease ran out, and whole-round waits time out on the clock.
 
 After every rule: each accepted delta is folded exactly once; no honest delta is lost (it is in the
-repository or in a
-published version) or refused; published versions only grow; the head's global equals the outer
-update of exactly the
-deltas its ledger names, recomputed here independently (outer lr 1, momentum 0, two nodes per outer
-step: the global is
-the initial one minus the sum of those deltas over two); a whole round that did not time out holds
-every node it waits
-for; the repository holds nothing the master has decided on but not yet deleted.
+repository or in a published version) or refused; published versions only grow; the head's global
+equals the outer update of exactly the deltas its ledger names, recomputed here independently (outer
+lr 1, momentum 0, two nodes per outer step: the global is the initial one minus the sum of those
+deltas over two); a whole round that did not time out holds every node it waits for; the repository
+holds nothing the master has decided on but not yet deleted.
 
 Examples: `SPEEDTRONIC_MODEL_EXAMPLES` (default 2000, seconds; e.g. 20000 for a long run)."""
 

@@ -1,7 +1,7 @@
 """DiLoCo node faults, each as real `speedtronic train` processes: nodes launched together on a
-repository nobody
-created yet, a worker with another model, a run none of whose work reached the global model, SIGTERM
-while a worker waits for the first global, and a shared directory that disappears mid-run."""
+repository nobody created yet, a worker with another model, a run none of whose work reached the
+global model, SIGTERM while a worker waits for the first global, and a shared directory that
+disappears mid-run."""
 
 from __future__ import annotations
 

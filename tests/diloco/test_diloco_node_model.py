@@ -1,12 +1,9 @@
 """A model-based test of a DiLoCo node's pure transitions (`speedtronic.distributed.diloco`):
-hypothesis drives `NodeState`
-through random interleavings — training, boundaries (in float32, bfloat16 and int8), uploads that
-succeed, fail or are still
-running at the next boundary, globals that arrive newer, older or twice and hold this node's delta
-or not, boundary waits that end
-or run out, checkpoints written through `torch.save`, and the node killed and restarted from its
-last checkpoint — and checks
-after every rule:
+hypothesis drives `NodeState` through random interleavings — training, boundaries (in float32,
+bfloat16 and int8), uploads that succeed, fail or are still running at the next boundary, globals
+that arrive newer, older or twice and hold this node's delta or not, boundary waits that end or run
+out, checkpoints written through `torch.save`, and the node killed and restarted from its last
+checkpoint — and checks after every rule:
 
 - every step of training (across lives: a step number the repository holds counts once) is in
 exactly one delta that was
@@ -25,8 +22,7 @@ folded) never delivers a step
 one of its deltas.
 
 `SPEEDTRONIC_MODEL_EXAMPLES` sets the number of examples (default 2000, a few seconds; half as many
-start just after a restart
-behind the node's own folds, which random rules reach rarely)."""
+start just after a restart behind the node's own folds, which random rules reach rarely)."""
 
 from __future__ import annotations
 

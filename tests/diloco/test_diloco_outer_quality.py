@@ -1,11 +1,9 @@
 """The outer rule that keeps 2.0's DiLoCo config (outer lr 0.7, Nesterov momentum 0.9, no waiting at
-boundaries) from
-overshooting when deltas arrive late: delayed Nesterov, whose momentum is fed only the deltas
-computed from a global at least as
-new as the momentum's last step (a late delta is applied at the outer learning rate, without
-momentum). Pinned on a real master over a shared directory with real delta
-files, against plain PyTorch `SGD(nesterov=True)` over the pseudo-gradients, across a restart of the
-master."""
+boundaries) from overshooting when deltas arrive late: delayed Nesterov, whose momentum is fed only
+the deltas computed from a global at least as new as the momentum's last step (a late delta is
+applied at the outer learning rate, without momentum). Pinned on a real master over a shared
+directory with real delta files, against plain PyTorch `SGD(nesterov=True)` over the
+pseudo-gradients, across a restart of the master."""
 
 from __future__ import annotations
 
@@ -96,9 +94,8 @@ def test_a_delta_older_than_the_last_momentum_step_does_not_feed_the_momentum(tm
     assert loop.sync_once() == 4
 
     # plain PyTorch: per round, Nesterov SGD with the momentum's gradient (the round's deltas that
-    # were computed from the
-    # momentum's last step or later, summed / nodes); the rest of the round's average is applied at
-    # the outer lr alone
+    # were computed from the momentum's last step or later, summed / nodes); the rest of the round's
+    # average is applied at the outer lr alone
     weights = {k: torch.nn.Parameter(v.detach().clone().float()) for k, v in shapes.items()}
     sgd = torch.optim.SGD(weights.values(), lr=LR, momentum=MU, nesterov=True)
     rounds = [

@@ -1,9 +1,8 @@
 """A DiLoCo node that is an fsdp job: real processes on CPU (gloo), the shared-directory transport.
 
 A 2-rank master under `parallel.strategy: fsdp` next to a one-process worker trains four whole
-rounds
-(`boundary_wait`: each node waits at a boundary for the global holding its delta, so the run is
-deterministic):
+rounds (`boundary_wait`: each node waits at a boundary for the global holding its delta, so the run
+is deterministic):
 
 - every process exits 0, every delta of both nodes is folded once (the master's `outer_step` events,
 the ledger);
@@ -13,14 +12,10 @@ order
   (float32 deltas, so no bfloat16 rounding can turn a last-bit difference into a visible one).
 
 The checkpoints fall on round boundaries, where the inner optimizer was just reset: a sharded save
-must leave it
-fresh (`get_state_dict` gives an empty optimizer a state of one zero step), and a resume from such a
-save starts
-it fresh too; a tiny sync scheme that resets every 4 steps shows both without DiLoCo, and a master
-alone,
-stopped after round 2 and resumed (rank 0's coordinator gets its checkpointed state back), ends on
-the global the
-same ddp node ends on.
+must leave it fresh (`get_state_dict` gives an empty optimizer a state of one zero step), and a
+resume from such a save starts it fresh too; a tiny sync scheme that resets every 4 steps shows both
+without DiLoCo, and a master alone, stopped after round 2 and resumed (rank 0's coordinator gets its
+checkpointed state back), ends on the global the same ddp node ends on.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The DiLoCo master's held-out loss of every global model it publishes: a master and a worker, each
-a real
-`speedtronic train` process over a shared directory, both with an `eval` source; the master writes
-one
-`global_eval` per published version, the last equal to `evaluate` on the published file loaded on
-its own, and the worker writes none."""
+a real `speedtronic train` process over a shared directory, both with an `eval` source; the master
+writes one `global_eval` per published version, the last equal to `evaluate` on the published file
+loaded on its own, and the worker writes none."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The Hub as it really behaves (issues 24 and 26): a repository takes one commit at a time (a
-second
-writer gets 409 "Another commit operation is in progress"), allows so many commits per hour (429
-with
-`Retry-After` and `RateLimit`), and `repo_info` may answer a head a few seconds stale. None of these
-ends a node: it waits as told, reads the head afresh and tries again, and no delta is dropped. A
-token the Hub refuses (401, 403) still ends the node at once with one line.
+second writer gets 409 "Another commit operation is in progress"), allows so many commits per hour
+(429 with `Retry-After` and `RateLimit`), and `repo_info` may answer a head a few seconds stale.
+None of these ends a node: it waits as told, reads the head afresh and tries again, and no delta is
+dropped. A token the Hub refuses (401, 403) still ends the node at once with one line.
 
 Everything goes through the real `huggingface_hub` client against the loopback stand-in
 (tests/hub_server.py) with its limits turned on, and the run below is three real `speedtronic train`
@@ -65,8 +63,8 @@ def test_a_delta_commit_answered_409_then_429_is_sent_late_not_dropped(files):
     """Two 409s (another commit in progress), then the repository's commit limit: the commit is
     made, once."""
     # 2 commits per Hub hour, an hour lasting 3 real seconds: the third commit must wait ~3 s for
-    # the next
-    # window, far longer than the client's own backoff (two attempts, 0.01 s apart) would allow
+    # the next window, far longer than the client's own backoff (two attempts, 0.01 s apart) would
+    # allow
     with HubStandIn(tokens={TOKEN: "write"}, scale=1200.0, commits_per_window=2) as hub:
         hub.create("org/run")
         worker = client(hub, "org/run")
@@ -274,10 +272,9 @@ STEPS, INNER = 30, 10
 
 def test_a_small_run_through_a_tight_commit_limit_folds_every_delta(tmp_path, corpus):
     """Master + 2 workers, 30 steps in rounds of 10, through a stand-in where an hour lasts 4 s: 2
-    commits per
-    repository per hour, one commit at a time (each takes 0.2 s), and repo_info an hour stale. Every
-    node exits
-    0 and every delta a node uploaded is folded exactly once (distributed.expected_nodes: 3)."""
+    commits per repository per hour, one commit at a time (each takes 0.2 s), and repo_info an hour
+    stale. Every node exits 0 and every delta a node uploaded is folded exactly once
+    (distributed.expected_nodes: 3)."""
     hub = HubStandIn(
         tokens={TOKEN: "write"},
         scale=900.0,

@@ -158,11 +158,10 @@ def test_64_nodes_in_5_minute_rounds_are_refused_up_front_and_the_run_shows_why(
 
 def test_64_nodes_in_5_minute_rounds_fit_the_free_tier_with_a_repository_per_node(tmp_path):
     """`distributed.hub_layout: per-node` (`PerNodeHub`): 64 nodes in 5-minute rounds for half an
-    hour, each
-    committing its deltas to a repository it makes itself, the master publishing in the run's. The
-    budget says it fits; no repository is refused a commit or passes 128 in the hour, each node's
-    repository takes at most a commit a round (and one for the last, partial round), every token
-    stays inside its API and download windows, rounds complete and no delta is lost."""
+    hour, each committing its deltas to a repository it makes itself, the master publishing in the
+    run's. The budget says it fits; no repository is refused a commit or passes 128 in the hour,
+    each node's repository takes at most a commit a round (and one for the last, partial round),
+    every token stays inside its API and download windows, rounds complete and no delta is lost."""
     # a simulated minute per real second: 64 node threads share this process, and the master's pass
     # over 64 repositories must take less than a poll of simulated time
     out, held = run_bench(

@@ -1,6 +1,5 @@
 """bench/bench_trainer.py runs and says where the trainer's microseconds per step go (its figures
-are not checked:
-they are measurements, and this machine is shared)."""
+are not checked: they are measurements, and this machine is shared)."""
 
 import re, subprocess, sys
 

@@ -31,8 +31,7 @@ LAYERS = {  # a module imports only modules of its own layer or below
     5: {"cli", "__main__", "__init__", "showdoc"},
 }
 # Imports that break the rules and are being removed elsewhere; each one still present is allowed,
-# one that is
-# gone must leave this tuple (so it cannot come back unnoticed).
+# one that is gone must leave this tuple (so it cannot come back unnoticed).
 KNOWN_EXCEPTIONS: tuple[tuple[str, str], ...] = ()
 
 

@@ -2,9 +2,8 @@
 `model.imports`.
 
 Every test runs a fresh interpreter (the registry is process-local). Plugins are real files: a
-module
-plus a `*.dist-info` folder with `METADATA` and `entry_points.txt`, found through `PYTHONPATH`
-exactly as an installed distribution would be (no pip needed).
+module plus a `*.dist-info` folder with `METADATA` and `entry_points.txt`, found through
+`PYTHONPATH` exactly as an installed distribution would be (no pip needed).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """A run's own files around the training — the JSONL metrics, the loss plot, the folders they go to
-— as real
-runs of the CLI meet them: a record cut short by a kill, a second run on the same file, a plot that
-cannot be written, a log folder on a read-only filesystem."""
+— as real runs of the CLI meet them: a record cut short by a kill, a second run on the same file, a
+plot that cannot be written, a log folder on a read-only filesystem."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """One voice on every output: what `speedtronic train` prints piped to a file (`| tee`, nohup, CI),
-with
-`--verbose`, in a real terminal (a pseudo-terminal 100 columns wide), and from the two nodes of a
-DiLoCo run.
-A pipe gets one progress line per `logging.every_steps` and the closing summary; the internals (the
-optimizer's settings, a DiLoCo round's events) stay in the metrics file unless `--verbose` asks for
-them."""
+with `--verbose`, in a real terminal (a pseudo-terminal 100 columns wide), and from the two nodes of
+a DiLoCo run. A pipe gets one progress line per `logging.every_steps` and the closing summary; the
+internals (the optimizer's settings, a DiLoCo round's events) stay in the metrics file unless
+`--verbose` asks for them."""
 
 from __future__ import annotations
 

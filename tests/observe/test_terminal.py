@@ -1,8 +1,6 @@
 """`speedtronic train` in a real terminal (a pseudo-terminal 100 columns wide): the progress bar, a
-setup line, one
-short aligned line per logged step and the closing lines, none wider than the terminal, and log
-lines never run into
-the bar; the files keep every field."""
+setup line, one short aligned line per logged step and the closing lines, none wider than the
+terminal, and log lines never run into the bar; the files keep every field."""
 
 import fcntl, json, os, pty, re, struct, subprocess, sys, termios, time
 from pathlib import Path

@@ -1,8 +1,6 @@
 """Every writer cleans up after itself: the last step record survives an interrupt, a full disk
-never tears a JSONL
-line and the error names the file, an interrupted `prepare` leaves no temp file, and checkpoints a
-kill or a lost
-`latest.json` left unlisted are still pruned."""
+never tears a JSONL line and the error names the file, an interrupted `prepare` leaves no temp file,
+and checkpoints a kill or a lost `latest.json` left unlisted are still pruned."""
 
 from __future__ import annotations
 

@@ -2,18 +2,16 @@
 
 Each case trains to step 5 with N processes, then resumes with M to step 12 (`--resume`, the same
 output directory); the per-step losses of both parts equal those of one uninterrupted run (rtol
-1e-6)
-and the final weights agree (atol 1e-6), because the data position in a checkpoint is the job's
-place in the one sample order (tests/test_sample_order.py) and the global batch stays
-`data.target_batch_size`:
-micro batch 2 with 4, 2 or 1 processes accumulates 1, 2 or 4 microbatches per step. The model has no
-dropout: on a resize each rank's RNG is derived from the run seed, the step and the rank, so a run
-with dropout continues reproducibly but not with the masks the uninterrupted run drew.
+1e-6) and the final weights agree (atol 1e-6), because the data position in a checkpoint is the
+job's place in the one sample order (tests/test_sample_order.py) and the global batch stays
+`data.target_batch_size`: micro batch 2 with 4, 2 or 1 processes accumulates 1, 2 or 4 microbatches
+per step. The model has no dropout: on a resize each rank's RNG is derived from the run seed, the
+step and the rank, so a run with dropout continues reproducibly but not with the masks the
+uninterrupted run drew.
 
 The source is real prose read as a text stream (read front to back: the hardest position to carry
-over).
-`strategy` is a parameter so that other ways of spreading the model over the ranks join the same
-cases.
+over). `strategy` is a parameter so that other ways of spreading the model over the ranks join the
+same cases.
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ def fsdp_run(tmp_path_factory):
 
 def test_fsdp_matches_ddp(fsdp_run):
     """Same gradients, averaged the same way: FSDP reduce-scatters what DDP all-reduces, so the
-    losses and
-    weights agree to fp32 reduction order (the tolerance argued in test_parallel's 2-vs-1 test)."""
+    losses and weights agree to fp32 reduction order (the tolerance argued in test_parallel's 2-vs-1
+    test)."""
     tmp = fsdp_run
     got, want = losses_by_step(tmp / "fsdp.jsonl"), losses_by_step(tmp / "ddp.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1)) and all(len(v) == 1 for v in got.values())

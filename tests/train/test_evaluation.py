@@ -1,7 +1,6 @@
 """Held-out evaluation in real runs: it never changes training (bit for bit, also across kill -9 and
-resume),
-the held-out blocks are never trained on, a torchrun job splits the held-out batches and reduces
-them once, and bad `eval` settings give one clear line."""
+resume), the held-out blocks are never trained on, a torchrun job splits the held-out batches and
+reduces them once, and bad `eval` settings give one clear line."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ def held_text(path):
 
 def test_eval_with_kill9_and_resume_trains_bit_identically_to_no_eval(tmp_path, tmp_path_factory):
     """A run with evaluation every 3 steps (dropout 0.1, so a model left in eval mode or a used
-    random
-    generator would show), killed with SIGKILL and resumed, has the losses and final weights of a
-    run without evaluation, to the bit."""
+    random generator would show), killed with SIGKILL and resumed, has the losses and final weights
+    of a run without evaluation, to the bit."""
     ref_dir = tmp_path_factory.mktemp("no-eval")
     ref = resume_config(ref_dir, "ref", workers=0, text=True, every=STEPS)
     finish(start(ref))
@@ -238,10 +236,9 @@ def test_a_resumed_runs_earlier_evaluations_reach_the_live_chart():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_split_the_held_out_batches_and_agree_with_one_process(tmp_path, strategy):
     """2 ranks x eval batch 4 read the held-out blocks one process reads in batches of 8: the same
-    targets in
-    all, and the same loss up to fp32 reduction order (the weights themselves agree to ~1e-7, see
-    test_parallel.test_two_ranks_reproduce_one_process). Under fsdp every rank runs the sharded
-    forward on its share."""
+    targets in all, and the same loss up to fp32 reduction order (the weights themselves agree to
+    ~1e-7, see test_parallel.test_two_ranks_reproduce_one_process). Under fsdp every rank runs the
+    sharded forward on its share."""
     data = {"token_file": str(token_file(tmp_path, blocks=120))}
     held = {"holdout_fraction": 0.2, "every_steps": 4}
     one = job_config(tmp_path, "one", micro=8, data=data, steps=8, eval=held)

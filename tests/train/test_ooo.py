@@ -2,8 +2,7 @@
 stream scheduler.
 
 The GPU tests run wherever CUDA exists and skip cleanly elsewhere; the CPU tests check that the
-scheduler is an
-honest no-op off CUDA, through the real trainer.
+scheduler is an honest no-op off CUDA, through the real trainer.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Exact resume for every optimizer and wrapper, through the real runtime and real checkpoint files.
 
 For AdamW, Muon, Muon+, cautious AdamW and cautious Muon: a run stopped and resumed from its
-checkpoint gives
-bit-identical losses, weights and optimizer state to one run straight through (save/resume in
-process, and a
-SIGKILLed CLI process resumed from the CLI). Also: Muon with gradient accumulation matches one big
-batch, and a
-checkpoint of one optimizer family is refused by the other.
+checkpoint gives bit-identical losses, weights and optimizer state to one run straight through
+(save/resume in process, and a SIGKILLed CLI process resumed from the CLI). Also: Muon with gradient
+accumulation matches one big batch, and a checkpoint of one optimizer family is refused by the
+other.
 """
 
 from __future__ import annotations
@@ -184,9 +182,8 @@ def train_steps(jsonl: Path) -> dict[int, float]:
 
 def test_kill_and_resume_from_the_cli_is_bit_exact(tmp_path):
     """The full v2 stack (Muon+, cautious) killed with SIGKILL mid-run resumes to the same losses
-    and weights. The kill
-    lands at a known point, not a raced one: in the forward pass of step 13 (two micro-batches a
-    step), which holds."""
+    and weights. The kill lands at a known point, not a raced one: in the forward pass of step 13
+    (two micro-batches a step), which holds."""
     steps = 40
     optimizer = {"name": "muon", "muon_plus": True, "cautious": True}
     (tmp_path / "held_model.py").write_text(HELD_MODEL)

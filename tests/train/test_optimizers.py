@@ -308,11 +308,9 @@ def test_muon_matches_torch_muon(scale, shape):
 
 def test_muon_matches_torch_muon_on_a_model():
     """A model's hidden matrices and real (low-rank) gradients, several steps. Against
-    torch.optim.Muon's documented
-    update (sum momentum, Nesterov g + mu*B) computed in float64 ours agrees to 1e-3; against
-    torch.optim.Muon itself,
-    whose Newton–Schulz runs in bf16, to its bf16 noise (larger on the faint directions of a
-    low-rank gradient)."""
+    torch.optim.Muon's documented update (sum momentum, Nesterov g + mu*B) computed in float64 ours
+    agrees to 1e-3; against torch.optim.Muon itself, whose Newton–Schulz runs in bf16, to its bf16
+    noise (larger on the faint directions of a low-rank gradient)."""
     ours_model, theirs_model = reference(2), reference(2)
     ours = [p for _, p in route_parameters(ours_model).muon]
     theirs = [p for _, p in route_parameters(theirs_model).muon]

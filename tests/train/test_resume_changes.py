@@ -1,6 +1,6 @@
 """`--resume` with a changed YAML: a changed setting is applied and reported, or refused with the
-key, the saved and
-the new value; other data (another file, or the same path with new content) is refused."""
+key, the saved and the new value; other data (another file, or the same path with new content) is
+refused."""
 
 from __future__ import annotations
 

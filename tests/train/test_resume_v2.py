@@ -1,6 +1,6 @@
 """A checkpoint directory written by Speedtronic 2.0.0 (`step_*.pt` + `latest.json`) resumes from
-the CLI into another
-output folder (`--output-dir`), with 2.0's optimizer state mapped onto ours and 2.0's files kept.
+the CLI into another output folder (`--output-dir`), with 2.0's optimizer state mapped onto ours and
+2.0's files kept.
 
 The run is the real 2.0.0 one in `shared/fixtures/v2.0/checkpoint-adamw` (README there), copied to a
 temporary folder.

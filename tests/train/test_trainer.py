@@ -93,11 +93,9 @@ def assert_same_gradients(ga: list[torch.Tensor], gb: list[torch.Tensor], names:
 
 def test_accumulation_equals_one_big_batch():
     # What accumulation must preserve is the gradient: K microbatches of B give the gradient of one
-    # batch of K*B.
-    # The gradients themselves are compared (and the weights after plain SGD, a linear function of
-    # them); an
-    # adaptive optimizer would turn last-bit differences of near-zero gradients into full-size
-    # updates.
+    # batch of K*B. The gradients themselves are compared (and the weights after plain SGD, a linear
+    # function of them); an adaptive optimizer would turn last-bit differences of near-zero
+    # gradients into full-size updates.
     small = token_batches(4, 2)
     big = [{k: torch.cat([small[i][k], small[i + 1][k]]) for k in small[0]} for i in (0, 2)]
     ta = make(config(data={"micro_batch_size": 2, "target_batch_size": 4}), small, max_steps=2)
@@ -267,8 +265,7 @@ def test_logged_lr_is_the_rate_of_the_update():
 
 class Poisonable(nn.Module):
     """Linear regression; a batch can ask for a NaN loss (`bad=1`), a NaN gradient under a finite
-    loss (`bad=2`), or an
-    infinite loss with finite gradients (`bad=3`)."""
+    loss (`bad=2`), or an infinite loss with finite gradients (`bad=3`)."""
 
     def __init__(self):
         super().__init__()
