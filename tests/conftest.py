@@ -127,14 +127,46 @@ HUB_TOKEN = "hf_test_write_token_0123456789"
 
 @pytest.fixture
 def cpu_to_itself(tmp_path_factory):
-    """Hold the test run's one CPU lock while the test runs: a test whose outcome depends on the
-    nodes keeping pace (a held-out loss after asynchronous rounds, a simulation at 60x) never runs
-    beside another that holds it. Under pytest-xdist the other worker runs any other test
-    meanwhile; its workers' temporary folders share a parent, where the lock file is."""
+    """Hold the test run's lock of paced tests while the test runs: a test whose outcome depends on
+    the nodes keeping pace (a simulation at 60x) never runs beside another that holds it. Under
+    pytest-xdist the other worker runs any other test meanwhile (a test that must have the CPU
+    alone is marked `cpu_alone`); its workers' temporary folders share a parent, where the lock file
+    is."""
     import fcntl
 
     with open(tmp_path_factory.getbasetemp().parent / "cpu-to-itself.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        yield
+
+
+@contextlib.contextmanager
+def cpu_share(exclusive: bool):
+    """Under pytest-xdist, the run's CPU lock for one test: shared by every test, or held alone by
+    one marked `cpu_alone` (nothing else runs meanwhile, not even the other worker's fixtures). A
+    turnstile lock taken first keeps a waiting `cpu_alone` test from being overtaken forever."""
+    import fcntl
+    import tempfile
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: nothing runs beside this test anyway
+        yield
+        return
+    folder = Path(tempfile.gettempdir())
+    with (
+        open(folder / f"speedtronic-tests-{run}.turnstile", "w") as turnstile,
+        open(folder / f"speedtronic-tests-{run}.cpu", "w") as cpu,
+    ):
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(cpu, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)  # the next test may come in
+        yield  # both are released when the files close, or the worker dies
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    "Every test's setup, call and teardown hold the run's CPU lock (`cpu_share`)."
+    with cpu_share(item.get_closest_marker("cpu_alone") is not None):
         yield
 
 
@@ -150,6 +182,11 @@ def pytest_configure(config):
         "markers",
         "hub_limits(**limits): the `hub` fixture's stand-in with these of HUB_LIMITS replaced "
         "(say why beside it)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "cpu_alone: under pytest-xdist nothing else runs while this test runs (an outcome that "
+        "depends on processes keeping pace with each other; say why beside it)",
     )
 
 

@@ -34,8 +34,10 @@ from speedtronic.registry import build_model
 from speedtronic.runtime import demo_corpus_text
 
 # the held-out loss of asynchronous rounds depends on the nodes keeping pace with each other: no
-# other such test runs beside these (conftest)
-pytestmark = pytest.mark.usefixtures("cpu_to_itself")
+# other test runs beside these (conftest's `cpu_share`). A node stopped for 3 s twice in a run of
+# about 10 s moved this ratio from 1.03 to 1.12; in one suite run beside the other worker's tests it
+# came to 1.24 and 1.15 (three busy loops beside them, but nothing else: 1.02 to 1.04)
+pytestmark = pytest.mark.cpu_alone
 TOKEN = "hf_launch_test_token_0123456789"
 NODES = ("master", "worker1", "worker2")
 STEPS, INNER = 200, 10  # the run 2.0 was measured on: 200 steps, 2.0's inner_steps 10

@@ -252,4 +252,16 @@ def test_a_node_killed_ten_times_sends_the_deltas_of_one_never_killed(tmp_path):
     killed_global = load_safetensors(tmp_path / "killed-repo" / GLOBAL_MODEL_PATH)
     assert calm_global.keys() == killed_global.keys()
     different = [k for k in calm_global if not torch.equal(calm_global[k], killed_global[k])]
-    assert not different, different
+    assert not different, (different, where_the_kills_landed(jsonl))
+
+
+def where_the_kills_landed(jsonl: Path) -> str:
+    """The killed node's life in its events: the step of each start, delta sent, install and
+    checkpoint, and each version it published."""
+    short = {"train_start": "start@", "delta_uploaded": "sent@", "outer_step": "published v"}
+    short |= {"global_installed": "installed@", "checkpoint": "saved@"}
+    return " ".join(
+        f"{short[e['event']]}{e.get('start_step', e.get('step', e.get('outer_step')))}"
+        for e in (json.loads(line) for line in jsonl.read_text().splitlines() if line.strip())
+        if e.get("event") in short
+    )
