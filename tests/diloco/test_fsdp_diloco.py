@@ -4,12 +4,13 @@ A 2-rank master under `parallel.strategy: fsdp` next to a one-process worker tra
 rounds (`boundary_wait`: each node waits at a boundary for the global holding its delta, so the run
 is deterministic):
 
-- every process exits 0, every delta of both nodes is folded once (the master's `outer_step` events,
-the ledger);
+- every process exits 0, every delta of both nodes is folded once (the master's `outer_step`
+  events, the ledger);
 - both ranks end on the final global (each rank's shards gathered whole and compared);
 - the final global equals what the same run gives with the master as a ddp job, to fp32 reduction
-order
-  (float32 deltas, so no bfloat16 rounding can turn a last-bit difference into a visible one).
+  order (float32 deltas, so no bfloat16 rounding can turn a last-bit difference into a visible
+  one);
+- the fsdp master's deltas carry the tied embedding and head once, as the ddp master's do.
 
 The checkpoints fall on round boundaries, where the inner optimizer was just reset: a sharded save
 must leave it fresh (`get_state_dict` gives an empty optimizer a state of one zero step), and a
@@ -177,6 +178,22 @@ def test_the_final_global_is_the_ddp_node_s(runs):
         torch.testing.assert_close(fsdp["global"][key], tensor, rtol=0, atol=1e-6, msg=key)
     moved = max((ddp["global"][k] - ddp["ranks"][0][k]).abs().max().item() for k in ddp["global"])
     assert moved == 0.0  # the ddp ranks end on their final global too
+
+
+def test_the_fsdp_node_sends_the_tied_embedding_and_head_once(runs):
+    """The model ties its head to its embedding: each delta of the fsdp master is the ddp master's
+    size, a head's bytes short of the float32 tensors with the pair counted twice."""
+    (fsdp_dir, fsdp), (ddp_dir, _) = runs["fsdp"], runs["ddp"]
+    sizes = {
+        name: [e["bytes"] for e in jsonl_records(folder / "master.jsonl", "delta_uploaded")]
+        for name, folder in (("fsdp", fsdp_dir), ("ddp", ddp_dir))
+    }
+    final = fsdp["global"]
+    assert torch.equal(final["lm_head.weight"], final["transformer.wte.weight"])  # tied
+    twice = sum(v.numel() * 4 for v in final.values() if v.is_floating_point())
+    head = final["lm_head.weight"].numel() * 4
+    assert sizes["fsdp"] == sizes["ddp"] and len(sizes["fsdp"]) == STEPS // ROUND, sizes
+    assert all(b <= twice - head for b in sizes["fsdp"]), (sizes, twice, head)
 
 
 RESETTING = r"""
