@@ -1,10 +1,11 @@
-"""Generation speed: tokens/s with the reference model's KV cache against full forwards, side by side.
+"""Generation speed: tokens/s with the reference model's KV cache against full forwards, side by
+side.
 
-Both runs use the same model, prompt and greedy decoding through `speedtronic.generation.generate_ids`;
-the uncached run wraps the model so it has no `new_cache` (the path a custom model takes: a full
-forward over the last `max_seq_len` tokens per new token). Runs alternate inside one process after a
-warm-up; the script prints the median tokens/s of each, the ratio cached/uncached, and checks both
-wrote the same tokens.
+Both runs use the same model, prompt and greedy decoding through
+`speedtronic.generation.generate_ids`; the uncached run wraps the model so it has no `new_cache`
+(the path a custom model takes: a full forward over the last `max_seq_len` tokens per new token).
+Runs alternate inside one process after a warm-up; the script prints the median tokens/s of each,
+the ratio cached/uncached, and checks both wrote the same tokens.
 
     OMP_NUM_THREADS=1 python bench/bench_generate.py              # CPU: demo model and a 512-token one
     python bench/bench_generate.py --device cuda --rounds 5

@@ -1,11 +1,12 @@
-"""Forward+backward time of the reference model against a plain PyTorch transformer of the same shape.
+"""Forward+backward time of the reference model against a plain PyTorch transformer of the same
+shape.
 
-Both models have the same architecture (RoPE, grouped-query attention through SDPA, SwiGLU,
-RMSNorm, tied embeddings), the same dims and the same batch. Runs alternate inside one process
-(warm-up first, then rounds of several iterations, ours and plain in turn), and the script prints
-the median ms/iter of each and the ratio ours/plain (on CPU also process-CPU time, which a busy shared
-machine disturbs less than wall time). On CUDA it also measures bf16 autocast, and ours with an
-all-ones `attention_mask` (the masked SDPA path a padded batch takes there).
+Both models have the same architecture (RoPE, grouped-query attention through SDPA, SwiGLU, RMSNorm,
+tied embeddings), the same dims and the same batch. Runs alternate inside one process (warm-up
+first, then rounds of several iterations, ours and plain in turn), and the script prints the median
+ms/iter of each and the ratio ours/plain (on CPU also process-CPU time, which a busy shared machine
+disturbs less than wall time). On CUDA it also measures bf16 autocast, and ours with an all-ones
+`attention_mask` (the masked SDPA path a padded batch takes there).
 
     python bench/bench_model.py                 # CPU, fp32, 2 threads
     python bench/bench_model.py --device cuda   # adds bf16 autocast

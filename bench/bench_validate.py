@@ -1,6 +1,8 @@
-"""How long `speedtronic validate` takes next to a bare `import torch` (fixes L3: validate loads no torch).
+"""How long `speedtronic validate` takes next to a bare `import torch` (fixes L3: validate loads no
+torch).
 
-Runs both as fresh subprocesses, alternating, N rounds each, and prints both medians and their ratio.
+Runs both as fresh subprocesses, alternating, N rounds each, and prints both medians and their
+ratio.
     python bench/bench_validate.py [--rounds 7] [--config configs/smoke.yaml]
 """
 

@@ -1,13 +1,14 @@
-"""Clean the notebooks in nbs/ with `nbdev_clean`, and check they hold the kernel metadata JupyterLab writes.
+"""Clean the notebooks in nbs/ with `nbdev_clean`, and check they hold the kernel metadata
+JupyterLab writes.
 
 JupyterLab needs a kernelspec in a notebook's metadata to start a kernel without asking ("Select
 Kernel"), and when the kernel starts it writes the kernel's `kernelspec` and `language_info` into
 the metadata: if they differ from what the file holds, the notebook opens already marked modified.
 `nbdev_clean` keeps both keys (`language_info` is in settings.ini's `allowed_metadata_keys`) and
 sets `kernelspec.display_name` to the kernel's name, `python3`; `tools/setup.sh` gives the
-environment's python3 kernel that display name, so what nbdev_clean keeps and what JupyterLab
-writes agree. This adds `KERNELSPEC`/`LANGUAGE_INFO` to a notebook that lacks them (a new one), so
-a plain `nbdev_clean` afterwards changes nothing. On another Python version JupyterLab still updates
+environment's python3 kernel that display name, so what nbdev_clean keeps and what JupyterLab writes
+agree. This adds `KERNELSPEC`/`LANGUAGE_INFO` to a notebook that lacks them (a new one), so a plain
+`nbdev_clean` afterwards changes nothing. On another Python version JupyterLab still updates
 `language_info.version` on open; nothing stored in a file can avoid that.
 
     python tools/clean_notebooks.py          # clean every notebook (nbdev_clean, then the metadata)

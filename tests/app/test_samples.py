@@ -271,8 +271,9 @@ def known_words(text: str, vocabulary: set[str]) -> float:
 
 def test_the_whole_demo_ends_with_samples_that_read_as_words_of_its_text(tmp_path):
     """The README demo as shipped (in a copy): its last sample, and what the README's `generate`
-    settings write at six seeds, are on average at least two thirds words of its training text (three
-    letters or more; measured here: 0.40 after the 300 steps shipped before, 0.78 after 600)."""
+    settings write at six seeds, are on average at least two thirds words of its training text
+    (three letters or more; measured here: 0.40 after the 300 steps shipped before, 0.78 after 600).
+    """
     shutil.copy(ROOT / "configs" / "demo.yaml", tmp_path / "demo.yaml")
     ok(run_cli("train", "--config", "demo.yaml", cwd=tmp_path, timeout=900))
     run = tmp_path / "runs" / "demo"

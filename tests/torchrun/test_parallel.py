@@ -1,4 +1,5 @@
-"""`speedtronic train` under torchrun: real processes on CPU (gloo), started with `python -m torch.distributed.run`.
+"""`speedtronic train` under torchrun: real processes on CPU (gloo), started with `python -m
+torch.distributed.run`.
 
 - 2 ranks x micro batch 4 reproduce 1 process x micro batch 8 (same per-step losses, same final weights);
 - kill -9 of one rank stops the job; resuming from the last checkpoint reproduces the uninterrupted run;
@@ -11,7 +12,8 @@
   every rank, the run id is rank 0's, a NaN loss on one rank stops (or, within the budget, skips) on every
   rank at the same step.
 
-The runs are tiny (a one-layer model, a few dozen steps) so the whole file stays around two minutes on 2 cores.
+The runs are tiny (a one-layer model, a few dozen steps) so the whole file stays around two minutes
+on 2 cores.
 """
 
 from __future__ import annotations
@@ -65,9 +67,9 @@ def write_config(
             "dropout": 0.0,
         },
         "data": {"block_size": 8, "micro_batch_size": micro, "target_batch_size": 16, **data},
-        # eps=1 keeps AdamW's update a smooth function of the gradient (about lr * m for these small gradients):
-        # a last-bit difference in a gradient stays a last-bit difference in the weights instead of being
-        # blown up to a full step by m / sqrt(v) of a near-zero gradient.
+        # eps=1 keeps AdamW's update a smooth function of the gradient (about lr * m for these small
+        # gradients): a last-bit difference in a gradient stays a last-bit difference in the weights
+        # instead of being blown up to a full step by m / sqrt(v) of a near-zero gradient.
         "optimizer": {"lr": 1e-2, "weight_decay": 0.0, "eps": 1.0, "grad_clip": 1.0},
         "scheduler": {"warmup_steps": 2},
         "precision": {"mode": "fp32"},
@@ -208,17 +210,19 @@ def rank_pid(launcher: subprocess.Popen, rank: int) -> int:
 
 
 def test_two_ranks_reproduce_one_process(tmp_path):
-    """Same samples per step: the per-step losses and final weights agree to fp32 reduction-order tolerance.
+    """Same samples per step: the per-step losses and final weights agree to fp32 reduction-order
+    tolerance.
 
-    Why a tolerance at all: one process sums the per-sample gradient contributions of 8 samples inside each
-    matmul; two ranks sum 4 each and gloo adds (then DDP halves) the two partial gradients. Both are the same
-    real number rounded in a different order, so gradients differ in their last bits (fp32: u = 2**-24 ~ 6e-8
-    relative, a few u per add over a few hundred terms, i.e. about 1e-6 of the gradient at worst). With
-    lr = 1e-2, 12 steps and a clipped gradient norm <= 1, and AdamW's eps=1 making the update a 1-Lipschitz
-    (times lr) function of the gradient, the weights can drift by at most ~12 * 1e-2 * 1e-6 ~ 1e-7 plus an
-    ulp of the weight (~1e-8 here). We allow atol = 1e-6 on the weights and rtol = 1e-6 on the losses
-    (about 8 fp32 ulps of a loss near 4). A wrong split — a sample missing, read twice or given to the wrong
-    step — moves a loss by ~1e-3 and the weights by ~1e-4, far outside.
+    Why a tolerance at all: one process sums the per-sample gradient contributions of 8 samples
+    inside each matmul; two ranks sum 4 each and gloo adds (then DDP halves) the two partial
+    gradients. Both are the same real number rounded in a different order, so gradients differ in
+    their last bits (fp32: u = 2**-24 ~ 6e-8 relative, a few u per add over a few hundred terms,
+    i.e. about 1e-6 of the gradient at worst). With lr = 1e-2, 12 steps and a clipped gradient norm
+    <= 1, and AdamW's eps=1 making the update a 1-Lipschitz (times lr) function of the gradient, the
+    weights can drift by at most ~12 * 1e-2 * 1e-6 ~ 1e-7 plus an ulp of the weight (~1e-8 here). We
+    allow atol = 1e-6 on the weights and rtol = 1e-6 on the losses (about 8 fp32 ulps of a loss near
+    4). A wrong split — a sample missing, read twice or given to the wrong step — moves a loss by
+    ~1e-3 and the weights by ~1e-4, far outside.
     """
     data = {
         "synthetic": True,

@@ -1,13 +1,14 @@
-"""Ctrl-C with real signals, in a child process: the last completed step is saved, a second Ctrl-C during
-that save waits for it, a third abandons it and the message says so, and the CLI keeps its exit code.
+"""Ctrl-C with real signals, in a child process: the last completed step is saved, a second Ctrl-C
+during that save waits for it, a third abandons it and the message says so, and the CLI keeps its
+exit code.
 
 The model of the child process is the reference transformer that sends its own process SIGINT in the
-forward pass of step 5 (the first Ctrl-C, at a known step: steps 1-4 are complete, step 3 has an interval
-checkpoint), and whose `state_dict()`, while the run is saving because of a Ctrl-C, says so on stderr and
-blocks reading a line from its stdin, which the test writes to let it go: a save that takes long enough to
-press Ctrl-C into, as a big model or a slow disk gives. No sleeps and no timing assertions: the test waits on
-the child's output lines (a condition its reader threads signal) and on the process; the timeouts only bound
-how long a condition may take to become true.
+forward pass of step 5 (the first Ctrl-C, at a known step: steps 1-4 are complete, step 3 has an
+interval checkpoint), and whose `state_dict()`, while the run is saving because of a Ctrl-C, says so
+on stderr and blocks reading a line from its stdin, which the test writes to let it go: a save that
+takes long enough to press Ctrl-C into, as a big model or a slow disk gives. No sleeps and no timing
+assertions: the test waits on the child's output lines (a condition its reader threads signal) and
+on the process; the timeouts only bound how long a condition may take to become true.
 """
 
 import json, os, signal, subprocess, sys, threading
