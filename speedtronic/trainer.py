@@ -65,9 +65,8 @@ class TrainingInterrupted(KeyboardInterrupt):
     its last completed step.
 
     `result` is the `TrainResult` of the steps done so far, `checkpoint` the newest checkpoint file
-    after the stop
-    (or `None`) and `saved` whether it holds the last completed step; `resume_hint` says how to go
-    on."""
+    after the stop (or `None`) and `saved` whether it holds the last completed step; `resume_hint`
+    says how to go on."""
 
     def __init__(
         self,
@@ -103,15 +102,12 @@ class SyncCoordinator(Protocol):
     """What the trainer calls around training; DiLoCo and other sync schemes implement it.
 
     `start()` runs when a `fit` has work to do and `stop()` always when it ends.
-    `after_optimizer_step(model, step)`
-    runs after each applied update and its scheduler step; a truthy return tells the trainer to
-    clear the inner
-    optimizer's state (`optimizer.state`). The coordinator decides when that is wanted: the DiLoCo
-    coordinator
-    returns True after it pushed or installed weights, and only when its `reset_inner_optimizer`
-    setting is on.
-    `state_dict()` is saved in every checkpoint and given back through `load_state_dict` (or, when
-    the coordinator has one, `prepare_state` before `start()`) on resume.
+    `after_optimizer_step(model, step)` runs after each applied update and its scheduler step; a
+    truthy return tells the trainer to clear the inner optimizer's state (`optimizer.state`). The
+    coordinator decides when that is wanted: the DiLoCo coordinator returns True after it pushed or
+    installed weights, and only when its `reset_inner_optimizer` setting is on. `state_dict()` is
+    saved in every checkpoint and given back through `load_state_dict` (or, when the coordinator has
+    one, `prepare_state` before `start()`) on resume.
 
     Optional methods, called when the coordinator has them: `set_target(step)` before `start()`,
     with the step this `fit` trains to (a DiLoCo node marks the delta of that step as its last);
