@@ -17,19 +17,19 @@ format costs. Wire rows give the bytes of one delta of this model in each delta 
 own encoding). The one table printed at the end is the place the docs cite measured DiLoCo numbers
 from.
 
-    python bench/bench_diloco.py
     # baseline, directory and Hub runs, 3 seeds (tens of minutes on 2 cores)
-    python bench/bench_diloco.py --compare
+    python bench/bench_diloco.py
     # also staleness policies and delta dtypes (directory)
+    python bench/bench_diloco.py --compare
     python bench/bench_diloco.py --steps 400 --inner-steps 25
-    python bench/bench_diloco.py --seeds 1,2,3,4,5
     # every row once per seed: single runs of a tiny model vary by several %
+    python bench/bench_diloco.py --seeds 1,2,3,4,5
 
-    # the run 2.0 was measured on (master + 2 workers, 200 steps, inner_steps 10): plain averaging, whole rounds and 2.0's
-
-    # keys on the Hub, one seed (about 5 minutes on 2 busy cores; add --transports directory,hub for the directory rows)
-    OMP_NUM_THREADS=1 python bench/bench_diloco.py --nodes 3 --steps 200 --inner-steps 10
-    --transports hub --seeds 1234
+    # the run 2.0 was measured on (master + 2 workers, 200 steps, inner_steps 10): plain
+    # averaging, whole rounds and 2.0's keys on the Hub, one seed (about 5 minutes on 2 busy
+    # cores; add --transports directory,hub for the directory rows)
+    OMP_NUM_THREADS=1 python bench/bench_diloco.py --nodes 3 --steps 200 --inner-steps 10 \
+        --transports hub --seeds 1234
 """
 
 from __future__ import annotations
@@ -372,34 +372,56 @@ def show_table(print_table, save: str | None, heading: str) -> None:
         Path(save).write_text(heading + table.getvalue().lstrip("\n"))
 
 
-def _encodings_table(rows: dict[str, list[dict]]) -> None:
-    float32 = rows[next(n for n in rows if "float32, adamw" in n)][0]["delta_kb"]
+def runs_table(rows: dict[str, list[dict]], name_width: int, columns: list, note: str) -> None:
+    """Print `rows` (a row name -> its runs) as a table: a line per row, the row's name then each
+    column's cell, then `note`. A column is `(title, width, cell)`; `cell(mean, runs)` gives its
+    text, or None for a blank (a row without that number); `mean(key)` is the mean of `key` over
+    the row's runs."""
     print()
     print(
-        f"{'run':52s} {'delta kB':>8s} {'vs f32':>7s} {'held-out':>8s} {'vs sync':>7s} "
-        f"{'vs f32 run':>10s} {'range':>13s} {'wall s':>6s}"
+        " ".join([f"{'run':{name_width}s}", *(f"{title:>{width}s}" for title, width, _ in columns)])
     )
     for name, runs in rows.items():
-        mean = lambda key: sum(r[key] for r in runs) / len(runs)
-        ratios = [r["vs_f32"] for r in runs]
-        spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
-        kb = (
-            f"{mean('delta_kb'):8.1f} {float32 / mean('delta_kb'):6.1f}x"
-            if "delta_kb" in runs[0]
-            else f"{'':8s} {'':7s}"
-        )
-        print(
-            f"{name:52s} {kb} {mean('loss'):8.4f} {mean('ratio'):6.3f}x "
-            f"{mean('vs_f32'):9.3f}x {spread:>13s} {mean('wall'):6.0f}"
-        )
-    print(
-        "\ndelta kB = one node's delta file per round (safetensors with its header); vs f32 = how "
+        mean = lambda key: sum(r.get(key, 0) for r in runs) / len(runs)
+        cells = [cell(mean, runs) for _, _, cell in columns]
+        line = [
+            f"{name:{name_width}s}",
+            *(c if c is not None else " " * w for c, (_, w, _) in zip(cells, columns)),
+        ]
+        print(" ".join(line).rstrip())
+    print("\n" + note)
+
+
+def spread(runs: list[dict], key: str = "ratio") -> str:
+    "The lowest and highest of `key` over `runs` ('' for one run)."
+    values = [r[key] for r in runs]
+    return f"{min(values):.3f}..{max(values):.3f}" if len(runs) > 1 else ""
+
+
+def _encodings_table(rows: dict[str, list[dict]]) -> None:
+    float32 = rows[next(n for n in rows if "float32, adamw" in n)][0]["delta_kb"]
+    has_bytes = lambda runs: "delta_kb" in runs[0]
+    columns = [
+        ("delta kB", 8, lambda m, r: f"{m('delta_kb'):8.1f}" if has_bytes(r) else None),
+        ("vs f32", 7, lambda m, r: f"{float32 / m('delta_kb'):6.1f}x" if has_bytes(r) else None),
+        ("held-out", 8, lambda m, r: f"{m('loss'):8.4f}"),
+        ("vs sync", 7, lambda m, r: f"{m('ratio'):6.3f}x"),
+        ("vs f32 run", 10, lambda m, r: f"{m('vs_f32'):9.3f}x"),
+        ("range", 13, lambda m, r: f"{spread(r, 'vs_f32'):>13s}"),
+        ("wall s", 6, lambda m, r: f"{m('wall'):6.0f}"),
+    ]
+    runs_table(
+        rows,
+        52,
+        columns,
+        "delta kB = one node's delta file per round (safetensors with its header); vs f32 = how "
         "many times smaller than float32's; held-out = the final global's loss; vs sync = against "
         "the same seed's synchronous baseline; vs f32 run = against the same seed's float32 "
         "lockstep run with the same inner optimizer, range over the seeds; feedback = the node's "
         "residual (what its encoding lost) added to its next delta, feedback 0.9 = faded by 0.9 "
-        "a round first (distributed.feedback_decay, SparseLoCo's accumulator). Every delta is one whole round of inner steps; lockstep = "
-        "every round folds every node's delta (whole rounds, in one process)."
+        "a round first (distributed.feedback_decay, SparseLoCo's accumulator). Every delta is one "
+        "whole round of inner steps; lockstep = every round folds every node's delta (whole "
+        "rounds, in one process).",
     )
 
 
@@ -459,8 +481,8 @@ def run_diloco(
     tag = (
         f"{transport}-2.0-keys"
         if v2_keys
-        else f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}-{boundary_wait:g}"
-        f"-{layout}{f'-{limit[0]}per{limit[1]:g}' if limit else ''}"
+        else f"{transport}-{staleness}-{dtype}-{outer[0]:g}-{outer[1]:g}-{int(reset)}"
+        f"-{boundary_wait:g}-{layout}{f'-{limit[0]}per{limit[1]:g}' if limit else ''}"
         f"-slow{slow:g}-{int(leave_out_last)}"
     )
     count = args.nodes - 1 if leave_out_last else args.nodes  # the nodes that run
@@ -665,26 +687,26 @@ def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) 
 
 
 def _stragglers_table(rows: dict[str, list[dict]]) -> None:
-    print()
-    print(
-        f"{'run':44s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'folded':>6s} "
-        f"{'versions':>8s} {'round s':>7s} {'vs full':>7s} {'longest':>7s} {'wall s':>6s}"
-    )
-    for name, runs in rows.items():
-        mean = lambda key: sum(r[key] for r in runs) / len(runs)
-        ratios = [r["ratio"] for r in runs]
-        spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
-        print(
-            f"{name:44s} {mean('loss'):8.4f} {mean('ratio'):6.3f}x {spread:>13s} "
-            f"{mean('folded'):6.1f} {mean('versions'):8.1f} {mean('round_s'):7.2f} "
-            f"{mean('round_vs'):6.2f}x {mean('longest_s'):7.2f} {mean('wall'):6.0f}"
-        )
-    print(
-        "\nround s = the mean time between two of the master's publications, longest = the "
+    columns = [
+        ("held-out", 8, lambda m, r: f"{m('loss'):8.4f}"),
+        ("vs sync", 7, lambda m, r: f"{m('ratio'):6.3f}x"),
+        ("range", 13, lambda m, r: f"{spread(r):>13s}"),
+        ("folded", 6, lambda m, r: f"{m('folded'):6.1f}"),
+        ("versions", 8, lambda m, r: f"{m('versions'):8.1f}"),
+        ("round s", 7, lambda m, r: f"{m('round_s'):7.2f}"),
+        ("vs full", 7, lambda m, r: f"{m('round_vs'):6.2f}x"),
+        ("longest", 7, lambda m, r: f"{m('longest_s'):7.2f}"),
+        ("wall s", 6, lambda m, r: f"{m('wall'):6.0f}"),
+    ]
+    runs_table(
+        rows,
+        44,
+        columns,
+        "round s = the mean time between two of the master's publications, longest = the "
         "longest (the final round, which waits for every node's last delta, not counted); "
         "vs full = over the run with every node at full speed, same seed; vs sync = held-out loss "
         "over the same seed's synchronous baseline of all the nodes' batches; the slow worker "
-        "does a slow-th of the steps, so it ends when the others do"
+        "does a slow-th of the steps, so it ends when the others do",
     )
 
 
@@ -755,33 +777,32 @@ def run_layouts(args, work: Path, train: Path, held: Path, seeds: list[int]) -> 
 
 
 def _layouts_table(rows: dict[str, list[dict]], limit: tuple[int, float]) -> None:
-    print()
-    print(
-        f"{'run':72s} {'held-out':>8s} {'vs sync':>7s} {'folded':>6s} {'uploaded':>8s} "
-        f"{'commits':>7s} {'429/409':>7s} {'API':>6s} {'dl':>6s} {'wall s':>6s} {'vs first':>8s}"
-    )
-    for name, runs in rows.items():
-        mean = lambda key: sum(r.get(key, 0) for r in runs) / len(runs)
-        if "slowdown" not in runs[0]:
-            print(
-                f"{name:72s} {mean('loss'):8.4f} {1.0:6.3f}x {'':6s} {'':8s} {'':7s} {'':7s} "
-                f"{'':6s} {'':6s} {mean('wall'):6.0f}"
-            )
-            continue
-        commits = mean("node_commits") + mean("master_commits")
-        print(
-            f"{name:72s} {mean('loss'):8.4f} {mean('ratio'):6.3f}x {mean('folded'):6.1f} "
-            f"{mean('uploaded'):8.1f} {commits:7.0f} {mean('refused'):7.0f} {mean('api'):6.0f} "
-            f"{mean('downloads'):6.0f} {mean('wall'):6.0f} {mean('slowdown'):7.2f}x"
-        )
-    print(
-        f"\nlimit {limit[0]}/{limit[1]:g}s = the stand-in answers 429 past {limit[0]} commits per "
+    diloco = lambda runs: "slowdown" in runs[0]  # the baseline row has loss and wall only
+    commits = lambda m: m("node_commits") + m("master_commits")
+    only_diloco = lambda text: lambda m, r: text(m) if diloco(r) else None
+    columns = [
+        ("held-out", 8, lambda m, r: f"{m('loss'):8.4f}"),
+        ("vs sync", 7, lambda m, r: f"{m('ratio') if diloco(r) else 1.0:6.3f}x"),
+        ("folded", 6, only_diloco(lambda m: f"{m('folded'):6.1f}")),
+        ("uploaded", 8, only_diloco(lambda m: f"{m('uploaded'):8.1f}")),
+        ("commits", 7, only_diloco(lambda m: f"{commits(m):7.0f}")),
+        ("429/409", 7, only_diloco(lambda m: f"{m('refused'):7.0f}")),
+        ("API", 6, only_diloco(lambda m: f"{m('api'):6.0f}")),
+        ("dl", 6, only_diloco(lambda m: f"{m('downloads'):6.0f}")),
+        ("wall s", 6, lambda m, r: f"{m('wall'):6.0f}"),
+        ("vs first", 8, only_diloco(lambda m: f"{m('slowdown'):7.2f}x")),
+    ]
+    runs_table(
+        rows,
+        72,
+        columns,
+        f"limit {limit[0]}/{limit[1]:g}s = the stand-in answers 429 past {limit[0]} commits per "
         f"repository per {limit[1]:g} s (the Hub's 128 an hour, scaled) and 409 to a second "
         "concurrent commit; per-node = distributed.hub_layout: per-node; vs first = wall time "
         "over the first DiLoCo row's run of the same seed; 429/409 = the refusals the nodes "
         "met; commits = on the run's repository and the nodes' (a node's deltas, the master's "
         "publications); API, dl = the /api/ calls and /resolve/ downloads the stand-in answered, "
-        "all nodes together"
+        "all nodes together",
     )
 
 
@@ -998,47 +1019,39 @@ def main(argv=None) -> None:
 
 def print_table(rows: dict[str, list[dict]]) -> None:
     "The one table of measured numbers: a line per row, means over its runs (seeds x repeats)."
-    print()
-    print(
-        f"{'run':56s} {'held-out':>8s} {'vs sync':>7s} {'range':>13s} {'uploaded':>8s} "
-        f"{'folded':>6s} {'versions':>8s} "
-        f"{'commits/v':>9s} {'delta kB':>8s} {'global kB':>9s} {'wall s':>6s}"
-    )
-    for name, runs in rows.items():
-        mean = lambda key: sum(r[key] for r in runs) / len(runs)
-        if "loss" not in runs[0]:  # a wire row: bytes only
-            print(
-                f"{name:56s} {'':8s} {'':7s} {'':13s} {'':8s} {'':6s} {'':8s} {'':9s} "
-                f"{mean('delta_kb'):8.1f}"
-            )
-            continue
-        ratios = [r["ratio"] for r in runs]
-        spread = f"{min(ratios):.3f}..{max(ratios):.3f}" if len(runs) > 1 else ""
-        extra = f"{'':8s} {'':6s} {'':8s} {'':9s} {'':8s} {'':9s}"
-        if "versions" in runs[0]:
-            per_version = (mean("node_commits") + mean("master_commits")) / max(1, mean("versions"))
-            extra = (
-                f"{mean('uploaded'):8.1f} {mean('folded'):6.1f} {mean('versions'):8.1f} "
-                f"{per_version:9.2f} {mean('delta_kb'):8.1f} "
-                f"{mean('global_kb'):9.1f}"
-            )
-        print(
-            f"{name:56s} {mean('loss'):8.4f} {sum(ratios) / len(ratios):6.3f}x {spread:>13s} "
-            f"{extra} {mean('wall'):6.0f}"
-        )
-    print(
-        "\nvs sync = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) "
-        "of held-out loss / the same "
-        "seed's synchronous baseline; range = the lowest and highest of them. uploaded = deltas "
-        "the nodes uploaded; folded = "
-        "deltas the master folded into a published global; versions = published global versions; "
-        "commits/v = (node deltas + "
+    trained = lambda runs: "loss" in runs[0]  # a wire row has bytes only
+    rounds = lambda runs: trained(runs) and "versions" in runs[0]
+    per_version = lambda m: (m("node_commits") + m("master_commits")) / max(1, m("versions"))
+    when = lambda test, text: lambda m, r: text(m) if test(r) else None
+    columns = [
+        ("held-out", 8, when(trained, lambda m: f"{m('loss'):8.4f}")),
+        ("vs sync", 7, when(trained, lambda m: f"{m('ratio'):6.3f}x")),
+        ("range", 13, lambda m, r: f"{spread(r):>13s}" if trained(r) else None),
+        ("uploaded", 8, when(rounds, lambda m: f"{m('uploaded'):8.1f}")),
+        ("folded", 6, when(rounds, lambda m: f"{m('folded'):6.1f}")),
+        ("versions", 8, when(rounds, lambda m: f"{m('versions'):8.1f}")),
+        ("commits/v", 9, when(rounds, lambda m: f"{per_version(m):9.2f}")),
+        (
+            "delta kB",
+            8,
+            lambda m, r: f"{m('delta_kb'):8.1f}" if rounds(r) or not trained(r) else None,
+        ),
+        ("global kB", 9, when(rounds, lambda m: f"{m('global_kb'):9.1f}")),
+        ("wall s", 6, when(trained, lambda m: f"{m('wall'):6.0f}")),
+    ]
+    runs_table(
+        rows,
+        56,
+        columns,
+        "vs sync = mean over the row's runs (one per seed, and per repeat for the DiLoCo runs) of "
+        "held-out loss / the same seed's synchronous baseline; range = the lowest and highest of "
+        "them. uploaded = deltas the nodes uploaded; folded = deltas the master folded into a "
+        "published global; versions = published global versions; commits/v = (node deltas + "
         "master publications) per version; delta kB = one delta on the wire; global kB = the "
-        "weights published each version "
-        "(each node downloads it); outer a/b = outer_lr/outer_momentum; reset = "
-        "reset_inner_optimizer; wait = "
-        "distributed.boundary_wait (whole rounds); 2.0 keys = only the distributed keys of a 2.0 "
-        "config, the rest at defaults"
+        "weights published each version (each node downloads it); outer a/b = "
+        "outer_lr/outer_momentum; reset = reset_inner_optimizer; wait = distributed.boundary_wait "
+        "(whole rounds); 2.0 keys = only the distributed keys of a 2.0 config, the rest at "
+        "defaults",
     )
 
 
