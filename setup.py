@@ -37,8 +37,8 @@ tokenizers_requirements = shlex.split(cfg.get("tokenizers_requirements", ""))
 datasets_requirements = shlex.split(cfg.get("datasets_requirements", ""))
 hf_requirements = shlex.split(cfg.get("hf_requirements", ""))  # export and load with transformers
 
-# The shipped configs live at the top level (configs/, examples/) and are installed
-# inside the package as speedtronic.configs / speedtronic.examples (2.0 shipped them only in the sdist).
+# The shipped configs live at the top level (configs/, examples/) and are installed inside the
+# package as speedtronic.configs / speedtronic.examples (2.0 shipped them only in the sdist).
 packages = setuptools.find_packages(include=[cfg["lib_name"], cfg["lib_name"] + ".*"])
 packages += [cfg["lib_name"] + ".configs", cfg["lib_name"] + ".examples"]
 package_dir = {cfg["lib_name"] + ".configs": "configs", cfg["lib_name"] + ".examples": "examples"}

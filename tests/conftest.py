@@ -36,7 +36,8 @@ def v2_fixtures_dir() -> tuple[Path | None, str]:
 
 
 V2_FIXTURES, V2_FIXTURES_MISSING = v2_fixtures_dir()
-# a marker for a test that reads the 2.0 fixtures: skipped, with the reason and the fix, without them
+# a marker for a test that reads the 2.0 fixtures: skipped, with the reason and the fix, without
+# them
 needs_v2_fixtures = pytest.mark.skipif(V2_FIXTURES is None, reason=V2_FIXTURES_MISSING)
 
 

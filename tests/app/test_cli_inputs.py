@@ -1,4 +1,5 @@
-"""Bad inputs a user really types, through the real CLI in subprocesses: one clear line, exit 2, nothing lost."""
+"""Bad inputs a user really types, through the real CLI in subprocesses: one clear line, exit 2,
+nothing lost."""
 
 from __future__ import annotations
 

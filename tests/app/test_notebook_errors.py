@@ -1,4 +1,5 @@
-"""In a notebook an expected error shows its message alone, the traceback one `%tb` away: a real IPython shell runs the cells."""
+"""In a notebook an expected error shows its message alone, the traceback one `%tb` away: a real
+IPython shell runs the cells."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Errors that are one clear line (exit 2, no traceback) and messages that point the right way; what `validate --deep`
-passes does not fail at step 1 for a reason it could see."""
+"""Errors that are one clear line (exit 2, no traceback) and messages that point the right way; what
+`validate --deep` passes does not fail at step 1 for a reason it could see."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Path keys read as a shell user writes them (`~`, `$VAR`), and a node id that fits a file name: what the
-configuration accepts is what training can use, and what it refuses is named in one line."""
+"""Path keys read as a shell user writes them (`~`, `$VAR`), and a node id that fits a file name:
+what the configuration accepts is what training can use, and what it refuses is named in one line.
+"""
 
 from __future__ import annotations
 

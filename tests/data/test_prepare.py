@@ -1,4 +1,5 @@
-"""`prepare_token_file` end to end: real text files, real Hugging Face tokenizers, memory-mapped read-back."""
+"""`prepare_token_file` end to end: real text files, real Hugging Face tokenizers, memory-mapped
+read-back."""
 
 import json
 import random

@@ -201,7 +201,8 @@ import sys, yaml
 from speedtronic.runtime import build_runtime, close_logger
 from speedtronic.parallel import end_process
 class ResetEvery4:
-    "A sync scheme that asks for a fresh inner optimizer every 4 steps, as DiLoCo's reset_inner_optimizer does at a boundary."
+    '''A sync scheme that asks for a fresh inner optimizer every 4 steps, as DiLoCo's
+    reset_inner_optimizer does at a boundary.'''
     def start(self): pass
     def after_optimizer_step(self, model, step): return step % 4 == 0
     def stop(self): pass

@@ -1,4 +1,5 @@
-"""The wheel ships the package, the exported modules, and the example configs (2.0 shipped them only in the sdist)."""
+"""The wheel ships the package, the exported modules, and the example configs (2.0 shipped them only
+in the sdist)."""
 
 import json, subprocess, sys, zipfile
 from pathlib import Path

@@ -1,4 +1,5 @@
-"""`data.hf_dataset` end to end: kill -9 of a CLI run and `--resume` give the uninterrupted run's losses, bad input is one line."""
+"""`data.hf_dataset` end to end: kill -9 of a CLI run and `--resume` give the uninterrupted run's
+losses, bad input is one line."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bare(code, *args, env=None, timeout=180):
-    "Run `code` in a fresh interpreter whose environment is the repository's path, PATH, HOME and `env`."
+    """Run `code` in a fresh interpreter whose environment is the repository's path, PATH, HOME and
+    `env`."""
     bare = {
         "PYTHONPATH": str(ROOT),
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

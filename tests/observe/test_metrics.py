@@ -1,4 +1,5 @@
-"""Multi-process and process-exit behaviour of `speedtronic.profiling.MetricLogger` (spec §9.2, O1/O3/O4/O8)."""
+"""Multi-process and process-exit behaviour of `speedtronic.profiling.MetricLogger` (spec §9.2,
+O1/O3/O4/O8)."""
 
 import json
 import subprocess

@@ -84,7 +84,8 @@ def write_config(
 
 
 def token_file(tmp: Path, blocks: int = 200, bad_block: int | None = None) -> Path:
-    "A token file of `blocks` blocks of 9 ids below 64 (its sidecar says vocabulary 64); `bad_block` holds id 100."
+    """A token file of `blocks` blocks of 9 ids below 64 (its sidecar says vocabulary 64);
+    `bad_block` holds id 100."""
     ids = np.random.default_rng(0).integers(0, 64, size=blocks * 9).astype(np.uint16)
     if bad_block is not None:
         ids[bad_block * 9 + 3] = 100
@@ -181,7 +182,8 @@ def wait_for_step(proc: subprocess.Popen, jsonl: Path, step: int, timeout: float
 
 
 def stop_at_step(job: subprocess.Popen, jsonl: Path, step: int) -> None:
-    "SIGTERM to `job` once `step` is in `jsonl`; the test fails unless the job then ends within 120 s."
+    """SIGTERM to `job` once `step` is in `jsonl`; the test fails unless the job then ends within
+    120 s."""
     wait_for_step(job, jsonl, step)
     job.send_signal(signal.SIGTERM)
     try:
@@ -264,7 +266,8 @@ TOKEN_STEPS = 16
 
 @pytest.fixture(scope="module")
 def token_runs(tmp_path_factory):
-    "The uninterrupted 2-rank run on a shuffled token file read by 2 workers per rank: per-step losses and final model."
+    """The uninterrupted 2-rank run on a shuffled token file read by 2 workers per rank: per-step
+    losses and final model."""
     tmp = tmp_path_factory.mktemp("tokens")
     data = {
         "token_file": str(token_file(tmp)),
@@ -325,7 +328,8 @@ def test_sigterm_saves_once_then_resume(token_runs):
 
 
 def test_a_data_error_on_one_rank_stops_the_job(tmp_path):
-    # groups of 8 blocks in order: rank 1 reads blocks 4-7 of each group; block 8 * 5 + 5 is read in step 3
+    # groups of 8 blocks in order: rank 1 reads blocks 4-7 of each group; block 8 * 5 + 5 is read in
+    # step 3
     bad = token_file(tmp_path, blocks=80, bad_block=45)
     cfg = write_config(tmp_path, "bad", micro=4, data={"token_file": str(bad), "synthetic": False})
     job = torchrun(cfg)
@@ -389,7 +393,8 @@ end_process(0)  # a process that started a gloo group ends without C++ teardown 
 
 
 def test_raise_together_gives_every_rank_one_verdict(tmp_path):
-    "Between two real processes: the lowest failing rank raises (and reports) its own error, the others a JobError."
+    """Between two real processes: the lowest failing rank raises (and reports) its own error, the
+    others a JobError."""
     script = tmp_path / "job.py"
     script.write_text(JOB_SCRIPT)
     cmd = [
@@ -469,7 +474,8 @@ from torch import nn
 from speedtronic.registry import register_model
 
 class NanOnOneRank(nn.Module):
-    "A tiny language model whose loss is NaN on rank 1 at the forward calls in $NAN_CALLS, with finite gradients."
+    '''A tiny language model whose loss is NaN on rank 1 at the forward calls in $NAN_CALLS, with
+    finite gradients.'''
     def __init__(self, vocab_size=64, **_):
         super().__init__()
         self.emb, self.head, self.calls = nn.Embedding(vocab_size, 16), nn.Linear(16, vocab_size), 0
@@ -521,7 +527,8 @@ def nan_job(
 
 
 def test_a_nan_loss_on_one_rank_stops_every_rank_with_one_message(tmp_path):
-    # 2 microbatches per rank and update: forward call 5 of rank 1 is in step 3; its gradients stay finite
+    # 2 microbatches per rank and update: forward call 5 of rank 1 is in step 3; its gradients stay
+    # finite
     _, job = nan_job(tmp_path, "nan", "5")
     try:
         line = refused(job)
@@ -554,7 +561,7 @@ def test_a_nan_loss_on_one_rank_is_skipped_by_every_rank_within_the_budget(tmp_p
     )
 
 
-# ---------------------------------------------------------------- the job is checked before it starts
+# -------------------------------------------------------------- the job is checked before it starts
 
 
 def as_rank(monkeypatch, rank: int = 0, size: int = 2) -> None:
@@ -595,7 +602,8 @@ def summary_of(err: str) -> str:
 
 
 def test_a_batch_that_does_not_divide_under_torchrun_says_so_once_per_rank(tmp_path):
-    "Real torchrun, 2 ranks: each rank says the error in one line at most, exits 2, and torchrun's summary holds no traceback of ours."
+    """Real torchrun, 2 ranks: each rank says the error in one line at most, exits 2, and torchrun's
+    summary holds no traceback of ours."""
     cfg = write_config(
         tmp_path, "odd", micro=3, data={"synthetic": True, "num_tokens": 40, "target_batch_size": 9}
     )
@@ -654,7 +662,8 @@ def diloco_node(tmp: Path, name: str, role: str, index: int, micro: int) -> Path
 
 
 def test_a_diloco_node_can_be_a_torchrun_job(tmp_path):
-    "A 2-rank DiLoCo master next to a one-process worker: every delta folded once, both ranks end on the same weights."
+    """A 2-rank DiLoCo master next to a one-process worker: every delta folded once, both ranks end
+    on the same weights."""
     from speedtronic.distributed import SharedDirectory
     from speedtronic.distributed.tensors import GLOBAL_MODEL_PATH, load_safetensors
 
@@ -716,7 +725,8 @@ def test_a_diloco_node_can_be_a_torchrun_job(tmp_path):
 
 
 def test_one_process_checkpoint_is_resumed_by_a_job(tmp_path):
-    "A job continues a one-process run where it stopped: the data position is the job's (tests/test_elastic_resume.py: exactly)."
+    """A job continues a one-process run where it stopped: the data position is the job's
+    (tests/test_elastic_resume.py: exactly)."""
     data = {"synthetic": True, "num_tokens": 40}
     single = write_config(tmp_path, "single", micro=8, data=data, steps=3)
     finish(one_process(single))
@@ -729,11 +739,12 @@ def test_one_process_checkpoint_is_resumed_by_a_job(tmp_path):
     assert (state["samples"], state["rng"]["world_size"]) == (6 * 16, 2)
 
 
-# ---------------------------------------------------------------- loaders of ranks x workers (no torchrun needed)
+# -------------------------------------------------- loaders of ranks x workers (no torchrun needed)
 
 
 def test_token_file_ranks_with_workers_split_the_single_loader_batches(tmp_path):
-    "2 ranks x 2 workers x micro 4 hold, batch for batch, the halves of 1 process x micro 8 without workers (shuffled, past an epoch)."
+    """2 ranks x 2 workers x micro 4 hold, batch for batch, the halves of 1 process x micro 8
+    without workers (shuffled, past an epoch)."""
     from speedtronic.data import ResumableDataLoader, TokenFileDataset, infinite_batches
 
     path = token_file(tmp_path, blocks=200)
@@ -759,7 +770,8 @@ def test_token_file_ranks_with_workers_split_the_single_loader_batches(tmp_path)
 
 
 def test_text_ranks_with_workers_split_the_single_loader_batches(tmp_path):
-    "A text stream of several segments read by 2 ranks x 2 workers x micro 2: batch for batch the halves of 1 process x micro 4."
+    """A text stream of several segments read by 2 ranks x 2 workers x micro 2: batch for batch the
+    halves of 1 process x micro 4."""
     from speedtronic.data import ResumableDataLoader, TextFileTokenDataset
 
     text = tmp_path / "corpus.txt"
@@ -782,7 +794,7 @@ def test_text_ranks_with_workers_split_the_single_loader_batches(tmp_path):
         assert torch.equal(torch.cat([a, b]), single[i]), i
 
 
-# ---------------------------------------------------------------- torchrun's variables without torchrun, a rank that dies
+# ------------------------------------------ torchrun's variables without torchrun, a rank that dies
 
 
 def stray_env(tmp: Path, rank: int, port: int, **extra: str) -> dict:
@@ -860,7 +872,8 @@ def test_stray_world_size_without_master_addr(tmp_path):
 
 
 def test_stray_variables_behind_a_batch_that_cannot_split_are_named(tmp_path):
-    # The default global batch cannot split over the 2 "processes" a stray WORLD_SIZE makes: the message says to unset them.
+    # The default global batch cannot split over the 2 "processes" a stray WORLD_SIZE makes: the
+    # message says to unset them.
     cfg = tiny_config(tmp_path, max_steps=2)
     proc = subprocess.run(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"],

@@ -1,4 +1,5 @@
-"""A diverging run (NaN/inf loss or gradient) stops with one clear error and never costs the last good checkpoint."""
+"""A diverging run (NaN/inf loss or gradient) stops with one clear error and never costs the last
+good checkpoint."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ from speedtronic.model import ReferenceTransformer
 from speedtronic.registry import register_model
 
 class SlowToSave(ReferenceTransformer):
-    "The reference model: Ctrl-C in the forward pass of step 5; while a Ctrl-C is handled, state_dict() waits for the test."
+    '''The reference model: Ctrl-C in the forward pass of step 5; while a Ctrl-C is handled,
+    state_dict() waits for the test.'''
     calls = 0
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -71,7 +72,8 @@ STARTED: list[subprocess.Popen] = []  # every child of the current test, ended b
 
 
 class Child:
-    "A training process whose output lines are collected as they come; each new line (and each stream's end) is signalled."
+    """A training process whose output lines are collected as they come; each new line (and each
+    stream's end) is signalled."""
 
     def __init__(
         self, args: list[str], cwd: Path, stop_signal: str = "SIGINT", env: dict | None = None
@@ -137,7 +139,8 @@ class Child:
         self.proc.send_signal(signal.SIGINT)
 
     def finish(self) -> int:
-        "The exit code, once the child has exited and both reader threads have taken its last lines."
+        """The exit code, once the child has exited and both reader threads have taken its last
+        lines."""
         try:
             rc = self.proc.wait(240)  # stdin stays open: its end would let a held save go on
         finally:
@@ -262,7 +265,8 @@ print("RESULT " + json.dumps({"first": first, "holder": holder, "fresh": fresh, 
 
 
 def test_an_interrupted_run_releases_its_directory_and_resumes_in_the_same_process(work):
-    "After the interrupt the lock is gone: a fresh run there is refused (another run's checkpoints), resume=True goes on."
+    """After the interrupt the lock is gone: a fresh run there is refused (another run's
+    checkpoints), resume=True goes on."""
     (work / "resume_child.py").write_text(RESUME_CHILD)
     child = Child([sys.executable, "resume_child.py"], work)
     child.release()
@@ -280,7 +284,8 @@ def test_an_interrupted_run_releases_its_directory_and_resumes_in_the_same_proce
 
 
 def test_cli_sigterm_saves_and_exits_143(work):
-    "SIGTERM during `speedtronic train` (a scheduler stopping the job): the step is saved, one line, exit 143."
+    """SIGTERM during `speedtronic train` (a scheduler stopping the job): the step is saved, one
+    line, exit 143."""
     child = Child(
         [sys.executable, "-m", "speedtronic", "train", "--config", "run.yaml", "--device", "cpu"],
         work,
@@ -299,7 +304,7 @@ def test_cli_sigterm_saves_and_exits_143(work):
     )  # the step in flight completes
 
 
-# ---------------------------------------------------------------- a Ctrl-C in a step that owes a held-out eval
+# ----------------------------------------------------- a Ctrl-C in a step that owes a held-out eval
 
 EVALUATING = "stops_in_eval: evaluating"
 TERM_NOTED = "stops_in_eval: SIGTERM reached the run's handler"
@@ -312,7 +317,8 @@ from speedtronic.model import ReferenceTransformer
 from speedtronic.registry import register_model
 
 class StopsInEval(ReferenceTransformer):
-    "The reference model, pressed Ctrl-C on by its optimizer (UPDATE_PRESS) or the test (HOLD_EVAL) at step 4."
+    '''The reference model, pressed Ctrl-C on by its optimizer (UPDATE_PRESS) or the test
+    (HOLD_EVAL) at step 4.'''
     held = False
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled() and os.environ.get("HOLD_EVAL") and not StopsInEval.held:
@@ -328,7 +334,8 @@ class StopsInEval(ReferenceTransformer):
 
 updates = 0
 def press_in_update(optimizer, args, kwargs):
-    "Ctrl-C (or STOP_SIGNAL) inside the optimizer update of step 4, where the trainer holds it until the step is complete."
+    '''Ctrl-C (or STOP_SIGNAL) inside the optimizer update of step 4, where the trainer holds it
+    until the step is complete.'''
     global updates
     updates += 1
     if updates == 4 and os.environ.get("UPDATE_PRESS"):
@@ -376,7 +383,8 @@ def _saved(work: Path) -> dict:
 
 
 def test_ctrl_c_in_the_update_of_an_eval_step_runs_its_eval_first(eval_work):
-    "A Ctrl-C held through step 4's update: step 4's eval and sample run, then the run stops at step 4."
+    """A Ctrl-C held through step 4's update: step 4's eval and sample run, then the run stops at
+    step 4."""
     child = Child(TRAIN, eval_work, env={"UPDATE_PRESS": "1"})
     assert child.finish() == 130, "".join(child.err)[-3000:]
     assert [r["step"] for r in _events(eval_work, "eval")] == [4], "".join(child.err)[-3000:]
@@ -387,7 +395,8 @@ def test_ctrl_c_in_the_update_of_an_eval_step_runs_its_eval_first(eval_work):
 
 @pytest.mark.parametrize("first", ["in the update", "in the eval"])
 def test_ctrl_c_during_an_eval_leaves_it_owed_and_resume_runs_it_first(eval_work, first):
-    "Ctrl-C while step 4's eval runs (the first press, or a second after one held in the update) stops at once."
+    """Ctrl-C while step 4's eval runs (the first press, or a second after one held in the update)
+    stops at once."""
     extra = {"HOLD_EVAL": "1", **({"UPDATE_PRESS": "1"} if first == "in the update" else {})}
     child = Child(TRAIN, eval_work, env=extra)
     child.wait_for(lambda: f"{EVALUATING}\n" in child.err, "the eval of step 4")
@@ -409,11 +418,12 @@ def test_ctrl_c_during_an_eval_leaves_it_owed_and_resume_runs_it_first(eval_work
     assert _saved(eval_work)["eval_owed"] is None
 
 
-# ---------------------------------------------------------------- SIGTERM in a step that owes a held-out eval
+# ------------------------------------------------------ SIGTERM in a step that owes a held-out eval
 
 
 def _held_out_order(work: Path) -> list[tuple[str, int]]:
-    "The run's train_step, eval and sample events from step 4 on, in the order the metrics file has them."
+    """The run's train_step, eval and sample events from step 4 on, in the order the metrics file
+    has them."""
     lines = (work / "out" / "metrics.jsonl").read_text().splitlines()
     order = [(r["event"], r.get("step")) for r in map(json.loads, lines)]
     return [e for e in order if e[0] in ("eval", "sample", "train_step") and e[1] >= 4]
@@ -432,7 +442,8 @@ def _resume_leaves_no_hole(work: Path) -> None:
 
 
 def test_sigterm_in_the_update_of_an_eval_step_runs_its_eval_first(eval_work):
-    "SIGTERM during step 4's update: step 4 completes, its eval and sample run, it is saved, exit 143."
+    """SIGTERM during step 4's update: step 4 completes, its eval and sample run, it is saved, exit
+    143."""
     child = Child(TRAIN, eval_work, stop_signal="SIGTERM", env={"UPDATE_PRESS": "1"})
     assert child.finish() == 143, "".join(child.err)[-3000:]
     err = "".join(child.err)

@@ -123,7 +123,8 @@ from speedtronic.model import ReferenceTransformer
 from speedtronic.registry import register_model
 
 class HeldReference(ReferenceTransformer):
-    "The reference model; with HOLD_AT_FORWARD=N its N-th training forward pass says so on stderr and waits on stdin."
+    '''The reference model; with HOLD_AT_FORWARD=N its N-th training forward pass says so on stderr
+    and waits on stdin.'''
     forwards = 0
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():

@@ -1,4 +1,5 @@
-"""Kill a real training process at a random point, resume it, and get bit-identical results (C1, C6, C7)."""
+"""Kill a real training process at a random point, resume it, and get bit-identical results (C1, C6,
+C7)."""
 
 from __future__ import annotations
 

@@ -306,7 +306,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 updates = 0
 def press(optimizer, args, kwargs):
-    "Ctrl-C inside this process's update number $PRESS_AT_UPDATE (held by the trainer until the step is complete)."
+    '''Ctrl-C inside this process's update number $PRESS_AT_UPDATE (held by the trainer until the
+    step is complete).'''
     global updates
     updates += 1
     if str(updates) == os.environ.get("PRESS_AT_UPDATE"):

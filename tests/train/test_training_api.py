@@ -1,4 +1,5 @@
-"""The Python training API as a user drives it: train_from_config, Trainer with a plain DataLoader (spec §7, §8)."""
+"""The Python training API as a user drives it: train_from_config, Trainer with a plain DataLoader
+(spec §7, §8)."""
 
 from __future__ import annotations
 
