@@ -7,7 +7,7 @@ Both runs use the same model, prompt and greedy decoding through
 Runs alternate inside one process after a warm-up; the script prints the median tokens/s of each,
 the ratio cached/uncached, and checks both wrote the same tokens.
 
-    OMP_NUM_THREADS=1 python bench/bench_generate.py              # CPU: demo model and a 512-token one
+    OMP_NUM_THREADS=1 python bench/bench_generate.py  # CPU: demo model and a 512-token one
     python bench/bench_generate.py --device cuda --rounds 5
 """
 

@@ -101,7 +101,8 @@ def main() -> None:
         return
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(
-        f"{'model':<30}{'precision':>10}{'streams':>8}{'plain ms':>10}{'ooo ms':>10}{'plain/ooo':>11}"
+        f"{'model':<30}{'precision':>10}{'streams':>8}{'plain ms':>10}{'ooo ms':>10}"
+        f"{'plain/ooo':>11}"
     )
     for name, model, loss_of in models():
         for streams in args.streams:
@@ -120,7 +121,8 @@ def main() -> None:
                     ooo.append(step_time(model, loss_of, args.steps, sched, autocast))
                 p, o = statistics.median(plain), statistics.median(ooo)
                 print(
-                    f"{name:<30}{'bf16' if autocast else 'fp32':>10}{streams:>8}{p * 1e3:>10.2f}{o * 1e3:>10.2f}{p / o:>11.3f}"
+                    f"{name:<30}{'bf16' if autocast else 'fp32':>10}{streams:>8}"
+                    f"{p * 1e3:>10.2f}{o * 1e3:>10.2f}{p / o:>11.3f}"
                 )
             sched.dispose()
 

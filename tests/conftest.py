@@ -19,7 +19,8 @@ sys.path[:0] = [str(p) for p in [TESTS, *AREAS] if str(p) not in sys.path]
 def v2_fixtures_dir() -> tuple[Path | None, str]:
     """The files 2.0.0 wrote (`shared/fixtures/v2.0`) and, when they are missing, why: the folder
     `$SPEEDTRONIC_FIXTURES` names when set, else `shared/fixtures/v2.0` beside the clone (CI), else
-    `/work/shared/fixtures/v2.0`. Every test that reads them looks here, so one variable serves all."""
+    `/work/shared/fixtures/v2.0`. Every test that reads them looks here, so one variable serves
+    all."""
     if os.environ.get("SPEEDTRONIC_FIXTURES"):
         named = Path(os.environ["SPEEDTRONIC_FIXTURES"])
         if named.is_dir():
@@ -273,8 +274,8 @@ def run_python(
     cwd: Path = ROOT,
     timeout: float = 120,
 ) -> subprocess.CompletedProcess:
-    """`python -c code *args` in `cwd`, to the end, its output captured; `code` is dedented. `env` is
-    the child's whole environment (None: this process's); with `paths` (a list, even empty) its
+    """`python -c code *args` in `cwd`, to the end, its output captured; `code` is dedented. `env`
+    is the child's whole environment (None: this process's); with `paths` (a list, even empty) its
     PYTHONPATH becomes `paths` followed by this checkout."""
     if paths is not None:
         env = {
@@ -295,7 +296,8 @@ def start_cli(
     *args: str, cwd: Path = ROOT, env: dict | None = None, faulthandler: bool = True, **popen
 ) -> subprocess.Popen:
     """`python -m speedtronic *args` started in `cwd`, in text mode; `env` entries are added to
-    `cli_env(faulthandler=faulthandler)`, `popen` (stdout, stderr, ...) goes to `subprocess.Popen`."""
+    `cli_env(faulthandler=faulthandler)`, `popen` (stdout, stderr, ...) goes to
+    `subprocess.Popen`."""
     return subprocess.Popen(
         [sys.executable, "-m", "speedtronic", *args],
         cwd=cwd,

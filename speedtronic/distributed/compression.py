@@ -435,8 +435,8 @@ def topk_layout(
 def read_wire_header(
     path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
 ) -> dict[str, str]:
-    """The header of the delta at repository `path` (stored at `local`) in any encoding, the parts it
-    declares checked against the model's `shapes` before the body is read."""
+    """The header of the delta at repository `path` (stored at `local`) in any encoding, the parts
+    it declares checked against the model's `shapes` before the body is read."""
     header, layout = declared_layout(path, local)
     if header.get("encoding") != "topk":
         check_delta_wire(path, layout, header, shapes)
@@ -447,7 +447,8 @@ def read_wire_header(
         raise DeltaRejected(
             "keys",
             f"{path}: top-k parts do not match the model's floating tensors (missing "
-            f"{sorted(set(want) - set(layout))[:3]}, unexpected {sorted(set(layout) - set(want))[:3]})",
+            f"{sorted(set(want) - set(layout))[:3]}, unexpected "
+            f"{sorted(set(layout) - set(want))[:3]})",
         )
     for name, (dtype, shape) in want.items():
         if tuple(layout[name]) != (dtype, shape):

@@ -721,8 +721,8 @@ class PerNodeHub(HubClient):
             self._own_open = True
 
     def split_now(self) -> bool:
-        """A master on `hub_layout: auto` takes the per-node layout from now on (its next publication
-        says so); False when its client cannot list the node repositories."""
+        """A master on `hub_layout: auto` takes the per-node layout from now on (its next
+        publication says so); False when its client cannot list the node repositories."""
         if not self._offers("list_models"):
             return False
         self.split = True

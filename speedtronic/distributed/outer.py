@@ -733,7 +733,8 @@ def norm_scale(state: MasterState) -> tuple[float, str]:
     """The norm that a delta's (or a fold's) norm per inner step may exceed at most
     `max_delta_norm_ratio` times, and what it is: the global model's own norm, or the largest
     folded delta once that is larger (a model whose weights start at or near zero: a global made
-    of one small fold must not bar every later delta as too large). A non-positive scale: no bound."""
+    of one small fold must not bar every later delta as too large). A non-positive scale: no
+    bound."""
     if state.sizes.largest > state.global_norm:
         return state.sizes.largest, f"the largest folded delta {state.sizes.largest:.3g}"
     return state.global_norm, f"the global model's own norm {state.global_norm:.3g}"
@@ -1269,7 +1270,8 @@ class MasterOuterLoop:
             float(round_wait),
             float(lease_timeout),
             late_share=late_share,
-            # a node sees a global a poll late, the master its delta a poll late: four polls at least
+            # a node sees a global a poll late, the master its delta a poll late: four polls at
+            # least
             round_floor=4 * float(poll_interval),
         )
         self.state = master_state(state)

@@ -614,7 +614,8 @@ def test_tutorial_links_open_the_chapters_in_jupyterlab(browser, jupyterlab):
     link.scroll_into_view_if_needed()
     link.click()
     page.wait_for_function(
-        "window.jupyterapp.shell.currentWidget?.context?.path?.endsWith('shipped/train/06_trainer.ipynb')",
+        "window.jupyterapp.shell.currentWidget?.context?.path"
+        "?.endsWith('shipped/train/06_trainer.ipynb')",
         timeout=60_000,
     )
     page.close()
@@ -826,7 +827,8 @@ def test_after_training_chapter_samples_what_generate_writes(browser, jupyterlab
         " return (last.model.executionCount !== null && "
         "!last.node.querySelector('.jp-InputPrompt').innerText.includes('*'))"
         " || "
-        "document.querySelector('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]'); "
+        "document.querySelector("
+        "'.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.stderr\"]'); "
         "}",
         timeout=400_000,
     )

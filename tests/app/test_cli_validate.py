@@ -1,4 +1,5 @@
-"""`speedtronic validate` and CLI error handling in real subprocesses (spec §2.2, §2.3, §15.3, §15.8)."""
+"""`speedtronic validate` and CLI error handling in real subprocesses (spec §2.2, §2.3, §15.3,
+§15.8)."""
 
 from __future__ import annotations
 

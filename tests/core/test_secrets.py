@@ -1,5 +1,6 @@
-"""No secret reaches any output of a training run: console, text log, JSONL, checkpoints, TensorBoard
-files, the saved config — whether it came from the config file or from the environment."""
+"""No secret reaches any output of a training run: console, text log, JSONL, checkpoints,
+TensorBoard files, the saved config — whether it came from the config file or from the environment.
+"""
 
 import os, subprocess, sys
 from pathlib import Path

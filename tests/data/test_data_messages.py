@@ -1,5 +1,5 @@
-"""A broken line or bytes that are not UTF-8 in a local `data.hf_dataset` file: one error line naming
-the file, the line or byte offset, and the fix (issue 24); `train` run as a user runs it."""
+"""A broken line or bytes that are not UTF-8 in a local `data.hf_dataset` file: one error line
+naming the file, the line or byte offset, and the fix (issue 24); `train` run as a user runs it."""
 
 from pathlib import Path
 

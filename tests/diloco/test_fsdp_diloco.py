@@ -38,12 +38,15 @@ import os, sys, torch, yaml
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from speedtronic.runtime import build_runtime, close_logger
 from speedtronic.parallel import end_process
-trainer, _ = build_runtime(yaml.safe_load(open(sys.argv[1])), device="cpu", resume=sys.argv[3:] == ["resume"])
+config = yaml.safe_load(open(sys.argv[1]))
+trainer, _ = build_runtime(config, device="cpu", resume=sys.argv[3:] == ["resume"])
 try: trainer.fit()
 finally: close_logger(trainer.logger); trainer.run_claim.release()
 model, world = trainer.model, trainer.world
-whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) if world.fsdp else model.state_dict()
-torch.save({k: v.detach().cpu() for k, v in whole.items()}, os.path.join(sys.argv[2], f"rank{world.rank}.pt"))
+full = StateDictOptions(full_state_dict=True)
+whole = get_model_state_dict(model, options=full) if world.fsdp else model.state_dict()
+whole = {k: v.detach().cpu() for k, v in whole.items()}
+torch.save(whole, os.path.join(sys.argv[2], f"rank{world.rank}.pt"))
 world.close()
 end_process(0)
 """
@@ -208,7 +211,8 @@ class ResetEvery4:
     def stop(self): pass
     def state_dict(self): return None
     def load_state_dict(self, state): pass
-trainer, _ = build_runtime(yaml.safe_load(open(sys.argv[1])), device="cpu", resume=sys.argv[2] == "resume")
+config = yaml.safe_load(open(sys.argv[1]))
+trainer, _ = build_runtime(config, device="cpu", resume=sys.argv[2] == "resume")
 trainer.coordinator = ResetEvery4()
 try: trainer.fit()
 finally: close_logger(trainer.logger); trainer.run_claim.release()

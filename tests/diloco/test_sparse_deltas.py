@@ -1,5 +1,5 @@
-"""Top-k deltas (`distributed.delta_dtype: topk`) at the master and between real nodes: a good one is
-folded as the dense delta it stands for; every malformed one a hostile peer could send is refused
+"""Top-k deltas (`distributed.delta_dtype: topk`) at the master and between real nodes: a good one
+is folded as the dense delta it stands for; every malformed one a hostile peer could send is refused
 with one line, quarantined as a record, and leaves the global untouched; a master and a worker
 training with top-k deltas over a shared directory fold every delta once, each sent in a small
 fraction of float32's bytes. Real masters over a real shared directory, real `speedtronic train`

@@ -1,8 +1,9 @@
-"""A worker on a transport that offers only 2.0's transport calls (`../shared/spec/distributed-v2.md`
-§3: `global_metadata`, `download_global`, `upload_delta`, `read_json`, `upload(local, remote)`, …),
-one of them with a `state` attribute that is a dict, as 2.0's test hubs kept the state they hand
-out. The worker joins the run, sends its deltas and installs the master's global through those
-calls; the master is a real one on the same folder through a `SharedDirectory`."""
+"""A worker on a transport that offers only 2.0's transport calls
+(`../shared/spec/distributed-v2.md` §3: `global_metadata`, `download_global`, `upload_delta`,
+`read_json`, `upload(local, remote)`, …), one of them with a `state` attribute that is a dict, as
+2.0's test hubs kept the state they hand out. The worker joins the run, sends its deltas and
+installs the master's global through those calls; the master is a real one on the same folder
+through a `SharedDirectory`."""
 
 from __future__ import annotations
 

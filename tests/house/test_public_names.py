@@ -1,4 +1,5 @@
-"""Tab completion on a public module lists its API (`__all__`), not what the module happens to import."""
+"""Tab completion on a public module lists its API (`__all__`), not what the module happens to
+import."""
 
 import importlib
 import pkgutil

@@ -195,9 +195,12 @@ class Bigram(nn.Module):
         self.table = nn.Embedding(vocab_size, vocab_size)
 
     def forward(self, input_ids, labels=None, **_):
-        if input_ids.shape[1] > self.max_seq_len: raise ValueError(f"{input_ids.shape[1]} tokens: too long")
+        if input_ids.shape[1] > self.max_seq_len:
+            raise ValueError(f"{input_ids.shape[1]} tokens: too long")
         logits = self.table(input_ids)
-        return {"logits": logits} if labels is None else {"logits": logits, "loss": causal_lm_loss(logits, labels)}
+        if labels is None:
+            return {"logits": logits}
+        return {"logits": logits, "loss": causal_lm_loss(logits, labels)}
 
 register_model("bigram", lambda **kw: Bigram(**kw))
 """

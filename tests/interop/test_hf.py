@@ -88,7 +88,11 @@ folder, ids, new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 with torch.no_grad():
     logits = model(torch.tensor(ids)).logits
-    greedy = [model.generate(torch.tensor([row]), max_new_tokens=new, do_sample=False)[0, len(row):].tolist() for row in ids]
+    greedy = [
+        model.generate(torch.tensor([row]), max_new_tokens=new, do_sample=False)[0, len(row) :]
+        for row in ids
+    ]
+    greedy = [row.tolist() for row in greedy]
 tokenizer = AutoTokenizer.from_pretrained(folder)
 print(json.dumps({"class": type(model).__name__, "logits": logits.tolist(), "greedy": greedy,
                   "encoded": tokenizer("the lazy dog")["input_ids"]}))

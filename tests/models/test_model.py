@@ -162,7 +162,8 @@ def test_same_seed_same_model_and_loss_across_processes():
         import torch
         from speedtronic.registry import build_model
         torch.manual_seed(1234)
-        m = build_model({"vocab_size": 128, "max_seq_len": 32, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 64, "d_ff": 128})
+        m = build_model({"vocab_size": 128, "max_seq_len": 32, "n_layer": 2, "n_head": 4,
+                         "n_kv_head": 2, "d_model": 64, "d_ff": 128})
         ids = torch.randint(0, 128, (2, 32))
         print(m(ids, labels=ids)["loss"].item().hex())
     """)

@@ -35,7 +35,9 @@ class TinyLM(nn.Module):
         logits = self.head(self.emb(input_ids))
         out = {"logits": logits}
         if labels is not None:
-            out["loss"] = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            out["loss"] = nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), ignore_index=-100
+            )
         return out
 
 def tiny_factory(**kwargs):
@@ -98,7 +100,8 @@ def test_entry_point_module_registers_its_models(plugin_dir):
     code = textwrap.dedent("""
         from speedtronic.registry import build_model, ModelRegistry
         print(type(build_model({"name": "plugin_by_module", "d_model": 4, "n_head": 2})).__name__)
-        print(type(ModelRegistry().build("plugin_by_module")).__name__)   # a fresh registry finds it too
+        # a fresh registry finds it too
+        print(type(ModelRegistry().build("plugin_by_module")).__name__)
     """)
     out = run_python(code, paths=[plugin_dir])
     assert out.returncode == 0, out.stderr
@@ -166,8 +169,10 @@ def write_config(path: Path, model_name: str, imports: list[str], output_dir: Pa
     path.write_text(
         textwrap.dedent(f'''
         run: {{name: plugin, seed: 1, max_steps: 2, output_dir: "{output_dir}"}}
-        model: {{name: {model_name}, imports: {imports}, vocab_size: 64, max_seq_len: 16, d_model: 16, n_head: 2, n_layer: 1}}
-        data: {{synthetic: true, num_tokens: 16, block_size: 16, micro_batch_size: 2, target_batch_size: 2, num_workers: 0}}
+        model: {{name: {model_name}, imports: {imports}, vocab_size: 64, max_seq_len: 16,
+                 d_model: 16, n_head: 2, n_layer: 1}}
+        data: {{synthetic: true, num_tokens: 16, block_size: 16, micro_batch_size: 2,
+               target_batch_size: 2, num_workers: 0}}
         checkpoint: {{enabled: false}}
         precision: fp32
     ''')

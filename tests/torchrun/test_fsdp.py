@@ -391,14 +391,17 @@ world = world_from_env(); world.parallel = config.parallel
 start_world(world, torch.device("cpu"))
 model = world.shard(build_model(config.model))
 optimizer = build_optimizer(model, config, torch.device("cpu"))
-build_scheduler(optimizer, config)    # as the runtime does: the groups carry `initial_lr`, as the saved ones do
+# as the runtime does: the groups carry `initial_lr`, as the saved ones do
+build_scheduler(optimizer, config)
 if is_sharded(source): load_sharded(source, model, optimizer)
 else: load_whole(load_checkpoint(source), model, optimizer)
 shards = [type(p).__name__ for p in model.parameters()]
-weights, moments = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+weights, moments = get_state_dict(model, optimizer, options=full)
 if world.writes: torch.save({"model": weights, "optimizer": moments, "shards": shards}, out)
 world.close()
-end_process(0)  # a process that started a gloo group ends without C++ teardown (see the Parallel chapter)
+# a process that started a gloo group ends without C++ teardown (see the Parallel chapter)
+end_process(0)
 """
 
 

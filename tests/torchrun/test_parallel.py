@@ -1,16 +1,19 @@
 """`speedtronic train` under torchrun: real processes on CPU (gloo), started with `python -m
 torch.distributed.run`.
 
-- 2 ranks x micro batch 4 reproduce 1 process x micro batch 8 (same per-step losses, same final weights);
-- kill -9 of one rank stops the job; resuming from the last checkpoint reproduces the uninterrupted run;
+- 2 ranks x micro batch 4 reproduce 1 process x micro batch 8 (same per-step losses, same final
+  weights);
+- kill -9 of one rank stops the job; resuming from the last checkpoint reproduces the uninterrupted
+  run;
 - SIGTERM to the job saves the last completed step once; resuming reproduces the uninterrupted run;
 - a data error on one rank stops the job with that rank's error on the console;
 - the job's configuration is checked before any process group is joined (the global batch);
-- a DiLoCo node may be a torchrun job: rank 0 runs its coordinator, every rank ends on the same weights;
-- the decisions the job takes together give one verdict and one message: a directory another job holds or
-  another run's checkpoints are refused by rank 0 for every rank, a resume with a changed seed is refused by
-  every rank, the run id is rank 0's, a NaN loss on one rank stops (or, within the budget, skips) on every
-  rank at the same step.
+- a DiLoCo node may be a torchrun job: rank 0 runs its coordinator, every rank ends on the same
+  weights;
+- the decisions the job takes together give one verdict and one message: a directory another job
+  holds or another run's checkpoints are refused by rank 0 for every rank, a resume with a changed
+  seed is refused by every rank, the run id is rank 0's, a NaN loss on one rank stops (or, within
+  the budget, skips) on every rank at the same step.
 
 The runs are tiny (a one-layer model, a few dozen steps) so the whole file stays around two minutes
 on 2 cores.
@@ -386,9 +389,11 @@ out = {"rank": w.rank, "share": w.share(f"id-of-rank-{w.rank}"),
        "all_fail": outcome(lambda: w.on_every_rank(lambda: [][w.rank])),
        "none_fail": outcome(lambda: w.on_every_rank(lambda: w.rank))}
 import os, pathlib
-pathlib.Path(os.environ["RANK_OUT"], f"rank{w.rank}.json").write_text(json.dumps(out))  # one file per rank: lines on a shared stdout can interleave
+# one file per rank: lines on a shared stdout can interleave
+pathlib.Path(os.environ["RANK_OUT"], f"rank{w.rank}.json").write_text(json.dumps(out))
 w.close()
-end_process(0)  # a process that started a gloo group ends without C++ teardown (see the Parallel chapter)
+# a process that started a gloo group ends without C++ teardown (see the Parallel chapter)
+end_process(0)
 """
 
 
@@ -479,11 +484,13 @@ class NanOnOneRank(nn.Module):
     def __init__(self, vocab_size=64, **_):
         super().__init__()
         self.emb, self.head, self.calls = nn.Embedding(vocab_size, 16), nn.Linear(16, vocab_size), 0
-        self.bad = {int(c) for c in os.environ.get("NAN_CALLS", "").split(",") if c} if os.environ.get("RANK") == "1" else set()
+        calls = {int(c) for c in os.environ.get("NAN_CALLS", "").split(",") if c}
+        self.bad = calls if os.environ.get("RANK") == "1" else set()
     def forward(self, input_ids, labels=None, **_):
         self.calls += 1
         logits = self.head(self.emb(input_ids))
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), (labels if labels is not None else input_ids).flatten())
+        targets = labels if labels is not None else input_ids
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return {"loss": loss + float("nan") if self.calls in self.bad else loss}
 
 register_model("nan_on_one_rank", lambda **kw: NanOnOneRank(**kw))

@@ -35,7 +35,8 @@ def with_eval(cfg, **section) -> None:
 def held_text(path):
     "A held-out text of other sentences than the training corpus."
     rng = random.Random(1)
-    words = "a held out page of prose that the run never trains on but reads to measure the loss".split()
+    words = "a held out page of prose that the run never trains on but reads to measure the loss"
+    words = words.split()
     path.write_text(
         "\n".join(" ".join(rng.choice(words) for _ in range(10)) for _ in range(60)) + "\n"
     )

@@ -34,7 +34,8 @@ class SlowToSave(ReferenceTransformer):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             type(self).calls += 1
-            if self.calls == 5: os.kill(os.getpid(), getattr(signal, os.environ.get('STOP_SIGNAL', 'SIGINT')))
+            if self.calls == 5:
+                os.kill(os.getpid(), getattr(signal, os.environ.get('STOP_SIGNAL', 'SIGINT')))
         return super().forward(*args, **kwargs)
 
     def state_dict(self, *args, **kwargs):
@@ -50,7 +51,8 @@ register_model("slow_to_save", SlowToSave)
 
 CONFIG = """
 run: {max_steps: 100000, output_dir: out, seed: 0}
-model: {name: slow_to_save, imports: [slow_save_model], vocab_size: 64, max_seq_len: 16, n_layer: 1, n_head: 2, d_model: 16}
+model: {name: slow_to_save, imports: [slow_save_model], vocab_size: 64, max_seq_len: 16, n_layer: 1,
+        n_head: 2, d_model: 16}
 data: {num_tokens: 64, micro_batch_size: 2, target_batch_size: 2}
 checkpoint: {every_steps: 3, keep_last: null}
 logging: {json_file: out/metrics.jsonl, progress: false, level: WARNING}
@@ -63,8 +65,9 @@ from speedtronic.runtime import train_from_config
 from speedtronic.trainer import TrainingInterrupted
 try: train_from_config(SpeedtronicConfig.load("run.yaml"), device="cpu")
 except TrainingInterrupted as stop:
-    print("RESULT " + json.dumps({"message": str(stop), "saved": stop.saved, "checkpoint": str(stop.checkpoint),
-                                  "steps": stop.result.steps, "records": len(stop.result.metrics)}), flush=True)
+    result = {"message": str(stop), "saved": stop.saved, "checkpoint": str(stop.checkpoint),
+              "steps": stop.result.steps, "records": len(stop.result.metrics)}
+    print("RESULT " + json.dumps(result), flush=True)
     sys.exit(3)
 """
 
@@ -255,12 +258,15 @@ from speedtronic.trainer import TrainingInterrupted
 config = SpeedtronicConfig.load("run.yaml")
 try: train_from_config(config, device="cpu")
 except TrainingInterrupted as stop: first = stop.result.steps
-holder = lock_holder("out") or os.path.exists("out/.speedtronic.lock") or None   # the interrupted run let go of its directory
+# the interrupted run let go of its directory
+holder = lock_holder("out") or os.path.exists("out/.speedtronic.lock") or None
 try: train_from_config(config, device="cpu", max_steps=first + 2); fresh = "trained"
 except CheckpointError as e: fresh = str(e)
 result = train_from_config(config, device="cpu", resume=True, max_steps=first + 2)
-print("RESULT " + json.dumps({"first": first, "holder": holder, "fresh": fresh, "steps": result.steps,
-                              "history": [m["step"] for m in result.metrics], "after": os.path.exists("out/.speedtronic.lock") or None}), flush=True)
+after = os.path.exists("out/.speedtronic.lock") or None
+history = [m["step"] for m in result.metrics]
+print("RESULT " + json.dumps({"first": first, "holder": holder, "fresh": fresh,
+                              "steps": result.steps, "history": history, "after": after}), flush=True)
 """
 
 
@@ -322,7 +328,7 @@ class StopsInEval(ReferenceTransformer):
     held = False
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled() and os.environ.get("HOLD_EVAL") and not StopsInEval.held:
-            StopsInEval.held = True                              # the first held-out batch of step 4
+            StopsInEval.held = True  # the first held-out batch of step 4
             handler = signal.getsignal(signal.SIGTERM)           # the run's: says so, then acts
             def noted(signum, frame):
                 print("%s", file=sys.stderr, flush=True)
@@ -347,9 +353,11 @@ register_model("stops_in_eval", StopsInEval)
 
 EVAL_CONFIG = """
 run: {max_steps: 8, output_dir: out, seed: 0}
-model: {name: stops_in_eval, imports: [stops_in_eval_model], vocab_size: 256, max_seq_len: 16, n_layer: 1, n_head: 2, d_model: 16}
+model: {name: stops_in_eval, imports: [stops_in_eval_model], vocab_size: 256, max_seq_len: 16,
+        n_layer: 1, n_head: 2, d_model: 16}
 data: {text_path: text.txt, block_size: 16, micro_batch_size: 2, target_batch_size: 2}
-eval: {holdout_fraction: 0.25, every_steps: 4, max_batches: 2, sample_prompts: ["the "], sample_tokens: 4}
+eval: {holdout_fraction: 0.25, every_steps: 4, max_batches: 2, sample_prompts: ["the "],
+       sample_tokens: 4}
 checkpoint: {every_steps: 100, keep_last: null}
 logging: {json_file: out/metrics.jsonl, progress: false, level: WARNING}
 """

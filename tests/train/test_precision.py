@@ -1,4 +1,5 @@
-"""Precision and device checks that need a fresh process or real training steps (spec §5, P1, P4)."""
+"""Precision and device checks that need a fresh process or real training steps (spec §5, P1,
+P4)."""
 
 import os
 import subprocess
@@ -67,7 +68,8 @@ def test_cpu_bf16_probe_matches_real_training():
         from speedtronic.precision import probe_cpu_bf16_autocast, resolve_precision
         ok, err = probe_cpu_bf16_autocast()
         torch.manual_seed(0)
-        block = nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32), nn.Linear(32, 96), nn.SiLU(), nn.Linear(96, 64))
+        block = nn.Sequential(nn.Embedding(64, 32), nn.LayerNorm(32), nn.Linear(32, 96), nn.SiLU(),
+                              nn.Linear(96, 64))
         opt = torch.optim.AdamW(block.parameters(), lr=1e-2)
         ids = torch.randint(0, 64, (4, 16))
         plan = resolve_precision("bf16", "cpu")
@@ -81,7 +83,7 @@ def test_cpu_bf16_probe_matches_real_training():
                 loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
                 loss.backward(); opt.step(); losses.append(loss.item())
             real = in_bf16 and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
-        except RuntimeError as exc:   # how torch says a CPU lacks a bf16 kernel (NotImplementedError is one)
+        except RuntimeError as exc:  # a CPU without a bf16 kernel (NotImplementedError is one)
             print("FAILED", type(exc).__name__, exc, file=sys.stderr)
             real = False
         print("PROBE", ok, "REAL", real, "PLAN", plan.mode, "REASON", plan.reason)
