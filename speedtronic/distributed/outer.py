@@ -38,6 +38,7 @@ from speedtronic.distributed.tensors import (
     load_delta,
     load_safetensors,
     parse_delta_path,
+    read_metadata,
     save_safetensors,
     step_count_text,
     utc_now,
@@ -1339,27 +1340,30 @@ class MasterOuterLoop:
 def _save_local(self: MasterOuterLoop, state: MasterState, suffix: str = "") -> None:
     js, st = self._local_files(suffix)
     info, tensors = state_record(state)
-    save_safetensors(tensors, st)
-    atomic_write_text(
-        json.dumps({**info, "session": self.session, "updated_at": utc_now()}, indent=2) + "\n", js
-    )
+    text = json.dumps({**info, "session": self.session, "updated_at": utc_now()}, indent=2) + "\n"
+    save_safetensors(tensors, st, {"record": text})  # the file read back: one atomic write
+    atomic_write_text(text, js)
 
 
 @patch
 def _read_local(self: MasterOuterLoop, suffix: str = "") -> MasterState | None:
-    "The saved state, or None when absent or unreadable."
+    """The saved state (the record its tensors file holds; the JSON beside it for a file written
+    without one), or None when absent or unreadable."""
     js, st = self._local_files(suffix)
-    if not (js.exists() and st.exists()):
-        return None
     try:
-        return restored(self.state, json.loads(js.read_text()), load_safetensors(st))
+        record = read_metadata(st).get("record") if st.exists() else None
+        if record is None and not (st.exists() and js.exists()):
+            return None
+        info = json.loads(js.read_text() if record is None else record)
+        return restored(self.state, info, load_safetensors(st))
     except Exception as e:
-        return self._log("warning", f"ignoring unreadable outer state {js}: {e}")
+        return self._log("warning", f"ignoring unreadable outer state {st}: {e}")
 
 
 @patch
 def _promote(self: MasterOuterLoop) -> None:
-    for nxt, cur in zip(self._local_files(".next"), self._local_files()):
+    "The `.next` files renamed over the current ones: the tensors (which hold the record) first."
+    for nxt, cur in reversed(list(zip(self._local_files(".next"), self._local_files()))):
         os.replace(nxt, cur)
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #323ad2fa
