@@ -392,6 +392,15 @@ def runs_table(rows: dict[str, list[dict]], name_width: int, columns: list, note
     print("\n" + note)
 
 
+def mean_cell(value, fmt: str, suffix: str = "", shown=None):
+    """A `runs_table` cell: the mean of key `value` (or `value(mean)`, a number derived from the
+    means) in `fmt`, then `suffix`; blank in a row whose runs `shown(runs)` rejects."""
+    number = value if callable(value) else lambda mean: mean(value)
+    return lambda mean, runs: (
+        f"{number(mean):{fmt}}{suffix}" if shown is None or shown(runs) else None
+    )
+
+
 def spread(runs: list[dict], key: str = "ratio") -> str:
     "The lowest and highest of `key` over `runs` ('' for one run)."
     values = [r[key] for r in runs]
@@ -402,13 +411,13 @@ def _encodings_table(rows: dict[str, list[dict]]) -> None:
     float32 = rows[next(n for n in rows if "float32, adamw" in n)][0]["delta_kb"]
     has_bytes = lambda runs: "delta_kb" in runs[0]
     columns = [
-        ("delta kB", 8, lambda m, r: f"{m('delta_kb'):8.1f}" if has_bytes(r) else None),
-        ("vs f32", 7, lambda m, r: f"{float32 / m('delta_kb'):6.1f}x" if has_bytes(r) else None),
-        ("held-out", 8, lambda m, r: f"{m('loss'):8.4f}"),
-        ("vs sync", 7, lambda m, r: f"{m('ratio'):6.3f}x"),
-        ("vs f32 run", 10, lambda m, r: f"{m('vs_f32'):9.3f}x"),
+        ("delta kB", 8, mean_cell("delta_kb", "8.1f", shown=has_bytes)),
+        ("vs f32", 7, mean_cell(lambda m: float32 / m("delta_kb"), "6.1f", "x", has_bytes)),
+        ("held-out", 8, mean_cell("loss", "8.4f")),
+        ("vs sync", 7, mean_cell("ratio", "6.3f", "x")),
+        ("vs f32 run", 10, mean_cell("vs_f32", "9.3f", "x")),
         ("range", 13, lambda m, r: f"{spread(r, 'vs_f32'):>13s}"),
-        ("wall s", 6, lambda m, r: f"{m('wall'):6.0f}"),
+        ("wall s", 6, mean_cell("wall", "6.0f")),
     ]
     runs_table(
         rows,
@@ -688,15 +697,15 @@ def run_stragglers(args, work: Path, train: Path, held: Path, seeds: list[int]) 
 
 def _stragglers_table(rows: dict[str, list[dict]]) -> None:
     columns = [
-        ("held-out", 8, lambda m, r: f"{m('loss'):8.4f}"),
-        ("vs sync", 7, lambda m, r: f"{m('ratio'):6.3f}x"),
+        ("held-out", 8, mean_cell("loss", "8.4f")),
+        ("vs sync", 7, mean_cell("ratio", "6.3f", "x")),
         ("range", 13, lambda m, r: f"{spread(r):>13s}"),
-        ("folded", 6, lambda m, r: f"{m('folded'):6.1f}"),
-        ("versions", 8, lambda m, r: f"{m('versions'):8.1f}"),
-        ("round s", 7, lambda m, r: f"{m('round_s'):7.2f}"),
-        ("vs full", 7, lambda m, r: f"{m('round_vs'):6.2f}x"),
-        ("longest", 7, lambda m, r: f"{m('longest_s'):7.2f}"),
-        ("wall s", 6, lambda m, r: f"{m('wall'):6.0f}"),
+        ("folded", 6, mean_cell("folded", "6.1f")),
+        ("versions", 8, mean_cell("versions", "8.1f")),
+        ("round s", 7, mean_cell("round_s", "7.2f")),
+        ("vs full", 7, mean_cell("round_vs", "6.2f", "x")),
+        ("longest", 7, mean_cell("longest_s", "7.2f")),
+        ("wall s", 6, mean_cell("wall", "6.0f")),
     ]
     runs_table(
         rows,
@@ -779,18 +788,17 @@ def run_layouts(args, work: Path, train: Path, held: Path, seeds: list[int]) -> 
 def _layouts_table(rows: dict[str, list[dict]], limit: tuple[int, float]) -> None:
     diloco = lambda runs: "slowdown" in runs[0]  # the baseline row has loss and wall only
     commits = lambda m: m("node_commits") + m("master_commits")
-    only_diloco = lambda text: lambda m, r: text(m) if diloco(r) else None
     columns = [
-        ("held-out", 8, lambda m, r: f"{m('loss'):8.4f}"),
+        ("held-out", 8, mean_cell("loss", "8.4f")),
         ("vs sync", 7, lambda m, r: f"{m('ratio') if diloco(r) else 1.0:6.3f}x"),
-        ("folded", 6, only_diloco(lambda m: f"{m('folded'):6.1f}")),
-        ("uploaded", 8, only_diloco(lambda m: f"{m('uploaded'):8.1f}")),
-        ("commits", 7, only_diloco(lambda m: f"{commits(m):7.0f}")),
-        ("429/409", 7, only_diloco(lambda m: f"{m('refused'):7.0f}")),
-        ("API", 6, only_diloco(lambda m: f"{m('api'):6.0f}")),
-        ("dl", 6, only_diloco(lambda m: f"{m('downloads'):6.0f}")),
-        ("wall s", 6, lambda m, r: f"{m('wall'):6.0f}"),
-        ("vs first", 8, only_diloco(lambda m: f"{m('slowdown'):7.2f}x")),
+        ("folded", 6, mean_cell("folded", "6.1f", shown=diloco)),
+        ("uploaded", 8, mean_cell("uploaded", "8.1f", shown=diloco)),
+        ("commits", 7, mean_cell(commits, "7.0f", shown=diloco)),
+        ("429/409", 7, mean_cell("refused", "7.0f", shown=diloco)),
+        ("API", 6, mean_cell("api", "6.0f", shown=diloco)),
+        ("dl", 6, mean_cell("downloads", "6.0f", shown=diloco)),
+        ("wall s", 6, mean_cell("wall", "6.0f")),
+        ("vs first", 8, mean_cell("slowdown", "7.2f", "x", diloco)),
     ]
     runs_table(
         rows,
@@ -1022,22 +1030,17 @@ def print_table(rows: dict[str, list[dict]]) -> None:
     trained = lambda runs: "loss" in runs[0]  # a wire row has bytes only
     rounds = lambda runs: trained(runs) and "versions" in runs[0]
     per_version = lambda m: (m("node_commits") + m("master_commits")) / max(1, m("versions"))
-    when = lambda test, text: lambda m, r: text(m) if test(r) else None
     columns = [
-        ("held-out", 8, when(trained, lambda m: f"{m('loss'):8.4f}")),
-        ("vs sync", 7, when(trained, lambda m: f"{m('ratio'):6.3f}x")),
+        ("held-out", 8, mean_cell("loss", "8.4f", shown=trained)),
+        ("vs sync", 7, mean_cell("ratio", "6.3f", "x", trained)),
         ("range", 13, lambda m, r: f"{spread(r):>13s}" if trained(r) else None),
-        ("uploaded", 8, when(rounds, lambda m: f"{m('uploaded'):8.1f}")),
-        ("folded", 6, when(rounds, lambda m: f"{m('folded'):6.1f}")),
-        ("versions", 8, when(rounds, lambda m: f"{m('versions'):8.1f}")),
-        ("commits/v", 9, when(rounds, lambda m: f"{per_version(m):9.2f}")),
-        (
-            "delta kB",
-            8,
-            lambda m, r: f"{m('delta_kb'):8.1f}" if rounds(r) or not trained(r) else None,
-        ),
-        ("global kB", 9, when(rounds, lambda m: f"{m('global_kb'):9.1f}")),
-        ("wall s", 6, when(trained, lambda m: f"{m('wall'):6.0f}")),
+        ("uploaded", 8, mean_cell("uploaded", "8.1f", shown=rounds)),
+        ("folded", 6, mean_cell("folded", "6.1f", shown=rounds)),
+        ("versions", 8, mean_cell("versions", "8.1f", shown=rounds)),
+        ("commits/v", 9, mean_cell(per_version, "9.2f", shown=rounds)),
+        ("delta kB", 8, mean_cell("delta_kb", "8.1f", shown=lambda r: rounds(r) or not trained(r))),
+        ("global kB", 9, mean_cell("global_kb", "9.1f", shown=rounds)),
+        ("wall s", 6, mean_cell("wall", "6.0f", shown=trained)),
     ]
     runs_table(
         rows,
