@@ -325,9 +325,9 @@ def one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
     return errors[0]
 
 
-def jsonl_records(path: Path, event: str = "train_step") -> list[dict]:
-    """Every `event` record of a JSONL metrics file, in order; a line cut by a kill is skipped, a
-    missing file is empty."""
+def jsonl_records(path: Path, event: str | tuple[str, ...] = "train_step") -> list[dict]:
+    """Every `event` record (of any of the names, given several) of a JSONL metrics file, in order;
+    a line cut by a kill is skipped, a missing file is empty."""
     out = []
     if not Path(path).exists():
         return out
@@ -336,7 +336,7 @@ def jsonl_records(path: Path, event: str = "train_step") -> list[dict]:
             record = json.loads(line)
         except ValueError:
             continue
-        if record.get("event") == event:
+        if record.get("event") in ((event,) if isinstance(event, str) else event):
             out.append(record)
     return out
 

@@ -262,6 +262,5 @@ def where_the_kills_landed(jsonl: Path) -> str:
     short |= {"global_installed": "installed@", "checkpoint": "saved@"}
     return " ".join(
         f"{short[e['event']]}{e.get('start_step', e.get('step', e.get('outer_step')))}"
-        for e in (json.loads(line) for line in jsonl.read_text().splitlines() if line.strip())
-        if e.get("event") in short
+        for e in events(jsonl, tuple(short))
     )
