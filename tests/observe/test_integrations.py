@@ -73,8 +73,8 @@ def test_wandb_offline_run_is_written_and_finished(tmp_path):
         """
         from speedtronic.integrations import hooks_from_config
         from speedtronic.profiling import MetricLogger
-        wandb = {"project": "speedtronic-test", "mode": "offline"}
-        hooks = hooks_from_config({"wandb": wandb, "progress": False})
+        settings = {"project": "speedtronic-test", "mode": "offline"}
+        hooks = hooks_from_config({"wandb": settings, "progress": False})
         with MetricLogger(stream=False, hooks=hooks) as log:
             for s in range(1, 4):
                 log.emit("train_step", {"step": s, "loss": 1.0 / s, "token": "hf_secret"})
