@@ -17,7 +17,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
 from fastcore.basics import patch
 
@@ -444,10 +444,20 @@ def list_files(self: SharedDirectory) -> list[str]:
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #cccd5176
 def _copy(src: Path, dest: Path) -> int:
     """Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename), never through
-    a link at `src`; returns the bytes copied."""
+    a link at `src`; returns the bytes copied.
+
+    The count is taken from the written file before the rename: once `dest` is in place another
+    node (the master folding a delta) may delete it at once, so it is never looked at again."""
+    copied = 0
+
+    def write(out: BinaryIO) -> None:
+        nonlocal copied
+        shutil.copyfileobj(f, out, 1 << 20)
+        copied = out.tell()
+
     with os.fdopen(os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
-        atomic_write(dest, lambda out: shutil.copyfileobj(f, out, 1 << 20))
-    return dest.stat().st_size
+        atomic_write(dest, write)
+    return copied
 
 
 @patch
