@@ -63,8 +63,9 @@ def test_bench_trainer_prints_the_ratio_the_overhead_and_its_breakdown():
 
 def test_bench_recipe_prints_our_held_out_loss_and_cpu_seconds_beside_nanogpts(tmp_path):
     """bench/bench_recipe.py, 4 steps of nanoGPT's CPU recipe on a small prose file (the last tenth
-    held out), prints the recipe's token count, our held-out loss and CPU-seconds, and the recorded
-    reference; a missing text file is one line and exit 2."""
+    held out), prints the recipe's token count, our held-out loss and CPU-seconds, the same recipe
+    run as a plain PyTorch loop beside it with the ratios, and the recorded reference; a missing
+    text file is one line and exit 2."""
     words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
     text = tmp_path / "prose.txt"
     text.write_text(
@@ -87,6 +88,18 @@ def test_bench_recipe_prints_our_held_out_loss_and_cpu_seconds_beside_nanogpts(t
     assert re.search(r"^recipe: 4 steps x 12 x 64 = 3,072 tokens, adamw, 1 thread", out, re.M), out
     loss = re.search(r"^speedtronic: held-out (\d+\.\d{3}) nats/char in [\d.]+ CPU-s", out, re.M)
     assert loss and 0 < float(loss.group(1)) < 6.0, out  # below ln(256) = 5.55 plus noise
+    # the bench's own measure of our model agrees with the trainer's held-out evaluation
+    same = re.search(r"; (\d+\.\d{3}) measured as the baseline is\)$", out, re.M)
+    assert same and same.group(1) == loss.group(1), out
+    base = re.search(
+        r"^baseline, the recipe in plain PyTorch \(GPT-2 blocks, AdamW\): held-out (\d+\.\d{3}) "
+        r"nats/char in ([\d.]+) CPU-s",
+        out,
+        re.M,
+    )
+    assert base and 0 < float(base.group(1)) < 6.0, out
+    ratio = re.search(r"^speedtronic / baseline: held-out loss (\d+\.\d{3})x, CPU time", out, re.M)
+    assert ratio and abs(float(ratio.group(1)) - float(same.group(1)) / float(base.group(1))) < 2e-3
     assert "nanoGPT (recorded): held-out 1.570 nats/char in 165-177 CPU-s" in out, out
     missing = bench("--text", str(tmp_path / "nope.txt"), "--steps", "4")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
