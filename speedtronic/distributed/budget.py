@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 # %% auto #0
-__all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_ROUND', 'MASTER_POLL', 'MASTER_PUBLICATION', 'PER_NODE_POLL',
-           'PER_NODE_DELTA', 'DELTA_BYTES_PER_PARAM', 'HubLimits', 'hub_limits', 'HubBudget',
-           'delta_bytes_per_parameter', 'budget_from_config', 'auto_layout']
+__all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_DELTA', 'NODE_GLOBAL', 'MASTER_POLL', 'MASTER_MOVED',
+           'MASTER_PUBLICATION', 'MASTER_DELTA', 'PER_NODE_POLL', 'PER_NODE_DELTA', 'DELTA_BYTES_PER_PARAM',
+           'HubLimits', 'hub_limits', 'HubBudget', 'delta_bytes_per_parameter', 'budget_from_config', 'auto_layout']
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #00021c60
 @dataclass(frozen=True)
@@ -47,10 +47,15 @@ def hub_limits(setting: str | Mapping[str, Any] | HubLimits | None = "free") -> 
 HEADROOM = (
     0.8  # a plan fits within this share of each limit: setup, heartbeats and retries use the rest
 )
-NODE_POLL = {"api": 0, "downloads": 1}  # every node, the master's own included
-NODE_ROUND = {"api": 3 + 1, "downloads": 2}  # its delta's commit, then the new global
-MASTER_POLL = {"api": 1, "downloads": 0}  # on top: the listing of nodes/
-MASTER_PUBLICATION = {"api": 4, "downloads": 1}  # on top, plus one download per delta folded
+# what each event costs (a download is two /resolve/ requests: a HEAD for its metadata, then a GET)
+NODE_POLL = {"api": 0, "downloads": 1}  # a worker's poll: a HEAD of the version file
+NODE_DELTA = {"api": 3, "downloads": 0}  # every node's delta: pre-upload, LFS batch, commit
+NODE_GLOBAL = {"api": 2, "downloads": 4}  # a worker's new global: the head, version file, weights
+MASTER_POLL = {"api": 1, "downloads": 0}  # the master's poll: the head
+# a master's poll that finds the head moved: the branch ref, the listing of nodes/, the version file
+MASTER_MOVED = {"api": 2, "downloads": 2}
+MASTER_PUBLICATION = {"api": 3, "downloads": 0}  # pre-upload, LFS batch, commit; then a poll
+MASTER_DELTA = {"api": 0, "downloads": 2}  # each delta it folds
 # the per-node layout: a poll lists every node's repository at once; a new delta costs the listing
 # of its node's repository on top of its download
 PER_NODE_POLL = {"api": 1, "downloads": 0}
@@ -108,16 +113,29 @@ class HubBudget:
         return self.commits_in_an_hour <= HEADROOM * self.limits.commits_per_hour
 
     def per_window(self, role: str) -> dict[str, float]:
-        "API calls and downloads one `role` (`master` or `worker`) spends in a five-minute window."
+        """API calls and downloads one `role` (`master` or `worker`) spends in a five-minute window:
+        how often each event of the table above happens there, times what it costs."""
         polls, rounds = WINDOW_S / self.poll_interval, WINDOW_S / self.round_s
-        spent = {k: polls * NODE_POLL[k] + rounds * NODE_ROUND[k] for k in ("api", "downloads")}
+        pubs = self.publications_per_hour * WINDOW_S / 3600.0
+        deltas = rounds * self.nodes
         if role == "master":
-            pubs = self.publications_per_hour * WINDOW_S / 3600.0
-            for k in spent:
-                spent[k] += polls * MASTER_POLL[k] + pubs * MASTER_PUBLICATION[k]
-                if self.per_node:
-                    spent[k] += polls * PER_NODE_POLL[k] + rounds * self.nodes * PER_NODE_DELTA[k]
-            spent["downloads"] += rounds * (self.nodes - 1)  # every other node's delta
+            master_polls = polls + pubs  # it polls again at once after each publication
+            # the head it reads moves with each commit: a delta (in its node's repository in the
+            # per-node layout, which the master's listing sees) or a publication
+            moved = min(master_polls, deltas + pubs)
+            events = [
+                (rounds, NODE_DELTA),
+                (master_polls, MASTER_POLL),
+                (moved, MASTER_MOVED),
+                (pubs, MASTER_PUBLICATION),
+                (deltas, MASTER_DELTA),
+            ]
+            if self.per_node:
+                events += [(master_polls, PER_NODE_POLL), (deltas, PER_NODE_DELTA)]
+        else:
+            globals_read = rounds if self.whole_rounds else min(pubs, polls)
+            events = [(polls, NODE_POLL), (rounds, NODE_DELTA), (globals_read, NODE_GLOBAL)]
+        spent = {k: sum(n * cost[k] for n, cost in events) for k in ("api", "downloads")}
         return {k: v * self.busy_share(WINDOW_S) for k, v in spent.items()}
 
     def bytes_per_round(self, role: str) -> tuple[int, int]:
