@@ -128,7 +128,8 @@ def recipe(
         },
         "precision": "fp32",
         "checkpoint": {"enabled": False},
-        "eval": {"holdout_fraction": 0.1, "every_steps": steps},
+        # the held-out tenth read in batches of 64: the same mean, in a quarter of the calls
+        "eval": {"holdout_fraction": 0.1, "every_steps": steps, "micro_batch_size": 64},
         "logging": {
             "level": "WARNING",
             "progress": False,

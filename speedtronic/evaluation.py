@@ -440,8 +440,10 @@ class Evaluator:
 def _held_out_data(config: SpeedtronicConfig) -> tuple[DataConfig, str]:
     "The data settings of the held-out loader, and the key that names its source."
     e, d = config.eval, config.data
+    micro = e.micro_batch_size or d.micro_batch_size
     common = dict(
-        micro_batch_size=e.micro_batch_size or d.micro_batch_size,
+        micro_batch_size=micro,
+        target_batch_size=micro,  # no updates: a held-out batch larger than a training one is fine
         shuffle=False,
         drop_last=False,
         num_workers=0,
