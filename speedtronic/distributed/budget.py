@@ -119,7 +119,7 @@ class HubBudget:
         pubs = self.publications_per_hour * WINDOW_S / 3600.0
         deltas = rounds * self.nodes
         if role == "master":
-            master_polls = polls + rounds  # a pass a poll, and one when its own node sends a delta
+            master_polls = polls + pubs  # it polls again at once after each publication
             # the head it reads moves with each commit: a delta (in its node's repository in the
             # per-node layout, which the master's listing sees) or a publication
             moved = min(master_polls, deltas + pubs)

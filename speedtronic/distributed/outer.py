@@ -1988,7 +1988,7 @@ def wake(self: MasterOuterLoop) -> None:
 @patch
 def _run(self: MasterOuterLoop) -> None:
     while not self._stop.is_set():
-        before, began = self.state.outer_step, time.monotonic()
+        before = self.state.outer_step
         self._wake.clear()  # a wake from now on makes the next wait return at once
         try:
             with self._pass:
@@ -2004,8 +2004,6 @@ def _run(self: MasterOuterLoop) -> None:
             self._wake.wait(
                 min(self.poll_interval, 0.25) if self.state.held else self.poll_interval
             )
-        else:  # published: the next pass a poll after this one began (only a stop cuts it short)
-            self._stop.wait(max(0.0, self.poll_interval - (time.monotonic() - began)))
 
 
 @patch
