@@ -72,6 +72,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from speedtronic.data import TokenArrayDataset  # noqa: E402
+from speedtronic.evaluation import holdout_split  # noqa: E402
 from speedtronic.runtime import build_runtime  # noqa: E402
 from speedtronic.tokens import prepare_token_file, read_token_sidecar  # noqa: E402
 
@@ -148,12 +150,10 @@ def prepared(text: Path, out: Path) -> Path:
 
 
 def split_tokens(tokens: np.ndarray, block: int = 64, fraction: float = 0.1) -> tuple:
-    """(training tokens, held-out tokens) cut as `eval.holdout_fraction` cuts a token file: the last
-    `fraction` of its blocks of `block + 1` tokens (at least one) held out."""
-    g = block + 1
-    blocks = len(tokens) // g + (len(tokens) % g >= 2)
-    cut = (blocks - max(1, math.ceil(blocks * fraction))) * g
-    return tokens[:cut], tokens[cut:]
+    """(training tokens, held-out tokens) cut by the trainer's own `holdout_split`, as
+    `eval.holdout_fraction` cuts the token file."""
+    split = holdout_split(TokenArrayDataset(tokens, block), fraction)
+    return np.asarray(split.train.tokens), np.asarray(split.held_out.tokens)
 
 
 @torch.no_grad()
