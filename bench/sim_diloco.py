@@ -23,6 +23,8 @@ no global by the end).
     python bench/sim_diloco.py --nodes 256 --hours 1 --scale 120    # an hour in 30 s
     python bench/sim_diloco.py --nodes 6 --layout per-node --boundary-wait 600 --join-round 4 \
         --pause-rounds 5:8    # whole rounds; the last worker joins at round 4, another is gone 5-8
+    python bench/sim_diloco.py --nodes 8 --round-seconds 120 --layout per-node --scale 120 \
+        --commit-limit 40     # a Hub that takes 40 commits an hour: the master keeps to 32
 
 Two layouts, both the package's (`distributed.hub_layout`). `--layout one-repo` (the default,
 2.0's): every delta and every publication is a commit on the run's one repository, N + 1 commits a
@@ -51,6 +53,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,6 +68,7 @@ from speedtronic.distributed.budget import (  # noqa: E402
     DELTA_BYTES_PER_PARAM,
     HUB_TIERS,
     HubBudget,
+    HubLimits,
     hub_limits,
 )
 from speedtronic.distributed import outer  # noqa: E402
@@ -158,6 +162,27 @@ def node_name(i: int) -> str:
     return "master" if i == 0 else f"node{i:03d}"
 
 
+def limits_of(args) -> HubLimits:
+    "The tier's limits, with `--commit-limit` in place of its commits per repository an hour."
+    limits = hub_limits(args.tier)
+    if args.commit_limit is None:
+        return limits
+    return replace(
+        limits,
+        name=f"{limits.name}, {args.commit_limit} commits an hour",
+        commits_per_hour=float(args.commit_limit),
+    )
+
+
+def limits_mapping(limits: HubLimits) -> dict:
+    "`distributed.hub_limits` as numbers: what the nodes are told of the limits simulated."
+    return {
+        "commits_per_hour": limits.commits_per_hour,
+        "api_calls_per_5min": limits.api_calls_per_5min,
+        "downloads_per_5min": limits.downloads_per_5min,
+    }
+
+
 def budget_of(args) -> HubBudget:
     "`HubBudget` of the configuration simulated (the master trains too: it is one of the nodes)."
     return HubBudget(
@@ -166,7 +191,7 @@ def budget_of(args) -> HubBudget:
         poll_interval=args.poll_seconds,
         delta_bytes=args.params * DELTA_BYTES_PER_PARAM[args.delta_dtype],
         global_bytes=args.params * 4,
-        limits=hub_limits(args.tier),
+        limits=limits_of(args),
         whole_rounds=args.boundary_wait > 0,
         per_node=args.layout == "per-node",
     )
@@ -201,7 +226,7 @@ def distributed_section(args, i: int, token: str, work: Path) -> dict:
         "delta_dtype": args.delta_dtype,
         "delta_upload_shutdown_timeout": real(args.final_seconds),
         "state_dir": str(work / "state"),
-        "hub_limits": args.tier,
+        "hub_limits": args.tier if args.commit_limit is None else limits_mapping(limits_of(args)),
         "hub_layout": args.layout,
         "late_share": args.late_share,
     }
@@ -280,7 +305,7 @@ class Node:
 
 def simulate(args) -> dict:
     "Run the simulation; what the table is made from."
-    limits = hub_limits(args.tier)
+    limits = limits_of(args)
     tokens = {f"hf_sim_{node_name(i)}_token": "write" for i in range(args.nodes)}
     hub = TimedHub(
         tokens=tokens,
@@ -506,6 +531,12 @@ def parse(argv=None):
     p.add_argument("--nodes", type=int, default=16, help="nodes, the master included")
     p.add_argument("--round-seconds", type=float, default=300.0, help="simulated s per round")
     p.add_argument("--tier", default="free", help=f"one of {', '.join(HUB_TIERS)}")
+    p.add_argument(
+        "--commit-limit",
+        type=int,
+        default=None,
+        help="commits per repository an hour, in place of the tier's 128 (stand-in and nodes)",
+    )
     p.add_argument("--hours", type=float, default=1.0, help="simulated hours of training")
     p.add_argument("--scale", type=float, default=360.0, help="simulated s per real s")
     p.add_argument("--params", type=int, default=4096, help="model parameters (delta size)")
@@ -542,6 +573,8 @@ def parse(argv=None):
     for name in ("nodes", "params", "steps_per_round"):
         if getattr(args, name) < (2 if name == "nodes" else 1):
             raise Usage(f"--{name.replace('_', '-')} {getattr(args, name)}: too small")
+    if args.commit_limit is not None and args.commit_limit < 1:
+        raise Usage(f"--commit-limit {args.commit_limit}: must be at least 1")
     for name in ("round_seconds", "hours", "scale", "poll_seconds", "lease_seconds"):
         if not getattr(args, name) > 0:
             raise Usage(f"--{name.replace('_', '-')} {getattr(args, name)}: must be positive")
@@ -555,9 +588,11 @@ def main(argv=None) -> None:
         print(f"sim_diloco: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     torch.set_num_threads(1)
-    # the one duration the master takes from a module constant, not from its config: how long a
-    # publication retries while other commits move the head (60 s), scaled like every other
+    # the two durations the master takes from module constants, not from its config, scaled like
+    # every other: how long a publication retries while other commits move the head (60 s), and the
+    # hour over which it counts its own commits against the Hub's limit (`commit_wait`)
     outer.PUBLISH_PATIENCE_S = outer.PUBLISH_PATIENCE_S / args.scale
+    outer.COMMIT_WINDOW_S = outer.COMMIT_WINDOW_S / args.scale
     budget = budget_of(args)
     said = [
         f"sim_diloco: {args.nodes} nodes (a master and {args.nodes - 1} workers), rounds of "

@@ -94,11 +94,12 @@ class HubBudget:
 
     @property
     def publications_per_hour(self) -> float:
-        """The master's publications an hour: one a round, or what each poll finds (at most one a
-        poll)."""
+        """The master's publications an hour: one a round, or one for each delta (a pass that finds
+        one publishes, and after a publication it looks again at once), at most the commits it
+        allows itself on its repository (`HEADROOM` of the Hub's limit; `commit_wait`)."""
         if self.whole_rounds:
             return self.rounds_per_hour
-        return min(self.nodes * self.rounds_per_hour, 3600.0 / self.poll_interval)
+        return min(self.nodes * self.rounds_per_hour, HEADROOM * self.limits.commits_per_hour)
 
     @property
     def commits_per_hour(self) -> float:

@@ -34,7 +34,13 @@ from speedtronic.config import (
 from .hub import HUB_REQUESTS, HubClient, PerNodeHub, node_repo_id
 from ..paths import node_id
 from .outer import DATA_HEADER, Ledger, MasterOuterLoop
-from .budget import HUB_TIERS, HubBudget, budget_from_config, hub_limits
+from speedtronic.distributed.budget import (
+    HEADROOM,
+    HUB_TIERS,
+    HubBudget,
+    budget_from_config,
+    hub_limits,
+)
 from speedtronic.distributed.tensors import (
     GLOBAL_MODEL_PATH,
     state_misfit,
@@ -68,10 +74,10 @@ __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'S
            'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'upload_delta', 'at_boundary',
            'on_upload_done', 'on_upload_failed', 'on_global', 'master_of', 'predecessors', 'global_problem',
            'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator',
-           'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum', 'final_global_model',
-           'node_summary', 'NodeShard', 'shard_loader', 'node_data_config', 'data_fingerprint', 'hub_commits_per_hour',
-           'hub_budget_of', 'commit_rate_warning', 'measure_step_time', 'hub_plan_check', 'warn_commit_rate',
-           'HubReport']
+           'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum',
+           'master_commit_allowance', 'final_global_model', 'node_summary', 'NodeShard', 'shard_loader',
+           'node_data_config', 'data_fingerprint', 'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning',
+           'measure_step_time', 'hub_plan_check', 'warn_commit_rate', 'HubReport']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
@@ -1233,6 +1239,13 @@ def warn_outer_momentum(config: DistributedConfig) -> str | None:
         warnings.warn(message, DistributedWarning, stacklevel=2)
     return message
 
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #f6942872
+def master_commit_allowance(config: DistributedConfig) -> float | None:
+    "Commits an hour the master makes on its repository at most (None: no bound)."
+    if config.transport != "hub":
+        return None
+    return HEADROOM * hub_limits(config.hub_limits).commits_per_hour
+
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #b3c80134
 @patch
 def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | None) -> None:
@@ -1259,6 +1272,7 @@ def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | Non
         lease_timeout=cfg.lease_timeout,
         round_wait=cfg.boundary_wait / 2,
         late_share=cfg.late_share,
+        commit_allowance=master_commit_allowance(cfg),
     )
     if prepared is not None and prepared.get("outer"):
         self.outer.load_state_dict(prepared["outer"])

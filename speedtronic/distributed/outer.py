@@ -54,15 +54,15 @@ from speedtronic.distributed.transport import (
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'PUBLISH_PATIENCE_S', 'DATA_HEADER',
-           'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied',
-           'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
+__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'COMMIT_WINDOW_S', 'PUBLISH_PATIENCE_S',
+           'DATA_HEADER', 'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update',
+           'applied', 'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
            'succession', 'liveness', 'DeltaSizes', 'MasterRules', 'MasterState', 'master_state', 'state_record',
            'restored', 'translated_record', 'norm_scale', 'check', 'rejected', 'listed', 'judge_newcomers',
            'active_nodes', 'round_deadline', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due',
-           'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup', 'bootstrap', 'resumed',
-           'adopted', 'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata', 'run_conflict', 'run_file',
-           'MasterOuterLoop', 'same_data', 'quarantine_record']
+           'commit_wait', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup',
+           'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata',
+           'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data', 'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
@@ -907,6 +907,29 @@ def heartbeat_due(state: MasterState, rules: MasterRules, now: float) -> bool:
     "Whether the master has been silent for a third of its lease."
     return now - state.published_at > rules.lease_timeout / 3
 
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #f52c79f9
+COMMIT_WINDOW_S = 3600.0  # the Hub counts a repository's commits over an hour
+
+
+def commit_wait(
+    times: Sequence[float],  # when this master committed (its clock)
+    now: float,
+    allowance: float | None,  # commits in any window at most (None: no bound)
+    window: float | None = None,  # seconds (default `COMMIT_WINDOW_S`)
+) -> float:
+    "Seconds until one more commit keeps `times` within `allowance` commits per `window`."
+    window = COMMIT_WINDOW_S if window is None else window
+    if not allowance:
+        return 0.0
+    recent = sorted(t for t in times if now - t < window)
+    cap, used = max(1, int(allowance)), len(recent)
+    if used >= cap:  # until enough of the oldest have left the window
+        return recent[used - cap] + window - now
+    if used < 0.75 * cap:
+        return 0.0
+    room = recent[0] + window - now  # until the oldest leaves the window
+    return max(0.0, recent[-1] + room / (cap - used) - now)
+
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #d95f4aaa
 @dataclass(frozen=True)
 class Publication:
@@ -1238,6 +1261,9 @@ class MasterOuterLoop:
         late_share: float | None = None,
         # s a final round left by a killed run waits, at `stop()`
         final_round_timeout: float = 300.0,
+        # commits this master makes on its repository in any `COMMIT_WINDOW_S` at most (None: no
+        # bound); the coordinator gives the Hub's limit (`distributed.hub_limits`) with headroom
+        commit_allowance: float | None = None,
         fresh: bool = False,  # a new run: a new run id, the local records of an earlier run deleted
         overwrite: bool = False,  # a fresh master deletes the files of the run a repository holds
         clock: Callable[[], float] = time.monotonic,
@@ -1297,6 +1323,8 @@ class MasterOuterLoop:
         self.final_round_timeout, self._final_tried = float(final_round_timeout), False
         self._pass = threading.Lock()  # held through each pass: one pass of this master at a time
         self.data_of, self._same_data_said = {}, False  # each node's `data` header (`_note_data`)
+        # when this master committed (its clock), for `commit_wait`; whether it said it waits
+        self.commit_allowance, self.commit_times, self._paced_said = commit_allowance, [], False
 
     outer_step = property(
         lambda self: self.state.outer_step, doc="The published version (-1 before the first)."
@@ -1334,6 +1362,11 @@ class MasterOuterLoop:
 
     def _received(self) -> int:
         return getattr(getattr(self.transport, "counts", None), "bytes_received", 0)
+
+    def commit_pace(self, now: float | None = None) -> float:
+        "Seconds until this master's next commit fits its `commit_allowance` (`commit_wait`)."
+        now = self.clock() if now is None else now
+        return commit_wait(self.commit_times, now, self.commit_allowance)
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #82864fc9
 @patch
@@ -1389,9 +1422,12 @@ def _commit(
     )
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         extra = {k: v for k, v in extra.items() if k in params}
-    return self.transport.publish(
+    revision = self.transport.publish(
         files, deletes, parent=repo, owner=self.node_id, message=message, **extra
     )
+    now = self.clock()  # one more commit on the repository's budget (`commit_wait`)
+    self.commit_times = [t for t in self.commit_times if now - t < COMMIT_WINDOW_S] + [now]
+    return revision
 
 
 @patch
@@ -1863,16 +1899,19 @@ def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
 def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
     """One round: collect, fold and publish (with `round_wait`, only a full round unless
     `full_rounds` is False). Returns the outer step."""
+    now = self.clock()
+    paced = full_rounds and self.commit_pace(now) > 0  # the final round is never paced
+    quiet = not (
+        self.state.drop
+        or heartbeat_due(self.state, self.rules, now)
+        or (not paced and round_due(self.state, self.rules, now, full_rounds))
+    )
+    if paced and quiet:  # nothing to do until the commit budget allows: not even a request
+        return self.state.outer_step
     head = (
         self.transport.head_revision()
         if callable(getattr(self.transport, "head_revision", None))
         else None
-    )
-    now = self.clock()
-    quiet = not (
-        self.state.drop
-        or heartbeat_due(self.state, self.rules, now)
-        or round_due(self.state, self.rules, now, full_rounds)
     )
     if head is not None and head == self.revision and quiet:
         return self.state.outer_step
@@ -1899,6 +1938,13 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
             )
         return self.state.outer_step
     now, before = self.clock(), self.state
+    if paced:  # held, and folded with what comes meanwhile once the commit budget allows
+        self._say_paced(now)
+        self.state = replace(
+            self.state, held=tuple(accepted), held_since=self.state.held_since or now
+        )
+        return self.state.outer_step
+    self._paced_said = False
     self.state, pub, refused = fold(before, self.rules, accepted, now, full_rounds)
     for d, reason, why in refused:
         self._quarantine(
@@ -1930,6 +1976,21 @@ def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
         )
     self._after_round(pub, found, self._received() - received)
     return self.state.outer_step
+
+
+@patch
+def _say_paced(self: MasterOuterLoop, now: float) -> None:
+    "Say once per wait that the commit budget holds the next publication back."
+    if self._paced_said:
+        return
+    self._paced_said = True
+    used = sum(1 for t in self.commit_times if now - t < COMMIT_WINDOW_S)
+    self._log(
+        "info",
+        f"{used} commits on {self._where()} in the last {COMMIT_WINDOW_S:g} s of the "
+        f"{self.commit_allowance:.0f} this master makes there: the next publication waits "
+        f"{self.commit_pace(now):.3g} s and folds every delta that arrived meanwhile",
+    )
 
 
 @patch
@@ -2001,9 +2062,9 @@ def _run(self: MasterOuterLoop) -> None:
             self._log("error", f"master outer loop stopped: {type(e).__name__}: {e}")
             return
         if self.state.outer_step == before:
-            self._wake.wait(
-                min(self.poll_interval, 0.25) if self.state.held else self.poll_interval
-            )
+            pace = self.commit_pace()  # a publication the commit budget holds back: until it fits
+            held = min(self.poll_interval, 0.25) if self.state.held else self.poll_interval
+            self._wake.wait(min(self.poll_interval, pace) if pace > 0 else held)
 
 
 @patch

@@ -146,7 +146,7 @@ def test_64_nodes_in_5_minute_rounds_are_refused_up_front_and_the_run_shows_why(
     plan = expected_verdict(64, 300.0)
     assert plan[-2:] == [
         "verdict: refused",
-        "  - 64 nodes x 12.0 rounds an hour need 828 commits an hour on the run's repository; the "
+        "  - 64 nodes x 12.0 rounds an hour need 870 commits an hour on the run's repository; the "
         "Hub allows 128 (plan for 102): make rounds at least 4620 s long "
         "(distributed.inner_steps), or run at most 4 nodes at this round length, or give each "
         "node a repository of its own (distributed.hub_layout: per-node), or fold whole rounds "
@@ -230,4 +230,27 @@ def test_a_node_that_joins_late_and_one_that_leaves_and_comes_back_in_whole_roun
     assert said == 1 and after > 0 and refused == 0, left.group(0)
     s = summary(out)
     assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] > 0, out[-4000:]
+    assert "ended with an error" not in out, out
+
+
+def test_a_master_whose_nodes_send_more_than_the_hub_takes_keeps_to_its_commit_budget(tmp_path):
+    """8 nodes in 2-minute rounds on a repository per node, where the Hub takes 40 commits an hour
+    on a repository (`--commit-limit`: the stand-in enforces it and the nodes are told it), send 240
+    deltas an hour. A master that published whenever it found one made 40 commits in the first hour
+    and met a 429, after which it waited out the Hub's window (deltas folded up to 2,800 simulated
+    seconds late). It keeps to 80% of the limit (`commit_wait`), folding what came meanwhile
+    together: at most 32 commits an hour on the run's repository, no 429, every delta folded once,
+    none lost."""
+    out, held = run_bench(
+        tmp_path,
+        *("--nodes", "8", "--round-seconds", "120", "--hours", "1", "--layout", "per-node"),
+        *("--scale", "120", "--commit-limit", "40"),
+    )
+    assert "verdict: fits" in out.splitlines(), out
+    table = rows(out)
+    assert all(r["commits"] <= 32 for r in table), table  # int(0.8 * 40)
+    assert all(r["429"] == 0 for r in table) and held["refusals"].get("commits", 0) == 0, held
+    assert sum(r["rounds"] for r in table) >= 20, table
+    s = summary(out)
+    assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] == s["made"], out[-4000:]
     assert "ended with an error" not in out, out
