@@ -464,6 +464,8 @@ def table(run: dict, args) -> list[str]:
         f"simulated hours (each node made a delta every {args.round_seconds:.0f} s for "
         f"{args.hours:g} h: {args.hours * HOUR / args.round_seconds:.0f} rounds); "
         f"wall {run['wall']:.0f} s",
+        f"the master's commit budget held a publication back {held_back(nodes[0].log.said)} "
+        "time(s) (commit_wait)",
     ]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out.append(
@@ -480,6 +482,11 @@ def table(run: dict, args) -> list[str]:
             f"{', ...' if len(who) > 3 else ''}): {text[:400]}"
         )
     return out
+
+
+def held_back(words: list[tuple[float, str]]) -> int:
+    "How many times the master's lines say its commit budget held its next publication back."
+    return sum(1 for _, line in words if "the next publication waits" in line)
 
 
 def waited_for(line: str) -> set[str] | None:

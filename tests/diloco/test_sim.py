@@ -251,6 +251,10 @@ def test_a_master_whose_nodes_send_more_than_the_hub_takes_keeps_to_its_commit_b
     assert all(r["commits"] <= 32 for r in table), table  # int(0.8 * 40)
     assert all(r["429"] == 0 for r in table) and held["refusals"].get("commits", 0) == 0, held
     assert sum(r["rounds"] for r in table) >= 20, table
+    held_back = re.search(
+        r"^the master's commit budget held a publication back (\d+) time", out, re.M
+    )
+    assert held_back and int(held_back.group(1)) > 0, out[-3000:]  # the budget was at work
     s = summary(out)
     assert s["lost"] == 0 and s["twice"] == 0 and s["folded"] == s["sent"] == s["made"], out[-4000:]
     assert "ended with an error" not in out, out

@@ -185,6 +185,9 @@ def test_bench_sim_diloco_prints_the_budget_its_verdict_and_the_hourly_table():
     )
     assert re.search(r"^deltas made \d+, sent \d+, folded \d+, folded twice 0, lost 0$", out, re.M)
     assert re.search(r"^rounds completed \d+ in [\d.]+ simulated hours", out, re.M), out
+    assert re.search(
+        r"^the master's commit budget held a publication back \d+ time\(s\)", out, re.M
+    ), out
     unknown = bench("--tier", "gold")
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
     assert unknown.stderr.strip().splitlines() == [
