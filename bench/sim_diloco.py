@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -176,11 +176,7 @@ def limits_of(args) -> HubLimits:
 
 def limits_mapping(limits: HubLimits) -> dict:
     "`distributed.hub_limits` as numbers: what the nodes are told of the limits simulated."
-    return {
-        "commits_per_hour": limits.commits_per_hour,
-        "api_calls_per_5min": limits.api_calls_per_5min,
-        "downloads_per_5min": limits.downloads_per_5min,
-    }
+    return {k: v for k, v in asdict(limits).items() if k != "name"}
 
 
 def budget_of(args) -> HubBudget:
