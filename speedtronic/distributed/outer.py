@@ -1184,14 +1184,19 @@ def still_waiting(
 def final_gaps(state: MasterState, own: str, session: str, final_step: int) -> list[str]:
     """What the published global lacks of master `own`'s (node `session`) and accepted steps, in
     words."""
-    gaps = []
+    first_step = lambda d: d.step - d.inner_steps + 1 if d.inner_steps else d.step
+    own_held = [d for d in state.held if (d.node_id, d.session) == (own, session)]
     folded = state.ledger.nodes.get(own, {}).get("sessions", {}).get(session)
-    if folded is not None and folded < final_step:  # its session reached the global, not to the end
-        gaps.append(f"steps {folded + 1}..{final_step} of the master's own node {own!r}")
-    for d in state.held:  # accepted, never folded
-        first = d.step - d.inner_steps + 1 if d.inner_steps else None
-        steps = f"steps {first}..{d.step}" if first else f"step {d.step}"
-        gaps.append(f"{steps} of node {d.node_id!r} ({d.path})")
+    # its session reached the global but not to the end, or sent deltas none of which was folded
+    start = folded + 1 if folded is not None else min(map(first_step, own_held), default=None)
+    gaps = []
+    if start is not None and start <= final_step:
+        gaps.append(f"steps {start}..{final_step} of the master's own node {own!r}")
+    for d in state.held:  # accepted, never folded (the master's own are in its line above)
+        if (d.node_id, d.session) != (own, session):
+            first = first_step(d)
+            steps = f"steps {first}..{d.step}" if first < d.step else f"step {d.step}"
+            gaps.append(f"{steps} of node {d.node_id!r} ({d.path})")
     return gaps
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #179f7aa1
