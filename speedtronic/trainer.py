@@ -112,7 +112,12 @@ class SyncCoordinator(Protocol):
     Optional methods, called when the coordinator has them: `set_target(step)` before `start()`,
     with the step this `fit` trains to (a DiLoCo node marks the delta of that step as its last);
     `finish(model, step)` once after the last step of a `fit` that made updates, before the final
-    checkpoint (DiLoCo's final round)."""
+    checkpoint (DiLoCo's final round).
+
+    A `fit` from step 0 with a started coordinator saves a checkpoint of step 0 right after
+    `start()`: peers may take this run's work (a DiLoCo master folds its first delta) before its
+    first interval checkpoint, and a run killed then must resume as the same participant from the
+    same start (its DiLoCo session and starting global), not begin again as a new one."""
 
     def start(self) -> None: ...
     def after_optimizer_step(self, model: Any, step: int) -> bool | None: ...
@@ -1489,6 +1494,9 @@ def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
     try:
         if self.step < run.target:
             self._start_coordinator(run.target)
+            if self.step == 0 and self._coordinator_started and run.keep_boundary:
+                # its start, for a resume as the same participant (SyncCoordinator)
+                self.save_checkpoint(self._boundary_state())
         self.logger.emit("train_start", self._train_start_payload(run))
         with self._ctrl_c_after_update(run):
             self._train_to_target(run)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -433,6 +434,42 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
         ]
         back = [r for r in rounds if any(n == victim and s > starts[1] + 20 for n, s in r)]
         assert any([n for n, _ in r] == ["master", "w1"] for r in back), rounds
+
+
+def test_a_node_killed_after_a_delta_was_folded_and_before_its_first_checkpoint_resumes(tmp_path):
+    """A worker whose first interval checkpoint is far (step 100) is killed once the master has
+    folded a delta of it. Resumed, it goes on as the same node from its step-0 checkpoint (before:
+    it had no checkpoint, started a new session and was refused as a second live node 'w1')."""
+    repo, names, configs, procs = start_master_and_worker(tmp_path, boundary_wait=0)
+    procs["w1"].kill()  # relaunched below with checkpoints every 100 steps
+    procs["w1"].wait()
+    raw = yaml.safe_load(configs[1].read_text())
+    raw["checkpoint"]["every_steps"] = 100
+    configs[1].write_text(yaml.safe_dump(raw, sort_keys=False))
+    shutil.rmtree(tmp_path / "w1", ignore_errors=True)
+    procs["w1"] = launch(configs[1])
+
+    def folded_one_of_w1() -> bool:
+        if procs["w1"].poll() is not None:
+            raise AssertionError(f"w1 ended first: {procs['w1'].communicate()[1][-2000:]}")
+        folded = events(tmp_path / "master" / "metrics.jsonl", "outer_step")
+        return any(n == "w1" for e in folded for n, _ in e.get("folded", []))
+
+    wait_for(folded_one_of_w1, what="a delta of w1 folded")
+    procs["w1"].send_signal(signal.SIGKILL)
+    procs["w1"].wait()
+    saved = [e["step"] for e in events(tmp_path / "w1" / "metrics.jsonl", "checkpoint")]
+    assert saved == [0], saved  # killed before its first interval checkpoint
+    procs["w1"] = launch(configs[1], "--resume")
+    for p in procs.values():
+        finish(p)
+    ledger = SharedDirectory(repo).state().extras["ledger"]
+    check_exactly_once(tmp_path, names, ledger)
+    assert len(ledger["w1"]["sessions"]) == 1, ledger["w1"]  # resumed as the same node
+    assert max(ledger["w1"]["sessions"].values()) == 200
+    starts = [e["start_step"] for e in events(tmp_path / "w1" / "metrics.jsonl", "train_start")]
+    assert starts == [0, 0], starts  # the second from its step-0 checkpoint
+    assert not events(tmp_path / "master" / "metrics.jsonl", "delta_rejected")
 
 
 def test_a_master_killed_between_the_weights_and_the_version_file_puts_its_version_back(tmp_path):
