@@ -10,11 +10,16 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 # %% auto #0
-__all__ = ['HUB_TIERS', 'WINDOW_S', 'HEADROOM', 'NODE_POLL', 'NODE_DELTA', 'NODE_GLOBAL', 'MASTER_POLL', 'MASTER_MOVED',
+__all__ = ['HEADROOM', 'HUB_TIERS', 'WINDOW_S', 'NODE_POLL', 'NODE_DELTA', 'NODE_GLOBAL', 'MASTER_POLL', 'MASTER_MOVED',
            'MASTER_PUBLICATION', 'MASTER_DELTA', 'PER_NODE_POLL', 'PER_NODE_DELTA', 'DELTA_BYTES_PER_PARAM',
            'HubLimits', 'hub_limits', 'HubBudget', 'delta_bytes_per_parameter', 'budget_from_config', 'auto_layout']
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #00021c60
+HEADROOM = (
+    0.8  # a plan fits within this share of each limit: setup, heartbeats and retries use the rest
+)
+
+
 @dataclass(frozen=True)
 class HubLimits:
     """What the Hub allows: commits per hour per repository; API calls and downloads per window per
@@ -24,6 +29,12 @@ class HubLimits:
     commits_per_hour: float = 128
     api_calls_per_5min: float = 1000
     downloads_per_5min: float = 5000  # `/resolve/` requests, HEAD included
+
+    @property
+    def commit_allowance(self) -> float:
+        """The commits an hour a plan counts on one repository, and a master keeps to on its own:
+        `HEADROOM` of the limit (setup, heartbeats and retries use the rest)."""
+        return HEADROOM * self.commits_per_hour
 
 
 HUB_TIERS = {
@@ -44,9 +55,6 @@ def hub_limits(setting: str | Mapping[str, Any] | HubLimits | None = "free") -> 
     return replace(HUB_TIERS["free"], name="explicit", **{k: float(v) for k, v in setting.items()})
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #f6f8cc60
-HEADROOM = (
-    0.8  # a plan fits within this share of each limit: setup, heartbeats and retries use the rest
-)
 # what each event costs (a download is two /resolve/ requests: a HEAD for its metadata, then a GET)
 NODE_POLL = {"api": 0, "downloads": 1}  # a worker's poll: a HEAD of the version file
 NODE_DELTA = {"api": 3, "downloads": 0}  # every node's delta: pre-upload, LFS batch, commit
@@ -99,7 +107,7 @@ class HubBudget:
         allows itself on its repository (`HEADROOM` of the Hub's limit; `commit_wait`)."""
         if self.whole_rounds:
             return self.rounds_per_hour
-        return min(self.nodes * self.rounds_per_hour, HEADROOM * self.limits.commits_per_hour)
+        return min(self.nodes * self.rounds_per_hour, self.limits.commit_allowance)
 
     @property
     def commits_per_hour(self) -> float:
@@ -111,7 +119,7 @@ class HubBudget:
 
     def commits_fit(self) -> bool:
         "Whether the busiest repository's commits in its busiest hour stay inside the headroom."
-        return self.commits_in_an_hour <= HEADROOM * self.limits.commits_per_hour
+        return self.commits_in_an_hour <= self.limits.commit_allowance
 
     def per_window(self, role: str) -> dict[str, float]:
         """API calls and downloads one `role` (`master` or `worker`) spends in a five-minute window:
@@ -148,7 +156,7 @@ class HubBudget:
     def problems(self) -> list[str]:
         "What does not fit, each with what to change; empty when the plan fits."
         out, lim = [], self.limits
-        if self.commits_in_an_hour > HEADROOM * lim.commits_per_hour:
+        if self.commits_in_an_hour > lim.commit_allowance:
             fits = HubBudget.commits_fit
             where = "the busiest repository" if self.per_node else "the run's repository"
             longer = (self.round_s * 1.05**k for k in range(1, 400))
@@ -160,7 +168,7 @@ class HubBudget:
                 f"{self.nodes} nodes x {self.rounds_per_hour:.1f} rounds an hour need "
                 f"{self.commits_in_an_hour:.0f} commits an hour on {where}; the Hub "
                 f"allows {lim.commits_per_hour:.0f} (plan for "
-                f"{HEADROOM * lim.commits_per_hour:.0f}): "
+                f"{lim.commit_allowance:.0f}): "
                 f"make rounds at least {math.ceil(fit_round / 60) * 60:.0f} s long "
                 "(distributed.inner_steps)"
                 + (f", or run at most {fit_nodes} nodes at this round length" if fit_nodes else "")

@@ -35,7 +35,6 @@ from .hub import HUB_REQUESTS, HubClient, PerNodeHub, node_repo_id
 from ..paths import node_id
 from .outer import DATA_HEADER, Ledger, MasterOuterLoop
 from speedtronic.distributed.budget import (
-    HEADROOM,
     HUB_TIERS,
     HubBudget,
     budget_from_config,
@@ -1244,7 +1243,7 @@ def master_commit_allowance(config: DistributedConfig) -> float | None:
     "Commits an hour the master makes on its repository at most (None: no bound)."
     if config.transport != "hub":
         return None
-    return HEADROOM * hub_limits(config.hub_limits).commits_per_hour
+    return hub_limits(config.hub_limits).commit_allowance
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #b3c80134
 @patch
