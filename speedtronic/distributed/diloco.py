@@ -49,6 +49,7 @@ from speedtronic.distributed.tensors import (
     delta_header,
     delta_path,
     floating_state,
+    layer_norms,
     load_safetensors,
     read_metadata,
     save_safetensors,
@@ -71,9 +72,9 @@ from ..files import atomic_write_text
 # %% auto #0
 __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR',
            'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'upload_delta', 'at_boundary',
-           'on_upload_done', 'on_upload_failed', 'on_global', 'master_of', 'predecessors', 'global_problem',
-           'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from', 'DumbDiLoCoCoordinator',
-           'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum',
+           'sent_and_kept', 'on_upload_done', 'on_upload_failed', 'on_global', 'master_of', 'predecessors',
+           'global_problem', 'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from',
+           'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum',
            'master_commit_allowance', 'final_global_model', 'node_summary', 'NodeShard', 'shard_loader',
            'node_data_config', 'data_fingerprint', 'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning',
            'measure_step_time', 'hub_plan_check', 'warn_commit_rate', 'HubReport']
@@ -245,6 +246,19 @@ def at_boundary(
         sent_step=int(step),
         carry=None if dtype == "float32" else residual,
     ), upload
+
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #80c92217
+def sent_and_kept(upload: Upload, carry: Mapping[str, torch.Tensor] | None) -> dict[str, Any]:
+    """The L2 norms of what `upload` sends and of the residual `carry` kept, in total and per layer
+    (keys of the `delta_upload_queued` event)."""
+    sent, kept = layer_norms(upload_delta(upload)), layer_norms(carry or {})
+    total = lambda layers: math.sqrt(sum(v * v for v in layers.values()))
+    return {
+        "norm": total(sent),
+        "layers": sent,
+        "residual_norm": total(kept),
+        "residual_layers": kept,
+    }
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #b3074f96
 def on_upload_done(state: NodeState, upload: Upload) -> NodeState:
@@ -631,6 +645,7 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
                 self.topk,
                 self.config.feedback_decay,
             )
+            kept = self.state.carry  # the residual this delta leaves for the next
         except ValueError as e:
             return (
                 self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}") or False
@@ -641,9 +656,11 @@ def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
         "delta_upload_queued",
         {
             "step": step,
+            "node_id": self.node_id,
             "base_outer_step": out.base_outer_step,
             "inner_steps": out.steps,
             "bytes": wire_bytes(out.delta),
+            **sent_and_kept(out, kept),
         },
     )
     self._dispatch(out)

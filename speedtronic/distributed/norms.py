@@ -17,7 +17,8 @@ from ..optional import optional_import
 
 # %% auto #0
 __all__ = ['TOTAL', 'NormRecord', 'records_from_event', 'norm_records_from_events', 'norm_records_from_jsonl',
-           'norm_records_from_repo', 'norm_choices', 'norm_series', 'layer_profile', 'norm_records', 'plot_delta_norms']
+           'norm_records_from_repo', 'norm_choices', 'series_name', 'norm_series', 'layer_profile', 'norm_records',
+           'plot_delta_norms']
 
 # %% ../../nbs/diloco/07_distributed_norms.ipynb #22138028
 TOTAL = "total"
@@ -27,7 +28,7 @@ TOTAL = "total"
 class NormRecord:
     "One per-layer norm of a delta, an outer update or a pending delta."
 
-    kind: str  # "delta", "update" or "pending"
+    kind: str  # "delta", "update", "pending"; a node's own "sent" and "residual"
     outer_step: int
     node_id: str | None  # None for an outer update
     step: int | None  # the node's local step (deltas)
@@ -35,8 +36,26 @@ class NormRecord:
     norm: float
 
 
+def _node_side(payload: Mapping[str, Any]) -> list[NormRecord]:
+    "A node's `delta_upload_queued`: what it sent and the residual it kept (none in older events)."
+    if "norm" not in payload:
+        return []
+    node, step, version = payload.get("node_id"), payload.get("step"), payload["base_outer_step"]
+    return [
+        NormRecord(kind, int(version), node, step, layer, float(norm))
+        for kind, total, layers in (
+            ("sent", payload["norm"], payload.get("layers")),
+            ("residual", payload.get("residual_norm", 0.0), payload.get("residual_layers")),
+        )
+        for layer, norm in [(TOTAL, total), *(layers or {}).items()]
+    ]
+
+
 def records_from_event(event: str, payload: Mapping[str, Any]) -> list[NormRecord]:
-    "The records in one `delta_norms` or `outer_update_norms` event (none for other events)."
+    """The records in one `delta_norms`, `outer_update_norms` or `delta_upload_queued` event (none
+    for other events)."""
+    if event == "delta_upload_queued":
+        return _node_side(payload)
     if event not in ("delta_norms", "outer_update_norms"):
         return []
     kind = "delta" if event == "delta_norms" else "update"
@@ -152,6 +171,14 @@ def norm_choices(records: Iterable[NormRecord]) -> dict[str, list]:
     }
 
 
+def series_name(record: NormRecord) -> str:
+    "The series a record is drawn in: `update`, the node's id, or `<node> sent` / `<node> residual`."
+    if record.kind == "update":
+        return "update"
+    side = record.kind in ("sent", "residual")
+    return f"{record.node_id} {record.kind}" if side else str(record.node_id)
+
+
 def norm_series(
     records: Iterable[NormRecord], layer: str = TOTAL, nodes: Iterable[str] | None = None
 ) -> dict[str, tuple[list[int], list[float]]]:
@@ -162,8 +189,8 @@ def norm_series(
     for r in sorted(
         (r for r in records if r.layer == layer), key=lambda r: (r.outer_step, r.step or 0)
     ):
-        name = "update" if r.kind == "update" else r.node_id
-        if r.kind != "update" and wanted is not None and name not in wanted:
+        name = series_name(r)
+        if r.kind != "update" and wanted is not None and r.node_id not in wanted:
             continue
         xs, ys = series.setdefault(name, ([], []))
         xs.append(r.outer_step)
@@ -180,8 +207,8 @@ def layer_profile(
     for r in records:
         if r.outer_step != outer_step or r.layer == TOTAL:
             continue
-        name = "update" if r.kind == "update" else r.node_id
-        if node is not None and name not in (node, "update"):
+        name = series_name(r)
+        if node is not None and r.kind != "update" and r.node_id != node:
             continue
         layers = out.setdefault(name, {})
         layers[r.layer] = (layers.get(r.layer, 0.0) ** 2 + r.norm**2) ** 0.5
@@ -248,7 +275,11 @@ def plot_delta_norms(
     handles = {}
     for name, (xs, ys) in series.items():
         style = (
-            {"lw": 2.0, "marker": "s"} if name == "update" else {"lw": 1.2, "marker": "o", "ms": 3}
+            {"lw": 2.0, "marker": "s"}
+            if name == "update"
+            else {"lw": 1.0, "ls": "--", "marker": "x", "ms": 3}  # what a node kept back
+            if name.endswith(" residual")
+            else {"lw": 1.2, "marker": "o", "ms": 3}
         )
         (handles[name],) = left.plot(xs, ys, label=label(name), color=color[name], **style)
     left.set(xlabel="outer step", ylabel="L2 norm", title=f"{layer}: deltas and outer update")
