@@ -1494,9 +1494,11 @@ def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
     try:
         if self.step < run.target:
             self._start_coordinator(run.target)
-            if self.step == 0 and self._coordinator_started and run.keep_boundary:
-                # its start, for a resume as the same participant (SyncCoordinator)
-                self.save_checkpoint(self._boundary_state())
+            # its start, for a resume as the same participant (SyncCoordinator); a run resumed
+            # from that checkpoint keeps it as it was
+            started = self.step == 0 and self._coordinator_started
+            if started and run.keep_boundary and self._last_saved_step != 0:
+                self.save_checkpoint()
         self.logger.emit("train_start", self._train_start_payload(run))
         with self._ctrl_c_after_update(run):
             self._train_to_target(run)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -363,9 +362,12 @@ def _kill_when(proc: subprocess.Popen, jsonl: Path, min_step: int) -> None:
     proc.wait()
 
 
-def start_master_and_worker(tmp: Path, **distributed) -> tuple[Path, tuple, list, dict]:
+def start_master_and_worker(
+    tmp: Path, *, worker_checkpoint_every: int | None = None, **distributed
+) -> tuple[Path, tuple, list, dict]:
     """A master and worker `w1` over a shared directory, 200 steps each, the worker started once
-    the master trains: `(repo, names, configs, processes)`."""
+    the master trains (checkpointing every `worker_checkpoint_every` steps when given):
+    `(repo, names, configs, processes)`."""
     repo, names = tmp / "repo", ("master", "w1")
     configs = [
         node_config(
@@ -382,6 +384,10 @@ def start_master_and_worker(tmp: Path, **distributed) -> tuple[Path, tuple, list
         )
         for i, n in enumerate(names)
     ]
+    if worker_checkpoint_every is not None:
+        raw = yaml.safe_load(configs[1].read_text())
+        raw["checkpoint"]["every_steps"] = worker_checkpoint_every
+        configs[1].write_text(yaml.safe_dump(raw, sort_keys=False))
     procs = {"master": launch(configs[0])}
     wait_for(lambda: events(tmp / "master" / "metrics.jsonl", "train_start"), what="the master")
     procs["w1"] = launch(configs[1])
@@ -440,14 +446,9 @@ def test_a_node_killed_after_a_delta_was_folded_and_before_its_first_checkpoint_
     """A worker whose first interval checkpoint is far (step 100) is killed once the master has
     folded a delta of it. Resumed, it goes on as the same node from its step-0 checkpoint (before:
     it had no checkpoint, started a new session and was refused as a second live node 'w1')."""
-    repo, names, configs, procs = start_master_and_worker(tmp_path, boundary_wait=0)
-    procs["w1"].kill()  # relaunched below with checkpoints every 100 steps
-    procs["w1"].wait()
-    raw = yaml.safe_load(configs[1].read_text())
-    raw["checkpoint"]["every_steps"] = 100
-    configs[1].write_text(yaml.safe_dump(raw, sort_keys=False))
-    shutil.rmtree(tmp_path / "w1", ignore_errors=True)
-    procs["w1"] = launch(configs[1])
+    repo, names, configs, procs = start_master_and_worker(
+        tmp_path, worker_checkpoint_every=100, boundary_wait=0
+    )
 
     def folded_one_of_w1() -> bool:
         if procs["w1"].poll() is not None:
