@@ -234,23 +234,24 @@ def test_a_node_that_joins_late_and_one_that_leaves_and_comes_back_in_whole_roun
 
 
 def test_a_master_whose_nodes_send_more_than_the_hub_takes_keeps_to_its_commit_budget(tmp_path):
-    """8 nodes in 2-minute rounds on a repository per node, where the Hub takes 40 commits an hour
-    on a repository (`--commit-limit`: the stand-in enforces it and the nodes are told it), send 240
-    deltas an hour. A master that published whenever it found one made 40 commits in the first hour
-    and met a 429, after which it waited out the Hub's window (deltas folded up to 2,800 simulated
-    seconds late). It keeps to 80% of the limit (`commit_wait`), folding what came meanwhile
-    together: at most 32 commits an hour on the run's repository, no 429, every delta folded once,
-    none lost."""
+    """8 nodes in 3-minute rounds on a repository per node, where the Hub takes 25 commits an hour
+    on a repository (`--commit-limit`: the stand-in enforces it and the nodes are told it), send 160
+    deltas an hour. A master that published whenever it found one would commit 27 to 40 times an
+    hour (fewer on a busier machine) and meet a 429, then wait out the Hub's window. It keeps to 80%
+    of the limit (`commit_wait`), folding what came meanwhile together: at most 20 commits an hour
+    on the run's repository, no 429, every delta folded once, none lost. (In 2-minute rounds under a
+    limit of 40, the budget of 32 was about the master's own cadence on a loaded machine: the budget
+    did not always have to act, and the check that it did failed in CI.)"""
     out, held = run_bench(
         tmp_path,
-        *("--nodes", "8", "--round-seconds", "120", "--hours", "1", "--layout", "per-node"),
-        *("--scale", "120", "--commit-limit", "40"),
+        *("--nodes", "8", "--round-seconds", "180", "--hours", "1", "--layout", "per-node"),
+        *("--scale", "120", "--commit-limit", "25"),
     )
     assert "verdict: fits" in out.splitlines(), out
     table = rows(out)
-    assert all(r["commits"] <= 32 for r in table), table  # int(0.8 * 40)
+    assert all(r["commits"] <= 20 for r in table), table  # 0.8 * 25
     assert all(r["429"] == 0 for r in table) and held["refusals"].get("commits", 0) == 0, held
-    assert sum(r["rounds"] for r in table) >= 20, table
+    assert sum(r["rounds"] for r in table) >= 15, table
     held_back = re.search(
         r"^the master's commit budget held a publication back (\d+) time", out, re.M
     )
