@@ -19,8 +19,19 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, communicate_or_dump, jsonl_records, start_cli  # noqa: E402
+from conftest import ROOT, communicate_or_dump  # noqa: E402
 from hub_server import HubStandIn  # noqa: E402
+from diloco_nodes import (  # noqa: E402
+    TOKEN,
+    check_exactly_once,
+    events,
+    finish,
+    hub_env,
+    launch,
+    node_config,
+    run_nodes,
+    wait_for,
+)
 
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.distributed import (
@@ -44,167 +55,8 @@ from speedtronic.distributed.tensors import (
 from speedtronic.distributed.transport import RetryPolicy
 from speedtronic.profiling import MetricLogger
 
-TOKEN = "hf_test_write_token_0123456789"
-
 
 # -- running nodes ---------------------------------------------------------------------------------
-def node_config(
-    tmp: Path,
-    name: str,
-    role: str,
-    *,
-    repo: str,
-    transport: str,
-    index: int,
-    count: int,
-    steps: int,
-    bigger: bool = False,
-    **distributed,
-) -> Path:
-    raw = {
-        "run": {
-            "name": name,
-            "seed": 1,
-            "max_steps": steps,
-            "output_dir": str(tmp / name),
-            "device": "cpu",
-        },
-        "model": {
-            "vocab_size": 64,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "n_kv_head": 1,
-            "d_model": 16,
-            "d_ff": 32,
-        },
-        "data": {
-            "num_tokens": 4096,
-            "block_size": 16,
-            "micro_batch_size": 4,
-            "target_batch_size": 4,
-        },
-        "optimizer": {"lr": 3e-3},
-        "scheduler": {"warmup_steps": 2},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"every_steps": 10, "keep_last": 2},
-        "logging": {
-            "every_steps": 10,
-            "json_file": str(tmp / name / "metrics.jsonl"),
-            "loss_plot": False,
-            "progress": False,
-        },
-        "distributed": {
-            "enabled": True,
-            "role": role,
-            "node_id": name,
-            "transport": transport,
-            "repo_id": repo,
-            "inner_steps": 5,
-            "poll_interval": 0.2,
-            "shard_count": count,
-            "shard_index": index,
-            "expected_nodes": count,
-            "final_round_timeout": 180,
-            "retry_initial": 0.05,
-            "retry_max": 0.5,
-            "request_timeout": 5,
-            **distributed,
-        },
-    }
-    if bigger:  # slow enough (tens of ms per step) that a test can kill it mid-run
-        raw["model"].update(max_seq_len=32, n_layer=2, d_model=64, d_ff=128, n_head=4, n_kv_head=2)
-        raw["data"].update(block_size=32, micro_batch_size=16, target_batch_size=16)
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
-def launch(cfg: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return start_cli(
-        "train",
-        "--config",
-        str(cfg),
-        *extra,
-        env={"HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})},
-        faulthandler=False,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-
-
-def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
-    out, err = communicate_or_dump(proc, timeout)
-    if proc.returncode != 0:  # in full: an assertion's repr would cut the middle of the log out
-        pytest.fail(
-            f"{proc.args[-3:]} exited {proc.returncode}\n--- its stderr, last 8000 characters:\n"
-            f"{err[-8000:]}\n--- its stdout, last 2000 characters:\n{out[-2000:]}",
-            pytrace=False,
-        )
-    return out
-
-
-events = jsonl_records
-
-
-def wait_for(predicate, timeout: float = 300, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def run_nodes(
-    tmp: Path,
-    *,
-    repo: str,
-    transport: str,
-    names=("master", "w1", "w2"),
-    steps: int = 40,
-    env=None,
-    **distributed,
-) -> dict[str, str]:
-    "Run a master and workers to the end; returns each node's output."
-    configs = [
-        node_config(
-            tmp,
-            n,
-            "master" if i == 0 else "worker",
-            repo=repo,
-            transport=transport,
-            index=i,
-            count=len(names),
-            steps=steps,
-            **distributed,
-        )
-        for i, n in enumerate(names)
-    ]
-    procs = [launch(configs[0], env=env)]  # the master first: it creates the repository
-    wait_for(
-        lambda: (
-            events(tmp / names[0] / "metrics.jsonl", "train_start") or procs[0].poll() is not None
-        ),
-        what="the master",
-    )
-    procs += [launch(c, env=env) for c in configs[1:]]
-    return {name: finish(p) for name, p in zip(names, procs)}
-
-
-def check_exactly_once(tmp: Path, names, ledger: dict) -> None:
-    "Every delta a node uploaded is in the global model exactly once, and nothing is pending."
-    folded = Counter(
-        tuple(x)
-        for e in events(tmp / names[0] / "metrics.jsonl", "outer_step")
-        for x in e.get("folded", [])
-    )
-    assert not [k for k, n in folded.items() if n > 1], (
-        f"folded twice: {[k for k, n in folded.items() if n > 1]}"
-    )
-    for name in names:
-        uploaded = {e["step"] for e in events(tmp / name / "metrics.jsonl", "delta_uploaded")}
-        top = max(ledger[name]["sessions"].values())
-        assert uploaded and max(uploaded) == top, (name, sorted(uploaded), ledger[name])
 
 
 # -- both transports -------------------------------------------------------------------------------
@@ -239,15 +91,6 @@ def test_master_and_workers_over_a_shared_directory(tmp_path):
 @pytest.fixture
 def hub_tokens():
     return {TOKEN: "write", "hf_read_only_token_000": "read"}
-
-
-def hub_env(hub: HubStandIn, token: str = TOKEN) -> dict:
-    return {
-        "HF_ENDPOINT": hub.url,
-        "HF_TOKEN": token,
-        "HF_HUB_DOWNLOAD_TIMEOUT": "5",
-        "HF_HUB_ETAG_TIMEOUT": "5",
-    }
 
 
 def test_boundary_wait_folds_whole_rounds_each_starting_from_a_global_holding_the_nodes_last_delta(

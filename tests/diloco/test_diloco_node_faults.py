@@ -15,161 +15,22 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import HUB_TOKEN, jsonl_records  # noqa: E402
-from conftest import hub  # noqa: E402,F401  (test_node_trust imports it from here)
-from hub_server import HubStandIn  # noqa: E402
-from test_diloco import launch as launch_with  # noqa: E402
+from conftest import jsonl_records  # noqa: E402
+from diloco_nodes import (  # noqa: E402
+    TOKEN,
+    Lines,
+    ended,
+    error_line,
+    hub_env,
+    launch,
+    node_config,
+    repo_of,
+    transport_of,
+)
 
 from speedtronic.distributed import HubClient, SharedDirectory
-
-TOKEN = HUB_TOKEN  # what the `hub` fixture accepts
-
-
-def node_config(
-    tmp: Path,
-    name: str,
-    role: str,
-    *,
-    repo: str,
-    transport: str,
-    steps: int,
-    model: dict | None = None,
-    **distributed,
-) -> Path:
-    "A one-layer CPU node of a DiLoCo run, written to `tmp/<name>.yaml`."
-    raw = {
-        "run": {
-            "name": name,
-            "seed": 1,
-            "max_steps": steps,
-            "output_dir": str(tmp / name),
-            "device": "cpu",
-        },
-        "model": {
-            "vocab_size": 64,
-            "max_seq_len": 16,
-            "n_layer": 1,
-            "n_head": 2,
-            "n_kv_head": 1,
-            "d_model": 16,
-            "d_ff": 32,
-            **(model or {}),
-        },
-        "data": {
-            "num_tokens": 4096,
-            "block_size": 16,
-            "micro_batch_size": 4,
-            "target_batch_size": 4,
-        },
-        "optimizer": {"lr": 3e-3},
-        "scheduler": {"warmup_steps": 2},
-        "precision": {"mode": "fp32"},
-        "checkpoint": {"every_steps": 10, "keep_last": 2},
-        "logging": {
-            "every_steps": 10,
-            "json_file": str(tmp / name / "metrics.jsonl"),
-            "loss_plot": False,
-            "progress": False,
-        },
-        "distributed": {
-            "enabled": True,
-            "role": role,
-            "node_id": name,
-            "transport": transport,
-            "repo_id": repo,
-            "inner_steps": 5,
-            "poll_interval": 0.2,
-            "final_round_timeout": 120,
-            "retry_initial": 0.05,
-            "retry_max": 0.5,
-            "request_timeout": 5,
-            **distributed,
-        },
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
-def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
-    "test_diloco's `launch`, with the `env` this module's callers give positionally."
-    return launch_with(cfg, env=env)
-
-
-def ended(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
-    "(exit status, stderr, stdout) of `proc` run to its end."
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err, out
-
-
-def error_line(rc: int, err: str, out: str, *needles: str) -> str:
-    """The one `speedtronic: error:` line of a node that exited 2 without a traceback; it holds
-    every one of `needles`."""
-    assert rc == 2, (rc, err[-3000:])
-    assert "Traceback" not in err, err[-3000:]
-    lines = [line for line in err.splitlines() if line.startswith("speedtronic: error:")]
-    assert len(lines) == 1, err[-3000:]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
-
-
-class Lines:
-    """A process's stdout read on a thread: its lines, and an event set once `needle` shows up or
-    the stream ends."""
-
-    def __init__(self, proc: subprocess.Popen, needle: str):
-        self.lines, self.needle, self.event = [], needle, threading.Event()
-        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self.thread.start()
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            self.lines.append(line)
-            if self.needle in line:
-                self.event.set()
-        self.event.set()
-
-    def seen(self, timeout: float = 300) -> bool:
-        "Whether `needle` showed up (waits for it, or for the end of the stream)."
-        self.event.wait(timeout)
-        return self.count() > 0
-
-    def count(self) -> int:
-        return sum(self.needle in line for line in self.lines)
-
-    def text(self) -> str:
-        return "".join(self.lines)[-3000:]
-
-
-def hub_env(hub: HubStandIn) -> dict:
-    return {
-        "HF_ENDPOINT": hub.url,
-        "HF_TOKEN": TOKEN,
-        "HF_HUB_DOWNLOAD_TIMEOUT": "5",
-        "HF_HUB_ETAG_TIMEOUT": "5",
-    }
-
-
-def repo_of(kind: str, tmp: Path, hub: HubStandIn | None) -> tuple[str, dict]:
-    """(repo_id, environment) of a fresh repository nobody has created, on the Hub stand-in or as a
-    directory path."""
-    return (
-        ("org/launched-together", hub_env(hub))
-        if kind == "hub"
-        else (str(tmp / "share" / "repo"), {})
-    )
-
-
-def transport_of(kind: str, repo: str, hub: HubStandIn | None):
-    return (
-        HubClient(repo, token=TOKEN, endpoint=hub.url, retry_attempts=2)
-        if kind == "hub"
-        else SharedDirectory(repo)
-    )
 
 
 # -- nodes launched together -----------------------------------------------------------------------
@@ -191,7 +52,7 @@ def test_nodes_launched_together_on_a_repository_nobody_created_all_finish_and_e
                 steps=20,
                 expected_nodes=3,
             ),
-            env,
+            env=env,
         )
         for n in names
     }
@@ -232,7 +93,7 @@ def test_a_worker_waits_for_a_hub_repository_that_does_not_exist_yet_and_says_so
         node_config(
             tmp_path, "w1", "worker", repo="org/later", transport="hub", steps=10, expected_nodes=2
         ),
-        hub_env(hub),
+        env=hub_env(hub),
     )
     said = Lines(worker, "waiting for the master to create")
     try:
@@ -250,7 +111,7 @@ def test_a_worker_waits_for_a_hub_repository_that_does_not_exist_yet_and_says_so
             steps=10,
             expected_nodes=2,
         ),
-        hub_env(hub),
+        env=hub_env(hub),
     )
     rc, err, _ = ended(master)
     assert rc == 0, err[-3000:]
@@ -265,7 +126,7 @@ def test_a_worker_whose_repository_never_appears_stops_after_lease_timeout_namin
         node_config(
             tmp_path, "w1", "worker", repo="org/typo", transport="hub", steps=10, lease_timeout=2
         ),
-        hub_env(hub),
+        env=hub_env(hub),
     )
     error_line(*ended(worker), "org/typo", "HTTP 404", "lease_timeout=2")
 
@@ -327,7 +188,7 @@ def test_a_run_whose_hub_takes_nothing_after_version_0_ends_non_zero_on_every_no
             final_round_timeout=3,
             retry_attempts=2,
         ),
-        env,
+        env=env,
     )
     worker = launch(
         node_config(
@@ -340,7 +201,7 @@ def test_a_run_whose_hub_takes_nothing_after_version_0_ends_non_zero_on_every_no
             final_round_timeout=3,
             retry_attempts=2,
         ),
-        env,
+        env=env,
     )
     if then == "gone":
         started = lambda: all(
@@ -390,7 +251,7 @@ def test_sigterm_stops_a_worker_waiting_for_the_first_global(tmp_path, kind, req
             node_config(
                 tmp_path, "w1", "worker", repo=repo, transport=kind, steps=10, lease_timeout=600
             ),
-            env,
+            env=env,
         ),
         "waiting for the master to",
     )

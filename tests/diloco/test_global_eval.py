@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from conftest import jsonl_records
-from test_diloco_node_faults import ended, launch, node_config
+from diloco_nodes import ended, launch, node_config
 from test_evaluation import held_text
 from test_resume import corpus
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, communicate_or_dump  # noqa: E402
-from test_diloco import launch, node_config, wait_for  # noqa: E402
+from diloco_nodes import launch, node_config, wait_for
 from test_diloco_master_faults import Run  # noqa: E402
 
 from speedtronic.distributed import HubUnavailable, SharedDirectory

@@ -16,9 +16,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-# noqa: F401
-from test_diloco_node_faults import ended, error_line, hub, hub_env, launch, node_config
-from test_diloco import launch as launch_with
+from diloco_nodes import ended, error_line, hub_env, launch, node_config, wait_while_running
 
 from conftest import jsonl_records
 
@@ -29,18 +27,6 @@ def _share(tmp: Path) -> str:
 
 def _version_file(repo: str) -> dict:
     return json.loads((Path(repo) / "global" / "step_count.json").read_text())
-
-
-def _wait_for(
-    predicate, procs, timeout: float = 300, what: str = "condition", poll: float = 0.2
-) -> None:
-    "Ask `predicate` every `poll` s until it holds; fail when a node ends first or time runs out."
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for p in procs:
-            assert p.poll() is None, f"{what}: a node ended early: {p.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(poll)
 
 
 def _stop(*procs: subprocess.Popen) -> None:
@@ -133,7 +119,7 @@ def test_a_worker_trains_on_across_a_master_takeover_and_exits_0_with_every_step
         )
     )
     sent = tmp_path / "w1" / "metrics.jsonl"
-    _wait_for(
+    wait_while_running(
         lambda: jsonl_records(sent, "delta_uploaded") or first.poll() is not None,
         [worker],
         what="the worker's first delta",
@@ -146,7 +132,9 @@ def test_a_worker_trains_on_across_a_master_takeover_and_exits_0_with_every_step
         worker.send_signal(signal.SIGCONT)
     assert rc == 0, err[-3000:]
     beat = datetime.fromisoformat(_version_file(repo)["master"]["heartbeat"]).timestamp()
-    _wait_for(lambda: time.time() - beat > 3, [worker], what="the first master's lease to run out")
+    wait_while_running(
+        lambda: time.time() - beat > 3, [worker], what="the first master's lease to run out"
+    )
     cfg = node_config(
         tmp_path,
         "m2",
@@ -157,7 +145,7 @@ def test_a_worker_trains_on_across_a_master_takeover_and_exits_0_with_every_step
         final_round_timeout=60,
         lease_timeout=2,
     )
-    second = launch_with(cfg, "--resume")
+    second = launch(cfg, "--resume")
     try:
         rc, err, out = ended(second)
         assert rc == 0, err[-3000:]
@@ -240,7 +228,7 @@ def test_a_second_worker_with_a_node_id_in_use_is_refused_at_start_naming_it(tmp
         node_config(tmp_path, "w1", "worker", repo=repo, transport="directory", steps=10**6)
     )
     try:
-        _wait_for(
+        wait_while_running(
             lambda: (
                 (Path(repo) / "global" / "step_count.json").exists()
                 and "w1" in _version_file(repo).get("ledger", {})
@@ -282,11 +270,13 @@ def test_a_last_delta_that_failed_during_an_outage_is_sent_again_and_reaches_the
         node_config(
             tmp_path, "master", "master", expected_nodes=2, final_round_timeout=60, **common
         ),
-        env,
+        env=env,
     )
-    worker = launch(node_config(tmp_path, "w1", "worker", final_round_timeout=60, **common), env)
+    worker = launch(
+        node_config(tmp_path, "w1", "worker", final_round_timeout=60, **common), env=env
+    )
     metrics = tmp_path / "w1" / "metrics.jsonl"
-    _wait_for(
+    wait_while_running(
         lambda: any(r["step"] == 15 for r in jsonl_records(metrics, "delta_uploaded")),
         [master, worker],
         what="w1's delta of step 15",
@@ -320,7 +310,7 @@ def test_a_node_with_a_read_only_token_stops_at_start_in_one_line_before_trainin
             node_config(
                 tmp_path, "n1", role, repo="org/ro", transport="hub", steps=20, lease_timeout=3
             ),
-            {**hub_env(server), "HF_TOKEN": READ_TOKEN},
+            env={**hub_env(server), "HF_TOKEN": READ_TOKEN},
         )
         rc, err, out = ended(node)
     finally:
@@ -342,7 +332,7 @@ def test_a_master_that_cannot_grant_its_collaborators_warns_once_and_trains_on(t
             steps=10,
             collaborators=["ana", "bo"],
         ),
-        hub_env(hub),
+        env=hub_env(hub),
     )
     rc, err, out = ended(master)
     assert rc == 0, err[-3000:]

@@ -5,7 +5,7 @@ one line, and folded again when it comes back (`--resume`)."""
 
 import signal
 
-from test_diloco import check_exactly_once, events, finish, launch, node_config, wait_for
+from diloco_nodes import check_exactly_once, events, finish, launch, node_config, wait_for
 
 from speedtronic.distributed import SharedDirectory
 

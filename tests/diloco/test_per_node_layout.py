@@ -6,7 +6,7 @@ the master's publications."""
 from collections import Counter
 
 from hub_server import HUB_LIMITS, HubStandIn
-from test_diloco import (
+from diloco_nodes import (
     TOKEN,
     check_exactly_once,
     events,

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from test_diloco import launch
-from test_diloco_node_faults import ended, node_config
+from diloco_nodes import ended, launch, node_config
 
 from conftest import jsonl_records
 from speedtronic.distributed.tensors import load_safetensors

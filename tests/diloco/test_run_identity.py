@@ -7,7 +7,6 @@ from step 0 and version 0 with one run in each metrics file."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,22 +14,9 @@ import sys
 from pathlib import Path
 
 from safetensors import safe_open
-from test_diloco_node_faults import ended, node_config  # noqa: F401
+from diloco_nodes import ended, launch, node_config, wait_while_running
 
 from conftest import ROOT, cli_env, jsonl_records, ok, run_cli
-from test_node_trust import _wait_for
-
-
-def _launch(cfg: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), *extra],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def _version_file(repo: Path) -> dict:
@@ -70,10 +56,10 @@ def test_a_master_resumed_is_the_same_run_and_every_global_carries_its_id_in_its
     repo = tmp_path / "share" / "repo"
     common = dict(repo=str(repo), transport="directory", boundary_wait=20, final_round_timeout=120)
     master_cfg = node_config(tmp_path, "master", "master", steps=40, expected_nodes=2, **common)
-    master = _launch(master_cfg)
-    worker = _launch(node_config(tmp_path, "w1", "worker", steps=40, **common))
+    master = launch(master_cfg)
+    worker = launch(node_config(tmp_path, "w1", "worker", steps=40, **common))
     try:
-        _wait_for(
+        wait_while_running(
             lambda: (
                 _version_file(repo).get("outer_step", -1) >= 2
                 and (tmp_path / "master" / "checkpoints" / "latest.json").exists()
@@ -88,7 +74,7 @@ def test_a_master_resumed_is_the_same_run_and_every_global_carries_its_id_in_its
         assert header["publication"] == before["global_publication"], (header, before)
         master.send_signal(signal.SIGKILL)
         master.communicate()
-        resumed = _launch(master_cfg, "--resume")
+        resumed = launch(master_cfg, "--resume")
         rc, err, out = ended(worker)
         assert rc == 0, err[-3000:]
         rc, err, _ = ended(resumed)
@@ -107,12 +93,12 @@ def test_a_worker_of_the_old_run_refuses_the_new_runs_globals_in_one_line_naming
     repo = tmp_path / "share" / "repo"
     common = dict(repo=str(repo), transport="directory")
     master_cfg = node_config(tmp_path, "master", "master", steps=10**6, **common)
-    master = _launch(master_cfg)
-    worker = _launch(node_config(tmp_path, "w1", "worker", steps=10**6, **common))
+    master = launch(master_cfg)
+    worker = launch(node_config(tmp_path, "w1", "worker", steps=10**6, **common))
     new = None
     metrics = tmp_path / "w1" / "metrics.jsonl"
     try:
-        _wait_for(
+        wait_while_running(
             lambda: "w1" in _version_file(repo).get("ledger", {}),
             [master, worker],
             what="a fold of w1's delta",
@@ -120,12 +106,14 @@ def test_a_worker_of_the_old_run_refuses_the_new_runs_globals_in_one_line_naming
         old_run = _version_file(repo)["run_id"]
         master.send_signal(signal.SIGKILL)
         master.communicate()
-        new = _launch(master_cfg, "--overwrite")
-        _wait_for(lambda: jsonl_records(metrics, "global_refused"), [new, worker], what="a refusal")
+        new = launch(master_cfg, "--overwrite")
+        wait_while_running(
+            lambda: jsonl_records(metrics, "global_refused"), [new, worker], what="a refusal"
+        )
         new_run = _version_file(repo)["run_id"]
         assert new_run != old_run
         installed = len(jsonl_records(metrics, "global_installed"))
-        _wait_for(  # the worker trains on, and the new run publishes on
+        wait_while_running(  # the worker trains on, and the new run publishes on
             lambda: (
                 _version_file(repo).get("outer_step", -1) >= 2
                 and jsonl_records(metrics, "delta_uploaded")[-1]["step"] >= 40

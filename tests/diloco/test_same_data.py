@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from test_diloco import launch, node_config, wait_for
+from diloco_nodes import launch, node_config, wait_for
 
 from conftest import communicate_or_dump, jsonl_records
 

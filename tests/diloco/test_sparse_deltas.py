@@ -19,7 +19,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_diloco import (  # noqa: E402
+from diloco_nodes import (
     check_exactly_once,
     events,
     finish,

@@ -9,9 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from test_diloco_node_faults import TOKEN, ended, hub_env, launch, node_config
+from diloco_nodes import TOKEN, ended, hub_env, launch, node_config
 from test_master_trust import _mount_tmpfs
-from test_node_trust import _wait_for
+from diloco_nodes import wait_while_running
 
 from conftest import jsonl_records
 from hub_server import HUB_LIMITS, HubStandIn
@@ -63,7 +63,7 @@ def test_a_last_delta_that_failed_on_a_read_only_share_is_sent_again_and_reaches
         master = launch(node_config(tmp_path, "master", "master", expected_nodes=2, **common))
         worker = launch(node_config(tmp_path, "w1", "worker", **common))
         metrics = tmp_path / "w1" / "metrics.jsonl"
-        _wait_for(
+        wait_while_running(
             lambda: 30 in _steps(metrics, "delta_uploaded"),
             [master, worker],
             what="w1's delta of step 30",
@@ -71,7 +71,7 @@ def test_a_last_delta_that_failed_on_a_read_only_share_is_sent_again_and_reaches
         )
         _remount(share, "ro")
         try:
-            _wait_for(
+            wait_while_running(
                 lambda: 40 in _steps(metrics, "delta_upload_failed"),
                 [master, worker],
                 what="a failed upload of w1's last delta",
@@ -117,8 +117,10 @@ def test_a_last_delta_due_while_the_previous_upload_is_in_flight_is_sent_after_i
             retry_max=2.5,
             retry_attempts=30,
         )
-        master = launch(node_config(tmp_path, "master", "master", expected_nodes=2, **common), env)
-        worker = launch(node_config(tmp_path, "w1", "worker", **common), env)
+        master = launch(
+            node_config(tmp_path, "master", "master", expected_nodes=2, **common), env=env
+        )
+        worker = launch(node_config(tmp_path, "w1", "worker", **common), env=env)
         rc, err, _ = ended(worker)
         assert rc == 0, err[-3000:]
         rc, err, _ = ended(master)
