@@ -23,8 +23,8 @@ no global by the end).
     python bench/sim_diloco.py --nodes 256 --hours 1 --scale 120    # an hour in 30 s
     python bench/sim_diloco.py --nodes 6 --layout per-node --boundary-wait 600 --join-round 4 \
         --pause-rounds 5:8    # whole rounds; the last worker joins at round 4, another is gone 5-8
-    python bench/sim_diloco.py --nodes 8 --round-seconds 120 --layout per-node --scale 120 \
-        --commit-limit 40     # a Hub that takes 40 commits an hour: the master keeps to 32
+    python bench/sim_diloco.py --nodes 8 --round-seconds 180 --layout per-node --scale 120 \
+        --commit-limit 25     # a Hub that takes 25 commits an hour: the master keeps to 20
 
 Two layouts, both the package's (`distributed.hub_layout`). `--layout one-repo` (the default,
 2.0's): every delta and every publication is a commit on the run's one repository, N + 1 commits a
