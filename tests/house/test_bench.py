@@ -85,7 +85,9 @@ def test_bench_recipe_prints_our_held_out_loss_and_cpu_seconds_beside_nanogpts(t
     res = bench("--text", str(text), "--steps", "4")
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
-    assert re.search(r"^recipe: 4 steps x 12 x 64 = 3,072 tokens, adamw, 1 thread", out, re.M), out
+    assert re.search(
+        r"^recipe: 4 steps x 12 x 64 = 3,072 tokens, adamw at lr \S+, 1 thread", out, re.M
+    ), out
     loss = re.search(r"^speedtronic: held-out (\d+\.\d{3}) nats/char in [\d.]+ CPU-s", out, re.M)
     assert loss and 0 < float(loss.group(1)) < 6.0, out  # below ln(256) = 5.55 plus noise
     # the bench's own measure of our model agrees with the trainer's held-out evaluation
