@@ -10,11 +10,9 @@ import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
-
-from fastcore.basics import patch
 
 from .config import ConfigError
 from .optional import MissingExtra
@@ -25,7 +23,7 @@ from .plotting import figure_png, loss_figure, loss_points, plot_loss
 # %% auto #0
 __all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'ROUND_EVENTS', 'format_duration', 'format_rate', 'format_progress', 'clip_line',
            'format_step_line', 'format_setup_line', 'round_note', 'TerminalLines', 'format_closing', 'in_notebook',
-           'is_tty', 'resolve_progress', 'ProgressBar']
+           'is_tty', 'resolve_progress', 'TerminalLine', 'NotebookOutput', 'ProgressBar']
 
 # %% ../nbs/observe/03_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:
@@ -340,6 +338,116 @@ def resolve_progress(setting: Any, stream: Any, notebook: bool) -> bool:
         return (notebook or is_tty(stream)) if s == "auto" else s in ("true", "on", "yes")
     raise ConfigError(f"logging.progress must be 'auto', true or false, got {setting!r}")
 
+# %% ../nbs/observe/03_progress.ipynb #f86ef272
+class TerminalLine:
+    """One terminal line redrawn in place: drawn, taken down while something else prints and drawn
+    again, ended. Thread-safe: the logger's hook thread draws while the training thread prints."""
+
+    def __init__(self, stream: Any = None):  # None: `sys.stderr`, looked up at each write
+        self.stream, self.width, self.open, self.text = stream, 0, False, ""
+        self._lock = threading.RLock()
+
+    def out(self) -> Any:
+        "The stream written to."
+        return sys.stderr if self.stream is None else self.stream
+
+    def draw(self, text: str) -> None:
+        "`\\r` and `text`, padded with spaces to cover a longer line drawn before."
+        with self._lock:
+            out = self.out()
+            out.write("\r" + text + " " * max(0, self.width - len(text)))
+            out.flush()
+            self.width, self.open, self.text = len(text), True, text
+
+    @contextmanager
+    def cleared(self) -> Iterator[None]:
+        "Take the line down while something else prints to the terminal, then draw it again."
+        with self._lock:
+            if not self.open:
+                yield
+                return
+            out = self.out()
+            out.write("\r" + " " * self.width + "\r")
+            out.flush()
+            try:
+                yield
+            finally:
+                out.write("\r" + self.text)
+                out.flush()
+
+    def end(self) -> None:
+        "Finish the line with a newline (idempotent)."
+        with self._lock:
+            if self.open:
+                out = self.out()
+                out.write("\n")
+                out.flush()
+                self.open = False
+
+# %% ../nbs/observe/03_progress.ipynb #57e89afe
+class NotebookOutput:
+    """The bar in Jupyter: one output of the cell updated in place, holding the widget `make_view`
+    makes (bar, text, loss chart, samples) or, without one, the text line."""
+
+    def __init__(self, make_view: Callable[[], Any] | None = None, chart_interval: float = 1.0):
+        self.make_view, self.chart_interval = make_view, chart_interval
+        self.view: Any = None  # the widget (e.g. `speedtronic.widgets.TrainingView`), once shown
+        self.handle: Any = None  # the display handle while the output is live
+        self._charted, self._fresh = -math.inf, False  # when the chart was drawn; points since
+
+    def _new_view(self) -> Any:
+        "A view from `make_view`; `None` without one, or when ipywidgets or matplotlib is missing."
+        try:
+            return None if self.make_view is None else self.make_view()
+        except MissingExtra:
+            return None
+
+    def show(
+        self, step: int, target: int | None, text: str, line: str, state: str, chart: bool | None
+    ) -> None:
+        """Show `text` on the widget's bar in `state` (`running`, `done`), redrawing the chart when
+        `chart` (default: when `chart_interval` has passed); without a widget, the `line`."""
+        from IPython.display import display
+
+        if self.handle is None:
+            self.view = self._new_view()
+        if self.view is None:
+            if self.handle is None:
+                self.handle = display({"text/plain": line}, raw=True, display_id=True)
+            else:
+                self.handle.update({"text/plain": line}, raw=True)
+            return
+        self.view.progress(step, target, text, state)
+        due = time.monotonic() - self._charted >= self.chart_interval
+        if (due if chart is None else chart) and self._fresh:
+            self.view.refresh()
+            self._charted, self._fresh = time.monotonic(), False
+        if self.handle is None:
+            self.handle = display(self.view, display_id=True)
+
+    def add(self, kind: str, step: int, loss: float) -> None:
+        "A (step, loss) point of `kind` (`train` or `eval`) for the chart."
+        if self.view is not None:
+            self.view.add(kind, step, loss)
+            self._fresh = True
+
+    def sample(self, step: Any, prompt: str, text: str) -> None:
+        "The newest sample, under the chart (a view that shows samples)."
+        if self.view is not None and hasattr(self.view, "sample"):
+            self.view.sample(step, prompt, text)
+
+    def close(self, stopped: tuple[int, int | None, str] | None = None) -> None:
+        """Replace the live output by the last picture (what a saved notebook shows), the bar marked
+        stopped at `stopped` = (step, target, summary) when given."""
+        if self.view is not None and self.handle is not None:
+            if stopped is not None:
+                self.view.stop(*stopped)
+            if self._fresh:
+                self.view.refresh()
+                self._fresh = False
+            self.handle.update(self.view)
+        self.handle = None
+
 # %% ../nbs/observe/03_progress.ipynb #be5a72cb
 class ProgressBar:
     "A metric hook drawing one progress line in a terminal or one updating output in Jupyter."
@@ -351,244 +459,113 @@ class ProgressBar:
         enabled: Any = "auto",  # "auto" (terminal or Jupyter only), True or False
         stream: Any = None,  # where the terminal line goes (default: sys.stderr)
         min_interval: float = 0.1,  # seconds between redraws
-        notebook: bool
-        | None = None,  # update a Jupyter output (default: in Jupyter, when no stream is given)
+        notebook: bool | None = None,  # a Jupyter output (default: in Jupyter, given no stream)
         chart_interval: float = 1.0,  # seconds between redraws of the notebook's loss chart
-        make_view: Callable[[], Any]
-        | None = None,  # makes the notebook's view, e.g. `speedtronic.widgets.TrainingView`
+        make_view: Callable[[], Any] | None = None,  # the notebook's view, e.g. `TrainingView`
     ):
-        self.total, self.stream, self.min_interval, self.chart_interval = (
-            total,
-            stream,
-            min_interval,
-            chart_interval,
-        )
-        self.make_view = make_view
+        self.total, self.stream, self.min_interval = total, stream, min_interval
         self.notebook = (stream is None and in_notebook()) if notebook is None else bool(notebook)
-        self.enabled = resolve_progress(enabled, self._stream(), self.notebook)
+        self.terminal, self.output = TerminalLine(stream), NotebookOutput(make_view, chart_interval)
+        self.enabled = resolve_progress(enabled, self.terminal.out(), self.notebook)
         self.start_step, self.target, self.step = 0, total, 0
-        self.loss = self.tokens_per_sec = self._t0 = self._handle = None
+        self.loss = self.tokens_per_sec = self.val_loss = self._t0 = None
         self._first: tuple[float, int] | None = None  # (time, step) of the first step shown
-        # the notebook's widget (a `speedtronic.widgets.TrainingView`), from the first redraw
-        self.view: Any = None
-        self.earlier: list[
-            tuple[int, float]
-        ] = []  # (step, loss) before this run's start (a resumed run), drawn first
-        self.earlier_evals: list[
-            tuple[int, float]
-        ] = []  # (step, held-out loss) before this run's start, drawn first too
-        self.val_loss: float | None = (
-            None  # the newest held-out loss, shown at the end of the terminal line
-        )
-        self._last, self._width, self._open, self.renders, self._text = -math.inf, 0, False, 0, ""
-        self._charted, self._fresh_points, self.finished = -math.inf, False, False
-        self._lock = (
-            threading.RLock()
-        )  # the hook thread draws; the training thread may print around the bar
+        self.earlier: list[tuple[int, float]] = []  # (step, loss) before a resumed run's start
+        self.earlier_evals: list[tuple[int, float]] = []  # (step, held-out loss) before it
+        self._last, self.renders, self.finished = -math.inf, 0, False
 
-    def _stream(self) -> Any:
-        return sys.stderr if self.stream is None else self.stream
+    @property
+    def view(self) -> Any:
+        "The notebook's widget, from the first redraw (`None` in a terminal); may be set."
+        return self.output.view
 
-# %% ../nbs/observe/03_progress.ipynb #d264b178
-@patch
-def line(self: ProgressBar) -> str:
-    "The current progress line."
-    elapsed = None if self._t0 is None else time.monotonic() - self._t0
-    return format_progress(
-        self.step,
-        self.target,
-        self.loss,
-        self.tokens_per_sec,
-        elapsed,
-        start_step=self.start_step,
-        pace=self._pace(),
-    ) + (f" | val {self.val_loss:.4g}" if self.val_loss is not None else "")
+    @view.setter
+    def view(self, view: Any) -> None:
+        self.output.view = view
 
+    def _pace(self) -> tuple[float, int] | None:
+        "(seconds, steps) since the first step of this invocation: what the ETA extrapolates."
+        if self._first is None:
+            return None
+        return time.monotonic() - self._first[0], self.step - self._first[1]
 
-@patch
-def _notebook_view(self: ProgressBar) -> Any:
-    """A new view from `make_view`, or `None` without one or when ipywidgets or matplotlib is
-    missing."""
-    if self.make_view is None:
-        return None
-    try:
-        return self.make_view()
-    except MissingExtra:
-        return None
-
-
-@patch
-def _render_notebook(self: ProgressBar, chart: bool) -> None:
-    """Show the state in the notebook: the widget (bar, text, and the chart when `chart`), or a text
-    output."""
-    from IPython.display import display
-
-    if self._handle is None:
-        self.view = self._notebook_view()
-    if self.view is None:
-        text = self.line()
-        if self._handle is None:
-            self._handle = display({"text/plain": text}, raw=True, display_id=True)
-        else:
-            self._handle.update({"text/plain": text}, raw=True)
-        return
-    elapsed = None if self._t0 is None else time.monotonic() - self._t0
-    state = "done" if self.finished else "running"
-    self.view.progress(
-        self.step,
-        self.target,
-        format_progress(
+    def line(self, width: int = 20) -> str:
+        "The current progress line (`width` 0: without the text bar, for the widget's own)."
+        elapsed = None if self._t0 is None else time.monotonic() - self._t0
+        return format_progress(
             self.step,
             self.target,
             self.loss,
             self.tokens_per_sec,
             elapsed,
             start_step=self.start_step,
-            width=0,
+            width=width,
             pace=self._pace(),
-        ),
-        state,
-    )
-    if chart and self._fresh_points:
-        self.view.refresh()
-        self._charted, self._fresh_points = time.monotonic(), False
-    if self._handle is None:
-        self._handle = display(self.view, display_id=True)
+        ) + (f" | val {self.val_loss:.4g}" if self.val_loss is not None and width else "")
 
+    def render(self, chart: bool | None = None) -> None:
+        "Draw the current state now (`chart`: redraw the notebook's chart; default when due)."
+        self._last, self.renders = time.monotonic(), self.renders + 1
+        if not self.notebook:
+            return self.terminal.draw(self.line())
+        state = "done" if self.finished else "running"
+        self.output.show(self.step, self.target, self.line(0), self.line(), state, chart)
 
-@patch
-def render(
-    self: ProgressBar,
-    chart: bool | None = None,  # redraw the notebook's chart (default: when it is due)
-) -> None:
-    "Draw the current line now."
-    self._last = time.monotonic()
-    self.renders += 1
-    if self.notebook:
-        due = self._last - self._charted >= self.chart_interval
-        return self._render_notebook(due if chart is None else chart)
-    text = self.line()
-    with self._lock:
-        stream = self._stream()
-        stream.write("\r" + text + " " * max(0, self._width - len(text)))
-        stream.flush()
-        self._width, self._open, self._text = len(text), True, text
+    def _point(self, kind: str, payload: Mapping[str, Any]) -> None:
+        for step, loss in loss_points([payload]) if self.notebook else ():
+            self.output.add(kind, step, loss)
 
-
-@patch
-def _pace(self: ProgressBar) -> tuple[float, int] | None:
-    "(seconds, steps) since the first step of this invocation: what the ETA extrapolates."
-    if self._first is None:
-        return None
-    return time.monotonic() - self._first[0], self.step - self._first[1]
-
-# %% ../nbs/observe/03_progress.ipynb #ecf6ac2c
-@patch
-def _add_point(self: ProgressBar, kind: str, payload: Mapping[str, Any]) -> None:
-    "Give the notebook chart a (step, loss) point of `kind` (`train` or `eval`)."
-    if not self.notebook or self.view is None:
-        return
-    for step, loss in loss_points([payload]):
-        self.view.add(kind, step, loss)
-        self._fresh_points = True
-
-
-@patch
-def on_event(self: ProgressBar, event: str, payload: Mapping[str, Any]) -> None:
-    "Follow `train_start` / `train_step` / `eval` / `sample` / `train_end`; ignore other events."
-    if not self.enabled:
-        return
-    if event == "train_start":
-        self.start_step = self.step = int(payload.get("start_step", 0) or 0)
-        self.target = self.total or payload.get("target_step")
-        self.loss = self.tokens_per_sec = None
-        self._t0, self._first, self.finished = time.monotonic(), None, False
-        self.render()
-        earlier = [("train", *p) for p in self.earlier] + [("eval", *p) for p in self.earlier_evals]
-        for kind, step, loss in earlier if self.view is not None else ():
-            if step <= self.start_step:
-                self.view.add(kind, step, loss)
-                self._fresh_points = True
-    elif event == "train_step":
-        if self._t0 is None:
-            self._t0 = time.monotonic()
-        self.step = payload.get("step", self.step + 1)
-        if self._first is None:  # the ETA's pace counts from here: set-up and warm-up are not steps
-            self._first = (time.monotonic(), self.step)
-        self.loss = payload.get("loss", self.loss)
-        self.tokens_per_sec = payload.get("tokens_per_sec", self.tokens_per_sec)
-        self._add_point("train", payload)
-        if self.step == self.target or time.monotonic() - self._last >= self.min_interval:
-            self.render()
-    elif event == "eval":
-        self.val_loss = payload.get("val_loss", self.val_loss)
-        self._add_point(
-            "eval",
-            {"step": payload.get("step"), "loss": payload.get("val_loss", payload.get("loss"))},
-        )
-    elif (
-        event == "sample"
-        and self.notebook
-        and self.view is not None
-        and hasattr(self.view, "sample")
-    ):
-        self.view.sample(
-            payload.get("step"), str(payload.get("prompt", "")), str(payload.get("text", ""))
-        )  # the newest, under the chart
-    elif event == "train_end":
-        self.step = payload.get("steps", self.step)
-        if payload.get("loss") is not None:
-            self.loss = payload["loss"]
-        self.finished = True
-        self.render(chart=True)
-        self.close()
-
-# %% ../nbs/observe/03_progress.ipynb #5fcfc531
-@patch
-@contextmanager
-def cleared(self: ProgressBar) -> Iterator[None]:
-    "Take the terminal line down while something else prints to the terminal, then draw it again."
-    with self._lock:
-        if not self._open:
-            yield
+    def on_event(self, event: str, payload: Mapping[str, Any]) -> None:
+        "Follow `train_start` / `train_step` / `eval` / `sample` / `train_end`; ignore the rest."
+        if not self.enabled:
             return
-        stream = self._stream()
-        stream.write("\r" + " " * self._width + "\r")
-        stream.flush()
-        try:
-            yield
-        finally:
-            stream.write("\r" + self._text)
-            stream.flush()
+        now = time.monotonic()
+        if event == "train_start":
+            self.start_step = self.step = int(payload.get("start_step", 0) or 0)
+            self.target = self.total or payload.get("target_step")
+            self.loss = self.tokens_per_sec = None
+            self._t0, self._first, self.finished = now, None, False
+            self.render()
+            earlier = [("train", *p) for p in self.earlier]
+            for kind, step, loss in earlier + [("eval", *p) for p in self.earlier_evals]:
+                if step <= self.start_step:
+                    self.output.add(kind, step, loss)
+        elif event == "train_step":
+            self._t0 = now if self._t0 is None else self._t0
+            self.step = payload.get("step", self.step + 1)
+            if self._first is None:  # the ETA's pace counts from here: set-up is not a step
+                self._first = (now, self.step)
+            self.loss = payload.get("loss", self.loss)
+            self.tokens_per_sec = payload.get("tokens_per_sec", self.tokens_per_sec)
+            self._point("train", payload)
+            if self.step == self.target or now - self._last >= self.min_interval:
+                self.render()
+        elif event == "eval":
+            self.val_loss = payload.get("val_loss", self.val_loss)
+            loss = payload.get("val_loss", payload.get("loss"))
+            self._point("eval", {"step": payload.get("step"), "loss": loss})
+        elif event == "sample" and self.notebook:
+            text = str(payload.get("text", ""))
+            self.output.sample(payload.get("step"), str(payload.get("prompt", "")), text)
+        elif event == "train_end":
+            self.step = payload.get("steps", self.step)
+            self.loss = self.loss if payload.get("loss") is None else payload["loss"]
+            self.finished = True
+            self.render(chart=True)
+            self.close()
 
+    def cleared(self) -> AbstractContextManager[None]:
+        "Take the terminal line down while something else prints there, then draw it again."
+        return self.terminal.cleared()
 
-@patch
-def close(self: ProgressBar) -> None:
-    """End the terminal line; in a notebook draw the last state, marked stopped unless training
-    finished (idempotent)."""
-    with self._lock:
-        if self._open:
-            stream = self._stream()
-            stream.write("\n")
-            stream.flush()
-            self._open = False
-    if self.view is not None and self._handle is not None:
-        if not self.finished:
-            elapsed = None if self._t0 is None else format_duration(time.monotonic() - self._t0)
-            self.view.stop(
-                self.step,
-                self.target,
-                " | ".join(
-                    x
-                    for x in (None if self.loss is None else f"loss {self.loss:.4g}", elapsed)
-                    if x
-                ),
-            )
-        if self._fresh_points:
-            self.view.refresh()
-            self._fresh_points = False
-        self._handle.update(self.view)  # the output saved with the notebook shows the final picture
-    self._handle = None
+    def close(self) -> None:
+        """End the terminal line; in a notebook leave the last state, marked stopped unless training
+        finished (idempotent)."""
+        self.terminal.end()
+        elapsed = None if self._t0 is None else format_duration(time.monotonic() - self._t0)
+        loss = None if self.loss is None else f"loss {self.loss:.4g}"
+        summary = " | ".join(x for x in (loss, elapsed) if x)
+        self.output.close(None if self.finished else (self.step, self.target, summary))
 
 # %% ../nbs/observe/03_progress.ipynb #0c88f3c3
 def __dir__() -> list[str]:
