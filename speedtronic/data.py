@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
-from fastcore.basics import patch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from .config import DataConfig, ModelConfig, as_section, explicit_fields
@@ -216,107 +215,91 @@ class BlockStream(IterableDataset):
                 yield unit, i + 1, sample
             unit, skip = unit + 1, 0
 
-# %% ../nbs/data/02_data.ipynb #88a2a558
-@patch
-def _walk(self: BlockStream, epoch: int, unit: int, skip: int, n: int) -> tuple[int, int, int]:
-    "The position `n` samples after `(unit, skip)`, and how many of the `n` were not there."
-    total = self.num_units(epoch)
-    while unit < total:
-        room = self.unit_size(epoch, unit) - skip
-        if n < room:
-            return unit, skip + n, 0
-        n, unit, skip = n - room, unit + 1, 0
-    return unit, 0, n
+    def _walk(self, epoch: int, unit: int, skip: int, n: int) -> tuple[int, int, int]:
+        "The position `n` samples after `(unit, skip)`, and how many of the `n` were not there."
+        total = self.num_units(epoch)
+        while unit < total:
+            room = self.unit_size(epoch, unit) - skip
+            if n < room:
+                return unit, skip + n, 0
+            n, unit, skip = n - room, unit + 1, 0
+        return unit, 0, n
 
+    def _take(self, epoch: int, unit: int, skip: int, count: int) -> Iterator[dict]:
+        "`count` samples from `(unit, skip)` on."
+        return (s for _, _, s in itertools.islice(self._sequence(epoch, unit, skip), count))
 
-@patch
-def _take(self: BlockStream, epoch: int, unit: int, skip: int, count: int) -> Iterator[dict]:
-    "`count` samples from `(unit, skip)` on."
-    return (s for _, _, s in itertools.islice(self._sequence(epoch, unit, skip), count))
+    def _groups(
+        self: BlockStream, start: StreamStart, mine: Callable[[int], bool]
+    ) -> Iterator[tuple[tuple[int, int, int], list]]:
+        """`(position after, this rank's part)` of each group `j` of the pass from `start` for which
+        `mine(j)`."""
+        e, full = start.epoch, start.micro * start.world
+        share = functools.partial(
+            group_share,
+            rank=start.rank,
+            world=start.world,
+            micro=start.micro,
+            drop_last=start.drop_last,
+        )
+        unit, index, samples = start.unit, start.index, start.samples
+        sequence = None if self.random_access else self._sequence(e, unit, index)
+        for j in itertools.count():
+            if sequence is None:
+                offset, count, size = share(full - self._walk(e, unit, index, full)[2])
+                if count == 0:
+                    return
+                part = (
+                    list(self._take(e, *self._walk(e, unit, index, offset)[:2], count))
+                    if mine(j)
+                    else []
+                )
+                unit, index = self._walk(e, unit, index, size)[:2]
+            else:
+                group = list(
+                    itertools.islice(sequence, full)
+                )  # (unit, index after, sample) of each sample
+                offset, count, size = share(len(group))
+                if count == 0:
+                    return
+                part = [s for _, _, s in group[offset : offset + count]] if mine(j) else []
+                unit, index = group[size - 1][:2]
+            samples += size
+            if mine(j):
+                yield (samples, unit, index), part
 
+    def _reader(self, start: StreamStart, wid: int, nw: int) -> Iterator:
+        """Reader `wid` of `nw`: this rank's part of groups `wid, wid + nw, …`, tagged with the position
+        after each when `start.tagged`."""
+        for after, part in self._groups(start, lambda j: j % nw == wid):
+            for sample in part:
+                yield (after, sample) if start.tagged else sample
 
-@patch
-def _groups(
-    self: BlockStream, start: StreamStart, mine: Callable[[int], bool]
-) -> Iterator[tuple[tuple[int, int, int], list]]:
-    """`(position after, this rank's part)` of each group `j` of the pass from `start` for which
-    `mine(j)`."""
-    e, full = start.epoch, start.micro * start.world
-    share = functools.partial(
-        group_share,
-        rank=start.rank,
-        world=start.world,
-        micro=start.micro,
-        drop_last=start.drop_last,
-    )
-    unit, index, samples = start.unit, start.index, start.samples
-    sequence = None if self.random_access else self._sequence(e, unit, index)
-    for j in itertools.count():
-        if sequence is None:
-            offset, count, size = share(full - self._walk(e, unit, index, full)[2])
-            if count == 0:
-                return
-            part = (
-                list(self._take(e, *self._walk(e, unit, index, offset)[:2], count))
-                if mine(j)
-                else []
-            )
-            unit, index = self._walk(e, unit, index, size)[:2]
-        else:
-            group = list(
-                itertools.islice(sequence, full)
-            )  # (unit, index after, sample) of each sample
-            offset, count, size = share(len(group))
-            if count == 0:
-                return
-            part = [s for _, _, s in group[offset : offset + count]] if mine(j) else []
-            unit, index = group[size - 1][:2]
-        samples += size
-        if mine(j):
-            yield (samples, unit, index), part
+    def _direct(self, start: StreamStart) -> Iterator:
+        "The whole sequence from `start`, keeping the stream's own cursor (iteration without a loader)."
+        for after, part in self._groups(start, lambda j: True):
+            self._cursor = list(after[1:])
+            yield from part
+        self._epoch, self._cursor = start.epoch + 1, None
 
+    def locate(self, epoch: int, samples: int) -> tuple[int, int]:
+        """The `(unit, index)` of sample number `samples` of pass `epoch` (a stream read front to back
+        reads up to it)."""
+        if self.random_access:
+            return self._walk(epoch, 0, 0, samples)[:2]
+        unit, index = 0, 0
+        for unit, index, _ in itertools.islice(self._sequence(epoch, 0, 0), samples):
+            pass
+        return unit, index
 
-@patch
-def _reader(self: BlockStream, start: StreamStart, wid: int, nw: int) -> Iterator:
-    """Reader `wid` of `nw`: this rank's part of groups `wid, wid + nw, …`, tagged with the position
-    after each when `start.tagged`."""
-    for after, part in self._groups(start, lambda j: j % nw == wid):
-        for sample in part:
-            yield (after, sample) if start.tagged else sample
+    def state_dict(self) -> dict:
+        "Position of the next sample of direct (single-process) iteration."
+        unit, index = self._cursor or (0, 0)
+        return {"epoch": self._epoch, "unit": unit, "index": index}
 
-
-@patch
-def _direct(self: BlockStream, start: StreamStart) -> Iterator:
-    "The whole sequence from `start`, keeping the stream's own cursor (iteration without a loader)."
-    for after, part in self._groups(start, lambda j: True):
-        self._cursor = list(after[1:])
-        yield from part
-    self._epoch, self._cursor = start.epoch + 1, None
-
-
-@patch
-def locate(self: BlockStream, epoch: int, samples: int) -> tuple[int, int]:
-    """The `(unit, index)` of sample number `samples` of pass `epoch` (a stream read front to back
-    reads up to it)."""
-    if self.random_access:
-        return self._walk(epoch, 0, 0, samples)[:2]
-    unit, index = 0, 0
-    for unit, index, _ in itertools.islice(self._sequence(epoch, 0, 0), samples):
-        pass
-    return unit, index
-
-# %% ../nbs/data/02_data.ipynb #ba744c8d
-@patch
-def state_dict(self: BlockStream) -> dict:
-    "Position of the next sample of direct (single-process) iteration."
-    unit, index = self._cursor or (0, 0)
-    return {"epoch": self._epoch, "unit": unit, "index": index}
-
-
-@patch
-def load_state_dict(self: BlockStream, state: Mapping) -> None:
-    "Make the next direct `iter()` continue at `state`."
-    self._epoch, self._cursor = int(state["epoch"]), [int(state["unit"]), int(state["index"])]
+    def load_state_dict(self, state: Mapping) -> None:
+        "Make the next direct `iter()` continue at `state`."
+        self._epoch, self._cursor = int(state["epoch"]), [int(state["unit"]), int(state["index"])]
 
 # %% ../nbs/data/02_data.ipynb #14d55169
 class TextFileTokenDataset(BlockStream):
@@ -354,30 +337,25 @@ class TextFileTokenDataset(BlockStream):
                 f"{self.block_size + 1}; use a smaller data.block_size or a longer file"
             )
 
-# %% ../nbs/data/02_data.ipynb #5231762c
-@patch(as_prop=True)
-def segments(self: TextFileTokenDataset) -> list[tuple[int, int]]:
-    "The byte ranges (units) of the file."
-    if self._segments is None:
-        self._segments = text_segments(self.path, self.segment_bytes)
-    return self._segments
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        "The byte ranges (units) of the file."
+        if self._segments is None:
+            self._segments = text_segments(self.path, self.segment_bytes)
+        return self._segments
 
+    def num_units(self, epoch: int) -> int:
+        return len(self.segments)
 
-@patch
-def num_units(self: TextFileTokenDataset, epoch: int) -> int:
-    return len(self.segments)
-
-
-@patch
-def unit_samples(self: TextFileTokenDataset, epoch: int, unit: int, skip: int) -> Iterator[dict]:
-    start, end = self.segments[unit]
-    text = read_text(self.path, start, end)
-    pieces = (encode_text(self.tokenizer, p) for p in text_pieces(text, self.piece_chars))
-    for i, group in enumerate(
-        cut_blocks(pieces, self.block_size, tail=unit == len(self.segments) - 1)
-    ):
-        if i >= skip:
-            yield block_sample(group)
+    def unit_samples(self, epoch: int, unit: int, skip: int) -> Iterator[dict]:
+        start, end = self.segments[unit]
+        text = read_text(self.path, start, end)
+        pieces = (encode_text(self.tokenizer, p) for p in text_pieces(text, self.piece_chars))
+        for i, group in enumerate(
+            cut_blocks(pieces, self.block_size, tail=unit == len(self.segments) - 1)
+        ):
+            if i >= skip:
+                yield block_sample(group)
 
 # %% ../nbs/data/02_data.ipynb #80a29163
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -452,45 +430,39 @@ class TokenArrayDataset(BlockStream):
         state["_orders"] = {}
         return state
 
-# %% ../nbs/data/02_data.ipynb #cdede36a
-@patch
-def block_order(self: TokenArrayDataset, epoch: int) -> np.ndarray:
-    "The block indices of pass `epoch` in visiting order."
-    if not self.shuffle:
-        return np.arange(self.num_blocks)
-    if epoch not in self._orders:
-        self._orders = {
-            epoch: np.random.default_rng(epoch_seed(self.seed, epoch)).permutation(self.num_blocks)
-        }
-    return self._orders[epoch]
+    def block_order(self, epoch: int) -> np.ndarray:
+        "The block indices of pass `epoch` in visiting order."
+        if not self.shuffle:
+            return np.arange(self.num_blocks)
+        if epoch not in self._orders:
+            self._orders = {
+                epoch: np.random.default_rng(epoch_seed(self.seed, epoch)).permutation(
+                    self.num_blocks
+                )
+            }
+        return self._orders[epoch]
 
+    def num_units(self, epoch: int) -> int:
+        return -(-self.num_blocks // self.unit_blocks)
 
-@patch
-def num_units(self: TokenArrayDataset, epoch: int) -> int:
-    return -(-self.num_blocks // self.unit_blocks)
+    def unit_size(self, epoch: int, unit: int) -> int:
+        return max(0, min(self.unit_blocks, self.num_blocks - unit * self.unit_blocks))
 
-
-@patch
-def unit_size(self: TokenArrayDataset, epoch: int, unit: int) -> int:
-    return max(0, min(self.unit_blocks, self.num_blocks - unit * self.unit_blocks))
-
-
-@patch
-def unit_samples(self: TokenArrayDataset, epoch: int, unit: int, skip: int) -> Iterator[dict]:
-    order, g, t = self.block_order(epoch), self.block_size + 1, self.tokens
-    for k in range(
-        unit * self.unit_blocks + skip, min((unit + 1) * self.unit_blocks, self.num_blocks)
-    ):
-        b = int(order[k])
-        block = t[b * g : (b + 1) * g]
-        if self.vocab_limit is not None and int(block.max()) >= self.vocab_limit:
-            raise DataError(
-                f"{self.name} holds token id {int(block.max())} (in block {b}) but the model "
-                f"vocabulary is {self.vocab_limit}; "
-                f"the data does not match its declared vocabulary {self.vocab_size}: re-run "
-                "`speedtronic prepare`, or raise model.vocab_size"
-            )
-        yield block_sample(block)
+    def unit_samples(self, epoch: int, unit: int, skip: int) -> Iterator[dict]:
+        order, g, t = self.block_order(epoch), self.block_size + 1, self.tokens
+        for k in range(
+            unit * self.unit_blocks + skip, min((unit + 1) * self.unit_blocks, self.num_blocks)
+        ):
+            b = int(order[k])
+            block = t[b * g : (b + 1) * g]
+            if self.vocab_limit is not None and int(block.max()) >= self.vocab_limit:
+                raise DataError(
+                    f"{self.name} holds token id {int(block.max())} (in block {b}) but the model "
+                    f"vocabulary is {self.vocab_limit}; "
+                    f"the data does not match its declared vocabulary {self.vocab_size}: re-run "
+                    "`speedtronic prepare`, or raise model.vocab_size"
+                )
+            yield block_sample(block)
 
 # %% ../nbs/data/02_data.ipynb #a4bdd7c2
 class TokenFileDataset(TokenArrayDataset):
@@ -981,71 +953,181 @@ class ResumableDataLoader(DataLoader):
             0,
         )  # the pass, the job's samples of it handed out, where a stream goes on
 
-# %% ../nbs/data/02_data.ipynb #b10b068e
-@patch
-def _begin_pass(self: ResumableDataLoader) -> None:
-    self.generator.manual_seed(epoch_seed(self.seed, self._epoch))
-    if self._kind == "map":
-        self.sampler.set_position(self._epoch, self._samples)
-    if self._kind == "stream":
-        self.dataset._loader_start = StreamStart(
-            self._epoch,
-            self._unit,
-            self._index,
-            self._samples,
-            tagged=True,
-            rank=self.rank,
-            world=self.world_size,
-            micro=self.batch_size,
-            drop_last=self.drop_last,
-        )
+    def _begin_pass(self) -> None:
+        self.generator.manual_seed(epoch_seed(self.seed, self._epoch))
+        if self._kind == "map":
+            self.sampler.set_position(self._epoch, self._samples)
+        if self._kind == "stream":
+            self.dataset._loader_start = StreamStart(
+                self._epoch,
+                self._unit,
+                self._index,
+                self._samples,
+                tagged=True,
+                rank=self.rank,
+                world=self.world_size,
+                micro=self.batch_size,
+                drop_last=self.drop_last,
+            )
 
+    def _record(self, item: Any) -> Any:
+        """Move the position past the group of the batch `item` (a stream's batch carries it) and return
+        the batch."""
+        if self._kind == "stream":
+            positions, item = item
+            self._samples, self._unit, self._index = (int(x) for x in positions[-1])
+        elif self._kind == "map":
+            self._samples += group_share(
+                self.sampler.num_samples - self._samples, **self.sampler.share
+            )[2]
+        else:
+            self._samples += self.batch_size * self.world_size
+        return item
 
-@patch
-def _record(self: ResumableDataLoader, item: Any) -> Any:
-    """Move the position past the group of the batch `item` (a stream's batch carries it) and return
-    the batch."""
-    if self._kind == "stream":
-        positions, item = item
-        self._samples, self._unit, self._index = (int(x) for x in positions[-1])
-    elif self._kind == "map":
-        self._samples += group_share(
-            self.sampler.num_samples - self._samples, **self.sampler.share
-        )[2]
-    else:
-        self._samples += self.batch_size * self.world_size
-    return item
-
-
-@patch
-def __iter__(self: ResumableDataLoader):
-    while True:
-        resumed = self._samples > 0
-        self._begin_pass()
-        try:
-            it = super(ResumableDataLoader, self).__iter__()
-        finally:
-            if self._kind == "stream":
-                self.dataset._loader_start = None
-        handed = 0
-        if self._kind == "iterable":
-            it = itertools.islice(
-                it, self._samples // self.batch_size, None
-            )  # the job's batches already handed out
-            if self.world_size > 1:
-                it = _deal(it, self.rank, self.world_size)
+    def __iter__(self):
         while True:
+            resumed = self._samples > 0
+            self._begin_pass()
             try:
-                item = next(it)
-            except StopIteration:
-                break
-            except DataError as e:
-                raise DataError(_worker_error_message(str(e))) from None
-            handed += 1
-            yield self._record(item)
-        self._epoch, self._samples, self._unit, self._index = self._epoch + 1, 0, 0, 0
-        if handed or not resumed:
-            return
+                it = super(ResumableDataLoader, self).__iter__()
+            finally:
+                if self._kind == "stream":
+                    self.dataset._loader_start = None
+            handed = 0
+            if self._kind == "iterable":
+                it = itertools.islice(
+                    it, self._samples // self.batch_size, None
+                )  # the job's batches already handed out
+                if self.world_size > 1:
+                    it = _deal(it, self.rank, self.world_size)
+            while True:
+                try:
+                    item = next(it)
+                except StopIteration:
+                    break
+                except DataError as e:
+                    raise DataError(_worker_error_message(str(e))) from None
+                handed += 1
+                yield self._record(item)
+            self._epoch, self._samples, self._unit, self._index = self._epoch + 1, 0, 0, 0
+            if handed or not resumed:
+                return
+
+    def state_dict(self) -> dict:
+        """The job's position of the next batch: epoch, samples of the job handed out in it, seed and
+        (streams) the next `(unit, index)`."""
+        state = {
+            "version": 2,
+            "kind": self._kind,
+            "epoch": self._epoch,
+            "samples": self._samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "source": self.source(),
+        }
+        if getattr(self, "tokenizer_record", None) is not None:
+            state["tokenizer"] = self.tokenizer_record  # its file by content (Tokens chapter)
+        if self._kind == "stream":
+            state.update(unit=self._unit, index=self._index)
+            if hasattr(self.dataset, "seed"):
+                state["stream_seed"] = int(self.dataset.seed)
+        return state
+
+    def source(self) -> dict[str, Any]:
+        "`source_identity` of the data this loader reads (computed once)."
+        if getattr(self, "_source", None) is None:
+            self._source = source_identity(self.dataset, shuffle=self.shuffle, seed=self.seed)
+        return self._source
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue the next `iter()` exactly at the batch `state` describes (saved by a job of any
+        size)."""
+        if (
+            not isinstance(state, Mapping)
+            or "epoch" not in state
+            or not ({"samples", "batches"} & set(state))
+        ):
+            raise DataError(
+                f"data loader state must be a mapping from state_dict(), got {type(state).__name__}"
+            )
+        check_tokenizer(
+            state.get("tokenizer"),
+            getattr(self, "tokenizer_record", None),
+            fix="put back the tokenizer.json the run was trained with, or start a fresh run "
+            "(--overwrite, or another --output-dir)",
+        )
+        if isinstance(state.get("source"), Mapping) and (
+            changed := identity_differences(state["source"], self.source())
+        ):
+            raise DataError(
+                "the data differs from the data the saved position belongs to, so the position would "
+                "point into other "
+                "data:\n  - "
+                + "\n  - ".join(changed)
+                + "\nResume with the data the run was trained on, or start a fresh "
+                "run (--overwrite, or another --output-dir)"
+            )
+        if state.get("kind", self._kind) != self._kind:
+            raise DataError(
+                f"data loader state was saved for a {state['kind']} dataset but this loader reads a "
+                f"{self._kind} dataset; resume with the same data source"
+            )
+        if "samples" not in state:
+            state = self._rank_position(state)
+        if self._kind == "iterable" and int(state["samples"]) % self.batch_size:
+            raise DataError(
+                f"data loader state is {state['samples']} samples into a plain iterable dataset, "
+                "which resumes only at a "
+                f"whole number of micro batches and data.micro_batch_size is {self.batch_size}; "
+                "resume with a "
+                f"data.micro_batch_size that divides {state['samples']}"
+            )
+        self._epoch, self._samples, self.seed = (
+            int(state["epoch"]),
+            int(state["samples"]),
+            int(state.get("seed", self.seed)),
+        )
+        if self._kind == "map":
+            self.sampler.seed = self.seed
+        if self._kind == "stream":
+            self._unit, self._index = int(state["unit"]), int(state["index"])
+            if "stream_seed" in state and hasattr(self.dataset, "seed"):
+                self.dataset.seed = int(state["stream_seed"])
+
+    def _rank_position(self, state: Mapping) -> dict:
+        """The job's position of a state an earlier version saved for one rank (`batches` of that rank,
+        a position per worker)."""
+        saved = (int(state.get("rank", 0)), int(state.get("world_size", 1)))
+        if saved != (self.rank, self.world_size):
+            raise DataError(
+                f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this "
+                f"loader is rank {self.rank} "
+                f"of {self.world_size}; a position written by an earlier version is one rank's, so "
+                "resume with the same "
+                f"number of processes (torchrun --nproc_per_node/--nnodes)"
+            )
+        epoch, samples = (
+            int(state["epoch"]),
+            int(state["batches"]) * int(state.get("batch_size", self.batch_size)) * saved[1],
+        )
+        position = {**state, "samples": samples}
+        if self._kind != "stream":
+            return position
+        roles = state.get("positions") or [[0, 0]]
+        if len(roles) == 1 and (saved[1] == 1 or self.dataset.random_access):
+            unit, index = roles[0]  # the same order as now
+        else:
+            unit, index = self.dataset.locate(epoch, samples)
+            warnings.warn(
+                "the data position was saved by an earlier version that read this stream with "
+                f"{len(roles)} reader(s) "
+                f"in another order; the run continues at sample {samples} of pass {epoch} in the "
+                "order every job now "
+                "shares, so some samples of this pass may be seen twice or not at all",
+                DataWarning,
+                stacklevel=3,
+            )
+        return {**position, "unit": int(unit), "index": int(index)}
 
 # %% ../nbs/data/02_data.ipynb #91ef6fb6
 def content_fingerprint(
@@ -1158,130 +1240,6 @@ def identity_differences(saved: Mapping, now: Mapping) -> list[str]:
     if "content" in saved and "content" not in keys:
         keys = [k for k in keys if k not in _PATH_KEYS]
     return [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys]
-
-# %% ../nbs/data/02_data.ipynb #53d97773
-@patch
-def state_dict(self: ResumableDataLoader) -> dict:
-    """The job's position of the next batch: epoch, samples of the job handed out in it, seed and
-    (streams) the next `(unit, index)`."""
-    state = {
-        "version": 2,
-        "kind": self._kind,
-        "epoch": self._epoch,
-        "samples": self._samples,
-        "seed": self.seed,
-        "shuffle": self.shuffle,
-        "source": self.source(),
-    }
-    if getattr(self, "tokenizer_record", None) is not None:
-        state["tokenizer"] = self.tokenizer_record  # its file by content (Tokens chapter)
-    if self._kind == "stream":
-        state.update(unit=self._unit, index=self._index)
-        if hasattr(self.dataset, "seed"):
-            state["stream_seed"] = int(self.dataset.seed)
-    return state
-
-
-@patch
-def source(self: ResumableDataLoader) -> dict[str, Any]:
-    "`source_identity` of the data this loader reads (computed once)."
-    if getattr(self, "_source", None) is None:
-        self._source = source_identity(self.dataset, shuffle=self.shuffle, seed=self.seed)
-    return self._source
-
-
-@patch
-def load_state_dict(self: ResumableDataLoader, state: Mapping) -> None:
-    """Continue the next `iter()` exactly at the batch `state` describes (saved by a job of any
-    size)."""
-    if (
-        not isinstance(state, Mapping)
-        or "epoch" not in state
-        or not ({"samples", "batches"} & set(state))
-    ):
-        raise DataError(
-            f"data loader state must be a mapping from state_dict(), got {type(state).__name__}"
-        )
-    check_tokenizer(
-        state.get("tokenizer"),
-        getattr(self, "tokenizer_record", None),
-        fix="put back the tokenizer.json the run was trained with, or start a fresh run "
-        "(--overwrite, or another --output-dir)",
-    )
-    if isinstance(state.get("source"), Mapping) and (
-        changed := identity_differences(state["source"], self.source())
-    ):
-        raise DataError(
-            "the data differs from the data the saved position belongs to, so the position would "
-            "point into other "
-            "data:\n  - "
-            + "\n  - ".join(changed)
-            + "\nResume with the data the run was trained on, or start a fresh "
-            "run (--overwrite, or another --output-dir)"
-        )
-    if state.get("kind", self._kind) != self._kind:
-        raise DataError(
-            f"data loader state was saved for a {state['kind']} dataset but this loader reads a "
-            f"{self._kind} dataset; resume with the same data source"
-        )
-    if "samples" not in state:
-        state = self._rank_position(state)
-    if self._kind == "iterable" and int(state["samples"]) % self.batch_size:
-        raise DataError(
-            f"data loader state is {state['samples']} samples into a plain iterable dataset, "
-            "which resumes only at a "
-            f"whole number of micro batches and data.micro_batch_size is {self.batch_size}; "
-            "resume with a "
-            f"data.micro_batch_size that divides {state['samples']}"
-        )
-    self._epoch, self._samples, self.seed = (
-        int(state["epoch"]),
-        int(state["samples"]),
-        int(state.get("seed", self.seed)),
-    )
-    if self._kind == "map":
-        self.sampler.seed = self.seed
-    if self._kind == "stream":
-        self._unit, self._index = int(state["unit"]), int(state["index"])
-        if "stream_seed" in state and hasattr(self.dataset, "seed"):
-            self.dataset.seed = int(state["stream_seed"])
-
-# %% ../nbs/data/02_data.ipynb #5b1e7c42
-@patch
-def _rank_position(self: ResumableDataLoader, state: Mapping) -> dict:
-    """The job's position of a state an earlier version saved for one rank (`batches` of that rank,
-    a position per worker)."""
-    saved = (int(state.get("rank", 0)), int(state.get("world_size", 1)))
-    if saved != (self.rank, self.world_size):
-        raise DataError(
-            f"data loader state was saved by rank {saved[0]} of {saved[1]} process(es), this "
-            f"loader is rank {self.rank} "
-            f"of {self.world_size}; a position written by an earlier version is one rank's, so "
-            "resume with the same "
-            f"number of processes (torchrun --nproc_per_node/--nnodes)"
-        )
-    epoch, samples = (
-        int(state["epoch"]),
-        int(state["batches"]) * int(state.get("batch_size", self.batch_size)) * saved[1],
-    )
-    position = {**state, "samples": samples}
-    if self._kind != "stream":
-        return position
-    roles = state.get("positions") or [[0, 0]]
-    if len(roles) == 1 and (saved[1] == 1 or self.dataset.random_access):
-        unit, index = roles[0]  # the same order as now
-    else:
-        unit, index = self.dataset.locate(epoch, samples)
-        warnings.warn(
-            "the data position was saved by an earlier version that read this stream with "
-            f"{len(roles)} reader(s) "
-            f"in another order; the run continues at sample {samples} of pass {epoch} in the "
-            "order every job now "
-            "shares, so some samples of this pass may be seen twice or not at all",
-            DataWarning,
-            stacklevel=3,
-        )
-    return {**position, "unit": int(unit), "index": int(index)}
 
 # %% ../nbs/data/02_data.ipynb #619003a6
 def resolve_vocab_size(data: DataConfig, vocab_size: int | None = None) -> int:

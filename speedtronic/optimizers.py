@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from fastcore.basics import patch
 from torch import nn
 
 from .config import ConfigError, OptimizerConfig, as_section
@@ -303,6 +302,69 @@ class Muon(torch.optim.Optimizer):
                 _check_muon_parameter(p)
         self.ns_dtype, self.batched = ns_dtype, batched
 
+    def _direction(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        "Advance `p`'s momentum with its gradient and return the fp32 direction to orthogonalise."
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError(
+                f"Muon does not support sparse gradients (parameter of shape {tuple(p.shape)}); give "
+                "it to AdamW"
+            )
+        if g.is_complex():
+            raise TypeError(
+                f"Muon does not support complex gradients ({g.dtype}); give the parameter to AdamW"
+            )
+        _check_muon_parameter(p)
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"], state["step"] = torch.zeros_like(p, dtype=torch.float32), 0
+        state["step"] += 1
+        g, buf, mu = g.float(), state["momentum_buffer"], group["momentum"]
+        buf.mul_(mu).add_(g, alpha=1 - mu)
+        return torch.lerp(g, buf, mu) if group["nesterov"] else buf
+
+    def _update(
+        self: Muon, group: dict, params: list[torch.Tensor], directions: list[torch.Tensor]
+    ) -> None:
+        """Orthogonalise the directions of same-shape `params` as one stack, then decay and step each
+        parameter."""
+        stack = torch.stack(directions)
+        U = orthogonalize(
+            stack, group["ns_steps"], group["eps"], self.ns_dtype or muon_ns_dtype(stack.device)
+        )
+        if group["muon_plus"]:
+            U = _normalize_rows_cols(U.float(), "row_col", group["norm_eps"])
+        lr, wd = group["lr"], group["weight_decay"]
+        step = lr * muon_update_scale(params[0].shape, group["scale"])
+        for p, u in zip(params, U.unbind(0)):
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.add_(u.to(p.dtype), alpha=-step)
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> Any:
+        """One Muon update of every parameter that has a gradient; `closure` (optional) re-computes the
+        loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            batches = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is not None:
+                    batches[tuple(p.shape) if self.batched else id(p)].append(
+                        (p, self._direction(p, group))
+                    )
+            for items in batches.values():
+                self._update(group, [p for p, _ in items], [d for _, d in items])
+        return loss
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        "Load a state written by `Muon.state_dict`, keeping momentum in fp32."
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        _restore_fp32_momentum(self, state_dict)
+
 # %% ../nbs/train/02_optimizers.ipynb #e2cf413e
 def muon_ns_dtype(device: torch.device) -> torch.dtype:
     "Newton–Schulz precision Muon uses on `device`: bf16 on CUDA where supported, else fp32."
@@ -311,70 +373,6 @@ def muon_ns_dtype(device: torch.device) -> torch.dtype:
         if device.type == "cuda" and torch.cuda.is_bf16_supported()
         else torch.float32
     )
-
-
-@patch
-def _direction(self: Muon, p: torch.Tensor, group: dict) -> torch.Tensor:
-    "Advance `p`'s momentum with its gradient and return the fp32 direction to orthogonalise."
-    g = p.grad
-    if g.is_sparse:
-        raise RuntimeError(
-            f"Muon does not support sparse gradients (parameter of shape {tuple(p.shape)}); give "
-            "it to AdamW"
-        )
-    if g.is_complex():
-        raise TypeError(
-            f"Muon does not support complex gradients ({g.dtype}); give the parameter to AdamW"
-        )
-    _check_muon_parameter(p)
-    state = self.state[p]
-    if not state:
-        state["momentum_buffer"], state["step"] = torch.zeros_like(p, dtype=torch.float32), 0
-    state["step"] += 1
-    g, buf, mu = g.float(), state["momentum_buffer"], group["momentum"]
-    buf.mul_(mu).add_(g, alpha=1 - mu)
-    return torch.lerp(g, buf, mu) if group["nesterov"] else buf
-
-
-@patch
-def _update(
-    self: Muon, group: dict, params: list[torch.Tensor], directions: list[torch.Tensor]
-) -> None:
-    """Orthogonalise the directions of same-shape `params` as one stack, then decay and step each
-    parameter."""
-    stack = torch.stack(directions)
-    U = orthogonalize(
-        stack, group["ns_steps"], group["eps"], self.ns_dtype or muon_ns_dtype(stack.device)
-    )
-    if group["muon_plus"]:
-        U = _normalize_rows_cols(U.float(), "row_col", group["norm_eps"])
-    lr, wd = group["lr"], group["weight_decay"]
-    step = lr * muon_update_scale(params[0].shape, group["scale"])
-    for p, u in zip(params, U.unbind(0)):
-        if wd:
-            p.mul_(1 - lr * wd)
-        p.add_(u.to(p.dtype), alpha=-step)
-
-
-@patch
-@torch.no_grad()
-def step(self: Muon, closure: Callable | None = None) -> Any:
-    """One Muon update of every parameter that has a gradient; `closure` (optional) re-computes the
-    loss."""
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    for group in self.param_groups:
-        batches = defaultdict(list)
-        for p in group["params"]:
-            if p.grad is not None:
-                batches[tuple(p.shape) if self.batched else id(p)].append(
-                    (p, self._direction(p, group))
-                )
-        for items in batches.values():
-            self._update(group, [p for p, _ in items], [d for _, d in items])
-    return loss
 
 # %% ../nbs/train/02_optimizers.ipynb #355c9bb1
 def _restore_fp32_momentum(optimizer: torch.optim.Optimizer, state_dict: Mapping) -> None:
@@ -388,13 +386,6 @@ def _restore_fp32_momentum(optimizer: torch.optim.Optimizer, state_dict: Mapping
             optimizer.state[p]["momentum_buffer"] = buf.detach().to(
                 device=p.device, dtype=torch.float32, copy=True
             )
-
-
-@patch
-def load_state_dict(self: Muon, state_dict: Mapping) -> None:
-    "Load a state written by `Muon.state_dict`, keeping momentum in fp32."
-    torch.optim.Optimizer.load_state_dict(self, state_dict)
-    _restore_fp32_momentum(self, state_dict)
 
 # %% ../nbs/train/02_optimizers.ipynb #14370004
 HEAD_NAMES = frozenset(
@@ -587,65 +578,55 @@ class HybridOptimizer(torch.optim.Optimizer):
         self._built = True
         self._share_state()
 
-# %% ../nbs/train/02_optimizers.ipynb #0342cb66
-@patch
-def _share_state(self: HybridOptimizer) -> None:
-    "Make both children use the facade's state dict."
-    for child in (self._muon, self._adamw):
-        if child is not None:
-            child.state = self.state
+    def _share_state(self) -> None:
+        "Make both children use the facade's state dict."
+        for child in (self._muon, self._adamw):
+            if child is not None:
+                child.state = self.state
 
+    def _child_groups(self) -> Iterable[tuple[dict, dict, tuple[str, ...]]]:
+        "Each facade group with its child's group and the settings copied between them."
+        muon = iter(self._muon.param_groups if self._muon is not None else [])
+        adamw = iter(self._adamw.param_groups if self._adamw is not None else [])
+        for g in self.param_groups:
+            yield (
+                (g, next(muon), _MUON_KEYS)
+                if g["algorithm"] == "muon"
+                else (g, next(adamw), _ADAMW_KEYS)
+            )
 
-@patch
-def _child_groups(self: HybridOptimizer) -> Iterable[tuple[dict, dict, tuple[str, ...]]]:
-    "Each facade group with its child's group and the settings copied between them."
-    muon = iter(self._muon.param_groups if self._muon is not None else [])
-    adamw = iter(self._adamw.param_groups if self._adamw is not None else [])
-    for g in self.param_groups:
-        yield (
-            (g, next(muon), _MUON_KEYS)
-            if g["algorithm"] == "muon"
-            else (g, next(adamw), _ADAMW_KEYS)
-        )
+    def step(self, closure: Callable | None = None) -> Any:
+        "Copy the facade's settings into Muon and AdamW, run `closure` once, then step Muon and AdamW."
+        for group, child, keys in self._child_groups():
+            for k in keys:
+                child[k] = tuple(group[k]) if k == "betas" else group[k]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for child in (self._muon, self._adamw):
+            if child is not None:
+                child.step()
+        return loss
 
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        "Load a state of the same routing; settings the saved groups lack keep their current values."
+        current = [dict(g) for g in self.param_groups]
+        torch.optim.Optimizer.load_state_dict(self, state_dict)
+        for group, old in zip(self.param_groups, current):
+            for k, v in old.items():
+                group.setdefault(k, v)
+        self._share_state()
+        _restore_fp32_momentum(self, state_dict)
 
-@patch
-def step(self: HybridOptimizer, closure: Callable | None = None) -> Any:
-    "Copy the facade's settings into Muon and AdamW, run `closure` once, then step Muon and AdamW."
-    for group, child, keys in self._child_groups():
-        for k in keys:
-            child[k] = tuple(group[k]) if k == "betas" else group[k]
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    for child in (self._muon, self._adamw):
-        if child is not None:
-            child.step()
-    return loss
-
-
-@patch
-def load_state_dict(self: HybridOptimizer, state_dict: Mapping) -> None:
-    "Load a state of the same routing; settings the saved groups lack keep their current values."
-    current = [dict(g) for g in self.param_groups]
-    torch.optim.Optimizer.load_state_dict(self, state_dict)
-    for group, old in zip(self.param_groups, current):
-        for k, v in old.items():
-            group.setdefault(k, v)
-    self._share_state()
-    _restore_fp32_momentum(self, state_dict)
-
-
-@patch
-def add_param_group(self: HybridOptimizer, param_group: dict) -> None:
-    "Parameter groups are fixed when the optimizer is built (routing decides them)."
-    if getattr(self, "_built", False):
-        raise NotImplementedError(
-            "HybridOptimizer routes its parameters when it is built; build a new one to add "
-            "parameters"
-        )
-    torch.optim.Optimizer.add_param_group(self, param_group)
+    def add_param_group(self, param_group: dict) -> None:
+        "Parameter groups are fixed when the optimizer is built (routing decides them)."
+        if getattr(self, "_built", False):
+            raise NotImplementedError(
+                "HybridOptimizer routes its parameters when it is built; build a new one to add "
+                "parameters"
+            )
+        torch.optim.Optimizer.add_param_group(self, param_group)
 
 # %% ../nbs/train/02_optimizers.ipynb #d82d64c3
 class CautiousOptimizer(torch.optim.Optimizer):

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol, Union, runtime_checkable
 
-from fastcore.basics import patch
-
 from .config import REDACTED, ConfigError, is_secret_key
 from .progress import TERMINAL_WIDTH, TerminalLines, clip_line, is_tty
 from .errors import ExpectedError
@@ -419,91 +417,81 @@ class HookDispatcher:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
 
-# %% ../nbs/observe/01_metrics.ipynb #0358aa3f
-@patch
-def submit(self: HookDispatcher, hooks: tuple, event: str, payload: Metric) -> bool:
-    "Queue one event for `hooks`; False when it was dropped because the queue stayed full."
-    with self._cond:
-        self._pending += 1
-    try:
-        self._queue.put((hooks, event, payload), timeout=self.put_timeout)
-        self._start()  # after the put: an idle thread only ends while the queue is empty
-        return True
-    except queue.Full:
+    def submit(self, hooks: tuple, event: str, payload: Metric) -> bool:
+        "Queue one event for `hooks`; False when it was dropped because the queue stayed full."
         with self._cond:
-            self._pending -= 1
-            self.dropped += 1
-            dropped = self.dropped
-            self._cond.notify_all()
-        if self.on_drop is not None:
-            self.on_drop(event, dropped)
-        return False
-
-# %% ../nbs/observe/01_metrics.ipynb #b99a4bcc
-@patch
-def _deliver(self: HookDispatcher, hook: Any, event: str, payload: Metric) -> None:
-    """Call one hook with its own copy of the payload; a failure is counted and reported, never
-    raised."""
-    try:
-        call_hook(hook, event, scrub(payload))
-    except Exception as exc:
-        self.errors += 1
-        count = self.errors_by_hook[id(hook)] = self.errors_by_hook.get(id(hook), 0) + 1
-        if self.on_error is not None:
-            try:
-                self.on_error(hook, exc, count)
-            except Exception:
-                pass
-
-
-@patch
-def _run(self: HookDispatcher) -> None:
-    """The hook thread: deliver queued events until `None` arrives or the queue stays empty for
-    `idle_s`."""
-    while True:
+            self._pending += 1
         try:
-            item = self._queue.get(timeout=self.idle_s)
-        except queue.Empty:
-            with self._cond:
-                if self._queue.empty():
-                    self._thread = None
-                    return
-            continue
-        if item is None:
-            break
-        hooks, event, payload = item
-        for hook in hooks:
-            self._deliver(hook, event, payload)
-        with self._cond:
-            self._pending -= 1
-            self._cond.notify_all()
-
-# %% ../nbs/observe/01_metrics.ipynb #f8b8991a
-@patch
-def flush(self: HookDispatcher, timeout: float | None = None) -> bool:
-    "Wait until hooks have seen every submitted event; False if `timeout` passed first."
-    if threading.current_thread() is self._thread:
-        return False  # called from a hook
-    with self._cond:
-        return self._cond.wait_for(lambda: self._pending == 0, timeout)
-
-
-@patch
-def close(self: HookDispatcher, timeout: float | None = None) -> bool:
-    "Flush, then stop the thread; False if hooks were still busy after `timeout`."
-    done = self.flush(timeout)
-    with self._cond:
-        thread = self._thread
-    if thread is not None and threading.current_thread() is not thread:
-        try:
-            self._queue.put(None, timeout=0 if not done else None)
+            self._queue.put((hooks, event, payload), timeout=self.put_timeout)
+            self._start()  # after the put: an idle thread only ends while the queue is empty
+            return True
         except queue.Full:
+            with self._cond:
+                self._pending -= 1
+                self.dropped += 1
+                dropped = self.dropped
+                self._cond.notify_all()
+            if self.on_drop is not None:
+                self.on_drop(event, dropped)
             return False
-        thread.join(timeout)
-        done = done and not thread.is_alive()
+
+    def _deliver(self, hook: Any, event: str, payload: Metric) -> None:
+        """Call one hook with its own copy of the payload; a failure is counted and reported, never
+        raised."""
+        try:
+            call_hook(hook, event, scrub(payload))
+        except Exception as exc:
+            self.errors += 1
+            count = self.errors_by_hook[id(hook)] = self.errors_by_hook.get(id(hook), 0) + 1
+            if self.on_error is not None:
+                try:
+                    self.on_error(hook, exc, count)
+                except Exception:
+                    pass
+
+    def _run(self) -> None:
+        """The hook thread: deliver queued events until `None` arrives or the queue stays empty for
+        `idle_s`."""
+        while True:
+            try:
+                item = self._queue.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._cond:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            if item is None:
+                break
+            hooks, event, payload = item
+            for hook in hooks:
+                self._deliver(hook, event, payload)
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        "Wait until hooks have seen every submitted event; False if `timeout` passed first."
+        if threading.current_thread() is self._thread:
+            return False  # called from a hook
         with self._cond:
-            self._thread = None
-    return done
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        "Flush, then stop the thread; False if hooks were still busy after `timeout`."
+        done = self.flush(timeout)
+        with self._cond:
+            thread = self._thread
+        if thread is not None and threading.current_thread() is not thread:
+            try:
+                self._queue.put(None, timeout=0 if not done else None)
+            except queue.Full:
+                return False
+            thread.join(timeout)
+            done = done and not thread.is_alive()
+            with self._cond:
+                self._thread = None
+        return done
 
 # %% ../nbs/observe/01_metrics.ipynb #82cd1b6b
 CONSOLE_STYLES = ("auto", "full", "short", "progress", "quiet")
@@ -556,81 +544,71 @@ class TextSinks:
         console = self.console() if level >= self.console_level else None
         return console, (self.file if self.file is not None and self.file.fd is not None else None)
 
-# %% ../nbs/observe/01_metrics.ipynb #b93e7ca7
-@patch
-def _put(
-    self: TextSinks, console: Any, shown: str | None, file: LineFile | None, line: str
-) -> None:
-    "`shown` to the console (when not `None`) and `line` to the file, under the lock."
-    with self._lock:
-        if console is not None and shown is not None:
-            try:
-                with self.guard() if self.guard is not None else nullcontext():
-                    console.write(shown + "\n")
-                    console.flush()
-            except (ValueError, OSError):
-                pass  # a closed console must not stop training
-        if file is not None:
-            file.write_line(line)
+    def _put(
+        self: TextSinks, console: Any, shown: str | None, file: LineFile | None, line: str
+    ) -> None:
+        "`shown` to the console (when not `None`) and `line` to the file, under the lock."
+        with self._lock:
+            if console is not None and shown is not None:
+                try:
+                    with self.guard() if self.guard is not None else nullcontext():
+                        console.write(shown + "\n")
+                        console.flush()
+                except (ValueError, OSError):
+                    pass  # a closed console must not stop training
+            if file is not None:
+                file.write_line(line)
 
+    def _prefixed(self, shown: str | None, width: int | None) -> str | None:
+        "`shown` with the prefix at the start of each of its lines, each cut to `width` when given."
+        if shown is None or not self.prefix:
+            return shown
+        lines = (self.prefix + part for part in shown.split("\n"))
+        return "\n".join(lines if width is None else map(clip_line, lines))
 
-@patch
-def _prefixed(self: TextSinks, shown: str | None, width: int | None) -> str | None:
-    "`shown` with the prefix at the start of each of its lines, each cut to `width` when given."
-    if shown is None or not self.prefix:
-        return shown
-    lines = (self.prefix + part for part in shown.split("\n"))
-    return "\n".join(lines if width is None else map(clip_line, lines))
+    def write(self, level: int, message: str) -> None:
+        "Write `message` as one line at `level` to the console and the file, unless below the level."
+        console, file = self._sinks(level)
+        if console is None and file is None:
+            return  # nobody reads it: not even formatted
+        line = text_line(level, message)
+        mode = None if console is None else self.mode(console)
+        if mode == "short":  # a terminal's lines are wrapped to its width: a message is never cut
+            shown = message if level < 30 else f"{level_name(level).lower()}: {message}"
+            shown = "\n".join(
+                textwrap.fill(part, TERMINAL_WIDTH - len(self.prefix), subsequent_indent="  ")
+                for part in shown.splitlines() or [""]
+            )
+        else:  # a pipe's message is plain; its warnings and errors keep their time
+            shown = message if mode == "progress" and level < 30 else line
+        self._put(console, self._prefixed(shown, None), file, line)
 
-
-@patch
-def write(self: TextSinks, level: int, message: str) -> None:
-    "Write `message` as one line at `level` to the console and the file, unless below the level."
-    console, file = self._sinks(level)
-    if console is None and file is None:
-        return  # nobody reads it: not even formatted
-    line = text_line(level, message)
-    mode = None if console is None else self.mode(console)
-    if mode == "short":  # a terminal's lines are wrapped to its width: a message is never cut
-        shown = message if level < 30 else f"{level_name(level).lower()}: {message}"
-        shown = "\n".join(
-            textwrap.fill(part, TERMINAL_WIDTH - len(self.prefix), subsequent_indent="  ")
-            for part in shown.splitlines() or [""]
+    def write_event(self, event: str, record: Mapping[str, Any], level: int = 20) -> None:
+        "One event: its full line to the file; to the console that, a terminal's or a pipe's line."
+        console, file = self._sinks(level)
+        if console is None and file is None:
+            return
+        mode = None if console is None else self.mode(console)
+        line = (
+            text_line(level, format_event(event, record))
+            if file is not None or mode == "full"
+            else None
         )
-    else:  # a pipe's message is plain; its warnings and errors keep their time
-        shown = message if mode == "progress" and level < 30 else line
-    self._put(console, self._prefixed(shown, None), file, line)
+        if mode == "short":
+            shown = self.terminal.line(event, record)
+        elif mode == "progress":
+            shown = self.terminal.progress_line(event, record)
+        else:
+            shown = line
+        self._put(
+            console, self._prefixed(shown, TERMINAL_WIDTH if mode == "short" else None), file, line
+        )
 
-
-@patch
-def write_event(self: TextSinks, event: str, record: Mapping[str, Any], level: int = 20) -> None:
-    "One event: its full line to the file; to the console that, a terminal's or a pipe's line."
-    console, file = self._sinks(level)
-    if console is None and file is None:
-        return
-    mode = None if console is None else self.mode(console)
-    line = (
-        text_line(level, format_event(event, record))
-        if file is not None or mode == "full"
-        else None
-    )
-    if mode == "short":
-        shown = self.terminal.line(event, record)
-    elif mode == "progress":
-        shown = self.terminal.progress_line(event, record)
-    else:
-        shown = line
-    self._put(
-        console, self._prefixed(shown, TERMINAL_WIDTH if mode == "short" else None), file, line
-    )
-
-
-@patch
-def close(self: TextSinks) -> None:
-    "Close the file (the console belongs to the caller)."
-    with self._lock:
-        if self.file is not None:
-            self.file.close()
+    def close(self) -> None:
+        "Close the file (the console belongs to the caller)."
+        with self._lock:
+            if self.file is not None:
+                self.file.close()
 
 # %% ../nbs/observe/01_metrics.ipynb #30f0f4dd
 _logger_ids = itertools.count(1)
@@ -730,120 +708,108 @@ class MetricLogger:
         "Log at ERROR."
         self.log(40, msg, *args)
 
-# %% ../nbs/observe/01_metrics.ipynb #816b018b
-@patch
-def emit(
-    self: MetricLogger, event: str, payload: Mapping[str, Any] | None = None, *, force: bool = False
-) -> bool:  # write a `train_step` off the cadence too
-    "Record one event (text line, JSONL line, hooks); False when the `train_step` cadence skips it."
-    if self.closed:
-        raise RuntimeError(f"{self.name}: emit({event!r}) after close(); create a new MetricLogger")
-    payload = {} if payload is None else payload
-    if not isinstance(payload, Mapping):
-        raise TypeError(
-            f"emit({event!r}, ...): the payload must be a dict of metrics, got "
-            f"{type(payload).__name__}"
-        )
-    if event == "train_step" and not force and not _on_cadence(payload, self.every_steps):
-        return False
-    record = scrub(payload)
-    record.setdefault("elapsed_s", time.perf_counter() - self._t0)
-    if "memory_bytes" not in record and "torch" in sys.modules:
-        memory = memory_usage_bytes(self.device)
-        if memory is not None:
-            record["memory_bytes"] = memory
-    self._text.write_event(event, record)
-    if self._json is not None:
-        self._json.write_line(
-            json_line(event, {"run_id": self.run_id, **record} if self.run_id else record)
-        )
-    if self.hooks:
-        self._hooks.submit(tuple(self.hooks), event, record)
-    return True
+    def emit(
+        self: MetricLogger,
+        event: str,
+        payload: Mapping[str, Any] | None = None,
+        *,
+        force: bool = False,
+    ) -> bool:  # write a `train_step` off the cadence too
+        "Record one event (text line, JSONL line, hooks); False when the `train_step` cadence skips it."
+        if self.closed:
+            raise RuntimeError(
+                f"{self.name}: emit({event!r}) after close(); create a new MetricLogger"
+            )
+        payload = {} if payload is None else payload
+        if not isinstance(payload, Mapping):
+            raise TypeError(
+                f"emit({event!r}, ...): the payload must be a dict of metrics, got "
+                f"{type(payload).__name__}"
+            )
+        if event == "train_step" and not force and not _on_cadence(payload, self.every_steps):
+            return False
+        record = scrub(payload)
+        record.setdefault("elapsed_s", time.perf_counter() - self._t0)
+        if "memory_bytes" not in record and "torch" in sys.modules:
+            memory = memory_usage_bytes(self.device)
+            if memory is not None:
+                record["memory_bytes"] = memory
+        self._text.write_event(event, record)
+        if self._json is not None:
+            self._json.write_line(
+                json_line(event, {"run_id": self.run_id, **record} if self.run_id else record)
+            )
+        if self.hooks:
+            self._hooks.submit(tuple(self.hooks), event, record)
+        return True
 
-# %% ../nbs/observe/01_metrics.ipynb #207fcaf1
-@patch(as_prop=True)
-def hook_errors(self: MetricLogger) -> int:
-    "Hook calls that raised so far."
-    return self._hooks.errors
+    @property
+    def hook_errors(self) -> int:
+        "Hook calls that raised so far."
+        return self._hooks.errors
 
+    @property
+    def dropped_events(self) -> int:
+        "Events hooks never saw because their queue stayed full."
+        return self._hooks.dropped
 
-@patch(as_prop=True)
-def dropped_events(self: MetricLogger) -> int:
-    "Events hooks never saw because their queue stayed full."
-    return self._hooks.dropped
+    def _hook_failed(self, hook: Any, exc: BaseException, count: int) -> None:
+        if count == 1 or count % 100 == 0:
+            self.warning(
+                "metric hook failed: %s: %r (%d failure%s of this hook so far)",
+                getattr(hook, "__name__", type(hook).__name__),
+                exc,
+                count,
+                "" if count == 1 else "s",
+            )
 
+    def _event_dropped(self, event: str, dropped: int) -> None:
+        if dropped == 1 or dropped % 100 == 0:
+            self.warning(
+                "metric hooks are slower than training: dropped %r for hooks (%d dropped so far)",
+                event,
+                dropped,
+            )
 
-@patch
-def _hook_failed(self: MetricLogger, hook: Any, exc: BaseException, count: int) -> None:
-    if count == 1 or count % 100 == 0:
-        self.warning(
-            "metric hook failed: %s: %r (%d failure%s of this hook so far)",
-            getattr(hook, "__name__", type(hook).__name__),
-            exc,
-            count,
-            "" if count == 1 else "s",
-        )
+    def flush(self, timeout: float | None = None) -> bool:
+        "Wait until hooks have seen every event emitted so far; False if `timeout` passed first."
+        return self._hooks.flush(timeout)
 
+    def guard_console(self, guard: Callable[[], Any] | None) -> None:
+        """Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above the
+        bar)."""
+        self._text.guard = guard
 
-@patch
-def _event_dropped(self: MetricLogger, event: str, dropped: int) -> None:
-    if dropped == 1 or dropped % 100 == 0:
-        self.warning(
-            "metric hooks are slower than training: dropped %r for hooks (%d dropped so far)",
-            event,
-            dropped,
-        )
+    def close(self, timeout: float | None = 30.0) -> None:
+        "Wait for hooks, stop the hook thread, close hooks with `close()`, then the files (idempotent)."
+        if self.closed:
+            return
+        if not self._hooks.close(timeout):
+            self.warning("metric hooks still busy after %ss; closing without waiting", timeout)
+        for hook in list(self.hooks):
+            try:
+                close_hook(hook)
+            except Exception as exc:
+                self.warning("closing metric hook %r failed: %r", hook, exc)
+        if self.hook_errors or self.dropped_events:
+            self.warning(
+                "metric hooks: %d failed call(s), %d event(s) dropped",
+                self.hook_errors,
+                self.dropped_events,
+            )
+        self.closed = True
+        self._text.close()
+        if self._json is not None:
+            self._json.close()
+        _open_loggers.discard(self)
 
+    def __enter__(self) -> MetricLogger:
+        return self
 
-@patch
-def flush(self: MetricLogger, timeout: float | None = None) -> bool:
-    "Wait until hooks have seen every event emitted so far; False if `timeout` passed first."
-    return self._hooks.flush(timeout)
-
-
-@patch
-def guard_console(self: MetricLogger, guard: Callable[[], Any] | None) -> None:
-    """Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above the
-    bar)."""
-    self._text.guard = guard
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 # %% ../nbs/observe/01_metrics.ipynb #e5d7d6ca
-@patch
-def close(self: MetricLogger, timeout: float | None = 30.0) -> None:
-    "Wait for hooks, stop the hook thread, close hooks with `close()`, then the files (idempotent)."
-    if self.closed:
-        return
-    if not self._hooks.close(timeout):
-        self.warning("metric hooks still busy after %ss; closing without waiting", timeout)
-    for hook in list(self.hooks):
-        try:
-            close_hook(hook)
-        except Exception as exc:
-            self.warning("closing metric hook %r failed: %r", hook, exc)
-    if self.hook_errors or self.dropped_events:
-        self.warning(
-            "metric hooks: %d failed call(s), %d event(s) dropped",
-            self.hook_errors,
-            self.dropped_events,
-        )
-    self.closed = True
-    self._text.close()
-    if self._json is not None:
-        self._json.close()
-    _open_loggers.discard(self)
-
-
-@patch
-def __enter__(self: MetricLogger) -> MetricLogger:
-    return self
-
-
-@patch
-def __exit__(self: MetricLogger, *exc_info) -> None:
-    self.close()
-
-
 @atexit.register
 def _close_open_loggers() -> None:
     "At interpreter exit, flush and close loggers nobody closed (so hooks see the last events)."

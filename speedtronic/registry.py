@@ -15,7 +15,6 @@ from importlib import metadata
 from types import ModuleType
 from typing import Any
 
-from fastcore.basics import patch
 
 from .config import ConfigError, ModelConfig, as_section
 
@@ -96,132 +95,120 @@ class ModelRegistry:
     def __repr__(self) -> str:
         return f"ModelRegistry({', '.join(self.names())})"
 
-# %% ../nbs/core/06_registry.ipynb #9163cc4f
-@patch
-def register(
-    self: ModelRegistry, name: str, factory: ModelFactory | None = None, *, replace: bool = False
-):
-    "Register `factory` under `name` (direct call or decorator); a taken name needs `replace=True`."
-    if factory is None:
-        return lambda f: self.register(name, f, replace=replace)
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"model name must be a non-empty string, got {name!r}")
-    if not callable(factory):
-        raise ValueError(
-            f"model factory for '{name}' must be callable, got {type(factory).__name__}"
-        )
-    if not replace:
-        self._check_free(name, factory)
-    self._factories[name] = factory
-    if self._builtins.get(name) not in (None, factory_path(factory)):
-        del self._builtins[name]
-    return factory
-
-
-@patch
-def _check_free(self: ModelRegistry, name: str, factory: ModelFactory) -> None:
-    "Raise when `name` is taken by a different factory."
-    old, builtin = self._factories.get(name), self._builtins.get(name)
-    if old is not None and same_factory(old, factory):
-        return
-    if old is None and builtin in (None, factory_path(factory)):
-        return
-    taken = (
-        f"a built-in ({builtin})"
-        if builtin
-        else f"already registered to {factory_path(old) or repr(old)}"
-    )
-    raise ValueError(
-        f"model name '{name}' is {taken}; pass replace=True to replace it, or choose another name"
-    )
-
-
-@patch
-def register_builtin(self: ModelRegistry, name: str, factory: ModelFactory) -> None:
-    "Fill a built-in name with its factory (idempotent; a user's `replace=True` choice is kept)."
-    if name in self._factories and name not in self._builtins:
-        return
-    self._builtins[name] = self._builtins.get(name) or factory_path(factory) or name
-    self._factories[name] = factory
-
-# %% ../nbs/core/06_registry.ipynb #e2deb5b0
-@patch
-def get(self: ModelRegistry, name: str) -> ModelFactory:
-    "The factory registered as `name`; built-ins and entry points load on demand."
-    if name in self._factories:
-        return self._factories[name]
-    if name in self._builtins:
-        return self._load_builtin(name)
-    if self._use_entry_points and self._load_entry_point(name):
-        return self._factories[name]
-    raise UnknownModelError(name, self.names())
-
-
-@patch
-def build(self: ModelRegistry, name: str, **kwargs) -> Any:
-    "Look up `name` and call its factory with `kwargs`."
-    return self.get(name)(**kwargs)
-
-
-@patch
-def _load_builtin(self: ModelRegistry, name: str) -> ModelFactory:
-    "Import a built-in's module and register its factory here."
-    target = self._builtins[name]
-    try:
-        factory = _load_target(target)
-    except ImportError as e:
-        raise ImportError(
-            f"model '{name}' lives in {target}, which failed to import: {e}. Is torch installed?"
-        ) from e
-    self._factories[name] = factory
-    return factory
-
-# %% ../nbs/core/06_registry.ipynb #39f385ac
-@patch
-def _load_entry_point(self: ModelRegistry, name: str) -> bool:
-    "Load the `speedtronic.models` entry point called `name`; False when there is none."
-    found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    if not found:
-        return False
-    ep = found[0]
-    dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
-    try:
-        obj = ep.load()
-    except Exception as e:
-        raise ImportError(
-            f"model '{name}': entry point '{ep.value}' (group {ENTRY_POINT_GROUP}, "
-            f"from {dist}) failed to load: {e!r}"
-        ) from e
-    if isinstance(obj, ModuleType):  # a module that registers its models when imported
-        if name not in self._factories and self is not registry and name in registry._factories:
-            self._factories[name] = registry._factories[name]
-        if name not in self._factories:
+    def register(
+        self: ModelRegistry,
+        name: str,
+        factory: ModelFactory | None = None,
+        *,
+        replace: bool = False,
+    ):
+        "Register `factory` under `name` (direct call or decorator); a taken name needs `replace=True`."
+        if factory is None:
+            return lambda f: self.register(name, f, replace=replace)
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"model name must be a non-empty string, got {name!r}")
+        if not callable(factory):
             raise ValueError(
-                f"model '{name}': entry point module {obj.__name__} (from {dist}) was "
-                f"imported but did not call register_model('{name}', ...)"
+                f"model factory for '{name}' must be callable, got {type(factory).__name__}"
             )
-    elif callable(obj):
-        self._factories.setdefault(name, obj)
-    else:
-        raise ValueError(
-            f"model '{name}': entry point '{ep.value}' from {dist} is neither a "
-            f"factory nor a module (got {type(obj).__name__})"
+        if not replace:
+            self._check_free(name, factory)
+        self._factories[name] = factory
+        if self._builtins.get(name) not in (None, factory_path(factory)):
+            del self._builtins[name]
+        return factory
+
+    def _check_free(self, name: str, factory: ModelFactory) -> None:
+        "Raise when `name` is taken by a different factory."
+        old, builtin = self._factories.get(name), self._builtins.get(name)
+        if old is not None and same_factory(old, factory):
+            return
+        if old is None and builtin in (None, factory_path(factory)):
+            return
+        taken = (
+            f"a built-in ({builtin})"
+            if builtin
+            else f"already registered to {factory_path(old) or repr(old)}"
         )
-    return True
+        raise ValueError(
+            f"model name '{name}' is {taken}; pass replace=True to replace it, or choose another name"
+        )
 
-# %% ../nbs/core/06_registry.ipynb #2bc48e3e
-@patch
-def entry_point_names(self: ModelRegistry) -> tuple[str, ...]:
-    "Names offered by installed packages through the `speedtronic.models` group."
-    if not self._use_entry_points:
-        return ()
-    return tuple(sorted({ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}))
+    def register_builtin(self, name: str, factory: ModelFactory) -> None:
+        "Fill a built-in name with its factory (idempotent; a user's `replace=True` choice is kept)."
+        if name in self._factories and name not in self._builtins:
+            return
+        self._builtins[name] = self._builtins.get(name) or factory_path(factory) or name
+        self._factories[name] = factory
 
+    def get(self, name: str) -> ModelFactory:
+        "The factory registered as `name`; built-ins and entry points load on demand."
+        if name in self._factories:
+            return self._factories[name]
+        if name in self._builtins:
+            return self._load_builtin(name)
+        if self._use_entry_points and self._load_entry_point(name):
+            return self._factories[name]
+        raise UnknownModelError(name, self.names())
 
-@patch
-def names(self: ModelRegistry) -> tuple[str, ...]:
-    "Sorted names this registry can build: registered, built-in and installed entry points."
-    return tuple(sorted(set(self._factories) | set(self._builtins) | set(self.entry_point_names())))
+    def build(self, name: str, **kwargs) -> Any:
+        "Look up `name` and call its factory with `kwargs`."
+        return self.get(name)(**kwargs)
+
+    def _load_builtin(self, name: str) -> ModelFactory:
+        "Import a built-in's module and register its factory here."
+        target = self._builtins[name]
+        try:
+            factory = _load_target(target)
+        except ImportError as e:
+            raise ImportError(
+                f"model '{name}' lives in {target}, which failed to import: {e}. Is torch installed?"
+            ) from e
+        self._factories[name] = factory
+        return factory
+
+    def _load_entry_point(self, name: str) -> bool:
+        "Load the `speedtronic.models` entry point called `name`; False when there is none."
+        found = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if not found:
+            return False
+        ep = found[0]
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
+        try:
+            obj = ep.load()
+        except Exception as e:
+            raise ImportError(
+                f"model '{name}': entry point '{ep.value}' (group {ENTRY_POINT_GROUP}, "
+                f"from {dist}) failed to load: {e!r}"
+            ) from e
+        if isinstance(obj, ModuleType):  # a module that registers its models when imported
+            if name not in self._factories and self is not registry and name in registry._factories:
+                self._factories[name] = registry._factories[name]
+            if name not in self._factories:
+                raise ValueError(
+                    f"model '{name}': entry point module {obj.__name__} (from {dist}) was "
+                    f"imported but did not call register_model('{name}', ...)"
+                )
+        elif callable(obj):
+            self._factories.setdefault(name, obj)
+        else:
+            raise ValueError(
+                f"model '{name}': entry point '{ep.value}' from {dist} is neither a "
+                f"factory nor a module (got {type(obj).__name__})"
+            )
+        return True
+
+    def entry_point_names(self) -> tuple[str, ...]:
+        "Names offered by installed packages through the `speedtronic.models` group."
+        if not self._use_entry_points:
+            return ()
+        return tuple(sorted({ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}))
+
+    def names(self) -> tuple[str, ...]:
+        "Sorted names this registry can build: registered, built-in and installed entry points."
+        return tuple(
+            sorted(set(self._factories) | set(self._builtins) | set(self.entry_point_names()))
+        )
 
 # %% ../nbs/core/06_registry.ipynb #1c68345f
 registry = ModelRegistry()

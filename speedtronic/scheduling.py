@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastcore.basics import patch
 from torch import nn
 
 # %% auto #0
@@ -129,118 +128,102 @@ class StageStreamScheduler:
             else:
                 warnings.warn(self.reason)
 
-# %% ../nbs/train/05_ooo.ipynb #fd2f77b0
-@patch
-def _setup(self: StageStreamScheduler) -> None:
-    "Choose the stages, create the streams and register the hooks."
-    stages = select_stages(self.model)
-    if len(stages) < 2:
-        self.reason = "fewer than two independent module stages were found"
-        return
-    count = min(self.num_streams, len(stages))
-    self._streams = [torch.cuda.Stream(device=self.device) for _ in range(count)]
-    for i, (name, module) in enumerate(stages):
-        stream = self._streams[i % count]
-        self._handles.append(
-            module.register_forward_pre_hook(self._pre_hook(stream), with_kwargs=True)
-        )
-        self._handles.append(module.register_forward_hook(self._post_hook(stream)))
-        self.stages.append(StageInfo(name, i % count))
-    self.enabled, self.reason = True, "enabled"
+    def _setup(self) -> None:
+        "Choose the stages, create the streams and register the hooks."
+        stages = select_stages(self.model)
+        if len(stages) < 2:
+            self.reason = "fewer than two independent module stages were found"
+            return
+        count = min(self.num_streams, len(stages))
+        self._streams = [torch.cuda.Stream(device=self.device) for _ in range(count)]
+        for i, (name, module) in enumerate(stages):
+            stream = self._streams[i % count]
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_hook(stream), with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post_hook(stream)))
+            self.stages.append(StageInfo(name, i % count))
+        self.enabled, self.reason = True, "enabled"
 
+    def remove_hooks(self) -> None:
+        "Remove every hook this scheduler registered."
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
-@patch
-def remove_hooks(self: StageStreamScheduler) -> None:
-    "Remove every hook this scheduler registered."
-    for handle in self._handles:
-        handle.remove()
-    self._handles = []
+    def as_dict(self) -> dict[str, Any]:
+        "`enabled`, `reason`, `streams` and `stages` (names): the `ooo_backprop` event's payload."
+        return {
+            "enabled": self.enabled,
+            "reason": self.reason,
+            "streams": len(self._streams),
+            "stages": [s.name for s in self.stages],
+        }
 
+    def _pre_hook(self, stream: torch.cuda.Stream):
+        """The forward pre-hook of a stage on `stream`: wait for each input's producer, then switch to
+        `stream`."""
 
-@patch
-def as_dict(self: StageStreamScheduler) -> dict[str, Any]:
-    "`enabled`, `reason`, `streams` and `stages` (names): the `ooo_backprop` event's payload."
-    return {
-        "enabled": self.enabled,
-        "reason": self.reason,
-        "streams": len(self._streams),
-        "stages": [s.name for s in self.stages],
-    }
-
-# %% ../nbs/train/05_ooo.ipynb #46fb86a7
-@patch
-def _pre_hook(self: StageStreamScheduler, stream: torch.cuda.Stream):
-    """The forward pre-hook of a stage on `stream`: wait for each input's producer, then switch to
-    `stream`."""
-
-    def hook(module, args, kwargs):
-        if not self._active:
+        def hook(module, args, kwargs):
+            if not self._active:
+                return None
+            for t in tensors_in(args) + tensors_in(kwargs):
+                producer = self._log.producer(t, self._ambient)
+                if producer != stream:
+                    stream.wait_stream(producer)
+                if t.is_cuda:
+                    t.record_stream(stream)
+            context = torch.cuda.stream(stream)
+            context.__enter__()
+            self._entered.append(context)
             return None
-        for t in tensors_in(args) + tensors_in(kwargs):
-            producer = self._log.producer(t, self._ambient)
-            if producer != stream:
-                stream.wait_stream(producer)
-            if t.is_cuda:
-                t.record_stream(stream)
-        context = torch.cuda.stream(stream)
-        context.__enter__()
-        self._entered.append(context)
-        return None
 
-    return hook
+        return hook
 
+    def _post_hook(self, stream: torch.cuda.Stream):
+        """The forward hook of a stage on `stream`: back to the ambient stream, which waits for the
+        stage; record outputs."""
 
-@patch
-def _post_hook(self: StageStreamScheduler, stream: torch.cuda.Stream):
-    """The forward hook of a stage on `stream`: back to the ambient stream, which waits for the
-    stage; record outputs."""
-
-    def hook(module, args, output):
-        if not self._active or not self._entered:
+        def hook(module, args, output):
+            if not self._active or not self._entered:
+                return None
+            self._entered.pop().__exit__(None, None, None)
+            self._ambient.wait_stream(stream)
+            for t in tensors_in(output):
+                self._log.record(t, stream)
+                if t.is_cuda:
+                    t.record_stream(self._ambient)
             return None
-        self._entered.pop().__exit__(None, None, None)
-        self._ambient.wait_stream(stream)
-        for t in tensors_in(output):
-            self._log.record(t, stream)
-            if t.is_cuda:
-                t.record_stream(self._ambient)
-        return None
 
-    return hook
+        return hook
 
-# %% ../nbs/train/05_ooo.ipynb #cb557cd8
-@patch
-def begin(self: StageStreamScheduler) -> None:
-    "Start a forward pass: note the ambient stream and make every stage stream wait for it."
-    if not self.enabled:
-        return
-    self._ambient = torch.cuda.current_stream(self.device)
-    self._log.clear()
-    for stream in self._streams:
-        stream.wait_stream(self._ambient)
-    self._active = True
+    def begin(self) -> None:
+        "Start a forward pass: note the ambient stream and make every stage stream wait for it."
+        if not self.enabled:
+            return
+        self._ambient = torch.cuda.current_stream(self.device)
+        self._log.clear()
+        for stream in self._streams:
+            stream.wait_stream(self._ambient)
+        self._active = True
 
+    def finish(self) -> None:
+        """End a forward pass: the ambient stream waits for every stage stream; leave any unfinished
+        stage; clear records."""
+        if not self.enabled or not self._active:
+            return
+        while self._entered:
+            self._entered.pop().__exit__(None, None, None)
+        for stream in self._streams:
+            self._ambient.wait_stream(stream)
+        self._log.clear()
+        self._active = False
 
-@patch
-def finish(self: StageStreamScheduler) -> None:
-    """End a forward pass: the ambient stream waits for every stage stream; leave any unfinished
-    stage; clear records."""
-    if not self.enabled or not self._active:
-        return
-    while self._entered:
-        self._entered.pop().__exit__(None, None, None)
-    for stream in self._streams:
-        self._ambient.wait_stream(stream)
-    self._log.clear()
-    self._active = False
-
-
-@patch
-def dispose(self: StageStreamScheduler) -> None:
-    "Finish, remove the hooks and turn the scheduler off (the trainer calls this when `fit` ends)."
-    self.finish()
-    self.remove_hooks()
-    self.enabled = False
+    def dispose(self) -> None:
+        "Finish, remove the hooks and turn the scheduler off (the trainer calls this when `fit` ends)."
+        self.finish()
+        self.remove_hooks()
+        self.enabled = False
 
 # %% ../nbs/train/05_ooo.ipynb #1730a2ce
 def __dir__() -> list[str]:

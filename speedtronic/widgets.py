@@ -12,7 +12,6 @@ import re
 from dataclasses import asdict
 from typing import Any, Callable, Iterable
 
-from fastcore.basics import patch
 
 from .config import ConfigError, PrecisionConfig, SchedulerConfig
 from .optional import optional_import
@@ -79,55 +78,49 @@ class View:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.summary()})"
 
-# %% ../nbs/observe/06_widgets.ipynb #126c5703
-@patch
-def update(self: View, change: Any = None) -> None:
-    "Redraw for the current values; an error is shown in the widget and the stale result is hidden."
-    try:
-        self.draw(self.values())
-    except Exception as exc:
-        self.fail(exc)
-    else:
-        self.error, self.message.value, self.message.layout.display = None, "", "none"
-        self.result.layout.display = None
-
-# %% ../nbs/observe/06_widgets.ipynb #1ef3d8c0
-@patch
-def fail(self: View, exc: Exception) -> None:
-    "Show `exc` in the widget and hide the result it left stale."
-    self.error = exc
-    self.message.value, self.message.layout.display = error_html(exc), None
-    self.clear()
-
-# %% ../nbs/observe/06_widgets.ipynb #b4c2ddc1
-@patch
-def guarded(self: View, callback: Callable) -> Callable:
-    """`callback` for `observe`: whatever it raises is shown in the widget (not only in JupyterLab's
-    log console)."""
-
-    @functools.wraps(callback)
-    def run(*args, **kwargs):
+    def update(self, change: Any = None) -> None:
+        "Redraw for the current values; an error is shown in the widget and the stale result is hidden."
         try:
-            return callback(*args, **kwargs)
+            self.draw(self.values())
         except Exception as exc:
             self.fail(exc)
+        else:
+            self.error, self.message.value, self.message.layout.display = None, "", "none"
+            self.result.layout.display = None
 
-    return run
+    def fail(self, exc: Exception) -> None:
+        "Show `exc` in the widget and hide the result it left stale."
+        self.error = exc
+        self.message.value, self.message.layout.display = error_html(exc), None
+        self.clear()
 
-# %% ../nbs/observe/06_widgets.ipynb #ccc40823
-@patch
-def snapshot(self: View) -> tuple[dict, dict]:
-    """A static picture of the current result as (mime data, metadata); the error message while
-    there is one."""
-    return ({"text/html": self.message.value}, {}) if self.error else ({}, {})
+    def guarded(self, callback: Callable) -> Callable:
+        """`callback` for `observe`: whatever it raises is shown in the widget (not only in JupyterLab's
+        log console)."""
 
+        @functools.wraps(callback)
+        def run(*args, **kwargs):
+            try:
+                return callback(*args, **kwargs)
+            except Exception as exc:
+                self.fail(exc)
 
-@patch
-def _repr_mimebundle_(self: View, **kwargs) -> tuple[dict, dict]:
-    """The live widget, a static picture and a one-line summary: each front end shows the richest it
-    can."""
-    data, metadata = self.snapshot()
-    return {**data, **self.widget._repr_mimebundle_(**kwargs), "text/plain": repr(self)}, metadata
+        return run
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """A static picture of the current result as (mime data, metadata); the error message while
+        there is one."""
+        return ({"text/html": self.message.value}, {}) if self.error else ({}, {})
+
+    def _repr_mimebundle_(self, **kwargs) -> tuple[dict, dict]:
+        """The live widget, a static picture and a one-line summary: each front end shows the richest it
+        can."""
+        data, metadata = self.snapshot()
+        return {
+            **data,
+            **self.widget._repr_mimebundle_(**kwargs),
+            "text/plain": repr(self),
+        }, metadata
 
 # %% ../nbs/observe/06_widgets.ipynb #49f09d9f
 PIXEL_RATIO = 2  # image pixels per displayed pixel
@@ -245,62 +238,52 @@ class ScheduleExplorer(FigureView):
         "The plotted curve (a matplotlib `Line2D`)."
         return self.ax.lines[0]
 
-# %% ../nbs/observe/06_widgets.ipynb #0be67c53
-@patch
-def plot(self: ScheduleExplorer, values: dict[str, Any]) -> None:
-    """Check the settings as a configuration would (the base rate as `optimizer.lr`), then draw the
-    schedule they resolve to."""
-    from speedtronic.config import OptimizerConfig
+    def plot(self, values: dict[str, Any]) -> None:
+        """Check the settings as a configuration would (the base rate as `optimizer.lr`), then draw the
+        schedule they resolve to."""
+        from speedtronic.config import OptimizerConfig
 
-    self.schedule = None
-    OptimizerConfig(lr=values["base_lr"])
-    section = SchedulerConfig(
-        **{k: values[k] for k in ("name", "warmup_steps", "max_steps", "min_lr_ratio")}
-    )
-    self.schedule = resolve_schedule(section)
-    self.ax.clear()
-    plot_schedule(base_lr=values["base_lr"], **asdict(self.schedule), ax=self.ax)
+        self.schedule = None
+        OptimizerConfig(lr=values["base_lr"])
+        section = SchedulerConfig(
+            **{k: values[k] for k in ("name", "warmup_steps", "max_steps", "min_lr_ratio")}
+        )
+        self.schedule = resolve_schedule(section)
+        self.ax.clear()
+        plot_schedule(base_lr=values["base_lr"], **asdict(self.schedule), ax=self.ax)
 
+    def _lr_from_slider(self, change: dict) -> None:
+        "A drag writes the notch's rate in the box; the slider following the box writes nothing."
+        if not self._following_box:
+            self.controls["base_lr"].value = change["new"]
 
-@patch
-def _lr_from_slider(self: ScheduleExplorer, change: dict) -> None:
-    "A drag writes the notch's rate in the box; the slider following the box writes nothing."
-    if not self._following_box:
-        self.controls["base_lr"].value = change["new"]
+    def _lr_to_slider(self, change: dict) -> None:
+        """A positive rate typed in the box moves the slider to it, made a notch if it is not one;
+        another rate leaves the slider."""
+        rate = change["new"]
+        if not rate > 0 or rate == self.lr_slider.value:
+            return
+        self._following_box = True
+        try:
+            if rate not in self.lr_slider.options:
+                self.lr_slider.options = lr_notches(rate)
+            self.lr_slider.value = rate
+        finally:
+            self._following_box = False
 
+    def _warmup_range(self, change: dict) -> None:
+        "The warmup slider reaches twice the horizon shown (never below the warmup it holds)."
+        warmup = self.controls["warmup_steps"]
+        warmup.max = max(2 * change["new"], warmup.value)
 
-@patch
-def _lr_to_slider(self: ScheduleExplorer, change: dict) -> None:
-    """A positive rate typed in the box moves the slider to it, made a notch if it is not one;
-    another rate leaves the slider."""
-    rate = change["new"]
-    if not rate > 0 or rate == self.lr_slider.value:
-        return
-    self._following_box = True
-    try:
-        if rate not in self.lr_slider.options:
-            self.lr_slider.options = lr_notches(rate)
-        self.lr_slider.value = rate
-    finally:
-        self._following_box = False
-
-
-@patch
-def _warmup_range(self: ScheduleExplorer, change: dict) -> None:
-    "The warmup slider reaches twice the horizon shown (never below the warmup it holds)."
-    warmup = self.controls["warmup_steps"]
-    warmup.max = max(2 * change["new"], warmup.value)
-
-
-@patch
-def summary(self: ScheduleExplorer) -> str:
-    "Kind, warmup, horizon, floor and base rate, or the refusal."
-    v = self.values()
-    text = (
-        f"{v['name']}, warmup {v['warmup_steps']}, horizon {v['max_steps']}, floor "
-        f"{v['min_lr_ratio']:g}, base lr {v['base_lr']:g}"
-    )
-    return text + (f"; {self.error}" if self.error else "")
+    def summary(self) -> str:
+        "Kind, warmup, horizon, floor and base rate, or the refusal."
+        v = self.values()
+        text = (
+            f"{v['name']}, warmup {v['warmup_steps']}, horizon {v['max_steps']}, floor "
+            f"{v['min_lr_ratio']:g}, base lr {v['base_lr']:g}"
+        )
+        return text + (f"; {self.error}" if self.error else "")
 
 # %% ../nbs/observe/06_widgets.ipynb #9900f805
 def schedule_explorer(
@@ -360,41 +343,35 @@ class PrecisionExplorer(View):
         super().__init__(controls, [["kind", "bf16", "fp16"], ["mode", "dtype"]], W.HTML())
         self.update()
 
-# %% ../nbs/observe/06_widgets.ipynb #7e9e62f8
-@patch
-def draw(self: PrecisionExplorer, values: dict[str, Any]) -> None:
-    "Resolve the plan for the described device and the request, as a run would."
-    from speedtronic.precision import DeviceCapabilities, describe_plan, resolve_precision
+    def draw(self, values: dict[str, Any]) -> None:
+        "Resolve the plan for the described device and the request, as a run would."
+        from speedtronic.precision import DeviceCapabilities, describe_plan, resolve_precision
 
-    self.plan, kind = None, values["kind"]
-    probe_error = "the bf16 probe failed" if kind == "cpu" and not values["bf16"] else None
-    device = DeviceCapabilities(
-        kind, bf16=values["bf16"], fp16=values["fp16"], probe_error=probe_error
-    )
-    request = PrecisionConfig(mode=values["mode"], dtype=values["dtype"] or None)
-    self.plan = resolve_precision(request, kind, device)
-    self.result.value = f"<code>{html.escape(describe_plan(self.plan))}</code>"
+        self.plan, kind = None, values["kind"]
+        probe_error = "the bf16 probe failed" if kind == "cpu" and not values["bf16"] else None
+        device = DeviceCapabilities(
+            kind, bf16=values["bf16"], fp16=values["fp16"], probe_error=probe_error
+        )
+        request = PrecisionConfig(mode=values["mode"], dtype=values["dtype"] or None)
+        self.plan = resolve_precision(request, kind, device)
+        self.result.value = f"<code>{html.escape(describe_plan(self.plan))}</code>"
 
+    def snapshot(self) -> tuple[dict, dict]:
+        "The described device, the request and the plan's line, as HTML (or the error message)."
+        if self.error:
+            return View.snapshot(self)
+        v, yes = self.values(), lambda b: "yes" if b else "no"
+        asked = (
+            f"device {v['kind']} (bf16 {yes(v['bf16'])}, fp16 {yes(v['fp16'])}), mode {v['mode']}, "
+            f"dtype {v['dtype'] or 'not set'}"
+        )
+        return {"text/html": f"<div>{html.escape(asked)}</div>{self.result.value}"}, {}
 
-@patch
-def snapshot(self: PrecisionExplorer) -> tuple[dict, dict]:
-    "The described device, the request and the plan's line, as HTML (or the error message)."
-    if self.error:
-        return View.snapshot(self)
-    v, yes = self.values(), lambda b: "yes" if b else "no"
-    asked = (
-        f"device {v['kind']} (bf16 {yes(v['bf16'])}, fp16 {yes(v['fp16'])}), mode {v['mode']}, "
-        f"dtype {v['dtype'] or 'not set'}"
-    )
-    return {"text/html": f"<div>{html.escape(asked)}</div>{self.result.value}"}, {}
-
-
-@patch
-def summary(self: PrecisionExplorer) -> str:
-    "The request and the plan, or the refusal."
-    v = self.values()
-    request = f"{v['kind']}, mode {v['mode']}" + (f", dtype {v['dtype']}" if v["dtype"] else "")
-    return request + (f": {self.error}" if self.error else f" -> {self.plan.mode}")
+    def summary(self) -> str:
+        "The request and the plan, or the refusal."
+        v = self.values()
+        request = f"{v['kind']}, mode {v['mode']}" + (f", dtype {v['dtype']}" if v["dtype"] else "")
+        return request + (f": {self.error}" if self.error else f" -> {self.plan.mode}")
 
 # %% ../nbs/observe/06_widgets.ipynb #0b526106
 def precision_explorer(
@@ -435,90 +412,76 @@ class TrainingView(FigureView):
         "Draw the losses received so far."
         plot_loss(self.ax, self.train, self.evals)
 
-# %% ../nbs/observe/06_widgets.ipynb #c63ef2a9
-@patch
-def add(
-    self: TrainingView,
-    kind: str,  # "train" or "eval"
-    step: int,
-    loss: float,
-) -> None:
-    "Keep one (step, loss) point for the chart (drawn at the next `refresh`)."
-    points = self.evals if kind == "eval" else self.train
-    points.append((step, loss))
-    if len(points) > self.max_points:
-        points[:-1] = points[:-1][::2]  # thin the history, keep the newest
+    def add(
+        self,
+        kind: str,  # "train" or "eval"
+        step: int,
+        loss: float,
+    ) -> None:
+        "Keep one (step, loss) point for the chart (drawn at the next `refresh`)."
+        points = self.evals if kind == "eval" else self.train
+        points.append((step, loss))
+        if len(points) > self.max_points:
+            points[:-1] = points[:-1][::2]  # thin the history, keep the newest
 
+    def progress(
+        self: TrainingView, step: int, target: int | None, text: str, state: str = "running"
+    ) -> None:
+        "Move the bar to `step` of `target` and show `text`; `state` is running, done or stopped."
+        self.bar.max = max(1, int(target or step or 1))
+        self.bar.value = min(int(step), self.bar.max)
+        self.bar.bar_style = self.STYLES[state]
+        self.status.value = f'<span class="speedtronic-progress">{html.escape(text)}</span>'
 
-@patch
-def progress(
-    self: TrainingView, step: int, target: int | None, text: str, state: str = "running"
-) -> None:
-    "Move the bar to `step` of `target` and show `text`; `state` is running, done or stopped."
-    self.bar.max = max(1, int(target or step or 1))
-    self.bar.value = min(int(step), self.bar.max)
-    self.bar.bar_style = self.STYLES[state]
-    self.status.value = f'<span class="speedtronic-progress">{html.escape(text)}</span>'
-
-
-@patch
-def stop(
-    self: TrainingView,
-    step: int,
-    target: int | None,
-    detail: str = "",  # what else to say, e.g. the last loss and the time taken
-) -> None:
-    "Show that the run stopped at `step` before reaching `target`."
-    text = (
-        f"stopped at step {step}"
-        + (f" of {target}" if target else "")
-        + (f" | {detail}" if detail else "")
-    )
-    self.progress(step, target, text, "stopped")
-
-
-@patch
-def refresh(self: TrainingView) -> None:
-    "Redraw the chart from the points received so far."
-    if self.train or self.evals:
-        self.update()
-
-
-@patch
-def sample(self: TrainingView, step: int, prompt: str, text: str) -> None:
-    """Show the newest sample under the chart: the prompt in bold, then what the model wrote after
-    it."""
-    self.newest_sample.value = (
-        f'<pre class="speedtronic-sample" style="white-space:pre-wrap;margin:4px 0">step {step}: '
-        f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
-    )
-    self.newest_sample.layout.display = None
-
-# %% ../nbs/observe/06_widgets.ipynb #6145af8b
-@patch
-def summary(self: TrainingView) -> str:
-    "The line of numbers beside the bar."
-    return html.unescape(re.sub(r"<[^>]+>", "", self.status.value))
-
-
-@patch
-def snapshot(self: TrainingView) -> tuple[dict, dict]:
-    """The line of numbers and the chart as HTML, for a notebook opened without a kernel and for the
-    docs."""
-    width, height = self.size
-    picture = (
-        (
-            f'<img src="data:image/png;base64,{base64.b64encode(self.image.value).decode()}" '
-            f'width="{width}" height="{height}" alt="loss chart">'
+    def stop(
+        self,
+        step: int,
+        target: int | None,
+        detail: str = "",  # what else to say, e.g. the last loss and the time taken
+    ) -> None:
+        "Show that the run stopped at `step` before reaching `target`."
+        text = (
+            f"stopped at step {step}"
+            + (f" of {target}" if target else "")
+            + (f" | {detail}" if detail else "")
         )
-        if self.image.value and not self.error
-        else ""
-    )
-    bar = f'<progress value="{self.bar.value}" max="{self.bar.max}" style="width:220px"></progress>'
-    return {
-        "text/html": f"<div>{bar} "
-        f"<code>{html.escape(self.summary())}</code></div>{picture}{self.newest_sample.value}"
-    }, {}
+        self.progress(step, target, text, "stopped")
+
+    def refresh(self) -> None:
+        "Redraw the chart from the points received so far."
+        if self.train or self.evals:
+            self.update()
+
+    def sample(self, step: int, prompt: str, text: str) -> None:
+        """Show the newest sample under the chart: the prompt in bold, then what the model wrote after
+        it."""
+        self.newest_sample.value = (
+            f'<pre class="speedtronic-sample" style="white-space:pre-wrap;margin:4px 0">step {step}: '
+            f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
+        )
+        self.newest_sample.layout.display = None
+
+    def summary(self) -> str:
+        "The line of numbers beside the bar."
+        return html.unescape(re.sub(r"<[^>]+>", "", self.status.value))
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """The line of numbers and the chart as HTML, for a notebook opened without a kernel and for the
+        docs."""
+        width, height = self.size
+        picture = (
+            (
+                f'<img src="data:image/png;base64,{base64.b64encode(self.image.value).decode()}" '
+                f'width="{width}" height="{height}" alt="loss chart">'
+            )
+            if self.image.value and not self.error
+            else ""
+        )
+        bar = f'<progress value="{self.bar.value}" max="{self.bar.max}" style="width:220px"></progress>'
+        return {
+            "text/html": f"<div>{bar} "
+            f"<code>{html.escape(self.summary())}</code></div>{picture}{self.newest_sample.value}"
+        }, {}
 
 # %% ../nbs/observe/06_widgets.ipynb #2fa8128a
 class SampleBox(View):
@@ -582,68 +545,62 @@ class SampleBox(View):
         if change is None:
             View.update(self)
 
-# %% ../nbs/observe/06_widgets.ipynb #01785d13
-@patch
-def show_text(self: SampleBox, prompt: str, text: str, note: str = "") -> None:
-    "Show `prompt` and the `text` written after it, with `note` (the settings) under them."
-    self.result.value = (
-        f'<pre class="speedtronic-sample" style="white-space:pre-wrap; margin:4px 0">'
-        f'<b class="speedtronic-prompt">{html.escape(prompt)}</b>'
-        f'<span class="speedtronic-generated">{html.escape(text)}</span></pre>'
-        + (
-            f'<div class="speedtronic-sample-note" style="color:#666">{html.escape(note)}</div>'
-            if note
-            else ""
+    def show_text(self, prompt: str, text: str, note: str = "") -> None:
+        "Show `prompt` and the `text` written after it, with `note` (the settings) under them."
+        self.result.value = (
+            f'<pre class="speedtronic-sample" style="white-space:pre-wrap; margin:4px 0">'
+            f'<b class="speedtronic-prompt">{html.escape(prompt)}</b>'
+            f'<span class="speedtronic-generated">{html.escape(text)}</span></pre>'
+            + (
+                f'<div class="speedtronic-sample-note" style="color:#666">{html.escape(note)}</div>'
+                if note
+                else ""
+            )
         )
-    )
 
+    def draw(self, values: dict[str, Any]) -> None:
+        "Write text after the prompt with `generate`, showing each piece as it comes."
+        from speedtronic.generation import generate
 
-@patch
-def draw(self: SampleBox, values: dict[str, Any]) -> None:
-    "Write text after the prompt with `generate`, showing each piece as it comes."
-    from speedtronic.generation import generate
+        prompt, pieces = values["prompt"], []
 
-    prompt, pieces = values["prompt"], []
+        def shown(piece: str) -> None:
+            pieces.append(piece)
+            self.show_text(prompt, "".join(pieces), "writing…")
 
-    def shown(piece: str) -> None:
-        pieces.append(piece)
-        self.show_text(prompt, "".join(pieces), "writing…")
+        self.text = None
+        self.text = generate(
+            self.model,
+            self.tokenizer,
+            prompt,
+            max_new_tokens=values["max_new_tokens"],
+            temperature=values["temperature"],
+            seed=self.seed,
+            on_text=shown,
+        )
+        self.made_with = {k: values[k] for k in ("temperature", "max_new_tokens")}
+        how = "greedy" if values["temperature"] == 0 else f"temperature {values['temperature']:g}"
+        self.show_text(prompt, self.text, f"{how}, up to {values['max_new_tokens']} new tokens")
 
-    self.text = None
-    self.text = generate(
-        self.model,
-        self.tokenizer,
-        prompt,
-        max_new_tokens=values["max_new_tokens"],
-        temperature=values["temperature"],
-        seed=self.seed,
-        on_text=shown,
-    )
-    self.made_with = {k: values[k] for k in ("temperature", "max_new_tokens")}
-    how = "greedy" if values["temperature"] == 0 else f"temperature {values['temperature']:g}"
-    self.show_text(prompt, self.text, f"{how}, up to {values['max_new_tokens']} new tokens")
+    def summary(self) -> str:
+        "How much text the last Generate wrote, or the refusal."
+        if self.error:
+            return f"error: {self.error}"
+        return (
+            "press Generate"
+            if self.text is None
+            else f"{len(self.text)} characters after the prompt"
+        )
+
+    def snapshot(self) -> tuple[dict, dict]:
+        "The prompt and the text as HTML (or the error message)."
+        return (
+            View.snapshot(self)
+            if self.error or self.text is None
+            else ({"text/html": self.result.value}, {})
+        )
 
 # %% ../nbs/observe/06_widgets.ipynb #9253a4ed
-@patch
-def summary(self: SampleBox) -> str:
-    "How much text the last Generate wrote, or the refusal."
-    if self.error:
-        return f"error: {self.error}"
-    return (
-        "press Generate" if self.text is None else f"{len(self.text)} characters after the prompt"
-    )
-
-
-@patch
-def snapshot(self: SampleBox) -> tuple[dict, dict]:
-    "The prompt and the text as HTML (or the error message)."
-    return (
-        View.snapshot(self)
-        if self.error or self.text is None
-        else ({"text/html": self.result.value}, {})
-    )
-
-
 def sample_box(
     # a model `generate` takes (the reference transformer, or any causal LM returning logits)
     model: Any,
@@ -684,36 +641,65 @@ class DeltaNormView(FigureView):
         if not self._loading:
             View.update(self, change)
 
-# %% ../nbs/observe/06_widgets.ipynb #fca3b65b
-@patch
-def reload(self: DeltaNormView) -> None:
-    "Read the records again, offer the nodes, layers and outer steps they hold, and redraw."
-    from speedtronic.distributed.norms import norm_choices, norm_records
+    def reload(self) -> None:
+        "Read the records again, offer the nodes, layers and outer steps they hold, and redraw."
+        from speedtronic.distributed.norms import norm_choices, norm_records
 
-    try:
-        self.records, self.load_error = norm_records(self.source), None
-    except Exception as exc:
-        self.records, self.load_error = [], exc
-    choices, c = norm_choices(self.records), self.controls
-    node, layer = (
-        c["node"].value or self._wanted[0],
-        self._wanted[1] if c["layer"].value == "total" else c["layer"].value,
-    )
-    steps, rounds = choices["outer_steps"] or [0], c["rounds"]
-    whole = rounds.value == (rounds.min, rounds.max)
-    self._loading = True
-    try:
-        c["node"].options = [("all nodes", "")] + [(n, n) for n in choices["nodes"]]
-        c["node"].value = node if node in choices["nodes"] else ""
-        c["layer"].options = choices["layers"]
-        c["layer"].value = layer if layer in choices["layers"] else "total"
-        rounds.max, rounds.min = max(steps[-1], rounds.min), steps[0]
-        rounds.max = steps[-1]
-        lo, hi = rounds.value
-        rounds.value = (steps[0], steps[-1]) if whole else (max(lo, steps[0]), min(hi, steps[-1]))
-    finally:
-        self._loading = False
-    self.update()
+        try:
+            self.records, self.load_error = norm_records(self.source), None
+        except Exception as exc:
+            self.records, self.load_error = [], exc
+        choices, c = norm_choices(self.records), self.controls
+        node, layer = (
+            c["node"].value or self._wanted[0],
+            self._wanted[1] if c["layer"].value == "total" else c["layer"].value,
+        )
+        steps, rounds = choices["outer_steps"] or [0], c["rounds"]
+        whole = rounds.value == (rounds.min, rounds.max)
+        self._loading = True
+        try:
+            c["node"].options = [("all nodes", "")] + [(n, n) for n in choices["nodes"]]
+            c["node"].value = node if node in choices["nodes"] else ""
+            c["layer"].options = choices["layers"]
+            c["layer"].value = layer if layer in choices["layers"] else "total"
+            rounds.max, rounds.min = max(steps[-1], rounds.min), steps[0]
+            rounds.max = steps[-1]
+            lo, hi = rounds.value
+            rounds.value = (
+                (steps[0], steps[-1]) if whole else (max(lo, steps[0]), min(hi, steps[-1]))
+            )
+        finally:
+            self._loading = False
+        self.update()
+
+    def plot(self, values: dict[str, Any]) -> None:
+        """The chapter's `plot_delta_norms` on this view's figure: the chosen node, layer and outer
+        steps, one point per node and step."""
+        from speedtronic.distributed.norms import plot_delta_norms
+
+        if self.load_error is not None:
+            raise self.load_error
+        if not self.records:
+            raise ValueError(
+                f"{self.source}: no delta-norm records yet; a DiLoCo master writes them to its "
+                "metrics file "
+                "(logging.json_file) each time it folds deltas into the global model"
+            )
+        lo, hi = values["rounds"]
+        shown = per_outer_step(r for r in self.records if lo <= r.outer_step <= hi)
+        plot_delta_norms(
+            shown,
+            node=values["node"] or None,
+            layer=values["layer"],
+            outer_step=hi,
+            figure=self.figure,
+        )
+
+    def summary(self) -> str:
+        "What is shown (node, layer, outer steps), or the problem."
+        v = self.values()
+        text = f"{v['node'] or 'all nodes'}, {v['layer']}, outer steps {v['rounds'][0]}-{v['rounds'][1]}"
+        return f"error: {self.error}" if self.error else text
 
 # %% ../nbs/observe/06_widgets.ipynb #0f4dfa46
 def per_outer_step(records: Iterable[Any]) -> list[Any]:
@@ -732,37 +718,6 @@ def per_outer_step(records: Iterable[Any]) -> list[Any]:
         else:
             merged[key] = r
     return list(merged.values())
-
-# %% ../nbs/observe/06_widgets.ipynb #3be71700
-@patch
-def plot(self: DeltaNormView, values: dict[str, Any]) -> None:
-    """The chapter's `plot_delta_norms` on this view's figure: the chosen node, layer and outer
-    steps, one point per node and step."""
-    from speedtronic.distributed.norms import plot_delta_norms
-
-    if self.load_error is not None:
-        raise self.load_error
-    if not self.records:
-        raise ValueError(
-            f"{self.source}: no delta-norm records yet; a DiLoCo master writes them to its "
-            "metrics file "
-            "(logging.json_file) each time it folds deltas into the global model"
-        )
-    lo, hi = values["rounds"]
-    shown = per_outer_step(r for r in self.records if lo <= r.outer_step <= hi)
-    plot_delta_norms(
-        shown, node=values["node"] or None, layer=values["layer"], outer_step=hi, figure=self.figure
-    )
-
-
-@patch
-def summary(self: DeltaNormView) -> str:
-    "What is shown (node, layer, outer steps), or the problem."
-    v = self.values()
-    text = (
-        f"{v['node'] or 'all nodes'}, {v['layer']}, outer steps {v['rounds'][0]}-{v['rounds'][1]}"
-    )
-    return f"error: {self.error}" if self.error else text
 
 # %% ../nbs/observe/06_widgets.ipynb #778987d8
 def delta_norm_view(
