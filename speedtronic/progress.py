@@ -403,21 +403,27 @@ class NotebookOutput:
             return None
 
     def show(
-        self, step: int, target: int | None, text: str, line: str, state: str, chart: bool | None
+        self,
+        step: int,
+        target: int | None,
+        line: Callable[..., str],
+        state: str,
+        chart: bool | None,
     ) -> None:
-        """Show `text` on the widget's bar in `state` (`running`, `done`), redrawing the chart when
-        `chart` (default: when `chart_interval` has passed); without a widget, the `line`."""
+        """Show the progress `line` on the widget in `state` (`running`, `done`), without its text
+        bar (`line(0)`: the widget draws its own), redrawing the chart when `chart` (default: when
+        `chart_interval` has passed); without a widget, the whole `line()`."""
         from IPython.display import display
 
         if self.handle is None:
             self.view = self._new_view()
         if self.view is None:
             if self.handle is None:
-                self.handle = display({"text/plain": line}, raw=True, display_id=True)
+                self.handle = display({"text/plain": line()}, raw=True, display_id=True)
             else:
-                self.handle.update({"text/plain": line}, raw=True)
+                self.handle.update({"text/plain": line()}, raw=True)
             return
-        self.view.progress(step, target, text, state)
+        self.view.progress(step, target, line(0), state)
         due = time.monotonic() - self._charted >= self.chart_interval
         if (due if chart is None else chart) and self._fresh:
             self.view.refresh()
@@ -509,7 +515,7 @@ class ProgressBar:
         if not self.notebook:
             return self.terminal.draw(self.line())
         state = "done" if self.finished else "running"
-        self.output.show(self.step, self.target, self.line(0), self.line(), state, chart)
+        self.output.show(self.step, self.target, self.line, state, chart)
 
     def _point(self, kind: str, payload: Mapping[str, Any]) -> None:
         for step, loss in loss_points([payload]) if self.notebook else ():

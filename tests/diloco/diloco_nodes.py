@@ -176,11 +176,7 @@ def error_line(rc: int, err: str, out: str, *needles: str) -> str:
 
 def wait_for(predicate, timeout: float = 300, what: str = "condition") -> None:
     "Ask `predicate` every 0.1 s until it holds; fail when `timeout` s pass first."
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    wait_while_running(predicate, (), timeout, what, poll=0.1)
 
 
 def wait_while_running(

@@ -9,9 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from diloco_nodes import TOKEN, ended, hub_env, launch, node_config
+from diloco_nodes import TOKEN, ended, hub_env, launch, node_config, wait_while_running
 from test_master_trust import _mount_tmpfs
-from diloco_nodes import wait_while_running
 
 from conftest import jsonl_records
 from hub_server import HUB_LIMITS, HubStandIn
