@@ -737,7 +737,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings(), _sigterm_interrupts():
         warnings.showwarning = _warning_printer(warnings.showwarning)
         code = _run_command(args, argv)
-    return _end_process(code)
+    code = _end_process(code)
+    if argv is None:  # the process's own command line: it ends as soon as this returns
+        _calm_interrupts_at_exit()
+    return code
+
+
+def _calm_interrupts_at_exit() -> None:
+    """From here the exit status is decided: a Ctrl-C while Python shuts down is let go without a
+    traceback, and a second one ends the process at once (the default action)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def let_go(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    signal.signal(signal.SIGINT, let_go)
 
 
 def _end_process(code: int) -> int:
