@@ -253,9 +253,8 @@ def run_lockstep(
         if optimizer == "muon":
             cfg["optimizer"] = {"name": "muon", "lr": args.muon_lr, "grad_clip": 1.0}
         trainer, _ = build_runtime(cfg)
-        trainer.dataloader = NodeShard(
-            trainer.dataloader, i, args.nodes
-        )  # the shard a DiLoCo node reads
+        # the shard a DiLoCo node reads
+        trainer.dataloader = NodeShard(trainer.dataloader, i, args.nodes)
         nodes.append(trainer)
     state = cpu_state_dict(nodes[0].model.state_dict())
     update = OuterUpdate(state, args.outer_lr, args.outer_momentum)
@@ -979,9 +978,8 @@ def main(argv=None) -> None:
             for t in args.transports.split(",")
             if t
         ]
-    if (
-        args.boundary_wait and "directory" in args.transports
-    ):  # whole rounds with exact deltas: what bfloat16 costs
+    # whole rounds with exact deltas: what bfloat16 costs
+    if args.boundary_wait and "directory" in args.transports:
         plan.append(dict(transport="directory", dtype="float32", boundary_wait=args.boundary_wait))
     defaults = dict(outer=(0.7, 0.9), reset=True)  # DiLoCo's outer Nesterov and 2.0's inner reset
     if "directory" in args.transports:
@@ -992,9 +990,8 @@ def main(argv=None) -> None:
         plan += [dict(transport="directory", dtype=d) for d in ("float32", "int8")]
     if "hub" in args.transports:
         plan.append(dict(transport="hub", v2_keys=True))  # what a 2.0 user's config gets
-    rows: dict[
-        str, list[dict]
-    ] = {}  # row name -> its runs, each with `ratio` to its seed's baseline
+    # row name -> its runs, each with `ratio` to its seed's baseline
+    rows: dict[str, list[dict]] = {}
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)

@@ -86,9 +86,8 @@ def main() -> None:
             "eval": config(Path(d) / "b", args.steps, args.every, args.batches),
         }
         for raw in runs.values():
-            timed(
-                {**raw, "run": {**raw["run"], "max_steps": 20}}, args.device
-            )  # warm-up, the text written
+            # warm-up, the text written
+            timed({**raw, "run": {**raw["run"], "max_steps": 20}}, args.device)
         seconds, inside, losses = {k: [] for k in runs}, [], {}
         for _ in range(args.rounds):
             for key, raw in runs.items():

@@ -153,9 +153,8 @@ def run(cfg: Path, nproc: int, device: str, threads: int | None) -> list[dict]:
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if device == "cpu":
-        env["OMP_NUM_THREADS"] = str(
-            threads or max(1, (os.cpu_count() or 1) // nproc)
-        )  # default: same cores per job
+        # default: same cores per job
+        env["OMP_NUM_THREADS"] = str(threads or max(1, (os.cpu_count() or 1) // nproc))
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
@@ -231,9 +230,8 @@ def tokens_per_sec(jsonl: Path, warmup: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--worker", type=Path, default=None, help=argparse.SUPPRESS
-    )  # one rank of a job this script started
+    # one rank of a job this script started
+    p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--strategy",
         nargs="+",

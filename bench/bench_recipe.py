@@ -98,8 +98,9 @@ def recipe(
     lr: float = 1e-3,
 ) -> dict:
     """The run config of the recipe on `text` for `steps` steps (warm-up scaled when `steps` is
-    short), at peak learning rate `lr` (the cosine ends at a tenth of it). `order="shuffled"` reads the text as a prepared token file whose training blocks are
-    shuffled (as the recipe draws random windows); `"file"` streams the text in file order."""
+    short), at peak learning rate `lr` (the cosine ends at a tenth of it). `order="shuffled"` reads
+    the text as a prepared token file whose training blocks are shuffled (as the recipe draws random
+    windows); `"file"` streams the text in file order."""
     source = (
         {"token_file": str(prepared(text, out)), "shuffle": True}
         if order == "shuffled"

@@ -172,9 +172,8 @@ def compare(
             loops[name].steps(steps)
             sync(device)
             rates[name].append(tokens / (now() - t0))
-    ratios = [
-        t / p for t, p in zip(rates["trainer"], rates["plain"])
-    ]  # each round's pair ran under the same load
+    # each round's pair ran under the same load
+    ratios = [t / p for t, p in zip(rates["trainer"], rates["plain"])]
     return {
         "device": str(device),
         "precision": precision,
@@ -223,9 +222,8 @@ def loop_overhead_us(steps: int = 500, rounds: int = 9) -> float:
     diffs = []
     for r in range(rounds):
         timed = {}
-        for name in (
-            ("trainer", "plain") if r % 2 == 0 else ("plain", "trainer")
-        ):  # alternate who goes first
+        # alternate who goes first
+        for name in ("trainer", "plain") if r % 2 == 0 else ("plain", "trainer"):
             t0 = time.process_time()
             trainer.fit(trainer.step + steps) if name == "trainer" else plain(steps)
             timed[name] = time.process_time() - t0

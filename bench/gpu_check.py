@@ -215,9 +215,8 @@ def train_on_world(tmp: Path, name: str, strategy: str, device: str = "cuda:0") 
 
     first = trainer()
     result = first.fit()
-    again = (
-        trainer()
-    )  # the weights back from the newest checkpoint (a folder under fsdp, a file under ddp)
+    # the weights back from the newest checkpoint (a folder under fsdp, a file under ddp)
+    again = trainer()
     state = again.checkpoint_manager.load_latest()
     if state.get("sharded"):
         load_sharded(state["sharded"], again.model, again.optimizer)

@@ -259,11 +259,12 @@ class Node:
         )
         self.rng = torch.Generator().manual_seed(args.seed * 1000 + i)
         self.phase = random.Random(args.seed * 7919 + i).uniform(0, args.round_seconds)
+        # made: step -> simulated time of its boundary
         self.step, self.error, self.made = (
             0,
             None,
             {},
-        )  # made: step -> simulated time of its boundary
+        )
         self.pause: tuple[float, float] | None = None  # (from, to) simulated s: it leaves, is back
         self.left: tuple[float, float] | None = None  # the pause it had
         self.joined: tuple[float, int] | None = None  # (simulated s, the master's version then)
@@ -401,10 +402,11 @@ def table(run: dict, args) -> list[str]:
         if status in (409, 429):
             refused[hour_of(t)][status] += 1
     master = nodes[0].log.events
+    # (node, step) -> simulated time of the publication holding it
     rounds, folded_at = (
         Counter(),
         {},
-    )  # (node, step) -> simulated time of the publication holding it
+    )
     for t, event, p in master:
         if event == "outer_step" and p.get("deltas_included"):
             rounds[hour_of(t)] += 1

@@ -79,9 +79,8 @@ def _torch_load_restricted(path: Path, mmap: bool = False) -> Any:
     safe_globals = getattr(torch.serialization, "safe_globals", None)
     context = safe_globals(_numpy_safe_globals()) if safe_globals else contextlib.nullcontext()
     with context, warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message="Detected pickle protocol"
-        )  # junk bytes: we report it
+        # junk bytes: we report it
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
         return torch.load(
             path, map_location="cpu", weights_only=True, **({"mmap": True} if mmap else {})
         )
@@ -267,10 +266,11 @@ def _zip_cut_short(path: Path) -> tuple[bool, int]:
         if head != b"PK\x03\x04":
             return False, size
         f.seek(max(0, size - 22))
+        # torch.save writes no zip comment: the record is the last 22 bytes
         return (
             f.read(4) != b"PK\x05\x06",
             size,
-        )  # torch.save writes no zip comment: the record is the last 22 bytes
+        )
 
 
 def _first_sentence(error: BaseException) -> str:
@@ -460,11 +460,12 @@ def _listing(label: str, names: list[str], limit: int = 8) -> str:
     return f"{label}: {shown}"
 
 
+# model.* keys that never change the weights
 _RUNTIME_ONLY = {
     "gradient_checkpointing",
     "imports",
     "init_from",
-}  # model.* keys that never change the weights
+}
 
 
 def _plain(value):
@@ -581,11 +582,12 @@ _LOADER_KEYS = {
     )
 }
 
+# the checkpoint was found there: not a change
 _WHERE_IT_LIVES = {
     "run.output_dir",
     "checkpoint.directory",
     "checkpoint.resume",
-}  # the checkpoint was found there: not a change
+}
 
 
 def _checked_elsewhere(key: str) -> bool:
@@ -712,6 +714,7 @@ class CheckpointManager:
 
     pointer_name = "latest.json"
 
+    # recorded in each checkpoint and the pointer
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -721,7 +724,7 @@ class CheckpointManager:
         enabled: bool = True,  # `should_save` is always false when disabled
         logger=None,  # anything with `.warning(msg)`; `None` → Python warnings
         run_id: str | None = None,
-    ):  # recorded in each checkpoint and the pointer
+    ):
         if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps <= 0:
             raise ValueError(
                 f"checkpoint.every_steps must be a positive integer, got {every_steps!r}"
@@ -734,9 +737,8 @@ class CheckpointManager:
             )
         self.directory, self.every_steps, self.keep_last = Path(directory), every_steps, keep_last
         self.enabled, self.logger, self.run_id = bool(enabled), logger, run_id
-        self._foreign: dict[
-            str, int
-        ] = {}  # checkpoint names (with mtime) known not to be this run's
+        # checkpoint names (with mtime) known not to be this run's
+        self._foreign: dict[str, int] = {}
         self.skipped: list[tuple[Path, str]] = []
         self.loaded_path: Path | None = None
 
@@ -777,16 +779,14 @@ def nonfinite_tensors(tensors: Mapping) -> list[str]:
         ):
             by_device.setdefault(v.device, []).append((k, v.detach()))
     bad = []
-    for items in (
-        by_device.values()
-    ):  # a finite sum means every element is finite; only an infinite sum is looked at closely
+    # a finite sum means every element is finite; only an infinite sum is looked at closely
+    for items in by_device.values():
         sums = torch.stack([torch.isfinite(v.sum()) for _, v in items]).cpu().tolist()
         suspects = [(k, v) for (k, v), ok in zip(items, sums) if not ok]
         if not suspects:
             continue
-        flags = (
-            torch.stack([torch.isfinite(v).all() for _, v in suspects]).cpu().tolist()
-        )  # or the sum overflowed
+        # or the sum overflowed
+        flags = torch.stack([torch.isfinite(v).all() for _, v in suspects]).cpu().tolist()
         bad += [k for (k, _), ok in zip(suspects, flags) if not ok]
     return bad
 
@@ -866,9 +866,8 @@ def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
         state = {**state, "run_id": self.run_id}
     try:
         with contextlib.suppress(FileNotFoundError):
-            digest_path(
-                self.path_for(step)
-            ).unlink()  # an older file's record never vouches for this one
+            # an older file's record never vouches for this one
+            digest_path(self.path_for(step)).unlink()
         path = atomic_torch_save(redacted_state(state), self.path_for(step))
         write_digest(path)
         written = [
@@ -904,9 +903,8 @@ def _own_unlisted(self: CheckpointManager, listed: list[str]) -> list[str]:
 def _retain(self: CheckpointManager, written: list[str], **pointer) -> list[Path]:
     "Record `written`, then delete the own files beyond `keep_last` (never the newest)."
     written = [n for n in written if (self.directory / n).exists()]
-    current = [
-        n for n in written if n == pointer.get("file")
-    ]  # the file just written counts as the newest
+    # the file just written counts as the newest
+    current = [n for n in written if n == pointer.get("file")]
     own = (
         sorted(
             [n for n in written if n not in current] + self._own_unlisted(written),
@@ -1119,9 +1117,8 @@ def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
         atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
     shutil.copystat(source, destination)
     write_digest(destination)
-    check_digest(
-        source
-    )  # the source unchanged since it was checked: the copy holds what was written
+    # the source unchanged since it was checked: the copy holds what was written
+    check_digest(source)
     if file_sha256(source) != file_sha256(destination):
         raise _unusable(destination, f"is not the same as {source} after copying it", None)
     return destination
@@ -1327,9 +1324,8 @@ def _safe_index(path: Path) -> Any:
             path, f"has an unreadable index (.metadata: {_first_sentence(e)})"
         ) from None
     _check_shards(path, index)  # every file as written, before a value is read
-    for key, where in (
-        getattr(index, "storage_data", None) or {}
-    ).items():  # the non-tensor values: plain data only
+    # the non-tensor values: plain data only
+    for key, where in (getattr(index, "storage_data", None) or {}).items():
         if not isinstance(entries.get(getattr(key, "fqn", None)), BytesStorageMetadata):
             continue
         file = (path / where.relative_path).resolve()
@@ -1456,9 +1452,8 @@ def load_sharded(
         weights = get_model_state_dict(model)
         read({"model": weights})
         return set_model_state_dict(model, weights)
-    weights, moments = get_state_dict(
-        model, optimizer
-    )  # the optimizer's state is made first, so there is room to load it
+    # the optimizer's state is made first, so there is room to load it
+    weights, moments = get_state_dict(model, optimizer)
     read({"model": weights, "optimizer": moments})
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=moments)
 
@@ -1481,9 +1476,10 @@ def _by_position(moments: Mapping | None) -> dict | None:
 def _full_sharded(path: Path) -> dict:
     """The sharded checkpoint `path` gathered in memory: the state a single-file checkpoint of the
     same step holds."""
+    # what dcp_to_torch_save calls
     from torch.distributed.checkpoint.state_dict_loader import (
         _load_state_dict,
-    )  # what dcp_to_torch_save calls
+    )
 
     index = _safe_index(path)
     state = _sharded_state(path, index)

@@ -431,9 +431,10 @@ def _sigterm_held() -> bool:
 def shown_config(config: SpeedtronicConfig) -> dict:
     """The redacted configuration as `validate` prints it: as written, with the schedule the run
     will use."""
+    # the one owner of the horizon; loads no torch
     from speedtronic.schedules import (
         resolve_schedule,
-    )  # the one owner of the horizon; loads no torch
+    )
 
     shown, schedule = config.to_dict(redact_secrets=True), resolve_schedule(config)
     shown["scheduler"].update(max_steps=schedule.max_steps, warmup_steps=schedule.warmup_steps)
@@ -474,9 +475,10 @@ def _validate(args: argparse.Namespace) -> int:
         print(_fitted(line, sys.stderr), file=sys.stderr)
     for line in error_lines(ConfigError(problems)) if problems and _prints() else []:
         print(line, file=sys.stderr)
+    # how many tokens each side of a held-out split gets
     from speedtronic.evaluation import (
         holdout_note,
-    )  # how many tokens each side of a held-out split gets
+    )
 
     pending = demo_corpus_pending(config)  # no text to split before the first `train` writes it
     if not problems and not pending and _prints() and (note := holdout_note(config)):

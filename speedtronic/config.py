@@ -958,9 +958,8 @@ class EvalConfig(_Section):
         0.0  # this share of the training source's blocks, taken from its end, is held out
     )
     micro_batch_size: int | None = None  # samples per held-out batch; null: data.micro_batch_size
-    sample_prompts: list[str] = field(
-        default_factory=list
-    )  # texts the model continues at every evaluation
+    # texts the model continues at every evaluation
+    sample_prompts: list[str] = field(default_factory=list)
     sample_tokens: int = 64  # tokens generated after each sample prompt
     sample_temperature: float = (
         0.0  # 0: greedy (a run's samples are reproducible); else sampled from a seeded generator
@@ -1028,9 +1027,8 @@ class DistributedConfig(_Section):
     mode: str = "dumb_diloco"  # dumb_diloco or single
     role: str = "single"  # single, master or worker
     node_id: str | None = None  # null -> HF_USERNAME, USER, "local" at run time
-    collaborators: list[str] = field(
-        default_factory=list
-    )  # Hub usernames the master grants write access
+    # Hub usernames the master grants write access
+    collaborators: list[str] = field(default_factory=list)
     inner_steps: int = 500
     poll_interval: float = 60.0  # seconds
     outer_lr: float = 0.7
@@ -1625,9 +1623,8 @@ def _read_config_file(path: Path, fmt: str | None = None) -> Any:
     """Parse a config file as YAML or JSON (by `fmt` or suffix); unreadable files become
     `ConfigError`."""
     try:
-        text = path.read_text(
-            encoding="utf-8-sig"
-        )  # a byte-order mark (Windows editors) is not part of the text
+        # a byte-order mark (Windows editors) is not part of the text
+        text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise FileNotFoundError(f"config file not found: {path}") from None
     except IsADirectoryError:
@@ -1683,9 +1680,8 @@ def load(cls: SpeedtronicConfig, source: Mapping | str | os.PathLike) -> Speedtr
             "config source must be a mapping, a file path or YAML/JSON text, got "
             f"{type(source).__name__}"
         )
-    source = source.removeprefix(
-        "\ufeff"
-    )  # a byte-order mark, as a file read without utf-8-sig keeps it
+    # a byte-order mark, as a file read without utf-8-sig keeps it
+    source = source.removeprefix("\ufeff")
     if _is_inline(source):
         return cls.from_dict(_parse_yaml(source, "inline config"))
     return cls.from_dict(_read_config_file(Path(source)))
@@ -1730,9 +1726,8 @@ def to_dict(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> dict:
     "Plain JSON-friendly dict in field order; `redact_secrets` replaces every credential value."
     out = _plain(self)
     for key in {"warmup_steps", "max_steps"} - explicit_fields(self.scheduler):
-        out["scheduler"].pop(
-            key, None
-        )  # unwritten: they follow the run target, and must again when the dict is loaded
+        # unwritten: they follow the run target, and must again when the dict is loaded
+        out["scheduler"].pop(key, None)
     return redact(out) if redact_secrets else out
 
 
@@ -1773,9 +1768,8 @@ def _section_from_mapping(cls: type, values: Mapping[str, Any]) -> Any:
 def _is_root_mapping(values: Mapping[str, Any], cls: type) -> bool:
     "Does `values` look like a whole configuration rather than the keys of section `cls`?"
     keys, own = set(map(str, values)), {f.name for f in fields(cls)}
-    return bool(
-        (keys - own) & (set(_SECTIONS) | {"hub", "diloco"})
-    )  # a section name that is not one of cls's keys
+    # a section name that is not one of cls's keys
+    return bool((keys - own) & (set(_SECTIONS) | {"hub", "diloco"}))
 
 
 def as_section(

@@ -256,9 +256,8 @@ class BlockStream(IterableDataset):
                 )
                 unit, index = self._walk(e, unit, index, size)[:2]
             else:
-                group = list(
-                    itertools.islice(sequence, full)
-                )  # (unit, index after, sample) of each sample
+                # (unit, index after, sample) of each sample
+                group = list(itertools.islice(sequence, full))
                 offset, count, size = share(len(group))
                 if count == 0:
                     return
@@ -269,22 +268,23 @@ class BlockStream(IterableDataset):
                 yield (samples, unit, index), part
 
     def _reader(self, start: StreamStart, wid: int, nw: int) -> Iterator:
-        """Reader `wid` of `nw`: this rank's part of groups `wid, wid + nw, …`, tagged with the position
-        after each when `start.tagged`."""
+        """Reader `wid` of `nw`: this rank's part of groups `wid, wid + nw, …`, tagged with the
+        position after each when `start.tagged`."""
         for after, part in self._groups(start, lambda j: j % nw == wid):
             for sample in part:
                 yield (after, sample) if start.tagged else sample
 
     def _direct(self, start: StreamStart) -> Iterator:
-        "The whole sequence from `start`, keeping the stream's own cursor (iteration without a loader)."
+        """The whole sequence from `start`, keeping the stream's own cursor (iteration without a
+        loader)."""
         for after, part in self._groups(start, lambda j: True):
             self._cursor = list(after[1:])
             yield from part
         self._epoch, self._cursor = start.epoch + 1, None
 
     def locate(self, epoch: int, samples: int) -> tuple[int, int]:
-        """The `(unit, index)` of sample number `samples` of pass `epoch` (a stream read front to back
-        reads up to it)."""
+        """The `(unit, index)` of sample number `samples` of pass `epoch` (a stream read front to
+        back reads up to it)."""
         if self.random_access:
             return self._walk(epoch, 0, 0, samples)[:2]
         unit, index = 0, 0
@@ -784,9 +784,8 @@ class EpochSampler(Sampler):
     """Indices of one pass, shuffled per epoch with its own seeded generator, starting `start`
     samples in; a rank's share of each group."""
 
-    eager_limit = (
-        1 << 24
-    )  # up to this many samples a shuffle is a `torch.randperm`; beyond, `lazy_permutation`
+    # up to this many samples a shuffle is a `torch.randperm`; beyond, `lazy_permutation`
+    eager_limit = 1 << 24
 
     def __init__(
         self,
@@ -894,6 +893,7 @@ def _deal(batches: Iterator, rank: int, world: int) -> Iterator:
 class ResumableDataLoader(DataLoader):
     "A `DataLoader` whose `state_dict()` is the job's position of the next batch it hands out."
 
+    # this loader's rank in a torchrun job of `world_size` processes
     def __init__(
         self,
         dataset: Any,
@@ -908,7 +908,7 @@ class ResumableDataLoader(DataLoader):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
-    ):  # this loader's rank in a torchrun job of `world_size` processes
+    ):
         iterable = isinstance(dataset, IterableDataset)
         self._kind = (
             "stream" if isinstance(dataset, BlockStream) else "iterable" if iterable else "map"
@@ -946,12 +946,13 @@ class ResumableDataLoader(DataLoader):
         )
         self.seed = int(seed)
         self.shuffle = bool(getattr(dataset, "shuffle", False)) if iterable else bool(shuffle)
+        # the pass, the job's samples of it handed out, where a stream goes on
         self._epoch, self._samples, self._unit, self._index = (
             0,
             0,
             0,
             0,
-        )  # the pass, the job's samples of it handed out, where a stream goes on
+        )
 
     def _begin_pass(self) -> None:
         self.generator.manual_seed(epoch_seed(self.seed, self._epoch))
@@ -971,8 +972,8 @@ class ResumableDataLoader(DataLoader):
             )
 
     def _record(self, item: Any) -> Any:
-        """Move the position past the group of the batch `item` (a stream's batch carries it) and return
-        the batch."""
+        """Move the position past the group of the batch `item` (a stream's batch carries it) and
+        return the batch."""
         if self._kind == "stream":
             positions, item = item
             self._samples, self._unit, self._index = (int(x) for x in positions[-1])
@@ -995,9 +996,8 @@ class ResumableDataLoader(DataLoader):
                     self.dataset._loader_start = None
             handed = 0
             if self._kind == "iterable":
-                it = itertools.islice(
-                    it, self._samples // self.batch_size, None
-                )  # the job's batches already handed out
+                # the job's batches already handed out
+                it = itertools.islice(it, self._samples // self.batch_size, None)
                 if self.world_size > 1:
                     it = _deal(it, self.rank, self.world_size)
             while True:
@@ -1014,8 +1014,8 @@ class ResumableDataLoader(DataLoader):
                 return
 
     def state_dict(self) -> dict:
-        """The job's position of the next batch: epoch, samples of the job handed out in it, seed and
-        (streams) the next `(unit, index)`."""
+        """The job's position of the next batch: epoch, samples of the job handed out in it, seed
+        and (streams) the next `(unit, index)`."""
         state = {
             "version": 2,
             "kind": self._kind,
@@ -1060,8 +1060,8 @@ class ResumableDataLoader(DataLoader):
             changed := identity_differences(state["source"], self.source())
         ):
             raise DataError(
-                "the data differs from the data the saved position belongs to, so the position would "
-                "point into other "
+                "the data differs from the data the saved position belongs to, "
+                "so the position would point into other "
                 "data:\n  - "
                 + "\n  - ".join(changed)
                 + "\nResume with the data the run was trained on, or start a fresh "
@@ -1069,8 +1069,8 @@ class ResumableDataLoader(DataLoader):
             )
         if state.get("kind", self._kind) != self._kind:
             raise DataError(
-                f"data loader state was saved for a {state['kind']} dataset but this loader reads a "
-                f"{self._kind} dataset; resume with the same data source"
+                f"data loader state was saved for a {state['kind']} dataset "
+                f"but this loader reads a {self._kind} dataset; resume with the same data source"
             )
         if "samples" not in state:
             state = self._rank_position(state)
@@ -1095,8 +1095,8 @@ class ResumableDataLoader(DataLoader):
                 self.dataset.seed = int(state["stream_seed"])
 
     def _rank_position(self, state: Mapping) -> dict:
-        """The job's position of a state an earlier version saved for one rank (`batches` of that rank,
-        a position per worker)."""
+        """The job's position of a state an earlier version saved for one rank (`batches` of that
+        rank, a position per worker)."""
         saved = (int(state.get("rank", 0)), int(state.get("world_size", 1)))
         if saved != (self.rank, self.world_size):
             raise DataError(
@@ -1169,13 +1169,14 @@ def array_fingerprint(array: Any) -> str:
     return content_fingerprint(len(data), lambda at, n: bytes(data[at : at + n]))
 
 # %% ../nbs/data/02_data.ipynb #a197abd9
+# may change when the content does not (a moved file)
 _PATH_KEYS = (
     "data.text_path",
     "data.token_file",
     "data.dataset",
     "data.hf_dataset.path",
     "data.hf_dataset.data_files",
-)  # may change when the content does not (a moved file)
+)
 
 
 def source_identity(dataset: Any, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
@@ -1332,9 +1333,10 @@ def known_samples(dataset: Any) -> int | None:
         return None
 
 
+# processes of a torchrun job, each taking `batch_size`
 def check_loader_settings(
     dataset: Any, *, batch_size: int, drop_last: bool, shuffle: bool, world_size: int = 1
-) -> None:  # processes of a torchrun job, each taking `batch_size`
+) -> None:
     """`DataError` when no batch could ever be produced; a `DataWarning` when `shuffle` cannot apply
     to a stream."""
     n = known_samples(dataset)
@@ -1395,9 +1397,10 @@ def build_dataloader(
         rank=rank,
         world_size=world_size,
     )
+    # recorded in its state: a resume checks it
     loader.tokenizer_record = tokenizer_record(
         getattr(ds, "tokenizer", None)
-    ) or file_tokenizer_record(data.tokenizer)  # recorded in its state: a resume checks it
+    ) or file_tokenizer_record(data.tokenizer)
     return loader
 
 # %% ../nbs/data/02_data.ipynb #56e710d0

@@ -380,6 +380,7 @@ class Evaluator:
     """The held-out loader and how often and how much of it to read; called with the model, returns
     an `EvalResult`."""
 
+    # the texts written at every evaluation
     def __init__(
         self,
         loader: Any,
@@ -391,7 +392,7 @@ class Evaluator:
         world: World | None = None,
         bytes_per_token: float | None = None,
         sampler: Sampler | None = None,
-    ):  # the texts written at every evaluation
+    ):
         self.loader, self.device, self.every_steps, self.max_batches = (
             loader,
             torch.device(device),
@@ -506,9 +507,8 @@ def build_evaluator(
     if tok is None and token_path:
         tok = _sidecar_tokenizer(token_path, vocab)
     sample = getattr(loader.dataset, "tokens", None)
-    if (
-        sample is None and tok is not None and not isinstance(tok, CharTokenizer)
-    ):  # a text file or stream: its first blocks
+    # a text file or stream: its first blocks
+    if sample is None and tok is not None and not isinstance(tok, CharTokenizer):
         sample = np.concatenate([s["input_ids"].numpy() for _, s in zip(range(64), loader.dataset)])
     sampler = (
         _sampler(
@@ -578,11 +578,12 @@ class GlobalEvaluator:
         logger: Any = None,
     ):
         self.model = model.to("cpu").requires_grad_(False)
+        # results: version -> EvalResult
         self.evaluator, self.logger, self.results = (
             evaluator,
             logger,
             {},
-        )  # results: version -> EvalResult
+        )
         self._queue, self._pending, self._done = queue.Queue(), 0, threading.Condition()
         self._thread = threading.Thread(
             target=self._run, name="speedtronic-global-eval", daemon=True
@@ -678,6 +679,7 @@ def holdout_note(config: SpeedtronicConfig) -> str | None:
     return split.describe()
 
 # %% ../nbs/train/07_evaluation.ipynb #93684c03
+# an `eval` record's values
 EVAL_RECORD_KEYS = (
     "step",
     "val_loss",
@@ -686,7 +688,7 @@ EVAL_RECORD_KEYS = (
     "val_tokens",
     "val_batches",
     "eval_s",
-)  # an `eval` record's values
+)
 
 
 def earlier_evals(
@@ -720,9 +722,8 @@ def earlier_evals(
             if not isinstance(step, int):
                 continue
             if record["event"] == "train_start":
-                kept = [
-                    r for r in kept if r["step"] <= step
-                ]  # a resume from `step` replaces what followed
+                # a resume from `step` replaces what followed
+                kept = [r for r in kept if r["step"] <= step]
             elif step <= up_to:
                 kept.append({k: record[k] for k in EVAL_RECORD_KEYS if k in record})
     return kept

@@ -74,9 +74,8 @@ def _about_target(error: OSError, temp: Path, path: Path) -> OSError:
     "`error` naming `path` when it named the temp file or no file at all."
     if error.errno is None or error.filename not in (None, str(temp)):
         return error
-    return OSError(
-        error.errno, error.strerror, str(path)
-    )  # the subclass for the errno (PermissionError...)
+    # the subclass for the errno (PermissionError...)
+    return OSError(error.errno, error.strerror, str(path))
 
 
 def atomic_write(
@@ -100,9 +99,8 @@ def atomic_write(
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temp, path)
-        except (
-            BaseException
-        ):  # also an interrupt (SIGTERM, Ctrl-C) that lands the moment os.open has created the file
+        # also an interrupt (SIGTERM, Ctrl-C) that lands the moment os.open has created the file
+        except BaseException:
             with contextlib.suppress(OSError):
                 temp.unlink()
             raise

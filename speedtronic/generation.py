@@ -52,9 +52,8 @@ def filter_logits(
         logits[logits < kth] = float("-inf")
     if top_p is not None and top_p < 1:
         ordered, order = torch.sort(logits, descending=True)
-        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(
-            -1
-        )  # probability of the tokens ranked above
+        # probability of the tokens ranked above
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
         logits[order[before >= top_p]] = float("-inf")
     return logits
 

@@ -201,9 +201,8 @@ def load_trained(
     return _with_tokenizer(model, config, path, state.get("data"), state.get("step"), device)
 
 # %% ../nbs/interop/02_hf.ipynb #85792a59
-LLAMA_WEIGHTS: tuple[
-    tuple[str, str], ...
-] = (  # (reference transformer, LlamaForCausalLM); {i} is the layer
+# (reference transformer, LlamaForCausalLM); {i} is the layer
+LLAMA_WEIGHTS: tuple[tuple[str, str], ...] = (
     ("transformer.wte.weight", "model.embed_tokens.weight"),
     ("transformer.h.{i}.ln1.weight", "model.layers.{i}.input_layernorm.weight"),
     ("transformer.h.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
@@ -361,6 +360,7 @@ def _tokenizer_files(tokenizer: Any, max_len: int) -> dict[str, bytes]:
     return {"tokenizer.json": data, "tokenizer_config.json": json.dumps(config, indent=2).encode()}
 
 # %% ../nbs/interop/02_hf.ipynb #9968af17
+# with the shards `model-00001-of-00002.safetensors`: every name an export folder may hold
 EXPORT_FILES = (
     "config.json",
     "generation_config.json",
@@ -369,7 +369,7 @@ EXPORT_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-)  # with the shards `model-00001-of-00002.safetensors`: every name an export folder may hold
+)
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 

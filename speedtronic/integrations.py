@@ -65,9 +65,8 @@ class TensorboardHook:
         log_dir: str | os.PathLike = "runs",  # directory of the event files
         flush_secs: int = 10,  # how often pending scalars are flushed to disk
     ):
-        _import_for(
-            "TensorboardHook", "tensorboard"
-        )  # names the missing package when torch cannot load its writer
+        # names the missing package when torch cannot load its writer
+        _import_for("TensorboardHook", "tensorboard")
         writer = _import_for("TensorboardHook", "torch.utils.tensorboard").SummaryWriter
         self.log_dir = Path(log_dir)
         self.writer = writer(log_dir=str(self.log_dir), flush_secs=flush_secs)
@@ -142,9 +141,8 @@ def check_wandb(settings: Mapping[str, Any]) -> Any:
     wandb = _import_for("WandbHook", "wandb")
     mode = str(settings.get("mode") or os.environ.get("WANDB_MODE") or "online").lower()
     if mode not in _OFFLINE and not settings.get("offline"):
-        _check_reachable(
-            os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url)
-        )  # W&B reads the variable at init
+        # W&B reads the variable at init
+        _check_reachable(os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url))
     return wandb
 
 

@@ -27,9 +27,8 @@ __all__ = ['TransformerConfig', 'GPT', 'Transformer', 'ReferenceModel', 'GPTMode
            'parameter_breakdown']
 
 # %% ../nbs/models/01_model.ipynb #8aaa9960
-_DEFAULT = {
-    f.name: f.default for f in fields(ModelConfig)
-}  # the defaults, stated once: ModelConfig's
+# the defaults, stated once: ModelConfig's
+_DEFAULT = {f.name: f.default for f in fields(ModelConfig)}
 _POSITIVE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 
 
@@ -38,18 +37,15 @@ class GPTConfig:
     "Shape of the reference transformer; every default is `ModelConfig`'s."
 
     vocab_size: int = _DEFAULT["vocab_size"]
-    block_size: int = _DEFAULT[
-        "max_seq_len"
-    ]  # longest sequence the model accepts (`model.max_seq_len`)
+    # longest sequence the model accepts (`model.max_seq_len`)
+    block_size: int = _DEFAULT["max_seq_len"]
     n_layer: int = _DEFAULT["n_layer"]
     n_head: int = _DEFAULT["n_head"]
-    n_kv_head: int | None = _DEFAULT[
-        "n_kv_head"
-    ]  # key/value heads for grouped-query attention; `None` -> `n_head`
+    # key/value heads for grouped-query attention; `None` -> `n_head`
+    n_kv_head: int | None = _DEFAULT["n_kv_head"]
     d_model: int = _DEFAULT["d_model"]
-    d_ff: int | None = _DEFAULT[
-        "d_ff"
-    ]  # feed-forward width before the SwiGLU 2/3 scaling; `None` -> 4*d_model
+    # feed-forward width before the SwiGLU 2/3 scaling; `None` -> 4*d_model
+    d_ff: int | None = _DEFAULT["d_ff"]
     dropout: float = _DEFAULT["dropout"]
     tie_weights: bool = _DEFAULT["tie_weights"]
     rope_base: float = _DEFAULT["rope_base"]
@@ -146,9 +142,8 @@ class RotaryEmbedding(nn.Module):
         "cos and sin, each `(seq_len, head_dim)`, on `device` in `dtype`."
         device = torch.device(device) if device is not None else self.inv_freq.device
         dtype = dtype or torch.float32
-        compiling = (
-            torch.compiler.is_compiling()
-        )  # a compiled graph computes the table itself: no Python-side cache
+        # a compiled graph computes the table itself: no Python-side cache
+        compiling = torch.compiler.is_compiling()
         c = None if compiling else self._cache
         if c is not None and c[0] >= seq_len and c[1] == device and c[2] == dtype:
             return c[3][:seq_len], c[4][:seq_len]
@@ -259,10 +254,11 @@ class KVCache:
         return f"KVCache(layers={len(self.layers)}, length={self.length}, max_len={self.max_len})"
 
 # %% ../nbs/models/01_model.ipynb #d3ec1437
+# `enable_gqa=` shares KV heads inside SDPA without copying them
 _SDPA_GQA = torch.__version__ >= (
     2,
     5,
-)  # `enable_gqa=` shares KV heads inside SDPA without copying them
+)
 
 
 class CausalSelfAttention(nn.Module):
@@ -367,9 +363,8 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
-        self.dropout = nn.Dropout(
-            config.dropout
-        )  # kept for 2.0's module tree; the attention branch drops once
+        # kept for 2.0's module tree; the attention branch drops once
+        self.dropout = nn.Dropout(config.dropout)
         self.gradient_checkpointing = False
 
     def _body(

@@ -151,9 +151,8 @@ def _ns_iterate(X: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
     "Quintic Newton–Schulz on a stack of wide matrices `(..., m, n)` with m <= n, in X's dtype."
     a, b, c = NS_COEFFICIENTS
     norm = torch.linalg.matrix_norm(X, keepdim=True)
-    huge = ~torch.isfinite(
-        norm
-    )  # finite entries whose squares overflow: divide by the largest entry first
+    # finite entries whose squares overflow: divide by the largest entry first
+    huge = ~torch.isfinite(norm)
     X = X / torch.where(huge, X.abs().amax(dim=(-2, -1), keepdim=True), torch.ones_like(norm))
     X = X / (torch.where(huge, torch.linalg.matrix_norm(X, keepdim=True), norm) + eps)
     for _ in range(steps):
@@ -307,8 +306,8 @@ class Muon(torch.optim.Optimizer):
         g = p.grad
         if g.is_sparse:
             raise RuntimeError(
-                f"Muon does not support sparse gradients (parameter of shape {tuple(p.shape)}); give "
-                "it to AdamW"
+                "Muon does not support sparse gradients "
+                f"(parameter of shape {tuple(p.shape)}); give it to AdamW"
             )
         if g.is_complex():
             raise TypeError(
@@ -326,8 +325,8 @@ class Muon(torch.optim.Optimizer):
     def _update(
         self: Muon, group: dict, params: list[torch.Tensor], directions: list[torch.Tensor]
     ) -> None:
-        """Orthogonalise the directions of same-shape `params` as one stack, then decay and step each
-        parameter."""
+        """Orthogonalise the directions of same-shape `params` as one stack, then decay and step
+        each parameter."""
         stack = torch.stack(directions)
         U = orthogonalize(
             stack, group["ns_steps"], group["eps"], self.ns_dtype or muon_ns_dtype(stack.device)
@@ -343,8 +342,8 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> Any:
-        """One Muon update of every parameter that has a gradient; `closure` (optional) re-computes the
-        loss."""
+        """One Muon update of every parameter that has a gradient; `closure` (optional) re-computes
+        the loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -596,7 +595,8 @@ class HybridOptimizer(torch.optim.Optimizer):
             )
 
     def step(self, closure: Callable | None = None) -> Any:
-        "Copy the facade's settings into Muon and AdamW, run `closure` once, then step Muon and AdamW."
+        """Copy the facade's settings into Muon and AdamW, run `closure` once, then step Muon and
+        AdamW."""
         for group, child, keys in self._child_groups():
             for k in keys:
                 child[k] = tuple(group[k]) if k == "betas" else group[k]
@@ -610,7 +610,8 @@ class HybridOptimizer(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: Mapping) -> None:
-        "Load a state of the same routing; settings the saved groups lack keep their current values."
+        """Load a state of the same routing; settings the saved groups lack keep their current
+        values."""
         current = [dict(g) for g in self.param_groups]
         torch.optim.Optimizer.load_state_dict(self, state_dict)
         for group, old in zip(self.param_groups, current):

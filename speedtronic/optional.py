@@ -27,9 +27,8 @@ def optional_import(
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        package = (getattr(exc, "name", None) or name).split(".")[
-            0
-        ]  # the module that is really missing
+        # the module that is really missing
+        package = (getattr(exc, "name", None) or name).split(".")[0]
         raise MissingExtra(
             f"{purpose} needs {package}, which is not installed; "
             f"install it with: pip install 'speedtronic[{extra}]'"

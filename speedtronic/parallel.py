@@ -54,15 +54,12 @@ class World:
     connect_timeout_s: float = (
         CONNECT_TIMEOUT_S  # how long joining waits for the others (`$SPEEDTRONIC_CONNECT_TIMEOUT`)
     )
-    control: Any = field(
-        default=None, repr=False
-    )  # gloo group for the small CPU-side agreements between ranks
-    owns_group: bool = field(
-        default=False, repr=False
-    )  # the process group was started here (and is ended here)
-    parallel: Any = field(
-        default=None, repr=False
-    )  # the run's `ParallelConfig` (`None`: ddp); the runtime sets it
+    # gloo group for the small CPU-side agreements between ranks
+    control: Any = field(default=None, repr=False)
+    # the process group was started here (and is ended here)
+    owns_group: bool = field(default=False, repr=False)
+    # the run's `ParallelConfig` (`None`: ddp); the runtime sets it
+    parallel: Any = field(default=None, repr=False)
 
     @property
     def fsdp(self) -> bool:
@@ -272,9 +269,8 @@ def _join_store(world: World) -> Any:
             flush=True,
         )
 
-    if (
-        address := _listener(world)
-    ) is not None:  # wait here, in Python, until rank 0 listens: no C++ retry loop
+    # wait here, in Python, until rank 0 listens: no C++ retry loop
+    if (address := _listener(world)) is not None:
         while not _answers(address, min(1.0, left())):
             if left() <= 0:
                 raise _join_failure(world, TimeoutError("timed out")) from None
@@ -300,9 +296,8 @@ def _join_store(world: World) -> Any:
     return box["store"]
 
 
-_STARTED_GROUPS: list[
-    str
-] = []  # the backends of the process groups this process started (read by `end_process`)
+# the backends of the process groups this process started (read by `end_process`)
+_STARTED_GROUPS: list[str] = []
 # groups left by `close`, never freed: gloo's destructor joins a thread that may wait for the GIL it
 # holds
 _LEFT_GROUPS: list = []
@@ -326,9 +321,8 @@ def start_world(world: World, device: torch.device) -> World:
     world.owns_group = not dist.is_initialized()
     if world.owns_group:
         store = _join_store(world)
-        store.set_timeout(
-            timeout
-        )  # the connect bound is for joining; the group's own waits keep the collective timeout
+        # the connect bound is for joining; the group's own waits keep the collective timeout
+        store.set_timeout(timeout)
         dist.init_process_group(
             backend_for(world.device),
             store=dist.PrefixStore("default_pg", store),
@@ -435,9 +429,8 @@ def end_process(code: int) -> int:
     status `code`."""
     if not _STARTED_GROUPS:
         return code
-    for thread in (
-        threading.enumerate()
-    ):  # what the interpreter does at exit: wait for the non-daemon threads
+    # what the interpreter does at exit: wait for the non-daemon threads
+    for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
@@ -525,13 +518,11 @@ def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.Abst
     if self.backend is None:
         return contextlib.nullcontext()
     if self.fsdp:
-        module.set_requires_gradient_sync(
-            sync
-        )  # FSDP's no_sync: gradients stay local and unsharded until the last microbatch
+        # FSDP's no_sync: gradients stay local and unsharded until the last microbatch
+        module.set_requires_gradient_sync(sync)
         return _peers_watched(self)
-    return _peers_watched(
-        self, None if sync else module.no_sync()
-    )  # DDP's all-reduce runs in the backward
+    # DDP's all-reduce runs in the backward
+    return _peers_watched(self, None if sync else module.no_sync())
 
 # %% ../nbs/torchrun/01_parallel.ipynb #b07f32e4
 def block_modules(model: nn.Module) -> list[nn.Module]:
@@ -598,9 +589,8 @@ def fsdp_options(parallel: Any, precision: Any, device: torch.device) -> dict:
     options = {"reshard_after_forward": bool(parallel.reshard_after_forward)}
     if device.type == "cuda" and getattr(precision, "autocast_enabled", False):
         dtype = precision.dtype
-        options["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=dtype, reduce_dtype=dtype
-        )  # the shards stay fp32
+        # the shards stay fp32
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     if parallel.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     return options
@@ -632,9 +622,8 @@ def shard(self: World, model: nn.Module, precision: Any = None) -> nn.Module:
         return model
     if problems := fsdp_problems(SpeedtronicConfig(parallel=self.parallel), precision):
         raise ConfigError(problems)
-    if (
-        self.parallel.cpu_offload and self.device.type != "cuda"
-    ):  # every rank decides it alike: one of them reports it
+    # every rank decides it alike: one of them reports it
+    if self.parallel.cpu_offload and self.device.type != "cuda":
         raise job_wide(
             ConfigError(
                 "parallel.cpu_offload: moves a GPU's shards to the CPU, and this job trains on "
@@ -923,15 +912,17 @@ class GroupCoordinator:
         replica: nn.Module | None = None,
         round_steps: int | None = None,
     ):
+        # `model`: the unwrapped module, not DDP (the sharded one under fsdp)
         self.inner, self.world, self.model = (
             inner,
             world,
             model,
-        )  # `model`: the unwrapped module, not DDP (the sharded one under fsdp)
+        )
+        # fsdp: rank 0's whole copy `inner` works on; the round, on every rank
         self.replica, self.round_steps = (
             replica,
             round_steps,
-        )  # fsdp: rank 0's whole copy `inner` works on; the round, on every rank
+        )
         if self.sharded and inner is not None and replica is None:
             raise ConfigError(
                 "under parallel.strategy: fsdp a DiLoCo node's coordinator works on a whole copy "
@@ -962,9 +953,8 @@ class GroupCoordinator:
         """Rank 0's `fn(module)` → (answer, changed) on every rank; the weights reach every rank
         when they changed."""
         if self.sharded:
-            whole = self.world.gather_whole(
-                self.model
-            )  # every rank takes part; rank 0 holds the result
+            # every rank takes part; rank 0 holds the result
+            whole = self.world.gather_whole(self.model)
             if self.replica is not None:
                 self.replica.hold(whole)
         module = self.replica if self.sharded else model
@@ -1084,9 +1074,8 @@ def scatter_whole(self: World, model: nn.Module, state: Mapping[str, torch.Tenso
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(
-        model, dict(state) if self.writes else {}, options=options
-    )  # it replaces the entries of the dict it gets
+    # it replaces the entries of the dict it gets
+    set_model_state_dict(model, dict(state) if self.writes else {}, options=options)
 
 # %% ../nbs/torchrun/01_parallel.ipynb #eb67230c
 def __dir__() -> list[str]:

@@ -129,9 +129,8 @@ def _describe(info: Mapping) -> str:
     )
 
 # %% ../nbs/core/02_paths.ipynb #a28d3460
-_held: dict[
-    str, list
-] = {}  # lock file (absolute) -> [fd, holders] for the locks this process holds
+# lock file (absolute) -> [fd, holders] for the locks this process holds
+_held: dict[str, list] = {}
 _held_guard = threading.Lock()
 
 
@@ -177,9 +176,8 @@ def _open_locked(path: Path, key: str) -> int:
             same = False
         if same:
             return fd
-        os.close(
-            fd
-        )  # the previous holder deleted the file between our open and our lock: try again
+        # the previous holder deleted the file between our open and our lock: try again
+        os.close(fd)
 
 # %% ../nbs/core/02_paths.ipynb #1a7d6b0f
 @dataclass

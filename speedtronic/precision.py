@@ -96,9 +96,8 @@ def resolve_device(requested: str | torch.device | None = "auto") -> torch.devic
     device = _parse_device(requested)
     _check_available(device, requested)
     if device.type == "cpu":
-        return torch.device(
-            "cpu"
-        )  # tensors never carry a CPU index: `cpu:0` would compare unequal to their device
+        # tensors never carry a CPU index: `cpu:0` would compare unequal to their device
+        return torch.device("cpu")
     return device
 
 # %% ../nbs/train/01_precision.ipynb #4b0ac8ab

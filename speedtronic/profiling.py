@@ -203,9 +203,8 @@ def _is_secret(key: str) -> bool:
     return bool(is_secret_key(key))
 
 
-_SCALARS = frozenset(
-    {str, int, float, bool, type(None)}
-)  # payload values that are copied as they are
+# payload values that are copied as they are
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def scrub(value: Any) -> Any:
@@ -321,9 +320,8 @@ class LineFile:
         with _open_guard:
             first = not _open_here.get(self._here)
             _open_here[self._here] = _open_here.get(self._here, 0) + 1
-        self._finalizer = weakref.finalize(
-            self, _close_line_file, self._here, self.fd
-        )  # an unclosed file is closed when dropped
+        # an unclosed file is closed when dropped
+        self._finalizer = weakref.finalize(self, _close_line_file, self._here, self.fd)
         if first:
             self._start(records)
 
@@ -385,6 +383,7 @@ class LineFile:
 class HookDispatcher:
     "Calls hooks on one background thread fed by a bounded queue; failures and drops are counted."
 
+    # the thread ends after this long without events
     def __init__(
         self,
         *,
@@ -394,7 +393,7 @@ class HookDispatcher:
         on_drop: Callable[[str, int], None] | None = None,  # (event, dropped so far)
         name: str = "speedtronic-hooks",
         idle_s: float = 2.0,
-    ):  # the thread ends after this long without events
+    ):
         self._queue: queue.Queue = queue.Queue(maxsize)
         self.put_timeout, self.on_error, self.on_drop, self.name = (
             put_timeout,
@@ -567,7 +566,8 @@ class TextSinks:
         return "\n".join(lines if width is None else map(clip_line, lines))
 
     def write(self, level: int, message: str) -> None:
-        "Write `message` as one line at `level` to the console and the file, unless below the level."
+        """Write `message` as one line at `level` to the console and the file, unless below the
+        level."""
         console, file = self._sinks(level)
         if console is None and file is None:
             return  # nobody reads it: not even formatted
@@ -708,14 +708,16 @@ class MetricLogger:
         "Log at ERROR."
         self.log(40, msg, *args)
 
+    # write a `train_step` off the cadence too
     def emit(
         self: MetricLogger,
         event: str,
         payload: Mapping[str, Any] | None = None,
         *,
         force: bool = False,
-    ) -> bool:  # write a `train_step` off the cadence too
-        "Record one event (text line, JSONL line, hooks); False when the `train_step` cadence skips it."
+    ) -> bool:
+        """Record one event (text line, JSONL line, hooks); False when the `train_step` cadence
+        skips it."""
         if self.closed:
             raise RuntimeError(
                 f"{self.name}: emit({event!r}) after close(); create a new MetricLogger"
@@ -776,12 +778,13 @@ class MetricLogger:
         return self._hooks.flush(timeout)
 
     def guard_console(self, guard: Callable[[], Any] | None) -> None:
-        """Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above the
-        bar)."""
+        """Wrap every console line in `guard()` (e.g. `ProgressBar.cleared`, so lines print above
+        the bar)."""
         self._text.guard = guard
 
     def close(self, timeout: float | None = 30.0) -> None:
-        "Wait for hooks, stop the hook thread, close hooks with `close()`, then the files (idempotent)."
+        """Wait for hooks, stop the hook thread, close hooks with `close()`, then the files
+        (idempotent)."""
         if self.closed:
             return
         if not self._hooks.close(timeout):

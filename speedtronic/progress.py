@@ -82,6 +82,7 @@ def format_progress(
 
 # %% ../nbs/observe/03_progress.ipynb #6a11a67c
 TERMINAL_WIDTH = 100  # columns a terminal line may take
+# these two are also said in a warning line
 QUIET_EVENTS = frozenset(
     {
         "optimizer",
@@ -92,7 +93,7 @@ QUIET_EVENTS = frozenset(
         "shape_warning",
         "settings_changed",
     }
-)  # these two are also said in a warning line
+)
 
 
 def clip_line(text: str, width: int = TERMINAL_WIDTH) -> str:
@@ -159,9 +160,8 @@ def format_setup_line(
     return clip_line(" | ".join(p for p in parts if p))
 
 
-ROUND_EVENTS = frozenset(
-    {"delta_upload_queued", "global_installed"}
-)  # a DiLoCo node's rounds: said in its next step line
+# a DiLoCo node's rounds: said in its next step line
+ROUND_EVENTS = frozenset({"delta_upload_queued", "global_installed"})
 
 
 def round_note(
@@ -187,9 +187,8 @@ def round_note(
 class TerminalLines:
     "Turns events into a terminal's short lines or a pipe's progress lines (`None`: files only)."
 
-    def __init__(
-        self, others: bool = True
-    ):  # others: an event without a short form is shown as `event k=v …`
+    # others: an event without a short form is shown as `event k=v …`
+    def __init__(self, others: bool = True):
         self.optimizer, self.target, self.others = {}, None, others
         self.held_out: float | None = None  # the newest held-out loss
         self.sent, self.inner_steps, self.installed = [], None, None  # a DiLoCo node's rounds
@@ -238,9 +237,8 @@ class TerminalLines:
                 f"eval  step {payload.get('step')}  val_loss {payload['val_loss']:8.4f}  ppl "
                 f"{payload.get('val_ppl', math.nan):.4g}{bpb}"
             )
-        if (
-            event == "sample"
-        ):  # a text the model wrote: the prompt, then its continuation, on one line
+        # a text the model wrote: the prompt, then its continuation, on one line
+        if event == "sample":
             return clip_line(
                 f"sample  step {payload.get('step')}  {payload.get('prompt', '')!r} -> "
                 f"{payload.get('text', '')!r}"
@@ -277,9 +275,8 @@ def format_closing(
     elapsed_s: float | None = None,  # seconds the call took
     *,
     eval_loss: float | None = None,  # the held-out loss, when the run has one
-    files: Mapping[
-        str, str | os.PathLike | None
-    ] = {},  # what was written: label -> path (missing ones are left out)
+    # what was written: label -> path (missing ones are left out)
+    files: Mapping[str, str | os.PathLike | None] = {},
 ) -> str:
     """The lines a run ends with: `done: step 25 in 00:03 | loss 4.1745`, then one `  label  path`
     line per file written."""

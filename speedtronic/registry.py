@@ -23,9 +23,8 @@ __all__ = ['ModelFactory', 'ENTRY_POINT_GROUP', 'BUILTIN_MODELS', 'registry', 'U
            'ModelRegistry', 'register_model', 'import_model_modules', 'factory_fields', 'build_model']
 
 # %% ../nbs/core/06_registry.ipynb #a15b825a
-ModelFactory = Callable[
-    ..., Any
-]  # anything that returns a model when called with keyword arguments
+# anything that returns a model when called with keyword arguments
+ModelFactory = Callable[..., Any]
 
 ENTRY_POINT_GROUP = "speedtronic.models"
 BUILTIN_MODELS: dict[str, str] = {
@@ -77,16 +76,16 @@ def _load_target(target: str) -> Any:
 class ModelRegistry:
     "Maps model names to factories; built-ins and entry points are loaded on first lookup."
 
+    # look up the `speedtronic.models` entry-point group on a miss
     def __init__(
         self,
         *,
         builtins: bool = True,  # resolve `reference_transformer`/`gpt` lazily
         entry_points: bool = True,
-    ):  # look up the `speedtronic.models` entry-point group on a miss
+    ):
         self._factories: dict[str, ModelFactory] = {}
-        self._builtins: dict[str, str] = (
-            dict(BUILTIN_MODELS) if builtins else {}
-        )  # name -> "module:attr"
+        # name -> "module:attr"
+        self._builtins: dict[str, str] = dict(BUILTIN_MODELS) if builtins else {}
         self._use_entry_points = entry_points
 
     def __contains__(self, name: str) -> bool:
@@ -102,7 +101,8 @@ class ModelRegistry:
         *,
         replace: bool = False,
     ):
-        "Register `factory` under `name` (direct call or decorator); a taken name needs `replace=True`."
+        """Register `factory` under `name` (direct call or decorator); a taken name needs
+        `replace=True`."""
         if factory is None:
             return lambda f: self.register(name, f, replace=replace)
         if not isinstance(name, str) or not name.strip():
@@ -131,11 +131,13 @@ class ModelRegistry:
             else f"already registered to {factory_path(old) or repr(old)}"
         )
         raise ValueError(
-            f"model name '{name}' is {taken}; pass replace=True to replace it, or choose another name"
+            f"model name '{name}' is {taken}; "
+            "pass replace=True to replace it, or choose another name"
         )
 
     def register_builtin(self, name: str, factory: ModelFactory) -> None:
-        "Fill a built-in name with its factory (idempotent; a user's `replace=True` choice is kept)."
+        """Fill a built-in name with its factory (idempotent; a user's `replace=True` choice is
+        kept)."""
         if name in self._factories and name not in self._builtins:
             return
         self._builtins[name] = self._builtins.get(name) or factory_path(factory) or name
@@ -162,7 +164,8 @@ class ModelRegistry:
             factory = _load_target(target)
         except ImportError as e:
             raise ImportError(
-                f"model '{name}' lives in {target}, which failed to import: {e}. Is torch installed?"
+                f"model '{name}' lives in {target}, which failed to import: {e}. "
+                "Is torch installed?"
             ) from e
         self._factories[name] = factory
         return factory
@@ -246,15 +249,15 @@ def import_model_modules(names: Iterable[str] | str | None) -> list[ModuleType]:
     return modules
 
 # %% ../nbs/core/06_registry.ipynb #02443162
+# read by the registry and the trainer
 _NOT_FACTORY_ARGUMENTS = (
     "name",
     "imports",
     "gradient_checkpointing",
     "init_from",
-)  # read by the registry and the trainer
-_FACTORY_KEYWORD = {
-    "max_seq_len": "block_size"
-}  # config field -> factory keyword, where they differ
+)
+# config field -> factory keyword, where they differ
+_FACTORY_KEYWORD = {"max_seq_len": "block_size"}
 
 
 def factory_fields() -> dict[str, str]:

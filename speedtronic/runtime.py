@@ -123,9 +123,8 @@ def build_logger(
     lg, paths = config.logging, run_paths(config)
     if not writes:
         return MetricLogger(level="ERROR", every_steps=lg.every_steps, run_id=run_id)
-    console = (
-        "WARNING" if in_notebook() and "level" not in explicit_fields(lg) else None
-    )  # the view shows progress
+    # the view shows progress
+    console = "WARNING" if in_notebook() and "level" not in explicit_fields(lg) else None
     logger = MetricLogger(
         level=lg.level,
         file=paths.log_file,
@@ -137,9 +136,8 @@ def build_logger(
         console_prefix=f"[{node_id(config.distributed)}] " if config.distributed.enabled else "",
     )
     try:
-        placed = copy.copy(
-            lg
-        )  # the TensorBoard folder where run_paths puts it (it follows a moved run)
+        # the TensorBoard folder where run_paths puts it (it follows a moved run)
+        placed = copy.copy(lg)
         placed.tensorboard_dir = None if paths.tensorboard is None else str(paths.tensorboard)
         logger.hooks.extend(hooks_from_config(placed, progress=True, make_view=TrainingView))
         for bar in (h for h in logger.hooks if isinstance(h, ProgressBar) and not h.notebook):
@@ -313,9 +311,8 @@ def _coordinator(
     )
     if world is None or world.size == 1:
         return build(model)
-    return GroupCoordinator.build(
-        build, world, model
-    )  # the node is the job: rank 0 runs it (on a whole copy under fsdp), every rank follows
+    # the node is the job: rank 0 runs it (on a whole copy under fsdp), every rank follows
+    return GroupCoordinator.build(build, world, model)
 
 # %% ../nbs/app/01_runtime.ipynb #5dd65696
 @dataclass
@@ -398,9 +395,8 @@ def claim_run(
             if i and not config.checkpoint.enabled:
                 continue  # a checkpoint folder elsewhere that is not used
             if i:
-                CheckpointManager(
-                    lockfile.parent
-                ).check_writable()  # the manager's message when it cannot be created
+                # the manager's message when it cannot be created
+                CheckpointManager(lockfile.parent).check_writable()
             claim.locks.append(
                 lock_run(
                     lockfile.parent,
@@ -529,9 +525,8 @@ def build_runtime(
     world = world_from_env()  # a torchrun job, or one process
     if problems := job_problems(config, world):
         raise ConfigError(problems)
-    dev = world_device(
-        world, device or config.run.device
-    )  # a bad device is refused before any directory is made
+    # a bad device is refused before any directory is made
+    dev = world_device(world, device or config.run.device)
     if problems := startup_problems(config, max_steps=max_steps, device=dev):
         raise ConfigError(problems)
     start_world(world, dev)
@@ -560,13 +555,14 @@ def build_runtime(
     return trainer, manager
 
 
+# the training side of an `eval.holdout_fraction` split
 def _loader(
     config: SpeedtronicConfig,
     model: torch.nn.Module,
     dev: torch.device,
     world: World,
     dataset: Any = None,
-) -> Any:  # the training side of an `eval.holdout_fraction` split
+) -> Any:
     """The data loader: a torchrun rank reads its share of each global batch; a DiLoCo node its own
     shard (or data seed)."""
     data, distributed = config.data, config.distributed.enabled
@@ -622,9 +618,10 @@ def _build_components(
         plan = resolve_precision(config.precision, dev)
         world.writer_first(lambda: _maybe_demo_corpus(config))
         model = build_model(config.model).to(dev)
+        # a resume reads its checkpoint
         if config.model.init_from and not (
             resume and checkpoint_files(run_paths(config).checkpoints)
-        ):  # a resume reads its checkpoint
+        ):
             from speedtronic.hf import load_llama
 
             load_llama(model, config.model.init_from)
@@ -632,6 +629,7 @@ def _build_components(
             seed_everything(config.run.seed + world.rank)
         split = _holdout(config, model_vocab_size(model, config))
         loader = _loader(config, model, dev, world, dataset=split.train if split else None)
+        # refused before a file is written
         evaluator = build_evaluator(
             config,
             device=dev,
@@ -639,7 +637,7 @@ def _build_components(
             precision=plan,  # its data
             world=world,
             held_out=split.held_out if split else None,
-        )  # refused before a file is written
+        )
         if world.writes:
             _warn_random_tokens(config)
         ck = config.checkpoint
@@ -666,9 +664,8 @@ def _build_components(
         if getattr(plan, "reason", None):
             logger.warning(f"precision: {plan.reason}")
         report = validate_startup_shapes(config, model, dev, plan, logger=logger)
-        model = world.shard(
-            model, plan
-        )  # fsdp: sharded in place, before the optimizer takes its parameters
+        # fsdp: sharded in place, before the optimizer takes its parameters
+        model = world.shard(model, plan)
         optimizer = build_optimizer(model, config, dev, logger=logger)
         target = run_target(config, max_steps)
         scheduler = build_scheduler(optimizer, config, max_steps=target)
@@ -708,9 +705,8 @@ def _build_components(
                 )
             else:
                 kept = _keep_target(trainer, state, max_steps)
-                world.on_every_rank(
-                    lambda: trainer.resume(state, path=manager.loaded_path)
-                )  # one verdict for the job
+                # one verdict for the job
+                world.on_every_rank(lambda: trainer.resume(state, path=manager.loaded_path))
                 if isinstance(state.get("run_id"), str):
                     claim.run_id = state["run_id"]
                 claim.run_id = manager.run_id = logger.run_id = world.share(claim.run_id)
@@ -749,20 +745,19 @@ def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
 def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = None) -> None:
     """On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU)
     for every global it publishes."""
-    node = getattr(
-        trainer.coordinator, "inner", trainer.coordinator
-    )  # a torchrun node: rank 0's coordinator
+    # a torchrun node: rank 0's coordinator
+    node = getattr(trainer.coordinator, "inner", trainer.coordinator)
     if trainer.evaluator is None or getattr(node, "role", None) != "master":
         return
+    # its own: a loader keeps its start on the dataset, and this one reads on another thread
     evaluator = build_evaluator(
         config,
         device="cpu",
         vocab_size=model_vocab_size(trainer.model, config),
         held_out=copy.copy(held_out),
-    )  # its own: a loader keeps its start on the dataset, and this one reads on another thread
-    with torch.random.fork_rng(
-        devices=[]
-    ):  # the second instance's initial weights are not drawn from training's generator
+    )
+    # the second instance's initial weights are not drawn from training's generator
+    with torch.random.fork_rng(devices=[]):
         model = build_model(config.model)
     node.global_watcher = GlobalEvaluator(model, evaluator, logger=trainer.logger)
 
@@ -838,12 +833,13 @@ def earlier_records(
 RESUME_HINT = "train_from_config(config, resume=True)  (command line: speedtronic train --resume)"
 
 
+# the resumed run's earlier `eval` records
 def _whole_run(
     result: TrainResult,
     earlier: list[dict[str, Any]],
     keep: int | None,
     evals: Sequence[Mapping[str, Any]] = (),
-) -> TrainResult:  # the resumed run's earlier `eval` records
+) -> TrainResult:
     """`result` with `earlier` records (a resumed run's history) in front, at most `keep` in all,
     and the earlier `evals` too."""
     if earlier:
@@ -924,9 +920,8 @@ def train_from_config(
         failed = False
         return result
     finally:
-        with sigterm_stops(
-            trainer
-        ):  # a SIGTERM now (torchrun ending a failed job) does not cut the closing short
+        # a SIGTERM now (torchrun ending a failed job) does not cut the closing short
+        with sigterm_stops(trainer):
             try:
                 close_logger(trainer.logger)
             finally:
@@ -942,13 +937,14 @@ class LossPlotWarning(RuntimeWarning):
     "`loss_curve.png` could not be written; the run it draws is not affected."
 
 
+# `eval` records: the held-out loss as dots
 def write_loss_plot(
     metrics: Sequence[Mapping[str, Any]],
     path: str | os.PathLike,
     *,
     logger: Any = None,
     evals: Sequence[Mapping[str, Any]] = (),
-) -> Path | None:  # `eval` records: the held-out loss as dots
+) -> Path | None:
     "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
     try:
         fig = loss_figure(loss_points(metrics), [(r["step"], r["val_loss"]) for r in evals])
@@ -1068,9 +1064,8 @@ def _startup(
     *,
     max_steps: int | None = None,
     device: Any = None,
-    meta_failures: tuple[type[BaseException], ...] = (
-        Exception,
-    ),  # build errors reported (others: the real build tells)
+    # build errors reported (others: the real build tells)
+    meta_failures: tuple[type[BaseException], ...] = (Exception,),
 ) -> tuple[list[str], Any]:
     "(problems, the model on the meta device or None): the checks `startup_problems` makes."
     m, d = config.model, config.data

@@ -98,6 +98,7 @@ class StageStreamScheduler:
     """Runs a model's module stages on several CUDA streams so independent forward/backward work can
     overlap."""
 
+    # gets a warning when setup fails
     def __init__(
         self,
         model: nn.Module,
@@ -106,7 +107,7 @@ class StageStreamScheduler:
         # streams to spread stages over (clamped to 1..8 and to the stage count)
         num_streams: int = 4,
         logger: Any = None,
-    ):  # gets a warning when setup fails
+    ):
         self.model, self.device, self.logger = model, torch.device(device), logger
         self.num_streams = min(8, max(1, int(num_streams)))
         self.enabled, self.reason, self.stages = False, "", []
@@ -161,8 +162,8 @@ class StageStreamScheduler:
         }
 
     def _pre_hook(self, stream: torch.cuda.Stream):
-        """The forward pre-hook of a stage on `stream`: wait for each input's producer, then switch to
-        `stream`."""
+        """The forward pre-hook of a stage on `stream`: wait for each input's producer, then switch
+        to `stream`."""
 
         def hook(module, args, kwargs):
             if not self._active:
@@ -220,7 +221,8 @@ class StageStreamScheduler:
         self._active = False
 
     def dispose(self) -> None:
-        "Finish, remove the hooks and turn the scheduler off (the trainer calls this when `fit` ends)."
+        """Finish, remove the hooks and turn the scheduler off (the trainer calls this when `fit`
+        ends)."""
         self.finish()
         self.remove_hooks()
         self.enabled = False

@@ -172,9 +172,8 @@ def shape_findings(
     order."""
     micro, target = data.micro_batch_size, data.target_batch_size
     block = data.block_size or model_config.max_seq_len
-    candidates: list[
-        tuple[str, str, Any, Any, str]
-    ] = []  # code, field, value, suggested-or-"round", where
+    # code, field, value, suggested-or-"round", where
+    candidates: list[tuple[str, str, Any, Any, str]] = []
     if checks.check_batch:
         candidates.append(
             (

@@ -441,9 +441,8 @@ def read_token_sidecar(path: str | os.PathLike) -> dict:
             f"prepare SOURCE {p}`"
         )
     try:
-        meta = json.loads(
-            side.read_text(encoding="utf-8-sig")
-        )  # a byte-order mark (a sidecar edited on Windows) is not JSON
+        # a byte-order mark (a sidecar edited on Windows) is not JSON
+        meta = json.loads(side.read_text(encoding="utf-8-sig"))
     except (OSError, ValueError) as e:
         raise DataError(
             f"sidecar {str(side)!r} is not valid JSON ({e}); re-run `speedtronic prepare`"

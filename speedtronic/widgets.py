@@ -79,7 +79,8 @@ class View:
         return f"{type(self).__name__}({self.summary()})"
 
     def update(self, change: Any = None) -> None:
-        "Redraw for the current values; an error is shown in the widget and the stale result is hidden."
+        """Redraw for the current values; an error is shown in the widget and the stale result is
+        hidden."""
         try:
             self.draw(self.values())
         except Exception as exc:
@@ -95,8 +96,8 @@ class View:
         self.clear()
 
     def guarded(self, callback: Callable) -> Callable:
-        """`callback` for `observe`: whatever it raises is shown in the widget (not only in JupyterLab's
-        log console)."""
+        """`callback` for `observe`: whatever it raises is shown in the widget (not only in
+        JupyterLab's log console)."""
 
         @functools.wraps(callback)
         def run(*args, **kwargs):
@@ -113,8 +114,8 @@ class View:
         return ({"text/html": self.message.value}, {}) if self.error else ({}, {})
 
     def _repr_mimebundle_(self, **kwargs) -> tuple[dict, dict]:
-        """The live widget, a static picture and a one-line summary: each front end shows the richest it
-        can."""
+        """The live widget, a static picture and a one-line summary: each front end shows the
+        richest it can."""
         data, metadata = self.snapshot()
         return {
             **data,
@@ -239,8 +240,8 @@ class ScheduleExplorer(FigureView):
         return self.ax.lines[0]
 
     def plot(self, values: dict[str, Any]) -> None:
-        """Check the settings as a configuration would (the base rate as `optimizer.lr`), then draw the
-        schedule they resolve to."""
+        """Check the settings as a configuration would (the base rate as `optimizer.lr`), then draw
+        the schedule they resolve to."""
         from speedtronic.config import OptimizerConfig
 
         self.schedule = None
@@ -304,12 +305,13 @@ def schedule_explorer(
     )
 
 # %% ../nbs/observe/06_widgets.ipynb #f08737f6
+# (label, value) pairs
 DTYPE_CHOICES = (
     ("not set", ""),
     ("bf16", "bf16"),
     ("fp16", "fp16"),
     ("fp32", "fp32"),
-)  # (label, value) pairs
+)
 
 
 class PrecisionExplorer(View):
@@ -392,9 +394,8 @@ class TrainingView(FigureView):
 
     STYLES = {"running": "", "done": "success", "stopped": "warning"}  # bar colour for each state
 
-    def __init__(
-        self, *, width: int = 560, height: int = 200, max_points: int = 2000
-    ):  # points kept per curve; older ones are thinned beyond that
+    # points kept per curve; older ones are thinned beyond that
+    def __init__(self, *, width: int = 560, height: int = 200, max_points: int = 2000):
         W = _ipywidgets()
         self.bar = W.IntProgress(value=0, min=0, max=1, layout=W.Layout(width="220px"))
         self.status = W.HTML(layout=W.Layout(margin="0 0 0 12px"))
@@ -403,9 +404,8 @@ class TrainingView(FigureView):
         self.train: list[tuple[int, float]] = []
         self.evals: list[tuple[int, float]] = []
         self.clear()  # no chart until there is a loss to draw
-        self.newest_sample = W.HTML(
-            layout=W.Layout(display="none")
-        )  # the newest text the model wrote, under the chart
+        # the newest text the model wrote, under the chart
+        self.newest_sample = W.HTML(layout=W.Layout(display="none"))
         self.widget.children = (*self.widget.children, self.newest_sample)
 
     def plot(self, values: dict[str, Any]) -> None:
@@ -453,10 +453,11 @@ class TrainingView(FigureView):
             self.update()
 
     def sample(self, step: int, prompt: str, text: str) -> None:
-        """Show the newest sample under the chart: the prompt in bold, then what the model wrote after
-        it."""
+        """Show the newest sample under the chart: the prompt in bold, then what the model wrote
+        after it."""
         self.newest_sample.value = (
-            f'<pre class="speedtronic-sample" style="white-space:pre-wrap;margin:4px 0">step {step}: '
+            '<pre class="speedtronic-sample" style="white-space:pre-wrap;margin:4px 0">'
+            f"step {step}: "
             f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
         )
         self.newest_sample.layout.display = None
@@ -466,8 +467,8 @@ class TrainingView(FigureView):
         return html.unescape(re.sub(r"<[^>]+>", "", self.status.value))
 
     def snapshot(self) -> tuple[dict, dict]:
-        """The line of numbers and the chart as HTML, for a notebook opened without a kernel and for the
-        docs."""
+        """The line of numbers and the chart as HTML, for a notebook opened without a kernel and for
+        the docs."""
         width, height = self.size
         picture = (
             (
@@ -477,7 +478,10 @@ class TrainingView(FigureView):
             if self.image.value and not self.error
             else ""
         )
-        bar = f'<progress value="{self.bar.value}" max="{self.bar.max}" style="width:220px"></progress>'
+        bar = (
+            f'<progress value="{self.bar.value}" max="{self.bar.max}" '
+            'style="width:220px"></progress>'
+        )
         return {
             "text/html": f"<div>{bar} "
             f"<code>{html.escape(self.summary())}</code></div>{picture}{self.newest_sample.value}"
@@ -698,7 +702,8 @@ class DeltaNormView(FigureView):
     def summary(self) -> str:
         "What is shown (node, layer, outer steps), or the problem."
         v = self.values()
-        text = f"{v['node'] or 'all nodes'}, {v['layer']}, outer steps {v['rounds'][0]}-{v['rounds'][1]}"
+        first, last = v["rounds"]
+        text = f"{v['node'] or 'all nodes'}, {v['layer']}, outer steps {first}-{last}"
         return f"error: {self.error}" if self.error else text
 
 # %% ../nbs/observe/06_widgets.ipynb #0f4dfa46

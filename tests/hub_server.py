@@ -139,15 +139,13 @@ class HubStandIn:
         self.per_token = {"api": api_per_window, "resolve": resolve_per_window}
         self.token_window, self.head_lag = token_window, head_lag
         self.used: Counter = Counter()  # (what, who, window index) -> answers given in that window
-        self.refusals: Counter = (
-            Counter()
-        )  # "commits" | "api" | "resolve" | "busy" -> 429s / 409s sent
+        # "commits" | "api" | "resolve" | "busy" -> 429s / 409s sent
+        self.refusals: Counter = Counter()
         self._t0 = time.monotonic()
         self.repos: dict[str, Repo] = {}
         self.faults: list[Fault] = []
-        self.requests: list[
-            tuple[str, str, int]
-        ] = []  # (method, path, status) of every request served
+        # (method, path, status) of every request served
+        self.requests: list[tuple[str, str, int]] = []
         self.lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None

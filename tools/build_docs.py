@@ -40,16 +40,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE_SRC = ROOT / "_site_src"
-_LINK_ATTRS = re.compile(
-    r'(\]\([^)\s]*(?:\s+"[^"]*")?\))\{[^}\n]*\}'
-)  # [text](url){target="_blank" ...}
+# [text](url){target="_blank" ...}
+_LINK_ATTRS = re.compile(r'(\]\([^)\s]*(?:\s+"[^"]*")?\))\{[^}\n]*\}')
 _SPAN = re.compile(r"\[([^\]\n]*)\]\{[.#][^}\n]*\}")  # [text]{.class}
 _SHORTCODE = re.compile(r"\{\{<[^>]*>\}\}")  # {{< include x.qmd >}}
 _DIV_OPEN = re.compile(r"^\s*:{3,}\s*\{?\s*(?:\.callout-(\w+))?[^}]*\}?\s*$")
 _DIV_CLOSE = re.compile(r"^\s*:{3,}\s*$")
-_NB_LINK = re.compile(
-    r"\]\((?![a-z]+:)([^)\s#]*?)([\w.-]+)\.ipynb(#[^)\s]*)?\)"
-)  # [text](../train/06_trainer.ipynb#x)
+# [text](../train/06_trainer.ipynb#x)
+_NB_LINK = re.compile(r"\]\((?![a-z]+:)([^)\s#]*?)([\w.-]+)\.ipynb(#[^)\s]*)?\)")
 _CHECK = re.compile(r"^\s*(test_\w*\(|test\(|assert\b)")  # a line that checks
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 

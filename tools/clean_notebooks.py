@@ -19,11 +19,12 @@ import json, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# what nbdev_clean keeps
 KERNELSPEC = {
     "display_name": "python3",
     "language": "python",
     "name": "python3",
-}  # what nbdev_clean keeps
+}
 LANGUAGE_INFO = {
     "codemirror_mode": {"name": "ipython", "version": 3},
     "file_extension": ".py",
@@ -78,9 +79,8 @@ def main(argv: list[str]) -> int:
         for name, why in bad:
             print(f"{name}: {why}; run python tools/clean_notebooks.py", file=sys.stderr)
         return 1 if bad else 0
-    beside = (
-        Path(sys.executable).parent / "nbdev_clean"
-    )  # the nbdev of this interpreter, else the one on PATH
+    # the nbdev of this interpreter, else the one on PATH
+    beside = Path(sys.executable).parent / "nbdev_clean"
     subprocess.run([str(beside) if beside.exists() else "nbdev_clean"], cwd=ROOT, check=True)
     for p in notebooks():
         set_metadata(p)

@@ -172,7 +172,8 @@ def norm_choices(records: Iterable[NormRecord]) -> dict[str, list]:
 
 
 def series_name(record: NormRecord) -> str:
-    "The series a record is drawn in: `update`, the node's id, or `<node> sent` / `<node> residual`."
+    """The series a record is drawn in: `update`, the node's id, or `<node> sent` / `<node>
+    residual`."""
     if record.kind == "update":
         return "update"
     side = record.kind in ("sent", "residual")
@@ -268,9 +269,8 @@ def plot_delta_norms(
     at = outer_step if outer_step is not None else (steps[-1] if steps else None)
     profile = layer_profile(records, at, node) if at is not None else {}
     names = sorted(set(series) | set(profile), key=lambda k: (k == "update", k))
-    color = {
-        n: "black" if n == "update" else f"C{i}" for i, n in enumerate(names)
-    }  # one colour per node in both panels
+    # one colour per node in both panels
+    color = {n: "black" if n == "update" else f"C{i}" for i, n in enumerate(names)}
     label = lambda n: "outer update" if n == "update" else n
     handles = {}
     for name, (xs, ys) in series.items():

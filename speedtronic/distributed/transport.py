@@ -225,13 +225,14 @@ _STALE_CLAIM_S = 600.0  # a claim this old, for a version never published, was l
 class SharedDirectory:
     "The repository as a directory (local disk or a network mount) with atomic renames."
 
+    # says an entry was refused (default: `warnings.warn`)
     def __init__(
         self,
         path: str | os.PathLike,
         *,
         retry: RetryPolicy | None = None,
         warn: Callable[[str], None] | None = None,
-    ):  # says an entry was refused (default: `warnings.warn`)
+    ):
         self.root = Path(path).expanduser().absolute()
         self.retry = retry or RetryPolicy()
         self.counts = TransferCounts()
@@ -466,9 +467,8 @@ def _target(self: SharedDirectory, path: str) -> Path:
     through a link."""
     self._present(write=True)
     dest = self._inside(path)
-    dest.parent.mkdir(
-        parents=True, exist_ok=True
-    )  # the directory itself exists: only folders inside it are made
+    # the directory itself exists: only folders inside it are made
+    dest.parent.mkdir(parents=True, exist_ok=True)
     return dest
 
 
@@ -515,9 +515,8 @@ def _claim(self: SharedDirectory, version: int, owner: str) -> None:
             raise
     except FileExistsError:
         holder = claim.read_text().strip()
-        if (
-            holder != owner and time.time() - claim.stat().st_mtime > _STALE_CLAIM_S
-        ):  # its master died mid-publication
+        # its master died mid-publication
+        if holder != owner and time.time() - claim.stat().st_mtime > _STALE_CLAIM_S:
             claim.write_text(owner)
         elif holder != owner:
             raise PublishConflict(
@@ -547,15 +546,15 @@ def publish(
         )
     version = parent.outer_step + 1 if version is None else int(version)
     if version > parent.outer_step:  # a new version; a heartbeat keeps its version
+        # a full or flaky directory is retried and said with the file's name, as every write
         self._call(
             f"claim version {version} (global/.claim-{version}) in {self.describe()}",
             lambda: _claim(self, version, owner),
-        )  # a full or flaky directory is retried and said with the file's name, as every write
+        )
 
     def run():
-        for path in sorted(
-            files, key=lambda p: p == GLOBAL_METADATA_PATH
-        ):  # weights first, the version file last
+        # weights first, the version file last
+        for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
             self.counts.bytes_sent += _copy(Path(files[path]), self._target(path))
         for path in deletes:
             with contextlib.suppress(FileNotFoundError):

@@ -192,6 +192,7 @@ NOTEBOOK = {
     "nbformat": 4,
     "nbformat_minor": 5,
 }
+# cell indices in NOTEBOOK
 PRECISION, SCHEDULE, BROKEN, TRAINING, NORMS, NO_NORMS = (
     1,
     2,
@@ -199,14 +200,15 @@ PRECISION, SCHEDULE, BROKEN, TRAINING, NORMS, NO_NORMS = (
     5,
     6,
     7,
-)  # cell indices in NOTEBOOK
+)
+# opened as a user opens them, in their area folders as in nbs/
 SHIPPED = [
     "guide/01_tutorial.ipynb",
     "observe/06_widgets.ipynb",
     "train/03_schedules.ipynb",
     "train/01_precision.ipynb",
     "train/06_trainer.ipynb",
-]  # opened as a user opens them, in their area folders as in nbs/
+]
 
 TINY = (
     '{"model": {"vocab_size": 64, "max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16},\n'
@@ -426,21 +428,18 @@ def test_precision_dropdown_has_no_blank_and_no_tuple(lab):
     plan = cell.locator(".widget-html-content code")
     assert "mode=bf16" in plan.inner_text()  # CUDA with bf16: bf16
     dtype = cell.locator(".widget-dropdown select").nth(2)
-    labels = [
-        t.replace("\xa0", " ") for t in dtype.locator("option").all_inner_texts()
-    ]  # ipywidgets shows spaces as nbsp
+    # ipywidgets shows spaces as nbsp
+    labels = [t.replace("\xa0", " ") for t in dtype.locator("option").all_inner_texts()]
     assert labels == ["not set", "bf16", "fp16", "fp32"], labels
-    assert (
-        dtype.evaluate("s => s.selectedIndex") == 0
-    )  # a choice is shown from the start, not a blank
+    # a choice is shown from the start, not a blank
+    assert dtype.evaluate("s => s.selectedIndex") == 0
     dtype.select_option(label="fp16")  # auto + dtype fp16 on that GPU: fp16 with a scaler
     expect(plan).to_contain_text("mode=fp16", timeout=30_000)
     assert "scaler=yes" in plan.inner_text()
     dtype.select_option(index=0)
     expect(plan).to_contain_text("mode=bf16", timeout=30_000)
-    cell.locator(".widget-dropdown select").nth(0).select_option(
-        "cpu"
-    )  # CPU asked for fp16 falls back, saying why
+    # CPU asked for fp16 falls back, saying why
+    cell.locator(".widget-dropdown select").nth(0).select_option("cpu")
     cell.locator(".widget-dropdown select").nth(1).select_option("fp16")
     expect(plan).to_contain_text("fp16 autocast is not used on CPU", timeout=30_000)
 
@@ -452,9 +451,8 @@ def test_an_error_in_a_callback_shows_inside_the_widget(lab):
     error = cell.locator(".speedtronic-error")
     expect(error).to_contain_text("precision.mode: 'fp8'", timeout=30_000)
     assert "is not one of auto, bf16, fp16, fp32" in error.inner_text()
-    expect(cell.locator(".widget-html-content code")).to_be_hidden(
-        timeout=30_000
-    )  # the stale plan is gone
+    # the stale plan is gone
+    expect(cell.locator(".widget-html-content code")).to_be_hidden(timeout=30_000)
     cell.locator(".widget-dropdown select").nth(1).select_option("auto")
     expect(cell.locator(".widget-html-content code")).to_contain_text("mode=fp32", timeout=30_000)
     expect(error).to_be_hidden(timeout=30_000)
@@ -596,9 +594,10 @@ def test_shipped_notebook_opens_with_pictures_not_text(browser, jupyterlab, name
         for t in texts
         if "sliders show in Jupyter" in t or "Explorer(" in t or "Error displaying widget" in t
     ], texts
+    # show_doc, plain
     assert not [t for t in texts if "{target=" in t or 'target="_blank"' in t or "#LNone" in t], (
         texts
-    )  # show_doc, plain
+    )
     if name != "train/01_precision.ipynb":
         assert page.locator(".jp-OutputArea-output img").count() >= 1
     _screenshot(page, f"shipped-{name.replace('/', '-')}.png", tmp_path)
@@ -669,12 +668,12 @@ def test_a_finished_run_in_a_notebook(training, tmp_path):
     cell = _cell_of(page, RESULT)
     expect(cell.locator(".speedtronic-progress")).to_contain_text("step 40/40 100%", timeout=60_000)
     texts = _cell_texts(page, RESULT)
-    assert not [t for t in texts if "| INFO |" in t], (
-        texts
-    )  # console INFO lines stay out of the cell
+    # console INFO lines stay out of the cell
+    assert not [t for t in texts if "| INFO |" in t], texts
+    # warnings show
     assert [
         t for t in texts if "| WARNING | resume requested but no local checkpoint was found" in t
-    ], texts  # warnings show
+    ], texts
     shown = cell.locator(".speedtronic-result")
     assert shown.count() == 1 and len(shown.inner_text()) < 200, shown.inner_text()
     assert (
@@ -686,14 +685,12 @@ def test_a_finished_run_in_a_notebook(training, tmp_path):
     for i in (BACKEND, BACKEND + 1, PYPLOT):
         _run(page, i)
     backend, short, log = _cell_texts(page, BACKEND)[0].splitlines()[:3]
-    assert backend.startswith("backend True module://matplotlib_inline"), (
-        backend
-    )  # training left pyplot's backend alone
+    # training left pyplot's backend alone
+    assert backend.startswith("backend True module://matplotlib_inline"), backend
     assert int(short.split()[1]) < 300, short  # not the ~47,000-character record list
     assert int(log.split()[1]) > 40, log  # the log file still has every INFO line
-    assert (
-        _cell_of(page, PYPLOT).locator(".jp-OutputArea-output img").count() == 1
-    )  # plt.show() still draws inline
+    # plt.show() still draws inline
+    assert _cell_of(page, PYPLOT).locator(".jp-OutputArea-output img").count() == 1
 
 
 def test_live_chart_then_interrupt(training, tmp_path):
@@ -705,11 +702,12 @@ def test_live_chart_then_interrupt(training, tmp_path):
     chart = cell.locator(".widget-image")
     chart.first.wait_for(state="visible", timeout=120_000)
     first = chart.first.get_attribute("src")
+    # the chart redrew with more points
     page.wait_for_function(
         '([el, src]) => el.getAttribute("src") !== src',
         arg=[chart.first.element_handle(), first],
         timeout=120_000,
-    )  # the chart redrew with more points
+    )
     _scroll_to(page, LONG)
     _screenshot(page, "live-chart.png", tmp_path)
     page.evaluate("window.jupyterapp.commands.execute('kernelmenu:interrupt')")
@@ -758,9 +756,8 @@ def test_delta_norm_view_redraws_when_a_control_changes(lab, tmp_path):
     ]
     assert labels == ["all nodes", "master", "worker"], labels
     before = image.first.get_attribute("src")
-    cell.locator(".widget-dropdown select").nth(0).select_option(
-        label="worker"
-    )  # one node: a new figure
+    # one node: a new figure
+    cell.locator(".widget-dropdown select").nth(0).select_option(label="worker")
     lab.wait_for_function(
         "([el, src]) => el.src && el.src !== src",
         arg=[image.first.element_handle(), before],
@@ -815,9 +812,8 @@ def test_after_training_chapter_samples_what_generate_writes(browser, jupyterlab
         "window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'",
         timeout=120_000,
     )
-    page.evaluate(
-        "window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')"
-    )  # only what this run shows counts
+    # only what this run shows counts
+    page.evaluate("window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
     page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
     # the last code cell has run, or a cell failed (Run All stops there): whichever comes first
     page.wait_for_function(
@@ -893,7 +889,6 @@ def test_after_training_chapter_samples_what_generate_writes(browser, jupyterlab
         ).count()
         == 0
     )
-    page.evaluate(
-        "window.jupyterapp.shell.currentWidget.sessionContext.shutdown()"
-    )  # its temporary folder goes with the kernel
+    # its temporary folder goes with the kernel
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
     page.close()

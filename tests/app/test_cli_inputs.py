@@ -73,9 +73,8 @@ def test_duplicate_key_loads_with_one_warning_line(tmp_path):
         "model:\n  n_layer: 8\nrun:\n  name: a\nmodel:\n  d_model: 64\n"
     )
     proc = cli("validate", "--config", "dup.yaml", cwd=tmp_path, console=True)
-    assert (
-        proc.returncode == 0 and "n_layer: 4" in proc.stdout
-    )  # 2.0 behaviour: the last block wins
+    # 2.0 behaviour: the last block wins
+    assert proc.returncode == 0 and "n_layer: 4" in proc.stdout
     assert proc.stderr.splitlines() == [
         "speedtronic: warning: dup.yaml: key 'model' at line 5 repeats a key of the same "
         "mapping; the last value is used, remove the other one"
@@ -197,15 +196,13 @@ def test_prepare_refuses_to_replace_a_json_file_it_was_not_given(tmp_path):
         cli("prepare", "src.txt", "out/x", "--no-progress", cwd=tmp_path), "x.json", "--overwrite"
     )
     assert "not a Speedtronic token sidecar" in line, line
-    assert (
-        notes.read_text() == '{"my": "notes"}\n' and not (tmp_path / "out" / "x").exists()
-    )  # nothing written
+    # nothing written
+    assert notes.read_text() == '{"my": "notes"}\n' and not (tmp_path / "out" / "x").exists()
     proc = cli("prepare", "src.txt", "out/x", "--no-progress", "--overwrite", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert '"format": "speedtronic-tokens"' in notes.read_text()
-    again = cli(
-        "prepare", "src.txt", "out/x", "--no-progress", cwd=tmp_path
-    )  # its own sidecar: replaced with the file
+    # its own sidecar: replaced with the file
+    again = cli("prepare", "src.txt", "out/x", "--no-progress", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
 
 

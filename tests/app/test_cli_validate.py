@@ -142,12 +142,12 @@ def test_every_shipped_config_validates(path):
     proc = cli("validate", "--config", str(path))
     assert (proc.returncode, proc.stderr) == (0, "")
     data = yaml.safe_load(proc.stdout)
-    assert (
-        data["scheduler"]["warmup_steps"] <= data["scheduler"]["max_steps"]
-    )  # the schedule the run will use
+    # the schedule the run will use
+    assert data["scheduler"]["warmup_steps"] <= data["scheduler"]["max_steps"]
+    # what is read
     assert data["data"]["synthetic"] is False or not (
         data["data"]["text_path"] or data["data"]["token_file"]
-    )  # what is read
+    )
 
 
 def test_shipped_configs_match_spec_13():
@@ -383,10 +383,11 @@ def test_deep_validation_uses_the_runtime(tmp_path):
     ok = cli(
         "validate", "--config", str(ROOT / "configs" / "smoke.yaml"), "--deep", "--device", "cpu"
     )
+    # what was checked, then the verdict, and nothing else
     assert (ok.returncode, ok.stderr.splitlines()[:-1]) == (
         0,
         [f"speedtronic: {ROOT / 'configs' / 'smoke.yaml'}: {CHECKED}"],
-    ), ok.stderr  # what was checked, then the verdict, and nothing else
+    ), ok.stderr
     assert VERDICT.fullmatch(ok.stderr.splitlines()[-1]), ok.stderr
     missing = write(tmp_path, "missing.yaml", f"data: {{text_path: {tmp_path / 'nowhere.txt'}}}\n")
     proc = cli("validate", "--config", str(missing), "--deep", "--device", "cpu")

@@ -142,9 +142,8 @@ def test_a_second_trainer_on_the_same_directory_exits_2_naming_the_first(tmp_pat
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
     ck = tmp_path / "out" / "checkpoints"
-    assert {r["run_id"] for r in records(tmp_path / "metrics.jsonl")} == {
-        run_id
-    }  # nothing of the refused ones
+    # nothing of the refused ones
+    assert {r["run_id"] for r in records(tmp_path / "metrics.jsonl")} == {run_id}
     assert (
         load_checkpoint(ck / json.loads((ck / "latest.json").read_text())["file"])["run_id"]
         == run_id
@@ -280,9 +279,8 @@ def test_a_missing_tokenizer_or_init_from_folder_is_found_before_the_run_directo
     ]:
         cfg = tiny_yaml(tmp_path, "named.yaml", **{section: value})
         proc = cli("train", "--config", str(cfg), "--device", "cpu", cwd=tmp_path)
-        assert not (tmp_path / "out").exists(), (
-            proc.stderr
-        )  # nothing made for a run that cannot start
+        # nothing made for a run that cannot start
+        assert not (tmp_path / "out").exists(), proc.stderr
         error_line(proc, key)
 
 
@@ -312,7 +310,6 @@ def test_a_run_refused_while_its_components_are_built_leaves_no_folder_and_valid
             sorted(str(p) for p in (tmp_path / "runs").rglob("*")),
         )
         error_line(proc, key)
-        deep = cli(
-            "validate", "--config", str(cfg), "--deep", "--device", "cpu", cwd=tmp_path
-        )  # found by the deep check too
+        # found by the deep check too
+        deep = cli("validate", "--config", str(cfg), "--deep", "--device", "cpu", cwd=tmp_path)
         assert deep.returncode == 2 and key in deep.stderr, deep.stderr[-2000:]

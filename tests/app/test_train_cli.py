@@ -82,9 +82,8 @@ def test_smoke_trains_saves_and_resumes_without_updates(tmp_path):
     # no update: the closing line says so, and no completed line reports `loss=None`
     assert "loss=None" not in again.stdout and "completed " not in again.stdout, again.stdout
     assert re.search(r"^done: step 4 in \d\d:\d\d \| no update made$", again.stdout, re.M)
-    assert (
-        ck / "step_000000000004.pt"
-    ).stat().st_mtime_ns == stamp  # a no-op resume rewrites nothing
+    # a no-op resume rewrites nothing
+    assert (ck / "step_000000000004.pt").stat().st_mtime_ns == stamp
 
 
 def test_two_phase_demo_reaches_the_same_counters(tmp_path):

@@ -43,9 +43,8 @@ def test_the_tutorial_runs_whenever_stop_is_pressed(tmp_path, step):
     shown = "".join(o.get("text", "") for o in cells[0].outputs if o.output_type == "stream")
     if step is None:
         assert shown == "", shown  # nothing stopped it: no message
-    elif (
-        "Training stopped after step" in shown
-    ):  # the trainer's message: what was saved, how to go on
+    # the trainer's message: what was saved, how to go on
+    elif "Training stopped after step" in shown:
         assert "resume=True" in shown or (step == 0 and "nothing was saved" in shown), shown
     else:  # ■ while it was still setting up: said so, not a blank line
         assert (

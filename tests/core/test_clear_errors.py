@@ -135,9 +135,8 @@ def test_wandb_without_a_login_is_one_line(tmp_path):
 
 
 def unwritable_dir(tmp_path: Path) -> Path:
-    if (
-        hasattr(os, "geteuid") and os.geteuid() == 0
-    ):  # root writes anywhere, except a read-only /sys
+    # root writes anywhere, except a read-only /sys
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
         if not (Path("/sys").is_dir() and _really_readonly(Path("/sys"))):
             pytest.skip("no folder root cannot write to")
         return Path("/sys")
@@ -242,14 +241,12 @@ def test_a_tensorboard_dir_that_is_a_file_names_the_key(tmp_path):
 
 
 def test_the_loader_argument_wins_over_a_vocab_filled_in_from_the_model():
-    config = SpeedtronicConfig.from_dict(
-        {"data": {"num_tokens": 8, "block_size": 4}}
-    )  # data.vocab_size filled: 512
+    # data.vocab_size filled: 512
+    config = SpeedtronicConfig.from_dict({"data": {"num_tokens": 8, "block_size": 4}})
     loader = build_dataloader(config.data, vocab_size=256)
     assert loader.dataset.vocab_size == 256 and next(iter(loader))["input_ids"].max() < 256
-    wide = SpeedtronicConfig.from_dict(
-        {"data": {"micro_batch_size": 8}}
-    )  # an unwritten target follows
+    # an unwritten target follows
+    wide = SpeedtronicConfig.from_dict({"data": {"micro_batch_size": 8}})
     assert (wide.data.target_batch_size, wide.accumulation_steps) == (8, 1)
     with pytest.raises(
         ValueError, match="data.vocab_size=1000 is larger than the model vocabulary 256"

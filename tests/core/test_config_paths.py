@@ -21,9 +21,8 @@ def test_tilde_and_a_set_variable_are_expanded_in_path_keys(tmp_path):
     ok(run_cli("train", "--config", str(cfg), "--device", "cpu", cwd=work, env=env))
     assert sorted(p.name for p in (home / "runs" / "demo" / "checkpoints").glob("step_*.pt"))
     assert (logs / "metrics.jsonl").read_text().count('"train_step"') == 4
-    assert sorted(p.name for p in work.iterdir()) == [
-        "cfg.yaml"
-    ]  # no folder named ~ or ${SPT_LOGS}
+    # no folder named ~ or ${SPT_LOGS}
+    assert sorted(p.name for p in work.iterdir()) == ["cfg.yaml"]
 
 
 def test_an_unset_variable_is_refused_naming_the_key_and_the_variable(tmp_path):

@@ -131,13 +131,14 @@ def test_the_fixture_describes_what_2_0_trained():
         for k in (4, 8)
     )
     moved = [k for k in s8["model"] if not torch.equal(s4["model"][k], s8["model"][k])]
+    # lm_head is tied to wte
     assert moved == [
         "transformer.wte.weight",
         "transformer.h.0.ln1.weight",
         "transformer.h.0.ln2.weight",
         "transformer.ln_f.weight",
         "lm_head.weight",
-    ]  # lm_head is tied to wte
+    ]
     model = build_model(SpeedtronicConfig.load(FIXTURES / "checkpoint-adamw/config.yaml").model)
     assert v2_parameter_order(model, "adamw") == moved[:4]
     saved = s8["optimizer"]["state"]
@@ -225,9 +226,8 @@ def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
     assert log.startswith(v2_log)  # 2.0's lines untouched, ours appended
     ours = jsonl_records(work / out / "metrics.jsonl")[8:]
     assert [r["step"] for r in ours] == [9, 10, 11, 12]
-    assert ours[0]["lr"] == pytest.approx(
-        saved["optimizer"]["param_groups"][0]["lr"], rel=1e-12
-    )  # where 2.0 stopped
+    # where 2.0 stopped
+    assert ours[0]["lr"] == pytest.approx(saved["optimizer"]["param_groups"][0]["lr"], rel=1e-12)
     assert [r["lr"] for r in ours] == pytest.approx([cosine_lr(s) for s in range(8, 12)], rel=1e-9)
     assert [(r["samples"], r["tokens"]) for r in ours] == [
         (saved["samples"] + 8 * k, saved["tokens"] + 128 * k) for k in (1, 2, 3, 4)
@@ -252,9 +252,8 @@ def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
         for k in ("exp_avg", "momentum_buffer")
         if k in s
     )
-    if (
-        optimizer == "adamw"
-    ):  # 2.0's 4 tensors went on from its 8 updates; the 7 it never trained started at 9
+    # 2.0's 4 tensors went on from its 8 updates; the 7 it never trained started at 9
+    if optimizer == "adamw":
         hidden = sorted(
             (tuple(p.shape), 4) for n, p in final["model"].items() if ".h." in n and p.ndim == 2
         )
@@ -292,9 +291,8 @@ def reference_step(
         theirs["momentum_buffer"].double(),
         mine["momentum_buffer"].double(),
     )
-    grad = (buf9 - mu * buf8) / (
-        1 - mu
-    )  # torch.optim.Muon: buf = mu*buf + (1-mu)*g, Nesterov g + mu*(buf-g)
+    # torch.optim.Muon: buf = mu*buf + (1-mu)*g, Nesterov g + mu*(buf-g)
+    grad = (buf9 - mu * buf8) / (1 - mu)
     update = newton_schulz64(torch.lerp(grad, buf9, mu), group["ns_steps"])
     assert group["scale"] == "match_rms_adamw"
     scale = 0.2 * max(w8.shape) ** 0.5
@@ -328,9 +326,8 @@ def test_resuming_installs_2_0_weights_moments_and_schedule(tmp_path, monkeypatc
                 else:
                     assert float(mine[key]) == float(value), (name, key)
         fresh = [n for n in params if n not in order]
-        assert all(not trainer.optimizer.state.get(params[n]) for n in fresh), (
-            fresh
-        )  # never trained by 2.0: no moments yet
+        # never trained by 2.0: no moments yet
+        assert all(not trainer.optimizer.state.get(params[n]) for n in fresh), fresh
         lr = saved["optimizer"]["param_groups"][0]["lr"]
         assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx(
             [lr] * len(trainer.optimizer.param_groups), rel=1e-12
@@ -347,9 +344,8 @@ def test_resuming_installs_2_0_weights_moments_and_schedule(tmp_path, monkeypatc
                 lr,
             )
             moved = (w9 - w8).norm()
-            assert moved > 0 and ((w9 - expected).norm() / moved).item() < 1e-4, (
-                name
-            )  # measured <= 7e-6; 0.35 or more from fresh moments
+            # measured <= 7e-6; 0.35 or more from fresh moments
+            assert moved > 0 and ((w9 - expected).norm() / moved).item() < 1e-4, name
     finally:
         close_logger(trainer.logger)
         trainer.run_claim.release()
@@ -458,17 +454,15 @@ def test_a_node_starts_from_the_2_0_global_model(tmp_path, transport, request):
             (repo / path).write_bytes(files[path])
     with safe_open(repo / "nodes" / "ours" / "delta_10.safetensors", "pt") as f:
         assert f.metadata()["base_outer_step"] == "4"
-    tensors, _ = load_delta(
-        repo / "nodes" / "ours" / "delta_10.safetensors"
-    )  # our reader: a tied tensor travels once
+    # our reader: a tied tensor travels once
+    tensors, _ = load_delta(repo / "nodes" / "ours" / "delta_10.safetensors")
     delta = {k: v.float() for k, v in tensors.items()}
     local = read_v2_checkpoint(tmp_path / "ours" / "checkpoints" / "step_000000000010.pt")["model"]
     assert set(delta) == set(v2_global)
     for k, start in v2_global.items():  # delta = 2.0's global - this node's weights after 10 steps
         torch.testing.assert_close(delta[k], start - local[k], rtol=1e-2, atol=1e-5, msg=k)
-    assert (
-        max((start - local[k]).abs().max().item() for k, start in v2_global.items()) > 1e-3
-    )  # it did train
+    # it did train
+    assert max((start - local[k]).abs().max().item() for k, start in v2_global.items()) > 1e-3
     assert (repo / "nodes" / "worker1" / "delta_200.safetensors").read_bytes() == (
         FIXTURES / "diloco-repo" / "nodes" / "worker1" / "delta_200.safetensors"
     ).read_bytes()
@@ -522,9 +516,8 @@ def test_a_master_folds_the_2_0_deltas(tmp_path, transport, staleness, request):
         load_file(FIXTURES / "diloco-repo" / "nodes" / n / "delta_200.safetensors")
         for n in ("master", "worker1", "worker2")
     ]
-    model = build_model(
-        SpeedtronicConfig.from_dict({"model": raw["model"]}).model
-    )  # fresh weights: the repository's win
+    # fresh weights: the repository's win
+    model = build_model(SpeedtronicConfig.from_dict({"model": raw["model"]}).model)
     seen = []
     logger = MetricLogger(
         stream=False, hooks=[lambda event, payload: seen.append((event, payload))]
@@ -557,21 +550,18 @@ def test_a_master_folds_the_2_0_deltas(tmp_path, transport, staleness, request):
     ]
     repo_files = files()
     meta = json.loads(repo_files["global/step_count.json"])
-    assert (
-        meta["outer_step"] == 5 and meta["model_file"] == "global/latest.safetensors"
-    )  # what a 2.0 reader needs
+    # what a 2.0 reader needs
+    assert meta["outer_step"] == 5 and meta["model_file"] == "global/latest.safetensors"
     assert client.list_deltas() == []
     (tmp_path / "published.safetensors").write_bytes(repo_files["global/latest.safetensors"])
-    published = load_safetensors(
-        tmp_path / "published.safetensors"
-    )  # our reader: a tied tensor travels once
+    # our reader: a tied tensor travels once
+    published = load_safetensors(tmp_path / "published.safetensors")
     assert set(published) == set(v2_global) and any(
         not torch.equal(published[k], v) for k, v in v2_global.items()
     )
     stored = safetensors_load(repo_files["global/latest.safetensors"])
-    assert set(stored) == set(v2_global) - {
-        "lm_head.weight"
-    }  # lm_head is wte's alias, not a second copy
+    # lm_head is wte's alias, not a second copy
+    assert set(stored) == set(v2_global) - {"lm_head.weight"}
     torch.testing.assert_close(
         published["lm_head.weight"], published["transformer.wte.weight"], rtol=0, atol=0
     )

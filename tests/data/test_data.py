@@ -120,9 +120,8 @@ def test_two_workers_yield_exactly_the_single_process_stream(big_text):
     ]
     joined = sum(seg_blocks, [])
     assert joined == list(raw[start : start + len(joined)])
-    before = sum(
-        len(list(ds.unit_samples(0, u, 0))) for u in range(3)
-    )  # the sequence: segment 0's blocks, then 1's, ...
+    # the sequence: segment 0's blocks, then 1's, ...
+    before = sum(len(list(ds.unit_samples(0, u, 0))) for u in range(3))
     assert [b for _, b in single[before : before + len(seg_blocks)]] == seg_blocks
 
 

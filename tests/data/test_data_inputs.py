@@ -150,10 +150,11 @@ def test_resume_with_other_batch_or_workers_continues(tmp_path):
         proc = train(tmp_path, "--resume", "--max-steps", steps, text_path=text, **data)
         assert proc.returncode == 0, proc.stderr[-3000:]
         state = torch.load(ck / f"step_{int(steps):012d}.pt", weights_only=True)
+        # global batch 2 per step
         assert (state["step"], state["data"]["samples"]) == (
             int(steps),
             int(steps) * 2,
-        )  # global batch 2 per step
+        )
 
 
 @pytest.mark.parametrize("source", ["synthetic", "text", "token"])
@@ -200,9 +201,8 @@ print("blocks", n, "grew_mib", (resource.getrusage(resource.RUSAGE_SELF).ru_maxr
     proc = run_py(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     blocks, grew = proc.stdout.split()[1], float(proc.stdout.split()[3])
-    assert (
-        96 * 2**20 // 257 - 100 <= int(blocks) <= 96 * 2**20 // 257 + 1
-    )  # each 1 MiB segment drops at most its short tail
+    # each 1 MiB segment drops at most its short tail
+    assert 96 * 2**20 // 257 - 100 <= int(blocks) <= 96 * 2**20 // 257 + 1
     assert grew < 48, grew
 
 

@@ -147,6 +147,7 @@ def train(cfg: Path, *extra: str, nproc: int = 1) -> subprocess.Popen:
         "cpu",
         *extra,
     ]
+    # its own process group, ended whole if it hangs
     return subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -155,7 +156,7 @@ def train(cfg: Path, *extra: str, nproc: int = 1) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-    )  # its own process group, ended whole if it hangs
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:

@@ -35,7 +35,7 @@ from speedtronic.distributed import HubClient, SharedDirectory
 
 # -- nodes launched together -----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["hub", "directory"])
-def test_nodes_launched_together_on_a_repository_nobody_created_all_finish_and_every_delta_is_folded(
+def test_nodes_launched_together_on_a_repository_nobody_created_finish_with_every_delta_folded(
     tmp_path, kind, request
 ):
     hub = request.getfixturevalue("hub") if kind == "hub" else None

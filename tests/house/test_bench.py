@@ -52,10 +52,11 @@ def test_bench_trainer_prints_the_ratio_the_overhead_and_its_breakdown():
         name: float(re.search(rf"^  {re.escape(name)} +(-?\d+\.\d) us$", out, re.M).group(1))
         for name in PARTS
     }
+    # the rows account for the whole figure
     assert abs(sum(rows.values()) - added) <= 0.5 + 0.05 * len(rows), (
         added,
         rows,
-    )  # the rows account for the whole figure
+    )
     assert re.search(
         r"^peak RSS \(CPU, own process\): plain [\d.]+ MB  trainer [\d.]+ MB", out, re.M
     ), out

@@ -89,9 +89,8 @@ def test_cross_links_resolve(site):
 def test_directives_and_quarto_attributes_do_not_leak(site):
     text = page_text(site / "train/precision.html")
     assert "#| echo" not in text and 'target="_blank"' not in text and "{target=" not in text
-    assert (
-        "Device and precision" in text
-    )  # the title nbdev moved to front matter is back as a heading
+    # the title nbdev moved to front matter is back as a heading
+    assert "Device and precision" in text
 
 
 def test_config_page_documents_the_config_api(site):
@@ -275,9 +274,8 @@ def test_quarto_sidebar_is_written_from_the_same_grouping(site):
         for e in tree
         if e != build_docs.API_INDEX
     ]
-    assert sidebar == drop_api(
-        _nav_tree(_nav())
-    )  # the API index is a page only this builder writes
+    # the API index is a page only this builder writes
+    assert sidebar == drop_api(_nav_tree(_nav()))
     assert [e[0] for e in sidebar[1:]] == ["User guide", "Reference", "Internals"]
 
 
@@ -381,9 +379,8 @@ def test_pages_show_no_check_only_cells(site):
         for src in (ROOT / "_site_src").rglob("*.ipynb")
     }
     assert {k: v for k, v in left.items() if v} == {}
-    assert (
-        page_text(site / "train/trainer.html").count("test_eq(") <= 30
-    )  # about 120 before: test blocks between the design notes
+    # about 120 before: test blocks between the design notes
+    assert page_text(site / "train/trainer.html").count("test_eq(") <= 30
     cell = lambda src, outputs=(): nbformat.v4.new_code_cell(src, outputs=list(outputs))
     assert build_docs.only_checks(cell("t = _trainer()\ntest_eq(t.fit().steps, 3)"))
     assert build_docs.only_checks(cell("class _Spy:\n    pass\nassert _Spy()"))
@@ -402,9 +399,8 @@ def test_pages_ask_nothing_of_the_internet(site):
         remote = re.findall(
             r'<(?:script|link|img)\b[^>]*\b(?:src|href)="((?:https?:)?//[^"]+)"', html
         )
-        remote += re.findall(
-            r'widgetRendererSrc\s*=\s*[\'"](https?://[^\'"]+)', html
-        )  # the widget manager a page with widget state loads
+        # the widget manager a page with widget state loads
+        remote += re.findall(r'widgetRendererSrc\s*=\s*[\'"](https?://[^\'"]+)', html)
         remote += re.findall(r'url\((?:[\'"])?(https?://[^)\'"]+)', html)
         assert remote == [], (page.name, remote)
 
@@ -452,9 +448,8 @@ def test_tutorial_page(site):
     ]:
         assert words in text, words
     assert html.count("data:image/png;base64") + html.count("<img") >= 4
-    assert (
-        "from fastcore.test import" not in text and "test_eq" not in text
-    )  # its checks are hidden cells
+    # its checks are hidden cells
+    assert "from fastcore.test import" not in text and "test_eq" not in text
 
 
 def test_show_doc_tables_are_plain_markdown(site):

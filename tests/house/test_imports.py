@@ -45,9 +45,8 @@ def module_name(path: Path, package: Path) -> str:
 
 def imported_modules(path: Path, package: Path) -> set[str]:
     "The package modules `path` imports anywhere in its body (relative and absolute imports)."
-    package_parts = list(path.relative_to(package).with_suffix("").parts)[
-        :-1
-    ]  # the package `path` is in
+    # the package `path` is in
+    package_parts = list(path.relative_to(package).with_suffix("").parts)[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
@@ -149,9 +148,8 @@ def test_the_graph_is_read():
     graph = import_graph()
     assert "plotting" in graph["widgets"] and "plotting" in graph["progress"]
     assert {"profiling", "plotting", "parallel"} <= graph["trainer"]
-    assert (
-        "distributed.tensors" in graph["distributed.hub"]
-    )  # relative imports inside the subpackage
+    # relative imports inside the subpackage
+    assert "distributed.tensors" in graph["distributed.hub"]
 
 
 def test_no_import_circle():

@@ -128,9 +128,8 @@ def hf_env(tmp_path_factory) -> Path:
 def hf_side(folder: Path, ids=IDS, new=10, *, env: Path) -> dict:
     """What transformers computes from `folder`, in a Python whose only packages are torch,
     transformers and their requirements."""
-    code = (
-        f"import sys; sys.path.append({str(env)!r})\n" + HF_SIDE
-    )  # -I -S: no site-packages, no .pth, no PYTHONPATH
+    # -I -S: no site-packages, no .pth, no PYTHONPATH
+    code = f"import sys; sys.path.append({str(env)!r})\n" + HF_SIDE
     proc = subprocess.run(
         [sys.executable, "-I", "-S", "-c", code, str(folder), json.dumps(ids), str(new)],
         capture_output=True,
@@ -584,9 +583,8 @@ def test_a_resumed_run_reads_its_checkpoint_not_the_llama_folder(tmp_path):
         str(tmp_path / "new"),
         cwd=tmp_path,
     )
-    one_error_line(
-        fresh, "model.init_from", "folder not found"
-    )  # a fresh run still needs it, found before it makes its folder
+    # a fresh run still needs it, found before it makes its folder
+    one_error_line(fresh, "model.init_from", "folder not found")
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

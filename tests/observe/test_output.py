@@ -190,9 +190,8 @@ def test_diloco_nodes_say_one_line_a_round_under_their_name_and_end_with_the_glo
         assert all(
             re.search(rf"  round {n}: delta sent, global v\d+$", s) for n, s in enumerate(rounds, 1)
         )
-        assert len(lines) <= len(rounds) + 4, (
-            out
-        )  # a start message, the completed line, the last line
+        # a start message, the completed line, the last line
+        assert len(lines) <= len(rounds) + 4, out
         assert not any(
             raw in out
             for raw in ("delta_upload_queued", "outer_update_norms", "layers=", "| INFO |")

@@ -82,10 +82,11 @@ def test_the_step_a_run_stops_at_is_in_the_jsonl(tmp_path, sig):
     assert text.endswith("\n")
     logged = [r["step"] for r in records(tmp_path / "metrics.jsonl")]
     pointer = json.loads((tmp_path / "out" / "checkpoints" / "latest.json").read_text())
+    # the last completed (and saved) step has its record
     assert logged[-1] == pointer["step"], (
         pointer,
         logged,
-    )  # the last completed (and saved) step has its record
+    )
 
 
 def limit_file_size(limit: int):
@@ -140,9 +141,8 @@ def test_sigterm_during_prepare_leaves_no_temp_file(tmp_path):
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=120)
-    assert writing and not {"big.bin", "big.json"} & set(writing), (
-        writing
-    )  # it was stopped before writing its outputs
+    # it was stopped before writing its outputs
+    assert writing and not {"big.bin", "big.json"} & set(writing), writing
     assert (
         proc.returncode == 143
         and err.strip().splitlines()[-1] == "speedtronic: error: terminated (SIGTERM)"
@@ -158,9 +158,8 @@ def test_a_killed_prepare_leaves_nothing_once_it_is_run_again(tmp_path):
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     ).stdout.strip()
-    (out / f".t.bin.tmp-{dead}-0123abcd").write_bytes(
-        b"half a token file"
-    )  # what SIGKILL leaves behind
+    # what SIGKILL leaves behind
+    (out / f".t.bin.tmp-{dead}-0123abcd").write_bytes(b"half a token file")
     ok(cli("prepare", str(text), str(out / "t.bin"), "--no-progress", cwd=tmp_path))
     assert sorted(p.name for p in out.iterdir()) == ["t.bin", "t.bin.json"]
 
@@ -175,9 +174,8 @@ def test_a_checkpoint_written_just_before_a_kill_is_pruned_later(tmp_path):
     ck = tmp_path / "out" / "checkpoints"
     assert names(ck) == ["step_000000000003.pt", "step_000000000004.pt"]
     state = load_checkpoint(ck / "step_000000000004.pt")
-    torch.save(
-        {**state, "step": 5}, ck / "step_000000000005.pt"
-    )  # complete on disk, the pointer not yet updated
+    # complete on disk, the pointer not yet updated
+    torch.save({**state, "step": 5}, ck / "step_000000000005.pt")
     ok(
         cli(
             "train",

@@ -115,9 +115,8 @@ def test_fsdp_matches_ddp(fsdp_run):
         jsonl_records(tmp / "fsdp.jsonl", "eval"),
         jsonl_records(tmp / "ddp.jsonl", "eval"),
     )
-    assert (
-        [e["step"] for e in evals] == [e["step"] for e in ddp_evals] == [4, 8]
-    )  # every rank runs the sharded forward
+    # every rank runs the sharded forward
+    assert [e["step"] for e in evals] == [e["step"] for e in ddp_evals] == [4, 8]
     for e, d in zip(evals, ddp_evals):
         assert (
             e["val_loss"] == pytest.approx(d["val_loss"], rel=1e-6, abs=0)
@@ -133,9 +132,8 @@ def test_fsdp_matches_ddp(fsdp_run):
 def test_sharded_checkpoint_folders(fsdp_run):
     checkpoints = fsdp_run / "fsdp" / "checkpoints"
     names = sorted(p.name for p in checkpoints.iterdir())
-    assert names == ["latest.json"] + [f"step_{s:012d}.dcp" for s in (2, 4, 6, 8)], (
-        names
-    )  # no temp folder left
+    # no temp folder left
+    assert names == ["latest.json"] + [f"step_{s:012d}.dcp" for s in (2, 4, 6, 8)], names
     assert sorted(p.name for p in folder(fsdp_run / "fsdp", 2).iterdir()) == [
         ".metadata",
         ".sha256.json",  # every file's sha256 and size, both ranks' shards included
@@ -211,9 +209,8 @@ def test_sigterm_saves_once_then_resume(fsdp_run, tmp_path):
 def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path):
     """The non-finite rule on the job's loss under fsdp: rank 1's NaN stops both ranks at step 3
     with one message; step 2 is saved."""
-    (tmp_path / "nan_models.py").write_text(
-        NAN_MODEL
-    )  # a model without repeated blocks: sharded as a whole
+    # a model without repeated blocks: sharded as a whole
+    (tmp_path / "nan_models.py").write_text(NAN_MODEL)
     cfg = write_config(
         tmp_path,
         "nan",
@@ -289,9 +286,8 @@ def test_resume_with_the_other_strategy(fsdp_run, tmp_path, first, then):
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(5, STEPS + 1):
         assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=0), step
-    assert out.count(f"parallel.strategy {first!r} -> {then!r}") == 1, out[
-        -3000:
-    ]  # the changed setting is said, by rank 0
+    # the changed setting is said, by rank 0
+    assert out.count(f"parallel.strategy {first!r} -> {then!r}") == 1, out[-3000:]
     resumed = [
         r for r in jsonl_records(tmp_path / "switch.jsonl", "checkpoint") if r["step"] == STEPS
     ]
@@ -539,9 +535,8 @@ def test_gpu_check_world_of_one_runs_on_the_cpu(tmp_path):
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    fsdp, ddp = [
-        line for line in proc.stdout.splitlines() if " | INFO | " not in line
-    ]  # the runs' own log lines aside
+    # the runs' own log lines aside
+    fsdp, ddp = [line for line in proc.stdout.splitlines() if " | INFO | " not in line]
     assert fsdp.startswith("DTensor params, 6 steps") and fsdp.endswith(
         "step_000000000006.dcp loads back"
     ), fsdp

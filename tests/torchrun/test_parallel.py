@@ -229,11 +229,12 @@ def test_two_ranks_reproduce_one_process(tmp_path):
     4). A wrong split — a sample missing, read twice or given to the wrong step — moves a loss by
     ~1e-3 and the weights by ~1e-4, far outside.
     """
+    # 40 samples: 2 steps and a dropped tail per pass
     data = {
         "synthetic": True,
         "num_tokens": 40,
         "shuffle": True,
-    }  # 40 samples: 2 steps and a dropped tail per pass
+    }
     one_cfg = write_config(tmp_path, "one", micro=8, data=data)
     two_cfg = write_config(tmp_path, "two", micro=4, data=data)
     one_out, _ = finish(one_process(one_cfg))
@@ -369,9 +370,8 @@ def exit_codes(err: str) -> dict[int, str]:
 def refused(proc: subprocess.Popen) -> str:
     "The one error line of a job every rank of which stopped with exit code 2."
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0 and exit_codes(err) == {0: "2", 1: "2"}, err[
-        -4000:
-    ]  # 2: handled, not a traceback
+    # 2: handled, not a traceback
+    assert proc.returncode != 0 and exit_codes(err) == {0: "2", 1: "2"}, err[-4000:]
     (line,) = job_errors(err)
     return line
 
@@ -452,9 +452,8 @@ def test_a_used_directory_is_refused_once_for_the_job(tmp_path):
     jsonl, ck = tmp_path / "busy.jsonl", tmp_path / "busy" / "checkpoints"
     lines = [json.loads(l) for l in jsonl.read_text().splitlines()]
     assert {r["run_id"] for r in lines} == {run_id}  # one run id, nothing of the refused job
-    assert (
-        len([r for r in lines if r["event"] == "checkpoint"]) == 1
-    )  # SIGTERM: the last completed step, once
+    # SIGTERM: the last completed step, once
+    assert len([r for r in lines if r["event"] == "checkpoint"]) == 1
     assert json.loads((ck / "latest.json").read_text())["run_id"] == run_id
     assert not (tmp_path / "busy" / ".speedtronic.lock").exists()  # released on exit
 
@@ -542,9 +541,8 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_with_one_message(tmp_path):
     except subprocess.TimeoutExpired:
         job.kill()
         pytest.fail("the job hung after a NaN loss on one rank")
-    assert line.startswith("speedtronic: error: [rank 0 of 2] step 3: the loss is nan"), (
-        line
-    )  # the job's loss, on rank 0
+    # the job's loss, on rank 0
+    assert line.startswith("speedtronic: error: [rank 0 of 2] step 3: the loss is nan"), line
     assert "optimizer.max_nonfinite_skips" in line
     assert sorted(losses_by_step(tmp_path / "nan.jsonl")) == [1, 2]
     saves = records(tmp_path / "nan.jsonl", "checkpoint")
@@ -622,9 +620,10 @@ def test_a_batch_that_does_not_divide_under_torchrun_says_so_once_per_rank(tmp_p
     assert all(ranks) and len({m[1] for m in ranks}) == len(lines) >= 1, lines
     assert all("data.target_batch_size (9) is the global batch" in l for l in lines), lines
     summary = summary_of(err)
+    # each failed rank's entry: its message, once
     assert summary.count("data.target_batch_size (9) is the global batch") == len(
         exit_codes(err)
-    ), summary  # each failed rank's entry: its message, once
+    ), summary
     ours = str(ROOT / "speedtronic")
     assert ours not in err and "ConfigError" not in err, summary  # no frame or type name of ours
     assert not (tmp_path / "odd").exists()
@@ -737,9 +736,8 @@ def test_one_process_checkpoint_is_resumed_by_a_job(tmp_path):
     data = {"synthetic": True, "num_tokens": 40}
     single = write_config(tmp_path, "single", micro=8, data=data, steps=3)
     finish(one_process(single))
-    job_cfg = write_config(
-        tmp_path, "single", micro=4, data=data, steps=6
-    )  # the same output directory, micro 4 per rank
+    # the same output directory, micro 4 per rank
+    job_cfg = write_config(tmp_path, "single", micro=4, data=data, steps=6)
     finish(torchrun(job_cfg, "--resume"))
     assert sorted(losses_by_step(tmp_path / "single.jsonl")) == list(range(1, 7))
     state = final_state(tmp_path / "single", 6)
@@ -909,9 +907,8 @@ def test_stray_variables_behind_a_batch_that_cannot_split_are_named(tmp_path):
 )
 def test_a_signal_ends_the_wait_to_join(tmp_path, rank, sig, code, said):
     "SIGTERM and Ctrl-C end the wait at once (rank 0 prints for the job; another rank only exits)."
-    proc = stray_train(
-        tmp_path, stray_env(tmp_path, rank, free_port())
-    )  # the default wait: minutes
+    # the default wait: minutes
+    proc = stray_train(tmp_path, stray_env(tmp_path, rank, free_port()))
     for line in proc.stderr:  # blocks until the process says it waits
         if "is waiting" in line:
             break

@@ -265,8 +265,9 @@ except CheckpointError as e: fresh = str(e)
 result = train_from_config(config, device="cpu", resume=True, max_steps=first + 2)
 after = os.path.exists("out/.speedtronic.lock") or None
 history = [m["step"] for m in result.metrics]
-print("RESULT " + json.dumps({"first": first, "holder": holder, "fresh": fresh,
-                              "steps": result.steps, "history": history, "after": after}), flush=True)
+report = {"first": first, "holder": holder, "fresh": fresh}
+report.update(steps=result.steps, history=history, after=after)
+print("RESULT " + json.dumps(report), flush=True)
 """
 
 
