@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
-from fastcore.basics import patch
 
 from speedtronic.distributed.tensors import (
     state_misfit,
@@ -62,7 +61,8 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
            'active_nodes', 'round_deadline', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due',
            'commit_wait', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup',
            'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata',
-           'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data', 'quarantine_record']
+           'run_conflict', 'run_file', 'MasterOuterLoop', 'LocalState', 'Publisher', 'RepositoryClaim', 'same_data',
+           'quarantine_record', 'DeltaCollector']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
@@ -1279,19 +1279,10 @@ class MasterOuterLoop:
                 f"unknown staleness policy {staleness!r}; use one of "
                 f"{', '.join(STALENESS_POLICIES)}"
             )
-        self.transport, self.logger, self.on_global_update, self.clock, self.wall_clock = (
-            hub,
-            logger,
-            on_global_update,
-            clock,
-            wall_clock,
-        )
-        self.dir, self.node_id, self.session, self.poll_interval = (
-            Path(node_state_dir),
-            node_id,
-            session or uuid.uuid4().hex[:12],
-            float(poll_interval),
-        )
+        self.transport, self.logger, self.on_global_update = hub, logger, on_global_update
+        self.clock, self.wall_clock = clock, wall_clock
+        self.dir, self.node_id = Path(node_state_dir), node_id
+        self.session, self.poll_interval = session or uuid.uuid4().hex[:12], float(poll_interval)
         self.rules = MasterRules(
             int(inner_steps),
             float(outer_lr),
@@ -1310,24 +1301,19 @@ class MasterOuterLoop:
         # the revision this master last listed: an unchanged head means nothing new (never its own
         # commit)
         self.revision = None
-        self.unfetched: set[str] = (
-            set()
-        )  # listed deltas that could not be fetched: tried again each pass, said once
-        self.error, self.lock, self._stop, self._wake, self._thread = (
-            None,
-            threading.RLock(),
-            threading.Event(),
-            threading.Event(),
-            None,
-        )
+        self.error, self.lock = None, threading.RLock()
+        # the loop thread, the flag that stops it and the event that cuts its wait short
+        self._stop, self._wake, self._thread = threading.Event(), threading.Event(), None
+        # its parts: the local state files, the commits, the repository's claim, the deltas
+        self.local, self.publisher = LocalState(self), Publisher(self)
+        self.claim, self.collector = RepositoryClaim(self), DeltaCollector(self)
         self.fresh, self.overwrite = bool(fresh), bool(overwrite)
         if self.fresh:  # a new run continues nothing of an earlier one (its files are replaced)
             self.state = replace(self.state, run_id=new_run_identity())
         else:
-            self.state = self._read_local() or self.state
+            self.state = self.local.read() or self.state
         self.final_round_timeout, self._final_tried = float(final_round_timeout), False
         self._pass = threading.Lock()  # held through each pass: one pass of this master at a time
-        self.data_of, self._same_data_said = {}, False  # each node's `data` header (`_note_data`)
         # when this master committed (its clock), for `commit_wait`; whether it said it waits
         self.commit_allowance, self.commit_times, self._paced_said = commit_allowance, [], False
 
@@ -1350,22 +1336,32 @@ class MasterOuterLoop:
         doc="Whether nodes send their deltas to repositories of their own (`PerNodeHub`).",
     )
 
-    def _local_files(self, suffix: str = "") -> tuple[Path, Path]:
-        return self.dir / f"outer_state.json{suffix}", self.dir / f"outer_state.safetensors{suffix}"
+    data_of = property(
+        lambda self: self.collector.data_of,
+        doc="Each node's `data` header: what it reads in file order (`DeltaCollector.note_data`).",
+    )
+    unfetched = property(
+        lambda self: self.collector.unfetched,
+        doc="Listed deltas that could not be fetched: tried again each pass, said once.",
+    )
 
     def _log(self, level: str, message: str) -> None:
+        "Say `message` at `level` through the logger, if there is one."
         if self.logger is not None:
             getattr(self.logger, level)(message)
 
     def _emit(self, event: str, payload: dict) -> None:
+        "Emit `event` with `payload` to a logger that takes events."
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
             with contextlib.suppress(RuntimeError):
                 self.logger.emit(event, payload)  # a closed logger must not kill the loop
 
     def _where(self) -> str:
+        "The repository, as messages name it."
         return describe_repository(self.transport)
 
     def _received(self) -> int:
+        "The bytes the transport has received so far (0 when it does not count)."
         return getattr(getattr(self.transport, "counts", None), "bytes_received", 0)
 
     def commit_pace(self, now: float | None = None) -> float:
@@ -1373,36 +1369,371 @@ class MasterOuterLoop:
         now = self.clock() if now is None else now
         return commit_wait(self.commit_times, now, self.commit_allowance)
 
+    def start_master(self) -> RepoState:
+        """Reconcile local state and repository; bootstrap or adopt. Returns the repository state
+        afterwards."""
+        return self.claim.take()
+
+    def sync_once(self, full_rounds: bool = True) -> int:
+        """One round: collect, fold and publish (with `round_wait`, only a full round unless
+        `full_rounds` is False). Returns the outer step."""
+        now = self.clock()
+        paced = full_rounds and self.commit_pace(now) > 0  # the final round is never paced
+        quiet = not (
+            self.state.drop
+            or heartbeat_due(self.state, self.rules, now)
+            or (not paced and round_due(self.state, self.rules, now, full_rounds))
+        )
+        if paced and quiet:  # nothing to do until the commit budget allows: not even a request
+            return self.state.outer_step
+        head = (
+            self.transport.head_revision()
+            if callable(getattr(self.transport, "head_revision", None))
+            else None
+        )
+        if head is not None and head == self.revision and quiet:
+            return self.state.outer_step
+        repo = (
+            self.transport.state() if head is None else self.transport.state(head)
+        )  # the head just read: one request fewer
+        if repo.metadata is None or self.state.outer_step < 0:
+            return self.start_master().outer_step
+        self.claim.owned(repo)
+        received = self._received()
+        accepted, found = self.collector.collect(repo)
+        self.revision = repo.revision
+        if not accepted:
+            if self.state.drop:
+                self.publisher.publish(repo, cleanup(self.state))
+            elif heartbeat_due(self.state, self.rules, self.clock()):
+                self.publisher.publish(
+                    repo,
+                    replace(heartbeat(self.state), message=f"heartbeat of master {self.node_id}"),
+                )
+            if found:
+                self._emit(
+                    "outer_step",
+                    {
+                        "outer_step": self.state.outer_step,
+                        "deltas_found": found,
+                        "deltas_included": 0,
+                    },
+                )
+            return self.state.outer_step
+        now, before = self.clock(), self.state
+        if paced:  # held, and folded with what comes meanwhile once the commit budget allows
+            self._say_paced(now)
+            self.state = replace(
+                self.state, held=tuple(accepted), held_since=self.state.held_since or now
+            )
+            return self.state.outer_step
+        self._paced_said = False
+        self.state, pub, refused = fold(before, self.rules, accepted, now, full_rounds)
+        for d, reason, why in refused:
+            self.collector.quarantine(
+                d.path,
+                self.dir / "cache" / "-",
+                DeltaRejected(reason, f"{d.path}: {why}"),
+                {"session": d.session},
+            )
+        if pub is None:
+            return self.state.outer_step
+        try:
+            self.publisher.publish(repo, pub)
+        except HubUnavailable:  # e.g. 429s until the window's end: the checked deltas stay held,
+            # and the next pass fetches only newer ones, all folded in one commit
+            self.state = replace(
+                self.state, held=tuple(accepted), held_since=self.state.held_since or now
+            )
+            raise
+        if (
+            wait_ran_out(before, self.rules, now)
+            and len(pub.state.punctual or ()) < pub.nodes
+            and pub.state.punctual
+        ):
+            self._log(
+                "info",
+                f"outer step {self.state.outer_step}: folded {len(pub.state.punctual)} of "
+                f"{pub.nodes} nodes' deltas after waiting "
+                f"{round_deadline(before, self.rules):.3g} s for the rest; until the others send "
+                f"in step again, rounds wait only for {sorted(pub.state.punctual)}",
+            )
+        self._after_round(pub, found, self._received() - received)
+        return self.state.outer_step
+
+    def _say_paced(self, now: float) -> None:
+        "Say once per wait that the commit budget holds the next publication back."
+        if self._paced_said:
+            return
+        self._paced_said = True
+        used = sum(1 for t in self.commit_times if now - t < COMMIT_WINDOW_S)
+        self._log(
+            "info",
+            f"{used} commits on {self._where()} in the last {COMMIT_WINDOW_S:g} s of the "
+            f"{self.commit_allowance:.0f} this master makes there: the next publication waits "
+            f"{self.commit_pace(now):.3g} s and folds every delta that arrived meanwhile",
+        )
+
+    def _after_round(self, pub: Publication, found: int, received: int) -> None:
+        "The events of a published round, then `on_global_update`."
+        version = self.state.outer_step
+        for d in pub.folded:
+            self._emit(
+                "delta_norms",
+                {
+                    "outer_step": version,
+                    "node_id": d.node_id,
+                    "step": d.step,
+                    "inner_steps": _steps_covered(d, self.rules),
+                    "base_outer_step": d.base_outer_step,
+                    "norm": d.norm,
+                    "layers": layer_norms(d.delta),
+                },
+            )
+        self._emit(
+            "outer_update_norms",
+            {
+                "outer_step": version,
+                "norm": delta_norm(pub.update),
+                "layers": layer_norms(pub.update),
+            },
+        )
+        self._emit(
+            "outer_step",
+            {
+                "outer_step": version,
+                "deltas_found": found,
+                "deltas_included": len(pub.folded),
+                "nodes": pub.nodes,
+                "folded": [[d.node_id, d.step] for d in pub.folded],
+                "bytes_received": received,
+                "delta_bytes": sum(d.wire_bytes for d in pub.folded),
+            },
+        )
+        if self.on_global_update is not None:
+            self.on_global_update(self.state.global_state, version)
+
+    def start(self) -> None:
+        "Run rounds every `poll_interval` seconds on a daemon thread."
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._run, name="speedtronic-diloco-master", daemon=True
+        )
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Look at the repository now rather than at the next poll (the master's own node has just
+        sent a delta)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        "The loop thread: a pass, then a wait (`poll_interval`, `commit_pace`, or a wake)."
+        while not self._stop.is_set():
+            before = self.state.outer_step
+            self._wake.clear()  # a wake from now on makes the next wait return at once
+            try:
+                with self._pass:
+                    self.claim.repair_torn()  # a publication of its own cut in half: put back first
+                    self.sync_once()
+            except HubUnavailable as e:
+                self._log("warning", f"outer round postponed: {e}")
+            except Exception as e:
+                self.error = e
+                self._log("error", f"master outer loop stopped: {type(e).__name__}: {e}")
+                return
+            if self.state.outer_step == before:
+                # a publication the commit budget holds back: until it fits
+                pace = self.commit_pace()
+                held = min(self.poll_interval, 0.25) if self.state.held else self.poll_interval
+                self._wake.wait(min(self.poll_interval, pace) if pace > 0 else held)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the loop thread (a running round waited for up to `timeout` s); first a final round
+        that is due."""
+        self._halt(timeout)
+        if (due := self.final_due) is not None and not self._final_tried:
+            self._log(
+                "warning",
+                f"the last publication (version {self.state.outer_step}) is not this master's "
+                "final one: "
+                f"the run ended during its final round; running it now",
+            )
+            self.finish(due, self.final_round_timeout)
+
+    def _halt(self, timeout: float | None = None) -> None:
+        "Stop the loop thread and wait for it up to `timeout` s (a short default)."
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(
+                max(1.0, min(self.poll_interval, 10.0)) if timeout is None else timeout
+            )
+            if self._thread.is_alive():
+                self._log("warning", "the master outer loop is still finishing a repository call")
+
+    def finish(
+        self,
+        final_step: int,
+        timeout: float,
+        interval: float | None = None,
+        stop: threading.Event | None = None,  # set (e.g. by SIGTERM): end the wait at once
+    ) -> int:
+        """The final round: fold until every node's last delta is in; the final version, or
+        `HubError` naming what it lacks."""
+        self._final_tried = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        if self._thread is not None and self._thread.is_alive():  # a pass outlived the wait
+            self._log(
+                "info",
+                "final round: the loop thread is still in a pass; waiting for that pass to end "
+                "before the final round begins (one pass at a time)",
+            )
+        while (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not (stop is not None and stop.is_set())
+        ):
+            self._thread.join(0.5)
+        with self.lock:  # a restart after a kill from here on knows a final round is due
+            self.state = replace(self.state, final_round=int(final_step), finished=False)
+            self.local.save(self.state)
+        deadline, interval = (
+            time.monotonic() + timeout,
+            min(self.poll_interval, 2.0) if interval is None else interval,
+        )
+        told, problem = False, None  # the wait is said once
+        while True:
+            before = self.state.outer_step
+            try:
+                with self._pass:
+                    self.claim.repair_torn()
+                    self.sync_once(full_rounds=False)  # the last deltas: folded as they come
+                problem = None
+            except HubUnavailable as e:
+                self._log("warning", f"final round postponed: {e}")
+                problem = e
+            missing, enough = still_waiting(self.state, self.rules, final_step, self.node_id)
+            gaps = final_gaps(self.state, self.node_id, self.session, final_step)
+            if (
+                (not missing and enough and not gaps)
+                or time.monotonic() >= deadline
+                or (stop is not None and stop.is_set())
+            ):
+                break
+            if not told:
+                told = (
+                    self._log(
+                        "info",
+                        f"final round: waiting up to {timeout:g} s for the last deltas of "
+                        f"{sorted(missing) or 'the expected nodes'}",
+                    )
+                    or True
+                )
+            if self.state.outer_step == before:
+                (stop.wait if stop is not None else time.sleep)(
+                    interval
+                )  # after a new version, look again at once
+        if stop is not None and stop.is_set():
+            return self.state.outer_step
+        if gaps:
+            raise HubError(
+                f"the final global model (version {self.state.outer_step} in {self._where()}) "
+                f"lacks {'; '.join(gaps)}: they were not published within "
+                f"distributed.final_round_timeout={timeout:g} s"
+                f"{f' ({problem})' if problem else ''}. The trained weights are in this "
+                "node's checkpoint; once the repository is writable again, run this master with "
+                "`speedtronic train --resume` to publish them"
+            )
+        self._mark_finished()
+        if missing or not enough:
+            folded = lambda n: max(self.state.ledger.nodes[n]["sessions"].values(), default=-1)
+            names = ", ".join(f"{n!r} (its steps after step {folded(n)})" for n in sorted(missing))
+            self._log(
+                "warning",
+                f"final round: no final delta from {names or 'some of the expected nodes'} within "
+                f"distributed.final_round_timeout={timeout:g} s; those steps are not in the final "
+                "global model",
+            )
+        return self.state.outer_step
+
+    def _mark_finished(self) -> None:
+        """Note that the published version is the final round's (in the local state: a restart
+        knows)."""
+        with self.lock:
+            self.state = replace(self.state, finished=True)
+            self.local.save(self.state)
+
+    @property
+    def final_due(self) -> int | None:
+        """The last step of the run whose final round began and never ended (a killed run); else
+        None."""
+        state = self.state
+        return None if state.finished or state.final_round < 0 else state.final_round
+
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
+        "`(outer_step, a copy of the global state)`."
+        state = self.state  # one immutable value: no lock needed to read it
+        return state.outer_step, {k: v.clone() for k, v in state.global_state.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        "The master's state record for a checkpoint: its info, and its tensors under `tensors`."
+        with self.lock:
+            info, tensors = state_record(self.state)
+        return {**info, "tensors": {k: v.clone() for k, v in tensors.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Use a checkpoint's outer state (this format or 2.0's) when the state directory has none
+        (it is reconciled with the repository at start)."""
+        record = translated_record(state) if self.state.outer_step < 0 and state else None
+        if record is not None:
+            with self.lock:
+                self.state = restored(self.state, *record)
+
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #82864fc9
-@patch
-def _save_local(self: MasterOuterLoop, state: MasterState, suffix: str = "") -> None:
-    js, st = self._local_files(suffix)
-    info, tensors = state_record(state)
-    text = json.dumps({**info, "session": self.session, "updated_at": utc_now()}, indent=2) + "\n"
-    save_safetensors(tensors, st, {"record": text})  # the file read back: one atomic write
-    atomic_write_text(text, js)
+class LocalState:
+    """The master's state in its state directory: the record in `outer_state.safetensors` (the file
+    read back) and `outer_state.json` beside it; `.next` ones are written before a publication."""
 
+    def __init__(self, master: MasterOuterLoop):
+        self.master = master  # its state directory, session, log, and the model a record fills
 
-@patch
-def _read_local(self: MasterOuterLoop, suffix: str = "") -> MasterState | None:
-    """The saved state (the record its tensors file holds; the JSON beside it for a file written
-    without one), or None when absent or unreadable."""
-    js, st = self._local_files(suffix)
-    try:
-        record = read_metadata(st).get("record") if st.exists() else None
-        if record is None and not (st.exists() and js.exists()):
-            return None
-        info = json.loads(js.read_text() if record is None else record)
-        return restored(self.state, info, load_safetensors(st))
-    except Exception as e:
-        return self._log("warning", f"ignoring unreadable outer state {st}: {e}")
+    def paths(self, suffix: str = "") -> tuple[Path, Path]:
+        'The JSON and the tensors file (`suffix=".next"`: the ones written before publishing).'
+        folder = self.master.dir
+        return folder / f"outer_state.json{suffix}", folder / f"outer_state.safetensors{suffix}"
 
+    def save(self, state: MasterState, suffix: str = "") -> None:
+        "Write `state`'s record: into the tensors file, then the JSON beside it."
+        js, st = self.paths(suffix)
+        info, tensors = state_record(state)
+        stamp = {"session": self.master.session, "updated_at": utc_now()}
+        text = json.dumps({**info, **stamp}, indent=2) + "\n"
+        save_safetensors(tensors, st, {"record": text})  # the file read back: one atomic write
+        atomic_write_text(text, js)
 
-@patch
-def _promote(self: MasterOuterLoop) -> None:
-    "The `.next` files renamed over the current ones: the tensors (which hold the record) first."
-    for nxt, cur in reversed(list(zip(self._local_files(".next"), self._local_files()))):
-        os.replace(nxt, cur)
+    def read(self, suffix: str = "") -> MasterState | None:
+        """The saved state (the record its tensors file holds; the JSON beside it for a file written
+        without one), or None when absent or unreadable."""
+        js, st = self.paths(suffix)
+        try:
+            record = read_metadata(st).get("record") if st.exists() else None
+            if record is None and not (st.exists() and js.exists()):
+                return None
+            info = json.loads(js.read_text() if record is None else record)
+            return restored(self.master.state, info, load_safetensors(st))
+        except Exception as e:
+            return self.master._log("warning", f"ignoring unreadable outer state {st}: {e}")
+
+    def promote(self) -> None:
+        """The `.next` files renamed over the current ones: the tensors (which hold the record)
+        first."""
+        for nxt, cur in reversed(list(zip(self.paths(".next"), self.paths()))):
+            os.replace(nxt, cur)
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #323ad2fa
 # how long a publication keeps retrying while nodes' commits move the head (then the round is
@@ -1410,287 +1741,332 @@ def _promote(self: MasterOuterLoop) -> None:
 PUBLISH_PATIENCE_S = 60.0
 
 
-@patch
-def _commit(
-    self: MasterOuterLoop,
-    files: dict,
-    deletes: list[str],
-    repo: RepoState,
-    version: int,
-    message: str,
-) -> str:
-    """One guarded commit through the transport; the keywords a transport of the 2.0 contract lacks
-    are left out."""
-    extra, params = (
-        {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)},
-        inspect.signature(self.transport.publish).parameters,
-    )
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        extra = {k: v for k, v in extra.items() if k in params}
-    revision = self.transport.publish(
-        files, deletes, parent=repo, owner=self.node_id, message=message, **extra
-    )
-    now = self.clock()  # one more commit on the repository's budget (`commit_wait`)
-    self.commit_times = [t for t in self.commit_times if now - t < COMMIT_WINDOW_S] + [now]
-    return revision
+class Publisher:
+    """The master's commits: a publication's files written and its state saved as `.next`, then one
+    guarded commit (retried while only nodes moved the head), then `.next` promoted."""
 
+    def __init__(self, master: MasterOuterLoop):
+        self.master = master  # its transport, names, clocks, local state and the state it moves on
 
-@patch
-def _publish(self: MasterOuterLoop, repo: RepoState, pub: Publication) -> RepoState:
-    """Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head); returns
-    the new repository state."""
-    prepared = replace(pub.state, publication=uuid.uuid4().hex)
-    version, out, beat, succeeds = (
-        prepared.outer_step,
-        self.dir / "outgoing",
-        datetime.fromtimestamp(self.wall_clock(), timezone.utc),
-        succession(repo.extras, self.node_id),
-    )
-    extras = {
-        "algorithm": "dumb_diloco",
-        "optimizer": "nesterov_sgd",
-        "staleness": self.rules.policy,
-        "ledger": prepared.ledger.to_json(),
-        "publication": prepared.publication,
-        "global_publication": prepared.publication  # the commit that wrote the weights
-        if pub.weights
-        else str(repo.extras.get("global_publication") or ""),
-        **({"run_id": prepared.run_id} if prepared.run_id else {}),
-        **({"bootstrap": "true"} if pub.bootstrap else {}),
-        # the per-node layout: workers send their deltas to repositories of their own
-        # (`PerNodeHub`, per node from the start or since `hub_layout: auto` chose it)
-        **({"delta_layout": "per-node"} if self.per_node else {}),
-        "master": {
-            "node_id": self.node_id,
-            "session": self.session,
-            "heartbeat": beat.replace(microsecond=0).isoformat(),
-            **({"succeeds": succeeds} if succeeds else {}),
-        },
-    }
-    meta = GlobalMetadata(version, utc_now())
-    atomic_write_text(step_count_text(meta, extras), out / "step_count.json")
-    files = {GLOBAL_METADATA_PATH: out / "step_count.json"}
-    if pub.weights:
-        files = {
-            GLOBAL_MODEL_PATH: save_safetensors(
-                prepared.global_state, out / "latest.safetensors", weights_metadata(prepared)
-            ),
-            **files,
+    def commit(
+        self, files: dict, deletes: list[str], repo: RepoState, version: int, message: str
+    ) -> str:
+        """One guarded commit through the transport; the keywords a transport of the 2.0 contract
+        lacks are left out."""
+        master = self.master
+        extra, params = (
+            {"version": version, "description": "\n".join(f"removed {p}" for p in deletes)},
+            inspect.signature(master.transport.publish).parameters,
+        )
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            extra = {k: v for k, v in extra.items() if k in params}
+        revision = master.transport.publish(
+            files, deletes, parent=repo, owner=master.node_id, message=message, **extra
+        )
+        now = master.clock()  # one more commit on the repository's budget (`commit_wait`)
+        master.commit_times = [t for t in master.commit_times if now - t < COMMIT_WINDOW_S] + [now]
+        return revision
+
+    def publish(self, repo: RepoState, pub: Publication) -> RepoState:
+        """Commit `pub` onto `repo` (compare-and-swap, retried while only nodes moved the head);
+        returns the new repository state."""
+        master = self.master
+        prepared = replace(pub.state, publication=uuid.uuid4().hex)
+        version, out, beat, succeeds = (
+            prepared.outer_step,
+            master.dir / "outgoing",
+            datetime.fromtimestamp(master.wall_clock(), timezone.utc),
+            succession(repo.extras, master.node_id),
+        )
+        extras = {
+            "algorithm": "dumb_diloco",
+            "optimizer": "nesterov_sgd",
+            "staleness": master.rules.policy,
+            "ledger": prepared.ledger.to_json(),
+            "publication": prepared.publication,
+            "global_publication": prepared.publication  # the commit that wrote the weights
+            if pub.weights
+            else str(repo.extras.get("global_publication") or ""),
+            **({"run_id": prepared.run_id} if prepared.run_id else {}),
+            **({"bootstrap": "true"} if pub.bootstrap else {}),
+            # the per-node layout: workers send their deltas to repositories of their own
+            # (`PerNodeHub`, per node from the start or since `hub_layout: auto` chose it)
+            **({"delta_layout": "per-node"} if master.per_node else {}),
+            "master": {
+                "node_id": master.node_id,
+                "session": master.session,
+                "heartbeat": beat.replace(microsecond=0).isoformat(),
+                **({"succeeds": succeeds} if succeeds else {}),
+            },
         }
-    self._save_local(prepared, ".next")
-    deadline, parent_step = time.monotonic() + PUBLISH_PATIENCE_S, repo.outer_step
-    while True:
-        try:
-            new = RepoState(
-                self._commit(files, list(pub.deletes), repo, version, pub.message), meta, extras
-            )
-            break
-        except PublishConflict as conflict:
-            repo = self.transport.state()  # commits this master has not listed came in between
-            verdict = conflict_verdict(
-                parent_step, self.node_id, prepared.publication, repo.outer_step, repo.extras
-            )
-            if verdict == "published":
-                new = repo
+        meta = GlobalMetadata(version, utc_now())
+        atomic_write_text(step_count_text(meta, extras), out / "step_count.json")
+        files = {GLOBAL_METADATA_PATH: out / "step_count.json"}
+        if pub.weights:
+            files = {
+                GLOBAL_MODEL_PATH: save_safetensors(
+                    prepared.global_state, out / "latest.safetensors", weights_metadata(prepared)
+                ),
+                **files,
+            }
+        master.local.save(prepared, ".next")
+        deadline, parent_step = time.monotonic() + PUBLISH_PATIENCE_S, repo.outer_step
+        while True:
+            try:
+                new = RepoState(
+                    self.commit(files, list(pub.deletes), repo, version, pub.message), meta, extras
+                )
                 break
-            if verdict == "stop":
-                raise HubError(
-                    f"another master published version {repo.outer_step} to {self._where()} "
-                    f"while {self.node_id!r} was master; stopping this master"
-                ) from conflict
-            if time.monotonic() > deadline:
-                raise HubUnavailable(
-                    f"publishing version {version}: the repository kept changing underneath "
-                    f"for {PUBLISH_PATIENCE_S:g} s"
-                ) from conflict
-    self._promote()
-    with self.lock:
-        self.state = on_published(prepared, pub.deletes, self.clock())
-    # the next round lists again: the new head is this master's commit, which it never listed
-    self.revision = None
-    return new
+            except PublishConflict as conflict:
+                repo = master.transport.state()  # commits this master has not listed came between
+                verdict = conflict_verdict(
+                    parent_step, master.node_id, prepared.publication, repo.outer_step, repo.extras
+                )
+                if verdict == "published":
+                    new = repo
+                    break
+                if verdict == "stop":
+                    raise HubError(
+                        f"another master published version {repo.outer_step} to "
+                        f"{master._where()} while {master.node_id!r} was master; stopping this "
+                        "master"
+                    ) from conflict
+                if time.monotonic() > deadline:
+                    raise HubUnavailable(
+                        f"publishing version {version}: the repository kept changing underneath "
+                        f"for {PUBLISH_PATIENCE_S:g} s"
+                    ) from conflict
+        master.local.promote()
+        with master.lock:
+            master.state = on_published(prepared, pub.deletes, master.clock())
+        # the next round lists again: the new head is this master's commit, which it never listed
+        master.revision = None
+        return new
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #abbe8aad
-@patch
-def _held_by(self: MasterOuterLoop, holder: str) -> HubError:
-    "The error of a master that finds the repository's lease held by the live master `holder`."
-    return HubError(
-        f"{self._where()} belongs to master {holder}; only one master may publish. "
-        f"Stop it, or wait distributed.lease_timeout={self.rules.lease_timeout:g} s after it "
-        "stopped"
-    )
+class RepositoryClaim:
+    """The master's hold on the repository: taken at start (bootstrap, resume, adopt, take over or
+    start over), checked each pass (`owned`), and a torn publication of its own put back."""
 
+    def __init__(self, master: MasterOuterLoop):
+        self.master = master  # its transport, rules, local state and the state it sets
 
-@patch
-def _repair_torn(self: MasterOuterLoop) -> bool:
-    """Put back the weights of the version a torn publication's version file still names, from this
-    master's state of it; True when put back, `HubError` when this master has none."""
-    torn = getattr(self.transport, "torn_publication", None)
-    found = torn() if callable(torn) else None
-    if found is None:
-        return False
-    repo, carried = found
-    if holder := lease_holder(
-        repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock()
-    ):  # another master is live, between its own two renames: not torn, and not ours
-        raise self._held_by(holder)
-    local = self._read_local()
-    if not (
-        local is not None
-        and local.outer_step == repo.outer_step
-        and local.publication == str(repo.extras.get("publication", ""))
-    ):
-        raise HubError(
-            f"{self._where()} holds the weights of version {carried} beside the version file of "
-            f"version {repo.outer_step}: a master stopped while publishing, and this master has no "
-            f"state of version {repo.outer_step} to put back. Resume the master that published "
-            f"version {repo.outer_step} (speedtronic train --resume with its run folder)"
+    def take(self) -> RepoState:
+        """Reconcile local state and repository; bootstrap or adopt. Returns the repository state
+        afterwards."""
+        master = self.master
+        if callable(getattr(master.transport, "open", None)):
+            master.transport.open(create=True, private=True)
+        if self.repair_torn():
+            master.state = master.local.read()  # the version put back, its momentum included
+        repo = master.transport.state()
+        prepared = None if master.fresh else master.local.read(".next")
+        if repo.metadata is None:
+            if not master.state.run_id:
+                master.state = replace(master.state, run_id=new_run_identity())
+            master.publisher.publish(repo, bootstrap(master.state))
+            return master.transport.state()
+        holder = lease_holder(
+            repo.extras, master.node_id, master.rules.lease_timeout, now=master.wall_clock()
         )
-    header = {
-        **weights_metadata(local),
-        "publication": str(repo.extras.get("global_publication") or local.publication),
-    }
-    (self.dir / "outgoing").mkdir(parents=True, exist_ok=True)
-    weights = save_safetensors(
-        local.global_state, self.dir / "outgoing" / "restore.safetensors", header
-    )
-    try:
-        self.transport.restore_weights(weights, repo)
-    finally:
-        weights.unlink(missing_ok=True)
-    self._log(
-        "warning",
-        f"{self._where()} held the weights of version {carried} without their version file (a "
-        f"master stopped while publishing): put version {repo.outer_step}'s weights back; that "
-        "round's deltas are folded again",
-    )
-    return True
+        if holder:
+            raise self.held_by(holder)
+        if other_master(repo.extras, master.node_id):
+            repo = self.outwait_lease(repo)
+        theirs = str(repo.extras.get("run_id") or "")
+        if problem := run_conflict(
+            master.state.run_id, theirs, repo.outer_step, master.fresh, master.overwrite
+        ):
+            raise HubError(f"{master._where()} {problem}")
+        if master.fresh and master.overwrite:
+            return self.start_over(repo)
+        if master.fresh:
+            # a 2.0-style repository: its run has no id
+            master.state = replace(master.state, run_id="")
+        chosen = resumed(
+            master.state, prepared, repo.outer_step, str(repo.extras.get("publication", ""))
+        )
+        if prepared is not None and chosen is prepared:
+            master.local.promote()
+        else:
+            for f in master.local.paths(".next"):
+                f.unlink(missing_ok=True)  # prepared, never published
+        if chosen is None:  # adopt the repository's global and ledger
+            if master.state.outer_step >= 0:
+                master._log(
+                    "warning",
+                    f"local outer state is at version {master.state.outer_step}, "
+                    f"{master._where()} at {repo.outer_step}; adopting the repository's global "
+                    "model and ledger (outer momentum restarts)",
+                )
+            master.transport.fetch(
+                GLOBAL_MODEL_PATH,
+                path := master.dir / "cache" / "global.safetensors",
+                revision=repo.revision,
+            )
+            remote = load_safetensors(path)
+            path.unlink()
+            if problem := state_misfit(master.state.global_state, remote):
+                raise HubError(
+                    f"the global model (version {repo.outer_step}) in {master._where()} does "
+                    f"not fit this master's model: {problem}; every node must train the same "
+                    "model (compare the model sections of the configs)"
+                )
+            chosen = adopted(
+                master.state,
+                remote,
+                repo.outer_step,
+                Ledger.from_json(repo.extras.get("ledger")),
+                str(repo.extras.get("publication", "")),
+                theirs,
+            )
+            master.local.save(chosen)
+        elif theirs and not chosen.run_id:
+            chosen = replace(chosen, run_id=theirs)  # local state written before runs had ids
+        with master.lock:
+            master.state = chosen
+        master.revision = None  # deltas already there are listed by the first round
+        return repo
 
-# %% ../../nbs/diloco/05_distributed_outer.ipynb #e2496e14
-@patch
-def start_master(self: MasterOuterLoop) -> RepoState:
-    """Reconcile local state and repository; bootstrap or adopt. Returns the repository state
-    afterwards."""
-    if callable(getattr(self.transport, "open", None)):
-        self.transport.open(create=True, private=True)
-    if self._repair_torn():
-        self.state = self._read_local()  # the version put back, its momentum included
-    repo = self.transport.state()
-    prepared = None if self.fresh else self._read_local(".next")
-    if repo.metadata is None:
-        if not self.state.run_id:
-            self.state = replace(self.state, run_id=new_run_identity())
-        self._publish(repo, bootstrap(self.state))
-        return self.transport.state()
-    holder = lease_holder(
-        repo.extras, self.node_id, self.rules.lease_timeout, now=self.wall_clock()
-    )
-    if holder:
-        raise self._held_by(holder)
-    if other_master(repo.extras, self.node_id):
-        repo = self._outwait_lease(repo)
-    theirs = str(repo.extras.get("run_id") or "")
-    if problem := run_conflict(
-        self.state.run_id, theirs, repo.outer_step, self.fresh, self.overwrite
-    ):
-        raise HubError(f"{self._where()} {problem}")
-    if self.fresh and self.overwrite:
-        return self._start_over(repo)
-    if self.fresh:
-        self.state = replace(self.state, run_id="")  # a 2.0-style repository: its run has no id
-    chosen = resumed(self.state, prepared, repo.outer_step, str(repo.extras.get("publication", "")))
-    if prepared is not None and chosen is prepared:
-        self._promote()
-    else:
-        for f in self._local_files(".next"):
-            f.unlink(missing_ok=True)  # prepared, never published
-    if chosen is None:  # adopt the repository's global and ledger
-        if self.state.outer_step >= 0:
-            self._log(
+    def outwait_lease(self, repo: RepoState) -> RepoState:
+        """Take over another master's repository only after its version file stayed unchanged for
+        `lease_timeout` s here."""
+        master = self.master
+        other, seen, start, lease = (
+            other_master(repo.extras, master.node_id),
+            liveness(repo.extras),
+            master.clock(),
+            master.rules.lease_timeout,
+        )
+        master._log(
+            "info",
+            f"{master._where()} was last published by master {other!r}; watching it for "
+            f"distributed.lease_timeout={lease:g} s before taking over",
+        )
+        while master.clock() - start < lease:
+            time.sleep(max(0.01, min(master.poll_interval, lease / 20)))  # a start: Ctrl-C ends it
+            repo = master.transport.state()
+            if liveness(repo.extras) != seen:
+                raise HubError(
+                    f"{master._where()} belongs to master "
+                    f"{other_master(repo.extras, master.node_id) or other!r}: "
+                    f"it published while {master.node_id!r} watched; only one master may "
+                    "publish. Stop it, or wait "
+                    f"distributed.lease_timeout={lease:g} s after it stopped"
+                )
+        return repo
+
+    def start_over(self, repo: RepoState) -> RepoState:
+        """`--overwrite`: this run's version 0 replaces the run `repo` holds, its files deleted with
+        it."""
+        master = self.master
+        listing = (
+            master.transport.list_files()
+            if callable(getattr(master.transport, "list_files", None))
+            else master.transport.list_deltas()
+        )
+        kept = (GLOBAL_MODEL_PATH, GLOBAL_METADATA_PATH)  # replaced by the publication itself
+        old = tuple(p for p in listing if run_file(p) and p not in kept)
+        theirs = str(repo.extras.get("run_id") or "") or "(a 2.0 run without an id)"
+        master._log(
+            "warning",
+            f"--overwrite: {master._where()} held run {theirs} at global version "
+            f"{repo.outer_step}; its files ({len(old) + 2}) are deleted and run "
+            f"{master.state.run_id} starts at version 0",
+        )
+        start = replace(master.state, outer_step=-1)
+        master.publisher.publish(repo, replace(bootstrap(start), deletes=old))
+        return master.transport.state()
+
+    def held_by(self, holder: str) -> HubError:
+        "The error of a master that finds the repository's lease held by the live master `holder`."
+        master = self.master
+        return HubError(
+            f"{master._where()} belongs to master {holder}; only one master may publish. "
+            f"Stop it, or wait distributed.lease_timeout={master.rules.lease_timeout:g} s after it "
+            "stopped"
+        )
+
+    def repair_torn(self) -> bool:
+        """Put back the weights of the version a torn publication's version file still names, from
+        this master's state of it; True when put back, `HubError` when this master has none."""
+        master = self.master
+        torn = getattr(master.transport, "torn_publication", None)
+        found = torn() if callable(torn) else None
+        if found is None:
+            return False
+        repo, carried = found
+        if holder := lease_holder(
+            repo.extras, master.node_id, master.rules.lease_timeout, now=master.wall_clock()
+        ):  # another master is live, between its own two renames: not torn, and not ours
+            raise self.held_by(holder)
+        local = master.local.read()
+        if not (
+            local is not None
+            and local.outer_step == repo.outer_step
+            and local.publication == str(repo.extras.get("publication", ""))
+        ):
+            raise HubError(
+                f"{master._where()} holds the weights of version {carried} beside the version file "
+                f"of version {repo.outer_step}: a master stopped while publishing, and this master "
+                f"has no state of version {repo.outer_step} to put back. Resume the master that "
+                f"published version {repo.outer_step} (speedtronic train --resume with its run "
+                "folder)"
+            )
+        header = {
+            **weights_metadata(local),
+            "publication": str(repo.extras.get("global_publication") or local.publication),
+        }
+        (master.dir / "outgoing").mkdir(parents=True, exist_ok=True)
+        weights = save_safetensors(
+            local.global_state, master.dir / "outgoing" / "restore.safetensors", header
+        )
+        try:
+            master.transport.restore_weights(weights, repo)
+        finally:
+            weights.unlink(missing_ok=True)
+        master._log(
+            "warning",
+            f"{master._where()} held the weights of version {carried} without their version "
+            f"file (a master stopped while publishing): put version {repo.outer_step}'s weights "
+            "back; that round's deltas are folded again",
+        )
+        return True
+
+    def owned(self, repo: RepoState) -> None:
+        """Raise `HubError` unless the repository is at this master's version (or one it published
+        without hearing back)."""
+        master = self.master
+        if (
+            repo.outer_step == master.state.outer_step
+            and (repo.extras.get("publication") or "") == master.state.publication
+        ):
+            return
+        if (
+            prepared := resumed(
+                None,
+                master.local.read(".next"),
+                repo.outer_step,
+                str(repo.extras.get("publication", "")),
+            )
+        ) is not None:
+            master.local.promote()
+            with master.lock:
+                master.state = on_published(prepared, (), master.clock())
+            master._log(
                 "warning",
-                f"local outer state is at version {self.state.outer_step}, {self._where()} at "
-                f"{repo.outer_step}; adopting the repository's global model and ledger (outer "
-                "momentum restarts)",
+                f"version {repo.outer_step} was published although no answer came back; "
+                "continuing from it",
             )
-        self.transport.fetch(
-            GLOBAL_MODEL_PATH,
-            path := self.dir / "cache" / "global.safetensors",
-            revision=repo.revision,
+            if master.on_global_update is not None:
+                master.on_global_update(master.state.global_state, master.state.outer_step)
+            return
+        who = (repo.extras.get("master") or {}).get("node_id")
+        raise HubError(
+            f"{master._where()} is at version {repo.outer_step} by {who!r}, not this master's "
+            f"version {master.state.outer_step}; another master is publishing, so "
+            f"{master.node_id!r} stops"
         )
-        remote = load_safetensors(path)
-        path.unlink()
-        if problem := state_misfit(self.state.global_state, remote):
-            raise HubError(
-                f"the global model (version {repo.outer_step}) in {self._where()} does not fit "
-                "this master's "
-                f"model: {problem}; every node must train the same model (compare the model "
-                "sections of the configs)"
-            )
-        chosen = adopted(
-            self.state,
-            remote,
-            repo.outer_step,
-            Ledger.from_json(repo.extras.get("ledger")),
-            str(repo.extras.get("publication", "")),
-            theirs,
-        )
-        self._save_local(chosen)
-    elif theirs and not chosen.run_id:
-        chosen = replace(chosen, run_id=theirs)  # local state written before runs had ids
-    with self.lock:
-        self.state = chosen
-    self.revision = None  # deltas already there are listed by the first round
-    return repo
-
-
-@patch
-def _outwait_lease(self: MasterOuterLoop, repo: RepoState) -> RepoState:
-    """Take over another master's repository only after its version file stayed unchanged for
-    `lease_timeout` s here."""
-    other, seen, start, lease = (
-        other_master(repo.extras, self.node_id),
-        liveness(repo.extras),
-        self.clock(),
-        self.rules.lease_timeout,
-    )
-    self._log(
-        "info",
-        f"{self._where()} was last published by master {other!r}; watching it for "
-        f"distributed.lease_timeout={lease:g} s before taking over",
-    )
-    while self.clock() - start < lease:
-        time.sleep(max(0.01, min(self.poll_interval, lease / 20)))  # a start: Ctrl-C ends it
-        repo = self.transport.state()
-        if liveness(repo.extras) != seen:
-            raise HubError(
-                f"{self._where()} belongs to master "
-                f"{other_master(repo.extras, self.node_id) or other!r}: "
-                f"it published while {self.node_id!r} watched; only one master may publish. Stop "
-                "it, or wait "
-                f"distributed.lease_timeout={lease:g} s after it stopped"
-            )
-    return repo
-
-# %% ../../nbs/diloco/05_distributed_outer.ipynb #1862a230
-@patch
-def _start_over(self: MasterOuterLoop, repo: RepoState) -> RepoState:
-    "`--overwrite`: this run's version 0 replaces the run `repo` holds, its files deleted with it."
-    listing = (
-        self.transport.list_files()
-        if callable(getattr(self.transport, "list_files", None))
-        else self.transport.list_deltas()
-    )
-    kept = (GLOBAL_MODEL_PATH, GLOBAL_METADATA_PATH)  # replaced by the publication itself
-    old = tuple(p for p in listing if run_file(p) and p not in kept)
-    theirs = str(repo.extras.get("run_id") or "") or "(a 2.0 run without an id)"
-    self._log(
-        "warning",
-        f"--overwrite: {self._where()} held run {theirs} at global version {repo.outer_step}; "
-        f"its files ({len(old) + 2}) are deleted and run {self.state.run_id} starts at version 0",
-    )
-    start = replace(self.state, outer_step=-1)
-    self._publish(repo, replace(bootstrap(start), deletes=old))
-    return self.transport.state()
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #21beab4d
 DATA_HEADER = "data"  # a delta header's key: what its node reads in file order (absent: no order)
@@ -1702,97 +2078,7 @@ def same_data(seen: Mapping[str, str], node: str, data: str) -> str | None:
         return None
     return next((n for n, theirs in seen.items() if n != node and theirs == data), None)
 
-
-@patch
-def _note_data(self: MasterOuterLoop, node: str, header: Mapping[str, str]) -> None:
-    """Keep what `node` reads (its delta `header`'s `data`); warn once when another node reads it
-    too."""
-    data = str(header.get(DATA_HEADER) or "")
-    if not data or self._same_data_said:
-        return
-    other, self.data_of = same_data(self.data_of, node, data), {**self.data_of, node: data}
-    if other is not None:
-        self._same_data_said = True
-        self._log(
-            "warning",
-            f"distributed: nodes {other!r} and {node!r} read the same data in the same order "
-            f"({data}): they train on the same batches, the work of one node; give each node its "
-            "own file, or set distributed.shard_count and distributed.shard_index per node, or "
-            "data.shuffle: true",
-        )
-
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #24d8f318
-@patch
-def _collect(self: MasterOuterLoop, repo: RepoState) -> tuple[list[CheckedDelta], int]:
-    "The acceptable deltas at `repo`'s revision and how many delta files were there."
-    present = self.transport.list_deltas(repo.revision)
-    self.state = listed(self.state, present)
-    held = {d.path for d in self.state.held}
-    listed_paths = [p for p in present if p not in self.state.drop]
-    accepted = list(self.state.held)  # checked in an earlier pass, waiting for their round
-    paths, cache = (
-        sorted((p for p in listed_paths if p not in held), key=parse_delta_path),
-        self.dir / "cache",
-    )  # in step order
-    local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
-    shapes = {k: tuple(v.shape) for k, v in self.state.outer.momentum.items()}
-
-    def fetch(path: str) -> HubError | None:  # the error when that one file cannot be had
-        try:
-            self.transport.fetch(path, local_of[path], revision=repo.revision)
-        except HubUnavailable:
-            raise  # the repository being unreachable still raises
-        except HubError as e:
-            return e
-
-    with ThreadPoolExecutor(max_workers=4) as pool:  # downloads overlap; checks stay in order
-        fetched = list(pool.map(fetch, paths))
-    self.unfetched &= set(listed_paths)
-    for path, problem in zip(paths, fetched):
-        if problem is not None:
-            if path not in self.unfetched:
-                self._log(
-                    "warning",
-                    f"delta {path} could not be fetched; trying again next round: {problem}",
-                )
-            self.unfetched.add(path)
-            continue
-        self.unfetched.discard(path)
-        local, header = local_of[path], None
-        try:
-            header = read_wire_header(path, local, shapes)  # before the body is read
-            tensors, header = load_delta(local)
-            reached = {
-                (a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)
-            }  # highest accepted
-            d = check(self.state, self.rules, path, tensors, header, reached)
-        except ValueError as e:  # DeltaRejected, or an unreadable file
-            self._quarantine(
-                path,
-                local,
-                e if isinstance(e, DeltaRejected) else DeltaRejected("unreadable", str(e)),
-                header,
-            )
-            continue
-        finally:
-            local.unlink(missing_ok=True)
-        self._note_data(d.node_id, header)
-        if self.state.ledger.folded(d.node_id, d.session, d.step):
-            self.state = rejected(self.state, path, "duplicate")
-            self._emit("delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step})
-            continue
-        accepted.append(d)
-    accepted, refused = judge_newcomers(self.state, self.rules, accepted)
-    for d, reason, why in refused:
-        self._quarantine(
-            d.path,
-            local_of.get(d.path, cache / "-"),
-            DeltaRejected(reason, f"{d.path}: {why}"),
-            {"session": d.session},
-        )
-    return accepted, len(listed_paths)
-
-
 QUARANTINE_KEPT = 20  # records of refused deltas kept in `<state dir>/quarantine`
 
 
@@ -1830,402 +2116,142 @@ def quarantine_record(
     }
 
 
-@patch
-def _quarantine(
-    self: MasterOuterLoop,
-    path: str,
-    local: Path,
-    error: DeltaRejected,
-    header: Mapping[str, str] | None = None,
-) -> None:
-    "Refuse the delta at `path`: a record in the quarantine (the newest 20), a warning, an event."
-    quarantine = self.dir / "quarantine"
-    name = path.replace("/", "__")
-    atomic_write_text(
-        json.dumps(quarantine_record(path, local, error, header, utc_now())) + "\n",
-        quarantine / (name + ".json"),
-    )  # makes the folder too; the file itself is not kept
-    local.unlink(missing_ok=True)
-    for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-QUARANTINE_KEPT]:
-        old.unlink(missing_ok=True)
-    self.state = rejected(
-        self.state, path, error.reason, None if header is None else str(header.get("session", ""))
-    )
-    node_step = parse_delta_path(path) or (None, None)
-    self._log("warning", f"rejected delta {path}: {error}")
-    self._emit(
-        "delta_rejected",
-        {
-            "path": path,
-            "node_id": node_step[0],
-            "step": node_step[1],
-            "reason": error.reason,
-            "message": str(error),
-        },
-    )
+class DeltaCollector:
+    """The deltas a pass finds: listed, fetched, checked in step order; refused ones kept as
+    records in the quarantine; what each node reads noted."""
 
-# %% ../../nbs/diloco/05_distributed_outer.ipynb #e3ee59cc
-@patch
-def _owned(self: MasterOuterLoop, repo: RepoState) -> None:
-    """Raise `HubError` unless the repository is at this master's version (or one it published
-    without hearing back)."""
-    if (
-        repo.outer_step == self.state.outer_step
-        and (repo.extras.get("publication") or "") == self.state.publication
-    ):
-        return
-    if (
-        prepared := resumed(
-            None,
-            self._read_local(".next"),
-            repo.outer_step,
-            str(repo.extras.get("publication", "")),
-        )
-    ) is not None:
-        self._promote()
-        with self.lock:
-            self.state = on_published(prepared, (), self.clock())
-        self._log(
-            "warning",
-            f"version {repo.outer_step} was published although no answer came back; continuing "
-            "from it",
-        )
-        if self.on_global_update is not None:
-            self.on_global_update(self.state.global_state, self.state.outer_step)
-        return
-    who = (repo.extras.get("master") or {}).get("node_id")
-    raise HubError(
-        f"{self._where()} is at version {repo.outer_step} by {who!r}, not this master's "
-        f"version {self.state.outer_step}; another master is publishing, so {self.node_id!r} stops"
-    )
+    def __init__(self, master: MasterOuterLoop):
+        self.master = master  # its transport, rules, state directory and the state it moves on
+        # listed deltas that could not be fetched: tried again each pass, said once
+        self.unfetched: set[str] = set()
+        self.data_of, self._same_data_said = {}, False  # each node's `data` header (`note_data`)
 
-
-@patch
-def sync_once(self: MasterOuterLoop, full_rounds: bool = True) -> int:
-    """One round: collect, fold and publish (with `round_wait`, only a full round unless
-    `full_rounds` is False). Returns the outer step."""
-    now = self.clock()
-    paced = full_rounds and self.commit_pace(now) > 0  # the final round is never paced
-    quiet = not (
-        self.state.drop
-        or heartbeat_due(self.state, self.rules, now)
-        or (not paced and round_due(self.state, self.rules, now, full_rounds))
-    )
-    if paced and quiet:  # nothing to do until the commit budget allows: not even a request
-        return self.state.outer_step
-    head = (
-        self.transport.head_revision()
-        if callable(getattr(self.transport, "head_revision", None))
-        else None
-    )
-    if head is not None and head == self.revision and quiet:
-        return self.state.outer_step
-    repo = (
-        self.transport.state() if head is None else self.transport.state(head)
-    )  # the head just read: one request fewer
-    if repo.metadata is None or self.state.outer_step < 0:
-        return self.start_master().outer_step
-    self._owned(repo)
-    received = self._received()
-    accepted, found = self._collect(repo)
-    self.revision = repo.revision
-    if not accepted:
-        if self.state.drop:
-            self._publish(repo, cleanup(self.state))
-        elif heartbeat_due(self.state, self.rules, self.clock()):
-            self._publish(
-                repo, replace(heartbeat(self.state), message=f"heartbeat of master {self.node_id}")
+    def note_data(self, node: str, header: Mapping[str, str]) -> None:
+        """Keep what `node` reads (its delta `header`'s `data`); warn once when another node reads
+        it too."""
+        data = str(header.get(DATA_HEADER) or "")
+        if not data or self._same_data_said:
+            return
+        other, self.data_of = same_data(self.data_of, node, data), {**self.data_of, node: data}
+        if other is not None:
+            self._same_data_said = True
+            self.master._log(
+                "warning",
+                f"distributed: nodes {other!r} and {node!r} read the same data in the same order "
+                f"({data}): they train on the same batches, the work of one node; give each node "
+                "its own file, or set distributed.shard_count and distributed.shard_index per "
+                "node, or data.shuffle: true",
             )
-        if found:
-            self._emit(
-                "outer_step",
-                {"outer_step": self.state.outer_step, "deltas_found": found, "deltas_included": 0},
+
+    def collect(self, repo: RepoState) -> tuple[list[CheckedDelta], int]:
+        "The acceptable deltas at `repo`'s revision and how many delta files were there."
+        master = self.master
+        present = master.transport.list_deltas(repo.revision)
+        master.state = listed(master.state, present)
+        held = {d.path for d in master.state.held}
+        listed_paths = [p for p in present if p not in master.state.drop]
+        accepted = list(master.state.held)  # checked in an earlier pass, waiting for their round
+        paths, cache = (
+            sorted((p for p in listed_paths if p not in held), key=parse_delta_path),
+            master.dir / "cache",
+        )  # in step order
+        local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
+        shapes = {k: tuple(v.shape) for k, v in master.state.outer.momentum.items()}
+
+        def fetch(path: str) -> HubError | None:  # the error when that one file cannot be had
+            try:
+                master.transport.fetch(path, local_of[path], revision=repo.revision)
+            except HubUnavailable:
+                raise  # the repository being unreachable still raises
+            except HubError as e:
+                return e
+
+        with ThreadPoolExecutor(max_workers=4) as pool:  # downloads overlap; checks stay in order
+            fetched = list(pool.map(fetch, paths))
+        self.unfetched &= set(listed_paths)
+        for path, problem in zip(paths, fetched):
+            if problem is not None:
+                if path not in self.unfetched:
+                    master._log(
+                        "warning",
+                        f"delta {path} could not be fetched; trying again next round: {problem}",
+                    )
+                self.unfetched.add(path)
+                continue
+            self.unfetched.discard(path)
+            local, header = local_of[path], None
+            try:
+                header = read_wire_header(path, local, shapes)  # before the body is read
+                tensors, header = load_delta(local)
+                reached = {
+                    (a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)
+                }  # highest accepted
+                d = check(master.state, master.rules, path, tensors, header, reached)
+            except ValueError as e:  # DeltaRejected, or an unreadable file
+                self.quarantine(
+                    path,
+                    local,
+                    e if isinstance(e, DeltaRejected) else DeltaRejected("unreadable", str(e)),
+                    header,
+                )
+                continue
+            finally:
+                local.unlink(missing_ok=True)
+            self.note_data(d.node_id, header)
+            if master.state.ledger.folded(d.node_id, d.session, d.step):
+                master.state = rejected(master.state, path, "duplicate")
+                master._emit(
+                    "delta_duplicate", {"path": path, "node_id": d.node_id, "step": d.step}
+                )
+                continue
+            accepted.append(d)
+        accepted, refused = judge_newcomers(master.state, master.rules, accepted)
+        for d, reason, why in refused:
+            self.quarantine(
+                d.path,
+                local_of.get(d.path, cache / "-"),
+                DeltaRejected(reason, f"{d.path}: {why}"),
+                {"session": d.session},
             )
-        return self.state.outer_step
-    now, before = self.clock(), self.state
-    if paced:  # held, and folded with what comes meanwhile once the commit budget allows
-        self._say_paced(now)
-        self.state = replace(
-            self.state, held=tuple(accepted), held_since=self.state.held_since or now
-        )
-        return self.state.outer_step
-    self._paced_said = False
-    self.state, pub, refused = fold(before, self.rules, accepted, now, full_rounds)
-    for d, reason, why in refused:
-        self._quarantine(
-            d.path,
-            self.dir / "cache" / "-",
-            DeltaRejected(reason, f"{d.path}: {why}"),
-            {"session": d.session},
-        )
-    if pub is None:
-        return self.state.outer_step
-    try:
-        self._publish(repo, pub)
-    except HubUnavailable:  # e.g. 429s until the window's end: the checked deltas stay held, and
-        self.state = replace(  # the next pass fetches only newer ones, all folded in one commit
-            self.state, held=tuple(accepted), held_since=self.state.held_since or now
-        )
-        raise
-    if (
-        wait_ran_out(before, self.rules, now)
-        and len(pub.state.punctual or ()) < pub.nodes
-        and pub.state.punctual
-    ):
-        self._log(
-            "info",
-            f"outer step {self.state.outer_step}: folded {len(pub.state.punctual)} of {pub.nodes} "
-            "nodes' deltas after waiting "
-            f"{round_deadline(before, self.rules):.3g} s for the rest; until the others send in "
-            f"step again, rounds wait only for {sorted(pub.state.punctual)}",
-        )
-    self._after_round(pub, found, self._received() - received)
-    return self.state.outer_step
+        return accepted, len(listed_paths)
 
-
-@patch
-def _say_paced(self: MasterOuterLoop, now: float) -> None:
-    "Say once per wait that the commit budget holds the next publication back."
-    if self._paced_said:
-        return
-    self._paced_said = True
-    used = sum(1 for t in self.commit_times if now - t < COMMIT_WINDOW_S)
-    self._log(
-        "info",
-        f"{used} commits on {self._where()} in the last {COMMIT_WINDOW_S:g} s of the "
-        f"{self.commit_allowance:.0f} this master makes there: the next publication waits "
-        f"{self.commit_pace(now):.3g} s and folds every delta that arrived meanwhile",
-    )
-
-
-@patch
-def _after_round(self: MasterOuterLoop, pub: Publication, found: int, received: int) -> None:
-    version = self.state.outer_step
-    for d in pub.folded:
-        self._emit(
-            "delta_norms",
+    def quarantine(
+        self,
+        path: str,
+        local: Path,
+        error: DeltaRejected,
+        header: Mapping[str, str] | None = None,
+    ) -> None:
+        """Refuse the delta at `path`: a record in the quarantine (the newest 20), a warning, an
+        event."""
+        master = self.master
+        quarantine = master.dir / "quarantine"
+        name = path.replace("/", "__")
+        atomic_write_text(
+            json.dumps(quarantine_record(path, local, error, header, utc_now())) + "\n",
+            quarantine / (name + ".json"),
+        )  # makes the folder too; the file itself is not kept
+        local.unlink(missing_ok=True)
+        for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-QUARANTINE_KEPT]:
+            old.unlink(missing_ok=True)
+        master.state = rejected(
+            master.state,
+            path,
+            error.reason,
+            None if header is None else str(header.get("session", "")),
+        )
+        node_step = parse_delta_path(path) or (None, None)
+        master._log("warning", f"rejected delta {path}: {error}")
+        master._emit(
+            "delta_rejected",
             {
-                "outer_step": version,
-                "node_id": d.node_id,
-                "step": d.step,
-                "inner_steps": _steps_covered(d, self.rules),
-                "base_outer_step": d.base_outer_step,
-                "norm": d.norm,
-                "layers": layer_norms(d.delta),
+                "path": path,
+                "node_id": node_step[0],
+                "step": node_step[1],
+                "reason": error.reason,
+                "message": str(error),
             },
         )
-    self._emit(
-        "outer_update_norms",
-        {"outer_step": version, "norm": delta_norm(pub.update), "layers": layer_norms(pub.update)},
-    )
-    self._emit(
-        "outer_step",
-        {
-            "outer_step": version,
-            "deltas_found": found,
-            "deltas_included": len(pub.folded),
-            "nodes": pub.nodes,
-            "folded": [[d.node_id, d.step] for d in pub.folded],
-            "bytes_received": received,
-            "delta_bytes": sum(d.wire_bytes for d in pub.folded),
-        },
-    )
-    if self.on_global_update is not None:
-        self.on_global_update(self.state.global_state, version)
-
-# %% ../../nbs/diloco/05_distributed_outer.ipynb #358b0c7a
-@patch
-def start(self: MasterOuterLoop) -> None:
-    "Run rounds every `poll_interval` seconds on a daemon thread."
-    if self._thread is not None and self._thread.is_alive():
-        return
-    self._stop.clear()
-    self._thread = threading.Thread(target=self._run, name="speedtronic-diloco-master", daemon=True)
-    self._thread.start()
-
-
-@patch
-def wake(self: MasterOuterLoop) -> None:
-    """Look at the repository now rather than at the next poll (the master's own node has just sent
-    a delta)."""
-    self._wake.set()
-
-
-@patch
-def _run(self: MasterOuterLoop) -> None:
-    while not self._stop.is_set():
-        before = self.state.outer_step
-        self._wake.clear()  # a wake from now on makes the next wait return at once
-        try:
-            with self._pass:
-                self._repair_torn()  # a publication of its own cut in half: put back first
-                self.sync_once()
-        except HubUnavailable as e:
-            self._log("warning", f"outer round postponed: {e}")
-        except Exception as e:
-            self.error = e
-            self._log("error", f"master outer loop stopped: {type(e).__name__}: {e}")
-            return
-        if self.state.outer_step == before:
-            pace = self.commit_pace()  # a publication the commit budget holds back: until it fits
-            held = min(self.poll_interval, 0.25) if self.state.held else self.poll_interval
-            self._wake.wait(min(self.poll_interval, pace) if pace > 0 else held)
-
-
-@patch
-def stop(self: MasterOuterLoop, timeout: float | None = None) -> None:
-    """Stop the loop thread (a running round waited for up to `timeout` s); first a final round that
-    is due."""
-    self._halt(timeout)
-    if (due := self.final_due) is not None and not self._final_tried:
-        self._log(
-            "warning",
-            f"the last publication (version {self.state.outer_step}) is not this master's final "
-            "one: "
-            f"the run ended during its final round; running it now",
-        )
-        self.finish(due, self.final_round_timeout)
-
-
-@patch
-def _halt(self: MasterOuterLoop, timeout: float | None = None) -> None:
-    self._stop.set()
-    self._wake.set()
-    if self._thread is not None:
-        self._thread.join(max(1.0, min(self.poll_interval, 10.0)) if timeout is None else timeout)
-        if self._thread.is_alive():
-            self._log("warning", "the master outer loop is still finishing a repository call")
-
-
-@patch
-def finish(
-    self: MasterOuterLoop,
-    final_step: int,
-    timeout: float,
-    interval: float | None = None,
-    stop: threading.Event | None = None,  # set (e.g. by SIGTERM): end the wait at once
-) -> int:
-    """The final round: fold until every node's last delta is in; the final version, or `HubError`
-    naming what it lacks."""
-    self._final_tried = True
-    self._stop.set()
-    self._wake.set()
-    if self._thread is not None:
-        self._thread.join(1.0)
-    if self._thread is not None and self._thread.is_alive():  # a pass outlived the wait
-        self._log(
-            "info",
-            "final round: the loop thread is still in a pass; waiting for that pass to end "
-            "before the final round begins (one pass at a time)",
-        )
-    while (
-        self._thread is not None
-        and self._thread.is_alive()
-        and not (stop is not None and stop.is_set())
-    ):
-        self._thread.join(0.5)
-    with self.lock:  # a restart after a kill from here on knows a final round is due
-        self.state = replace(self.state, final_round=int(final_step), finished=False)
-        self._save_local(self.state)
-    deadline, interval = (
-        time.monotonic() + timeout,
-        min(self.poll_interval, 2.0) if interval is None else interval,
-    )
-    told, problem = False, None  # the wait is said once
-    while True:
-        before = self.state.outer_step
-        try:
-            with self._pass:
-                self._repair_torn()
-                self.sync_once(full_rounds=False)  # the last deltas: folded as they come
-            problem = None
-        except HubUnavailable as e:
-            self._log("warning", f"final round postponed: {e}")
-            problem = e
-        missing, enough = still_waiting(self.state, self.rules, final_step, self.node_id)
-        gaps = final_gaps(self.state, self.node_id, self.session, final_step)
-        if (
-            (not missing and enough and not gaps)
-            or time.monotonic() >= deadline
-            or (stop is not None and stop.is_set())
-        ):
-            break
-        if not told:
-            told = (
-                self._log(
-                    "info",
-                    f"final round: waiting up to {timeout:g} s for the last deltas of "
-                    f"{sorted(missing) or 'the expected nodes'}",
-                )
-                or True
-            )
-        if self.state.outer_step == before:
-            (stop.wait if stop is not None else time.sleep)(
-                interval
-            )  # after a new version, look again at once
-    if stop is not None and stop.is_set():
-        return self.state.outer_step
-    if gaps:
-        raise HubError(
-            f"the final global model (version {self.state.outer_step} in {self._where()}) lacks "
-            f"{'; '.join(gaps)}: they were not published within distributed.final_round_timeout="
-            f"{timeout:g} s{f' ({problem})' if problem else ''}. The trained weights are in this "
-            "node's checkpoint; once the repository is writable again, run this master with "
-            "`speedtronic train --resume` to publish them"
-        )
-    self._mark_finished()
-    if missing or not enough:
-        folded = lambda n: max(self.state.ledger.nodes[n]["sessions"].values(), default=-1)
-        names = ", ".join(f"{n!r} (its steps after step {folded(n)})" for n in sorted(missing))
-        self._log(
-            "warning",
-            f"final round: no final delta from {names or 'some of the expected nodes'} within "
-            f"distributed.final_round_timeout={timeout:g} s; those steps are not in the final "
-            "global model",
-        )
-    return self.state.outer_step
-
-
-@patch
-def _mark_finished(self: MasterOuterLoop) -> None:
-    "Note that the published version is the final round's (in the local state: a restart knows)."
-    with self.lock:
-        self.state = replace(self.state, finished=True)
-        self._save_local(self.state)
-
-
-def _final_due(self: MasterOuterLoop) -> int | None:
-    "The last step of the run whose final round began and never ended (a killed run); else None."
-    state = self.state
-    return None if state.finished or state.final_round < 0 else state.final_round
-
-
-MasterOuterLoop.final_due = property(_final_due)
-
-
-@patch
-def snapshot(self: MasterOuterLoop) -> tuple[int, dict[str, torch.Tensor]]:
-    "`(outer_step, a copy of the global state)`."
-    state = self.state  # one immutable value: no lock needed to read it
-    return state.outer_step, {k: v.clone() for k, v in state.global_state.items()}
-
-
-@patch
-def state_dict(self: MasterOuterLoop) -> dict[str, Any]:
-    "The master's state record for a checkpoint: its info, and its tensors under `tensors`."
-    with self.lock:
-        info, tensors = state_record(self.state)
-    return {**info, "tensors": {k: v.clone() for k, v in tensors.items()}}
-
-
-@patch
-def load_state_dict(self: MasterOuterLoop, state: Mapping[str, Any]) -> None:
-    """Use a checkpoint's outer state (this format or 2.0's) when the state directory has none (it
-    is reconciled with the repository at start)."""
-    record = translated_record(state) if self.state.outer_step < 0 and state else None
-    if record is not None:
-        with self.lock:
-            self.state = restored(self.state, *record)
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #d1ccd106
 def __dir__() -> list[str]:
