@@ -257,9 +257,8 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
     for n in names:
         assert max(ledger[n]["sessions"].values()) == 200
     starts = [e["start_step"] for e in events(tmp_path / victim / "metrics.jsonl", "train_start")]
-    assert len(starts) == 2 and starts[1] >= 30, (
-        starts
-    )  # killed mid-run, resumed from its checkpoint
+    # killed mid-run, resumed from its checkpoint
+    assert len(starts) == 2 and starts[1] >= 30, starts
     assert len(ledger[victim]["sessions"]) == 1  # the resumed node kept its session
     norms = [
         (e["step"], e["norm"] / e["inner_steps"])
@@ -271,9 +270,8 @@ def test_a_killed_node_resumes_without_losing_or_inventing_deltas(tmp_path, vict
         "no bogus delta after the resume"
     )
     assert not events(tmp_path / "master" / "metrics.jsonl", "delta_rejected")
-    if (
-        boundary_wait
-    ):  # whole rounds again once the victim is back: a delta of each node in one version (the steps
+    # whole rounds again once the victim is back: a delta of each node in one version (the steps
+    if boundary_wait:
         # may differ: a worker whose master is down trains on without waiting, a resumed node
         # restarts at its checkpoint)
         rounds = [
@@ -511,10 +509,11 @@ def test_a_node_is_judged_by_its_own_deltas(tmp_path):
         sorted((tmp_path / "state" / "quarantine").glob("*.json"))
         and m.transport.list_deltas() == []
     )
+    # records of the refused files, never copies
     assert {p.name for p in (tmp_path / "state" / "quarantine").iterdir()} == {
         "nodes__late__delta_40.safetensors.json",
         "nodes__bogus__delta_10.safetensors.json",
-    }  # records of the refused files, never copies
+    }
     folded = [tuple(x) for e, p in seen if e == "outer_step" for x in p.get("folded", [])]
     assert ("late", 10) in folded and ("late", 50) in folded and ("late", 40) not in folded
     logger.close()
@@ -546,9 +545,8 @@ def test_the_repository_and_caches_stay_bounded_over_1000_rounds(tmp_path):
     assert m.outer_step == 1000 and m.transport.list_deltas() == []
     repo_files, state_files = {s[0][0] for s in sizes}, {s[1][0] for s in sizes}
     assert max(s[0][1] for s in sizes) <= 1.05 * min(s[0][1] for s in sizes), sizes
-    assert len(repo_files) == 1 and max(state_files) <= min(state_files) + 40, (
-        sizes
-    )  # quarantine keeps at most 20 files
+    # quarantine keeps at most 20 files
+    assert len(repo_files) == 1 and max(state_files) <= min(state_files) + 40, sizes
 
 
 # 150 rounds in seconds: 300 commits (the Hub allows 128 an hour) and over 1000 API calls (the Hub
@@ -665,9 +663,8 @@ def test_a_delta_committed_while_the_master_publishes_is_folded_next_round(tmp_p
     t, m, send = hub_master_and_node(tmp_path, hub, "org/race")
     publish = t.publish
 
-    def racing_publish(
-        *args, **kw
-    ):  # the worker's next commit lands just before the master's publication
+    # the worker's next commit lands just before the master's publication
+    def racing_publish(*args, **kw):
         t.publish = publish
         send(20)
         return publish(*args, **kw)
@@ -700,9 +697,8 @@ def test_a_publication_outlasts_many_racing_commits_and_uploads_once(tmp_path, h
     assert m.sync_once() == 1 and len(tries) == 13
     assert preuploads() - before == 12 + 1  # one per racing delta, one for the master's publication
     t.publish = publish
-    assert (
-        m.sync_once() == 2 and t.list_deltas() == []
-    )  # the 12 deltas that raced it are folded in the next round
+    # the 12 deltas that raced it are folded in the next round
+    assert m.sync_once() == 2 and t.list_deltas() == []
 
 
 # -- failures retrying cannot fix ------------------------------------------------------------------

@@ -52,9 +52,8 @@ def corpus(tmp_path_factory) -> dict[str, Path]:
     held-out tail."""
     text = demo_corpus_text().encode("utf-8")
     folder = tmp_path_factory.mktemp("corpus")
-    cuts = [0] + [
-        text.index(b"\n\n", len(text) * i // 10) + 2 for i in (3, 6, 9)
-    ]  # 30% per node (at paragraphs), 10% held out
+    # 30% per node (at paragraphs), 10% held out
+    cuts = [0] + [text.index(b"\n\n", len(text) * i // 10) + 2 for i in (3, 6, 9)]
     files = {name: folder / f"{name}.txt" for name in (*NODES, "all", "held_out")}
     for name, a, b in zip(NODES, cuts, cuts[1:]):
         files[name].write_bytes(text[a:b])
@@ -231,10 +230,11 @@ def check_folded_exactly_once(work: Path, extras: dict) -> None:
         steps = sorted(s for n, s in uploaded if n == name)
         assert steps and steps[-1] == STEPS, (name, steps)  # every node sent its last round
         sessions = extras["ledger"][name]["sessions"]
+        # one session, folded up to its last step
         assert list(sessions.values()) == [STEPS], (
             name,
             sessions,
-        )  # one session, folded up to its last step
+        )
     assert not [
         e for n in NODES for e in jsonl_records(work / n / "metrics.jsonl", "delta_rejected")
     ]
@@ -276,15 +276,15 @@ def test_three_nodes_launched_together_on_a_hub_repo_nobody_created(
         configs = node_configs(work, corpus, repo, None)
         env = env_of(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN)
         assert repo not in hub.repos
-        procs = {
-            name: launch(configs[name][1], env) for name in ORDERS[order]
-        }  # the same moment: no wait in between
+        # the same moment: no wait in between
+        procs = {name: launch(configs[name][1], env) for name in ORDERS[order]}
         finish(procs, work)
         files = hub.files(repo)
+        # every delta was removed by a publication
         assert sorted(files) == [
             GLOBAL_MODEL_PATH,
             GLOBAL_METADATA_PATH,
-        ]  # every delta was removed by a publication
+        ]
         extras = json.loads(files[GLOBAL_METADATA_PATH])
         check_folded_exactly_once(work, extras)
         # the repository's history: each uploaded delta committed once, and deleted once (by the

@@ -256,9 +256,8 @@ def test_a_publication_whose_answer_is_lost_in_an_outage_is_the_masters_own(tmp_
     hub.fault("503", method="POST", path=r"/commit/", count=2)
     with pytest.raises(HubUnavailable):
         m.sync_once()
-    assert (
-        m.outer_step == 0 and t.state().outer_step == 1 and t.list_deltas() == []
-    )  # it did go through
+    # it did go through
+    assert m.outer_step == 0 and t.state().outer_step == 1 and t.list_deltas() == []
     send(20)
     assert m.sync_once() == 2 and m.ledger.nodes["w"]["sessions"] == {"s": 20} and m.error is None
     assert t.state().extras["master"]["node_id"] == "m"
@@ -298,9 +297,8 @@ def test_a_fold_that_would_publish_a_non_finite_global_publishes_nothing(tmp_pat
     run.send("b", 10, 3e38)
     assert run.master.sync_once() == 0 and run.folded() == []
     assert run.rejected() == {("a", 10): "not_finite", ("b", 10): "not_finite"}
-    assert (
-        run.master.sync_once() == 0 and run.master.transport.list_deltas() == []
-    )  # removed with a cleanup commit
+    # removed with a cleanup commit
+    assert run.master.sync_once() == 0 and run.master.transport.list_deltas() == []
     assert all(
         bool(torch.isfinite(v).all())
         for v in load_safetensors(tmp_path / "repo" / GLOBAL_MODEL_PATH).values()
@@ -324,9 +322,8 @@ def test_a_forged_step_of_a_real_session_is_refused_and_the_session_goes_on(tmp_
         forged=True,
         path="nodes/worker/delta_000000999999999999.safetensors",
     )
-    run.send(
-        "worker", 10**6, forged=True, drop=("inner_steps",)
-    )  # a session without inner_steps: not a node of ours
+    # a session without inner_steps: not a node of ours
+    run.send("worker", 10**6, forged=True, drop=("inner_steps",))
     m.sync_once()
     assert run.rejected() == {
         ("worker", 999_999_999_999): "unreachable",
@@ -349,9 +346,10 @@ def test_a_forged_step_of_a_real_session_is_refused_and_the_session_goes_on(tmp_
     ] == {"s": 100}
     message = [p["message"] for p in run.seen("delta_rejected") if p["reason"] == "unreachable"][0]
     assert "reached step 20" in message and "forged or stray" in message
+    # a warning, not INFO
     assert (
         "rejected delta nodes/worker/delta_000000999999999999.safetensors" in run.console.getvalue()
-    )  # a warning, not INFO
+    )
 
 
 def test_a_refused_delta_of_a_session_first_folded_in_the_same_round_still_counts_as_reached(
@@ -378,9 +376,8 @@ def test_the_final_round_does_not_wait_for_a_node_whose_only_file_was_refused(tm
     m = run.master
     junk = tmp_path / "junk"
     junk.write_bytes(b"not a delta")
-    run.transport().upload(
-        {"nodes/ghost/delta_5.safetensors": junk}
-    )  # a stray file: the only "delta" of ghost
+    # a stray file: the only "delta" of ghost
+    run.transport().upload({"nodes/ghost/delta_5.safetensors": junk})
     run.send("worker", 10)
     run.send("m", 10)
     m.sync_once()
@@ -388,9 +385,8 @@ def test_the_final_round_does_not_wait_for_a_node_whose_only_file_was_refused(tm
     run.send("m", 20)
     assert m.finish(20, timeout=5.0, interval=0.01) == 2
     assert run.rejected() == {("ghost", 5): "unreadable"}
-    assert (
-        "final round: no last delta" not in run.console.getvalue()
-    )  # it did not wait out the 5 s for ghost
+    # it did not wait out the 5 s for ghost
+    assert "final round: no last delta" not in run.console.getvalue()
 
 
 # -- 5. the lease does not trust another host's clock ----------------------------------------------
@@ -465,9 +461,8 @@ def test_tied_weights_travel_once_and_every_reader_gets_every_key(tmp_path):
         opt.step()
         opt.zero_grad()
     delta = compute_pseudo_gradient(baseline, cpu_state_dict(model.state_dict()))
-    unique_fp32 = 4 * sum(
-        v.numel() for k, v in delta.items() if k != "lm_head.weight"
-    )  # fp32, the tied tensor once
+    # fp32, the tied tensor once
+    unique_fp32 = 4 * sum(v.numel() for k, v in delta.items() if k != "lm_head.weight")
     wire = encode_delta(delta, "bfloat16")
     path = save_safetensors(
         wire,
@@ -555,9 +550,8 @@ def v2_repo(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
 )
 def test_a_2_0_repository_is_read_and_its_deltas_are_folded(tmp_path):
     repo, model = v2_repo(tmp_path)
-    model.load_state_dict(
-        load_safetensors(repo / GLOBAL_MODEL_PATH)
-    )  # 2.0's global: every key, as 2.0 wrote it
+    # 2.0's global: every key, as 2.0 wrote it
+    model.load_state_dict(load_safetensors(repo / GLOBAL_MODEL_PATH))
     for node in ("master", "worker1", "worker2"):
         tensors, header = load_delta(repo / "nodes" / node / "delta_200.safetensors")
         assert set(tensors) == set(model.state_dict()) and TENSOR_ALIASES not in header
@@ -722,6 +716,5 @@ def test_a_2_0_checkpoints_outer_state_is_continued_and_its_processed_deltas_are
     m.load_state_dict(checkpoint)
     assert m.start_master().outer_step == 4
     torch.testing.assert_close(m.state.outer.momentum, momentum)  # continued, not restarted at zero
-    assert (
-        m.sync_once() == 4 and SharedDirectory(repo).list_deltas() == []
-    )  # 2.0 had folded them: dropped as duplicates
+    # 2.0 had folded them: dropped as duplicates
+    assert m.sync_once() == 4 and SharedDirectory(repo).list_deltas() == []

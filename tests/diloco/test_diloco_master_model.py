@@ -95,9 +95,8 @@ class MasterModel(RuleBasedStateMachine):
         self.repo: dict[str, tuple] = {}  # delta files: path -> (tensors, header)
         self.head = None  # (version, global, ledger json, publication, master id, heartbeat)
         self.versions: list[int] = []
-        self.honest: dict[
-            tuple, torch.Tensor
-        ] = {}  # (node, session, step) -> the delta an honest node sent
+        # (node, session, step) -> the delta an honest node sent
+        self.honest: dict[tuple, torch.Tensor] = {}
         self.sent: dict[tuple, tuple] = {}  # the same -> (path, tensors, header) of its file
         self.forged: set[str] = set()
         self.folded: list[tuple] = []  # every delta id folded by a publication, in order
@@ -148,9 +147,8 @@ class MasterModel(RuleBasedStateMachine):
             self.versions.append(version)
             ids = [(d.node_id, d.session, d.step) for d in pub.folded]
             self.folded += ids
-            if (
-                full_rounds and before is not None and not wait_ran_out(before, RULES, self.now)
-            ):  # a whole round
+            # a whole round
+            if full_rounds and before is not None and not wait_ran_out(before, RULES, self.now):
                 assert round_complete(before, RULES, list(pub.folded), self.now)
                 waits_for = before.punctual or set()
                 assert len({d.node_id for d in pub.folded}) >= (
@@ -398,16 +396,14 @@ class MasterModel(RuleBasedStateMachine):
         """The master whose lease ran out wakes up and commits: the compare-and-swap refuses it and
         it stops."""
         zombie, before = self.zombie, self.head
-        if (
-            self.head[4] != zombie.node_id and self.head[3] != zombie.state.publication
-        ):  # the new master has published
+        # the new master has published
+        if self.head[4] != zombie.node_id and self.head[3] != zombie.state.publication:
             assert not self.commit(zombie, heartbeat(zombie.state))
             assert not zombie.alive and self.head == before
             self.zombie = None
         else:
-            assert self.commit(
-                zombie, heartbeat(zombie.state)
-            )  # it got there first: the new master stops at its next round
+            # it got there first: the new master stops at its next round
+            assert self.commit(zombie, heartbeat(zombie.state))
 
     # -- invariants --------------------------------------------------------------------------------
     @invariant()

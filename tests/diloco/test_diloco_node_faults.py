@@ -61,9 +61,8 @@ def test_nodes_launched_together_on_a_repository_nobody_created_finish_with_ever
         assert rc == 0, (n, err[-3000:])
     for n in ("w1", "w2"):
         said = results[n][2].count("waiting for the master to")
-        assert said <= 1, results[n][2][
-            -3000:
-        ]  # said once at most (the master may have been first)
+        # said once at most (the master may have been first)
+        assert said <= 1, results[n][2][-3000:]
     state = transport_of(kind, repo, hub).state()
     ledger = state.extras["ledger"]
     folded = Counter(
@@ -160,9 +159,8 @@ def test_a_worker_with_another_model_shape_stops_at_the_first_global_naming_the_
         )
     )
     line = error_line(*ended(worker), "does not fit this node's model", "here and", "in the global")
-    assert "(64, 32) here and (64, 16) in the global" in line, (
-        line
-    )  # the first tensor: the token embedding
+    # the first tensor: the token embedding
+    assert "(64, 32) here and (64, 16) in the global" in line, line
     assert not jsonl_records(tmp_path / "w1" / "metrics.jsonl", "global_installed")
     assert not jsonl_records(tmp_path / "w1" / "metrics.jsonl", "train_step")
 
@@ -287,9 +285,8 @@ def test_sigterm_stops_a_worker_waiting_at_the_end_for_its_first_fold(tmp_path):
         )
     )
     _stops_on_sigterm(worker, "waiting up to 600 s for a global model")
-    assert sorted((tmp_path / "w1" / "checkpoints").glob("step_*.pt"))[-1].name.endswith(
-        "5.pt"
-    )  # its training is saved
+    # its training is saved
+    assert sorted((tmp_path / "w1" / "checkpoints").glob("step_*.pt"))[-1].name.endswith("5.pt")
 
 
 def test_sigterm_stops_a_master_waiting_in_its_final_round(tmp_path):
@@ -348,9 +345,8 @@ def test_a_shared_directory_unmounted_mid_run_stops_every_node_and_is_not_recrea
         else:
             seen.wait(0.1)
     assert seen.is_set(), worker.communicate()[1][-3000:]
-    os.rename(
-        repo, tmp_path / "share" / "elsewhere"
-    )  # unmounted: the path now shows an empty folder
+    # unmounted: the path now shows an empty folder
+    os.rename(repo, tmp_path / "share" / "elsewhere")
     repo.mkdir()
     for proc in (master, worker):
         error_line(*ended(proc), f"shared directory {repo} has disappeared")
@@ -406,9 +402,8 @@ def test_the_master_never_reads_a_delta_through_a_symbolic_link(tmp_path):
     said = [str(w.message) for w in caught if "refusing" in str(w.message)]
     assert master.outer_step == 1 and master.ledger.folded("ok", "s", 10)
     stored = [p for p in (tmp_path / "state").rglob("*") if p.is_file()]
-    assert not any(p.read_bytes().startswith(b"root:x") for p in stored), (
-        stored
-    )  # nothing of the target was copied
+    # nothing of the target was copied
+    assert not any(p.read_bytes().startswith(b"root:x") for p in stored), stored
     assert (tmp_path / "repo" / delta_path("evil", 10)).is_symlink() and secret.exists()
     assert sorted(m.split(": refusing ")[1].split(":")[0] for m in said) == [
         delta_path("evil", 10),

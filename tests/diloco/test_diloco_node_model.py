@@ -122,18 +122,15 @@ class Timeline:
 
     def __init__(self, live: dict[str, torch.Tensor]):
         self.live = live  # the model's weights
-        self.trained = torch.zeros(
-            3
-        )  # the progress of every step trained (sum of base − weights over the steps)
-        self.uploaded: list[
-            tuple[Upload, frozenset[int]]
-        ] = []  # the deltas the repository took, with the steps each holds
+        # the progress of every step trained (sum of base − weights over the steps)
+        self.trained = torch.zeros(3)
+        # the deltas the repository took, with the steps each holds
+        self.uploaded: list[tuple[Upload, frozenset[int]]] = []
         self.delivered = torch.zeros(3)  # the progress those deltas hold (their decoded sum)
         self.in_flight: frozenset[int] = frozenset()  # the steps of the delta in flight
         self.carried: frozenset[int] = frozenset()  # the steps the carry holds
-        self.retrained = torch.zeros(
-            3
-        )  # the progress of steps the repository already held, trained again since the base
+        # the progress of steps the repository already held, trained again since the base
+        self.retrained = torch.zeros(3)
         self.installed = {-1}  # the versions installed (-1: the node's own starting weights)
         self.timed_out = False  # a boundary wait ran out since the last new fold
         # this run restarted behind its own folds (needs this code: no earlier checkpoint format)
@@ -203,9 +200,8 @@ class NodeMachine(RuleBasedStateMachine):
             self.t.retrained = torch.zeros(3)
             return
         if isinstance(out, str):
-            assert out == "upload_in_flight" and before.in_flight is not None, (
-                out
-            )  # finite weights: only an upload in flight skips
+            # finite weights: only an upload in flight skips
+            assert out == "upload_in_flight" and before.in_flight is not None, out
             assert self.state.in_flight is before.in_flight and self.state.base is before.base
             return
         assert before.in_flight is None and self.state.in_flight is out
@@ -214,9 +210,8 @@ class NodeMachine(RuleBasedStateMachine):
             out.steps == len(holds)
             and out.step == step == self.state.sent_step == self.state.base_step
         ), (out.steps, sorted(holds))
-        assert (
-            out.base_outer_step == before.version and out.base_outer_step in self.t.installed
-        )  # a base it installed
+        # a base it installed
+        assert out.base_outer_step == before.version and out.base_outer_step in self.t.installed
         stale = out.step <= self.t.newest()  # a duplicate the master refuses: its steps are held
         self.t.in_flight, self.t.carried = frozenset() if stale else frozenset(holds), frozenset()
         self.t.retrained = torch.zeros(3)
@@ -292,9 +287,8 @@ class NodeMachine(RuleBasedStateMachine):
         )
         self.t.live = dict(out.weights)
         assert torch.equal(self.t.live["n"], g["n"]) and torch.equal(self.state.base["w"], g["w"])
-        assert torch.allclose(
-            self.state.base["w"] - self.t.live["w"], progress, atol=1e-6
-        )  # the unsent progress is kept
+        # the unsent progress is kept
+        assert torch.allclose(self.state.base["w"] - self.t.live["w"], progress, atol=1e-6)
         self.t.installed.add(version)
         if folded > before.folded_step:
             self.t.timed_out = False
@@ -323,10 +317,11 @@ class NodeMachine(RuleBasedStateMachine):
     # -- checkpoints and restarts ------------------------------------------------------------------
     @rule()
     def checkpoint(self) -> None:
+        # written (torch.save) when it is read back
         self.saved, self.entry = (
             (node_checkpoint(self.state), self.t.copy()),
             None,
-        )  # written (torch.save) when it is read back
+        )
 
     @precondition(lambda self: self.saved is not None)
     @rule(seed=SEEDS, earlier=st.booleans())
@@ -334,9 +329,8 @@ class NodeMachine(RuleBasedStateMachine):
         """The process dies; a new one builds its model (other weights), loads the checkpoint's
         weights and its coordinator entry."""
         entry, timeline = self.saved
-        earlier = (
-            earlier and not timeline.behind
-        )  # (an earlier version of ours never resumed behind)
+        # (an earlier version of ours never resumed behind)
+        earlier = earlier and not timeline.behind
         if earlier:  # a checkpoint an earlier version of ours wrote
             entry = earlier_entry(node_state_from(entry, self.t.live, "x", ROUND))
             timeline = timeline.copy()
@@ -346,9 +340,8 @@ class NodeMachine(RuleBasedStateMachine):
             earlier or "format" in entry
         )
         self.t = timeline.copy()
-        constructed = weights(
-            [v / 4 for v in spread(seed, 4)]
-        )  # the new process's model before the resume
+        # the new process's model before the resume
+        constructed = weights([v / 4 for v in spread(seed, 4)])
         self.state = node_state_from(entry, constructed, "s2", ROUND)
         assert self.state.session == "s1"  # the same session: the master's ledger knows it
         assert self.state.version == max(self.t.installed) and torch.equal(
@@ -380,9 +373,8 @@ class NodeMachine(RuleBasedStateMachine):
         self.install(
             version, weights([v / 8 for v in spread(seed, 16)], seed % 10), self.t.newest()
         )
-        assert torch.equal(
-            self.t.live["w"], self.state.base["w"]
-        )  # exactly the global: nothing of ours kept on top
+        # exactly the global: nothing of ours kept on top
+        assert torch.equal(self.t.live["w"], self.state.base["w"])
 
     # -- invariants --------------------------------------------------------------------------------
     @invariant()
@@ -395,12 +387,10 @@ class NodeMachine(RuleBasedStateMachine):
     def every_step_is_in_exactly_one_delta(self) -> None:
         s, t = self.state, self.t
         newest = t.newest()
-        live = (
-            s.in_flight is not None and s.in_flight.step > newest
-        )  # not a duplicate of a delta the repository holds
-        fresh = frozenset(
-            i for i in self.unsent() if i > newest
-        )  # (steps up to `newest` trained again are not new)
+        # not a duplicate of a delta the repository holds
+        live = s.in_flight is not None and s.in_flight.step > newest
+        # (steps up to `newest` trained again are not new)
+        fresh = frozenset(i for i in self.unsent() if i > newest)
         pieces = [ids for _, ids in t.uploaded] + [t.in_flight, t.carried, fresh]
         top = max(s.step, newest)
         assert sum(len(p) for p in pieces) == top and frozenset().union(*pieces) == frozenset(

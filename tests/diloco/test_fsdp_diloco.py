@@ -153,15 +153,15 @@ def test_fsdp_master_folds_every_delta(runs):
         assert max(ledger[name]["sessions"].values()) == STEPS, (name, ledger[name])
         assert sum(1 for f in folded if name in f) == len(uploaded), (name, folded)
         waits = jsonl_records(tmp / f"{name}.jsonl", "boundary_wait")
+        # whole rounds: each boundary got its fold
         assert waits and all(w["folded"] for w in waits), (
             name,
             waits,
-        )  # whole rounds: each boundary got its fold
+        )
     start = jsonl_records(tmp / "master.jsonl", "train_start")[0]
     assert start["world_size"] == 2
-    assert (
-        tmp / "master" / "checkpoints" / f"step_{STEPS:012d}.dcp"
-    ).is_dir()  # sharded checkpoints: fsdp it was
+    # sharded checkpoints: fsdp it was
+    assert (tmp / "master" / "checkpoints" / f"step_{STEPS:012d}.dcp").is_dir()
 
 
 def test_every_rank_ends_on_the_final_global(runs):

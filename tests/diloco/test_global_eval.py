@@ -69,13 +69,11 @@ def test_master_evaluates_every_published_global_and_workers_do_not(tmp_path, so
         r["outer_step"] for r in jsonl_records(metrics, "outer_step") if r.get("deltas_included")
     ]
     assert len(published) > 2, published
-    assert [
-        r["outer_step"] for r in evals
-    ] == published  # each version once, in order, the last too
+    # each version once, in order, the last too
+    assert [r["outer_step"] for r in evals] == published
     assert jsonl_records(tmp_path / "worker" / "metrics.jsonl", "global_eval") == []
-    assert jsonl_records(
-        tmp_path / "worker" / "metrics.jsonl", "eval"
-    )  # the worker evaluates its own weights only
+    # the worker evaluates its own weights only
+    assert jsonl_records(tmp_path / "worker" / "metrics.jsonl", "eval")
 
     config = SpeedtronicConfig.load(cfgs["master"])  # the published global, loaded on its own
     model = build_model(config.model)

@@ -206,12 +206,10 @@ def test_a_publish_on_a_stale_head_retries_on_a_fresh_head(files):
         master, worker = client(hub, "org/run"), client(hub, "org/run")
         first = master.state()
         master.publish({"global/x.bin": files["a"]}, [], parent=first, owner="m")
-        worker.upload(
-            {"nodes/w1/delta_10.safetensors": files["b"]}
-        )  # moves the head under the master
-        with pytest.raises(
-            PublishConflict
-        ):  # the master's parent is its own publication: now stale
+        # moves the head under the master
+        worker.upload({"nodes/w1/delta_10.safetensors": files["b"]})
+        # the master's parent is its own publication: now stale
+        with pytest.raises(PublishConflict):
             master.publish(
                 {"global/x.bin": files["b"]},
                 [],

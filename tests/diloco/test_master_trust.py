@@ -240,9 +240,8 @@ def test_a_master_whose_version_file_turns_unreadable_exits_2_naming_the_missing
             return False
 
     wait_for(published_one, what="version 1")
-    while (
-        proc.poll() is None
-    ):  # unreadable from now to the end (a publication in flight may undo one write)
+    # unreadable from now to the end (a publication in flight may undo one write)
+    while proc.poll() is None:
         version.write_text("{ not json")
         time.sleep(0.2)
     out, err = communicate_or_dump(proc, 600)

@@ -91,9 +91,8 @@ def test_missing_pointer_target_uses_newest_file(tmp_path):
 
 def test_stale_pointer_never_hides_a_newer_valid_file(tmp_path):
     m = saved_manager(tmp_path, steps=(1, 2))
-    atomic_torch_save(
-        {"step": 5}, m.path_for(5)
-    )  # written, then "crashed" before the pointer update
+    # written, then "crashed" before the pointer update
+    atomic_torch_save({"step": 5}, m.path_for(5))
     assert json.loads(m.pointer_path.read_text())["step"] == 2
     assert m.latest_path() == m.path_for(5)
     assert m.load_latest()["step"] == 5 and m.skipped == []
@@ -157,9 +156,8 @@ def test_arbitrary_object_is_refused_without_running_it(tmp_path):
 
 # ---------------------------------------------------------------- 2.0 checkpoints still resume
 
-V2 = (
-    ROOT.parent / "shared" / "fixtures" / "v2.0"
-)  # files written by the published 2.0.0 (README there)
+# files written by the published 2.0.0 (README there)
+V2 = ROOT.parent / "shared" / "fixtures" / "v2.0"
 
 
 @pytest.mark.skipif(
@@ -242,9 +240,8 @@ def test_config_object_checked_and_secrets_redacted(tmp_path):
         {"model": {"d_model": 8, "n_head": 2}, "distributed": {"token": "hf_secret"}}
     )
     m = CheckpointManager(tmp_path, every_steps=1)
-    m.save(
-        1, {"model": torch.nn.Linear(8, 4).state_dict(), "config": saved_cfg.to_dict()}
-    )  # caller forgot to redact
+    # caller forgot to redact
+    m.save(1, {"model": torch.nn.Linear(8, 4).state_dict(), "config": saved_cfg.to_dict()})
     assert b"hf_secret" not in m.path_for(1).read_bytes()
     state = m.load_latest()
     assert state["config"]["distributed"]["token"] == "<redacted>"
@@ -475,9 +472,8 @@ def test_resume_of_a_named_file_refuses_what_load_latest_skips(tmp_path):
         moments["exp_avg"].fill_(float("nan"))
     torch.save(state, ours.path_for(3))  # a diverged optimizer state
     ours.path_for(4).write_bytes(ours.path_for(1).read_bytes())  # step 1 under step 4's name
-    ours.path_for(5).write_bytes(
-        theirs.path_for(5).read_bytes()
-    )  # another run's file in our folder
+    # another run's file in our folder
+    ours.path_for(5).write_bytes(theirs.path_for(5).read_bytes())
     ours.path_for(6).symlink_to(theirs.path_for(5))  # another run's checkpoint linked in
     for step, reason in [
         (3, "the optimizer state holds NaN or infinity"),

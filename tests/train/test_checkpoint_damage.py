@@ -33,9 +33,8 @@ TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 def train(tmp: Path, name: str, *args: str, **sections):
     "`speedtronic train` of the tiny run (a checkpoint every 2 steps, all kept), logged to `name`."
     logging = {"json_file": str(tmp / f"{name}.jsonl")}
-    cfg = tiny_config(
-        tmp, f"{name}.yaml", keep_last=None, logging=logging, **sections
-    )  # max_steps and the rest from `sections`
+    # max_steps and the rest from `sections`
+    cfg = tiny_config(tmp, f"{name}.yaml", keep_last=None, logging=logging, **sections)
     return run_cli("train", "--config", str(cfg), "--device", "cpu", *args, cwd=tmp)
 
 

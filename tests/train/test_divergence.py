@@ -44,9 +44,8 @@ def test_huge_learning_rate_stops_with_one_error_and_keeps_a_finite_checkpoint(t
         model = load_checkpoint(f)["model"]
         assert all(torch.isfinite(t).all() for t in model.values() if t.is_floating_point()), f
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all(
-        r["loss"] is not None for r in records if r["event"] == "train_step"
-    )  # no NaN step was recorded
+    # no NaN step was recorded
+    assert all(r["loss"] is not None for r in records if r["event"] == "train_step")
 
 
 class NanAt(nn.Module):
@@ -133,9 +132,8 @@ def test_nan_optimizer_moments_in_the_newest_checkpoint_fall_back_to_the_good_on
     newest = ck / "step_000000000004.pt"
     state = load_checkpoint(newest)
     moments = next(iter(state["optimizer"]["state"].values()))
-    moments["exp_avg_sq"].view(-1)[0] = float(
-        "nan"
-    )  # what a diverged 2.0 run (or a bad disk) leaves
+    # what a diverged 2.0 run (or a bad disk) leaves
+    moments["exp_avg_sq"].view(-1)[0] = float("nan")
     torch.save(state, newest)
     cfg = tiny_config(tmp_path, max_steps=6, every_steps=2, keep_last=None)
     proc = cli("train", "--config", str(cfg), "--device", "cpu", "--resume", cwd=tmp_path)

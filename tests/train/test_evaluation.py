@@ -71,15 +71,13 @@ def test_eval_with_kill9_and_resume_trains_bit_identically_to_no_eval(tmp_path, 
     last = evals[-1]
     assert last["step"] == STEPS and last["val_batches"] == 4 and last["val_tokens"] == 4 * 2 * 16
     assert last["val_ppl"] == pytest.approx(math.exp(last["val_loss"]))
-    assert last["val_bpb"] == pytest.approx(
-        last["val_loss"] / math.log(2)
-    )  # the byte tokenizer: one token per byte
+    # the byte tokenizer: one token per byte
+    assert last["val_bpb"] == pytest.approx(last["val_loss"] / math.log(2))
     by_step = {}
     for r in evals:
         by_step.setdefault(r["step"], []).append(r["val_loss"])
-    assert all(len(set(v)) == 1 for v in by_step.values()), (
-        by_step
-    )  # an evaluation repeated after the resume agrees
+    # an evaluation repeated after the resume agrees
+    assert all(len(set(v)) == 1 for v in by_step.values()), by_step
 
 
 def test_holdout_blocks_are_never_trained_on(tmp_path):
@@ -102,9 +100,8 @@ def test_holdout_blocks_are_never_trained_on(tmp_path):
         assert (train.num_blocks, held.num_blocks) == (180, 20)
         ids = np.fromfile(path, dtype=np.uint16)
         assert np.array_equal(np.concatenate([train.tokens, held.tokens]), ids)
-        seen = {
-            int(b) for epoch in range(3) for b in train.block_order(epoch)
-        }  # every block a shuffled pass visits
+        # every block a shuffled pass visits
+        seen = {int(b) for epoch in range(3) for b in train.block_order(epoch)}
         assert seen == set(range(180))
         result = trainer.fit()
     finally:
@@ -181,9 +178,8 @@ def test_the_terminal_progress_line_ends_with_the_newest_held_out_loss(tmp_path)
     drawn = [
         line for line in proc.stderr.replace("\r", "\n").splitlines() if line.startswith("step ")
     ]
-    assert not any(
-        "| val" in line for line in drawn if line.startswith(("step 1/", "step 2/"))
-    )  # none before the first
+    # none before the first
+    assert not any("| val" in line for line in drawn if line.startswith(("step 1/", "step 2/")))
     assert drawn[-1].startswith("step 4/4") and drawn[-1].endswith(
         f"| val {last['val_loss']:.4g}"
     ), drawn[-3:]
@@ -430,20 +426,22 @@ def wandb_rows(folder):
     from wandb.proto import wandb_internal_pb2
 
     (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    # a 7-byte file header, then 32 KiB blocks
     data, pos, pending, rows = (
         path.read_bytes(),
         7,
         b"",
         [],
-    )  # a 7-byte file header, then 32 KiB blocks
+    )
     while pos + 7 <= len(data):
         if (left := 32768 - pos % 32768) < 7:
             pos += left
             continue  # a block's tail too short for a header is padding
+        # crc32, length, full/first/middle/last
         length, kind = (
             int.from_bytes(data[pos + 4 : pos + 6], "little"),
             data[pos + 6],
-        )  # crc32, length, full/first/middle/last
+        )
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):

@@ -223,9 +223,8 @@ def test_a_third_ctrl_c_abandons_the_save_and_says_so(work):
         and f"the newest checkpoint is out/checkpoints/{newest}." in got["message"]
     ), got["message"]
     assert f"step_{step:012d}.pt" not in _checkpoints(work)
-    assert not [
-        n for n in _checkpoints(work) if ".tmp-" in n or n.startswith(f".step_{step:012d}")
-    ]  # the abandoned save left no temp file, and no hash record of a file that is not there
+    # the abandoned save left no temp file, and no hash record of a file that is not there
+    assert not [n for n in _checkpoints(work) if ".tmp-" in n or n.startswith(f".step_{step:012d}")]
     from speedtronic.checkpoint import CheckpointManager
 
     assert CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 3
@@ -306,9 +305,8 @@ def test_cli_sigterm_saves_and_exits_143(work):
     assert "Traceback" not in "".join(child.err)
     from speedtronic.checkpoint import CheckpointManager
 
-    assert (
-        CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 5
-    )  # the step in flight completes
+    # the step in flight completes
+    assert CheckpointManager(work / "out" / "checkpoints").load_latest()["step"] == 5
 
 
 # ----------------------------------------------------- a Ctrl-C in a step that owes a held-out eval

@@ -203,9 +203,8 @@ def test_kill_and_resume_from_the_cli_is_bit_exact(tmp_path):
     )
     try:
         lines = []
-        for line in iter(
-            proc.stderr.readline, ""
-        ):  # ends at "held", or at the end of a child that never held
+        # ends at "held", or at the end of a child that never held
+        for line in iter(proc.stderr.readline, ""):
             lines.append(line)
             if line == "held\n":
                 break
@@ -271,6 +270,5 @@ def test_adamw_checkpoint_is_refused_by_a_muon_run_and_kept(tmp_path):
         and "Muon keeps one momentum matrix" in message
     ), message
     assert message.count("optimizer.") == 1, message  # one reason, not two
-    assert {
-        p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()
-    } == before  # saved work intact
+    # saved work intact
+    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoints").iterdir()} == before

@@ -394,9 +394,8 @@ def test_newton_schulz_is_finite_on_degenerate_input(rows, cols, rank, seed):
     assert torch.linalg.svdvals(U).max() < 1.25
     if rank == 0:
         assert torch.equal(U, torch.zeros(rows, cols))
-    assert torch.isfinite(
-        newton_schulz(torch.full((rows, cols), 3e38))
-    ).all()  # norm overflows: still finite
+    # norm overflows: still finite
+    assert torch.isfinite(newton_schulz(torch.full((rows, cols), 3e38))).all()
 
 
 def test_orthogonalize_batches_equal_single():
@@ -436,9 +435,8 @@ def test_cautious_masks_exactly_the_disagreeing_entries():
         g = torch.randn(50)
         g[:5] = 0.0  # no gradient: decay is suppressed there too
         old = w.detach().clone()
-        plain.load_state_dict(
-            copy.deepcopy(cautious.state_dict())
-        )  # load_state_dict may alias tensors
+        # load_state_dict may alias tensors
+        plain.load_state_dict(copy.deepcopy(cautious.state_dict()))
         with torch.no_grad():
             twin.copy_(w)
         w.grad, twin.grad = g.clone(), g.clone()
@@ -572,9 +570,8 @@ def test_resuming_across_optimizer_families():
             opt = build_optimizer(model, cfg, "cpu")
             same_family = OPTIMIZERS[saved]["name"] == cfg["name"]
             if same_family:
-                load_optimizer_state(
-                    opt, states[saved], model
-                )  # cautious / muon_plus carry no state
+                # cautious / muon_plus carry no state
+                load_optimizer_state(opt, states[saved], model)
             else:
                 with pytest.raises(
                     ValueError, match="Muon keeps one momentum matrix per hidden weight"

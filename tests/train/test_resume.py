@@ -218,9 +218,8 @@ def test_another_runs_checkpoint_linked_in_is_not_adopted(tmp_path):
     (own / "step_000000000006.pt").symlink_to(
         tmp_path / "a" / "checkpoints" / "step_000000000006.pt"
     )
-    (own / "step_000000000004.pt").write_bytes(
-        (own / "step_000000000002.pt").read_bytes()
-    )  # step 2 under step 4's name
+    # step 2 under step 4's name
+    (own / "step_000000000004.pt").write_bytes((own / "step_000000000002.pt").read_bytes())
     cfg.write_text(cfg.read_text().replace("max_steps: 2", "max_steps: 4"))
     proc = ok(run_cli("train", "--config", str(cfg), "--device", "cpu", "--resume", cwd=tmp_path))
     log = proc.stdout + proc.stderr

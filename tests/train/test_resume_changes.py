@@ -255,12 +255,13 @@ def test_new_muon_settings_are_applied_and_reported(tmp_path):
     )
     assert "optimizer.muon_scale 'match_rms_adamw' -> 'original'" in proc.stdout
     assert "optimizer settings are kept" not in proc.stdout + proc.stderr
+    # the Muon group's rate is logged
     assert [r["lr"] for r in steps(tmp_path / "metrics.jsonl")] == [
         1e-3,
         1e-3,
         0.02,
         0.02,
-    ]  # the Muon group's rate is logged
+    ]
 
 
 def test_a_resumed_runs_history_holds_only_its_own_records(first_run):
@@ -292,9 +293,8 @@ def test_a_resumed_runs_history_holds_only_its_own_records(first_run):
     config = SpeedtronicConfig.load(write(first_run, run={"max_steps": 4}))
     result = train_from_config(config, resume=True, device="cpu")
     assert [m["step"] for m in result.metrics] == [1, 2, 3, 4]
-    assert [
-        (m["step"], m["loss"]) for m in result.metrics[:2]
-    ] == a_steps  # A's own steps 1-2, not B's
+    # A's own steps 1-2, not B's
+    assert [(m["step"], m["loss"]) for m in result.metrics[:2]] == a_steps
 
 
 # ---------------------------------------------------------------- a resume keeps the target it was
@@ -474,9 +474,8 @@ def test_nothing_to_train_names_the_flag(cosine_run):
     assert "--max-steps 8 trains 4 more steps" in said and "max_steps: " not in said, said
     # a pipe gets the closing lines (no update made), never a `loss=None`
     assert "no update made" in proc.stdout and "loss=None" not in proc.stdout, proc.stdout
-    shown = in_a_terminal(
-        cosine_run, "--resume"
-    )  # a person: no loss and no held-out loss of step 4
+    # a person: no loss and no held-out loss of step 4
+    shown = in_a_terminal(cosine_run, "--resume")
     assert "--max-steps 8 trains 4 more steps" in shown, shown
     assert "nothing trained: the run is at step 4, its target" in shown, shown
     assert "held-out loss" not in shown and "loss=None" not in shown, shown

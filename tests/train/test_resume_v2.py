@@ -26,10 +26,11 @@ def test_v2_checkpoint_resumes_from_the_cli(tmp_path):
         p.chmod(p.stat().st_mode | stat.S_IWUSR)
     (work / "run").rename(work / "moved")  # the run's folder is now elsewhere
     raw = yaml.safe_load((work / "config.yaml").read_text())
+    # our retention keeps one of its own files
     raw["max_steps"], raw["checkpoint"]["keep_last"] = (
         12,
         1,
-    )  # our retention keeps one of its own files
+    )
     (work / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     res = subprocess.run(
         [
@@ -60,15 +61,17 @@ def test_v2_checkpoint_resumes_from_the_cli(tmp_path):
         "None"
     ), last
     saved = sorted(p.name for p in (work / "moved" / "checkpoints").glob("step_*.pt"))
+    # 2.0's files are not ours to prune
     assert saved == [
         "step_000000000004.pt",
         "step_000000000008.pt",
         "step_000000000012.pt",
-    ]  # 2.0's files are not ours to prune
+    ]
+    # its metrics followed the folder
     assert [r["step"] for r in jsonl_records(work / "moved" / "metrics.jsonl")][8:] == [
         9,
         10,
         11,
         12,
-    ]  # its metrics followed the folder
+    ]
     assert not (work / "run").exists()

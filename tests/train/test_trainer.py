@@ -143,11 +143,12 @@ DICT = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": LABELS}
         (torch.full((2, 5, 7), 0.5), DICT, 0.5),  # 3-D tensor is a loss
         ((LOGITS, "aux"), (DICT["input_ids"], LABELS), CE_FULL),  # tuple of causal logits
         ((torch.tensor(4.0), LOGITS), DICT, 4.0),  # tuple with scalar first
+        # incompatible labels
         (
             (torch.full((2, 5, 7), 2.0),),
             (DICT["input_ids"], LABELS[:, :2]),
             2.0,
-        ),  # incompatible labels
+        ),
     ],
 )
 def test_loss_resolution_table(output, batch, expected):
@@ -276,9 +277,8 @@ class Poisonable(nn.Module):
         if int(bad) == 1:
             loss = loss * float("nan")
         if int(bad) == 2:
-            loss = (
-                loss + (self.lin.weight - self.lin.weight.detach()).abs().sqrt().sum()
-            )  # 0, gradient 0 * inf
+            # 0, gradient 0 * inf
+            loss = loss + (self.lin.weight - self.lin.weight.detach()).abs().sqrt().sum()
         if int(bad) == 3:
             loss = loss + torch.tensor(float("inf"))  # a constant: the gradients stay finite
         return {"loss": loss}
@@ -335,16 +335,14 @@ def regression_run(data, steps, *, skips=0, clip=None, every=1):
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["norm", "clip"])
 def test_a_skipped_nonfinite_update_leaves_everything_as_if_the_batch_was_never_there(clip):
-    poisoned = regression_batches(
-        11, bad={3: 1, 7: 2, 9: 3}
-    )  # each kind of bad update once, each alone
+    # each kind of bad update once, each alone
+    poisoned = regression_batches(11, bad={3: 1, 7: 2, 9: 3})
     clean = [b for b in poisoned if int(b["bad"]) == 0]
     t, log = regression_run(poisoned, 8, skips=1, clip=clip)
     ref, _ = regression_run(clean, 8, clip=clip)
     result, expected = t.fit(), ref.fit()
-    assert all(
-        torch.equal(p, r) for p, r in zip(t.model.parameters(), ref.model.parameters())
-    )  # no bit of a skipped update
+    # no bit of a skipped update
+    assert all(torch.equal(p, r) for p, r in zip(t.model.parameters(), ref.model.parameters()))
     assert (
         t.optimizer.state_dict()["state"][0]["step"]
         == ref.optimizer.state_dict()["state"][0]["step"]

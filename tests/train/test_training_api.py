@@ -107,9 +107,8 @@ def _can_write_read_only_folders(tmp: Path) -> bool:
 
 
 def test_read_only_checkpoint_directory_is_refused_up_front(tmp_path):
-    if _can_write_read_only_folders(
-        tmp_path
-    ):  # root: run this very test again without the capability that ignores modes
+    # root: run this very test again without the capability that ignores modes
+    if _can_write_read_only_folders(tmp_path):
         assert not os.environ.get("SPEEDTRONIC_NO_DAC"), "setpriv did not drop CAP_DAC_OVERRIDE"
         setpriv = shutil.which("setpriv")
         if setpriv is None:
