@@ -610,58 +610,52 @@ class GlobalEvaluator:
         self._queue.put(None)
         self._thread.join(timeout)
 
-# %% ../nbs/train/07_evaluation.ipynb #eb750ef0
-@patch
-def _evaluate_version(
-    self: GlobalEvaluator, version: int, state: Mapping[str, torch.Tensor]
-) -> None:
-    "Load `state` into the copy, evaluate it, emit `global_eval` (a failure is a warning)."
-    e = self.evaluator
-    try:
-        self.model.load_state_dict(state)
-        if e._start is not None:
-            e.loader.load_state_dict(e._start)
-        result = evaluate(
-            self.model,
-            e.loader,
-            max_batches=e.max_batches,
-            device="cpu",
-            bytes_per_token=e.bytes_per_token,
-        )
-    except Exception as err:
-        if self.logger is not None:
-            self.logger.warning(
-                f"global model version {version}: held-out evaluation failed: "
-                f"{type(err).__name__}: {err}"
+    def _evaluate_version(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        "Load `state` into the copy, evaluate it, emit `global_eval` (a failure is a warning)."
+        e = self.evaluator
+        try:
+            self.model.load_state_dict(state)
+            if e._start is not None:
+                e.loader.load_state_dict(e._start)
+            result = evaluate(
+                self.model,
+                e.loader,
+                max_batches=e.max_batches,
+                device="cpu",
+                bytes_per_token=e.bytes_per_token,
             )
-        return
-    self.results[version] = result
-    if self.logger is not None and callable(getattr(self.logger, "emit", None)):
-        record = {
-            "outer_step": version,
-            "global_val_loss": result.loss,
-            "global_val_ppl": result.ppl,
-            "global_val_bpb": result.bpb,
-            "val_tokens": result.tokens,
-            "val_batches": result.batches,
-            "eval_s": result.elapsed_s,
-        }
-        try:
-            self.logger.emit("global_eval", record)
-        except RuntimeError:
-            pass  # a closed logger must not end the thread
+        except Exception as err:
+            if self.logger is not None:
+                self.logger.warning(
+                    f"global model version {version}: held-out evaluation failed: "
+                    f"{type(err).__name__}: {err}"
+                )
+            return
+        self.results[version] = result
+        if self.logger is not None and callable(getattr(self.logger, "emit", None)):
+            record = {
+                "outer_step": version,
+                "global_val_loss": result.loss,
+                "global_val_ppl": result.ppl,
+                "global_val_bpb": result.bpb,
+                "val_tokens": result.tokens,
+                "val_batches": result.batches,
+                "eval_s": result.elapsed_s,
+            }
+            try:
+                self.logger.emit("global_eval", record)
+            except RuntimeError:
+                pass  # a closed logger must not end the thread
 
-
-@patch
-def _run(self: GlobalEvaluator) -> None:
-    "The thread: evaluate queued versions in order until `close`."
-    while (item := self._queue.get()) is not None:
-        try:
-            self._evaluate_version(*item)
-        finally:
-            with self._done:
-                self._pending -= 1
-                self._done.notify_all()
+    def _run(self) -> None:
+        "The thread: evaluate queued versions in order until `close`."
+        while (item := self._queue.get()) is not None:
+            try:
+                self._evaluate_version(*item)
+            finally:
+                with self._done:
+                    self._pending -= 1
+                    self._done.notify_all()
 
 # %% ../nbs/train/07_evaluation.ipynb #a32dc610
 def holdout_note(config: SpeedtronicConfig) -> str | None:

@@ -322,6 +322,29 @@ class CausalSelfAttention(nn.Module):
             )
         return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
+    def _forward_cached(
+        self, x: torch.Tensor, rope: RotaryEmbedding, cache: LayerCache
+    ) -> torch.Tensor:
+        """Attention for the positions after those `cache` holds, appending their keys and values to
+        it."""
+        B, T, _ = x.shape
+        start = cache.length
+        q, k = self._heads(self.q_proj(x), self.n_head), self._heads(self.k_proj(x), self.n_kv_head)
+        v = self._heads(self.v_proj(x), self.n_kv_head)
+        cos, sin = rope(start + T, x.device, q.dtype)
+        q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
+        k, v, extra = self._shared_kv(*cache.extend(k, v))
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
+        elif T == 1:
+            y = F.scaled_dot_product_attention(q, k, v, **extra)
+        else:
+            allowed = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(
+                diagonal=start
+            )
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **extra)
+        return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, -1)))
+
 # %% ../nbs/models/01_model.ipynb #b3ed387a
 def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     "Reference causal attention by explicit softmax (for tests and benchmarks)."
@@ -437,40 +460,56 @@ class ReferenceTransformer(nn.Module):
         "Build from a `GPTConfig`."
         return cls(**{f.name: getattr(config, f.name) for f in fields(GPTConfig)})
 
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        **_,
+    ) -> dict[str, torch.Tensor]:
+        """Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given; `cache`
+        continues a sequence."""
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}"
+            )
+        B, T = input_ids.shape
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {T} exceeds model block size {self.config.block_size}; "
+                f"raise model.max_seq_len or lower data.block_size"
+            )
+        if cache is not None:
+            cache.check_room(T, attention_mask)
+        mask = prepare_attention_mask(attention_mask, B, T) if cache is None else None
+        x = self.transformer.drop(self.transformer.wte(input_ids))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, self.rope, mask, None if cache is None else cache.layers[i])
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if labels is None:
+            return {"logits": logits}
+        return {"logits": logits, "loss": causal_lm_loss(logits, labels)}
+
+    def new_cache(self, max_len: int | None = None) -> KVCache:
+        """An empty `KVCache` for this model, `max_len` positions long (default and most:
+        `max_seq_len`)."""
+        limit = self.config.block_size
+        if max_len is not None and not 0 < max_len <= limit:
+            raise ValueError(
+                f"max_len must be in 1..{limit} (the model's max_seq_len), got {max_len}"
+            )
+        return KVCache(self.config.n_layer, max_len or limit)
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        "Recompute each block in the backward pass (less memory, more compute) when `enabled`."
+        self.gradient_checkpointing = bool(enabled)
+        for block in self.transformer.h:
+            block.gradient_checkpointing = bool(enabled)
+
 
 GPT = Transformer = ReferenceModel = GPTModel = ReferenceTransformer
-
-# %% ../nbs/models/01_model.ipynb #7c5c4dce
-@patch
-def forward(
-    self: ReferenceTransformer,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    *,
-    cache: KVCache | None = None,
-    **_,
-) -> dict[str, torch.Tensor]:
-    """Logits `(B, T, V)` for `input_ids` `(B, T)`, plus `loss` when `labels` are given; `cache`
-    continues a sequence."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be 2-D (batch, seq), got shape {tuple(input_ids.shape)}")
-    B, T = input_ids.shape
-    if T > self.config.block_size:
-        raise ValueError(
-            f"sequence length {T} exceeds model block size {self.config.block_size}; "
-            f"raise model.max_seq_len or lower data.block_size"
-        )
-    if cache is not None:
-        cache.check_room(T, attention_mask)
-    mask = prepare_attention_mask(attention_mask, B, T) if cache is None else None
-    x = self.transformer.drop(self.transformer.wte(input_ids))
-    for i, block in enumerate(self.transformer.h):
-        x = block(x, self.rope, mask, None if cache is None else cache.layers[i])
-    logits = self.lm_head(self.transformer.ln_f(x))
-    if labels is None:
-        return {"logits": logits}
-    return {"logits": logits, "loss": causal_lm_loss(logits, labels)}
 
 # %% ../nbs/models/01_model.ipynb #13656589
 def causal_lm_loss(
@@ -491,37 +530,6 @@ def causal_lm_loss(
     flat = labels.reshape(-1).long()
     total = F.cross_entropy(logits.reshape(-1, V), flat, ignore_index=ignore_index, reduction="sum")
     return total / (flat != ignore_index).sum().clamp(min=1)
-
-# %% ../nbs/models/01_model.ipynb #cd141144
-@patch
-def _forward_cached(
-    self: CausalSelfAttention, x: torch.Tensor, rope: RotaryEmbedding, cache: LayerCache
-) -> torch.Tensor:
-    "Attention for the positions after those `cache` holds, appending their keys and values to it."
-    B, T, _ = x.shape
-    start = cache.length
-    q, k = self._heads(self.q_proj(x), self.n_head), self._heads(self.k_proj(x), self.n_kv_head)
-    v = self._heads(self.v_proj(x), self.n_kv_head)
-    cos, sin = rope(start + T, x.device, q.dtype)
-    q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
-    k, v, extra = self._shared_kv(*cache.extend(k, v))
-    if start == 0:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
-    elif T == 1:
-        y = F.scaled_dot_product_attention(q, k, v, **extra)
-    else:
-        allowed = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **extra)
-    return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, -1)))
-
-# %% ../nbs/models/01_model.ipynb #e1b0af18
-@patch
-def new_cache(self: ReferenceTransformer, max_len: int | None = None) -> KVCache:
-    "An empty `KVCache` for this model, `max_len` positions long (default and most: `max_seq_len`)."
-    limit = self.config.block_size
-    if max_len is not None and not 0 < max_len <= limit:
-        raise ValueError(f"max_len must be in 1..{limit} (the model's max_seq_len), got {max_len}")
-    return KVCache(self.config.n_layer, max_len or limit)
 
 # %% ../nbs/models/01_model.ipynb #c9b32773
 def reference_state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -546,14 +554,6 @@ def reference_state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]
         )
     shapes.update({"transformer.ln_f.weight": (d,), "lm_head.weight": (V, d)})
     return shapes
-
-# %% ../nbs/models/01_model.ipynb #6f98a37b
-@patch
-def set_gradient_checkpointing(self: ReferenceTransformer, enabled: bool = True) -> None:
-    "Recompute each block in the backward pass (less memory, more compute) when `enabled`."
-    self.gradient_checkpointing = bool(enabled)
-    for block in self.transformer.h:
-        block.gradient_checkpointing = bool(enabled)
 
 # %% ../nbs/models/01_model.ipynb #e893fd68
 _NORM_TYPES = (RMSNorm, nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d)
