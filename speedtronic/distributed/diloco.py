@@ -19,10 +19,9 @@ import uuid
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from fastcore.basics import patch
 
 from speedtronic.config import (
     ConfigError,
@@ -70,7 +69,7 @@ from ..trainer import TrainingInterrupted
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'DumbDiLoCo', 'RUN_RECORD', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR',
+__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'RUN_RECORD', 'DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR',
            'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'upload_delta', 'at_boundary',
            'sent_and_kept', 'on_upload_done', 'on_upload_failed', 'on_global', 'master_of', 'predecessors',
            'global_problem', 'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from',
@@ -484,6 +483,9 @@ def node_state_from(
     )
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #4b6e218b
+RUN_RECORD = "run.json"  # in a node's state directory: the run it joined
+
+
 class DumbDiLoCoCoordinator:
     """DiLoCo for one node: the shell around its `NodeState` (threads, transport calls, signals,
     files); on the master the outer loop too."""
@@ -503,10 +505,8 @@ class DumbDiLoCoCoordinator:
         self.config = cfg = as_section(config, DistributedConfig)
         self.model, self.logger, self.data_fingerprint = model, logger, data_fingerprint
         self.node_id, self.role = node_id(cfg), resolve_role(cfg)
-        self.inner_steps, self.poll_interval = (
-            int(cfg.inner_steps),
-            float(cfg.poll_interval),
-        )  # the round length; seconds between polls
+        self.inner_steps = int(cfg.inner_steps)  # the round length
+        self.poll_interval = float(cfg.poll_interval)  # seconds between polls
         self.topk = TopK(cfg.topk_density, cfg.topk_bits, cfg.topk_chunk)  # delta_dtype: topk
         self.state_root = (
             Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
@@ -514,11 +514,7 @@ class DumbDiLoCoCoordinator:
         self.state_root.mkdir(parents=True, exist_ok=True)
         self.fresh, self.overwrite = resume is False, bool(overwrite) and resume is not True
         self._left_run = self._clear_records() if self.overwrite else ""  # the run it leaves
-        self.lock, self._stop, self._poll_due = (
-            threading.RLock(),
-            threading.Event(),
-            threading.Event(),
-        )
+        self.lock, self._stop = threading.RLock(), threading.Event()
         self.transport = (
             node_transport(hub)  # one offering only 2.0's calls: a node's calls over them
             if hub is not None
@@ -531,45 +527,23 @@ class DumbDiLoCoCoordinator:
                 folded=lambda: self.state.folded_step,
             )
         )
-        floating_state(
-            model.state_dict()
-        )  # complex parameters: refuse now, not at the first boundary
+        floating_state(model.state_dict())  # complex parameters: refuse now, not at a boundary
         self.state = NodeState(uuid.uuid4().hex[:12], cpu_state_dict(model.state_dict()))
         self._phase = _CoordinatorPhase.CREATED  # where it is in its life (`started`)
-        self._opened = self._terminated = (
-            False  # _opened: the repository was checked; _terminated: SIGTERM came in a wait
-        )
-        self._woken, self._last_poll, self._seen_tag = (
-            threading.Event(),
-            0.0,
-            None,
-        )  # _woken: a wait ends now
-        self._candidate: tuple[int, dict, int] | None = (
-            None  # the poll's newest global: (version, tensors, folded step)
-        )
-        self._rebase: tuple[int, dict, int] | None = None  # a global held until the step it holds
+        self._opened = False  # the repository was checked (once in the coordinator's life)
         self.target_step: int | None = None  # the step the fit trains to (`set_target`)
-        self._threads, self._uploading = (
-            [],
-            None,
-        )  # the background threads; the newest upload thread
-        self._prepared, self._fatal = (
-            None,
-            None,
-        )  # a checkpoint entry `start()` applies; a background thread's error
-        self.installs, self.outer = (
-            0,
-            None,
-        )  # globals installed so far (a torchrun node broadcasts after each); the master's loop
-        # on a master: given `(version, state)` of each published global (see `_published`)
+        self._threads: list[threading.Thread] = []  # the background threads
+        self._prepared: Mapping[str, Any] | None = None  # a checkpoint entry `start()` applies
+        self._fatal: BaseException | None = None  # a background thread's error
+        self.installs = 0  # globals installed so far (a torchrun node broadcasts after each)
+        self.outer: MasterOuterLoop | None = None  # the master's outer loop
+        # on a master: given `(version, state)` of each published global (`_MasterSide.published`)
         self.global_watcher: Any = None
-        self._seen_repo: tuple[int, Mapping[str, Any]] | None = (
-            None  # (version, version-file extras) of the newest global it accepted
-        )
-        self._refused: set[tuple[int, str]] = (
-            set()
-        )  # (version, why) of globals it refused, said once
         self.hub_report: HubReport | None = None  # a master through the Hub: what it says of it
+        # its parts: each holds this node and works on the state above
+        self._uploads, self._installs, self._polls = _Uploads(self), _Installs(self), _Polls(self)
+        self._waits, self._startup = _Waits(self), _Startup(self)
+        self._master_side, self._ending = _MasterSide(self), _Ending(self)
 
     @property
     def started(self) -> bool:
@@ -582,10 +556,12 @@ class DumbDiLoCoCoordinator:
         return self.outer.outer_step if self.outer is not None else max(self.state.version, 0)
 
     def _log(self, level: str, message: str) -> None:
+        "A line in the run's log at `level`, naming this node."
         if self.logger is not None:
             getattr(self.logger, level)(f"diloco {self.node_id}: {message}")
 
     def _where(self) -> str:
+        "The repository, as messages name it."
         return describe_repository(self.transport)
 
     def _counts(self) -> TransferCounts:
@@ -593,9 +569,149 @@ class DumbDiLoCoCoordinator:
         return getattr(self.transport, "counts", None) or TransferCounts()
 
     def _emit(self, event: str, payload: dict) -> None:
+        "An event for the run's logger, when it takes events."
         if self.logger is not None and callable(getattr(self.logger, "emit", None)):
             with contextlib.suppress(RuntimeError):
                 self.logger.emit(event, payload)
+
+    def _clear_records(self) -> str:
+        """`--overwrite`: delete the node's state directory; the id of the run it had joined ("":
+        none)."""
+        try:
+            left = json.loads((self.state_root / RUN_RECORD).read_text()).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            left = None
+        shutil.rmtree(self.state_root, ignore_errors=True)
+        self.state_root.mkdir(parents=True, exist_ok=True)
+        return str(left or "")
+
+    def _ensure_open(self) -> None:
+        """Check the repository (a public or missing one is fatal) once, before the first exchange;
+        a transport without `open` is not checked."""
+        if not self._opened:
+            if callable(getattr(self.transport, "open", None)):
+                self.transport.open(create=False, private=True)
+            self._opened = True
+
+    def _raise_fatal(self) -> None:
+        "Raise a fatal error a background thread recorded (the master's loop included)."
+        error = self._fatal or (self.outer.error if self.outer is not None else None)
+        if error is not None:
+            raise (
+                error
+                if isinstance(error, HubError)
+                else HubError(f"DiLoCo background work failed: {type(error).__name__}: {error}")
+            )
+
+    def _folded_in(self, ledger: Ledger) -> int:
+        "The step of this session's newest delta that `ledger`'s global holds (-1: none)."
+        return ledger.nodes.get(self.node_id, {}).get("sessions", {}).get(self.state.session, -1)
+
+    def set_target(self, step: int) -> None:
+        """The step the trainer's `fit` trains to: the delta sent at that step is marked as this
+        node's last, so a master's final round need not wait for another."""
+        self.target_step = int(step)
+
+    def after_optimizer_step(self, model: torch.nn.Module, step: int) -> SyncResult:
+        """Send at a boundary (and wait for its fold with `boundary_wait`), install a newer global;
+        true when the trainer should clear the inner optimizer."""
+        if model is not self.model:
+            raise ValueError(
+                "DumbDiLoCoCoordinator.after_optimizer_step got a different model than the one it "
+                "was built with"
+            )
+        self._raise_fatal()
+        with self.lock:
+            self.state = replace(self.state, step=int(step))
+        boundary, pushed = step % self.inner_steps == 0, False
+        if boundary:
+            last = self.target_step is not None and step >= self.target_step
+            pushed = self._uploads.send(step, final=last)  # a step a held global holds: no delta
+        installed = [self._installs.install_rebase(boundary)]
+        if boundary and self.config.boundary_wait > 0:
+            installed += self._waits.for_fold()
+        installed.append(self._installs.install_candidate())
+        if not any(installed):
+            installed.append(self._polls.ask(force=boundary))
+        done = [i for i in installed if i is not None]
+        return SyncResult(
+            pushed,
+            bool(done),
+            self.outer_step,
+            bool(self.config.reset_inner_optimizer and any(i.reset for i in done)),
+        )
+
+    def start(self) -> None:
+        """Open the repository, restore prepared state, start the outer loop (master) and the
+        background threads."""
+        self._startup.start()
+
+    def stop(self) -> None:
+        """Stop uploads, polling and the master's loop (bounded waits; an upload in flight is kept
+        for the checkpoint)."""
+        if not self.started:
+            return
+        with self.lock:
+            self._phase = _CoordinatorPhase.STOPPING  # no delta is sent from now on
+        timeout = float(self.config.delta_upload_shutdown_timeout)
+        if not self._uploads.wait(timeout):
+            self._log(
+                "warning",
+                f"an upload did not finish within {timeout:g} s; it is kept for the next start",
+            )
+        self._stop.set()
+        self._polls.due.set()
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
+                self._log("warning", f"{t.name} did not stop within {timeout:g} s")
+        if self.outer is not None:
+            self.outer.stop()
+        if self.global_watcher is not None:
+            self._master_side.watcher_caught_up(timeout)
+        self._phase = _CoordinatorPhase.STOPPED
+
+    def finish(self, model: torch.nn.Module, step: int) -> None:
+        """End of the run: send the last delta; the master folds everyone's last deltas and installs
+        the final global."""
+        self._ending.finish(model, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The coordinator's checkpoint entry: its `NodeState` (`node_checkpoint`), who wrote it,
+        and on the master the outer state."""
+        with self.lock:
+            entry = node_checkpoint(self.state)
+        return {
+            **entry,
+            "node_id": self.node_id,
+            "role": self.role,
+            "outer": self.outer.state_dict() if self.outer is not None else None,
+        }
+
+    def prepare_state(self, state: Mapping[str, Any] | None) -> None:
+        """Keep a checkpoint's coordinator entry for `start()` to apply before it reads the
+        repository."""
+        self._prepared = dict(state) if state else None
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Restore a checkpoint entry now (before `start()`: like `prepare_state`; after: all but
+        the base weights)."""
+        if not state:
+            return
+        if not self.started:
+            return self.prepare_state(state)
+        self._log(
+            "warning",
+            "coordinator state restored after start(): keeping the current baseline so no bogus "
+            "delta is sent",
+        )
+        with self.lock:
+            self.state = replace(
+                node_state_from(state, self.state.base, self.state.session, self.inner_steps),
+                base=self.state.base,
+            )
+        if self.state.in_flight is not None:
+            self._uploads.dispatch(self.state.in_flight)  # held in the entry: sent now, as start()
 
 
 DumbDiLoCo = DumbDiLoCoCoordinator
@@ -609,330 +725,343 @@ class _CoordinatorPhase(enum.Enum):
     STOPPING = "stopping"  # in `stop()`: no delta is sent; uploads and threads are ending
     STOPPED = "stopped"  # stopped; `start()` runs it again
 
-# %% ../../nbs/diloco/06_distributed_diloco.ipynb #968d48c3
-RUN_RECORD = "run.json"  # in a node's state directory: the run it joined
-
-
-@patch
-def _clear_records(self: DumbDiLoCoCoordinator) -> str:
-    '`--overwrite`: delete the node\'s state directory; the id of the run it had joined ("": none).'
-    try:
-        left = json.loads((self.state_root / RUN_RECORD).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        left = None
-    shutil.rmtree(self.state_root, ignore_errors=True)
-    self.state_root.mkdir(parents=True, exist_ok=True)
-    return str(left or "")
-
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #108c8cbf
-@patch
-def _send(self: DumbDiLoCoCoordinator, step: int, final: bool = False) -> bool:
-    """`at_boundary` on the model's weights at `step`, and the upload dispatched; False when nothing
-    was sent."""
-    weights = cpu_state_dict(self.model.state_dict())
-    with self.lock:
-        if self._phase is not _CoordinatorPhase.RUNNING:  # only a running node sends
-            return False
-        try:
-            replay = self._rebase is not None and self._rebase[2] == step  # see `_install_rebase`
-            self.state, out = at_boundary(
-                self.state,
-                weights,
-                step,
-                self.config.delta_dtype,
-                final,
-                replay,
-                self.topk,
-                self.config.feedback_decay,
-            )
-            kept = self.state.carry  # the residual this delta leaves for the next
-        except ValueError as e:
-            return (
-                self._log("error", f"cannot compute pseudo-gradient at step {step}: {e}") or False
-            )
-    if isinstance(out, str):
-        return self._emit("delta_upload_skipped", {"step": step, "reason": out}) or False
-    self._emit(
-        "delta_upload_queued",
-        {
-            "step": step,
-            "node_id": self.node_id,
-            "base_outer_step": out.base_outer_step,
-            "inner_steps": out.steps,
-            "bytes": wire_bytes(out.delta),
-            **sent_and_kept(out, kept),
-        },
-    )
-    self._dispatch(out)
-    if self.hub_report is not None:  # a master through the Hub: its plan, then its spend
-        for level, line in self.hub_report.at_boundary(step, time.monotonic(), self._counts()):
-            self._log(level, line)
-        if self.hub_report.split_due:  # hub_layout auto, and one repository would not do
-            self.hub_report.split_due = False
-            if not (isinstance(self.transport, PerNodeHub) and self.transport.split_now()):
-                self._log(
-                    "warning",
-                    "Hub layout auto: staying on the run's repository: its client cannot list "
-                    "the node repositories (huggingface_hub's list_models); upgrade it",
+class _Uploads:
+    """The delta leaving a node: computed at a boundary, written and committed on an upload thread
+    of its own (or at once), and the repository's answer taken back into the node's state."""
+
+    def __init__(self, node: DumbDiLoCoCoordinator):
+        self.node = node
+        self.uploading: threading.Thread | None = None  # the newest upload thread
+
+    def send(self, step: int, final: bool = False) -> bool:
+        """`at_boundary` on the model's weights at `step`, and the upload dispatched; False when
+        nothing was sent."""
+        node = self.node
+        weights = cpu_state_dict(node.model.state_dict())
+        with node.lock:
+            if node._phase is not _CoordinatorPhase.RUNNING:  # only a running node sends
+                return False
+            try:
+                held = node._installs.rebase  # see `_Installs.install_rebase`
+                replay = held is not None and held[2] == step
+                node.state, out = at_boundary(
+                    node.state,
+                    weights,
+                    step,
+                    node.config.delta_dtype,
+                    final,
+                    replay,
+                    node.topk,
+                    node.config.feedback_decay,
                 )
-    return True
-
-
-@patch
-def _dispatch(self: DumbDiLoCoCoordinator, job: Upload) -> None:
-    "Upload `job` on its own thread (`async_delta_upload`, once started), else now."
-    if not (self.config.async_delta_upload and self.started):
-        return self._upload(job)
-    self._uploading = threading.Thread(
-        target=self._upload, args=(job,), name="speedtronic-diloco-upload", daemon=True
-    )
-    self._threads = [t for t in self._threads if t.is_alive()] + [self._uploading]
-    self._uploading.start()
-
-
-@patch
-def _upload(self: DumbDiLoCoCoordinator, job: Upload) -> None:
-    """Write `job` as a delta file and commit it; then `on_upload_done`, or `on_upload_failed` when
-    the repository cannot be reached."""
-    local = self.state_root / "outgoing" / f"delta_{job.step}.safetensors"
-    dtypes = {t.dtype for t in job.delta.values()}
-    encoding = job.header.get("encoding") or (  # a job saved before uploads kept their header
-        "int8" if torch.int8 in dtypes else "bfloat16" if torch.bfloat16 in dtypes else "float32"
-    )
-    header = delta_header(
-        node_id=self.node_id,
-        local_step=job.step,
-        base_outer_step=job.base_outer_step,
-        inner_steps=job.steps,
-        encoding=encoding,
-        session=self.state.session,
-        final=job.final,
-        extra=job.header,
-    )
-    if self.state.run_id:
-        header = {**header, "run_id": self.state.run_id}  # a master of another run refuses it
-    if self.data_fingerprint:
-        header = {**header, DATA_HEADER: self.data_fingerprint}  # the master compares the nodes'
-    try:
-        self._ensure_open()
-        save_safetensors(job.delta, local, header)
-        self.transport.upload(
-            {delta_path(self.node_id, job.step): local},
-            message=f"{self.node_id}: delta at step {job.step}",
+                kept = node.state.carry  # the residual this delta leaves for the next
+            except ValueError as e:
+                return (
+                    node._log("error", f"cannot compute pseudo-gradient at step {step}: {e}")
+                    or False
+                )
+        if isinstance(out, str):
+            return node._emit("delta_upload_skipped", {"step": step, "reason": out}) or False
+        node._emit(
+            "delta_upload_queued",
+            {
+                "step": step,
+                "node_id": node.node_id,
+                "base_outer_step": out.base_outer_step,
+                "inner_steps": out.steps,
+                "bytes": wire_bytes(out.delta),
+                **sent_and_kept(out, kept),
+            },
         )
-    except HubUnavailable as e:
-        with self.lock:
-            self.state = on_upload_failed(self.state, job)
-        self._log(
-            "warning", f"delta of step {job.step} not uploaded, it travels with the next one: {e}"
+        self.dispatch(out)
+        if node.hub_report is not None:  # a master through the Hub: its plan, then its spend
+            for level, line in node.hub_report.at_boundary(step, time.monotonic(), node._counts()):
+                node._log(level, line)
+            if node.hub_report.split_due:  # hub_layout auto, and one repository would not do
+                node.hub_report.split_due = False
+                if not (isinstance(node.transport, PerNodeHub) and node.transport.split_now()):
+                    node._log(
+                        "warning",
+                        "Hub layout auto: staying on the run's repository: its client cannot list "
+                        "the node repositories (huggingface_hub's list_models); upgrade it",
+                    )
+        return True
+
+    def dispatch(self, job: Upload) -> None:
+        "Upload `job` on its own thread (`async_delta_upload`, once started), else now."
+        node = self.node
+        if not (node.config.async_delta_upload and node.started):
+            return self.upload(job)
+        self.uploading = threading.Thread(
+            target=self.upload, args=(job,), name="speedtronic-diloco-upload", daemon=True
         )
-        self._emit("delta_upload_failed", {"step": job.step, "error": str(e)})
-    except BaseException as e:
-        with self.lock:
-            self._fatal = e  # stays in flight: the checkpoint keeps it
-        self._log("error", f"delta upload stopped: {e}")
-    else:
-        with self.lock:
-            self.state = on_upload_done(self.state, job)
-        self._emit("delta_uploaded", {"step": job.step, "bytes": wire_bytes(job.delta)})
-        if self.outer is not None:
-            self.outer.wake()  # the master's own delta: its loop looks now, not at the next poll
-    finally:
-        local.unlink(missing_ok=True)
+        node._threads = [t for t in node._threads if t.is_alive()] + [self.uploading]
+        self.uploading.start()
 
+    def upload(self, job: Upload) -> None:
+        """Write `job` as a delta file and commit it; then `on_upload_done`, or `on_upload_failed`
+        when the repository cannot be reached."""
+        node = self.node
+        local = node.state_root / "outgoing" / f"delta_{job.step}.safetensors"
+        dtypes = {t.dtype for t in job.delta.values()}
+        encoding = job.header.get("encoding") or (  # a job saved before uploads kept their header
+            "int8"
+            if torch.int8 in dtypes
+            else "bfloat16"
+            if torch.bfloat16 in dtypes
+            else "float32"
+        )
+        header = delta_header(
+            node_id=node.node_id,
+            local_step=job.step,
+            base_outer_step=job.base_outer_step,
+            inner_steps=job.steps,
+            encoding=encoding,
+            session=node.state.session,
+            final=job.final,
+            extra=job.header,
+        )
+        if node.state.run_id:
+            header = {**header, "run_id": node.state.run_id}  # a master of another run refuses it
+        if node.data_fingerprint:
+            header = {**header, DATA_HEADER: node.data_fingerprint}  # the master compares them
+        try:
+            node._ensure_open()
+            save_safetensors(job.delta, local, header)
+            node.transport.upload(
+                {delta_path(node.node_id, job.step): local},
+                message=f"{node.node_id}: delta at step {job.step}",
+            )
+        except HubUnavailable as e:
+            with node.lock:
+                node.state = on_upload_failed(node.state, job)
+            node._log(
+                "warning",
+                f"delta of step {job.step} not uploaded, it travels with the next one: {e}",
+            )
+            node._emit("delta_upload_failed", {"step": job.step, "error": str(e)})
+        except BaseException as e:
+            with node.lock:
+                node._fatal = e  # stays in flight: the checkpoint keeps it
+            node._log("error", f"delta upload stopped: {e}")
+        else:
+            with node.lock:
+                node.state = on_upload_done(node.state, job)
+            node._emit("delta_uploaded", {"step": job.step, "bytes": wire_bytes(job.delta)})
+            if node.outer is not None:
+                node.outer.wake()  # the master's own delta: its loop looks now, not next poll
+        finally:
+            local.unlink(missing_ok=True)
 
-@patch
-def _wait_uploads(self: DumbDiLoCoCoordinator, timeout: float) -> bool:
-    "Wait (at most `timeout` seconds) until the newest upload has ended; True when none is running."
-    if self._uploading is not None:
-        self._uploading.join(timeout)
-    return self._uploading is None or not self._uploading.is_alive()
+    def wait(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until the newest upload has ended; True when none is
+        running."""
+        if self.uploading is not None:
+            self.uploading.join(timeout)
+        return self.uploading is None or not self.uploading.is_alive()
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #b31a555f
-@patch
-def _install(
-    self: DumbDiLoCoCoordinator,
-    version: int,
-    tensors: Mapping[str, torch.Tensor],
-    folded: int = -1,
-    keep_progress: bool = True,
-) -> Install | None:
-    "`on_global`, and its weights copied into the model; None when the global is not newer."
-    live = self.model.state_dict()
-    with self.lock, torch.no_grad():
-        try:
-            self.state, out = on_global(self.state, version, tensors, folded, live, keep_progress)
-        except ValueError as e:
-            raise HubError(
-                f"the global model (version {version}) in {self._where()} does not fit this "
-                f"node's model: {e}; every node "
-                "must train the same model (compare the model sections of the nodes' configs)"
-            ) from None
-        if out is None:
-            return None
-        for k, v in out.weights.items():
-            live[k].copy_(
-                v.to(live[k].device, live[k].dtype)
-            )  # computed first: tied weights share storage
-        self.installs += 1
-    self._emit(
-        "global_installed",
-        {"outer_step": int(version), "step": self.state.step, "keys": len(out.weights)},
-    )
-    return out
+class _Installs:
+    """The globals a node installs: the one-slot candidate a poll (or the master's loop) fills,
+    and a global held until a resumed node is back at the step it holds."""
 
+    def __init__(self, node: DumbDiLoCoCoordinator):
+        self.node = node
+        self.candidate: tuple[int, dict, int] | None = None  # (version, tensors, folded step)
+        self.rebase: tuple[int, dict, int] | None = None  # a global held until the step it holds
 
-@patch
-def _install_candidate(self: DumbDiLoCoCoordinator) -> Install | None:
-    "Install the newest global offered if it is newer (one holding steps trained again is held)."
-    with self.lock:
-        candidate, self._candidate = self._candidate, None
-        if candidate is not None and candidate[2] > self.state.step:  # resumed behind its folds
-            if self._rebase is None or candidate[0] > self._rebase[0]:
-                self._rebase = candidate
-            self.state = replace(self.state, folded_step=max(self.state.folded_step, candidate[2]))
-            return None
-    return None if candidate is None else self._install(*candidate)
+    def offer(self, version: int, state: Mapping[str, torch.Tensor], folded: int = -1) -> None:
+        "Put a global in the candidate slot (a newer one replaces an older one not yet installed)."
+        with self.node.lock:
+            if self.candidate is None or version > self.candidate[0]:
+                self.candidate = (int(version), dict(state), int(folded))
 
+    def install(
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        folded: int = -1,
+        keep_progress: bool = True,
+    ) -> Install | None:
+        "`on_global`, and its weights copied into the model; None when the global is not newer."
+        node = self.node
+        live = node.model.state_dict()
+        with node.lock, torch.no_grad():
+            try:
+                node.state, out = on_global(
+                    node.state, version, tensors, folded, live, keep_progress
+                )
+            except ValueError as e:
+                raise HubError(
+                    f"the global model (version {version}) in {node._where()} does not fit this "
+                    f"node's model: {e}; every node "
+                    "must train the same model (compare the model sections of the nodes' configs)"
+                ) from None
+            if out is None:
+                return None
+            for k, v in out.weights.items():  # all computed first: tied weights share storage
+                live[k].copy_(v.to(live[k].device, live[k].dtype))
+            node.installs += 1
+        node._emit(
+            "global_installed",
+            {"outer_step": int(version), "step": node.state.step, "keys": len(out.weights)},
+        )
+        return out
 
-@patch
-def _install_rebase(self: DumbDiLoCoCoordinator, boundary: bool = False) -> Install | None:
-    "The global `_install_candidate` held, installed once the node is back at the step it holds."
-    with self.lock:
-        due = self._rebase
-        if due is None or self.state.step < due[2]:
-            return None
-        self._rebase = None
-    return self._install(*due, keep_progress=boundary)  # after `at_boundary`: nothing unsent
+    def install_candidate(self) -> Install | None:
+        """Install the newest global offered if it is newer (one holding steps trained again is
+        held)."""
+        node = self.node
+        with node.lock:
+            candidate, self.candidate = self.candidate, None
+            if candidate is not None and candidate[2] > node.state.step:  # resumed behind its folds
+                if self.rebase is None or candidate[0] > self.rebase[0]:
+                    self.rebase = candidate
+                node.state = replace(
+                    node.state, folded_step=max(node.state.folded_step, candidate[2])
+                )
+                return None
+        return None if candidate is None else self.install(*candidate)
+
+    def install_rebase(self, boundary: bool = False) -> Install | None:
+        "The global `install_candidate` held, installed once the node is back at the step it holds."
+        with self.node.lock:
+            due = self.rebase
+            if due is None or self.node.state.step < due[2]:
+                return None
+            self.rebase = None
+        return self.install(*due, keep_progress=boundary)  # after `at_boundary`: nothing unsent
+
+    def reach(self) -> int:
+        "The newest step of this session in a global this node accepted (-1: none)."
+        offered = self.candidate[2] if self.candidate is not None else -1
+        return max(self.node.state.folded_step, offered)
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #182989d0
-@patch
-def _fetch_global(self: DumbDiLoCoCoordinator) -> tuple[int, dict, int] | None:
-    """`(version, state, folded step)` of the repository's global when newer than what this node
-    has, else None."""
-    self._ensure_open()
-    tag = self.transport.version_tag() if hasattr(self.transport, "version_tag") else None
-    if tag is not None and tag == self._seen_tag:
-        return None  # the version file has not changed: nothing new
-    repo = self.transport.state()
-    theirs = str(repo.extras.get("run_id") or "")
-    with self.lock:
-        newest = max(
-            [self.state.version]
-            + [held[0] for held in (self._candidate, self._rebase) if held is not None]
+class _Polls:
+    """A worker's reads of the repository: a newer global found, checked and offered to `_Installs`,
+    on the poll thread (`async_global_poll`) or the training thread."""
+
+    def __init__(self, node: DumbDiLoCoCoordinator):
+        self.node = node
+        self.due = threading.Event()  # set: the poll thread reads the repository now
+        self.last = 0.0  # when the last poll was asked for (`time.monotonic`)
+        self.seen_tag: Any = None  # the version file's tag when last read
+        # (version, version-file extras) of the newest global it accepted
+        self.seen_repo: tuple[int, Mapping[str, Any]] | None = None
+        self.refused: set[tuple[int, str]] = set()  # (version, why) of globals refused, said once
+
+    def fetch(self) -> tuple[int, dict, int] | None:
+        """`(version, state, folded step)` of the repository's global when newer than what this node
+        has, else None."""
+        node, held = self.node, self.node._installs
+        node._ensure_open()
+        tag = node.transport.version_tag() if hasattr(node.transport, "version_tag") else None
+        if tag is not None and tag == self.seen_tag:
+            return None  # the version file has not changed: nothing new
+        repo = node.transport.state()
+        theirs = str(repo.extras.get("run_id") or "")
+        with node.lock:
+            newest = max(
+                [node.state.version]
+                + [slot[0] for slot in (held.candidate, held.rebase) if slot is not None]
+            )
+            joined, other_run = node.state.version >= 0, theirs != node.state.run_id
+        if repo.metadata is None or (not joined and node._left_run and theirs == node._left_run):
+            return (
+                None  # nothing yet, or the run this node left with --overwrite: the new one comes
+            )
+        if joined and other_run:  # said without downloading weights it will not install
+            self.seen_tag = tag
+            return self.refuse(
+                repo.outer_step, global_problem({}, repo.outer_step, repo.extras, {}, node.state)
+            )
+        if repo.outer_step <= newest:
+            return None
+        path = node.state_root / "global" / "latest.safetensors"
+        node.transport.fetch(GLOBAL_MODEL_PATH, path, revision=repo.revision)
+        header = read_metadata(path)
+        if header.get("outer_step") is not None and int(header["outer_step"]) != repo.outer_step:
+            return None  # mid-publication; the next poll gets it
+        tensors, self.seen_tag = load_safetensors(path), tag
+        with node.lock:
+            problem = global_problem(tensors, repo.outer_step, repo.extras, header, node.state)
+            new, followed = master_of(repo.extras), node.state.master
+            if problem is None and new and new != followed:
+                node.state = replace(node.state, master=new)  # the one it follows from now on
+            if problem is None and not joined and node.state.run_id != theirs:
+                node.state = replace(node.state, run_id=theirs)  # the run it joins
+                atomic_write_text(
+                    json.dumps({"run_id": theirs}) + "\n", node.state_root / RUN_RECORD
+                )
+        if problem is not None:
+            return self.refuse(repo.outer_step, problem)
+        if followed and new and new != followed:  # a master that took over from the one it followed
+            node._log(
+                "info", f"master {new!r} took over {node._where()} from {followed!r}; following it"
+            )
+        self.seen_repo = (repo.outer_step, repo.extras)
+        return (
+            repo.outer_step,
+            tensors,
+            node._folded_in(Ledger.from_json(repo.extras.get("ledger"))),
         )
-        joined, other_run = self.state.version >= 0, theirs != self.state.run_id
-    if repo.metadata is None or (not joined and self._left_run and theirs == self._left_run):
-        return None  # nothing yet, or the run this node left with --overwrite: the new one comes
-    if joined and other_run:  # said without downloading weights it will not install
-        self._seen_tag = tag
-        return self._refuse_global(
-            repo.outer_step, global_problem({}, repo.outer_step, repo.extras, {}, self.state)
+
+    def refuse(self, version: int, problem: str) -> None:
+        "Say once, in one line, that global `version` is not installed and why."
+        node = self.node
+        key = (-1, problem) if problem.startswith("it belongs to run") else (version, problem)
+        if key in self.refused:  # another run's globals: said once for the run, not per version
+            return None
+        self.refused.add(key)
+        held = node.state.version
+        since = f"from global version {held}" if held >= 0 else "from this node's own weights"
+        node._log(
+            "warning",
+            f"refused the global model version {version} in {node._where()}: {problem}; "
+            f"training on {since}",
         )
-    if repo.outer_step <= newest:
-        return None
-    path = self.state_root / "global" / "latest.safetensors"
-    self.transport.fetch(GLOBAL_MODEL_PATH, path, revision=repo.revision)
-    header = read_metadata(path)
-    if header.get("outer_step") is not None and int(header["outer_step"]) != repo.outer_step:
-        return None  # mid-publication; the next poll gets it
-    tensors, self._seen_tag = load_safetensors(path), tag
-    with self.lock:
-        problem = global_problem(tensors, repo.outer_step, repo.extras, header, self.state)
-        new, followed = master_of(repo.extras), self.state.master
-        if problem is None and new and new != followed:
-            self.state = replace(self.state, master=new)  # the one it follows from now on
-        if problem is None and not joined and self.state.run_id != theirs:
-            self.state = replace(self.state, run_id=theirs)  # the run it joins
-            atomic_write_text(json.dumps({"run_id": theirs}) + "\n", self.state_root / RUN_RECORD)
-    if problem is not None:
-        return self._refuse_global(repo.outer_step, problem)
-    if followed and new and new != followed:  # a master that took over from the one it followed
-        self._log(
-            "info", f"master {new!r} took over {self._where()} from {followed!r}; following it"
-        )
-    self._seen_repo = (repo.outer_step, repo.extras)
-    return (
-        repo.outer_step,
-        tensors,
-        self._folded_in(Ledger.from_json(repo.extras.get("ledger"))),
-    )
+        node._emit("global_refused", {"outer_step": int(version), "reason": problem})
 
+    def loop(self) -> None:
+        "The poll thread: one `once` each time `due` is set, until the coordinator stops."
+        node = self.node
+        while True:
+            self.due.wait()
+            if node._stop.is_set():
+                return
+            self.due.clear()
+            try:
+                self.once("async global poll")
+            except BaseException as e:
+                with node.lock:
+                    node._fatal = e
 
-@patch
-def _refuse_global(self: DumbDiLoCoCoordinator, version: int, problem: str) -> None:
-    "Say once, in one line, that global `version` is not installed and why."
-    key = (-1, problem) if problem.startswith("it belongs to run") else (version, problem)
-    if key in self._refused:  # another run's globals: said once for the run, not per version
-        return None
-    self._refused.add(key)
-    held = self.state.version
-    self._log(
-        "warning",
-        f"refused the global model version {version} in {self._where()}: {problem}; training on "
-        + (f"from global version {held}" if held >= 0 else "from this node's own weights"),
-    )
-    self._emit("global_refused", {"outer_step": int(version), "reason": problem})
-
-
-@patch
-def _folded_in(self: DumbDiLoCoCoordinator, ledger: Ledger) -> int:
-    "The step of this session's newest delta that `ledger`'s global holds (-1: none)."
-    return ledger.nodes.get(self.node_id, {}).get("sessions", {}).get(self.state.session, -1)
-
-
-@patch
-def _offer(
-    self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor], folded: int = -1
-) -> None:
-    "Put a global in the candidate slot (a newer one replaces an older one not yet installed)."
-    with self.lock:
-        if self._candidate is None or version > self._candidate[0]:
-            self._candidate = (int(version), dict(state), int(folded))
-
-
-@patch
-def _poll_loop(self: DumbDiLoCoCoordinator) -> None:
-    """The poll thread: one `_fetch_global` each time `_poll_due` is set, until the coordinator
-    stops."""
-    while True:
-        self._poll_due.wait()
-        if self._stop.is_set():
-            return
-        self._poll_due.clear()
+    def once(self, what: str = "global poll") -> None:
+        """Read the repository and offer a newer global; an unreachable repository is a warning (the
+        next poll tries again)."""
         try:
-            self._poll_once("async global poll")
-        except BaseException as e:
-            with self.lock:
-                self._fatal = e
+            found = self.fetch()
+        except HubUnavailable as e:
+            return self.node._log("warning", f"{what} failed: {e}")
+        if found is not None:
+            self.node._installs.offer(*found)
 
-
-@patch
-def _poll_once(self: DumbDiLoCoCoordinator, what: str = "global poll") -> None:
-    """Read the repository and offer a newer global; an unreachable repository is a warning (the
-    next poll tries again)."""
-    try:
-        found = self._fetch_global()
-    except HubUnavailable as e:
-        return self._log("warning", f"{what} failed: {e}")
-    if found is not None:
-        self._offer(*found)
-
-
-@patch
-def _maybe_poll(self: DumbDiLoCoCoordinator, force: bool) -> Install | None:
-    """Ask for a new global (a worker, at most every `poll_interval` unless `force`); what was
-    installed now, if anything."""
-    if self.role == "master":
-        return None
-    now = time.monotonic()
-    if not force and now - self._last_poll < self.poll_interval:
-        return None
-    self._last_poll = now
-    if self.config.async_global_poll:
-        return self._poll_due.set()
-    self._poll_once()
-    return self._install_candidate()
+    def ask(self, force: bool) -> Install | None:
+        """Ask for a new global (a worker, at most every `poll_interval` unless `force`); what was
+        installed now, if anything."""
+        node = self.node
+        if node.role == "master":
+            return None
+        now = time.monotonic()
+        if not force and now - self.last < node.poll_interval:
+            return None
+        self.last = now
+        if node.config.async_global_poll:
+            return self.due.set()
+        self.once()
+        return node._installs.install_candidate()
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #08458975
 @dataclass
@@ -950,278 +1079,246 @@ class SyncResult:
     def __bool__(self) -> bool:
         return self.reset_inner_optimizer
 
-
-@patch
-def set_target(self: DumbDiLoCoCoordinator, step: int) -> None:
-    """The step the trainer's `fit` trains to: the delta sent at that step is marked as this node's
-    last, so a master's final round need not wait for another."""
-    self.target_step = int(step)
-
-
-@patch
-def after_optimizer_step(
-    self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int
-) -> SyncResult:
-    """Send at a boundary (and wait for its fold with `boundary_wait`), install a newer global; true
-    when the trainer should clear the inner optimizer."""
-    if model is not self.model:
-        raise ValueError(
-            "DumbDiLoCoCoordinator.after_optimizer_step got a different model than the one it was "
-            "built with"
-        )
-    self._raise_fatal()
-    with self.lock:
-        self.state = replace(self.state, step=int(step))
-    boundary, pushed = step % self.inner_steps == 0, False
-    if boundary:
-        last = self.target_step is not None and step >= self.target_step
-        pushed = self._send(step, final=last)  # a step a held global holds: no delta
-    installed = [self._install_rebase(boundary)]
-    if boundary and self.config.boundary_wait > 0:
-        installed += self._await_fold()
-    installed.append(self._install_candidate())
-    if not any(installed):
-        installed.append(self._maybe_poll(force=boundary))
-    done = [i for i in installed if i is not None]
-    return SyncResult(
-        pushed,
-        bool(done),
-        self.outer_step,
-        bool(self.config.reset_inner_optimizer and any(i.reset for i in done)),
-    )
-
-
-@patch
-def _raise_fatal(self: DumbDiLoCoCoordinator) -> None:
-    "Raise a fatal error a background thread recorded (the master's loop included)."
-    error = self._fatal or (self.outer.error if self.outer is not None else None)
-    if error is not None:
-        raise (
-            error
-            if isinstance(error, HubError)
-            else HubError(f"DiLoCo background work failed: {type(error).__name__}: {error}")
-        )
-
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #53471164
-@patch
-def _await_fold(self: DumbDiLoCoCoordinator) -> list[Install]:
-    """Wait up to `boundary_wait` s until a global holding the last dispatched delta is installed;
-    the installs made meanwhile."""
-    with self.lock:
-        target = wait_target(self.state)
-    if target is None:
-        return []
-    start, installed = time.monotonic(), []
-    deadline, interval = start + float(self.config.boundary_wait), min(self.poll_interval, 0.25)
-    with self._sigterm_ends_wait():  # SIGTERM: the trainer stops after this step
-        while True:
-            installed.append(self._install_candidate())
-            with self.lock:
-                self.state, ended = after_wait(
-                    self.state,
-                    target,
-                    out_of_time=time.monotonic() >= deadline,
-                    stopped=self._stop.is_set() or self._terminated,
-                )
-            if ended:
-                break
-            self._raise_fatal()
-            if polled := self._maybe_poll(force=True):
-                installed.append(polled)  # a synchronous poll installed it
-            else:
-                self._woken.wait(interval)
-    if ended == "timeout":  # out of time: the master is slow or gone
-        self._log(
-            "warning",
-            f"boundary_wait: the delta of step {target} was not folded within "
-            f"{self.config.boundary_wait:g} s; "
-            "not waiting again until one of this node's deltas is folded",
+class _Waits:
+    """The waits of a node's training thread (for the first global, for a fold at a boundary, for
+    its last fold): each polls, and a SIGTERM ends it."""
+
+    def __init__(self, node: DumbDiLoCoCoordinator):
+        self.node = node
+        self.woken = threading.Event()  # set: the wait running now ends
+        self.terminated = False  # a SIGTERM came during the wait running now
+
+    @contextlib.contextmanager
+    def sigterm_ends_wait(self, stop_retries: bool = False) -> Iterator[None]:
+        """Within the block (on the main thread), SIGTERM ends the coordinator's wait
+        (`stop_retries`: the retries of its calls too), then goes to the handler before."""
+        self.terminated = False
+        self.woken.clear()
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def handler(signum, frame):
+            self.terminated = True
+            self.woken.set()
+            if stop_retries:
+                self.node._stop.set()  # before the background threads run: nothing else uses it
+            if callable(previous):
+                previous(signum, frame)  # e.g. the trainer's: stop after this step
+
+        signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+    def until(
+        self,
+        done: Callable[[], bool],
+        timeout: float,
+        saying: Callable[[], str],
+        waiting_for: str,
+        stop_retries: bool = False,
+    ) -> bool:
+        """Ask `done()` every poll (2 s at most) until it is True (True), the coordinator stops
+        (True) or `timeout` s passed (False)."""
+        node = self.node
+        deadline, told = time.monotonic() + timeout, False
+        with self.sigterm_ends_wait(stop_retries):
+            while not (node._stop.is_set() or self.terminated):
+                if done():
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+                if not told:
+                    told = node._log("info", saying()) or True  # said once
+                self.woken.wait(min(node.poll_interval, 2.0))
+        if self.terminated:
+            raise TrainingInterrupted(
+                "SIGTERM", message=f"SIGTERM while waiting for {waiting_for} in {node._where()}"
+            )
+        return True
+
+    def for_fold(self) -> list[Install]:
+        """Wait up to `boundary_wait` s until a global holding the last dispatched delta is
+        installed; the installs made meanwhile."""
+        node = self.node
+        with node.lock:
+            target = wait_target(node.state)
+        if target is None:
+            return []
+        start, installed = time.monotonic(), []
+        deadline = start + float(node.config.boundary_wait)
+        interval = min(node.poll_interval, 0.25)
+        with self.sigterm_ends_wait():  # SIGTERM: the trainer stops after this step
+            while True:
+                installed.append(node._installs.install_candidate())
+                with node.lock:
+                    node.state, ended = after_wait(
+                        node.state,
+                        target,
+                        out_of_time=time.monotonic() >= deadline,
+                        stopped=node._stop.is_set() or self.terminated,
+                    )
+                if ended:
+                    break
+                node._raise_fatal()
+                if polled := node._polls.ask(force=True):
+                    installed.append(polled)  # a synchronous poll installed it
+                else:
+                    self.woken.wait(interval)
+        if ended == "timeout":  # out of time: the master is slow or gone
+            node._log(
+                "warning",
+                f"boundary_wait: the delta of step {target} was not folded within "
+                f"{node.config.boundary_wait:g} s; "
+                "not waiting again until one of this node's deltas is folded",
+            )
+        node._emit(
+            "boundary_wait",
+            {
+                "step": target,
+                "waited_s": round(time.monotonic() - start, 4),
+                "folded": ended == "folded",
+                "ended": ended,
+            },
         )
-    self._emit(
-        "boundary_wait",
-        {
-            "step": target,
-            "waited_s": round(time.monotonic() - start, 4),
-            "folded": ended == "folded",
-            "ended": ended,
-        },
-    )
-    return [i for i in installed if i is not None]
+        return [i for i in installed if i is not None]
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #bfacdca9
-@patch
-def start(self: DumbDiLoCoCoordinator) -> None:
-    """Open the repository, restore prepared state, start the outer loop (master) and the background
-    threads."""
-    if self.started:
-        return
-    self._stop.clear()
-    self._poll_due.clear()
-    self._fatal = None
-    for leftover in self.state_root.glob("**/.fetch-*"):
-        shutil.rmtree(leftover, ignore_errors=True)  # a killed download
-    if self.role != "master":
-        try:
-            self._ensure_open()
-        except RepoMissing:
-            pass  # not created yet: the wait for the first global waits for it
-        except HubUnavailable as e:
-            self._log(
-                "warning",
-                f"cannot reach the repository now; it is checked before the first exchange: {e}",
-            )
-    prepared, self._prepared = self._prepared, None
-    with self.lock:
-        if prepared is not None:
-            self.state = node_state_from(
-                prepared, self.state.base, self.state.session, self.inner_steps
-            )
+class _Startup:
+    """A node's `start()`: the repository checked, a prepared checkpoint entry applied, the master's
+    loop started or a worker's first global awaited, then the background threads."""
+
+    def __init__(self, node: DumbDiLoCoCoordinator):
+        self.node = node
+
+    def start(self) -> None:
+        """Open the repository, restore prepared state, start the outer loop (master) and the
+        background threads."""
+        node = self.node
+        if node.started:
+            return
+        node._stop.clear()
+        node._polls.due.clear()
+        node._fatal = None
+        for leftover in node.state_root.glob("**/.fetch-*"):
+            shutil.rmtree(leftover, ignore_errors=True)  # a killed download
+        if node.role != "master":
+            try:
+                node._ensure_open()
+            except RepoMissing:
+                pass  # not created yet: the wait for the first global waits for it
+            except HubUnavailable as e:
+                node._log(
+                    "warning",
+                    "cannot reach the repository now; it is checked before the first exchange: "
+                    f"{e}",
+                )
+        prepared, node._prepared = node._prepared, None
+        with node.lock:
+            if prepared is not None:
+                node.state = node_state_from(
+                    prepared, node.state.base, node.state.session, node.inner_steps
+                )
+            else:  # the weights as loaded since construction
+                node.state = replace(node.state, base=cpu_state_dict(node.model.state_dict()))
+        if node.state.version >= 0 and hasattr(node.transport, "used"):
+            node.transport.used = True  # it existed: never create it again
+        if node.role == "master":
+            node._master_side.start(prepared)
         else:
-            self.state = replace(
-                self.state, base=cpu_state_dict(self.model.state_dict())
-            )  # as loaded since construction
-    if self.state.version >= 0 and hasattr(self.transport, "used"):
-        self.transport.used = True  # it existed: never create it again
-    if self.role == "master":
-        self._start_master(prepared)
-    else:
-        self._await_global()
-        self._refuse_shared_node_id()
-    self._install_candidate()
-    self._phase, self._last_poll = _CoordinatorPhase.RUNNING, time.monotonic()
-    if self.role == "master" and self.config.transport == "hub":
-        parameters = sum(v.numel() for v in self.state.base.values() if v.is_floating_point())
-        self.hub_report = HubReport(
-            self.config, parameters, self.target_step, self.state.step, self._last_poll
-        )
-    self._spawn()
-    self._log(
-        "info",
-        f"started as {self.role} (session {self.state.session}, global version "
-        f"{self.state.version})",
-    )
-
-
-@patch
-def _refuse_shared_node_id(self: DumbDiLoCoCoordinator) -> None:
-    "Stop a worker at start whose `node_id` another live session uses (`node_id_clash`)."
-    if self._seen_repo is None:
-        return
-    version, extras = self._seen_repo
-    other = node_id_clash(
-        Ledger.from_json(extras.get("ledger")), self.node_id, self.state.session, version
-    )
-    if other is not None:
-        raise HubError(
-            f"distributed.node_id {self.node_id!r} is in use by another live node of this run in "
-            f"{self._where()} (its session {other} was folded into one of the last versions, up to "
-            f"{version}); two nodes with one node_id overwrite each other's deltas: give this node "
-            "its own node_id (a crashed node resumed with --resume keeps its session and is let in)"
+            self.await_global()
+            self.refuse_shared_node_id()
+        node._installs.install_candidate()
+        node._phase, node._polls.last = _CoordinatorPhase.RUNNING, time.monotonic()
+        if node.role == "master" and node.config.transport == "hub":
+            parameters = sum(v.numel() for v in node.state.base.values() if v.is_floating_point())
+            node.hub_report = HubReport(
+                node.config, parameters, node.target_step, node.state.step, node._polls.last
+            )
+        self.spawn()
+        node._log(
+            "info",
+            f"started as {node.role} (session {node.state.session}, global version "
+            f"{node.state.version})",
         )
 
+    def refuse_shared_node_id(self) -> None:
+        "Stop a worker at start whose `node_id` another live session uses (`node_id_clash`)."
+        node = self.node
+        if node._polls.seen_repo is None:
+            return
+        version, extras = node._polls.seen_repo
+        other = node_id_clash(
+            Ledger.from_json(extras.get("ledger")), node.node_id, node.state.session, version
+        )
+        if other is not None:
+            raise HubError(
+                f"distributed.node_id {node.node_id!r} is in use by another live node of this run "
+                f"in {node._where()} (its session {other} was folded into one of the last "
+                f"versions, up to {version}); two nodes with one node_id overwrite each other's "
+                "deltas: give this node its own node_id (a crashed node resumed with --resume "
+                "keeps its session and is let in)"
+            )
 
-@patch
-def _ensure_open(self: DumbDiLoCoCoordinator) -> None:
-    """Check the repository (a public or missing one is fatal) once, before the first exchange; a
-    transport without `open` is not checked."""
-    if not self._opened:
-        if callable(getattr(self.transport, "open", None)):
-            self.transport.open(create=False, private=True)
-        self._opened = True
+    def await_global(self) -> None:
+        """A worker's first global: wait (up to `lease_timeout`) until the master has created the
+        repository and published one; offer it."""
+        node = self.node
+        missing, limit = [None], node.config.lease_timeout
 
-# %% ../../nbs/diloco/06_distributed_diloco.ipynb #589ef27b
-@patch
-def _wait_until(
-    self: DumbDiLoCoCoordinator,
-    done: Callable[[], bool],
-    timeout: float,
-    saying: Callable[[], str],
-    waiting_for: str,
-    stop_retries: bool = False,
-) -> bool:
-    """Ask `done()` every poll (2 s at most) until it is True (True), the coordinator stops (True)
-    or `timeout` s passed (False)."""
-    deadline, told = time.monotonic() + timeout, False
-    with self._sigterm_ends_wait(stop_retries):
-        while not (self._stop.is_set() or self._terminated):
-            if done():
-                return True
-            if time.monotonic() >= deadline:
+        def arrived() -> bool:
+            try:
+                found, missing[0] = node._polls.fetch(), None
+            except RepoMissing as e:
+                missing[0] = e
                 return False
-            if not told:
-                told = self._log("info", saying()) or True  # said once
-            self._woken.wait(min(self.poll_interval, 2.0))
-    if self._terminated:
-        raise TrainingInterrupted(
-            "SIGTERM", message=f"SIGTERM while waiting for {waiting_for} in {self._where()}"
+            except HubUnavailable as e:
+                node._log("warning", f"cannot read the repository now: {e}")
+                return node.state.version >= 0
+            if found is not None:
+                node._installs.offer(*found)
+            # resumed: newer globals come with the polls
+            return found is not None or node.state.version >= 0
+
+        saying = lambda: (
+            "waiting for the master to "
+            f"{'create' if missing[0] else 'publish the first global model in'} {node._where()} "
+            f"(up to {limit:g} s)"
         )
-    return True
-
-
-@patch
-def _await_global(self: DumbDiLoCoCoordinator) -> None:
-    """A worker's first global: wait (up to `lease_timeout`) until the master has created the
-    repository and published one; offer it."""
-    missing, limit = [None], self.config.lease_timeout
-
-    def arrived() -> bool:
-        try:
-            found, missing[0] = self._fetch_global(), None
-        except RepoMissing as e:
-            missing[0] = e
-            return False
-        except HubUnavailable as e:
-            self._log("warning", f"cannot read the repository now: {e}")
-            return self.state.version >= 0
-        if found is not None:
-            self._offer(*found)
-        return (
-            found is not None or self.state.version >= 0
-        )  # resumed: newer globals come with the polls
-
-    saying = lambda: (
-        "waiting for the master to "
-        f"{'create' if missing[0] else 'publish the first global model in'} {self._where()} "
-        f"(up to {limit:g} s)"
-    )
-    if self._wait_until(arrived, limit, saying, "the first global model", stop_retries=True):
-        return
-    if missing[0] is not None:
-        raise RepoMissing(
-            f"{missing[0]}; it was not created within distributed.lease_timeout={limit:g} s: "
-            "start its master, or check distributed.repo_id and the token"
+        if node._waits.until(arrived, limit, saying, "the first global model", stop_retries=True):
+            return
+        if missing[0] is not None:
+            raise RepoMissing(
+                f"{missing[0]}; it was not created within distributed.lease_timeout={limit:g} s: "
+                "start its master, or check distributed.repo_id and the token"
+            )
+        node._log(
+            "warning",
+            f"no global model in {node._where()} after {limit:g} s; training from local weights",
         )
-    self._log(
-        "warning",
-        f"no global model in {self._where()} after {limit:g} s; training from local weights",
-    )
 
-
-@patch
-@contextlib.contextmanager
-def _sigterm_ends_wait(self: DumbDiLoCoCoordinator, stop_retries: bool = False):
-    """Within the block (on the main thread), SIGTERM ends the coordinator's wait (`stop_retries`:
-    the retries of its calls too), then goes to the handler before."""
-    self._terminated = False
-    self._woken.clear()
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def handler(signum, frame):
-        self._terminated = True
-        self._woken.set()
-        if stop_retries:
-            self._stop.set()  # before the background threads run: nothing else uses it
-        if callable(previous):
-            previous(signum, frame)  # e.g. the trainer's: stop after this step
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    def spawn(self) -> None:
+        """Start the poll thread (a worker with `async_global_poll`) and the master's loop; send a
+        delta a checkpoint held in flight."""
+        node = self.node
+        node._threads = []
+        if node.role != "master" and node.config.async_global_poll:
+            node._threads.append(
+                threading.Thread(
+                    target=node._polls.loop, name="speedtronic-diloco-poll", daemon=True
+                )
+            )
+            node._threads[-1].start()
+        if node.outer is not None:
+            node.outer.start()
+        with node.lock:
+            job = node.state.in_flight
+        if job is not None:
+            node._uploads.dispatch(job)  # restored from a checkpoint: sent first
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #ca10c6c8
 class DistributedWarning(UserWarning):
@@ -1263,301 +1360,257 @@ def master_commit_allowance(config: DistributedConfig) -> float | None:
     return hub_limits(config.hub_limits).commit_allowance
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #b3c80134
-@patch
-def _start_master(self: DumbDiLoCoCoordinator, prepared: Mapping[str, Any] | None) -> None:
-    cfg = self.config
-    if message := outer_momentum_warning(cfg):
-        self._log("warning", message)
-    self.outer = MasterOuterLoop(
-        self.transport,
-        cpu_state_dict(self.model.state_dict()),
-        node_state_dir=self.state_root,
-        outer_lr=cfg.outer_lr,
-        outer_momentum=cfg.outer_momentum,
-        poll_interval=cfg.poll_interval,
-        on_global_update=lambda state, version: self._published(version, state),
-        logger=self.logger,
-        node_id=self.node_id,
-        session=self.state.session,
-        fresh=self.fresh,
-        overwrite=self.overwrite,
-        inner_steps=cfg.inner_steps,
-        staleness=cfg.staleness,
-        expected_nodes=cfg.expected_nodes,
-        max_delta_norm_ratio=cfg.max_delta_norm_ratio,
-        lease_timeout=cfg.lease_timeout,
-        round_wait=cfg.boundary_wait / 2,
-        late_share=cfg.late_share,
-        commit_allowance=master_commit_allowance(cfg),
-    )
-    if prepared is not None and prepared.get("outer"):
-        self.outer.load_state_dict(prepared["outer"])
-    if self.outer.outer_step >= 0 and hasattr(self.transport, "used"):
-        self.transport.used = True  # it published there: never create it again
-    try:
-        self.outer.start_master()
-    except HubUnavailable as e:
-        self._log(
-            "warning", f"master cannot reach the repository now, retrying in the background: {e}"
+class _MasterSide:
+    """What a node does as the master: it runs the outer loop, grants the collaborators, and hands
+    each global it publishes to its own training and to `global_watcher`."""
+
+    def __init__(self, node: DumbDiLoCoCoordinator):
+        self.node = node
+
+    def start(self, prepared: Mapping[str, Any] | None) -> None:
+        """Build the outer loop (its state from `prepared`, a checkpoint entry), start it, grant the
+        collaborators; the global it holds is offered at once."""
+        node, cfg = self.node, self.node.config
+        if message := outer_momentum_warning(cfg):
+            node._log("warning", message)
+        node.outer = MasterOuterLoop(
+            node.transport,
+            cpu_state_dict(node.model.state_dict()),
+            node_state_dir=node.state_root,
+            outer_lr=cfg.outer_lr,
+            outer_momentum=cfg.outer_momentum,
+            poll_interval=cfg.poll_interval,
+            on_global_update=lambda state, version: self.published(version, state),
+            logger=node.logger,
+            node_id=node.node_id,
+            session=node.state.session,
+            fresh=node.fresh,
+            overwrite=node.overwrite,
+            inner_steps=cfg.inner_steps,
+            staleness=cfg.staleness,
+            expected_nodes=cfg.expected_nodes,
+            max_delta_norm_ratio=cfg.max_delta_norm_ratio,
+            lease_timeout=cfg.lease_timeout,
+            round_wait=cfg.boundary_wait / 2,
+            late_share=cfg.late_share,
+            commit_allowance=master_commit_allowance(cfg),
         )
-    self._grant_collaborators()
-    if self.outer.outer_step >= 0:
-        self._published(*self.outer.snapshot())
-
-
-@patch
-def _grant_collaborators(self: DumbDiLoCoCoordinator) -> None:
-    """Give each `distributed.collaborators` name write access (2.0's master start); what cannot
-    be granted is one warning, and the run goes on."""
-    failed: list[tuple[str, BaseException]] = []
-    for user in self.config.collaborators:
+        if prepared is not None and prepared.get("outer"):
+            node.outer.load_state_dict(prepared["outer"])
+        if node.outer.outer_step >= 0 and hasattr(node.transport, "used"):
+            node.transport.used = True  # it published there: never create it again
         try:
-            grant = getattr(self.transport, "add_collaborator", None)
-            if not callable(grant):
-                raise HubError(f"{self._where()} grants nothing: share it by its own permissions")
-            grant(user, permission="write")
-        except Exception as e:
-            failed.append((user, e))
-    if failed:
-        users = ", ".join(user for user, _ in failed)
-        self._log("warning", f"distributed.collaborators: {users} not granted: {failed[0][1]}")
-
-
-@patch
-def _spawn(self: DumbDiLoCoCoordinator) -> None:
-    """Start the poll thread (a worker with `async_global_poll`) and the master's loop; send a delta
-    a checkpoint held in flight."""
-    self._threads = []
-    if self.role != "master" and self.config.async_global_poll:
-        self._threads.append(
-            threading.Thread(target=self._poll_loop, name="speedtronic-diloco-poll", daemon=True)
-        )
-        self._threads[-1].start()
-    if self.outer is not None:
-        self.outer.start()
-    with self.lock:
-        job = self.state.in_flight
-    if job is not None:
-        self._dispatch(job)  # restored from a checkpoint: sent first
-
-# %% ../../nbs/diloco/06_distributed_diloco.ipynb #0a292e8a
-@patch
-def _published(
-    self: DumbDiLoCoCoordinator, version: int, state: Mapping[str, torch.Tensor]
-) -> None:
-    """A new global on the master: the candidate for this node's training, and
-    `global_watcher(version, state)` when set."""
-    self._offer(
-        version, {k: v.clone() for k, v in state.items()}, self._folded_in(self.outer.ledger)
-    )
-    if self.global_watcher is not None:
-        try:
-            self.global_watcher(version, state)
-        except Exception as e:
-            self._log(
+            node.outer.start_master()
+        except HubUnavailable as e:
+            node._log(
                 "warning",
-                f"the watcher of global version {version} failed: {type(e).__name__}: {e}",
+                f"master cannot reach the repository now, retrying in the background: {e}",
+            )
+        self.grant_collaborators()
+        if node.outer.outer_step >= 0:
+            self.published(*node.outer.snapshot())
+
+    def grant_collaborators(self) -> None:
+        """Give each `distributed.collaborators` name write access (2.0's master start); what
+        cannot be granted is one warning, and the run goes on."""
+        node = self.node
+        failed: list[tuple[str, BaseException]] = []
+        for user in node.config.collaborators:
+            try:
+                grant = getattr(node.transport, "add_collaborator", None)
+                if not callable(grant):
+                    raise HubError(
+                        f"{node._where()} grants nothing: share it by its own permissions"
+                    )
+                grant(user, permission="write")
+            except Exception as e:
+                failed.append((user, e))
+        if failed:
+            users = ", ".join(user for user, _ in failed)
+            node._log("warning", f"distributed.collaborators: {users} not granted: {failed[0][1]}")
+
+    def published(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
+        """A new global on the master: the candidate for this node's training, and
+        `global_watcher(version, state)` when set."""
+        node = self.node
+        node._installs.offer(
+            version, {k: v.clone() for k, v in state.items()}, node._folded_in(node.outer.ledger)
+        )
+        if node.global_watcher is not None:
+            try:
+                node.global_watcher(version, state)
+            except Exception as e:
+                node._log(
+                    "warning",
+                    f"the watcher of global version {version} failed: {type(e).__name__}: {e}",
+                )
+
+    def watcher_caught_up(self, timeout: float) -> None:
+        "Wait for `global_watcher` to finish what it was given (a warning after `timeout` seconds)."
+        node = self.node
+        wait = getattr(node.global_watcher, "wait", None)
+        if callable(wait) and not wait(timeout):
+            node._log(
+                "warning",
+                f"the held-out evaluation of the newest global is still running after "
+                f"{timeout:g} s; it is not waited for",
             )
 
-
-@patch
-def _watcher_caught_up(self: DumbDiLoCoCoordinator, timeout: float) -> None:
-    "Wait for `global_watcher` to finish what it was given (a warning after `timeout` seconds)."
-    wait = getattr(self.global_watcher, "wait", None)
-    if callable(wait) and not wait(timeout):
-        self._log(
-            "warning",
-            f"the held-out evaluation of the newest global is still running after {timeout:g} s; "
-            "it is not waited for",
-        )
-
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #f61fbdae
-@patch
-def stop(self: DumbDiLoCoCoordinator) -> None:
-    """Stop uploads, polling and the master's loop (bounded waits; an upload in flight is kept for
-    the checkpoint)."""
-    if not self.started:
-        return
-    with self.lock:
-        self._phase = _CoordinatorPhase.STOPPING  # no delta is sent from now on
-    timeout = float(self.config.delta_upload_shutdown_timeout)
-    if not self._wait_uploads(timeout):
-        self._log(
-            "warning",
-            f"an upload did not finish within {timeout:g} s; it is kept for the next start",
+class _Ending:
+    """A node's end of the run (`finish`): its last delta sent and, before it exits 0, in a global;
+    else the error that says which steps did not get there, why, and what to do."""
+
+    def __init__(self, node: DumbDiLoCoCoordinator):
+        self.node = node
+
+    def finish(self, model: torch.nn.Module, step: int) -> None:
+        """End of the run: send the last delta; the master folds everyone's last deltas and
+        installs the final global."""
+        node = self.node
+        if model is not node.model:
+            raise ValueError(
+                "DumbDiLoCoCoordinator.finish got a different model than the one it was built with"
+            )
+        node._raise_fatal()
+        timeout = float(node.config.final_round_timeout)
+        if node.outer is None:
+            return self.deliver_last(step, timeout)
+        self.send_last(step, time.monotonic() + timeout)
+        node._raise_fatal()
+        with node._waits.sigterm_ends_wait():
+            version = node.outer.finish(step, timeout, stop=node._waits.woken)
+        if node._waits.terminated:
+            raise TrainingInterrupted(
+                "SIGTERM", message=f"SIGTERM during the master's final round in {node._where()}"
+            )
+        node._raise_fatal()
+        if (folded := node._folded_in(node.outer.ledger)) < step:
+            held = f"its steps up to {folded}" if folded >= 0 else "none of its deltas"
+            raise self.unfolded(f"the final version {version} holds {held}", folded + 1, step)
+        node._installs.install(version, node.outer.snapshot()[1], folded, keep_progress=False)
+        if node.hub_report is not None:
+            node._log("info", node.hub_report.spent(time.monotonic(), node._counts()))
+        if node.global_watcher is not None:
+            node._master_side.watcher_caught_up(timeout)
+
+    def send_last(self, step: int, deadline: float) -> None:
+        """The master's last delta: sent after the one in flight, again after a failure, until
+        `deadline`."""
+        node, tries = self.node, 0
+        while True:
+            if not node._uploads.wait(max(0.0, deadline - time.monotonic())):
+                return node._log("warning", f"the final delta of step {step} is still uploading")
+            with node.lock:
+                state = node.state
+            if not (step > state.base_step or state.carry_steps) or time.monotonic() >= deadline:
+                return None  # sent and taken, or out of time
+            if tries:
+                time.sleep(min(node.poll_interval, 2.0))  # after a failed upload
+            tries += 1
+            if not node._uploads.send(step, final=True):
+                return None
+
+    def unfolded(self, why: str, first: int = 0, last: int | None = None) -> HubError:
+        "The error of a node whose steps `first`-`last` (default: all) reached no global model."
+        node, refused = self.node, self.refused_step()
+        waits = (  # why a master ended without them; expected_nodes is no advice where it is set
+            "a master waits in its final round at most its distributed.final_round_timeout for "
+            "the last deltas"
+            if node.config.expected_nodes
+            else "a master waits in its final round only for nodes it counts as active or its "
+            "distributed.expected_nodes names"
         )
-    self._stop.set()
-    self._poll_due.set()
-    for t in self._threads:
-        t.join(timeout)
-        if t.is_alive():
-            self._log("warning", f"{t.name} did not stop within {timeout:g} s")
-    if self.outer is not None:
-        self.outer.stop()
-    if self.global_watcher is not None:
-        self._watcher_caught_up(timeout)
-    self._phase = _CoordinatorPhase.STOPPED
-
-
-@patch
-def finish(self: DumbDiLoCoCoordinator, model: torch.nn.Module, step: int) -> None:
-    """End of the run: send the last delta; the master folds everyone's last deltas and installs the
-    final global."""
-    if model is not self.model:
-        raise ValueError(
-            "DumbDiLoCoCoordinator.finish got a different model than the one it was built with"
+        advice = (
+            f"the master refused this node's deltas up to step {refused} (its log says why, e.g. a "
+            "diverging update): resume this node with a lower optimizer.lr"
+            if refused >= max(first, 0)
+            else "resume this node (speedtronic train --resume) while its master runs to send them "
+            f"again; {waits}"
         )
-    self._raise_fatal()
-    timeout = float(self.config.final_round_timeout)
-    if self.outer is None:
-        return self._deliver_last(step, timeout)
-    self._send_last(step, time.monotonic() + timeout)
-    self._raise_fatal()
-    with self._sigterm_ends_wait():
-        version = self.outer.finish(step, timeout, stop=self._woken)
-    if self._terminated:
-        raise TrainingInterrupted(
-            "SIGTERM", message=f"SIGTERM during the master's final round in {self._where()}"
+        what = (
+            f"none of the training of node {node.node_id!r} reached the global model"
+            if first <= 0 or last is None
+            else f"steps {first}-{last} of node {node.node_id!r} did not reach a global model"
         )
-    self._raise_fatal()
-    if (folded := self._folded_in(self.outer.ledger)) < step:
-        held = f"its steps up to {folded}" if folded >= 0 else "none of its deltas"
-        raise self._unfolded(f"the final version {version} holds {held}", folded + 1, step)
-    self._install(version, self.outer.snapshot()[1], folded, keep_progress=False)
-    if self.hub_report is not None:
-        self._log("info", self.hub_report.spent(time.monotonic(), self._counts()))
-    if self.global_watcher is not None:
-        self._watcher_caught_up(timeout)
+        return HubError(
+            f"{what} in {node._where()}: {why} (see the warnings above); its trained weights are "
+            f"only in its own checkpoint: {advice}"
+        )
 
+    def refused_step(self) -> int:
+        "The newest step of this session's deltas the newest global's master refused (-1: none)."
+        node, seen = self.node, self.node._polls.seen_repo
+        ledger = (
+            node.outer.ledger
+            if node.outer is not None
+            else Ledger.from_json(seen[1].get("ledger"))
+            if seen is not None
+            else Ledger()
+        )
+        entry = ledger.nodes.get(node.node_id, {})
+        return (entry.get("refused") or {}).get(node.state.session, -1)
 
-@patch
-def _send_last(self: DumbDiLoCoCoordinator, step: int, deadline: float) -> None:
-    """The master's last delta: sent after the one in flight, again after a failure, until
-    `deadline`."""
-    tries = 0
-    while True:
-        if not self._wait_uploads(max(0.0, deadline - time.monotonic())):
-            return self._log("warning", f"the final delta of step {step} is still uploading")
-        with self.lock:
-            state = self.state
-        if not (step > state.base_step or state.carry_steps) or time.monotonic() >= deadline:
-            return None  # sent and taken, or out of time
-        if tries:
-            time.sleep(min(self.poll_interval, 2.0))  # after a failed upload
-        tries += 1
-        if not self._send(step, final=True):
-            return None
+    def deliver_last(self, step: int, timeout: float) -> None:
+        """A worker's end: its last delta sent (again after a failure) and folded, within `timeout`
+        s."""
+        node = self.node
+        why, sending = ["no version was published"], [True]
 
+        def delivered() -> bool:
+            if self.holds(step, why):
+                return True
+            with node.lock:
+                state = node.state
+            if state.in_flight is None and (step > state.base_step or state.carry_steps):
+                if sending[0]:  # the last delta; sent again when its upload failed
+                    sending[0] = node._uploads.send(step, final=True)
+            node._raise_fatal()
+            return False
 
-@patch
-def _unfolded(
-    self: DumbDiLoCoCoordinator, why: str, first: int = 0, last: int | None = None
-) -> HubError:
-    "The error of a node whose steps `first`-`last` (default: all) reached no global model."
-    refused = self._refused_step()
-    waits = (  # why a master ended without them; expected_nodes is no advice where it is set
-        "a master waits in its final round at most its distributed.final_round_timeout for the "
-        "last deltas"
-        if self.config.expected_nodes
-        else "a master waits in its final round only for nodes it counts as active or its "
-        "distributed.expected_nodes names"
-    )
-    advice = (
-        f"the master refused this node's deltas up to step {refused} (its log says why, e.g. a "
-        "diverging update): resume this node with a lower optimizer.lr"
-        if refused >= max(first, 0)
-        else "resume this node (speedtronic train --resume) while its master runs to send them "
-        f"again; {waits}"
-    )
-    what = (
-        f"none of the training of node {self.node_id!r} reached the global model"
-        if first <= 0 or last is None
-        else f"steps {first}-{last} of node {self.node_id!r} did not reach a global model"
-    )
-    return HubError(
-        f"{what} in {self._where()}: {why} (see the warnings above); its trained weights are "
-        f"only in its own checkpoint: {advice}"
-    )
+        saying = lambda: (
+            f"waiting up to {timeout:g} s for a global model in {node._where()} that holds this "
+            f"node's steps up to {step}"
+        )
+        if not node._waits.until(
+            delivered, timeout, saying, "a global model holding this node's steps"
+        ):
+            with node.lock:
+                first = node._installs.reach() + 1
+            raise self.unfolded(why[0], first, step)
 
-
-@patch
-def _refused_step(self: DumbDiLoCoCoordinator) -> int:
-    "The newest step of this session's deltas the newest global's master refused (-1: none)."
-    ledger = (
-        self.outer.ledger
-        if self.outer is not None
-        else Ledger.from_json(self._seen_repo[1].get("ledger"))
-        if self._seen_repo is not None
-        else Ledger()
-    )
-    entry = ledger.nodes.get(self.node_id, {})
-    return (entry.get("refused") or {}).get(self.state.session, -1)
-
-
-@patch
-def _deliver_last(self: DumbDiLoCoCoordinator, step: int, timeout: float) -> None:
-    "A worker's end: its last delta sent (again after a failure) and folded, within `timeout` s."
-    why, sending = ["no version was published"], [True]
-
-    def delivered() -> bool:
-        if self._holds(step, why):
-            return True
-        with self.lock:
-            state = self.state
-        if state.in_flight is None and (step > state.base_step or state.carry_steps):
-            if sending[0]:  # the last delta; sent again when its upload failed
-                sending[0] = self._send(step, final=True)
-        self._raise_fatal()
+    def holds(self, step: int, why: list[str]) -> bool:
+        """Whether an accepted global holds this session's steps up to `step`; else `why[0]` says
+        why."""
+        node, polls = self.node, self.node._polls
+        with node.lock:
+            if node._installs.reach() >= step:
+                return True
+        try:
+            found = polls.fetch()
+        except HubUnavailable as e:
+            why[0] = f"the repository is unreachable ({e})"
+            return False
+        if found is not None:
+            node._installs.offer(*found)
+        with node.lock:
+            if node._installs.reach() >= step:
+                return True
+        if polls.seen_repo is None:
+            if polls.refused:
+                version, problem = max(polls.refused)
+                why[0] = f"every global it found was refused (version {version}: {problem})"
+            return False
+        version, extras = polls.seen_repo
+        if "ledger" not in extras:
+            return True  # a 2.0 master: no ledger to check
+        held = node._installs.reach()
+        why[0] = (
+            f"the newest global it accepted (version {version}) holds "
+            + (f"its steps up to {held}" if held >= 0 else "none of its deltas")
+            + (f"; {len(polls.refused)} newer one(s) refused" if polls.refused else "")
+        )
         return False
-
-    saying = lambda: (
-        f"waiting up to {timeout:g} s for a global model in {self._where()} that holds this "
-        f"node's steps up to {step}"
-    )
-    if not self._wait_until(delivered, timeout, saying, "a global model holding this node's steps"):
-        with self.lock:
-            first = self._reach() + 1
-        raise self._unfolded(why[0], first, step)
-
-
-@patch
-def _reach(self: DumbDiLoCoCoordinator) -> int:
-    "The newest step of this session in a global this node accepted (-1: none)."
-    offered = self._candidate[2] if self._candidate is not None else -1
-    return max(self.state.folded_step, offered)
-
-
-@patch
-def _holds(self: DumbDiLoCoCoordinator, step: int, why: list[str]) -> bool:
-    "Whether an accepted global holds this session's steps up to `step`; else `why[0]` says why."
-    with self.lock:
-        if self._reach() >= step:
-            return True
-    try:
-        found = self._fetch_global()
-    except HubUnavailable as e:
-        why[0] = f"the repository is unreachable ({e})"
-        return False
-    if found is not None:
-        self._offer(*found)
-    with self.lock:
-        if self._reach() >= step:
-            return True
-    if self._seen_repo is None:
-        if self._refused:
-            version, problem = max(self._refused)
-            why[0] = f"every global it found was refused (version {version}: {problem})"
-        return False
-    version, extras = self._seen_repo
-    if "ledger" not in extras:
-        return True  # a 2.0 master: no ledger to check
-    held = self._reach()
-    why[0] = (
-        f"the newest global it accepted (version {version}) holds "
-        + (f"its steps up to {held}" if held >= 0 else "none of its deltas")
-        + (f"; {len(self._refused)} newer one(s) refused" if self._refused else "")
-    )
-    return False
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #d0327e31
 def final_global_model(config: SpeedtronicConfig) -> Path | None:
@@ -1592,48 +1645,6 @@ def node_summary(
         inside = Path(os.path.abspath(path)).is_relative_to(Path.cwd())
         parts.append(f"final global model: {os.path.relpath(path) if inside else path}")
     return f"[{node_id(config.distributed)}] " + " | ".join(parts)
-
-# %% ../../nbs/diloco/06_distributed_diloco.ipynb #8aefbcbd
-@patch
-def state_dict(self: DumbDiLoCoCoordinator) -> dict[str, Any]:
-    """The coordinator's checkpoint entry: its `NodeState` (`node_checkpoint`), who wrote it, and on
-    the master the outer state."""
-    with self.lock:
-        entry = node_checkpoint(self.state)
-    return {
-        **entry,
-        "node_id": self.node_id,
-        "role": self.role,
-        "outer": self.outer.state_dict() if self.outer is not None else None,
-    }
-
-
-@patch
-def prepare_state(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) -> None:
-    "Keep a checkpoint's coordinator entry for `start()` to apply before it reads the repository."
-    self._prepared = dict(state) if state else None
-
-
-@patch
-def load_state_dict(self: DumbDiLoCoCoordinator, state: Mapping[str, Any] | None) -> None:
-    """Restore a checkpoint entry now (before `start()`: like `prepare_state`; after: all but the
-    base weights)."""
-    if not state:
-        return
-    if not self.started:
-        return self.prepare_state(state)
-    self._log(
-        "warning",
-        "coordinator state restored after start(): keeping the current baseline so no bogus delta "
-        "is sent",
-    )
-    with self.lock:
-        self.state = replace(
-            node_state_from(state, self.state.base, self.state.session, self.inner_steps),
-            base=self.state.base,
-        )
-    if self.state.in_flight is not None:
-        self._dispatch(self.state.in_flight)  # a delta the entry held: sent now, as start() does
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #02c91f8e
 class NodeShard:
