@@ -24,7 +24,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
-from fastcore.basics import patch
 from torch import nn
 
 from .errors import ExpectedError
@@ -50,7 +49,7 @@ from .progress import format_closing
 from .schedules import load_scheduler_state
 
 # %% auto #0
-__all__ = ['STEP_RECORD_KEYS', 'TrainingEngine', 'SpeedtronicTrainer', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
+__all__ = ['TrainingEngine', 'SpeedtronicTrainer', 'STEP_RECORD_KEYS', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
            'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
            'is_compile_failure', 'read_pending', 'scaler_step', 'whole', 'gradient_norm', 'update_is_finite',
            'nonfinite_update', 'TrainerSettings', 'Trainer', 'nothing_to_train', 'signals_held']
@@ -136,15 +135,83 @@ class TrainResult:
     final_loss: float | None  # mean loss of the last update of this call, `None` if no update ran
     elapsed_s: float  # duration of this call
     metrics: list[dict[str, Any]] = field(default_factory=list)  # newest `train_step` records
-    checkpoint_dir: Path | None = (
-        None  # the folder of this run's checkpoints, `None` without a checkpoint manager
-    )
-    evals: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # this call's `eval` records (held-out loss at a step)
-    val_loss: float | None = (
-        None  # the newest held-out loss of this call, `None` without an evaluation
-    )
+    # the folder of this run's checkpoints, `None` without a checkpoint manager
+    checkpoint_dir: Path | None = None
+    # this call's `eval` records (held-out loss at a step)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    # the newest held-out loss of this call, `None` without an evaluation
+    val_loss: float | None = None
+
+    def __repr__(self) -> str:
+        "One line: counters, last loss, time, how many records, where the checkpoints are."
+        loss = "None" if self.final_loss is None else f"{self.final_loss:.4g}"
+        where = (
+            f", checkpoint_dir='{self.checkpoint_dir}'" if self.checkpoint_dir is not None else ""
+        )
+        held = f", val_loss={self.val_loss:.4g}" if self.val_loss is not None else ""
+        return (
+            f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, "
+            f"final_loss={loss}{held}, "
+            f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})"
+        )
+
+    def closing(
+        self,
+        # the run's `RunPaths` (its `metrics` and `loss_plot` are listed when written)
+        paths: Any = None,
+        *,
+        eval_loss: float | None = None,  # the held-out loss; default `val_loss`
+    ) -> str:
+        """What a terminal shows at the end: the step, time and loss, then the checkpoint folder,
+        metrics file and loss curve."""
+        files = {
+            "checkpoints": self.checkpoint_dir,
+            "metrics": None if paths is None else paths.metrics,
+            "loss curve": None if paths is None else paths.loss_plot,
+        }
+        held = self.val_loss if eval_loss is None else eval_loss
+        return format_closing(
+            self.steps, self.final_loss, self.elapsed_s, eval_loss=held, files=files
+        )
+
+    def loss_png(
+        self,
+        size: tuple[float, float] = (5.0, 2.6),  # inches, 100 screen pixels each
+        dpi: int = 200,
+    ) -> bytes | None:
+        """The loss curve of `metrics` (and the held-out loss of `evals`) as a PNG; `None` without
+        records or without matplotlib."""
+        points = loss_points(self.metrics)
+        if not points:
+            return None
+        held = [(r["step"], r["val_loss"]) for r in self.evals]
+        try:
+            return figure_png(loss_figure(points, held, size=size, title=None), dpi=dpi)
+        except MissingExtra:
+            return None
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, str]:
+        """In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line
+        repr elsewhere."""
+        loss = "none" if self.final_loss is None else f"{self.final_loss:.4g}"
+        held = f" · held-out loss {self.val_loss:.4g}" if self.val_loss is not None else ""
+        where = html.escape(str(self.checkpoint_dir))
+        line = (
+            f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss}{held} · "
+            f"{self.elapsed_s:.1f} s"
+            + (f" · checkpoints in <code>{where}</code>" if self.checkpoint_dir else "")
+        )
+        png, picture = self.loss_png(), ""
+        if png:
+            data = base64.b64encode(png).decode()
+            picture = (
+                f'<br><img src="data:image/png;base64,{data}" width="500" height="260" '
+                'alt="loss curve">'
+            )
+        return {
+            "text/plain": repr(self),
+            "text/html": f'<div class="speedtronic-result">{line}{picture}</div>',
+        }
 
 # %% ../nbs/train/06_trainer.ipynb #8d283c61
 def causal_lm_loss(logits: Any, labels: Any) -> torch.Tensor | None:
@@ -305,17 +372,16 @@ class _PendingStep:
 
 def read_pending(
     pending: list[_PendingStep],
-    world: World
-    | None = None,  # a torchrun job: the whole job's numbers (every rank calls together)
+    # a torchrun job: the whole job's numbers (every rank calls together)
+    world: World | None = None,
 ) -> list[tuple[float, int]]:
     """(loss, tokens) of every pending step, read from the device in one transfer; in a job, mean
     loss and total tokens of the ranks."""
     if not pending:
         return []
     size = 1 if world is None else world.size
-    if size == 1 and not any(
-        torch.is_tensor(p.tokens) for p in pending
-    ):  # only the losses live on the device
+    # only the losses live on the device
+    if size == 1 and not any(torch.is_tensor(p.tokens) for p in pending):
         losses = (
             [pending[0].loss.item()]
             if len(pending) == 1
@@ -409,25 +475,20 @@ class TrainerSettings:
     # microbatches per optimizer update of this process: `data.accumulation_steps` / processes
     accumulation_steps: int
     grad_clip: float | None  # `optimizer.grad_clip`: global L2-norm clip, `None` for none
-    max_skipped_steps: (
-        int  # `precision.max_skipped_steps`: GradScaler skips in a row before the run stops
-    )
+    # `precision.max_skipped_steps`: GradScaler skips in a row before the run stops
+    max_skipped_steps: int
     # `optimizer.max_nonfinite_skips`: NaN/inf updates skipped in a row before the run stops
     max_nonfinite_skips: int
-    metrics_history: (
-        int | None
-    )  # `logging.metrics_history`: records kept in `TrainResult.metrics`; `None` keeps all
+    # `logging.metrics_history`: records kept in `TrainResult.metrics`; `None` keeps all
+    metrics_history: int | None
     compile: bool  # `compile`: run a `torch.compile`d model
     gradient_checkpointing: bool  # `gradient_checkpointing`: ask the model to recompute activations
     ooo_backprop: bool  # `ooo_backprop`: out-of-order backprop on CUDA streams
     ooo_streams: int  # `ooo_streams`: how many streams it uses
-    batch_size: int | None = (
-        # `data.target_batch_size`: samples per update, reported at the start (`None`: not known)
-        None
-    )
-    sequence_length: int | None = (
-        None  # `data.block_size` (or `model.max_seq_len`): tokens per sample, reported likewise
-    )
+    # `data.target_batch_size`: samples per update, reported at the start (`None`: not known)
+    batch_size: int | None = None
+    # `data.block_size` (or `model.max_seq_len`): tokens per sample, reported likewise
+    sequence_length: int | None = None
 
     @classmethod
     def from_config(
@@ -491,20 +552,17 @@ class Trainer:
         start_step: int = 0,
         shape_report: Any = None,  # a startup shape report; `None` checks shapes at the first `fit`
         world: World | None = None,  # the torchrun job this process is in; `None`: one process
+        # held-out evaluation: `evaluator(model)` gives an `EvalResult`, `due(step)` its cadence
         evaluator: Any = None,
-    ):  # held-out evaluation: `evaluator(model)` gives an `EvalResult`, `due(step)` its cadence
+    ):
         self.config = _as_config(config)
         read = self.config if self.config is not None else SpeedtronicConfig()
         self.world = world if world is not None else World()
         self.settings = TrainerSettings.from_config(
             read, self.world.size, geometry=self.config is not None
         )
-        self.model, self.optimizer, self.dataloader, self.scheduler = (
-            model,
-            optimizer,
-            dataloader,
-            scheduler,
-        )
+        self.model, self.optimizer = model, optimizer
+        self.dataloader, self.scheduler = dataloader, scheduler
         self.device = torch.device(device)
         self.logger = logger if logger is not None else MetricLogger()
         if getattr(self.logger, "device", "absent") is None:
@@ -513,24 +571,17 @@ class Trainer:
             precision if precision is not None else resolve_precision(read.precision, self.device)
         )
         self.scaler = make_grad_scaler(self.precision)
-        self.checkpoint_manager, self.coordinator, self.shape_report = (
-            checkpoint_manager,
-            coordinator,
-            shape_report,
-        )
-        self.evaluator = evaluator
+        self.checkpoint_manager, self.coordinator = checkpoint_manager, coordinator
+        self.shape_report, self.evaluator = shape_report, evaluator
         self.max_steps = int(max_steps) if max_steps is not None else self.settings.max_steps
         self.step, self.samples, self._tokens = int(start_step), 0, 0
-        self.stop_requested: str | None = (
-            None  # set by `request_stop`; `fit` stops after the current step
-        )
-        self._pending: list[
-            _PendingStep
-        ] = []  # completed steps whose loss and tokens are still on the device
+        # set by `request_stop`; `fit` stops after the current step
+        self.stop_requested: str | None = None
+        # completed steps whose loss and tokens are still on the device
+        self._pending: list[_PendingStep] = []
         self._batches: Iterator | None = None  # the loader's batches; the next `fit` continues them
-        self._deferred_scaler = self._deferred_coordinator = (
-            None  # resumed state, applied by the next `fit`
-        )
+        # resumed state, applied by the next `fit`
+        self._deferred_scaler = self._deferred_coordinator = None
         self._coordinator_started, self._last_saved_step = False, -1
         self._target = self.max_steps  # the absolute step the newest `fit` trains to
         self._eval_owed: int | None = None  # a step whose due held-out eval has not run yet
@@ -547,143 +598,184 @@ class Trainer:
     def tokens(self, value: int):
         self._tokens = int(value)
 
-# %% ../nbs/train/06_trainer.ipynb #66337ff4
-@patch(as_prop=True)
-def accumulation_steps(self: Trainer) -> int:
-    "Microbatches per optimizer update (`data.accumulation_steps`; 1 without a config)."
-    return self.settings.accumulation_steps
+    @property
+    def accumulation_steps(self) -> int:
+        "Microbatches per optimizer update (`data.accumulation_steps`; 1 without a config)."
+        return self.settings.accumulation_steps
 
+    @property
+    def metrics_history(self) -> int | None:
+        """Most `train_step` records a `TrainResult` keeps (`logging.metrics_history`; `None` keeps
+        all)."""
+        return self.settings.metrics_history
 
-@patch(as_prop=True)
-def metrics_history(self: Trainer) -> int | None:
-    "Most `train_step` records a `TrainResult` keeps (`logging.metrics_history`; `None` keeps all)."
-    return self.settings.metrics_history
+    # The model's features: asked once when the trainer is built (gradient checkpointing, compile)
+    # or at the start of each `fit` (out-of-order backprop).
 
-# %% ../nbs/train/06_trainer.ipynb #7acf274f
-@patch
-def _setup_gradient_checkpointing(self: Trainer) -> None:
-    """Turn on the model's gradient checkpointing when the config asks; a model without the hook
-    only warns."""
-    if not self.settings.gradient_checkpointing:
-        return
-    try:
-        self.model.set_gradient_checkpointing(True)
-    except Exception as e:
-        self.logger.warning(
-            f"gradient checkpointing is enabled but the model could not turn it on: {e}"
+    def _setup_gradient_checkpointing(self) -> None:
+        """Turn on the model's gradient checkpointing when the config asks; a model without the
+        hook only warns."""
+        if not self.settings.gradient_checkpointing:
+            return
+        try:
+            self.model.set_gradient_checkpointing(True)
+        except Exception as e:
+            self.logger.warning(
+                f"gradient checkpointing is enabled but the model could not turn it on: {e}"
+            )
+
+    def _setup_compile(self) -> nn.Module | None:
+        """The `torch.compile`d model when the config asks for it (a `compile` event says whether
+        it worked)."""
+        if not self.settings.compile:
+            return None
+        try:
+            compiled = torch.compile(self.synced_model)
+        except Exception as e:
+            self.logger.emit("compile", {"enabled": False, "reason": f"torch.compile failed: {e}"})
+            return None
+        self.logger.emit("compile", {"enabled": True})
+        return compiled
+
+    def _start_ooo(self) -> Any:
+        """The out-of-order backprop scheduler `ooo_backprop` asks for, or `None`; an
+        `ooo_backprop` event says which."""
+        if not self.settings.ooo_backprop:
+            return None
+        if self.compiled_model is not None:
+            self.logger.warning("ooo_backprop is disabled because compile is enabled")
+            self.logger.emit("ooo_backprop", {"enabled": False, "reason": "compile is enabled"})
+            return None
+        try:
+            from speedtronic.scheduling import StageStreamScheduler
+        except ImportError as e:
+            self.logger.emit(
+                "ooo_backprop", {"enabled": False, "reason": f"stream scheduler unavailable: {e}"}
+            )
+            return None
+        ooo = StageStreamScheduler(
+            self.model, self.device, num_streams=self.settings.ooo_streams, logger=self.logger
         )
+        self.logger.emit("ooo_backprop", ooo.as_dict())
+        return ooo
+
+    # Checkpoints: the trainer's checkpoint side is `_Checkpointing` (below), made on demand.
+
+    @property
+    def _checkpoints(self) -> _Checkpointing:
+        "This trainer's checkpoint side (a view made on demand: it keeps nothing of its own)."
+        return _Checkpointing(self)
+
+    def checkpoint_state(
+        self,
+        boundary: dict | None = None,
+        # False: model and optimizer left out (a sharded checkpoint writes them itself)
+        tensors: bool = True,
+    ) -> dict[str, Any]:
+        """The checkpoint payload of the last completed step (model, optimizer, counters, RNG, data
+        position...)."""
+        return self._checkpoints.state(boundary, tensors)
+
+    def save_checkpoint(self, boundary: dict | None = None) -> Any:
+        """Save the last completed step through the checkpoint manager and emit `checkpoint` (in a
+        job: every rank calls, rank 0 writes)."""
+        return self._checkpoints.save(boundary)
+
+    def resume(
+        self,
+        # a checkpoint state, or the path of a checkpoint file
+        state: Mapping[str, Any] | str | os.PathLike,
+        path: Any = None,  # the checkpoint file `state` came from, named in error messages
+    ) -> None:
+        """Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint
+        `state` (or file)."""
+        self._checkpoints.resume(state, path)
+
+    # A `fit` call: the coordinator around it, then one `_FitRun` (below) to the target.
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        "Ask `fit` to stop after the current step, save it, and raise `TrainingInterrupted`."
+        self.stop_requested = reason
+
+    def _start_coordinator(self, target: int) -> None:
+        """Start the coordinator once, giving it resumed state (staged before `start()` when it can
+        take it so)."""
+        if self.coordinator is None or self._coordinator_started:
+            return
+        state, self._deferred_coordinator = self._deferred_coordinator, None
+        prepare = getattr(self.coordinator, "prepare_state", None)
+        # optional (see `SyncCoordinator`)
+        set_target = getattr(self.coordinator, "set_target", None)
+        if callable(set_target):
+            set_target(target)
+        if state is not None and callable(prepare):
+            prepare(state)
+            state = None
+        self.coordinator.start()
+        self._coordinator_started = True
+        if state is not None:
+            self.coordinator.load_state_dict(state)
+
+    def _stop_coordinator(self, failed: BaseException | None) -> None:
+        """Stop a started coordinator; if the loop already failed, a failing `stop()` is a warning,
+        not a new error."""
+        if self.coordinator is None or not self._coordinator_started:
+            return
+        self._coordinator_started = False
+        try:
+            self.coordinator.stop()
+        except Exception as e:
+            if failed is None:
+                raise
+            self.logger.warning(
+                f"coordinator stop() failed while the run was ending on {type(failed).__name__}: "
+                f"{type(e).__name__}: {e}"
+            )
+
+    def fit(self, max_steps: int | None = None) -> TrainResult:
+        """Train until the absolute step `max(self.step, max_steps or self.max_steps)`; returns a
+        `TrainResult`."""
+        call = _FitRun.begin(self, self.max_steps if max_steps is None else int(max_steps))
+        run, failed = call.run, None
+        try:
+            if self.step < run.target:
+                self._start_coordinator(run.target)
+                # its start, for a resume as the same participant (SyncCoordinator); a run resumed
+                # from that checkpoint keeps it as it was
+                started = self.step == 0 and self._coordinator_started
+                if started and run.keep_boundary and self._last_saved_step != 0:
+                    self.save_checkpoint()
+            self.logger.emit("train_start", call.train_start_payload())
+            with call.steps.ctrl_c_after_update():
+                call.train_to_target()
+        except BaseException as exc:
+            failed = exc
+            run.together = run.together or raised_together(exc)
+            stop = call.stopped(exc)
+            if stop is not None:
+                raise stop from None
+            raise
+        finally:
+            self.stop_requested = None
+            try:
+                self._stop_coordinator(failed)
+            finally:
+                if run.ooo is not None:
+                    run.ooo.dispose()
+        result = call.result()
+        self.logger.emit(
+            "train_end",
+            {"steps": self.step, "elapsed_s": result.elapsed_s, "loss": result.final_loss},
+        )
+        return result
+
+    train = fit
 
 
-@patch
-def _setup_compile(self: Trainer) -> nn.Module | None:
-    """The `torch.compile`d model when the config asks for it (a `compile` event says whether it
-    worked)."""
-    if not self.settings.compile:
-        return None
-    try:
-        compiled = torch.compile(self.synced_model)
-    except Exception as e:
-        self.logger.emit("compile", {"enabled": False, "reason": f"torch.compile failed: {e}"})
-        return None
-    self.logger.emit("compile", {"enabled": True})
-    return compiled
-
-# %% ../nbs/train/06_trainer.ipynb #7f41a026
-@patch
-def request_stop(self: Trainer, reason: str = "stop requested") -> None:
-    "Ask `fit` to stop after the current step, save it, and raise `TrainingInterrupted`."
-    self.stop_requested = reason
+TrainingEngine = Trainer
+SpeedtronicTrainer = Trainer
 
 # %% ../nbs/train/06_trainer.ipynb #47617218
-@patch
-def _loader_state(self: Trainer) -> dict | None:
-    "The loader's position, when it can tell it."
-    fn = getattr(self.dataloader, "state_dict", None)
-    return fn() if callable(fn) else None
-
-
-@patch
-def _boundary_state(self: Trainer) -> dict:
-    "RNG and data position at the end of the last completed step."
-    return {"rng": capture_rng_state(), "data": self._loader_state()}
-
-
-@patch
-def checkpoint_state(
-    self: Trainer,
-    boundary: dict | None = None,
-    # False: model and optimizer left out (a sharded checkpoint writes them itself)
-    tensors: bool = True,
-) -> dict[str, Any]:
-    """The checkpoint payload of the last completed step (model, optimizer, counters, RNG, data
-    position...)."""
-    boundary = boundary or self._boundary_state()
-    plan = self.precision
-    return {
-        "model": self.model.state_dict() if tensors else None,
-        "optimizer": self.optimizer.state_dict() if tensors else None,
-        "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-        "step": self.step,
-        "samples": self.samples,
-        "tokens": self.tokens,
-        "target": max(self.step, self._target),  # where the run that saved was going
-        "eval_owed": self._eval_owed,  # this step's held-out eval, when the stop came before it
-        "config": self.config.to_dict(redact_secrets=True) if self.config is not None else None,
-        "rng": boundary["rng"],
-        "data": boundary["data"],
-        "coordinator": self.coordinator.state_dict() if self.coordinator is not None else None,
-        "precision": {
-            "mode": getattr(plan, "mode", None),
-            "autocast_enabled": getattr(plan, "autocast_enabled", False),
-            "use_scaler": getattr(plan, "use_scaler", False),
-        },
-    }
-
-
-@patch
-def save_checkpoint(self: Trainer, boundary: dict | None = None) -> Any:
-    """Save the last completed step through the checkpoint manager and emit `checkpoint` (in a job:
-    every rank calls, rank 0 writes)."""
-    boundary = self.world.gather_boundary(boundary or self._boundary_state())
-    if self.world.fsdp:
-        path = self._save_sharded(boundary)
-    else:
-        path = self.world.on_writer(
-            lambda: self.checkpoint_manager.save(self.step, self.checkpoint_state(boundary))
-        )
-    self._last_saved_step = self.step  # a save that failed on rank 0 raised on every rank
-    if path is not None:
-        self.logger.emit("checkpoint", {"step": self.step, "path": str(path)})
-    return path
-
-
-@patch
-def _save_sharded(self: Trainer, boundary: dict) -> Any:
-    """`parallel.strategy: fsdp`: every rank writes its shards of the model and optimizer, rank 0
-    the rest (a `step_<N>.dcp` folder)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    fresh = (
-        not self.optimizer.state
-    )  # get_state_dict gives an empty optimizer a state (a step of zero gradients), which
-    weights, moments = get_state_dict(self.model, self.optimizer)
-    if fresh:
-        # must not change training: a reset inner optimizer stays fresh, here and on resume
-        self.optimizer.state.clear()
-    plain = (
-        {
-            **self.checkpoint_state(boundary, tensors=False),
-            **({"optimizer_fresh": True} if fresh else {}),
-        }
-        if self.world.writes
-        else {}
-    )
-    return self.checkpoint_manager.save_sharded(
-        self.step, {"model": weights, "optimizer": moments}, plain, self.world
-    )
-
-# %% ../nbs/train/06_trainer.ipynb #4e730724
 _MUON_SETTINGS = {
     "muon_momentum": "momentum",
     "muon_ns_steps": "ns_steps",
@@ -692,121 +784,252 @@ _MUON_SETTINGS = {
 }
 
 
-@patch
-def _apply_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
-    """Put changed optimizer settings back into the parameter groups (the loaded state held the
-    saved ones)."""
-    keys, opt = {k for k, *_ in applied}, self.config.optimizer
-    new_rate = bool(keys & {"optimizer.lr", "optimizer.muon_lr"})
-    for group in self.optimizer.param_groups:
-        muon = group.get("algorithm") == "muon"
-        if "optimizer.betas" in keys and "betas" in group:
-            group["betas"] = tuple(opt.betas)
-        if "optimizer.eps" in keys and "eps" in group:
-            group["eps"] = opt.eps
-        for key, setting in _MUON_SETTINGS.items():
-            if muon and f"optimizer.{key}" in keys:
-                group[setting] = getattr(opt, key)
-        decayed = opt.weight_decay_on == "all" or all(p.ndim >= 2 for p in group["params"])
-        if "optimizer.weight_decay" in keys and "weight_decay" in group and decayed:
-            group["weight_decay"] = opt.weight_decay
-        if new_rate:
-            group["lr"] = group["initial_lr"] = (opt.muon_lr or opt.lr) if muon else opt.lr
-    sched = self.scheduler
-    if new_rate and sched is not None and hasattr(sched, "lr_lambdas"):
-        sched.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
-        for group, fn in zip(self.optimizer.param_groups, sched.lr_lambdas):
-            group["lr"] = group["initial_lr"] * fn(sched.last_epoch)
-        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+class _Checkpointing:
+    """The checkpoint side of a trainer: the payload of its last completed step, saving it (whole,
+    or sharded under fsdp), resuming from one, and saving after a stop.
 
+    It keeps nothing of its own: `Trainer` makes one on demand over itself (and does not hold it,
+    so a dropped trainer is freed at once); every counter it reads or restores is the trainer's."""
 
-@patch
-def _report_changed_settings(self: Trainer, applied: list[tuple[str, Any, Any]]) -> None:
-    "One warning and one `settings_changed` event listing what changed since the checkpoint."
-    if not applied:
-        return
-    listed = "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in applied)
-    self.logger.warning(
-        f"resume: settings changed since the checkpoint, applied from step {self.step + 1}: "
-        f"{listed}"
-    )
-    self.logger.emit(
-        "settings_changed",
-        {"step": self.step, "changed": {k: [old, new] for k, old, new in applied}},
-    )
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
 
-# %% ../nbs/train/06_trainer.ipynb #84093330
-@patch
-def resume(
-    self: Trainer,
-    state: Mapping[str, Any]
-    | str
-    | os.PathLike,  # a checkpoint state, or the path of a checkpoint file
-    path: Any = None,  # the checkpoint file `state` came from, named in error messages
-) -> None:
-    """Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint
-    `state` (or file)."""
-    if isinstance(state, (str, os.PathLike)):
-        state, path = checked_checkpoint(state), state  # what `load_latest` checks
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            "resume takes a checkpoint state (a dict) or the path of a checkpoint file, got "
-            f"{type(state).__name__}"
+    def loader_state(self) -> dict | None:
+        "The loader's position, when it can tell it."
+        fn = getattr(self.trainer.dataloader, "state_dict", None)
+        return fn() if callable(fn) else None
+
+    def boundary(self) -> dict:
+        "RNG and data position at the end of the last completed step."
+        return {"rng": capture_rng_state(), "data": self.loader_state()}
+
+    def state(
+        self,
+        boundary: dict | None = None,
+        # False: model and optimizer left out (a sharded checkpoint writes them itself)
+        tensors: bool = True,
+    ) -> dict[str, Any]:
+        """The checkpoint payload of the last completed step (model, optimizer, counters, RNG, data
+        position...)."""
+        t = self.trainer
+        boundary = boundary or self.boundary()
+        plan = t.precision
+        return {
+            "model": t.model.state_dict() if tensors else None,
+            "optimizer": t.optimizer.state_dict() if tensors else None,
+            "scaler": t.scaler.state_dict() if t.scaler is not None else None,
+            "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
+            "step": t.step,
+            "samples": t.samples,
+            "tokens": t.tokens,
+            "target": max(t.step, t._target),  # where the run that saved was going
+            "eval_owed": t._eval_owed,  # this step's held-out eval, when the stop came before it
+            "config": t.config.to_dict(redact_secrets=True) if t.config is not None else None,
+            "rng": boundary["rng"],
+            "data": boundary["data"],
+            "coordinator": t.coordinator.state_dict() if t.coordinator is not None else None,
+            "precision": {
+                "mode": getattr(plan, "mode", None),
+                "autocast_enabled": getattr(plan, "autocast_enabled", False),
+                "use_scaler": getattr(plan, "use_scaler", False),
+            },
+        }
+
+    def save(self, boundary: dict | None = None) -> Any:
+        """Save the last completed step through the checkpoint manager and emit `checkpoint` (in a
+        job: every rank calls, rank 0 writes)."""
+        t = self.trainer
+        boundary = t.world.gather_boundary(boundary or self.boundary())
+        if t.world.fsdp:
+            path = self.save_sharded(boundary)
+        else:
+            path = t.world.on_writer(
+                lambda: t.checkpoint_manager.save(t.step, t.checkpoint_state(boundary))
+            )
+        t._last_saved_step = t.step  # a save that failed on rank 0 raised on every rank
+        if path is not None:
+            t.logger.emit("checkpoint", {"step": t.step, "path": str(path)})
+        return path
+
+    def save_sharded(self, boundary: dict) -> Any:
+        """`parallel.strategy: fsdp`: every rank writes its shards of the model and optimizer,
+        rank 0 the rest (a `step_<N>.dcp` folder)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        t = self.trainer
+        # get_state_dict gives an empty optimizer a state (a step of zero gradients), which
+        fresh = not t.optimizer.state
+        weights, moments = get_state_dict(t.model, t.optimizer)
+        if fresh:
+            # must not change training: a reset inner optimizer stays fresh, here and on resume
+            t.optimizer.state.clear()
+        plain = (
+            {
+                **t.checkpoint_state(boundary, tensors=False),
+                **({"optimizer_fresh": True} if fresh else {}),
+            }
+            if t.world.writes
+            else {}
         )
-    state = self.world.local_state(state, path)  # in a job: this rank's RNG and data position
-    check_compatible(state, model=self.model, config=self.config, path=path)
-    refused, applied = setting_changes(state, self.config)
-    if refused:
-        where = f"checkpoint {path}" if path is not None else "the checkpoint"
-        raise CheckpointError(
-            f"{where} cannot continue with the current settings:\n  - "
-            + "\n  - ".join(refused)
-            + "\nResume with the saved values, or start a fresh run (--overwrite, or another "
-            "--output-dir)"
+        return t.checkpoint_manager.save_sharded(
+            t.step, {"model": weights, "optimizer": moments}, plain, t.world
         )
-    data = state.get(
-        "data"
+
+    def resume(
+        self,
+        # a checkpoint state, or the path of a checkpoint file
+        state: Mapping[str, Any] | str | os.PathLike,
+        path: Any = None,  # the checkpoint file `state` came from, named in error messages
+    ) -> None:
+        """Restore model, optimizer, scheduler, counters, RNG and data position from a checkpoint
+        `state` (or file)."""
+        t = self.trainer
+        if isinstance(state, (str, os.PathLike)):
+            state, path = checked_checkpoint(state), state  # what `load_latest` checks
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                "resume takes a checkpoint state (a dict) or the path of a checkpoint file, got "
+                f"{type(state).__name__}"
+            )
+        state = t.world.local_state(state, path)  # in a job: this rank's RNG and data position
+        check_compatible(state, model=t.model, config=t.config, path=path)
+        refused, applied = setting_changes(state, t.config)
+        if refused:
+            where = f"checkpoint {path}" if path is not None else "the checkpoint"
+            raise CheckpointError(
+                f"{where} cannot continue with the current settings:\n  - "
+                + "\n  - ".join(refused)
+                + "\nResume with the saved values, or start a fresh run (--overwrite, or another "
+                "--output-dir)"
+            )
         # a loader that refuses the position (other data, micro_batch_size) fails before anything
         # changed
-    )
-    if data is not None and callable(getattr(self.dataloader, "load_state_dict", None)):
-        self.dataloader.load_state_dict(data)
-    if state.get("sharded"):
-        load_sharded(
-            state["sharded"], self.model, self.optimizer
-        )  # every rank its shards, any world size
-    elif self.world.fsdp and self.world.backend is not None:
-        load_whole(state, self.model, self.optimizer)
-    else:
-        self.model.load_state_dict(state["model"])
-    if state.get("optimizer") is not None and not (
-        self.world.fsdp and self.world.backend is not None
-    ):
-        note = load_optimizer_state(
-            self.optimizer,
-            state["optimizer"],
-            self.model,  # settings: the config comparison above says
-            report_settings=not isinstance(state.get("config"), Mapping),
+        data = state.get("data")
+        if data is not None and callable(getattr(t.dataloader, "load_state_dict", None)):
+            t.dataloader.load_state_dict(data)
+        fsdp_job = t.world.fsdp and t.world.backend is not None
+        if state.get("sharded"):
+            # every rank its shards, any world size
+            load_sharded(state["sharded"], t.model, t.optimizer)
+        elif fsdp_job:
+            load_whole(state, t.model, t.optimizer)
+        else:
+            t.model.load_state_dict(state["model"])
+        if state.get("optimizer") is not None and not fsdp_job:
+            note = load_optimizer_state(
+                t.optimizer,
+                state["optimizer"],
+                t.model,  # settings: the config comparison above says
+                report_settings=not isinstance(state.get("config"), Mapping),
+            )
+            if note:
+                t.logger.warning("resume: %s", note)
+        if state.get("optimizer_fresh"):
+            t.optimizer.state.clear()  # saved fresh (see `save_sharded`): resumed fresh
+        if t.scheduler is not None and state.get("scheduler") is not None:
+            load_scheduler_state(t.scheduler, state["scheduler"])
+        if applied:
+            self.apply_changed_settings(applied)
+        t.step, t.samples = int(state.get("step", 0)), int(state.get("samples", 0))
+        t._tokens, t._pending = int(state.get("tokens", 0)), []
+        if state.get("rng"):
+            restore_rng_state(state["rng"], logger=t.logger)
+        t._batches = None  # the next fit starts the loader at the restored position
+        t._deferred_scaler = state.get("scaler")
+        t._deferred_coordinator = state.get("coordinator")
+        t._last_saved_step = t.step
+        owed = state.get("eval_owed")
+        t._eval_owed = owed if isinstance(owed, int) and owed == t.step else None
+        self.report_changed_settings(applied)
+
+    def apply_changed_settings(self, applied: list[tuple[str, Any, Any]]) -> None:
+        """Put changed optimizer settings back into the parameter groups (the loaded state held
+        the saved ones)."""
+        t = self.trainer
+        keys, opt = {k for k, *_ in applied}, t.config.optimizer
+        new_rate = bool(keys & {"optimizer.lr", "optimizer.muon_lr"})
+        for group in t.optimizer.param_groups:
+            muon = group.get("algorithm") == "muon"
+            if "optimizer.betas" in keys and "betas" in group:
+                group["betas"] = tuple(opt.betas)
+            if "optimizer.eps" in keys and "eps" in group:
+                group["eps"] = opt.eps
+            for key, setting in _MUON_SETTINGS.items():
+                if muon and f"optimizer.{key}" in keys:
+                    group[setting] = getattr(opt, key)
+            decayed = opt.weight_decay_on == "all" or all(p.ndim >= 2 for p in group["params"])
+            if "optimizer.weight_decay" in keys and "weight_decay" in group and decayed:
+                group["weight_decay"] = opt.weight_decay
+            if new_rate:
+                group["lr"] = group["initial_lr"] = (opt.muon_lr or opt.lr) if muon else opt.lr
+        sched = t.scheduler
+        if new_rate and sched is not None and hasattr(sched, "lr_lambdas"):
+            sched.base_lrs = [group["initial_lr"] for group in t.optimizer.param_groups]
+            for group, fn in zip(t.optimizer.param_groups, sched.lr_lambdas):
+                group["lr"] = group["initial_lr"] * fn(sched.last_epoch)
+            sched._last_lr = [group["lr"] for group in t.optimizer.param_groups]
+
+    def report_changed_settings(self, applied: list[tuple[str, Any, Any]]) -> None:
+        "One warning and one `settings_changed` event listing what changed since the checkpoint."
+        if not applied:
+            return
+        t = self.trainer
+        listed = "; ".join(f"{k} {old!r} -> {new!r}" for k, old, new in applied)
+        t.logger.warning(
+            f"resume: settings changed since the checkpoint, applied from step {t.step + 1}: "
+            f"{listed}"
         )
-        if note:
-            self.logger.warning("resume: %s", note)
-    if state.get("optimizer_fresh"):
-        self.optimizer.state.clear()  # saved fresh (see `_save_sharded`): resumed fresh
-    if self.scheduler is not None and state.get("scheduler") is not None:
-        load_scheduler_state(self.scheduler, state["scheduler"])
-    if applied:
-        self._apply_changed_settings(applied)
-    self.step, self.samples = int(state.get("step", 0)), int(state.get("samples", 0))
-    self._tokens, self._pending = int(state.get("tokens", 0)), []
-    if state.get("rng"):
-        restore_rng_state(state["rng"], logger=self.logger)
-    self._batches = None  # the next fit starts the loader at the restored position
-    self._deferred_scaler = state.get("scaler")
-    self._deferred_coordinator = state.get("coordinator")
-    self._last_saved_step = self.step
-    owed = state.get("eval_owed")
-    self._eval_owed = owed if isinstance(owed, int) and owed == self.step else None
-    self._report_changed_settings(applied)
+        t.logger.emit(
+            "settings_changed",
+            {"step": t.step, "changed": {k: [old, new] for k, old, new in applied}},
+        )
+
+    def newest(self) -> Path | None:
+        "The newest checkpoint file on disk, or `None`."
+        latest = getattr(self.trainer.checkpoint_manager, "latest_path", None)
+        try:
+            return latest() if callable(latest) else None
+        except Exception:
+            return None
+
+    def save_on_interrupt(self, run: _FitState) -> tuple[Path | None, bool, str]:
+        """Save the last completed step unless saved or torn; (newest checkpoint, whether it holds
+        that step, what happened)."""
+        t = self.trainer
+        manager, step, problem = t.checkpoint_manager, t.step, None
+        if manager is None or not getattr(manager, "enabled", True):
+            return None, False, "checkpoints are off, so nothing was saved"
+        if step <= 0:
+            return self.newest(), False, "no step was completed, so nothing was saved"
+        if step != t._last_saved_step and t.world.size > 1 and not run.together:
+            # the other ranks cannot join a save
+            problem = (
+                f"step {step} was not saved: rank {t.world.rank} stopped alone (the other "
+                "ranks are not at this step)"
+            )
+        elif step != t._last_saved_step and run.updating:
+            problem = (
+                f"step {step} was not saved: the stop came inside the optimizer update of step "
+                f"{step + 1}"
+            )
+        elif step != t._last_saved_step:
+            try:
+                t.save_checkpoint(run.boundary or self.boundary())
+            except BaseException as e:
+                why = (
+                    "interrupted again while saving"
+                    if isinstance(e, KeyboardInterrupt)
+                    else f"{type(e).__name__}: {e}"
+                )
+                problem = f"step {step} was NOT saved ({why})"
+        newest = self.newest()
+        saved = step == t._last_saved_step or (
+            newest is not None and newest == manager.path_for(step)
+        )
+        if saved:
+            return newest, True, f"step {step} is saved in {newest}"
+        where = f"; the newest checkpoint is {newest}" if newest else "; there is no checkpoint yet"
+        return newest, False, problem + where
 
 # %% ../nbs/train/06_trainer.ipynb #8d435c8f
 class _CtrlCPhase(enum.Enum):
@@ -829,13 +1052,11 @@ class _FitState:
     # the model's parameters (clipped and checked every update), listed once per call
     params: tuple = ()
     ooo: Any = None  # this call's out-of-order backprop scheduler, disposed of at the end
-    keep_boundary: bool = (
-        False  # a checkpoint manager is on: remember each step's RNG and data position
-    )
+    # a checkpoint manager is on: remember each step's RNG and data position
+    keep_boundary: bool = False
     boundary: dict | None = None  # RNG and data position after the last completed step
-    updating: bool = (
-        False  # inside an optimizer update, which an interruption must not save half-done
-    )
+    # inside an optimizer update, which an interruption must not save half-done
+    updating: bool = False
     # every rank leaves the loop at this same point (an agreed stop, an error raised by all), so all
     # can join its save
     together: bool = False
@@ -856,304 +1077,221 @@ def nothing_to_train(step: int, target: int) -> str:
         f"{more} more steps (max_steps={step + more} from Python)"
     )
 
-# %% ../nbs/train/06_trainer.ipynb #719b47ec
-@patch
-def _start_ooo(self: Trainer) -> Any:
-    """The out-of-order backprop scheduler `ooo_backprop` asks for, or `None`; an `ooo_backprop`
-    event says which."""
-    if not self.settings.ooo_backprop:
-        return None
-    if self.compiled_model is not None:
-        self.logger.warning("ooo_backprop is disabled because compile is enabled")
-        self.logger.emit("ooo_backprop", {"enabled": False, "reason": "compile is enabled"})
-        return None
-    try:
-        from speedtronic.scheduling import StageStreamScheduler
-    except ImportError as e:
-        self.logger.emit(
-            "ooo_backprop", {"enabled": False, "reason": f"stream scheduler unavailable: {e}"}
-        )
-        return None
-    ooo = StageStreamScheduler(
-        self.model, self.device, num_streams=self.settings.ooo_streams, logger=self.logger
-    )
-    self.logger.emit("ooo_backprop", ooo.as_dict())
-    return ooo
-
-
-@patch
-def _begin_fit(self: Trainer, limit: int) -> _FitState:
-    """Check the target, prepare model, shapes, checkpoint directory, scaler and optimizer; the
-    call's state."""
-    if limit <= 0:
-        raise ValueError(f"max_steps must be positive, got {limit}")
-    target = self._target = max(self.step, limit)
-    if 0 < limit <= self.step:
-        self.logger.warning(nothing_to_train(self.step, limit))
-    params = tuple(self.model.parameters())
-    if not self.world.fsdp and any(
-        t.device != self.device for t in (*params, *self.model.buffers())
-    ):  # fsdp placed its shards
-        self.model.to(self.device)
-        params = tuple(
-            self.model.parameters()
-        )  # the same objects, unless torch is set to replace them on a move
-    if not all(m.training for m in self.model.modules()):
-        self.model.train()  # both asked first: a fit call starts cheaply
-    if self.config is not None and self.shape_report is None:
-        from speedtronic.shapes import validate_startup_shapes
-
-        self.shape_report = validate_startup_shapes(
-            self.config, self.model, self.device, self.precision, logger=self.logger
-        )
-    manager = self.checkpoint_manager
-    keep = manager is not None and getattr(manager, "enabled", True)
-    if keep and self.step < target and callable(getattr(manager, "check_writable", None)):
-        self.world.on_writer(
-            manager.check_writable
-        )  # in a job rank 0 writes, and its failure stops every rank
-    ooo = self._start_ooo()
-    if self._deferred_scaler and self.scaler is not None:
-        self.scaler.load_state_dict(self._deferred_scaler)
-    self._deferred_scaler = None
-    self.optimizer.zero_grad(set_to_none=True)
-    return _FitState(
-        model=self.compiled_model if self.compiled_model is not None else self.synced_model,
-        target=target,
-        start=(self.step, self.samples, self.tokens),
-        records=deque(maxlen=self.settings.metrics_history),
-        params=params,
-        ooo=ooo,
-        keep_boundary=keep,
-    )
-
 # %% ../nbs/train/06_trainer.ipynb #6726dd3c
-@patch
-def _forward(self: Trainer, run: _FitState, batch: Any) -> torch.Tensor:
-    """The loss of one microbatch; a compile failure switches this and later calls to the eager
-    model."""
-    with autocast_context(self.precision, self.device):
-        if run.model is self.compiled_model:
-            try:
-                output = call_model(run.model, batch)
-            except Exception as e:
-                if not is_compile_failure(e):
-                    raise
-                self.compiled_model, run.model = None, self.synced_model
-                self.logger.emit(
-                    "compile",
-                    {
-                        "enabled": False,
-                        "reason": f"compilation failed; running eagerly: {type(e).__name__}: {e}",
-                    },
-                )
-                output = call_model(run.model, batch)
-        else:
-            output = call_model(run.model, batch)
-    return resolve_loss(output, batch)
+class _FitStep:
+    """One global step of a `fit` call: `K` microbatches, one checked update, then the counters,
+    schedule, pending record and coordinator; a Ctrl-C during the update waits for the step.
 
+    It writes the trainer's counters (`step`, `samples`, the pending records) and the call's state
+    `run` (the model forward runs on, the Ctrl-C phase, whether an update is under way)."""
 
-@patch
-def _accumulate(self: Trainer, run: _FitState) -> tuple[torch.Tensor, int | torch.Tensor, int, int]:
-    "Forward/backward `K` microbatches; returns (mean loss tensor, tokens, samples, microbatches)."
-    K = self.settings.accumulation_steps
-    loss_sum, tokens, samples = None, 0, 0
-    for i in range(K):
-        batch = move_batch(next(self._batches), self.device)
-        n, t = batch_size_and_tokens(batch)
-        samples, tokens = samples + n, tokens + t
-        with self.world.gradient_sync(
-            self.synced_model, sync=i == K - 1
-        ):  # in a job: one all-reduce, on the last one
-            if run.ooo is not None:
-                run.ooo.begin()
-            loss = self._forward(run, batch)
-            if run.ooo is not None:
-                run.ooo.finish()
-            if not loss.requires_grad:
-                raise TrainingError(
-                    "the model's loss does not depend on any trainable parameter (it has no "
-                    "gradient): compute "
-                    "it from the model's outputs without .detach(), .item() or torch.no_grad(), "
-                    "and check the "
-                    "parameters have requires_grad=True"
-                )
-            detached = loss.detach().float()
-            loss_sum = detached if loss_sum is None else loss_sum + detached
-            scaled = loss if K == 1 else loss * (1.0 / K)  # one microbatch: no extra multiply
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-    return (loss_sum if K == 1 else loss_sum / K), tokens, samples, K
+    def __init__(self, trainer: Trainer, run: _FitState):
+        self.trainer, self.run = trainer, run
 
-# %% ../nbs/train/06_trainer.ipynb #a206ee54
-@patch
-def _apply_update(
-    self: Trainer,
-    loss: torch.Tensor,
-    params: Any = None,  # the parameters (default: the model's)
-) -> tuple[str | None, float, float]:
-    """Clip, check and step the optimizer: (why it was skipped or `None` when applied, loss,
-    gradient norm)."""
-    clip = self.settings.grad_clip
-    params = list(self.model.parameters()) if params is None else params
-    if self.scaler is not None:
-        if clip:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        outcome = (
-            (None if scaler_step(self.scaler, self.optimizer) else "grad_scaler_overflow"),
-            float("nan"),
-            float("nan"),
-        )
-    else:
-        norm = whole(
-            torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params)
-        )  # sharded: the global norm
-        loss, norm = self._job_values(loss, norm)
-        outcome = (
-            (None, math.nan, math.nan)
-            if update_is_finite(loss, norm)
-            else nonfinite_update(loss, norm)
-        )
-        if outcome[0] is None:
-            self.optimizer.step()
-    self.optimizer.zero_grad(set_to_none=True)
-    return outcome
-
-
-@patch
-def _job_values(
-    self: Trainer, loss: torch.Tensor, norm: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss and gradient norm the update is judged on: in a job the ranks' mean of both (one
-    all-reduce), equal on every rank."""
-    if self.world.size == 1:
-        return loss, norm
-    both = torch.stack(
-        [loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]
-    )
-    both = self.world.all_sum(both) / self.world.size  # a NaN or inf on any rank makes the sum one
-    return both[0], both[1]
-
-# %% ../nbs/train/06_trainer.ipynb #de50e506
-@patch
-@contextlib.contextmanager
-def _ctrl_c_after_update(self: Trainer, run: _FitState) -> Iterator[None]:
-    """Within the block, a Ctrl-C during an optimizer update is raised once the step is complete;
-    elsewhere at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def handler(signum, frame):
-        if run.ctrl_c is _CtrlCPhase.WAITS:
-            run.ctrl_c = _CtrlCPhase.HELD
+    @contextlib.contextmanager
+    def ctrl_c_after_update(self) -> Iterator[None]:
+        """Within the block, a Ctrl-C during an optimizer update is raised once the step is
+        complete; elsewhere at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
             return
-        if callable(previous):
-            return previous(signum, frame)
-        if previous != signal.SIG_IGN:
-            raise KeyboardInterrupt
+        run, previous = self.run, signal.getsignal(signal.SIGINT)
 
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        def handler(signum, frame):
+            if run.ctrl_c is _CtrlCPhase.WAITS:
+                run.ctrl_c = _CtrlCPhase.HELD
+                return
+            if callable(previous):
+                return previous(signum, frame)
+            if previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
 
-# %% ../nbs/train/06_trainer.ipynb #673ae880
-@patch
-def _eval_due(self: Trainer, run: _FitState) -> bool:
-    "Whether the step just completed gets a held-out eval: the cadence asks, or it is the target."
-    e = self.evaluator
-    return e is not None and (e.due(self.step) or self.step == run.target)
+        signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
+    def forward(self, batch: Any) -> torch.Tensor:
+        """The loss of one microbatch; a compile failure switches this and later calls to the eager
+        model."""
+        t, run = self.trainer, self.run
+        with autocast_context(t.precision, t.device):
+            if run.model is t.compiled_model:
+                try:
+                    output = call_model(run.model, batch)
+                except Exception as e:
+                    if not is_compile_failure(e):
+                        raise
+                    t.compiled_model, run.model = None, t.synced_model
+                    why = f"compilation failed; running eagerly: {type(e).__name__}: {e}"
+                    t.logger.emit("compile", {"enabled": False, "reason": why})
+                    output = call_model(run.model, batch)
+            else:
+                output = call_model(run.model, batch)
+        return resolve_loss(output, batch)
 
-@patch
-def _train_one_step(self: Trainer, run: _FitState) -> None:
-    """Run microbatches until one update is applied, then advance step, schedule, coordinator and
-    records."""
-    skipped = 0
-    while True:
-        loss, tokens, samples, micro = self._accumulate(run)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this update uses
-        if run.ctrl_c is _CtrlCPhase.ACTS:
-            run.ctrl_c = _CtrlCPhase.WAITS  # until the step is counted and recorded, a Ctrl-C waits
-        run.updating = True
-        reason, loss_value, norm = self._apply_update(loss, run.params)
-        if reason is None:
-            run.boundary = None  # the RNG/data position of this step is taken once it completes
-            self.samples += (
-                samples * self.world.size
-            )  # every rank takes an equal share of each microbatch
-            self.step += 1
-            self._eval_owed = self.step if self._eval_due(run) else None
-            if self.scheduler is not None:
-                self.scheduler.step()
-            run.updating = False
-            self._pending.append(
-                _PendingStep(self.step, loss, tokens, self.samples, micro, lr, time.perf_counter())
-            )
-        if run.ctrl_c is _CtrlCPhase.WAITS:
-            run.ctrl_c = _CtrlCPhase.ACTS
-        run.updating = False
-        if run.ctrl_c is _CtrlCPhase.HELD and reason is not None:
-            run.ctrl_c = _CtrlCPhase.ACTS
-            raise KeyboardInterrupt
-        if reason is None:
-            break
-        skipped += 1
-        self.logger.emit("optimizer_step_skipped", {"step": self.step + 1, "reason": reason})
-        if reason == "grad_scaler_overflow" and skipped >= self.settings.max_skipped_steps:
-            raise job_wide(
-                TrainingError(
-                    f"the GradScaler skipped {skipped} updates in a row at step {self.step + 1} "
-                    "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use "
-                    "precision "
-                    "bf16/fp32, or raise precision.max_skipped_steps"
-                )
-            )
-        if reason != "grad_scaler_overflow" and skipped > self.settings.max_nonfinite_skips:
-            raise job_wide(self._nonfinite_error(reason, loss_value, norm, skipped, lr))
-    if self.coordinator is not None and self.coordinator.after_optimizer_step(
-        self.model, self.step
-    ):
-        self.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
-    if run.ctrl_c is _CtrlCPhase.HELD:
-        run.ctrl_c = _CtrlCPhase.ACTS
-        if self._eval_owed == self.step < run.target and self.world.size == 1:
-            run.ctrl_c = (
-                _CtrlCPhase.AFTER_EVAL
-            )  # the step's held-out eval runs first, then the stop
+    def accumulate(self) -> tuple[torch.Tensor, int | torch.Tensor, int, int]:
+        """Forward/backward `K` microbatches; returns (mean loss tensor, tokens, samples,
+        microbatches)."""
+        t, ooo = self.trainer, self.run.ooo
+        K = t.settings.accumulation_steps
+        loss_sum, tokens, samples = None, 0, 0
+        for i in range(K):
+            batch = move_batch(next(t._batches), t.device)
+            n, counted = batch_size_and_tokens(batch)
+            samples, tokens = samples + n, tokens + counted
+            # in a job: one all-reduce, on the last one
+            with t.world.gradient_sync(t.synced_model, sync=i == K - 1):
+                if ooo is not None:
+                    ooo.begin()
+                loss = self.forward(batch)
+                if ooo is not None:
+                    ooo.finish()
+                if not loss.requires_grad:
+                    raise TrainingError(
+                        "the model's loss does not depend on any trainable parameter (it has no "
+                        "gradient): compute it from the model's outputs without .detach(), "
+                        ".item() or torch.no_grad(), and check the parameters have "
+                        "requires_grad=True"
+                    )
+                detached = loss.detach().float()
+                loss_sum = detached if loss_sum is None else loss_sum + detached
+                scaled = loss if K == 1 else loss * (1.0 / K)  # one microbatch: no extra multiply
+                (t.scaler.scale(scaled) if t.scaler is not None else scaled).backward()
+        return (loss_sum if K == 1 else loss_sum / K), tokens, samples, K
+
+    def apply_update(
+        self,
+        loss: torch.Tensor,
+        params: Any = None,  # the parameters (default: the model's)
+    ) -> tuple[str | None, float, float]:
+        """Clip, check and step the optimizer: (why it was skipped or `None` when applied, loss,
+        gradient norm)."""
+        t = self.trainer
+        clip = t.settings.grad_clip
+        params = list(t.model.parameters()) if params is None else params
+        if t.scaler is not None:
+            if clip:
+                t.scaler.unscale_(t.optimizer)
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            applied = scaler_step(t.scaler, t.optimizer)
+            outcome = (None if applied else "grad_scaler_overflow", float("nan"), float("nan"))
         else:
-            raise KeyboardInterrupt  # the Ctrl-C that waited for this step
+            # sharded: the global norm
+            norm = whole(
+                torch.nn.utils.clip_grad_norm_(params, clip) if clip else gradient_norm(params)
+            )
+            loss, norm = self.job_values(loss, norm)
+            outcome = (
+                (None, math.nan, math.nan)
+                if update_is_finite(loss, norm)
+                else nonfinite_update(loss, norm)
+            )
+            if outcome[0] is None:
+                t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        return outcome
 
-# %% ../nbs/train/06_trainer.ipynb #ac0aaca8
-@patch
-def _nonfinite_error(
-    self: Trainer, reason: str, loss: float, norm: float, skipped: int, lr: float
-) -> TrainingError:
-    """The `TrainingError` that stops a run at a NaN/inf loss or gradient: the step, the value, what
-    to try."""
-    what = (
-        f"the loss is {loss}"
-        if reason == "nonfinite_loss"
-        else f"the gradient norm is {norm} (the loss is {loss})"
-    )
-    budget = self.settings.max_nonfinite_skips
-    row = (
-        f" after {skipped - 1} skipped update{'s' if skipped != 2 else ''} in a row"
-        if budget
-        else ""
-    )
-    return TrainingError(
-        f"step {self.step + 1}: {what}{row}, so the update was not applied and training stopped; "
-        "the "
-        f"weights are those of step {self.step}. Lower optimizer.lr (this update used {lr:g}), set "
-        "optimizer.grad_clip (e.g. 1.0), use precision fp32, or look for inf/NaN in the data and "
-        "the model; "
-        f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of "
-        "stopping"
-    )
+    def job_values(
+        self, loss: torch.Tensor, norm: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and gradient norm the update is judged on: in a job the ranks' mean of both
+        (one all-reduce), equal on every rank."""
+        world = self.trainer.world
+        if world.size == 1:
+            return loss, norm
+        both = torch.stack(
+            [loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(loss.device)]
+        )
+        both = world.all_sum(both) / world.size  # a NaN or inf on any rank makes the sum one
+        return both[0], both[1]
+
+    def eval_due(self) -> bool:
+        """Whether the step just completed gets a held-out eval: the cadence asks, or it is the
+        target."""
+        t, e = self.trainer, self.trainer.evaluator
+        return e is not None and (e.due(t.step) or t.step == self.run.target)
+
+    def train_one_step(self) -> None:
+        """Run microbatches until one update is applied, then advance step, schedule, coordinator
+        and records."""
+        t, run = self.trainer, self.run
+        skipped = 0
+        while True:
+            loss, tokens, samples, micro = self.accumulate()
+            lr = float(t.optimizer.param_groups[0]["lr"])  # the rate this update uses
+            if run.ctrl_c is _CtrlCPhase.ACTS:
+                run.ctrl_c = _CtrlCPhase.WAITS  # until the step is counted and recorded, one waits
+            run.updating = True
+            reason, loss_value, norm = self.apply_update(loss, run.params)
+            if reason is None:
+                run.boundary = None  # the RNG/data position of this step is taken once it completes
+                # every rank takes an equal share of each microbatch
+                t.samples += samples * t.world.size
+                t.step += 1
+                t._eval_owed = t.step if self.eval_due() else None
+                if t.scheduler is not None:
+                    t.scheduler.step()
+                run.updating = False
+                t._pending.append(
+                    _PendingStep(t.step, loss, tokens, t.samples, micro, lr, time.perf_counter())
+                )
+            if run.ctrl_c is _CtrlCPhase.WAITS:
+                run.ctrl_c = _CtrlCPhase.ACTS
+            run.updating = False
+            if run.ctrl_c is _CtrlCPhase.HELD and reason is not None:
+                run.ctrl_c = _CtrlCPhase.ACTS
+                raise KeyboardInterrupt
+            if reason is None:
+                break
+            skipped += 1
+            t.logger.emit("optimizer_step_skipped", {"step": t.step + 1, "reason": reason})
+            if reason == "grad_scaler_overflow" and skipped >= t.settings.max_skipped_steps:
+                raise job_wide(
+                    TrainingError(
+                        f"the GradScaler skipped {skipped} updates in a row at step {t.step + 1} "
+                        "(inf/NaN gradients): lower optimizer.lr, set optimizer.grad_clip, use "
+                        "precision bf16/fp32, or raise precision.max_skipped_steps"
+                    )
+                )
+            if reason != "grad_scaler_overflow" and skipped > t.settings.max_nonfinite_skips:
+                raise job_wide(self.nonfinite_error(reason, loss_value, norm, skipped, lr))
+        if t.coordinator is not None and t.coordinator.after_optimizer_step(t.model, t.step):
+            t.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
+        if run.ctrl_c is _CtrlCPhase.HELD:
+            run.ctrl_c = _CtrlCPhase.ACTS
+            if t._eval_owed == t.step < run.target and t.world.size == 1:
+                # the step's held-out eval runs first, then the stop
+                run.ctrl_c = _CtrlCPhase.AFTER_EVAL
+            else:
+                raise KeyboardInterrupt  # the Ctrl-C that waited for this step
+
+    def nonfinite_error(
+        self, reason: str, loss: float, norm: float, skipped: int, lr: float
+    ) -> TrainingError:
+        """The `TrainingError` that stops a run at a NaN/inf loss or gradient: the step, the value,
+        what to try."""
+        t = self.trainer
+        what = (
+            f"the loss is {loss}"
+            if reason == "nonfinite_loss"
+            else f"the gradient norm is {norm} (the loss is {loss})"
+        )
+        budget = t.settings.max_nonfinite_skips
+        row = (
+            f" after {skipped - 1} skipped update{'s' if skipped != 2 else ''} in a row"
+            if budget
+            else ""
+        )
+        return TrainingError(
+            f"step {t.step + 1}: {what}{row}, so the update was not applied and training stopped; "
+            f"the weights are those of step {t.step}. Lower optimizer.lr (this update used "
+            f"{lr:g}), set optimizer.grad_clip (e.g. 1.0), use precision fp32, or look for inf/NaN "
+            "in the data and the model; "
+            f"optimizer.max_nonfinite_skips (now {budget}) lets a run skip such updates instead of "
+            "stopping"
+        )
 
 # %% ../nbs/train/06_trainer.ipynb #cf2ea3d8
 STEP_RECORD_KEYS = (
@@ -1169,33 +1307,6 @@ STEP_RECORD_KEYS = (
 )
 
 
-@patch
-def _flush(self: Trainer, run: _FitState) -> None:
-    "Read pending losses/tokens in one transfer, emit their `train_step` records and keep them."
-    if not self._pending:
-        return
-    for loss, tokens in read_pending(list(self._pending), self.world):
-        p = self._pending[0]
-        total = self._tokens + tokens
-        elapsed = max(p.time - run.t0, 1e-9)
-        record = {
-            "step": p.step,
-            "loss": loss,
-            "lr": p.lr,
-            "steps_per_sec": (p.step - run.start[0]) / elapsed,
-            "samples_per_sec": (p.samples - run.start[1]) / elapsed,
-            "tokens_per_sec": (total - run.start[2]) / elapsed,
-            "samples": p.samples,
-            "tokens": total,
-            "micro_batches": p.micro_batches,
-        }
-        shown = self.logger.emit("train_step", dict(record))
-        self._tokens = total
-        del self._pending[0]
-        run.last_loss, run.unwritten = loss, (record if shown is False else None)
-        run.records.append(record)
-
-
 def _takes_force(emit: Any) -> bool:
     "Whether a logger's `emit` accepts `force=`."
     try:
@@ -1204,139 +1315,230 @@ def _takes_force(emit: Any) -> bool:
         return False
     return "force" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
-
-@patch
-def _flush_last(self: Trainer, run: _FitState) -> None:
-    """Flush, then write the newest record even if the logging cadence skipped it (where the logger
-    can)."""
-    self._flush(run)
-    record, run.unwritten = run.unwritten, None
-    if record is not None and _takes_force(self.logger.emit):
-        self.logger.emit("train_step", dict(record), force=True)
-
-# %% ../nbs/train/06_trainer.ipynb #bbead597
-@patch
-def _evaluate(self: Trainer, run: _FitState) -> None:
-    """Measure the held-out loss now: one `eval` event and record, after the step's `train_step`
-    record, then its `sample` events."""
-    self._flush(run)
-    result = self.evaluator(self.model)
-    record = {"step": self.step, **result.record()}
-    self.logger.emit("eval", dict(record))
-    run.evals.append(record)
-    for sample in getattr(self.evaluator, "samples", lambda model: [])(
-        self.model
-    ):  # texts the model writes now
-        self.logger.emit("sample", {"step": self.step, **sample})
-    self._eval_owed = None
-
 # %% ../nbs/train/06_trainer.ipynb #49b4ceb7
-@patch
-def _start_coordinator(self: Trainer, target: int) -> None:
-    """Start the coordinator once, giving it resumed state (staged before `start()` when it can take
-    it so)."""
-    if self.coordinator is None or self._coordinator_started:
-        return
-    state, self._deferred_coordinator = self._deferred_coordinator, None
-    prepare = getattr(self.coordinator, "prepare_state", None)
-    set_target = getattr(self.coordinator, "set_target", None)  # optional (see `SyncCoordinator`)
-    if callable(set_target):
-        set_target(target)
-    if state is not None and callable(prepare):
-        prepare(state)
-        state = None
-    self.coordinator.start()
-    self._coordinator_started = True
-    if state is not None:
-        self.coordinator.load_state_dict(state)
+class _FitRun:
+    """One `fit` call from its first step to its end: the steps to the target, the records and
+    held-out evals on their cadence, interval and final checkpoints, and what a stop leaves.
 
+    `begin` prepares the trainer and makes the call's state `run` (a `_FitState`); `steps` takes
+    one global step at a time (`_FitStep`). `Trainer.fit` starts the coordinator around it."""
 
-@patch
-def _stop_coordinator(self: Trainer, failed: BaseException | None) -> None:
-    """Stop a started coordinator; if the loop already failed, a failing `stop()` is a warning, not
-    a new error."""
-    if self.coordinator is None or not self._coordinator_started:
-        return
-    self._coordinator_started = False
-    try:
-        self.coordinator.stop()
-    except Exception as e:
-        if failed is None:
-            raise
-        self.logger.warning(
-            f"coordinator stop() failed while the run was ending on {type(failed).__name__}: "
-            f"{type(e).__name__}: {e}"
+    def __init__(self, trainer: Trainer, run: _FitState):
+        self.trainer, self.run = trainer, run
+        self.steps = _FitStep(trainer, run)
+        self.checkpoints = _Checkpointing(trainer)
+
+    @classmethod
+    def begin(cls, trainer: Trainer, limit: int) -> _FitRun:
+        """Check the target, prepare model, shapes, checkpoint directory, scaler and optimizer; the
+        call, with its state."""
+        t = trainer
+        if limit <= 0:
+            raise ValueError(f"max_steps must be positive, got {limit}")
+        target = t._target = max(t.step, limit)
+        if 0 < limit <= t.step:
+            t.logger.warning(nothing_to_train(t.step, limit))
+        params = tuple(t.model.parameters())
+        # fsdp placed its shards itself
+        if not t.world.fsdp and any(x.device != t.device for x in (*params, *t.model.buffers())):
+            t.model.to(t.device)
+            # the same objects, unless torch is set to replace them on a move
+            params = tuple(t.model.parameters())
+        if not all(m.training for m in t.model.modules()):
+            t.model.train()  # both asked first: a fit call starts cheaply
+        if t.config is not None and t.shape_report is None:
+            from speedtronic.shapes import validate_startup_shapes
+
+            t.shape_report = validate_startup_shapes(
+                t.config, t.model, t.device, t.precision, logger=t.logger
+            )
+        manager = t.checkpoint_manager
+        keep = manager is not None and getattr(manager, "enabled", True)
+        if keep and t.step < target and callable(getattr(manager, "check_writable", None)):
+            # in a job rank 0 writes, and its failure stops every rank
+            t.world.on_writer(manager.check_writable)
+        ooo = t._start_ooo()
+        if t._deferred_scaler and t.scaler is not None:
+            t.scaler.load_state_dict(t._deferred_scaler)
+        t._deferred_scaler = None
+        t.optimizer.zero_grad(set_to_none=True)
+        run = _FitState(
+            model=t.compiled_model if t.compiled_model is not None else t.synced_model,
+            target=target,
+            start=(t.step, t.samples, t.tokens),
+            records=deque(maxlen=t.settings.metrics_history),
+            params=params,
+            ooo=ooo,
+            keep_boundary=keep,
+        )
+        return cls(t, run)
+
+    def train_start_payload(self) -> dict[str, Any]:
+        "The `train_start` event: where the call starts and ends, on what, with what features."
+        t, run = self.trainer, self.run
+        report = t.shape_report
+        return {
+            "start_step": t.step,
+            "target_step": run.target,
+            "device": str(t.device),
+            "precision": getattr(t.precision, "mode", str(t.precision)),
+            "precision_reason": getattr(t.precision, "reason", None),
+            "accumulation_steps": t.settings.accumulation_steps,
+            "optimizer": type(t.optimizer).__name__,
+            "lr": float(t.optimizer.param_groups[0]["lr"]),
+            "batch_size": t.settings.batch_size,
+            "sequence_length": t.settings.sequence_length,
+            "parameters": sum(p.numel() for p in run.params),
+            "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
+            "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
+            "ooo_backprop": bool(getattr(run.ooo, "enabled", False)),
+            "world_size": t.world.size,
+        }
+
+    def flush(self) -> None:
+        "Read pending losses/tokens in one transfer, emit their `train_step` records and keep them."
+        t, run = self.trainer, self.run
+        if not t._pending:
+            return
+        for loss, tokens in read_pending(list(t._pending), t.world):
+            p = t._pending[0]
+            total = t._tokens + tokens
+            elapsed = max(p.time - run.t0, 1e-9)
+            record = {
+                "step": p.step,
+                "loss": loss,
+                "lr": p.lr,
+                "steps_per_sec": (p.step - run.start[0]) / elapsed,
+                "samples_per_sec": (p.samples - run.start[1]) / elapsed,
+                "tokens_per_sec": (total - run.start[2]) / elapsed,
+                "samples": p.samples,
+                "tokens": total,
+                "micro_batches": p.micro_batches,
+            }
+            shown = t.logger.emit("train_step", dict(record))
+            t._tokens = total
+            del t._pending[0]
+            run.last_loss, run.unwritten = loss, (record if shown is False else None)
+            run.records.append(record)
+
+    def flush_last(self) -> None:
+        """Flush, then write the newest record even if the logging cadence skipped it (where the
+        logger can)."""
+        self.flush()
+        record, self.run.unwritten = self.run.unwritten, None
+        emit = self.trainer.logger.emit
+        if record is not None and _takes_force(emit):
+            emit("train_step", dict(record), force=True)
+
+    def evaluate(self) -> None:
+        """Measure the held-out loss now: one `eval` event and record, after the step's
+        `train_step` record, then its `sample` events."""
+        t = self.trainer
+        self.flush()
+        result = t.evaluator(t.model)
+        record = {"step": t.step, **result.record()}
+        t.logger.emit("eval", dict(record))
+        self.run.evals.append(record)
+        samples = getattr(t.evaluator, "samples", lambda model: [])
+        for sample in samples(t.model):  # texts the model writes now
+            t.logger.emit("sample", {"step": t.step, **sample})
+        t._eval_owed = None
+
+    def train_to_target(self) -> None:
+        """Steps until the target: records flushed on the logging cadence, interval checkpoints, a
+        final one."""
+        t, run = self.trainer, self.run
+        manager = t.checkpoint_manager
+        every = max(1, int(getattr(t.logger, "every_steps", 1) or 1))
+        if t._batches is None:
+            t._batches = infinite_batches(t.dataloader)
+        if t._eval_owed == t.step and t.evaluator is not None:
+            self.evaluate()  # the eval an interrupted run left for this step, before any new step
+        if run.keep_boundary:
+            run.boundary = self.checkpoints.boundary()
+        while t.step < run.target:
+            self.steps.train_one_step()
+            # in a job, one rank's request stops all after this step
+            stop = t.world.agree_stop(t.stop_requested)
+            due = run.keep_boundary and manager.should_save(t.step)
+            if due or t.step % every == 0 or t.step == run.target or stop:
+                self.flush()
+            if t.evaluator is not None and t.evaluator.due(t.step) and t.step < run.target:
+                self.evaluate()
+                stop = stop or t.world.agree_stop(t.stop_requested)  # asked during the eval
+            if run.ctrl_c is _CtrlCPhase.AFTER_EVAL:
+                raise KeyboardInterrupt  # the Ctrl-C that waited for this step and its eval
+            if run.keep_boundary:
+                run.boundary = self.checkpoints.boundary()
+            if due and t.step < run.target:  # the target's checkpoint comes after its eval, below
+                t.save_checkpoint(run.boundary)
+            if stop:
+                run.together = True
+                raise TrainingInterrupted(stop)
+        self.flush_last()
+        # optional: a sync scheme's last round, before the final checkpoint
+        finish = getattr(t.coordinator, "finish", None)
+        if callable(finish) and t._coordinator_started and t.step > run.start[0]:
+            finish(t.model, t.step)
+            t._last_saved_step = -1  # what finish() changed is saved below
+        if t.evaluator is not None and t.step > run.start[0]:
+            self.evaluate()  # the weights the call ends with
+        if run.keep_boundary and t.step > run.start[0] and t.step != t._last_saved_step:
+            t.save_checkpoint(run.boundary)
+
+    def result(self) -> TrainResult:
+        "The `TrainResult` of this call so far."
+        t, run = self.trainer, self.run
+        directory = getattr(t.checkpoint_manager, "directory", None)
+        keeps = directory is not None and getattr(t.checkpoint_manager, "enabled", True)
+        return TrainResult(
+            t.step,
+            t.samples,
+            t.tokens,
+            run.last_loss if t.step > run.start[0] else None,
+            time.perf_counter() - run.t0,
+            list(run.records),
+            checkpoint_dir=Path(directory) if keeps else None,
+            evals=list(run.evals),
+            val_loss=run.evals[-1]["val_loss"] if run.evals else None,
         )
 
-
-@patch
-def _train_start_payload(self: Trainer, run: _FitState) -> dict[str, Any]:
-    "The `train_start` event: where the call starts and ends, on what, with what features."
-    report = self.shape_report
-    return {
-        "start_step": self.step,
-        "target_step": run.target,
-        "device": str(self.device),
-        "precision": getattr(self.precision, "mode", str(self.precision)),
-        "precision_reason": getattr(self.precision, "reason", None),
-        "accumulation_steps": self.settings.accumulation_steps,
-        "optimizer": type(self.optimizer).__name__,
-        "lr": float(self.optimizer.param_groups[0]["lr"]),
-        "batch_size": self.settings.batch_size,
-        "sequence_length": self.settings.sequence_length,
-        "parameters": sum(p.numel() for p in run.params),
-        "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
-        "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
-        "ooo_backprop": bool(getattr(run.ooo, "enabled", False)),
-        "world_size": self.world.size,
-    }
-
-# %% ../nbs/train/06_trainer.ipynb #4bfaeebb
-@patch
-def _train_to_target(self: Trainer, run: _FitState) -> None:
-    """Steps until the target: records flushed on the logging cadence, interval checkpoints, a final
-    one."""
-    manager, every = (
-        self.checkpoint_manager,
-        max(1, int(getattr(self.logger, "every_steps", 1) or 1)),
-    )
-    if self._batches is None:
-        self._batches = infinite_batches(self.dataloader)
-    if self._eval_owed == self.step and self.evaluator is not None:
-        self._evaluate(run)  # the eval an interrupted run left for this step, before any new step
-    if run.keep_boundary:
-        run.boundary = self._boundary_state()
-    while self.step < run.target:
-        self._train_one_step(run)
-        stop = self.world.agree_stop(
-            self.stop_requested
-        )  # in a job, one rank's request stops all after this step
-        due = run.keep_boundary and manager.should_save(self.step)
-        if due or self.step % every == 0 or self.step == run.target or stop:
-            self._flush(run)
-        if self.evaluator is not None and self.evaluator.due(self.step) and self.step < run.target:
-            self._evaluate(run)
-            stop = stop or self.world.agree_stop(self.stop_requested)  # asked during the eval
-        if run.ctrl_c is _CtrlCPhase.AFTER_EVAL:
-            raise KeyboardInterrupt  # the Ctrl-C that waited for this step and its eval
-        if run.keep_boundary:
-            run.boundary = self._boundary_state()
-        if due and self.step < run.target:  # the target's checkpoint comes after its eval, below
-            self.save_checkpoint(run.boundary)
-        if stop:
-            run.together = True
-            raise TrainingInterrupted(stop)
-    self._flush_last(run)
-    finish = getattr(
-        self.coordinator, "finish", None
-    )  # optional: a sync scheme's last round, before the final checkpoint
-    if callable(finish) and self._coordinator_started and self.step > run.start[0]:
-        finish(self.model, self.step)
-        self._last_saved_step = -1  # what finish() changed is saved below
-    if self.evaluator is not None and self.step > run.start[0]:
-        self._evaluate(run)  # the weights the call ends with
-    if run.keep_boundary and self.step > run.start[0] and self.step != self._last_saved_step:
-        self.save_checkpoint(run.boundary)
+    def stopped(self, exc: BaseException) -> TrainingInterrupted | None:
+        """After the loop ended on `exc`: keep the records, save the last step; for an interrupt,
+        the `TrainingInterrupted` to raise."""
+        t, run = self.trainer, self.run
+        note = f"speedtronic: still saving step {t.step}; press Ctrl-C again to abandon the save"
+        try:
+            with signals_held(note):
+                # in a job the records are sums over the ranks: all must flush
+                if t.world.size == 1 or run.together:
+                    try:
+                        # the records of completed steps reach the logger however the loop ended
+                        self.flush_last()
+                    except Exception as e:
+                        t.logger.warning(
+                            f"could not write the last step records: {type(e).__name__}: {e}"
+                        )
+                newest, saved, what = self.checkpoints.save_on_interrupt(run)
+        except KeyboardInterrupt:
+            newest, saved = self.checkpoints.newest(), False
+            what = f"the save of step {t.step} was abandoned"
+        interrupt = isinstance(exc, KeyboardInterrupt)
+        (t.logger.info if interrupt else t.logger.warning)(
+            f"run stopped by {type(exc).__name__} after step {t.step}; {what}"
+        )
+        if type(exc) not in (KeyboardInterrupt, TrainingInterrupted):
+            return None  # other errors (and their subclasses) as they are
+        reason = exc.reason if isinstance(exc, TrainingInterrupted) else "interrupted"
+        of = f" of {run.target}" if run.target else ""
+        return TrainingInterrupted(
+            reason,
+            message=f"Training stopped after step {t.step}{of} ({reason}); {what}.",
+            result=self.result(),
+            checkpoint=newest,
+            saved=saved,
+            resume_hint="fit() again on this trainer, or resume a new one from the checkpoint",
+        )
 
 # %% ../nbs/train/06_trainer.ipynb #0537d671
 @contextlib.contextmanager
@@ -1364,249 +1566,6 @@ def signals_held(
     finally:
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-# %% ../nbs/train/06_trainer.ipynb #891af4f7
-@patch
-def _newest_checkpoint(self: Trainer) -> Path | None:
-    "The newest checkpoint file on disk, or `None`."
-    latest = getattr(self.checkpoint_manager, "latest_path", None)
-    try:
-        return latest() if callable(latest) else None
-    except Exception:
-        return None
-
-
-@patch
-def _save_on_interrupt(
-    self: Trainer, run: _FitState, exc: BaseException
-) -> tuple[Path | None, bool, str]:
-    """Save the last completed step unless saved or torn; (newest checkpoint, whether it holds that
-    step, what happened)."""
-    manager, step, problem = self.checkpoint_manager, self.step, None
-    if manager is None or not getattr(manager, "enabled", True):
-        return None, False, "checkpoints are off, so nothing was saved"
-    if step <= 0:
-        return self._newest_checkpoint(), False, "no step was completed, so nothing was saved"
-    if (
-        step != self._last_saved_step and self.world.size > 1 and not run.together
-    ):  # the other ranks cannot join a save
-        problem = (
-            f"step {step} was not saved: rank {self.world.rank} stopped alone (the other "
-            "ranks are not at this step)"
-        )
-    elif step != self._last_saved_step and run.updating:
-        problem = (
-            f"step {step} was not saved: the stop came inside the optimizer update of step "
-            f"{step + 1}"
-        )
-    elif step != self._last_saved_step:
-        try:
-            self.save_checkpoint(run.boundary or self._boundary_state())
-        except BaseException as e:
-            why = (
-                "interrupted again while saving"
-                if isinstance(e, KeyboardInterrupt)
-                else f"{type(e).__name__}: {e}"
-            )
-            problem = f"step {step} was NOT saved ({why})"
-    newest = self._newest_checkpoint()
-    saved = step == self._last_saved_step or (
-        newest is not None and newest == manager.path_for(step)
-    )
-    if saved:
-        return newest, True, f"step {step} is saved in {newest}"
-    return (
-        newest,
-        False,
-        problem
-        + (f"; the newest checkpoint is {newest}" if newest else "; there is no checkpoint yet"),
-    )
-
-# %% ../nbs/train/06_trainer.ipynb #ed07dfa2
-@patch
-def _result(self: Trainer, run: _FitState) -> TrainResult:
-    "The `TrainResult` of this call so far."
-    directory = getattr(self.checkpoint_manager, "directory", None)
-    keeps = directory is not None and getattr(self.checkpoint_manager, "enabled", True)
-    return TrainResult(
-        self.step,
-        self.samples,
-        self.tokens,
-        run.last_loss if self.step > run.start[0] else None,
-        time.perf_counter() - run.t0,
-        list(run.records),
-        checkpoint_dir=Path(directory) if keeps else None,
-        evals=list(run.evals),
-        val_loss=run.evals[-1]["val_loss"] if run.evals else None,
-    )
-
-
-@patch
-def _stopped(self: Trainer, run: _FitState, exc: BaseException) -> TrainingInterrupted | None:
-    """After the loop ended on `exc`: keep the records, save the last step; for an interrupt, the
-    `TrainingInterrupted` to raise."""
-    try:
-        with signals_held(
-            f"speedtronic: still saving step {self.step}; press Ctrl-C again to abandon the save"
-        ):
-            if (
-                self.world.size == 1 or run.together
-            ):  # in a job the records are sums over the ranks: all must flush
-                try:
-                    self._flush_last(
-                        run
-                    )  # the records of completed steps reach the logger however the loop ended
-                except Exception as e:
-                    self.logger.warning(
-                        f"could not write the last step records: {type(e).__name__}: {e}"
-                    )
-            newest, saved, what = self._save_on_interrupt(run, exc)
-    except KeyboardInterrupt:
-        newest, saved, what = (
-            self._newest_checkpoint(),
-            False,
-            f"the save of step {self.step} was abandoned",
-        )
-    interrupt = isinstance(exc, KeyboardInterrupt)
-    (self.logger.info if interrupt else self.logger.warning)(
-        f"run stopped by {type(exc).__name__} after step {self.step}; {what}"
-    )
-    if type(exc) not in (KeyboardInterrupt, TrainingInterrupted):
-        return None  # other errors (and their subclasses) as they are
-    reason = exc.reason if isinstance(exc, TrainingInterrupted) else "interrupted"
-    of = f" of {run.target}" if run.target else ""
-    return TrainingInterrupted(
-        reason,
-        message=f"Training stopped after step {self.step}{of} ({reason}); {what}.",
-        result=self._result(run),
-        checkpoint=newest,
-        saved=saved,
-        resume_hint="fit() again on this trainer, or resume a new one from the checkpoint",
-    )
-
-# %% ../nbs/train/06_trainer.ipynb #0a26718e
-@patch
-def fit(self: Trainer, max_steps: int | None = None) -> TrainResult:
-    """Train until the absolute step `max(self.step, max_steps or self.max_steps)`; returns a
-    `TrainResult`."""
-    run = self._begin_fit(self.max_steps if max_steps is None else int(max_steps))
-    failed = None
-    try:
-        if self.step < run.target:
-            self._start_coordinator(run.target)
-            # its start, for a resume as the same participant (SyncCoordinator); a run resumed
-            # from that checkpoint keeps it as it was
-            started = self.step == 0 and self._coordinator_started
-            if started and run.keep_boundary and self._last_saved_step != 0:
-                self.save_checkpoint()
-        self.logger.emit("train_start", self._train_start_payload(run))
-        with self._ctrl_c_after_update(run):
-            self._train_to_target(run)
-    except BaseException as exc:
-        failed = exc
-        run.together = run.together or raised_together(exc)
-        stop = self._stopped(run, exc)
-        if stop is not None:
-            raise stop from None
-        raise
-    finally:
-        self.stop_requested = None
-        try:
-            self._stop_coordinator(failed)
-        finally:
-            if run.ooo is not None:
-                run.ooo.dispose()
-    result = self._result(run)
-    self.logger.emit(
-        "train_end", {"steps": self.step, "elapsed_s": result.elapsed_s, "loss": result.final_loss}
-    )
-    return result
-
-
-Trainer.train = Trainer.fit
-TrainingEngine = Trainer
-SpeedtronicTrainer = Trainer
-
-# %% ../nbs/train/06_trainer.ipynb #fd21f91d
-@patch
-def __repr__(self: TrainResult) -> str:
-    "One line: counters, last loss, time, how many records, where the checkpoints are."
-    loss = "None" if self.final_loss is None else f"{self.final_loss:.4g}"
-    where = f", checkpoint_dir='{self.checkpoint_dir}'" if self.checkpoint_dir is not None else ""
-    held = f", val_loss={self.val_loss:.4g}" if self.val_loss is not None else ""
-    return (
-        f"TrainResult(steps={self.steps}, samples={self.samples}, tokens={self.tokens}, "
-        f"final_loss={loss}{held}, "
-        f"elapsed_s={self.elapsed_s:.1f}, metrics=[{len(self.metrics)} records]{where})"
-    )
-
-
-@patch
-def closing(
-    self: TrainResult,
-    # the run's `RunPaths` (its `metrics` and `loss_plot` are listed when written)
-    paths: Any = None,
-    *,
-    eval_loss: float | None = None,  # the held-out loss; default `val_loss`
-) -> str:
-    """What a terminal shows at the end: the step, time and loss, then the checkpoint folder,
-    metrics file and loss curve."""
-    files = {
-        "checkpoints": self.checkpoint_dir,
-        "metrics": None if paths is None else paths.metrics,
-        "loss curve": None if paths is None else paths.loss_plot,
-    }
-    held = self.val_loss if eval_loss is None else eval_loss
-    return format_closing(self.steps, self.final_loss, self.elapsed_s, eval_loss=held, files=files)
-
-
-@patch
-def loss_png(
-    self: TrainResult,
-    size: tuple[float, float] = (5.0, 2.6),  # inches, 100 screen pixels each
-    dpi: int = 200,
-) -> bytes | None:
-    """The loss curve of `metrics` (and the held-out loss of `evals`) as a PNG; `None` without
-    records or without matplotlib."""
-    points = loss_points(self.metrics)
-    if not points:
-        return None
-    held = [(r["step"], r["val_loss"]) for r in self.evals]
-    try:
-        return figure_png(loss_figure(points, held, size=size, title=None), dpi=dpi)
-    except MissingExtra:
-        return None
-
-
-@patch
-def _repr_mimebundle_(self: TrainResult, include=None, exclude=None) -> dict[str, str]:
-    """In a notebook: a summary line and the loss curve (crisp on a HiDPI screen); the one-line repr
-    elsewhere."""
-    loss = "none" if self.final_loss is None else f"{self.final_loss:.4g}"
-    held = f" · held-out loss {self.val_loss:.4g}" if self.val_loss is not None else ""
-    line = (
-        f"<b>step {self.steps:,}</b> · {self.tokens:,} tokens · final loss {loss}{held} · "
-        f"{self.elapsed_s:.1f} s"
-        + (
-            f" · checkpoints in <code>{html.escape(str(self.checkpoint_dir))}</code>"
-            if self.checkpoint_dir
-            else ""
-        )
-    )
-    png = self.loss_png()
-    picture = (
-        (
-            f'<br><img src="data:image/png;base64,{base64.b64encode(png).decode()}" width="500" '
-            'height="260" '
-            'alt="loss curve">'
-        )
-        if png
-        else ""
-    )
-    return {
-        "text/plain": repr(self),
-        "text/html": f'<div class="speedtronic-result">{line}{picture}</div>',
-    }
 
 # %% ../nbs/train/06_trainer.ipynb #41af70fa
 def __dir__() -> list[str]:

@@ -298,9 +298,8 @@ def on_global(
         return state, None
     if problem := state_misfit(weights, tensors):
         raise ValueError(problem)
-    keep_progress = (
-        keep_progress and folded_step <= state.step
-    )  # a global past our own step already holds our progress
+    # a global past our own step already holds our progress
+    keep_progress = keep_progress and folded_step <= state.step
     mine = lambda k: keep_progress and weights[k].is_floating_point() and k in state.base
     new = {
         k: g.float() - (state.base[k].float() - weights[k].detach().float().cpu()) if mine(k) else g
@@ -455,9 +454,10 @@ def node_state_from(
         # 2.0's legacy mirror
         else {"step": entry.get("pending_delta_step") or step, "delta": entry["pending_delta"]}
     )
+    # dispatched, maybe in flight
     sent = [
         int(v) for v in (entry.get("last_dispatched_step"), job and job["step"]) if v is not None
-    ]  # dispatched, maybe in flight
+    ]
     sends = sent + [int(v) for v in [entry.get("last_uploaded_step")] if v is not None]
     return NodeState(
         str(entry.get("session") or session),

@@ -85,14 +85,12 @@ class OuterBuffers:
     place)."""
 
     momentum: dict[str, torch.Tensor]
-    pending: dict[
-        str, torch.Tensor
-    ]  # delayed Nesterov: fresh deltas' mean not yet through a momentum step
+    # delayed Nesterov: fresh deltas' mean not yet through a momentum step
+    pending: dict[str, torch.Tensor]
     progress: float = 0.0  # outer steps' worth of shares in `pending`
     momentum_steps: int = 0
-    steps_at: tuple[int, ...] = (
-        0,
-    )  # momentum steps as of each of the last versions, the current one last
+    # momentum steps as of each of the last versions, the current one last
+    steps_at: tuple[int, ...] = (0,)
 
     @classmethod
     def zeros(cls, state: Mapping[str, torch.Tensor]) -> "OuterBuffers":
@@ -129,9 +127,8 @@ def _delayed_nesterov(
     keys = list(buffers.momentum)
     grad = {k: sum(c.delta[k].float() for c in contributions) / nodes for k in keys}
     update = {k: lr * g for k, g in grad.items()}
-    fresh = [
-        c for c in contributions if buffers.rounds_behind(c.staleness) == 0
-    ]  # what feeds the momentum
+    # what feeds the momentum
+    fresh = [c for c in contributions if buffers.rounds_behind(c.staleness) == 0]
     pending = {
         k: buffers.pending[k]
         + (
@@ -526,16 +523,13 @@ class MasterState:
     punctual: frozenset[str] | None = (
         None  # after a round's wait ran out: the nodes rounds wait for (None: every active node)
     )
-    held: tuple[
-        CheckedDelta, ...
-    ] = ()  # an incomplete round's accepted deltas (still in the repository: not persisted)
+    # an incomplete round's accepted deltas (still in the repository: not persisted)
+    held: tuple[CheckedDelta, ...] = ()
     held_since: float | None = None  # when the held round began, on this host's clock
-    drop: Mapping[str, str] = field(
-        default_factory=dict
-    )  # repository paths the next commit deletes -> why
-    refusals: Mapping[tuple[str, str], int] = field(
-        default_factory=dict
-    )  # content refusals of sessions the ledger learns at the next fold
+    # repository paths the next commit deletes -> why
+    drop: Mapping[str, str] = field(default_factory=dict)
+    # content refusals of sessions the ledger learns at the next fold
+    refusals: Mapping[tuple[str, str], int] = field(default_factory=dict)
     published_at: float = 0.0  # this host's clock at the last commit
     global_norm: float = -1.0  # the L2 norm of the global's floating tensors (-1: not computed yet)
     finished: bool = False  # the published version is the final round's (the run's end)
@@ -678,13 +672,14 @@ def translated_record(
     return info, _flat(global_=data.get("global_state"), momentum=data.get("momentum"))
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #d195c6bd
+# refusals of what a plausible delta held
 CONTENT_REASONS = (
     "too_large",
     "not_finite",
     "keys",
     "shape",
     "dtype",
-)  # refusals of what a plausible delta held
+)
 
 
 def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
@@ -787,17 +782,17 @@ def rejected(state: MasterState, path: str, reason: str, session: str | None = N
     ledger = state.ledger
     node, step = parse_delta_path(path) or (None, None)
     refusals = state.refusals
-    if (
-        session is not None and reason in CONTENT_REASONS
-    ):  # its step was plausible: the node carries on from it
+    # its step was plausible: the node carries on from it
+    if session is not None and reason in CONTENT_REASONS:
         if ledger.reach(node, session) is not None:
             ledger = ledger.copy()
             ledger.refuse(node, session, step)
         else:
+            # its session may be folded next
             refusals = {
                 **refusals,
                 (node, session): max(step, refusals.get((node, session), -1)),
-            }  # its session may be folded next
+            }
     return replace(state, drop={**state.drop, path: reason}, ledger=ledger, refusals=refusals)
 
 
@@ -944,9 +939,8 @@ class Publication:
     message: str = ""
     bootstrap: bool = False
     folded: tuple[CheckedDelta, ...] = ()
-    update: Mapping[str, torch.Tensor] = field(
-        default_factory=dict
-    )  # what the fold subtracted from the global
+    # what the fold subtracted from the global
+    update: Mapping[str, torch.Tensor] = field(default_factory=dict)
     nodes: int = 0
 
 
@@ -1393,9 +1387,8 @@ class MasterOuterLoop:
         )
         if head is not None and head == self.revision and quiet:
             return self.state.outer_step
-        repo = (
-            self.transport.state() if head is None else self.transport.state(head)
-        )  # the head just read: one request fewer
+        # the head just read: one request fewer
+        repo = self.transport.state() if head is None else self.transport.state(head)
         if repo.metadata is None or self.state.outer_step < 0:
             return self.start_master().outer_step
         self.claim.owned(repo)
@@ -1635,9 +1628,8 @@ class MasterOuterLoop:
                     or True
                 )
             if self.state.outer_step == before:
-                (stop.wait if stop is not None else time.sleep)(
-                    interval
-                )  # after a new version, look again at once
+                # after a new version, look again at once
+                (stop.wait if stop is not None else time.sleep)(interval)
         if stop is not None and stop.is_set():
             return self.state.outer_step
         if gaps:
@@ -1996,9 +1988,10 @@ class RepositoryClaim:
         if found is None:
             return False
         repo, carried = found
+        # another master is live, between its own two renames: not torn, and not ours
         if holder := lease_holder(
             repo.extras, master.node_id, master.rules.lease_timeout, now=master.wall_clock()
-        ):  # another master is live, between its own two renames: not torn, and not ours
+        ):
             raise self.held_by(holder)
         local = master.local.read()
         if not (
@@ -2151,10 +2144,11 @@ class DeltaCollector:
         held = {d.path for d in master.state.held}
         listed_paths = [p for p in present if p not in master.state.drop]
         accepted = list(master.state.held)  # checked in an earlier pass, waiting for their round
+        # in step order
         paths, cache = (
             sorted((p for p in listed_paths if p not in held), key=parse_delta_path),
             master.dir / "cache",
-        )  # in step order
+        )
         local_of = {p: cache / parse_delta_path(p)[0] / Path(p).name for p in paths}
         shapes = {k: tuple(v.shape) for k, v in master.state.outer.momentum.items()}
 
@@ -2183,9 +2177,10 @@ class DeltaCollector:
             try:
                 header = read_wire_header(path, local, shapes)  # before the body is read
                 tensors, header = load_delta(local)
+                # highest accepted
                 reached = {
                     (a.node_id, a.session): a.step for a in sorted(accepted, key=lambda a: a.step)
-                }  # highest accepted
+                }
                 d = check(master.state, master.rules, path, tensors, header, reached)
             except ValueError as e:  # DeltaRejected, or an unreadable file
                 self.quarantine(
@@ -2227,10 +2222,11 @@ class DeltaCollector:
         master = self.master
         quarantine = master.dir / "quarantine"
         name = path.replace("/", "__")
+        # makes the folder too; the file itself is not kept
         atomic_write_text(
             json.dumps(quarantine_record(path, local, error, header, utc_now())) + "\n",
             quarantine / (name + ".json"),
-        )  # makes the folder too; the file itself is not kept
+        )
         local.unlink(missing_ok=True)
         for old in sorted(quarantine.iterdir(), key=lambda p: p.stat().st_mtime)[:-QUARANTINE_KEPT]:
             old.unlink(missing_ok=True)
