@@ -61,8 +61,7 @@ __all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REA
            'active_nodes', 'round_deadline', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due',
            'commit_wait', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup',
            'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata',
-           'run_conflict', 'run_file', 'MasterOuterLoop', 'LocalState', 'Publisher', 'RepositoryClaim', 'same_data',
-           'quarantine_record', 'DeltaCollector']
+           'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data', 'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")
@@ -1299,8 +1298,8 @@ class MasterOuterLoop:
         # the loop thread, the flag that stops it and the event that cuts its wait short
         self._stop, self._wake, self._thread = threading.Event(), threading.Event(), None
         # its parts: the local state files, the commits, the repository's claim, the deltas
-        self.local, self.publisher = LocalState(self), Publisher(self)
-        self.claim, self.collector = RepositoryClaim(self), DeltaCollector(self)
+        self.local, self.publisher = _LocalState(self), _Publisher(self)
+        self.claim, self.collector = _RepositoryClaim(self), _DeltaCollector(self)
         self.fresh, self.overwrite = bool(fresh), bool(overwrite)
         if self.fresh:  # a new run continues nothing of an earlier one (its files are replaced)
             self.state = replace(self.state, run_id=new_run_identity())
@@ -1332,7 +1331,7 @@ class MasterOuterLoop:
 
     data_of = property(
         lambda self: self.collector.data_of,
-        doc="Each node's `data` header: what it reads in file order (`DeltaCollector.note_data`).",
+        doc="Each node's `data` header: what it reads in file order (`_DeltaCollector.note_data`).",
     )
     unfetched = property(
         lambda self: self.collector.unfetched,
@@ -1687,7 +1686,7 @@ class MasterOuterLoop:
                 self.state = restored(self.state, *record)
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #82864fc9
-class LocalState:
+class _LocalState:
     """The master's state in its state directory: the record in `outer_state.safetensors` (the file
     read back) and `outer_state.json` beside it; `.next` ones are written before a publication."""
 
@@ -1733,7 +1732,7 @@ class LocalState:
 PUBLISH_PATIENCE_S = 60.0
 
 
-class Publisher:
+class _Publisher:
     """The master's commits: a publication's files written and its state saved as `.next`, then one
     guarded commit (retried while only nodes moved the head), then `.next` promoted."""
 
@@ -1836,7 +1835,7 @@ class Publisher:
         return new
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #abbe8aad
-class RepositoryClaim:
+class _RepositoryClaim:
     """The master's hold on the repository: taken at start (bootstrap, resume, adopt, take over or
     start over), checked each pass (`owned`), and a torn publication of its own put back."""
 
@@ -2109,7 +2108,7 @@ def quarantine_record(
     }
 
 
-class DeltaCollector:
+class _DeltaCollector:
     """The deltas a pass finds: listed, fetched, checked in step order; refused ones kept as
     records in the quarantine; what each node reads noted."""
 
