@@ -1288,6 +1288,132 @@ class SpeedtronicConfig(_Section):
         global batch, which the processes of a torchrun job share; a DiLoCo node's own)."""
         return self.data.target_batch_size * (self.data.block_size or self.model.max_seq_len)
 
+    def _problems(self) -> list[str]:
+        for name, cls in _SECTIONS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, cls())
+        return _Section._problems(self)
+
+    def _normalise(self) -> None:
+        "2.0's aggregate normalisation: fill the values one section takes from another."
+        d = self.distributed
+        if d.enabled and d.role == "single":
+            d.role = "master" if d.repo_id else "worker"
+        if self.data.block_size is None:
+            self.data.block_size = self.model.max_seq_len
+        if self.data.vocab_size is None:
+            self.data.vocab_size = self.model.vocab_size
+        if self.data.seed is None:
+            self.data.seed = self.run.seed
+        if self.run.log_every is not None and self.logging.every_steps == 1:
+            self.logging.every_steps = self.run.log_every
+        if self.gradient_checkpointing or self.model.gradient_checkpointing:
+            self.gradient_checkpointing = self.model.gradient_checkpointing = True
+
+    def _rules(self) -> list[str]:
+        problems = []
+        if not 1 <= self.ooo_streams <= 8:
+            problems.append(f"ooo_streams: must be between 1 and 8, got {_show(self.ooo_streams)}")
+        return problems
+
+    def validate(self) -> "SpeedtronicConfig":
+        """Check the whole configuration again; raise one `ConfigError` listing every problem.
+        Returns `self`."""
+        problems = _validation_problems(self)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def set_max_steps(self, max_steps: int) -> "SpeedtronicConfig":
+        """Set the run target to `max_steps` (CLI `--max-steps`), and the schedule horizon where one
+        was written."""
+        try:
+            n = _as_int(max_steps)
+        except _Mismatch:
+            n = 0
+        if n <= 0:
+            raise ConfigError(f"max_steps: must be a positive integer, got {_show(max_steps)}")
+        self.run.max_steps = n
+        if self.data.max_steps is not None:
+            self.data.max_steps = n  # it outranks run.max_steps as the target
+        if "max_steps" in explicit_fields(self.scheduler):
+            self.scheduler.max_steps = n  # unwritten, it follows the target
+        return self
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None = None) -> "SpeedtronicConfig":
+        "Build and validate a configuration from a mapping; one `ConfigError` lists every problem."
+        if values is None:
+            values = {}
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"configuration root must be a mapping, got {_show(values)}")
+        root, problems = dict(values), []
+        _apply_run_aliases(root, problems)
+        _apply_optimizer_aliases(root, problems)
+        problems += _unknown(
+            "", [k for k in root if k not in _ROOT_KEYS], _ROOT_KEYS + _RUN_ALIASES
+        )
+        kwargs = {**_root_scalars(root, problems), **_build_sections(root, problems)}
+        config, aggregate_problems = _construct(cls, kwargs)
+        problems += aggregate_problems
+        if not problems:
+            problems += _validation_problems(config)
+        if problems:
+            raise ConfigError(problems)
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "SpeedtronicConfig":
+        "Load a YAML (or JSON) file; an empty file is the default configuration."
+        return cls.from_dict(_read_config_file(Path(path), "yaml"))
+
+    @classmethod
+    def load(cls, source: Mapping | str | os.PathLike) -> "SpeedtronicConfig":
+        "Load from a mapping, a path (`.json` → JSON, else YAML) or inline YAML/JSON text."
+        if isinstance(source, SpeedtronicConfig):
+            return source.validate()
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, os.PathLike):
+            return cls.from_dict(_read_config_file(Path(source)))
+        if not isinstance(source, str):
+            raise ConfigError(
+                "config source must be a mapping, a file path or YAML/JSON text, got "
+                f"{type(source).__name__}"
+            )
+        # a byte-order mark, as a file read without utf-8-sig keeps it
+        source = source.removeprefix("\ufeff")
+        if _is_inline(source):
+            return cls.from_dict(_parse_yaml(source, "inline config"))
+        return cls.from_dict(_read_config_file(Path(source)))
+
+    def to_dict(self, *, redact_secrets: bool = False) -> dict:
+        "Plain JSON-friendly dict in field order; `redact_secrets` replaces every credential value."
+        out = _plain(self)
+        for key in {"warmup_steps", "max_steps"} - explicit_fields(self.scheduler):
+            # unwritten: they follow the run target, and must again when the dict is loaded
+            out["scheduler"].pop(key, None)
+        return redact(out) if redact_secrets else out
+
+    def to_yaml(self, *, redact_secrets: bool = False) -> str:
+        "YAML text of `to_dict`, keys in field order."
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(redact_secrets=redact_secrets), sort_keys=False)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the redacted configuration atomically: YAML for `.yaml`/`.yml`, else JSON. Returns
+        the path."""
+        path = Path(path)
+        data = self.to_dict(redact_secrets=True)
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            text = yaml.safe_dump(data, sort_keys=False)
+        else:
+            text = json.dumps(data, indent=2) + "\n"
+        return atomic_write_text(text, path)
+
 # %% ../nbs/core/01_config.ipynb #567d17ae
 def run_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
     """The absolute step a run trains to: `max_steps` if given, else `data.max_steps`, else
@@ -1297,40 +1423,6 @@ def run_target(config: SpeedtronicConfig, max_steps: int | None = None) -> int:
         if max_steps is not None
         else int(config.data.max_steps or config.run.max_steps)
     )
-
-# %% ../nbs/core/01_config.ipynb #9be3c3ca
-@patch
-def _problems(self: SpeedtronicConfig) -> list[str]:
-    for name, cls in _SECTIONS.items():
-        if getattr(self, name) is None:
-            setattr(self, name, cls())
-    return _Section._problems(self)
-
-
-@patch
-def _normalise(self: SpeedtronicConfig) -> None:
-    "2.0's aggregate normalisation: fill the values one section takes from another."
-    d = self.distributed
-    if d.enabled and d.role == "single":
-        d.role = "master" if d.repo_id else "worker"
-    if self.data.block_size is None:
-        self.data.block_size = self.model.max_seq_len
-    if self.data.vocab_size is None:
-        self.data.vocab_size = self.model.vocab_size
-    if self.data.seed is None:
-        self.data.seed = self.run.seed
-    if self.run.log_every is not None and self.logging.every_steps == 1:
-        self.logging.every_steps = self.run.log_every
-    if self.gradient_checkpointing or self.model.gradient_checkpointing:
-        self.gradient_checkpointing = self.model.gradient_checkpointing = True
-
-
-@patch
-def _rules(self: SpeedtronicConfig) -> list[str]:
-    problems = []
-    if not 1 <= self.ooo_streams <= 8:
-        problems.append(f"ooo_streams: must be between 1 and 8, got {_show(self.ooo_streams)}")
-    return problems
 
 # %% ../nbs/core/01_config.ipynb #3b19c323
 def _validation_problems(self: SpeedtronicConfig) -> list[str]:
@@ -1358,34 +1450,6 @@ def _validation_problems(self: SpeedtronicConfig) -> list[str]:
             "(e.g. repo_id: org/run)"
         )
     return problems
-
-
-@patch
-def validate(self: SpeedtronicConfig) -> SpeedtronicConfig:
-    """Check the whole configuration again; raise one `ConfigError` listing every problem. Returns
-    `self`."""
-    problems = _validation_problems(self)
-    if problems:
-        raise ConfigError(problems)
-    return self
-
-
-@patch
-def set_max_steps(self: SpeedtronicConfig, max_steps: int) -> SpeedtronicConfig:
-    """Set the run target to `max_steps` (CLI `--max-steps`), and the schedule horizon where one was
-    written."""
-    try:
-        n = _as_int(max_steps)
-    except _Mismatch:
-        n = 0
-    if n <= 0:
-        raise ConfigError(f"max_steps: must be a positive integer, got {_show(max_steps)}")
-    self.run.max_steps = n
-    if self.data.max_steps is not None:
-        self.data.max_steps = n  # it outranks run.max_steps as the target
-    if "max_steps" in explicit_fields(self.scheduler):
-        self.scheduler.max_steps = n  # unwritten, it follows the target
-    return self
 
 # %% ../nbs/core/01_config.ipynb #985461a5
 _RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")
@@ -1500,27 +1564,6 @@ def _build_sections(root: Mapping, problems: list[str]) -> dict:
         )
         problems += section_problems
     return built
-
-# %% ../nbs/core/01_config.ipynb #290ef4a6
-@patch(cls_method=True)
-def from_dict(cls: SpeedtronicConfig, values: Mapping[str, Any] | None = None) -> SpeedtronicConfig:
-    "Build and validate a configuration from a mapping; one `ConfigError` lists every problem."
-    if values is None:
-        values = {}
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"configuration root must be a mapping, got {_show(values)}")
-    root, problems = dict(values), []
-    _apply_run_aliases(root, problems)
-    _apply_optimizer_aliases(root, problems)
-    problems += _unknown("", [k for k in root if k not in _ROOT_KEYS], _ROOT_KEYS + _RUN_ALIASES)
-    kwargs = {**_root_scalars(root, problems), **_build_sections(root, problems)}
-    config, aggregate_problems = _construct(cls, kwargs)
-    problems += aggregate_problems
-    if not problems:
-        problems += _validation_problems(config)
-    if problems:
-        raise ConfigError(problems)
-    return config
 
 # %% ../nbs/core/01_config.ipynb #0c8a40fd
 def _yaml_loader() -> type:
@@ -1660,33 +1703,6 @@ def _is_inline(text: str) -> bool:
     return bool(re.search(r":(\s|$)", text)) and not _is_file(text)
 
 
-@patch(cls_method=True)
-def from_yaml(cls: SpeedtronicConfig, path: str | os.PathLike) -> SpeedtronicConfig:
-    "Load a YAML (or JSON) file; an empty file is the default configuration."
-    return cls.from_dict(_read_config_file(Path(path), "yaml"))
-
-
-@patch(cls_method=True)
-def load(cls: SpeedtronicConfig, source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
-    "Load from a mapping, a path (`.json` → JSON, else YAML) or inline YAML/JSON text."
-    if isinstance(source, SpeedtronicConfig):
-        return source.validate()
-    if isinstance(source, Mapping):
-        return cls.from_dict(source)
-    if isinstance(source, os.PathLike):
-        return cls.from_dict(_read_config_file(Path(source)))
-    if not isinstance(source, str):
-        raise ConfigError(
-            "config source must be a mapping, a file path or YAML/JSON text, got "
-            f"{type(source).__name__}"
-        )
-    # a byte-order mark, as a file read without utf-8-sig keeps it
-    source = source.removeprefix("\ufeff")
-    if _is_inline(source):
-        return cls.from_dict(_parse_yaml(source, "inline config"))
-    return cls.from_dict(_read_config_file(Path(source)))
-
-
 def load_config(source: Mapping | str | os.PathLike) -> SpeedtronicConfig:
     """Load a configuration from a mapping, a path or inline YAML/JSON text
     (`SpeedtronicConfig.load`)."""
@@ -1719,39 +1735,6 @@ def _plain(value: Any, seen: frozenset = frozenset()) -> Any:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     return f"<{type(value).__name__} object>"
-
-
-@patch
-def to_dict(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> dict:
-    "Plain JSON-friendly dict in field order; `redact_secrets` replaces every credential value."
-    out = _plain(self)
-    for key in {"warmup_steps", "max_steps"} - explicit_fields(self.scheduler):
-        # unwritten: they follow the run target, and must again when the dict is loaded
-        out["scheduler"].pop(key, None)
-    return redact(out) if redact_secrets else out
-
-
-@patch
-def to_yaml(self: SpeedtronicConfig, *, redact_secrets: bool = False) -> str:
-    "YAML text of `to_dict`, keys in field order."
-    import yaml
-
-    return yaml.safe_dump(self.to_dict(redact_secrets=redact_secrets), sort_keys=False)
-
-
-@patch
-def save(self: SpeedtronicConfig, path: str | os.PathLike) -> Path:
-    """Write the redacted configuration atomically: YAML for `.yaml`/`.yml`, else JSON. Returns the
-    path."""
-    path = Path(path)
-    data = self.to_dict(redact_secrets=True)
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
-        text = yaml.safe_dump(data, sort_keys=False)
-    else:
-        text = json.dumps(data, indent=2) + "\n"
-    return atomic_write_text(text, path)
 
 # %% ../nbs/core/01_config.ipynb #295d7fc9
 def _section_from_mapping(cls: type, values: Mapping[str, Any]) -> Any:

@@ -327,6 +327,18 @@ class HFTokenDataset(TokenArrayDataset):
     def vocab_size(self) -> int:
         return int(self.tokenizer.vocab_size)
 
+    def source_identity(self, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
+        """What a saved position in this dataset depends on: the spec, the tokens' fingerprint,
+        block size, tokenizer and order."""
+        return {
+            **_spec_identity(self.spec),
+            "content": array_fingerprint(self.tokens),
+            "data.block_size": self.block_size,
+            "data.tokenizer": tokenizer_spec(self.tokenizer),
+            "data.shuffle": self.shuffle,
+            **({"data.seed": self.seed} if self.shuffle else {}),
+        }
+
 # %% ../nbs/data/03_hf_datasets.ipynb #918acf1f
 class HFStreamDataset(BlockStream):
     """A streamed `datasets.IterableDataset`: each shard a unit, tokenized as it is read and cut
@@ -362,6 +374,19 @@ class HFStreamDataset(BlockStream):
             if i >= skip:
                 yield block_sample(group)
 
+    def source_identity(self, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
+        """What a saved position in this stream depends on: the spec, the local files' fingerprint,
+        block size and tokenizer."""
+        local = dataset_kind(self.spec) != "hub"
+        return {
+            **_spec_identity(self.spec),
+            "content": local_fingerprint(self.spec["path"])
+            if local
+            else "not checked (streamed from the Hub)",
+            "data.block_size": self.block_size,
+            "data.tokenizer": tokenizer_spec(self.tokenizer),
+        }
+
 # %% ../nbs/data/03_hf_datasets.ipynb #610ca7ae
 def _spec_identity(spec: Mapping) -> dict[str, Any]:
     return {
@@ -385,39 +410,6 @@ def local_fingerprint(path: str | os.PathLike) -> str:
         "\n".join(f"{f.relative_to(p).as_posix()} {file_fingerprint(f)}" for f in files).encode()
     )
     return f"{len(files)} files, sha256 {h.hexdigest()[:16]}"
-
-
-@patch
-def source_identity(
-    self: HFTokenDataset, *, shuffle: bool = False, seed: int = 0
-) -> dict[str, Any]:
-    """What a saved position in this dataset depends on: the spec, the tokens' fingerprint, block
-    size, tokenizer and order."""
-    return {
-        **_spec_identity(self.spec),
-        "content": array_fingerprint(self.tokens),
-        "data.block_size": self.block_size,
-        "data.tokenizer": tokenizer_spec(self.tokenizer),
-        "data.shuffle": self.shuffle,
-        **({"data.seed": self.seed} if self.shuffle else {}),
-    }
-
-
-@patch
-def source_identity(
-    self: HFStreamDataset, *, shuffle: bool = False, seed: int = 0
-) -> dict[str, Any]:
-    """What a saved position in this stream depends on: the spec, the local files' fingerprint,
-    block size and tokenizer."""
-    local = dataset_kind(self.spec) != "hub"
-    return {
-        **_spec_identity(self.spec),
-        "content": local_fingerprint(self.spec["path"])
-        if local
-        else "not checked (streamed from the Hub)",
-        "data.block_size": self.block_size,
-        "data.tokenizer": tokenizer_spec(self.tokenizer),
-    }
 
 # %% ../nbs/data/03_hf_datasets.ipynb #e67ec188
 def hf_dataset_source(

@@ -219,25 +219,23 @@ class DeviceCapabilities:
         defaults = {"fp16": True, "fused_adamw": True} if kind == "cuda" else {}
         return cls(kind, **{**defaults, **caps})
 
-# %% ../nbs/train/01_precision.ipynb #e61ab930
-@patch(cls_method=True)
-def detect(
-    cls: DeviceCapabilities, device: str | torch.device, *, probe_bf16: bool = True
-) -> DeviceCapabilities:
-    "Read the capabilities of the real `device` (runs the cached CPU bf16 probe if `probe_bf16`)."
-    device = torch.device(device)
-    if device.type == "cuda":
-        available = torch.cuda.is_available()
-        return cls(
-            "cuda",
-            bf16=available and _cuda_bf16_supported(device),
-            fp16=available,
-            fused_adamw=supports_fused_adamw(device),
-        )
-    if device.type == "cpu":
-        ok, err = probe_cpu_bf16_autocast() if probe_bf16 else (False, None)
-        return cls("cpu", bf16=ok, probe_error=err)
-    return cls(device.type)
+    @classmethod
+    def detect(cls, device: str | torch.device, *, probe_bf16: bool = True) -> DeviceCapabilities:
+        """Read the capabilities of the real `device` (runs the cached CPU bf16 probe if
+        `probe_bf16`)."""
+        device = torch.device(device)
+        if device.type == "cuda":
+            available = torch.cuda.is_available()
+            return cls(
+                "cuda",
+                bf16=available and _cuda_bf16_supported(device),
+                fp16=available,
+                fused_adamw=supports_fused_adamw(device),
+            )
+        if device.type == "cpu":
+            ok, err = probe_cpu_bf16_autocast() if probe_bf16 else (False, None)
+            return cls("cpu", bf16=ok, probe_error=err)
+        return cls(device.type)
 
 # %% ../nbs/train/01_precision.ipynb #b34e57e4
 def _decide(requested: str, caps: DeviceCapabilities) -> tuple[str, str | None]:
