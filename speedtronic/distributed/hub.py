@@ -17,8 +17,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from fastcore.basics import patch
-
 from speedtronic.distributed.tensors import (
     GLOBAL_METADATA_PATH,
     GlobalMetadata,
@@ -129,7 +127,10 @@ _HINTS = {
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #e6a7c959
 class HubClient:
-    "The DiLoCo repository as a Hugging Face Hub model repo, through `huggingface_hub.HfApi`."
+    """The DiLoCo repository as a Hugging Face Hub model repo, through `huggingface_hub.HfApi`.
+
+    Its body is the transport contract; `_HubRepo` holds what one try asks of the api object, in
+    the calls that object offers, and `_call` retries each try."""
 
     def __init__(
         self,
@@ -157,6 +158,7 @@ class HubClient:
         self._doubt = False  # a publication met 412: the next head read is from the branch ref
         # (path, sha256) -> an addition a publication's conflicting try uploaded, for its next try
         self._staged: dict = {}
+        self._repo = _HubRepo(self)  # its part: the api object's side, one try at a time
 
     @property
     def api(self) -> Any:
@@ -170,13 +172,395 @@ class HubClient:
         return self._api
 
     def describe(self) -> str:
+        "The repository in words, as every message names it: its id and endpoint."
         return (
             f"Hub repo {self.repo_id} at "
             f"{getattr(self._api, 'endpoint', None) or self.endpoint or 'https://huggingface.co'}"
         )
 
+    def _call(self, label: str, fn: Callable[[], Any]) -> Any:
+        "`fn()` under the retry policy, the shared HTTP session given a timeout first."
+
+        def run():
+            _ensure_timeout(self.request_timeout)
+            return fn()
+
+        return self.retry.call(label, run, classify_hub_error, self._repo.describe_error, _told)
+
+    def _offers(self, name: str) -> bool:
+        """Whether the api object has call `name` (an `HfApi`-like object may offer only the calls
+        2.0 made)."""
+        return callable(getattr(self.api, name, None))
+
+    # -- opening, and who may write
+    def open(self, *, create: bool = False, private: bool = True) -> None:
+        "Check the repository is usable and writable; `create` makes it (private) when missing."
+        self.check_write_access()
+        if create:
+            self._call(
+                f"create {self.describe()}",
+                lambda: self.api.create_repo(
+                    self.repo_id, repo_type="model", private=True, exist_ok=True
+                ),
+            )
+        # 2.0's calls only: the listing says the repository is there
+        if not self._offers("repo_info"):
+            self._call(
+                f"read {self.describe()}",
+                lambda: self.api.list_repo_files(self.repo_id, repo_type="model"),
+            )
+            return
+        info = self._call(
+            f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model")
+        )
+        if private and getattr(info, "private", None) is False:
+            raise HubError(
+                f"{self.describe()} is public; DiLoCo deltas and weights belong in a private repo. "
+                f"Make it private on the Hub (Settings) or use another repo_id"
+            )
+
+    def create_repo(self, private: bool = True) -> None:
+        "Create the repository if it is missing (2.0's name for `open(create=True)`)."
+        self.open(create=True, private=private)
+
+    def check_write_access(self) -> None:
+        """`HubError` now when the token cannot write to the repository (a node finds out at its
+        start)."""
+        self._repo.check_write_access()
+
+    def add_collaborator(self, user: str, permission: str = "write") -> None:
+        """Give `user` `permission` on the repository through the api's `add_collaborator` (2.0's
+        call)."""
+        self._repo.add_collaborator(user, permission)
+
+    # -- reading
+    def state(self, revision: str | None = None) -> RepoState:
+        "What `global/step_count.json` says at commit `revision` (default: the head)."
+
+        def run():
+            pinned = self._offers("repo_info")
+            sha = (revision or self._repo.head()) if pinned else None
+            if not pinned and GLOBAL_METADATA_PATH not in self._repo.listing():
+                return RepoState("none")
+            with _scratch(Path(self.cache_dir or tempfile.gettempdir())) as tmp:
+                try:
+                    path = self._repo.download(GLOBAL_METADATA_PATH, sha, tmp)
+                except Exception as e:
+                    if _missing(e):
+                        return RepoState(sha)
+                    raise
+                data = Path(path).read_bytes()
+                meta, extras = parse_step_count(data)
+            return RepoState(
+                sha or f"content:{hashlib.sha256(data).hexdigest()[:16]}", meta, extras
+            )
+
+        return self._call(f"read {GLOBAL_METADATA_PATH} of {self.describe()}", run)
+
+    def version_tag(self) -> str | None:
+        """A tag that changes exactly when `global/step_count.json` changes (None when there is
+        none)."""
+        from huggingface_hub import hf_hub_url
+
+        if not self._offers("get_hf_file_metadata"):
+            return None  # no cheap check: the caller reads the state
+
+        def run():
+            url = hf_hub_url(self.repo_id, GLOBAL_METADATA_PATH, endpoint=self.api.endpoint)
+            try:
+                return self.api.get_hf_file_metadata(url=url, timeout=self.request_timeout).etag
+            except Exception as e:
+                if _missing(e):
+                    return None
+                raise
+
+        return self._call(f"check {GLOBAL_METADATA_PATH} of {self.describe()}", run)
+
+    def head_revision(self) -> str | None:
+        """The head commit of the repository (changes with every commit); None when the api object
+        cannot say."""
+        if not self._offers("repo_info"):
+            return None
+        return self._call(f"read {self.describe()}", self._repo.head)
+
+    def list_deltas(self, revision: str | None = None) -> list[str]:
+        "Every delta path under `nodes/` at `revision` (default: the head), sorted."
+        return self._call(
+            f"list deltas of {self.describe()}",
+            lambda: sorted(path for path, _ in self._repo.tree_deltas(revision)),
+        )
+
+    def fetch(self, path: str, local: str | os.PathLike, revision: str | None = None) -> Path:
+        "Download repository `path` (at `revision`) to `local`, atomically."
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+
+        def run():
+            with _scratch(local.parent) as tmp:
+                got = Path(self._repo.download(path, revision, tmp))
+                size = got.stat().st_size
+                os.replace(got, local)
+            self.counts.bytes_received += size
+            return local
+
+        return self._call(f"download {path} from {self.describe()}", run)
+
+    # -- writing
+    def upload(
+        self,
+        files: Mapping[str, str | os.PathLike],
+        message: str = "",
+        deletes: Iterable[str] = (),
+    ) -> None:
+        """Add `files` (repository path -> local file) in one commit, deleting the deltas `deletes`
+        (a retry deletes only those still there: an earlier try may have gone through unseen)."""
+        deletes, tries = list(deletes), []
+
+        def run():
+            gone = deletes
+            if tries and deletes:
+                there = {path for path, _ in self._repo.tree_deltas()}
+                gone = [p for p in deletes if p in there]
+            tries.append(1)
+            if self._offers("create_commit"):
+                info = self.api.create_commit(
+                    self.repo_id,
+                    _operations(files, gone),
+                    commit_message=message or f"add {', '.join(files)}",
+                )
+                self._newest = getattr(info, "oid", None) or self._newest
+            else:
+                self._repo.upload_each(files)
+                for path in gone:
+                    self.api.delete_file(path, repo_id=self.repo_id, repo_type="model")
+            self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
+            self.counts.commits += 1
+
+        self._call(f"upload {', '.join(files)} to {self.describe()}", run)
+
+    def publish(
+        self,
+        files: Mapping[str, str | os.PathLike],
+        deletes: Iterable[str],
+        *,
+        parent: RepoState,
+        owner: str,
+        version: int | None = None,
+        message: str = "",
+        description: str = "",
+    ) -> str:
+        """Commit `files` and delete `deletes` only if the head is still `parent`; returns the new
+        revision."""
+        deletes = list(deletes)
+        if not self._offers("create_commit"):
+            return self._repo.publish_each(files, deletes, parent, message)
+
+        def run():
+            info = self.api.create_commit(
+                self.repo_id,
+                _operations(files, deletes, self._staged),
+                commit_message=message or "publish global",
+                commit_description=description,
+                parent_commit=parent.revision,
+            )
+            self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
+            self.counts.commits += 1
+            self._staged.clear()
+            self._newest = info.oid
+            return info.oid
+
+        try:
+            return self._call(f"publish to {self.describe()}", run)
+        except PublishConflict:
+            self._doubt = True  # the head moved, or the parent was read from a stale cache
+            raise
+
+    # -- 2.0's conveniences, kept so its scripts work
+    def list_files(self) -> list[str]:
+        "Every file path in the repository, sorted."
+        return sorted(
+            self._call(
+                f"list {self.describe()}",
+                lambda: self.api.list_repo_files(self.repo_id, repo_type="model"),
+            )
+        )
+
+    def delta_paths(self) -> list[str]:
+        "Every delta path under `nodes/`, sorted."
+        return self.list_deltas()
+
+    def global_metadata(self) -> GlobalMetadata | None:
+        "What `global/step_count.json` says, or None before the first publication."
+        return self.state().metadata
+
 
 HubTransport = HubClient
+
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #2d2e79a0
+class _HubRepo:
+    """A `HubClient`'s api object, one try at a time (the client's `_call` retries): listings,
+    downloads and the head read in the calls the object offers, 2.0's one-`upload_file`-a-file
+    commits, the token's write check and grants, and a failure in one line."""
+
+    def __init__(self, client: HubClient):
+        self.client = client  # its api object, repository, token and what it knows of the head
+
+    def describe_error(self, exc: BaseException) -> str:
+        "A failed call in one line: the status and what it means, or the exception's first line."
+        status = _status(exc)
+        if status is None:
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        server = (exc.response.headers.get("X-Error-Message") or "").strip()
+        what = _HINTS.get(status, "the Hub refused the request")
+        return (
+            f"HTTP {status}, {what}"
+            + (f" ({server})" if server else "")
+            + f"; token from {token_source(self.client.token)}"
+        )
+
+    def listing(self) -> list[str]:
+        "Every file path at the head (inside a `_call`)."
+        client = self.client
+        return [
+            getattr(f, "rfilename", None) or str(f)
+            for f in client.api.list_repo_files(client.repo_id, repo_type="model")
+        ]
+
+    def download(self, path: str, revision: str | None, local_dir: Path) -> str:
+        """Download `path` into `local_dir` with the call the api object offers (pinned to
+        `revision` where it has commits)."""
+        client = self.client
+        pin = {"revision": revision} if revision and client._offers("repo_info") else {}
+        if client._offers("hf_hub_download"):
+            return client.api.hf_hub_download(client.repo_id, path, local_dir=local_dir, **pin)
+        if client._offers("download_file"):
+            return client.api.download_file(
+                repo_id=client.repo_id, filename=path, local_dir=local_dir, **pin
+            )
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(
+            client.repo_id,
+            path,
+            local_dir=local_dir,
+            token=client.token,
+            endpoint=client.endpoint,
+            **pin,
+        )
+
+    def tree_deltas(self, revision: str | None = None) -> list[tuple[str, str]]:
+        "(path, blob id) of every delta under `nodes/` at `revision` (inside a `_call`)."
+        client = self.client
+        if not client._offers("list_repo_tree"):
+            return [(p, "") for p in self.listing() if parse_delta_path(p) is not None]
+        try:
+            entries = list(
+                client.api.list_repo_tree(
+                    client.repo_id, "nodes", recursive=True, revision=revision
+                )
+            )
+        except Exception as e:
+            if _missing(e):
+                return []
+            raise
+        return [
+            (e.path, str(getattr(e, "blob_id", "") or ""))
+            for e in entries
+            if parse_delta_path(e.path) is not None
+        ]
+
+    def head(self) -> str:
+        """The head commit (inside a `_call`): `repo_info`'s, read again from the branch ref when in
+        doubt."""
+        client = self.client
+        sha = client.api.repo_info(client.repo_id, repo_type="model").sha
+        # with no head known yet, any answer may be a cache's (a client started just after a commit)
+        doubt = client._doubt or client._newest is None or sha != client._newest
+        if doubt and client._offers("list_repo_refs"):  # repo_info may answer from a stale cache
+            refs = client.api.list_repo_refs(client.repo_id, repo_type="model")
+            sha = next((b.target_commit for b in refs.branches if b.name == "main"), sha)
+        client._doubt, client._newest = False, sha
+        return sha
+
+    def upload_each(self, files: Mapping[str, str | os.PathLike]) -> None:
+        """Upload `files` one `upload_file` each, the version file last (2.0's call, its local path
+        positional where asked)."""
+        client = self.client
+        for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
+            kw = {"path_in_repo": path, "repo_id": client.repo_id, "repo_type": "model"}
+            try:
+                client.api.upload_file(path_or_fileobj=str(files[path]), **kw)
+            except TypeError:
+                client.api.upload_file(str(files[path]), **kw)
+
+    def publish_each(
+        self,
+        files: Mapping[str, str | os.PathLike],
+        deletes: list[str],
+        parent: RepoState,
+        message: str,
+    ) -> str:
+        """`publish` through `upload_file`: refused (`PublishConflict`) when the version file
+        changed since `parent`."""
+        client = self.client
+        current = client.state()
+        if current.revision != parent.revision:
+            raise PublishConflict(
+                f"{client.describe()} moved from revision {parent.revision} to {current.revision}"
+            )
+
+        def run():
+            self.upload_each(files)
+            if client._offers("delete_file"):
+                for p in deletes:
+                    client.api.delete_file(p, repo_id=client.repo_id, repo_type="model")
+            client.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
+            client.counts.commits += 1
+
+        client._call(f"publish to {client.describe()}", run)
+        return client.state().revision
+
+    def check_write_access(self) -> None:
+        """`HubError` now when the token cannot write to the repository (`whoami` where the api
+        object has it)."""
+        client = self.client
+        if not client._offers("whoami"):
+            return
+        try:
+            who = client.api.whoami()
+        except Exception:
+            return  # no token, or no answer now: the first commit says what is wrong
+        if problem := write_problem(who, client.repo_id):
+            raise HubError(
+                f"the token (from {token_source(client.token)}) cannot write to "
+                f"{client.describe()}: {problem}; every DiLoCo node commits to it: use a token "
+                "with write access "
+                "(a write token, or a fine-grained one with repo.write on the repository)"
+            )
+
+    def add_collaborator(self, user: str, permission: str) -> None:
+        """Give `user` `permission` through the api object's `add_collaborator`, keyword form first,
+        then positional."""
+        client = self.client
+        if permission not in COLLABORATOR_PERMISSIONS:
+            raise ValueError(
+                f"permission must be one of {', '.join(COLLABORATOR_PERMISSIONS)}, got "
+                f"{permission!r}"
+            )
+        if not client._offers("add_collaborator"):
+            raise HubError(
+                f"cannot add {user} to {client.describe()}: huggingface_hub's HfApi has no "
+                "add_collaborator; add them on the Hub (the repository's Settings) or through an "
+                "organisation"
+            )
+        grant = client.api.add_collaborator
+        try:
+            grant(user, repo_id=client.repo_id, repo_type="model", permission=permission)
+        except TypeError as first:
+            try:
+                grant(user, client.repo_id, permission)
+            except Exception:
+                raise first from None
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #77c55489
 class HubRequests:
@@ -207,7 +591,7 @@ class HubRequests:
 
 HUB_REQUESTS = HubRequests()  # this process's
 
-# %% ../../nbs/diloco/04_distributed_hub.ipynb #2d2e79a0
+
 def _ensure_timeout(seconds: float) -> None:
     "Give `huggingface_hub`'s shared HTTP session a request timeout when it has none."
     from huggingface_hub import get_session
@@ -221,69 +605,6 @@ def _ensure_timeout(seconds: float) -> None:
         getattr(timeout, k, None) is None for k in ("connect", "read", "write", "pool")
     ):
         session.timeout = type(timeout)(seconds)
-
-
-@patch
-def _describe_error(self: HubClient, exc: BaseException) -> str:
-    status = _status(exc)
-    if status is None:
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    server = (exc.response.headers.get("X-Error-Message") or "").strip()
-    what = _HINTS.get(status, "the Hub refused the request")
-    return (
-        f"HTTP {status}, {what}"
-        + (f" ({server})" if server else "")
-        + f"; token from {token_source(self.token)}"
-    )
-
-
-@patch
-def _call(self: HubClient, label: str, fn: Callable[[], Any]) -> Any:
-    def run():
-        _ensure_timeout(self.request_timeout)
-        return fn()
-
-    return self.retry.call(label, run, classify_hub_error, self._describe_error, _told)
-
-
-@patch
-def _offers(self: HubClient, name: str) -> bool:
-    """Whether the api object has call `name` (an `HfApi`-like object may offer only the calls 2.0
-    made)."""
-    return callable(getattr(self.api, name, None))
-
-# %% ../../nbs/diloco/04_distributed_hub.ipynb #4865153a
-@patch
-def open(self: HubClient, *, create: bool = False, private: bool = True) -> None:
-    "Check the repository is usable and writable; `create` makes it (private) when missing."
-    self.check_write_access()
-    if create:
-        self._call(
-            f"create {self.describe()}",
-            lambda: self.api.create_repo(
-                self.repo_id, repo_type="model", private=True, exist_ok=True
-            ),
-        )
-    if not self._offers("repo_info"):  # 2.0's calls only: the listing says the repository is there
-        self._call(
-            f"read {self.describe()}",
-            lambda: self.api.list_repo_files(self.repo_id, repo_type="model"),
-        )
-        return
-    info = self._call(
-        f"read {self.describe()}", lambda: self.api.repo_info(self.repo_id, repo_type="model")
-    )
-    if private and getattr(info, "private", None) is False:
-        raise HubError(
-            f"{self.describe()} is public; DiLoCo deltas and weights belong in a private repo. "
-            f"Make it private on the Hub (Settings) or use another repo_id"
-        )
-
-
-@patch
-def create_repo(self: HubClient, private: bool = True) -> None:
-    "Create the repository if it is missing (2.0's name for `open(create=True)`)."
-    self.open(create=True, private=private)
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #961f4824
 def write_problem(who: Mapping[str, Any], repo_id: str) -> str | None:
@@ -304,173 +625,16 @@ def write_problem(who: Mapping[str, Any], repo_id: str) -> str | None:
             return None
     return f"its fine-grained permissions do not include repo.write on {owner} or {repo_id}"
 
-
-@patch
-def check_write_access(self: HubClient) -> None:
-    "`HubError` now when the token cannot write to the repository (a node finds out at its start)."
-    if not self._offers("whoami"):
-        return
-    try:
-        who = self.api.whoami()
-    except Exception:
-        return  # no token, or no answer now: the first commit says what is wrong
-    if problem := write_problem(who, self.repo_id):
-        raise HubError(
-            f"the token (from {token_source(self.token)}) cannot write to {self.describe()}: "
-            f"{problem}; every DiLoCo node commits to it: use a token with write access "
-            "(a write token, or a fine-grained one with repo.write on the repository)"
-        )
-
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #c490b88c
 def _missing(exc: BaseException) -> bool:
+    "Whether `exc` says the file asked for is not in the repository."
     return type(exc).__name__ in ("RemoteEntryNotFoundError", "EntryNotFoundError")
 
 
-@patch
-def _listing(self: HubClient) -> list[str]:
-    "Every file path at the head (inside a `_call`)."
-    return [
-        getattr(f, "rfilename", None) or str(f)
-        for f in self.api.list_repo_files(self.repo_id, repo_type="model")
-    ]
-
-
-@patch
-def _download(self: HubClient, path: str, revision: str | None, local_dir: Path) -> str:
-    """Download `path` into `local_dir` with the call the api object offers (pinned to `revision`
-    where it has commits)."""
-    pin = {"revision": revision} if revision and self._offers("repo_info") else {}
-    if self._offers("hf_hub_download"):
-        return self.api.hf_hub_download(self.repo_id, path, local_dir=local_dir, **pin)
-    if self._offers("download_file"):
-        return self.api.download_file(
-            repo_id=self.repo_id, filename=path, local_dir=local_dir, **pin
-        )
-    from huggingface_hub import hf_hub_download
-
-    return hf_hub_download(
-        self.repo_id, path, local_dir=local_dir, token=self.token, endpoint=self.endpoint, **pin
-    )
-
-
-@patch
-def state(self: HubClient, revision: str | None = None) -> RepoState:
-    "What `global/step_count.json` says at commit `revision` (default: the head)."
-
-    def run():
-        pinned = self._offers("repo_info")
-        sha = (revision or self._head()) if pinned else None
-        if not pinned and GLOBAL_METADATA_PATH not in self._listing():
-            return RepoState("none")
-        with _scratch(Path(self.cache_dir or tempfile.gettempdir())) as tmp:
-            try:
-                path = self._download(GLOBAL_METADATA_PATH, sha, tmp)
-            except Exception as e:
-                if _missing(e):
-                    return RepoState(sha)
-                raise
-            data = Path(path).read_bytes()
-            meta, extras = parse_step_count(data)
-        return RepoState(sha or f"content:{hashlib.sha256(data).hexdigest()[:16]}", meta, extras)
-
-    return self._call(f"read {GLOBAL_METADATA_PATH} of {self.describe()}", run)
-
-
-@patch
-def _tree_deltas(self: HubClient, revision: str | None = None) -> list[tuple[str, str]]:
-    "(path, blob id) of every delta under `nodes/` at `revision` (inside a `_call`)."
-    if not self._offers("list_repo_tree"):
-        return [(p, "") for p in self._listing() if parse_delta_path(p) is not None]
-    try:
-        entries = list(
-            self.api.list_repo_tree(self.repo_id, "nodes", recursive=True, revision=revision)
-        )
-    except Exception as e:
-        if _missing(e):
-            return []
-        raise
-    return [
-        (e.path, str(getattr(e, "blob_id", "") or ""))
-        for e in entries
-        if parse_delta_path(e.path) is not None
-    ]
-
-
-@patch
-def list_deltas(self: HubClient, revision: str | None = None) -> list[str]:
-    "Every delta path under `nodes/` at `revision` (default: the head), sorted."
-    return self._call(
-        f"list deltas of {self.describe()}",
-        lambda: sorted(path for path, _ in self._tree_deltas(revision)),
-    )
-
-# %% ../../nbs/diloco/04_distributed_hub.ipynb #7b42d3ea
-@patch
-def version_tag(self: HubClient) -> str | None:
-    "A tag that changes exactly when `global/step_count.json` changes (None when there is none)."
-    from huggingface_hub import hf_hub_url
-
-    if not self._offers("get_hf_file_metadata"):
-        return None  # no cheap check: the caller reads the state
-
-    def run():
-        url = hf_hub_url(self.repo_id, GLOBAL_METADATA_PATH, endpoint=self.api.endpoint)
-        try:
-            return self.api.get_hf_file_metadata(url=url, timeout=self.request_timeout).etag
-        except Exception as e:
-            if _missing(e):
-                return None
-            raise
-
-    return self._call(f"check {GLOBAL_METADATA_PATH} of {self.describe()}", run)
-
-
-@patch
-def head_revision(self: HubClient) -> str | None:
-    """The head commit of the repository (changes with every commit); None when the api object
-    cannot say."""
-    if not self._offers("repo_info"):
-        return None
-    return self._call(f"read {self.describe()}", self._head)
-
-
-@patch
-def _head(self: HubClient) -> str:
-    """The head commit (inside a `_call`): `repo_info`'s, read again from the branch ref when in
-    doubt."""
-    sha = self.api.repo_info(self.repo_id, repo_type="model").sha
-    # with no head known yet, any answer may be a cache's (a client started just after a commit)
-    doubt = self._doubt or self._newest is None or sha != self._newest
-    if doubt and self._offers("list_repo_refs"):  # repo_info may answer from a stale cache
-        refs = self.api.list_repo_refs(self.repo_id, repo_type="model")
-        sha = next((b.target_commit for b in refs.branches if b.name == "main"), sha)
-    self._doubt, self._newest = False, sha
-    return sha
-
-# %% ../../nbs/diloco/04_distributed_hub.ipynb #0bc47cda
 def _scratch(parent: Path) -> tempfile.TemporaryDirectory:
     "A fresh temporary folder `.fetch-*` inside `parent` (made when missing), removed on exit."
     Path(parent).mkdir(parents=True, exist_ok=True)
     return tempfile.TemporaryDirectory(prefix=".fetch-", dir=parent, ignore_cleanup_errors=True)
-
-
-@patch
-def fetch(
-    self: HubClient, path: str, local: str | os.PathLike, revision: str | None = None
-) -> Path:
-    "Download repository `path` (at `revision`) to `local`, atomically."
-    local = Path(local)
-    local.parent.mkdir(parents=True, exist_ok=True)
-
-    def run():
-        with _scratch(local.parent) as tmp:
-            got = Path(self._download(path, revision, tmp))
-            size = got.stat().st_size
-            os.replace(got, local)
-        self.counts.bytes_received += size
-        return local
-
-    return self._call(f"download {path} from {self.describe()}", run)
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #f0119696
 def _operations(
@@ -491,165 +655,8 @@ def _operations(
         adds.append(op)
     return adds + [CommitOperationDelete(path_in_repo=p) for p in deletes]
 
-
-@patch
-def upload(
-    self: HubClient,
-    files: Mapping[str, str | os.PathLike],
-    message: str = "",
-    deletes: Iterable[str] = (),
-) -> None:
-    """Add `files` (repository path -> local file) in one commit, deleting the deltas `deletes`
-    (a retry deletes only those still there: an earlier try may have gone through unseen)."""
-    deletes, tries = list(deletes), []
-
-    def run():
-        gone = deletes
-        if tries and deletes:
-            there = {path for path, _ in self._tree_deltas()}
-            gone = [p for p in deletes if p in there]
-        tries.append(1)
-        if self._offers("create_commit"):
-            info = self.api.create_commit(
-                self.repo_id,
-                _operations(files, gone),
-                commit_message=message or f"add {', '.join(files)}",
-            )
-            self._newest = getattr(info, "oid", None) or self._newest
-        else:
-            _upload_each(self, files)
-            for path in gone:
-                self.api.delete_file(path, repo_id=self.repo_id, repo_type="model")
-        self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
-        self.counts.commits += 1
-
-    self._call(f"upload {', '.join(files)} to {self.describe()}", run)
-
-
-@patch
-def publish(
-    self: HubClient,
-    files: Mapping[str, str | os.PathLike],
-    deletes: Iterable[str],
-    *,
-    parent: RepoState,
-    owner: str,
-    version: int | None = None,
-    message: str = "",
-    description: str = "",
-) -> str:
-    """Commit `files` and delete `deletes` only if the head is still `parent`; returns the new
-    revision."""
-    deletes = list(deletes)
-    if not self._offers("create_commit"):
-        return _publish_each(self, files, deletes, parent, message)
-
-    def run():
-        info = self.api.create_commit(
-            self.repo_id,
-            _operations(files, deletes, self._staged),
-            commit_message=message or "publish global",
-            commit_description=description,
-            parent_commit=parent.revision,
-        )
-        self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
-        self.counts.commits += 1
-        self._staged.clear()
-        self._newest = info.oid
-        return info.oid
-
-    try:
-        return self._call(f"publish to {self.describe()}", run)
-    except PublishConflict:
-        self._doubt = True  # the head moved, or the parent was read from a stale cache
-        raise
-
-# %% ../../nbs/diloco/04_distributed_hub.ipynb #42d32e28
-def _upload_each(self: HubClient, files: Mapping[str, str | os.PathLike]) -> None:
-    """Upload `files` one `upload_file` each, the version file last (2.0's call, its local path
-    positional where asked)."""
-    for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
-        kw = {"path_in_repo": path, "repo_id": self.repo_id, "repo_type": "model"}
-        try:
-            self.api.upload_file(path_or_fileobj=str(files[path]), **kw)
-        except TypeError:
-            self.api.upload_file(str(files[path]), **kw)
-
-
-def _publish_each(
-    self: HubClient,
-    files: Mapping[str, str | os.PathLike],
-    deletes: list[str],
-    parent: RepoState,
-    message: str,
-) -> str:
-    """`publish` through `upload_file`: refused (`PublishConflict`) when the version file changed
-    since `parent`."""
-    current = self.state()
-    if current.revision != parent.revision:
-        raise PublishConflict(
-            f"{self.describe()} moved from revision {parent.revision} to {current.revision}"
-        )
-
-    def run():
-        _upload_each(self, files)
-        if self._offers("delete_file"):
-            for p in deletes:
-                self.api.delete_file(p, repo_id=self.repo_id, repo_type="model")
-        self.counts.bytes_sent += sum(Path(f).stat().st_size for f in files.values())
-        self.counts.commits += 1
-
-    self._call(f"publish to {self.describe()}", run)
-    return self.state().revision
-
-# %% ../../nbs/diloco/04_distributed_hub.ipynb #299074b8
-@patch
-def list_files(self: HubClient) -> list[str]:
-    "Every file path in the repository, sorted."
-    return sorted(
-        self._call(
-            f"list {self.describe()}",
-            lambda: self.api.list_repo_files(self.repo_id, repo_type="model"),
-        )
-    )
-
-
-@patch
-def delta_paths(self: HubClient) -> list[str]:
-    "Every delta path under `nodes/`, sorted."
-    return self.list_deltas()
-
-
-@patch
-def global_metadata(self: HubClient) -> GlobalMetadata | None:
-    "What `global/step_count.json` says, or None before the first publication."
-    return self.state().metadata
-
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #grant0ex
 COLLABORATOR_PERMISSIONS = ("read", "write", "admin")
-
-
-@patch
-def add_collaborator(self: HubClient, user: str, permission: str = "write") -> None:
-    "Give `user` `permission` on the repository through the api's `add_collaborator` (2.0's call)."
-    if permission not in COLLABORATOR_PERMISSIONS:
-        raise ValueError(
-            f"permission must be one of {', '.join(COLLABORATOR_PERMISSIONS)}, got {permission!r}"
-        )
-    if not self._offers("add_collaborator"):
-        raise HubError(
-            f"cannot add {user} to {self.describe()}: huggingface_hub's HfApi has no "
-            "add_collaborator; add them on the Hub (the repository's Settings) or through an "
-            "organisation"
-        )
-    grant = self.api.add_collaborator
-    try:
-        grant(user, repo_id=self.repo_id, repo_type="model", permission=permission)
-    except TypeError as first:
-        try:
-            grant(user, self.repo_id, permission)
-        except Exception:
-            raise first from None
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #f5d71ef4
 def node_repo_id(repo_id: str, node_id: str) -> str:
@@ -789,7 +796,7 @@ class PerNodeHub(HubClient):
             ours = lambda path: node_repo_id(self.repo_id, parse_delta_path(path)[0]) == repo_id
             listed = reader._call(
                 f"list deltas of {reader.describe()}",
-                lambda: [(p, blob) for p, blob in reader._tree_deltas(sha) if ours(p)],
+                lambda: [(p, blob) for p, blob in reader._repo.tree_deltas(sha) if ours(p)],
             )
             self._listed[repo_id] = (sha, listed)
         return self._listed[repo_id][1]

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Mapping
 
-from fastcore.basics import patch
-
 from ..errors import ExpectedError
 from speedtronic.distributed.tensors import (
     GLOBAL_METADATA_PATH,
@@ -223,14 +221,17 @@ _STALE_CLAIM_S = 600.0  # a claim this old, for a version never published, was l
 
 
 class SharedDirectory:
-    "The repository as a directory (local disk or a network mount) with atomic renames."
+    """The repository as a directory (local disk or a network mount) with atomic renames.
 
-    # says an entry was refused (default: `warnings.warn`)
+    Its body is the transport contract; `_Folder` holds what one try does on disk (the folder's
+    presence, paths inside it, refusals, claims and the sweep), and `_call` retries each try."""
+
     def __init__(
         self,
         path: str | os.PathLike,
         *,
         retry: RetryPolicy | None = None,
+        # says an entry was refused (default: `warnings.warn`)
         warn: Callable[[str], None] | None = None,
     ):
         self.root = Path(path).expanduser().absolute()
@@ -240,29 +241,23 @@ class SharedDirectory:
         self.used = False
         self.warn = warn or (lambda message: warnings.warn(message, stacklevel=3))
         self.refused: set[str] = set()  # entries refused by name, each said once
+        self._folder = _Folder(self)  # its part: the folder on disk, one try at a time
 
     def describe(self) -> str:
+        "The repository in words, as every message names it."
         return f"shared directory {self.root}"
 
     def _call(self, label: str, fn: Callable[[], Any]) -> Any:
+        "`fn()` under the retry policy; a directory gone meanwhile is the error it reports."
+
         def run():
             try:
                 return fn()
             except (OSError, RuntimeError):  # torch says a file gone mid-open as a RuntimeError
-                self._present()  # the directory itself is gone: that is the error to report
+                self._folder.present()  # the directory itself is gone: that is the error to report
                 raise
 
-        return self.retry.call(label, run, _classify_os_error, self._error_text)
-
-    def _error_text(self, exc: BaseException) -> str:
-        """An I/O error in words, its file named inside the repository (the label already names the
-        repository)."""
-        name = getattr(exc, "filename", None)
-        if not isinstance(exc, OSError) or name is None:
-            return f"{type(exc).__name__}: {exc}"
-        with contextlib.suppress(ValueError):
-            name = Path(name).relative_to(self.root)
-        return f"{type(exc).__name__}: {exc.strerror or exc}: {name}"
+        return self.retry.call(label, run, _classify_os_error, self._folder.error_text)
 
     def open(self, *, create: bool = False, private: bool = True) -> None:
         """Check the directory is usable; `create` makes it (the master) unless this process used it
@@ -272,13 +267,178 @@ class SharedDirectory:
             if create and not self.used:
                 for folder in (self.root, self.root / "global", self.root / "nodes"):
                     folder.mkdir(parents=True, exist_ok=True)
-            self._present(write=True)
+            self._folder.present(write=True)
             if create:
                 (self.root / "nodes").mkdir(exist_ok=True)
             if not os.access(self.root, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, "not writable", str(self.root))
 
         self._call(f"open {self.describe()}", run)
+
+    # -- reading
+    def state(self) -> RepoState:
+        """The repository's version; a version file that disagrees with the weights' header is read
+        again."""
+
+        def run():
+            repo, carried = self._folder.version_pair()
+            if carried is not None and carried != repo.outer_step:
+                raise ValueError(
+                    f"weights carry version {carried}, the version file says {repo.outer_step} (a "
+                    "publication in progress)"
+                )
+            return repo
+
+        return self._call(f"read {GLOBAL_METADATA_PATH} in {self.describe()}", run)
+
+    def version_tag(self) -> str | None:
+        """A tag that changes when `global/step_count.json` is replaced (None when there is none): a
+        cheap poll."""
+        if not self._folder.present():
+            return None
+        try:
+            st = os.lstat(self.root / GLOBAL_METADATA_PATH)
+        except FileNotFoundError:
+            return None
+        return f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
+
+    def list_deltas(self, revision: str | None = None) -> list[str]:
+        """Every delta path under `nodes/`, sorted; symbolic links are refused by name, never
+        followed."""
+
+        def run():
+            nodes, found = self.root / "nodes", []
+            if not self._folder.present() or not nodes.exists():
+                return []
+            if nodes.is_symlink():
+                self._folder.refuse("nodes", "a symbolic link")
+                return []
+            with os.scandir(nodes) as folders:
+                for d in folders:
+                    if d.is_symlink():
+                        self._folder.refuse(f"nodes/{d.name}", "a symbolic link")
+                        continue
+                    if not d.is_dir(follow_symlinks=False):
+                        continue
+                    with os.scandir(d.path) as files:
+                        for f in files:
+                            path = f"nodes/{d.name}/{f.name}"
+                            if parse_delta_path(path) is None:
+                                continue
+                            if f.is_symlink():
+                                self._folder.refuse(path, "a symbolic link")
+                            elif f.is_file(follow_symlinks=False):
+                                found.append(path)
+            return sorted(found)
+
+        return self._call(f"list deltas in {self.describe()}", run)
+
+    def list_files(self) -> list[str]:
+        "Every regular file in the repository (claims and temp files too), sorted repository paths."
+
+        def run():
+            if not self._folder.present():
+                return []
+            found = []
+            for folder, dirs, files in os.walk(self.root):  # never into a linked folder
+                here = Path(folder)
+                found += [
+                    (here / f).relative_to(self.root).as_posix()
+                    for f in files
+                    if not (here / f).is_symlink()
+                ]
+            return sorted(found)
+
+        return self._call(f"list {self.describe()}", run)
+
+    def fetch(self, path: str, local: str | os.PathLike, revision: str | None = None) -> Path:
+        "Copy repository `path` to `local` atomically."
+        local = Path(local)
+
+        def run():
+            self._folder.present(write=True)
+            n = _copy(self._folder.inside(path), local)
+            self.counts.bytes_received += n
+            return local
+
+        return self._call(f"fetch {path} from {self.describe()}", run)
+
+    # -- writing
+    def upload(self, files: Mapping[str, str | os.PathLike], message: str = "") -> None:
+        "Put `files` (repository path -> local file) into place, each with one atomic rename."
+
+        def run():
+            for path, local in files.items():
+                self.counts.bytes_sent += _copy(Path(local), self._folder.target(path))
+            self.counts.commits += 1
+
+        self._call(f"upload {', '.join(files)} to {self.describe()}", run)
+
+    def publish(
+        self,
+        files: Mapping[str, str | os.PathLike],
+        deletes: Iterable[str],
+        *,
+        parent: RepoState,
+        owner: str,
+        version: int | None = None,
+        message: str = "",
+        description: str = "",
+    ) -> str:
+        """Publish `files` and delete `deletes` if the repository is still at `parent`; returns the
+        new revision."""
+        current = self.state()
+        if current.revision != parent.revision:
+            raise PublishConflict(
+                f"{self.describe()} moved from revision {parent.revision} to {current.revision}"
+            )
+        version = parent.outer_step + 1 if version is None else int(version)
+        if version > parent.outer_step:  # a new version; a heartbeat keeps its version
+            # a full or flaky directory is retried and said with the file's name, as every write
+            self._call(
+                f"claim version {version} (global/.claim-{version}) in {self.describe()}",
+                lambda: self._folder.claim(version, owner),
+            )
+
+        def run():
+            # weights first, the version file last
+            for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
+                self.counts.bytes_sent += _copy(Path(files[path]), self._folder.target(path))
+            for path in deletes:
+                with contextlib.suppress(FileNotFoundError):
+                    self._folder.inside(path).unlink()
+            self.counts.commits += 1
+            self._folder.sweep(version)
+
+        self._call(f"publish version {version} to {self.describe()}", run)
+        return self.state().revision
+
+    # -- the repair of a publication cut between its two renames
+    def torn_publication(self) -> tuple[RepoState, int] | None:
+        """`(the version file's state, the newer version the weights carry)` when a publication
+        stopped between its two renames; None otherwise."""
+
+        def run():
+            repo, carried = self._folder.version_pair()
+            return None if carried is None or carried <= repo.outer_step else (repo, carried)
+
+        return self._call(f"read {GLOBAL_METADATA_PATH} in {self.describe()}", run)
+
+    def restore_weights(self, weights: str | os.PathLike, parent: RepoState) -> None:
+        """Put `weights` (carrying `parent`'s version) back over a torn publication's;
+        `PublishConflict` unless the repository is torn at `parent`."""
+        found = self.torn_publication()
+        if found is None or found[0].revision != parent.revision:
+            raise PublishConflict(
+                f"{self.describe()} is no longer torn at revision {parent.revision}: nothing "
+                "restored"
+            )
+        if _weights_version(Path(weights)) != parent.outer_step:
+            raise ValueError(f"{weights} does not carry version {parent.outer_step}")
+        self._call(
+            f"restore {GLOBAL_MODEL_PATH} in {self.describe()}",
+            lambda: _copy(Path(weights), self._folder.target(GLOBAL_MODEL_PATH)),
+        )
 
 
 def _classify_os_error(exc: BaseException) -> str | None:
@@ -290,57 +450,6 @@ def _classify_os_error(exc: BaseException) -> str | None:
     return None
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #1f1317b7
-@patch
-def _present(self: SharedDirectory, write: bool = False) -> bool:
-    """Whether the repository is there (its `global/` folder); `RepoMissing` for a write before it
-    was made, `HubError` once it disappeared after use."""
-    if os.path.exists(self.root) and not os.path.isdir(self.root):
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
-    if os.path.isdir(self.root / "global"):
-        self.used = True
-        return True
-    if self.used:
-        raise HubError(
-            f"{self.describe()} has disappeared since this run used it (no global/ folder: an "
-            "unmounted share?); "
-            "it is not created again: mount or restore it, then resume the run"
-        )
-    if write:
-        raise RepoMissing(
-            f"{self.describe()} does not exist; its master creates it (distributed.role: master)"
-        )
-    return False
-
-
-@patch
-def _inside(self: SharedDirectory, path: str) -> Path:
-    "`root/path`, refused (`HubError` naming it) when any part of it is a symbolic link."
-    here = self.root
-    for part in Path(path).parts:
-        if part in ("..", "") or os.path.isabs(part):
-            raise HubError(f"{self.describe()}: refusing {path}: not a path inside the repository")
-        here = here / part
-        if here.is_symlink():
-            raise HubError(
-                f"{self.describe()}: refusing {path}: {here.relative_to(self.root)} is a symbolic "
-                "link "
-                "(it may point outside the repository); delete it"
-            )
-    return here
-
-
-@patch
-def _refuse(self: SharedDirectory, path: str, why: str) -> None:
-    "Say once that entry `path` is left out of every listing."
-    if path in self.refused:
-        return
-    self.refused.add(path)
-    self.warn(
-        f"{self.describe()}: refusing {path}: {why} (it may point outside the repository); delete "
-        "it"
-    )
-
-
 def _weights_version(path: Path) -> int | None:
     """The `outer_step` a global weights file carries in its header, None when it has none (a 2.0
     file)."""
@@ -348,101 +457,6 @@ def _weights_version(path: Path) -> int | None:
     return None if value is None else int(value)
 
 
-@patch
-def _version_pair(self: SharedDirectory) -> tuple[RepoState, int | None]:
-    "`(the version file's state, the version the weights carry)`, read once, without retries."
-    if not self._present():
-        return RepoState("none"), None
-    version, weights = self._inside(GLOBAL_METADATA_PATH), self._inside(GLOBAL_MODEL_PATH)
-    if not version.exists():
-        return RepoState("none"), None
-    meta, extras = parse_step_count(version.read_bytes())
-    carried = _weights_version(weights)
-    return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras), carried
-
-
-@patch
-def state(self: SharedDirectory) -> RepoState:
-    """The repository's version; a version file that disagrees with the weights' header is read
-    again."""
-
-    def run():
-        repo, carried = self._version_pair()
-        if carried is not None and carried != repo.outer_step:
-            raise ValueError(
-                f"weights carry version {carried}, the version file says {repo.outer_step} (a "
-                "publication in progress)"
-            )
-        return repo
-
-    return self._call(f"read {GLOBAL_METADATA_PATH} in {self.describe()}", run)
-
-
-@patch
-def version_tag(self: SharedDirectory) -> str | None:
-    """A tag that changes when `global/step_count.json` is replaced (None when there is none): a
-    cheap poll."""
-    if not self._present():
-        return None
-    try:
-        st = os.lstat(self.root / GLOBAL_METADATA_PATH)
-    except FileNotFoundError:
-        return None
-    return f"{st.st_mtime_ns}:{st.st_size}:{st.st_ino}"
-
-
-@patch
-def list_deltas(self: SharedDirectory, revision: str | None = None) -> list[str]:
-    "Every delta path under `nodes/`, sorted; symbolic links are refused by name, never followed."
-
-    def run():
-        nodes, found = self.root / "nodes", []
-        if not self._present() or not nodes.exists():
-            return []
-        if nodes.is_symlink():
-            self._refuse("nodes", "a symbolic link")
-            return []
-        with os.scandir(nodes) as folders:
-            for d in folders:
-                if d.is_symlink():
-                    self._refuse(f"nodes/{d.name}", "a symbolic link")
-                    continue
-                if not d.is_dir(follow_symlinks=False):
-                    continue
-                with os.scandir(d.path) as files:
-                    for f in files:
-                        path = f"nodes/{d.name}/{f.name}"
-                        if parse_delta_path(path) is None:
-                            continue
-                        if f.is_symlink():
-                            self._refuse(path, "a symbolic link")
-                        elif f.is_file(follow_symlinks=False):
-                            found.append(path)
-        return sorted(found)
-
-    return self._call(f"list deltas in {self.describe()}", run)
-
-# %% ../../nbs/diloco/03_distributed_transport.ipynb #4f62dc79
-@patch
-def list_files(self: SharedDirectory) -> list[str]:
-    "Every regular file in the repository (claims and temp files too), sorted repository paths."
-
-    def run():
-        if not self._present():
-            return []
-        found = []
-        for folder, dirs, files in os.walk(self.root):  # never into a linked folder
-            here = Path(folder)
-            found += [
-                (here / f).relative_to(self.root).as_posix()
-                for f in files
-                if not (here / f).is_symlink()
-            ]
-        return sorted(found)
-
-    return self._call(f"list {self.describe()}", run)
-
-# %% ../../nbs/diloco/03_distributed_transport.ipynb #cccd5176
 def _copy(src: Path, dest: Path) -> int:
     """Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename), never through
     a link at `src`; returns the bytes copied.
@@ -461,158 +475,137 @@ def _copy(src: Path, dest: Path) -> int:
     return copied
 
 
-@patch
-def _target(self: SharedDirectory, path: str) -> Path:
-    """Where a write of repository `path` goes: inside the directory, which must be there, never
-    through a link."""
-    self._present(write=True)
-    dest = self._inside(path)
-    # the directory itself exists: only folders inside it are made
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    return dest
+class _Folder:
+    """A `SharedDirectory`'s folder on disk, one try at a time (the directory's `_call` retries):
+    whether it is there, where a repository path lands (never through a link), the entries a
+    listing refuses, the claim on a version and the sweep after a publication."""
 
+    def __init__(self, directory: SharedDirectory):
+        self.directory = directory  # its root, its `used` mark, what it refused and how it warns
 
-@patch
-def fetch(
-    self: SharedDirectory, path: str, local: str | os.PathLike, revision: str | None = None
-) -> Path:
-    "Copy repository `path` to `local` atomically."
-    local = Path(local)
+    def error_text(self, exc: BaseException) -> str:
+        """An I/O error in words, its file named inside the repository (the label already names the
+        repository)."""
+        name = getattr(exc, "filename", None)
+        if not isinstance(exc, OSError) or name is None:
+            return f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(ValueError):
+            name = Path(name).relative_to(self.directory.root)
+        return f"{type(exc).__name__}: {exc.strerror or exc}: {name}"
 
-    def run():
-        self._present(write=True)
-        n = _copy(self._inside(path), local)
-        self.counts.bytes_received += n
-        return local
+    def present(self, write: bool = False) -> bool:
+        """Whether the repository is there (its `global/` folder); `RepoMissing` for a write before
+        it was made, `HubError` once it disappeared after use."""
+        directory = self.directory
+        if os.path.exists(directory.root) and not os.path.isdir(directory.root):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(directory.root))
+        if os.path.isdir(directory.root / "global"):
+            directory.used = True
+            return True
+        if directory.used:
+            raise HubError(
+                f"{directory.describe()} has disappeared since this run used it (no global/ "
+                "folder: an unmounted share?); "
+                "it is not created again: mount or restore it, then resume the run"
+            )
+        if write:
+            raise RepoMissing(
+                f"{directory.describe()} does not exist; its master creates it "
+                "(distributed.role: master)"
+            )
+        return False
 
-    return self._call(f"fetch {path} from {self.describe()}", run)
+    def inside(self, path: str) -> Path:
+        "`root/path`, refused (`HubError` naming it) when any part of it is a symbolic link."
+        root = here = self.directory.root
+        for part in Path(path).parts:
+            if part in ("..", "") or os.path.isabs(part):
+                raise HubError(
+                    f"{self.directory.describe()}: refusing {path}: not a path inside the "
+                    "repository"
+                )
+            here = here / part
+            if here.is_symlink():
+                raise HubError(
+                    f"{self.directory.describe()}: refusing {path}: {here.relative_to(root)} is a "
+                    "symbolic link "
+                    "(it may point outside the repository); delete it"
+                )
+        return here
 
+    def target(self, path: str) -> Path:
+        """Where a write of repository `path` goes: inside the directory, which must be there, never
+        through a link."""
+        self.present(write=True)
+        dest = self.inside(path)
+        # the directory itself exists: only folders inside it are made
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        return dest
 
-@patch
-def upload(
-    self: SharedDirectory, files: Mapping[str, str | os.PathLike], message: str = ""
-) -> None:
-    "Put `files` (repository path -> local file) into place, each with one atomic rename."
+    def refuse(self, path: str, why: str) -> None:
+        "Say once that entry `path` is left out of every listing."
+        directory = self.directory
+        if path in directory.refused:
+            return
+        directory.refused.add(path)
+        directory.warn(
+            f"{directory.describe()}: refusing {path}: {why} (it may point outside the "
+            "repository); delete it"
+        )
 
-    def run():
-        for path, local in files.items():
-            self.counts.bytes_sent += _copy(Path(local), self._target(path))
-        self.counts.commits += 1
+    def version_pair(self) -> tuple[RepoState, int | None]:
+        "`(the version file's state, the version the weights carry)`, read once, without retries."
+        if not self.present():
+            return RepoState("none"), None
+        version, weights = self.inside(GLOBAL_METADATA_PATH), self.inside(GLOBAL_MODEL_PATH)
+        if not version.exists():
+            return RepoState("none"), None
+        meta, extras = parse_step_count(version.read_bytes())
+        carried = _weights_version(weights)
+        return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras), carried
 
-    self._call(f"upload {', '.join(files)} to {self.describe()}", run)
-
-# %% ../../nbs/diloco/03_distributed_transport.ipynb #0af732f4
-def _claim(self: SharedDirectory, version: int, owner: str) -> None:
-    "Create `global/.claim-<version>` for `owner`; `PublishConflict` when another owner holds it."
-    claim = self.root / "global" / f".claim-{version}"
-    try:
-        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def claim(self, version: int, owner: str) -> None:
+        """Create `global/.claim-<version>` for `owner`; `PublishConflict` when another owner holds
+        it."""
+        claim = self.directory.root / "global" / f".claim-{version}"
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(owner)
-        except OSError:  # a full disk: no empty claim is left to block the retry
-            claim.unlink(missing_ok=True)
-            raise
-    except FileExistsError:
-        holder = claim.read_text().strip()
-        # its master died mid-publication
-        if holder != owner and time.time() - claim.stat().st_mtime > _STALE_CLAIM_S:
-            claim.write_text(owner)
-        elif holder != owner:
-            raise PublishConflict(
-                f"version {version} in {self.describe()} was claimed by {holder!r}; another "
-                "master is publishing"
-            ) from None
+            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(owner)
+            except OSError:  # a full disk: no empty claim is left to block the retry
+                claim.unlink(missing_ok=True)
+                raise
+        except FileExistsError:
+            holder = claim.read_text().strip()
+            # its master died mid-publication
+            if holder != owner and time.time() - claim.stat().st_mtime > _STALE_CLAIM_S:
+                claim.write_text(owner)
+            elif holder != owner:
+                raise PublishConflict(
+                    f"version {version} in {self.directory.describe()} was claimed by "
+                    f"{holder!r}; another master is publishing"
+                ) from None
 
-
-@patch
-def publish(
-    self: SharedDirectory,
-    files: Mapping[str, str | os.PathLike],
-    deletes: Iterable[str],
-    *,
-    parent: RepoState,
-    owner: str,
-    version: int | None = None,
-    message: str = "",
-    description: str = "",
-) -> str:
-    """Publish `files` and delete `deletes` if the repository is still at `parent`; returns the new
-    revision."""
-    current = self.state()
-    if current.revision != parent.revision:
-        raise PublishConflict(
-            f"{self.describe()} moved from revision {parent.revision} to {current.revision}"
-        )
-    version = parent.outer_step + 1 if version is None else int(version)
-    if version > parent.outer_step:  # a new version; a heartbeat keeps its version
-        # a full or flaky directory is retried and said with the file's name, as every write
-        self._call(
-            f"claim version {version} (global/.claim-{version}) in {self.describe()}",
-            lambda: _claim(self, version, owner),
-        )
-
-    def run():
-        # weights first, the version file last
-        for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
-            self.counts.bytes_sent += _copy(Path(files[path]), self._target(path))
-        for path in deletes:
-            with contextlib.suppress(FileNotFoundError):
-                self._inside(path).unlink()
-        self.counts.commits += 1
-        _sweep(self, version)
-
-    self._call(f"publish version {version} to {self.describe()}", run)
-    return self.state().revision
-
-
-def _sweep(self: SharedDirectory, version: int) -> None:
-    "Delete claims older than the previous version and temp files a killed writer left an hour ago."
-    now = time.time()
-    for p in (self.root / "global").glob(".claim-*"):
-        with contextlib.suppress(ValueError, OSError):
-            if int(p.name.split("-")[1]) < version - 1:
-                p.unlink()
-    nodes = self.root / "nodes"
-    folders = (
-        []
-        if nodes.is_symlink()
-        else [d for d in nodes.iterdir() if d.is_dir() and not d.is_symlink()]
-    )
-    for folder in [self.root / "global", *folders]:
-        for p in folder.iterdir():
-            with contextlib.suppress(OSError):
-                if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S:
+    def sweep(self, version: int) -> None:
+        """Delete claims older than the previous version and temp files a killed writer left an hour
+        ago."""
+        now, root = time.time(), self.directory.root
+        for p in (root / "global").glob(".claim-*"):
+            with contextlib.suppress(ValueError, OSError):
+                if int(p.name.split("-")[1]) < version - 1:
                     p.unlink()
-
-# %% ../../nbs/diloco/03_distributed_transport.ipynb #0a758721
-@patch
-def torn_publication(self: SharedDirectory) -> tuple[RepoState, int] | None:
-    """`(the version file's state, the newer version the weights carry)` when a publication stopped
-    between its two renames; None otherwise."""
-
-    def run():
-        repo, carried = self._version_pair()
-        return None if carried is None or carried <= repo.outer_step else (repo, carried)
-
-    return self._call(f"read {GLOBAL_METADATA_PATH} in {self.describe()}", run)
-
-
-@patch
-def restore_weights(self: SharedDirectory, weights: str | os.PathLike, parent: RepoState) -> None:
-    """Put `weights` (carrying `parent`'s version) back over a torn publication's; `PublishConflict`
-    unless the repository is torn at `parent`."""
-    found = self.torn_publication()
-    if found is None or found[0].revision != parent.revision:
-        raise PublishConflict(
-            f"{self.describe()} is no longer torn at revision {parent.revision}: nothing restored"
+        nodes = root / "nodes"
+        folders = (
+            []
+            if nodes.is_symlink()
+            else [d for d in nodes.iterdir() if d.is_dir() and not d.is_symlink()]
         )
-    if _weights_version(Path(weights)) != parent.outer_step:
-        raise ValueError(f"{weights} does not carry version {parent.outer_step}")
-    self._call(
-        f"restore {GLOBAL_MODEL_PATH} in {self.describe()}",
-        lambda: _copy(Path(weights), self._target(GLOBAL_MODEL_PATH)),
-    )
+        for folder in [root / "global", *folders]:
+            for p in folder.iterdir():
+                with contextlib.suppress(OSError):
+                    if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S:
+                        p.unlink()
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #c77062e9
 def __dir__() -> list[str]:
