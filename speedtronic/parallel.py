@@ -20,7 +20,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from fastcore.basics import patch
 from torch import nn
 
 from .errors import ExpectedError
@@ -29,14 +28,37 @@ from .config import ConfigError, DataConfig, SpeedtronicConfig
 from .precision import resolve_device
 
 # %% auto #0
-__all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'World', 'world_from_env', 'accumulation_per_rank',
-           'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process', 'PeerLost', 'peer_lost',
-           'watch_peers', 'block_modules', 'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide', 'raised_together',
-           'merge_boundaries', 'saved_world_size', 'derived_rng', 'GroupCoordinator', 'StateReplica']
+__all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'watch_peers', 'World', 'world_from_env',
+           'accumulation_per_rank', 'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process',
+           'PeerLost', 'peer_lost', 'block_modules', 'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide',
+           'raised_together', 'merge_boundaries', 'saved_world_size', 'derived_rng', 'GroupCoordinator', 'StateReplica']
 
 # %% ../nbs/torchrun/01_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def _peers_watched(world: World, inner: contextlib.AbstractContextManager | None = None):
+    "Within the block (and `inner`), an error about a vanished peer is raised as its `PeerLost`."
+    try:
+        with inner or contextlib.nullcontext():
+            yield
+    except RuntimeError as e:
+        if (lost := peer_lost(e, world)) is None:
+            raise
+        raise lost from e
+
+
+def watch_peers(method: Callable) -> Callable:
+    "`method` of `World` with its collectives' vanished-peer errors raised as `PeerLost`."
+
+    @functools.wraps(method)
+    def watched(self: World, *args, **kwargs):
+        with _peers_watched(self):
+            return method(self, *args, **kwargs)
+
+    return watched
 
 
 @dataclass
@@ -71,6 +93,120 @@ class World:
         """Does this rank write the run's files (checkpoints, logs, metrics, plots, progress bar)?
         Rank 0 only."""
         return self.rank == 0
+
+    # Joining the job
+    def close(
+        self,
+        failed: bool = False,
+        # the failure was raised by every rank at once (`raised_together`): all are here
+        together: bool = False,
+    ) -> None:
+        """Leave the process group (after a lone failure only when it is gloo: an NCCL group with a
+        dead peer may not end cleanly)."""
+        _close(self, failed, together)
+
+    # What the trainer asks
+    @watch_peers
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module training runs forward on: `DistributedDataParallel(model)` in a torchrun job
+        (`model`, sharded, under fsdp), else `model`."""
+        return _wrap(self, model)
+
+    def gradient_sync(self, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """The context of one microbatch's forward and backward: gradients are averaged over the
+        ranks only when `sync`."""
+        return _gradient_sync(self, module, sync)
+
+    @watch_peers
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over every rank (in place, one all-reduce); `tensor` itself for one
+        process."""
+        return _all_sum(self, tensor)
+
+    @watch_peers
+    def agree_stop(self, reason: str | None) -> str | None:
+        """The reason every rank stops after this step, or None: one rank asked to stop stops them
+        all at the same step."""
+        return _agree_stop(self, reason)
+
+    # Sharding the model
+    @watch_peers
+    def shard(self, model: nn.Module, precision: Any = None) -> nn.Module:
+        """Under `parallel.strategy: fsdp` in a job: every block, then `model`, `fully_shard`ed in
+        place (rank 0's weights); else `model`."""
+        return _shard(self, model, precision)
+
+    # One verdict for the job
+    @watch_peers
+    def raise_together(self, error: BaseException | None) -> None:
+        """Raise on every rank if any rank has an `error`: the lowest such rank its own (it reports
+        it), the others a `JobError`."""
+        _raise_together(self, error)
+
+    def on_writer(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on rank 0 (its result there, `None` on the other ranks); if it raises, every rank
+        raises (rank 0 reports it)."""
+        return _on_writer(self, fn)
+
+    def on_every_rank(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on every rank; if it raises on any, every rank raises (the lowest failing rank
+        reports it)."""
+        return _on_every_rank(self, fn)
+
+    @watch_peers
+    def share(self, value: Any) -> Any:
+        """Rank 0's `value` (small and picklable: a run id) on every rank; `value` itself for one
+        process."""
+        return _share(self, value)
+
+    # Checkpoints of the whole job
+    def local_state(self, state: Mapping, path: Any = None) -> Mapping:
+        """Checkpoint `state` as this rank resumes it: the job's data position and this rank's RNG
+        (derived on a job of another size)."""
+        return _local_state(self, state, path)
+
+    @watch_peers
+    def gather_boundary(self, boundary: Mapping) -> Mapping:
+        """The job's boundary (every rank's RNG and data position); all ranks call it together. One
+        process: `boundary`."""
+        return _gather_boundary(self, boundary)
+
+    @watch_peers
+    def agree_on_checkpoint(self, step: int | None, path: Any = None) -> None:
+        """Raise a `CheckpointError` on every rank unless all ranks are resuming the same step
+        (`None`: none found)."""
+        _agree_on_checkpoint(self, step, path)
+
+    def writer_first(self, write: Callable[[], Any]) -> None:
+        """Run `write` on rank 0 while the other ranks wait for it (a file they all read next); if
+        it fails, every rank raises."""
+        # its verdict is the meeting point: no rank reads before rank 0 is done
+        self.on_writer(write)
+
+    # A DiLoCo node that is a torchrun job
+    @watch_peers
+    def from_writer(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on rank 0 and its (small, picklable) result on every rank in one broadcast; if
+        it raises, every rank raises."""
+        return _from_writer(self, fn)
+
+    @watch_peers
+    def share_weights(self, module: nn.Module) -> None:
+        """Rank 0's parameters and buffers of `module` copied, in place, into every rank's (one
+        broadcast per tensor)."""
+        _share_weights(self, module)
+
+    @watch_peers
+    def gather_whole(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every rank: the whole state of sharded `model`, in rank 0's CPU memory (`{}` on the other
+        ranks); a CPU copy of a plain model's."""
+        return _gather_whole(self, model)
+
+    @watch_peers
+    def scatter_whole(self, model: nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:
+        """Every rank: rank 0's whole `state` loaded into `model` (into each rank's shards under
+        fsdp); `state` is not read elsewhere."""
+        _scatter_whole(self, model, state)
 
 # %% ../nbs/torchrun/01_parallel.ipynb #518638ce
 _TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -340,21 +476,14 @@ def start_world(world: World, device: torch.device) -> World:
     return world
 
 
-@patch
-def close(
-    self: World,
-    failed: bool = False,
-    # the failure was raised by every rank at once (`raised_together`): all are here
-    together: bool = False,
-) -> None:
-    """Leave the process group (after a lone failure only when it is gloo: an NCCL group with a dead
-    peer may not end cleanly)."""
-    if self.backend is None:
+def _close(world: World, failed: bool, together: bool) -> None:
+    "`World.close`: a barrier when every rank is here, then the group left within `TEARDOWN_S`."
+    if world.backend is None:
         return
     import torch.distributed as dist
 
-    backend, control, self.backend, self.control = self.backend, self.control, None, None
-    if not (self.owns_group and dist.is_initialized()):
+    backend, control, world.backend, world.control = world.backend, world.control, None, None
+    if not (world.owns_group and dist.is_initialized()):
         return
     meet = not failed or together
     # every rank is here: wait for all before tearing down, so no rank leaves a peer inside a
@@ -470,59 +599,54 @@ def peer_lost(error: BaseException, world: World) -> PeerLost | None:
         "the job again (--resume continues from the last checkpoint)"
     )
 
-
-@contextlib.contextmanager
-def _peers_watched(world: World, inner: contextlib.AbstractContextManager | None = None):
-    "Within the block (and `inner`), an error about a vanished peer is raised as its `PeerLost`."
-    try:
-        with inner or contextlib.nullcontext():
-            yield
-    except RuntimeError as e:
-        if (lost := peer_lost(e, world)) is None:
-            raise
-        raise lost from e
-
-
-def watch_peers(method: Callable) -> Callable:
-    "`method` of `World` with its collectives' vanished-peer errors raised as `PeerLost`."
-
-    @functools.wraps(method)
-    def watched(self: World, *args, **kwargs):
-        with _peers_watched(self):
-            return method(self, *args, **kwargs)
-
-    return watched
-
 # %% ../nbs/torchrun/01_parallel.ipynb #7d6fc54a
-@patch
-@watch_peers
-def wrap(self: World, model: nn.Module) -> nn.Module:
-    """The module training runs forward on: `DistributedDataParallel(model)` in a torchrun job
-    (`model`, sharded, under fsdp), else `model`."""
-    if self.backend is None:
+def _wrap(world: World, model: nn.Module) -> nn.Module:
+    "`World.wrap`: DDP on `world.device` (the sharded model itself under fsdp)."
+    if world.backend is None:
         return model
-    if self.fsdp:
+    if world.fsdp:
         return _sharded(model)
     from torch.nn.parallel import DistributedDataParallel
 
-    model.to(self.device)
+    model.to(world.device)
     return DistributedDataParallel(
-        model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+        model, device_ids=[world.device.index] if world.device.type == "cuda" else None
     )
 
 
-@patch
-def gradient_sync(self: World, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """The context of one microbatch's forward and backward: gradients are averaged over the ranks
-    only when `sync`."""
-    if self.backend is None:
+def _gradient_sync(
+    world: World, module: nn.Module, sync: bool
+) -> contextlib.AbstractContextManager:
+    "`World.gradient_sync`: DDP's `no_sync` unless `sync` (under fsdp: gradient sync set to it)."
+    if world.backend is None:
         return contextlib.nullcontext()
-    if self.fsdp:
+    if world.fsdp:
         # FSDP's no_sync: gradients stay local and unsharded until the last microbatch
         module.set_requires_gradient_sync(sync)
-        return _peers_watched(self)
+        return _peers_watched(world)
     # DDP's all-reduce runs in the backward
-    return _peers_watched(self, None if sync else module.no_sync())
+    return _peers_watched(world, None if sync else module.no_sync())
+
+# %% ../nbs/torchrun/01_parallel.ipynb #71478092
+def _all_sum(world: World, tensor: torch.Tensor) -> torch.Tensor:
+    "`World.all_sum`: one all-reduce (sum) in the job's process group."
+    if world.backend is None:
+        return tensor
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def _agree_stop(world: World, reason: str | None) -> str | None:
+    "`World.agree_stop`: one all-reduce (max) of the ranks' stop flags on the control group."
+    if world.backend is None:
+        return reason
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if reason else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world.control)
+    return (reason or "another rank was asked to stop") if flag.item() else None
 
 # %% ../nbs/torchrun/01_parallel.ipynb #b07f32e4
 def block_modules(model: nn.Module) -> list[nn.Module]:
@@ -609,61 +733,32 @@ def _sharded(model: nn.Module) -> nn.Module:
     )
 
 
-@patch
-@watch_peers
-def shard(self: World, model: nn.Module, precision: Any = None) -> nn.Module:
-    """Under `parallel.strategy: fsdp` in a job: every block, then `model`, `fully_shard`ed in place
-    (rank 0's weights); else `model`."""
-    if self.backend is None or not self.fsdp:
+def _shard(world: World, model: nn.Module, precision: Any) -> nn.Module:
+    "`World.shard`: rank 0's weights on every rank, then each block and the root `fully_shard`ed."
+    if world.backend is None or not world.fsdp:
         return model
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(model, FSDPModule):
         return model
-    if problems := fsdp_problems(SpeedtronicConfig(parallel=self.parallel), precision):
+    if problems := fsdp_problems(SpeedtronicConfig(parallel=world.parallel), precision):
         raise ConfigError(problems)
     # every rank decides it alike: one of them reports it
-    if self.parallel.cpu_offload and self.device.type != "cuda":
+    if world.parallel.cpu_offload and world.device.type != "cuda":
         raise job_wide(
             ConfigError(
                 "parallel.cpu_offload: moves a GPU's shards to the CPU, and this job trains on "
-                f"{self.device.type}; "
+                f"{world.device.type}; "
                 "set parallel.cpu_offload: false (or train on CUDA)"
             )
         )
-    model.to(self.device)
-    self.share_weights(model)
-    options = fsdp_options(self.parallel, precision, self.device)
+    model.to(world.device)
+    world.share_weights(model)
+    options = fsdp_options(world.parallel, precision, world.device)
     for block in block_modules(model):
         fully_shard(block, **options)
     fully_shard(model, **options)
     return model
-
-# %% ../nbs/torchrun/01_parallel.ipynb #71478092
-@patch
-@watch_peers
-def all_sum(self: World, tensor: torch.Tensor) -> torch.Tensor:
-    "`tensor` summed over every rank (in place, one all-reduce); `tensor` itself for one process."
-    if self.backend is None:
-        return tensor
-    import torch.distributed as dist
-
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-@patch
-@watch_peers
-def agree_stop(self: World, reason: str | None) -> str | None:
-    """The reason every rank stops after this step, or None: one rank asked to stop stops them all
-    at the same step."""
-    if self.backend is None:
-        return reason
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if reason else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
-    return (reason or "another rank was asked to stop") if flag.item() else None
 
 # %% ../nbs/torchrun/01_parallel.ipynb #8463093f
 class JobError(ExpectedError, RuntimeError):
@@ -688,19 +783,16 @@ def raised_together(error: BaseException) -> bool:
     return isinstance(getattr(error, "reporting_rank", None), int)
 
 
-@patch
-@watch_peers
-def raise_together(self: World, error: BaseException | None) -> None:
-    """Raise on every rank if any rank has an `error`: the lowest such rank its own (it reports it),
-    the others a `JobError`."""
-    if self.backend is None:
+def _raise_together(world: World, error: BaseException | None) -> None:
+    "`World.raise_together`: every rank's message (or `None`) gathered on the control group."
+    if world.backend is None:
         if error is not None:
             raise error
         return
     import torch.distributed as dist
 
-    messages = [None] * self.size
-    dist.all_gather_object(messages, None if error is None else str(error), group=self.control)
+    messages = [None] * world.size
+    dist.all_gather_object(messages, None if error is None else str(error), group=world.control)
     failing = [r for r, m in enumerate(messages) if m is not None]
     if not failing:
         return
@@ -709,44 +801,37 @@ def raise_together(self: World, error: BaseException | None) -> None:
     raise JobError(f"rank {failing[0]} stopped the job: {messages[failing[0]]}", failing[0])
 
 # %% ../nbs/torchrun/01_parallel.ipynb #346cd77b
-@patch
-def on_writer(self: World, fn: Callable[[], Any]) -> Any:
-    """`fn()` on rank 0 (its result there, `None` on the other ranks); if it raises, every rank
-    raises (rank 0 reports it)."""
+def _on_writer(world: World, fn: Callable[[], Any]) -> Any:
+    "`World.on_writer`: `fn` on rank 0, then every rank meets in `raise_together`."
     result = error = None
-    if self.writes:
+    if world.writes:
         try:
             result = fn()
         except Exception as e:
             error = e
-    self.raise_together(error)
+    world.raise_together(error)
     return result
 
 
-@patch
-def on_every_rank(self: World, fn: Callable[[], Any]) -> Any:
-    """`fn()` on every rank; if it raises on any, every rank raises (the lowest failing rank reports
-    it)."""
+def _on_every_rank(world: World, fn: Callable[[], Any]) -> Any:
+    "`World.on_every_rank`: `fn` on every rank, then every rank meets in `raise_together`."
     result = error = None
     try:
         result = fn()
     except Exception as e:
         error = e
-    self.raise_together(error)
+    world.raise_together(error)
     return result
 
 
-@patch
-@watch_peers
-def share(self: World, value: Any) -> Any:
-    """Rank 0's `value` (small and picklable: a run id) on every rank; `value` itself for one
-    process."""
-    if self.backend is None:
+def _share(world: World, value: Any) -> Any:
+    "`World.share`: one object broadcast from rank 0 on the control group."
+    if world.backend is None:
         return value
     import torch.distributed as dist
 
-    box = [value if self.writes else None]
-    dist.broadcast_object_list(box, src=0, group=self.control)
+    box = [value if world.writes else None]
+    dist.broadcast_object_list(box, src=0, group=world.control)
     return box[0]
 
 # %% ../nbs/torchrun/01_parallel.ipynb #ab136e13
@@ -789,59 +874,51 @@ def derived_rng(seed: int, step: int, rank: int) -> dict:
     return state
 
 
-@patch
-def local_state(self: World, state: Mapping, path: Any = None) -> Mapping:
-    """Checkpoint `state` as this rank resumes it: the job's data position and this rank's RNG
-    (derived on a job of another size)."""
+def _local_state(world: World, state: Mapping, path: Any) -> Mapping:
+    "`World.local_state`: the data position and this rank's RNG out of the job's checkpoint."
     saved, data, rng = saved_world_size(state), state.get("data"), state.get("rng")
     if _per_rank(data):  # an earlier version's job: one data position per rank
-        if saved != self.size:
+        if saved != world.size:
             who = lambda n: "one process" if n == 1 else f"a torchrun job of {n} processes"
             raise CheckpointError(
                 f"{f'checkpoint {path}' if path else 'the checkpoint'} was saved by {who(saved)} "
                 "and this run is "
-                f"{who(self.size)}; it was written by an earlier version, whose data position is "
+                f"{who(world.size)}; it was written by an earlier version, whose data position is "
                 "each rank's, so "
                 f"resume it with {saved} process(es) (torchrun --nproc_per_node/--nnodes), or "
                 "start without --resume"
             )
-        data = data["ranks"][self.rank]
-    if saved == self.size:
-        rng = rng["ranks"][self.rank] if _per_rank(rng) else rng
+        data = data["ranks"][world.rank]
+    if saved == world.size:
+        rng = rng["ranks"][world.rank] if _per_rank(rng) else rng
     else:
         rng = derived_rng(
             ((state.get("config") or {}).get("run") or {}).get("seed") or 0,
             int(state.get("step") or 0),
-            self.rank,
+            world.rank,
         )
     return {**state, "rng": rng, "data": data}
 
 # %% ../nbs/torchrun/01_parallel.ipynb #4af8793f
-@patch
-@watch_peers
-def gather_boundary(self: World, boundary: Mapping) -> Mapping:
-    """The job's boundary (every rank's RNG and data position); all ranks call it together. One
-    process: `boundary`."""
-    if self.backend is None:
+def _gather_boundary(world: World, boundary: Mapping) -> Mapping:
+    "`World.gather_boundary`: every rank's boundary gathered on the control group, merged."
+    if world.backend is None:
         return boundary
     import torch.distributed as dist
 
-    parts = [None] * self.size
-    dist.all_gather_object(parts, dict(boundary), group=self.control)
+    parts = [None] * world.size
+    dist.all_gather_object(parts, dict(boundary), group=world.control)
     return merge_boundaries(parts)
 
 
-@patch
-@watch_peers
-def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None:
-    """Raise a `CheckpointError` on every rank unless all ranks are resuming the same step (`None`:
-    none found)."""
-    if self.backend is None:
+def _agree_on_checkpoint(world: World, step: int | None, path: Any) -> None:
+    "`World.agree_on_checkpoint`: the steps the ranks found, gathered on the control group."
+    if world.backend is None:
         return
     import torch.distributed as dist
 
-    found = [None] * self.size
-    dist.all_gather_object(found, step, group=self.control)
+    found = [None] * world.size
+    dist.all_gather_object(found, step, group=world.control)
     if len(set(found)) > 1:
         seen = ", ".join(
             f"rank {r}: {'none' if s is None else f'step {s}'}" for r, s in enumerate(found)
@@ -854,30 +931,20 @@ def agree_on_checkpoint(self: World, step: int | None, path: Any = None) -> None
             )
         )
 
-
-@patch
-def writer_first(self: World, write: Callable[[], Any]) -> None:
-    """Run `write` on rank 0 while the other ranks wait for it (a file they all read next); if it
-    fails, every rank raises."""
-    self.on_writer(write)  # its verdict is the meeting point: no rank reads before rank 0 is done
-
 # %% ../nbs/torchrun/01_parallel.ipynb #ae68bf90
-@patch
-@watch_peers
-def from_writer(self: World, fn: Callable[[], Any]) -> Any:
-    """`fn()` run on rank 0 and its (small, picklable) result on every rank in one broadcast; if it
-    raises, every rank raises."""
-    if self.backend is None:
+def _from_writer(world: World, fn: Callable[[], Any]) -> Any:
+    "`World.from_writer`: rank 0's result or error in one broadcast on the control group."
+    if world.backend is None:
         return fn()
     import torch.distributed as dist
 
     box, error = [None], None
-    if self.writes:
+    if world.writes:
         try:
             box = [(fn(), None)]
         except Exception as e:
             box, error = [(None, f"{type(e).__name__}: {e}")], e
-    dist.broadcast_object_list(box, src=0, group=self.control)
+    dist.broadcast_object_list(box, src=0, group=world.control)
     result, message = box[0]
     if message is None:
         return result
@@ -886,12 +953,9 @@ def from_writer(self: World, fn: Callable[[], Any]) -> Any:
     raise JobError(f"rank 0 stopped the job: {message}", 0)
 
 
-@patch
-@watch_peers
-def share_weights(self: World, module: nn.Module) -> None:
-    """Rank 0's parameters and buffers of `module` copied, in place, into every rank's (one
-    broadcast per tensor)."""
-    if self.backend is None:
+def _share_weights(world: World, module: nn.Module) -> None:
+    "`World.share_weights`: one broadcast from rank 0 per parameter and buffer."
+    if world.backend is None:
         return
     import torch.distributed as dist
 
@@ -1048,12 +1112,9 @@ class StateReplica(nn.Module):
             setattr(owner, name, tensor)
 
 # %% ../nbs/torchrun/01_parallel.ipynb #33cd4b48
-@patch
-@watch_peers
-def gather_whole(self: World, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every rank: the whole state of sharded `model`, in rank 0's CPU memory (`{}` on the other
-    ranks); a CPU copy of a plain model's."""
-    if self.backend is None or not self.fsdp:
+def _gather_whole(world: World, model: nn.Module) -> dict[str, torch.Tensor]:
+    "`World.gather_whole`: the full state dict gathered into rank 0's CPU memory."
+    if world.backend is None or not world.fsdp:
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -1062,12 +1123,11 @@ def gather_whole(self: World, model: nn.Module) -> dict[str, torch.Tensor]:
     )
 
 
-@patch
-@watch_peers
-def scatter_whole(self: World, model: nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:
-    """Every rank: rank 0's whole `state` loaded into `model` (into each rank's shards under fsdp);
-    `state` is not read elsewhere."""
-    if self.backend is None or not self.fsdp:
+def _scatter_whole(
+    world: World, model: nn.Module, state: Mapping[str, torch.Tensor] | None
+) -> None:
+    "`World.scatter_whole`: rank 0's full state dict broadcast into every rank's shards."
+    if world.backend is None or not world.fsdp:
         with torch.no_grad():
             model.load_state_dict(state)
         return
@@ -1075,7 +1135,7 @@ def scatter_whole(self: World, model: nn.Module, state: Mapping[str, torch.Tenso
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # it replaces the entries of the dict it gets
-    set_model_state_dict(model, dict(state) if self.writes else {}, options=options)
+    set_model_state_dict(model, dict(state) if world.writes else {}, options=options)
 
 # %% ../nbs/torchrun/01_parallel.ipynb #eb67230c
 def __dir__() -> list[str]:
