@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from fastcore.basics import patch
-
 from .errors import ExpectedError
 from .config import ModelConfig, SpeedtronicConfig, as_section, explicit_fields, redact
 from speedtronic.files import (
@@ -40,7 +38,7 @@ __all__ = ['SHARDED_STATE', 'DIGEST_NAME', 'CheckpointError', 'CheckpointWarning
            'is_sharded', 'digest_path', 'file_sha256', 'write_digest', 'check_digest', 'load_checkpoint',
            'capture_rng_state', 'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes',
            'checkpoint_step', 'checkpoint_files', 'read_pointer', 'stale_temp_files', 'redacted_state',
-           'CheckpointManager', 'nonfinite_tensors', 'nonfinite_state', 'checkpoint_run_id', 'checked_checkpoint',
+           'nonfinite_tensors', 'nonfinite_state', 'CheckpointManager', 'checkpoint_run_id', 'checked_checkpoint',
            'load_sharded', 'consolidate_checkpoint', 'load_whole']
 
 # %% ../nbs/train/04_checkpoint.ipynb #8fc616ec
@@ -708,64 +706,6 @@ def redacted_state(state: Mapping) -> Mapping:
         return state
     return {**state, "config": redact(config)}
 
-# %% ../nbs/train/04_checkpoint.ipynb #f7e4151d
-class CheckpointManager:
-    "Save, find, load and prune `step_<step:012d>.pt` checkpoints in `directory`."
-
-    pointer_name = "latest.json"
-
-    # recorded in each checkpoint and the pointer
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        *,
-        every_steps: int = 500,  # save when `step % every_steps == 0`
-        keep_last: int | None = 3,  # own checkpoints kept; `None` keeps all
-        enabled: bool = True,  # `should_save` is always false when disabled
-        logger=None,  # anything with `.warning(msg)`; `None` → Python warnings
-        run_id: str | None = None,
-    ):
-        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps <= 0:
-            raise ValueError(
-                f"checkpoint.every_steps must be a positive integer, got {every_steps!r}"
-            )
-        if keep_last is not None and (
-            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last <= 0
-        ):
-            raise ValueError(
-                f"checkpoint.keep_last must be a positive integer or null, got {keep_last!r}"
-            )
-        self.directory, self.every_steps, self.keep_last = Path(directory), every_steps, keep_last
-        self.enabled, self.logger, self.run_id = bool(enabled), logger, run_id
-        # checkpoint names (with mtime) known not to be this run's
-        self._foreign: dict[str, int] = {}
-        self.skipped: list[tuple[Path, str]] = []
-        self.loaded_path: Path | None = None
-
-    def __repr__(self) -> str:
-        return (
-            f"CheckpointManager({str(self.directory)!r}, every_steps={self.every_steps}, "
-            f"keep_last={self.keep_last}, enabled={self.enabled})"
-        )
-
-    def _warn(self, message: str) -> None:
-        if self.logger is not None:
-            self.logger.warning(message)
-        else:
-            warnings.warn(message, CheckpointWarning, stacklevel=3)
-
-    @property
-    def pointer_path(self) -> Path:
-        return self.directory / self.pointer_name
-
-    def should_save(self, step: int) -> bool:
-        "True when enabled, `step > 0` and `step` is a multiple of `every_steps`."
-        return self.enabled and step > 0 and step % self.every_steps == 0
-
-    def path_for(self, step: int) -> Path:
-        "The checkpoint file for `step`: `<directory>/step_<step:012d>.pt`."
-        return self.directory / f"step_{int(step):012d}.pt"
-
 # %% ../nbs/train/04_checkpoint.ipynb #7b25c2df
 def nonfinite_tensors(tensors: Mapping) -> list[str]:
     """Names of the floating-point tensors in `tensors` that hold NaN or infinity (one device read
@@ -835,7 +775,200 @@ def _nonfinite_reason(found: dict[str, list[str]]) -> str:
         f"({_listing('in', [n for names in found.values() for n in names], 4)})"
     )
 
+# %% ../nbs/train/04_checkpoint.ipynb #f7e4151d
+class CheckpointManager:
+    "Save, find, load and prune `step_<step:012d>.pt` checkpoints in `directory`."
 
+    pointer_name = "latest.json"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every_steps: int = 500,  # save when `step % every_steps == 0`
+        keep_last: int | None = 3,  # own checkpoints kept; `None` keeps all
+        enabled: bool = True,  # `should_save` is always false when disabled
+        logger=None,  # anything with `.warning(msg)`; `None` → Python warnings
+        run_id: str | None = None,  # recorded in each checkpoint and the pointer
+    ):
+        if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps <= 0:
+            raise ValueError(
+                f"checkpoint.every_steps must be a positive integer, got {every_steps!r}"
+            )
+        if keep_last is not None and (
+            isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last <= 0
+        ):
+            raise ValueError(
+                f"checkpoint.keep_last must be a positive integer or null, got {keep_last!r}"
+            )
+        self.directory, self.every_steps, self.keep_last = Path(directory), every_steps, keep_last
+        self.enabled, self.logger, self.run_id = bool(enabled), logger, run_id
+        # checkpoint names (with mtime) known not to be this run's
+        self._foreign: dict[str, int] = {}
+        self.skipped: list[tuple[Path, str]] = []
+        self.loaded_path: Path | None = None
+
+    def __repr__(self) -> str:
+        "The directory and the settings."
+        return (
+            f"CheckpointManager({str(self.directory)!r}, every_steps={self.every_steps}, "
+            f"keep_last={self.keep_last}, enabled={self.enabled})"
+        )
+
+    def _warn(
+        self,
+        message: str,
+        stacklevel: int = 3,  # the warning names the line that called the caller of `_warn`
+    ) -> None:
+        "`message` to `logger`, or with no logger a `CheckpointWarning`."
+        if self.logger is not None:
+            self.logger.warning(message)
+        else:
+            warnings.warn(message, CheckpointWarning, stacklevel=stacklevel)
+
+    @property
+    def pointer_path(self) -> Path:
+        "The pointer file, `<directory>/latest.json`."
+        return self.directory / self.pointer_name
+
+    def should_save(self, step: int) -> bool:
+        "True when enabled, `step > 0` and `step` is a multiple of `every_steps`."
+        return self.enabled and step > 0 and step % self.every_steps == 0
+
+    def path_for(self, step: int) -> Path:
+        "The checkpoint file for `step`: `<directory>/step_<step:012d>.pt`."
+        return self.directory / f"step_{int(step):012d}.pt"
+
+    # Its parts, each in its section below: views made on demand over this manager, keeping
+    # nothing of their own (the manager's attributes are the whole state).
+
+    @property
+    def _retention(self) -> _Retention:
+        "Which files are this run's, and deleting those retention drops."
+        return _Retention(self)
+
+    @property
+    def _loading(self) -> _Loading:
+        "Finding and checking the checkpoint a resume loads."
+        return _Loading(self)
+
+    # Saving: the state checked finite, the file, then the pointer, then what retention drops.
+
+    def save(self, step: int, state: Mapping) -> Path:
+        "Write `state` for `step` atomically, point `latest.json` at it, prune; returns the file."
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
+        if bad := nonfinite_state(state):
+            raise CheckpointError(
+                f"checkpoint {self.path_for(step)} was not written: {_nonfinite_reason(bad)}, "
+                "so training diverged; the checkpoints already in "
+                f"{self.directory} are kept. Resume from the last good one with a lower "
+                "optimizer.lr or an optimizer.grad_clip"
+            )
+        if self.run_id is not None:
+            state = {**state, "run_id": self.run_id}
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                # an older file's record never vouches for this one
+                digest_path(self.path_for(step)).unlink()
+            path = atomic_torch_save(redacted_state(state), self.path_for(step))
+            write_digest(path)
+            written = [
+                n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name
+            ]
+            self._retention.retain(written + [path.name], step=step, file=path.name)
+        except OSError as e:
+            raise self._unwritable(f"checkpoint {self.path_for(step)}", e) from None
+        return path
+
+    def save_sharded(self, step: int, tensors: Mapping, state: Mapping, world: Any) -> Path | None:
+        """Every rank: write `tensors` (model, optimizer) sharded and rank 0's `state` as the folder
+        of `step`; the folder on rank 0."""
+        return _ShardedSave(self).save(step, tensors, state, world)
+
+    def prune(self) -> list[Path]:
+        "Delete this manager's checkpoints beyond the newest `keep_last` and dead temp files."
+        return self._retention.prune()
+
+    def clear(self) -> list[Path]:
+        """Delete all checkpoint files, `latest.json` and dead temp files in `directory`; returns
+        what was deleted."""
+        return self._retention.clear()
+
+    # A directory that cannot be written: found before training, and named when a write fails.
+
+    def _unwritable(self, what: str, error: OSError) -> CheckpointError:
+        "A `CheckpointError` for an `OSError` writing `what`, naming what blocks it and the fix."
+        blocker = file_in_the_way(self.directory)
+        why = (
+            f"{blocker} is a file, not a folder"
+            if blocker is not None
+            else (error.strerror or str(error))
+        )
+        return CheckpointError(
+            f"cannot write {what} ({why}); the checkpoints already in {self.directory} are kept. "
+            "Set checkpoint.directory (or run.output_dir / --output-dir) to a writable folder, "
+            "or checkpoint.enabled: false"
+        )
+
+    def check_writable(self) -> None:
+        """Create `directory` and write a probe file in it; a `CheckpointError` says why it cannot
+        be used."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-check-"):
+                pass
+        except OSError as e:
+            raise self._unwritable(f"checkpoints to {self.directory}", e) from None
+
+    # Loading: the newest checkpoint that passes the checks, or the one a person names.
+
+    def latest_path(self) -> Path | None:
+        "The highest-step `step_*.pt` file (whatever `latest.json` says), or `None`."
+        files = checkpoint_files(self.directory)
+        return files[0] if files else None
+
+    def load_latest(self) -> dict | None:
+        """The state of the newest loadable checkpoint, falling back past unusable ones; `None` if
+        none."""
+        found = self._loading.newest()
+        if found is None:
+            return None
+        self.loaded_path, state = found
+        return state
+
+    def load_named(self, name: str | os.PathLike) -> dict:
+        """The state of this run's checkpoint `name` (a name or path), checked as `load_latest`
+        checks."""
+        return self._loading.named(name)
+
+    def copy_to(self, destination: str | os.PathLike) -> Path:
+        """Copy the newest loadable checkpoint to `destination` (a file, or an existing folder); a
+        sharded one as one `.pt` file."""
+        found = self._loading.newest()
+        if found is None:
+            raise CheckpointError(f"no checkpoint is available to copy from {self.directory}")
+        source = found[0]
+        del found
+        destination = Path(destination)
+        if destination.is_dir():
+            destination = destination / source.name
+        if is_sharded(source):
+            return consolidate_checkpoint(source, destination.with_suffix(".pt"))
+        with contextlib.suppress(FileNotFoundError):
+            # a record of what was there never vouches for the copy
+            digest_path(destination).unlink()
+        with open(source, "rb") as src:
+            atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
+        shutil.copystat(source, destination)
+        write_digest(destination)
+        # the source unchanged since it was checked: the copy holds what was written
+        check_digest(source)
+        if file_sha256(source) != file_sha256(destination):
+            raise _unusable(destination, f"is not the same as {source} after copying it", None)
+        return destination
+
+# %% ../nbs/train/04_checkpoint.ipynb #bf7a3e45
 def checkpoint_run_id(path: str | os.PathLike) -> str | None:
     """The run id a checkpoint file records, read without loading its tensors; `None` if it has none
     or does not load."""
@@ -849,117 +982,81 @@ def checkpoint_run_id(path: str | os.PathLike) -> str | None:
     run_id = state.get("run_id") if isinstance(state, dict) else None
     return run_id if isinstance(run_id, str) else None
 
-# %% ../nbs/train/04_checkpoint.ipynb #1a7647a0
-@patch
-def save(self: CheckpointManager, step: int, state: Mapping) -> Path:
-    "Write `state` for `step` atomically, point `latest.json` at it, prune; returns the file."
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"checkpoint step must be a non-negative integer, got {step!r}")
-    if bad := nonfinite_state(state):
-        raise CheckpointError(
-            f"checkpoint {self.path_for(step)} was not written: {_nonfinite_reason(bad)}, "
-            "so training diverged; the checkpoints already in "
-            f"{self.directory} are kept. Resume from the last good one with a lower optimizer.lr "
-            "or an optimizer.grad_clip"
-        )
-    if self.run_id is not None:
-        state = {**state, "run_id": self.run_id}
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            # an older file's record never vouches for this one
-            digest_path(self.path_for(step)).unlink()
-        path = atomic_torch_save(redacted_state(state), self.path_for(step))
-        write_digest(path)
-        written = [
-            n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name
-        ]
-        self._retain(written + [path.name], step=step, file=path.name)
-    except OSError as e:
-        raise self._unwritable(f"checkpoint {self.path_for(step)}", e) from None
-    return path
-
 # %% ../nbs/train/04_checkpoint.ipynb #4c7d9ebf
-@patch
-def _own_unlisted(self: CheckpointManager, listed: list[str]) -> list[str]:
-    """Checkpoint files that carry this manager's run id but are not in `listed` (a kill before the
-    pointer, a lost pointer)."""
-    if self.run_id is None:
-        return []
-    found = []
-    for path in checkpoint_files(self.directory):
-        if path.name in listed:
-            continue
-        stamp = path.stat().st_mtime_ns
-        if self._foreign.get(path.name) == stamp:
-            continue
-        if checkpoint_run_id(path) == self.run_id:
-            found.append(path.name)
-        else:
-            self._foreign[path.name] = stamp
-    return found
+class _Retention:
+    """Which checkpoint files are this manager's own, and deleting those beyond `keep_last` (or, to
+    start over, every checkpoint file).
 
+    It keeps nothing of its own: `CheckpointManager` makes one on demand over itself, and the names
+    known to be another run's files are remembered in the manager's `_foreign`."""
 
-@patch
-def _retain(self: CheckpointManager, written: list[str], **pointer) -> list[Path]:
-    "Record `written`, then delete the own files beyond `keep_last` (never the newest)."
-    written = [n for n in written if (self.directory / n).exists()]
-    # the file just written counts as the newest
-    current = [n for n in written if n == pointer.get("file")]
-    own = (
-        sorted(
-            [n for n in written if n not in current] + self._own_unlisted(written),
-            key=checkpoint_step,
+    def __init__(self, manager: CheckpointManager):
+        self.manager = manager
+
+    def own_unlisted(self, listed: list[str]) -> list[str]:
+        """Checkpoint files that carry this manager's run id but are not in `listed` (a kill before
+        the pointer, a lost pointer)."""
+        m = self.manager
+        if m.run_id is None:
+            return []
+        found = []
+        for path in checkpoint_files(m.directory):
+            if path.name in listed:
+                continue
+            stamp = path.stat().st_mtime_ns
+            if m._foreign.get(path.name) == stamp:
+                continue
+            if checkpoint_run_id(path) == m.run_id:
+                found.append(path.name)
+            else:
+                m._foreign[path.name] = stamp
+        return found
+
+    def retain(self, written: list[str], **pointer) -> list[Path]:
+        "Record `written`, then delete the own files beyond `keep_last` (never the newest)."
+        m = self.manager
+        written = [n for n in written if (m.directory / n).exists()]
+        # the file just written counts as the newest
+        current = [n for n in written if n == pointer.get("file")]
+        own = (
+            sorted(
+                [n for n in written if n not in current] + self.own_unlisted(written),
+                key=checkpoint_step,
+            )
+            + current
         )
-        + current
-    )
-    drop = own[: -self.keep_last] if self.keep_last is not None else []
-    keep = [n for n in own if n not in drop]
-    if self.run_id is not None:
-        pointer["run_id"] = self.run_id
-    atomic_json_dump({**pointer, "written": keep}, self.pointer_path)
-    removed = []
-    for name in drop + [p.name for p in stale_temp_files(self.directory)]:
-        with contextlib.suppress(FileNotFoundError):
-            _remove(self.directory / name)
-            removed.append(self.directory / name)
-    return removed
+        drop = own[: -m.keep_last] if m.keep_last is not None else []
+        keep = [n for n in own if n not in drop]
+        if m.run_id is not None:
+            pointer["run_id"] = m.run_id
+        atomic_json_dump({**pointer, "written": keep}, m.pointer_path)
+        removed = []
+        for name in drop + [p.name for p in stale_temp_files(m.directory)]:
+            with contextlib.suppress(FileNotFoundError):
+                _remove(m.directory / name)
+                removed.append(m.directory / name)
+        return removed
 
+    def prune(self) -> list[Path]:
+        "Delete this manager's checkpoints beyond the newest `keep_last` and dead temp files."
+        m = self.manager
+        pointer = read_pointer(m.pointer_path, m._warn)
+        if not m.pointer_path.exists() and m.run_id is None:
+            return []
+        return self.retain(pointer.pop("written"), **pointer)
 
-@patch
-def prune(self: CheckpointManager) -> list[Path]:
-    "Delete this manager's checkpoints beyond the newest `keep_last` and dead temp files."
-    pointer = read_pointer(self.pointer_path, self._warn)
-    if not self.pointer_path.exists() and self.run_id is None:
-        return []
-    return self._retain(pointer.pop("written"), **pointer)
-
-# %% ../nbs/train/04_checkpoint.ipynb #fd268004
-@patch
-def _unwritable(self: CheckpointManager, what: str, error: OSError) -> CheckpointError:
-    "A `CheckpointError` for an `OSError` writing `what`, naming what blocks it and the fix."
-    blocker = file_in_the_way(self.directory)
-    why = (
-        f"{blocker} is a file, not a folder"
-        if blocker is not None
-        else (error.strerror or str(error))
-    )
-    return CheckpointError(
-        f"cannot write {what} ({why}); the checkpoints already in {self.directory} are kept. "
-        "Set checkpoint.directory (or run.output_dir / --output-dir) to a writable folder, "
-        "or checkpoint.enabled: false"
-    )
-
-
-@patch
-def check_writable(self: CheckpointManager) -> None:
-    """Create `directory` and write a probe file in it; a `CheckpointError` says why it cannot be
-    used."""
-    try:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-check-"):
-            pass
-    except OSError as e:
-        raise self._unwritable(f"checkpoints to {self.directory}", e) from None
+    def clear(self) -> list[Path]:
+        "Delete all checkpoint files, `latest.json` and dead temp files; returns what was deleted."
+        m = self.manager
+        removed = []
+        for path in (
+            checkpoint_files(m.directory) + [m.pointer_path] + stale_temp_files(m.directory)
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                _remove(path)
+                removed.append(path)
+        m._foreign = {}
+        return removed
 
 # %% ../nbs/train/04_checkpoint.ipynb #660e2b94
 def _outside(path: Path, directory: Path) -> Path | None:
@@ -1015,128 +1112,81 @@ def checked_checkpoint(
     return state
 
 
-@patch
-def latest_path(self: CheckpointManager) -> Path | None:
-    "The highest-step `step_*.pt` file (whatever `latest.json` says), or `None`."
-    files = checkpoint_files(self.directory)
-    return files[0] if files else None
+class _Loading:
+    """Finding the checkpoint a resume loads: the newest that `checked_checkpoint` passes, every
+    newer one reported and skipped, or the one a person names, with no fallback.
 
+    It keeps nothing of its own: `CheckpointManager` makes one on demand over itself, and what a
+    load found is recorded on the manager (`skipped`, `loaded_path`)."""
 
-@patch
-def _newest_loadable(self: CheckpointManager) -> tuple[Path, dict] | None:
-    "The newest checkpoint that loads, reporting and recording every newer one that does not."
-    self.skipped, self.loaded_path = [], None
-    pointer = read_pointer(self.pointer_path, self._warn)
-    if "file" in pointer and not (self.directory / pointer["file"]).exists():
-        self._warn(
-            f"{self.pointer_path} names {pointer['file']}, which does not exist; "
-            "using the newest checkpoint file instead"
-        )
-    owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
-    files, whys = checkpoint_files(self.directory), []
-    for path in files:
-        try:
-            return path, checked_checkpoint(path, owner)
-        except CheckpointError as e:
-            self.skipped.append((path, str(e)))
-            whys.append(getattr(e, "why", str(e)))
-            self._warn(f"skipping unusable checkpoint: {e}")
-    if files:
-        raise CheckpointError(
-            f"no checkpoint in {self.directory} can be loaded:\n  - "
-            + "\n  - ".join(f"{p.name} {why}" for p, why in zip(files, whys))
-            + "\nRestore a good copy there, or start without resume"
-        )
-    return None
+    def __init__(self, manager: CheckpointManager):
+        self.manager = manager
 
-
-@patch
-def load_latest(self: CheckpointManager) -> dict | None:
-    "The state of the newest loadable checkpoint, falling back past unusable ones; `None` if none."
-    found = self._newest_loadable()
-    if found is None:
+    def newest(self) -> tuple[Path, dict] | None:
+        "The newest checkpoint that loads, reporting and recording every newer one that does not."
+        m = self.manager
+        m.skipped, m.loaded_path = [], None
+        pointer = read_pointer(m.pointer_path, m._warn)
+        if "file" in pointer and not (m.directory / pointer["file"]).exists():
+            m._warn(
+                f"{m.pointer_path} names {pointer['file']}, which does not exist; "
+                "using the newest checkpoint file instead"
+            )
+        owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
+        files, whys = checkpoint_files(m.directory), []
+        for path in files:
+            try:
+                return path, checked_checkpoint(path, owner)
+            except CheckpointError as e:
+                m.skipped.append((path, str(e)))
+                whys.append(getattr(e, "why", str(e)))
+                m._warn(f"skipping unusable checkpoint: {e}")
+        if files:
+            raise CheckpointError(
+                f"no checkpoint in {m.directory} can be loaded:\n  - "
+                + "\n  - ".join(f"{p.name} {why}" for p, why in zip(files, whys))
+                + "\nRestore a good copy there, or start without resume"
+            )
         return None
-    self.loaded_path, state = found
-    return state
 
-# %% ../nbs/train/04_checkpoint.ipynb #d25d0efb
-@patch
-def load_named(self: CheckpointManager, name: str | os.PathLike) -> dict:
-    "The state of this run's checkpoint `name` (a name or path), checked as `load_latest` checks."
-    self.skipped, self.loaded_path = [], None
-    given = Path(name)
-    path = given if given.exists() or given.is_symlink() else self.directory / given.name
-    files = checkpoint_files(self.directory)
-    known = ", ".join(p.name for p in files) or "none"
-    if checkpoint_step(path.name) is None:
-        raise CheckpointError(
-            f"--checkpoint {name} is not a checkpoint name (step_<step>.pt or step_<step>.dcp); "
-            f"the checkpoints of this run in {self.directory}: {known}"
-        )
-    if not (path.exists() or path.is_symlink()):
-        raise CheckpointError(
-            f"--checkpoint {name} does not exist; the checkpoints of this run in "
-            f"{self.directory}: {known}"
-        )
-    if path.absolute().parent.resolve() != self.directory.resolve():
-        raise CheckpointError(
-            f"--checkpoint {name} is not in this run's checkpoint folder {self.directory}; "
-            "a run resumes only its own checkpoints: copy it there, or give the --output-dir of "
-            "its run"
-        )
-    pointer = read_pointer(self.pointer_path, self._warn)
-    owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
-    state = checked_checkpoint(self.directory / path.name, owner)
-    self.loaded_path = self.directory / path.name
-    newer = [p.name for p in files if checkpoint_step(p.name) > checkpoint_step(path.name)]
-    if newer:
-        self._warn(
-            f"resuming from {path.name} though newer checkpoints are kept in {self.directory} "
-            f"({', '.join(reversed(newer))}); this run writes over them as it reaches their steps"
-        )
-    return state
-
-# %% ../nbs/train/04_checkpoint.ipynb #5c39f826
-@patch
-def copy_to(self: CheckpointManager, destination: str | os.PathLike) -> Path:
-    """Copy the newest loadable checkpoint to `destination` (a file, or an existing folder); a
-    sharded one as one `.pt` file."""
-    found = self._newest_loadable()
-    if found is None:
-        raise CheckpointError(f"no checkpoint is available to copy from {self.directory}")
-    source = found[0]
-    del found
-    destination = Path(destination)
-    if destination.is_dir():
-        destination = destination / source.name
-    if is_sharded(source):
-        return consolidate_checkpoint(source, destination.with_suffix(".pt"))
-    with contextlib.suppress(FileNotFoundError):
-        digest_path(destination).unlink()  # a record of what was there never vouches for the copy
-    with open(source, "rb") as src:
-        atomic_write(destination, lambda out: shutil.copyfileobj(src, out))
-    shutil.copystat(source, destination)
-    write_digest(destination)
-    # the source unchanged since it was checked: the copy holds what was written
-    check_digest(source)
-    if file_sha256(source) != file_sha256(destination):
-        raise _unusable(destination, f"is not the same as {source} after copying it", None)
-    return destination
-
-# %% ../nbs/train/04_checkpoint.ipynb #df5504fa
-@patch
-def clear(self: CheckpointManager) -> list[Path]:
-    """Delete all checkpoint files, `latest.json` and dead temp files in `directory`; returns what
-    was deleted."""
-    removed = []
-    for path in (
-        checkpoint_files(self.directory) + [self.pointer_path] + stale_temp_files(self.directory)
-    ):
-        with contextlib.suppress(FileNotFoundError):
-            _remove(path)
-            removed.append(path)
-    self._foreign = {}
-    return removed
+    def named(self, name: str | os.PathLike) -> dict:
+        "The state of this run's checkpoint `name` (a name or path), checked with no fallback."
+        m = self.manager
+        m.skipped, m.loaded_path = [], None
+        given = Path(name)
+        path = given if given.exists() or given.is_symlink() else m.directory / given.name
+        files = checkpoint_files(m.directory)
+        known = ", ".join(p.name for p in files) or "none"
+        if checkpoint_step(path.name) is None:
+            raise CheckpointError(
+                f"--checkpoint {name} is not a checkpoint name (step_<step>.pt or "
+                f"step_<step>.dcp); the checkpoints of this run in {m.directory}: {known}"
+            )
+        if not (path.exists() or path.is_symlink()):
+            raise CheckpointError(
+                f"--checkpoint {name} does not exist; the checkpoints of this run in "
+                f"{m.directory}: {known}"
+            )
+        if path.absolute().parent.resolve() != m.directory.resolve():
+            raise CheckpointError(
+                f"--checkpoint {name} is not in this run's checkpoint folder {m.directory}; "
+                "a run resumes only its own checkpoints: copy it there, or give the --output-dir "
+                "of its run"
+            )
+        pointer = read_pointer(m.pointer_path, m._warn)
+        owner = pointer.get("run_id") if isinstance(pointer.get("run_id"), str) else None
+        state = checked_checkpoint(m.directory / path.name, owner)
+        m.loaded_path = m.directory / path.name
+        newer = [p.name for p in files if checkpoint_step(p.name) > checkpoint_step(path.name)]
+        if newer:
+            # one frame deeper than the manager's own methods: it names who called `load_named`
+            m._warn(
+                f"resuming from {path.name} though newer checkpoints are kept in {m.directory} "
+                f"({', '.join(reversed(newer))}); this run writes over them as it reaches their "
+                "steps",
+                stacklevel=4,
+            )
+        return state
 
 # %% ../nbs/train/04_checkpoint.ipynb #a10b082d
 def _local_tensors(tensors: Mapping) -> dict[str, torch.Tensor]:
@@ -1176,67 +1226,73 @@ def _sync_folder(path: Path) -> None:
         os.close(fd)
 
 
-@patch
-def save_sharded(
-    self: CheckpointManager, step: int, tensors: Mapping, state: Mapping, world: Any
-) -> Path | None:
-    """Every rank: write `tensors` (model, optimizer) sharded and rank 0's `state` as the folder of
-    `step`; the folder on rank 0."""
-    import torch.distributed.checkpoint as dcp
+class _ShardedSave:
+    """A sharded checkpoint of `step`: the ranks agree it is finite, each writes its shards into one
+    temp folder, then rank 0 adds the plain state, renames the folder and updates the pointer.
 
-    final = self.directory / f"step_{int(step):012d}.dcp"
+    It keeps nothing of its own: `CheckpointManager.save_sharded` makes one over the manager."""
 
-    def check():
-        if bad := nonfinite_tensors(_local_tensors(tensors)):
-            raise CheckpointError(
-                f"checkpoint {final} was not written: the model weights or optimizer state hold "
-                "NaN or infinity "
-                f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already in "
-                f"{self.directory} "
-                "are kept. Resume from the last good one with a lower optimizer.lr or an "
-                "optimizer.grad_clip"
+    def __init__(self, manager: CheckpointManager):
+        self.manager = manager
+
+    def save(self, step: int, tensors: Mapping, state: Mapping, world: Any) -> Path | None:
+        "Every rank: the finiteness verdict, then the shards; rank 0 publishes the folder."
+        import torch.distributed.checkpoint as dcp
+
+        m = self.manager
+        final = m.directory / f"step_{int(step):012d}.dcp"
+
+        def check():
+            if bad := nonfinite_tensors(_local_tensors(tensors)):
+                raise CheckpointError(
+                    f"checkpoint {final} was not written: the model weights or optimizer state "
+                    "hold NaN or infinity "
+                    f"({_listing('in', bad, 4)}), so training diverged; the checkpoints already "
+                    f"in {m.directory} "
+                    "are kept. Resume from the last good one with a lower optimizer.lr or an "
+                    "optimizer.grad_clip"
+                )
+
+        world.on_every_rank(check)
+        temp = Path(
+            world.share(
+                str(final.with_name(f".{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"))
+                if world.writes
+                else None
             )
-
-    world.on_every_rank(check)
-    temp = Path(
-        world.share(
-            str(final.with_name(f".{final.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"))
-            if world.writes
-            else None
         )
-    )
 
-    def write():
-        with _dcp_errors(final, "could not be written"):
-            dcp.save(dict(tensors), checkpoint_id=str(temp))
+        def write():
+            with _dcp_errors(final, "could not be written"):
+                dcp.save(dict(tensors), checkpoint_id=str(temp))
 
-    world.on_every_rank(write)
-    return world.on_writer(lambda: self._publish(step, temp, state))
+        world.on_every_rank(write)
+        return world.on_writer(lambda: self.publish(step, temp, state))
 
-
-@patch
-def _publish(self: CheckpointManager, step: int, temp: Path, state: Mapping) -> Path:
-    """Rank 0, once every shard is written: `state` into the temp folder, the folder renamed,
-    `latest.json`, retention."""
-    final = self.directory / f"step_{int(step):012d}.dcp"
-    if self.run_id is not None:
-        state = {**state, "run_id": self.run_id}
-    try:
-        atomic_torch_save(
-            redacted_state({**state, "model": None, "optimizer": None}), temp / SHARDED_STATE
-        )
-        write_digest(temp)  # inside the folder, before it has its final name
-        if final.exists():
-            _remove(final)  # the same step saved again (after a resume): the new one replaces it
-        os.replace(temp, final)
-        _sync_folder(self.directory)
-        written = [
-            n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != final.name
-        ]
-        self._retain(written + [final.name], step=step, file=final.name)
-    except OSError as e:
-        raise self._unwritable(f"checkpoint {final}", e) from None
-    return final
+    def publish(self, step: int, temp: Path, state: Mapping) -> Path:
+        """Rank 0, once every shard is written: `state` into the temp folder, the folder renamed,
+        `latest.json`, retention."""
+        m = self.manager
+        final = m.directory / f"step_{int(step):012d}.dcp"
+        if m.run_id is not None:
+            state = {**state, "run_id": m.run_id}
+        try:
+            atomic_torch_save(
+                redacted_state({**state, "model": None, "optimizer": None}), temp / SHARDED_STATE
+            )
+            write_digest(temp)  # inside the folder, before it has its final name
+            if final.exists():
+                # the same step saved again (after a resume): the new one replaces it
+                _remove(final)
+            os.replace(temp, final)
+            _sync_folder(m.directory)
+            written = [
+                n for n in read_pointer(m.pointer_path, m._warn)["written"] if n != final.name
+            ]
+            m._retention.retain(written + [final.name], step=step, file=final.name)
+        except OSError as e:
+            raise m._unwritable(f"checkpoint {final}", e) from None
+        return final
 
 # %% ../nbs/train/04_checkpoint.ipynb #d60bbb0e
 class _Forbidden(pickle.UnpicklingError):
