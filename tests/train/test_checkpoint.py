@@ -30,7 +30,7 @@ from speedtronic.checkpoint import (
 )
 from speedtronic.files import atomic_write_bytes
 
-from conftest import one_error_line, run_cli, tiny_config
+from conftest import V2_FIXTURES, needs_v2_fixtures, one_error_line, run_cli, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,14 +156,11 @@ def test_arbitrary_object_is_refused_without_running_it(tmp_path):
 
 # ---------------------------------------------------------------- 2.0 checkpoints still resume
 
-# files written by the published 2.0.0 (README there)
-V2 = ROOT.parent / "shared" / "fixtures" / "v2.0"
+# files written by the published 2.0.0 (README there), found where every test finds them
+V2 = V2_FIXTURES or Path("shared/fixtures/v2.0")
 
 
-@pytest.mark.skipif(
-    not (V2 / "checkpoint-adamw").is_dir(),
-    reason="the 2.0 fixtures (shared/fixtures/v2.0) are not here",
-)
+@needs_v2_fixtures
 def test_checkpoint_written_by_2_0_resumes(tmp_path):
     """A checkpoint folder 2.0.0 wrote loads, fits its model, restores its RNG, and its files are
     never pruned by our retention."""
