@@ -873,10 +873,7 @@ class CheckpointManager:
                 digest_path(self.path_for(step)).unlink()
             path = atomic_torch_save(redacted_state(state), self.path_for(step))
             write_digest(path)
-            written = [
-                n for n in read_pointer(self.pointer_path, self._warn)["written"] if n != path.name
-            ]
-            self._retention.retain(written + [path.name], step=step, file=path.name)
+            self._retention.add(path.name, step)
         except OSError as e:
             raise self._unwritable(f"checkpoint {self.path_for(step)}", e) from None
         return path
@@ -1011,6 +1008,13 @@ class _Retention:
             else:
                 m._foreign[path.name] = stamp
         return found
+
+    def add(self, name: str, step: int) -> list[Path]:
+        """Record the checkpoint `name` just written for `step` as the newest of those listed, then
+        prune (what `save` and `save_sharded` do last)."""
+        m = self.manager
+        written = [n for n in read_pointer(m.pointer_path, m._warn)["written"] if n != name]
+        return self.retain(written + [name], step=step, file=name)
 
     def retain(self, written: list[str], **pointer) -> list[Path]:
         "Record `written`, then delete the own files beyond `keep_last` (never the newest)."
@@ -1286,10 +1290,7 @@ class _ShardedSave:
                 _remove(final)
             os.replace(temp, final)
             _sync_folder(m.directory)
-            written = [
-                n for n in read_pointer(m.pointer_path, m._warn)["written"] if n != final.name
-            ]
-            m._retention.retain(written + [final.name], step=step, file=final.name)
+            m._retention.add(final.name, step)
         except OSError as e:
             raise m._unwritable(f"checkpoint {final}", e) from None
         return final
