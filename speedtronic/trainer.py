@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -41,18 +41,25 @@ from .config import SpeedtronicConfig
 from .data import infinite_batches
 from .optimizers import load_optimizer_state
 from .parallel import World, accumulation_per_rank, job_wide, raised_together
-from .precision import autocast_context, make_grad_scaler, resolve_precision
+from speedtronic.precision import (
+    PrecisionPlan,
+    autocast_context,
+    make_grad_scaler,
+    resolve_precision,
+)
 from .optional import MissingExtra
 from .profiling import MetricLogger
 from .plotting import figure_png, loss_figure, loss_points
 from .progress import format_closing
 from .schedules import load_scheduler_state
+from .shapes import ShapeReport
 
 # %% auto #0
 __all__ = ['TrainingEngine', 'SpeedtronicTrainer', 'STEP_RECORD_KEYS', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
            'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
            'is_compile_failure', 'read_pending', 'scaler_step', 'whole', 'gradient_norm', 'update_is_finite',
-           'nonfinite_update', 'TrainerSettings', 'Trainer', 'nothing_to_train', 'signals_held']
+           'nonfinite_update', 'TrainerSettings', 'Trainer', 'CheckpointStore', 'nothing_to_train', 'EventLogger',
+           'HeldOutEvaluator', 'signals_held']
 
 # %% ../nbs/train/06_trainer.ipynb #beb9dcd2
 class TrainingError(ExpectedError, RuntimeError):
@@ -105,13 +112,16 @@ class SyncCoordinator(Protocol):
     truthy return tells the trainer to clear the inner optimizer's state (`optimizer.state`). The
     coordinator decides when that is wanted: the DiLoCo coordinator returns True after it pushed or
     installed weights, and only when its `reset_inner_optimizer` setting is on. `state_dict()` is
-    saved in every checkpoint and given back through `load_state_dict` (or, when the coordinator has
-    one, `prepare_state` before `start()`) on resume.
+    saved in every checkpoint and given back on resume: to `prepare_state(state)` before `start()`,
+    or, to a coordinator without `prepare_state`, to `load_state_dict(state)` right after `start()`.
+    `set_target(step)` runs before `start()`, with the step this `fit` trains to (a DiLoCo node
+    marks the delta of that step as its last); `finish(model, step)` once after the last step of a
+    `fit` that made updates, before the final checkpoint (DiLoCo's final round).
 
-    Optional methods, called when the coordinator has them: `set_target(step)` before `start()`,
-    with the step this `fit` trains to (a DiLoCo node marks the delta of that step as its last);
-    `finish(model, step)` once after the last step of a `fit` that made updates, before the final
-    checkpoint (DiLoCo's final round).
+    `prepare_state`, `set_target` and `finish` are optional: a coordinator with only the other five
+    methods (2.0's protocol) works, and one that subclasses this protocol without writing them
+    inherits placeholders that count as missing. The trainer fills in what is missing once, when it
+    is given the coordinator.
 
     A `fit` from step 0 with a started coordinator saves a checkpoint of step 0 right after
     `start()`: peers may take this run's work (a DiLoCo master folds its first delta) before its
@@ -123,6 +133,62 @@ class SyncCoordinator(Protocol):
     def stop(self) -> None: ...
     def state_dict(self) -> dict[str, Any] | None: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    # optional (see above)
+    def prepare_state(self, state: dict[str, Any]) -> None: ...
+    def set_target(self, step: int) -> None: ...
+    def finish(self, model: Any, step: int) -> None: ...
+
+# %% ../nbs/train/06_trainer.ipynb #ac953bbd
+def _own_method(coordinator: SyncCoordinator, name: str) -> Any:
+    "The coordinator's own method `name`, or `None` (missing, or the protocol's placeholder)."
+    # a user's coordinator may lack the optional methods: the one place they are looked up
+    method = getattr(coordinator, name, None)
+    placeholder = getattr(type(coordinator), name, None) is getattr(SyncCoordinator, name)
+    return method if callable(method) and not placeholder else None
+
+
+class _Coordination:
+    """A coordinator as the trainer calls it: every `SyncCoordinator` method, the optional ones it
+    lacks filled in, once, when the trainer is given it."""
+
+    def __init__(self, coordinator: SyncCoordinator):
+        self.coordinator = coordinator
+        self._prepare, self._set_target, self._finish = (
+            _own_method(coordinator, name) for name in ("prepare_state", "set_target", "finish")
+        )
+
+    @property
+    def stages_state(self) -> bool:
+        """Whether resumed state is staged with `prepare_state` before `start()` (else it goes to
+        `load_state_dict` right after `start()`)."""
+        return self._prepare is not None
+
+    def start(self) -> None:
+        self.coordinator.start()
+
+    def after_optimizer_step(self, model: Any, step: int) -> bool | None:
+        return self.coordinator.after_optimizer_step(model, step)
+
+    def stop(self) -> None:
+        self.coordinator.stop()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.coordinator.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.coordinator.load_state_dict(state)
+
+    def prepare_state(self, state: dict[str, Any]) -> None:
+        "The coordinator's `prepare_state`; without one, `load_state_dict` (see `stages_state`)."
+        (self._prepare or self.coordinator.load_state_dict)(state)
+
+    def set_target(self, step: int) -> None:
+        if self._set_target is not None:
+            self._set_target(step)
+
+    def finish(self, model: Any, step: int) -> None:
+        if self._finish is not None:
+            self._finish(model, step)
 
 # %% ../nbs/train/06_trainer.ipynb #ef610430
 @dataclass
@@ -431,6 +497,7 @@ def gradient_norm(parameters: Any) -> torch.Tensor:
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    # a torch feature: newer releases have it
     total = getattr(torch.nn.utils, "get_total_norm", None)
     if total is not None:
         return whole(total(grads, 2.0))
@@ -539,21 +606,22 @@ class Trainer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         # any re-iterable of batches; `state_dict()`/`load_state_dict()` make resume exact
-        dataloader: Any,
+        dataloader: Iterable,
         *,
         device: str | torch.device,
         config: SpeedtronicConfig | Mapping | None = None,
-        scheduler: Any = None,  # stepped once per applied update
-        precision: Any = None,  # a `PrecisionPlan`; resolved from `config.precision` when omitted
-        logger: Any = None,  # a `MetricLogger`; a default one writes to stdout
-        checkpoint_manager: Any = None,
+        # stepped once per applied update
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        precision: PrecisionPlan | None = None,  # resolved from `config.precision` when omitted
+        logger: EventLogger | None = None,  # a `MetricLogger`; a default one writes to stdout
+        checkpoint_manager: CheckpointStore | None = None,  # a `CheckpointManager`
         coordinator: SyncCoordinator | None = None,
         max_steps: int | None = None,  # absolute target step (default `run.max_steps`)
         start_step: int = 0,
-        shape_report: Any = None,  # a startup shape report; `None` checks shapes at the first `fit`
+        shape_report: ShapeReport | None = None,  # `None` checks shapes at the first `fit`
         world: World | None = None,  # the torchrun job this process is in; `None`: one process
         # held-out evaluation: `evaluator(model)` gives an `EvalResult`, `due(step)` its cadence
-        evaluator: Any = None,
+        evaluator: HeldOutEvaluator | None = None,
     ):
         self.config = _as_config(config)
         read = self.config if self.config is not None else SpeedtronicConfig()
@@ -565,7 +633,7 @@ class Trainer:
         self.dataloader, self.scheduler = dataloader, scheduler
         self.device = torch.device(device)
         self.logger = logger if logger is not None else MetricLogger()
-        if getattr(self.logger, "device", "absent") is None:
+        if self.logger.device is None:
             self.logger.device = self.device
         self.precision = (
             precision if precision is not None else resolve_precision(read.precision, self.device)
@@ -588,6 +656,16 @@ class Trainer:
         self._setup_gradient_checkpointing()
         self.synced_model = self.world.wrap(self.model)  # DDP in a torchrun job, else the model
         self.compiled_model = self._setup_compile()
+
+    @property
+    def coordinator(self) -> SyncCoordinator | None:
+        "The sync coordinator, as it was given (`None`: no sync scheme)."
+        return self._sync.coordinator if self._sync is not None else None
+
+    @coordinator.setter
+    def coordinator(self, coordinator: SyncCoordinator | None) -> None:
+        # the trainer calls it through `_Coordination`, made here once
+        self._sync = _Coordination(coordinator) if coordinator is not None else None
 
     @property
     def tokens(self) -> int:
@@ -700,30 +778,27 @@ class Trainer:
     def _start_coordinator(self, target: int) -> None:
         """Start the coordinator once, giving it resumed state (staged before `start()` when it can
         take it so)."""
-        if self.coordinator is None or self._coordinator_started:
+        sync = self._sync
+        if sync is None or self._coordinator_started:
             return
         state, self._deferred_coordinator = self._deferred_coordinator, None
-        prepare = getattr(self.coordinator, "prepare_state", None)
-        # optional (see `SyncCoordinator`)
-        set_target = getattr(self.coordinator, "set_target", None)
-        if callable(set_target):
-            set_target(target)
-        if state is not None and callable(prepare):
-            prepare(state)
+        sync.set_target(target)
+        if state is not None and sync.stages_state:
+            sync.prepare_state(state)
             state = None
-        self.coordinator.start()
+        sync.start()
         self._coordinator_started = True
         if state is not None:
-            self.coordinator.load_state_dict(state)
+            sync.load_state_dict(state)
 
     def _stop_coordinator(self, failed: BaseException | None) -> None:
         """Stop a started coordinator; if the loop already failed, a failing `stop()` is a warning,
         not a new error."""
-        if self.coordinator is None or not self._coordinator_started:
+        if self._sync is None or not self._coordinator_started:
             return
         self._coordinator_started = False
         try:
-            self.coordinator.stop()
+            self._sync.stop()
         except Exception as e:
             if failed is None:
                 raise
@@ -775,6 +850,24 @@ class Trainer:
 TrainingEngine = Trainer
 SpeedtronicTrainer = Trainer
 
+# %% ../nbs/train/06_trainer.ipynb #33f1824e
+@runtime_checkable
+class CheckpointStore(Protocol):
+    """What the trainer asks of its checkpoint manager (`CheckpointManager` is one): `enabled`
+    false means `fit` saves nothing; `directory` is what `TrainResult.checkpoint_dir` names."""
+
+    directory: Path
+    enabled: bool
+
+    def should_save(self, step: int) -> bool: ...
+    def path_for(self, step: int) -> Path: ...
+    def latest_path(self) -> Path | None: ...
+    def check_writable(self) -> None: ...
+    def save(self, step: int, state: Mapping) -> Path: ...
+    def save_sharded(
+        self, step: int, tensors: Mapping, state: Mapping, world: World
+    ) -> Path | None: ...
+
 # %% ../nbs/train/06_trainer.ipynb #47617218
 _MUON_SETTINGS = {
     "muon_momentum": "momentum",
@@ -796,6 +889,7 @@ class _Checkpointing:
 
     def loader_state(self) -> dict | None:
         "The loader's position, when it can tell it."
+        # any iterable may be the loader: only some can tell their position
         fn = getattr(self.trainer.dataloader, "state_dict", None)
         return fn() if callable(fn) else None
 
@@ -827,11 +921,11 @@ class _Checkpointing:
             "config": t.config.to_dict(redact_secrets=True) if t.config is not None else None,
             "rng": boundary["rng"],
             "data": boundary["data"],
-            "coordinator": t.coordinator.state_dict() if t.coordinator is not None else None,
+            "coordinator": t._sync.state_dict() if t._sync is not None else None,
             "precision": {
-                "mode": getattr(plan, "mode", None),
-                "autocast_enabled": getattr(plan, "autocast_enabled", False),
-                "use_scaler": getattr(plan, "use_scaler", False),
+                "mode": plan.mode,
+                "autocast_enabled": plan.autocast_enabled,
+                "use_scaler": plan.use_scaler,
             },
         }
 
@@ -905,6 +999,7 @@ class _Checkpointing:
         # a loader that refuses the position (other data, micro_batch_size) fails before anything
         # changed
         data = state.get("data")
+        # any iterable may be the loader: only some can go back to a position
         if data is not None and callable(getattr(t.dataloader, "load_state_dict", None)):
             t.dataloader.load_state_dict(data)
         fsdp_job = t.world.fsdp and t.world.backend is not None
@@ -956,7 +1051,7 @@ class _Checkpointing:
                 group["eps"] = opt.eps
             for key, setting in _MUON_SETTINGS.items():
                 if muon and f"optimizer.{key}" in keys:
-                    group[setting] = getattr(opt, key)
+                    group[setting] = getattr(opt, key)  # the `OptimizerConfig` field named above
             decayed = opt.weight_decay_on == "all" or all(p.ndim >= 2 for p in group["params"])
             if "optimizer.weight_decay" in keys and "weight_decay" in group and decayed:
                 group["weight_decay"] = opt.weight_decay
@@ -986,9 +1081,9 @@ class _Checkpointing:
 
     def newest(self) -> Path | None:
         "The newest checkpoint file on disk, or `None`."
-        latest = getattr(self.trainer.checkpoint_manager, "latest_path", None)
+        manager = self.trainer.checkpoint_manager
         try:
-            return latest() if callable(latest) else None
+            return manager.latest_path() if manager is not None else None
         except Exception:
             return None
 
@@ -997,7 +1092,7 @@ class _Checkpointing:
         that step, what happened)."""
         t = self.trainer
         manager, step, problem = t.checkpoint_manager, t.step, None
-        if manager is None or not getattr(manager, "enabled", True):
+        if manager is None or not manager.enabled:
             return None, False, "checkpoints are off, so nothing was saved"
         if step <= 0:
             return self.newest(), False, "no step was completed, so nothing was saved"
@@ -1257,7 +1352,7 @@ class _FitStep:
                 )
             if reason != "grad_scaler_overflow" and skipped > t.settings.max_nonfinite_skips:
                 raise job_wide(self.nonfinite_error(reason, loss_value, norm, skipped, lr))
-        if t.coordinator is not None and t.coordinator.after_optimizer_step(t.model, t.step):
+        if t._sync is not None and t._sync.after_optimizer_step(t.model, t.step):
             t.optimizer.state.clear()  # the coordinator asked for a fresh inner optimizer
         if run.ctrl_c is _CtrlCPhase.HELD:
             run.ctrl_c = _CtrlCPhase.ACTS
@@ -1315,6 +1410,29 @@ def _takes_force(emit: Any) -> bool:
         return False
     return "force" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
+# %% ../nbs/train/06_trainer.ipynb #3e121d0b
+@runtime_checkable
+class EventLogger(Protocol):
+    """What the trainer writes to (`MetricLogger` is one): events, text lines, the `train_step`
+    cadence and the device whose memory the events report."""
+
+    every_steps: int
+    device: Any
+
+    def emit(self, event: str, payload: Mapping[str, Any] | None = None) -> bool | None: ...
+    def info(self, msg: str, *args: Any) -> None: ...
+    def warning(self, msg: str, *args: Any) -> None: ...
+
+# %% ../nbs/train/06_trainer.ipynb #aba7d34e
+@runtime_checkable
+class HeldOutEvaluator(Protocol):
+    """What the trainer asks of its held-out evaluator (`speedtronic.evaluation.Evaluator` is one):
+    the cadence, an `EvalResult` for the model, and the texts it writes."""
+
+    def due(self, step: int) -> bool: ...
+    def __call__(self, model: nn.Module) -> Any: ...
+    def samples(self, model: nn.Module) -> list[dict[str, Any]]: ...
+
 # %% ../nbs/train/06_trainer.ipynb #49b4ceb7
 class _FitRun:
     """One `fit` call from its first step to its end: the steps to the target, the records and
@@ -1353,8 +1471,8 @@ class _FitRun:
                 t.config, t.model, t.device, t.precision, logger=t.logger
             )
         manager = t.checkpoint_manager
-        keep = manager is not None and getattr(manager, "enabled", True)
-        if keep and t.step < target and callable(getattr(manager, "check_writable", None)):
+        keep = manager is not None and manager.enabled
+        if keep and t.step < target:
             # in a job rank 0 writes, and its failure stops every rank
             t.world.on_writer(manager.check_writable)
         ooo = t._start_ooo()
@@ -1381,17 +1499,17 @@ class _FitRun:
             "start_step": t.step,
             "target_step": run.target,
             "device": str(t.device),
-            "precision": getattr(t.precision, "mode", str(t.precision)),
-            "precision_reason": getattr(t.precision, "reason", None),
+            "precision": t.precision.mode,
+            "precision_reason": t.precision.reason,
             "accumulation_steps": t.settings.accumulation_steps,
             "optimizer": type(t.optimizer).__name__,
             "lr": float(t.optimizer.param_groups[0]["lr"]),
             "batch_size": t.settings.batch_size,
             "sequence_length": t.settings.sequence_length,
             "parameters": sum(p.numel() for p in run.params),
-            "shape_alignment": getattr(getattr(report, "profile", None), "alignment", None),
-            "shape_warning_count": getattr(report, "warning_count", 0) if report is not None else 0,
-            "ooo_backprop": bool(getattr(run.ooo, "enabled", False)),
+            "shape_alignment": report.alignment if report else None,
+            "shape_warning_count": report.warning_count if report else 0,
+            "ooo_backprop": bool(run.ooo is not None and run.ooo.enabled),
             "world_size": t.world.size,
         }
 
@@ -1439,8 +1557,7 @@ class _FitRun:
         record = {"step": t.step, **result.record()}
         t.logger.emit("eval", dict(record))
         self.run.evals.append(record)
-        samples = getattr(t.evaluator, "samples", lambda model: [])
-        for sample in samples(t.model):  # texts the model writes now
+        for sample in t.evaluator.samples(t.model):  # texts the model writes now
             t.logger.emit("sample", {"step": t.step, **sample})
         t._eval_owed = None
 
@@ -1449,7 +1566,7 @@ class _FitRun:
         final one."""
         t, run = self.trainer, self.run
         manager = t.checkpoint_manager
-        every = max(1, int(getattr(t.logger, "every_steps", 1) or 1))
+        every = max(1, int(t.logger.every_steps or 1))
         if t._batches is None:
             t._batches = infinite_batches(t.dataloader)
         if t._eval_owed == t.step and t.evaluator is not None:
@@ -1476,10 +1593,9 @@ class _FitRun:
                 run.together = True
                 raise TrainingInterrupted(stop)
         self.flush_last()
-        # optional: a sync scheme's last round, before the final checkpoint
-        finish = getattr(t.coordinator, "finish", None)
-        if callable(finish) and t._coordinator_started and t.step > run.start[0]:
-            finish(t.model, t.step)
+        # a sync scheme's last round (optional: see `SyncCoordinator`), before the final checkpoint
+        if t._sync is not None and t._coordinator_started and t.step > run.start[0]:
+            t._sync.finish(t.model, t.step)
             t._last_saved_step = -1  # what finish() changed is saved below
         if t.evaluator is not None and t.step > run.start[0]:
             self.evaluate()  # the weights the call ends with
@@ -1489,8 +1605,8 @@ class _FitRun:
     def result(self) -> TrainResult:
         "The `TrainResult` of this call so far."
         t, run = self.trainer, self.run
-        directory = getattr(t.checkpoint_manager, "directory", None)
-        keeps = directory is not None and getattr(t.checkpoint_manager, "enabled", True)
+        manager = t.checkpoint_manager
+        keeps = manager is not None and manager.enabled
         return TrainResult(
             t.step,
             t.samples,
@@ -1498,7 +1614,7 @@ class _FitRun:
             run.last_loss if t.step > run.start[0] else None,
             time.perf_counter() - run.t0,
             list(run.records),
-            checkpoint_dir=Path(directory) if keeps else None,
+            checkpoint_dir=Path(manager.directory) if keeps else None,
             evals=list(run.evals),
             val_loss=run.evals[-1]["val_loss"] if run.evals else None,
         )
