@@ -1,4 +1,5 @@
-import contextlib, json, os, shutil, signal, socket, subprocess, sys, textwrap
+import atexit, contextlib, json, os, select, shutil, signal, socket, subprocess, sys
+import textwrap, threading
 from pathlib import Path
 from typing import Any
 
@@ -250,12 +251,148 @@ def communicate_or_dump(proc: subprocess.Popen, timeout: float) -> tuple[str, st
         )
 
 
+class ForkedPopen(subprocess.Popen):
+    """A `subprocess.Popen` of `python -m speedtronic ...` whose child the warm interpreter of
+    `tests/forkserver.py` forks, skipping the 2.5 CPU-seconds of imports a fresh one spends. Pipes,
+    `communicate`, timeouts, signals and exit codes behave as for any `Popen`. A command the server
+    refuses (one that needs a fresh interpreter) is started the ordinary way."""
+
+    def __init__(self, server: Path, *args, **kwargs):
+        self._server, self._ended, self._exit_lock = server, None, threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest):
+        p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = rest[3:9]
+        start_new_session, process_group = rest[-2:]
+        request = {
+            "args": [str(a) for a in args[3:]],
+            "cwd": os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd()),
+            "env": {str(k): str(v) for k, v in (os.environ if env is None else env).items()},
+            "new_session": bool(start_new_session) or process_group == 0,
+        }
+        fds = [p2cread, c2pwrite, errwrite]
+        fds = [fd if fd != -1 else std for fd, std in zip(fds, (0, 1, 2))]
+        answer = ""
+        if preexec_fn is None and not pass_fds and executable is None:
+            connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                connection.connect(str(self._server))
+                socket.send_fds(connection, [json.dumps(request).encode()], fds)
+                answer = connection.recv(4096).decode()
+            except OSError:
+                answer = ""
+            if not answer.startswith("pid "):
+                connection.close()
+        if not answer.startswith("pid "):
+            self._ended = None
+            return super()._execute_child(
+                args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest
+            )
+        self._ended = connection
+        self.pid, self._child_created = int(answer.split()[1]), True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        self._closed_child_pipe_fds = True
+
+    def _read_exit(self, timeout: float | None) -> bool:
+        "Take the child's exit status from the server once it is sent, within `timeout`."
+        with self._exit_lock:
+            if self.returncode is not None:
+                return True
+            if not select.select([self._ended], [], [], timeout)[0]:
+                return False
+            answer = self._ended.recv(4096).decode()
+            self._ended.close()
+            if not answer.startswith("exit "):
+                raise RuntimeError(f"the fork server lost child {self.pid}: {answer!r}")
+            self._handle_exitstatus(int(answer.split()[1]))
+            return True
+
+    def _internal_poll(self, _deadstate=None, **_):
+        if self._ended is None:
+            return super()._internal_poll(_deadstate=_deadstate)
+        self._read_exit(0)
+        return self.returncode
+
+    def _wait(self, timeout):
+        if self._ended is None:
+            return super()._wait(timeout)
+        if not self._read_exit(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+
+_FORK_SERVER: dict[str, Any] = {}
+
+
+def fork_server() -> Path | None:
+    """This test process's warm interpreter (`tests/forkserver.py`), started on first use; None
+    when `SPEEDTRONIC_TEST_FORK=0` or it could not start (commands then start the ordinary way)."""
+    if os.environ.get("SPEEDTRONIC_TEST_FORK", "1") == "0":
+        return None
+    if "path" not in _FORK_SERVER:
+        import tempfile
+
+        path = Path(tempfile.gettempdir()) / f"speedtronic-fork-{os.getpid()}.sock"
+        path.unlink(missing_ok=True)
+        server = subprocess.Popen(
+            [sys.executable, str(TESTS / "forkserver.py"), str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            # the thread count is the child's to set (OMP_NUM_THREADS, read after the fork)
+            env={k: v for k, v in cli_env().items() if k != "OMP_NUM_THREADS"},
+            cwd=ROOT,
+        )
+        ready = select.select([server.stdout], [], [], 120)[0] and server.stdout.readline()
+        _FORK_SERVER.update(server=server, path=path if ready == b"ready\n" else None)
+        atexit.register(server.stdin.close)
+        atexit.register(path.unlink, missing_ok=True)
+    return _FORK_SERVER["path"]
+
+
+def spawn(argv: list, **popen) -> subprocess.Popen:
+    """`subprocess.Popen(argv, **popen)`, except that a `python -m speedtronic ...` command is
+    forked by this test process's warm interpreter (`fork_server`) where that starts it the same
+    way."""
+    argv = [os.fspath(a) for a in argv]
+    server = fork_server() if argv[:3] == [sys.executable, "-m", "speedtronic"] else None
+    if server is None:
+        return subprocess.Popen(argv, **popen)
+    return ForkedPopen(server, argv, **popen)
+
+
+def run_command(
+    argv: list,
+    *,
+    input: str | bytes | None = None,
+    timeout: float | None = None,
+    capture_output: bool = False,
+    check: bool = False,
+    **popen,
+) -> subprocess.CompletedProcess:
+    "`subprocess.run` over `spawn`: the command to its end, its output captured when asked."
+    if capture_output:
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if input is not None:
+        popen["stdin"] = subprocess.PIPE
+    with spawn(argv, **popen) as proc:
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
 def run_cli(
     *args: str, cwd: Path, env: dict | None = None, timeout: float = 300, **popen
 ) -> subprocess.CompletedProcess:
-    """`python -m speedtronic *args` in `cwd`, to the end; `env` entries are added to `cli_env()`,
-    `popen` goes to `subprocess.run`."""
-    return subprocess.run(
+    """`python -m speedtronic *args` in `cwd`, to the end (`run_command`); `env` entries are added
+    to `cli_env()`, `popen` goes to `subprocess.Popen`."""
+    return run_command(
         [sys.executable, "-m", "speedtronic", *args],
         cwd=cwd,
         env=cli_env(**(env or {})),
@@ -295,10 +432,10 @@ def run_python(
 def start_cli(
     *args: str, cwd: Path = ROOT, env: dict | None = None, faulthandler: bool = True, **popen
 ) -> subprocess.Popen:
-    """`python -m speedtronic *args` started in `cwd`, in text mode; `env` entries are added to
-    `cli_env(faulthandler=faulthandler)`, `popen` (stdout, stderr, ...) goes to
+    """`python -m speedtronic *args` started in `cwd` (`spawn`), in text mode; `env` entries are
+    added to `cli_env(faulthandler=faulthandler)`, `popen` (stdout, stderr, ...) goes to
     `subprocess.Popen`."""
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "speedtronic", *args],
         cwd=cwd,
         env=cli_env(faulthandler=faulthandler, **(env or {})),

@@ -16,6 +16,7 @@ import yaml
 from speedtronic.checkpoint import load_checkpoint
 
 from conftest import cli_env, one_error_line, ok, run_cli, tiny_config
+from conftest import spawn
 
 
 tiny_yaml = tiny_config
@@ -113,7 +114,7 @@ def test_a_second_trainer_on_the_same_directory_exits_2_naming_the_first(tmp_pat
     long = tiny_yaml(
         tmp_path, "long.yaml", run={"max_steps": 100_000}, checkpoint={"every_steps": 100_000}
     )
-    first = subprocess.Popen(
+    first = spawn(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(long), "--device", "cpu"],
         cwd=tmp_path,
         env=env(),
@@ -155,7 +156,7 @@ def test_a_lock_left_by_kill_9_does_not_block_the_next_run(tmp_path):
     long = tiny_yaml(
         tmp_path, "long.yaml", run={"max_steps": 100_000}, checkpoint={"every_steps": 1}
     )
-    first = subprocess.Popen(
+    first = spawn(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(long), "--device", "cpu"],
         cwd=tmp_path,
         env=env(),

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, cli_env, communicate_or_dump, ok, one_error_line, run_cli
+from conftest import spawn
 
 CONFIGS = sorted((ROOT / "configs").glob("*.y*ml"))
 STEP_DONE = re.compile(r"\bstep[ =]+[1-9]")  # a line about a finished step, in any output format
@@ -49,7 +50,7 @@ def start(path: Path, cwd: Path, timeout: float = 600) -> tuple[int, str, list[i
     step, then press Ctrl-C; (exit status, output, the steps of its checkpoints)."""
     out_file = cwd / "output.txt"
     with open(out_file, "w") as sink:
-        proc = subprocess.Popen(
+        proc = spawn(
             [sys.executable, "-m", "speedtronic", "train", "--config", str(path)]
             + ["--device", "cpu", "--output-dir", str(cwd / "out")],
             cwd=cwd,

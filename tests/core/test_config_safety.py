@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from speedtronic.config import SpeedtronicConfig
+from conftest import run_command
 
 
 def bomb_yaml(levels: int = 9) -> str:
@@ -19,7 +20,7 @@ def test_alias_bomb_is_refused_by_validate_in_one_line(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(bomb_yaml())
     assert path.stat().st_size < 1500
-    out = subprocess.run(
+    out = run_command(
         [sys.executable, "-m", "speedtronic", "validate", "--config", str(path)],
         capture_output=True,
         text=True,

@@ -6,6 +6,7 @@ import os, subprocess, sys
 from pathlib import Path
 
 import pytest
+from conftest import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_TOKEN = "hf_configSECRETvalue0123456789"
@@ -36,7 +37,7 @@ distributed:
         "HUGGING_FACE_HUB_TOKEN": ENV_TOKEN,
     }
     runs = [
-        subprocess.run(
+        run_command(
             [sys.executable, "-m", "speedtronic", *args],
             cwd=tmp_path,
             env=env,

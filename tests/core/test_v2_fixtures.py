@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load as safetensors_load, load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import run_command  # noqa: E402
 from conftest import (  # noqa: E402
     ROOT,
     V2_FIXTURES,
@@ -435,7 +436,7 @@ def test_a_node_starts_from_the_2_0_global_model(tmp_path, transport, request):
             HF_HUB_DISABLE_PROGRESS_BARS="1",
         )
         cfg = diloco_node_config(tmp_path, transport, "org/v2-run", "ours", steps=10)
-    res = subprocess.run(
+    res = run_command(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
         cwd=tmp_path,
         env=env,

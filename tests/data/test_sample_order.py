@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from conftest import ROOT, cli_env, free_port, jsonl_records
+from conftest import spawn
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.tokens import TOKEN_FILE_FORMAT
 
@@ -148,7 +149,7 @@ def train(cfg: Path, *extra: str, nproc: int = 1) -> subprocess.Popen:
         *extra,
     ]
     # its own process group, ended whole if it hangs
-    return subprocess.Popen(
+    return spawn(
         cmd,
         cwd=ROOT,
         env=env(),

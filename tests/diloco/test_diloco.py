@@ -20,6 +20,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, communicate_or_dump  # noqa: E402
+from conftest import run_command
 from hub_server import HubStandIn  # noqa: E402
 from diloco_nodes import (  # noqa: E402
     TOKEN,
@@ -365,7 +366,7 @@ def test_a_second_master_is_refused_in_one_line(tmp_path):
     second = node_config(
         tmp_path, "m2", "master", repo=str(repo), transport="directory", index=0, count=1, steps=10
     )
-    res = subprocess.run(
+    res = run_command(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(second)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -751,7 +752,7 @@ def test_a_wrong_token_stops_the_cli_with_one_line(tmp_path, hub):
         tmp_path, "master", "master", repo="org/denied", transport="hub", index=0, count=1, steps=5
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), **hub_env(hub, token="hf_not_a_valid_token_42")}
-    res = subprocess.run(
+    res = run_command(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
         cwd=ROOT,
         env=env,
@@ -772,7 +773,7 @@ def test_validate_deep_prints_the_hub_plan_and_refuses_a_master_past_the_commit_
         cfg = node_config(
             tmp_path, name, role, repo="org/run", transport="hub", index=0, count=4, steps=steps
         )
-        return subprocess.run(
+        return run_command(
             [sys.executable, "-m", "speedtronic", "validate", "--config", str(cfg), "--deep"],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
@@ -816,7 +817,7 @@ def test_validate_deep_prints_the_hub_plan_and_refuses_a_master_past_the_commit_
             steps=100,
             **outer,
         )
-        res = subprocess.run(
+        res = run_command(
             [sys.executable, "-m", "speedtronic", "validate", "--config", str(cfg), "--deep"],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -21,6 +21,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import HUB_TOKEN, ROOT, cli_env, jsonl_records, one_error_line  # noqa: E402
+from conftest import run_command
 from hub_server import BUSY, HUB_LIMITS, HubStandIn  # noqa: E402
 from test_diloco_launch import (  # noqa: E402,F401  (corpus is a fixture)
     NODES,
@@ -252,7 +253,7 @@ def test_a_worker_with_an_unknown_token_exits_2_with_one_line(tmp_path, corpus):
     with HubStandIn(**HUB_LIMITS, tokens={TOKEN: "write"}) as hub:
         hub.create("org/run")
         _, cfg = node_configs(tmp_path, corpus, "org/run", None)["worker1"]
-        proc = subprocess.run(
+        proc = run_command(
             [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
             cwd=ROOT,
             env=cli_env(HF_ENDPOINT=hub.url, HF_TOKEN="hf_unknown_token_000"),

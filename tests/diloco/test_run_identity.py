@@ -17,6 +17,7 @@ from safetensors import safe_open
 from diloco_nodes import ended, launch, node_config, wait_while_running
 
 from conftest import ROOT, cli_env, jsonl_records, ok, run_cli
+from conftest import spawn
 
 
 def _version_file(repo: Path) -> dict:
@@ -164,7 +165,7 @@ def test_train_overwrite_leaves_one_run_in_its_metrics_file(tmp_path):
 
 def _readme_example(tmp: Path, *extra: str) -> None:
     "The README's two commands (master in the background), each with `extra` arguments."
-    master = subprocess.Popen(
+    master = spawn(
         [sys.executable, "-m", "speedtronic", "train", "--config"]
         + ["examples/diloco_local_master.yaml", *extra],
         cwd=tmp,

@@ -15,6 +15,7 @@ import yaml
 datasets = pytest.importorskip("datasets")
 
 from conftest import ROOT, cli_env, jsonl_records, one_error_line, run_cli, start_cli
+from conftest import spawn
 
 STEPS = 30
 WORDS = (
@@ -300,7 +301,7 @@ def one_process_and_two_ranks_agree(
         "cpu",
     ]
     finish(
-        subprocess.Popen(
+        spawn(
             cmd,
             cwd=ROOT,
             env=cli_env(**env(tmp_path)),

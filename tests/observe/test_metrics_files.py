@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_env, communicate_or_dump, ok, one_error_line, run_cli, tiny_config
+from conftest import spawn
 
 
 def warnings_of(proc: subprocess.CompletedProcess) -> list[str]:
@@ -50,7 +51,7 @@ def test_a_second_run_on_the_same_json_file_is_warned_naming_the_first(tmp_path)
         tmp_path, "second.yaml", max_steps=2, run={"output_dir": str(tmp_path / "out2")}
     )
     args = [sys.executable, "-m", "speedtronic", "train", "--config", str(first), "--device", "cpu"]
-    running = subprocess.Popen(
+    running = spawn(
         args,
         cwd=tmp_path,
         env=cli_env(PYTHONUNBUFFERED="1"),

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from conftest import ROOT, cli_env, communicate_or_dump, jsonl_records, ok, run_cli
+from conftest import spawn
 from test_terminal import COLUMNS, run_in_terminal
 
 STEP = re.compile(
@@ -152,7 +153,7 @@ def node_config(tmp: Path, name: str, index: int, text: Path) -> Path:
 
 
 def start(tmp: Path, cfg: Path) -> subprocess.Popen:
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
         cwd=tmp,
         env=cli_env(),

@@ -4,6 +4,7 @@ terminal, and log lines never run into the bar; the files keep every field."""
 
 import fcntl, json, os, pty, re, struct, subprocess, sys, termios, time
 from pathlib import Path
+from conftest import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = 100
@@ -14,7 +15,7 @@ def run_in_terminal(
 ) -> str:
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    proc = subprocess.Popen(
+    proc = spawn(
         args,
         cwd=cwd,
         stdin=follower,

@@ -20,6 +20,7 @@ import torch
 from speedtronic.checkpoint import load_checkpoint
 
 from conftest import cli_env, ok, run_cli, tiny_config
+from conftest import spawn
 
 
 tiny_yaml = functools.partial(tiny_config, every_steps=1)  # a checkpoint at every step
@@ -40,7 +41,7 @@ def records(jsonl: Path, event: str = "train_step") -> list[dict]:
 
 
 def start(cfg: Path, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"],
         cwd=cwd,
         env=env(),
@@ -124,7 +125,7 @@ def test_sigterm_during_prepare_leaves_no_temp_file(tmp_path):
     big = tmp_path / "big.txt"
     big.write_text("the quick brown fox jumps over the lazy dog\n" * 400_000)
     out = tmp_path / "tokens"
-    proc = subprocess.Popen(
+    proc = spawn(
         [sys.executable, "-m", "speedtronic", "prepare", str(big), str(out / "big.bin")],
         cwd=tmp_path,
         env=env(),

@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from conftest import ROOT, dotted_payload, free_port, jsonl_records
+from conftest import run_command, spawn
 from test_parallel import (
     NAN_MODEL,
     env,
@@ -237,7 +238,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path):
         "--device",
         "cpu",
     ]
-    job = subprocess.Popen(
+    job = spawn(
         cmd,
         cwd=ROOT,
         env={**env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "NAN_CALLS": "5"},
@@ -297,7 +298,7 @@ def test_resume_with_the_other_strategy(fsdp_run, tmp_path, first, then):
 def test_consolidate_and_export(fsdp_run, tmp_path):
     source = folder(fsdp_run / "fsdp", STEPS)
     out = tmp_path / "whole.pt"
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "speedtronic", "consolidate", str(source), "--output", str(out)],
         cwd=ROOT,
         env=env(),
@@ -333,7 +334,7 @@ def test_consolidate_and_export(fsdp_run, tmp_path):
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert (to / "model.safetensors").is_file() and (to / "config.json").is_file()
-    bad = subprocess.run(
+    bad = run_command(
         [sys.executable, "-m", "speedtronic", "consolidate", str(out)],
         cwd=ROOT,
         env=env(),
@@ -574,7 +575,7 @@ def test_a_sharded_index_that_runs_code_is_refused_by_every_reader(fsdp_run, tmp
         ],
     }
     for what, args in runs.items():
-        proc = subprocess.run(
+        proc = run_command(
             [sys.executable, "-m", "speedtronic", *args],
             cwd=ROOT,
             env=env(),

@@ -35,6 +35,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import run_command, spawn
 from conftest import (
     ROOT,
     cli_env,
@@ -147,7 +148,7 @@ def torchrun(cfg: Path, *extra: str, nproc: int = 2) -> subprocess.Popen:
         "cpu",
         *extra,
     ]
-    return subprocess.Popen(
+    return spawn(
         cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
@@ -412,7 +413,7 @@ def test_raise_together_gives_every_rank_one_verdict(tmp_path):
         str(free_port()),
         str(script),
     ]
-    proc = subprocess.run(
+    proc = run_command(
         cmd,
         cwd=ROOT,
         env={**env(), "RANK_OUT": str(tmp_path)},
@@ -527,7 +528,7 @@ def nan_job(
         "cpu",
     ]
     job_env = {**env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "NAN_CALLS": nan_calls}
-    return cfg, subprocess.Popen(
+    return cfg, spawn(
         cmd, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
@@ -831,7 +832,7 @@ def stray_env(tmp: Path, rank: int, port: int, **extra: str) -> dict:
 
 def stray_train(tmp: Path, environ: dict, steps: int = 4) -> subprocess.Popen:
     cfg = tiny_config(tmp, max_steps=steps, every_steps=1000, data={"target_batch_size": 4})
-    return subprocess.Popen(
+    return spawn(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"],
         cwd=tmp,
         env=environ,
@@ -880,7 +881,7 @@ def test_stray_variables_behind_a_batch_that_cannot_split_are_named(tmp_path):
     # The default global batch cannot split over the 2 "processes" a stray WORLD_SIZE makes: the
     # message says to unset them.
     cfg = tiny_config(tmp_path, max_steps=2)
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu"],
         cwd=tmp_path,
         env=stray_env(tmp_path, 1, free_port()),

@@ -15,6 +15,7 @@ import json, os, signal, subprocess, sys, threading
 from pathlib import Path
 
 import pytest
+from conftest import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +89,7 @@ class Child:
             "STOP_SIGNAL": stop_signal,
             **(env or {}),
         }
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             args,
             cwd=cwd,
             env=env,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun".split()
@@ -59,7 +60,7 @@ def write(tmp: Path, name: str = "cfg.yaml", **sections) -> Path:
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
+    return run_command(
         [sys.executable, "-m", "speedtronic", *args],
         cwd=cwd,
         env=env,

@@ -1,0 +1,272 @@
+"""A warm interpreter that starts the tests' `python -m speedtronic` commands by forking.
+
+A `python -m speedtronic` process spends about 2.5 CPU-seconds importing torch and the package
+before the command's first line runs, and the suite starts a few hundred of them. This server
+imports both once, then forks one child per command. The child is a process of its own, with its own
+pid, signals, exit status, standard streams, working folder and environment. It runs
+`python -m speedtronic` as the command line does, without importing anything again.
+
+A command comes here only when a fresh interpreter would start it the same way: the same
+executable, and no setting read at interpreter or torch start-up that differs from the server's
+(`STARTUP_ENV`). A command that does not qualify is refused, and the caller starts it the ordinary
+way (`conftest.run_cli` and `conftest.start_cli` do both).
+
+Protocol, one `SOCK_SEQPACKET` connection per command: the client sends a JSON request (`args`,
+`cwd`, `env`, `new_session`) with its stdin, stdout and stderr descriptors attached. The server
+answers `pid N` or `refused WHY`. When the child ends, it answers `exit STATUS` (a raw wait status)
+and closes the connection.
+
+    python tests/forkserver.py SOCKET  # prints "ready" once it listens; ends when stdin closes
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+
+import torch
+
+# settings a fresh interpreter, torch or the C libraries below it read when they start: a command
+# whose environment differs from the server's in one of them must start afresh
+STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LC_", "LANG")
+# read by the child itself, after the fork, as a fresh interpreter would read them
+CHILD_READS = (
+    "PYTHONPATH",
+    "PYTHONFAULTHANDLER",
+    "PYTHONUNBUFFERED",
+    "PYTHONIOENCODING",
+    "OMP_NUM_THREADS",
+)
+MAX_REQUEST = 1 << 20
+DEFAULT_THREADS = 1
+
+
+def startup_differences(env: dict, server_env: dict) -> list[str]:
+    "The start-up settings on which `env` and the server's environment disagree."
+    keys = {k for k in {*env, *server_env} if k.startswith(STARTUP_ENV) and k not in CHILD_READS}
+    return sorted(k for k in keys if env.get(k) != server_env.get(k))
+
+
+def loaded_modules() -> dict[str, str]:
+    "Each top-level module imported here, with the file or package folder it came from."
+    found = {}
+    for name, module in list(sys.modules.items()):
+        origin = getattr(module, "__file__", None)
+        if "." in name or name == "__main__" or not origin:
+            continue
+        found[name] = os.path.realpath(
+            os.path.dirname(origin) if origin.endswith("__init__.py") else origin
+        )
+    return found
+
+
+def shadowing(paths: list[str], loaded: dict[str, str]) -> list[str]:
+    """What a folder in `paths` holds that a fresh interpreter would import instead of a module
+    already imported here from elsewhere."""
+    found = []
+    for folder in paths:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.realpath(os.path.join(folder, name))
+            top = name.removesuffix(".py")
+            module = name.endswith(".py") or os.path.isdir(path)
+            if module and top in loaded and loaded[top] != path:
+                found.append(path)
+    return found
+
+
+def refusal(request: dict) -> str | None:
+    "Why `request` must start in a fresh interpreter, or None when a fork runs it the same way."
+    env = request["env"]
+    differ = startup_differences(env, dict(os.environ))
+    if differ:
+        return f"start-up settings differ: {', '.join(differ)}"
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    shadowed = shadowing([request["cwd"], *paths], loaded_modules())
+    if shadowed:
+        return f"would shadow imported modules: {', '.join(shadowed)}"
+    return None
+
+
+def _std_stream(fd: int, name: str):
+    "A standard stream over `fd` as a fresh interpreter makes it (line-buffered on a terminal)."
+    import io
+
+    encoding, _, errors = os.environ.get("PYTHONIOENCODING", "").partition(":")
+    old = getattr(sys, f"__{name}__")
+    encoding = encoding or getattr(old, "encoding", None) or "utf-8"
+    if name == "stdin":
+        raw = io.FileIO(fd, "r", closefd=False)
+        return io.TextIOWrapper(io.BufferedReader(raw), encoding, errors or old.errors)
+    raw = io.FileIO(fd, "w", closefd=False)
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    stream = io.TextIOWrapper(
+        raw if unbuffered else io.BufferedWriter(raw),
+        encoding,
+        errors or ("backslashreplace" if name == "stderr" else old.errors),
+        line_buffering=name == "stderr" or raw.isatty(),
+        write_through=unbuffered,
+    )
+    return stream
+
+
+def become_child(request: dict, fds: list[int], base_path: list[str]) -> None:
+    "Turn this freshly forked process into `python -m speedtronic ARGS` as `request` describes."
+    if request.get("new_session"):
+        os.setsid()
+    for handled in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(handled, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.set_wakeup_fd(-1)
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [request["cwd"], *extra, *(p for p in base_path if p not in extra)]
+    for name in ("stdin", "stdout", "stderr"):
+        stream = _std_stream((0, 1, 2)[("stdin", "stdout", "stderr").index(name)], name)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    import faulthandler
+
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(sys.stderr)
+    else:
+        faulthandler.disable()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(
+        int(threads) if threads.isdigit() and int(threads) > 0 else DEFAULT_THREADS
+    )
+    sys.argv = ["-m", *request["args"]]
+
+
+def serve(path: str) -> tuple[dict, list[int], list[str]]:
+    """Listen on `path` and fork a child per request. Returns only in a child, with its request,
+    descriptors and the server's module path; the server itself ends when its stdin closes."""
+    base_path = [p for p in sys.path if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    wake_read, wake_write = socket.socketpair()
+    wake_write.setblocking(False)
+    signal.set_wakeup_fd(wake_write.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_read, selectors.EVENT_READ, "reap")
+    selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+    waiting: dict[int, socket.socket] = {}  # child pid -> the connection that started it
+    print("ready", flush=True)
+    while True:
+        for key, _ in selector.select():
+            if key.data == "stdin":
+                if not os.read(sys.stdin.fileno(), 4096):
+                    os._exit(0)
+            elif key.data == "reap":
+                wake_read.recv(4096)
+                while waiting:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    if pid == 0:
+                        break
+                    conn = waiting.pop(pid, None)
+                    if conn is not None:
+                        try:
+                            conn.send(f"exit {status}".encode())
+                        except OSError:
+                            pass
+                        conn.close()
+            else:
+                conn, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+                request = json.loads(message)
+                why = refusal(request) if len(fds) == 3 else "stdin, stdout and stderr not sent"
+                if why is not None:
+                    conn.send(f"refused {why}".encode())
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    for other in (listener, wake_read, wake_write, conn, *waiting.values()):
+                        other.close()
+                    return request, fds, base_path
+                for fd in fds:
+                    os.close(fd)
+                conn.send(f"pid {pid}".encode())
+                waiting[pid] = conn
+
+
+def warm() -> None:
+    """Import what a `python -m speedtronic` command imports before its first line, and note the
+    thread count a fresh interpreter without OMP_NUM_THREADS would use."""
+    global DEFAULT_THREADS
+    DEFAULT_THREADS = torch.get_num_threads()
+
+    import speedtronic.cli  # noqa: F401
+    import speedtronic.distributed  # noqa: F401
+    import speedtronic.runtime  # noqa: F401
+
+
+def exit_status(stop: SystemExit) -> int:
+    "The exit status a fresh interpreter gives `stop` (a message goes to stderr, status 1)."
+    if stop.code is None:
+        return 0
+    if isinstance(stop.code, int):
+        return stop.code & 0xFF
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def run_as_main() -> None:
+    """Run `python -m speedtronic` in this child, then end it as a fresh interpreter ends: wait
+    for its threads, run the `atexit` callbacks, flush the standard streams, exit with its status
+    (or die of SIGINT after an unhandled KeyboardInterrupt). Tearing down the imported modules is
+    left out: it costs 1.8 s with torch loaded, and no one outside the process can tell."""
+    import atexit
+    import runpy
+    import threading
+
+    status, interrupted = 0, False
+    try:
+        runpy.run_module("speedtronic", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        status = exit_status(stop)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        interrupted = True
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    warm()
+    request, fds, base_path = serve(sys.argv[1])
+    become_child(request, fds, base_path)
+    del request, fds, base_path
+    run_as_main()
