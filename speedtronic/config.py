@@ -386,8 +386,7 @@ class _Section:
         return problems + self._rules()
 
     def _normalise(self) -> None:
-        """Fill the values a section derives from its own fields (2.0's normalisation); checks
-        nothing."""
+        "Fill the values a section derives from its own fields; checks nothing."
 
     def _rules(self) -> list[str]:
         return []
@@ -742,7 +741,7 @@ class OptimizerConfig(_Section):
     weight_decay_on: str = "matrices"  # matrices (2-D+ weights) or all
     muon_lr: float | None = None  # null -> optimizer.lr (one rate for both groups)
     muon_scale: str = (
-        "match_rms_adamw"  # match_rms_adamw (Muon steps sized like AdamW's) or original (2.0)
+        "match_rms_adamw"  # match_rms_adamw (steps sized like AdamW's) or original (Keller's)
     )
     max_nonfinite_skips: int = (
         0  # updates with a NaN/inf loss or gradient skipped in a row before the run stops
@@ -1049,8 +1048,8 @@ class DistributedConfig(_Section):
     transport: str = (
         "hub"  # hub: repo_id is a Hub model repo; directory: repo_id is a shared directory path
     )
-    # wire dtype of deltas: float32 (as 2.0), bfloat16, int8, or topk; what a lossy one loses is
-    # carried into the node's next delta (error feedback)
+    # wire dtype of deltas: float32, bfloat16, int8, or topk; what a lossy one loses is carried
+    # into the node's next delta (error feedback)
     delta_dtype: str = "bfloat16"
     # delta_dtype topk: of each chunk of topk_chunk entries, the topk_density largest by magnitude,
     # in topk_bits bits (2 or 4) with one scale per chunk
@@ -1060,7 +1059,7 @@ class DistributedConfig(_Section):
     # error feedback: the share of a node's residual (what its encoding has not sent yet) carried
     # into its next delta; 1 keeps it whole, below 1 it fades as SparseLoCo's accumulator (0.9)
     feedback_decay: float = 1.0
-    # how the master applies late deltas: delayed_nesterov, weighted, or none (as 2.0)
+    # how the master applies late deltas: delayed_nesterov, weighted, or none (plain Nesterov)
     staleness: str = "delayed_nesterov"
     expected_nodes: int | None = (
         None  # nodes one outer step averages; null -> the nodes that sent deltas recently
@@ -1090,7 +1089,7 @@ class DistributedConfig(_Section):
     hub_limits: str | dict = (
         "free"  # the Hub account's tier (free, pro, team, enterprise) or its numbers
     )
-    # where deltas travel on the Hub: one-repo (as 2.0: every delta a commit in repo_id), per-node
+    # where deltas travel on the Hub: one-repo (every delta a commit in repo_id), per-node
     # (each node's deltas in a repository of its own beside repo_id), or auto: one-repo while the
     # master's plan at the pace of its first round fits the Hub's commit limit, else per-node. The
     # master's setting decides; workers follow what it publishes
@@ -1295,7 +1294,7 @@ class SpeedtronicConfig(_Section):
         return _Section._problems(self)
 
     def _normalise(self) -> None:
-        "2.0's aggregate normalisation: fill the values one section takes from another."
+        "Fill the values one section takes from another."
         d = self.distributed
         if d.enabled and d.role == "single":
             d.role = "master" if d.repo_id else "worker"
@@ -1594,7 +1593,7 @@ def _yaml_loader() -> type:
 
 
 def _warn_duplicates(where: str, duplicates: list[tuple[Any, int | None]]):
-    "One `ConfigWarning` per repeated key: the file still loads (2.0 kept the last value silently)."
+    "One `ConfigWarning` per repeated key: the file still loads, the last value winning."
     for key, line in duplicates:
         at = f" at line {line}" if line else ""
         warnings.warn(
@@ -1760,7 +1759,7 @@ def as_section(
     value: Any,
     cls: type,  # the section class wanted, e.g. `OptimizerConfig`
 ) -> Any:
-    """The `cls` section of `value`, built and checked once (how a public 2.0 signature converts its
+    """The `cls` section of `value`, built and checked once (how a public function converts its
     argument)."""
     if isinstance(value, cls):
         return value

@@ -43,7 +43,7 @@ WEIGHT_DECAY_MODES = ("matrices", "all")
 
 def decay_groups(
     params: Iterable[nn.Parameter],
-    mode: str = "matrices",  # `matrices` (decay 2-D+ weights only) or `all` (2.0 behaviour)
+    mode: str = "matrices",  # `matrices` (decay 2-D+ weights only) or `all` (every parameter)
     weight_decay: float = 0.1,  # decay applied to the decayed group
 ) -> list[dict]:
     "`params` as optimizer groups: decayed matrices, then the undecayed rest; no empty group."
@@ -232,7 +232,7 @@ MUON_SCALES = ("match_rms_adamw", "original")
 
 def muon_update_scale(
     shape: Iterable[int],  # the parameter's shape `(rows, cols)`
-    mode: str = "original",  # `original` (2.0) or `match_rms_adamw`
+    mode: str = "original",  # `original` (Keller Jordan's) or `match_rms_adamw`
 ) -> float:
     "What Muon multiplies `lr` by for a matrix of `shape`."
     rows, cols = tuple(shape)[-2:]
@@ -268,7 +268,7 @@ class Muon(torch.optim.Optimizer):
         norm_eps: float = 1e-8,  # Muon+ normalisation epsilon
         muon_plus: bool = False,
         *,
-        scale: str = "original",  # update scale: `original` (2.0) or `match_rms_adamw`
+        scale: str = "original",  # update scale: `original` (Keller Jordan's) or `match_rms_adamw`
         ns_dtype: torch.dtype
         | None = None,  # Newton–Schulz precision; None: bf16 on CUDA where supported, else fp32
         batched: bool = True,  # orthogonalise same-shape parameters as one stack
@@ -508,7 +508,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         muon_ns_steps: int = 5,
         muon_norm_eps: float = 1e-8,
         muon_plus: bool = False,
-        muon_scale: str = "original",  # `original` (2.0) or `match_rms_adamw`
+        muon_scale: str = "original",  # `original` (Keller Jordan's) or `match_rms_adamw`
         ns_dtype: torch.dtype | None = None,
     ):
         muon, adamw = list(muon_params), _adamw_groups(adamw_params, weight_decay)

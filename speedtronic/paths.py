@@ -80,8 +80,7 @@ def _moved(path: str | None, written: str, out: Path) -> Path | None:
 
 
 def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = None) -> RunPaths:
-    """The paths `config`'s run writes to; relative ones resolved as 2.0 did, and moved with a moved
-    run (see above)."""
+    "The paths `config`'s run writes to (the table above); relative ones move with a moved run."
     out, lg = Path(config.run.output_dir), config.logging
     follow = lambda path: _moved(path, config.run.written_output_dir, out)
     metrics = follow(lg.json_file)

@@ -65,11 +65,11 @@ class Schedule:
         return lr_multiplier(step, **asdict(self))
 
 # %% ../nbs/train/03_schedules.ipynb #14947225
-DEFAULT_WARMUP_STEPS = SchedulerConfig.warmup_steps  # 2.0's default warmup, for a 1000-step horizon
+DEFAULT_WARMUP_STEPS = SchedulerConfig.warmup_steps  # the default warmup, for a 1000-step horizon
 
 
 def default_warmup(horizon: int) -> int:
-    "Warmup for a run that did not set one: 2.0's 100 updates, at most a tenth of the horizon."
+    "Warmup for a run that did not set one: 100 updates, at most a tenth of the horizon."
     return min(DEFAULT_WARMUP_STEPS, max(0, int(horizon)) // 10)
 
 

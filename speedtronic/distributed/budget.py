@@ -72,7 +72,7 @@ PER_NODE_DELTA = {"api": 1, "downloads": 0}
 
 @dataclass(frozen=True)
 class HubBudget:
-    """What a DiLoCo configuration asks of the Hub (the 2.0 layout): per hour, per five minutes, per
+    """What a DiLoCo configuration asks of the Hub (one repository): per hour, per five minutes, per
     round."""
 
     nodes: int

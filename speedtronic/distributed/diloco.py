@@ -80,7 +80,7 @@ __all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'RUN_RECORD', 'DumbDiLoCo', 'S
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:
-    "`master` or `worker` (an enabled `single` is the master when `repo_id` is set, as in 2.0)."
+    "`master` or `worker` (an enabled `single` is the master when `repo_id` is set)."
     return (
         "master"
         if config.role == "master" or (config.role == "single" and config.repo_id)
@@ -1066,8 +1066,8 @@ class _Polls:
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #08458975
 @dataclass
 class SyncResult:
-    """What one `after_optimizer_step` did (2.0's record); true when the trainer should clear the
-    inner optimizer's state."""
+    """What one `after_optimizer_step` did; true when the trainer should clear the inner optimizer's
+    state."""
 
     pushed: bool = False  # a delta was dispatched
     loaded_global: bool = False  # a global was installed
@@ -1411,7 +1411,7 @@ class _MasterSide:
             self.published(*node.outer.snapshot())
 
     def grant_collaborators(self) -> None:
-        """Give each `distributed.collaborators` name write access (2.0's master start); what
+        """Give each `distributed.collaborators` name write access as the master starts; what
         cannot be granted is one warning, and the run goes on."""
         node = self.node
         failed: list[tuple[str, BaseException]] = []

@@ -292,7 +292,7 @@ class NesterovOuterOptimizer(OuterUpdate):
 
 @dataclass
 class OuterState:
-    "2.0's declared (unused) record of the outer state."
+    "A declared record of the outer state; nothing reads it."
 
     global_state: dict[str, torch.Tensor]
     outer_step: int = 0

@@ -301,7 +301,7 @@ def parse_delta_path(path: str) -> tuple[str, int] | None:
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #267035ab
 @dataclass(frozen=True)
 class GlobalMetadata:
-    "What `global/step_count.json` says about the global model (the fields 2.0 reads)."
+    "What `global/step_count.json` says about the global model (its core fields)."
 
     outer_step: int
     updated_at: str = ""
@@ -309,7 +309,7 @@ class GlobalMetadata:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GlobalMetadata":
-        "Read 2.0's fields: `outer_step` (or the legacy `step`), `updated_at`, `model_file`."
+        "Read the core fields: `outer_step` (or the legacy `step`), `updated_at`, `model_file`."
         return cls(
             int(data.get("outer_step", data.get("step", 0))),
             str(data.get("updated_at", "")),
@@ -326,7 +326,7 @@ def utc_now() -> str:
 
 
 def step_count_text(metadata: GlobalMetadata, extras: Mapping[str, Any] | None = None) -> str:
-    "The text of `global/step_count.json`: 2.0's fields plus `extras`, keys sorted, 2-space indent."
+    "The text of `global/step_count.json`: its core fields and `extras`, sorted, 2-space indent."
     return json.dumps({**(extras or {}), **metadata.to_dict()}, indent=2, sort_keys=True) + "\n"
 
 
