@@ -525,11 +525,13 @@ def _tree_size(path: Path) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
-def test_the_repository_and_caches_stay_bounded_over_1000_rounds(tmp_path):
+def test_the_repository_and_caches_stay_bounded_over_300_rounds(tmp_path):
+    """300 rounds of two nodes, a garbage file every 13th round (23 in all, past the quarantine's
+    cap of 20): the repository's size stays flat and the state folder stays within the cap."""
     m, seen, logger = _master(tmp_path, expected_nodes=2)
     shapes = floating_state(m.global_state)
     sizes = []
-    for round_ in range(1, 1001):
+    for round_ in range(1, 301):
         for node in ("a", "b"):
             _send(
                 tmp_path,
@@ -537,17 +539,18 @@ def test_the_repository_and_caches_stay_bounded_over_1000_rounds(tmp_path):
                 round_ * 10,
                 {k: torch.randn(v.shape) * 1e-3 for k, v in shapes.items()},
             )
-        if round_ % 97 == 0:
+        if round_ % 13 == 0:
             _send(tmp_path, "a", round_ * 10, {}, raw=b"garbage")  # a bad file now and then
         m.sync_once()
-        if round_ % 100 == 0:
+        if round_ % 30 == 0:
             sizes.append((_tree_size(tmp_path / "repo"), _tree_size(tmp_path / "state")))
     logger.close()
-    assert m.outer_step == 1000 and m.transport.list_deltas() == []
+    assert m.outer_step == 300 and m.transport.list_deltas() == []
     repo_files, state_files = {s[0][0] for s in sizes}, {s[1][0] for s in sizes}
     assert max(s[0][1] for s in sizes) <= 1.05 * min(s[0][1] for s in sizes), sizes
-    # quarantine keeps at most 20 files
     assert len(repo_files) == 1 and max(state_files) <= min(state_files) + 40, sizes
+    # 23 refused files, of which the quarantine keeps the newest 20
+    assert len(list((tmp_path / "state" / "quarantine").iterdir())) == 20
 
 
 # 150 rounds in seconds: 300 commits (the Hub allows 128 an hour) and over 1000 API calls (the Hub
