@@ -329,6 +329,8 @@ def fork_server() -> Path | None:
     when `SPEEDTRONIC_TEST_FORK=0` or it could not start (commands then start the ordinary way)."""
     if os.environ.get("SPEEDTRONIC_TEST_FORK", "1") == "0":
         return None
+    if "path" in _FORK_SERVER and _FORK_SERVER["server"].poll() is not None:
+        _FORK_SERVER.clear()  # it ended (a test killed it): start another
     if "path" not in _FORK_SERVER:
         import tempfile
 

@@ -163,6 +163,8 @@ def serve(path: str) -> tuple[dict, list[int], list[str]]:
     wake_write.setblocking(False)
     signal.set_wakeup_fd(wake_write.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # a Ctrl-C a test sends to its process group is for the commands, not for the server
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(wake_read, selectors.EVENT_READ, "reap")

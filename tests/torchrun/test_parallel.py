@@ -615,16 +615,18 @@ def test_a_batch_that_does_not_divide_under_torchrun_says_so_once_per_rank(tmp_p
     )
     job = torchrun(cfg)
     _, err = communicate_or_dump(job, 120)
-    assert job.returncode != 0 and set(exit_codes(err).values()) == {"2"}, err[-4000:]
+    codes = exit_codes(err)
+    # the rank that finds it first exits 2; torchrun then ends a rank still starting (SIGTERM, 143)
+    refusing = list(codes.values()).count("2")
+    assert job.returncode != 0 and refusing >= 1, err[-4000:]
+    assert set(codes.values()) <= {"2", "143"}, err[-4000:]
     lines = job_errors(err)  # the check comes before the ranks meet: each rank finds it alone
     ranks = [re.match(r"speedtronic: error: \[rank (\d) of 2\] ", l) for l in lines]
     assert all(ranks) and len({m[1] for m in ranks}) == len(lines) >= 1, lines
     assert all("data.target_batch_size (9) is the global batch" in l for l in lines), lines
     summary = summary_of(err)
     # each failed rank's entry: its message, once
-    assert summary.count("data.target_batch_size (9) is the global batch") == len(
-        exit_codes(err)
-    ), summary
+    assert summary.count("data.target_batch_size (9) is the global batch") == refusing, summary
     ours = str(ROOT / "speedtronic")
     assert ours not in err and "ConfigError" not in err, summary  # no frame or type name of ours
     assert not (tmp_path / "odd").exists()
