@@ -272,26 +272,31 @@ class ForkedPopen(subprocess.Popen):
         }
         fds = [p2cread, c2pwrite, errwrite]
         fds = [fd if fd != -1 else std for fd, std in zip(fds, (0, 1, 2))]
-        answer = ""
-        if preexec_fn is None and not pass_fds and executable is None:
-            connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                connection.connect(str(self._server))
-                socket.send_fds(connection, [json.dumps(request).encode()], fds)
-                answer = connection.recv(4096).decode()
-            except OSError:
-                answer = ""
-            if not answer.startswith("pid "):
-                connection.close()
-        if not answer.startswith("pid "):
-            self._ended = None
+        forkable = preexec_fn is None and not pass_fds and executable is None
+        self._ended = self._ask_server(request, fds) if forkable else None
+        if self._ended is None:
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest
             )
-        self._ended = connection
-        self.pid, self._child_created = int(answer.split()[1]), True
+        self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
         self._closed_child_pipe_fds = True
+
+    def _ask_server(self, request: dict, fds: list[int]) -> socket.socket | None:
+        """Send `request` with the child's standard descriptors. Returns the connection its exit
+        status will come on (`self.pid` set), or None: refused, or the server is unreachable."""
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            connection.connect(str(self._server))
+            socket.send_fds(connection, [json.dumps(request).encode()], fds)
+            answer = connection.recv(4096).decode()
+        except OSError:
+            answer = ""
+        if not answer.startswith("pid "):
+            connection.close()
+            return None
+        self.pid = int(answer.split()[1])
+        return connection
 
     def _read_exit(self, timeout: float | None) -> bool:
         "Take the child's exit status from the server once it is sent, within `timeout`."
@@ -329,8 +334,8 @@ def fork_server() -> Path | None:
     when `SPEEDTRONIC_TEST_FORK=0` or it could not start (commands then start the ordinary way)."""
     if os.environ.get("SPEEDTRONIC_TEST_FORK", "1") == "0":
         return None
-    if "path" in _FORK_SERVER and _FORK_SERVER["server"].poll() is not None:
-        _FORK_SERVER.clear()  # it ended (a test killed it): start another
+    if _FORK_SERVER.get("path") and _FORK_SERVER["server"].poll() is not None:
+        _FORK_SERVER.clear()  # a working server ended (a test killed it): start another
     if "path" not in _FORK_SERVER:
         import tempfile
 

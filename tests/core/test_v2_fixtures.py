@@ -28,8 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import load as safetensors_load, load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import run_command  # noqa: E402
 from conftest import (  # noqa: E402
+    run_command,
     ROOT,
     V2_FIXTURES,
     cli_env,

@@ -35,7 +35,6 @@ import pytest
 import torch
 import yaml
 
-from conftest import run_command, spawn
 from conftest import (
     ROOT,
     cli_env,
@@ -43,6 +42,8 @@ from conftest import (
     free_port,
     jsonl_records,
     one_error_line,
+    run_command,
+    spawn,
     tiny_config,
 )
 from speedtronic.checkpoint import load_checkpoint
