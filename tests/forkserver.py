@@ -135,8 +135,8 @@ def become_child(request: dict, fds: list[int], base_path: list[str]) -> None:
     os.environ.update(request["env"])
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [request["cwd"], *extra, *(p for p in base_path if p not in extra)]
-    for name in ("stdin", "stdout", "stderr"):
-        stream = _std_stream((0, 1, 2)[("stdin", "stdout", "stderr").index(name)], name)
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        stream = _std_stream(fd, name)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     import faulthandler
