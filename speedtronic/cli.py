@@ -793,23 +793,28 @@ def _by_sigterm(stop: KeyboardInterrupt) -> bool:
     return isinstance(stop, Terminated) or str(getattr(stop, "reason", "")).startswith("SIGTERM")
 
 
+def _say_stopped(how: str) -> None:
+    """One line saying how the command was stopped, from the process that prints; under torchrun
+    it names its rank, as every error line of a job does."""
+    if _prints():
+        where = _job_rank()
+        print(f"speedtronic: error: {f'[{where}] ' if where else ''}{how}", file=sys.stderr)
+
+
 def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     "Run the parsed sub-command; expected errors become `speedtronic: error:` lines and exit 2."
     try:
         return _COMMANDS[args.command](args)
     except Terminated:
         _hold_sigterm()
-        if _prints():
-            print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
+        _say_stopped("terminated (SIGTERM)")
         return 143
     except KeyboardInterrupt as stop:
         _hold_sigterm()
         if _by_sigterm(stop):
-            if _prints():
-                print("speedtronic: error: terminated (SIGTERM)", file=sys.stderr)
+            _say_stopped("terminated (SIGTERM)")
             return 143
-        if _prints():
-            print("speedtronic: error: interrupted", file=sys.stderr)
+        _say_stopped("interrupted")
         return 130
     except EXPECTED_ERRORS as exc:
         _hold_sigterm()
