@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
@@ -85,6 +86,29 @@ class GPTConfig:
 TransformerConfig = GPTConfig
 
 # %% ../nbs/models/01_model.ipynb #1ffba1b5
+class _RMSNormFunction(torch.autograd.Function):
+    "RMSNorm of a float32 `x` with its gradient written out (see above)."
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        normed = x * rstd
+        ctx.save_for_backward(normed, rstd, weight)
+        return normed * weight
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        normed, rstd, weight = ctx.saved_tensors
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed).reshape(-1, normed.shape[-1]).sum(0)
+        grad_normed = grad * weight
+        # d(x * rstd)/dx: the normalised gradient minus its projection on the normalised input
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x, grad_weight, None
+
+
 class RMSNorm(nn.Module):
     "Scale by the reciprocal root-mean-square over the last dim (computed in fp32), times a gain."
 
@@ -97,6 +121,12 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype == self.weight.dtype == torch.float32
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
         ms = x.float().pow(2).mean(-1, keepdim=True)
         return x * torch.rsqrt(ms + self.eps).to(x.dtype) * self.weight
 
@@ -107,12 +137,45 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+def _rotate_halves(x: torch.Tensor, cos_a, sin_a, cos_b, sin_b) -> torch.Tensor:
+    "`[a, b] -> [a cos_a - b sin_a, b cos_b + a sin_b]` over the last dim (halves `a`, `b`)."
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]
+    return torch.cat((a * cos_a - b * sin_a, b * cos_b + a * sin_b), -1)
+
+
+class _RotaryFunction(torch.autograd.Function):
+    "`apply_rope` with its gradient written out: the transposed rotation of the incoming gradient."
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        h = x.shape[-1] // 2
+        return _rotate_halves(x, cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        h = grad.shape[-1] // 2
+        return (
+            _rotate_halves(grad, cos[..., :h], -sin[..., h:], cos[..., h:], -sin[..., :h]),
+            None,
+            None,
+        )
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` shaped `(B, H, T, D)` by the angles whose cos/sin are `(T, D)`:
     `x * cos + rotate_half(x) * sin`, computed half by half (no negated copy, one `cat`)."""
+    if (
+        x.requires_grad
+        and not (cos.requires_grad or sin.requires_grad)
+        and not torch.compiler.is_compiling()
+    ):
+        return _RotaryFunction.apply(x, cos, sin)
     h = x.shape[-1] // 2
-    a, b = x[..., :h], x[..., h:]
-    return torch.cat((a * cos[..., :h] - b * sin[..., :h], b * cos[..., h:] + a * sin[..., h:]), -1)
+    return _rotate_halves(x, cos[..., :h], sin[..., :h], cos[..., h:], sin[..., h:])
 
 # %% ../nbs/models/01_model.ipynb #635b157c
 class RotaryEmbedding(nn.Module):
