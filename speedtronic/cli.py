@@ -793,12 +793,17 @@ def _by_sigterm(stop: KeyboardInterrupt) -> bool:
     return isinstance(stop, Terminated) or str(getattr(stop, "reason", "")).startswith("SIGTERM")
 
 
+def _for_job(line: str) -> str:
+    "An error line as this process says it: under torchrun with its rank after `error: `."
+    where = _job_rank()
+    return line.replace("error: ", f"error: [{where}] ", 1) if where else line
+
+
 def _say_stopped(how: str) -> None:
     """One line saying how the command was stopped, from the process that prints; under torchrun
     it names its rank, as every error line of a job does."""
     if _prints():
-        where = _job_rank()
-        print(f"speedtronic: error: {f'[{where}] ' if where else ''}{how}", file=sys.stderr)
+        print(_for_job(f"speedtronic: error: {how}"), file=sys.stderr)
 
 
 def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
@@ -825,13 +830,10 @@ def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             _record_for_torchrun(exc)
             raise
         sys.stdout.flush()
-        where = _job_rank()  # torchrun: say which rank failed
         lines = error_lines(exc, _config_secrets(argv))
         _record_for_torchrun(exc, "\n".join(l.removeprefix("speedtronic: error: ") for l in lines))
         for line in lines:
-            print(
-                line.replace("error: ", f"error: [{where}] ", 1) if where else line, file=sys.stderr
-            )
+            print(_for_job(line), file=sys.stderr)  # torchrun: say which rank failed
         return 2
     except Exception as exc:
         _record_for_torchrun(exc)
