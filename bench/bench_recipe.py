@@ -298,14 +298,17 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_ours(args, text: Path, out: Path, tokens: np.ndarray, steps: int) -> dict:
-    """The recipe through our trainer for `steps` steps, into `out`: its own last held-out loss
-    (`held`, None if it wrote none), the same measured as the baseline's is (`measured`, which took
-    `eval_cpu` CPU-seconds), the CPU-seconds and wall seconds of training with its evaluation, and
-    the last training loss."""
+def run_ours(
+    args, text: Path, prepared_in: Path, out: Path, tokens: np.ndarray, steps: int
+) -> dict:
+    """The recipe through our trainer for `steps` steps, reading the token file prepared in
+    `prepared_in`, writing into `out`: its own last held-out loss (`held`, None if it wrote none),
+    the same measured as the baseline's is (`measured`, which took `eval_cpu` CPU-seconds), the
+    CPU-seconds and wall seconds of training with its evaluation, and the last training loss."""
     out.mkdir(parents=True)
-    raw = recipe(text, out, steps, args.optimizer, args.seed, args.order, args.lr)
+    raw = recipe(text, prepared_in, steps, args.optimizer, args.seed, args.order, args.lr)
     raw["run"]["output_dir"] = str(out)
+    raw["logging"]["json_file"] = str(out / "metrics.jsonl")
     trainer, _ = build_runtime(raw)
     try:
         cpu0, wall0 = cpu_seconds(), time.perf_counter()
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         text = args.text.resolve()
         token_file = prepared(text, Path(tmp))
         tokens = np.fromfile(token_file, dtype=np.dtype(read_token_sidecar(token_file)["dtype"]))
-        ours = run_ours(args, text, Path(tmp) / "recipe", tokens, args.steps)
+        ours = run_ours(args, text, Path(tmp), Path(tmp) / "recipe", tokens, args.steps)
         base = None if args.no_baseline else baseline(tokens, args.steps, args.seed)
         # ours again, on the baseline's CPU-seconds: as many steps as fit (the schedule fitted to
         # them); the held-out evaluation at the end takes the same time however many steps come
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         if base is not None and base["cpu"] < ours["cpu"]:
             per_step = (ours["cpu"] - ours["eval_cpu"]) / args.steps
             steps = max(1, int((base["cpu"] - ours["eval_cpu"]) / per_step))
-            budget = run_ours(args, text, Path(tmp) / "budget", tokens, steps)
+            budget = run_ours(args, text, Path(tmp), Path(tmp) / "budget", tokens, steps)
     if ours["held"] is None or (budget is not None and budget["held"] is None):
         print("bench_recipe: the run wrote no held-out loss", file=sys.stderr)
         return 1
