@@ -24,6 +24,8 @@ from.
     python bench/bench_diloco.py --steps 400 --inner-steps 25
     # every row once per seed: single runs of a tiny model vary by several %
     python bench/bench_diloco.py --seeds 1,2,3,4,5
+    # the fragments table (Streaming DiLoCo: distributed.fragments F = 1, 2, 4, the best encoding)
+    python bench/bench_diloco.py --fragments --layers 4 --steps 600 --inner-steps 20 --width 128
 
     # the run 2.0 was measured on (master + 2 workers, 200 steps, inner_steps 10): plain
     # averaging, whole rounds and 2.0's keys on the Hub, one seed (about 5 minutes on 2 busy
@@ -88,7 +90,7 @@ def base_config(args, work: Path, name: str, train: Path, *, batch: int, target:
             "name": "reference_transformer",
             "vocab_size": 256,
             "max_seq_len": args.block,
-            "n_layer": 2,
+            "n_layer": args.layers,
             "n_head": 4,
             "n_kv_head": 2,
             "d_model": args.width,
@@ -221,19 +223,33 @@ def run_lockstep(
     topk: tuple[float, int] | None = None,
     optimizer: str = "adamw",
     decay: float | None = 1.0,
+    fragments: int = 1,
 ) -> dict:
     """Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta
-    folded at once, none stale. With an `encoding`, each node's delta travels as a node sends it
-    (`send_with_feedback`: its residual added, encoded, what the encoding lost kept for the next
-    round, faded by `decay` (distributed.feedback_decay; None: no feedback)) and the fold gets what
-    the master decodes; `topk` is (density, bits)."""
-    from speedtronic.distributed.compression import TopK, decode_wire, send_with_feedback
-    from speedtronic.distributed.diloco import NodeShard
+    folded at once, none stale. Each node is the library's own node state (`at_boundary` sends,
+    `on_global` installs): with an `encoding` its delta travels as a node sends it (its residual
+    added, encoded, what the encoding lost kept for the next round, faded by `decay`
+    (distributed.feedback_decay; None: no feedback)) and the fold gets what the master decodes;
+    `topk` is (density, bits). With `fragments` above 1 a node sends one fragment of its model
+    every inner_steps / fragments steps (`fragment_plan`), its last delta whole, and every
+    fragment is folded and installed on its own."""
+    from dataclasses import replace
+
+    from speedtronic.distributed.compression import TopK
+    from speedtronic.distributed.diloco import (
+        NodeShard,
+        NodeState,
+        at_boundary,
+        on_global,
+        on_upload_done,
+        upload_delta,
+    )
     from speedtronic.distributed.outer import Contribution, OuterUpdate
     from speedtronic.distributed.tensors import (
-        compute_pseudo_gradient,
         cpu_state_dict,
         delta_header,
+        fragment_due,
+        fragment_plan,
         safetensors_bytes,
     )
     from speedtronic.runtime import build_runtime
@@ -259,39 +275,52 @@ def run_lockstep(
     state = cpu_state_dict(nodes[0].model.state_dict())
     update = OuterUpdate(state, args.outer_lr, args.outer_momentum)
     spec = TopK(*topk) if topk else TopK()
-    residuals, sizes = [None] * len(nodes), []
-    for end in range(args.inner_steps, args.steps + args.inner_steps, args.inner_steps):
+    plan = fragment_plan(nodes[0].model.state_dict(), fragments) if fragments > 1 else ()
+    every = args.inner_steps // max(1, len(plan))
+    wire = encoding or "float32"
+    sent = [NodeState(f"node{i}", dict(state)) for i in range(len(nodes))]
+    sizes, version = [[] for _ in nodes], 0  # each node's uploads' bytes
+    for end in range(every, args.steps + every, every):
+        end = min(end, args.steps)
+        # this step's fragment; the last delta holds all that is left
+        part = fragment_due(end, args.inner_steps, len(plan)) if plan and end < args.steps else None
         contributions = []
         for i, trainer in enumerate(nodes):
-            trainer.fit(max_steps=min(end, args.steps))
-            delta = compute_pseudo_gradient(state, cpu_state_dict(trainer.model.state_dict()))
-            if encoding is not None:
-                wire, header, residuals[i] = send_with_feedback(
-                    delta, residuals[i], encoding, spec, 1.0 if decay is None else decay
-                )
-                sizes.append(
-                    len(
-                        safetensors_bytes(
-                            wire,
-                            delta_header(
-                                node_id=f"node{i}",
-                                local_step=end,
-                                base_outer_step=0,
-                                inner_steps=args.inner_steps,
-                                encoding=encoding,
-                                extra=header,
-                            ),
-                        )
-                    )
-                )
-                delta = decode_wire(wire, header, {k: tuple(v.shape) for k, v in delta.items()})
-                residuals[i] = residuals[i] if decay is not None else None
-            contributions.append(Contribution(delta))
+            trainer.fit(max_steps=end)
+            weights = cpu_state_dict(trainer.model.state_dict())
+            sent[i], up = at_boundary(
+                sent[i],
+                weights,
+                end,
+                wire,
+                topk=spec,
+                decay=1.0 if decay is None else decay,
+                fragment=part,
+                plan=plan,
+            )
+            sent[i] = on_upload_done(sent[i], up)
+            if decay is None:  # no feedback: what the encoding lost is dropped
+                sent[i] = replace(sent[i], carry=None)
+            header = delta_header(
+                node_id=f"node{i}",
+                local_step=end,
+                base_outer_step=version,
+                inner_steps=up.steps,
+                encoding=wire,
+                extra=up.header,
+            )
+            sizes[i].append(len(safetensors_bytes(up.delta, header)))
+            contributions.append(Contribution(upload_delta(up), up.steps / args.inner_steps))
         update.step(state, contributions, args.nodes)
-        for trainer in nodes:
-            trainer.model.load_state_dict(state)
-            if args.reset_inner:
+        version += 1
+        for i, trainer in enumerate(nodes):
+            weights = cpu_state_dict(trainer.model.state_dict())
+            sent[i], install = on_global(sent[i], version, state, end, weights)
+            trainer.model.load_state_dict(install.weights)
+            if args.reset_inner and install.reset:
                 trainer.optimizer.state.clear()
+        if end >= args.steps:
+            break
     name = (
         "lockstep DiLoCo outer "
         f"{args.outer_lr:g}/{args.outer_momentum:g}{' reset' if args.reset_inner else ''} "
@@ -299,11 +328,25 @@ def run_lockstep(
     )
     if encoding is not None:
         name = f"lockstep {encoding_name(encoding, topk, decay)}, {optimizer} inner"
+    if plan:
+        name += f", {fragments} fragments"
+    every_upload = [b for node in sizes for b in node]
+    # before its last delta (with fragments a whole one: what it had not sent yet)
+    steady = [b for node in sizes for b in node[:-1]] or every_upload
     return {
         "name": name,
         "loss": held_out_loss(cfg, state, held),
         "wall": time.perf_counter() - start,
-        **({"delta_kb": sum(sizes) / len(sizes) / 1024} if sizes else {}),
+        **(
+            {
+                "delta_kb": sum(every_upload) / len(every_upload) / 1024,
+                "round_kb": sum(steady) / len(steady) * max(1, len(plan)) / 1024,
+                "peak_kb": max(steady) / 1024,
+                "last_kb": sum(node[-1] for node in sizes) / len(sizes) / 1024,
+            }
+            if encoding is not None
+            else {}
+        ),
     }
 
 
@@ -358,6 +401,79 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
         f"{args.outer_momentum:g}\n"
     )
     show_table(lambda: _encodings_table(rows), args.save, heading)
+
+
+# the encoding of the fragments table: the best of the encodings table under 1/32 of float32
+FRAGMENTS_ENCODING = ("topk", (0.03, 2), 0.9)
+
+
+def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
+    """The fragments table: per seed the synchronous baseline, then lockstep DiLoCo with the best
+    encoding sending its model whole (F = 1) and in each of `args.fragment_counts` fragments."""
+    rows: dict[str, list[dict]] = {}
+    counts = [int(c) for c in args.fragment_counts.split(",") if c.strip()]
+    if uneven := [c for c in counts if args.inner_steps % c]:
+        raise SystemExit(
+            f"--fragment-counts {uneven} do not divide --inner-steps {args.inner_steps}"
+        )
+    encoding, topk, decay = FRAGMENTS_ENCODING
+    for seed in seeds:
+        args.seed, here = seed, work / f"seed{seed}"
+        base = run_baseline(args, here, train, held)
+        runs = []
+        for count in counts:
+            run = run_lockstep(
+                args, here / f"f{count}", train, held, encoding, topk, decay=decay, fragments=count
+            )
+            run["name"] = f"F = {count}: {encoding_name(encoding, topk, decay)}"
+            runs.append(run)
+        whole = next((r for r, c in zip(runs, counts) if c == 1), runs[0])
+        for r in [base] + runs:
+            rows.setdefault(r["name"], []).append(
+                {**r, "ratio": r["loss"] / base["loss"], "vs_whole": r["loss"] / whole["loss"]}
+            )
+            print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
+    heading = (
+        f"python bench/bench_diloco.py --fragments --fragment-counts {args.fragment_counts} "
+        f"--seeds {','.join(map(str, seeds))} --steps {args.steps} --inner-steps "
+        f"{args.inner_steps} --width {args.width} --layers {args.layers}: {args.nodes} nodes, "
+        f"node batch {args.batch} x {args.block} bytes, outer lr {args.outer_lr:g} momentum "
+        f"{args.outer_momentum:g}\n"
+    )
+    show_table(lambda: _fragments_table(rows), args.save, heading)
+
+
+def _fragments_table(rows: dict[str, list[dict]]) -> None:
+    whole = next((runs for name, runs in rows.items() if name.startswith("F = 1:")), None)
+    peak = sum(r["peak_kb"] for r in whole) / len(whole) if whole else None
+    has_bytes = lambda runs: "peak_kb" in runs[0]
+    columns = [
+        ("upload kB", 9, mean_cell("delta_kb", "9.1f", shown=has_bytes)),
+        ("round kB", 8, mean_cell("round_kb", "8.1f", shown=has_bytes)),
+        ("peak kB", 7, mean_cell("peak_kb", "7.1f", shown=has_bytes)),
+        ("peak/F=1", 8, mean_cell(lambda m: m("peak_kb") / peak, "8.2f", "", has_bytes)),
+        ("last kB", 7, mean_cell("last_kb", "7.1f", shown=has_bytes)),
+        ("held-out", 8, mean_cell("loss", "8.4f")),
+        ("vs sync", 7, mean_cell("ratio", "6.3f", "x")),
+        ("range", 13, lambda m, r: f"{spread(r, 'ratio'):>13s}"),
+        ("vs F=1", 7, mean_cell("vs_whole", "6.3f", "x", has_bytes)),
+        ("wall s", 6, mean_cell("wall", "6.0f")),
+    ]
+    runs_table(
+        rows,
+        44,
+        columns,
+        "upload kB = one delta file (safetensors with its header), the mean over a run's uploads; "
+        "round kB = what one node uploads per round of inner steps; peak kB = its largest upload "
+        "before its last; last kB = its last delta, which holds all it has not sent (with "
+        "fragments, every fragment's steps since its last turn: once a run); "
+        "held-out = the final global's loss; vs sync = against the same seed's synchronous "
+        "baseline, range over the seeds; vs F=1 = against the same seed's run sending whole "
+        "deltas. F fragments: a node sends one fragment of its model (whole layers, "
+        "distributed.fragments) every inner_steps / F steps, each folded and installed on its "
+        "own; its last delta is whole. Lockstep = every fold takes every node's delta (one "
+        "process).",
+    )
 
 
 def show_table(print_table, save: str | None, heading: str) -> None:
@@ -866,7 +982,8 @@ def main(argv=None) -> None:
         "--batch", type=int, default=8, help="each node's batch (the baseline uses nodes x batch)"
     )
     parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--width", type=int, default=64, help="d_model of the 2-layer model")
+    parser.add_argument("--width", type=int, default=64, help="d_model of the model")
+    parser.add_argument("--layers", type=int, default=2, help="n_layer of the model")
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--poll", type=float, default=0.5, help="distributed.poll_interval")
     parser.add_argument("--transports", default="directory,hub")
@@ -911,9 +1028,19 @@ def main(argv=None) -> None:
         action="store_true",
         help="only the delta-encodings table (lockstep whole rounds, every seed)",
     )
+    parser.add_argument(
+        "--fragments",
+        action="store_true",
+        help="only the fragments table (lockstep whole rounds, the best encoding, every seed)",
+    )
+    parser.add_argument(
+        "--fragment-counts", default="1,2,4", help="--fragments: the fragment counts compared"
+    )
     parser.add_argument("--muon-lr", type=float, default=8e-3, help="lr of the Muon rows")
     parser.add_argument(
-        "--save", default=None, help="--encodings, --hub-limit: also write the table to this file"
+        "--save",
+        default=None,
+        help="--encodings, --fragments, --hub-limit: also write the table to this file",
     )
     parser.add_argument(
         "--hub-limit",
@@ -963,6 +1090,11 @@ def main(argv=None) -> None:
         return
     if args.hub_limit:
         run_layouts(args, work, train, held, seeds)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    if args.fragments:
+        run_fragments(args, work, train, held, seeds)
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         return

@@ -1059,6 +1059,9 @@ class DistributedConfig(_Section):
     # error feedback: the share of a node's residual (what its encoding has not sent yet) carried
     # into its next delta; 1 keeps it whole, below 1 it fades as SparseLoCo's accumulator (0.9)
     feedback_decay: float = 1.0
+    # Streaming DiLoCo: the model in this many fragments of whole layers, one uploaded every
+    # inner_steps / fragments steps (a node's largest upload: about 1/fragments of the model)
+    fragments: int = 1
     # how the master applies late deltas: delayed_nesterov, weighted, or none (plain Nesterov)
     staleness: str = "delayed_nesterov"
     expected_nodes: int | None = (
@@ -1128,6 +1131,15 @@ class DistributedConfig(_Section):
                 f"is the share of the residual carried on, from 0 to 1, got "
                 f"{_show(self.feedback_decay)}",
             )
+        r.positive("fragments")
+        parts, steps = self.fragments, self.inner_steps
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (parts, steps)):
+            if steps % parts:
+                r.fail(
+                    "fragments",
+                    f"must divide distributed.inner_steps ({steps}) so that each fragment is sent "
+                    f"every inner_steps / fragments steps, got {parts}",
+                )
         r.choice(
             "staleness",
             ("delayed_nesterov", "weighted", "none"),

@@ -1005,7 +1005,9 @@ class GroupCoordinator:
         whole = world.gather_whole(model)
         replica = StateReplica(whole) if world.writes else None
         inner = world.on_writer(lambda: build(replica))
-        return cls(inner, world, model, replica, world.share(getattr(inner, "inner_steps", None)))
+        # fsdp: the weights meet the coordinator every `sync_every` steps
+        steps = world.share(getattr(inner, "sync_every", None))
+        return cls(inner, world, model, replica, steps)
 
     @property
     def sharded(self) -> bool:

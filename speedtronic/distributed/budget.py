@@ -245,15 +245,18 @@ def budget_from_config(
     "The `HubBudget` of a configuration, for a step time and a model size."
     d = distributed
     n = nodes or d.expected_nodes or d.shard_count or 1
+    # distributed.fragments: a commit of 1/F of the model every inner_steps / F steps
+    parts = max(1, int(getattr(d, "fragments", 1) or 1))
+    every = max(1, d.inner_steps // parts)
     plan = HubBudget(
         nodes=int(n),
-        round_s=max(d.inner_steps * step_s, 1e-3),
+        round_s=max(every * step_s, 1e-3),
         poll_interval=float(d.poll_interval),
-        delta_bytes=int(parameters * delta_bytes_per_parameter(d)),
+        delta_bytes=int(parameters * delta_bytes_per_parameter(d) / parts),
         global_bytes=int(parameters * 4),
         limits=hub_limits(getattr(d, "hub_limits", "free")),
         whole_rounds=float(getattr(d, "boundary_wait", 0) or 0) > 0,
-        run_rounds=None if not max_steps else math.ceil(max_steps / d.inner_steps),
+        run_rounds=None if not max_steps else math.ceil(max_steps / every),
         per_node=getattr(d, "hub_layout", "one-repo") == "per-node",
     )
     return auto_layout(plan) if getattr(d, "hub_layout", "one-repo") == "auto" else plan

@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from speedtronic.distributed.tensors import (
     declared_layout,
     decode_dense_wire,
     encode_delta,
+    fragment_shapes,
     load_safetensors,
     read_safetensors_header,
     tensor_layout,
@@ -37,9 +38,10 @@ def with_residual(
     delta: Mapping[str, torch.Tensor], residual: Mapping[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
     "What a node means to send: float32 `delta` plus the `residual` its earlier encodings lost."
-    if residual is None:
-        return {k: v.float() for k, v in delta.items()}
-    return {k: v.float() + residual[k].float() for k, v in delta.items()}
+    residual = residual or {}  # a key it lacks (another fragment's, or new) lost nothing yet
+    return {
+        k: v.float() + residual[k].float() if k in residual else v.float() for k, v in delta.items()
+    }
 
 
 def residual_after(
@@ -433,11 +435,15 @@ def topk_layout(
 
 
 def read_wire_header(
-    path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
+    path: str,
+    local: str | Path,
+    shapes: Mapping[str, tuple[int, ...]],
+    fragments: Sequence[Sequence[str]] = (),  # the run's `fragment_plan` (distributed.fragments)
 ) -> dict[str, str]:
     """The header of the delta at repository `path` (stored at `local`) in any encoding, the parts
-    it declares checked against the model's `shapes` before the body is read."""
+    it declares checked against the model's `shapes` (its fragment's) before the body is read."""
     header, layout = declared_layout(path, local)
+    shapes = fragment_shapes(path, header, shapes, fragments)
     if header.get("encoding") != "topk":
         check_delta_wire(path, layout, header, shapes)
         return header

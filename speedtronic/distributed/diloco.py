@@ -19,7 +19,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ from speedtronic.distributed.budget import (
     hub_limits,
 )
 from speedtronic.distributed.tensors import (
+    FRAGMENT_HEADER,
     GLOBAL_MODEL_PATH,
     state_misfit,
     compute_pseudo_gradient,
@@ -48,6 +49,8 @@ from speedtronic.distributed.tensors import (
     delta_header,
     delta_path,
     floating_state,
+    fragment_due,
+    fragment_plan,
     layer_norms,
     load_safetensors,
     read_metadata,
@@ -183,15 +186,10 @@ class NodeState:
 def _plus(
     a: Mapping[str, torch.Tensor] | None, b: Mapping[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor] | None:
-    return (
-        None
-        if a is None and b is None
-        else dict(b)
-        if a is None
-        else dict(a)
-        if b is None
-        else {k: v + b[k] for k, v in a.items()}
-    )
+    if a is None and b is None:
+        return None
+    a, b = a or {}, b or {}  # a key in one only (a fragment's) is kept as it is
+    return {**a, **b, **{k: v + b[k] for k, v in a.items() if k in b}}
 
 
 def upload_delta(upload: Upload) -> dict[str, torch.Tensor]:
@@ -210,24 +208,33 @@ def at_boundary(
     replay: bool = False,  # the delta of `step` was folded before a resume: not sent again
     topk: TopK = TopK(),  # the top-k settings when `dtype` is "topk"
     decay: float = 1.0,  # distributed.feedback_decay: the share of the carry sent on
+    fragment: int | None = None,  # distributed.fragments: send only this fragment of `plan`
+    plan: Sequence[Sequence[str]] = (),  # the model's `fragment_plan`
 ) -> tuple[NodeState, Upload | str]:
-    """The delta `state.base − weights` plus the carry at `step`, in wire `dtype`: the new state and
-    the upload, or why none is sent."""
-    state = replace(state, step=int(step), reset_due=True)
+    """The delta `state.base − weights` plus the carry at `step` (of one fragment's keys, or all),
+    in wire `dtype`: the new state and the upload, or why none is sent."""
+    # the round's first fragment (or the whole model) resets the inner optimizer at the next install
+    state = replace(state, step=int(step), reset_due=state.reset_due or not fragment)
+    keys = None if fragment is None else set(plan[fragment])
+    part = lambda d: d if d is None or keys is None else {k: v for k, v in d.items() if k in keys}
+    rest = {k: v for k, v in (state.carry or {}).items() if keys is not None and k not in keys}
+    base = dict(weights) if keys is None else {**state.base, **part(weights)}
     if step <= state.folded_step:
-        carry = None
+        kept = {}
         if replay and dtype != "float32":
-            raw = compute_pseudo_gradient(state.base, weights)
-            carry = send_with_feedback(raw, state.carry, dtype, topk, decay)[2]
+            raw = compute_pseudo_gradient(part(state.base), part(weights))
+            kept = send_with_feedback(raw, part(state.carry), dtype, topk, decay)[2]
         return replace(  # a replayed delta keeps the rounding residual its first sending left
-            state, base=dict(weights), base_step=int(step), carry=carry, carry_steps=0
+            state, base=base, base_step=int(step), carry={**rest, **kept} or None, carry_steps=0
         ), "already_folded"
     if state.in_flight is not None:
         return state, "upload_in_flight"
-    raw = compute_pseudo_gradient(state.base, weights)
+    raw = compute_pseudo_gradient(part(state.base), part(weights))
     if not all(bool(torch.isfinite(v).all()) for v in raw.values()):
         return state, "not_finite"
-    wire, header, residual = send_with_feedback(raw, state.carry, dtype, topk, decay)
+    wire, header, residual = send_with_feedback(raw, part(state.carry), dtype, topk, decay)
+    if fragment is not None:
+        header = {**header, FRAGMENT_HEADER: f"{fragment}/{len(plan)}"}
     upload = Upload(
         int(step),
         state.version,
@@ -238,12 +245,12 @@ def at_boundary(
     )
     return replace(
         state,
-        base=dict(weights),
+        base=base,
         base_step=int(step),
         carry_steps=0,
         in_flight=upload,
         sent_step=int(step),
-        carry=None if dtype == "float32" else residual,
+        carry={**rest, **({} if dtype == "float32" else residual)} or None,
     ), upload
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #80c92217
@@ -508,6 +515,13 @@ class DumbDiLoCoCoordinator:
         self.inner_steps = int(cfg.inner_steps)  # the round length
         self.poll_interval = float(cfg.poll_interval)  # seconds between polls
         self.topk = TopK(cfg.topk_density, cfg.topk_bits, cfg.topk_chunk)  # delta_dtype: topk
+        try:  # distributed.fragments: the model's keys in fragments of whole layers
+            self.plan = (
+                fragment_plan(model.state_dict(), cfg.fragments) if cfg.fragments > 1 else ()
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.sync_every = self.inner_steps // max(1, len(self.plan))  # steps between uploads
         self.state_root = (
             Path(state_dir) if state_dir is not None else Path(cfg.state_dir) / self.node_id
         )
@@ -623,10 +637,13 @@ class DumbDiLoCoCoordinator:
         self._raise_fatal()
         with self.lock:
             self.state = replace(self.state, step=int(step))
-        boundary, pushed = step % self.inner_steps == 0, False
+        boundary, pushed = step % self.sync_every == 0, False
         if boundary:
             last = self.target_step is not None and step >= self.target_step
-            pushed = self._uploads.send(step, final=last)  # a step a held global holds: no delta
+            # fragments: this step's fragment; the last delta holds all that is left
+            part = fragment_due(step, self.inner_steps, len(self.plan)) if self.plan else None
+            # a step a held global holds: no delta
+            pushed = self._uploads.send(step, final=last, fragment=None if last else part)
         installed = [self._installs.install_rebase(boundary)]
         if boundary and self.config.boundary_wait > 0:
             installed += self._waits.for_fold()
@@ -734,9 +751,9 @@ class _Uploads:
         self.node = node
         self.uploading: threading.Thread | None = None  # the newest upload thread
 
-    def send(self, step: int, final: bool = False) -> bool:
-        """`at_boundary` on the model's weights at `step`, and the upload dispatched; False when
-        nothing was sent."""
+    def send(self, step: int, final: bool = False, fragment: int | None = None) -> bool:
+        """`at_boundary` on the model's weights at `step` (one `fragment` of them, or all), and the
+        upload dispatched; False when nothing was sent."""
         node = self.node
         weights = cpu_state_dict(node.model.state_dict())
         with node.lock:
@@ -754,6 +771,8 @@ class _Uploads:
                     replay,
                     node.topk,
                     node.config.feedback_decay,
+                    fragment,
+                    node.plan,
                 )
                 kept = node.state.carry  # the residual this delta leaves for the next
             except ValueError as e:
@@ -771,6 +790,11 @@ class _Uploads:
                 "base_outer_step": out.base_outer_step,
                 "inner_steps": out.steps,
                 "bytes": wire_bytes(out.delta),
+                **(
+                    {"fragment": out.header[FRAGMENT_HEADER]}
+                    if FRAGMENT_HEADER in out.header
+                    else {}
+                ),
                 **sent_and_kept(out, kept),
             },
         )
@@ -1394,6 +1418,7 @@ class _MasterSide:
             round_wait=cfg.boundary_wait / 2,
             late_share=cfg.late_share,
             commit_allowance=master_commit_allowance(cfg),
+            fragments=node.plan,
         )
         if prepared is not None and prepared.get("outer"):
             node.outer.load_state_dict(prepared["outer"])

@@ -32,7 +32,9 @@ from speedtronic.distributed.tensors import (
     GlobalMetadata,
     cpu_state_dict,
     delta_norm,
+    FRAGMENT_HEADER,
     floating_state,
+    fragment_shapes,
     layer_norms,
     load_delta,
     load_safetensors,
@@ -123,19 +125,23 @@ def momentum_steps(m: torch.Tensor, g: torch.Tensor, mu: float, n: int) -> torch
 def _delayed_nesterov(
     buffers: OuterBuffers, contributions: Sequence[Contribution], nodes: int, lr: float, mu: float
 ):
-    keys = list(buffers.momentum)
-    grad = {k: sum(c.delta[k].float() for c in contributions) / nodes for k in keys}
+    def mean(k: str, among: Sequence[Contribution]) -> torch.Tensor:  # absent: a zero delta
+        zero = torch.zeros_like(buffers.momentum[k])
+        return sum((c.delta[k].float() for c in among if k in c.delta), zero) / nodes
+
+    # a fragment's delta holds some keys: the others move only with the momentum
+    keys = [k for k in buffers.momentum if any(k in c.delta for c in contributions)]
+    grad = {k: mean(k, contributions) for k in keys}
     update = {k: lr * g for k, g in grad.items()}
     # what feeds the momentum
     fresh = [c for c in contributions if buffers.rounds_behind(c.staleness) == 0]
     pending = {
-        k: buffers.pending[k]
-        + (
-            grad[k]
-            if len(fresh) == len(contributions)
-            else sum((c.delta[k].float() for c in fresh), torch.zeros_like(grad[k])) / nodes
-        )
-        for k in keys
+        **buffers.pending,
+        **{
+            k: buffers.pending[k]
+            + (grad[k] if len(fresh) == len(contributions) else mean(k, fresh))
+            for k in keys
+        },
     }
     momentum, progress, steps = (
         buffers.momentum,
@@ -145,7 +151,8 @@ def _delayed_nesterov(
     if progress >= 1.0 - 1e-6:
         whole, momentum = max(1, int(progress + 1e-6)), {k: v.clone() for k, v in momentum.items()}
         for k, p in pending.items():
-            update[k] = update[k] + lr * mu * momentum_steps(momentum[k], p / progress, mu, whole)
+            step = lr * mu * momentum_steps(momentum[k], p / progress, mu, whole)
+            update[k] = update[k] + step if k in update else step
         keep = (progress - whole) / progress if progress > whole else 0.0
         pending, progress, steps = (
             {k: p * keep for k, p in pending.items()},
@@ -166,10 +173,12 @@ def _averaged_nesterov(
 ):
     weights = [c.share / (1.0 + max(0, c.staleness)) if weighted else 1.0 for c in contributions]
     units = [max(c.share, 1e-12) if weighted else 1.0 for c in contributions]
-    keys = [k for k in buffers.momentum if k in contributions[0].delta]
+    # each key averaged over the deltas that hold it (a fragment's delta holds some keys)
+    keys = [k for k in buffers.momentum if any(k in c.delta for c in contributions)]
+    holding = {k: [i for i, c in enumerate(contributions) if k in c.delta] for k in keys}
     grad = {
-        k: sum(w * c.delta[k].float() / u for w, c, u in zip(weights, contributions, units))
-        / sum(weights)
+        k: sum(weights[i] * contributions[i].delta[k].float() / units[i] for i in holding[k])
+        / sum(weights[i] for i in holding[k])
         for k in keys
     }
     momentum = {**buffers.momentum, **{k: buffers.momentum[k] * mu + g for k, g in grad.items()}}
@@ -506,6 +515,9 @@ class MasterRules:
     # round_floor seconds
     late_share: float | None = None
     round_floor: float = 0.0
+    # distributed.fragments above 1: the model's keys in fragments (`fragment_plan`); a delta holds
+    # the whole model or the fragment its header names
+    fragments: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -681,6 +693,11 @@ CONTENT_REASONS = (
 )
 
 
+def _sized(d: CheckedDelta) -> str:
+    "The record a delta's size joins: its session's, or with fragments its fragment's of it."
+    return f"{d.session}#{d.fragment}" if d.fragment else d.session
+
+
 def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
     "The inner steps `d` covers (a 2.0 node does not say: one round)."
     return max(1, d.inner_steps or rules.round_steps)
@@ -751,10 +768,12 @@ def check(
             "(a node of an earlier run: restart it with --overwrite to join this one)",
         )
     _reachable(state, path, header, reached)
+    shapes = {k: tuple(v.shape) for k, v in state.outer.momentum.items()}
     d = check_wire_delta(
-        path, tensors, header, {k: tuple(v.shape) for k, v in state.outer.momentum.items()}
+        path, tensors, header, fragment_shapes(path, header, shapes, rules.fragments)
     )
     d.norm = delta_norm(d.delta)  # once: the size record and the events reuse it
+    d.fragment = str(header.get(FRAGMENT_HEADER, ""))
     if (ratio := rules.max_delta_norm_ratio) <= 0:
         return d
     per_step, (scale, what) = d.norm / _steps_covered(d, rules), norm_scale(state)
@@ -765,7 +784,7 @@ def check(
             f"(limit distributed.max_delta_norm_ratio={ratio:g}): no training step moves a model "
             "that far",
         )
-    judged_by = state.sizes.reference(d.node_id, d.session)
+    judged_by = state.sizes.reference(d.node_id, _sized(d))
     if judged_by is not None and per_step > ratio * judged_by[0]:
         raise DeltaRejected(
             "too_large",
@@ -824,7 +843,7 @@ def judge_newcomers(
     per = {d.path: d.norm / _steps_covered(d, rules) for d in accepted}
     keep, refused = [], []
     for d in accepted:
-        new = d.path not in held and len(state.sizes.recent.get((d.node_id, d.session), ())) < 3
+        new = d.path not in held and len(state.sizes.recent.get((d.node_id, _sized(d)), ())) < 3
         others = [per[o.path] for o in accepted if o.node_id != d.node_id] + (
             [state.sizes.largest] if state.sizes.folded else []
         )
@@ -1027,7 +1046,7 @@ def fold(
     ledger, sizes = state.ledger.copy(), state.sizes.copy()
     for d in accepted:
         ledger.record(d.node_id, d.session, d.step, version, d.final)
-        sizes.record(d.node_id, d.session, d.norm / _steps_covered(d, rules))
+        sizes.record(d.node_id, _sized(d), d.norm / _steps_covered(d, rules))
     for (node, session), step in state.refusals.items():
         ledger.refuse(node, session, step)  # a session it now knows
     deletes = tuple(dict.fromkeys([d.path for d in accepted] + list(state.drop)))
@@ -1262,6 +1281,9 @@ class MasterOuterLoop:
         # commits this master makes on its repository in any `COMMIT_WINDOW_S` at most (None: no
         # bound); the coordinator gives the Hub's limit (`distributed.hub_limits`) with headroom
         commit_allowance: float | None = None,
+        # distributed.fragments above 1: the model's keys in fragments (`fragment_plan` of the
+        # model itself, whose ties a copy of its state no longer shows)
+        fragments: Sequence[Sequence[str]] = (),
         fresh: bool = False,  # a new run: a new run id, the local records of an earlier run deleted
         overwrite: bool = False,  # a fresh master deletes the files of the run a repository holds
         clock: Callable[[], float] = time.monotonic,
@@ -1289,6 +1311,7 @@ class MasterOuterLoop:
             # a node sees a global a poll late, the master its delta a poll late: four polls at
             # least
             round_floor=4 * float(poll_interval),
+            fragments=tuple(tuple(f) for f in fragments) if len(fragments) > 1 else (),
         )
         self.state = master_state(state)
         # the revision this master last listed: an unchanged head means nothing new (never its own
@@ -2174,7 +2197,8 @@ class _DeltaCollector:
             self.unfetched.discard(path)
             local, header = local_of[path], None
             try:
-                header = read_wire_header(path, local, shapes)  # before the body is read
+                # before the body is read
+                header = read_wire_header(path, local, shapes, master.rules.fragments)
                 tensors, header = load_delta(local)
                 # highest accepted
                 reached = {

@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -21,13 +21,14 @@ from ..files import atomic_write_bytes
 
 # %% auto #0
 __all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH', 'DELTA_DTYPES', 'INT8_SCALE',
-           'WIRE_ENCODINGS', 'cpu_tensor', 'cpu_state_dict', 'floating_state', 'tensor_aliases', 'save_safetensors',
-           'safetensors_bytes', 'load_safetensors', 'read_metadata', 'load_delta', 'read_safetensors_header',
-           'tensor_layout', 'metadata_json', 'delta_path', 'parse_delta_path', 'GlobalMetadata', 'utc_now',
-           'step_count_text', 'parse_step_count', 'compute_pseudo_gradient', 'encode_delta', 'decode_delta',
-           'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta_wire', 'declared_layout',
-           'read_delta_header', 'decode_dense_wire', 'check_delta', 'average_deltas', 'delta_norm', 'layer_of',
-           'layer_norms', 'state_misfit']
+           'WIRE_ENCODINGS', 'FRAGMENT_HEADER', 'cpu_tensor', 'cpu_state_dict', 'floating_state', 'tensor_aliases',
+           'save_safetensors', 'safetensors_bytes', 'load_safetensors', 'read_metadata', 'load_delta',
+           'read_safetensors_header', 'tensor_layout', 'metadata_json', 'delta_path', 'parse_delta_path',
+           'GlobalMetadata', 'utc_now', 'step_count_text', 'parse_step_count', 'compute_pseudo_gradient',
+           'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta',
+           'check_delta_wire', 'declared_layout', 'read_delta_header', 'decode_dense_wire', 'check_delta',
+           'average_deltas', 'delta_norm', 'layer_of', 'layer_norms', 'fragment_plan', 'fragment_due',
+           'fragment_shapes', 'state_misfit']
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -485,6 +486,7 @@ class CheckedDelta:
     delta: dict[str, torch.Tensor] = field(repr=False)
     wire_bytes: int = 0
     norm: float | None = None  # the L2 norm of `delta`, computed once by the master's size check
+    fragment: str = ""  # the fragment it holds ("f/F", set by the master's check; "": the whole)
 
 
 def _header_int(header: Mapping[str, str], key: str, path: str, default: int | None) -> int | None:
@@ -708,6 +710,85 @@ def layer_norms(delta: Mapping[str, torch.Tensor]) -> dict[str, float]:
     for k, v in delta.items():
         sq[layer_of(k)] = sq.get(layer_of(k), 0.0) + float(v.float().pow(2).sum())
     return {k: math.sqrt(v) for k, v in sq.items()}
+
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #bd94eaf9
+FRAGMENT_HEADER = "fragment"  # header key: "f/F", the delta holds fragment f of F (else: whole)
+
+
+def _storage_of(key: str, t: torch.Tensor) -> tuple:
+    "What a tensor tied to `t` shares with it (an empty tensor is tied to nothing)."
+    if not t.numel():
+        return (key,)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def fragment_plan(state: Mapping[str, torch.Tensor], count: int) -> tuple[tuple[str, ...], ...]:
+    """The floating keys of a model's `state` in `count` fragments of whole layers, in order and
+    about equal in elements; a tensor tied to an earlier one goes with it."""
+    layers: dict[str, list[str]] = {}
+    sizes: dict[str, int] = {}
+    owner: dict[tuple, str] = {}  # a storage -> the layer that holds it
+    for k, v in floating_state(state).items():
+        storage = _storage_of(k, v)
+        tied = storage in owner  # counted once, where its storage first appeared
+        layer = owner.setdefault(storage, layer_of(k))
+        layers.setdefault(layer, []).append(k)
+        sizes[layer] = sizes.get(layer, 0) + (0 if tied else v.numel())
+    if not 1 <= count <= len(layers):
+        raise ValueError(
+            f"distributed.fragments={count}: this model has {len(layers)} layers to split, so "
+            f"between 1 and {len(layers)} fragments"
+        )
+    total, done, plan, current = sum(sizes.values()), 0, [], []
+    names = list(layers)
+    for i, name in enumerate(names):
+        # a new fragment begins here when every later fragment needs this layer on, or when the
+        # current one ends nearer its share of the elements without it than with it
+        target, groups_left = total * (len(plan) + 1) / count, count - len(plan) - 1
+        nearer = abs(done + sizes[name] - target) > abs(done - target)
+        if current and groups_left and (nearer or len(names) - i == groups_left):
+            plan.append(tuple(current))
+            current = []
+        current += layers[name]
+        done += sizes[name]
+    return tuple(plan) + (tuple(current),)
+
+
+def fragment_due(step: int, inner_steps: int, count: int) -> int | None:
+    "The fragment a node sends at `step`: `f` at steps `k·H + f·H/F` (H: `inner_steps`), else None."
+    if inner_steps % count:
+        raise ValueError(f"{count} fragments do not divide a round of {inner_steps} steps")
+    every = inner_steps // count
+    if step <= 0 or step % every:
+        return None
+    return (step % inner_steps) // every
+
+
+def fragment_shapes(
+    path: str,
+    header: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+    plan: Sequence[Sequence[str]] = (),
+) -> dict[str, tuple[int, ...]]:
+    """The shapes the delta at `path` must hold: the whole model's `shapes`, or those of the
+    fragment its header names in the run's `plan` (refused when the plan has no such fragment)."""
+    said = header.get(FRAGMENT_HEADER)
+    if said is None:
+        return dict(shapes)
+    try:
+        f, count = (int(part) for part in str(said).split("/"))
+    except ValueError:
+        raise DeltaRejected(
+            "header", f"{path}: header {FRAGMENT_HEADER}={said!r} is not 'f/F' (two integers)"
+        ) from None
+    if count != max(1, len(plan)) or not 0 <= f < count or len(plan) < 2:
+        raise DeltaRejected(
+            "fragment",
+            f"{path}: header {FRAGMENT_HEADER}={said!r}, but this run sends the model in "
+            f"{max(1, len(plan))} fragment(s) (distributed.fragments); a node of another setting "
+            "wrote it",
+        )
+    return {k: tuple(shapes[k]) for k in plan[f] if k in shapes}
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #1790c7e6
 def state_misfit(live: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> str | None:

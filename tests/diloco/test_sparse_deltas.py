@@ -211,8 +211,9 @@ def test_a_master_and_a_worker_with_top_k_deltas_fold_every_delta_once(tmp_path)
         assert 0 < e["residual_norm"] and set(e["residual_layers"]) == set(e["layers"]), e
 
 
-def _lone_master(tmp: Path, name: str) -> Path:
-    "A master training alone with top-k deltas in whole rounds, a checkpoint at every boundary."
+def _lone_master(tmp: Path, name: str, **distributed) -> Path:
+    """A master training alone with top-k deltas in whole rounds, a checkpoint at every boundary;
+    `distributed` replaces keys of that section."""
     cfg = node_config(
         tmp,
         name,
@@ -227,6 +228,7 @@ def _lone_master(tmp: Path, name: str) -> Path:
         topk_density=0.05,
         boundary_wait=20.0,
         final_round_timeout=30,
+        **distributed,
     )
     raw = yaml.safe_load(cfg.read_text())
     raw["checkpoint"] = {"every_steps": 5, "keep_last": 2}
@@ -238,13 +240,19 @@ def _lone_master(tmp: Path, name: str) -> Path:
 # checkpoint (step 5): it failed 2 runs in 3 with two busy loops beside it, resumed with no
 # checkpoint as a new session retraining steps 1-5, until a node's run wrote a checkpoint of step 0
 # (passed twice beside a full test run since, at a load of 3.3 on 2 cores)
-def test_a_node_killed_ten_times_sends_the_deltas_of_one_never_killed(tmp_path):
-    """kill -9 at random moments, `--resume` each time: the residual top-k leaves behind, restored
-    from the checkpoint with the rest of the node's state, makes the same deltas as an uninterrupted
-    node's, so both runs end on the same global model, bit for bit."""
-    calm = _lone_master(tmp_path, "calm")
+@pytest.mark.parametrize(
+    "distributed",
+    [{}, {"inner_steps": 10, "fragments": 2}],  # whole deltas; two fragments, one every 5 steps
+    ids=["whole", "fragments"],
+)
+def test_a_node_killed_ten_times_sends_the_deltas_of_one_never_killed(tmp_path, distributed):
+    """kill -9 at random moments, `--resume` each time: the residual top-k leaves behind (and, with
+    fragments, the fragment each step sends), restored from the checkpoint with the rest of the
+    node's state, makes the same deltas as an uninterrupted node's, so both runs end on the same
+    global model, bit for bit."""
+    calm = _lone_master(tmp_path, "calm", **distributed)
     finish(launch(calm))
-    killed, rng, kills = _lone_master(tmp_path, "killed"), random.Random(7), 0
+    killed, rng, kills = _lone_master(tmp_path, "killed", **distributed), random.Random(7), 0
     proc = launch(killed)
     jsonl = tmp_path / "killed" / "metrics.jsonl"
     while kills < 10:
@@ -268,6 +276,9 @@ def test_a_node_killed_ten_times_sends_the_deltas_of_one_never_killed(tmp_path):
     assert calm_global.keys() == killed_global.keys()
     different = [k for k in calm_global if not torch.equal(calm_global[k], killed_global[k])]
     assert not different, (different, where_the_kills_landed(jsonl))
+    if distributed:  # it did send its model one fragment at a time
+        sent = {e.get("fragment") for e in events(jsonl, "delta_upload_queued")}
+        assert {"0/2", "1/2"} <= sent, sent
 
 
 def where_the_kills_landed(jsonl: Path) -> str:

@@ -265,6 +265,42 @@ def test_bench_diloco_encodings_prints_and_saves_one_row_per_encoding(tmp_path):
     assert saved.split("\n", 1)[1] in res.stdout
 
 
+def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_path):
+    """bench/bench_diloco.py --fragments, 2 nodes x 40 steps of a 4-layer model: a row per fragment
+    count after the baseline's, each with its uploads' bytes; four fragments upload less at a time
+    than whole deltas, as much per round; the table written to --save under the command."""
+    save = tmp_path / "fragments.txt"
+    res = subprocess.run(
+        [sys.executable, "bench/bench_diloco.py", "--fragments", "--seeds", "1", "--steps", "40"]
+        + ["--inner-steps", "20", "--nodes", "2", "--layers", "4", "--save", str(save)],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {
+        int(m["count"]): [float(x.rstrip("x")) for x in m["numbers"].split()]
+        for m in re.finditer(
+            r"^F = (?P<count>\d): topk 3% 2-bit \+ feedback 0.9 +(?P<numbers>[\d. x]+)$",
+            res.stdout,
+            re.M,
+        )
+    }
+    assert sorted(rows) == [1, 2, 4], res.stdout
+    # upload kB, round kB, peak kB, peak/F=1, last kB, held-out, vs sync, vs F=1, wall s
+    upload, round_kb, peak, share, last = (rows[4][i] for i in range(5))
+    assert peak < 0.5 * rows[1][2] and share < 0.5 and upload < rows[1][0], res.stdout
+    assert abs(round_kb - rows[1][1]) < 0.25 * rows[1][1], res.stdout  # the model, once a round
+    assert abs(last - rows[1][4]) < 0.25 * rows[1][4], res.stdout  # the last delta is whole
+    assert rows[1][3] == 1.0 and all(r[5] > 0 for r in rows.values()), res.stdout
+    assert re.search(r"^synchronous baseline", res.stdout, re.M), res.stdout
+    saved = save.read_text()
+    assert saved.startswith("python bench/bench_diloco.py --fragments --fragment-counts 1,2,4 ")
+    assert saved.split("\n", 1)[1] in res.stdout
+
+
 def test_bench_diloco_hub_limit_compares_the_layouts_under_a_commit_limit(tmp_path):
     """bench/bench_diloco.py --hub-limit, 3 nodes x 20 steps of whole rounds on the Hub stand-in:
     a row per layout asked for, each folding every delta its nodes uploaded, the per-node one under
