@@ -31,7 +31,8 @@ from .precision import resolve_device
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'watch_peers', 'World', 'world_from_env',
            'accumulation_per_rank', 'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process',
            'PeerLost', 'peer_lost', 'block_modules', 'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide',
-           'raised_together', 'merge_boundaries', 'saved_world_size', 'derived_rng', 'GroupCoordinator', 'StateReplica']
+           'raised_together', 'merge_boundaries', 'saved_world_size', 'derived_rng', 'GroupCoordinator', 'tied_names',
+           'StateReplica']
 
 # %% ../nbs/torchrun/01_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -1003,7 +1004,8 @@ class GroupCoordinator:
         if world.backend is None or not world.fsdp:
             return cls(world.on_writer(lambda: build(model)), world, model)
         whole = world.gather_whole(model)
-        replica = StateReplica(whole) if world.writes else None
+        # tied weights stay one tensor: the coordinator's fragment plan sees them as other nodes'
+        replica = StateReplica(whole, tied_names(model)) if world.writes else None
         inner = world.on_writer(lambda: build(replica))
         # fsdp: the weights meet the coordinator every `sync_every` steps
         steps = world.share(getattr(inner, "sync_every", None))
@@ -1082,15 +1084,29 @@ class GroupCoordinator:
             self.load_state_dict(state)
 
 # %% ../nbs/torchrun/01_parallel.ipynb #ae828bb8
+def tied_names(model: nn.Module) -> dict[str, str]:
+    "The parameters of `model` that are an earlier one (tied weights): `{name: earlier name}`."
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
 class StateReplica(nn.Module):
     """A plain CPU module whose state dict has a whole model's keys and tensors: what rank 0's
-    DiLoCo coordinator works on under fsdp."""
+    DiLoCo coordinator works on under fsdp; a key in `tied` holds its earlier key's tensor, as the
+    model's tied weights are one tensor (the gathered state has a copy for each name)."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor]):
+    def __init__(self, state: Mapping[str, torch.Tensor], tied: Mapping[str, str] | None = None):
         super().__init__()
+        self.tied = {k: v for k, v in (tied or {}).items() if k in state and v in state}
         for key, tensor in state.items():
             owner, name = self._owner(key, create=True)
-            owner.register_buffer(name, tensor)
+            owner.register_buffer(name, state[self.tied.get(key, key)])
 
     def _owner(self, key: str, create: bool = False) -> tuple[nn.Module, str]:
         "The submodule holding `key`'s tensor, and the tensor's name in it."
@@ -1111,7 +1127,7 @@ class StateReplica(nn.Module):
             )
         for key, tensor in state.items():
             owner, name = self._owner(key)
-            setattr(owner, name, tensor)
+            setattr(owner, name, state[self.tied.get(key, key)])
 
 # %% ../nbs/torchrun/01_parallel.ipynb #33cd4b48
 def _gather_whole(world: World, model: nn.Module) -> dict[str, torch.Tensor]:

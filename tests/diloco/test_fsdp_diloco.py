@@ -60,6 +60,7 @@ def node(
     micro: int,
     steps: int = STEPS,
     nodes: int = 2,
+    fragments: int = 1,
     **sections,
 ) -> Path:
     return write_config(
@@ -77,7 +78,9 @@ def node(
             "node_id": name,
             "transport": "directory",
             "repo_id": str(tmp / "repo"),
-            "inner_steps": ROUND,
+            # with fragments: a fragment every ROUND steps
+            "inner_steps": ROUND * fragments,
+            "fragments": fragments,
             "poll_interval": 0.2,
             "shard_count": nodes,
             "shard_index": index,
@@ -90,13 +93,14 @@ def node(
     )
 
 
-def run_nodes(tmp: Path, strategy: str) -> dict:
+def run_nodes(tmp: Path, strategy: str, fragments: int = 1) -> dict:
     """The 2-rank master (`strategy`) and the one-process worker, started together; the final global
     and each rank's weights."""
     from speedtronic.distributed.tensors import GLOBAL_MODEL_PATH, load_safetensors
 
-    master = node(tmp, "master", "master", 0, micro=2, parallel={"strategy": strategy})
-    worker = node(tmp, "worker", "worker", 1, micro=4)
+    parallel = {"strategy": strategy}
+    master = node(tmp, "master", "master", 0, 2, fragments=fragments, parallel=parallel)
+    worker = node(tmp, "worker", "worker", 1, micro=4, fragments=fragments)
     (tmp / "driver.py").write_text(DRIVER)
     job = subprocess.Popen(
         [
@@ -259,6 +263,22 @@ def resetting_job(tmp: Path, name: str, strategy: str, steps: int, resume: bool 
         timeout=180,
     )
     return tmp / f"{name}.jsonl"
+
+
+def test_an_fsdp_node_sends_the_fragments_a_one_process_node_sends(tmp_path):
+    """distributed.fragments with a tied model: the fsdp master plans its fragments on its replica,
+    which keeps the head tied to the embedding as the worker's model does, so both cut the model
+    alike: each sends a fragment every 5 steps and its last delta whole, and none is refused."""
+    run_nodes(tmp_path, "fsdp", fragments=2)
+    for name in ("master", "worker"):
+        queued = jsonl_records(tmp_path / f"{name}.jsonl", "delta_upload_queued")
+        sent = [(e["step"], e.get("fragment")) for e in queued]
+        assert sent == [(5, "1/2"), (10, "0/2"), (15, "1/2"), (20, None)], (name, sent)
+    assert not jsonl_records(tmp_path / "master.jsonl", "delta_rejected")
+    folded = [e["folded"] for e in jsonl_records(tmp_path / "master.jsonl", "outer_step")]
+    assert sorted(tuple(x) for f in folded for x in f) == [
+        (n, s) for n in ("master", "worker") for s in (5, 10, 15, 20)
+    ], folded
 
 
 def test_a_reset_optimizer_stays_fresh_through_a_sharded_checkpoint(tmp_path):
