@@ -403,35 +403,48 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
     show_table(lambda: _encodings_table(rows), args.save, heading)
 
 
-# the encoding of the fragments table: the best of the encodings table under 1/32 of float32
-FRAGMENTS_ENCODING = ("topk", (0.03, 2), 0.9)
+# the fragments table's encodings: exact deltas, and the best of the encodings table under 1/32 of
+# float32's bytes
+FRAGMENTS_ENCODINGS = [("float32", None, 1.0), ("topk", (0.03, 2), 0.9)]
 
 
 def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
-    """The fragments table: per seed the synchronous baseline, then lockstep DiLoCo with the best
-    encoding sending its model whole (F = 1) and in each of `args.fragment_counts` fragments."""
+    """The fragments table: per seed the synchronous baseline, then lockstep DiLoCo in each
+    encoding of `FRAGMENTS_ENCODINGS`, each node sending its model whole (F = 1) and in each of
+    `args.fragment_counts` fragments."""
     rows: dict[str, list[dict]] = {}
     counts = [int(c) for c in args.fragment_counts.split(",") if c.strip()]
     if uneven := [c for c in counts if args.inner_steps % c]:
         raise SystemExit(
             f"--fragment-counts {uneven} do not divide --inner-steps {args.inner_steps}"
         )
-    encoding, topk, decay = FRAGMENTS_ENCODING
+    counts = sorted(set(counts) | {1})  # each encoding's whole run is its rows' reference
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
-        runs = []
-        for count in counts:
-            run = run_lockstep(
-                args, here / f"f{count}", train, held, encoding, topk, decay=decay, fragments=count
-            )
-            run["name"] = f"F = {count}: {encoding_name(encoding, topk, decay)}"
-            runs.append(run)
-        whole = next((r for r, c in zip(runs, counts) if c == 1), runs[0])
-        for r in [base] + runs:
-            rows.setdefault(r["name"], []).append(
-                {**r, "ratio": r["loss"] / base["loss"], "vs_whole": r["loss"] / whole["loss"]}
-            )
+        runs = [{**base, "ratio": 1.0}]
+        for e, (encoding, topk, decay) in enumerate(FRAGMENTS_ENCODINGS):
+            mine = []
+            for count in counts:
+                run = run_lockstep(
+                    args,
+                    here / f"e{e}f{count}",
+                    train,
+                    held,
+                    encoding,
+                    topk,
+                    decay,
+                    fragments=count,
+                )
+                run["name"] = f"F = {count}: {encoding_name(encoding, topk, decay)}"
+                mine.append(run)
+            for run in mine:  # against the same encoding's whole deltas
+                run["vs_whole"] = run["loss"] / mine[0]["loss"]
+                run["peak_share"] = run["peak_kb"] / mine[0]["peak_kb"]
+                run["ratio"] = run["loss"] / base["loss"]
+            runs += mine
+        for r in runs:
+            rows.setdefault(r["name"], []).append(r)
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
     heading = (
         f"python bench/bench_diloco.py --fragments --fragment-counts {args.fragment_counts} "
@@ -444,19 +457,18 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
 
 
 def _fragments_table(rows: dict[str, list[dict]]) -> None:
-    whole = next((runs for name, runs in rows.items() if name.startswith("F = 1:")), None)
-    peak = sum(r["peak_kb"] for r in whole) / len(whole) if whole else None
     has_bytes = lambda runs: "peak_kb" in runs[0]
     columns = [
         ("upload kB", 9, mean_cell("delta_kb", "9.1f", shown=has_bytes)),
         ("round kB", 8, mean_cell("round_kb", "8.1f", shown=has_bytes)),
         ("peak kB", 7, mean_cell("peak_kb", "7.1f", shown=has_bytes)),
-        ("peak/F=1", 8, mean_cell(lambda m: m("peak_kb") / peak, "8.2f", "", has_bytes)),
+        ("peak/F=1", 8, mean_cell("peak_share", "8.2f", shown=has_bytes)),
         ("last kB", 7, mean_cell("last_kb", "7.1f", shown=has_bytes)),
         ("held-out", 8, mean_cell("loss", "8.4f")),
         ("vs sync", 7, mean_cell("ratio", "6.3f", "x")),
         ("range", 13, lambda m, r: f"{spread(r, 'ratio'):>13s}"),
         ("vs F=1", 7, mean_cell("vs_whole", "6.3f", "x", has_bytes)),
+        ("range", 13, lambda m, r: f"{spread(r, 'vs_whole') if has_bytes(r) else '':>13s}"),
         ("wall s", 6, mean_cell("wall", "6.0f")),
     ]
     runs_table(
@@ -465,14 +477,14 @@ def _fragments_table(rows: dict[str, list[dict]]) -> None:
         columns,
         "upload kB = one delta file (safetensors with its header), the mean over a run's uploads; "
         "round kB = what one node uploads per round of inner steps; peak kB = its largest upload "
-        "before its last; last kB = its last delta, which holds all it has not sent (with "
-        "fragments, every fragment's steps since its last turn: once a run); "
-        "held-out = the final global's loss; vs sync = against the same seed's synchronous "
-        "baseline, range over the seeds; vs F=1 = against the same seed's run sending whole "
-        "deltas. F fragments: a node sends one fragment of its model (whole layers, "
-        "distributed.fragments) every inner_steps / F steps, each folded and installed on its "
-        "own; its last delta is whole. Lockstep = every fold takes every node's delta (one "
-        "process).",
+        "before its last, peak/F=1 = against the same encoding's whole deltas; last kB = its last "
+        "delta, which holds all it has not sent (with fragments, every fragment's steps since its "
+        "last turn: once a run); held-out = the final global's loss; vs sync = against the same "
+        "seed's synchronous baseline; vs F=1 = against the same seed's run in the same encoding "
+        "sending whole deltas; ranges over the seeds. F fragments: a node sends one fragment of "
+        "its model (whole layers, distributed.fragments) every inner_steps / F steps, each folded "
+        "and installed on its own; its last delta is whole. Lockstep = every fold takes every "
+        "node's delta (one process).",
     )
 
 

@@ -267,8 +267,9 @@ def test_bench_diloco_encodings_prints_and_saves_one_row_per_encoding(tmp_path):
 
 def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_path):
     """bench/bench_diloco.py --fragments, 2 nodes x 40 steps of a 4-layer model: a row per fragment
-    count after the baseline's, each with its uploads' bytes; four fragments upload less at a time
-    than whole deltas, as much per round; the table written to --save under the command."""
+    count and encoding (float32, top-k) after the baseline's, each with its uploads' bytes; four
+    fragments upload less at a time than whole deltas, as much per round; the table written to
+    --save under the command."""
     save = tmp_path / "fragments.txt"
     res = subprocess.run(
         [sys.executable, "bench/bench_diloco.py", "--fragments", "--seeds", "1", "--steps", "40"]
@@ -291,6 +292,7 @@ def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_pa
     assert sorted(rows) == [1, 2, 4], res.stdout
     # upload kB, round kB, peak kB, peak/F=1, last kB, held-out, vs sync, vs F=1, wall s
     upload, round_kb, peak, share, last = (rows[4][i] for i in range(5))
+    assert len(re.findall(r"^F = \d: float32 ", res.stdout, re.M)) == 3, res.stdout
     assert peak < 0.5 * rows[1][2] and share < 0.5 and upload < rows[1][0], res.stdout
     assert abs(round_kb - rows[1][1]) < 0.25 * rows[1][1], res.stdout  # the model, once a round
     assert abs(last - rows[1][4]) < 0.25 * rows[1][4], res.stdout  # the last delta is whole
