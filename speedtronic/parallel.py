@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,8 +31,8 @@ from .precision import resolve_device
 __all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'watch_peers', 'World', 'world_from_env',
            'accumulation_per_rank', 'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process',
            'PeerLost', 'peer_lost', 'block_modules', 'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide',
-           'raised_together', 'merge_boundaries', 'saved_world_size', 'derived_rng', 'GroupCoordinator', 'tied_names',
-           'StateReplica']
+           'raised_together', 'merge_boundaries', 'saved_world_size', 'derived_rng', 'NodeCoordinator',
+           'GroupCoordinator', 'tied_names', 'StateReplica']
 
 # %% ../nbs/torchrun/01_parallel.ipynb #a7cc76e1
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -965,13 +965,29 @@ def _share_weights(world: World, module: nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 # %% ../nbs/torchrun/01_parallel.ipynb #c0732a16
+class NodeCoordinator(Protocol):
+    "What `GroupCoordinator` calls on rank 0's DiLoCo node (`DumbDiLoCoCoordinator`)."
+
+    installs: int  # globals installed so far: a change means the weights must reach every rank
+    sync_every: int  # steps between the node's uploads (a round, or a fragment's turn)
+
+    def start(self) -> None: ...
+    def after_optimizer_step(self, model: nn.Module, step: int) -> Any: ...
+    def finish(self, model: nn.Module, step: int) -> None: ...
+    def stop(self) -> None: ...
+    def state_dict(self) -> dict | None: ...
+    def load_state_dict(self, state: dict | None) -> None: ...
+    def prepare_state(self, state: dict | None) -> None: ...
+    def set_target(self, step: int) -> None: ...
+
+
 class GroupCoordinator:
     """A DiLoCo node that is a torchrun job: `inner` (built on rank 0 only, `None` elsewhere) runs
     there; its weights reach every rank."""
 
     def __init__(
         self,
-        inner: Any,
+        inner: NodeCoordinator | None,
         world: World,
         model: nn.Module,
         replica: nn.Module | None = None,
@@ -997,7 +1013,7 @@ class GroupCoordinator:
 
     @classmethod
     def build(
-        cls, build: Callable[[nn.Module], Any], world: World, model: nn.Module
+        cls, build: Callable[[nn.Module], NodeCoordinator], world: World, model: nn.Module
     ) -> GroupCoordinator:
         """`build(module)` on rank 0 (`model`, or under fsdp a `StateReplica` of its gathered
         weights), wrapped for the job."""
@@ -1008,7 +1024,7 @@ class GroupCoordinator:
         replica = StateReplica(whole, tied_names(model)) if world.writes else None
         inner = world.on_writer(lambda: build(replica))
         # fsdp: the weights meet the coordinator every `sync_every` steps
-        steps = world.share(getattr(inner, "sync_every", None))
+        steps = world.share(inner.sync_every if inner is not None else None)
         return cls(inner, world, model, replica, steps)
 
     @property
@@ -1027,12 +1043,10 @@ class GroupCoordinator:
                 self.replica.hold(whole)
         module = self.replica if self.sharded else model
 
-        def run():
-            before = getattr(self.inner, "installs", None)
+        def run():  # on rank 0, where `inner` is
+            before = self.inner.installs
             answer = fn(module)
-            return answer, always or before is None or getattr(
-                self.inner, "installs", None
-            ) != before
+            return answer, always or self.inner.installs != before
 
         answer, changed = self.world.from_writer(run)
         if changed and self.sharded:
@@ -1052,10 +1066,7 @@ class GroupCoordinator:
         return bool(self._then_share(lambda m: self.inner.after_optimizer_step(m, step), model))
 
     def finish(self, model: nn.Module, step: int) -> None:
-        finish = getattr(self.inner, "finish", None)
-        self._then_share(
-            lambda m: finish(m, step) if callable(finish) else None, model, always=True
-        )
+        self._then_share(lambda m: self.inner.finish(m, step), model, always=True)
 
     def stop(self) -> None:  # no collective: a rank may stop while the others are failing
         if self.inner is not None:
@@ -1070,18 +1081,13 @@ class GroupCoordinator:
 
     def set_target(self, step: int) -> None:
         "The step the fit trains to, for rank 0's coordinator (the delta of that step is its last)."
-        set_target = getattr(self.inner, "set_target", None)
-        if callable(set_target):
-            set_target(step)
+        if self.inner is not None:
+            self.inner.set_target(step)
 
     def prepare_state(self, state: dict | None) -> None:
-        """Give a checkpoint's coordinator state to rank 0's coordinator before `start` (when it can
-        take it so)."""
-        prepare = getattr(self.inner, "prepare_state", None)
-        if callable(prepare):
-            prepare(state)
-        else:
-            self.load_state_dict(state)
+        "Give a checkpoint's coordinator state to rank 0's coordinator before `start`."
+        if self.inner is not None:
+            self.inner.prepare_state(state)
 
 # %% ../nbs/torchrun/01_parallel.ipynb #ae828bb8
 def tied_names(model: nn.Module) -> dict[str, str]:
