@@ -955,7 +955,9 @@ class _Installs:
             if due is None or self.node.state.step < due[2]:
                 return None
             self.rebase = None
-        return self.install(*due, keep_progress=boundary)  # after `at_boundary`: nothing unsent
+        # at a boundary, after `at_boundary`: the sent progress is in the global, the unsent (other
+        # fragments') is kept on top of it
+        return self.install(*due, keep_progress=boundary)
 
     def reach(self) -> int:
         "The newest step of this session in a global this node accepted (-1: none)."
