@@ -394,12 +394,7 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
                 {**r, "ratio": r["loss"] / base["loss"], "vs_f32": r["loss"] / own}
             )
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
-    heading = (
-        f"python bench/bench_diloco.py --encodings --seeds {','.join(map(str, seeds))} --steps "
-        f"{args.steps} --inner-steps {args.inner_steps} --width {args.width}: {args.nodes} nodes, "
-        f"node batch {args.batch} x {args.block} bytes, outer lr {args.outer_lr:g} momentum "
-        f"{args.outer_momentum:g}\n"
-    )
+    heading = lockstep_heading(args, seeds, "--encodings", f"--width {args.width}")
     show_table(lambda: _encodings_table(rows), args.save, heading)
 
 
@@ -446,13 +441,8 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
         for r in runs:
             rows.setdefault(r["name"], []).append(r)
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
-    heading = (
-        f"python bench/bench_diloco.py --fragments --fragment-counts {args.fragment_counts} "
-        f"--seeds {','.join(map(str, seeds))} --steps {args.steps} --inner-steps "
-        f"{args.inner_steps} --width {args.width} --layers {args.layers}: {args.nodes} nodes, "
-        f"node batch {args.batch} x {args.block} bytes, outer lr {args.outer_lr:g} momentum "
-        f"{args.outer_momentum:g}\n"
-    )
+    flags = f"--fragments --fragment-counts {args.fragment_counts}"
+    heading = lockstep_heading(args, seeds, flags, f"--width {args.width} --layers {args.layers}")
     show_table(lambda: _fragments_table(rows), args.save, heading)
 
 
@@ -485,6 +475,17 @@ def _fragments_table(rows: dict[str, list[dict]]) -> None:
         "its model (whole layers, distributed.fragments) every inner_steps / F steps, each folded "
         "and installed on its own; its last delta is whole. Lockstep = every fold takes every "
         "node's delta (one process).",
+    )
+
+
+def lockstep_heading(args, seeds: list[int], flags: str, model: str) -> str:
+    """The line a saved lockstep table (--encodings, --fragments) starts with: the command that
+    made it (`flags`, then the seeds, steps, rounds and `model` flags), then the setting."""
+    return (
+        f"python bench/bench_diloco.py {flags} --seeds {','.join(map(str, seeds))} --steps "
+        f"{args.steps} --inner-steps {args.inner_steps} {model}: {args.nodes} nodes, node batch "
+        f"{args.batch} x {args.block} bytes, outer lr {args.outer_lr:g} momentum "
+        f"{args.outer_momentum:g}\n"
     )
 
 
