@@ -5,6 +5,19 @@ import re, subprocess, sys
 
 from conftest import ROOT, cli_env
 
+
+def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    "`python bench/<script> *args` from the repository root in the CLI's environment, captured."
+    return subprocess.run(
+        [sys.executable, f"bench/{script}", *args],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 PARTS = [
     "move + count the batch",
     "autocast + gradient-sync contexts",
@@ -18,23 +31,7 @@ PARTS = [
 
 
 def test_bench_trainer_prints_the_ratio_the_overhead_and_its_breakdown():
-    res = subprocess.run(
-        [
-            sys.executable,
-            "bench/bench_trainer.py",
-            "--rounds",
-            "1",
-            "--steps",
-            "3",
-            "--warmup",
-            "1",
-        ],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = run_bench("bench_trainer.py", "--rounds", "1", "--steps", "3", "--warmup", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert re.search(
@@ -74,14 +71,7 @@ def test_bench_recipe_prints_our_held_out_loss_and_cpu_seconds_beside_nanogpts(t
     )
 
     def bench(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "bench/bench_recipe.py", *args],
-            cwd=ROOT,
-            env=cli_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return run_bench("bench_recipe.py", *args)
 
     res = bench("--text", str(text), "--steps", "4")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -140,14 +130,7 @@ def test_bench_compression_prints_bytes_per_round_and_the_summed_error_per_encod
     deltas without and with error feedback; a bad argument is one line and exit 2."""
 
     def bench(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "bench/bench_compression.py", *args],
-            cwd=ROOT,
-            env=cli_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return run_bench("bench_compression.py", *args)
 
     res = bench("--rounds", "2", "--inner-steps", "1", "--d-model", "64")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -185,14 +168,7 @@ def test_bench_sim_diloco_prints_the_budget_its_verdict_and_the_hourly_table():
     line and exit 2."""
 
     def bench(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "bench/sim_diloco.py", *args],
-            cwd=ROOT,
-            env=cli_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return run_bench("sim_diloco.py", *args)
 
     res = bench("--nodes", "3", "--hours", "0.25", "--params", "256")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -226,15 +202,8 @@ def test_bench_diloco_encodings_prints_and_saves_one_row_per_encoding(tmp_path):
     encoding (and Muon's two), each delta's bytes and how many times smaller than float32's, the
     same table written to --save under the command that made it."""
     save = tmp_path / "encodings.txt"
-    res = subprocess.run(
-        [sys.executable, "bench/bench_diloco.py", "--encodings", "--seeds", "1", "--steps", "20"]
-        + ["--inner-steps", "10", "--nodes", "2", "--save", str(save)],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    argv = "--encodings --seeds 1 --steps 20 --inner-steps 10 --nodes 2".split()
+    res = run_bench("bench_diloco.py", *argv, "--save", str(save), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [
         (m["name"], m["inner"], float(m["kb"]))
@@ -271,15 +240,8 @@ def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_pa
     fragments upload less at a time than whole deltas, as much per round; the table written to
     --save under the command."""
     save = tmp_path / "fragments.txt"
-    res = subprocess.run(
-        [sys.executable, "bench/bench_diloco.py", "--fragments", "--seeds", "1", "--steps", "40"]
-        + ["--inner-steps", "20", "--nodes", "2", "--layers", "4", "--save", str(save)],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    argv = "--fragments --seeds 1 --steps 40 --inner-steps 20 --nodes 2 --layers 4".split()
+    res = run_bench("bench_diloco.py", *argv, "--save", str(save), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {
         int(m["count"]): [float(x.rstrip("x")) for x in m["numbers"].split()]
@@ -308,14 +270,14 @@ def test_bench_diloco_hub_limit_compares_the_layouts_under_a_commit_limit(tmp_pa
     a row per layout asked for, each folding every delta its nodes uploaded, the per-node one under
     the limit meeting no refusal; the table written to --save under the command that made it."""
     save = tmp_path / "layouts.txt"
-    res = subprocess.run(
-        [sys.executable, "bench/bench_diloco.py", "--hub-limit", "12/20", "--seeds", "1"]
-        + ["--steps", "20", "--inner-steps", "5", "--nodes", "3", "--save", str(save)]
-        + ["--layout-rows", "one-repo,per-node"],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
+    argv = "--hub-limit 12/20 --seeds 1 --steps 20 --inner-steps 5 --nodes 3".split()
+    res = run_bench(
+        "bench_diloco.py",
+        *argv,
+        "--save",
+        str(save),
+        "--layout-rows",
+        "one-repo,per-node",
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
@@ -340,15 +302,8 @@ def test_bench_diloco_straggler_prints_the_rounds_with_a_throttled_node(tmp_path
     """bench/bench_diloco.py --straggler 3, 3 nodes x 40 steps of whole rounds on a shared
     directory: the three rows (every node at full speed, the last worker throttled to a third, left
     out), each with its mean and longest round; the throttled worker's fewer deltas folded."""
-    res = subprocess.run(
-        [sys.executable, "bench/bench_diloco.py", "--straggler", "3", "--seeds", "1"]
-        + ["--steps", "40", "--inner-steps", "5", "--nodes", "3"],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    argv = "--straggler 3 --seeds 1 --steps 40 --inner-steps 5 --nodes 3".split()
+    res = run_bench("bench_diloco.py", *argv, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
     found = {
         m["name"]: float(m["folded"])
