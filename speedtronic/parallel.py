@@ -1110,7 +1110,7 @@ class StateReplica(nn.Module):
     def __init__(self, state: Mapping[str, torch.Tensor], tied: Mapping[str, str] | None = None):
         super().__init__()
         self.tied = {k: v for k, v in (tied or {}).items() if k in state and v in state}
-        for key, tensor in state.items():
+        for key in state:
             owner, name = self._owner(key, create=True)
             owner.register_buffer(name, state[self.tied.get(key, key)])
 
@@ -1131,7 +1131,7 @@ class StateReplica(nn.Module):
                 f"the gathered state does not fit the replica: missing {sorted(want - got)[:4]}, "
                 f"extra {sorted(got - want)[:4]}"
             )
-        for key, tensor in state.items():
+        for key in state:
             owner, name = self._owner(key)
             setattr(owner, name, state[self.tied.get(key, key)])
 

@@ -781,7 +781,7 @@ def fragment_shapes(
         raise DeltaRejected(
             "header", f"{path}: header {FRAGMENT_HEADER}={said!r} is not 'f/F' (two integers)"
         ) from None
-    if count != max(1, len(plan)) or not 0 <= f < count or len(plan) < 2:
+    if len(plan) < 2 or count != len(plan) or not 0 <= f < count:
         raise DeltaRejected(
             "fragment",
             f"{path}: header {FRAGMENT_HEADER}={said!r}, but this run sends the model in "
