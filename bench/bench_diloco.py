@@ -219,11 +219,13 @@ def run_lockstep(
     work: Path,
     train: Path,
     held: Path,
+    *,
     encoding: str | None = None,
     topk: tuple[float, int] | None = None,
     optimizer: str = "adamw",
     decay: float | None = 1.0,
     fragments: int = 1,
+    mixing: float = 0.0,
 ) -> dict:
     """Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta
     folded at once, none stale. Each node is the library's own node state (`at_boundary` sends,
@@ -232,7 +234,10 @@ def run_lockstep(
     (distributed.feedback_decay; None: no feedback)) and the fold gets what the master decodes;
     `topk` is (density, bits). With `fragments` above 1 a node sends one fragment of its model
     every inner_steps / fragments steps (`fragment_plan`), its last delta whole, and every
-    fragment is folded and installed on its own."""
+    fragment is folded and installed on its own. `mixing` is distributed.mixing (α): each install
+    blends the global with the node's base."""
+    if optimizer not in ("adamw", "muon"):
+        raise ValueError(f"run_lockstep: optimizer {optimizer!r} is neither 'adamw' nor 'muon'")
     from dataclasses import replace
 
     from speedtronic.distributed.compression import TopK
@@ -315,7 +320,7 @@ def run_lockstep(
         version += 1
         for i, trainer in enumerate(nodes):
             weights = cpu_state_dict(trainer.model.state_dict())
-            sent[i], install = on_global(sent[i], version, state, end, weights)
+            sent[i], install = on_global(sent[i], version, state, end, weights, mixing=mixing)
             trainer.model.load_state_dict(install.weights)
             if args.reset_inner and install.reset:
                 trainer.optimizer.state.clear()
@@ -330,11 +335,22 @@ def run_lockstep(
         name = f"lockstep {encoding_name(encoding, topk, decay)}, {optimizer} inner"
     if plan:
         name += f", {fragments} fragments"
+    if mixing:
+        name += f", mixing {mixing:g}"
     every_upload = [b for node in sizes for b in node]
     # before its last delta (with fragments a whole one: what it had not sent yet)
     steady = [b for node in sizes for b in node[:-1]] or every_upload
     return {
         "name": name,
+        # what this run did, for a table's row name (never the caller's idea of it)
+        "settings": {
+            "encoding": encoding,
+            "topk": topk,
+            "decay": decay,
+            "optimizer": optimizer,
+            "fragments": max(1, len(plan)),
+            "mixing": mixing,
+        },
         "loss": held_out_loss(cfg, state, held),
         "wall": time.perf_counter() - start,
         **(
@@ -380,12 +396,23 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
         runs = [
-            run_lockstep(args, here / f"enc{i}", train, held, e, k, decay=f)
+            run_lockstep(args, here / f"enc{i}", train, held, encoding=e, topk=k, decay=f)
             for i, (e, k, f) in enumerate(ENCODING_ROWS)
         ]
-        runs.append(run_lockstep(args, here / "muon32", train, held, "float32", None, "muon"))
+        runs.append(
+            run_lockstep(args, here / "muon32", train, held, encoding="float32", optimizer="muon")
+        )
         runs.append(  # with the best adamw encoding
-            run_lockstep(args, here / "muon", train, held, "topk", (0.03, 2), "muon", decay=0.9)
+            run_lockstep(
+                args,
+                here / "muon",
+                train,
+                held,
+                encoding="topk",
+                topk=(0.03, 2),
+                optimizer="muon",
+                decay=0.9,
+            )
         )
         exact = {"adamw": runs[0]["loss"], "muon": runs[-2]["loss"]}  # each optimizer's float32
         for r in [base] + runs:
@@ -406,7 +433,8 @@ FRAGMENTS_ENCODINGS = [("float32", None, 1.0), ("topk", (0.03, 2), 0.9)]
 def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
     """The fragments table: per seed the synchronous baseline, then lockstep DiLoCo in each
     encoding of `FRAGMENTS_ENCODINGS`, each node sending its model whole (F = 1) and in each of
-    `args.fragment_counts` fragments."""
+    `args.fragment_counts` fragments, then whole and in the most fragments at each `args.mixing`
+    above 0."""
     rows: dict[str, list[dict]] = {}
     counts = [int(c) for c in args.fragment_counts.split(",") if c.strip()]
     if uneven := [c for c in counts if args.inner_steps % c]:
@@ -420,18 +448,26 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
         runs = [{**base, "ratio": 1.0}]
         for e, (encoding, topk, decay) in enumerate(FRAGMENTS_ENCODINGS):
             mine = []
-            for count in counts:
+            mixings = [float(m) for m in args.mixing.split(",") if float(m) > 0]
+            mixed = [(c, m) for m in mixings for c in dict.fromkeys((counts[0], counts[-1]))]
+            for count, mixing in [(c, 0.0) for c in counts] + mixed:
                 run = run_lockstep(
                     args,
-                    here / f"e{e}f{count}",
+                    here / f"e{e}f{count}m{mixing:g}",
                     train,
                     held,
-                    encoding,
-                    topk,
-                    decay,
+                    encoding=encoding,
+                    topk=topk,
+                    decay=decay,
                     fragments=count,
+                    mixing=mixing,
                 )
-                run["name"] = f"F = {count}: {encoding_name(encoding, topk, decay)}"
+                did = run["settings"]
+                alpha = f", α {did['mixing']:g}" if did["mixing"] else ""
+                run["name"] = (
+                    f"F = {did['fragments']}{alpha}: "
+                    f"{encoding_name(did['encoding'], did['topk'], did['decay'])}"
+                )
                 mine.append(run)
             for run in mine:  # against the same encoding's whole deltas
                 run["vs_whole"] = run["loss"] / mine[0]["loss"]
@@ -441,7 +477,7 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
         for r in runs:
             rows.setdefault(r["name"], []).append(r)
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
-    flags = f"--fragments --fragment-counts {args.fragment_counts}"
+    flags = f"--fragments --fragment-counts {args.fragment_counts} --mixing {args.mixing}"
     heading = lockstep_heading(args, seeds, flags, f"--width {args.width} --layers {args.layers}")
     show_table(lambda: _fragments_table(rows), args.save, heading)
 
@@ -1048,6 +1084,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--fragment-counts", default="1,2,4", help="--fragments: the fragment counts compared"
+    )
+    parser.add_argument(
+        "--mixing",
+        default="0.5",
+        help="--fragments: distributed.mixing values (α) also run whole and in the most fragments",
     )
     parser.add_argument("--muon-lr", type=float, default=8e-3, help="lr of the Muon rows")
     parser.add_argument(

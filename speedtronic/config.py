@@ -1062,6 +1062,9 @@ class DistributedConfig(_Section):
     # Streaming DiLoCo: the model in this many fragments of whole layers, one uploaded every
     # inner_steps / fragments steps (a node's largest upload: about 1/fragments of the model)
     fragments: int = 1
+    # Streaming DiLoCo's mixing factor α: a node installs (1 - α)·global + α·(the weights it last
+    # counted from), keeping a share of its own way; 0 takes the global whole
+    mixing: float = 0.0
     # how the master applies late deltas: delayed_nesterov, weighted, or none (plain Nesterov)
     staleness: str = "delayed_nesterov"
     expected_nodes: int | None = (
@@ -1130,6 +1133,13 @@ class DistributedConfig(_Section):
                 "feedback_decay",
                 f"is the share of the residual carried on, from 0 to 1, got "
                 f"{_show(self.feedback_decay)}",
+            )
+        mixing = self.mixing
+        if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing < 1:
+            r.fail(
+                "mixing",
+                "is the share of its own weights a node keeps when it installs a global, at "
+                f"least 0 and below 1 (0 takes the global whole), got {_show(self.mixing)}",
             )
         r.positive("fragments")
         parts, steps = self.fragments, self.inner_steps

@@ -298,6 +298,7 @@ def on_global(
     folded_step: int,
     weights: Mapping[str, torch.Tensor],
     keep_progress: bool = True,
+    mixing: float = 0.0,  # distributed.mixing: the share of its base a node keeps (α)
 ) -> tuple[NodeState, Install | None]:
     """Global `version` (holding this session's deltas up to `folded_step`) over the model's
     `weights`: what to install, or None."""
@@ -308,6 +309,11 @@ def on_global(
     # a global past our own step already holds our progress
     keep_progress = keep_progress and folded_step <= state.step
     mine = lambda k: keep_progress and weights[k].is_floating_point() and k in state.base
+    if mixing and keep_progress:  # the global blended with the base: G' = (1 − α)·G + α·base
+        tensors = {
+            k: g.float().lerp(state.base[k].float(), mixing).to(g.dtype) if mine(k) else g
+            for k, g in tensors.items()
+        }
     new = {
         k: g.float() - (state.base[k].float() - weights[k].detach().float().cpu()) if mine(k) else g
         for k, g in tensors.items()
@@ -914,7 +920,7 @@ class _Installs:
         with node.lock, torch.no_grad():
             try:
                 node.state, out = on_global(
-                    node.state, version, tensors, folded, live, keep_progress
+                    node.state, version, tensors, folded, live, keep_progress, node.config.mixing
                 )
             except ValueError as e:
                 raise HubError(

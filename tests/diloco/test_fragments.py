@@ -1,6 +1,7 @@
 """Streaming DiLoCo's fragments (distributed.fragments) end to end: real `speedtronic train` nodes
 send one fragment of their model at a time, the master folds and publishes each as it comes, and
-every step of every node reaches the global model once."""
+every step of every node reaches the global model once, with each install mixed into the node's own
+weights (distributed.mixing)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def test_nodes_send_one_fragment_at_a_time_and_every_step_is_folded_once(tmp_pat
         env=hub_env(hub),
         inner_steps=10,
         fragments=2,
+        mixing=0.5,  # what a node keeps of its own is never sent again: the ledger shows it
         boundary_wait=60,
     )
     for name in names:

@@ -236,7 +236,8 @@ def test_bench_diloco_encodings_prints_and_saves_one_row_per_encoding(tmp_path):
 
 def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_path):
     """bench/bench_diloco.py --fragments, 2 nodes x 40 steps of a 4-layer model: a row per fragment
-    count and encoding (float32, top-k) after the baseline's, each with its uploads' bytes; four
+    count and encoding (float32, top-k; each row named from what its run did) after the baseline's,
+    and rows for whole deltas and four fragments with mixing 0.5, each with its uploads' bytes; four
     fragments upload less at a time than whole deltas, as much per round; the table written to
     --save under the command."""
     save = tmp_path / "fragments.txt"
@@ -252,6 +253,13 @@ def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_pa
         )
     }
     assert sorted(rows) == [1, 2, 4], res.stdout
+    # whole and with the most fragments, mixing 0.5 (--mixing's default) as well, in each encoding
+    mixed = re.findall(
+        r"^F = ([14]), α 0.5: (float32|topk 3% 2-bit \+ feedback 0.9) ", res.stdout, re.M
+    )
+    assert sorted(mixed) == [
+        (f, e) for f in "14" for e in ("float32", "topk 3% 2-bit + feedback 0.9")
+    ], res.stdout
     # upload kB, round kB, peak kB, peak/F=1, last kB, held-out, vs sync, vs F=1, wall s
     upload, round_kb, peak, share, last = (rows[4][i] for i in range(5))
     assert len(re.findall(r"^F = \d: float32 ", res.stdout, re.M)) == 3, res.stdout
@@ -261,7 +269,9 @@ def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_pa
     assert rows[1][3] == 1.0 and all(r[5] > 0 for r in rows.values()), res.stdout
     assert re.search(r"^synchronous baseline", res.stdout, re.M), res.stdout
     saved = save.read_text()
-    assert saved.startswith("python bench/bench_diloco.py --fragments --fragment-counts 1,2,4 ")
+    assert saved.startswith(
+        "python bench/bench_diloco.py --fragments --fragment-counts 1,2,4 --mixing 0.5 "
+    )
     assert saved.split("\n", 1)[1] in res.stdout
 
 
