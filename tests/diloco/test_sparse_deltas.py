@@ -242,14 +242,15 @@ def _lone_master(tmp: Path, name: str, **distributed) -> Path:
 # (passed twice beside a full test run since, at a load of 3.3 on 2 cores)
 @pytest.mark.parametrize(
     "distributed",
-    [{}, {"inner_steps": 10, "fragments": 2}],  # whole deltas; two fragments, one every 5 steps
+    # whole deltas; two fragments, one every 5 steps, each install mixed (distributed.mixing)
+    [{}, {"inner_steps": 10, "fragments": 2, "mixing": 0.5}],
     ids=["whole", "fragments"],
 )
 def test_a_node_killed_ten_times_sends_the_deltas_of_one_never_killed(tmp_path, distributed):
     """kill -9 at random moments, `--resume` each time: the residual top-k leaves behind (and, with
-    fragments, the fragment each step sends), restored from the checkpoint with the rest of the
-    node's state, makes the same deltas as an uninterrupted node's, so both runs end on the same
-    global model, bit for bit."""
+    fragments, the fragment each step sends and the mixed base it counts from), restored from the
+    checkpoint with the rest of the node's state, makes the same deltas as an uninterrupted
+    node's, so both runs end on the same global model, bit for bit."""
     calm = _lone_master(tmp_path, "calm", **distributed)
     finish(launch(calm))
     killed, rng, kills = _lone_master(tmp_path, "killed", **distributed), random.Random(7), 0
