@@ -442,15 +442,18 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
             f"--fragment-counts {uneven} do not divide --inner-steps {args.inner_steps}"
         )
     counts = sorted(set(counts) | {1})  # each encoding's whole run is its rows' reference
+    mixings = [m for m in map(float, args.mixing.split(",")) if m > 0]
+    # every count unmixed, then each mixing whole and in the most fragments
+    settings = [(c, 0.0) for c in counts] + [
+        (c, m) for m in mixings for c in dict.fromkeys((counts[0], counts[-1]))
+    ]
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
         runs = [{**base, "ratio": 1.0}]
         for e, (encoding, topk, decay) in enumerate(FRAGMENTS_ENCODINGS):
             mine = []
-            mixings = [float(m) for m in args.mixing.split(",") if float(m) > 0]
-            mixed = [(c, m) for m in mixings for c in dict.fromkeys((counts[0], counts[-1]))]
-            for count, mixing in [(c, 0.0) for c in counts] + mixed:
+            for count, mixing in settings:
                 run = run_lockstep(
                     args,
                     here / f"e{e}f{count}m{mixing:g}",

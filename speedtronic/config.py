@@ -302,10 +302,12 @@ class _Rules:
             if v is not None and v < 0:
                 self.fail(n, f"cannot be negative, got {_show(v)}")
 
-    def fraction(self, name: str, closed: bool = False):
+    def fraction(self, name: str, closed: bool = False, meaning: str = ""):
+        "Require 0 <= value < 1 (<= 1 when `closed`); `meaning` says what the value is first."
         v = getattr(self.obj, name)
         if not (0 <= v <= 1 if closed else 0 <= v < 1):
-            self.fail(name, f"must be in [0, 1{']' if closed else ')'}, got {_show(v)}")
+            bound = f"must be in [0, 1{']' if closed else ')'}, got {_show(v)}"
+            self.fail(name, f"{meaning}; {bound}" if meaning else bound)
 
     def choice(self, name: str, choices: Iterable[str], hints: Mapping[str, str] | None = None):
         "Strip and lower-case a string field, then require one of `choices`."
@@ -1127,20 +1129,13 @@ class DistributedConfig(_Section):
             r.fail("topk_bits", f"must be 2 or 4, got {_show(self.topk_bits)}")
         if self.topk_chunk > 32768:
             r.fail("topk_chunk", f"must be at most 32768 entries, got {_show(self.topk_chunk)}")
-        decay = self.feedback_decay
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
-            r.fail(
-                "feedback_decay",
-                f"is the share of the residual carried on, from 0 to 1, got "
-                f"{_show(self.feedback_decay)}",
-            )
-        mixing = self.mixing
-        if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing < 1:
-            r.fail(
-                "mixing",
-                "is the share of its own weights a node keeps when it installs a global, at "
-                f"least 0 and below 1 (0 takes the global whole), got {_show(self.mixing)}",
-            )
+        # (a value of another type was refused and reset to the default by the field checks)
+        r.fraction("feedback_decay", closed=True, meaning="is the share of the residual carried on")
+        r.fraction(
+            "mixing",
+            meaning="is the share of its own weights a node keeps when it installs a global (0 "
+            "takes the global whole)",
+        )
         r.positive("fragments")
         parts, steps = self.fragments, self.inner_steps
         if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (parts, steps)):

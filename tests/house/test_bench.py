@@ -281,15 +281,8 @@ def test_bench_diloco_hub_limit_compares_the_layouts_under_a_commit_limit(tmp_pa
     the limit meeting no refusal; the table written to --save under the command that made it."""
     save = tmp_path / "layouts.txt"
     argv = "--hub-limit 12/20 --seeds 1 --steps 20 --inner-steps 5 --nodes 3".split()
-    res = run_bench(
-        "bench_diloco.py",
-        *argv,
-        "--save",
-        str(save),
-        "--layout-rows",
-        "one-repo,per-node",
-        timeout=600,
-    )
+    argv += ["--layout-rows", "one-repo,per-node"]
+    res = run_bench("bench_diloco.py", *argv, "--save", str(save), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
     rows = {
         m["name"].strip(): [float(x.rstrip("x")) for x in m["numbers"].split()[:7]]
