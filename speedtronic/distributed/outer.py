@@ -1871,9 +1871,15 @@ class _RepositoryClaim:
         master = self.master
         if callable(getattr(master.transport, "open", None)):
             master.transport.open(create=True, private=True)
-        if self.repair_torn():
+        starting_over, torn = (
+            master.fresh and master.overwrite,
+            getattr(master.transport, "torn_publication", None),
+        )
+        if not starting_over and self.repair_torn():
             master.state = master.local.read()  # the version put back, its momentum included
-        repo = master.transport.state()
+        # --overwrite replaces a torn publication with the rest of the run it cut
+        found = torn() if starting_over and callable(torn) else None
+        repo = found[0] if found else master.transport.state()
         prepared = None if master.fresh else master.local.read(".next")
         if repo.metadata is None:
             if not master.state.run_id:

@@ -387,7 +387,13 @@ class SharedDirectory:
     ) -> str:
         """Publish `files` and delete `deletes` if the repository is still at `parent`; returns the
         new revision."""
-        current = self.state()
+        # the version file is the parent: weights newer than it, left by a publication cut between
+        # its renames, are replaced by these (a live publisher holds the next version's claim, and
+        # a master starting over has checked the lease first)
+        current = self._call(
+            f"read {GLOBAL_METADATA_PATH} in {self.describe()}",
+            lambda: self._folder.version_pair()[0],
+        )
         if current.revision != parent.revision:
             raise PublishConflict(
                 f"{self.describe()} moved from revision {parent.revision} to {current.revision}"
