@@ -251,10 +251,13 @@ def run_lockstep(
     )
     from speedtronic.distributed.outer import Contribution, OuterUpdate
     from speedtronic.distributed.tensors import (
+        changed_at,
+        changed_keys,
         cpu_state_dict,
         delta_header,
         fragment_due,
         fragment_plan,
+        fragment_versions,
         safetensors_bytes,
     )
     from speedtronic.runtime import build_runtime
@@ -285,6 +288,7 @@ def run_lockstep(
     wire = encoding or "float32"
     sent = [NodeState(f"node{i}", dict(state)) for i in range(len(nodes))]
     sizes, version = [[] for _ in nodes], 0  # each node's uploads' bytes
+    moved_at: tuple[int, ...] = ()  # the version at which each fragment last changed, as a master
     for end in range(every, args.steps + every, every):
         end = min(end, args.steps)
         # this step's fragment; the last delta holds all that is left
@@ -316,12 +320,22 @@ def run_lockstep(
             )
             sizes[i].append(len(safetensors_bytes(up.delta, header)))
             contributions.append(Contribution(upload_delta(up), up.steps / args.inner_steps))
+        before = {k: v.clone() for k, v in state.items()}
         update.step(state, contributions, args.nodes)
         version += 1
+        moved_at = fragment_versions(plan, moved_at, changed_keys(before, state), version)
         for i, trainer in enumerate(nodes):
             weights = cpu_state_dict(trainer.model.state_dict())
-            sent[i], install = on_global(sent[i], version, state, end, weights, mixing=mixing)
-            trainer.model.load_state_dict(install.weights)
+            sent[i], install = on_global(
+                sent[i],
+                version,
+                state,
+                end,
+                weights,
+                mixing=mixing,
+                changed=changed_at(plan, moved_at),
+            )
+            trainer.model.load_state_dict({**weights, **install.weights})  # a key left alone: kept
             if args.reset_inner and install.reset:
                 trainer.optimizer.state.clear()
         if end >= args.steps:

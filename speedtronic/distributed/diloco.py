@@ -50,6 +50,7 @@ from speedtronic.distributed.tensors import (
     delta_path,
     floating_state,
     fragment_due,
+    changed_at,
     fragment_plan,
     layer_norms,
     load_safetensors,
@@ -299,6 +300,8 @@ def on_global(
     weights: Mapping[str, torch.Tensor],
     keep_progress: bool = True,
     mixing: float = 0.0,  # distributed.mixing: the share of its base a node keeps (α)
+    # each key's version of last change (`changed_at`; None: every key changed)
+    changed: Mapping[str, int] | None = None,
 ) -> tuple[NodeState, Install | None]:
     """Global `version` (holding this session's deltas up to `folded_step`) over the model's
     `weights`: what to install, or None."""
@@ -310,9 +313,13 @@ def on_global(
     keep_progress = keep_progress and folded_step <= state.step
     mine = lambda k: keep_progress and weights[k].is_floating_point() and k in state.base
     if mixing and keep_progress:  # the global blended with the base: G' = (1 − α)·G + α·base
+        # a key unchanged since the installed global is left as it is: blended at every install,
+        # the share kept of it would shrink by α each time
+        same = lambda k: changed is not None and changed.get(k, version) <= state.version
         tensors = {
             k: g.float().lerp(state.base[k].float(), mixing).to(g.dtype) if mine(k) else g
             for k, g in tensors.items()
+            if not (mine(k) and same(k))
         }
     new = {
         k: g.float() - (state.base[k].float() - weights[k].detach().float().cpu()) if mine(k) else g
@@ -898,20 +905,29 @@ class _Installs:
 
     def __init__(self, node: DumbDiLoCoCoordinator):
         self.node = node
-        self.candidate: tuple[int, dict, int] | None = None  # (version, tensors, folded step)
-        self.rebase: tuple[int, dict, int] | None = None  # a global held until the step it holds
+        # (version, tensors, folded step, each key's version of last change or None)
+        self.candidate: tuple[int, dict, int, dict | None] | None = None
+        self.rebase: tuple[int, dict, int, dict | None] | None = None  # held until its step
 
-    def offer(self, version: int, state: Mapping[str, torch.Tensor], folded: int = -1) -> None:
-        "Put a global in the candidate slot (a newer one replaces an older one not yet installed)."
+    def offer(
+        self,
+        version: int,
+        state: Mapping[str, torch.Tensor],
+        folded: int = -1,
+        changed: Mapping[str, int] | None = None,
+    ) -> None:
+        """Put a global in the candidate slot (a newer one replaces an older one not yet installed);
+        `changed`: each key's version of last change (`changed_at`)."""
         with self.node.lock:
             if self.candidate is None or version > self.candidate[0]:
-                self.candidate = (int(version), dict(state), int(folded))
+                self.candidate = (int(version), dict(state), int(folded), changed)
 
     def install(
         self,
         version: int,
         tensors: Mapping[str, torch.Tensor],
         folded: int = -1,
+        changed: Mapping[str, int] | None = None,
         keep_progress: bool = True,
     ) -> Install | None:
         "`on_global`, and its weights copied into the model; None when the global is not newer."
@@ -920,7 +936,14 @@ class _Installs:
         with node.lock, torch.no_grad():
             try:
                 node.state, out = on_global(
-                    node.state, version, tensors, folded, live, keep_progress, node.config.mixing
+                    node.state,
+                    version,
+                    tensors,
+                    folded,
+                    live,
+                    keep_progress,
+                    node.config.mixing,
+                    changed,
                 )
             except ValueError as e:
                 raise HubError(
@@ -984,9 +1007,9 @@ class _Polls:
         self.seen_repo: tuple[int, Mapping[str, Any]] | None = None
         self.refused: set[tuple[int, str]] = set()  # (version, why) of globals refused, said once
 
-    def fetch(self) -> tuple[int, dict, int] | None:
-        """`(version, state, folded step)` of the repository's global when newer than what this node
-        has, else None."""
+    def fetch(self) -> tuple[int, dict, int, dict | None] | None:
+        """`(version, state, folded step, each key's version of last change)` of the repository's
+        global when newer than what this node has, else None."""
         node, held = self.node, self.node._installs
         node._ensure_open()
         tag = node.transport.version_tag() if hasattr(node.transport, "version_tag") else None
@@ -1038,6 +1061,7 @@ class _Polls:
             repo.outer_step,
             tensors,
             node._folded_in(Ledger.from_json(repo.extras.get("ledger"))),
+            changed_at(node.plan, repo.extras.get("fragment_versions")),
         )
 
     def refuse(self, version: int, problem: str) -> None:
@@ -1467,7 +1491,10 @@ class _MasterSide:
         `global_watcher(version, state)` when set."""
         node = self.node
         node._installs.offer(
-            version, {k: v.clone() for k, v in state.items()}, node._folded_in(node.outer.ledger)
+            version,
+            {k: v.clone() for k, v in state.items()},
+            node._folded_in(node.outer.ledger),
+            changed_at(node.plan, node.outer.state.fragment_versions),
         )
         if node.global_watcher is not None:
             try:

@@ -35,6 +35,8 @@ from speedtronic.distributed.tensors import (
     FRAGMENT_HEADER,
     floating_state,
     fragment_shapes,
+    fragment_versions,
+    changed_keys,
     layer_norms,
     load_delta,
     load_safetensors,
@@ -545,6 +547,8 @@ class MasterState:
     global_norm: float = -1.0  # the L2 norm of the global's floating tensors (-1: not computed yet)
     finished: bool = False  # the published version is the final round's (the run's end)
     final_round: int = -1  # the last step of the run whose final round began (-1: none began)
+    # with fragments: the version at which each fragment last changed (`fragment_versions`)
+    fragment_versions: tuple[int, ...] = ()
 
 
 def master_state(state: Mapping[str, torch.Tensor]) -> MasterState:
@@ -611,6 +615,7 @@ def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Te
         "steps_at": list(state.outer.steps_at),
         "finished": state.finished,
         "final_round": state.final_round,
+        "fragment_versions": list(state.fragment_versions),
     }
     return info, _flat(
         global_=state.global_state, momentum=state.outer.momentum, pending=state.outer.pending
@@ -659,6 +664,7 @@ def restored(
         refusals={(str(n), str(s)): int(v) for n, s, v in info.get("refusals") or []},
         finished=bool(info.get("finished", False)),
         final_round=int(info.get("final_round", -1)),
+        fragment_versions=tuple(int(v) for v in info.get("fragment_versions") or ()),
     )
 
 
@@ -1062,6 +1068,16 @@ def fold(
         refusals={},
         punctual=_next_punctual(state, rules, accepted, nodes, now),
         finished=False,
+        fragment_versions=(
+            fragment_versions(
+                rules.fragments,
+                state.fragment_versions,
+                changed_keys(state.global_state, new),
+                version,
+            )
+            if rules.fragments
+            else ()
+        ),
     )
     return (
         state,
@@ -1803,6 +1819,12 @@ class _Publisher:
             else str(repo.extras.get("global_publication") or ""),
             **({"run_id": prepared.run_id} if prepared.run_id else {}),
             **({"bootstrap": "true"} if pub.bootstrap else {}),
+            # with fragments: the version at which each last changed (a node mixes only those)
+            **(
+                {"fragment_versions": list(prepared.fragment_versions)}
+                if prepared.fragment_versions
+                else {}
+            ),
             # the per-node layout: workers send their deltas to repositories of their own
             # (`PerNodeHub`, per node from the start or since `hub_layout: auto` chose it)
             **({"delta_layout": "per-node"} if master.per_node else {}),

@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -28,7 +28,7 @@ __all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_ME
            'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta',
            'check_delta_wire', 'declared_layout', 'read_delta_header', 'decode_dense_wire', 'check_delta',
            'average_deltas', 'delta_norm', 'layer_of', 'layer_norms', 'fragment_plan', 'fragment_due',
-           'fragment_shapes', 'state_misfit']
+           'fragment_shapes', 'fragment_versions', 'changed_keys', 'changed_at', 'state_misfit']
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -789,6 +789,43 @@ def fragment_shapes(
             "wrote it",
         )
     return {k: tuple(shapes[k]) for k in plan[f] if k in shapes}
+
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #5773d7ec
+def fragment_versions(
+    plan: Sequence[Sequence[str]],
+    previous: Sequence[int],
+    changed: Collection[str],
+    version: int,
+) -> tuple[int, ...]:
+    """The version at which each fragment of `plan` last changed, once `version` changed the keys
+    `changed` (`previous`: before it; a record of another length counts every fragment changed)."""
+    known = len(previous) == len(plan)
+    return tuple(
+        int(previous[i]) if known and not any(k in changed for k in keys) else int(version)
+        for i, keys in enumerate(plan)
+    )
+
+
+def changed_keys(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> set[str]:
+    "The keys whose tensors differ from `before` to `after` (two states of one model)."
+    return {
+        k
+        for k, v in after.items()
+        if k not in before or (v is not before[k] and not torch.equal(v, before[k]))
+    }
+
+
+def changed_at(plan: Sequence[Sequence[str]], versions: Any) -> dict[str, int] | None:
+    """Each key's version of last change from a version file's `fragment_versions` (None: not said,
+    or not for this `plan`: every key counts as changed)."""
+    if (
+        not plan
+        or not isinstance(versions, (list, tuple))
+        or len(versions) != len(plan)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions)
+    ):
+        return None
+    return {k: v for keys, v in zip(plan, versions) for k in keys}
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #1790c7e6
 def state_misfit(live: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> str | None:

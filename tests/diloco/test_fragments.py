@@ -51,6 +51,9 @@ def test_nodes_send_one_fragment_at_a_time_and_every_step_is_folded_once(tmp_pat
     repo = HubClient("org/diloco-fragments", token=TOKEN, endpoint=hub.url, retry_attempts=2)
     state = repo.state()
     check_exactly_once(tmp_path, names, state.extras["ledger"])
+    # the version file says when each fragment last changed (a mixing node blends only those); the
+    # last deltas are whole, so the final version moved both
+    assert state.extras["fragment_versions"] == [state.outer_step] * 2, state.extras
     # each fragment is folded and published on its own: a version for every fragment of the run
     master = tmp_path / "master" / "metrics.jsonl"
     folded = [sorted(map(tuple, e["folded"])) for e in events(master, "outer_step") if e["folded"]]
