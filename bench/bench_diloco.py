@@ -226,6 +226,7 @@ def run_lockstep(
     decay: float | None = 1.0,
     fragments: int = 1,
     mixing: float = 0.0,
+    delay: int = 0,
 ) -> dict:
     """Synchronous DiLoCo in this process: the same nodes, shards and inner steps, every delta
     folded at once, none stale. Each node is the library's own node state (`at_boundary` sends,
@@ -235,7 +236,9 @@ def run_lockstep(
     `topk` is (density, bits). With `fragments` above 1 a node sends one fragment of its model
     every inner_steps / fragments steps (`fragment_plan`), its last delta whole, and every
     fragment is folded and installed on its own. `mixing` is distributed.mixing (α): each install
-    blends the global with the node's base."""
+    blends the global with the node's base. `delay` is Streaming DiLoCo's τ: each global arrives τ
+    inner steps after the deltas it folds, and the nodes train on meanwhile (their progress kept on
+    top of it)."""
     if optimizer not in ("adamw", "muon"):
         raise ValueError(f"run_lockstep: optimizer {optimizer!r} is neither 'adamw' nor 'muon'")
     from dataclasses import replace
@@ -285,6 +288,10 @@ def run_lockstep(
     spec = TopK(*topk) if topk else TopK()
     plan = fragment_plan(nodes[0].model.state_dict(), fragments) if fragments > 1 else ()
     every = args.inner_steps // max(1, len(plan))
+    if not 0 <= delay < every:
+        raise ValueError(
+            f"run_lockstep: a delay of {delay} steps is not below the {every} between uploads"
+        )
     wire = encoding or "float32"
     sent = [NodeState(f"node{i}", dict(state)) for i in range(len(nodes))]
     sizes, version = [[] for _ in nodes], 0  # each node's uploads' bytes
@@ -325,6 +332,8 @@ def run_lockstep(
         version += 1
         moved_at = fragment_versions(plan, moved_at, changed_keys(before, state), version)
         for i, trainer in enumerate(nodes):
+            if delay and end < args.steps:  # it trains on while the global travels
+                trainer.fit(max_steps=end + delay)
             weights = cpu_state_dict(trainer.model.state_dict())
             sent[i], install = on_global(
                 sent[i],
@@ -351,6 +360,8 @@ def run_lockstep(
         name += f", {fragments} fragments"
     if mixing:
         name += f", mixing {mixing:g}"
+    if delay:
+        name += f", delay {delay}"
     every_upload = [b for node in sizes for b in node]
     # before its last delta (with fragments a whole one: what it had not sent yet)
     steady = [b for node in sizes for b in node[:-1]] or every_upload
@@ -364,6 +375,7 @@ def run_lockstep(
             "optimizer": optimizer,
             "fragments": max(1, len(plan)),
             "mixing": mixing,
+            "delay": delay,
         },
         "loss": held_out_loss(cfg, state, held),
         "wall": time.perf_counter() - start,
@@ -448,7 +460,8 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
     """The fragments table: per seed the synchronous baseline, then lockstep DiLoCo in each
     encoding of `FRAGMENTS_ENCODINGS`, each node sending its model whole (F = 1) and in each of
     `args.fragment_counts` fragments, then whole and in the most fragments at each `args.mixing`
-    above 0."""
+    above 0, and with `args.delay` above 0 the most fragments at the first mixing with the globals
+    arriving that many inner steps late (τ)."""
     rows: dict[str, list[dict]] = {}
     counts = [int(c) for c in args.fragment_counts.split(",") if c.strip()]
     if uneven := [c for c in counts if args.inner_steps % c]:
@@ -458,19 +471,21 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
     counts = sorted(set(counts) | {1})  # each encoding's whole run is its rows' reference
     mixings = [m for m in map(float, args.mixing.split(",")) if m > 0]
     # every count unmixed, then each mixing whole and in the most fragments
-    settings = [(c, 0.0) for c in counts] + [
-        (c, m) for m in mixings for c in dict.fromkeys((counts[0], counts[-1]))
+    settings = [(c, 0.0, 0) for c in counts] + [
+        (c, m, 0) for m in mixings for c in dict.fromkeys((counts[0], counts[-1]))
     ]
+    if args.delay:  # τ: the most fragments at the first mixing (none: unmixed)
+        settings.append((counts[-1], (mixings or [0.0])[0], args.delay))
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
         runs = [{**base, "ratio": 1.0}]
         for e, (encoding, topk, decay) in enumerate(FRAGMENTS_ENCODINGS):
             mine = []
-            for count, mixing in settings:
+            for count, mixing, delay in settings:
                 run = run_lockstep(
                     args,
-                    here / f"e{e}f{count}m{mixing:g}",
+                    here / f"e{e}f{count}m{mixing:g}d{delay}",
                     train,
                     held,
                     encoding=encoding,
@@ -478,9 +493,11 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
                     decay=decay,
                     fragments=count,
                     mixing=mixing,
+                    delay=delay,
                 )
                 did = run["settings"]
                 alpha = f", α {did['mixing']:g}" if did["mixing"] else ""
+                alpha += f", τ {did['delay']}" if did["delay"] else ""
                 run["name"] = (
                     f"F = {did['fragments']}{alpha}: "
                     f"{encoding_name(did['encoding'], did['topk'], did['decay'])}"
@@ -495,6 +512,7 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
             rows.setdefault(r["name"], []).append(r)
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
     flags = f"--fragments --fragment-counts {args.fragment_counts} --mixing {args.mixing}"
+    flags += f" --delay {args.delay}" if args.delay else ""
     heading = lockstep_heading(args, seeds, flags, f"--width {args.width} --layers {args.layers}")
     show_table(lambda: _fragments_table(rows), args.save, heading)
 
@@ -1106,6 +1124,13 @@ def main(argv=None) -> None:
         "--mixing",
         default="0.5",
         help="--fragments: distributed.mixing values (α) also run whole and in the most fragments",
+    )
+    parser.add_argument(
+        "--delay",
+        type=int,
+        default=0,
+        help="--fragments: also the most fragments at the first mixing with globals this many "
+        "inner steps late (Streaming DiLoCo's τ)",
     )
     parser.add_argument("--muon-lr", type=float, default=8e-3, help="lr of the Muon rows")
     parser.add_argument(

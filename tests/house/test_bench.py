@@ -237,11 +237,14 @@ def test_bench_diloco_encodings_prints_and_saves_one_row_per_encoding(tmp_path):
 def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_path):
     """bench/bench_diloco.py --fragments, 2 nodes x 40 steps of a 4-layer model: a row per fragment
     count and encoding (float32, top-k; each row named from what its run did) after the baseline's,
-    and rows for whole deltas and four fragments with mixing 0.5, each with its uploads' bytes; four
-    fragments upload less at a time than whole deltas, as much per round; the table written to
-    --save under the command."""
+    and rows for whole deltas and four fragments with mixing 0.5, and four fragments with mixing
+    whose globals arrive 2 steps late (--delay), each with its uploads' bytes; four fragments upload
+    less at a time than whole deltas, as much per round; the table written to --save under the
+    command."""
     save = tmp_path / "fragments.txt"
-    argv = "--fragments --seeds 1 --steps 40 --inner-steps 20 --nodes 2 --layers 4".split()
+    argv = (
+        "--fragments --seeds 1 --steps 40 --inner-steps 20 --nodes 2 --layers 4 --delay 2".split()
+    )
     res = run_bench("bench_diloco.py", *argv, "--save", str(save), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = {
@@ -260,6 +263,10 @@ def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_pa
     assert sorted(mixed) == [
         (f, e) for f in "14" for e in ("float32", "topk 3% 2-bit + feedback 0.9")
     ], res.stdout
+    late = re.findall(
+        r"^F = 4, α 0.5, τ 2: (float32|topk 3% 2-bit \+ feedback 0.9) ", res.stdout, re.M
+    )
+    assert sorted(late) == ["float32", "topk 3% 2-bit + feedback 0.9"], res.stdout
     # upload kB, round kB, peak kB, peak/F=1, last kB, held-out, vs sync, vs F=1, wall s
     upload, round_kb, peak, share, last = (rows[4][i] for i in range(5))
     assert len(re.findall(r"^F = \d: float32 ", res.stdout, re.M)) == 3, res.stdout
@@ -270,7 +277,7 @@ def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_pa
     assert re.search(r"^synchronous baseline", res.stdout, re.M), res.stdout
     saved = save.read_text()
     assert saved.startswith(
-        "python bench/bench_diloco.py --fragments --fragment-counts 1,2,4 --mixing 0.5 "
+        "python bench/bench_diloco.py --fragments --fragment-counts 1,2,4 --mixing 0.5 --delay 2 "
     )
     assert saved.split("\n", 1)[1] in res.stdout
 
