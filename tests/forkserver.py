@@ -32,7 +32,19 @@ import torch
 
 # settings a fresh interpreter, torch or the C libraries below it read when they start: a command
 # whose environment differs from the server's in one of them must start afresh
-STARTUP_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCH", "PYTORCH", "CUDA", "LC_", "LANG")
+STARTUP_ENV = (
+    "PYTHON",
+    "LD_",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "TORCH",
+    "PYTORCH",
+    "CUDA",
+    "LC_",
+    "LANG",
+    "TMPDIR",  # torch's inductor derives its cache folder from it when torch._dynamo is imported
+)
 # read by the child itself, after the fork, as a fresh interpreter would read them
 CHILD_READS = (
     "PYTHONPATH",
@@ -43,6 +55,9 @@ CHILD_READS = (
 )
 MAX_REQUEST = 1 << 20
 DEFAULT_THREADS = 1
+# what `warm`'s imports set in the environment (torch._dynamo: TORCHINDUCTOR_CACHE_DIR), taken out
+# of the server's own and set in each child, where a fresh interpreter's imports would set it
+WARM_SETS: dict[str, str] = {}
 
 
 def startup_differences(env: dict, server_env: dict) -> list[str]:
@@ -133,6 +148,8 @@ def become_child(request: dict, fds: list[int], base_path: list[str]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for key, value in WARM_SETS.items():  # as the imports of a fresh interpreter set them
+        os.environ.setdefault(key, value)
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [request["cwd"], *extra, *(p for p in base_path if p not in extra)]
     for fd, name in enumerate(("stdin", "stdout", "stderr")):
@@ -213,14 +230,27 @@ def serve(path: str) -> tuple[dict, list[int], list[str]]:
 
 
 def warm() -> None:
-    """Import what a `python -m speedtronic` command imports before its first line, and note the
-    thread count a fresh interpreter without OMP_NUM_THREADS would use."""
+    """Import what a `python -m speedtronic` command imports before its first line (and at its first
+    optimizer step), and note the thread count a fresh interpreter without OMP_NUM_THREADS would
+    use."""
     global DEFAULT_THREADS
     DEFAULT_THREADS = torch.get_num_threads()
+    started = dict(os.environ)
 
     import speedtronic.cli  # noqa: F401
     import speedtronic.distributed  # noqa: F401
     import speedtronic.runtime  # noqa: F401
+
+    # torch.optim's step imports torch._dynamo the first time an optimizer steps (about 1 CPU-second
+    # of every training command); it starts no thread, so a child forked after it is still whole
+    import torch._dynamo as _dynamo  # noqa: F401 (binds no local `torch`)
+
+    WARM_SETS.update({k: v for k, v in os.environ.items() if started.get(k) != v})
+    for key in WARM_SETS:  # requests are compared with the environment the server started with
+        if key in started:
+            os.environ[key] = started[key]
+        else:
+            del os.environ[key]
 
 
 def exit_status(stop: SystemExit) -> int:
