@@ -327,10 +327,11 @@ def run_lockstep(
             )
             sizes[i].append(len(safetensors_bytes(up.delta, header)))
             contributions.append(Contribution(upload_delta(up), up.steps / args.inner_steps))
-        before = {k: v.clone() for k, v in state.items()}
+        before = {k: v.clone() for k, v in state.items()} if plan else {}
         update.step(state, contributions, args.nodes)
         version += 1
-        moved_at = fragment_versions(plan, moved_at, changed_keys(before, state), version)
+        if plan:  # whole deltas: every key counts as changed (`changed_at` of no plan)
+            moved_at = fragment_versions(plan, moved_at, changed_keys(before, state), version)
         for i, trainer in enumerate(nodes):
             if delay and end < args.steps:  # it trains on while the global travels
                 trainer.fit(max_steps=end + delay)
