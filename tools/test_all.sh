@@ -72,6 +72,10 @@ rc=0
 workers=${SPEEDTRONIC_TEST_WORKERS:-2}
 python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/junit.xml" \
   -n "$workers" --dist loadfile tests || rc=$?
+# SPEEDTRONIC_TEST_REPORT=FILE keeps pytest's junit report (each test's time, setup included)
+if [ -n "${SPEEDTRONIC_TEST_REPORT:-}" ] && [ -f "$report/junit.xml" ]; then
+  cp "$report/junit.xml" "$SPEEDTRONIC_TEST_REPORT"
+fi
 
 echo "== not run"
 if [ -f "$report/junit.xml" ]; then skipped "$report/junit.xml"; else echo "pytest: wrote no report (exit $rc)"; fi
