@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
 # The whole test suite (what the README and CI run):
-#   1. notebooks and package agree: nbdev_export and nbdev_clean change no tracked file, and every notebook
-#      holds the kernel metadata JupyterLab writes (checked by tools/check_notebooks.py);
+#   1. notebooks and package agree: tools/export.py (nbdev_export) and nbdev_clean change no
+#      tracked file, and every notebook holds the kernel metadata JupyterLab writes (checked by
+#      tools/check_notebooks.py);
 #   2. every notebook's tests (nbdev_test);
 #   3. the pytest suites in tests/ (CLI, multi-process, fault injection, docs build);
-#   4. a plain list of what did not run: each skipped pytest test's reason (grouped) with how to run it,
-#      and the notebook cells nbdev_test leaves out (`#| slow`).
-#   bash tools/test_all.sh --skipped JUNIT.xml   prints only that list, for a pytest --junitxml file.
+#   4. a plain list of what did not run: each skipped pytest test's reason (grouped) with how to
+#      run it, and the notebook cells nbdev_test leaves out (`#| slow`).
+#   bash tools/test_all.sh --skipped JUNIT.xml   prints only that list, for a pytest --junitxml
+#   file.
 set -euo pipefail
 only_skipped=""; [ "${1:-}" = "--skipped" ] && only_skipped=$(realpath "$2")
 cd "$(dirname "$0")/.."
 [ -d .venv/bin ] && export PATH="$PWD/.venv/bin:$PATH"
 export PYTHONHASHSEED=0 MPLBACKEND=Agg
 
-# What did not run, from pytest's junit file: one line per skip reason with its count and the way to run them.
+# What did not run, from pytest's junit file: one line per skip reason with its count and the way
+# to run them.
 skipped() {
   python - "$1" <<'PY'
 import collections, re, sys, xml.etree.ElementTree as ET
-HOW = [("chromium", "install Debian's chromium (bash tools/setup.sh dev does, as root or with sudo; .ci/run requires it)"),
+HOW = [("chromium", "install Debian's chromium (bash tools/setup.sh dev does, as root or with "
+                    "sudo; .ci/run requires it)"),
        ("playwright", "pip install playwright (in the dev extra: bash tools/setup.sh dev)"),
        ("cuda", "run on a machine with a CUDA GPU"),
        ("root", "run as a user other than root"),
-       ("fixtures", "put the shared/ folder (shared/fixtures/v2.0) beside the clone, or set SPEEDTRONIC_FIXTURES")]
+       ("fixtures", "put the shared/ folder (shared/fixtures/v2.0) beside the clone, or set "
+                    "SPEEDTRONIC_FIXTURES")]
 reasons = collections.Counter()
 for case in ET.parse(sys.argv[1]).iter("testcase"):
     for skip in case.iter("skipped"):
@@ -30,18 +35,20 @@ for case in ET.parse(sys.argv[1]).iter("testcase"):
 if not reasons: print("pytest: nothing skipped")
 for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
     how = next((h for key, h in HOW if key in reason.lower()), None)
-    print(f"pytest: {n} test{'s' if n != 1 else ''} skipped: {reason}" + (f" -> to run: {how}" if how else ""))
+    tests = f"{n} test{'s' if n != 1 else ''}"
+    print(f"pytest: {tests} skipped: {reason}" + (f" -> to run: {how}" if how else ""))
 PY
 }
 if [ -n "$only_skipped" ]; then skipped "$only_skipped"; exit 0; fi
 
 echo "== export/clean check"
 before=$(git status --porcelain 2>/dev/null || true)
-nbdev_export
+python tools/export.py
 nbdev_clean
 after=$(git status --porcelain 2>/dev/null || true)
 if [ "$before" != "$after" ]; then
-  echo "nbdev_export or nbdev_clean changed files: commit the exported package and cleaned notebooks" >&2
+  echo "tools/export.py or nbdev_clean changed files:" \
+       "commit the exported package and cleaned notebooks" >&2
   diff <(echo "$before") <(echo "$after") >&2 || true
   git diff --stat >&2 || true
   exit 1
@@ -53,7 +60,7 @@ python tools/make_readme.py --check
 echo "== ruff (the formatter and a small rule set, over nbs/, tests/, bench/ and tools/)"
 if ! ruff format --check --quiet . || ! ruff check --quiet .; then
   echo "ruff would change or flags the files above: run 'ruff format . && ruff check .'," \
-       "then nbdev_export, and commit" >&2
+       "then python tools/export.py, and commit" >&2
   exit 1
 fi
 
@@ -78,9 +85,14 @@ if [ -n "${SPEEDTRONIC_TEST_REPORT:-}" ] && [ -f "$report/junit.xml" ]; then
 fi
 
 echo "== not run"
-if [ -f "$report/junit.xml" ]; then skipped "$report/junit.xml"; else echo "pytest: wrote no report (exit $rc)"; fi
+if [ -f "$report/junit.xml" ]; then
+  skipped "$report/junit.xml"
+else
+  echo "pytest: wrote no report (exit $rc)"
+fi
 slow=$(grep -rl --include='*.ipynb' '#| *slow' nbs 2>/dev/null | tr '\n' ' ' || true)
 if [ -n "$slow" ]; then
-  echo "nbdev_test: cells marked '#| slow' were not run (in ${slow% }) -> to run: nbdev_test --flags slow"
+  echo "nbdev_test: cells marked '#| slow' were not run (in ${slow% })" \
+       "-> to run: nbdev_test --flags slow"
 fi
 exit $rc
