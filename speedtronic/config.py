@@ -1646,8 +1646,11 @@ def _parse_yaml(text: str, where: str) -> Any:
         ) from None
     except RecursionError:
         raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
-    except ValueError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+    except (ValueError, OverflowError) as e:  # PyYAML's chr() of a \U escape past Unicode's end
+        at = f" at line {loader.line + 1}, column {loader.column + 1}" if loader else ""
+        escape = isinstance(e, OverflowError) or "chr()" in str(e)
+        problem = "an escape names no Unicode character (at most \\U0010FFFF)" if escape else e
+        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
     finally:
         if loader is not None:
             loader.dispose()
