@@ -274,6 +274,9 @@ class ForkedPopen(subprocess.Popen):
         fds = [fd if fd != -1 else std for fd, std in zip(fds, (0, 1, 2))]
         forkable = preexec_fn is None and not pass_fds and executable is None
         self._ended = self._ask_server(request, fds) if forkable else None
+        if not forkable:
+            self._said = "refused: preexec_fn, pass_fds or executable given"
+        _note_command(request["args"], self._said)
         if self._ended is None:
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest
@@ -292,6 +295,7 @@ class ForkedPopen(subprocess.Popen):
             answer = connection.recv(4096).decode()
         except OSError:
             answer = ""
+        self._said = "forked" if answer.startswith("pid ") else answer or "server unreachable"
         if not answer.startswith("pid "):
             connection.close()
             return None
@@ -329,6 +333,17 @@ class ForkedPopen(subprocess.Popen):
 _FORK_SERVER: dict[str, Any] = {}
 
 
+def _note_command(args: list[str], outcome: str) -> None:
+    """With SPEEDTRONIC_TEST_FORK_LOG=FILE, a line of JSON per `python -m speedtronic` command a
+    test starts: the test, the command, and whether the warm interpreter forked it (else why not):
+    how much of the suite the fork server serves."""
+    log = os.environ.get("SPEEDTRONIC_TEST_FORK_LOG")
+    if log:
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "args": args[:2]}
+        with open(log, "a") as f:
+            f.write(json.dumps({**line, "outcome": outcome}) + "\n")
+
+
 def fork_server() -> Path | None:
     """This test process's warm interpreter (`tests/forkserver.py`), started on first use; None
     when `SPEEDTRONIC_TEST_FORK=0` or it could not start (commands then start the ordinary way)."""
@@ -361,8 +376,11 @@ def spawn(argv: list, **popen) -> subprocess.Popen:
     forked by this test process's warm interpreter (`fork_server`) where that starts it the same
     way."""
     argv = [os.fspath(a) for a in argv]
-    server = fork_server() if argv[:3] == [sys.executable, "-m", "speedtronic"] else None
+    ours = argv[:3] == [sys.executable, "-m", "speedtronic"]
+    server = fork_server() if ours else None
     if server is None:
+        if ours:
+            _note_command(argv[3:], "fresh: no fork server (SPEEDTRONIC_TEST_FORK=0, or it failed)")
         return subprocess.Popen(argv, **popen)
     return ForkedPopen(server, argv, **popen)
 
