@@ -73,10 +73,12 @@ echo "== pytest"
 report=$(mktemp -d)
 trap 'rm -rf "$report"' EXIT
 rc=0
-# Two workers (pytest-xdist), each test file on one worker so its module fixtures (a JupyterLab, a
-# browser) start once; the docs site is built once for both (tests/conftest.py). One worker:
+# Three workers (pytest-xdist) on two cores: the DiLoCo tests, over a third of the suite's time,
+# keep a core about half busy (their nodes poll and wait), so a third worker runs other tests in
+# what they leave. Each test file runs on one worker so its module fixtures (a JupyterLab, a
+# browser) start once; the docs site is built once for all (tests/conftest.py). One worker:
 # SPEEDTRONIC_TEST_WORKERS=0.
-workers=${SPEEDTRONIC_TEST_WORKERS:-2}
+workers=${SPEEDTRONIC_TEST_WORKERS:-3}
 python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/junit.xml" \
   -n "$workers" --dist loadfile tests || rc=$?
 # SPEEDTRONIC_TEST_REPORT=FILE keeps pytest's junit report (each test's time, setup included)
