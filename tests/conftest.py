@@ -1,5 +1,5 @@
 import atexit, contextlib, json, os, select, shutil, signal, socket, subprocess, sys
-import textwrap, threading
+import textwrap, threading, time
 from pathlib import Path
 from typing import Any
 
@@ -168,9 +168,45 @@ def cpu_share(exclusive: bool):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    "Every test's setup, call and teardown hold the run's CPU lock (`cpu_share`)."
+    """Every test's setup, call and teardown hold the run's CPU lock (`cpu_share`); with
+    SPEEDTRONIC_TEST_CPU_LOG=FILE each test then writes what it cost (`_cpu_record`)."""
+    log = os.environ.get("SPEEDTRONIC_TEST_CPU_LOG")
+    # a test that trains in this process seeds it, and the seeding sets PYTHONHASHSEED for child
+    # processes (`seed_everything`): put it back, or every later command of this worker would
+    # differ from the fork server's start-up settings and start in a fresh interpreter
+    hash_seed = os.environ.get("PYTHONHASHSEED")
     with cpu_share(item.get_closest_marker("cpu_alone") is not None):
+        before = _cpu_spent() if log else None
         yield
+        if hash_seed is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = hash_seed
+        if log:
+            after = _cpu_spent()
+            spent = {k: round(after[k] - before[k], 3) for k in before}
+            with open(log, "a") as f:
+                f.write(json.dumps({"test": item.nodeid, **spent}) + "\n")
+
+
+# CPU seconds of the commands this test process's fork server forked, as it reaped them
+_FORKED_CPU = [0.0]
+
+
+def _cpu_spent() -> dict[str, float]:
+    """Wall and CPU seconds so far: this test process's own CPU, its reaped subprocesses' (fresh
+    interpreters, torchrun, bench scripts) and its forked commands' (the fork server's `wait4`)."""
+    import resource
+
+    own, children = (
+        resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    return {
+        "wall": time.monotonic(),
+        "own": own.ru_utime + own.ru_stime,
+        "subprocesses": children.ru_utime + children.ru_stime,
+        "forked": _FORKED_CPU[0],
+    }
 
 
 @pytest.fixture
@@ -313,7 +349,9 @@ class ForkedPopen(subprocess.Popen):
             self._ended.close()
             if not answer.startswith("exit "):
                 raise RuntimeError(f"the fork server lost child {self.pid}: {answer!r}")
-            self._handle_exitstatus(int(answer.split()[1]))
+            _, status, *cpu = answer.split()
+            _FORKED_CPU[0] += float(cpu[0]) if cpu else 0.0
+            self._handle_exitstatus(int(status))
             return True
 
     def _internal_poll(self, _deadstate=None, **_):

@@ -202,13 +202,14 @@ def serve(path: str) -> tuple[dict, list[int], list[str]]:
             elif key.data == "reap":
                 wake_read.recv(4096)
                 while waiting:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
+                    pid, status, usage = os.wait4(-1, os.WNOHANG)
                     if pid == 0:
                         break
                     conn = waiting.pop(pid, None)
                     if conn is not None:
+                        cpu = usage.ru_utime + usage.ru_stime  # the child's, and its children's
                         try:
-                            conn.send(f"exit {status}".encode())
+                            conn.send(f"exit {status} {cpu:.3f}".encode())
                         except OSError:
                             pass
                         conn.close()

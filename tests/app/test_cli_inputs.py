@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 CONSOLE = Path(sys.executable).parent / "speedtronic"
@@ -20,7 +21,7 @@ def cli(*args: str, cwd: Path, console: bool = False) -> subprocess.CompletedPro
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     env.pop("SPEEDTRONIC_DEBUG", None)
-    return subprocess.run(
+    return run_command(
         [*entry, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
     )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from speedtronic.cli import CHECKED
+from conftest import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_13 = [
@@ -59,7 +60,7 @@ ENTRY_IDS = ["module", "console"][: len(_entry_points())]
 def cli(
     *args: str, entry: list[str] | None = None, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_command(
         [*(entry or _entry_points()[0]), *args],
         cwd=cwd,
         env=_env(),

@@ -28,7 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import load as safetensors_load, load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import (  # noqa: E402
+from conftest import (
+    run_command,  # noqa: E402
     run_command,
     ROOT,
     V2_FIXTURES,
@@ -199,7 +200,7 @@ def test_a_2_0_run_resumes_from_the_cli_at_step_9(tmp_path, optimizer):
     with_max_steps(work / "config.yaml", 12)
     saved = read_v2_checkpoint(work / out / "checkpoints" / "step_000000000008.pt")
     v2_log = (work / out / "metrics.jsonl").read_bytes()
-    res = subprocess.run(
+    res = run_command(
         [
             sys.executable,
             "-m",

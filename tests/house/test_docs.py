@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import build_docs  # noqa: E402
+from conftest import spawn
 
 
 class _Text(HTMLParser):
@@ -497,7 +498,7 @@ def test_readme_diloco_example_runs_as_written(tmp_path):
     ]
     assert all(c in readme for c in commands) and "export OMP_NUM_THREADS=1" in readme
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    master = subprocess.Popen(
+    master = spawn(
         [
             sys.executable,
             "-m",

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (
+    spawn,
     ROOT,
     V2_FIXTURES,
     bpe_tokenizer_file,
@@ -151,7 +152,7 @@ def test_a_killed_export_leaves_the_previous_export_whole(two_runs, tmp_path):
     ok(export(first, tmp_path / "llama", cwd=first.parent))
     old = contents(tmp_path / "llama")
     for delay in (0.5, 1.5, 2.5, 3.5, 5.0):  # kills at different moments of the export
-        proc = subprocess.Popen(
+        proc = spawn(
             [
                 sys.executable,
                 "-m",

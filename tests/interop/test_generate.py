@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import (
+    spawn,
     ROOT,
     V2_FIXTURES,
     bpe_tokenizer_file,
@@ -70,7 +71,7 @@ def test_the_text_streams_while_the_model_is_still_writing(run_dir):
         .removesuffix("\n")
         .encode()
     )
-    proc = subprocess.Popen(
+    proc = spawn(
         [
             sys.executable,
             "-m",

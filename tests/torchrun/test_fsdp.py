@@ -315,7 +315,7 @@ def test_consolidate_and_export(fsdp_run, tmp_path):
     )
     for checkpoint in (out, source):  # the file, and the folder itself
         to = tmp_path / f"hf-{checkpoint.suffix[1:]}"
-        proc = subprocess.run(
+        proc = run_command(
             [
                 sys.executable,
                 "-m",

@@ -111,7 +111,7 @@ def token_file(tmp: Path, blocks: int = 200, bad_block: int | None = None) -> Pa
 
 
 def one_process(cfg: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    return spawn(
         [
             sys.executable,
             "-m",

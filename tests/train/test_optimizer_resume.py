@@ -22,6 +22,7 @@ import yaml
 
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.runtime import build_runtime, close_logger, train_from_config
+from conftest import spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -147,7 +148,7 @@ def cli(cfg: Path, *extra: str, **env: str) -> subprocess.Popen:
         "OMP_NUM_THREADS": "1",
         **env,
     }
-    return subprocess.Popen(
+    return spawn(
         [
             sys.executable,
             "-m",

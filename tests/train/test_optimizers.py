@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from conftest import newton_schulz64, run_python
+from conftest import run_command
 from speedtronic.config import ConfigError, SpeedtronicConfig, load_config
 from speedtronic.model import ReferenceTransformer
 from speedtronic.optimizers import (
@@ -587,7 +588,7 @@ def test_v2_smoke_and_shorthand_configs_train_from_the_cli(tmp_path):
     shorthand.write_text(yaml.safe_dump(raw))
     for cfg in (v2, shorthand):
         out = tmp_path / cfg.stem
-        res = subprocess.run(
+        res = run_command(
             [
                 sys.executable,
                 "-m",

@@ -327,7 +327,7 @@ def run_in(tmp: Path, *args: str, press_at: int | None = None) -> subprocess.Com
     }
     if press_at is not None:
         env["PRESS_AT_UPDATE"] = str(press_at)
-    return subprocess.run(
+    return run_command(
         [
             sys.executable,
             "-m",

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import cli_env, jsonl_records
+from conftest import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 V2 = ROOT.parent / "shared" / "fixtures" / "v2.0" / "checkpoint-adamw"
@@ -32,7 +33,7 @@ def test_v2_checkpoint_resumes_from_the_cli(tmp_path):
         1,
     )
     (work / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    res = subprocess.run(
+    res = run_command(
         [
             sys.executable,
             "-m",
