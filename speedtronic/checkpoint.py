@@ -34,14 +34,12 @@ from speedtronic.files import (
 )
 
 # %% auto #0
-__all__ = ['SHARDED_STATE', 'DIGEST_NAME', 'CheckpointError', 'CheckpointWarning',
-           'atomic_torch_save', 'atomic_json_dump', 'is_sharded', 'digest_path', 'file_sha256',
-           'write_digest', 'check_digest', 'load_checkpoint', 'capture_rng_state',
-           'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes',
-           'checkpoint_step', 'checkpoint_files', 'read_pointer', 'stale_temp_files',
-           'redacted_state', 'nonfinite_tensors', 'nonfinite_state', 'CheckpointManager',
-           'checkpoint_run_id', 'checked_checkpoint', 'load_sharded', 'consolidate_checkpoint',
-           'load_whole']
+__all__ = ['SHARDED_STATE', 'DIGEST_NAME', 'CheckpointError', 'CheckpointWarning', 'atomic_torch_save', 'atomic_json_dump',
+           'is_sharded', 'digest_path', 'file_sha256', 'write_digest', 'check_digest', 'load_checkpoint',
+           'capture_rng_state', 'restore_rng_state', 'compatibility_problems', 'check_compatible', 'setting_changes',
+           'checkpoint_step', 'checkpoint_files', 'read_pointer', 'stale_temp_files', 'redacted_state',
+           'nonfinite_tensors', 'nonfinite_state', 'CheckpointManager', 'checkpoint_run_id', 'checked_checkpoint',
+           'load_sharded', 'consolidate_checkpoint', 'load_whole']
 
 # %% ../nbs/train/04_checkpoint.ipynb #8fc616ec
 class CheckpointError(ExpectedError, RuntimeError):

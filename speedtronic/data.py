@@ -50,18 +50,16 @@ from speedtronic.tokens import (
 )
 
 # %% auto #0
-__all__ = ['SOURCE_READERS', 'SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'group_share',
-           'StreamStart', 'BlockStream', 'TextFileTokenDataset', 'epoch_seed', 'TokenArrayDataset',
-           'TokenFileDataset', 'check_vocab', 'TensorRowsDataset', 'dataset_from_object',
-           'load_serialized_dataset', 'collate_causal', 'collate_batch', 'infinite_batches',
-           'lazy_permutation', 'EpochSampler', 'ResumableDataLoader', 'content_fingerprint',
-           'file_fingerprint', 'array_fingerprint', 'source_identity', 'identity_differences',
-           'resolve_vocab_size', 'source_reader', 'select_dataset', 'known_samples',
-           'check_loader_settings', 'build_dataloader', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION',
-           'CharTokenizer', 'DataError', 'DataWarning', 'HFTokenizer', 'PreparedTokens',
-           'check_data_file', 'encode_text', 'load_tokenizer', 'prepare_token_file', 'read_text',
-           'read_token_sidecar', 'source_files', 'text_pieces', 'text_segments', 'token_dtype',
-           'token_sidecar', 'tokenizer_spec']
+__all__ = ['SOURCE_READERS', 'SyntheticTokenDataset', 'cut_blocks', 'block_sample', 'group_share', 'StreamStart', 'BlockStream',
+           'TextFileTokenDataset', 'epoch_seed', 'TokenArrayDataset', 'TokenFileDataset', 'check_vocab',
+           'TensorRowsDataset', 'dataset_from_object', 'load_serialized_dataset', 'collate_causal', 'collate_batch',
+           'infinite_batches', 'lazy_permutation', 'EpochSampler', 'ResumableDataLoader', 'content_fingerprint',
+           'file_fingerprint', 'array_fingerprint', 'source_identity', 'identity_differences', 'resolve_vocab_size',
+           'source_reader', 'select_dataset', 'known_samples', 'check_loader_settings', 'build_dataloader',
+           'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'CharTokenizer', 'DataError', 'DataWarning', 'HFTokenizer',
+           'PreparedTokens', 'check_data_file', 'encode_text', 'load_tokenizer', 'prepare_token_file', 'read_text',
+           'read_token_sidecar', 'source_files', 'text_pieces', 'text_segments', 'token_dtype', 'token_sidecar',
+           'tokenizer_spec']
 
 # %% ../nbs/data/02_data.ipynb #b9778730
 _all_ = [

@@ -48,10 +48,9 @@ from .precision import autocast_context, resolve_precision
 from .trainer import call_model, move_batch, resolve_loss
 
 # %% auto #0
-__all__ = ['SAMPLE_TOP_K', 'WHITESPACE_ONLY', 'EVAL_RECORD_KEYS', 'EvalResult', 'evaluate',
-           'bytes_per_token', 'Holdout', 'holdout_split', 'StreamHoldout', 'shown_sample',
-           'Sampler', 'Evaluator', 'build_evaluator', 'GlobalEvaluator', 'holdout_note',
-           'earlier_evals']
+__all__ = ['SAMPLE_TOP_K', 'WHITESPACE_ONLY', 'EVAL_RECORD_KEYS', 'EvalResult', 'evaluate', 'bytes_per_token', 'Holdout',
+           'holdout_split', 'StreamHoldout', 'shown_sample', 'Sampler', 'Evaluator', 'build_evaluator',
+           'GlobalEvaluator', 'holdout_note', 'earlier_evals']
 
 # %% ../nbs/train/07_evaluation.ipynb #383bfe39
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 # %% auto #0
-__all__ = ['TEMP_NAME', 'writer_gone', 'stale_temps', 'atomic_write', 'atomic_write_bytes',
-           'atomic_write_text', 'file_in_the_way']
+__all__ = ['TEMP_NAME', 'writer_gone', 'stale_temps', 'atomic_write', 'atomic_write_bytes', 'atomic_write_text',
+           'file_in_the_way']
 
 # %% ../nbs/core/04_files.ipynb #be748c8a
 TEMP_NAME = re.compile(r"\.(?P<target>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")

@@ -14,8 +14,8 @@ from torch import nn
 from .tokens import encode_text
 
 # %% auto #0
-__all__ = ['check_sampling', 'filter_logits', 'next_token', 'context_window', 'generate_ids',
-           'TextStream', 'prompt_ids', 'generate_stream', 'generate']
+__all__ = ['check_sampling', 'filter_logits', 'next_token', 'context_window', 'generate_ids', 'TextStream', 'prompt_ids',
+           'generate_stream', 'generate']
 
 # %% ../nbs/interop/01_generation.ipynb #a6de7303
 def check_sampling(

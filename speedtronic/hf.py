@@ -35,12 +35,10 @@ from .registry import build_model
 from .tokens import check_tokenizer, load_tokenizer, tokenizer_record
 
 # %% auto #0
-__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'EXPORT_FILES',
-           'GLOBAL_MODEL', 'Trained', 'load_trained', 'weight_names', 'llama_config',
-           'ExportWarning', 'byte_tokenizer_json', 'export_owns', 'foreign_files', 'replace_folder',
-           'export_hf', 'read_llama_config', 'llama_problems', 'model_settings',
-           'read_llama_weights', 'load_llama', 'with_init_from_settings', 'load', 'export_run',
-           'push_to_hub']
+__all__ = ['LLAMA_WEIGHTS', 'LLAMA_CONFIG', 'RMS_NORM_EPS', 'LLAMA_NORM_EPS', 'EXPORT_FILES', 'GLOBAL_MODEL', 'Trained',
+           'load_trained', 'weight_names', 'llama_config', 'ExportWarning', 'byte_tokenizer_json', 'export_owns',
+           'foreign_files', 'replace_folder', 'export_hf', 'read_llama_config', 'llama_problems', 'model_settings',
+           'read_llama_weights', 'load_llama', 'with_init_from_settings', 'load', 'export_run', 'push_to_hub']
 
 # %% ../nbs/interop/02_hf.ipynb #55aec66d
 @dataclass

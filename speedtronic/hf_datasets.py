@@ -42,9 +42,8 @@ from speedtronic.tokens import (
 )
 
 # %% auto #0
-__all__ = ['hf_spec', 'describe', 'dataset_kind', 'no_rows', 'open_hf_dataset', 'text_rows',
-           'row_tokens', 'HFTokenDataset', 'HFStreamDataset', 'local_fingerprint',
-           'hf_dataset_source', 'prepare_hf_dataset']
+__all__ = ['hf_spec', 'describe', 'dataset_kind', 'no_rows', 'open_hf_dataset', 'text_rows', 'row_tokens', 'HFTokenDataset',
+           'HFStreamDataset', 'local_fingerprint', 'hf_dataset_source', 'prepare_hf_dataset']
 
 # %% ../nbs/data/03_hf_datasets.ipynb #2f849734
 def hf_spec(spec: str | Mapping) -> dict:

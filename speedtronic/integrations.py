@@ -18,8 +18,8 @@ from .optional import MissingExtra, optional_import
 from .profiling import Metric, close_hook
 
 # %% auto #0
-__all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook',
-           'IntegrationError', 'check_wandb', 'WandbHook', 'hooks_from_config']
+__all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook', 'IntegrationError', 'check_wandb', 'WandbHook',
+           'hooks_from_config']
 
 # %% ../nbs/observe/04_integrations.ipynb #b6d65fd6
 class IntegrationMissing(MissingExtra, RuntimeError):

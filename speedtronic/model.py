@@ -21,11 +21,10 @@ from .config import ModelConfig
 from .registry import registry
 
 # %% auto #0
-__all__ = ['TransformerConfig', 'GPT', 'Transformer', 'ReferenceModel', 'GPTModel', 'GPTConfig',
-           'RMSNorm', 'rotate_half', 'apply_rope', 'RotaryEmbedding', 'AttentionMask',
-           'prepare_attention_mask', 'LayerCache', 'KVCache', 'CausalSelfAttention',
-           'naive_causal_attention', 'swiglu_hidden', 'SwiGLU', 'TransformerBlock', 'init_weights',
-           'ReferenceTransformer', 'causal_lm_loss', 'reference_state_dict_shapes',
+__all__ = ['TransformerConfig', 'GPT', 'Transformer', 'ReferenceModel', 'GPTModel', 'GPTConfig', 'RMSNorm', 'rotate_half',
+           'apply_rope', 'RotaryEmbedding', 'AttentionMask', 'prepare_attention_mask', 'LayerCache', 'KVCache',
+           'CausalSelfAttention', 'naive_causal_attention', 'swiglu_hidden', 'SwiGLU', 'TransformerBlock',
+           'init_weights', 'ReferenceTransformer', 'causal_lm_loss', 'reference_state_dict_shapes',
            'parameter_breakdown']
 
 # %% ../nbs/models/01_model.ipynb #8aaa9960

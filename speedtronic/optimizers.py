@@ -17,15 +17,13 @@ from .config import ConfigError, OptimizerConfig, as_section
 from .precision import supports_fused_adamw
 
 # %% auto #0
-__all__ = ['WEIGHT_DECAY_MODES', 'FUSED_ERRORS', 'NS_COEFFICIENTS', 'POLAR_MODES', 'MUON_SCALES',
-           'HEAD_NAMES', 'build_v2_optimizer', 'trainable_parameters', 'decay_groups',
-           'require_trainable', 'weight_decay_groups', 'resolve_fused', 'construct_adamw',
-           'ns_work_dtype', 'orthogonalize', 'newton_schulz', 'post_polar_normalize',
-           'muon_update_scale', 'Muon', 'muon_ns_dtype', 'ParameterRouting', 'route_parameters',
-           'routing_summary', 'HybridOptimizer', 'CautiousOptimizer', 'build_adamw', 'build_hybrid',
-           'fused_decision', 'check_coverage', 'optimizer_info', 'build_optimizer',
-           'check_optimizer_available', 'group_algorithm', 'check_same_algorithm',
-           'v2_adamw_parameters', 'v2_parameters', 'load_optimizer_state']
+__all__ = ['WEIGHT_DECAY_MODES', 'FUSED_ERRORS', 'NS_COEFFICIENTS', 'POLAR_MODES', 'MUON_SCALES', 'HEAD_NAMES',
+           'build_v2_optimizer', 'trainable_parameters', 'decay_groups', 'require_trainable', 'weight_decay_groups',
+           'resolve_fused', 'construct_adamw', 'ns_work_dtype', 'orthogonalize', 'newton_schulz',
+           'post_polar_normalize', 'muon_update_scale', 'Muon', 'muon_ns_dtype', 'ParameterRouting', 'route_parameters',
+           'routing_summary', 'HybridOptimizer', 'CautiousOptimizer', 'build_adamw', 'build_hybrid', 'fused_decision',
+           'check_coverage', 'optimizer_info', 'build_optimizer', 'check_optimizer_available', 'group_algorithm',
+           'check_same_algorithm', 'v2_adamw_parameters', 'v2_parameters', 'load_optimizer_state']
 
 # %% ../nbs/train/02_optimizers.ipynb #82018b22
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -28,11 +28,10 @@ from .config import ConfigError, DataConfig, SpeedtronicConfig
 from .precision import resolve_device
 
 # %% auto #0
-__all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'watch_peers', 'World',
-           'world_from_env', 'accumulation_per_rank', 'world_problems', 'world_device',
-           'backend_for', 'start_world', 'end_process', 'PeerLost', 'peer_lost', 'block_modules',
-           'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide', 'raised_together',
-           'merge_boundaries', 'saved_world_size', 'derived_rng', 'NodeCoordinator',
+__all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'watch_peers', 'World', 'world_from_env',
+           'accumulation_per_rank', 'world_problems', 'world_device', 'backend_for', 'start_world', 'end_process',
+           'PeerLost', 'peer_lost', 'block_modules', 'fsdp_problems', 'fsdp_options', 'JobError', 'job_wide',
+           'raised_together', 'merge_boundaries', 'saved_world_size', 'derived_rng', 'NodeCoordinator',
            'GroupCoordinator', 'tied_names', 'StateReplica']
 
 # %% ../nbs/torchrun/01_parallel.ipynb #a7cc76e1

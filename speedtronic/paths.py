@@ -20,8 +20,7 @@ from .errors import ExpectedError
 from .config import NODE_ID_RULE, ConfigError, SpeedtronicConfig, usable_node_id
 
 # %% auto #0
-__all__ = ['LOCK_NAME', 'node_id', 'RunPaths', 'run_paths', 'RunLocked', 'new_run_id', 'RunLock',
-           'lock_run', 'lock_holder']
+__all__ = ['LOCK_NAME', 'node_id', 'RunPaths', 'run_paths', 'RunLocked', 'new_run_id', 'RunLock', 'lock_run', 'lock_holder']
 
 # %% ../nbs/core/02_paths.ipynb #f77e89c5
 def node_id(

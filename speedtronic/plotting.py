@@ -13,8 +13,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from .optional import optional_import
 
 # %% auto #0
-__all__ = ['WAITING', 'LOSS_TITLE', 'loss_points', 'plot_loss', 'loss_figure', 'read_records',
-           'run_curve', 'metrics_figure', 'figure_png']
+__all__ = ['WAITING', 'LOSS_TITLE', 'loss_points', 'plot_loss', 'loss_figure', 'read_records', 'run_curve', 'metrics_figure',
+           'figure_png']
 
 # %% ../nbs/observe/05_plotting.ipynb #ca716c29
 def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:

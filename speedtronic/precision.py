@@ -19,11 +19,10 @@ from .errors import ExpectedError
 from .config import PrecisionConfig, as_section
 
 # %% auto #0
-__all__ = ['SUPPORTED_DEVICE_TYPES', 'DTYPES', 'PRECISION_MODES', 'TABLE_DEVICES', 'DeviceError',
-           'mps_available', 'resolve_device', 'PrecisionPlan', 'probe_cpu_bf16_autocast',
-           'supports_fused_adamw', 'DeviceCapabilities', 'resolve_precision', 'describe_plan',
-           'precision_table', 'markdown_table', 'autocast_context', 'make_grad_scaler',
-           'parameter_count']
+__all__ = ['SUPPORTED_DEVICE_TYPES', 'DTYPES', 'PRECISION_MODES', 'TABLE_DEVICES', 'DeviceError', 'mps_available',
+           'resolve_device', 'PrecisionPlan', 'probe_cpu_bf16_autocast', 'supports_fused_adamw', 'DeviceCapabilities',
+           'resolve_precision', 'describe_plan', 'precision_table', 'markdown_table', 'autocast_context',
+           'make_grad_scaler', 'parameter_count']
 
 # %% ../nbs/train/01_precision.ipynb #1af0182b
 class DeviceError(ExpectedError, RuntimeError):

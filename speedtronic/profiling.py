@@ -28,11 +28,10 @@ from .progress import TERMINAL_WIDTH, TerminalLines, clip_line, is_tty
 from .errors import ExpectedError
 
 # %% auto #0
-__all__ = ['Metric', 'Hook', 'LEVELS', 'CONSOLE_STYLES', 'TrainingHook', 'call_hook', 'check_hook',
-           'close_hook', 'CallbackList', 'memory_usage_bytes', 'resolve_level', 'level_name',
-           'format_value', 'format_event', 'format_asctime', 'text_line', 'json_line', 'scrub',
-           'LogFileWarning', 'writer_elsewhere', 'torn_tail', 'newest_run_id', 'LogWriteError',
-           'LineFile', 'HookDispatcher', 'TextSinks', 'MetricLogger']
+__all__ = ['Metric', 'Hook', 'LEVELS', 'CONSOLE_STYLES', 'TrainingHook', 'call_hook', 'check_hook', 'close_hook', 'CallbackList',
+           'memory_usage_bytes', 'resolve_level', 'level_name', 'format_value', 'format_event', 'format_asctime',
+           'text_line', 'json_line', 'scrub', 'LogFileWarning', 'writer_elsewhere', 'torn_tail', 'newest_run_id',
+           'LogWriteError', 'LineFile', 'HookDispatcher', 'TextSinks', 'MetricLogger']
 
 # %% ../nbs/observe/01_metrics.ipynb #84f57f92
 Metric = dict[str, Any]

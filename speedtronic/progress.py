@@ -21,10 +21,9 @@ from .optional import MissingExtra
 from .plotting import figure_png, loss_figure, loss_points, plot_loss
 
 # %% auto #0
-__all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'ROUND_EVENTS', 'format_duration', 'format_rate',
-           'format_progress', 'clip_line', 'format_step_line', 'format_setup_line', 'round_note',
-           'TerminalLines', 'format_closing', 'in_notebook', 'is_tty', 'resolve_progress',
-           'TerminalLine', 'NotebookOutput', 'ProgressBar']
+__all__ = ['TERMINAL_WIDTH', 'QUIET_EVENTS', 'ROUND_EVENTS', 'format_duration', 'format_rate', 'format_progress', 'clip_line',
+           'format_step_line', 'format_setup_line', 'round_note', 'TerminalLines', 'format_closing', 'in_notebook',
+           'is_tty', 'resolve_progress', 'TerminalLine', 'NotebookOutput', 'ProgressBar']
 
 # %% ../nbs/observe/03_progress.ipynb #a158ea7a
 def format_duration(seconds: float) -> str:

@@ -19,9 +19,8 @@ from typing import Any
 from .config import ConfigError, ModelConfig, as_section
 
 # %% auto #0
-__all__ = ['ModelFactory', 'ENTRY_POINT_GROUP', 'BUILTIN_MODELS', 'registry', 'UnknownModelError',
-           'factory_path', 'same_factory', 'ModelRegistry', 'register_model',
-           'import_model_modules', 'factory_fields', 'build_model']
+__all__ = ['ModelFactory', 'ENTRY_POINT_GROUP', 'BUILTIN_MODELS', 'registry', 'UnknownModelError', 'factory_path', 'same_factory',
+           'ModelRegistry', 'register_model', 'import_model_modules', 'factory_fields', 'build_model']
 
 # %% ../nbs/core/06_registry.ipynb #a15b825a
 # anything that returns a model when called with keyword arguments

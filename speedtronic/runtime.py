@@ -88,14 +88,12 @@ from speedtronic.trainer import (
 from .widgets import TrainingView
 
 # %% auto #0
-__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'TIMING_BOUNDS',
-           'TIMING_MAX_PARAMETERS', 'seed_everything', 'build_logger', 'close_logger',
-           'demo_corpus_text', 'ensure_demo_corpus', 'demo_corpus_pending', 'load_runtime_config',
-           'model_vocab_size', 'distributed_problem', 'RunClaim', 'claim_run', 'claim_job',
-           'resumed_target', 'schedule_note', 'job_problems', 'build_runtime', 'sigterm_stops',
-           'earlier_records', 'train_from_config', 'LossPlotWarning', 'write_loss_plot',
-           'training_memory', 'available_memory', 'startup_problems', 'Runnable', 'runnable_report',
-           'check_runnable']
+__all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'TIMING_BOUNDS', 'TIMING_MAX_PARAMETERS',
+           'seed_everything', 'build_logger', 'close_logger', 'demo_corpus_text', 'ensure_demo_corpus',
+           'demo_corpus_pending', 'load_runtime_config', 'model_vocab_size', 'distributed_problem', 'RunClaim',
+           'claim_run', 'claim_job', 'resumed_target', 'schedule_note', 'job_problems', 'build_runtime',
+           'sigterm_stops', 'earlier_records', 'train_from_config', 'LossPlotWarning', 'write_loss_plot',
+           'training_memory', 'available_memory', 'startup_problems', 'Runnable', 'runnable_report', 'check_runnable']
 
 # %% ../nbs/app/01_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:

@@ -23,9 +23,9 @@ from speedtronic.config import (
 from .optional import optional_import
 
 # %% auto #0
-__all__ = ['SCHEDULE_NAMES', 'DEFAULT_WARMUP_STEPS', 'lr_multiplier', 'Schedule', 'default_warmup',
-           'horizon_and_warmup', 'resolve_schedule', 'build_scheduler', 'schedule_of',
-           'lr_of_update', 'load_scheduler_state', 'schedule_points', 'plot_schedule']
+__all__ = ['SCHEDULE_NAMES', 'DEFAULT_WARMUP_STEPS', 'lr_multiplier', 'Schedule', 'default_warmup', 'horizon_and_warmup',
+           'resolve_schedule', 'build_scheduler', 'schedule_of', 'lr_of_update', 'load_scheduler_state',
+           'schedule_points', 'plot_schedule']
 
 # %% ../nbs/train/03_schedules.ipynb #f6a3c7b4
 SCHEDULE_NAMES = ("cosine", "constant")

@@ -20,8 +20,8 @@ from speedtronic.config import (
 )
 
 # %% auto #0
-__all__ = ['ShapeProfile', 'resolve_shape_profile', 'ShapeWarning', 'ShapeReport', 'round_up',
-           'model_dimensions', 'shape_findings', 'validate_startup_shapes']
+__all__ = ['ShapeProfile', 'resolve_shape_profile', 'ShapeWarning', 'ShapeReport', 'round_up', 'model_dimensions',
+           'shape_findings', 'validate_startup_shapes']
 
 # %% ../nbs/models/03_shapes.ipynb #bfaf4e69
 @dataclass(frozen=True)

@@ -22,11 +22,10 @@ from .files import atomic_write, atomic_write_text
 from .optional import optional_import
 
 # %% auto #0
-__all__ = ['UTF8_BOM', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning',
-           'check_data_file', 'CharTokenizer', 'HFTokenizer', 'load_tokenizer', 'encode_text',
-           'tokenizer_spec', 'tokenizer_record', 'file_tokenizer_record', 'check_tokenizer',
-           'text_segments', 'read_text', 'text_pieces', 'token_dtype', 'source_files',
-           'PreparedTokens', 'check_sidecar_free', 'prepare_token_file', 'token_sidecar',
+__all__ = ['UTF8_BOM', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning', 'check_data_file', 'CharTokenizer',
+           'HFTokenizer', 'load_tokenizer', 'encode_text', 'tokenizer_spec', 'tokenizer_record',
+           'file_tokenizer_record', 'check_tokenizer', 'text_segments', 'read_text', 'text_pieces', 'token_dtype',
+           'source_files', 'PreparedTokens', 'check_sidecar_free', 'prepare_token_file', 'token_sidecar',
            'read_token_sidecar']
 
 # %% ../nbs/data/01_tokens.ipynb #c0a38fd4

@@ -55,12 +55,11 @@ from .schedules import load_scheduler_state
 from .shapes import ShapeReport
 
 # %% auto #0
-__all__ = ['TrainingEngine', 'SpeedtronicTrainer', 'STEP_RECORD_KEYS', 'TrainingError',
-           'TrainingInterrupted', 'SyncCoordinator', 'TrainResult', 'causal_lm_loss',
-           'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
-           'is_compile_failure', 'read_pending', 'scaler_step', 'whole', 'gradient_norm',
-           'update_is_finite', 'nonfinite_update', 'TrainerSettings', 'Trainer', 'CheckpointStore',
-           'nothing_to_train', 'EventLogger', 'HeldOutEvaluator', 'signals_held']
+__all__ = ['TrainingEngine', 'SpeedtronicTrainer', 'STEP_RECORD_KEYS', 'TrainingError', 'TrainingInterrupted', 'SyncCoordinator',
+           'TrainResult', 'causal_lm_loss', 'resolve_loss', 'move_batch', 'batch_size_and_tokens', 'call_model',
+           'is_compile_failure', 'read_pending', 'scaler_step', 'whole', 'gradient_norm', 'update_is_finite',
+           'nonfinite_update', 'TrainerSettings', 'Trainer', 'CheckpointStore', 'nothing_to_train', 'EventLogger',
+           'HeldOutEvaluator', 'signals_held']
 
 # %% ../nbs/train/06_trainer.ipynb #beb9dcd2
 class TrainingError(ExpectedError, RuntimeError):

@@ -19,10 +19,9 @@ from .plotting import figure_png, plot_loss
 from .schedules import SCHEDULE_NAMES, plot_schedule, resolve_schedule, schedule_points
 
 # %% auto #0
-__all__ = ['PIXEL_RATIO', 'DTYPE_CHOICES', 'error_html', 'View', 'FigureView', 'lr_notches',
-           'ScheduleExplorer', 'schedule_explorer', 'PrecisionExplorer', 'precision_explorer',
-           'TrainingView', 'SampleBox', 'sample_box', 'DeltaNormView', 'per_outer_step',
-           'delta_norm_view']
+__all__ = ['PIXEL_RATIO', 'DTYPE_CHOICES', 'error_html', 'View', 'FigureView', 'lr_notches', 'ScheduleExplorer',
+           'schedule_explorer', 'PrecisionExplorer', 'precision_explorer', 'TrainingView', 'SampleBox', 'sample_box',
+           'DeltaNormView', 'per_outer_step', 'delta_norm_view']
 
 # %% ../nbs/observe/06_widgets.ipynb #6ec08084
 def _ipywidgets():

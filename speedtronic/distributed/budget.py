@@ -10,10 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 # %% auto #0
-__all__ = ['HEADROOM', 'HUB_TIERS', 'WINDOW_S', 'NODE_POLL', 'NODE_DELTA', 'NODE_GLOBAL',
-           'MASTER_POLL', 'MASTER_MOVED', 'MASTER_PUBLICATION', 'MASTER_DELTA', 'PER_NODE_POLL',
-           'PER_NODE_DELTA', 'DELTA_BYTES_PER_PARAM', 'HubLimits', 'hub_limits', 'HubBudget',
-           'delta_bytes_per_parameter', 'budget_from_config', 'auto_layout']
+__all__ = ['HEADROOM', 'HUB_TIERS', 'WINDOW_S', 'NODE_POLL', 'NODE_DELTA', 'NODE_GLOBAL', 'MASTER_POLL', 'MASTER_MOVED',
+           'MASTER_PUBLICATION', 'MASTER_DELTA', 'PER_NODE_POLL', 'PER_NODE_DELTA', 'DELTA_BYTES_PER_PARAM',
+           'HubLimits', 'hub_limits', 'HubBudget', 'delta_bytes_per_parameter', 'budget_from_config', 'auto_layout']
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #00021c60
 HEADROOM = (

@@ -28,11 +28,10 @@ from speedtronic.distributed.tensors import (
 )
 
 # %% auto #0
-__all__ = ['TOPK_INDEX', 'TOPK_CODE', 'TOPK_SCALE', 'TOPK_PARTS', 'TOPK_BITS', 'MAX_TOPK_CHUNK',
-           'ENCODINGS', 'with_residual', 'residual_after', 'TopK', 'pack_codes', 'unpack_codes',
-           'quantize', 'dequantize', 'encode_topk', 'topk_from_header', 'topk_shapes',
-           'topk_header_fits', 'decode_topk', 'load_topk_delta', 'encode_wire', 'decode_wire',
-           'send_with_feedback', 'topk_layout', 'read_wire_header', 'check_wire_delta']
+__all__ = ['TOPK_INDEX', 'TOPK_CODE', 'TOPK_SCALE', 'TOPK_PARTS', 'TOPK_BITS', 'MAX_TOPK_CHUNK', 'ENCODINGS', 'with_residual',
+           'residual_after', 'TopK', 'pack_codes', 'unpack_codes', 'quantize', 'dequantize', 'encode_topk',
+           'topk_from_header', 'topk_shapes', 'topk_header_fits', 'decode_topk', 'load_topk_delta', 'encode_wire',
+           'decode_wire', 'send_with_feedback', 'topk_layout', 'read_wire_header', 'check_wire_delta']
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #e2dd4696
 def with_residual(

@@ -73,16 +73,14 @@ from ..trainer import TrainingInterrupted
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'RUN_RECORD', 'DumbDiLoCo', 'SHORT_ROUND_STEPS',
-           'HUB_COMMITS_PER_HOUR', 'resolve_role', 'build_transport', 'Upload', 'Install',
-           'NodeState', 'upload_delta', 'at_boundary', 'sent_and_kept', 'on_upload_done',
-           'on_upload_failed', 'on_global', 'master_of', 'predecessors', 'global_problem',
-           'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from',
-           'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning', 'outer_momentum_warning',
-           'warn_outer_momentum', 'master_commit_allowance', 'final_global_model', 'node_summary',
-           'NodeShard', 'shard_loader', 'node_data_config', 'data_fingerprint',
-           'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning', 'measure_step_time',
-           'hub_plan_check', 'warn_commit_rate', 'HubReport']
+__all__ = ['DeltaUploadJob', 'NODE_STATE_FORMAT', 'RUN_RECORD', 'DumbDiLoCo', 'SHORT_ROUND_STEPS', 'HUB_COMMITS_PER_HOUR',
+           'resolve_role', 'build_transport', 'Upload', 'Install', 'NodeState', 'upload_delta', 'at_boundary',
+           'sent_and_kept', 'on_upload_done', 'on_upload_failed', 'on_global', 'master_of', 'predecessors',
+           'global_problem', 'node_id_clash', 'wait_target', 'after_wait', 'node_checkpoint', 'node_state_from',
+           'DumbDiLoCoCoordinator', 'SyncResult', 'DistributedWarning', 'outer_momentum_warning', 'warn_outer_momentum',
+           'master_commit_allowance', 'final_global_model', 'node_summary', 'NodeShard', 'shard_loader',
+           'node_data_config', 'data_fingerprint', 'hub_commits_per_hour', 'hub_budget_of', 'commit_rate_warning',
+           'measure_step_time', 'hub_plan_check', 'warn_commit_rate', 'HubReport']
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #7e747d4b
 def resolve_role(config: DistributedConfig) -> str:

@@ -37,9 +37,8 @@ from speedtronic.distributed.transport import (
 )
 
 # %% auto #0
-__all__ = ['HubTransport', 'HUB_REQUESTS', 'COLLABORATOR_PERMISSIONS', 'token_source',
-           'classify_hub_error', 'server_wait', 'HubClient', 'HubRequests', 'write_problem',
-           'node_repo_id', 'PerNodeHub']
+__all__ = ['HubTransport', 'HUB_REQUESTS', 'COLLABORATOR_PERMISSIONS', 'token_source', 'classify_hub_error', 'server_wait',
+           'HubClient', 'HubRequests', 'write_problem', 'node_repo_id', 'PerNodeHub']
 
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #971b4d24
 def token_source(token: str | None) -> str:

@@ -16,9 +16,9 @@ from typing import Any, Iterable, Mapping
 from ..optional import optional_import
 
 # %% auto #0
-__all__ = ['TOTAL', 'NormRecord', 'records_from_event', 'norm_records_from_events',
-           'norm_records_from_jsonl', 'norm_records_from_repo', 'norm_choices', 'series_name',
-           'norm_series', 'layer_profile', 'norm_records', 'plot_delta_norms']
+__all__ = ['TOTAL', 'NormRecord', 'records_from_event', 'norm_records_from_events', 'norm_records_from_jsonl',
+           'norm_records_from_repo', 'norm_choices', 'series_name', 'norm_series', 'layer_profile', 'norm_records',
+           'plot_delta_norms']
 
 # %% ../../nbs/diloco/07_distributed_norms.ipynb #22138028
 TOTAL = "total"

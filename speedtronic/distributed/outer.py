@@ -57,18 +57,15 @@ from speedtronic.distributed.transport import (
 from ..files import atomic_write_text
 
 # %% auto #0
-__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS',
-           'COMMIT_WINDOW_S', 'PUBLISH_PATIENCE_S', 'DATA_HEADER', 'QUARANTINE_KEPT',
-           'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update', 'applied',
-           'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master',
-           'lease_holder', 'succession', 'liveness', 'DeltaSizes', 'MasterRules', 'MasterState',
-           'master_state', 'state_record', 'restored', 'translated_record', 'norm_scale', 'check',
-           'rejected', 'listed', 'judge_newcomers', 'active_nodes', 'round_deadline',
-           'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due', 'commit_wait',
-           'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup',
-           'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity',
-           'weights_metadata', 'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data',
-           'quarantine_record']
+__all__ = ['STALENESS_POLICIES', 'VERSIONS_KEPT', 'RECORD_VERSION', 'CONTENT_REASONS', 'COMMIT_WINDOW_S', 'PUBLISH_PATIENCE_S',
+           'DATA_HEADER', 'QUARANTINE_KEPT', 'Contribution', 'OuterBuffers', 'momentum_steps', 'outer_update',
+           'applied', 'OuterUpdate', 'NesterovOuterOptimizer', 'OuterState', 'Ledger', 'other_master', 'lease_holder',
+           'succession', 'liveness', 'DeltaSizes', 'MasterRules', 'MasterState', 'master_state', 'state_record',
+           'restored', 'translated_record', 'norm_scale', 'check', 'rejected', 'listed', 'judge_newcomers',
+           'active_nodes', 'round_deadline', 'wait_ran_out', 'round_complete', 'round_due', 'heartbeat_due',
+           'commit_wait', 'Publication', 'fold', 'on_published', 'conflict_verdict', 'heartbeat', 'cleanup',
+           'bootstrap', 'resumed', 'adopted', 'still_waiting', 'final_gaps', 'new_run_identity', 'weights_metadata',
+           'run_conflict', 'run_file', 'MasterOuterLoop', 'same_data', 'quarantine_record']
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #3de07fdd
 STALENESS_POLICIES = ("delayed_nesterov", "weighted", "none")

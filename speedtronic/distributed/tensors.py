@@ -20,17 +20,15 @@ from safetensors.torch import load as _st_load, save as _st_save
 from ..files import atomic_write_bytes
 
 # %% auto #0
-__all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH',
-           'DELTA_DTYPES', 'INT8_SCALE', 'WIRE_ENCODINGS', 'FRAGMENT_HEADER', 'cpu_tensor',
-           'cpu_state_dict', 'floating_state', 'tensor_aliases', 'save_safetensors',
-           'safetensors_bytes', 'load_safetensors', 'read_metadata', 'load_delta',
-           'read_safetensors_header', 'tensor_layout', 'metadata_json', 'delta_path',
-           'parse_delta_path', 'GlobalMetadata', 'utc_now', 'step_count_text', 'parse_step_count',
-           'compute_pseudo_gradient', 'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header',
-           'DeltaRejected', 'CheckedDelta', 'check_delta_wire', 'declared_layout',
-           'read_delta_header', 'decode_dense_wire', 'check_delta', 'average_deltas', 'delta_norm',
-           'layer_of', 'layer_norms', 'fragment_plan', 'fragment_due', 'fragment_shapes',
-           'fragment_versions', 'changed_keys', 'changed_at', 'state_misfit']
+__all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH', 'DELTA_DTYPES', 'INT8_SCALE',
+           'WIRE_ENCODINGS', 'FRAGMENT_HEADER', 'cpu_tensor', 'cpu_state_dict', 'floating_state', 'tensor_aliases',
+           'save_safetensors', 'safetensors_bytes', 'load_safetensors', 'read_metadata', 'load_delta',
+           'read_safetensors_header', 'tensor_layout', 'metadata_json', 'delta_path', 'parse_delta_path',
+           'GlobalMetadata', 'utc_now', 'step_count_text', 'parse_step_count', 'compute_pseudo_gradient',
+           'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta',
+           'check_delta_wire', 'declared_layout', 'read_delta_header', 'decode_dense_wire', 'check_delta',
+           'average_deltas', 'delta_norm', 'layer_of', 'layer_norms', 'fragment_plan', 'fragment_due',
+           'fragment_shapes', 'fragment_versions', 'changed_keys', 'changed_at', 'state_misfit']
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:

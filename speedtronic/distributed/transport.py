@@ -32,9 +32,8 @@ from speedtronic.distributed.tensors import (
 from ..files import TEMP_NAME, atomic_write
 
 # %% auto #0
-__all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavailable',
-           'PublishConflict', 'RepoMissing', 'RetryPolicy', 'RepoState', 'TransferCounts',
-           'describe_repository', 'node_transport', 'SharedDirectory']
+__all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavailable', 'PublishConflict', 'RepoMissing',
+           'RetryPolicy', 'RepoState', 'TransferCounts', 'describe_repository', 'node_transport', 'SharedDirectory']
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #358d078b
 class HubError(ExpectedError, RuntimeError):
