@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite (what the README and CI run):
-#   1. notebooks and package agree: tools/export.py (nbdev_export) and nbdev_clean change no
+#   1. notebooks and package agree: nbdev_export and nbdev_clean change no
 #      tracked file, and every notebook holds the kernel metadata JupyterLab writes (checked by
 #      tools/check_notebooks.py);
 #   2. every notebook's tests (nbdev_test);
@@ -43,11 +43,11 @@ if [ -n "$only_skipped" ]; then skipped "$only_skipped"; exit 0; fi
 
 echo "== export/clean check"
 before=$(git status --porcelain 2>/dev/null || true)
-python tools/export.py
+nbdev_export
 nbdev_clean
 after=$(git status --porcelain 2>/dev/null || true)
 if [ "$before" != "$after" ]; then
-  echo "tools/export.py or nbdev_clean changed files:" \
+  echo "nbdev_export or nbdev_clean changed files:" \
        "commit the exported package and cleaned notebooks" >&2
   diff <(echo "$before") <(echo "$after") >&2 || true
   git diff --stat >&2 || true
@@ -60,7 +60,7 @@ python tools/make_readme.py --check
 echo "== ruff (the formatter and a small rule set, over nbs/, tests/, bench/ and tools/)"
 if ! ruff format --check --quiet . || ! ruff check --quiet .; then
   echo "ruff would change or flags the files above: run 'ruff format . && ruff check .'," \
-       "then python tools/export.py, and commit" >&2
+       "then nbdev_export, and commit" >&2
   exit 1
 fi
 
