@@ -168,20 +168,23 @@ def cpu_share(exclusive: bool):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Every test's setup, call and teardown hold the run's CPU lock (`cpu_share`); with
-    SPEEDTRONIC_TEST_CPU_LOG=FILE each test then writes what it cost (`_cpu_record`)."""
+    """Every test's setup, call and teardown hold the run's CPU lock (`cpu_share`), and leave
+    this process's environment as they found it; with SPEEDTRONIC_TEST_CPU_LOG=FILE each test
+    then writes what it cost (`_cpu_spent`)."""
     log = os.environ.get("SPEEDTRONIC_TEST_CPU_LOG")
-    # a test that trains in this process seeds it, and the seeding sets PYTHONHASHSEED for child
-    # processes (`seed_everything`): put it back, or every later command of this worker would
-    # differ from the fork server's start-up settings and start in a fresh interpreter
-    hash_seed = os.environ.get("PYTHONHASHSEED")
+    # What the code a test runs in this process sets in the environment (training seeds it, and
+    # the seeding sets PYTHONHASHSEED for child processes) would otherwise reach every later test
+    # of this worker, and a command whose start-up settings differ from the fork server's starts
+    # in a fresh interpreter.
+    environment = dict(os.environ)
     with cpu_share(item.get_closest_marker("cpu_alone") is not None):
         before = _cpu_spent() if log else None
         yield
-        if hash_seed is None:
-            os.environ.pop("PYTHONHASHSEED", None)
-        else:
-            os.environ["PYTHONHASHSEED"] = hash_seed
+        for key in set(os.environ) - set(environment):
+            del os.environ[key]
+        for key, value in environment.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
         if log:
             after = _cpu_spent()
             spent = {k: round(after[k] - before[k], 3) for k in before}

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite (what the README and CI run):
-#   1. notebooks and package agree: nbdev_export and nbdev_clean change no
-#      tracked file, and every notebook holds the kernel metadata JupyterLab writes (checked by
-#      tools/check_notebooks.py);
+#   1. notebooks and package agree: nbdev_export and nbdev_clean change no tracked file, and
+#      every notebook holds the kernel metadata JupyterLab writes (tools/check_notebooks.py);
 #   2. every notebook's tests (nbdev_test);
 #   3. the pytest suites in tests/ (CLI, multi-process, fault injection, docs build);
 #   4. a plain list of what did not run: each skipped pytest test's reason (grouped) with how to
