@@ -1,7 +1,7 @@
 import atexit, contextlib, json, os, select, shutil, signal, socket, subprocess, sys
 import textwrap, threading, time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 import yaml
@@ -304,6 +304,7 @@ class ForkedPopen(subprocess.Popen):
         p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = rest[3:9]
         start_new_session, process_group = rest[-2:]
         request = {
+            "module": str(args[2]),
             "args": [str(a) for a in args[3:]],
             "cwd": os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd()),
             "env": {str(k): str(v) for k, v in (os.environ if env is None else env).items()},
@@ -412,12 +413,16 @@ def fork_server() -> Path | None:
     return _FORK_SERVER["path"]
 
 
+# the commands the warm interpreter may fork: `python -m MODULE ...`
+FORKED_MODULES = ("speedtronic", "torch.distributed.run")
+
+
 def spawn(argv: list, **popen) -> subprocess.Popen:
-    """`subprocess.Popen(argv, **popen)`, except that a `python -m speedtronic ...` command is
-    forked by this test process's warm interpreter (`fork_server`) where that starts it the same
-    way."""
+    """`subprocess.Popen(argv, **popen)`, except that a `python -m speedtronic ...` command (or a
+    torchrun launcher, `python -m torch.distributed.run ...`) is forked by this test process's warm
+    interpreter (`fork_server`) where that starts it the same way."""
     argv = [os.fspath(a) for a in argv]
-    ours = argv[:3] == [sys.executable, "-m", "speedtronic"]
+    ours = argv[:2] == [sys.executable, "-m"] and argv[2:3] and argv[2] in FORKED_MODULES
     server = fork_server() if ours else None
     if server is None:
         if ours:
@@ -548,6 +553,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_command(*rank: str | Path, nproc: int = 2, options: Sequence[str] = ()) -> list[str]:
+    """`python -m torch.distributed.run --nproc_per_node NPROC --master-port PORT OPTIONS RANK...`,
+    where RANK is `-m speedtronic ARGS` or `SCRIPT ARGS`. With this test process's warm interpreter
+    (`fork_server`), each rank is started by `tests/forkrank.py`, which has the server fork it and
+    stands in for it towards torchrun (signals, exit), and `spawn` forks the launcher too."""
+    rank = [os.fspath(r) for r in rank]
+    server = fork_server()
+    if server is not None:
+        rank = ["--no-python", sys.executable, "-S", str(TESTS / "forkrank.py"), str(server), *rank]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        *options,
+        *rank,
+    ]
 
 
 CHROMIUM_ARGS = [

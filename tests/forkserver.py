@@ -11,10 +11,19 @@ executable, and no setting read at interpreter or torch start-up that differs fr
 (`STARTUP_ENV`). A command that does not qualify is refused, and the caller starts it the ordinary
 way (`conftest.run_cli` and `conftest.start_cli` do both).
 
+torchrun jobs come here too: their launcher (`python -m torch.distributed.run`, which imports torch
+as well) is forked like a command, and each rank it starts is `tests/forkrank.py`, a small process
+that asks this server for the rank's `python -m speedtronic` and stands in for it towards torchrun:
+it passes every signal on and ends as the rank ends.
+
 Protocol, one `SOCK_SEQPACKET` connection per command: the client sends a JSON request (`args`,
-`cwd`, `env`, `new_session`) with its stdin, stdout and stderr descriptors attached. The server
-answers `pid N` or `refused WHY`. When the child ends, it answers `exit STATUS` (a raw wait status)
-and closes the connection.
+`cwd`, `env`, `new_session`, and optionally `module`, one of `MODULES`, or `script`, a file to run
+as `python SCRIPT ARGS` (torchrun's ranks that are scripts), `hangup_kills`, and `bill_to`: the pid
+of a child of this server whose CPU seconds this child's are added to, a rank's launcher) with
+its stdin, stdout and stderr descriptors attached. The server answers `pid N` or `refused WHY`.
+When the child ends, it answers `exit STATUS CPU` (a raw wait status, and the CPU seconds of the
+child and its children) and closes the connection. With `hangup_kills`, a client that closes its
+end first (a rank's stand-in killed with SIGKILL) takes the child with it: SIGKILL.
 
     python tests/forkserver.py SOCKET  # prints "ready" once it listens; ends when stdin closes
 """
@@ -53,6 +62,10 @@ CHILD_READS = (
     "PYTHONIOENCODING",
     "OMP_NUM_THREADS",
 )
+# ... and what torchrun sets for its ranks, read when a rank sets up its process group
+RUN_READS = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# the modules a request may run as `python -m MODULE`
+MODULES = ("speedtronic", "torch.distributed.run")
 MAX_REQUEST = 1 << 20
 DEFAULT_THREADS = 1
 # what `warm`'s imports set in the environment (torch._dynamo: TORCHINDUCTOR_CACHE_DIR), taken out
@@ -62,7 +75,11 @@ WARM_SETS: dict[str, str] = {}
 
 def startup_differences(env: dict, server_env: dict) -> list[str]:
     "The start-up settings on which `env` and the server's environment disagree."
-    keys = {k for k in {*env, *server_env} if k.startswith(STARTUP_ENV) and k not in CHILD_READS}
+    keys = {
+        k
+        for k in {*env, *server_env}
+        if k.startswith(STARTUP_ENV) and k not in CHILD_READS and not k.startswith(RUN_READS)
+    }
     return sorted(k for k in keys if env.get(k) != server_env.get(k))
 
 
@@ -100,6 +117,8 @@ def shadowing(paths: list[str], loaded: dict[str, str]) -> list[str]:
 def refusal(request: dict) -> str | None:
     "Why `request` must start in a fresh interpreter, or None when a fork runs it the same way."
     env = request["env"]
+    if request.get("module", "speedtronic") not in MODULES:
+        return f"runs module {request.get('module')!r}, not one of {', '.join(MODULES)}"
     # a setting the warm-up set itself, asked for with the value it set, is the fresh start's too
     # (the test process set it the same way once it stepped an optimizer of its own)
     differ = [
@@ -110,7 +129,8 @@ def refusal(request: dict) -> str | None:
     if differ:
         return f"start-up settings differ: {', '.join(differ)}"
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    shadowed = shadowing([request["cwd"], *paths], loaded_modules())
+    first = os.path.dirname(os.path.abspath(request["script"])) if "script" in request else None
+    shadowed = shadowing([first or request["cwd"], *paths], loaded_modules())
     if shadowed:
         return f"would shadow imported modules: {', '.join(shadowed)}"
     return None
@@ -139,7 +159,7 @@ def _std_stream(fd: int, name: str):
 
 
 def become_child(request: dict, fds: list[int], base_path: list[str]) -> None:
-    "Turn this freshly forked process into `python -m speedtronic ARGS` as `request` describes."
+    "Turn this freshly forked process into `python -m MODULE ARGS` as `request` describes."
     if request.get("new_session"):
         os.setsid()
     for handled in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
@@ -157,7 +177,10 @@ def become_child(request: dict, fds: list[int], base_path: list[str]) -> None:
     for key, value in WARM_SETS.items():  # as the imports of a fresh interpreter set them
         os.environ.setdefault(key, value)
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [request["cwd"], *extra, *(p for p in base_path if p not in extra)]
+    # a script's folder comes first on the path, as in a fresh `python SCRIPT`; else the folder
+    script = os.path.abspath(request["script"]) if "script" in request else None
+    first = os.path.dirname(script) if script else request["cwd"]
+    sys.path[:] = [first, *extra, *(p for p in base_path if p not in extra)]
     for fd, name in enumerate(("stdin", "stdout", "stderr")):
         stream = _std_stream(fd, name)
         setattr(sys, name, stream)
@@ -172,7 +195,7 @@ def become_child(request: dict, fds: list[int], base_path: list[str]) -> None:
     torch.set_num_threads(
         int(threads) if threads.isdigit() and int(threads) > 0 else DEFAULT_THREADS
     )
-    sys.argv = ["-m", *request["args"]]
+    sys.argv = [script, *request["args"]] if script else ["-m", *request["args"]]
 
 
 def serve(path: str) -> tuple[dict, list[int], list[str]]:
@@ -193,6 +216,10 @@ def serve(path: str) -> tuple[dict, list[int], list[str]]:
     selector.register(wake_read, selectors.EVENT_READ, "reap")
     selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
     waiting: dict[int, socket.socket] = {}  # child pid -> the connection that started it
+    watched: dict[socket.socket, int] = {}  # a `hangup_kills` connection -> its child's pid
+    # a rank's CPU is billed to its torchrun launcher, when that is a child here too (`bill_to`)
+    payer: dict[int, int] = {}  # child pid -> the child pid its CPU is added to
+    billed: dict[int, float] = {}  # child pid -> the CPU seconds of others added to its own
     print("ready", flush=True)
     while True:
         for key, _ in selector.select():
@@ -206,13 +233,30 @@ def serve(path: str) -> tuple[dict, list[int], list[str]]:
                     if pid == 0:
                         break
                     conn = waiting.pop(pid, None)
+                    if conn in watched:
+                        selector.unregister(conn)
+                        del watched[conn]
                     if conn is not None:
-                        cpu = usage.ru_utime + usage.ru_stime  # the child's, and its children's
+                        # the child's, its children's, and what is billed to it
+                        cpu = usage.ru_utime + usage.ru_stime + billed.pop(pid, 0.0)
+                        if pid in payer and payer[pid] in waiting:
+                            billed[payer[pid]] = billed.get(payer[pid], 0.0) + cpu
+                            cpu = 0.0
+                        payer.pop(pid, None)
                         try:
                             conn.send(f"exit {status} {cpu:.3f}".encode())
                         except OSError:
                             pass
                         conn.close()
+            elif key.data == "hangup":  # a `hangup_kills` client ended before its child
+                conn = key.fileobj
+                selector.unregister(conn)
+                pid = watched.pop(conn)
+                if waiting.get(pid) is conn:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             else:
                 conn, _ = listener.accept()
                 message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
@@ -234,6 +278,11 @@ def serve(path: str) -> tuple[dict, list[int], list[str]]:
                     os.close(fd)
                 conn.send(f"pid {pid}".encode())
                 waiting[pid] = conn
+                if request.get("bill_to") in waiting:
+                    payer[pid] = request["bill_to"]
+                if request.get("hangup_kills"):
+                    watched[conn] = pid
+                    selector.register(conn, selectors.EVENT_READ, "hangup")
 
 
 def warm() -> None:
@@ -270,18 +319,22 @@ def exit_status(stop: SystemExit) -> int:
     return 1
 
 
-def run_as_main() -> None:
-    """Run `python -m speedtronic` in this child, then end it as a fresh interpreter ends: wait
-    for its threads, run the `atexit` callbacks, flush the standard streams, exit with its status
-    (or die of SIGINT after an unhandled KeyboardInterrupt). Tearing down the imported modules is
-    left out: it costs 1.8 s with torch loaded, and no one outside the process can tell."""
+def run_as_main(module: str = "speedtronic", script: str | None = None) -> None:
+    """Run `python -m MODULE` (or `python SCRIPT`) in this child, then end it as a fresh
+    interpreter ends: wait for its threads, run the `atexit` callbacks, flush the standard streams,
+    exit with its status (or die of SIGINT after an unhandled KeyboardInterrupt). Tearing down the
+    imported modules is left out: it costs 1.8 s with torch loaded, and no one outside the process
+    can tell."""
     import atexit
     import runpy
     import threading
 
     status, interrupted = 0, False
     try:
-        runpy.run_module("speedtronic", run_name="__main__", alter_sys=True)
+        if script is not None:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         status = exit_status(stop)
     except KeyboardInterrupt:
@@ -307,5 +360,6 @@ if __name__ == "__main__":
     warm()
     request, fds, base_path = serve(sys.argv[1])
     become_child(request, fds, base_path)
+    module, script = request.get("module", "speedtronic"), request.get("script")
     del request, fds, base_path
-    run_as_main()
+    run_as_main(module, None if script is None else os.path.abspath(script))

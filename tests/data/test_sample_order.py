@@ -30,7 +30,7 @@ import torch
 import yaml
 
 from conftest import ROOT, cli_env, free_port, jsonl_records
-from conftest import spawn
+from conftest import spawn, torchrun_command
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.tokens import TOKEN_FILE_FORMAT
 
@@ -124,30 +124,8 @@ def write_config(
 
 def train(cfg: Path, *extra: str, nproc: int = 1) -> subprocess.Popen:
     "`speedtronic train` on CPU: one process, or a torchrun job of `nproc`."
-    launcher = (
-        [
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master-port",
-            str(free_port()),
-        ]
-        if nproc > 1
-        else []
-    )
-    cmd = [
-        sys.executable,
-        *launcher,
-        "-m",
-        "speedtronic",
-        "train",
-        "--config",
-        str(cfg),
-        "--device",
-        "cpu",
-        *extra,
-    ]
+    rank = ["-m", "speedtronic", "train", "--config", str(cfg), "--device", "cpu", *extra]
+    cmd = torchrun_command(*rank, nproc=nproc) if nproc > 1 else [sys.executable, *rank]
     # its own process group, ended whole if it hangs
     return spawn(
         cmd,

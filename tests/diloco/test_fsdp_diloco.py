@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, free_port, jsonl_records
+from conftest import ROOT, free_port, jsonl_records, spawn, torchrun_command
 from test_parallel import env, finish, losses_by_step, one_process, write_config
 
 STEPS, ROUND = 20, 5
@@ -102,19 +102,8 @@ def run_nodes(tmp: Path, strategy: str, fragments: int = 1) -> dict:
     master = node(tmp, "master", "master", 0, 2, fragments=fragments, parallel=parallel)
     worker = node(tmp, "worker", "worker", 1, micro=4, fragments=fragments)
     (tmp / "driver.py").write_text(DRIVER)
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            str(tmp / "driver.py"),
-            str(master),
-            str(tmp),
-        ],
+    job = spawn(
+        torchrun_command(tmp / "driver.py", master, tmp),
         cwd=ROOT,
         env=env(),
         stdout=subprocess.PIPE,
@@ -241,19 +230,8 @@ def resetting_job(tmp: Path, name: str, strategy: str, steps: int, resume: bool 
     )
     (tmp / "resetting.py").write_text(RESETTING)
     finish(
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--master-port",
-                str(free_port()),
-                str(tmp / "resetting.py"),
-                str(cfg),
-                "resume" if resume else "fresh",
-            ],
+        spawn(
+            torchrun_command(tmp / "resetting.py", cfg, "resume" if resume else "fresh"),
             cwd=ROOT,
             env=env(),
             stdout=subprocess.PIPE,
@@ -314,20 +292,8 @@ def alone(tmp: Path, strategy: str, steps: int, resume: bool = False) -> None:
     )
     (tmp / "driver.py").write_text(DRIVER)
     finish(
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                "2",
-                "--master-port",
-                str(free_port()),
-                str(tmp / "driver.py"),
-                str(cfg),
-                str(tmp),
-                *(["resume"] if resume else []),
-            ],
+        spawn(
+            torchrun_command(tmp / "driver.py", cfg, tmp, *(["resume"] if resume else [])),
             cwd=ROOT,
             env=env(),
             stdout=subprocess.PIPE,

@@ -15,7 +15,7 @@ import yaml
 datasets = pytest.importorskip("datasets")
 
 from conftest import ROOT, cli_env, jsonl_records, one_error_line, run_cli, start_cli
-from conftest import spawn
+from conftest import spawn, torchrun_command
 
 STEPS = 30
 WORDS = (
@@ -284,22 +284,7 @@ def one_process_and_two_ranks_agree(
             raw["eval"]["micro_batch_size"] = raw["data"]["micro_batch_size"]
         cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
     finish(start(one, tmp_path))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "speedtronic",
-        "train",
-        "--config",
-        str(two),
-        "--device",
-        "cpu",
-    ]
+    cmd = torchrun_command("-m", "speedtronic", "train", "--config", two, "--device", "cpu")
     finish(
         spawn(
             cmd,

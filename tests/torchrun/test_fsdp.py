@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from conftest import ROOT, dotted_payload, free_port, jsonl_records
-from conftest import run_command, spawn
+from conftest import run_command, spawn, torchrun_command
 from test_parallel import (
     NAN_MODEL,
     env,
@@ -222,22 +222,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank(tmp_path):
         model={"name": "nan_on_one_rank", "imports": ["nan_models"]},
         parallel=FSDP,
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "speedtronic",
-        "train",
-        "--config",
-        str(cfg),
-        "--device",
-        "cpu",
-    ]
+    cmd = torchrun_command("-m", "speedtronic", "train", "--config", cfg, "--device", "cpu")
     job = spawn(
         cmd,
         cwd=ROOT,
@@ -416,20 +401,13 @@ def test_one_process_loads_into_two_sharded_ranks(tmp_path, kind):
     )
     script, out = tmp_path / "load.py", tmp_path / "loaded.pt"
     script.write_text(LOAD_IN_JOB)
-    job = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            str(script),
-            str(write_config(tmp_path, "two", micro=4, data=DATA, model=MODEL, parallel=FSDP)),
-            str(source),
-            str(out),
-        ],
+    job = run_command(
+        torchrun_command(
+            script,
+            write_config(tmp_path, "two", micro=4, data=DATA, model=MODEL, parallel=FSDP),
+            source,
+            out,
+        ),
         cwd=ROOT,
         env=env(),
         capture_output=True,

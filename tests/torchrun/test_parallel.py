@@ -45,6 +45,7 @@ from conftest import (
     run_command,
     spawn,
     tiny_config,
+    torchrun_command,
 )
 from speedtronic.checkpoint import load_checkpoint
 from speedtronic.cli import main
@@ -132,23 +133,9 @@ def one_process(cfg: Path, *extra: str) -> subprocess.Popen:
 
 
 def torchrun(cfg: Path, *extra: str, nproc: int = 2) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "speedtronic",
-        "train",
-        "--config",
-        str(cfg),
-        "--device",
-        "cpu",
-        *extra,
-    ]
+    cmd = torchrun_command(
+        "-m", "speedtronic", "train", "--config", cfg, "--device", "cpu", *extra, nproc=nproc
+    )
     return spawn(
         cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -404,16 +391,7 @@ def test_raise_together_gives_every_rank_one_verdict(tmp_path):
     others a JobError."""
     script = tmp_path / "job.py"
     script.write_text(JOB_SCRIPT)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        str(script),
-    ]
+    cmd = torchrun_command(script)
     proc = run_command(
         cmd,
         cwd=ROOT,
@@ -512,22 +490,7 @@ def nan_job(
         model={"name": "nan_on_one_rank", "imports": ["nan_models"]},
         optimizer=optimizer,
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "speedtronic",
-        "train",
-        "--config",
-        str(cfg),
-        "--device",
-        "cpu",
-    ]
+    cmd = torchrun_command("-m", "speedtronic", "train", "--config", cfg, "--device", "cpu")
     job_env = {**env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "NAN_CALLS": nan_calls}
     return cfg, spawn(
         cmd, cwd=ROOT, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -686,19 +649,8 @@ def test_a_diloco_node_can_be_a_torchrun_job(tmp_path):
         diloco_node(tmp_path, "worker", "worker", 1, micro=4),
     )
     (tmp_path / "driver.py").write_text(DRIVER)
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            str(tmp_path / "driver.py"),
-            str(master),
-            str(tmp_path),
-        ],
+    job = spawn(
+        torchrun_command(tmp_path / "driver.py", master, tmp_path),
         cwd=ROOT,
         env=env(),
         stdout=subprocess.PIPE,
