@@ -296,16 +296,17 @@ class ForkedPopen(subprocess.Popen):
     `communicate`, timeouts, signals and exit codes behave as for any `Popen`. A command the server
     refuses (one that needs a fresh interpreter) is started the ordinary way."""
 
-    def __init__(self, server: Path, *args, **kwargs):
-        self._server, self._ended, self._exit_lock = server, None, threading.Lock()
+    def __init__(self, server: Path, command: dict, *args, **kwargs):
+        "`command`: the request's `module` (or `script`) and `args` (`forked_command`)."
+        self._server, self._command = server, command
+        self._ended, self._exit_lock = None, threading.Lock()
         super().__init__(*args, **kwargs)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, *rest):
         p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = rest[3:9]
         start_new_session, process_group = rest[-2:]
         request = {
-            "module": str(args[2]),
-            "args": [str(a) for a in args[3:]],
+            **self._command,
             "cwd": os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd()),
             "env": {str(k): str(v) for k, v in (os.environ if env is None else env).items()},
             "new_session": bool(start_new_session) or process_group == 0,
@@ -413,22 +414,37 @@ def fork_server() -> Path | None:
     return _FORK_SERVER["path"]
 
 
-# the commands the warm interpreter may fork: `python -m MODULE ...`
+# the commands the warm interpreter may fork: `python -m MODULE ...`, and `python bench/SCRIPT ...`
 FORKED_MODULES = ("speedtronic", "torch.distributed.run")
+
+
+def forked_command(argv: list[str], cwd: str | os.PathLike | None = None) -> dict | None:
+    """What the fork server is asked to run for `argv` (its `module` or `script`, and `args`), or
+    None: a command it does not start."""
+    if argv[:1] != [sys.executable] or len(argv) < 2:
+        return None
+    if argv[1] == "-m" and argv[2:3] and argv[2] in FORKED_MODULES:
+        return {"module": argv[2], "args": argv[3:]}
+    script = Path(cwd if cwd is not None else os.getcwd()) / argv[1]
+    if script.suffix == ".py" and script.resolve().parent == ROOT / "bench" and script.is_file():
+        return {"script": str(script.resolve()), "args": argv[2:]}
+    return None
 
 
 def spawn(argv: list, **popen) -> subprocess.Popen:
     """`subprocess.Popen(argv, **popen)`, except that a `python -m speedtronic ...` command (or a
-    torchrun launcher, `python -m torch.distributed.run ...`) is forked by this test process's warm
-    interpreter (`fork_server`) where that starts it the same way."""
+    torchrun launcher, `python -m torch.distributed.run ...`, or a `python bench/SCRIPT.py ...`) is
+    forked by this test process's warm interpreter (`fork_server`) where that starts it the same
+    way."""
     argv = [os.fspath(a) for a in argv]
-    ours = argv[:2] == [sys.executable, "-m"] and argv[2:3] and argv[2] in FORKED_MODULES
-    server = fork_server() if ours else None
+    command = forked_command(argv, popen.get("cwd"))
+    server = fork_server() if command else None
     if server is None:
-        if ours:
-            _note_command(argv[3:], "fresh: no fork server (SPEEDTRONIC_TEST_FORK=0, or it failed)")
+        if command:
+            why = "fresh: no fork server (SPEEDTRONIC_TEST_FORK=0, or it failed)"
+            _note_command(command["args"], why)
         return subprocess.Popen(argv, **popen)
-    return ForkedPopen(server, argv, **popen)
+    return ForkedPopen(server, command, argv, **popen)
 
 
 def run_command(

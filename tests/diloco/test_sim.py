@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, run_command
 
 from speedtronic.distributed.budget import HUB_TIERS, HubBudget
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("cpu_to_itself")
 def run_bench(tmp_path, *args: str) -> tuple[str, dict]:
     "bench/sim_diloco.py with `args`: its stdout and what the stand-in held at the end."
     held = tmp_path / "held.json"
-    res = subprocess.run(
+    res = run_command(
         [
             sys.executable,
             "bench/sim_diloco.py",

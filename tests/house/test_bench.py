@@ -3,12 +3,12 @@ are not checked: they are measurements, and this machine is shared)."""
 
 import re, subprocess, sys
 
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, run_command
 
 
 def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     "`python bench/<script> *args` from the repository root in the CLI's environment, captured."
-    return subprocess.run(
+    return run_command(
         [sys.executable, f"bench/{script}", *args],
         cwd=ROOT,
         env=cli_env(),

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, run_command
 from speedtronic.data import TextFileTokenDataset, TokenFileDataset
 from speedtronic.evaluation import holdout_split
 
@@ -51,7 +51,7 @@ def test_bench_recipe_names_the_block_order_it_ran(tmp_path):
     "`--order shuffled` (the default) and `--order file` each print the order and a held-out loss."
     text = _prose(tmp_path)
     for args, order in (((), "shuffled"), (("--order", "file"), "file")):
-        res = subprocess.run(
+        res = run_command(
             [sys.executable, "bench/bench_recipe.py", "--text", str(text), "--steps", "2", *args],
             cwd=ROOT,
             env=cli_env(),
