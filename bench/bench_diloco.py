@@ -454,17 +454,28 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
 
 # the fragments table's encodings: exact deltas, and the best of the encodings table under 1/32 of
 # float32's bytes
-FRAGMENTS_ENCODINGS = [("float32", None, 1.0), ("topk", (0.03, 2), 0.9)]
+# the fragments table's encodings, by --fragment-encodings name: float32, the best encoding that
+# costs no loss in the encodings table (int8 + feedback) and the best that sends under 1/32
+FRAGMENTS_ENCODINGS = {
+    "float32": ("float32", None, 1.0),
+    "int8": ("int8", None, 1.0),
+    "topk": ("topk", (0.03, 2), 0.9),
+}
 
 
 def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
     """The fragments table: per seed the synchronous baseline, then lockstep DiLoCo in each
-    encoding of `FRAGMENTS_ENCODINGS`, each node sending its model whole (F = 1) and in each of
-    `args.fragment_counts` fragments, then whole and in the most fragments at each `args.mixing`
-    above 0, and with `args.delay` above 0 the most fragments at the first mixing with the globals
-    arriving that many inner steps late (τ)."""
+    encoding of `args.fragment_encodings` (`FRAGMENTS_ENCODINGS`), each node sending its model
+    whole (F = 1) and in each of `args.fragment_counts` fragments, then whole and in the most
+    fragments at each `args.mixing` above 0, and with `args.delay` above 0 the most fragments at
+    the first mixing with the globals arriving that many inner steps late (τ)."""
     rows: dict[str, list[dict]] = {}
     counts = [int(c) for c in args.fragment_counts.split(",") if c.strip()]
+    names = [n.strip() for n in args.fragment_encodings.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in FRAGMENTS_ENCODINGS]:
+        raise SystemExit(
+            f"--fragment-encodings {unknown}: use some of {', '.join(FRAGMENTS_ENCODINGS)}"
+        )
     if uneven := [c for c in counts if args.inner_steps % c]:
         raise SystemExit(
             f"--fragment-counts {uneven} do not divide --inner-steps {args.inner_steps}"
@@ -481,7 +492,7 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
         runs = [{**base, "ratio": 1.0}]
-        for e, (encoding, topk, decay) in enumerate(FRAGMENTS_ENCODINGS):
+        for e, (encoding, topk, decay) in enumerate(FRAGMENTS_ENCODINGS[n] for n in names):
             mine = []
             for count, mixing, delay in settings:
                 run = run_lockstep(
@@ -513,6 +524,8 @@ def run_fragments(args, work: Path, train: Path, held: Path, seeds: list[int]) -
             rows.setdefault(r["name"], []).append(r)
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
     flags = f"--fragments --fragment-counts {args.fragment_counts} --mixing {args.mixing}"
+    if names != ["float32", "topk"]:
+        flags += f" --fragment-encodings {','.join(names)}"
     flags += f" --delay {args.delay}" if args.delay else ""
     heading = lockstep_heading(args, seeds, flags, f"--width {args.width} --layers {args.layers}")
     show_table(lambda: _fragments_table(rows), args.save, heading)
@@ -1120,6 +1133,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--fragment-counts", default="1,2,4", help="--fragments: the fragment counts compared"
+    )
+    parser.add_argument(
+        "--fragment-encodings",
+        default="float32,topk",
+        help="--fragments: the encodings compared, some of float32, int8 (+ feedback), topk (3%% "
+        "2-bit + feedback 0.9)",
     )
     parser.add_argument(
         "--mixing",

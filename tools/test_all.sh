@@ -2,7 +2,7 @@
 # The whole test suite (what the README and CI run):
 #   1. notebooks and package agree: nbdev_export and nbdev_clean change no tracked file, and
 #      every notebook holds the kernel metadata JupyterLab writes (tools/check_notebooks.py);
-#   2. every notebook's tests (nbdev_test);
+#   2. every notebook's tests (nbdev_test), run beside 3.;
 #   3. the pytest suites in tests/ (CLI, multi-process, fault injection, docs build);
 #   4. a plain list of what did not run: each skipped pytest test's reason (grouped) with how to
 #      run it, and the notebook cells nbdev_test leaves out (`#| slow`).
@@ -63,14 +63,18 @@ if ! ruff format --check --quiet . || ! ruff check --quiet .; then
   exit 1
 fi
 
-echo "== nbdev_test"
+report=$(mktemp -d)
+notebooks=""
+trap '[ -n "$notebooks" ] && kill "$notebooks" 2>/dev/null; rm -rf "$report"' EXIT
+# nbdev_test runs beside pytest (its output is shown after pytest's): pytest's workers leave a
+# core partly idle while DiLoCo nodes poll and wait, and nbdev_test takes about a minute of it.
+echo "== nbdev_test (beside pytest; its output follows pytest's)"
 start=$(date +%s)
-nbdev_test --n_workers 2 --timing
-echo "nbdev_test took $(( $(date +%s) - start ))s"
+( nbdev_test --n_workers 1 --timing > "$report/nbdev_test.log" 2>&1
+  echo "nbdev_test took $(( $(date +%s) - start ))s" >> "$report/nbdev_test.log" ) &
+notebooks=$!
 
 echo "== pytest"
-report=$(mktemp -d)
-trap 'rm -rf "$report"' EXIT
 rc=0
 # Three workers (pytest-xdist) on two cores: the DiLoCo tests, over a third of the suite's time,
 # keep a core about half busy (their nodes poll and wait), so a third worker runs other tests in
@@ -80,6 +84,15 @@ rc=0
 workers=${SPEEDTRONIC_TEST_WORKERS:-3}
 python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/junit.xml" \
   -n "$workers" --dist loadfile tests || rc=$?
+echo "== nbdev_test"
+nbdev_rc=0
+wait "$notebooks" || nbdev_rc=$?
+notebooks=""
+cat "$report/nbdev_test.log"
+if [ "$nbdev_rc" != 0 ]; then
+  echo "nbdev_test failed (exit $nbdev_rc): the notebooks' tests above" >&2
+  [ "$rc" = 0 ] && rc=$nbdev_rc
+fi
 # SPEEDTRONIC_TEST_REPORT=FILE keeps pytest's junit report (each test's time, setup included)
 if [ -n "${SPEEDTRONIC_TEST_REPORT:-}" ] && [ -f "$report/junit.xml" ]; then
   cp "$report/junit.xml" "$SPEEDTRONIC_TEST_REPORT"
