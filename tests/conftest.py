@@ -220,7 +220,8 @@ def hub_tokens() -> dict[str, str]:
 
 
 # The files that take longest (wall seconds on three workers, measured from a fresh clone), longest
-# first. pytest-xdist hands out whole files in collection order (`--dist loadfile`), and a run ends
+# first. pytest-xdist hands out whole files in collection order (`--dist loadfile`, with
+# `--no-loadscope-reorder`: by default it sends the files with the most tests first), and a run ends
 # when its last file does: these go out first, the rest fill in behind them (longest processing
 # time first). The simulations lead: paced, one at a time, they are 5 minutes of one worker.
 SLOWEST_FILES = (

@@ -79,11 +79,12 @@ rc=0
 # Three workers (pytest-xdist) on two cores: the DiLoCo tests, over a third of the suite's time,
 # keep a core about half busy (their nodes poll and wait), so a third worker runs other tests in
 # what they leave. Each test file runs on one worker so its module fixtures (a JupyterLab, a
-# browser) start once; the docs site is built once for all (tests/conftest.py). One worker:
-# SPEEDTRONIC_TEST_WORKERS=0.
+# browser) start once; the docs site is built once for all (tests/conftest.py). The files go out
+# slowest first (tests/conftest.py's SLOWEST_FILES; --no-loadscope-reorder keeps that order). One
+# worker: SPEEDTRONIC_TEST_WORKERS=0.
 workers=${SPEEDTRONIC_TEST_WORKERS:-3}
 python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/junit.xml" \
-  -n "$workers" --dist loadfile tests || rc=$?
+  -n "$workers" --dist loadfile --no-loadscope-reorder tests || rc=$?
 echo "== nbdev_test"
 nbdev_rc=0
 wait "$notebooks" || nbdev_rc=$?
