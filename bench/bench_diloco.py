@@ -42,6 +42,7 @@ import io
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -125,6 +126,11 @@ def write(cfg: dict, path: Path) -> Path:
     return path
 
 
+# the command that starts a node's Python: SPEEDTRONIC_BENCH_PYTHON where it is set (the test suite
+# sets its stand-in for a forked interpreter, tests/forkrank.py), else this interpreter
+NODE_PYTHON = shlex.split(os.environ.get("SPEEDTRONIC_BENCH_PYTHON", "")) or [sys.executable]
+
+
 def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
     full = {
         **os.environ,
@@ -138,7 +144,7 @@ def launch(cfg: Path, env: dict | None = None) -> subprocess.Popen:
     # repository does not compete with the nodes for this machine's cores (every training process,
     # the baseline too, gets the same priority)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "train", "--config", str(cfg)],
+        [*NODE_PYTHON, "-m", "speedtronic", "train", "--config", str(cfg)],
         cwd=ROOT,
         env=full,
         stdout=log,

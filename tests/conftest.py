@@ -603,15 +603,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stand_in_python() -> list[str]:
+    """What stands for `python` where a process the test does not start itself (torchrun's ranks, a
+    bench's nodes) starts `python -m speedtronic ...` or a script: `tests/forkrank.py` on this test
+    process's warm interpreter (`fork_server`), or this interpreter where there is none."""
+    server = fork_server()
+    if server is None:
+        return [sys.executable]
+    return [sys.executable, "-S", str(TESTS / "forkrank.py"), str(server)]
+
+
 def torchrun_command(*rank: str | Path, nproc: int = 2, options: Sequence[str] = ()) -> list[str]:
     """`python -m torch.distributed.run --nproc_per_node NPROC --master-port PORT OPTIONS RANK...`,
     where RANK is `-m speedtronic ARGS` or `SCRIPT ARGS`. With this test process's warm interpreter
     (`fork_server`), each rank is started by `tests/forkrank.py`, which has the server fork it and
     stands in for it towards torchrun (signals, exit), and `spawn` forks the launcher too."""
     rank = [os.fspath(r) for r in rank]
-    server = fork_server()
-    if server is not None:
-        rank = ["--no-python", sys.executable, "-S", str(TESTS / "forkrank.py"), str(server), *rank]
+    if fork_server() is not None:
+        rank = ["--no-python", *stand_in_python(), *rank]
     return [
         sys.executable,
         "-m",

@@ -12,7 +12,10 @@ torchrun:
   passed on to the rank;
 - killed itself (SIGKILL), it takes the rank with it (the server kills a child whose stand-in hangs
   up);
-- it ends as the rank ends: the same exit code, or death by the same signal.
+- it ends as the rank ends: the same exit code, or death by the same signal;
+- the rank runs at its priority (niceness).
+
+It stands in the same way for a bench's DiLoCo nodes (`SPEEDTRONIC_BENCH_PYTHON`).
 
 A rank the server refuses, or any failure to reach it, becomes the ordinary command in this same
 process (`exec`), so torchrun sees no difference.
@@ -79,6 +82,8 @@ def main(path: str, args: list[str]) -> None:
         "hangup_kills": True,
         # its CPU seconds are counted with its launcher's, when the server forked that too
         "bill_to": os.getppid(),
+        # at this process's priority (a bench starts its nodes below its own)
+        "niceness": os.nice(0),
     }
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:

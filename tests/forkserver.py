@@ -18,8 +18,9 @@ it passes every signal on and ends as the rank ends.
 
 Protocol, one `SOCK_SEQPACKET` connection per command: the client sends a JSON request (`args`,
 `cwd`, `env`, `new_session`, and optionally `module`, one of `MODULES`, or `script`, a file to run
-as `python SCRIPT ARGS` (torchrun's ranks that are scripts), `hangup_kills`, and `bill_to`: the pid
-of a child of this server whose CPU seconds this child's are added to, a rank's launcher) with
+as `python SCRIPT ARGS` (torchrun's ranks that are scripts), `hangup_kills`, `bill_to`: the pid
+of a child of this server whose CPU seconds this child's are added to, a rank's launcher, and
+`niceness`, the priority to run at) with
 its stdin, stdout and stderr descriptors attached. The server answers `pid N` or `refused WHY`.
 When the child ends, it answers `exit STATUS CPU` (a raw wait status, and the CPU seconds of the
 child and its children) and closes the connection. With `hangup_kills`, a client that closes its
@@ -162,6 +163,8 @@ def become_child(request: dict, fds: list[int], base_path: list[str]) -> None:
     "Turn this freshly forked process into `python -m MODULE ARGS` as `request` describes."
     if request.get("new_session"):
         os.setsid()
+    if isinstance(request.get("niceness"), int):  # the requester's priority (only lowered)
+        os.nice(max(0, request["niceness"] - os.nice(0)))
     for handled in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(handled, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)

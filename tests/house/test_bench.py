@@ -1,9 +1,9 @@
 """bench/bench_trainer.py runs and says where the trainer's microseconds per step go (its figures
 are not checked: they are measurements, and this machine is shared)."""
 
-import re, subprocess, sys
+import re, shlex, subprocess, sys
 
-from conftest import ROOT, cli_env, run_command
+from conftest import ROOT, cli_env, run_command, stand_in_python
 
 
 def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -11,7 +11,8 @@ def run_bench(script: str, *args: str, timeout: float = 300) -> subprocess.Compl
     return run_command(
         [sys.executable, f"bench/{script}", *args],
         cwd=ROOT,
-        env=cli_env(),
+        # the DiLoCo benches' nodes are forked too (bench_diloco.NODE_PYTHON)
+        env=cli_env(SPEEDTRONIC_BENCH_PYTHON=shlex.join(stand_in_python())),
         capture_output=True,
         text=True,
         timeout=timeout,
