@@ -76,13 +76,13 @@ notebooks=$!
 
 echo "== pytest"
 rc=0
-# Three workers (pytest-xdist) on two cores: the DiLoCo tests, over a third of the suite's time,
-# keep a core about half busy (their nodes poll and wait), so a third worker runs other tests in
-# what they leave. Each test file runs on one worker so its module fixtures (a JupyterLab, a
-# browser) start once; the docs site is built once for all (tests/conftest.py). The files go out
-# slowest first (tests/conftest.py's SLOWEST_FILES; --no-loadscope-reorder keeps that order). One
-# worker: SPEEDTRONIC_TEST_WORKERS=0.
-workers=${SPEEDTRONIC_TEST_WORKERS:-3}
+# Four workers (pytest-xdist) on two cores: the DiLoCo tests, over a third of the suite's time,
+# keep a core about half busy (their nodes poll and wait), so more workers than cores run other
+# tests in what they leave (with three, the cores were about a tenth idle). Each test file runs on
+# one worker so its module fixtures (a JupyterLab, a browser) start once; the docs site is built
+# once for all (tests/conftest.py). The files go out slowest first (tests/conftest.py's
+# SLOWEST_FILES; --no-loadscope-reorder keeps that order). One worker: SPEEDTRONIC_TEST_WORKERS=0.
+workers=${SPEEDTRONIC_TEST_WORKERS:-4}
 python -m pytest -q -p no:cacheprovider -rs --durations=25 --junitxml="$report/junit.xml" \
   -n "$workers" --dist loadfile --no-loadscope-reorder tests || rc=$?
 echo "== nbdev_test"
