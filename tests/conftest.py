@@ -619,8 +619,9 @@ def torchrun_command(*rank: str | Path, nproc: int = 2, options: Sequence[str] =
     (`fork_server`), each rank is started by `tests/forkrank.py`, which has the server fork it and
     stands in for it towards torchrun (signals, exit), and `spawn` forks the launcher too."""
     rank = [os.fspath(r) for r in rank]
-    if fork_server() is not None:
-        rank = ["--no-python", *stand_in_python(), *rank]
+    python = stand_in_python()
+    if python != [sys.executable]:  # the stand-in: torchrun runs it as the program itself
+        rank = ["--no-python", *python, *rank]
     return [
         sys.executable,
         "-m",
