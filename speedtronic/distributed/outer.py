@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import itertools
 import json
 import os
 import statistics
@@ -1847,7 +1848,7 @@ class _Publisher:
             }
         master.local.save(prepared, ".next")
         deadline, parent_step = time.monotonic() + PUBLISH_PATIENCE_S, repo.outer_step
-        while True:
+        for retry in itertools.count():
             try:
                 new = RepoState(
                     self.commit(files, list(pub.deletes), repo, version, pub.message), meta, extras
@@ -1872,6 +1873,8 @@ class _Publisher:
                         f"publishing version {version}: the repository kept changing underneath "
                         f"for {PUBLISH_PATIENCE_S:g} s"
                     ) from conflict
+                # refused at the head it just read (a claim held): a pause, not a busy loop
+                time.sleep(min(1.0, 0.05 * 2**retry))
         master.local.promote()
         with master.lock:
             master.state = on_published(prepared, pub.deletes, master.clock())

@@ -29,7 +29,7 @@ from speedtronic.distributed.tensors import (
     parse_step_count,
     read_metadata,
 )
-from ..files import TEMP_NAME, atomic_write
+from ..files import TEMP_NAME, _temp_path, atomic_write
 
 # %% auto #0
 __all__ = ['TRANSIENT', 'FATAL', 'CONFLICT', 'MISSING', 'HubError', 'HubUnavailable', 'PublishConflict', 'RepoMissing',
@@ -218,6 +218,7 @@ def node_transport(transport: Any) -> Any:
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #affea04e
 _STALE_TEMP_S = 3600.0  # a temp file this old was left by a killed writer
 _STALE_CLAIM_S = 600.0  # a claim this old, for a version never published, was left by a dead master
+_CUT_CLAIM_S = 10.0  # an empty claim this old was cut short as it was made (a kill, a full disk)
 
 
 class SharedDirectory:
@@ -481,6 +482,34 @@ def _copy(src: Path, dest: Path) -> int:
     return copied
 
 
+def _create_whole(path: Path, text: str) -> None:
+    """Create `path` holding `text`, whole or not at all; `FileExistsError` when it is there.
+
+    The text goes to a temp file that is hard-linked into place, so a writer killed at any moment
+    leaves no empty `path` behind; a folder without hard links (some network and FUSE mounts) gets
+    `O_CREAT | O_EXCL` and a write instead."""
+    temp = _temp_path(path)
+    try:
+        with open(temp, "x") as f:
+            f.write(text)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+            except OSError:  # a full disk: no empty claim is left to block the retry
+                path.unlink(missing_ok=True)
+                raise
+    finally:
+        temp.unlink(missing_ok=True)
+
+
 class _Folder:
     """A `SharedDirectory`'s folder on disk, one try at a time (the directory's `_call` retries):
     whether it is there, where a repository path lands (never through a link), the entries a
@@ -575,22 +604,24 @@ class _Folder:
         it."""
         claim = self.directory.root / "global" / f".claim-{version}"
         try:
-            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(owner)
-            except OSError:  # a full disk: no empty claim is left to block the retry
-                claim.unlink(missing_ok=True)
-                raise
+            _create_whole(claim, owner)
         except FileExistsError:
             holder = claim.read_text().strip()
-            # its master died mid-publication
-            if holder != owner and time.time() - claim.stat().st_mtime > _STALE_CLAIM_S:
-                claim.write_text(owner)
+            # its master died mid-publication; an empty claim was cut short as it was made
+            stale = _STALE_CLAIM_S if holder else _CUT_CLAIM_S
+            if holder != owner and time.time() - claim.stat().st_mtime > stale:
+                atomic_write(claim, lambda f: f.write(owner.encode()))
             elif holder != owner:
-                raise PublishConflict(
-                    f"version {version} in {self.directory.describe()} was claimed by "
+                who = (
                     f"{holder!r}; another master is publishing"
+                    if holder
+                    else (
+                        "nobody yet (an empty claim: one cut short is taken over after "
+                        f"{_CUT_CLAIM_S:g} s)"
+                    )
+                )
+                raise PublishConflict(
+                    f"version {version} in {self.directory.describe()} was claimed by {who}"
                 ) from None
 
     def sweep(self, version: int) -> None:

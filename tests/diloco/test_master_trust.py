@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -211,6 +213,41 @@ def test_a_full_shared_directory_is_retried_and_named_not_a_raw_os_error(tmp_pat
         assert run.master.sync_once() == 1
     finally:
         subprocess.run(["umount", "-l", str(repo)], check=False)
+
+
+def test_a_master_killed_at_random_moments_while_claiming_leaves_whole_claims_or_none(tmp_path):
+    """A claim names its master, so the master recognises it when it comes back after a crash. One
+    left empty (killed between creating the file and writing its name) was nobody's: the master
+    coming back was refused its own version for ten minutes, and its run lost the steps since
+    (seen once in a fresh full-suite run). A forked process that does nothing but claim is
+    SIGKILLed at random moments; every claim it leaves holds its owner."""
+    repo = tmp_path / "repo"
+    folder = SharedDirectory(repo)
+    folder.open(create=True)
+    rng, checked = random.Random(3), 0
+    for kill in range(20):
+        ready, told = os.pipe()
+        child = os.fork()
+        if child == 0:  # the claimer: claims, one version after another, until killed
+            try:
+                os.write(told, b"x")
+                for version in itertools.count(kill * 1_000_000):
+                    folder._folder.claim(version, "master")
+            finally:
+                os._exit(1)
+        os.close(told)
+        assert os.read(ready, 1) == b"x"
+        os.close(ready)
+        time.sleep(rng.uniform(0.01, 0.05))
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        claims = list((repo / "global").glob(".claim-*"))
+        empty = [p.name for p in claims if p.read_text() != "master"]
+        assert not empty, empty
+        checked += len(claims)
+        for p in claims:
+            p.unlink()
+    assert checked > 100, checked  # it did claim, many times, before each kill
 
 
 # -- 3. a run never ends on a stale global ---------------------------------------------------------
