@@ -48,6 +48,8 @@ _LAZY_NAMES = {
     ],
 }
 _MODULE_OF = {name: mod for mod, names in _LAZY_NAMES.items() for name in names}
+
+# %% ../nbs/core/07_package.ipynb #b7905ccc
 _all_ = [
     "CheckpointConfig",
     "Config",
@@ -83,7 +85,7 @@ _all_ = [
     "validate_startup_shapes",
 ]
 
-
+# %% ../nbs/core/07_package.ipynb #c902093d
 def __getattr__(name: str):
     "Import the module that owns `name` on first use (PEP 562)."
     if name not in _MODULE_OF:

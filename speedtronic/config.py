@@ -142,7 +142,7 @@ def _number(value: Any, what: str) -> float:
         raise _Mismatch(f"a finite {what.removeprefix('a ').removeprefix('an ')}")
     return number
 
-
+# %% ../nbs/core/01_config.ipynb #5b4b1d0a
 _INT_LIMIT = 2**64
 
 
@@ -162,7 +162,7 @@ def _as_int(value: Any) -> int:
         raise _Mismatch("an integer (this one is out of range)")
     return value
 
-
+# %% ../nbs/core/01_config.ipynb #ec07ecab
 def _as_str(value: Any) -> str:
     "A str from a str, a path, an int or a date."
     import datetime
@@ -409,7 +409,7 @@ def _shown(name: str, value: Any) -> str:
         return repr(value)
     return repr(redact(value) if isinstance(value, (Mapping, list, tuple)) else value)
 
-
+# %% ../nbs/core/01_config.ipynb #c64a82e7
 def _config_section(name: str):
     """Class decorator: a `_Section` dataclass named `name` whose `__init__` records the fields it
     was given."""
@@ -434,7 +434,7 @@ def explicit_fields(section: Any) -> frozenset[str]:
     "Names of the fields the caller set when `section` was built (the rest hold defaults)."
     return getattr(section, "_explicit", frozenset())
 
-
+# %% ../nbs/core/01_config.ipynb #8b12102f
 def _construct(cls: type, values: Mapping[str, Any]) -> tuple[Any, list[str]]:
     "Build `cls(**values)` without raising: the instance (bad fields reset) and its problems."
     obj = cls.__new__(cls)
@@ -586,7 +586,7 @@ def _files_ok(v: Any) -> bool:
         and all(isinstance(x, str) and x.strip() for x in v)
     )
 
-
+# %% ../nbs/core/01_config.ipynb #c5a0b699
 def hf_dataset_spec(value: Any) -> tuple[dict | None, list[str]]:
     """`data.hf_dataset` with every key filled in (a string is its `path`), and its
     `data.hf_dataset.<key>: ...` problems."""
@@ -825,7 +825,7 @@ class PrecisionConfig(_Section):
         r.positive("max_skipped_steps")
         return r.problems
 
-
+# %% ../nbs/core/01_config.ipynb #6568f535
 @_config_section("checkpoint")
 class CheckpointConfig(_Section):
     "Where and how often checkpoints are written, and how many are kept."
@@ -869,7 +869,7 @@ def _expanded_size(value: Any) -> int:
 
     return size(value, 0)
 
-
+# %% ../nbs/core/01_config.ipynb #5a96102d
 _LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 
@@ -1507,7 +1507,7 @@ def _as_mapping(value: Any, cls: type) -> dict | None:
         return dict(value)
     return None
 
-
+# %% ../nbs/core/01_config.ipynb #c2d90fc7
 def _apply_run_aliases(root: dict, problems: list[str]):
     "Move root `name`, `seed`, ... into `run` (a root alias wins over the same key inside `run`)."
     aliases = {k: root.pop(k) for k in _RUN_ALIASES if k in root}
@@ -1519,7 +1519,7 @@ def _apply_run_aliases(root: dict, problems: list[str]):
         run = {}
     root["run"] = {**run, **aliases}
 
-
+# %% ../nbs/core/01_config.ipynb #5ddffd37
 def _apply_optimizer_aliases(root: dict, problems: list[str]):
     """`hub`/`diloco` → `distributed`; `optimizer: muon` → `{name: muon}`; root Muon flags →
     `optimizer`."""
@@ -1620,7 +1620,7 @@ def _warn_duplicates(where: str, duplicates: list[tuple[Any, int | None]]):
             stacklevel=4,
         )
 
-
+# %% ../nbs/core/01_config.ipynb #81600446
 def _parse_yaml(text: str, where: str) -> Any:
     """YAML text → Python data; syntax errors become `ConfigError` with line and column; repeated
     keys warn."""
@@ -1653,7 +1653,7 @@ def _parse_yaml(text: str, where: str) -> Any:
         if loader is not None:
             loader.dispose()
 
-
+# %% ../nbs/core/01_config.ipynb #6620b92f
 def _parse_json(text: str, where: str) -> Any:
     """JSON text → Python data; syntax errors become `ConfigError` with line and column; repeated
     keys warn."""
@@ -1680,7 +1680,7 @@ def _parse_json(text: str, where: str) -> Any:
     _warn_duplicates(where, duplicates)
     return data
 
-
+# %% ../nbs/core/01_config.ipynb #246fccdc
 def _read_config_file(path: Path, fmt: str | None = None) -> Any:
     """Parse a config file as YAML or JSON (by `fmt` or suffix); unreadable files become
     `ConfigError`."""

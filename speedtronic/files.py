@@ -69,7 +69,7 @@ def _fsync_directory(directory: Path) -> None:
     finally:
         os.close(fd)
 
-
+# %% ../nbs/core/04_files.ipynb #e118d9ca
 def _about_target(error: OSError, temp: Path, path: Path) -> OSError:
     "`error` naming `path` when it named the temp file or no file at all."
     if error.errno is None or error.filename not in (None, str(temp)):
@@ -77,7 +77,7 @@ def _about_target(error: OSError, temp: Path, path: Path) -> OSError:
     # the subclass for the errno (PermissionError...)
     return OSError(error.errno, error.strerror, str(path))
 
-
+# %% ../nbs/core/04_files.ipynb #96a22e90
 def atomic_write(
     path: str | os.PathLike,
     write: Callable[[BinaryIO], None],  # fills the binary file it is given

@@ -59,7 +59,7 @@ class RunPaths:
     locks: tuple[Path, ...] = ()  # lock files of the directories the run owns
     tensorboard: Path | None = None  # TensorBoard event directory (logging.tensorboard_dir)
 
-
+# %% ../nbs/core/02_paths.ipynb #a204a137
 LOCK_NAME = ".speedtronic.lock"
 
 
@@ -78,7 +78,7 @@ def _moved(path: str | None, written: str, out: Path) -> Path | None:
     here = os.path.abspath(path)
     return out / (Path(here).relative_to(was) if Path(here).is_relative_to(was) else path)
 
-
+# %% ../nbs/core/02_paths.ipynb #26e07920
 def run_paths(config: SpeedtronicConfig, environ: Mapping[str, str] | None = None) -> RunPaths:
     "The paths `config`'s run writes to (the table above); relative ones move with a moved run."
     out, lg = Path(config.run.output_dir), config.logging
@@ -149,7 +149,7 @@ def _drop_inherited_locks() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_drop_inherited_locks)
 
-
+# %% ../nbs/core/02_paths.ipynb #5b5a4efe
 def _open_locked(path: Path, key: str) -> int:
     """A descriptor of `path` holding its exclusive `flock`; `RunLocked` naming the holder if
     another process has it."""
@@ -206,7 +206,7 @@ class RunLock:
                 os.unlink(self.path)
             os.close(entry[0])
 
-
+# %% ../nbs/core/02_paths.ipynb #3b1ee51b
 def lock_run(directory: str | os.PathLike, run_id: str, *, key: str = "run.output_dir") -> RunLock:
     """Claim `directory` for run `run_id`: create it and lock its `.speedtronic.lock`, or raise
     `RunLocked`."""
@@ -241,7 +241,7 @@ def lock_run(directory: str | os.PathLike, run_id: str, *, key: str = "run.outpu
         os.write(entry[0], data)
     return RunLock(path, previous)
 
-
+# %% ../nbs/core/02_paths.ipynb #3e21538e
 def lock_holder(directory: str | os.PathLike) -> dict | None:
     """What another running process wrote into `directory`'s lock while it holds it, or `None`
     (reads only, creates nothing)."""

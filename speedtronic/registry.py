@@ -72,7 +72,7 @@ def _load_target(target: str) -> Any:
     module_name, _, attr = target.partition(":")
     return getattr(importlib.import_module(module_name), attr)
 
-
+# %% ../nbs/core/06_registry.ipynb #d61464c3
 class ModelRegistry:
     "Maps model names to factories; built-ins and entry points are loaded on first lookup."
 
