@@ -694,7 +694,7 @@ def collate_causal(batch: Sequence[Mapping]) -> dict[str, torch.Tensor]:
         out_ids[i, : len(x)], out_labels[i, : len(y)], mask[i, : len(x)] = x, y, True
     return {"input_ids": out_ids, "labels": out_labels, "attention_mask": mask}
 
-
+# %% ../nbs/data/02_data.ipynb #8ee37753
 def collate_batch(batch: Sequence[Any]) -> Any:
     "The loader's default collate: dicts → `collate_causal`, tuples column-wise, tensors stacked."
     if len(batch) == 0:
@@ -779,7 +779,7 @@ def lazy_permutation(n: int, seed: int, start: int = 0) -> Iterator[int]:
             x = shuffle(x)  # cycle-walk back into [0, n): still a bijection
         yield x
 
-
+# %% ../nbs/data/02_data.ipynb #4e5a9b7c
 class EpochSampler(Sampler):
     """Indices of one pass, shuffled per epoch with its own seeded generator, starting `start`
     samples in; a rank's share of each group."""
@@ -1169,16 +1169,6 @@ def array_fingerprint(array: Any) -> str:
     return content_fingerprint(len(data), lambda at, n: bytes(data[at : at + n]))
 
 # %% ../nbs/data/02_data.ipynb #a197abd9
-# may change when the content does not (a moved file)
-_PATH_KEYS = (
-    "data.text_path",
-    "data.token_file",
-    "data.dataset",
-    "data.hf_dataset.path",
-    "data.hf_dataset.data_files",
-)
-
-
 def source_identity(dataset: Any, *, shuffle: bool = False, seed: int = 0) -> dict[str, Any]:
     """What a saved data position depends on: the source, its content and how it is cut and ordered
     (plain data)."""
@@ -1233,6 +1223,16 @@ def source_identity(dataset: Any, *, shuffle: bool = False, seed: int = 0) -> di
         **order,
     }
 
+# %% ../nbs/data/02_data.ipynb #d44103e0
+# may change when the content does not (a moved file)
+_PATH_KEYS = (
+    "data.text_path",
+    "data.token_file",
+    "data.dataset",
+    "data.hf_dataset.path",
+    "data.hf_dataset.data_files",
+)
+
 
 def identity_differences(saved: Mapping, now: Mapping) -> list[str]:
     """`key: saved .., now ..` for every difference between two `source_identity` records (a moved
@@ -1267,7 +1267,7 @@ def source_reader(key: str) -> Callable[..., Any]:
     module, _, name = SOURCE_READERS[key].partition(":")
     return getattr(importlib.import_module(module), name)
 
-# %% ../nbs/data/02_data.ipynb #e0a1fb64
+# %% ../nbs/data/02_data.ipynb #7ba77a51
 def _block_size(data: DataConfig) -> int:
     return data.block_size or ModelConfig().max_seq_len
 
@@ -1275,7 +1275,7 @@ def _block_size(data: DataConfig) -> int:
 def _seed(data: DataConfig) -> int:
     return data.seed or 0
 
-
+# %% ../nbs/data/02_data.ipynb #e0a1fb64
 def select_dataset(
     data: DataConfig, *, dataset: Any = None, tokenizer: Any = None, vocab_size: int | None = None
 ) -> Any:
@@ -1332,7 +1332,7 @@ def known_samples(dataset: Any) -> int | None:
     except (TypeError, NotImplementedError):
         return None
 
-
+# %% ../nbs/data/02_data.ipynb #8a1271c7
 # processes of a torchrun job, each taking `batch_size`
 def check_loader_settings(
     dataset: Any, *, batch_size: int, drop_last: bool, shuffle: bool, world_size: int = 1

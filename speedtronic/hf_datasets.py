@@ -99,7 +99,7 @@ def dataset_kind(spec: Mapping) -> str:
         )
     return "hub"
 
-# %% ../nbs/data/03_hf_datasets.ipynb #92b67e4a
+# %% ../nbs/data/03_hf_datasets.ipynb #48ae48df
 def _datasets() -> Any:
     "The `datasets` module, or `MissingExtra` naming `pip install 'speedtronic[datasets]'`."
     return optional_import("datasets", extra="datasets", purpose="data.hf_dataset")
@@ -109,7 +109,7 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
-
+# %% ../nbs/data/03_hf_datasets.ipynb #b273b7f3
 def _first_break(path: Path) -> str | None:
     """Where a text or JSON-lines file first breaks: bytes not UTF-8 (offset, line) or a line not
     JSON."""
@@ -132,7 +132,7 @@ def _first_break(path: Path) -> str | None:
                     return f"{path} line {n} is not valid JSON ({why}); fix or remove that line"
     return None
 
-
+# %% ../nbs/data/03_hf_datasets.ipynb #e9fdef1f
 def _file_problem(spec: Mapping) -> str | None:
     """What breaks the local text or JSON-lines file(s) `spec` reads, naming file and line, or
     `None`."""
@@ -152,7 +152,7 @@ def _file_problem(spec: Mapping) -> str | None:
             return f"data.hf_dataset: {problem}"
     return None
 
-
+# %% ../nbs/data/03_hf_datasets.ipynb #3683afe9
 def no_rows(spec: Mapping) -> str:
     "The message for a dataset split without rows."
     return (
@@ -174,7 +174,7 @@ def _saved_split(saved: Any, spec: Mapping) -> Any:
         )
     return saved[spec["split"]]
 
-
+# %% ../nbs/data/03_hf_datasets.ipynb #92b67e4a
 def open_hf_dataset(spec: Mapping) -> Any:
     """The `datasets.Dataset` (an `IterableDataset` when `streaming`) that `spec` names; a
     `DataError` saying what to fix."""
@@ -245,7 +245,7 @@ def _column_problem(spec: Mapping, columns: Iterable[str], features: Any = None)
         )
     return None
 
-
+# %% ../nbs/data/03_hf_datasets.ipynb #ef106038
 def text_rows(ds: Any, spec: Mapping, batch_size: int = 256) -> Iterator[str]:
     """The text of every row of `ds`, in order, read `batch_size` rows at a time (a `DataError` for
     a column that is not text)."""

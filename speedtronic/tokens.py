@@ -25,7 +25,7 @@ from .optional import optional_import
 __all__ = ['UTF8_BOM', 'TOKEN_FILE_FORMAT', 'TOKEN_FILE_VERSION', 'DataError', 'DataWarning', 'check_data_file', 'CharTokenizer',
            'HFTokenizer', 'load_tokenizer', 'encode_text', 'tokenizer_spec', 'tokenizer_record',
            'file_tokenizer_record', 'check_tokenizer', 'text_segments', 'read_text', 'text_pieces', 'token_dtype',
-           'source_files', 'PreparedTokens', 'check_sidecar_free', 'prepare_token_file', 'token_sidecar',
+           'source_files', 'PreparedTokens', 'token_sidecar', 'check_sidecar_free', 'prepare_token_file',
            'read_token_sidecar']
 
 # %% ../nbs/data/01_tokens.ipynb #c0a38fd4
@@ -185,7 +185,7 @@ _BYTE_NAMES = ("", "byte", "bytes", "char")  # the settings that name the byte t
 def check_tokenizer(saved: Any, now: Mapping | None, *, fix: str) -> None:
     "Raise `DataError` when the tokenizer record `now` is not the one the run recorded (`saved`)."
     if not isinstance(saved, Mapping) or not isinstance(saved.get("sha256"), str) or now is None:
-        return  # recorded without a hash (2.0), or no tokenizer file now
+        return  # recorded without a hash, or no tokenizer file now
     if now["sha256"] != saved["sha256"]:
         raise DataError(
             f"tokenizer {now['path']} is not the one the run was trained with: the run recorded "
@@ -311,7 +311,7 @@ class PreparedTokens:
             f"tokenizer {self.tokenizer}) -> {self.path}"
         )
 
-
+# %% ../nbs/data/01_tokens.ipynb #f7efc543
 class _Progress:
     "A one-line progress report on stderr, rewritten in place."
 
@@ -337,6 +337,11 @@ class _Progress:
         if self.enabled:
             self.stream.write("\n")
             self.stream.flush()
+
+# %% ../nbs/data/01_tokens.ipynb #5ccc88ca
+def token_sidecar(path: str | os.PathLike) -> Path:
+    "The sidecar of a token file: `<path>.json`."
+    return Path(str(Path(path).expanduser()) + ".json")
 
 # %% ../nbs/data/01_tokens.ipynb #0308d1ab
 def _foreign_sidecar(out: Path) -> Path | None:
@@ -364,7 +369,7 @@ def check_sidecar_free(output: str | os.PathLike, overwrite: bool = False) -> No
             "(overwrite=True) to replace it"
         )
 
-
+# %% ../nbs/data/01_tokens.ipynb #edf6ae64
 def prepare_token_file(
     source: str | os.PathLike,
     output: str | os.PathLike,
@@ -424,11 +429,6 @@ def prepare_token_file(
     return PreparedTokens(
         out, sidecar, meta["sources"], count, dtype.name, vocab, meta["tokenizer"]
     )
-
-
-def token_sidecar(path: str | os.PathLike) -> Path:
-    "The sidecar of a token file: `<path>.json`."
-    return Path(str(Path(path).expanduser()) + ".json")
 
 # %% ../nbs/data/01_tokens.ipynb #0798021c
 def read_token_sidecar(path: str | os.PathLike) -> dict:
