@@ -32,7 +32,7 @@ __all__ = ['TransformerConfig', 'GPT', 'Transformer', 'ReferenceModel', 'GPTMode
 _DEFAULT = {f.name: f.default for f in fields(ModelConfig)}
 _POSITIVE_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff")
 
-
+# %% ../nbs/models/01_model.ipynb #99e5f8f0
 @dataclass
 class GPTConfig:
     "Shape of the reference transformer; every default is `ModelConfig`'s."
@@ -108,7 +108,7 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
         return grad_x, grad_weight, None
 
-
+# %% ../nbs/models/01_model.ipynb #1ec19005
 class RMSNorm(nn.Module):
     "Scale by the reciprocal root-mean-square over the last dim (computed in fp32), times a gain."
 
@@ -136,7 +136,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
 
-
+# %% ../nbs/models/01_model.ipynb #7aba5608
 def _rotate_halves(x: torch.Tensor, cos_a, sin_a, cos_b, sin_b) -> torch.Tensor:
     "`[a, b] -> [a cos_a - b sin_a, b cos_b + a sin_b]` over the last dim (halves `a`, `b`)."
     h = x.shape[-1] // 2
@@ -449,7 +449,7 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
-        # kept for 2.0's module tree; the attention branch drops once
+        # in the checkpoints' module tree; the attention branch drops once
         self.dropout = nn.Dropout(config.dropout)
         self.gradient_checkpointing = False
 
@@ -479,7 +479,7 @@ def init_weights(module: nn.Module) -> None:
     elif isinstance(module, RMSNorm):
         nn.init.ones_(module.weight)
 
-
+# %% ../nbs/models/01_model.ipynb #1bdbc7b7
 def _model_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     "Map `max_seq_len` to `block_size` and reject unknown keywords."
     kwargs = dict(kwargs)

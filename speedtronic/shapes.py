@@ -61,7 +61,7 @@ def _explicit_alignment(requested: Any) -> int | None:
         )
     return value
 
-
+# %% ../nbs/models/03_shapes.ipynb #58a0b091
 def resolve_shape_profile(
     device: str | torch.device,  # the training device
     plan: Any,  # a PrecisionPlan (only `.mode` is read); None means fp32
@@ -97,7 +97,7 @@ class ShapeWarning:
         "Plain-data view (the `shape_warning` event payload)."
         return asdict(self)
 
-
+# %% ../nbs/models/03_shapes.ipynb #b8a5f979
 @dataclass
 class ShapeReport:
     "Result of startup shape validation: the profile used and the findings (never fatal)."
