@@ -120,7 +120,7 @@ def digest_path(path: str | os.PathLike) -> Path:
         return path / DIGEST_NAME
     return path.with_name(f".{path.name}{DIGEST_NAME}")
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #50be037e
 def file_sha256(path: str | os.PathLike) -> str:
     "The sha256 of file `path` as hex; a file unchanged since the last call is not read again."
     stat = os.stat(path)
@@ -135,7 +135,7 @@ def file_sha256(path: str | os.PathLike) -> str:
     _DIGESTS[key] = (signature, digest.hexdigest())
     return digest.hexdigest()
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #b2ee5b4a
 def _hashed(path: Path) -> dict:
     return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
@@ -163,7 +163,7 @@ def _digest_entry(value: Any) -> bool:
         and bool(_SHA256.fullmatch(value["sha256"]))
     )
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #0bcd8bba
 def _read_digest(path: Path, record: Path) -> dict:
     "The recorded `{file name: {size, sha256}}` of checkpoint `path`, checked to be well formed."
     try:
@@ -181,7 +181,7 @@ def _read_digest(path: Path, record: Path) -> dict:
         ) from None
     return files
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #5cac4e26
 def check_digest(path: str | os.PathLike) -> bool:
     "Check checkpoint `path` against its recorded hash: `False` if it has none, else an error."
     path = Path(path)
@@ -241,7 +241,7 @@ def _unsafe_what(message: str, path: Path) -> str | None:
         else "a pickle instruction it does not allow"
     )
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #b31e5857
 def _not_a_file(path: Path) -> str | None:
     """What `path` is when it is not a checkpoint file to read (missing, a folder, a broken link, a
     pipe), else `None`."""
@@ -255,7 +255,7 @@ def _not_a_file(path: Path) -> str | None:
         return "is not a regular file (a pipe, socket or device); name a step_<step>.pt file"
     return None
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #078f2cc2
 def _zip_cut_short(path: Path) -> tuple[bool, int]:
     """(is `path` a zip archive, as `torch.save` writes, whose end record is missing?, its size in
     bytes)."""
@@ -270,14 +270,14 @@ def _zip_cut_short(path: Path) -> tuple[bool, int]:
             size,
         )
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #09141e32
 def _first_sentence(error: BaseException) -> str:
     "`Type: first sentence` of `error`'s message, on one line and never cut within a sentence."
     text = " ".join(str(error).split())
     first = re.split(r"(?<=[.!?;])\s", text, maxsplit=1)[0].rstrip(".;")
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #792f0531
 _OLDER = "delete it or resume from an older checkpoint"
 
 
@@ -288,18 +288,7 @@ def _unusable(path: Path, why: str, advice: str | None = _OLDER) -> CheckpointEr
     error.why = why
     return error
 
-
-def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Load the checkpoint at `path` (a file, or a sharded folder gathered whole) as tensors and
-    plain data only; any problem is a `CheckpointError`."""
-    path = Path(path)
-    if is_sharded(path):
-        return _full_sharded(path)
-    state = _load_file(path)
-    check_digest(path)
-    return state
-
-
+# %% ../nbs/train/04_checkpoint.ipynb #1f539083
 def _load_file(path: Path) -> dict:
     "The state in the checkpoint file `path`, read without running pickle code; hash not checked."
     if problem := _not_a_file(path):
@@ -338,6 +327,17 @@ def _load_file(path: Path) -> dict:
         raise _unusable(
             path, f"does not contain a state dictionary (found {type(state).__name__})", None
         )
+    return state
+
+# %% ../nbs/train/04_checkpoint.ipynb #ea68151d
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Load the checkpoint at `path` (a file, or a sharded folder gathered whole) as tensors and
+    plain data only; any problem is a `CheckpointError`."""
+    path = Path(path)
+    if is_sharded(path):
+        return _full_sharded(path)
+    state = _load_file(path)
+    check_digest(path)
     return state
 
 # %% ../nbs/train/04_checkpoint.ipynb #7f695362
@@ -396,12 +396,12 @@ def _restore_numpy(value) -> None:
             value["has_gauss"],
             value["cached_gaussian"],
         )
-    else:  # 2.0: the tuple returned by np.random.get_state()
+    else:  # the tuple np.random.get_state() returns
         name, keys, *rest = value
         value = (name, np.asarray(keys, dtype=np.uint32), *rest)
     np.random.set_state(value)
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #74fd8df4
 def _restore_cuda(value) -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA is not available in this process")
@@ -457,7 +457,7 @@ def _listing(label: str, names: list[str], limit: int = 8) -> str:
     )
     return f"{label}: {shown}"
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #426d2266
 # model.* keys that never change the weights
 _RUNTIME_ONLY = {
     "gradient_checkpointing",
@@ -482,7 +482,7 @@ def _saved_model(state: Mapping) -> ModelConfig | None:
     except ValueError:
         return None  # a config this version cannot read: compare the tensors only
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #187dc279
 def _config_differences(saved: ModelConfig | None, current: ModelConfig | None) -> list[str]:
     """`model.<key>: saved .. vs current ..` for every weight-relevant value the checkpoint recorded
     that differs."""
@@ -529,7 +529,7 @@ def compatibility_problems(
         problems.append(f"... and {len(shapes) - limit} more tensors with a different shape")
     return problems
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #51b7a700
 def check_compatible(state: Mapping, *, model: torch.nn.Module, config=None, path=None) -> None:
     """Raise a `CheckpointError` naming every difference between checkpoint `state` and
     `model`/`config`."""
@@ -562,6 +562,8 @@ _REFUSED_CHANGES = {
     "distributed.shard_index": "the saved data position is within the saved shard",
     "distributed.shard_count": "the saved data position is within the saved shard",
 }
+
+# %% ../nbs/train/04_checkpoint.ipynb #b37b60bb
 _LOADER_KEYS = {
     f"data.{k}"
     for k in (
@@ -593,7 +595,7 @@ def _checked_elsewhere(key: str) -> bool:
     files now live."""
     return key.startswith("model.") or key in _LOADER_KEYS or key in _WHERE_IT_LIVES
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #5a6b39d1
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     "`{'a.b': value}` for every leaf of nested mappings (lists and tuples compare as lists)."
     if not isinstance(value, Mapping):
@@ -730,7 +732,7 @@ def nonfinite_tensors(tensors: Mapping) -> list[str]:
         bad += [k for (k, _), ok in zip(suspects, flags) if not ok]
     return bad
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #2e103198
 _CHECKED_PARTS = {
     "model": "the model weights",
     "optimizer": "the optimizer state",
@@ -754,7 +756,7 @@ def _tensor_leaves(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         out.update(_tensor_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
     return out
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #60721ae4
 def nonfinite_state(state: Mapping) -> dict[str, list[str]]:
     """`{part: tensors with NaN/inf}` for the parts of checkpoint `state` a resume restores: model,
     optimizer, DiLoCo state."""
@@ -1071,7 +1073,7 @@ def _outside(path: Path, directory: Path) -> Path | None:
     target = path.resolve()
     return None if target.parent == directory.resolve() else target
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #48764bd7
 def checked_checkpoint(
     path: str | os.PathLike,
     owner: str
@@ -1115,7 +1117,7 @@ def checked_checkpoint(
         )
     return state
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #ff963e0b
 class _Loading:
     """Finding the checkpoint a resume loads: the newest that `checked_checkpoint` passes, every
     newer one reported and skipped, or the one a person names, with no fallback.
@@ -1200,7 +1202,7 @@ def _local_tensors(tensors: Mapping) -> dict[str, torch.Tensor]:
         for k, v in _tensor_leaves(tensors).items()
     }
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #1ec9a863
 @contextlib.contextmanager
 def _dcp_errors(path: Path, doing: str):
     """Within the block, a failure of `torch.distributed.checkpoint` (a `BaseException` there) is a
@@ -1220,7 +1222,7 @@ def _dcp_errors(path: Path, doing: str):
         )
         raise error from None
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #c809ba79
 def _sync_folder(path: Path) -> None:
     "fsync the folder `path` itself, so a rename in it survives a power cut."
     fd = os.open(path, os.O_RDONLY)
@@ -1229,7 +1231,7 @@ def _sync_folder(path: Path) -> None:
     finally:
         os.close(fd)
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #860b1154
 class _ShardedSave:
     """A sharded checkpoint of `step`: the ranks agree it is finite, each writes its shards into one
     temp folder, then rank 0 adds the plain state, renames the folder and updates the pointer.
@@ -1327,7 +1329,7 @@ _INDEX_GLOBALS = frozenset(
     }
 )
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #df20e21d
 def _index_global_allowed(module: str, name: str) -> bool:
     """May a checkpoint index name `module`.`name`? Exact pairs and torch's dtypes only; never a
     dotted name."""
@@ -1337,7 +1339,7 @@ def _index_global_allowed(module: str, name: str) -> bool:
         return True
     return module == "torch" and isinstance(vars(torch).get(name), torch.dtype)
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #59416d67
 class _IndexUnpickler(pickle.Unpickler):
     """Unpickles a sharded checkpoint's `.metadata`: only the index's own records, torch sizes,
     dtypes and layouts, and paths."""
@@ -1357,7 +1359,32 @@ def _read_index(path: Path) -> Any:
             raise pickle.UnpicklingError("bytes follow the index's end")
     return index
 
+# %% ../nbs/train/04_checkpoint.ipynb #f54efe9d
+def _check_shards(path: Path, index: Any) -> None:
+    "Check folder `path` against its hash record, and each shard as long as its `index` needs."
+    recorded = check_digest(path)
+    listed = _read_digest(path, digest_path(path)) if recorded else {}
+    needs: dict[str, int] = {}
+    for where in (getattr(index, "storage_data", None) or {}).values():
+        name = str(where.relative_path)
+        needs[name] = max(needs.get(name, 0), int(where.offset) + int(where.length))
+    for name, end in sorted(needs.items()):
+        if recorded and name not in listed:
+            raise _unusable(
+                path, f"is damaged: its index reads {name}, which its hash record does not list"
+            )
+        try:
+            size = (path / name).stat().st_size
+        except OSError as e:
+            raise _unusable(
+                path, f"has shards that cannot be read ({name}: {e.strerror or e})"
+            ) from None
+        if size < end:
+            raise _unusable(
+                path, f"is truncated: its shard {name} is {size} bytes, its index reads {end}"
+            )
 
+# %% ../nbs/train/04_checkpoint.ipynb #d6fcd741
 def _safe_index(path: Path) -> Any:
     """The index of the sharded folder `path`, checked to hold no code and to name only tensors and
     plain data; else a `CheckpointError`."""
@@ -1410,32 +1437,7 @@ def _safe_index(path: Path) -> Any:
             ) from None
     return index
 
-
-def _check_shards(path: Path, index: Any) -> None:
-    "Check folder `path` against its hash record, and each shard as long as its `index` needs."
-    recorded = check_digest(path)
-    listed = _read_digest(path, digest_path(path)) if recorded else {}
-    needs: dict[str, int] = {}
-    for where in (getattr(index, "storage_data", None) or {}).values():
-        name = str(where.relative_path)
-        needs[name] = max(needs.get(name, 0), int(where.offset) + int(where.length))
-    for name, end in sorted(needs.items()):
-        if recorded and name not in listed:
-            raise _unusable(
-                path, f"is damaged: its index reads {name}, which its hash record does not list"
-            )
-        try:
-            size = (path / name).stat().st_size
-        except OSError as e:
-            raise _unusable(
-                path, f"has shards that cannot be read ({name}: {e.strerror or e})"
-            ) from None
-        if size < end:
-            raise _unusable(
-                path, f"is truncated: its shard {name} is {size} bytes, its index reads {end}"
-            )
-
-
+# %% ../nbs/train/04_checkpoint.ipynb #42bc5368
 def _sharded_state(path: Path, index: Any = None) -> dict:
     """The plain part of the sharded checkpoint `path`, its model as `meta` tensors of the saved
     shapes, and `sharded`: the folder."""
@@ -1487,7 +1489,7 @@ def _safe_reading(path: Path, index: Any) -> tuple:
     gatherer = type("SafeGatherPlanner", (_EmptyStateDictLoadPlanner,), {"load_bytes": load_bytes})
     return SafeReader(str(path)), planner, gatherer
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #26291c25
 def load_sharded(
     path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
@@ -1529,7 +1531,7 @@ def _by_position(moments: Mapping | None) -> dict | None:
         ],
     }
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #65393e4b
 def _full_sharded(path: Path) -> dict:
     """The sharded checkpoint `path` gathered in memory: the state a single-file checkpoint of the
     same step holds."""
@@ -1547,7 +1549,7 @@ def _full_sharded(path: Path) -> dict:
     state.pop("sharded")
     return {**state, "model": full["model"], "optimizer": _by_position(full.get("optimizer"))}
 
-
+# %% ../nbs/train/04_checkpoint.ipynb #a5c4520f
 def consolidate_checkpoint(
     path: str | os.PathLike, output: str | os.PathLike | None = None
 ) -> Path:

@@ -112,7 +112,7 @@ def _targets(batch: Any, device: torch.device) -> torch.Tensor:
         device=device,
     )
 
-
+# %% ../nbs/train/07_evaluation.ipynb #a5ef5bd6
 def evaluate(
     model: nn.Module,
     loader: Any,
@@ -208,7 +208,7 @@ class Holdout:
             f"and {h.num_blocks:,} held-out blocks ({h.num_tokens:,} tokens)"
         )
 
-
+# %% ../nbs/train/07_evaluation.ipynb #8f144bf8
 def _text_tokens(dataset: TextFileTokenDataset) -> np.ndarray:
     """Every block of a text dataset, in reading order, as one token array (each block's `block_size
     + 1` tokens)."""
@@ -336,7 +336,7 @@ def shown_sample(index: int, prompt: str, text: str) -> dict[str, Any]:
         return {"index": index, "prompt": prompt, "text": text}
     return {"index": index, "prompt": prompt, "text": WHITESPACE_ONLY, "whitespace_only": True}
 
-
+# %% ../nbs/train/07_evaluation.ipynb #96925fb0
 @dataclass
 class Sampler:
     "Continues each prompt with `generate`: one `{index, prompt, text}` per prompt."
@@ -459,7 +459,42 @@ def _held_out_data(config: SpeedtronicConfig) -> tuple[DataConfig, str]:
         d, text_path=None, token_file=e.token_file, **common
     ), "eval.token_file"
 
+# %% ../nbs/train/07_evaluation.ipynb #b70bff47
+def _sampler(config: SpeedtronicConfig, tokenizer: Any, vocab: int) -> Sampler:
+    """The `Sampler` of `eval.sample_*`, each prompt checked against the run's tokenizer and
+    vocabulary first."""
+    e = config.eval
+    for i, prompt in enumerate(e.sample_prompts):
+        ids = encode_text(tokenizer, prompt)
+        if not len(ids) or int(ids.max()) >= vocab:
+            raise DataError(
+                f"eval.sample_prompts: item {i} {prompt!r} "
+                + (
+                    f"holds token {int(ids.max())}, outside the model's vocabulary of {vocab}"
+                    if len(ids)
+                    else "gives no token"
+                )
+                + " with the run's tokenizer; change the prompt"
+            )
+    return Sampler(
+        tokenizer,
+        list(e.sample_prompts),
+        e.sample_tokens,
+        e.sample_temperature,
+        seed=config.run.seed or 0,
+        top_k=SAMPLE_TOP_K,
+    )
 
+# %% ../nbs/train/07_evaluation.ipynb #55925401
+def _sidecar_tokenizer(path: str, vocab: int) -> Any:
+    "The tokenizer a prepared token file's sidecar names, or `None` when it cannot be loaded here."
+    spec = read_token_sidecar(path).get("tokenizer")
+    try:
+        return load_tokenizer(spec, vocab) if spec is not None else None
+    except Exception:
+        return None
+
+# %% ../nbs/train/07_evaluation.ipynb #2473fa3e
 def build_evaluator(
     config: SpeedtronicConfig,
     *,
@@ -527,41 +562,6 @@ def build_evaluator(
         bytes_per_token=bytes_per_token(tok, sample) if tok is not None else None,
         sampler=sampler,
     )
-
-
-def _sampler(config: SpeedtronicConfig, tokenizer: Any, vocab: int) -> Sampler:
-    """The `Sampler` of `eval.sample_*`, each prompt checked against the run's tokenizer and
-    vocabulary first."""
-    e = config.eval
-    for i, prompt in enumerate(e.sample_prompts):
-        ids = encode_text(tokenizer, prompt)
-        if not len(ids) or int(ids.max()) >= vocab:
-            raise DataError(
-                f"eval.sample_prompts: item {i} {prompt!r} "
-                + (
-                    f"holds token {int(ids.max())}, outside the model's vocabulary of {vocab}"
-                    if len(ids)
-                    else "gives no token"
-                )
-                + " with the run's tokenizer; change the prompt"
-            )
-    return Sampler(
-        tokenizer,
-        list(e.sample_prompts),
-        e.sample_tokens,
-        e.sample_temperature,
-        seed=config.run.seed or 0,
-        top_k=SAMPLE_TOP_K,
-    )
-
-
-def _sidecar_tokenizer(path: str, vocab: int) -> Any:
-    "The tokenizer a prepared token file's sidecar names, or `None` when it cannot be loaded here."
-    spec = read_token_sidecar(path).get("tokenizer")
-    try:
-        return load_tokenizer(spec, vocab) if spec is not None else None
-    except Exception:
-        return None
 
 # %% ../nbs/train/07_evaluation.ipynb #778be876
 class GlobalEvaluator:
@@ -684,7 +684,7 @@ EVAL_RECORD_KEYS = (
     "eval_s",
 )
 
-
+# %% ../nbs/train/07_evaluation.ipynb #435b2923
 def earlier_evals(
     path: str | os.PathLike | None,  # the run's metrics file (`logging.json_file`)
     up_to: int,  # the step the run resumed from

@@ -20,7 +20,7 @@ from .precision import supports_fused_adamw
 __all__ = ['WEIGHT_DECAY_MODES', 'FUSED_ERRORS', 'NS_COEFFICIENTS', 'POLAR_MODES', 'MUON_SCALES', 'HEAD_NAMES',
            'build_v2_optimizer', 'trainable_parameters', 'decay_groups', 'require_trainable', 'weight_decay_groups',
            'resolve_fused', 'construct_adamw', 'ns_work_dtype', 'orthogonalize', 'newton_schulz',
-           'post_polar_normalize', 'muon_update_scale', 'Muon', 'muon_ns_dtype', 'ParameterRouting', 'route_parameters',
+           'post_polar_normalize', 'muon_update_scale', 'muon_ns_dtype', 'Muon', 'ParameterRouting', 'route_parameters',
            'routing_summary', 'HybridOptimizer', 'CautiousOptimizer', 'build_adamw', 'build_hybrid', 'fused_decision',
            'check_coverage', 'optimizer_info', 'build_optimizer', 'check_optimizer_available', 'group_algorithm',
            'check_same_algorithm', 'v2_adamw_parameters', 'v2_parameters', 'load_optimizer_state']
@@ -62,7 +62,7 @@ def decay_groups(
         ]
     return [g for g in groups if g["params"]]
 
-
+# %% ../nbs/train/02_optimizers.ipynb #d503fec2
 def require_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     "`trainable_parameters(model)`, or a `ValueError` saying how to fix a model with none."
     params = trainable_parameters(model)
@@ -146,7 +146,7 @@ def ns_work_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype
         return torch.bfloat16
     return torch.float32
 
-
+# %% ../nbs/train/02_optimizers.ipynb #727ff04e
 def _ns_iterate(X: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
     "Quintic Newton–Schulz on a stack of wide matrices `(..., m, n)` with m <= n, in X's dtype."
     a, b, c = NS_COEFFICIENTS
@@ -242,6 +242,15 @@ def muon_update_scale(
         return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"Muon update scale must be one of {', '.join(MUON_SCALES)}, got {mode!r}")
 
+# %% ../nbs/train/02_optimizers.ipynb #e2cf413e
+def muon_ns_dtype(device: torch.device) -> torch.dtype:
+    "Newton–Schulz precision Muon uses on `device`: bf16 on CUDA where supported, else fp32."
+    return (
+        torch.bfloat16
+        if device.type == "cuda" and torch.cuda.is_bf16_supported()
+        else torch.float32
+    )
+
 # %% ../nbs/train/02_optimizers.ipynb #a37fac33
 def _check_muon_parameter(p: torch.Tensor) -> None:
     "Refuse what Muon cannot orthogonalise: anything but a real 2-D dense tensor."
@@ -252,7 +261,7 @@ def _check_muon_parameter(p: torch.Tensor) -> None:
     if p.is_complex():
         raise TypeError(f"Muon does not take complex parameters ({p.dtype}); give it to AdamW")
 
-
+# %% ../nbs/train/02_optimizers.ipynb #0ea0dfc5
 class Muon(torch.optim.Optimizer):
     "Momentum orthogonalised by Newton–Schulz, for 2-D hidden weights, with decoupled weight decay."
 
@@ -364,15 +373,6 @@ class Muon(torch.optim.Optimizer):
         torch.optim.Optimizer.load_state_dict(self, state_dict)
         _restore_fp32_momentum(self, state_dict)
 
-# %% ../nbs/train/02_optimizers.ipynb #e2cf413e
-def muon_ns_dtype(device: torch.device) -> torch.dtype:
-    "Newton–Schulz precision Muon uses on `device`: bf16 on CUDA where supported, else fp32."
-    return (
-        torch.bfloat16
-        if device.type == "cuda" and torch.cuda.is_bf16_supported()
-        else torch.float32
-    )
-
 # %% ../nbs/train/02_optimizers.ipynb #355c9bb1
 def _restore_fp32_momentum(optimizer: torch.optim.Optimizer, state_dict: Mapping) -> None:
     """Put the saved fp32 Muon momentum back where loading cast it to a low-precision parameter's
@@ -412,7 +412,7 @@ class ParameterRouting:
     adamw: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     skipped: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
-
+# %% ../nbs/train/02_optimizers.ipynb #90f75e2d
 def _is_embedding_head_or_norm(module: nn.Module, name: str) -> bool:
     "True for parameters of embeddings, output heads and norms."
     cls = type(module).__name__.lower()
@@ -440,7 +440,7 @@ def _wants_muon(module: nn.Module, pname: str, full: str, p: nn.Parameter) -> bo
         isinstance(module, nn.Linear) and eligible and not _is_embedding_head_or_norm(module, full)
     )
 
-
+# %% ../nbs/train/02_optimizers.ipynb #616c796b
 def route_parameters(model: nn.Module) -> ParameterRouting:
     "Split `model`'s parameters into Muon, AdamW and skipped (frozen) lists, each tensor once."
     routing, seen = ParameterRouting(), set()
@@ -488,7 +488,7 @@ def _adamw_groups(adamw_params: Iterable, weight_decay: float) -> list[dict]:
         groups = [{"params": items, "weight_decay": weight_decay}]
     return [g for g in groups if g["params"]]
 
-
+# %% ../nbs/train/02_optimizers.ipynb #fbbf68f5
 class HybridOptimizer(torch.optim.Optimizer):
     """Muon for the hidden matrices and AdamW for the rest, behind one optimizer with one shared
     state."""
@@ -698,7 +698,7 @@ def build_adamw(
         groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused, fused_reason=reason
     )
 
-
+# %% ../nbs/train/02_optimizers.ipynb #f47d44c5
 def build_hybrid(
     routing: ParameterRouting, cfg: OptimizerConfig, fused: bool, reason: str
 ) -> tuple[HybridOptimizer, bool, str]:
@@ -720,7 +720,7 @@ def build_hybrid(
     )
     return opt, opt.fused, opt.fused_reason if fused and not opt.fused else reason
 
-
+# %% ../nbs/train/02_optimizers.ipynb #c29beca1
 def fused_decision(
     cfg: OptimizerConfig, device: torch.device | str, adamw_tensors: int
 ) -> tuple[bool, str]:
@@ -792,7 +792,7 @@ def optimizer_info(
         **where,
     }
 
-
+# %% ../nbs/train/02_optimizers.ipynb #ef2a834c
 def build_optimizer(
     model: nn.Module,
     config: Any,  # a `SpeedtronicConfig`, its `optimizer` section, a mapping or a namespace
@@ -863,7 +863,7 @@ def check_same_algorithm(saved_groups: list[Mapping], optimizer: torch.optim.Opt
         "checkpoint.directory"
     )
 
-
+# %% ../nbs/train/02_optimizers.ipynb #69b1192b
 def v2_adamw_parameters(model: nn.Module) -> list[nn.Parameter]:
     "The parameters, in order, that 2.0's default AdamW was built over for `model`."
     routed = [p for _, p in route_parameters(model).adamw]
@@ -884,7 +884,7 @@ def _moments_fit(saved: Mapping, p: nn.Parameter) -> bool:
         v.shape == p.shape for k, v in saved.items() if isinstance(v, torch.Tensor) and k != "step"
     )
 
-
+# %% ../nbs/train/02_optimizers.ipynb #e1619f8c
 def _load_v2_state(
     optimizer: torch.optim.Optimizer, state: Mapping, model: nn.Module, reason: str
 ) -> str:

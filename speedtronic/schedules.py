@@ -72,7 +72,7 @@ def default_warmup(horizon: int) -> int:
     "Warmup for a run that did not set one: 100 updates, at most a tenth of the horizon."
     return min(DEFAULT_WARMUP_STEPS, max(0, int(horizon)) // 10)
 
-
+# %% ../nbs/train/03_schedules.ipynb #95e8f8c0
 def horizon_and_warmup(
     section: Any,  # a `SchedulerConfig` (what the user wrote is in `explicit_fields`)
     target: int | None = None,  # the run's target step, if known
@@ -83,7 +83,7 @@ def horizon_and_warmup(
     warmup = section.warmup_steps if "warmup_steps" in written else default_warmup(horizon)
     return horizon, warmup
 
-
+# %% ../nbs/train/03_schedules.ipynb #7ecaff90
 def _whole_config(config: Any) -> SpeedtronicConfig | None:
     """`config` as a whole configuration when it is one (or a mapping of one); `None` for a
     scheduler section."""
@@ -94,7 +94,7 @@ def _whole_config(config: Any) -> SpeedtronicConfig | None:
         return SpeedtronicConfig.from_dict(config)
     return None
 
-
+# %% ../nbs/train/03_schedules.ipynb #dea6ee34
 def resolve_schedule(
     config: Any,  # a `SpeedtronicConfig`, its `scheduler` section, or a mapping of either
     *,
@@ -191,7 +191,7 @@ def schedule_points(
     f = dict(warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio, name=name)
     return steps, [base_lr * lr_multiplier(u - 1, **f) for u in steps]
 
-
+# %% ../nbs/train/03_schedules.ipynb #a2f400ea
 def plot_schedule(
     *,
     base_lr: float = 3e-4,

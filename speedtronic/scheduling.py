@@ -67,7 +67,7 @@ def _version(t: torch.Tensor) -> int | None:
     except RuntimeError:
         return None
 
-
+# %% ../nbs/train/05_ooo.ipynb #29df38fa
 class ProducerLog:
     """Which stream produced each recorded tensor during one forward pass (weak references,
     version-checked)."""

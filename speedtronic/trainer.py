@@ -102,7 +102,7 @@ class TrainingInterrupted(KeyboardInterrupt):
             rest.append("The steps done so far: sys.last_value.result")
         return [f"\x1b[1;31m{type(self).__name__}\x1b[0m: {first}", *rest]
 
-
+# %% ../nbs/train/06_trainer.ipynb #467edfdc
 @runtime_checkable
 class SyncCoordinator(Protocol):
     """What the trainer calls around training; DiLoCo and other sync schemes implement it.
@@ -146,7 +146,7 @@ def _own_method(coordinator: SyncCoordinator, name: str) -> Any:
     placeholder = getattr(type(coordinator), name, None) is getattr(SyncCoordinator, name)
     return method if callable(method) and not placeholder else None
 
-
+# %% ../nbs/train/06_trainer.ipynb #e777435e
 class _Coordination:
     """A coordinator as the trainer calls it: every `SyncCoordinator` method, the optional ones it
     lacks filled in, once, when the trainer is given it."""
@@ -324,7 +324,7 @@ def _scalar(loss: Any, what: str = "loss") -> torch.Tensor:
         )
     return loss if loss.ndim == 0 else loss.mean()
 
-
+# %% ../nbs/train/06_trainer.ipynb #16e708ca
 def resolve_loss(output: Any, batch: Any) -> torch.Tensor:
     "The scalar training loss from a model `output` for `batch`."
     if isinstance(output, Mapping):
@@ -435,7 +435,7 @@ class _PendingStep:
     lr: float
     time: float  # perf_counter when the step completed
 
-
+# %% ../nbs/train/06_trainer.ipynb #0d64bedf
 def read_pending(
     pending: list[_PendingStep],
     # a torchrun job: the whole job's numbers (every rank calls together)
@@ -510,7 +510,7 @@ def gradient_norm(parameters: Any) -> torch.Tensor:
         )
     )
 
-
+# %% ../nbs/train/06_trainer.ipynb #be957593
 def update_is_finite(loss: torch.Tensor, norm: torch.Tensor) -> bool:
     """Whether both `loss` and the gradient `norm` are finite, from one scalar read (`norm +
     0·loss`)."""
@@ -585,7 +585,7 @@ class TrainerSettings:
             else None,
         )
 
-
+# %% ../nbs/train/06_trainer.ipynb #d7614bc6
 def _as_config(config: SpeedtronicConfig | Mapping | None) -> SpeedtronicConfig | None:
     "A `SpeedtronicConfig` built (and checked) from a mapping; a config or `None` as given."
     if config is None or isinstance(config, SpeedtronicConfig):
@@ -876,7 +876,7 @@ _MUON_SETTINGS = {
     "muon_scale": "scale",
 }
 
-
+# %% ../nbs/train/06_trainer.ipynb #62f4097a
 class _Checkpointing:
     """The checkpoint side of a trainer: the payload of its last completed step, saving it (whole,
     or sharded under fsdp), resuming from one, and saving after a stop.
