@@ -24,7 +24,7 @@ __all__ = ['IntegrationMissing', 'event_step', 'scalar_items', 'TensorboardHook'
 # %% ../nbs/observe/04_integrations.ipynb #b6d65fd6
 class IntegrationMissing(MissingExtra, RuntimeError):
     """An integration's library is not installed (a `MissingExtra` naming the `logging` extra, and
-    2.0's `RuntimeError`)."""
+    a `RuntimeError`)."""
 
 
 def _import_for(
@@ -98,25 +98,17 @@ class TensorboardHook:
             self.writer.close()
             self.writer = None
 
-# %% ../nbs/observe/04_integrations.ipynb #8b8e87c8
+# %% ../nbs/observe/04_integrations.ipynb #9c28d0ab
 def _wandb_value(value: Any) -> Any:
     """A payload value as W&B accepts it: numbers, strings, bools and None as they are, others as
     text."""
     return value if value is None or isinstance(value, (int, float, str, bool)) else str(value)
 
-
+# %% ../nbs/observe/04_integrations.ipynb #d6a00abd
 class IntegrationError(ExpectedError, RuntimeError):
     "A TensorBoard or W&B hook cannot start (no login, no network, a folder in the way)."
 
-
-_OFFLINE = ("offline", "disabled", "dryrun")
-_WAYS_OUT = (
-    "log in with `wandb login` (or set WANDB_API_KEY), or log offline with logging.wandb: {mode: "
-    "offline} "
-    "and upload later with `wandb sync`"
-)
-
-
+# %% ../nbs/observe/04_integrations.ipynb #a9a3d4bd
 def _check_reachable(url: str, timeout: float = 5.0) -> None:
     """Raise `IntegrationError` when nothing answers a TCP connection to `url`'s host within
     `timeout` seconds."""
@@ -134,6 +126,9 @@ def _check_reachable(url: str, timeout: float = 5.0) -> None:
             "offline with logging.wandb: {mode: offline} and upload later with `wandb sync`"
         ) from None
 
+# %% ../nbs/observe/04_integrations.ipynb #9de101d9
+_OFFLINE = ("offline", "disabled", "dryrun")
+
 
 def check_wandb(settings: Mapping[str, Any]) -> Any:
     """The `wandb` module, once it is installed and — for an online run with `settings` — its server
@@ -144,6 +139,13 @@ def check_wandb(settings: Mapping[str, Any]) -> Any:
         # W&B reads the variable at init
         _check_reachable(os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url))
     return wandb
+
+# %% ../nbs/observe/04_integrations.ipynb #28da0618
+_WAYS_OUT = (
+    "log in with `wandb login` (or set WANDB_API_KEY), or log offline with logging.wandb: {mode: "
+    "offline} "
+    "and upload later with `wandb sync`"
+)
 
 
 def _start_wandb(project: str | None, settings: Mapping) -> Any:
@@ -157,7 +159,7 @@ def _start_wandb(project: str | None, settings: Mapping) -> Any:
             f"logging.wandb: wandb.init failed ({type(e).__name__}: {first}); {_WAYS_OUT}"
         ) from None
 
-
+# %% ../nbs/observe/04_integrations.ipynb #8b8e87c8
 class WandbHook:
     "Logs every event to a W&B run started at construction; `finish()`/`close()` ends the run."
 
@@ -182,7 +184,7 @@ class WandbHook:
 
     close = finish
 
-# %% ../nbs/observe/04_integrations.ipynb #cb4da584
+# %% ../nbs/observe/04_integrations.ipynb #78688e11
 def _tensorboard_hook(directory: str | os.PathLike) -> TensorboardHook:
     """A `TensorboardHook` for `logging.tensorboard_dir`; a folder that cannot be used is a
     `ConfigError` naming the key."""
@@ -206,7 +208,7 @@ def _tensorboard_hook(directory: str | os.PathLike) -> TensorboardHook:
             "choose a writable directory"
         ) from None
 
-
+# %% ../nbs/observe/04_integrations.ipynb #cb4da584
 def hooks_from_config(
     logging_config: LoggingConfig
     | Any,  # the `logging` section (or a config, mapping or namespace holding it)

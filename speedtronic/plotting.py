@@ -31,7 +31,7 @@ def loss_points(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]
 WAITING = "waiting for the first step"  # what a chart says before it has a loss to draw
 LOSS_TITLE = "training loss"  # the title of a loss chart when none is given
 
-
+# %% ../nbs/observe/05_plotting.ipynb #183746f9
 def plot_loss(
     ax: Any,  # matplotlib axes to draw on (cleared first)
     train: Sequence[tuple[int, float]],  # (step, training loss)
@@ -72,7 +72,7 @@ def plot_loss(
     if evals:
         ax.legend(loc="upper right", fontsize="small")
 
-
+# %% ../nbs/observe/05_plotting.ipynb #aae36670
 def loss_figure(
     train: Sequence[tuple[int, float]],
     evals: Sequence[tuple[int, float]] = (),
@@ -102,7 +102,7 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
                 out.append(record)
     return out
 
-
+# %% ../nbs/observe/05_plotting.ipynb #f1612848
 def run_curve(
     records: Iterable[Mapping[str, Any]],  # a metrics file's records, in the order written
     run_id: str | None = None,  # the run to draw (None: the newest run in `records`)
@@ -129,7 +129,7 @@ def run_curve(
             evals += loss_points([{"step": r.get("step"), "loss": r.get("val_loss")}])
     return train, evals
 
-
+# %% ../nbs/observe/05_plotting.ipynb #a9beb28d
 def metrics_figure(
     path: str | os.PathLike,  # a run's metrics file (`logging.json_file`)
     run_id: str | None = None,  # the run to draw (None: the newest in the file)

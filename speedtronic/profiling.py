@@ -164,7 +164,7 @@ def format_event(event: str, payload: Mapping[str, Any]) -> str:
     "The message of an event line: `<event> k=v k=v …`."
     return " ".join([event, *(f"{k}={format_value(v)}" for k, v in payload.items())])
 
-
+# %% ../nbs/observe/01_metrics.ipynb #2a9ff024
 def format_asctime(t: float | None = None) -> str:
     "Local time as `YYYY-MM-DD HH:MM:SS,mmm` (the `logging` module's `asctime`)."
     t = time.time() if t is None else t
@@ -175,7 +175,7 @@ def text_line(level: int, message: str, t: float | None = None) -> str:
     "One text log line: `<asctime> | <LEVEL> | <message>`."
     return f"{format_asctime(t)} | {level_name(level)} | {message}"
 
-
+# %% ../nbs/observe/01_metrics.ipynb #6ca302c4
 def _json_safe(value: Any) -> Any:
     """`value` with NaN/inf floats as `null` and non-JSON dict keys as text, nested containers
     included."""
@@ -233,10 +233,6 @@ class LogFileWarning(RuntimeWarning):
     "A log file another process is writing too, or whose last line a kill cut short."
 
 
-_open_here: dict[str, int] = {}  # absolute path -> `LineFile`s of this process open on it
-_open_guard = threading.Lock()
-
-
 def writer_elsewhere(fd: int) -> bool:
     """Whether another process holds the `LineFile` lock (`flock`) of `fd`'s file; takes the lock
     when none does."""
@@ -252,7 +248,7 @@ def writer_elsewhere(fd: int) -> bool:
         return False
     return False
 
-
+# %% ../nbs/observe/01_metrics.ipynb #7c684d12
 def torn_tail(path: Path, limit: int = 1 << 20) -> int:
     "Bytes after the last newline of `path` (a line cut short); 0 for a whole or empty file."
     with open(path, "rb") as f:
@@ -267,7 +263,7 @@ def torn_tail(path: Path, limit: int = 1 << 20) -> int:
         return -1  # a line longer than `limit`: not a cut record
     return len(tail) - cut - 1
 
-
+# %% ../nbs/observe/01_metrics.ipynb #04b39f16
 def newest_run_id(path: Path, limit: int = 1 << 16) -> str | None:
     "The `run_id` of the newest record in the last `limit` bytes of a JSONL file, if any."
     with open(path, "rb") as f:
@@ -282,10 +278,14 @@ def newest_run_id(path: Path, limit: int = 1 << 16) -> str | None:
             return record["run_id"]
     return None
 
-# %% ../nbs/observe/01_metrics.ipynb #a96c8442
+# %% ../nbs/observe/01_metrics.ipynb #eae96c7f
 class LogWriteError(ExpectedError, OSError):
     """A log line could not be appended (disk full, size limit); the file still ends with a whole
     line."""
+
+# %% ../nbs/observe/01_metrics.ipynb #7f9c9e14
+_open_here: dict[str, int] = {}  # absolute path -> `LineFile`s of this process open on it
+_open_guard = threading.Lock()
 
 
 def _close_line_file(here: str, fd: int) -> None:
@@ -296,7 +296,7 @@ def _close_line_file(here: str, fd: int) -> None:
             del _open_here[here]
     os.close(fd)
 
-
+# %% ../nbs/observe/01_metrics.ipynb #a96c8442
 class LineFile:
     "An append-only text file; each line is one `os.write` on an `O_APPEND` descriptor kept open."
 
@@ -492,10 +492,10 @@ class HookDispatcher:
                 self._thread = None
         return done
 
-# %% ../nbs/observe/01_metrics.ipynb #82cd1b6b
+# %% ../nbs/observe/01_metrics.ipynb #f028a5f3
 CONSOLE_STYLES = ("auto", "full", "short", "progress", "quiet")
 
-
+# %% ../nbs/observe/01_metrics.ipynb #82cd1b6b
 class TextSinks:
     "The console stream and the text file, written line by line under one lock."
 

@@ -100,7 +100,7 @@ def clip_line(text: str, width: int = TERMINAL_WIDTH) -> str:
     "`text` cut to `width` columns, ending in `…` when cut."
     return text if len(text) <= width else text[: width - 1] + "…"
 
-
+# %% ../nbs/observe/03_progress.ipynb #8d1b5828
 def format_step_line(
     payload: Mapping[str, Any],  # a `train_step` record
     target: int | None = None,  # the run's target step (for the ETA and the alignment)
@@ -159,7 +159,7 @@ def format_setup_line(
     parts.append(f"steps {start.get('start_step', 0)} -> {start.get('target_step')}")
     return clip_line(" | ".join(p for p in parts if p))
 
-
+# %% ../nbs/observe/03_progress.ipynb #35d0e2f3
 # a DiLoCo node's rounds: said in its next step line
 ROUND_EVENTS = frozenset({"delta_upload_queued", "global_installed"})
 
@@ -183,7 +183,7 @@ def round_note(
         parts.append(f"global v{installed}")
     return ", ".join(parts)
 
-
+# %% ../nbs/observe/03_progress.ipynb #68f8349b
 class TerminalLines:
     "Turns events into a terminal's short lines or a pipe's progress lines (`None`: files only)."
 

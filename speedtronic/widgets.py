@@ -126,7 +126,7 @@ class View:
 # %% ../nbs/observe/06_widgets.ipynb #49f09d9f
 PIXEL_RATIO = 2  # image pixels per displayed pixel
 
-
+# %% ../nbs/observe/06_widgets.ipynb #5c16ef2b
 class FigureView(View):
     """A `View` whose result is a matplotlib `Figure`, shown as a PNG of `width` × `height` screen
     pixels."""
@@ -174,7 +174,7 @@ def lr_notches(rate: float | None = None) -> list[float]:
     notches = [float(f"{m}e{e}") for e in range(-6, 0) for m in (1, 2, 3, 5)] + [1.0]
     return sorted(set(notches) | ({float(rate)} if rate is not None and rate > 0 else set()))
 
-
+# %% ../nbs/observe/06_widgets.ipynb #3deaec6f
 class ScheduleExplorer(FigureView):
     "Sliders for a schedule's settings and a plot of the learning rate each update uses."
 
@@ -313,7 +313,7 @@ DTYPE_CHOICES = (
     ("fp32", "fp32"),
 )
 
-
+# %% ../nbs/observe/06_widgets.ipynb #edd3061b
 class PrecisionExplorer(View):
     """A device description and a precision request, and the `PrecisionPlan` a run would use for
     them."""
