@@ -38,7 +38,7 @@ __all__ = ['COLLECTIVE_TIMEOUT_S', 'CONNECT_TIMEOUT_S', 'TEARDOWN_S', 'watch_pee
 COLLECTIVE_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 120.0
 
-
+# %% ../nbs/torchrun/01_parallel.ipynb #079f6c3c
 @contextlib.contextmanager
 def _peers_watched(world: World, inner: contextlib.AbstractContextManager | None = None):
     "Within the block (and `inner`), an error about a vanished peer is raised as its `PeerLost`."
@@ -61,7 +61,7 @@ def watch_peers(method: Callable) -> Callable:
 
     return watched
 
-
+# %% ../nbs/torchrun/01_parallel.ipynb #ff83c54c
 @dataclass
 class World:
     """This process's place in a torchrun job; one process is a world of one, where every method
@@ -209,6 +209,23 @@ class World:
         fsdp); `state` is not read elsewhere."""
         _scatter_whole(self, model, state)
 
+# %% ../nbs/torchrun/01_parallel.ipynb #acf2422d
+def _connect_timeout(env: Mapping[str, str]) -> float:
+    "`$SPEEDTRONIC_CONNECT_TIMEOUT` as seconds (a positive number), else `CONNECT_TIMEOUT_S`."
+    text = env.get("SPEEDTRONIC_CONNECT_TIMEOUT")
+    if text is None:
+        return CONNECT_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(
+            f"$SPEEDTRONIC_CONNECT_TIMEOUT={text!r} must be a positive number of seconds; set it "
+            "to e.g. 120 or unset it"
+        )
+    return seconds
+
 # %% ../nbs/torchrun/01_parallel.ipynb #518638ce
 _TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 _JOB_VARIABLES = _TORCHRUN + ("MASTER_ADDR", "MASTER_PORT")
@@ -238,23 +255,6 @@ def world_from_env(environ: Mapping[str, str] | None = None) -> World:
         )
     return World(size, rank, local_rank, local_size, connect_timeout_s=_connect_timeout(env))
 
-
-def _connect_timeout(env: Mapping[str, str]) -> float:
-    "`$SPEEDTRONIC_CONNECT_TIMEOUT` as seconds (a positive number), else `CONNECT_TIMEOUT_S`."
-    text = env.get("SPEEDTRONIC_CONNECT_TIMEOUT")
-    if text is None:
-        return CONNECT_TIMEOUT_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        raise ConfigError(
-            f"$SPEEDTRONIC_CONNECT_TIMEOUT={text!r} must be a positive number of seconds; set it "
-            "to e.g. 120 or unset it"
-        )
-    return seconds
-
 # %% ../nbs/torchrun/01_parallel.ipynb #323712dd
 def _batch_problem(data: DataConfig, world_size: int) -> str | None:
     "Why `data`'s global batch cannot be split over `world_size` processes, or None."
@@ -278,7 +278,7 @@ def accumulation_per_rank(data: DataConfig, world_size: int = 1) -> int:
         raise ConfigError(problem)
     return data.target_batch_size // (data.micro_batch_size * world_size)
 
-
+# %% ../nbs/torchrun/01_parallel.ipynb #89607369
 def _unset_advice() -> str:
     """`if no torchrun job is meant here, unset WORLD_SIZE, RANK, ... (left in this environment)`,
     naming those that are set."""
@@ -337,32 +337,7 @@ def backend_for(device: torch.device) -> str:
     "The collective backend for `device`: NCCL on CUDA, gloo otherwise."
     return "nccl" if device.type == "cuda" else "gloo"
 
-# %% ../nbs/torchrun/01_parallel.ipynb #01a2118c
-TEARDOWN_S = 30.0  # seconds leaving the process group may take before the process ends without it
-
-
-def _within(fn: Callable[[], Any], seconds: float, what: str) -> bool:
-    """Run `fn` on a daemon thread; True if it returned within `seconds` (else say so on stderr and
-    leave it behind)."""
-    done = threading.Event()
-
-    def run():
-        try:
-            fn()
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="speedtronic-teardown", daemon=True).start()
-    if done.wait(seconds):
-        return True
-    print(
-        f"speedtronic: {what} did not finish within {seconds:g} s; ending without waiting for it",
-        file=sys.stderr,
-        flush=True,
-    )
-    return False
-
-# %% ../nbs/torchrun/01_parallel.ipynb #0a656e0b
+# %% ../nbs/torchrun/01_parallel.ipynb #598354e6
 _NOTICE_AFTER_S = 3.0  # a rendezvous that takes longer than this is said once
 
 
@@ -385,7 +360,62 @@ def _answers(address: tuple[str, int], wait_s: float) -> bool:
     except OSError:
         return False
 
+# %% ../nbs/torchrun/01_parallel.ipynb #0582c93e
+def _rendezvous_address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
+
+def _waiting_for(world: World) -> str:
+    """What a joining rank waits for, e.g. `rank 1 of 2 is waiting for rank 0 at 10.0.0.5:29500
+    ($MASTER_ADDR:$MASTER_PORT)`."""
+    hosts = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    who = (
+        f"waiting at {_rendezvous_address()} for the other {world.size - 1} rank(s) to join"
+        if hosts
+        else f"waiting for rank 0 at {_rendezvous_address()}"
+    )
+    return f"rank {world.rank} of {world.size} is {who} ($MASTER_ADDR:$MASTER_PORT)"
+
+# %% ../nbs/torchrun/01_parallel.ipynb #a0906e8d
+def _join_failure(world: World, error: BaseException) -> ConfigError:
+    """One message for a rendezvous that failed: what was missing or who did not come, and the
+    variables to unset."""
+    text = " ".join(str(error).split())
+    fix = (
+        f"{_unset_advice()}; otherwise start every rank with torchrun, with the same "
+        "--master-addr/--master-port"
+    )
+    if missing := re.search(r"environment variable (\w+) expected, but not set", text):
+        return ConfigError(
+            f"${missing.group(1)} is not set, but $WORLD_SIZE={world.size} makes this process rank "
+            f"{world.rank} of a torchrun job; {fix}"
+        )
+    if joined := re.search(r"(\d+)/(\d+) clients joined", text):
+        return ConfigError(
+            f"rank 0 waited {world.connect_timeout_s:g} s at {_rendezvous_address()} and "
+            f"{int(joined.group(1)) - 1} of "
+            f"the other {world.size - 1} rank(s) joined; {fix}"
+        )
+    if "failed to listen" in text:
+        return ConfigError(
+            f"rank 0 cannot listen at {_rendezvous_address()} ($MASTER_ADDR:$MASTER_PORT): the "
+            "port is in use "
+            f"or the address is not this machine's; {fix} (torchrun --master-port picks a free "
+            "port)"
+        )
+    if "timed out" in text.lower():
+        return ConfigError(
+            f"rank {world.rank} of {world.size} could not reach rank 0 at {_rendezvous_address()} "
+            f"($MASTER_ADDR:$MASTER_PORT) within {world.connect_timeout_s:g} s; {fix}"
+        )
+    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
+    return ConfigError(
+        f"rank {world.rank} of {world.size} could not join the torchrun job at "
+        f"{_rendezvous_address()} "
+        f"({type(error).__name__}: {first}); {fix}"
+    )
+
+# %% ../nbs/torchrun/01_parallel.ipynb #0a795efb
 def _join_store(world: World) -> Any:
     """The job's `env://` rendezvous store, reached within `connect_timeout_s`; Ctrl-C and SIGTERM
     stop the wait."""
@@ -432,12 +462,9 @@ def _join_store(world: World) -> Any:
         raise _join_failure(world, box["error"]) from None
     return box["store"]
 
-
+# %% ../nbs/torchrun/01_parallel.ipynb #0a656e0b
 # the backends of the process groups this process started (read by `end_process`)
 _STARTED_GROUPS: list[str] = []
-# groups left by `close`, never freed: gloo's destructor joins a thread that may wait for the GIL it
-# holds
-_LEFT_GROUPS: list = []
 
 
 def start_world(world: World, device: torch.device) -> World:
@@ -476,6 +503,36 @@ def start_world(world: World, device: torch.device) -> World:
     )
     return world
 
+# %% ../nbs/torchrun/01_parallel.ipynb #01a2118c
+TEARDOWN_S = 30.0  # seconds leaving the process group may take before the process ends without it
+
+
+def _within(fn: Callable[[], Any], seconds: float, what: str) -> bool:
+    """Run `fn` on a daemon thread; True if it returned within `seconds` (else say so on stderr and
+    leave it behind)."""
+    done = threading.Event()
+
+    def run():
+        try:
+            fn()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="speedtronic-teardown", daemon=True).start()
+    if done.wait(seconds):
+        return True
+    print(
+        f"speedtronic: {what} did not finish within {seconds:g} s; ending without waiting for it",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False
+
+# %% ../nbs/torchrun/01_parallel.ipynb #7b196067
+# groups left by `close`, never freed: gloo's destructor joins a thread that may wait for the GIL it
+# holds
+_LEFT_GROUPS: list = []
+
 
 def _close(world: World, failed: bool, together: bool) -> None:
     "`World.close`: a barrier when every rank is here, then the group left within `TEARDOWN_S`."
@@ -497,61 +554,6 @@ def _close(world: World, failed: bool, together: bool) -> None:
     if meet or backend == "gloo":
         _LEFT_GROUPS.extend([dist.group.WORLD, control])
         _within(dist.destroy_process_group, TEARDOWN_S, "leaving the process group")
-
-# %% ../nbs/torchrun/01_parallel.ipynb #0582c93e
-def _rendezvous_address() -> str:
-    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-
-
-def _waiting_for(world: World) -> str:
-    """What a joining rank waits for, e.g. `rank 1 of 2 is waiting for rank 0 at 10.0.0.5:29500
-    ($MASTER_ADDR:$MASTER_PORT)`."""
-    hosts = world.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    who = (
-        f"waiting at {_rendezvous_address()} for the other {world.size - 1} rank(s) to join"
-        if hosts
-        else f"waiting for rank 0 at {_rendezvous_address()}"
-    )
-    return f"rank {world.rank} of {world.size} is {who} ($MASTER_ADDR:$MASTER_PORT)"
-
-
-def _join_failure(world: World, error: BaseException) -> ConfigError:
-    """One message for a rendezvous that failed: what was missing or who did not come, and the
-    variables to unset."""
-    text = " ".join(str(error).split())
-    fix = (
-        f"{_unset_advice()}; otherwise start every rank with torchrun, with the same "
-        "--master-addr/--master-port"
-    )
-    if missing := re.search(r"environment variable (\w+) expected, but not set", text):
-        return ConfigError(
-            f"${missing.group(1)} is not set, but $WORLD_SIZE={world.size} makes this process rank "
-            f"{world.rank} of a torchrun job; {fix}"
-        )
-    if joined := re.search(r"(\d+)/(\d+) clients joined", text):
-        return ConfigError(
-            f"rank 0 waited {world.connect_timeout_s:g} s at {_rendezvous_address()} and "
-            f"{int(joined.group(1)) - 1} of "
-            f"the other {world.size - 1} rank(s) joined; {fix}"
-        )
-    if "failed to listen" in text:
-        return ConfigError(
-            f"rank 0 cannot listen at {_rendezvous_address()} ($MASTER_ADDR:$MASTER_PORT): the "
-            "port is in use "
-            f"or the address is not this machine's; {fix} (torchrun --master-port picks a free "
-            "port)"
-        )
-    if "timed out" in text.lower():
-        return ConfigError(
-            f"rank {world.rank} of {world.size} could not reach rank 0 at {_rendezvous_address()} "
-            f"($MASTER_ADDR:$MASTER_PORT) within {world.connect_timeout_s:g} s; {fix}"
-        )
-    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0].rstrip(".")
-    return ConfigError(
-        f"rank {world.rank} of {world.size} could not join the torchrun job at "
-        f"{_rendezvous_address()} "
-        f"({type(error).__name__}: {first}); {fix}"
-    )
 
 # %% ../nbs/torchrun/01_parallel.ipynb #63cd6c0f
 def end_process(code: int) -> int:
@@ -706,7 +708,7 @@ def fsdp_problems(config: SpeedtronicConfig, precision: Any = None) -> list[str]
         )
     return out
 
-
+# %% ../nbs/torchrun/01_parallel.ipynb #e4410354
 def fsdp_options(parallel: Any, precision: Any, device: torch.device) -> dict:
     "The `fully_shard` keyword arguments for `parallel` and the precision plan on `device`."
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -850,13 +852,7 @@ def saved_world_size(state: Mapping) -> int:
     rng = state.get("rng")
     return int(rng["world_size"]) if isinstance(rng, Mapping) and "world_size" in rng else 1
 
-
-def _per_rank(value: Any) -> bool:
-    """Is `value` one entry per rank, `{'world_size': n, 'ranks': [...]}` (a job's RNG, an earlier
-    version's data position)?"""
-    return isinstance(value, Mapping) and "ranks" in value and "world_size" in value
-
-
+# %% ../nbs/torchrun/01_parallel.ipynb #215fdd35
 def derived_rng(seed: int, step: int, rank: int) -> dict:
     """A torch RNG state (CPU and each CUDA device) fixed by the run seed, the step and the rank: a
     rank's RNG after a resize."""
@@ -873,6 +869,12 @@ def derived_rng(seed: int, step: int, rank: int) -> dict:
             for i in range(torch.cuda.device_count())
         ]
     return state
+
+# %% ../nbs/torchrun/01_parallel.ipynb #99fd4894
+def _per_rank(value: Any) -> bool:
+    """Is `value` one entry per rank, `{'world_size': n, 'ranks': [...]}` (a job's RNG, an earlier
+    version's data position)?"""
+    return isinstance(value, Mapping) and "ranks" in value and "world_size" in value
 
 
 def _local_state(world: World, state: Mapping, path: Any) -> Mapping:
@@ -1089,6 +1091,32 @@ class GroupCoordinator:
         if self.inner is not None:
             self.inner.prepare_state(state)
 
+# %% ../nbs/torchrun/01_parallel.ipynb #33cd4b48
+def _gather_whole(world: World, model: nn.Module) -> dict[str, torch.Tensor]:
+    "`World.gather_whole`: the full state dict gathered into rank 0's CPU memory."
+    if world.backend is None or not world.fsdp:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+
+def _scatter_whole(
+    world: World, model: nn.Module, state: Mapping[str, torch.Tensor] | None
+) -> None:
+    "`World.scatter_whole`: rank 0's full state dict broadcast into every rank's shards."
+    if world.backend is None or not world.fsdp:
+        with torch.no_grad():
+            model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # it replaces the entries of the dict it gets
+    set_model_state_dict(model, dict(state) if world.writes else {}, options=options)
+
 # %% ../nbs/torchrun/01_parallel.ipynb #ae828bb8
 def tied_names(model: nn.Module) -> dict[str, str]:
     "The parameters of `model` that are an earlier one (tied weights): `{name: earlier name}`."
@@ -1101,7 +1129,7 @@ def tied_names(model: nn.Module) -> dict[str, str]:
             first[id(p)] = name
     return tied
 
-
+# %% ../nbs/torchrun/01_parallel.ipynb #4f809602
 class StateReplica(nn.Module):
     """A plain CPU module whose state dict has a whole model's keys and tensors: what rank 0's
     DiLoCo coordinator works on under fsdp; a key in `tied` holds its earlier key's tensor, as the
@@ -1134,32 +1162,6 @@ class StateReplica(nn.Module):
         for key in state:
             owner, name = self._owner(key)
             setattr(owner, name, state[self.tied.get(key, key)])
-
-# %% ../nbs/torchrun/01_parallel.ipynb #33cd4b48
-def _gather_whole(world: World, model: nn.Module) -> dict[str, torch.Tensor]:
-    "`World.gather_whole`: the full state dict gathered into rank 0's CPU memory."
-    if world.backend is None or not world.fsdp:
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-
-
-def _scatter_whole(
-    world: World, model: nn.Module, state: Mapping[str, torch.Tensor] | None
-) -> None:
-    "`World.scatter_whole`: rank 0's full state dict broadcast into every rank's shards."
-    if world.backend is None or not world.fsdp:
-        with torch.no_grad():
-            model.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    # it replaces the entries of the dict it gets
-    set_model_state_dict(model, dict(state) if world.writes else {}, options=options)
 
 # %% ../nbs/torchrun/01_parallel.ipynb #eb67230c
 def __dir__() -> list[str]:
