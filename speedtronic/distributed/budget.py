@@ -69,7 +69,7 @@ MASTER_DELTA = {"api": 0, "downloads": 2}  # each delta it folds
 PER_NODE_POLL = {"api": 1, "downloads": 0}
 PER_NODE_DELTA = {"api": 1, "downloads": 0}
 
-
+# %% ../../nbs/diloco/08_distributed_budget.ipynb #39893901
 @dataclass(frozen=True)
 class HubBudget:
     """What a DiLoCo configuration asks of the Hub (one repository): per hour, per five minutes, per
@@ -234,7 +234,7 @@ def delta_bytes_per_parameter(distributed: Any) -> float:
         return d.topk_density * (2 + d.topk_bits / 8) + 4 / d.topk_chunk
     return DELTA_BYTES_PER_PARAM.get(d.delta_dtype, 4)
 
-
+# %% ../../nbs/diloco/08_distributed_budget.ipynb #3e70a221
 def budget_from_config(
     distributed: Any,  # the `distributed` section of a `SpeedtronicConfig`
     step_s: float,  # seconds per optimizer step (measured: `measure_step_time`)
@@ -261,7 +261,7 @@ def budget_from_config(
     )
     return auto_layout(plan) if getattr(d, "hub_layout", "one-repo") == "auto" else plan
 
-
+# %% ../../nbs/diloco/08_distributed_budget.ipynb #51248825
 def auto_layout(plan: HubBudget) -> HubBudget:
     """`distributed.hub_layout: auto`: the one-repository `plan` while its commits fit the Hub,
     else the per-node plan when its commits do (else `plan`, whose problems say what to change)."""

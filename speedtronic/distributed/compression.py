@@ -58,7 +58,7 @@ TOPK_PARTS = (TOPK_INDEX, TOPK_CODE, TOPK_SCALE)
 TOPK_BITS = (2, 4)
 MAX_TOPK_CHUNK = 32768  # an offset must fit int16
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #f90c1200
 @dataclass(frozen=True)
 class TopK:
     "Top-k settings: the `density` of each `chunk` of entries kept, in codes of `bits`."
@@ -155,7 +155,7 @@ def _chunk_of(spec: TopK, numel: int) -> torch.Tensor:
     rest = sum(spec.counts(numel)) - full * per  # the last, shorter chunk's
     return torch.cat([torch.arange(full * per) // per, torch.full((rest,), full)])
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #b6f45e35
 def encode_topk(
     delta: Mapping[str, torch.Tensor], spec: TopK = TopK()
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -217,7 +217,7 @@ def topk_from_header(
     )
     return TopK(density, bits, chunk), entries
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #501f3a6c
 def topk_shapes(header: Mapping[str, str], where: str = "delta") -> dict[str, tuple[int, ...]]:
     "Each encoded tensor's shape, as header `topk_shapes` says; `DeltaRejected` if it cannot."
     whole = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
@@ -238,7 +238,7 @@ def topk_shapes(header: Mapping[str, str], where: str = "delta") -> dict[str, tu
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #f32aaf72
 _PART_DTYPES = {TOPK_INDEX: torch.int16, TOPK_CODE: torch.uint8, TOPK_SCALE: torch.float32}
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #ecf192f2
 def _decode_tensor(
     k: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...], spec: TopK, where: str
 ) -> torch.Tensor:
@@ -303,7 +303,7 @@ def _decode_tensor(
         raise refuse("not_finite", f"{k}: its scales decode to infinite values")
     return dense.reshape(shape)
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #c812dfef
 def topk_header_fits(
     header: Mapping[str, str],
     shapes: Mapping[str, tuple[int, ...]],
@@ -327,7 +327,7 @@ def topk_header_fits(
         )
     return spec, claimed
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #0f9057b2
 def decode_topk(
     tensors: Mapping[str, torch.Tensor],
     header: Mapping[str, str],
@@ -402,7 +402,7 @@ def decode_wire(
         return decode_topk(tensors, header, shapes, where, max_density)
     return decode_dense_wire(where, tensors, header, shapes)
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #d0ebac5e
 def send_with_feedback(
     delta: Mapping[str, torch.Tensor],
     residual: Mapping[str, torch.Tensor] | None,
@@ -433,7 +433,7 @@ def topk_layout(
         layout[k + TOPK_SCALE] = (torch.float32, (len(counts),))
     return layout
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #176fd4d6
 def read_wire_header(
     path: str,
     local: str | Path,
@@ -471,7 +471,7 @@ def read_wire_header(
         )
     return header
 
-
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #a2304274
 def check_wire_delta(
     path: str,
     tensors: Mapping[str, torch.Tensor],

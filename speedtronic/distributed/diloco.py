@@ -149,9 +149,9 @@ class Upload:
     header: Mapping[str, str] = field(default_factory=dict)  # its encoding's header strings
 
 
-DeltaUploadJob = Upload  # 2.0's name for it
+DeltaUploadJob = Upload  # its older name, still importable
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #bcb0de4e
 @dataclass(frozen=True)
 class Install:
     """The weights to copy into the model for global `version`; `reset`: the first install after a
@@ -161,7 +161,7 @@ class Install:
     weights: Mapping[str, torch.Tensor]
     reset: bool = False
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #5d410117
 @dataclass(frozen=True)
 class NodeState:
     """What a node knows: one value, replaced (never changed) by each transition, saved whole in
@@ -181,7 +181,7 @@ class NodeState:
     waits: bool = True  # boundary waits wait (False after one ran out, until a new fold)
     reset_due: bool = False  # a boundary passed since the last install
     master: str = ""  # the node id of the master whose globals it installs ("": none yet)
-    run_id: str = ""  # the run it joined (its first global's; "": none yet, or a 2.0 run)
+    run_id: str = ""  # the run it joined (its first global's; "": none yet, or a run without an id)
 
 # %% ../../nbs/diloco/06_distributed_diloco.ipynb #9c1e006a
 def _plus(
@@ -192,14 +192,14 @@ def _plus(
     a, b = a or {}, b or {}  # a key in one only (a fragment's) is kept as it is
     return {**a, **b, **{k: v + b[k] for k, v in a.items() if k in b}}
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #196c2af8
 def upload_delta(upload: Upload) -> dict[str, torch.Tensor]:
     "The float32 delta an `upload`'s wire tensors stand for (dense, or top-k)."
     if upload.header.get("encoding") == "topk":
         return decode_topk(upload.delta, upload.header, topk_shapes(upload.header))
     return decode_delta(upload.delta)
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #16933a05
 def at_boundary(
     state: NodeState,
     weights: Mapping[str, torch.Tensor],
@@ -356,7 +356,7 @@ def predecessors(extras: Mapping[str, Any]) -> list[str]:
     before = master.get("succeeds") if isinstance(master, Mapping) else None
     return [str(n) for n in before if n] if isinstance(before, list) else []
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #218a0e7d
 def global_problem(
     tensors: Mapping[str, torch.Tensor],
     version: int,
@@ -443,7 +443,7 @@ def node_checkpoint(state: NodeState) -> dict[str, Any]:
         else {f.name: getattr(job, f.name) for f in fields(Upload)},
     }
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #6b1e33b2
 def node_state_from(
     entry: Mapping[str, Any], base: Mapping[str, torch.Tensor], session: str, round_length: int
 ) -> NodeState:
@@ -471,7 +471,7 @@ def node_state_from(
     job = entry.get("pending_upload") or (
         None
         if entry.get("pending_delta") is None
-        # 2.0's legacy mirror
+        # the legacy mirror, `pending_delta`
         else {"step": entry.get("pending_delta_step") or step, "delta": entry["pending_delta"]}
     )
     # dispatched, maybe in flight
@@ -518,7 +518,7 @@ class DumbDiLoCoCoordinator:
         hub: Any = None,
         state_dir: str | os.PathLike | None = None,
         logger: Any = None,
-        resume: bool | None = None,  # False: a new run (CLI without --resume); None: not said (2.0)
+        resume: bool | None = None,  # False: a new run (CLI without --resume); None: not said
         overwrite: bool = False,  # a new run deleting the earlier run's records (--overwrite)
         data_fingerprint: str | None = None,  # what it reads in file order (`data_fingerprint`)
     ):
@@ -543,7 +543,7 @@ class DumbDiLoCoCoordinator:
         self._left_run = self._clear_records() if self.overwrite else ""  # the run it leaves
         self.lock, self._stop = threading.RLock(), threading.Event()
         self.transport = (
-            node_transport(hub)  # one offering only 2.0's calls: a node's calls over them
+            node_transport(hub)  # one with only state, fetch and upload: a node's calls over them
             if hub is not None
             else build_transport(
                 cfg,
@@ -1663,7 +1663,7 @@ class _Ending:
             return False
         version, extras = polls.seen_repo
         if "ledger" not in extras:
-            return True  # a 2.0 master: no ledger to check
+            return True  # a master without a ledger: nothing to check
         held = node._installs.reach()
         why[0] = (
             f"the newest global it accepted (version {version}) holds "
@@ -1740,14 +1740,14 @@ class NodeShard:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #4bd7a41f
 def shard_loader(loader: Any, config: DistributedConfig) -> Any:
     "`loader` as this node's shard (`NodeShard`) when `shard_count` is set, else unchanged."
     if not config.enabled or not config.shard_count or config.shard_count == 1:
         return loader
     return NodeShard(loader, config.shard_index, config.shard_count)
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #7192d457
 def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     "`config.data` as this node reads it: its own data seed when distributed without shards."
     d, data = config.distributed, config.data
@@ -1756,7 +1756,7 @@ def node_data_config(config: SpeedtronicConfig) -> DataConfig:
     offset = int(hashlib.sha256(node_id(d).encode()).hexdigest()[:8], 16)
     return replace(data, seed=(int(data.seed or 0) + offset) % 2**31)
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #fe6b598a
 def data_fingerprint(loader: Any) -> str | None:
     """What a node's `loader` reads in file order (`<sha256 prefix>:file-order`, for its deltas'
     headers); None when it shuffles, reads a shard or holds no fixed content."""
@@ -1845,7 +1845,7 @@ def measure_step_time(config: SpeedtronicConfig, device: Any = None, steps: int 
         torch.cuda.synchronize(dev)
     return (time.perf_counter() - start) / steps
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #016dea11
 def hub_plan_check(config: SpeedtronicConfig, *, device: Any = None) -> tuple[list[str], list[str]]:
     """`(the plan's lines, problems)` of a DiLoCo run through the Hub at the step time measured
     here (both empty for other runs); a master's problems refuse it, a worker's are warned."""
@@ -1859,7 +1859,7 @@ def hub_plan_check(config: SpeedtronicConfig, *, device: Any = None) -> tuple[li
         message = None
     return plan.lines(), [message] if message else []
 
-
+# %% ../../nbs/diloco/06_distributed_diloco.ipynb #16076e7c
 def warn_commit_rate(config: SpeedtronicConfig, *, device: Any = None) -> str | None:
     """Measure the step time and warn (`DistributedWarning`) when the Hub commit rate would come
     near the limit."""

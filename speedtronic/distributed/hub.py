@@ -86,7 +86,7 @@ def classify_hub_error(exc: BaseException) -> str | None:
         return TRANSIENT
     return None
 
-
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #e7377cb2
 def server_wait(status: int | None, headers: Mapping[str, str]) -> float | None:
     """Seconds a 429 or 503 answer asks the caller to wait (`Retry-After`, or `RateLimit`'s `t=`),
     else None."""
@@ -117,7 +117,7 @@ def _told(exc: BaseException) -> float | None:
     response = getattr(exc, "response", None)
     return server_wait(_status(exc), getattr(response, "headers", None) or {})
 
-
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #4375952b
 _HINTS = {
     400: "the Hub refused the request",
     401: "the token is missing, invalid or expired",
@@ -188,8 +188,8 @@ class HubClient:
         return self.retry.call(label, run, classify_hub_error, self._repo.describe_error, _told)
 
     def _offers(self, name: str) -> bool:
-        """Whether the api object has call `name` (an `HfApi`-like object may offer only the calls
-        2.0 made)."""
+        """Whether the api object has call `name` (an `HfApi`-like object may offer only the basic
+        calls: see *Opening the repository*)."""
         return callable(getattr(self.api, name, None))
 
     # -- opening, and who may write
@@ -203,7 +203,7 @@ class HubClient:
                     self.repo_id, repo_type="model", private=True, exist_ok=True
                 ),
             )
-        # 2.0's calls only: the listing says the repository is there
+        # the basic calls only: the listing says the repository is there
         if not self._offers("repo_info"):
             self._call(
                 f"read {self.describe()}",
@@ -220,7 +220,7 @@ class HubClient:
             )
 
     def create_repo(self, private: bool = True) -> None:
-        "Create the repository if it is missing (2.0's name for `open(create=True)`)."
+        "Create the repository if it is missing (the same as `open(create=True)`)."
         self.open(create=True, private=private)
 
     def check_write_access(self) -> None:
@@ -229,8 +229,7 @@ class HubClient:
         self._repo.check_write_access()
 
     def add_collaborator(self, user: str, permission: str = "write") -> None:
-        """Give `user` `permission` on the repository through the api's `add_collaborator` (2.0's
-        call)."""
+        "Give `user` `permission` on the repository through the api object's `add_collaborator`."
         self._repo.add_collaborator(user, permission)
 
     # -- reading
@@ -375,7 +374,7 @@ class HubClient:
             self._doubt = True  # the head moved, or the parent was read from a stale cache
             raise
 
-    # -- 2.0's conveniences, kept so its scripts work
+    # -- conveniences for scripts
     def list_files(self) -> list[str]:
         "Every file path in the repository, sorted."
         return sorted(
@@ -399,8 +398,8 @@ HubTransport = HubClient
 # %% ../../nbs/diloco/04_distributed_hub.ipynb #2d2e79a0
 class _HubRepo:
     """A `HubClient`'s api object, one try at a time (the client's `_call` retries): listings,
-    downloads and the head read in the calls the object offers, 2.0's one-`upload_file`-a-file
-    commits, the token's write check and grants, and a failure in one line."""
+    downloads and the head read in the calls the object offers, one `upload_file` a file where
+    it has no `create_commit`, the token's write check and grants, and a failure in one line."""
 
     def __init__(self, client: HubClient):
         self.client = client  # its api object, repository, token and what it knows of the head
@@ -483,8 +482,8 @@ class _HubRepo:
         return sha
 
     def upload_each(self, files: Mapping[str, str | os.PathLike]) -> None:
-        """Upload `files` one `upload_file` each, the version file last (2.0's call, its local path
-        positional where asked)."""
+        """Upload `files` one `upload_file` each, the version file last (the local path positional
+        where the object asks for it)."""
         client = self.client
         for path in sorted(files, key=lambda p: p == GLOBAL_METADATA_PATH):
             kw = {"path_in_repo": path, "repo_id": client.repo_id, "repo_type": "model"}
@@ -591,7 +590,7 @@ class HubRequests:
 
 HUB_REQUESTS = HubRequests()  # this process's
 
-
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #13c5c15b
 def _ensure_timeout(seconds: float) -> None:
     "Give `huggingface_hub`'s shared HTTP session a request timeout when it has none."
     from huggingface_hub import get_session
@@ -664,7 +663,7 @@ def node_repo_id(repo_id: str, node_id: str) -> str:
     name followed by the node id (a character a repository name cannot hold becomes `_`)."""
     return f"{repo_id}-{re.sub(r'[^A-Za-z0-9_]', '_', node_id)}"
 
-
+# %% ../../nbs/diloco/04_distributed_hub.ipynb #c312d741
 _VIEWS_KEPT = 8  # listings of the node repositories a master may still ask about
 
 

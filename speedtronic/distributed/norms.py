@@ -35,7 +35,7 @@ class NormRecord:
     layer: str  # a layer name, or "total"
     norm: float
 
-
+# %% ../../nbs/diloco/07_distributed_norms.ipynb #2691484d
 def _node_side(payload: Mapping[str, Any]) -> list[NormRecord]:
     "A node's `delta_upload_queued`: what it sent and the residual it kept (none in older events)."
     if "norm" not in payload:
@@ -50,7 +50,7 @@ def _node_side(payload: Mapping[str, Any]) -> list[NormRecord]:
         for layer, norm in [(TOTAL, total), *(layers or {}).items()]
     ]
 
-
+# %% ../../nbs/diloco/07_distributed_norms.ipynb #70f8e7c8
 def records_from_event(event: str, payload: Mapping[str, Any]) -> list[NormRecord]:
     """The records in one `delta_norms`, `outer_update_norms` or `delta_upload_queued` event (none
     for other events)."""
@@ -81,7 +81,7 @@ def norm_records_from_events(
         out += records_from_event(str(event), payload)
     return out
 
-
+# %% ../../nbs/diloco/07_distributed_norms.ipynb #7581cf3f
 def _json_lines(path: str | os.PathLike) -> list[tuple[int, dict]]:
     "`(line number, record)` for each line of `path` that is a JSON object."
     out = []
@@ -96,7 +96,7 @@ def _json_lines(path: str | os.PathLike) -> list[tuple[int, dict]]:
             out.append((n, item))
     return out
 
-
+# %% ../../nbs/diloco/07_distributed_norms.ipynb #2061a3ee
 def norm_records_from_jsonl(
     *paths: str | os.PathLike,
     run_id: str | None = None,  # the run to read; `None`: in each file, the newest run
@@ -170,7 +170,7 @@ def norm_choices(records: Iterable[NormRecord]) -> dict[str, list]:
         "outer_steps": sorted({r.outer_step for r in records}),
     }
 
-
+# %% ../../nbs/diloco/07_distributed_norms.ipynb #59cdafbe
 def series_name(record: NormRecord) -> str:
     """The series a record is drawn in: `update`, the node's id, or `<node> sent` / `<node>
     residual`."""
@@ -179,7 +179,7 @@ def series_name(record: NormRecord) -> str:
     side = record.kind in ("sent", "residual")
     return f"{record.node_id} {record.kind}" if side else str(record.node_id)
 
-
+# %% ../../nbs/diloco/07_distributed_norms.ipynb #b75265ae
 def norm_series(
     records: Iterable[NormRecord], layer: str = TOTAL, nodes: Iterable[str] | None = None
 ) -> dict[str, tuple[list[int], list[float]]]:
@@ -198,7 +198,7 @@ def norm_series(
         ys.append(r.norm)
     return {k: series[k] for k in sorted(series, key=lambda k: (k == "update", k))}
 
-
+# %% ../../nbs/diloco/07_distributed_norms.ipynb #89072ac8
 def layer_profile(
     records: Iterable[NormRecord], outer_step: int, node: str | None = None
 ) -> dict[str, dict[str, float]]:

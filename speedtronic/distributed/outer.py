@@ -166,7 +166,7 @@ def _delayed_nesterov(
         buffers, momentum=momentum, pending=pending, progress=progress, momentum_steps=steps
     ), update
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #853124e9
 def _averaged_nesterov(
     buffers: OuterBuffers,
     contributions: Sequence[Contribution],
@@ -188,7 +188,7 @@ def _averaged_nesterov(
     update = {k: lr * (g + mu * momentum[k]) for k, g in grad.items()}
     return replace(buffers, momentum=momentum, momentum_steps=buffers.momentum_steps + 1), update
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #58459485
 def outer_update(
     buffers: OuterBuffers,
     contributions: Sequence[Contribution],
@@ -218,7 +218,7 @@ def outer_update(
         buffers, steps_at=buffers.steps_at[-(VERSIONS_KEPT - 1) :] + (buffers.momentum_steps,)
     ), update
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #0d6be1c1
 def applied(
     state: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -274,7 +274,7 @@ class OuterUpdate:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.buffers = _buffers_from_record(self.buffers, state)
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #373723b2
 class NesterovOuterOptimizer(OuterUpdate):
     """SGD with Nesterov momentum over a state dict's floating tensors (DiLoCo's synchronous outer
     step): policy `none`, one delta."""
@@ -301,7 +301,7 @@ class NesterovOuterOptimizer(OuterUpdate):
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         super().load_state_dict({"momentum": state})
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #855f4165
 @dataclass
 class OuterState:
     "A declared record of the outer state; nothing reads it."
@@ -397,7 +397,7 @@ def other_master(extras: Mapping[str, Any], node_id: str) -> str | None:
         None if not master or master.get("node_id") in (None, node_id) else str(master["node_id"])
     )
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #a6a1760d
 def lease_holder(
     extras: Mapping[str, Any], node_id: str, lease_timeout: float, now: float | None = None
 ) -> str | None:
@@ -416,7 +416,7 @@ def lease_holder(
         else None
     )
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #73cedfed
 def succession(extras: Mapping[str, Any], node_id: str) -> list[str]:
     """The masters that master `node_id`, publishing onto version file `extras`, succeeds: the one
     that wrote it when that is another master, and the ones that master succeeded."""
@@ -426,7 +426,7 @@ def succession(extras: Mapping[str, Any], node_id: str) -> list[str]:
     names += [str(master["node_id"])] if master.get("node_id") else []
     return list(dict.fromkeys(n for n in names if n != node_id))
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #85d33ac9
 def liveness(extras: Mapping[str, Any]) -> tuple:
     """What changes in the version file while its master is alive: its id, session, heartbeat and
     publication."""
@@ -522,7 +522,7 @@ class MasterRules:
     # the whole model or the fragment its header names
     fragments: tuple[tuple[str, ...], ...] = ()
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #1cfefb1f
 @dataclass(frozen=True)
 class MasterState:
     "Everything the master knows; transitions return a new value and never change this one."
@@ -531,7 +531,7 @@ class MasterState:
     outer: OuterBuffers
     outer_step: int = -1  # the published version (-1: none yet)
     publication: str = ""  # the id of the commit that published `outer_step`
-    run_id: str = ""  # the run's identity in the repository ("": a 2.0-style run, which has none)
+    run_id: str = ""  # the run's identity in the repository ("": a run without one)
     ledger: Ledger = field(default_factory=Ledger)
     sizes: "DeltaSizes" = field(default_factory=lambda: DeltaSizes())
     punctual: frozenset[str] | None = (
@@ -551,7 +551,7 @@ class MasterState:
     # with fragments: the version at which each fragment last changed (`fragment_versions`)
     fragment_versions: tuple[int, ...] = ()
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #77608ac5
 def master_state(state: Mapping[str, torch.Tensor]) -> MasterState:
     "A master that has published nothing, starting from the model `state` (CPU copies)."
     state = cpu_state_dict(state)
@@ -573,31 +573,6 @@ def _with_global(
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #170bbf24
 RECORD_VERSION = 2  # the format of `state_record`'s info
-
-
-def _buffers_from_record(template: OuterBuffers, data: Mapping[str, Any]) -> OuterBuffers:
-    """Buffers from `{momentum, pending, progress, momentum_steps, steps_at}` onto `template`'s keys
-    and shapes (others ignored)."""
-
-    def fit(name: str) -> dict[str, torch.Tensor]:
-        mine, given = getattr(template, name), data.get(name) or {}
-        return {
-            k: (
-                given[k].detach().float().cpu().clone()
-                if k in given and tuple(given[k].shape) == tuple(v.shape)
-                else v
-            )
-            for k, v in mine.items()
-        }
-
-    steps = int(data.get("momentum_steps", 0))
-    return OuterBuffers(
-        fit("momentum"),
-        fit("pending"),
-        float(data.get("progress", 0.0)),
-        steps,
-        tuple(int(n) for n in data.get("steps_at") or [])[-VERSIONS_KEPT:] or (steps,),
-    )
 
 
 def state_record(state: MasterState) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -630,7 +605,32 @@ def _flat(**groups: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor
         f"{g.rstrip('_')}/{k}": v for g, part in groups.items() for k, v in (part or {}).items()
     }
 
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #599b00cc
+def _buffers_from_record(template: OuterBuffers, data: Mapping[str, Any]) -> OuterBuffers:
+    """Buffers from `{momentum, pending, progress, momentum_steps, steps_at}` onto `template`'s keys
+    and shapes (others ignored)."""
 
+    def fit(name: str) -> dict[str, torch.Tensor]:
+        mine, given = getattr(template, name), data.get(name) or {}
+        return {
+            k: (
+                given[k].detach().float().cpu().clone()
+                if k in given and tuple(given[k].shape) == tuple(v.shape)
+                else v
+            )
+            for k, v in mine.items()
+        }
+
+    steps = int(data.get("momentum_steps", 0))
+    return OuterBuffers(
+        fit("momentum"),
+        fit("pending"),
+        float(data.get("progress", 0.0)),
+        steps,
+        tuple(int(n) for n in data.get("steps_at") or [])[-VERSIONS_KEPT:] or (steps,),
+    )
+
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #38f0fa90
 def restored(
     template: MasterState, info: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
 ) -> MasterState:
@@ -668,7 +668,7 @@ def restored(
         fragment_versions=tuple(int(v) for v in info.get("fragment_versions") or ()),
     )
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #ec73bdae
 def translated_record(
     data: Mapping[str, Any],
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
@@ -689,17 +689,7 @@ def translated_record(
     }
     return info, _flat(global_=data.get("global_state"), momentum=data.get("momentum"))
 
-# %% ../../nbs/diloco/05_distributed_outer.ipynb #d195c6bd
-# refusals of what a plausible delta held
-CONTENT_REASONS = (
-    "too_large",
-    "not_finite",
-    "keys",
-    "shape",
-    "dtype",
-)
-
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #92a1a154
 def _sized(d: CheckedDelta) -> str:
     "The record a delta's size joins: its session's, or with fragments its fragment's of it."
     return f"{d.session}#{d.fragment}" if d.fragment else d.session
@@ -709,7 +699,7 @@ def _steps_covered(d: CheckedDelta, rules: MasterRules) -> int:
     "The inner steps `d` covers (a 2.0 node does not say: one round)."
     return max(1, d.inner_steps or rules.round_steps)
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #35677fcd
 def _reachable(
     state: MasterState, path: str, header: Mapping[str, str], reached: Mapping[tuple[str, str], int]
 ) -> None:
@@ -720,7 +710,7 @@ def _reachable(
     try:
         covered = int(header["inner_steps"])
     except (KeyError, TypeError, ValueError):
-        return  # not said (2.0) or not a number: `check_delta` decides
+        return  # not said or not a number: `check_delta` decides
     if state.ledger.folded(node, session, step):
         return  # a duplicate is dropped later
     taken = max(  # the last step already folded, or accepted in this pass
@@ -747,7 +737,7 @@ def _reachable(
             f"{node!r} did not write this file in that session (a forged or stray file)",
         )
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #a684745d
 def norm_scale(state: MasterState) -> tuple[float, str]:
     """The norm that a delta's (or a fold's) norm per inner step may exceed at most
     `max_delta_norm_ratio` times, and what it is: the global model's own norm, or the largest
@@ -758,7 +748,7 @@ def norm_scale(state: MasterState) -> tuple[float, str]:
         return state.sizes.largest, f"the largest folded delta {state.sizes.largest:.3g}"
     return state.global_norm, f"the global model's own norm {state.global_norm:.3g}"
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #d83e588c
 def check(
     state: MasterState,
     rules: MasterRules,
@@ -800,6 +790,16 @@ def check(
         )
     return d
 
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #76d4982c
+# refusals of what a plausible delta held
+CONTENT_REASONS = (
+    "too_large",
+    "not_finite",
+    "keys",
+    "shape",
+    "dtype",
+)
+
 
 def rejected(state: MasterState, path: str, reason: str, session: str | None = None) -> MasterState:
     """`state` after refusing the file at `path` (or finding it a duplicate): deleted with the next
@@ -820,7 +820,7 @@ def rejected(state: MasterState, path: str, reason: str, session: str | None = N
             }
     return replace(state, drop={**state.drop, path: reason}, ledger=ledger, refusals=refusals)
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #7dcd1a7e
 def listed(state: MasterState, present: Collection[str]) -> MasterState:
     """`state` after a listing of the repository's deltas: files gone meanwhile are neither deleted
     nor held."""
@@ -882,7 +882,7 @@ def active_nodes(
         1, len(state.ledger.active(state.outer_step, window=2 * max(1, known) + 1) | set(extra))
     )
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #22e66fa6
 def round_deadline(state: MasterState, rules: MasterRules) -> float:
     """Seconds the held round waits after its first delta: `round_wait` while some node was never
     folded (it may be starting), else `late_share` of the round's own length (at least
@@ -902,7 +902,7 @@ def wait_ran_out(state: MasterState, rules: MasterRules, now: float) -> bool:
         and now - state.held_since >= round_deadline(state, rules)
     )
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #9efbb7a1
 def round_complete(
     state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], now: float
 ) -> bool:
@@ -922,7 +922,7 @@ def round_due(state: MasterState, rules: MasterRules, now: float, full_rounds: b
     "Whether the held round is to be folded now (the final round folds it at once)."
     return bool(state.held) and (not full_rounds or round_complete(state, rules, state.held, now))
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #403b9c7a
 def heartbeat_due(state: MasterState, rules: MasterRules, now: float) -> bool:
     "Whether the master has been silent for a third of its lease."
     return now - state.published_at > rules.lease_timeout / 3
@@ -968,7 +968,7 @@ class Publication:
     update: Mapping[str, torch.Tensor] = field(default_factory=dict)
     nodes: int = 0
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #efe99370
 def _next_punctual(
     state: MasterState, rules: MasterRules, accepted: Sequence[CheckedDelta], nodes: int, now: float
 ) -> frozenset[str] | None:
@@ -991,7 +991,7 @@ def _next_punctual(
     back = state.punctual | on_time  # a node that was missing is back in step: waited for again
     return None if len(back) >= nodes else back
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #9de66a7f
 def fold(
     state: MasterState,
     rules: MasterRules,
@@ -1102,7 +1102,7 @@ def on_published(prepared: MasterState, deletes: Collection[str], now: float) ->
         published_at=now,
     )
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #4063fed5
 def conflict_verdict(
     parent_step: int,
     node_id: str,
@@ -1118,7 +1118,7 @@ def conflict_verdict(
     mine = repo_outer_step < 0 or master.get("node_id") == node_id
     return "retry" if mine and repo_outer_step == parent_step else "stop"
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #8ca2cda2
 def heartbeat(state: MasterState) -> Publication:
     "Renew the lease: the same version with a fresh heartbeat."
     return Publication(state, (), weights=False, message="heartbeat of the master")
@@ -1161,7 +1161,7 @@ def resumed(
             return state
     return None
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #6020d7c0
 def adopted(
     state: MasterState,
     remote: Mapping[str, torch.Tensor],
@@ -1187,7 +1187,7 @@ def adopted(
         held_since=None,
     )
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #64cb81ce
 def still_waiting(
     state: MasterState, rules: MasterRules, final_step: int, own: str
 ) -> tuple[set[str], bool]:
@@ -1195,7 +1195,7 @@ def still_waiting(
     master `own`."""
     nodes = state.ledger.nodes
     waiting_for = state.ledger.active(state.outer_step, window=2 * max(1, len(nodes)) + 1) - {own}
-    done = {  # a node's final delta says it is done; a 2.0 node (no sessions) says nothing
+    done = {  # a node's final delta says it is done; one without sessions says nothing
         n
         for n, e in nodes.items()
         if n != own
@@ -1209,7 +1209,7 @@ def still_waiting(
     }
     return waiting_for - done, rules.expected_nodes is None or len(done) + 1 >= rules.expected_nodes
 
-
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #1d1228f9
 def final_gaps(state: MasterState, own: str, session: str, final_step: int) -> list[str]:
     """What the published global lacks of master `own`'s (node `session`) and accepted steps, in
     words."""
@@ -1926,7 +1926,7 @@ class _RepositoryClaim:
         if master.fresh and master.overwrite:
             return self.start_over(repo)
         if master.fresh:
-            # a 2.0-style repository: its run has no id
+            # a repository whose run has no id
             master.state = replace(master.state, run_id="")
         chosen = resumed(
             master.state, prepared, repo.outer_step, str(repo.extras.get("publication", ""))
@@ -2125,9 +2125,6 @@ def same_data(seen: Mapping[str, str], node: str, data: str) -> str | None:
     return next((n for n, theirs in seen.items() if n != node and theirs == data), None)
 
 # %% ../../nbs/diloco/05_distributed_outer.ipynb #24d8f318
-QUARANTINE_KEPT = 20  # records of refused deltas kept in `<state dir>/quarantine`
-
-
 def _sha256(local: Path) -> str | None:
     "The SHA-256 of the file at `local`, read in pieces (None when it is not there)."
     digest = hashlib.sha256()
@@ -2160,6 +2157,9 @@ def quarantine_record(
         "size": local.stat().st_size if exists else None,
         "at": at,
     }
+
+# %% ../../nbs/diloco/05_distributed_outer.ipynb #b4b4f563
+QUARANTINE_KEPT = 20  # records of refused deltas kept in `<state dir>/quarantine`
 
 
 class _DeltaCollector:

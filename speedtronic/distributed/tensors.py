@@ -22,13 +22,13 @@ from ..files import atomic_write_bytes
 # %% auto #0
 __all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_METADATA_PATH', 'DELTA_DTYPES', 'INT8_SCALE',
            'WIRE_ENCODINGS', 'FRAGMENT_HEADER', 'cpu_tensor', 'cpu_state_dict', 'floating_state', 'tensor_aliases',
-           'save_safetensors', 'safetensors_bytes', 'load_safetensors', 'read_metadata', 'load_delta',
-           'read_safetensors_header', 'tensor_layout', 'metadata_json', 'delta_path', 'parse_delta_path',
-           'GlobalMetadata', 'utc_now', 'step_count_text', 'parse_step_count', 'compute_pseudo_gradient',
-           'encode_delta', 'decode_delta', 'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta',
-           'check_delta_wire', 'declared_layout', 'read_delta_header', 'decode_dense_wire', 'check_delta',
-           'average_deltas', 'delta_norm', 'layer_of', 'layer_norms', 'fragment_plan', 'fragment_due',
-           'fragment_shapes', 'fragment_versions', 'changed_keys', 'changed_at', 'state_misfit']
+           'read_safetensors_header', 'tensor_layout', 'save_safetensors', 'safetensors_bytes', 'load_safetensors',
+           'load_delta', 'read_metadata', 'metadata_json', 'delta_path', 'parse_delta_path', 'GlobalMetadata',
+           'utc_now', 'step_count_text', 'parse_step_count', 'compute_pseudo_gradient', 'encode_delta', 'decode_delta',
+           'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta_wire', 'decode_dense_wire',
+           'check_delta', 'declared_layout', 'read_delta_header', 'average_deltas', 'delta_norm', 'layer_of',
+           'layer_norms', 'fragment_plan', 'fragment_due', 'fragment_shapes', 'fragment_versions', 'changed_keys',
+           'changed_at', 'state_misfit']
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +83,7 @@ def tensor_aliases(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
             aliases[k] = same
     return aliases
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #9543cecd
 def _stored(
     tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None
 ) -> tuple[dict, dict[str, str]]:
@@ -119,49 +119,7 @@ def _expanded(
         )
     return {**tensors, **{a: tensors[k].clone() for a, k in aliases.items()}}
 
-# %% ../../nbs/diloco/02_distributed_tensors.ipynb #4268e791
-def save_safetensors(
-    tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, Any] | None = None
-) -> Path:
-    """Write `tensors` (CPU copies, a tied tensor once) with string `metadata` to `path` atomically;
-    returns the path."""
-    return atomic_write_bytes(safetensors_bytes(tensors, metadata), path)
-
-
-def safetensors_bytes(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None
-) -> bytes:
-    "The safetensors encoding of `tensors` (a tied tensor once) with string `metadata`, in memory."
-    stored, meta = _stored(tensors, metadata)
-    return _st_save(stored, metadata=meta)
-
-
-def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    "All tensors of a safetensors file, on the CPU (aliases restored)."
-    data = Path(path).read_bytes()
-    return _expanded(_st_load(data), _header(data, path), path)
-
-
-def read_metadata(path: str | Path) -> dict[str, str]:
-    "The header metadata of a safetensors file (empty when it has none)."
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return dict(f.metadata() or {})
-
-
-def load_delta(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """`(tensors, header)` of a delta file; `ValueError` naming the file when it is not readable
-    safetensors."""
-    try:
-        read_safetensors_header(path)  # bounded: a lying length field never reaches the body
-        data = Path(path).read_bytes()
-        header = _header(data, path)
-        return _expanded(_st_load(data), header, path), header
-    except Exception as e:
-        raise ValueError(
-            f"unable to load safetensors file {path}: {type(e).__name__}: {e}"
-        ) from None
-
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #ab67990d
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
 
 
@@ -179,7 +137,7 @@ def _header_length(first: bytes, size: int, where: Any) -> int:
         )
     return n
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #c5ef6054
 def _header_json(raw: bytes, where: Any) -> dict[str, Any]:
     "The header's JSON object, its `__metadata__` strings checked; `ValueError` naming `where`."
     try:
@@ -210,7 +168,7 @@ def read_safetensors_header(path: str | Path, where: Any = None) -> tuple[dict[s
         n = _header_length(f.read(8), size, where)
         return _header_json(f.read(n), where), size - 8 - n
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #67aad2ad
 _ST_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -237,7 +195,7 @@ def _entry_fits(e: Any) -> bool:
         and all(map(whole, e["data_offsets"]))
     )
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #a03e7a4c
 def tensor_layout(
     header: Mapping[str, Any], body_bytes: int, where: Any
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -269,6 +227,48 @@ def tensor_layout(
             "(a truncated or padded file)"
         )
     return out
+
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #4268e791
+def save_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, Any] | None = None
+) -> Path:
+    """Write `tensors` (CPU copies, a tied tensor once) with string `metadata` to `path` atomically;
+    returns the path."""
+    return atomic_write_bytes(safetensors_bytes(tensors, metadata), path)
+
+
+def safetensors_bytes(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None = None
+) -> bytes:
+    "The safetensors encoding of `tensors` (a tied tensor once) with string `metadata`, in memory."
+    stored, meta = _stored(tensors, metadata)
+    return _st_save(stored, metadata=meta)
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    "All tensors of a safetensors file, on the CPU (aliases restored)."
+    data = Path(path).read_bytes()
+    return _expanded(_st_load(data), _header(data, path), path)
+
+
+def load_delta(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """`(tensors, header)` of a delta file; `ValueError` naming the file when it is not readable
+    safetensors."""
+    try:
+        read_safetensors_header(path)  # bounded: a lying length field never reaches the body
+        data = Path(path).read_bytes()
+        header = _header(data, path)
+        return _expanded(_st_load(data), header, path), header
+    except Exception as e:
+        raise ValueError(
+            f"unable to load safetensors file {path}: {type(e).__name__}: {e}"
+        ) from None
+
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #55f67d15
+def read_metadata(path: str | Path) -> dict[str, str]:
+    "The header metadata of a safetensors file (empty when it has none)."
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return dict(f.metadata() or {})
 
 
 def metadata_json(metadata: Mapping[str, str]) -> dict[str, Any]:
@@ -320,7 +320,7 @@ class GlobalMetadata:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #d7c9e957
 def utc_now() -> str:
     "The current UTC time as ISO-8601 with offset, as `updated_at` stores it."
     return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
@@ -403,7 +403,7 @@ def encode_delta(
         out[k + INT8_SCALE] = scale.float()
     return out
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #df8a8425
 def decode_delta(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The float32 delta that wire `tensors` stand for (any of the encodings; scales applied to
     int8)."""
@@ -427,7 +427,7 @@ def decode_delta(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
             out[k] = v.float()
     return out
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #8268e022
 def wire_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """Bytes of tensor data a file of `tensors` holds: each distinct tensor once (the file adds a
     small header)."""
@@ -480,7 +480,7 @@ class CheckedDelta:
     node_id: str
     step: int
     base_outer_step: int
-    inner_steps: int | None  # None for a 2.0 node, which does not say
+    inner_steps: int | None  # None when the header does not say
     session: str
     final: bool
     delta: dict[str, torch.Tensor] = field(repr=False)
@@ -488,18 +488,7 @@ class CheckedDelta:
     norm: float | None = None  # the L2 norm of `delta`, computed once by the master's size check
     fragment: str = ""  # the fragment it holds ("f/F", set by the master's check; "": the whole)
 
-
-def _header_int(header: Mapping[str, str], key: str, path: str, default: int | None) -> int | None:
-    if key not in header:
-        return default
-    try:
-        return int(header[key])
-    except (TypeError, ValueError):
-        raise DeltaRejected(
-            "header", f"{path}: header {key}={header[key]!r} is not an integer"
-        ) from None
-
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #625b2873
 WIRE_ENCODINGS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
@@ -564,36 +553,7 @@ def check_delta_wire(
     if stray:
         raise DeltaRejected("keys", f"{path}: {stray[0]} is an int8 scale without its int8 tensor")
 
-
-def declared_layout(path: str, local: str | Path) -> tuple[dict[str, str], dict[str, Any]]:
-    """`(header strings, name -> (dtype, shape))` the delta at repository `path` (stored at `local`)
-    declares, a tensor stored once for several names listed under each; the body is not read."""
-    try:
-        raw, body = read_safetensors_header(local, path)
-        layout = tensor_layout(raw, body, path)
-        header = dict(raw.get("__metadata__") or {})
-    except (OSError, ValueError) as e:
-        raise DeltaRejected("unreadable", str(e)) from None
-    try:
-        aliases = json.loads(header[TENSOR_ALIASES]) if header.get(TENSOR_ALIASES) else {}
-        layout.update({a: layout[k] for a, k in aliases.items() if a not in layout})
-    except (ValueError, TypeError, KeyError, AttributeError):
-        raise DeltaRejected(
-            "header", f"{path}: header {TENSOR_ALIASES} must map keys not in the file to keys in it"
-        ) from None
-    return header, layout
-
-
-def read_delta_header(
-    path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, str]:
-    """The header of the delta at repository `path` (stored at `local`), its tensors checked against
-    `shapes` before the body is read."""
-    header, layout = declared_layout(path, local)
-    check_delta_wire(path, layout, header, shapes)
-    return header
-
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #6daf7288
 def decode_dense_wire(
     path: str,
     tensors: Mapping[str, torch.Tensor],
@@ -608,6 +568,17 @@ def decode_dense_wire(
         return decode_delta(tensors)
     except ValueError as e:
         raise DeltaRejected("dtype", f"{path}: {e}") from None
+
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #66eaa3ff
+def _header_int(header: Mapping[str, str], key: str, path: str, default: int | None) -> int | None:
+    if key not in header:
+        return default
+    try:
+        return int(header[key])
+    except (TypeError, ValueError):
+        raise DeltaRejected(
+            "header", f"{path}: header {key}={header[key]!r} is not an integer"
+        ) from None
 
 
 def check_delta(
@@ -665,6 +636,35 @@ def check_delta(
         wire_bytes(tensors),
     )
 
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #3323dc6b
+def declared_layout(path: str, local: str | Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """`(header strings, name -> (dtype, shape))` the delta at repository `path` (stored at `local`)
+    declares, a tensor stored once for several names listed under each; the body is not read."""
+    try:
+        raw, body = read_safetensors_header(local, path)
+        layout = tensor_layout(raw, body, path)
+        header = dict(raw.get("__metadata__") or {})
+    except (OSError, ValueError) as e:
+        raise DeltaRejected("unreadable", str(e)) from None
+    try:
+        aliases = json.loads(header[TENSOR_ALIASES]) if header.get(TENSOR_ALIASES) else {}
+        layout.update({a: layout[k] for a, k in aliases.items() if a not in layout})
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise DeltaRejected(
+            "header", f"{path}: header {TENSOR_ALIASES} must map keys not in the file to keys in it"
+        ) from None
+    return header, layout
+
+
+def read_delta_header(
+    path: str, local: str | Path, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, str]:
+    """The header of the delta at repository `path` (stored at `local`), its tensors checked against
+    `shapes` before the body is read."""
+    header, layout = declared_layout(path, local)
+    check_delta_wire(path, layout, header, shapes)
+    return header
+
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #a619a1de
 def average_deltas(
     deltas: list[Mapping[str, torch.Tensor]], weights: list[float] | None = None
@@ -688,7 +688,7 @@ def average_deltas(
             )
     return {k: sum(d[k].float() * (w / total) for d, w in zip(deltas, weights)) for k in first}
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #550e08d5
 def delta_norm(delta: Mapping[str, torch.Tensor]) -> float:
     "The L2 norm of all tensors of `delta` together."
     return math.sqrt(sum(float(v.float().pow(2).sum()) for v in delta.values()))
@@ -712,9 +712,6 @@ def layer_norms(delta: Mapping[str, torch.Tensor]) -> dict[str, float]:
     return {k: math.sqrt(v) for k, v in sq.items()}
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #bd94eaf9
-FRAGMENT_HEADER = "fragment"  # header key: "f/F", the delta holds fragment f of F (else: whole)
-
-
 def _storage_of(key: str, t: torch.Tensor) -> tuple:
     "What a tensor tied to `t` shares with it (an empty tensor is tied to nothing)."
     if not t.numel():
@@ -753,7 +750,7 @@ def fragment_plan(state: Mapping[str, torch.Tensor], count: int) -> tuple[tuple[
         done += sizes[name]
     return tuple(plan) + (tuple(current),)
 
-
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #b8559db7
 def fragment_due(step: int, inner_steps: int, count: int) -> int | None:
     "The fragment a node sends at `step`: `f` at steps `k·H + f·H/F` (H: `inner_steps`), else None."
     if inner_steps % count:
@@ -762,6 +759,9 @@ def fragment_due(step: int, inner_steps: int, count: int) -> int | None:
     if step <= 0 or step % every:
         return None
     return (step % inner_steps) // every
+
+# %% ../../nbs/diloco/02_distributed_tensors.ipynb #b18945af
+FRAGMENT_HEADER = "fragment"  # header key: "f/F", the delta holds fragment f of F (else: whole)
 
 
 def fragment_shapes(

@@ -146,8 +146,8 @@ class TransferCounts:
 
 
 def describe_repository(transport: Any) -> str:
-    """The repository in words: `transport.describe()`, or its `repo_id` for a transport without one
-    (written for 2.0)."""
+    """The repository in words: `transport.describe()`, or its `repo_id` for a transport without
+    one."""
     describe = getattr(transport, "describe", None)
     return (
         describe()
@@ -157,7 +157,8 @@ def describe_repository(transport: Any) -> str:
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #095eac2b
 class _V2Calls:
-    "A node's `state`, `fetch` and `upload` over a transport offering only 2.0's calls."
+    """A node's `state`, `fetch` and `upload` over a transport without them (`read_json`,
+    `download_global`, `upload_delta`, …)."""
 
     def __init__(self, transport: Any):
         self.transport, self._seen = transport, None  # _seen: the metadata `state()` last read
@@ -209,18 +210,215 @@ class _V2Calls:
                     metadata=header,
                 )
 
-
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #ce45dcfa
 def node_transport(transport: Any) -> Any:
-    """`transport` when its `state` is a call, else `transport` behind a node's calls made of 2.0's
-    (`read_json`/`global_metadata`, `download_global`/`download`, `upload_delta`/`upload`)."""
+    """`transport` when its `state` is a call, else `transport` behind a node's calls made of its
+    own (`read_json`/`global_metadata`, `download_global`/`download`, `upload_delta`/`upload`)."""
     return transport if callable(getattr(transport, "state", None)) else _V2Calls(transport)
 
-# %% ../../nbs/diloco/03_distributed_transport.ipynb #affea04e
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #1f1317b7
+def _weights_version(path: Path) -> int | None:
+    """The `outer_step` a global weights file carries in its header, None when it has none (files
+    written by 2.0)."""
+    value = read_metadata(path).get("outer_step")
+    return None if value is None else int(value)
+
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #64477d4c
+def _copy(src: Path, dest: Path) -> int:
+    """Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename), never through
+    a link at `src`; returns the bytes copied.
+
+    The count is taken from the written file before the rename: once `dest` is in place another
+    node (the master folding a delta) may delete it at once, so it is never looked at again."""
+    copied = 0
+
+    def write(out: BinaryIO) -> None:
+        nonlocal copied
+        shutil.copyfileobj(f, out, 1 << 20)
+        copied = out.tell()
+
+    with os.fdopen(os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+        atomic_write(dest, write)
+    return copied
+
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #399916f9
 _STALE_TEMP_S = 3600.0  # a temp file this old was left by a killed writer
 _STALE_CLAIM_S = 600.0  # a claim this old, for a version never published, was left by a dead master
 _CUT_CLAIM_S = 10.0  # an empty claim this old was cut short as it was made (a kill, a full disk)
 
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #dee91142
+def _create_whole(path: Path, text: str) -> None:
+    """Create `path` holding `text`, whole or not at all; `FileExistsError` when it is there.
 
+    The text goes to a temp file that is hard-linked into place, so a writer killed at any moment
+    leaves no empty `path` behind; a folder without hard links (some network and FUSE mounts) gets
+    `O_CREAT | O_EXCL` and a write instead."""
+    temp = _temp_path(path)
+    try:
+        with open(temp, "x") as f:
+            f.write(text)
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+            except OSError:  # a full disk: no empty claim is left to block the retry
+                path.unlink(missing_ok=True)
+                raise
+    finally:
+        temp.unlink(missing_ok=True)
+
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #6b0afd7b
+class _Folder:
+    """A `SharedDirectory`'s folder on disk, one try at a time (the directory's `_call` retries):
+    whether it is there, where a repository path lands (never through a link), the entries a
+    listing refuses, the claim on a version and the sweep after a publication."""
+
+    def __init__(self, directory: SharedDirectory):
+        self.directory = directory  # its root, its `used` mark, what it refused and how it warns
+
+    def error_text(self, exc: BaseException) -> str:
+        """An I/O error in words, its file named inside the repository (the label already names the
+        repository)."""
+        name = getattr(exc, "filename", None)
+        if not isinstance(exc, OSError) or name is None:
+            return f"{type(exc).__name__}: {exc}"
+        with contextlib.suppress(ValueError):
+            name = Path(name).relative_to(self.directory.root)
+        return f"{type(exc).__name__}: {exc.strerror or exc}: {name}"
+
+    def present(self, write: bool = False) -> bool:
+        """Whether the repository is there (its `global/` folder); `RepoMissing` for a write before
+        it was made, `HubError` once it disappeared after use."""
+        directory = self.directory
+        if os.path.exists(directory.root) and not os.path.isdir(directory.root):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(directory.root))
+        if os.path.isdir(directory.root / "global"):
+            directory.used = True
+            return True
+        if directory.used:
+            raise HubError(
+                f"{directory.describe()} has disappeared since this run used it (no global/ "
+                "folder: an unmounted share?); "
+                "it is not created again: mount or restore it, then resume the run"
+            )
+        if write:
+            raise RepoMissing(
+                f"{directory.describe()} does not exist; its master creates it "
+                "(distributed.role: master)"
+            )
+        return False
+
+    def inside(self, path: str) -> Path:
+        "`root/path`, refused (`HubError` naming it) when any part of it is a symbolic link."
+        root = here = self.directory.root
+        for part in Path(path).parts:
+            if part in ("..", "") or os.path.isabs(part):
+                raise HubError(
+                    f"{self.directory.describe()}: refusing {path}: not a path inside the "
+                    "repository"
+                )
+            here = here / part
+            if here.is_symlink():
+                raise HubError(
+                    f"{self.directory.describe()}: refusing {path}: {here.relative_to(root)} is a "
+                    "symbolic link "
+                    "(it may point outside the repository); delete it"
+                )
+        return here
+
+    def target(self, path: str) -> Path:
+        """Where a write of repository `path` goes: inside the directory, which must be there, never
+        through a link."""
+        self.present(write=True)
+        dest = self.inside(path)
+        # the directory itself exists: only folders inside it are made
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        return dest
+
+    def refuse(self, path: str, why: str) -> None:
+        "Say once that entry `path` is left out of every listing."
+        directory = self.directory
+        if path in directory.refused:
+            return
+        directory.refused.add(path)
+        directory.warn(
+            f"{directory.describe()}: refusing {path}: {why} (it may point outside the "
+            "repository); delete it"
+        )
+
+    def version_pair(self) -> tuple[RepoState, int | None]:
+        "`(the version file's state, the version the weights carry)`, read once, without retries."
+        if not self.present():
+            return RepoState("none"), None
+        version, weights = self.inside(GLOBAL_METADATA_PATH), self.inside(GLOBAL_MODEL_PATH)
+        if not version.exists():
+            return RepoState("none"), None
+        meta, extras = parse_step_count(version.read_bytes())
+        carried = _weights_version(weights)
+        return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras), carried
+
+    def claim(self, version: int, owner: str) -> None:
+        """Create `global/.claim-<version>` for `owner`; `PublishConflict` when another owner holds
+        it."""
+        claim = self.directory.root / "global" / f".claim-{version}"
+        try:
+            _create_whole(claim, owner)
+        except FileExistsError:
+            holder = claim.read_text().strip()
+            # its master died mid-publication; an empty claim was cut short as it was made
+            stale = _STALE_CLAIM_S if holder else _CUT_CLAIM_S
+            if holder != owner and time.time() - claim.stat().st_mtime > stale:
+                atomic_write(claim, lambda f: f.write(owner.encode()))
+            elif holder != owner:
+                who = (
+                    f"{holder!r}; another master is publishing"
+                    if holder
+                    else (
+                        "nobody yet (an empty claim: one cut short is taken over after "
+                        f"{_CUT_CLAIM_S:g} s)"
+                    )
+                )
+                raise PublishConflict(
+                    f"version {version} in {self.directory.describe()} was claimed by {who}"
+                ) from None
+
+    def sweep(self, version: int) -> None:
+        """Delete claims older than the previous version and temp files a killed writer left an hour
+        ago."""
+        now, root = time.time(), self.directory.root
+        for p in (root / "global").glob(".claim-*"):
+            with contextlib.suppress(ValueError, OSError):
+                if int(p.name.split("-")[1]) < version - 1:
+                    p.unlink()
+        nodes = root / "nodes"
+        folders = (
+            []
+            if nodes.is_symlink()
+            else [d for d in nodes.iterdir() if d.is_dir() and not d.is_symlink()]
+        )
+        for folder in [root / "global", *folders]:
+            for p in folder.iterdir():
+                with contextlib.suppress(OSError):
+                    if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S:
+                        p.unlink()
+
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #6f3f5ae1
+def _classify_os_error(exc: BaseException) -> str | None:
+    "Permissions and a missing file are fatal; other I/O errors (a flaky mount) are transient."
+    if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError)):
+        return FATAL
+    if isinstance(exc, (OSError, ValueError)):
+        return TRANSIENT
+    return None
+
+# %% ../../nbs/diloco/03_distributed_transport.ipynb #affea04e
 class SharedDirectory:
     """The repository as a directory (local disk or a network mount) with atomic renames.
 
@@ -446,203 +644,6 @@ class SharedDirectory:
             f"restore {GLOBAL_MODEL_PATH} in {self.describe()}",
             lambda: _copy(Path(weights), self._folder.target(GLOBAL_MODEL_PATH)),
         )
-
-
-def _classify_os_error(exc: BaseException) -> str | None:
-    "Permissions and a missing file are fatal; other I/O errors (a flaky mount) are transient."
-    if isinstance(exc, (PermissionError, FileNotFoundError, NotADirectoryError)):
-        return FATAL
-    if isinstance(exc, (OSError, ValueError)):
-        return TRANSIENT
-    return None
-
-# %% ../../nbs/diloco/03_distributed_transport.ipynb #1f1317b7
-def _weights_version(path: Path) -> int | None:
-    """The `outer_step` a global weights file carries in its header, None when it has none (a 2.0
-    file)."""
-    value = read_metadata(path).get("outer_step")
-    return None if value is None else int(value)
-
-
-def _copy(src: Path, dest: Path) -> int:
-    """Copy `src` onto `dest` atomically (temp file in `dest`'s folder, then rename), never through
-    a link at `src`; returns the bytes copied.
-
-    The count is taken from the written file before the rename: once `dest` is in place another
-    node (the master folding a delta) may delete it at once, so it is never looked at again."""
-    copied = 0
-
-    def write(out: BinaryIO) -> None:
-        nonlocal copied
-        shutil.copyfileobj(f, out, 1 << 20)
-        copied = out.tell()
-
-    with os.fdopen(os.open(src, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
-        atomic_write(dest, write)
-    return copied
-
-
-def _create_whole(path: Path, text: str) -> None:
-    """Create `path` holding `text`, whole or not at all; `FileExistsError` when it is there.
-
-    The text goes to a temp file that is hard-linked into place, so a writer killed at any moment
-    leaves no empty `path` behind; a folder without hard links (some network and FUSE mounts) gets
-    `O_CREAT | O_EXCL` and a write instead."""
-    temp = _temp_path(path)
-    try:
-        with open(temp, "x") as f:
-            f.write(text)
-        try:
-            os.link(temp, path)
-        except FileExistsError:
-            raise
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(text)
-            except OSError:  # a full disk: no empty claim is left to block the retry
-                path.unlink(missing_ok=True)
-                raise
-    finally:
-        temp.unlink(missing_ok=True)
-
-
-class _Folder:
-    """A `SharedDirectory`'s folder on disk, one try at a time (the directory's `_call` retries):
-    whether it is there, where a repository path lands (never through a link), the entries a
-    listing refuses, the claim on a version and the sweep after a publication."""
-
-    def __init__(self, directory: SharedDirectory):
-        self.directory = directory  # its root, its `used` mark, what it refused and how it warns
-
-    def error_text(self, exc: BaseException) -> str:
-        """An I/O error in words, its file named inside the repository (the label already names the
-        repository)."""
-        name = getattr(exc, "filename", None)
-        if not isinstance(exc, OSError) or name is None:
-            return f"{type(exc).__name__}: {exc}"
-        with contextlib.suppress(ValueError):
-            name = Path(name).relative_to(self.directory.root)
-        return f"{type(exc).__name__}: {exc.strerror or exc}: {name}"
-
-    def present(self, write: bool = False) -> bool:
-        """Whether the repository is there (its `global/` folder); `RepoMissing` for a write before
-        it was made, `HubError` once it disappeared after use."""
-        directory = self.directory
-        if os.path.exists(directory.root) and not os.path.isdir(directory.root):
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(directory.root))
-        if os.path.isdir(directory.root / "global"):
-            directory.used = True
-            return True
-        if directory.used:
-            raise HubError(
-                f"{directory.describe()} has disappeared since this run used it (no global/ "
-                "folder: an unmounted share?); "
-                "it is not created again: mount or restore it, then resume the run"
-            )
-        if write:
-            raise RepoMissing(
-                f"{directory.describe()} does not exist; its master creates it "
-                "(distributed.role: master)"
-            )
-        return False
-
-    def inside(self, path: str) -> Path:
-        "`root/path`, refused (`HubError` naming it) when any part of it is a symbolic link."
-        root = here = self.directory.root
-        for part in Path(path).parts:
-            if part in ("..", "") or os.path.isabs(part):
-                raise HubError(
-                    f"{self.directory.describe()}: refusing {path}: not a path inside the "
-                    "repository"
-                )
-            here = here / part
-            if here.is_symlink():
-                raise HubError(
-                    f"{self.directory.describe()}: refusing {path}: {here.relative_to(root)} is a "
-                    "symbolic link "
-                    "(it may point outside the repository); delete it"
-                )
-        return here
-
-    def target(self, path: str) -> Path:
-        """Where a write of repository `path` goes: inside the directory, which must be there, never
-        through a link."""
-        self.present(write=True)
-        dest = self.inside(path)
-        # the directory itself exists: only folders inside it are made
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        return dest
-
-    def refuse(self, path: str, why: str) -> None:
-        "Say once that entry `path` is left out of every listing."
-        directory = self.directory
-        if path in directory.refused:
-            return
-        directory.refused.add(path)
-        directory.warn(
-            f"{directory.describe()}: refusing {path}: {why} (it may point outside the "
-            "repository); delete it"
-        )
-
-    def version_pair(self) -> tuple[RepoState, int | None]:
-        "`(the version file's state, the version the weights carry)`, read once, without retries."
-        if not self.present():
-            return RepoState("none"), None
-        version, weights = self.inside(GLOBAL_METADATA_PATH), self.inside(GLOBAL_MODEL_PATH)
-        if not version.exists():
-            return RepoState("none"), None
-        meta, extras = parse_step_count(version.read_bytes())
-        carried = _weights_version(weights)
-        return RepoState(f"{meta.outer_step}:{meta.updated_at}", meta, extras), carried
-
-    def claim(self, version: int, owner: str) -> None:
-        """Create `global/.claim-<version>` for `owner`; `PublishConflict` when another owner holds
-        it."""
-        claim = self.directory.root / "global" / f".claim-{version}"
-        try:
-            _create_whole(claim, owner)
-        except FileExistsError:
-            holder = claim.read_text().strip()
-            # its master died mid-publication; an empty claim was cut short as it was made
-            stale = _STALE_CLAIM_S if holder else _CUT_CLAIM_S
-            if holder != owner and time.time() - claim.stat().st_mtime > stale:
-                atomic_write(claim, lambda f: f.write(owner.encode()))
-            elif holder != owner:
-                who = (
-                    f"{holder!r}; another master is publishing"
-                    if holder
-                    else (
-                        "nobody yet (an empty claim: one cut short is taken over after "
-                        f"{_CUT_CLAIM_S:g} s)"
-                    )
-                )
-                raise PublishConflict(
-                    f"version {version} in {self.directory.describe()} was claimed by {who}"
-                ) from None
-
-    def sweep(self, version: int) -> None:
-        """Delete claims older than the previous version and temp files a killed writer left an hour
-        ago."""
-        now, root = time.time(), self.directory.root
-        for p in (root / "global").glob(".claim-*"):
-            with contextlib.suppress(ValueError, OSError):
-                if int(p.name.split("-")[1]) < version - 1:
-                    p.unlink()
-        nodes = root / "nodes"
-        folders = (
-            []
-            if nodes.is_symlink()
-            else [d for d in nodes.iterdir() if d.is_dir() and not d.is_symlink()]
-        )
-        for folder in [root / "global", *folders]:
-            for p in folder.iterdir():
-                with contextlib.suppress(OSError):
-                    if TEMP_NAME.fullmatch(p.name) and now - p.stat().st_mtime > _STALE_TEMP_S:
-                        p.unlink()
 
 # %% ../../nbs/diloco/03_distributed_transport.ipynb #c77062e9
 def __dir__() -> list[str]:
