@@ -207,7 +207,7 @@ def prompt_ids(model: nn.Module, tokenizer: Any, prompt: str) -> list[int]:
         )
     return ids
 
-
+# %% ../nbs/interop/01_generation.ipynb #0a099d59
 def generate_stream(model: nn.Module, tokenizer: Any, prompt: str, **sampling) -> Iterator[str]:
     "Yield the text generated after `prompt`, piece by piece; `sampling` as for `generate_ids`."
     stream = TextStream(tokenizer)

@@ -75,7 +75,7 @@ class Trained:
             self.model, self.tokenizer, prompt, max_new_tokens=max_new_tokens, **sampling
         )
 
-
+# %% ../nbs/interop/02_hf.ipynb #8a4f725e
 def _gathered(path: Path, state: dict) -> dict:
     """`state`, loaded from checkpoint `path`, with a sharded folder's tensors (left for a job to
     fill in) gathered whole."""
@@ -134,7 +134,7 @@ def _weights_misfit(found: dict, expected: dict, model_config: Any) -> str | Non
         )
     return None
 
-
+# %% ../nbs/interop/02_hf.ipynb #c3b4d5f2
 def _fitted_model(tensors: dict, config: SpeedtronicConfig, path: Path) -> nn.Module:
     "The model `config` describes, holding `tensors` (read from `path`), or one clear refusal."
     model = build_model(config.model)
@@ -154,7 +154,7 @@ def _fitted_model(tensors: dict, config: SpeedtronicConfig, path: Path) -> nn.Mo
         ) from None
     return model
 
-
+# %% ../nbs/interop/02_hf.ipynb #ee4472a2
 def _with_tokenizer(
     model: nn.Module, config: SpeedtronicConfig, path: Path, data: Any, step: Any, device: Any
 ) -> Trained:
@@ -168,7 +168,7 @@ def _with_tokenizer(
     step = step if isinstance(step, int) else None
     return Trained(model.to(resolve_device(device)).eval(), tokenizer, config, path, step)
 
-
+# %% ../nbs/interop/02_hf.ipynb #a6c0eaa5
 def load_trained(
     run: str | os.PathLike | None = None,
     checkpoint: str | os.PathLike | None = None,
@@ -294,7 +294,7 @@ def _byte_alphabet() -> list[str]:
     extra = iter(range(256, 512))
     return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
 
-
+# %% ../nbs/interop/02_hf.ipynb #08bb510b
 def byte_tokenizer_json() -> dict[str, Any]:
     "A `tokenizers` tokenizer.json where token id `b` is the byte `b` (the byte tokenizer's ids)."
     level = {
@@ -442,7 +442,7 @@ def _reference(model: nn.Module) -> Any:
         )
     return model
 
-
+# %% ../nbs/interop/02_hf.ipynb #b76b4ee8
 def export_hf(model: nn.Module, folder: str | os.PathLike, *, tokenizer: Any = None) -> Path:
     """Write `model` (and `tokenizer`) to `folder` as a transformers `LlamaForCausalLM` folder;
     returns the folder."""
@@ -508,7 +508,7 @@ def read_llama_config(folder: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"model.init_from: {path} does not hold a JSON object")
     return config
 
-
+# %% ../nbs/interop/02_hf.ipynb #baf9cf05
 def _rope_problem(config: dict[str, Any]) -> str | None:
     "Why the folder's RoPE is not the default one, or `None`."
     for key in ("rope_scaling", "rope_parameters"):
@@ -632,7 +632,7 @@ def _index_shards(index: Path) -> list[Path]:
         files.append(shard)
     return files
 
-
+# %% ../nbs/interop/02_hf.ipynb #98181ba9
 def read_llama_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     "Every tensor of a transformers folder's `model.safetensors` (or the shards its index lists)."
     from safetensors.torch import load_file
@@ -689,7 +689,7 @@ def _settings_mismatch(model: nn.Module, settings: dict[str, Any], folder: Path)
             )
     return out
 
-
+# %% ../nbs/interop/02_hf.ipynb #8eaf82f0
 def _weight_problems(
     tensors: dict[str, torch.Tensor], names: list[tuple[str, str]], model: nn.Module
 ) -> list[str]:
@@ -770,7 +770,7 @@ def _conflict(key: str, mine: Any, theirs: dict, llama: dict, folder: Path) -> s
         f"in {folder / 'config.json'}"
     )
 
-
+# %% ../nbs/interop/02_hf.ipynb #65628520
 def with_init_from_settings(config: SpeedtronicConfig) -> SpeedtronicConfig:
     """`config` with the model settings it leaves unset read from its `model.init_from` folder; a
     set one that differs is refused."""
@@ -984,13 +984,13 @@ def _upload_operations(folder: Path, add: Any) -> list:
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     ]
 
-
+# %% ../nbs/interop/02_hf.ipynb #fe88e2da
 def _first_line(e: BaseException) -> str:
     "The first line of `e`'s message, or its type name when it has none."
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
-
+# %% ../nbs/interop/02_hf.ipynb #86510172
 def _hub_answer(e: Any) -> str:
     "What the Hub answered to the request that failed: status, its message, the method and path."
     response = getattr(e, "response", None)
@@ -1008,7 +1008,7 @@ def _hub_answer(e: Any) -> str:
         where = f" to {getattr(request, 'method', '?')} /{path}"
     return f"the Hub answered HTTP {status} ({said}){where}"
 
-
+# %% ../nbs/interop/02_hf.ipynb #080e70fb
 def _transport_errors() -> tuple[type[BaseException], ...]:
     "What the Hub client raises when a connection fails: `OSError` and its HTTP library's base."
     import importlib
@@ -1024,7 +1024,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
             found.append(base)
     return tuple(found)
 
-
+# %% ../nbs/interop/02_hf.ipynb #8a7c9e8d
 def _drop_created_repo(api: Any, repo_id: str) -> str:
     "Delete the repository `repo_id` this push created when it holds nothing; what became of it."
     try:
@@ -1039,7 +1039,7 @@ def _drop_created_repo(api: Any, repo_id: str) -> str:
         )
     return f"; the empty repository {repo_id} this push created was deleted"
 
-
+# %% ../nbs/interop/02_hf.ipynb #19ee2a82
 def push_to_hub(
     folder: str | os.PathLike,
     repo_id: str,
