@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['EXPECTED_ERRORS', 'COMMAND_ARGUMENTS', 'CHECKED', 'error_lines', 'positive_int', 'output_dir', 'device_name',
-           'build_parser', 'shown_config', 'completed_line', 'final_lines', 'continue_command', 'main', 'Terminated']
+           'build_parser', 'shown_config', 'completed_line', 'final_lines', 'continue_command', 'Terminated', 'main']
 
 # %% ../nbs/app/02_cli.ipynb #02264307
 import argparse
@@ -39,6 +39,19 @@ EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     EOFError,
     zipfile.BadZipFile,
 )
+
+# %% ../nbs/app/02_cli.ipynb #0318969d
+_SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
+
+
+def _mask(text: str, secrets: Sequence[str]) -> str:
+    "Replace every secret value (longer than 3 characters) in `text` by `<redacted>`."
+    for s in secrets:
+        if isinstance(s, str) and len(s) > 3:
+            text = text.replace(s, "<redacted>")
+    return text
+
+# %% ../nbs/app/02_cli.ipynb #6687af53
 _QUIET_TYPES = (
     "ExpectedError",
     "ConfigError",
@@ -51,15 +64,6 @@ _QUIET_TYPES = (
     "LogWriteError",
     "IntegrationError",
 )
-_SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
-
-
-def _mask(text: str, secrets: Sequence[str]) -> str:
-    "Replace every secret value (longer than 3 characters) in `text` by `<redacted>`."
-    for s in secrets:
-        if isinstance(s, str) and len(s) > 3:
-            text = text.replace(s, "<redacted>")
-    return text
 
 
 def error_lines(exc: BaseException, secrets: Sequence[str] = ()) -> list[str]:
@@ -108,7 +112,7 @@ def device_name(text: str) -> str:
         raise argparse.ArgumentTypeError("must not be empty (use auto, cpu, cuda, cuda:N or mps)")
     return text.strip()
 
-
+# %% ../nbs/app/02_cli.ipynb #7bfab330
 def _validate_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--config", required=True, metavar="PATH", help="YAML or JSON configuration file"
@@ -128,7 +132,7 @@ def _validate_arguments(v: argparse.ArgumentParser) -> None:
         help="device for --deep checks (default: run.device)",
     )
 
-
+# %% ../nbs/app/02_cli.ipynb #5a44c916
 def _train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--config", required=True, metavar="PATH", help="YAML or JSON configuration file"
@@ -177,7 +181,7 @@ def _train_arguments(t: argparse.ArgumentParser) -> None:
         "metrics file records them",
     )
 
-
+# %% ../nbs/app/02_cli.ipynb #151736c6
 def _prepare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="a UTF-8 text file or a directory of them")
     p.add_argument(
@@ -211,7 +215,7 @@ def _prepare_arguments(p: argparse.ArgumentParser) -> None:
         "split, text column)",
     )
 
-
+# %% ../nbs/app/02_cli.ipynb #03d6f85d
 # name -> (help, description, the function that adds its arguments); `build_parser` adds them in
 # this order
 COMMAND_ARGUMENTS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
@@ -262,7 +266,7 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         "folder beside its repository",
     )
 
-
+# %% ../nbs/app/02_cli.ipynb #a36525ea
 def _generate_arguments(g: argparse.ArgumentParser) -> None:
     _model_arguments(g)
     g.add_argument("--prompt", required=True, help="the text to continue (printed first)")
@@ -292,7 +296,7 @@ def _generate_arguments(g: argparse.ArgumentParser) -> None:
         help="auto, cpu, cuda, cuda:N or mps (default: auto)",
     )
 
-
+# %% ../nbs/app/02_cli.ipynb #9eba276d
 def _export_arguments(e: argparse.ArgumentParser) -> None:
     _model_arguments(e)
     e.add_argument(
@@ -304,7 +308,7 @@ def _export_arguments(e: argparse.ArgumentParser) -> None:
         help="then upload the folder to this Hub model repository (one commit)",
     )
 
-
+# %% ../nbs/app/02_cli.ipynb #5d024c4f
 # the work is in `speedtronic.generation` and `speedtronic.hf`
 COMMAND_ARGUMENTS.update(
     generate=(
@@ -337,7 +341,7 @@ def _output_dir_problems(config: SpeedtronicConfig, key: str = "run.output_dir")
             ]
     return []
 
-
+# %% ../nbs/app/02_cli.ipynb #54d50bf3
 def _prepare_problems(source: str, output: str) -> list[str]:
     """Why writing token file `output` from `source` would fail or overwrite the text (empty when
     fine)."""
@@ -378,7 +382,7 @@ def _prints() -> bool:
     print errors only)."""
     return _job_rank() is None or os.environ.get("RANK", "0").strip() in ("", "0")
 
-
+# %% ../nbs/app/02_cli.ipynb #78ecf9d9
 def _record_for_torchrun(exc: BaseException, said: str | None = None) -> None:
     """Write how this rank ended to torchrun's error file (`$TORCHELASTIC_ERROR_FILE`) for its
     failure summary: `said` for a handled error, else `exc` with its traceback."""
@@ -399,7 +403,7 @@ def _record_for_torchrun(exc: BaseException, said: str | None = None) -> None:
     except Exception:
         pass  # the summary is a courtesy; the error line is already printed
 
-
+# %% ../nbs/app/02_cli.ipynb #37f4fe0c
 def _reported_elsewhere(exc: BaseException) -> bool:
     "In a torchrun job: is `exc` an error all ranks raised together that another rank reports?"
     rank = getattr(exc, "reporting_rank", None)
@@ -409,7 +413,7 @@ def _reported_elsewhere(exc: BaseException) -> bool:
         and str(rank) != os.environ.get("RANK", "0").strip()
     )
 
-
+# %% ../nbs/app/02_cli.ipynb #d7b49c10
 def _hold_sigterm() -> None:
     """In a torchrun worker, ignore SIGTERM until the process exits: it is reporting how it ended
     while torchrun ends the job."""
@@ -440,7 +444,7 @@ def shown_config(config: SpeedtronicConfig) -> dict:
     shown["scheduler"].update(max_steps=schedule.max_steps, warmup_steps=schedule.warmup_steps)
     return shown
 
-
+# %% ../nbs/app/02_cli.ipynb #6b11108d
 def _fitted(line: str, stream: object) -> str:
     """`line` wrapped to the terminal's width when `stream` is a terminal (continuation lines
     indented); a pipe keeps one line."""
@@ -448,7 +452,7 @@ def _fitted(line: str, stream: object) -> str:
 
     return textwrap.fill(line, TERMINAL_WIDTH, subsequent_indent="  ") if is_tty(stream) else line
 
-
+# %% ../nbs/app/02_cli.ipynb #405f75c9
 def _validate(args: argparse.Namespace) -> int:
     """`speedtronic validate`: print the normalised, redacted configuration; `--deep` checks it can
     run."""
@@ -500,7 +504,40 @@ def completed_line(result) -> str:
         f"tokens={int(result.tokens)} loss={loss!r}"
     )
 
+# %% ../nbs/app/02_cli.ipynb #8af3d01b
+def final_lines(result, config: SpeedtronicConfig, terminal: bool) -> list[str]:
+    "What `train` prints last: the closing lines and, on a pipe, the completed line; or a node's."
+    completed = [] if terminal or result.final_loss is None else [completed_line(result)]
+    if not config.distributed.enabled:
+        if terminal and result.final_loss is None:  # no loss, no held-out loss of earlier steps
+            return [f"nothing trained: the run is at step {result.steps}, its target"]
+        return [*result.closing(run_paths(config)).splitlines(), *completed]
+    from speedtronic.distributed.diloco import node_summary
+    from speedtronic.paths import node_id
 
+    return [f"[{node_id(config.distributed)}] {line}" for line in completed] + [
+        node_summary(config, result)
+    ]
+
+# %% ../nbs/app/02_cli.ipynb #fc948922
+def continue_command(args: argparse.Namespace) -> str:
+    """The command that continues an interrupted `train` as it was run: its config, output folder,
+    device and target, with `--resume`."""
+    import shlex
+
+    words = ["speedtronic", "train", "--config", str(args.config)]
+    for flag, value in (
+        ("--output-dir", args.output_dir),
+        ("--device", args.device),
+        ("--max-steps", args.max_steps),
+    ):
+        words += [] if value is None else [flag, str(value)]
+    command = shlex.join([*words, "--resume"])
+    if _job_rank() is not None:  # torchrun starts the ranks: its own options are not ours to know
+        return f"the same torchrun command, ending: -m {command}"
+    return command
+
+# %% ../nbs/app/02_cli.ipynb #2636dfdf
 def _train(args: argparse.Namespace) -> int:
     "`speedtronic train`: load, apply `--output-dir`/`--max-steps`, train, print the final lines."
     config = SpeedtronicConfig.load(args.config)
@@ -534,39 +571,6 @@ def _train(args: argparse.Namespace) -> int:
     if _prints():
         print("\n".join(final_lines(result, config, is_tty(sys.stdout))))
     return 0
-
-
-def final_lines(result, config: SpeedtronicConfig, terminal: bool) -> list[str]:
-    "What `train` prints last: the closing lines and, on a pipe, the completed line; or a node's."
-    completed = [] if terminal or result.final_loss is None else [completed_line(result)]
-    if not config.distributed.enabled:
-        if terminal and result.final_loss is None:  # no loss, no held-out loss of earlier steps
-            return [f"nothing trained: the run is at step {result.steps}, its target"]
-        return [*result.closing(run_paths(config)).splitlines(), *completed]
-    from speedtronic.distributed.diloco import node_summary
-    from speedtronic.paths import node_id
-
-    return [f"[{node_id(config.distributed)}] {line}" for line in completed] + [
-        node_summary(config, result)
-    ]
-
-
-def continue_command(args: argparse.Namespace) -> str:
-    """The command that continues an interrupted `train` as it was run: its config, output folder,
-    device and target, with `--resume`."""
-    import shlex
-
-    words = ["speedtronic", "train", "--config", str(args.config)]
-    for flag, value in (
-        ("--output-dir", args.output_dir),
-        ("--device", args.device),
-        ("--max-steps", args.max_steps),
-    ):
-        words += [] if value is None else [flag, str(value)]
-    command = shlex.join([*words, "--resume"])
-    if _job_rank() is not None:  # torchrun starts the ranks: its own options are not ours to know
-        return f"the same torchrun command, ending: -m {command}"
-    return command
 
 # %% ../nbs/app/02_cli.ipynb #2f92463f
 def _prepare(args: argparse.Namespace) -> int:
@@ -629,7 +633,7 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     return 0
 
-
+# %% ../nbs/app/02_cli.ipynb #86639a5e
 def _export(args: argparse.Namespace) -> int:
     "`speedtronic export`: write the transformers folder (and push it to the Hub) and say where."
     from importlib.util import find_spec
@@ -710,7 +714,7 @@ def _config_secrets(argv: Sequence[str] | None) -> list[str]:
     walk(plain, masked)
     return found
 
-
+# %% ../nbs/app/02_cli.ipynb #6f18440b
 def _warning_printer(fallback: Callable) -> Callable:
     """A `warnings.showwarning` that prints Speedtronic's own warnings as one `speedtronic: warning:
     …` line."""
@@ -727,43 +731,7 @@ def _warning_printer(fallback: Callable) -> Callable:
 
     return show
 
-# %% ../nbs/app/02_cli.ipynb #35d01b9e
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `speedtronic` command line with `argv` (default `sys.argv[1:]`); returns the exit
-    code."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
-    with warnings.catch_warnings(), _sigterm_interrupts():
-        warnings.showwarning = _warning_printer(warnings.showwarning)
-        code = _run_command(args, argv)
-    code = _end_process(code)
-    if argv is None:  # the process's own command line: it ends as soon as this returns
-        _calm_interrupts_at_exit()
-    return code
-
-
-def _calm_interrupts_at_exit() -> None:
-    """From here the exit status is decided: a Ctrl-C while Python shuts down is let go without a
-    traceback, and a second one ends the process at once (the default action)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def let_go(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-    signal.signal(signal.SIGINT, let_go)
-
-
-def _end_process(code: int) -> int:
-    """`code`; a torchrun worker that joined the job's process group exits here instead
-    (`parallel.end_process`)."""
-    parallel = sys.modules.get("speedtronic.parallel")  # not imported: no process group was started
-    return code if parallel is None else parallel.end_process(code)
-
-
+# %% ../nbs/app/02_cli.ipynb #2044ed33
 class Terminated(KeyboardInterrupt):
     "SIGTERM arrived: unwinds like Ctrl-C, so every writer removes its temp files."
 
@@ -792,7 +760,7 @@ def _by_sigterm(stop: KeyboardInterrupt) -> bool:
     (`TrainingInterrupted`'s reason)."""
     return isinstance(stop, Terminated) or str(getattr(stop, "reason", "")).startswith("SIGTERM")
 
-
+# %% ../nbs/app/02_cli.ipynb #f61de03c
 def _for_job(line: str) -> str:
     "An error line as this process says it: under torchrun with its rank after `error: `."
     where = _job_rank()
@@ -805,7 +773,7 @@ def _say_stopped(how: str) -> None:
     if _prints():
         print(_for_job(f"speedtronic: error: {how}"), file=sys.stderr)
 
-
+# %% ../nbs/app/02_cli.ipynb #39250e1b
 def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     "Run the parsed sub-command; expected errors become `speedtronic: error:` lines and exit 2."
     try:
@@ -838,6 +806,42 @@ def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     except Exception as exc:
         _record_for_torchrun(exc)
         raise
+
+# %% ../nbs/app/02_cli.ipynb #6052ee2a
+def _end_process(code: int) -> int:
+    """`code`; a torchrun worker that joined the job's process group exits here instead
+    (`parallel.end_process`)."""
+    parallel = sys.modules.get("speedtronic.parallel")  # not imported: no process group was started
+    return code if parallel is None else parallel.end_process(code)
+
+
+def _calm_interrupts_at_exit() -> None:
+    """From here the exit status is decided: a Ctrl-C while Python shuts down is let go without a
+    traceback, and a second one ends the process at once (the default action)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def let_go(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    signal.signal(signal.SIGINT, let_go)
+
+# %% ../nbs/app/02_cli.ipynb #35d01b9e
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `speedtronic` command line with `argv` (default `sys.argv[1:]`); returns the exit
+    code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+    with warnings.catch_warnings(), _sigterm_interrupts():
+        warnings.showwarning = _warning_printer(warnings.showwarning)
+        code = _run_command(args, argv)
+    code = _end_process(code)
+    if argv is None:  # the process's own command line: it ends as soon as this returns
+        _calm_interrupts_at_exit()
+    return code
 
 # %% ../nbs/app/02_cli.ipynb #ff0132e3
 def __dir__() -> list[str]:

@@ -91,9 +91,9 @@ from .widgets import TrainingView
 __all__ = ['DEMO_CORPUS_NAME', 'DEMO_MODULES', 'RESUME_HINT', 'run', 'train', 'TIMING_BOUNDS', 'TIMING_MAX_PARAMETERS',
            'seed_everything', 'build_logger', 'close_logger', 'demo_corpus_text', 'ensure_demo_corpus',
            'demo_corpus_pending', 'load_runtime_config', 'model_vocab_size', 'distributed_problem', 'RunClaim',
-           'claim_run', 'claim_job', 'resumed_target', 'schedule_note', 'job_problems', 'build_runtime',
-           'sigterm_stops', 'earlier_records', 'train_from_config', 'LossPlotWarning', 'write_loss_plot',
-           'training_memory', 'available_memory', 'startup_problems', 'Runnable', 'runnable_report', 'check_runnable']
+           'claim_run', 'claim_job', 'resumed_target', 'schedule_note', 'training_memory', 'available_memory',
+           'startup_problems', 'job_problems', 'build_runtime', 'sigterm_stops', 'earlier_records', 'LossPlotWarning',
+           'write_loss_plot', 'train_from_config', 'Runnable', 'runnable_report', 'check_runnable']
 
 # %% ../nbs/app/01_runtime.ipynb #a2c19a87
 def seed_everything(seed: int) -> None:
@@ -200,7 +200,7 @@ DEMO_MODULES = (
     "os",
 )
 
-
+# %% ../nbs/app/01_runtime.ipynb #540ec046
 def demo_corpus_text(modules: Sequence[str] = DEMO_MODULES) -> str:
     "English text from the docstrings of standard-library `modules` and their public members."
     import importlib, inspect as insp
@@ -222,7 +222,7 @@ def demo_corpus_text(modules: Sequence[str] = DEMO_MODULES) -> str:
         parts.extend(d.strip() for d in docs if d and len(d.strip()) > 40)
     return "\n\n".join(dict.fromkeys(parts)) + "\n"
 
-
+# %% ../nbs/app/01_runtime.ipynb #6bdda7d9
 def ensure_demo_corpus(path: str | os.PathLike) -> Path:
     "Write the standard-library docstring corpus to `path` unless the file already exists."
     path = Path(path)
@@ -230,7 +230,7 @@ def ensure_demo_corpus(path: str | os.PathLike) -> Path:
         atomic_write_text(demo_corpus_text(), path)
     return path
 
-
+# %% ../nbs/app/01_runtime.ipynb #da3685be
 def _is_demo_corpus(path: str | None) -> bool:
     "Is `path` a demo corpus, written on first use?"
     return bool(path) and Path(path).name == DEMO_CORPUS_NAME
@@ -259,7 +259,7 @@ def load_runtime_config(config: SpeedtronicConfig | Mapping[str, Any]) -> Speedt
 
     return with_init_from_settings(config)
 
-
+# %% ../nbs/app/01_runtime.ipynb #3221ed01
 def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
     "The model's vocabulary (its `vocab_size` attribute or config), passed to the loader."
     for holder in (model, getattr(model, "config", None)):
@@ -268,7 +268,7 @@ def model_vocab_size(model: torch.nn.Module, config: SpeedtronicConfig) -> int:
             return v
     return int(config.model.vocab_size)
 
-
+# %% ../nbs/app/01_runtime.ipynb #adfaaf6e
 def distributed_problem(config: SpeedtronicConfig) -> str | None:
     "Why `distributed.enabled` cannot run with this installation, or None."
     if (
@@ -281,7 +281,7 @@ def distributed_problem(config: SpeedtronicConfig) -> str | None:
         "installation; reinstall speedtronic"
     )
 
-
+# %% ../nbs/app/01_runtime.ipynb #858729e9
 def _coordinator(
     config: SpeedtronicConfig,
     model: torch.nn.Module,
@@ -338,7 +338,7 @@ class RunClaim:
             except OSError:
                 pass  # something was written there (or it is gone): kept
 
-
+# %% ../nbs/app/01_runtime.ipynb #9dcb07da
 def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
     """Refuse (or, with `overwrite`, delete) the checkpoints a fresh run finds in its checkpoint
     directory."""
@@ -361,7 +361,7 @@ def _others_checkpoints(checkpoints: Path, overwrite: bool) -> None:
         "train into another --output-dir (run.output_dir)"
     )
 
-
+# %% ../nbs/app/01_runtime.ipynb #43d38358
 def _missing_folders(folders: Sequence[Path]) -> list[Path]:
     "Those of `folders` (and their parents) that do not exist yet, deepest first."
     missing = set()
@@ -371,7 +371,7 @@ def _missing_folders(folders: Sequence[Path]) -> list[Path]:
             folder = folder.parent
     return sorted(missing, key=lambda f: len(f.absolute().parts), reverse=True)
 
-
+# %% ../nbs/app/01_runtime.ipynb #e7d5c809
 def claim_run(
     config: SpeedtronicConfig, *, resume: bool = False, overwrite: bool = False
 ) -> RunClaim:
@@ -413,7 +413,7 @@ def claim_run(
         raise
     return claim
 
-
+# %% ../nbs/app/01_runtime.ipynb #049ad2d2
 def claim_job(
     config: SpeedtronicConfig, world: World, *, resume: bool = False, overwrite: bool = False
 ) -> RunClaim:
@@ -436,7 +436,7 @@ def resumed_target(
         return configured
     return max(configured, saved)
 
-
+# %% ../nbs/app/01_runtime.ipynb #2e93f4b1
 def _keep_target(trainer: Trainer, state: Mapping[str, Any], max_steps: int | None) -> bool:
     """Before `trainer.resume(state)`: give the trainer (and its schedule) the target
     `resumed_target` finds; whether it changed."""
@@ -453,7 +453,7 @@ def _keep_target(trainer: Trainer, state: Mapping[str, Any], max_steps: int | No
         trainer.scheduler = build_scheduler(trainer.optimizer, config, max_steps=target)
     return True
 
-
+# %% ../nbs/app/01_runtime.ipynb #01b4e02a
 def schedule_note(trainer: Trainer, state: Mapping[str, Any]) -> str | None:
     """After `trainer.resume(state)`: one line when a new target moved the schedule, and so the
     learning rate at the resumed step, else `None`."""
@@ -493,6 +493,179 @@ def schedule_note(trainer: Trainer, state: Mapping[str, Any]) -> str | None:
         f"rate then stays at its floor, {floor:.2e}, after step {before.max_steps})"
     )
 
+# %% ../nbs/app/01_runtime.ipynb #9239109e
+def training_memory(model: torch.nn.Module, optimizer: str = "adamw") -> tuple[int, int]:
+    """(parameters, bytes) to train `model`: float32 weights, gradients and optimizer state
+    (activations not counted)."""
+    params = list(model.parameters())  # a tied weight is one parameter
+    total = sum(p.numel() for p in params)
+    trained = [p for p in params if p.requires_grad]
+    states = sum(p.numel() * (1 if optimizer == "muon" and p.ndim == 2 else 2) for p in trained)
+    return total, 4 * (total + sum(p.numel() for p in trained) + states)
+
+# %% ../nbs/app/01_runtime.ipynb #eaa3b41d
+def available_memory(device: torch.device | str) -> int | None:
+    """Bytes free for a run on `device`: a CUDA device's free memory, else the machine's available
+    memory (None if unknown)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+# %% ../nbs/app/01_runtime.ipynb #eb91b99c
+def _memory_problems(model: torch.nn.Module, config: SpeedtronicConfig, device: Any) -> list[str]:
+    "A refusal when training `model` cannot fit in `device`'s memory (a warning above half of it)."
+    params, need = training_memory(model, config.optimizer.name)
+    free = None if device is None else available_memory(device)
+    if not free:
+        return []
+    m = config.model
+    what = (
+        f"the model has {params:,} parameters (model.vocab_size {m.vocab_size}, d_model "
+        f"{m.d_model}, n_layer {m.n_layer}): "
+        f"training needs about {need / 2**30:,.1f} GiB for weights, gradients and "
+        f"{config.optimizer.name} state"
+    )
+    where = f"{torch.device(device).type} has {free / 2**30:,.1f} GiB available"
+    if need > free:
+        return [
+            f"{what}, but {where}; make the model smaller or train on a device with more memory"
+        ]
+    if need > free / 2:
+        warnings.warn(
+            f"{what}, more than half of what {where} (activations come on top)",
+            ConfigWarning,
+            stacklevel=3,
+        )
+    return []
+
+# %% ../nbs/app/01_runtime.ipynb #5222c12b
+def _missing_file(key: str, value: Any, what: str = "file") -> str | None:
+    "The problem of a setting `key` naming a file (or folder) that does not exist, or `None`."
+    if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
+        return (
+            f"{key}: {what} not found: {value} (create it, or fix the path relative to "
+            f"{os.getcwd()})"
+        )
+    return None
+
+# %% ../nbs/app/01_runtime.ipynb #cd47f806
+def _tokenizer_file(spec: Any) -> str | None:
+    """The file a `data.tokenizer` value names, or `None` for the byte tokenizer (`null`, `byte`,
+    `bytes`, `char`)."""
+    return (
+        None
+        if not isinstance(spec, str) or spec.strip().lower() in ("", "byte", "bytes", "char")
+        else spec
+    )
+
+# %% ../nbs/app/01_runtime.ipynb #3a51ef33
+def _logging_problems(config: SpeedtronicConfig) -> list[str]:
+    "Log, JSONL and TensorBoard paths (where `run_paths` puts them) that cannot be created."
+    paths, problems = run_paths(config), []
+    for key, value in (("logging.file", paths.log_file), ("logging.json_file", paths.metrics)):
+        if not value:
+            continue
+        blocker = file_in_the_way(value.parent)
+        if value.is_dir():
+            problems.append(f"{key}: {value} is a directory; give the path of a file")
+        elif blocker:
+            problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
+    if paths.tensorboard and (blocker := file_in_the_way(paths.tensorboard)):
+        problems.append(
+            f"logging.tensorboard_dir: {paths.tensorboard} cannot be a directory because "
+            f"{blocker} is a file"
+        )
+    return problems
+
+# %% ../nbs/app/01_runtime.ipynb #fa834a5b
+def _startup(
+    config: SpeedtronicConfig,
+    *,
+    max_steps: int | None = None,
+    device: Any = None,
+    # build errors reported (others: the real build tells)
+    meta_failures: tuple[type[BaseException], ...] = (Exception,),
+) -> tuple[list[str], Any]:
+    "(problems, the model on the meta device or None): the checks `startup_problems` makes."
+    m, d = config.model, config.data
+    text = None if _is_demo_corpus(d.text_path) else d.text_path  # written on first use
+    problems = [
+        p
+        for p in (
+            _missing_file("data.text_path", text),
+            _missing_file("data.token_file", d.token_file),
+            _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None),
+            _missing_file("eval.text_path", config.eval.text_path),
+            _missing_file("eval.token_file", config.eval.token_file),
+            _missing_file("data.tokenizer", _tokenizer_file(d.tokenizer)),
+            _missing_file(
+                "model.init_from",
+                m.init_from if not checkpoint_files(run_paths(config).checkpoints) else None,
+                "folder",
+            ),
+        )
+        if p
+    ]
+    try:
+        check_optimizer_available(config.optimizer)
+    except ConfigError as e:
+        problems.append(str(e))
+    try:
+        resolve_schedule(config, max_steps=run_target(config, max_steps))
+    except ConfigError as e:
+        problems += e.problems
+    if problem := distributed_problem(config):
+        problems.append(problem)
+    if d.block_size and d.block_size > m.max_seq_len:
+        problems.append(
+            f"data.block_size ({d.block_size}) is larger than model.max_seq_len ({m.max_seq_len}): "
+            "lower data.block_size or raise model.max_seq_len"
+        )
+    problems += _logging_problems(config)
+    try:
+        with torch.device("meta"):
+            model = build_model(config.model)
+    except Exception as e:
+        return problems + (
+            [f"model {m.name!r} cannot be built: {e}"] if isinstance(e, meta_failures) else []
+        ), None
+    vocab = model_vocab_size(model, config)
+    if d.vocab_size and d.vocab_size > vocab:
+        problems.append(
+            f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
+            "token ids would be out of range; make them equal"
+        )
+    return problems + _memory_problems(model, config, device), model
+
+# %% ../nbs/app/01_runtime.ipynb #b979d862
+def startup_problems(
+    config: SpeedtronicConfig | Mapping[str, Any],
+    *,
+    max_steps: int | None = None,  # the run's target, as `build_runtime` gets it
+    device: str | torch.device | None = None,  # the device whose memory the model must fit
+) -> list[str]:
+    """What would stop `config` from training that can be seen before any directory is created or
+    data is read."""
+    # an unknown model or a failed model.imports is final; a model the meta device cannot build is
+    # left to the real build
+    return _startup(
+        load_runtime_config(config),
+        max_steps=max_steps,
+        device=device,
+        meta_failures=(ConfigError, ImportError),
+    )[0]
+
 # %% ../nbs/app/01_runtime.ipynb #721fb952
 def job_problems(config: SpeedtronicConfig, world: World) -> list[str]:
     """Why `config` cannot run as this torchrun job (the global batch, and what `parallel.strategy:
@@ -500,7 +673,7 @@ def job_problems(config: SpeedtronicConfig, world: World) -> list[str]:
     world.parallel = config.parallel
     return world_problems(config, world) + (fsdp_problems(config) if world.size > 1 else [])
 
-
+# %% ../nbs/app/01_runtime.ipynb #3a06876d
 def build_runtime(
     config: SpeedtronicConfig | Mapping[str, Any],
     *,
@@ -554,7 +727,7 @@ def build_runtime(
     weakref.finalize(trainer, claim.release)
     return trainer, manager
 
-
+# %% ../nbs/app/01_runtime.ipynb #d7cd4887
 # the training side of an `eval.holdout_fraction` split
 def _loader(
     config: SpeedtronicConfig,
@@ -582,7 +755,7 @@ def _loader(
     )
     return shard_loader(loader, config.distributed) if distributed else loader
 
-
+# %% ../nbs/app/01_runtime.ipynb #40fb8bce
 def _warn_random_tokens(config: SpeedtronicConfig) -> None:
     """One `DataWarning` when the run reads random tokens that `data.synthetic: true` did not ask
     for."""
@@ -598,7 +771,40 @@ def _warn_random_tokens(config: SpeedtronicConfig) -> None:
             stacklevel=3,
         )
 
+# %% ../nbs/app/01_runtime.ipynb #c6821550
+def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
+    """The training source split by `eval.holdout_fraction`, or `None` when the run holds nothing
+    out."""
+    if not config.eval.holdout_fraction:
+        return None
+    return holdout_split(
+        select_dataset(config.data, vocab_size=vocab),
+        config.eval.holdout_fraction,
+        shuffle=config.data.shuffle,
+        seed=config.data.seed or 0,
+    )
 
+# %% ../nbs/app/01_runtime.ipynb #6b46ea79
+def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = None) -> None:
+    """On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU)
+    for every global it publishes."""
+    # a torchrun node: rank 0's coordinator
+    node = getattr(trainer.coordinator, "inner", trainer.coordinator)
+    if trainer.evaluator is None or getattr(node, "role", None) != "master":
+        return
+    # its own: a loader keeps its start on the dataset, and this one reads on another thread
+    evaluator = build_evaluator(
+        config,
+        device="cpu",
+        vocab_size=model_vocab_size(trainer.model, config),
+        held_out=copy.copy(held_out),
+    )
+    # the second instance's initial weights are not drawn from training's generator
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(config.model)
+    node.global_watcher = GlobalEvaluator(model, evaluator, logger=trainer.logger)
+
+# %% ../nbs/app/01_runtime.ipynb #9d9b2779
 def _build_components(
     config: SpeedtronicConfig,
     claim: RunClaim,
@@ -728,39 +934,6 @@ def _build_components(
         raise
     return trainer, manager
 
-# %% ../nbs/app/01_runtime.ipynb #c6821550
-def _holdout(config: SpeedtronicConfig, vocab: int) -> Holdout | None:
-    """The training source split by `eval.holdout_fraction`, or `None` when the run holds nothing
-    out."""
-    if not config.eval.holdout_fraction:
-        return None
-    return holdout_split(
-        select_dataset(config.data, vocab_size=vocab),
-        config.eval.holdout_fraction,
-        shuffle=config.data.shuffle,
-        seed=config.data.seed or 0,
-    )
-
-# %% ../nbs/app/01_runtime.ipynb #6b46ea79
-def _watch_globals(trainer: Trainer, config: SpeedtronicConfig, held_out: Any = None) -> None:
-    """On a DiLoCo master with an `eval` source: a `GlobalEvaluator` (a second model, on the CPU)
-    for every global it publishes."""
-    # a torchrun node: rank 0's coordinator
-    node = getattr(trainer.coordinator, "inner", trainer.coordinator)
-    if trainer.evaluator is None or getattr(node, "role", None) != "master":
-        return
-    # its own: a loader keeps its start on the dataset, and this one reads on another thread
-    evaluator = build_evaluator(
-        config,
-        device="cpu",
-        vocab_size=model_vocab_size(trainer.model, config),
-        held_out=copy.copy(held_out),
-    )
-    # the second instance's initial weights are not drawn from training's generator
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(config.model)
-    node.global_watcher = GlobalEvaluator(model, evaluator, logger=trainer.logger)
-
 # %% ../nbs/app/01_runtime.ipynb #3c9024b4
 @contextlib.contextmanager
 def sigterm_stops(trainer: Trainer) -> Iterator[None]:
@@ -794,7 +967,7 @@ def _step_record(line: str) -> tuple[str, dict] | None:
         return None
     return record["event"], record
 
-
+# %% ../nbs/app/01_runtime.ipynb #8449dd7c
 def earlier_records(
     path: str | os.PathLike | None,  # the run's metrics file (`logging.json_file`)
     up_to: int,  # the step the run resumed from
@@ -829,10 +1002,41 @@ def earlier_records(
                 )
     return list(records)
 
+# %% ../nbs/app/01_runtime.ipynb #1a61bb11
+class LossPlotWarning(RuntimeWarning):
+    "`loss_curve.png` could not be written; the run it draws is not affected."
+
+
+# `eval` records: the held-out loss as dots
+def write_loss_plot(
+    metrics: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike,
+    *,
+    logger: Any = None,
+    evals: Sequence[Mapping[str, Any]] = (),
+) -> Path | None:
+    "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
+    try:
+        fig = loss_figure(loss_points(metrics), [(r["step"], r["val_loss"]) for r in evals])
+    except MissingExtra as e:
+        if logger is not None:
+            logger.info(f"skipped {Path(path).name}: {e}")
+        return None
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    except OSError as e:
+        warnings.warn(
+            f"{path}: the loss curve was not written ({e.strerror or e}); the run itself is "
+            "complete and its checkpoints and metrics are intact",
+            LossPlotWarning,
+            stacklevel=2,
+        )
+        return None
+
 # %% ../nbs/app/01_runtime.ipynb #5bf102eb
 RESUME_HINT = "train_from_config(config, resume=True)  (command line: speedtronic train --resume)"
 
-
+# %% ../nbs/app/01_runtime.ipynb #98c2f8a0
 # the resumed run's earlier `eval` records
 def _whole_run(
     result: TrainResult,
@@ -850,7 +1054,7 @@ def _whole_run(
             result.val_loss = result.evals[-1]["val_loss"]
     return result
 
-
+# %% ../nbs/app/01_runtime.ipynb #f4830564
 def _final_round_left(trainer: Trainer) -> None:
     """A DiLoCo master resumed at its target: start and stop its coordinator, whose master runs the
     final round a killed run left unfinished (nothing when it finished)."""
@@ -863,7 +1067,7 @@ def _final_round_left(trainer: Trainer) -> None:
         outer.final_round_timeout = float(trainer.config.distributed.final_round_timeout)
     trainer._stop_coordinator(None)  # the master's `stop()` runs a final round that is due
 
-
+# %% ../nbs/app/01_runtime.ipynb #8359d58b
 def train_from_config(
     config: SpeedtronicConfig | Mapping[str, Any],
     *,
@@ -932,215 +1136,20 @@ def train_from_config(
 run = train_from_config
 train = train_from_config
 
-# %% ../nbs/app/01_runtime.ipynb #1a61bb11
-class LossPlotWarning(RuntimeWarning):
-    "`loss_curve.png` could not be written; the run it draws is not affected."
-
-
-# `eval` records: the held-out loss as dots
-def write_loss_plot(
-    metrics: Sequence[Mapping[str, Any]],
-    path: str | os.PathLike,
-    *,
-    logger: Any = None,
-    evals: Sequence[Mapping[str, Any]] = (),
-) -> Path | None:
-    "Write a loss-vs-step PNG of `train_step` records to `path`; `None` when matplotlib is missing."
-    try:
-        fig = loss_figure(loss_points(metrics), [(r["step"], r["val_loss"]) for r in evals])
-    except MissingExtra as e:
-        if logger is not None:
-            logger.info(f"skipped {Path(path).name}: {e}")
-        return None
-    try:
-        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
-    except OSError as e:
-        warnings.warn(
-            f"{path}: the loss curve was not written ({e.strerror or e}); the run itself is "
-            "complete and its checkpoints and metrics are intact",
-            LossPlotWarning,
-            stacklevel=2,
-        )
-        return None
-
-# %% ../nbs/app/01_runtime.ipynb #9239109e
-def training_memory(model: torch.nn.Module, optimizer: str = "adamw") -> tuple[int, int]:
-    """(parameters, bytes) to train `model`: float32 weights, gradients and optimizer state
-    (activations not counted)."""
-    params = list(model.parameters())  # a tied weight is one parameter
-    total = sum(p.numel() for p in params)
-    trained = [p for p in params if p.requires_grad]
-    states = sum(p.numel() * (1 if optimizer == "muon" and p.ndim == 2 else 2) for p in trained)
-    return total, 4 * (total + sum(p.numel() for p in trained) + states)
-
-
-def available_memory(device: torch.device | str) -> int | None:
-    """Bytes free for a run on `device`: a CUDA device's free memory, else the machine's available
-    memory (None if unknown)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _memory_problems(model: torch.nn.Module, config: SpeedtronicConfig, device: Any) -> list[str]:
-    "A refusal when training `model` cannot fit in `device`'s memory (a warning above half of it)."
-    params, need = training_memory(model, config.optimizer.name)
-    free = None if device is None else available_memory(device)
-    if not free:
-        return []
-    m = config.model
-    what = (
-        f"the model has {params:,} parameters (model.vocab_size {m.vocab_size}, d_model "
-        f"{m.d_model}, n_layer {m.n_layer}): "
-        f"training needs about {need / 2**30:,.1f} GiB for weights, gradients and "
-        f"{config.optimizer.name} state"
-    )
-    where = f"{torch.device(device).type} has {free / 2**30:,.1f} GiB available"
-    if need > free:
-        return [
-            f"{what}, but {where}; make the model smaller or train on a device with more memory"
-        ]
-    if need > free / 2:
-        warnings.warn(
-            f"{what}, more than half of what {where} (activations come on top)",
-            ConfigWarning,
-            stacklevel=3,
-        )
-    return []
-
-# %% ../nbs/app/01_runtime.ipynb #5222c12b
-def _missing_file(key: str, value: Any, what: str = "file") -> str | None:
-    "The problem of a setting `key` naming a file (or folder) that does not exist, or `None`."
-    if value and isinstance(value, (str, os.PathLike)) and not Path(value).exists():
-        return (
-            f"{key}: {what} not found: {value} (create it, or fix the path relative to "
-            f"{os.getcwd()})"
-        )
-    return None
-
-
-def _tokenizer_file(spec: Any) -> str | None:
-    """The file a `data.tokenizer` value names, or `None` for the byte tokenizer (`null`, `byte`,
-    `bytes`, `char`)."""
-    return (
-        None
-        if not isinstance(spec, str) or spec.strip().lower() in ("", "byte", "bytes", "char")
-        else spec
-    )
-
-
-def _logging_problems(config: SpeedtronicConfig) -> list[str]:
-    "Log, JSONL and TensorBoard paths (where `run_paths` puts them) that cannot be created."
-    paths, problems = run_paths(config), []
-    for key, value in (("logging.file", paths.log_file), ("logging.json_file", paths.metrics)):
-        if not value:
-            continue
-        blocker = file_in_the_way(value.parent)
-        if value.is_dir():
-            problems.append(f"{key}: {value} is a directory; give the path of a file")
-        elif blocker:
-            problems.append(f"{key}: {value} cannot be created because {blocker} is a file")
-    if paths.tensorboard and (blocker := file_in_the_way(paths.tensorboard)):
-        problems.append(
-            f"logging.tensorboard_dir: {paths.tensorboard} cannot be a directory because "
-            f"{blocker} is a file"
-        )
-    return problems
-
-
-def _startup(
-    config: SpeedtronicConfig,
-    *,
-    max_steps: int | None = None,
-    device: Any = None,
-    # build errors reported (others: the real build tells)
-    meta_failures: tuple[type[BaseException], ...] = (Exception,),
-) -> tuple[list[str], Any]:
-    "(problems, the model on the meta device or None): the checks `startup_problems` makes."
-    m, d = config.model, config.data
-    text = None if _is_demo_corpus(d.text_path) else d.text_path  # written on first use
-    problems = [
-        p
-        for p in (
-            _missing_file("data.text_path", text),
-            _missing_file("data.token_file", d.token_file),
-            _missing_file("data.dataset", d.dataset if isinstance(d.dataset, str) else None),
-            _missing_file("eval.text_path", config.eval.text_path),
-            _missing_file("eval.token_file", config.eval.token_file),
-            _missing_file("data.tokenizer", _tokenizer_file(d.tokenizer)),
-            _missing_file(
-                "model.init_from",
-                m.init_from if not checkpoint_files(run_paths(config).checkpoints) else None,
-                "folder",
-            ),
-        )
-        if p
-    ]
-    try:
-        check_optimizer_available(config.optimizer)
-    except ConfigError as e:
-        problems.append(str(e))
-    try:
-        resolve_schedule(config, max_steps=run_target(config, max_steps))
-    except ConfigError as e:
-        problems += e.problems
-    if problem := distributed_problem(config):
-        problems.append(problem)
-    if d.block_size and d.block_size > m.max_seq_len:
-        problems.append(
-            f"data.block_size ({d.block_size}) is larger than model.max_seq_len ({m.max_seq_len}): "
-            "lower data.block_size or raise model.max_seq_len"
-        )
-    problems += _logging_problems(config)
-    try:
-        with torch.device("meta"):
-            model = build_model(config.model)
-    except Exception as e:
-        return problems + (
-            [f"model {m.name!r} cannot be built: {e}"] if isinstance(e, meta_failures) else []
-        ), None
-    vocab = model_vocab_size(model, config)
-    if d.vocab_size and d.vocab_size > vocab:
-        problems.append(
-            f"data.vocab_size ({d.vocab_size}) is larger than the model's vocabulary ({vocab}): "
-            "token ids would be out of range; make them equal"
-        )
-    return problems + _memory_problems(model, config, device), model
-
-
-def startup_problems(
-    config: SpeedtronicConfig | Mapping[str, Any],
-    *,
-    max_steps: int | None = None,  # the run's target, as `build_runtime` gets it
-    device: str | torch.device | None = None,  # the device whose memory the model must fit
-) -> list[str]:
-    """What would stop `config` from training that can be seen before any directory is created or
-    data is read."""
-    # an unknown model or a failed model.imports is final; a model the meta device cannot build is
-    # left to the real build
-    return _startup(
-        load_runtime_config(config),
-        max_steps=max_steps,
-        device=device,
-        meta_failures=(ConfigError, ImportError),
-    )[0]
-
 # %% ../nbs/app/01_runtime.ipynb #ac143b86
 TIMING_BOUNDS = {"cpu": 2e11, "cuda": 1e14}  # operations one timed micro-batch may cost, by device
 TIMING_MAX_PARAMETERS = 1_000_000_000  # a bigger model is not built for real to time it
 
+# %% ../nbs/app/01_runtime.ipynb #97afbba6
+def _per_step(seconds: float) -> str:
+    "A step's duration, short: `25 ms`, `1.4 s`, `2.5 min`, `1.2 h`."
+    if seconds < 1:
+        return f"{seconds * 1000:.2g} ms" if seconds < 0.01 else f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+    return f"{seconds / 60:.2g} min" if seconds < 3600 else f"{seconds / 3600:.2g} h"
 
+# %% ../nbs/app/01_runtime.ipynb #899e5cdc
 @dataclass
 class Runnable:
     "What `validate --deep` found: the problems, and for a config that can run, its size and pace."
@@ -1162,65 +1171,6 @@ class Runnable:
         if self.step_seconds is None:
             return f"{size}; time per step not measured: {self.not_measured}"
         return f"{size}, ~{_per_step(self.step_seconds)} per step on this machine"
-
-
-def _per_step(seconds: float) -> str:
-    "A step's duration, short: `25 ms`, `1.4 s`, `2.5 min`, `1.2 h`."
-    if seconds < 1:
-        return f"{seconds * 1000:.2g} ms" if seconds < 0.01 else f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
-    return f"{seconds / 60:.2g} min" if seconds < 3600 else f"{seconds / 3600:.2g} h"
-
-
-def runnable_report(
-    config: SpeedtronicConfig | Mapping[str, Any],
-    *,
-    device: str | torch.device | None = None,
-    measure: bool = True,  # time one micro-batch on the device (skipped for a model too large)
-) -> Runnable:
-    """What would stop `config` from training here, and, when nothing does, its parameters, tokens
-    per step and (with `measure`) the time of a step on this machine."""
-    config = load_runtime_config(config)
-    world, problems = world_from_env(), []
-    problems += job_problems(config, world)
-    try:
-        dev = world_device(world, device or config.run.device)
-    except Exception as e:
-        problems.append(f"device {device or config.run.device!r} is not usable here: {e}")
-        dev = None
-    found, model = _startup(config, device=dev)
-    problems += found
-    if model is None:
-        return Runnable(problems)
-    d, vocab, sample = config.data, model_vocab_size(model, config), None
-    if not problems and not demo_corpus_pending(config):
-        sample, found = _first_sample(config, vocab)
-        problems += found or _first_step_problems(config, model, sample)
-        problems += [] if problems else _eval_problems(config, vocab)
-    elif not problems:  # the demo corpus is written on first use: its samples look like this
-        sample = block_sample(torch.arange(d.block_size + 1).numpy() % vocab)
-    problems += _directory_problems(config) + _wandb_problems(config)
-    plan = []
-    if config.distributed.enabled and not problems:
-        diloco = importlib.import_module("speedtronic.distributed.diloco")
-        plan, refused = diloco.hub_plan_check(config, device=device)
-        problems += refused
-        diloco.warn_outer_momentum(config.distributed)
-    report = Runnable(problems, training_memory(model)[0], config.tokens_per_step, hub_plan=plan)
-    if problems or not measure:
-        return report
-    micro, report.not_measured = _micro_batch_seconds(config, model, sample, dev)
-    if micro is not None:
-        report.step_seconds = micro * accumulation_per_rank(d, world.size)
-    return report
-
-
-def check_runnable(
-    config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None
-) -> list[str]:
-    "Problems that would stop `config` from training here (empty when it can run)."
-    return runnable_report(config, device=device, measure=False).problems
 
 # %% ../nbs/app/01_runtime.ipynb #fbc52282
 def _on_meta(batch: Any) -> Any:
@@ -1255,7 +1205,7 @@ def _first_sample(config: SpeedtronicConfig, vocab: int) -> tuple[Any, list[str]
         return None, []
     return sample, []
 
-
+# %% ../nbs/app/01_runtime.ipynb #552b26fe
 def _first_step_problems(
     config: SpeedtronicConfig, model: torch.nn.Module, sample: Any
 ) -> list[str]:
@@ -1288,7 +1238,7 @@ def _first_step_problems(
         ]
     return []
 
-
+# %% ../nbs/app/01_runtime.ipynb #a2d6c99f
 def _micro_batch_seconds(
     config: SpeedtronicConfig, meta_model: torch.nn.Module, sample: Any, device: torch.device
 ) -> tuple[float | None, str | None]:
@@ -1331,7 +1281,7 @@ def _micro_batch_seconds(
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-
+# %% ../nbs/app/01_runtime.ipynb #892b369f
 def _eval_problems(config: SpeedtronicConfig, vocab: int) -> list[str]:
     """What the held-out evaluation meets when it is built: a source too small, unreadable, or a
     split that leaves nothing to train on."""
@@ -1348,7 +1298,7 @@ def _eval_problems(config: SpeedtronicConfig, vocab: int) -> list[str]:
         return [str(e)]
     return []
 
-
+# %% ../nbs/app/01_runtime.ipynb #80eb5db4
 def _output_folders(config: SpeedtronicConfig) -> list[tuple[str, Path]]:
     "(key, folder) of every place a run of `config` writes a file into, as `run_paths` puts them."
     paths, lg = run_paths(config), config.logging
@@ -1373,7 +1323,7 @@ def _unwritable(directory: Path) -> Path | None:
         return None  # a file in the way is reported by `_logging_problems`
     return None if os.access(existing, os.W_OK | os.X_OK) else existing
 
-
+# %% ../nbs/app/01_runtime.ipynb #63a67bf3
 def _directory_problems(config: SpeedtronicConfig) -> list[str]:
     """Run directories another trainer holds now, and output folders that cannot be created or
     written here."""
@@ -1396,7 +1346,7 @@ def _directory_problems(config: SpeedtronicConfig) -> list[str]:
             )
     return problems
 
-
+# %% ../nbs/app/01_runtime.ipynb #7caaee7a
 def _wandb_problems(config: SpeedtronicConfig) -> list[str]:
     "A W&B run that cannot start."
     lg, problems = config.logging, []
@@ -1408,6 +1358,56 @@ def _wandb_problems(config: SpeedtronicConfig) -> list[str]:
         except (IntegrationError, ImportError) as e:
             problems.append(str(e))
     return problems
+
+# %% ../nbs/app/01_runtime.ipynb #aa2dbaec
+def runnable_report(
+    config: SpeedtronicConfig | Mapping[str, Any],
+    *,
+    device: str | torch.device | None = None,
+    measure: bool = True,  # time one micro-batch on the device (skipped for a model too large)
+) -> Runnable:
+    """What would stop `config` from training here, and, when nothing does, its parameters, tokens
+    per step and (with `measure`) the time of a step on this machine."""
+    config = load_runtime_config(config)
+    world, problems = world_from_env(), []
+    problems += job_problems(config, world)
+    try:
+        dev = world_device(world, device or config.run.device)
+    except Exception as e:
+        problems.append(f"device {device or config.run.device!r} is not usable here: {e}")
+        dev = None
+    found, model = _startup(config, device=dev)
+    problems += found
+    if model is None:
+        return Runnable(problems)
+    d, vocab, sample = config.data, model_vocab_size(model, config), None
+    if not problems and not demo_corpus_pending(config):
+        sample, found = _first_sample(config, vocab)
+        problems += found or _first_step_problems(config, model, sample)
+        problems += [] if problems else _eval_problems(config, vocab)
+    elif not problems:  # the demo corpus is written on first use: its samples look like this
+        sample = block_sample(torch.arange(d.block_size + 1).numpy() % vocab)
+    problems += _directory_problems(config) + _wandb_problems(config)
+    plan = []
+    if config.distributed.enabled and not problems:
+        diloco = importlib.import_module("speedtronic.distributed.diloco")
+        plan, refused = diloco.hub_plan_check(config, device=device)
+        problems += refused
+        diloco.warn_outer_momentum(config.distributed)
+    report = Runnable(problems, training_memory(model)[0], config.tokens_per_step, hub_plan=plan)
+    if problems or not measure:
+        return report
+    micro, report.not_measured = _micro_batch_seconds(config, model, sample, dev)
+    if micro is not None:
+        report.step_seconds = micro * accumulation_per_rank(d, world.size)
+    return report
+
+# %% ../nbs/app/01_runtime.ipynb #462b96c7
+def check_runnable(
+    config: SpeedtronicConfig | Mapping[str, Any], *, device: str | torch.device | None = None
+) -> list[str]:
+    "Problems that would stop `config` from training here (empty when it can run)."
+    return runnable_report(config, device=device, measure=False).problems
 
 # %% ../nbs/app/01_runtime.ipynb #31aabf1e
 def __dir__() -> list[str]:
