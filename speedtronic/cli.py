@@ -9,6 +9,7 @@ __all__ = ['EXPECTED_ERRORS', 'COMMAND_ARGUMENTS', 'CHECKED', 'error_lines', 'po
 # %% ../nbs/app/02_cli.ipynb #02264307
 import argparse
 import contextlib
+import io
 import os
 import pickle
 import re
@@ -45,10 +46,11 @@ _SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY")
 
 
 def _mask(text: str, secrets: Sequence[str]) -> str:
-    "Replace every secret value (longer than 3 characters) in `text` by `<redacted>`."
+    """Replace every secret value (longer than 3 characters) in `text` by `<redacted>`, in any
+    case: a message may quote a value upper- or lower-cased (a log level, a choice)."""
     for s in secrets:
         if isinstance(s, str) and len(s) > 3:
-            text = text.replace(s, "<redacted>")
+            text = re.sub(re.escape(s), "<redacted>", text, flags=re.IGNORECASE)
     return text
 
 # %% ../nbs/app/02_cli.ipynb #6687af53
@@ -689,17 +691,26 @@ COMMAND_ARGUMENTS.update(
 _COMMANDS.update(consolidate=_consolidate)
 
 # %% ../nbs/app/02_cli.ipynb #1066b2c1
-def _config_secrets(argv: Sequence[str] | None) -> list[str]:
-    "Credential values of the configuration named by `--config` (best effort, for masking errors)."
-    from speedtronic.config import redact
+def _config_path(args: list[str]) -> str | None:
+    """The configuration a command line names, read as the parser reads it (`--config PATH`,
+    `--config=PATH`, an abbreviation such as `--conf PATH`); None when it names none."""
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
+        return getattr(build_parser().parse_known_args(args)[0], "config", None)
+    return None
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--config" not in args or args.index("--config") + 1 >= len(args):
+
+def _config_secrets(argv: Sequence[str] | None) -> list[str]:
+    """Credential values of the configuration named by `--config` (best effort, for masking errors):
+    read from the file as written, so a configuration that fails validation is masked too."""
+    from speedtronic.config import _read_config_file, redact
+
+    path = _config_path(list(sys.argv[1:] if argv is None else argv))
+    if path is None:
         return []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plain = SpeedtronicConfig.load(args[args.index("--config") + 1]).to_dict()
+            plain = _read_config_file(Path(path))
     except Exception:
         return []
     found, masked = [], redact(plain)

@@ -62,3 +62,24 @@ distributed:
         leaked = [p for p in files if secret.encode() in p.read_bytes()]
         assert leaked == [], leaked
     assert "<redacted>" in runs[0].stdout
+
+
+@pytest.mark.parametrize("naming", ["--config PATH", "--config=PATH", "--conf PATH"])
+def test_an_error_quoting_a_config_secret_masks_it_however_the_config_is_named(tmp_path, naming):
+    """A config error that quotes a value (here lower-cased, as a choice is read) which is also the
+    config's token says `<redacted>`, whichever way the command line names the file: `--config=PATH`
+    and abbreviations are read as argparse reads them."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"optimizer: {{name: {CONFIG_TOKEN}}}\ndistributed: {{token: {CONFIG_TOKEN}}}\n")
+    words = naming.replace("PATH", str(cfg)).split()
+    done = run_command(
+        [sys.executable, "-m", "speedtronic", "validate", *words],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "optimizer.name" in done.stderr and "<redacted>" in done.stderr, done.stderr
+    assert CONFIG_TOKEN.lower() not in (done.stdout + done.stderr).lower()
