@@ -142,57 +142,6 @@ def cpu_to_itself(tmp_path_factory):
         yield
 
 
-# Under pytest-xdist every worker runs its tests at a lower priority than the run began with
-# (`os.nice(SUITE_NICENESS)`, once its fork server is up: `lower_this_worker`), and so does all it
-# starts itself; the fork server stays at the run's own priority. The commands of a test whose
-# outcome depends on keeping pace (`cpu_to_itself`, `cpu_alone`) are forked at that priority, and
-# its Hub stand-in serves at it, so they get the CPU they ask for while the other workers' tests
-# take what is left. Without a fork server (SPEEDTRONIC_TEST_FORK=0), or where a thread's priority
-# cannot be raised back (not root, no RLIMIT_NICE), nothing is lowered. A `cpu_alone` test still
-# runs alone: three DiLoCo nodes over the Hub stand-in at that priority beside two busy workers came
-# to 1.19 to 1.32 of the synchronous loss (alone: about 1.03; over a shared directory: 1.02 to 1.03
-# either way).
-SUITE_NICENESS = 10
-_PRIORITY = {"lowered": False, "paced": False, "base": 0}
-
-
-def may_raise_priority(niceness: int) -> bool:
-    """Whether this process may set a thread of its own back to `niceness` once lowered: root, or
-    an RLIMIT_NICE that allows it. A paced test's Hub stand-in serves from this process."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
-    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or 20 - soft <= niceness
-
-
-def lower_this_worker() -> None:
-    """In a pytest-xdist worker that may raise a thread's priority back: start its fork server (at
-    the run's priority), then lower this process by `SUITE_NICENESS`."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None or _PRIORITY["lowered"]:
-        return
-    if may_raise_priority(os.nice(0)) and fork_server() is not None:
-        _PRIORITY["base"] = os.nice(0)
-        os.nice(SUITE_NICENESS)
-        _PRIORITY["lowered"] = True
-
-
-def paced_niceness() -> int | None:
-    """The run's own priority while a paced test runs in a lowered worker (its Hub stand-in serves
-    at it), else None."""
-    return _PRIORITY["base"] if _PRIORITY["lowered"] and _PRIORITY["paced"] else None
-
-
-def command_niceness() -> int:
-    """The priority a forked command runs at: the run's own for a paced test's command (once the
-    worker is lowered), this worker's otherwise."""
-    paced = paced_niceness()
-    return os.nice(0) if paced is None else paced
-
-
-def pytest_sessionstart(session):
-    lower_this_worker()
-
-
 @contextlib.contextmanager
 def cpu_share(exclusive: bool):
     """Under pytest-xdist, the run's CPU lock for one test: shared by every test, or held alone by
@@ -228,9 +177,7 @@ def pytest_runtest_protocol(item, nextitem):
     # of this worker, and a command whose start-up settings differ from the fork server's starts
     # in a fresh interpreter.
     environment = dict(os.environ)
-    alone = item.get_closest_marker("cpu_alone") is not None
-    _PRIORITY["paced"] = alone or "cpu_to_itself" in getattr(item, "fixturenames", ())
-    with cpu_share(alone):
+    with cpu_share(item.get_closest_marker("cpu_alone") is not None):
         before = _cpu_spent() if log else None
         yield
         for key in set(os.environ) - set(environment):
@@ -328,9 +275,7 @@ def hub(request, hub_tokens):
     changed = marker.kwargs if marker else {}
     unknown = set(changed) - set(HUB_LIMITS)
     assert not unknown, f"hub_limits names no limit {sorted(unknown)}"
-    with HubStandIn(
-        **{**HUB_LIMITS, **changed}, tokens=hub_tokens, niceness=paced_niceness()
-    ) as server:
+    with HubStandIn(**{**HUB_LIMITS, **changed}, tokens=hub_tokens) as server:
         yield server
 
 
@@ -397,7 +342,6 @@ class ForkedPopen(subprocess.Popen):
             "cwd": os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd()),
             "env": {str(k): str(v) for k, v in (os.environ if env is None else env).items()},
             "new_session": bool(start_new_session) or process_group == 0,
-            "niceness": command_niceness(),
         }
         fds = [p2cread, c2pwrite, errwrite]
         fds = [fd if fd != -1 else std for fd, std in zip(fds, (0, 1, 2))]

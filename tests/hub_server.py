@@ -40,7 +40,6 @@ import argparse
 import base64
 import hashlib
 import json
-import os
 import re
 import socket
 import sys
@@ -127,14 +126,8 @@ class HubStandIn:
         resolve_per_window: int | None = None,
         token_window: float = 300.0,
         head_lag: float = 0.0,
-        # the priority its threads serve at (None: the starting thread's); set back below this
-        # process's own it needs the privilege to (a paced test in a lowered worker: conftest.py)
-        niceness: int | None = None,
     ):
-        self.tokens, self.niceness = (
-            tokens,
-            niceness,
-        )  # None: no authentication; else token -> "read" | "write"
+        self.tokens = tokens  # None: no authentication; else token -> "read" | "write"
         self.port, self.commit_delay = port, commit_delay
         if scale <= 0:
             raise ValueError(f"scale must be positive, got {scale}")
@@ -164,14 +157,11 @@ class HubStandIn:
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._serve, name="hub-stand-in", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="hub-stand-in", daemon=True
+        )
         self._thread.start()
         return self
-
-    def _serve(self) -> None:
-        if self.niceness is not None:  # this thread's, inherited by the threads that answer
-            os.setpriority(os.PRIO_PROCESS, 0, self.niceness)
-        self._server.serve_forever()
 
     def stop(self) -> None:
         if self._server is not None:

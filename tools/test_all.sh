@@ -70,7 +70,7 @@ trap '[ -n "$notebooks" ] && kill "$notebooks" 2>/dev/null; rm -rf "$report"' EX
 # core partly idle while DiLoCo nodes poll and wait, and nbdev_test takes about a minute of it.
 echo "== nbdev_test (beside pytest; its output follows pytest's)"
 start=$(date +%s)
-( nice -n 10 nbdev_test --n_workers 1 --timing > "$report/nbdev_test.log" 2>&1
+( nbdev_test --n_workers 1 --timing > "$report/nbdev_test.log" 2>&1
   echo "nbdev_test took $(( $(date +%s) - start ))s" >> "$report/nbdev_test.log" ) &
 notebooks=$!
 
