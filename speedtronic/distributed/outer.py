@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-import itertools
 import json
 import os
 import statistics
@@ -1848,7 +1847,9 @@ class _Publisher:
             }
         master.local.save(prepared, ".next")
         deadline, parent_step = time.monotonic() + PUBLISH_PATIENCE_S, repo.outer_step
-        for retry in itertools.count():
+        stuck = 0  # refusals in a row at a head that did not move
+        while True:
+            tried = repo.revision
             try:
                 new = RepoState(
                     self.commit(files, list(pub.deletes), repo, version, pub.message), meta, extras
@@ -1873,8 +1874,11 @@ class _Publisher:
                         f"publishing version {version}: the repository kept changing underneath "
                         f"for {PUBLISH_PATIENCE_S:g} s"
                     ) from conflict
-                # refused at the head it just read (a claim held): a pause, not a busy loop
-                time.sleep(min(1.0, 0.05 * 2**retry))
+                # nodes committed in between: again at once (a pause would lose the next race too);
+                # refused at a head that did not move (a claim held): a pause, not a busy loop
+                stuck = stuck + 1 if repo.revision == tried else 0
+                if stuck:
+                    time.sleep(min(1.0, 0.05 * 2 ** (stuck - 1)))
         master.local.promote()
         with master.lock:
             master.state = on_published(prepared, pub.deletes, master.clock())
