@@ -702,7 +702,7 @@ def _config_path(args: list[str]) -> str | None:
 def _config_secrets(argv: Sequence[str] | None) -> list[str]:
     """Credential values of the configuration named by `--config` (best effort, for masking errors):
     read from the file as written, so a configuration that fails validation is masked too."""
-    from speedtronic.config import _read_config_file, redact
+    from speedtronic.config import _MAX_FREE_VALUES, _expanded_size, _read_config_file, redact
 
     path = _config_path(list(sys.argv[1:] if argv is None else argv))
     if path is None:
@@ -712,6 +712,10 @@ def _config_secrets(argv: Sequence[str] | None) -> list[str]:
             warnings.simplefilter("ignore")
             plain = _read_config_file(Path(path))
     except Exception:
+        return []
+    # a file whose YAML aliases expand past any real config (an alias bomb, which validation
+    # refused): walking it would take the time that refusal saved
+    if _expanded_size(plain) > 10 * _MAX_FREE_VALUES:
         return []
     found, masked = [], redact(plain)
 
