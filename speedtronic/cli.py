@@ -9,7 +9,6 @@ __all__ = ['EXPECTED_ERRORS', 'COMMAND_ARGUMENTS', 'CHECKED', 'error_lines', 'po
 # %% ../nbs/app/02_cli.ipynb #02264307
 import argparse
 import contextlib
-import io
 import os
 import pickle
 import re
@@ -691,20 +690,12 @@ COMMAND_ARGUMENTS.update(
 _COMMANDS.update(consolidate=_consolidate)
 
 # %% ../nbs/app/02_cli.ipynb #1066b2c1
-def _config_path(args: list[str]) -> str | None:
-    """The configuration a command line names, read as the parser reads it (`--config PATH`,
-    `--config=PATH`, an abbreviation such as `--conf PATH`); None when it names none."""
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
-        return getattr(build_parser().parse_known_args(args)[0], "config", None)
-    return None
-
-
-def _config_secrets(argv: Sequence[str] | None) -> list[str]:
-    """Credential values of the configuration named by `--config` (best effort, for masking errors):
-    read from the file as written, so a configuration that fails validation is masked too."""
+def _config_secrets(path: str | os.PathLike | None) -> list[str]:
+    """Credential values of the configuration file `path` (the command's parsed `--config`; best
+    effort, for masking errors): read as written, so a configuration that fails validation is
+    masked too."""
     from speedtronic.config import _MAX_FREE_VALUES, _expanded_size, _read_config_file, redact
 
-    path = _config_path(list(sys.argv[1:] if argv is None else argv))
     if path is None:
         return []
     try:
@@ -789,7 +780,7 @@ def _say_stopped(how: str) -> None:
         print(_for_job(f"speedtronic: error: {how}"), file=sys.stderr)
 
 # %% ../nbs/app/02_cli.ipynb #39250e1b
-def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+def _run_command(args: argparse.Namespace) -> int:
     "Run the parsed sub-command; expected errors become `speedtronic: error:` lines and exit 2."
     try:
         return _COMMANDS[args.command](args)
@@ -813,7 +804,7 @@ def _run_command(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             _record_for_torchrun(exc)
             raise
         sys.stdout.flush()
-        lines = error_lines(exc, _config_secrets(argv))
+        lines = error_lines(exc, _config_secrets(getattr(args, "config", None)))
         _record_for_torchrun(exc, "\n".join(l.removeprefix("speedtronic: error: ") for l in lines))
         for line in lines:
             print(_for_job(line), file=sys.stderr)  # torchrun: say which rank failed
@@ -852,7 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
     with warnings.catch_warnings(), _sigterm_interrupts():
         warnings.showwarning = _warning_printer(warnings.showwarning)
-        code = _run_command(args, argv)
+        code = _run_command(args)
     code = _end_process(code)
     if argv is None:  # the process's own command line: it ends as soon as this returns
         _calm_interrupts_at_exit()
