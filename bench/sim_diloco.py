@@ -273,6 +273,9 @@ class Node:
         "`steps` steps on schedule from `start_sim` + phase (simulated s), then finish."
         args, coord = self.args, self.coord
         step_s = args.round_seconds / args.steps_per_round
+        # as the trainer's fit does: the delta of the last step is marked as this node's last, so
+        # the master's final round ends when every node's is in (not after final_round_timeout)
+        coord.set_target(steps)
         try:
             while self.step < steps:
                 if self.pause and self.hub.sim_now() >= self.pause[0]:  # gone, then back
@@ -464,6 +467,7 @@ def table(run: dict, args) -> list[str]:
         f"wall {run['wall']:.0f} s",
         f"the master's commit budget held a publication back {held_back(nodes[0].log.said)} "
         "time(s) (commit_wait)",
+        final_round_line(nodes[0].log.said, args.final_seconds),
     ]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out.append(
@@ -485,6 +489,18 @@ def table(run: dict, args) -> list[str]:
 def held_back(words: list[tuple[float, str]]) -> int:
     "How many times the master's lines say its commit budget held its next publication back."
     return sum(1 for _, line in words if "the next publication waits" in line)
+
+
+def final_round_line(words: list[tuple[float, str]], final_seconds: float) -> str:
+    """How the master's final round ended: when every node's last delta was in, or at its
+    `final_round_timeout` without some (its warning, shortened)."""
+    late = [line for _, line in words if line.startswith("final round: no final delta from")]
+    if not late:
+        return "the master's final round ended when every node's last delta was in"
+    return (
+        f"the master's final round ended at its timeout ({final_seconds:g} simulated s): "
+        f"{late[0][:300]}"
+    )
 
 
 def waited_for(line: str) -> set[str] | None:
