@@ -402,6 +402,8 @@ def run_lockstep(
 def encoding_name(encoding: str, topk: tuple[float, int] | None, decay: float | None = 1.0) -> str:
     "A row's name for a delta encoding: `topk 3% 2-bit + feedback 0.9`, `bfloat16`, ..."
     name = encoding if encoding != "topk" else f"topk {topk[0] * 100:g}% {topk[1]}-bit"
+    if encoding == "topk" and len(topk) > 2:
+        name += f" chunk {topk[2]}"
     if decay is None or encoding == "float32":
         return name
     return name + " + feedback" + (f" {decay:g}" if decay != 1.0 else "")
@@ -420,41 +422,67 @@ ENCODING_ROWS = [
 ]
 
 
+def encoding_rows(text: str) -> list[tuple[str, tuple[float, int] | None, float | None]]:
+    """`--encoding-rows`: comma-separated `float32`, `bfloat16`, `bfloat16+feedback`,
+    `int8+feedback` or `topk:DENSITY:BITS[:DECAY[:CHUNK]]` (decay 1: plain feedback), float32
+    first."""
+    rows = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        name, _, feedback = item.partition("+")
+        if name.startswith("topk:"):
+            density, bits, *rest = name.split(":")[1:]
+            spec = (float(density), int(bits), *(int(c) for c in rest[1:2]))  # a chunk, if given
+            rows.append(("topk", spec, float(rest[0]) if rest else 1.0))
+        elif name in ("float32", "bfloat16", "int8") and feedback in ("", "feedback"):
+            rows.append((name, None, 1.0 if feedback or name == "float32" else None))
+        else:
+            raise SystemExit(f"--encoding-rows {item!r}: not an encoding (see --help)")
+    if not rows or rows[0][0] != "float32":
+        raise SystemExit("--encoding-rows: the first row must be float32 (the reference)")
+    return rows
+
+
 def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
     """The encodings table: per seed the synchronous baseline, then lockstep DiLoCo with each
-    row's delta encoding; then Muon as the inner optimizer, in float32 and in top-k 3% with feedback
-    fading by 0.9."""
+    row's delta encoding (`ENCODING_ROWS`, or `--encoding-rows`); then, without `--encoding-rows`,
+    Muon as the inner optimizer, in float32 and in top-k 3% with feedback fading by 0.9."""
     rows: dict[str, list[dict]] = {}
+    chosen = encoding_rows(args.encoding_rows) if args.encoding_rows else ENCODING_ROWS
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
         runs = [
             run_lockstep(args, here / f"enc{i}", train, held, encoding=e, topk=k, decay=f)
-            for i, (e, k, f) in enumerate(ENCODING_ROWS)
+            for i, (e, k, f) in enumerate(chosen)
         ]
-        runs.append(
-            run_lockstep(args, here / "muon32", train, held, encoding="float32", optimizer="muon")
-        )
-        runs.append(  # with the best adamw encoding
-            run_lockstep(
-                args,
-                here / "muon",
-                train,
-                held,
-                encoding="topk",
-                topk=(0.03, 2),
-                optimizer="muon",
-                decay=0.9,
+        exact = {"adamw": runs[0]["loss"]}  # each optimizer's float32 run
+        if not args.encoding_rows:
+            runs.append(
+                run_lockstep(
+                    args, here / "muon32", train, held, encoding="float32", optimizer="muon"
+                )
             )
-        )
-        exact = {"adamw": runs[0]["loss"], "muon": runs[-2]["loss"]}  # each optimizer's float32
+            exact["muon"] = runs[-1]["loss"]
+            runs.append(  # with the best adamw encoding
+                run_lockstep(
+                    args,
+                    here / "muon",
+                    train,
+                    held,
+                    encoding="topk",
+                    topk=(0.03, 2),
+                    optimizer="muon",
+                    decay=0.9,
+                )
+            )
         for r in [base] + runs:
             own = exact["muon" if "muon" in r["name"] else "adamw"]
             rows.setdefault(r["name"], []).append(
                 {**r, "ratio": r["loss"] / base["loss"], "vs_f32": r["loss"] / own}
             )
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
-    heading = lockstep_heading(args, seeds, "--encodings", f"--width {args.width}")
+    flags = "--encodings" + (f" --encoding-rows {args.encoding_rows}" if args.encoding_rows else "")
+    heading = lockstep_heading(args, seeds, flags, f"--width {args.width}")
     show_table(lambda: _encodings_table(rows), args.save, heading)
 
 
@@ -1131,6 +1159,12 @@ def main(argv=None) -> None:
         "--encodings",
         action="store_true",
         help="only the delta-encodings table (lockstep whole rounds, every seed)",
+    )
+    parser.add_argument(
+        "--encoding-rows",
+        default=None,
+        help="--encodings: only these rows, e.g. float32,int8+feedback,topk:0.06:2:0.9 "
+        "(topk:DENSITY:BITS[:FEEDBACK_DECAY[:CHUNK]]; float32 first; no Muon rows)",
     )
     parser.add_argument(
         "--fragments",
