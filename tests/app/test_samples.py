@@ -275,7 +275,8 @@ def test_the_whole_demo_ends_with_samples_that_read_as_words_of_its_text(tmp_pat
     (three letters or more; measured here: 0.40 after the 300 steps shipped before, 0.78 after 600).
     """
     shutil.copy(ROOT / "configs" / "demo.yaml", tmp_path / "demo.yaml")
-    ok(run_cli("train", "--config", "demo.yaml", cwd=tmp_path, timeout=900))
+    # a bound on a hang, not a timing check: a fresh suite run on a loaded machine took 622 s
+    ok(run_cli("train", "--config", "demo.yaml", cwd=tmp_path, timeout=1800))
     run = tmp_path / "runs" / "demo"
     vocabulary = set(re.findall(r"[A-Za-z]{3,}", (run / "stdlib_docs.txt").read_text()))
     last = jsonl_records(run / "metrics.jsonl", "sample")[-1]
