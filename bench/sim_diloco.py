@@ -72,6 +72,7 @@ from speedtronic.distributed.budget import (  # noqa: E402
     hub_limits,
 )
 from speedtronic.distributed import outer  # noqa: E402
+from speedtronic.distributed.outer import still_waiting  # noqa: E402
 from speedtronic.distributed.diloco import DumbDiLoCoCoordinator  # noqa: E402
 from speedtronic.distributed.hub import HubClient, PerNodeHub  # noqa: E402
 from speedtronic.distributed.transport import HubError  # noqa: E402
@@ -467,7 +468,7 @@ def table(run: dict, args) -> list[str]:
         f"wall {run['wall']:.0f} s",
         f"the master's commit budget held a publication back {held_back(nodes[0].log.said)} "
         "time(s) (commit_wait)",
-        final_round_line(nodes[0].log.said, args.final_seconds),
+        final_round_line(nodes[0], args.final_seconds),
     ]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     out.append(
@@ -491,15 +492,20 @@ def held_back(words: list[tuple[float, str]]) -> int:
     return sum(1 for _, line in words if "the next publication waits" in line)
 
 
-def final_round_line(words: list[tuple[float, str]], final_seconds: float) -> str:
-    """How the master's final round ended: when every node's last delta was in, or at its
-    `final_round_timeout` without some (its warning, shortened)."""
-    late = [line for _, line in words if line.startswith("final round: no final delta from")]
-    if not late:
+def final_round_line(master: Node, final_seconds: float) -> str:
+    """How the master's final round ended, by the rule its wait ends on (`still_waiting`, over its
+    state at the end): when every node's last delta was in, or at its `final_round_timeout`
+    without some."""
+    loop = master.coord.outer
+    state = loop.state
+    if state.final_round < 0:
+        return "the master's final round never began"
+    missing, enough = still_waiting(state, loop.rules, state.final_round, master.name)
+    if not missing and enough:
         return "the master's final round ended when every node's last delta was in"
     return (
-        f"the master's final round ended at its timeout ({final_seconds:g} simulated s): "
-        f"{late[0][:300]}"
+        f"the master's final round ended at its timeout ({final_seconds:g} simulated s) without "
+        f"the last deltas of {sorted(missing) or 'some of the expected nodes'}"
     )
 
 
