@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+from .compression import TopK
+
 # %% auto #0
 __all__ = ['HEADROOM', 'HUB_TIERS', 'WINDOW_S', 'NODE_POLL', 'NODE_DELTA', 'NODE_GLOBAL', 'MASTER_POLL', 'MASTER_MOVED',
            'MASTER_PUBLICATION', 'MASTER_DELTA', 'PER_NODE_POLL', 'PER_NODE_DELTA', 'DELTA_BYTES_PER_PARAM',
@@ -227,11 +229,11 @@ DELTA_BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
 def delta_bytes_per_parameter(distributed: Any) -> float:
-    """Bytes a delta spends per parameter in the section's `delta_dtype`; top-k: an int16 offset and
-    `topk_bits` per kept entry, one float32 scale per chunk."""
+    """Bytes a delta spends per parameter in the section's `delta_dtype`; top-k: each kept entry's
+    offset (a byte in chunks of up to 256, else two) and `topk_bits`, a bfloat16 scale per chunk."""
     d = distributed
     if d.delta_dtype == "topk":
-        return d.topk_density * (2 + d.topk_bits / 8) + 4 / d.topk_chunk
+        return TopK(d.topk_density, d.topk_bits, d.topk_chunk).bytes_per_parameter()
     return DELTA_BYTES_PER_PARAM.get(d.delta_dtype, 4)
 
 # %% ../../nbs/diloco/08_distributed_budget.ipynb #3e70a221

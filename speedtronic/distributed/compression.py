@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -24,14 +24,16 @@ from speedtronic.distributed.tensors import (
     fragment_shapes,
     load_safetensors,
     read_safetensors_header,
+    tensor_aliases,
     tensor_layout,
 )
 
 # %% auto #0
-__all__ = ['TOPK_INDEX', 'TOPK_CODE', 'TOPK_SCALE', 'TOPK_PARTS', 'TOPK_BITS', 'MAX_TOPK_CHUNK', 'ENCODINGS', 'with_residual',
-           'residual_after', 'TopK', 'pack_codes', 'unpack_codes', 'quantize', 'dequantize', 'encode_topk',
-           'topk_from_header', 'topk_shapes', 'topk_header_fits', 'decode_topk', 'load_topk_delta', 'encode_wire',
-           'decode_wire', 'send_with_feedback', 'topk_layout', 'read_wire_header', 'check_wire_delta']
+__all__ = ['TOPK_INDEX', 'TOPK_CODE', 'TOPK_SCALE', 'TOPK_PARTS', 'TOPK_BITS', 'MAX_TOPK_CHUNK', 'BYTE_OFFSET_CHUNK', 'TOPK_TIED',
+           'ENCODINGS', 'with_residual', 'residual_after', 'TopK', 'pack_codes', 'unpack_codes', 'quantize',
+           'dequantize', 'wire_order', 'encode_topk', 'topk_from_header', 'topk_shapes', 'topk_tied', 'TopKDeclared',
+           'topk_header_fits', 'topk_layout', 'topk_sections', 'check_topk_parts', 'decode_topk', 'load_topk_delta',
+           'encode_wire', 'decode_wire', 'send_with_feedback', 'read_wire_header', 'check_wire_delta']
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #e2dd4696
 def with_residual(
@@ -51,12 +53,14 @@ def residual_after(
     return {k: v.float() - decoded[k].float() for k, v in intended.items()}
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #642932e9
-TOPK_INDEX = ".__topk_index__"  # int16 offsets of the kept entries within their chunk
-TOPK_CODE = ".__topk_code__"  # uint8: the kept entries' codes, packed 8 // bits to a byte
-TOPK_SCALE = ".__topk_scale__"  # float32: one quantisation step per chunk
+TOPK_INDEX = "__topk_index__"  # each kept entry's offset within its chunk, all tensors in turn
+TOPK_CODE = "__topk_code__"  # uint8: the kept entries' codes, packed 8 // bits to a byte
+TOPK_SCALE = "__topk_scale__"  # bfloat16: one quantisation step per chunk
 TOPK_PARTS = (TOPK_INDEX, TOPK_CODE, TOPK_SCALE)
 TOPK_BITS = (2, 4)
 MAX_TOPK_CHUNK = 32768  # an offset must fit int16
+BYTE_OFFSET_CHUNK = 256  # chunks up to this size have offsets of one byte
+TOPK_TIED = "topk_tied"  # header key: JSON {"<tensor not encoded>": "<encoded one, same values>"}
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #f90c1200
 @dataclass(frozen=True)
@@ -77,6 +81,11 @@ class TopK:
                 f"top-k chunk must be 1 to {MAX_TOPK_CHUNK} entries, got {self.chunk!r}"
             )
 
+    @property
+    def offset_dtype(self) -> torch.dtype:
+        "The dtype of an offset within a chunk: uint8 up to 256 entries, else int16."
+        return torch.uint8 if self.chunk <= BYTE_OFFSET_CHUNK else torch.int16
+
     def kept(self, length: int) -> int:
         "Entries kept of a chunk of `length`: density × length rounded up, at least one."
         return min(length, max(1, math.ceil(round(self.density * length, 9)))) if length else 0
@@ -86,17 +95,36 @@ class TopK:
         full, rest = divmod(numel, self.chunk)
         return [self.kept(self.chunk)] * full + ([self.kept(rest)] if rest else [])
 
-    def header(self, entries: int, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    def chunks(self, numel: int) -> int:
+        "How many chunks a tensor of `numel` entries is cut into."
+        return -(-numel // self.chunk)
+
+    def entries(self, numel: int) -> int:
+        "Entries kept of a tensor of `numel` entries: `sum(self.counts(numel))`, without the list."
+        full, rest = divmod(numel, self.chunk)
+        return full * self.kept(self.chunk) + self.kept(rest)
+
+    def bytes_per_parameter(self) -> float:
+        "Wire bytes per entry of a large tensor: offset and code of each kept entry, chunk scales."
+        offset = torch.tensor([], dtype=self.offset_dtype).element_size()
+        return self.density * (offset + self.bits / 8) + 2 / self.chunk
+
+    def header(
+        self,
+        entries: int,
+        shapes: Mapping[str, tuple[int, ...]],
+        tied: Mapping[str, str] | None = None,  # tensors sent as another's values: TOPK_TIED
+    ) -> dict[str, str]:
         "The header strings of a delta of `entries` kept entries of tensors of `shapes`."
+        compact = dict(separators=(",", ":"))
         return {
             "encoding": "topk",
             "topk_density": repr(float(self.density)),
             "topk_bits": str(self.bits),
             "topk_chunk": str(self.chunk),
             "topk_entries": str(int(entries)),
-            "topk_shapes": json.dumps(
-                {k: list(v) for k, v in shapes.items()}, separators=(",", ":")
-            ),
+            "topk_shapes": json.dumps({k: list(v) for k, v in shapes.items()}, **compact),
+            **({TOPK_TIED: json.dumps(dict(sorted(tied.items())), **compact)} if tied else {}),
         }
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #d950768f
@@ -123,6 +151,7 @@ def quantize(
     "`(codes, step per chunk)`: a sign bit and the nearest magnitude `step, 2·step, …`."
     levels = 2 ** (bits - 1)
     step = torch.zeros(chunks).scatter_reduce_(0, chunk_of, values.abs(), "amax") / levels
+    step = step.bfloat16().float()  # as it travels
     size = torch.round(values.abs() / step[chunk_of].clamp_min(1e-38)).clamp_(1, levels)
     codes = (size.to(torch.uint8) - 1) | ((values < 0).to(torch.uint8) << (bits - 1))
     return codes, step
@@ -133,7 +162,7 @@ def dequantize(
 ) -> torch.Tensor:
     "The float32 values `codes` stand for: ±(magnitude code + 1) × the step of their chunk."
     sign = 1.0 - 2.0 * (codes >> (bits - 1)).float()
-    return sign * ((codes & (2 ** (bits - 1) - 1)).float() + 1) * step[chunk_of]
+    return sign * ((codes & (2 ** (bits - 1) - 1)).float() + 1) * step.float()[chunk_of]
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #a2348345
 def _top_offsets(flat: torch.Tensor, spec: TopK) -> torch.Tensor:
@@ -152,30 +181,44 @@ def _top_offsets(flat: torch.Tensor, spec: TopK) -> torch.Tensor:
 def _chunk_of(spec: TopK, numel: int) -> torch.Tensor:
     "The chunk each kept entry of a tensor of `numel` entries belongs to, in order."
     full, per = numel // spec.chunk, spec.kept(spec.chunk)
-    rest = sum(spec.counts(numel)) - full * per  # the last, shorter chunk's
+    rest = spec.entries(numel) - full * per  # the last, shorter chunk's
     return torch.cat([torch.arange(full * per) // per, torch.full((rest,), full)])
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #b6f45e35
+def wire_order(names: Iterable[str], tied: Mapping[str, str]) -> list[str]:
+    "The tensors a top-k delta encodes, in the order their parts follow one another."
+    return sorted(k for k in names if k not in tied)
+
+
+def _joined(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat(parts).to(dtype) if parts else torch.zeros(0, dtype=dtype)
+
+
 def encode_topk(
     delta: Mapping[str, torch.Tensor], spec: TopK = TopK()
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     "`(wire tensors, header)` of `delta` as top-k: offsets, packed codes, chunk steps."
-    out, entries = {}, 0
-    for k, v in delta.items():
-        flat = v.detach().float().reshape(-1)
+    tied = tensor_aliases({k: delta[k].detach().float() for k in sorted(delta)})  # later names
+    offsets, codes, steps = [], [], []
+    for k in wire_order(delta, tied):
+        flat = delta[k].detach().float().reshape(-1)
         chunk_of = _chunk_of(spec, flat.numel())
-        offsets = _top_offsets(flat, spec)
-        codes, step = quantize(
-            flat[chunk_of * spec.chunk + offsets],
+        offsets.append(_top_offsets(flat, spec))
+        code, step = quantize(
+            flat[chunk_of * spec.chunk + offsets[-1]],
             chunk_of,
-            len(spec.counts(flat.numel())),
+            spec.chunks(flat.numel()),
             spec.bits,
         )
-        out[k + TOPK_INDEX] = offsets.to(torch.int16)
-        out[k + TOPK_CODE] = pack_codes(codes, spec.bits)
-        out[k + TOPK_SCALE] = step.float()
-        entries += offsets.numel()
-    return out, spec.header(entries, {k: tuple(v.shape) for k, v in delta.items()})
+        codes.append(code)
+        steps.append(step)
+    wire = {
+        TOPK_INDEX: _joined(offsets, spec.offset_dtype),
+        TOPK_CODE: pack_codes(_joined(codes, torch.uint8), spec.bits),
+        TOPK_SCALE: _joined(steps, torch.bfloat16),
+    }
+    shapes = {k: tuple(v.shape) for k, v in delta.items()}
+    return wire, spec.header(wire[TOPK_INDEX].numel(), shapes, tied)
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #db7f4a05
 def _header_value(header: Mapping[str, str], key: str, where: str, kind, fits, want: str):
@@ -235,46 +278,143 @@ def topk_shapes(header: Mapping[str, str], where: str = "delta") -> dict[str, tu
         )
     return {k: tuple(v) for k, v in shapes.items()}
 
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #1bd62f51
+def topk_tied(
+    header: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]], where: str = "delta"
+) -> dict[str, str]:
+    """`{tensor not encoded: the encoded tensor whose values it has}` of header `topk_tied`, each
+    a tensor of `shapes` tied to another of the same shape; `DeltaRejected` if not."""
+    raw = header.get(TOPK_TIED)
+    if raw is None:
+        return {}
+    try:
+        tied = json.loads(raw)
+    except ValueError:
+        tied = None
+    if not isinstance(tied, dict) or not all(
+        isinstance(a, str)
+        and isinstance(k, str)
+        and a in shapes
+        and k in shapes
+        and k not in tied
+        and tuple(shapes[a]) == tuple(shapes[k])
+        for a, k in tied.items()
+    ):
+        raise DeltaRejected(
+            "header",
+            f"{where}: header {TOPK_TIED}={str(raw)[:80]!r} must map tensors not encoded to "
+            "encoded tensors of the same shape",
+        )
+    return tied
+
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #f32aaf72
-_PART_DTYPES = {TOPK_INDEX: torch.int16, TOPK_CODE: torch.uint8, TOPK_SCALE: torch.float32}
+@dataclass(frozen=True)
+class TopKDeclared:
+    "What a checked top-k header says a delta holds."
+
+    spec: TopK  # density, bits and chunk
+    claimed: int  # topk_entries: the kept entries of all tensors
+    encoded: dict[str, tuple[int, ...]]  # the tensors encoded and their shapes, in wire order
+    tied: dict[str, str]  # topk_tied: {tensor not encoded: the encoded one it repeats}
+
+
+def topk_header_fits(
+    header: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+    where: str = "delta",
+    max_density: float | None = None,
+) -> TopKDeclared:
+    "What a top-k `header` that names exactly the tensors of `shapes` declares; else refused."
+    spec, claimed = topk_from_header(header, where, max_density)
+    declared = topk_shapes(header, where)
+    if set(declared) != set(shapes):
+        raise DeltaRejected(
+            "keys",
+            f"{where}: header topk_shapes names other tensors than the model's floating ones "
+            f"(missing {sorted(set(shapes) - set(declared))[:3]}, "
+            f"unexpected {sorted(set(declared) - set(shapes))[:3]})",
+        )
+    if (k := next((k for k in shapes if declared[k] != tuple(shapes[k])), None)) is not None:
+        raise DeltaRejected(
+            "shape",
+            f"{where}: {k} was encoded from shape {declared[k]}, the model has {tuple(shapes[k])}",
+        )
+    tied = topk_tied(header, shapes, where)
+    encoded = {k: tuple(shapes[k]) for k in wire_order(shapes, tied)}
+    return TopKDeclared(spec, claimed, encoded, tied)
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #ecf192f2
-def _decode_tensor(
-    k: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...], spec: TopK, where: str
-) -> torch.Tensor:
-    "The dense float32 tensor of `shape` that `k`'s top-k `parts` stand for, checked."
-    refuse = lambda reason, what: DeltaRejected(reason, f"{where}: {what}")
-    for part, dtype in _PART_DTYPES.items():
-        t = parts[part]
-        if t.dtype != dtype or t.ndim != 1:
-            raise refuse(
-                "dtype",
-                f"{k + part} is {t.dtype} of shape {tuple(t.shape)}; top-k stores a 1-D {dtype}",
+def topk_layout(
+    spec: TopK, encoded: Mapping[str, tuple[int, ...]]
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    "The dtype and shape of each part of a top-k delta encoding tensors of `encoded` shapes."
+    numels = [math.prod(shape) for shape in encoded.values()]
+    entries = sum(spec.entries(n) for n in numels)
+    return {
+        TOPK_INDEX: (spec.offset_dtype, (entries,)),
+        TOPK_CODE: (torch.uint8, (-(-entries * spec.bits // 8),)),
+        TOPK_SCALE: (torch.bfloat16, (sum(spec.chunks(n) for n in numels),)),
+    }
+
+
+def topk_sections(
+    spec: TopK, encoded: Mapping[str, tuple[int, ...]]
+) -> dict[str, tuple[slice, slice]]:
+    "Where each tensor of `encoded` (in wire order) has its entries and its chunk scales."
+    sections, entry, chunk = {}, 0, 0
+    for k, shape in encoded.items():
+        n = math.prod(shape)
+        sections[k] = (slice(entry, entry + spec.entries(n)), slice(chunk, chunk + spec.chunks(n)))
+        entry, chunk = sections[k][0].stop, sections[k][1].stop
+    return sections
+
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #c812dfef
+def check_topk_parts(
+    where: str,
+    parts: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],  # name -> (dtype, shape)
+    declared: TopKDeclared,
+) -> None:
+    "Refuse `parts` unless they are the three parts, each of the layout `declared` gives."
+    want, spec = topk_layout(declared.spec, declared.encoded), declared.spec
+    if set(parts) != set(want):
+        raise DeltaRejected(
+            "keys",
+            f"{where}: a top-k delta holds {', '.join(TOPK_PARTS)} (missing "
+            f"{sorted(set(want) - set(parts))[:3]}, "
+            f"unexpected {sorted(set(parts) - set(want))[:3]})",
+        )
+    for name, (dtype, shape) in want.items():
+        got, got_shape = parts[name][0], tuple(parts[name][1])
+        if (got, got_shape) != (dtype, shape):
+            raise DeltaRejected(
+                "dtype" if got != dtype or len(got_shape) != 1 else "shape",
+                f"{where}: {name} is {got} of shape {got_shape}; density {spec.density:g} in "
+                f"chunks of {spec.chunk} at {spec.bits} bits needs {dtype} of shape {shape}",
             )
-    index, code, step = parts[TOPK_INDEX], parts[TOPK_CODE], parts[TOPK_SCALE]
-    numel, counts = math.prod(shape), spec.counts(math.prod(shape))
-    if step.numel() != len(counts):
-        raise refuse(
-            "shape",
-            f"{k} has {step.numel()} chunk scales; the model's {shape} in chunks of "
-            f"{spec.chunk} has {len(counts)}",
+    if (held := want[TOPK_INDEX][1][0]) != declared.claimed:
+        raise DeltaRejected(
+            "header",
+            f"{where}: header topk_entries={declared.claimed}, the tensors hold {held} entries",
         )
-    if index.numel() != sum(counts):
-        raise refuse(
-            "shape",
-            f"{k} holds {index.numel()} entries; density {spec.density:g} keeps {sum(counts)} "
-            f"of the model's {shape} (chunks of {spec.chunk})",
-        )
-    if code.numel() != -(-sum(counts) * spec.bits // 8):
-        raise refuse(
-            "shape",
-            f"{k + TOPK_CODE} holds {code.numel()} bytes; {sum(counts)} codes of "
-            f"{spec.bits} bits take {-(-sum(counts) * spec.bits // 8)}",
-        )
+
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #0f9057b2
+def _decode_tensor(
+    k: str,
+    index: torch.Tensor,  # its entries' offsets
+    codes: torch.Tensor,  # its entries' codes, unpacked
+    step: torch.Tensor,  # its chunks' steps
+    shape: tuple[int, ...],
+    spec: TopK,
+    where: str,
+) -> torch.Tensor:
+    "The dense float32 tensor of `shape` that tensor `k`'s entries stand for, checked."
+    refuse = lambda reason, what: DeltaRejected(reason, f"{where}: {what}")
+    step = step.float()
     if not bool(torch.isfinite(step).all()):
-        raise refuse("not_finite", f"{k + TOPK_SCALE} holds NaN or infinite scales")
+        raise refuse("not_finite", f"{TOPK_SCALE} holds NaN or infinite scales for {k}")
     if bool((step < 0).any()):
-        raise refuse("dtype", f"{k + TOPK_SCALE} holds a negative scale {float(step.min()):g}")
+        raise refuse("dtype", f"{TOPK_SCALE} holds a negative scale {float(step.min()):g} for {k}")
+    numel = math.prod(shape)
     chunk_of = _chunk_of(spec, numel)
     offsets = index.long()
     lengths = (numel - chunk_of * spec.chunk).clamp(max=spec.chunk)
@@ -290,44 +430,13 @@ def _decode_tensor(
     if bool((same := ordered[1:] == ordered[:-1]).any()):
         p = int(ordered[1:][same][0])
         raise refuse("shape", f"{k}: offset {p % spec.chunk} repeats in chunk {p // spec.chunk}")
-    codes, spare = unpack_codes(code, spec.bits, sum(counts))
-    if bool(spare.any()):
-        raise refuse(
-            "dtype",
-            f"{k + TOPK_CODE}: bits past its {sum(counts)} codes of {spec.bits} bits are set "
-            "(codes outside the bit width)",
-        )
     dense = torch.zeros(numel)
     dense[at] = dequantize(codes, step, chunk_of, spec.bits)
     if not bool(torch.isfinite(dense).all()):
         raise refuse("not_finite", f"{k}: its scales decode to infinite values")
     return dense.reshape(shape)
 
-# %% ../../nbs/diloco/09_distributed_compression.ipynb #c812dfef
-def topk_header_fits(
-    header: Mapping[str, str],
-    shapes: Mapping[str, tuple[int, ...]],
-    where: str = "delta",
-    max_density: float | None = None,
-) -> tuple[TopK, int]:
-    "`(TopK, entries claimed)` of a top-k `header` that names exactly the tensors of `shapes`."
-    spec, claimed = topk_from_header(header, where, max_density)
-    declared = topk_shapes(header, where)
-    if set(declared) != set(shapes):
-        raise DeltaRejected(
-            "keys",
-            f"{where}: header topk_shapes names other tensors than the model's floating ones "
-            f"(missing {sorted(set(shapes) - set(declared))[:3]}, "
-            f"unexpected {sorted(set(declared) - set(shapes))[:3]})",
-        )
-    if (k := next((k for k in shapes if declared[k] != tuple(shapes[k])), None)) is not None:
-        raise DeltaRejected(
-            "shape",
-            f"{where}: {k} was encoded from shape {declared[k]}, the model has {tuple(shapes[k])}",
-        )
-    return spec, claimed
-
-# %% ../../nbs/diloco/09_distributed_compression.ipynb #0f9057b2
+# %% ../../nbs/diloco/09_distributed_compression.ipynb #8127a666
 def decode_topk(
     tensors: Mapping[str, torch.Tensor],
     header: Mapping[str, str],
@@ -336,23 +445,23 @@ def decode_topk(
     max_density: float | None = None,
 ) -> dict[str, torch.Tensor]:
     "The dense float32 delta top-k `tensors` stand for; refused unless it fits `shapes`."
-    spec, claimed = topk_header_fits(header, shapes, where, max_density)
-    want = {k + part for k in shapes for part in TOPK_PARTS}
-    if set(tensors) != want:
+    declared = topk_header_fits(header, shapes, where, max_density)
+    check_topk_parts(where, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, declared)
+    spec, entries = declared.spec, declared.claimed
+    codes, spare = unpack_codes(tensors[TOPK_CODE], spec.bits, entries)
+    if bool(spare.any()):
         raise DeltaRejected(
-            "keys",
-            f"{where}: top-k tensors do not match the model's floating tensors (missing "
-            f"{sorted(want - set(tensors))[:3]}, unexpected {sorted(set(tensors) - want)[:3]})",
+            "dtype",
+            f"{where}: {TOPK_CODE}: bits past its {entries} codes of {spec.bits} bits are set "
+            "(codes outside the bit width)",
         )
-    held = sum(tensors[k + TOPK_INDEX].numel() for k in shapes)
-    if held != claimed:
-        raise DeltaRejected(
-            "header", f"{where}: header topk_entries={claimed}, the tensors hold {held} entries"
-        )
-    return {
-        k: _decode_tensor(k, {p: tensors[k + p] for p in TOPK_PARTS}, tuple(shape), spec, where)
-        for k, shape in shapes.items()
+    index, step = tensors[TOPK_INDEX], tensors[TOPK_SCALE]
+    dense = {
+        k: _decode_tensor(k, index[e], codes[e], step[s], declared.encoded[k], spec, where)
+        for k, (e, s) in topk_sections(spec, declared.encoded).items()
     }
+    dense.update({alias: dense[k].clone() for alias, k in declared.tied.items()})
+    return {k: dense[k] for k in shapes}
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #a4085436
 def load_topk_delta(
@@ -419,20 +528,6 @@ def send_with_feedback(
     shapes = {k: tuple(v.shape) for k, v in intended.items()}
     return tensors, header, residual_after(decode_wire(tensors, header, shapes), intended)
 
-# %% ../../nbs/diloco/09_distributed_compression.ipynb #bf3765ba
-def topk_layout(
-    spec: TopK, shapes: Mapping[str, tuple[int, ...]]
-) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    "The dtype and shape of every part a top-k delta of tensors of `shapes` holds under `spec`."
-    layout = {}
-    for k, shape in shapes.items():
-        counts = spec.counts(math.prod(shape))
-        entries = sum(counts)
-        layout[k + TOPK_INDEX] = (torch.int16, (entries,))
-        layout[k + TOPK_CODE] = (torch.uint8, (-(-entries * spec.bits // 8),))
-        layout[k + TOPK_SCALE] = (torch.float32, (len(counts),))
-    return layout
-
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #176fd4d6
 def read_wire_header(
     path: str,
@@ -446,29 +541,8 @@ def read_wire_header(
     shapes = fragment_shapes(path, header, shapes, fragments)
     if header.get("encoding") != "topk":
         check_delta_wire(path, layout, header, shapes)
-        return header
-    spec, claimed = topk_header_fits(header, shapes, path)
-    want = topk_layout(spec, shapes)
-    if set(layout) != set(want):
-        raise DeltaRejected(
-            "keys",
-            f"{path}: top-k parts do not match the model's floating tensors (missing "
-            f"{sorted(set(want) - set(layout))[:3]}, unexpected "
-            f"{sorted(set(layout) - set(want))[:3]})",
-        )
-    for name, (dtype, shape) in want.items():
-        if tuple(layout[name]) != (dtype, shape):
-            raise DeltaRejected(
-                "shape",
-                f"{path}: {name} is declared {layout[name][0]} of shape {tuple(layout[name][1])}; "
-                f"density {spec.density:g} in chunks of {spec.chunk} at {spec.bits} bits needs "
-                f"{dtype} of shape {shape}",
-            )
-    held = sum(want[k + TOPK_INDEX][1][0] for k in shapes)
-    if held != claimed:
-        raise DeltaRejected(
-            "header", f"{path}: header topk_entries={claimed}, the tensors hold {held} entries"
-        )
+    else:
+        check_topk_parts(path, layout, topk_header_fits(header, shapes, path))
     return header
 
 # %% ../../nbs/diloco/09_distributed_compression.ipynb #a2304274

@@ -19,6 +19,7 @@ from speedtronic.distributed.compression import (
     ENCODINGS,
     TOPK_CODE,
     TOPK_INDEX,
+    TOPK_PARTS,
     TOPK_SCALE,
     TopK,
     decode_topk,
@@ -27,8 +28,15 @@ from speedtronic.distributed.compression import (
     encode_wire,
     load_topk_delta,
     send_with_feedback,
+    topk_header_fits,
+    topk_sections,
 )
-from speedtronic.distributed.tensors import DeltaRejected, delta_header, save_safetensors
+from speedtronic.distributed.tensors import (
+    DeltaRejected,
+    delta_header,
+    load_safetensors,
+    save_safetensors,
+)
 
 WHERE = "nodes/n1/delta_40.safetensors"
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -65,18 +73,30 @@ def shapes_of(delta) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in delta.items()}
 
 
+def sections(wire, header, shapes) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    "Each tensor's (offsets, chunk steps) in the delta's flat parts; a tied one's are its source's."
+    declared = topk_header_fits(header, shapes)
+    where = topk_sections(declared.spec, declared.encoded)
+    where.update({alias: where[k] for alias, k in declared.tied.items()})
+    return {
+        k: (wire[TOPK_INDEX][e].long(), wire[TOPK_SCALE][s].float()) for k, (e, s) in where.items()
+    }
+
+
 @FAST
 @given(deltas(), specs)
 def test_decoding_an_encoding_keeps_each_chunks_largest_entries_within_the_quantisation_error(
     delta, spec
 ):
     wire, header = encode_topk(delta, spec)
+    assert set(wire) == set(TOPK_PARTS) and wire[TOPK_INDEX].dtype == spec.offset_dtype
     dense = decode_topk(wire, header, shapes_of(delta), WHERE)
+    parts = sections(wire, header, shapes_of(delta))
     levels = 2 ** (spec.bits - 1)
     for k, v in delta.items():
         flat, got = v.reshape(-1), dense[k].reshape(-1)
         assert got.shape == flat.shape and dense[k].shape == v.shape
-        offsets = wire[k + TOPK_INDEX].long()
+        offsets, steps = parts[k]
         sent = torch.zeros(flat.numel(), dtype=torch.bool)
         at = 0
         for c, kept in enumerate(spec.counts(flat.numel())):
@@ -90,10 +110,20 @@ def test_decoding_an_encoding_keeps_each_chunks_largest_entries_within_the_quant
             left[mine - start] = False
             if left.any():  # every kept magnitude is at least every one left out
                 assert flat[mine].abs().min() >= chunk[left].abs().max()
-            step = float(flat[mine].abs().max()) / levels
+            step = float(steps[c])  # the chunk's largest / levels, in bfloat16
+            exact = float(flat[mine].abs().max()) / levels
+            assert abs(step - exact) <= exact * 2**-8
             err = (got[mine] - flat[mine]).abs()
             bound = torch.maximum(torch.full_like(err, step / 2), step - flat[mine].abs())
-            assert bool((err <= bound + 1e-6 * step).all()), (k, c, err, bound)
+            top = levels * abs(exact - step)  # the largest, when the step was rounded down
+            assert bool(
+                (err <= torch.maximum(bound, torch.full_like(err, top)) + 1e-6 * step).all()
+            ), (
+                k,
+                c,
+                err,
+                bound,
+            )
             nonzero = flat[mine] != 0
             assert torch.equal(got[mine][nonzero].sign(), flat[mine][nonzero].sign())
         assert at == offsets.numel()
@@ -101,40 +131,48 @@ def test_decoding_an_encoding_keeps_each_chunks_largest_entries_within_the_quant
 
 
 def _mutations(wire, header, delta, spec, draw):
-    "Each change `draw` makes to a top-k delta: (name, tensors, header, shapes, reason, words)."
-    k = next(iter(delta))
+    """Each change `draw` makes to a top-k delta: (name, tensors, header, shapes, reason, words,
+    what the line names)."""
+    shapes = shapes_of(delta)
+    declared = topk_header_fits(header, shapes)
+    k, (e, s) = next(iter(topk_sections(spec, declared.encoded).items()))
     n = delta[k].numel()
     counts = spec.counts(n)
-    idx, code, scale = (wire[k + p] for p in (TOPK_INDEX, TOPK_CODE, TOPK_SCALE))
-    i = draw(st.integers(0, idx.numel() - 1))
+    idx, code, scale = (wire[p] for p in TOPK_PARTS)
+    i = draw(st.integers(0, e.stop - e.start - 1))
     chunk = next(c for c in range(len(counts)) if sum(counts[: c + 1]) > i)
     length = min(spec.chunk, n - chunk * spec.chunk)
-    shapes = shapes_of(delta)
 
     def with_part(part, value):
-        return {**wire, k + part: value}
+        return {**wire, part: value}
 
-    bad = draw(st.sampled_from([length, length + 7, 32767, -1, -32768]))
-    yield (
-        "out of range",
-        with_part(TOPK_INDEX, idx.clone().index_fill_(0, torch.tensor(i), bad)),
-        header,
-        shapes,
-        "shape",
-        f"has offset {bad} in chunk {chunk}",
-    )
+    info = torch.iinfo(spec.offset_dtype)
+    outside = [v for v in (length, length + 7, info.max, -1, info.min) if v >= length or v < 0]
+    outside = [v for v in outside if info.min <= v <= info.max]
+    if outside:  # none when a full chunk of 256 has uint8 offsets: every byte is in range
+        bad = draw(st.sampled_from(outside))
+        yield (
+            "out of range",
+            with_part(TOPK_INDEX, idx.clone().index_fill_(0, torch.tensor(e.start + i), bad)),
+            header,
+            shapes,
+            "shape",
+            f"has offset {bad} in chunk {chunk}",
+            k,
+        )
     first = sum(counts[:chunk])
     if counts[chunk] > 1:
         j = first + (i - first + 1) % counts[chunk]
         dup = idx.clone()
-        dup[j] = idx[i]
+        dup[e.start + j] = idx[e.start + i]
         yield (
             "repeated",
             with_part(TOPK_INDEX, dup),
             header,
             shapes,
             "shape",
-            f"repeats in chunk {chunk}",
+            "repeats in chunk",
+            k,
         )
     extra = draw(st.integers(1, 50))
     more = dict(with_part(TOPK_INDEX, torch.cat([idx, idx[:1].repeat(extra)])))
@@ -145,7 +183,8 @@ def _mutations(wire, header, delta, spec, draw):
         more_header,
         shapes,
         "shape",
-        f"holds {idx.numel() + extra} entries; density",
+        f"of shape ({idx.numel() + extra},); density",
+        TOPK_INDEX,
     )
     yield (
         "claims more",
@@ -154,26 +193,39 @@ def _mutations(wire, header, delta, spec, draw):
         shapes,
         "header",
         "the tensors hold",
+        "topk_entries",
     )
     bad_scale = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    filled = scale.clone()
+    filled[s] = bad_scale
     yield (
         "non-finite scale",
-        with_part(TOPK_SCALE, scale.clone().fill_(bad_scale)),
+        with_part(TOPK_SCALE, filled),
         header,
         shapes,
         "not_finite",
         "NaN or infinite scales",
+        k,
     )
+    negative = scale.clone()
+    negative[s.start + chunk] = -draw(st.floats(1e-30, 1e30))
     yield (
         "negative scale",
-        with_part(
-            TOPK_SCALE,
-            scale.clone().index_fill_(0, torch.tensor(chunk), -draw(st.floats(1e-30, 1e30))),
-        ),
+        with_part(TOPK_SCALE, negative),
         header,
         shapes,
         "dtype",
-        "negative scale",
+        "negative",
+        k,
+    )
+    yield (
+        "float32 scales",
+        with_part(TOPK_SCALE, scale.float()),
+        header,
+        shapes,
+        "dtype",
+        "needs torch.bfloat16",
+        TOPK_SCALE,
     )
     spare = idx.numel() * spec.bits % 8
     if spare:
@@ -186,6 +238,7 @@ def _mutations(wire, header, delta, spec, draw):
             shapes,
             "dtype",
             "codes outside the bit width",
+            TOPK_CODE,
         )
     yield (
         "code bytes",
@@ -193,18 +246,14 @@ def _mutations(wire, header, delta, spec, draw):
         header,
         shapes,
         "shape",
-        "codes of",
+        "needs torch.uint8 of shape",
+        TOPK_CODE,
     )
     other = {**shapes, k: (n + draw(st.integers(1, 40)),)}
-    yield "model's shape differs", wire, header, other, "shape", "was encoded from shape"
-    yield (
-        "a tensor missing",
-        {x: t for x, t in wire.items() if not x.startswith(k + ".")},
-        header,
-        shapes,
-        "keys",
-        "missing",
-    )
+    yield "model's shape differs", wire, header, other, "shape", "was encoded from shape", k
+    part = draw(st.sampled_from(TOPK_PARTS))
+    missing = {p: t for p, t in wire.items() if p != part}
+    yield "a part missing", missing, header, shapes, "keys", "missing", part
     yield (
         "wrong dtype",
         with_part(
@@ -213,7 +262,17 @@ def _mutations(wire, header, delta, spec, draw):
         header,
         shapes,
         "dtype",
-        "top-k stores a 1-D torch.int16",
+        f"needs {spec.offset_dtype} of shape",
+        TOPK_INDEX,
+    )
+    yield (
+        "tied to itself",
+        wire,
+        {**header, "topk_tied": json.dumps({k: k})},
+        shapes,
+        "header",
+        "must map tensors not encoded to encoded tensors",
+        "topk_tied",
     )
     yield (
         "header bits",
@@ -222,6 +281,7 @@ def _mutations(wire, header, delta, spec, draw):
         shapes,
         "header",
         "topk_bits=",
+        "topk_bits",
     )
     yield (
         "header density",
@@ -230,6 +290,7 @@ def _mutations(wire, header, delta, spec, draw):
         shapes,
         "header",
         "topk_density=",
+        "topk_density",
     )
 
 
@@ -237,8 +298,7 @@ def _mutations(wire, header, delta, spec, draw):
 @given(deltas(), specs, st.data())
 def test_every_change_a_hostile_peer_could_make_is_refused_with_one_line(delta, spec, data):
     wire, header = encode_topk(delta, spec)
-    k = next(iter(delta))
-    for name, tensors, hdr, shapes, reason, words in _mutations(
+    for name, tensors, hdr, shapes, reason, words, names in _mutations(
         wire, header, delta, spec, data.draw
     ):
         with pytest.raises(DeltaRejected) as e:
@@ -249,9 +309,7 @@ def test_every_change_a_hostile_peer_could_make_is_refused_with_one_line(delta, 
             True,
             False,
         ), (name, line)
-        assert words in line, (name, line)
-        if reason in ("shape", "dtype", "not_finite") and name != "model's shape differs":
-            assert k in line, (name, line)  # names the tensor
+        assert words in line and names in line, (name, line)
 
 
 def test_a_master_with_a_lower_density_refuses_a_denser_delta():
@@ -294,7 +352,8 @@ def test_a_file_is_decoded_as_its_tensors_are(tmp_path):
     expected = decode_topk(wire, wire_header, shapes_of(delta))
     assert all(torch.equal(dense[k], expected[k]) for k in delta)
     assert (header["node_id"], header["topk_entries"]) == ("n1", wire_header["topk_entries"])
-    assert "tensor_aliases" in header  # the tied tensor's parts travel once
+    assert json.loads(header["topk_tied"]) == {"emb_copy": "emb"}  # the tied tensor: sent once
+    assert set(load_safetensors(path)) == set(TOPK_PARTS)
 
 
 @pytest.mark.parametrize(
@@ -314,8 +373,8 @@ def test_a_file_claiming_more_than_it_holds_is_refused(tmp_path, damage, words):
     elif damage == "claim more data":  # one part's offsets span more bytes than its shape holds
         _rewrite_header(
             path,
-            lambda h: h["w" + TOPK_SCALE]["data_offsets"].__setitem__(
-                1, h["w" + TOPK_SCALE]["data_offsets"][1] + 4096
+            lambda h: h[TOPK_SCALE]["data_offsets"].__setitem__(
+                1, h[TOPK_SCALE]["data_offsets"][1] + 4096
             ),
         )
     elif damage == "length field":
