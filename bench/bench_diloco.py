@@ -489,14 +489,14 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
     show_table(lambda: _encodings_table(rows), args.save, heading)
 
 
-# the fragments table's encodings: exact deltas, and the best of the encodings table under 1/32 of
-# float32's bytes
-# the fragments table's encodings, by --fragment-encodings name: float32, the best encoding that
-# costs no loss in the encodings table (int8 + feedback) and the best that sends under 1/32
+# the fragments table's encodings, by --fragment-encodings name: float32, the best dense encoding
+# that costs no loss in the encodings table (int8 + feedback), top-k 3% (the sparsest that stays
+# near float32) and top-k 8% in chunks of 256 (under 1/32 of float32's bytes, at no loss there)
 FRAGMENTS_ENCODINGS = {
     "float32": ("float32", None, 1.0),
     "int8": ("int8", None, 1.0),
     "topk": ("topk", (0.03, 2), 0.9),
+    "topk8": ("topk", (0.08, 2, 256), 0.9),
 }
 
 
@@ -1181,7 +1181,7 @@ def main(argv=None) -> None:
         "--fragment-encodings",
         default="float32,topk",
         help="--fragments: the encodings compared, some of float32, int8 (+ feedback), topk (3%% "
-        "2-bit + feedback 0.9)",
+        "2-bit + feedback 0.9), topk8 (8%% 2-bit in chunks of 256 + feedback 0.9)",
     )
     parser.add_argument(
         "--mixing",

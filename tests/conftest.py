@@ -16,6 +16,14 @@ TESTS = Path(__file__).resolve().parent
 AREAS = sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
 sys.path[:0] = [str(p) for p in [TESTS, *AREAS] if str(p) not in sys.path]
 
+# One thread of PyTorch per process (tools/test_all.sh exports it too, for nbdev_test and the
+# kernels the browser tests start). Three pytest workers on two cores, each with PyTorch's default
+# two threads, spend most of their CPU spinning: two such processes training at once used 3.3 times
+# the CPU of two single-threaded ones, three used 6 to 7 times (the same loop, measured here).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # a plugin imported it before this file: its thread pool is sized
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def v2_fixtures_dir() -> tuple[Path | None, str]:
     """The files 2.0.0 wrote (`shared/fixtures/v2.0`) and, when they are missing, why: the folder

@@ -12,7 +12,10 @@ set -euo pipefail
 only_skipped=""; [ "${1:-}" = "--skipped" ] && only_skipped=$(realpath "$2")
 cd "$(dirname "$0")/.."
 [ -d .venv/bin ] && export PATH="$PWD/.venv/bin:$PATH"
-export PYTHONHASHSEED=0 MPLBACKEND=Agg
+# one PyTorch thread per process: the workers, nbdev_test and the commands they start run side by
+# side on two cores, where PyTorch's default of a thread per core makes every process spin waiting
+# for its other thread (tests/conftest.py has the measurement)
+export PYTHONHASHSEED=0 MPLBACKEND=Agg OMP_NUM_THREADS=1
 
 # What did not run, from pytest's junit file: one line per skip reason with its count and the way
 # to run them.
