@@ -420,7 +420,6 @@ ENCODING_ROWS = [
     ("topk", (0.01, 2), 1.0),
     ("topk", (0.03, 2), 0.9),  # SparseLoCo's fading accumulator (distributed.feedback_decay)
     ("topk", (0.01, 2), 0.9),
-    ("topk", (0.08, 2, 256), 0.9),  # denser, in chunks of 256: one-byte offsets
 ]
 
 
@@ -447,8 +446,7 @@ def encoding_rows(text: str) -> list[tuple[str, tuple[float, int] | None, float 
 def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
     """The encodings table: per seed the synchronous baseline, then lockstep DiLoCo with each
     row's delta encoding (`ENCODING_ROWS`, or `--encoding-rows`); then, without `--encoding-rows`,
-    Muon as the inner optimizer, in float32 and in top-k 8% (chunks of 256) with feedback fading
-    by 0.9."""
+    Muon as the inner optimizer, in float32 and in top-k 3% with feedback fading by 0.9."""
     rows: dict[str, list[dict]] = {}
     chosen = encoding_rows(args.encoding_rows) if args.encoding_rows else ENCODING_ROWS
     for seed in seeds:
@@ -473,7 +471,7 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
                     train,
                     held,
                     encoding="topk",
-                    topk=(0.08, 2, 256),
+                    topk=(0.03, 2),
                     optimizer="muon",
                     decay=0.9,
                 )
