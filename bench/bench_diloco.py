@@ -445,19 +445,23 @@ def encoding_rows(text: str) -> list[tuple[str, tuple[float, int] | None, float 
 
 def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -> None:
     """The encodings table: per seed the synchronous baseline, then lockstep DiLoCo with each
-    row's delta encoding (`ENCODING_ROWS`, or `--encoding-rows`); then, without `--encoding-rows`,
-    Muon as the inner optimizer, in float32 and in top-k 3% with feedback fading by 0.9."""
+    row's delta encoding (`ENCODING_ROWS`, or `--encoding-rows`) and `--inner-optimizer`; then,
+    without `--encoding-rows`, Muon as the inner optimizer, in float32 and in top-k 3% with
+    feedback fading by 0.9."""
     rows: dict[str, list[dict]] = {}
     chosen = encoding_rows(args.encoding_rows) if args.encoding_rows else ENCODING_ROWS
+    inner = args.inner_optimizer
     for seed in seeds:
         args.seed, here = seed, work / f"seed{seed}"
         base = run_baseline(args, here, train, held)
         runs = [
-            run_lockstep(args, here / f"enc{i}", train, held, encoding=e, topk=k, decay=f)
+            run_lockstep(
+                args, here / f"enc{i}", train, held, encoding=e, topk=k, decay=f, optimizer=inner
+            )
             for i, (e, k, f) in enumerate(chosen)
         ]
-        exact = {"adamw": runs[0]["loss"]}  # each optimizer's float32 run
-        if not args.encoding_rows:
+        exact = {inner: runs[0]["loss"]}  # each optimizer's float32 run
+        if not args.encoding_rows and inner == "adamw":
             runs.append(
                 run_lockstep(
                     args, here / "muon32", train, held, encoding="float32", optimizer="muon"
@@ -477,12 +481,13 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
                 )
             )
         for r in [base] + runs:
-            own = exact["muon" if "muon" in r["name"] else "adamw"]
+            own = exact["muon"] if "muon" in r["name"] else exact.get("adamw", exact[inner])
             rows.setdefault(r["name"], []).append(
                 {**r, "ratio": r["loss"] / base["loss"], "vs_f32": r["loss"] / own}
             )
             print(f"  seed {seed}: {r['name']} held-out {r['loss']:.4f}", flush=True)
     flags = "--encodings" + (f" --encoding-rows {args.encoding_rows}" if args.encoding_rows else "")
+    flags += f" --inner-optimizer {inner}" if inner != "adamw" else ""
     heading = lockstep_heading(args, seeds, flags, f"--width {args.width}")
     show_table(lambda: _encodings_table(rows), args.save, heading)
 
@@ -656,7 +661,8 @@ def spread(runs: list[dict], key: str = "ratio") -> str:
 
 
 def _encodings_table(rows: dict[str, list[dict]]) -> None:
-    float32 = rows[next(n for n in rows if "float32, adamw" in n)][0]["delta_kb"]
+    # the first float32 row (AdamW's, or the only inner optimizer's)
+    float32 = rows[next(n for n in rows if n.startswith("lockstep float32,"))][0]["delta_kb"]
     has_bytes = lambda runs: "delta_kb" in runs[0]
     columns = [
         ("delta kB", 8, mean_cell("delta_kb", "8.1f", shown=has_bytes)),
@@ -1166,6 +1172,13 @@ def main(argv=None) -> None:
         default=None,
         help="--encodings: only these rows, e.g. float32,int8+feedback,topk:0.06:2:0.9 "
         "(topk:DENSITY:BITS[:FEEDBACK_DECAY[:CHUNK]]; float32 first; no Muon rows)",
+    )
+    parser.add_argument(
+        "--inner-optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="--encodings: the nodes' inner optimizer for the encodings' rows (muon: no extra "
+        "Muon rows)",
     )
     parser.add_argument(
         "--fragments",

@@ -199,21 +199,26 @@ def test_bench_sim_diloco_prints_the_budget_its_verdict_and_the_hourly_table():
 
 
 def test_bench_diloco_encoding_rows_runs_only_the_rows_named(tmp_path):
-    """--encodings --encoding-rows: only the rows named (a top-k row with its chunk size), no Muon
-    rows, under the command that made them; a row that names no encoding is one line, exit 2."""
+    """--encodings --encoding-rows --inner-optimizer muon: only the rows named (a top-k row with its
+    chunk size), each with Muon inside, no other rows, under the command that made them; a row that
+    names no encoding is one line, exit 2."""
     save = tmp_path / "rows.txt"
     argv = "--encodings --seeds 1 --steps 20 --inner-steps 10 --nodes 2".split()
     rows = "float32,topk:0.08:2:0.9:256"
-    res = run_bench("bench_diloco.py", *argv, "--encoding-rows", rows, "--save", str(save))
+    res = run_bench(
+        "bench_diloco.py", *argv, "--encoding-rows", rows, "--inner-optimizer", "muon",
+        "--save", str(save),
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     found = re.findall(r"^lockstep (.+?), (adamw|muon) inner +([\d.]+) ", res.stdout, re.M)
     assert [(name, inner) for name, inner, _ in found] == [
-        ("float32", "adamw"),
-        ("topk 8% 2-bit chunk 256 + feedback 0.9", "adamw"),
+        ("float32", "muon"),
+        ("topk 8% 2-bit chunk 256 + feedback 0.9", "muon"),
     ], res.stdout
     assert float(found[1][2]) < float(found[0][2]) / 4, found  # a sparse delta is smaller
     assert save.read_text().startswith(
-        f"python bench/bench_diloco.py --encodings --encoding-rows {rows} --seeds 1 "
+        f"python bench/bench_diloco.py --encodings --encoding-rows {rows} --inner-optimizer muon "
+        "--seeds 1 "
     ), save.read_text()[:300]
     for bad in ("int4", "topk:0.03:2,float32"):
         refused = run_bench("bench_diloco.py", *argv, "--encoding-rows", bad)
