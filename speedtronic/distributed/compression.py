@@ -22,6 +22,7 @@ from speedtronic.distributed.tensors import (
     decode_dense_wire,
     encode_delta,
     fragment_shapes,
+    keys_differ,
     load_safetensors,
     read_safetensors_header,
     tensor_aliases,
@@ -331,8 +332,7 @@ def topk_header_fits(
         raise DeltaRejected(
             "keys",
             f"{where}: header topk_shapes names other tensors than the model's floating ones "
-            f"(missing {sorted(set(shapes) - set(declared))[:3]}, "
-            f"unexpected {sorted(set(declared) - set(shapes))[:3]})",
+            f"({keys_differ(shapes, declared)})",
         )
     if (k := next((k for k in shapes if declared[k] != tuple(shapes[k])), None)) is not None:
         raise DeltaRejected(
@@ -379,9 +379,7 @@ def check_topk_parts(
     if set(parts) != set(want):
         raise DeltaRejected(
             "keys",
-            f"{where}: a top-k delta holds {', '.join(TOPK_PARTS)} (missing "
-            f"{sorted(set(want) - set(parts))[:3]}, "
-            f"unexpected {sorted(set(parts) - set(want))[:3]})",
+            f"{where}: a top-k delta holds {', '.join(TOPK_PARTS)} ({keys_differ(want, parts)})",
         )
     for name, (dtype, shape) in want.items():
         got, got_shape = parts[name][0], tuple(parts[name][1])

@@ -25,10 +25,10 @@ __all__ = ['TENSOR_ALIASES', 'MAX_HEADER_BYTES', 'GLOBAL_MODEL_PATH', 'GLOBAL_ME
            'read_safetensors_header', 'tensor_layout', 'save_safetensors', 'safetensors_bytes', 'load_safetensors',
            'load_delta', 'read_metadata', 'metadata_json', 'delta_path', 'parse_delta_path', 'GlobalMetadata',
            'utc_now', 'step_count_text', 'parse_step_count', 'compute_pseudo_gradient', 'encode_delta', 'decode_delta',
-           'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'check_delta_wire', 'decode_dense_wire',
-           'check_delta', 'declared_layout', 'read_delta_header', 'average_deltas', 'delta_norm', 'layer_of',
-           'layer_norms', 'fragment_plan', 'fragment_due', 'fragment_shapes', 'fragment_versions', 'changed_keys',
-           'changed_at', 'state_misfit']
+           'wire_bytes', 'delta_header', 'DeltaRejected', 'CheckedDelta', 'keys_differ', 'check_delta_wire',
+           'decode_dense_wire', 'check_delta', 'declared_layout', 'read_delta_header', 'average_deltas', 'delta_norm',
+           'layer_of', 'layer_norms', 'fragment_plan', 'fragment_due', 'fragment_shapes', 'fragment_versions',
+           'changed_keys', 'changed_at', 'state_misfit']
 
 # %% ../../nbs/diloco/02_distributed_tensors.ipynb #5148b17d
 def cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -497,6 +497,12 @@ def _int8_rows(shape: tuple[int, ...]) -> int:
     return (shape[0] if shape else 1) if math.prod(shape) else 1
 
 
+def keys_differ(want: Iterable[str], got: Iterable[str]) -> str:
+    "`missing [...], unexpected [...]`: the first three names of each, for a one-line refusal."
+    want, got = set(want), set(got)
+    return f"missing {sorted(want - got)[:3]}, unexpected {sorted(got - want)[:3]}"
+
+
 def check_delta_wire(
     path: str,
     tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -509,8 +515,8 @@ def check_delta_wire(
     if keys != set(shapes):
         raise DeltaRejected(
             "keys",
-            f"{path}: keys differ from the global model's floating tensors (missing "
-            f"{sorted(set(shapes) - keys)[:3]}, unexpected {sorted(keys - set(shapes))[:3]})",
+            f"{path}: keys differ from the global model's floating tensors "
+            f"({keys_differ(shapes, keys)})",
         )
     encoding = header.get("encoding")
     if encoding is not None and encoding not in WIRE_ENCODINGS:
