@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import run_cli
 
 from speedtronic.data import DataError, build_dataloader, infinite_batches
 
@@ -43,11 +44,8 @@ def train(tmp_path: Path, *extra: str, **data) -> subprocess.CompletedProcess:
     raw["data"].update(data)
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(raw))
-    return run_py(
-        "import sys; from speedtronic.cli import main; "
-        f"sys.exit(main({['train', '--config', str(cfg), '--device', 'cpu', *extra]!r}))",
-        tmp_path,
-    )
+    # `python -m speedtronic`: the warm interpreter forks it (conftest.run_cli)
+    return run_cli("train", "--config", str(cfg), "--device", "cpu", *extra, cwd=tmp_path)
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *needles: str) -> str:

@@ -264,7 +264,7 @@ def test_bench_diloco_encodings_prints_and_saves_one_row_per_encoding(tmp_path):
 
 
 def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_path):
-    """bench/bench_diloco.py --fragments, 2 nodes x 40 steps of a 4-layer model: a row per fragment
+    """bench/bench_diloco.py --fragments, 2 nodes x 24 steps of a 4-layer model: a row per fragment
     count and encoding (float32, top-k; each row named from what its run did) after the baseline's,
     and rows for whole deltas and four fragments with mixing 0.5, and four fragments with mixing
     whose globals arrive 2 steps late (--delay), each with its uploads' bytes; four fragments upload
@@ -272,7 +272,7 @@ def test_bench_diloco_fragments_prints_the_peak_upload_per_fragment_count(tmp_pa
     command."""
     save = tmp_path / "fragments.txt"
     argv = (
-        "--fragments --seeds 1 --steps 40 --inner-steps 20 --nodes 2 --layers 4 --delay 2".split()
+        "--fragments --seeds 1 --steps 24 --inner-steps 12 --nodes 2 --layers 4 --delay 2".split()
     )
     res = run_bench("bench_diloco.py", *argv, "--save", str(save), timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
