@@ -629,7 +629,8 @@ def runs_table(rows: dict[str, list[dict]], name_width: int, columns: list, note
     """Print `rows` (a row name -> its runs) as a table: a line per row, the row's name then each
     column's cell, then `note`. A column is `(title, width, cell)`; `cell(mean, runs)` gives its
     text, or None for a blank (a row without that number); `mean(key)` is the mean of `key` over
-    the row's runs."""
+    the row's runs. The name column is `name_width` wide, or as wide as the longest name."""
+    name_width = max([name_width, *map(len, rows)])
     print()
     print(
         " ".join([f"{'run':{name_width}s}", *(f"{title:>{width}s}" for title, width, _ in columns)])
