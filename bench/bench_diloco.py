@@ -481,7 +481,9 @@ def run_encodings(args, work: Path, train: Path, held: Path, seeds: list[int]) -
                 )
             )
         for r in [base] + runs:
-            own = exact["muon"] if "muon" in r["name"] else exact.get("adamw", exact[inner])
+            # a Muon row against Muon's float32 run; any other row (the baseline too) against
+            # the float32 run of --inner-optimizer
+            own = exact["muon" if "muon" in r["name"] else inner]
             rows.setdefault(r["name"], []).append(
                 {**r, "ratio": r["loss"] / base["loss"], "vs_f32": r["loss"] / own}
             )
